@@ -1,0 +1,24 @@
+"""Errors the engine raises; the router maps them to gRPC status codes in one place."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request's field is invalid; ``field`` names it for the API edge."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class ModelLoadError(EngineError):
+    """A checkpoint cannot be loaded (missing file, unsupported architecture, bad config)."""
+
+
+class UnknownRequestError(EngineError, KeyError):
+    """A request id the engine does not hold."""

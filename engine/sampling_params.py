@@ -1,0 +1,66 @@
+"""Per-request sampling parameters, validated where they enter the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How one request picks its next tokens and when it stops.
+
+    temperature 0 means greedy. top_k 0 (or -1) disables top-k; top_p 1 and min_p 0
+    disable those filters. ``seed`` makes a sampled request reproducible on its own,
+    whatever else shares its batch. ``logprobs`` asks for the log-probability of each
+    sampled token plus the top-``logprobs`` alternatives (0 = sampled token only,
+    None = none).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    MAX_LOGPROBS = 20
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_finite_number(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise InvalidRequestError("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not _is_finite_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_finite_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not _is_finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty!r}"
+            )
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidRequestError("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
+        ):
+            raise InvalidRequestError("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+        for token_id in self.stop_token_ids:
+            if not isinstance(token_id, int) or token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                raise InvalidRequestError("stop_token_ids", f"contains {token_id!r}, not a token id of this model")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
