@@ -59,7 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature == 0.0
 
 
 def _is_finite_number(value: object) -> bool:

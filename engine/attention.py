@@ -1,0 +1,142 @@
+"""Paged attention over a packed batch: decode tokens first, then prefill chunks.
+
+Every step packs its tokens without padding. Single-token entries (decodes, and prompt
+chunks of one token) are attended together in one batched call over their block tables;
+each multi-token chunk is attended on its own, against the blocks already cached for its
+sequence plus its own tokens, causally. New keys and values are written into the cache
+before attention reads it, so a chunk sees itself and everything before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class ChunkSpan:
+    """One multi-token chunk of a sequence in the packed batch."""
+
+    token_start: int
+    token_end: int
+    context_len: int  # tokens of this sequence already in the cache before the chunk
+    block_ids: torch.Tensor  # blocks covering context + chunk
+    mask: torch.Tensor | None  # [chunk, context + chunk] bool, None when causal from zero
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a step's tokens write their KV and what each of them attends to."""
+
+    slot_blocks: torch.Tensor  # [num_tokens] block id of each new token's KV
+    slot_offsets: torch.Tensor  # [num_tokens] offset inside that block
+    num_single: int = 0  # tokens [0, num_single) each belong to a different sequence
+    single_block_tables: torch.Tensor | None = None  # [num_single, max_blocks]
+    single_mask: torch.Tensor | None = None  # [num_single, 1, 1, max_blocks * block_size]
+    chunks: list[ChunkSpan] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SeqSlice:
+    """A sequence's part of a step, as the model runner describes it."""
+
+    block_table: list[int]
+    context_len: int
+    num_tokens: int
+
+
+def build_metadata(slices: list[SeqSlice], block_size: int, device: str) -> AttentionMetadata:
+    """Pack per-sequence slices (single-token ones first) into one step's metadata."""
+    slot_blocks: list[int] = []
+    slot_offsets: list[int] = []
+    single_tables: list[list[int]] = []
+    single_lens: list[int] = []
+    chunks: list[ChunkSpan] = []
+    token_cursor = 0
+    for seq in slices:
+        for pos in range(seq.context_len, seq.context_len + seq.num_tokens):
+            slot_blocks.append(seq.block_table[pos // block_size])
+            slot_offsets.append(pos % block_size)
+        total = seq.context_len + seq.num_tokens
+        num_blocks = -(-total // block_size)
+        if seq.num_tokens == 1:
+            assert not chunks, "single-token slices must come before multi-token chunks"
+            single_tables.append(seq.block_table[:num_blocks])
+            single_lens.append(total)
+        else:
+            mask = None
+            if seq.context_len > 0:
+                query_pos = torch.arange(seq.context_len, total, device=device).unsqueeze(1)
+                key_pos = torch.arange(total, device=device).unsqueeze(0)
+                mask = key_pos <= query_pos
+            chunks.append(
+                ChunkSpan(
+                    token_start=token_cursor,
+                    token_end=token_cursor + seq.num_tokens,
+                    context_len=seq.context_len,
+                    block_ids=torch.tensor(seq.block_table[:num_blocks], dtype=torch.long, device=device),
+                    mask=mask,
+                )
+            )
+        token_cursor += seq.num_tokens
+    meta = AttentionMetadata(
+        slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=device),
+        slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
+        num_single=len(single_tables),
+        chunks=chunks,
+    )
+    if single_tables:
+        width = max(len(t) for t in single_tables)
+        # Padding points at the sequence's own first block; the mask hides it.
+        padded = [t + [t[0]] * (width - len(t)) for t in single_tables]
+        meta.single_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        lens = torch.tensor(single_lens, device=device)
+        key_pos = torch.arange(width * block_size, device=device)
+        meta.single_mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(single_tables), 1, 1, -1)
+    return meta
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write k/v into the cache, then attend. q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+    key_cache[meta.slot_blocks, meta.slot_offsets] = k
+    value_cache[meta.slot_blocks, meta.slot_offsets] = v
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if meta.num_single:
+        n = meta.num_single
+        # [n, max_blocks, block_size, KVH, D] -> [n, KVH, max_len, D]
+        keys = key_cache[meta.single_block_tables].flatten(1, 2).transpose(1, 2)
+        values = value_cache[meta.single_block_tables].flatten(1, 2).transpose(1, 2)
+        queries = q[:n].view(n, num_kv_heads, group, head_dim)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.single_mask)
+        out[:n] = attended.reshape(n, num_heads, head_dim)
+    for chunk in meta.chunks:
+        queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
+        if chunk.mask is None:
+            keys = k[chunk.token_start : chunk.token_end].transpose(0, 1)
+            values = v[chunk.token_start : chunk.token_end].transpose(0, 1)
+        else:
+            total = chunk.mask.shape[1]
+            keys = key_cache[chunk.block_ids].flatten(0, 1)[:total].transpose(0, 1)
+            values = value_cache[chunk.block_ids].flatten(0, 1)[:total].transpose(0, 1)
+        attended = F.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            enable_gqa=group > 1,
+        )
+        out[chunk.token_start : chunk.token_end] = attended.transpose(0, 1)
+    return out

@@ -1,0 +1,189 @@
+"""Model and engine configuration: what a checkpoint says, and how the engine runs it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(slots=True)
+class RopeConfig:
+    """Rotary embedding parameters; ``scaling_type`` is default, linear or llama3."""
+
+    theta: float = 10000.0
+    scaling_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The parts of a Hugging Face ``config.json`` the engine's model code needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    checkpoint_dtype: torch.dtype
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> "ModelConfig":
+        config_path = Path(model_dir) / "config.json"
+        if not config_path.is_file():
+            raise ModelLoadError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+        try:
+            raw = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from exc
+        return cls.from_dict(raw, source=str(config_path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
+        architectures = raw.get("architectures") or []
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"{source}: architecture {architectures or '(none)'} is not supported; "
+                f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(raw["hidden_size"])
+            num_heads = int(raw["num_attention_heads"])
+            head_dim = raw.get("head_dim") or hidden // num_heads
+            sliding = raw.get("sliding_window")
+            if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+                sliding = None
+            dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(head_dim),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope=_parse_rope(raw, source),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                checkpoint_dtype=DTYPES.get(str(dtype_name), torch.float32),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=_as_id_list(raw.get("eos_token_id")),
+                sliding_window=int(sliding) if sliding else None,
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from exc
+
+    def compat_fields(self) -> dict[str, object]:
+        """Everything two workers must agree on for their KV caches to be interchangeable."""
+        return {
+            "architecture": self.architecture,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+        }
+
+
+def _parse_rope(raw: dict, source: str) -> RopeConfig:
+    # transformers 5 writes "rope_parameters" (theta inside); 4.x wrote rope_theta + rope_scaling.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ModelLoadError(f"{source}: rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
+    return RopeConfig(
+        theta=theta,
+        scaling_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _as_id_list(value: object) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """How an engine instance runs a model.
+
+    ``max_num_batched_tokens`` is the per-step token budget shared by decode tokens and
+    prefill chunks; ``long_prefill_chunk`` caps how many tokens of one prompt a single step
+    may take (None: as many as the budget allows). KV size comes from ``num_kv_blocks`` if
+    given, else from ``kv_cache_bytes``.
+    """
+
+    dtype: str | None = None  # None: the checkpoint's dtype
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    max_num_batched_tokens: int = 512
+    long_prefill_chunk: int | None = None
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_threads: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_chunk is not None and self.long_prefill_chunk < 1:
+            raise ValueError(f"long_prefill_chunk: must be >= 1, got {self.long_prefill_chunk}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")

@@ -1,0 +1,75 @@
+"""The paged KV cache: one tensor per engine, block-major so a block is one run of bytes.
+
+Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: everything a
+block holds, for every layer, keys then values, sits in ``bytes_per_block`` consecutive
+bytes. The transfer layer moves whole blocks with one descriptor per run of adjacent block
+ids; attention reads one layer's keys or values through a strided view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+
+LAYOUT_NAME = "block_major_v1"
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    """What another process needs to address this cache's blocks."""
+
+    base_address: int
+    bytes_per_block: int
+    num_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+    layout: str = LAYOUT_NAME
+
+
+class KVCache:
+    """Owns the KV tensor and its per-layer key/value views."""
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype):
+        self.block_size = engine_config.block_size
+        self.num_layers = model_config.num_layers
+        self.dtype = dtype
+        self.block_shape = (
+            model_config.num_layers,
+            2,
+            engine_config.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
+        self.bytes_per_block = _numel(self.block_shape) * torch.empty((), dtype=dtype).element_size()
+        if engine_config.num_kv_blocks is not None:
+            self.num_blocks = engine_config.num_kv_blocks
+        else:
+            self.num_blocks = max(1, engine_config.kv_cache_bytes // self.bytes_per_block)
+        self.tensor = torch.zeros((self.num_blocks, *self.block_shape), dtype=dtype, device=engine_config.device)
+        # Views [num_blocks, block_size, kv_heads, head_dim] per layer; no copies.
+        self.key_views = [self.tensor[:, layer, 0] for layer in range(self.num_layers)]
+        self.value_views = [self.tensor[:, layer, 1] for layer in range(self.num_layers)]
+
+    def layout(self) -> KVLayout:
+        return KVLayout(
+            base_address=self.tensor.data_ptr(),
+            bytes_per_block=self.bytes_per_block,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            device=str(self.tensor.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total

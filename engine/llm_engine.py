@@ -1,0 +1,197 @@
+"""The in-process engine: add requests, call ``step()``, read each request's new tokens.
+
+A request's life: ``add_request`` validates it and queues it in the scheduler; every
+``step()`` schedules a packed batch (decode tokens plus prefill chunks under the token
+budget), runs it through the model, samples the sequences whose prompts are complete and
+returns one ``RequestOutput`` per sequence that got a token or finished. ``abort_request``
+frees the request's blocks immediately.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.block_allocator import BlockAllocator
+from engine.config import EngineConfig
+from engine.default_model_path import DEFAULT_MODEL_PATH
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCache
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.sequence import FinishReason, Sequence, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request, as ``generate`` returns it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob]
+
+
+class LLMEngine:
+    def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None, scheduler_cls=Scheduler):
+        self.config = config or EngineConfig()
+        self.config.validate()
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        self.model_path = Path(model_path) if model_path is not None else DEFAULT_MODEL_PATH
+        loaded = load_model(self.model_path, dtype=self.config.dtype, device=self.config.device)
+        self.model_config = loaded.config
+        self.dtype = loaded.dtype
+        self.eos_token_ids = loaded.eos_token_ids
+        self.max_model_len = self._max_model_len()
+        self.kv_cache = KVCache(loaded.config, self.config, loaded.dtype)
+        self.allocator = BlockAllocator(self.kv_cache.num_blocks)
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device)
+        self.sampler = Sampler(self.config.seed, self.config.device)
+        self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids)
+        logger.info(
+            "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+            self.model_config.architecture,
+            self.kv_cache.num_blocks,
+            self.kv_cache.block_size,
+            self.kv_cache.num_blocks * self.kv_cache.bytes_per_block / 2**20,
+            self.max_model_len,
+        )
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window is not None and self.model_config.sliding_window < limit:
+            # Beyond the window the model attends differently; never go there.
+            logger.warning("max_model_len capped to the sliding window, %d", self.model_config.sliding_window)
+            limit = self.model_config.sliding_window
+        if self.config.max_model_len is not None:
+            limit = min(limit, self.config.max_model_len)
+        return limit
+
+    # -- requests ---------------------------------------------------------------------
+
+    def make_sequence(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> Sequence:
+        """Validate a request against this model and build its sequence (not yet queued)."""
+        if req_id in self.scheduler.requests:
+            raise InvalidRequestError("request_id", f"{req_id!r} is already running")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt_token_ids", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(prompt_token_ids)} tokens leave no room to generate within the model's context of "
+                f"{self.max_model_len} tokens",
+            )
+        params.validate(vocab)
+        most_tokens = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        if self.kv_cache.blocks_needed(most_tokens) > self.kv_cache.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt plus max_tokens needs {self.kv_cache.blocks_needed(most_tokens)} KV blocks, "
+                f"the cache has {self.kv_cache.num_blocks}",
+            )
+        return Sequence(
+            req_id=req_id,
+            token_ids=list(prompt_token_ids),
+            num_prompt_tokens=len(prompt_token_ids),
+            params=params,
+            priority=priority,
+            generator=Sampler.make_generator(params.seed, self.config.device),
+        )
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, priority: int = 0) -> Sequence:
+        seq = self.make_sequence(req_id, prompt_token_ids, params or SamplingParams(), priority)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, req_id: str) -> bool:
+        """Stop a request and free its blocks now; False if it was not here."""
+        if req_id not in self.scheduler.requests:
+            return False
+        self.scheduler.abort(req_id)
+        logger.info("req %s: aborted", req_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    # -- stepping ---------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.slices:
+            return []
+        return self.run_batch(batch)
+
+    def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Forward, sample and advance one scheduled batch."""
+        logits = self.runner.execute(batch)
+        completing = [piece.seq for piece in batch.slices if piece.completes_sequence]
+        samples = self.sampler.sample(logits, completing) if completing else []
+        outputs = []
+        for seq, new_tokens in self.scheduler.update(batch, samples):
+            outputs.append(
+                RequestOutput(
+                    req_id=seq.req_id,
+                    new_token_ids=new_tokens,
+                    new_logprobs=seq.output_logprobs[-len(new_tokens) :] if seq.params.logprobs is not None else [],
+                    finished=seq.is_finished,
+                    finish_reason=seq.finish_reason,
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_output_tokens=seq.num_output_tokens,
+                )
+            )
+        return outputs
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion together; results in prompt order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        seqs = [
+            self.add_request(f"generate-{id(self)}-{i}", prompt, SamplingParams(**_fields(p)))
+            for i, (prompt, p) in enumerate(zip(prompts, params_list))
+        ]
+        while self.has_unfinished_requests():
+            self.step()
+        return [
+            Completion(s.req_id, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.finish_reason, s.output_logprobs)
+            for s in seqs
+        ]
+
+
+def _fields(params: SamplingParams) -> dict:
+    # A private copy per request: callers may share one SamplingParams across prompts.
+    return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}

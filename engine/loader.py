@@ -1,0 +1,161 @@
+"""Load a Hugging Face checkpoint directory into the engine's model.
+
+Reads ``config.json``, single-file or sharded (``model.safetensors.index.json``)
+safetensors weights and ``generation_config.json``. Separate q/k/v and gate/up weights
+are fused into the engine's projections while loading. Every problem names the file or
+tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import DTYPES, ModelConfig
+from engine.errors import ModelLoadError
+from engine.model import CausalLM
+from engine.rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    dtype: torch.dtype
+    eos_token_ids: list[int]
+    model_dir: Path
+
+
+def resolve_dtype(config: ModelConfig, dtype: str | None) -> torch.dtype:
+    if dtype is None:
+        return config.checkpoint_dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "cpu", max_positions: int | None = None) -> LoadedModel:
+    """Build the model for ``model_dir`` and fill it with the checkpoint's weights."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    config = ModelConfig.from_model_dir(model_dir)
+    torch_dtype = resolve_dtype(config, dtype)
+    weights = _read_weights(model_dir)
+    rotary = RotaryEmbedding(
+        config.rope, config.head_dim, max_positions or config.max_position_embeddings, torch_dtype, device
+    )
+    # Built on the meta device and then handed the checkpoint's tensors: no double allocation.
+    with torch.device("meta"):
+        model = CausalLM(config, rotary)
+    state = _engine_state_dict(weights, config, torch_dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.to(device).eval()
+    eos_ids = _generation_eos_ids(model_dir) or config.eos_token_ids
+    logger.info(
+        "loaded %s from %s: %d layers, hidden %d, dtype %s",
+        config.architecture,
+        model_dir,
+        config.num_layers,
+        config.hidden_size,
+        torch_dtype,
+    )
+    return LoadedModel(model=model, config=config, dtype=torch_dtype, eos_token_ids=eos_ids, model_dir=model_dir)
+
+
+def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{model_dir}: no *.safetensors weight file (PyTorch .bin checkpoints are not supported)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = model_dir / name
+        if not path.is_file():
+            raise ModelLoadError(f"{model_dir}: weight file {name} is listed in the index but missing")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    tensors[key] = handle.get_tensor(key)
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
+    return tensors
+
+
+def _engine_state_dict(weights: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def take(name: str) -> torch.Tensor:
+        try:
+            return weights[name].to(dtype)
+        except KeyError:
+            raise ModelLoadError(f"checkpoint has no tensor {name!r}") from None
+
+    state = {
+        "embed_tokens.weight": take("model.embed_tokens.weight"),
+        "norm.weight": take("model.norm.weight"),
+    }
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    else:
+        state["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        attn = src + "self_attn."
+        state[dst + "input_norm.weight"] = take(src + "input_layernorm.weight")
+        state[dst + "post_attention_norm.weight"] = take(src + "post_attention_layernorm.weight")
+        state[dst + "qkv_proj.weight"] = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
+        if config.qkv_bias:
+            state[dst + "qkv_proj.bias"] = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
+        state[dst + "o_proj.weight"] = take(attn + "o_proj.weight")
+        if config.qk_norm:
+            state[dst + "q_norm.weight"] = take(attn + "q_norm.weight")
+            state[dst + "k_norm.weight"] = take(attn + "k_norm.weight")
+        mlp = src + "mlp."
+        state[dst + "gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        state[dst + "down_proj.weight"] = take(mlp + "down_proj.weight")
+    known = _known_checkpoint_names(config)
+    unused = [k for k in weights if k not in known and not k.endswith(_SKIPPED_SUFFIXES)]
+    if unused:
+        logger.warning("checkpoint tensors not used by the engine: %s", ", ".join(sorted(unused)[:8]))
+    return state
+
+
+def _known_checkpoint_names(config: ModelConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(config.num_layers):
+        src = f"model.layers.{i}."
+        names |= {src + "input_layernorm.weight", src + "post_attention_layernorm.weight"}
+        names |= {src + f"self_attn.{p}_proj.weight" for p in "qkvo"}
+        names |= {src + f"self_attn.{p}_proj.bias" for p in "qkv"}
+        names |= {src + "self_attn.q_norm.weight", src + "self_attn.k_norm.weight"}
+        names |= {src + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    return names
+
+
+def _generation_eos_ids(model_dir: Path) -> list[int]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError:
+        logger.warning("%s is not valid JSON; using config.json's eos_token_id", path)
+        return []
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]

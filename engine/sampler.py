@@ -1,0 +1,106 @@
+"""Pick each sequence's next token from its logits, as its SamplingParams say.
+
+Order of operations (the same as transformers' logits processors): repetition penalty,
+then temperature, then top-k, top-p and min-p filters, then one draw from the sequence's
+own generator. Greedy rows take the argmax after the penalty. Reported log-probabilities
+are those of the model's raw distribution, before any of these transforms.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import Sequence, TokenLogprob
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: str = "cpu") -> None:
+        # Requests without a seed of their own draw from this engine-wide generator.
+        self.default_generator = torch.Generator(device=device)
+        self.default_generator.manual_seed(seed)
+
+    @staticmethod
+    def make_generator(seed: int | None, device: str = "cpu") -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        return generator
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        """Next token (and its log-probabilities if asked) for each row of ``logits``."""
+        raw_logits = logits
+        logits = self._apply_repetition_penalty(logits, seqs)
+        greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
+        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        token_ids = [0] * len(seqs)
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows)
+            for row, token in zip(greedy_rows, logits[rows].argmax(dim=-1).tolist()):
+                token_ids[row] = token
+        if sampled_rows:
+            for row, token in zip(sampled_rows, self._draw(logits, seqs, sampled_rows)):
+                token_ids[row] = token
+        logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if logprob_rows:
+            rows = torch.tensor(logprob_rows)
+            log_probs = torch.log_softmax(raw_logits[rows], dim=-1)
+            for local, row in enumerate(logprob_rows):
+                logprobs[row] = _token_logprob(log_probs[local], token_ids[row], seqs[row].params.logprobs)
+        return list(zip(token_ids, logprobs))
+
+    def _apply_repetition_penalty(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        penalised = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+        if not penalised:
+            return logits
+        logits = logits.clone()
+        for row in penalised:
+            seen = torch.tensor(sorted(set(seqs[row].token_ids)), dtype=torch.long)
+            penalty = seqs[row].params.repetition_penalty
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
+        return logits
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[int]:
+        params = [seqs[r].params for r in rows]
+        scaled = logits[torch.tensor(rows)] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        needs_filter = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+        if needs_filter:
+            scaled, order = scaled.sort(dim=-1, descending=True)
+            scaled = _filter_sorted(scaled, params)
+        probs = torch.softmax(scaled, dim=-1)
+        tokens: list[int] = []
+        for local, row in enumerate(rows):
+            generator = seqs[row].generator or self.default_generator
+            choice = int(torch.multinomial(probs[local], 1, generator=generator))
+            tokens.append(int(order[local, choice]) if needs_filter else choice)
+        return tokens
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, params: list) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p remove, on logits sorted descending."""
+    vocab = sorted_logits.shape[-1]
+    ranks = torch.arange(vocab).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+    removed = ranks >= top_k
+    masked = sorted_logits.masked_fill(removed, float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+    mass_before = probs.cumsum(dim=-1) - probs
+    removed |= mass_before >= top_p
+    min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
+    removed |= probs < min_p * probs[:, :1]
+    removed[:, 0] = False  # the most likely token always survives
+    return sorted_logits.masked_fill(removed, float("-inf"))
+
+
+def _token_logprob(log_probs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    chosen = float(log_probs[token_id])
+    rank = int((log_probs > log_probs[token_id]).sum()) + 1
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        values, ids = log_probs.topk(num_top)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id=token_id, logprob=chosen, rank=rank, top=top)

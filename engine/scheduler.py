@@ -1,0 +1,247 @@
+"""Token-budget scheduling with split-fuse prefill, continuous batching and preemption.
+
+A request's life here: ``add`` puts it in the waiting queue (higher priority first, then
+arrival). Each ``schedule`` call first gives every running sequence that is decoding its
+one token, preempting the least important running sequences (by recompute: their blocks
+are freed and they return to the waiting queue) when the cache cannot hold the new
+tokens. The rest of the token budget goes to prefill work in priority order: chunks of
+partially prefilled prompts and new prompts from the waiting queue, each capped at
+``long_prefill_chunk`` so one long prompt cannot hold the step. After the model ran,
+``update`` advances each sequence, appends sampled tokens, decides who finished and frees
+their blocks. ``abort`` frees a request's blocks at once.
+
+The prefill and decode actors reuse this class with different admission rules by
+overriding ``_prefill_candidates`` and ``_after_token``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from engine.block_allocator import BlockAllocator, chained_block_hashes
+from engine.config import EngineConfig
+from engine.errors import UnknownRequestError
+from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledSlice:
+    """``num_tokens`` of ``seq`` (from its ``num_computed_tokens``) are computed this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    slices: list[ScheduledSlice] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.slices)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and the block allocator of one engine."""
+
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int, eos_token_ids: list[int]):
+        self.config = config
+        self.allocator = allocator
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: list[Sequence] = []  # kept sorted by queue_key
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival_order = next(self._arrivals)
+        self.requests[seq.req_id] = seq
+        self._push_waiting(seq)
+
+    def abort(self, req_id: str) -> Sequence:
+        """Remove a request wherever it is and free its blocks now."""
+        seq = self.requests.get(req_id)
+        if seq is None:
+            raise UnknownRequestError(req_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.queue_key)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        while True:
+            self._fill(batch)
+            if batch.slices or not self.running:
+                break
+            # Every running sequence waits for blocks that only another one holds.
+            self._preempt(self.running[-1], batch)
+        now = time.monotonic()
+        for piece in batch.slices:
+            if piece.seq.first_scheduled_time is None:
+                piece.seq.first_scheduled_time = now
+        # Single-token slices first: the attention kernel batches them together.
+        batch.slices.sort(key=lambda s: s.num_tokens != 1)
+        return batch
+
+    def _fill(self, batch: ScheduledBatch) -> None:
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=Sequence.queue_key)
+        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1 and s.num_computed_tokens >= s.num_prompt_tokens]
+        decoding = decoding[:budget]
+        self._make_room_for(decoding, batch)
+        for seq in decoding:
+            if seq.status is SequenceStatus.RUNNING:
+                self._grow_blocks(seq, 1)
+                batch.slices.append(ScheduledSlice(seq, 1))
+                budget -= 1
+        for seq in self._prefill_candidates(batch):
+            if budget <= 0:
+                break
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if self.config.long_prefill_chunk is not None:
+                num_tokens = min(num_tokens, self.config.long_prefill_chunk)
+            if not self._try_grow_blocks(seq, num_tokens):
+                break  # strict priority: a less important prompt never jumps a blocked one
+            if seq.status is SequenceStatus.WAITING:
+                self._admit(seq)
+            batch.slices.append(ScheduledSlice(seq, num_tokens))
+            budget -= num_tokens
+
+    def _prefill_candidates(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Running prompts still prefilling and waiting prompts, most important first."""
+        scheduled = {id(s.seq) for s in batch.slices}
+        partial = [s for s in self.running if id(s) not in scheduled and s.num_uncomputed_tokens > 0]
+        room = max(self.config.max_num_seqs - len(self.running), 0)
+        return sorted(partial + self.waiting[:room], key=Sequence.queue_key)
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _make_room_for(self, decoding: list[Sequence], batch: ScheduledBatch) -> None:
+        """Preempt the least important running sequences until every decode fits."""
+        while True:
+            needed = sum(self._new_blocks_needed(s, 1) for s in decoding if s.status is SequenceStatus.RUNNING)
+            if needed <= self.allocator.num_free or not self.running:
+                return
+            self._preempt(self.running[-1], batch)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        logger.info("req %s: preempted (recompute), %d blocks freed", seq.req_id, len(seq.block_table))
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted_req_ids.append(seq.req_id)
+        self._push_waiting(seq)
+
+    def _new_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def _try_grow_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        needed = self._new_blocks_needed(seq, num_tokens)
+        if not self.allocator.can_allocate(needed):
+            return False
+        seq.block_table.extend(self.allocator.allocate(needed))
+        return True
+
+    def _grow_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        grown = self._try_grow_blocks(seq, num_tokens)
+        assert grown, "room was made before growing"
+
+    # -- after the forward pass -------------------------------------------------------
+
+    def update(
+        self, batch: ScheduledBatch, samples: list[tuple[int, TokenLogprob | None]]
+    ) -> list[tuple[Sequence, list[int]]]:
+        """Advance every scheduled sequence; return (seq, new tokens) for those that got one."""
+        results: list[tuple[Sequence, list[int]]] = []
+        sample_iter = iter(samples)
+        now = time.monotonic()
+        for piece in batch.slices:
+            seq = piece.seq
+            completes = piece.completes_sequence
+            seq.num_computed_tokens += piece.num_tokens
+            self._record_full_block_hashes(seq)
+            if not completes:
+                continue
+            token_id, logprob = next(sample_iter)
+            seq.token_ids.append(token_id)
+            if logprob is not None:
+                seq.output_logprobs.append(logprob)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._after_token(seq, token_id)
+            results.append((seq, [token_id]))
+        return results
+
+    def _after_token(self, seq: Sequence, token_id: int) -> None:
+        reason = self.stop_reason(seq, token_id)
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)
+
+    def stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        if token_id in seq.params.stop_token_ids:
+            return FinishReason.STOP
+        if not seq.params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.EOS
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _record_full_block_hashes(self, seq: Sequence) -> None:
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= len(seq.block_hashes):
+            return
+        start = len(seq.block_hashes)
+        parent = seq.block_hashes[-1] if seq.block_hashes else b""
+        tokens = seq.token_ids[start * self.block_size : num_full * self.block_size]
+        for offset, block_hash in enumerate(chained_block_hashes(tokens, self.block_size, parent)):
+            seq.block_hashes.append(block_hash)
+            self.allocator.set_hash(seq.block_table[start + offset], block_hash)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+            seq.block_table = []
+        self.requests.pop(seq.req_id, None)

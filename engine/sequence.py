@@ -1,0 +1,88 @@
+"""One request's token state inside an engine: tokens, progress, blocks, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued; nothing of it is computed (or it was preempted)
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved, a peer is writing its KV
+    RUNNING = "running"  # holds blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"  # max_tokens or the model's context reached
+    STOP = "stop"  # a stop token id (stop strings are the router's)
+    EOS = "eos"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of a sampled token and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True, eq=False)  # identity: two requests are never "equal"
+class Sequence:
+    """Prompt plus generated tokens, and how far the KV cache has caught up with them.
+
+    ``token_ids`` holds prompt then output; ``num_computed_tokens`` of them have KV in the
+    cache. A sequence needs a forward pass over ``token_ids[num_computed_tokens:]``; when
+    that reaches the end, the step samples its next token.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_order: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def queue_key(self) -> tuple[int, int]:
+        """Higher priority first, then first come first served."""
+        return (-self.priority, self.arrival_order)
