@@ -1,0 +1,116 @@
+"""Sampling does what its parameters say: seeds, top-k/top-p/min-p, temperature, penalties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.sampler import Sampler
+from engine.sequence import Sequence
+from tests.checkpoints import hf_greedy, random_prompts
+
+DRAWS = 6000
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoints):
+    path, model = checkpoints["llama"]
+    return LLMEngine(path, EngineConfig(num_kv_blocks=128)), model
+
+
+def _sample_many(logits: torch.Tensor, params: SamplingParams, seed: int = 0) -> torch.Tensor:
+    """Token counts from DRAWS independent draws from one logits row."""
+    sampler = Sampler(seed=seed)
+    seqs = [Sequence(req_id=str(i), token_ids=[0], num_prompt_tokens=1, params=params) for i in range(DRAWS)]
+    tokens, _ = zip(*sampler.sample(logits.repeat(DRAWS, 1), seqs))
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).float()
+
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+def _assert_frequencies(counts: torch.Tensor, expected_probs: torch.Tensor) -> None:
+    # Four standard errors per token: a real mismatch is far larger, noise almost never is.
+    freq = counts / counts.sum()
+    tolerance = 4 * torch.sqrt(expected_probs * (1 - expected_probs) / counts.sum()) + 1e-3
+    assert torch.all((freq - expected_probs).abs() <= tolerance), (freq, expected_probs)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_shapes_the_distribution(temperature):
+    counts = _sample_many(LOGITS, SamplingParams(temperature=temperature))
+    _assert_frequencies(counts, torch.softmax(LOGITS / temperature, dim=-1))
+
+
+def test_top_p_keeps_the_smallest_nucleus_and_renormalises():
+    probs = torch.softmax(LOGITS, dim=-1)  # 0.39, 0.24, 0.14, 0.09, ...
+    counts = _sample_many(LOGITS, SamplingParams(temperature=1.0, top_p=0.7))
+    nucleus = torch.zeros_like(probs)
+    nucleus[:3] = probs[:3] / probs[:3].sum()  # 0.39 + 0.24 < 0.7 <= + 0.14
+    assert counts[3:].sum() == 0
+    _assert_frequencies(counts, nucleus)
+
+
+def test_top_k_and_min_p_cut_the_tail():
+    probs = torch.softmax(LOGITS, dim=-1)
+    top2 = _sample_many(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    assert top2[2:].sum() == 0
+    _assert_frequencies(top2, torch.cat([probs[:2] / probs[:2].sum(), torch.zeros(6)]))
+    min_p = _sample_many(LOGITS, SamplingParams(temperature=1.0, min_p=0.3))
+    kept = probs >= 0.3 * probs[0]
+    assert min_p[~kept].sum() == 0 and min_p[kept].min() > 0
+
+
+def test_same_seed_same_output_whatever_shares_the_batch(llama):
+    engine, model = llama
+    prompt, other = random_prompts([12, 30], model.config.vocab_size, seed=2)
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    (alone,) = engine.generate([prompt], params)
+    together = engine.generate([other, prompt, other], [SamplingParams(max_tokens=16, temperature=1.0), params, SamplingParams(max_tokens=9, temperature=0.7)])
+    assert together[1].token_ids == alone.token_ids
+    (other_seed,) = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_top_k_1_equals_greedy(llama):
+    engine, model = llama
+    prompts = random_prompts([7, 25], model.config.vocab_size, seed=8)
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    top1 = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=1.3, top_k=1, ignore_eos=True))
+    assert [g.token_ids for g in greedy] == [t.token_ids for t in top1]
+
+
+def test_repetition_penalty_matches_transformers(llama):
+    engine, model = llama
+    (prompt,) = random_prompts([15], model.config.vocab_size, seed=6)
+    model.generation_config.eos_token_id = None
+    want = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, 15, dtype=torch.long),
+        max_new_tokens=14,
+        do_sample=False,
+        repetition_penalty=1.8,
+        pad_token_id=0,
+    )[0, 15:].tolist()
+    (got,) = engine.generate([prompt], SamplingParams(max_tokens=14, temperature=0.0, repetition_penalty=1.8, ignore_eos=True))
+    assert got.token_ids == want
+    assert want != hf_greedy(model, prompt, 14), "the penalty must change the output for this test to mean anything"
+
+
+def test_logprobs_are_the_models_log_softmax(llama):
+    engine, model = llama
+    (prompt,) = random_prompts([10], model.config.vocab_size, seed=13)
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=3, ignore_eos=True))
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([prompt + out.token_ids])).logits[0].float(), dim=-1)
+    assert len(out.logprobs) == 6
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = full[len(prompt) - 1 + i]
+        assert entry.token_id == token
+        assert math.isclose(entry.logprob, float(row[token]), abs_tol=1e-4)
+        assert entry.rank == int((row > row[token]).sum()) + 1
+        top_ids = row.topk(3).indices.tolist()
+        assert [t for t, _ in entry.top] == top_ids
