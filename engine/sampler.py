@@ -13,6 +13,9 @@ import torch
 from engine.sequence import Sequence, TokenLogprob
 
 
+_SEED_MASK = (1 << 63) - 1
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: str = "cpu") -> None:
         # Requests without a seed of their own draw from this engine-wide generator.
@@ -72,7 +75,12 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)
         tokens: list[int] = []
         for local, row in enumerate(rows):
-            generator = seqs[row].generator or self.default_generator
+            seq = seqs[row]
+            generator = seq.generator or self.default_generator
+            if seq.generator is not None:
+                # Re-seeded per position: the draw for token i depends only on (seed, i), so a
+                # request resumed on another worker (or recomputed) draws exactly the same.
+                generator.manual_seed(hash((seq.params.seed, seq.num_output_tokens)) & _SEED_MASK)
             choice = int(torch.multinomial(probs[local], 1, generator=generator))
             tokens.append(int(order[local, choice]) if needs_filter else choice)
         return tokens
