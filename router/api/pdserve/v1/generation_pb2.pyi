@@ -1,0 +1,241 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+
+class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
+    WORKER_STATE_STARTING: _ClassVar[WorkerState]
+    WORKER_STATE_READY: _ClassVar[WorkerState]
+    WORKER_STATE_DRAINING: _ClassVar[WorkerState]
+    WORKER_STATE_UNHEALTHY: _ClassVar[WorkerState]
+    WORKER_STATE_DEAD: _ClassVar[WorkerState]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_ERROR: FinishReason
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
+WORKER_STATE_UNSPECIFIED: WorkerState
+WORKER_STATE_STARTING: WorkerState
+WORKER_STATE_READY: WorkerState
+WORKER_STATE_DRAINING: WorkerState
+WORKER_STATE_UNHEALTHY: WorkerState
+WORKER_STATE_DEAD: WorkerState
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "sampling", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_text: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "stop_token_ids", "ignore_eos", "logprobs", "stop", "skip_special_tokens")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    skip_special_tokens: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "matched_stop_string", "matched_stop_token_id", "finish_detail", "usage", "timing")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_DETAIL_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    finish_reason: FinishReason
+    matched_stop_string: str
+    matched_stop_token_id: int
+    finish_detail: str
+    usage: Usage
+    timing: Timing
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop_string: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., finish_detail: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "top")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "decode_queue_ms", "time_to_first_token_ms", "decode_ms", "total_ms")
+    ROUTER_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    router_queue_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    kv_transfer_ms: float
+    decode_queue_ms: float
+    time_to_first_token_ms: float
+    decode_ms: float
+    total_ms: float
+    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_queue_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model_name", "architecture", "max_context_len", "vocab_size", "eos_token_ids", "block_size")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    architecture: str
+    max_context_len: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_context_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class GetClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetClusterStatusResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "role", "state", "queue_depth", "num_queued_prefill_tokens", "num_kv_blocks_used", "num_kv_blocks_free", "num_running_seqs", "epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: WorkerRole
+    state: WorkerState
+    queue_depth: int
+    num_queued_prefill_tokens: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    num_running_seqs: int
+    epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., queue_depth: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ScalePoolRequest(_message.Message):
+    __slots__ = ("role", "replicas")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    role: WorkerRole
+    replicas: int
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class ScalePoolResponse(_message.Message):
+    __slots__ = ("role", "previous_replicas", "replicas")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    role: WorkerRole
+    previous_replicas: int
+    replicas: int
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., previous_replicas: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DrainWorkerResponse(_message.Message):
+    __slots__ = ("worker_id", "state")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    state: WorkerState
+    def __init__(self, worker_id: _Optional[str] = ..., state: _Optional[_Union[WorkerState, str]] = ...) -> None: ...

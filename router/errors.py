@@ -1,0 +1,88 @@
+"""The router's exceptions, and the one place that turns any exception into a gRPC status.
+
+Code anywhere in the router raises one of these (or lets an engine error through); only the
+servicer edge calls ``grpc_status`` / ``abort_with``. Messages of these exceptions are written
+for the client; unexpected exceptions map to INTERNAL with a generic message so internals do
+not leak, and are meant to be logged in full where they are caught.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+
+from engine.errors import EngineError, InvalidRequestError, ModelLoadError, UnknownRequestError
+
+
+class RouterError(Exception):
+    """Base class of every error the router raises on purpose; the message is safe for clients."""
+
+
+class InvalidArgumentError(RouterError, ValueError):
+    """A request field is invalid; ``field`` is its path in the request, e.g. ``sampling.top_p``."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class ResourceExhaustedError(RouterError):
+    """The cluster cannot take this request now (queue full, no KV room); the client may retry later."""
+
+
+class UnavailableError(RouterError):
+    """No worker can serve the request (none ready, or the one serving it died)."""
+
+
+class NotFoundError(RouterError):
+    """A named entity (worker id, request id) does not exist."""
+
+
+class DeadlineExceededError(RouterError):
+    """The request's deadline passed before it finished."""
+
+
+class InternalError(RouterError):
+    """A broken invariant inside the cluster; the message still says which request and what failed."""
+
+
+# Ordered: the first matching class wins, so subclasses come before their bases.
+_STATUS_BY_TYPE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (ModelLoadError, grpc.StatusCode.UNAVAILABLE),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
+    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (InternalError, grpc.StatusCode.INTERNAL),
+)
+
+_GENERIC_INTERNAL_MESSAGE = "internal error; the server log has the details"
+
+
+def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and client-facing message for ``exc``."""
+    for exc_type, code in _STATUS_BY_TYPE:
+        if isinstance(exc, exc_type):
+            return code, _client_message(exc)
+    return grpc.StatusCode.INTERNAL, _GENERIC_INTERNAL_MESSAGE
+
+
+def _client_message(exc: BaseException) -> str:
+    # KeyError's str() wraps the message in quotes; take the argument itself.
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    if isinstance(exc, (RouterError, EngineError)):
+        return str(exc) or type(exc).__name__
+    return _GENERIC_INTERNAL_MESSAGE
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the RPC with the status ``exc`` maps to (``context.abort`` raises, so this never returns)."""
+    code, message = grpc_status(exc)
+    await context.abort(code, message)
+    raise AssertionError("grpc.aio context.abort returned")  # abort always raises

@@ -1,0 +1,171 @@
+"""A Hugging Face model directory's fast tokenizer, loaded with the ``tokenizers`` library.
+
+The router must produce the same prompt ids as ``transformers.AutoTokenizer`` (the model was
+trained and is tested against those), without depending on transformers at run time. What
+transformers (v5, ``TokenizersBackend``) does on top of ``tokenizer.json``, and we mirror:
+
+- special tokens named in ``tokenizer_config.json`` / ``special_tokens_map.json`` that are not
+  yet added tokens are added as special tokens;
+- BOS/EOS come from tokenizer.json's post-processor alone: transformers v5 drops the config's
+  ``add_bos_token`` / ``add_eos_token`` whenever tokenizer.json exists (v4 honoured them for
+  some classes). A config that disagrees with the post-processor is logged as a warning,
+  since such a model may have been trained with the other behaviour;
+- decode applies ``clean_up_tokenization_spaces`` only for non-BPE models (transformers skips
+  it for BPE, where it would corrupt text) unless the config forces it.
+
+Model-specific tokenizer classes that rebuild the backend from scratch in transformers are not
+mirrored; ``tokenizer_class`` is logged so a mismatch is easy to spot.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+
+logger = logging.getLogger(__name__)
+
+_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_EXTRA_SPECIAL_TOKEN_KEYS = ("additional_special_tokens", "extra_special_tokens")
+_FORCE_BPE_CLEANUP_KEY = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+
+
+class TokenizerLoadError(Exception):
+    """A model directory has no usable tokenizer."""
+
+
+class Tokenizer:
+    """Encode prompts and decode outputs exactly as the model's Hugging Face tokenizer does."""
+
+    def __init__(self, backend: BackendTokenizer, config: dict[str, Any]) -> None:
+        self._backend = backend
+        self._config = config
+        named = {key: _token_content(config.get(key)) for key in _NAMED_SPECIAL_TOKENS}
+        self._add_missing_special_tokens([*named.values(), *_extra_special_tokens(config)])
+        self.bos_token_id = self._token_id(named["bos_token"])
+        self.eos_token_id = self._token_id(named["eos_token"])
+        is_bpe = type(backend.model).__name__ == "BPE"
+        self.cleans_up_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
+            not is_bpe or bool(config.get(_FORCE_BPE_CLEANUP_KEY, False))
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` plus ``tokenizer_config.json`` / ``special_tokens_map.json`` if present."""
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerLoadError(f"{model_dir} has no tokenizer.json (only fast tokenizers are supported)")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # the Rust side raises a bare Exception on a malformed file
+            raise TokenizerLoadError(f"{tokenizer_file} cannot be loaded: {exc}") from exc
+        config = _read_json(model_dir / "special_tokens_map.json")
+        # tokenizer_config.json wins where both name a token, as in transformers.
+        config.update(_read_json(model_dir / "tokenizer_config.json"))
+        tokenizer = cls(backend, config)
+        tokenizer._warn_if_config_disagrees(model_dir)
+        logger.info(
+            "loaded tokenizer from %s (class %s, %d tokens, bos=%s, eos=%s)",
+            model_dir, config.get("tokenizer_class", "unspecified"), tokenizer.vocab_size,
+            tokenizer.bos_token_id, tokenizer.eos_token_id,
+        )
+        return tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens including added ones (``len()`` of a transformers tokenizer)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with BOS/EOS added as the model's tokenizer config says."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids`` as transformers' ``decode`` returns it."""
+        text = self.decode_raw(token_ids, skip_special_tokens)
+        return clean_up_tokenization(text) if self.cleans_up_spaces else text
+
+    def decode_raw(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The backend decoder's text, before transformers' space clean-up (for incremental decoding)."""
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def _token_id(self, content: str | None) -> int | None:
+        return None if content is None else self._backend.token_to_id(content)
+
+    def _warn_if_config_disagrees(self, model_dir: Path) -> None:
+        added = self._backend.encode("", add_special_tokens=True).ids
+        for key, token_id in (("add_bos_token", self.bos_token_id), ("add_eos_token", self.eos_token_id)):
+            wanted = self._config.get(key)
+            if isinstance(wanted, bool) and token_id is not None and wanted != (token_id in added):
+                logger.warning(
+                    "%s/tokenizer_config.json sets %s=%s but tokenizer.json's post-processor %s it; "
+                    "following tokenizer.json, as transformers v5 does",
+                    model_dir, key, wanted, "does not add" if wanted else "adds",
+                )
+
+    def _add_missing_special_tokens(self, contents: list[str | None]) -> None:
+        # Checked against added tokens, not the vocabulary: like transformers, a special token that
+        # only exists as an ordinary vocabulary entry becomes an added special token, so it is
+        # matched whole in text and skipped when decoding.
+        added = {token.content for token in self._backend.get_added_tokens_decoder().values()}
+        missing = [c for c in dict.fromkeys(contents) if c is not None and c not in added]
+        if missing:
+            self._backend.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in missing])
+
+
+# transformers' replacements, applied in this order; each replaced pattern starts with a space
+# and is at most 4 characters long, which bounds how far back appended text can change output.
+_CLEANUP_REPLACEMENTS = (
+    (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+    (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+)
+# A replacement pass can only change its output within (pattern length - 1) characters of the
+# input's end when more input is appended; chained passes add up.
+CLEANUP_UNSTABLE_TAIL = sum(len(pattern) - 1 for pattern, _ in _CLEANUP_REPLACEMENTS)
+
+
+def clean_up_tokenization(text: str) -> str:
+    """Remove spaces before punctuation and contractions, as transformers' clean-up does."""
+    for pattern, replacement in _CLEANUP_REPLACEMENTS:
+        text = text.replace(pattern, replacement)
+    return text
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TokenizerLoadError(f"{path} cannot be read: {exc}") from exc
+    if not isinstance(data, dict):
+        raise TokenizerLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A config's token entry is either the token text or an AddedToken dict with ``content``."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _extra_special_tokens(config: dict[str, Any]) -> list[str | None]:
+    tokens: list[str | None] = []
+    for key in _EXTRA_SPECIAL_TOKEN_KEYS:
+        value = config.get(key)
+        # transformers v5 also accepts a {name: token} mapping here.
+        entries = value.values() if isinstance(value, dict) else value or []
+        tokens.extend(_token_content(entry) for entry in entries)
+    return tokens

@@ -1,0 +1,226 @@
+"""Turn API requests into typed, validated internal requests, naming the field of any problem.
+
+Cheap checks run first so malformed requests cost no tokenization; the context-length checks
+run last, on the tokenized prompt. Every problem raises ``InvalidArgumentError`` whose field is
+the path in the request message (``sampling.top_p``), which the servicer maps to
+INVALID_ARGUMENT. Prompt + max_tokens beyond the context is refused rather than clamped (as
+vLLM does) when max_tokens was given; an unset max_tokens defaults to what fits.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from router.api.pdserve.v1 import generation_pb2 as pb
+from router.errors import DeadlineExceededError, InvalidArgumentError
+from router.proto_checks import check_known_fields
+
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]+")
+_WORKER_ID_RE = _REQUEST_ID_RE
+
+
+@dataclass(slots=True, frozen=True)
+class RequestLimits:
+    """What one request may ask of this deployment; built from the model's info at startup."""
+
+    vocab_size: int
+    max_context_len: int
+    default_max_tokens: int = 16
+    max_logprobs: int = SamplingParams.MAX_LOGPROBS
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_request_id_chars: int = 128
+    min_priority: int = -100
+    max_priority: int = 100
+
+
+@dataclass(slots=True)
+class ValidatedRequest:
+    """A Generate request the router can act on: tokenized, with engine sampling parameters."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    prompt_text: str | None  # None when the client sent token ids
+    sampling_params: SamplingParams
+    stop: list[str]
+    skip_special_tokens: bool
+    priority: int  # lower is served first
+    arrival_time: float  # time.monotonic()
+    deadline: float | None  # time.monotonic() by which the request must finish; None: no deadline
+
+
+def validate_generate_request(
+    request: pb.GenerateRequest,
+    limits: RequestLimits,
+    encode: Callable[[str], list[int]],
+    *,
+    timeout_s: float | None = None,
+    now: float | None = None,
+) -> ValidatedRequest:
+    """Validate and tokenize ``request``; ``timeout_s`` is the RPC's remaining deadline, if any."""
+    now = time.monotonic() if now is None else now
+    check_known_fields(request)
+    deadline = _deadline(timeout_s, now)
+    req_id = _request_id(request.request_id, limits)
+    if not limits.min_priority <= request.priority <= limits.max_priority:
+        raise InvalidArgumentError(
+            "priority", f"must be in [{limits.min_priority}, {limits.max_priority}], got {request.priority}"
+        )
+    sampling = request.sampling
+    stop = _stop_strings(list(sampling.stop), limits)
+    params = _sampling_params(sampling, limits)
+    explicit_max_tokens = sampling.HasField("max_tokens")
+    prompt_text, prompt_token_ids = _prompt(request, limits, encode)
+    _fit_context(params, len(prompt_token_ids), explicit_max_tokens, limits)
+    return ValidatedRequest(
+        req_id=req_id,
+        prompt_token_ids=prompt_token_ids,
+        prompt_text=prompt_text,
+        sampling_params=params,
+        stop=stop,
+        skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+        priority=request.priority,
+        arrival_time=now,
+        deadline=deadline,
+    )
+
+
+def validate_scale_pool_request(request: pb.ScalePoolRequest, max_replicas: int) -> None:
+    """Refuse an unset or unknown role and a replica count beyond ``max_replicas``."""
+    check_known_fields(request)
+    if request.role == pb.WORKER_ROLE_UNSPECIFIED:
+        raise InvalidArgumentError("role", "must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE")
+    if request.replicas > max_replicas:
+        raise InvalidArgumentError("replicas", f"must be at most {max_replicas}, got {request.replicas}")
+
+
+def validate_drain_worker_request(request: pb.DrainWorkerRequest) -> None:
+    """Refuse an empty or malformed worker id (an unknown one is NOT_FOUND, decided by the caller)."""
+    check_known_fields(request)
+    if not request.worker_id:
+        raise InvalidArgumentError("worker_id", "must not be empty")
+    if len(request.worker_id) > 128 or not _WORKER_ID_RE.fullmatch(request.worker_id):
+        raise InvalidArgumentError("worker_id", "must be at most 128 characters from [A-Za-z0-9._:-]")
+
+
+def _deadline(timeout_s: float | None, now: float) -> float | None:
+    if timeout_s is None:
+        return None
+    if timeout_s <= 0:
+        raise DeadlineExceededError("the request's deadline passed before it was admitted")
+    return now + timeout_s
+
+
+def _request_id(request_id: str, limits: RequestLimits) -> str:
+    if not request_id:
+        return uuid.uuid4().hex
+    if len(request_id) > limits.max_request_id_chars:
+        raise InvalidArgumentError(
+            "request_id", f"must be at most {limits.max_request_id_chars} characters, got {len(request_id)}"
+        )
+    if not _REQUEST_ID_RE.fullmatch(request_id):
+        # Ids end up in log lines and metric labels: keep them printable and unambiguous.
+        raise InvalidArgumentError("request_id", "may only contain letters, digits and . _ : -")
+    return request_id
+
+
+def _stop_strings(stop: list[str], limits: RequestLimits) -> list[str]:
+    if len(stop) > limits.max_stop_strings:
+        raise InvalidArgumentError("sampling.stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
+    for index, text in enumerate(stop):
+        if not text:
+            raise InvalidArgumentError(f"sampling.stop[{index}]", "must not be empty")
+        if len(text) > limits.max_stop_string_chars:
+            raise InvalidArgumentError(
+                f"sampling.stop[{index}]", f"must be at most {limits.max_stop_string_chars} characters, got {len(text)}"
+            )
+    return list(dict.fromkeys(stop))
+
+
+def _sampling_params(sampling: pb.SamplingParams, limits: RequestLimits) -> SamplingParams:
+    if sampling.HasField("max_tokens") and sampling.max_tokens < 1:
+        raise InvalidArgumentError("sampling.max_tokens", "must be >= 1 (leave it unset for the default)")
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidArgumentError(
+            "sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(sampling.stop_token_ids)}"
+        )
+    if sampling.HasField("logprobs") and sampling.logprobs > limits.max_logprobs:
+        raise InvalidArgumentError(
+            "sampling.logprobs", f"must be in [0, {limits.max_logprobs}], got {sampling.logprobs}"
+        )
+    params = SamplingParams(
+        max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else limits.default_max_tokens,
+        temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        min_p=sampling.min_p,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
+        stop_token_ids=list(dict.fromkeys(sampling.stop_token_ids)),
+        ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+    )
+    try:
+        params.validate(limits.vocab_size)
+    except InvalidRequestError as exc:
+        raise InvalidArgumentError(f"sampling.{exc.field}", exc.problem) from exc
+    return params
+
+
+def _prompt(
+    request: pb.GenerateRequest, limits: RequestLimits, encode: Callable[[str], list[int]]
+) -> tuple[str | None, list[int]]:
+    has_text = request.HasField("prompt_text")
+    has_ids = len(request.prompt_token_ids) > 0
+    if has_text and has_ids:
+        raise InvalidArgumentError("prompt", "set only one of prompt_text and prompt_token_ids")
+    if not has_text and not has_ids:
+        raise InvalidArgumentError("prompt", "set prompt_text or prompt_token_ids (the prompt is empty)")
+    if has_ids:
+        token_ids = list(request.prompt_token_ids)
+        # Length first: refusing an over-long prompt should not cost a scan of every id.
+        _check_prompt_fits(len(token_ids), limits)
+        for index, token_id in enumerate(token_ids):
+            if token_id >= limits.vocab_size:
+                raise InvalidArgumentError(
+                    f"prompt_token_ids[{index}]",
+                    f"{token_id} is not a token id of this model (vocab size {limits.vocab_size})",
+                )
+        return None, token_ids
+    if not request.prompt_text:
+        raise InvalidArgumentError("prompt_text", "must not be empty")
+    token_ids = encode(request.prompt_text)
+    if not token_ids:
+        raise InvalidArgumentError("prompt_text", "tokenizes to no tokens")
+    return request.prompt_text, token_ids
+
+
+def _check_prompt_fits(num_prompt_tokens: int, limits: RequestLimits) -> None:
+    if num_prompt_tokens >= limits.max_context_len:
+        raise InvalidArgumentError(
+            "prompt",
+            f"has {num_prompt_tokens} tokens; the model's context of {limits.max_context_len} tokens allows "
+            f"at most {limits.max_context_len - 1} so that one token can be generated",
+        )
+
+
+def _fit_context(
+    params: SamplingParams, num_prompt_tokens: int, explicit_max_tokens: bool, limits: RequestLimits
+) -> None:
+    _check_prompt_fits(num_prompt_tokens, limits)
+    room = limits.max_context_len - num_prompt_tokens
+    if not explicit_max_tokens:
+        params.max_tokens = min(params.max_tokens, room)
+    elif params.max_tokens > room:
+        raise InvalidArgumentError(
+            "sampling.max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
+            f"of {limits.max_context_len} tokens; at most {room} new tokens fit",
+        )

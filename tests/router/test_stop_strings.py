@@ -1,0 +1,120 @@
+"""Stop strings end generation across token boundaries, and the client never sees their start."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.detokenizer import IncrementalDetokenizer
+from router.stop_strings import StopStringMatcher
+
+
+def feed_all(matcher: StopStringMatcher, deltas: list[str]) -> tuple[str, str | None]:
+    """Feed deltas until a stop matches; return the released text (flushed if none matched) and the stop."""
+    out = []
+    for delta in deltas:
+        check = matcher.feed(delta)
+        out.append(check.text)
+        if check.matched_stop is not None:
+            return "".join(out), check.matched_stop
+    out.append(matcher.flush())
+    return "".join(out), None
+
+
+def expected(text: str, stops: list[str]) -> tuple[str, str | None]:
+    found = [(text.find(s), i, s) for i, s in enumerate(stops) if s in text]
+    if not found:
+        return text, None
+    index, _, stop = min(found)
+    return text[:index], stop
+
+
+def test_stop_string_split_over_deltas_cuts_before_it():
+    matcher = StopStringMatcher(["\n\n"])
+    assert matcher.feed("Hello world\n").text == "Hello world"
+    check = matcher.feed("\nBye")
+    assert (check.text, check.matched_stop) == ("", "\n\n")
+    assert matcher.feed("more").text == ""
+
+
+def test_held_text_is_released_when_the_stop_does_not_complete():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.feed("go ST").text == "go "
+    assert matcher.held_text == "ST"
+    assert matcher.feed("ART").text == "START"
+    assert matcher.feed(" ST").text == " "
+    assert matcher.flush() == "ST"
+
+
+def test_only_text_that_can_start_a_stop_is_held():
+    matcher = StopStringMatcher(["abc", "xyz"])
+    assert matcher.feed("hello a").text == "hello "
+    assert matcher.feed("b").text == ""
+    assert matcher.feed("x").text == "ab"  # "abx" cannot start either stop; "x" can
+    assert matcher.held_text == "x"
+
+
+def test_earliest_match_wins_when_two_stops_complete_together():
+    matcher = StopStringMatcher(["world", "lo w"])
+    check = matcher.feed("hello world")
+    assert (check.text, check.matched_stop) == ("hel", "lo w")
+
+
+def test_stop_at_the_very_start_gives_empty_text():
+    assert StopStringMatcher(["###"]).feed("### rest").text == ""
+
+
+def test_no_stops_passes_text_through():
+    matcher = StopStringMatcher([])
+    assert matcher.feed("anything").text == "anything"
+    assert matcher.flush() == ""
+
+
+def test_empty_stop_string_is_refused():
+    with pytest.raises(ValueError):
+        StopStringMatcher(["ok", ""])
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_text_and_splits_match_a_whole_text_search(seed):
+    rng = random.Random(seed)
+    alphabet = "ab\n東😀"
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+    cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 8))))
+    deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+    matcher = StopStringMatcher(stops)
+    released = ""
+    for delta in deltas:
+        check = matcher.feed(delta)
+        released += check.text
+        if check.matched_stop is not None:
+            break
+        # What was released can never be cut by a later stop: no stop starts inside it.
+        seen = released + matcher.held_text
+        assert all(seen.find(s) == -1 or seen.find(s) >= len(released) for s in stops)
+    got = feed_all(StopStringMatcher(stops), deltas)
+    assert got == expected(text, stops), (text, stops, deltas)
+
+
+def test_stop_string_spanning_tokens_through_the_detokenizer(byte_level_tokenizer):
+    tok = byte_level_tokenizer
+    text = "The quick brown fox jumps over the lazy dog. 東京は日本の首都です。"
+    token_ids = tok.encode(text, add_special_tokens=False)
+    for stop in ["lazy dog", "x j", "都で", "す。"]:
+        assert not any(stop in tok.decode([t]) for t in token_ids), "stop must span tokens for this test"
+        detok = IncrementalDetokenizer(tok)
+        matcher = StopStringMatcher([stop])
+        sent, num_tokens = [], 0
+        for token_id in token_ids:
+            num_tokens += 1
+            check = matcher.feed(detok.add_tokens([token_id]))
+            sent.append(check.text)
+            if check.matched_stop:
+                break
+        assert check.matched_stop == stop
+        assert "".join(sent) == text[: text.index(stop)]
+        # Generation ends on the token that completes the stop string, not later.
+        assert stop in tok.decode(token_ids[:num_tokens]) and stop not in tok.decode(token_ids[: num_tokens - 1])

@@ -1,0 +1,169 @@
+"""Every bad request field is refused with INVALID_ARGUMENT naming the field; good ones become typed requests."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+
+from engine.sampling_params import SamplingParams
+from router.api.pdserve.v1 import generation_pb2 as pb
+from router.errors import DeadlineExceededError, InvalidArgumentError, grpc_status
+from router.validation import (
+    RequestLimits,
+    validate_drain_worker_request,
+    validate_generate_request,
+    validate_scale_pool_request,
+)
+
+LIMITS = RequestLimits(vocab_size=1000, max_context_len=64)
+
+
+def encode(text: str) -> list[int]:
+    """One token per character plus a BOS of 1: easy to reason about lengths."""
+    return [1] + [2 + ord(c) % 900 for c in text]
+
+
+def request(**fields) -> pb.GenerateRequest:
+    sampling = fields.pop("sampling", {})
+    fields.setdefault("prompt_text", "hello")
+    return pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), **fields)
+
+
+def validate(req: pb.GenerateRequest, limits: RequestLimits = LIMITS, **kwargs):
+    return validate_generate_request(req, limits, encode, **kwargs)
+
+
+def test_defaults_of_a_minimal_text_request():
+    result = validate(request(), now=100.0)
+    assert len(result.req_id) == 32  # assigned
+    assert result.prompt_token_ids == encode("hello")
+    assert result.prompt_text == "hello"
+    assert result.sampling_params == SamplingParams(max_tokens=16)
+    assert (result.stop, result.skip_special_tokens, result.priority) == ([], True, 0)
+    assert (result.arrival_time, result.deadline) == (100.0, None)
+
+
+def test_explicit_fields_reach_the_engine_params():
+    req = request(
+        request_id="client-1:a.b_c",
+        prompt_text=None,
+        prompt_token_ids=[5, 6, 7],
+        priority=-3,
+        sampling=dict(
+            max_tokens=10, temperature=0.0, top_k=5, top_p=0.5, min_p=0.25, seed=7, repetition_penalty=1.5,
+            stop_token_ids=[3, 3, 4], ignore_eos=True, logprobs=0, stop=["\n", "\n", "END"], skip_special_tokens=False,
+        ),
+    )
+    result = validate(req, timeout_s=2.5, now=10.0)
+    assert result.req_id == "client-1:a.b_c"
+    assert (result.prompt_text, result.prompt_token_ids) == (None, [5, 6, 7])
+    assert result.sampling_params == SamplingParams(
+        max_tokens=10, temperature=0.0, top_k=5, top_p=0.5, min_p=0.25, seed=7, repetition_penalty=1.5,
+        stop_token_ids=[3, 4], ignore_eos=True, logprobs=0,
+    )
+    assert (result.stop, result.skip_special_tokens) == (["\n", "END"], False)
+    assert (result.priority, result.deadline) == (-3, 12.5)
+
+
+def test_unset_max_tokens_shrinks_to_the_room_left_in_the_context():
+    result = validate(request(prompt_text="x" * 60))  # 61 tokens in a 64-token context
+    assert result.sampling_params.max_tokens == 3
+
+
+def test_prompt_filling_the_context_exactly_leaves_one_token():
+    result = validate(request(prompt_token_ids=[5] * 63, prompt_text=None, sampling=dict(max_tokens=1)))
+    assert result.sampling_params.max_tokens == 1
+
+
+BAD_REQUESTS = [
+    ("prompt", dict(prompt_text=None)),
+    ("prompt", dict(prompt_token_ids=[1, 2])),  # both text and ids
+    ("prompt_text", dict(prompt_text="")),
+    ("prompt_token_ids[1]", dict(prompt_text=None, prompt_token_ids=[1, 1000])),
+    ("prompt", dict(prompt_text="x" * 63)),  # 64 tokens: no room to generate
+    ("prompt", dict(prompt_text=None, prompt_token_ids=[5] * 64)),
+    ("sampling.max_tokens", dict(prompt_text="x" * 50, sampling=dict(max_tokens=14))),  # 51 + 14 > 64
+    ("sampling.max_tokens", dict(sampling=dict(max_tokens=0))),
+    ("sampling.temperature", dict(sampling=dict(temperature=-0.5))),
+    ("sampling.temperature", dict(sampling=dict(temperature=math.nan))),
+    ("sampling.temperature", dict(sampling=dict(temperature=math.inf))),
+    ("sampling.top_p", dict(sampling=dict(top_p=0.0))),
+    ("sampling.top_p", dict(sampling=dict(top_p=1.5))),
+    ("sampling.top_p", dict(sampling=dict(top_p=math.nan))),
+    ("sampling.top_k", dict(sampling=dict(top_k=-2))),
+    ("sampling.min_p", dict(sampling=dict(min_p=-0.1))),
+    ("sampling.min_p", dict(sampling=dict(min_p=1.1))),
+    ("sampling.repetition_penalty", dict(sampling=dict(repetition_penalty=0.0))),
+    ("sampling.logprobs", dict(sampling=dict(logprobs=21))),
+    ("sampling.stop_token_ids", dict(sampling=dict(stop_token_ids=[1000]))),
+    ("sampling.stop_token_ids", dict(sampling=dict(stop_token_ids=list(range(65))))),
+    ("sampling.stop[1]", dict(sampling=dict(stop=["ok", ""]))),
+    ("sampling.stop[0]", dict(sampling=dict(stop=["x" * 257]))),
+    ("sampling.stop", dict(sampling=dict(stop=[str(i) for i in range(17)]))),
+    ("request_id", dict(request_id="x" * 129)),
+    ("request_id", dict(request_id="has space")),
+    ("request_id", dict(request_id="new\nline")),
+    ("request_id", dict(request_id="é")),
+    ("priority", dict(priority=101)),
+    ("priority", dict(priority=-101)),
+]
+
+
+@pytest.mark.parametrize(("field", "fields"), BAD_REQUESTS, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_REQUESTS)])
+def test_bad_field_is_invalid_argument_naming_the_field(field, fields):
+    with pytest.raises(InvalidArgumentError) as info:
+        validate(request(**fields))
+    assert info.value.field == field
+    code, message = grpc_status(info.value)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert message.startswith(f"{field}: ") and len(message) > len(field) + 10
+
+
+def test_context_error_says_how_many_tokens_fit():
+    with pytest.raises(InvalidArgumentError, match="at most 13 new tokens fit"):
+        validate(request(prompt_text="x" * 50, sampling=dict(max_tokens=14)))
+
+
+def test_unknown_field_from_a_newer_client_is_refused():
+    wire = request().SerializeToString() + b"\xa0\x06\x01"  # field 100, varint 1
+    with pytest.raises(InvalidArgumentError, match=r"unknown field number\(s\) \[100\]"):
+        validate(pb.GenerateRequest.FromString(wire))
+    nested = pb.SamplingParams(temperature=0.5).SerializeToString() + b"\xa8\x06\x01"  # field 101
+    wire = request().SerializeToString() + b"\x22" + bytes([len(nested)]) + nested  # sampling (field 4) again: merged
+    with pytest.raises(InvalidArgumentError) as info:
+        validate(pb.GenerateRequest.FromString(wire))
+    assert info.value.field == "sampling"
+
+
+def test_expired_deadline_is_deadline_exceeded():
+    with pytest.raises(DeadlineExceededError):
+        validate(request(), timeout_s=0.0)
+    assert grpc_status(DeadlineExceededError("late"))[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_long_prompt_is_not_tokenized_when_a_cheap_field_is_already_bad():
+    calls = []
+    with pytest.raises(InvalidArgumentError):
+        validate_generate_request(request(sampling=dict(top_p=2.0)), LIMITS, lambda text: calls.append(text) or [1])
+    assert calls == []
+
+
+def test_scale_pool_refuses_unknown_and_unset_roles():
+    validate_scale_pool_request(pb.ScalePoolRequest(role=pb.WORKER_ROLE_DECODE, replicas=2), max_replicas=8)
+    for role, match in [(7, "unknown WorkerRole value 7"), (pb.WORKER_ROLE_UNSPECIFIED, "must be")]:
+        with pytest.raises(InvalidArgumentError, match=match) as info:
+            validate_scale_pool_request(pb.ScalePoolRequest(role=role, replicas=1), max_replicas=8)
+        assert info.value.field == "role"
+    with pytest.raises(InvalidArgumentError) as info:
+        validate_scale_pool_request(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=9), max_replicas=8)
+    assert info.value.field == "replicas"
+
+
+def test_drain_worker_needs_a_well_formed_id():
+    validate_drain_worker_request(pb.DrainWorkerRequest(worker_id="decode-0"))
+    for worker_id in ["", "a b", "x" * 129]:
+        with pytest.raises(InvalidArgumentError) as info:
+            validate_drain_worker_request(pb.DrainWorkerRequest(worker_id=worker_id))
+        assert info.value.field == "worker_id"
