@@ -51,7 +51,7 @@ class ValidatedRequest:
     sampling_params: SamplingParams
     stop: list[str]
     skip_special_tokens: bool
-    priority: int  # lower is served first
+    priority: int  # higher is served first
     arrival_time: float  # time.monotonic()
     deadline: float | None  # time.monotonic() by which the request must finish; None: no deadline
 
