@@ -1,0 +1,179 @@
+"""KVAgent: the one object a worker holds to move KV blocks, as sender, receiver or both.
+
+Wiring (the workers do the Ray calls; kvtransfer never imports ray outside its Ray backend):
+
+    decode D                                  prefill P
+    agent = KVAgent("D0", kv, compat)         agent = KVAgent("P0", kv, compat)
+    offer = agent.handshake_offer()  ──Ray──▶ agent.connect(offer)        # once per D epoch
+    dest = agent.reserve(req, ids, lease_s) ─router─▶ seq = agent.push(req, dest, src, dst, n)
+    ev = agent.poll_receives()  ◀── NIXL ──   ev = agent.poll_sends()     # while computing
+    if agent.ready(req): ids = agent.complete(req)
+
+Abort: P's ``cancel(req)`` returns a ``QuiesceReport``; once ``quiesced`` the workers relay
+it to D, whose ``abort(req)`` + ``confirm_quiesced(req)`` free the blocks (or D frees them
+when the lease runs out). A push to a (peer, epoch) not handshaken raises
+``HandshakeRequiredError``: fetch the peer's current offer, ``connect`` it, push again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtransfer.handshake import PROTOCOL_VERSION, HandshakeOffer, check_offer, new_epoch, transport_agent_name
+from kvtransfer.layout import KVCompat, KVRegion
+from kvtransfer.leases import Clock, LeasePolicy
+from kvtransfer.messages import KVDestination, PeerRef, QuiesceReport, ReceiveEvents, SendEvent
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.sender import KVSender
+from kvtransfer.transport import make_transport
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class KVTransferConfig:
+    """How an agent moves blocks; the defaults suit the CPU test machine."""
+
+    backend: str = "nixl"  # "nixl" or "ray"
+    nixl_mode: str = "prepped"  # "prepped": per-block lists prepared once; "dynamic": per push
+    merge_descriptors: bool = True  # False sends one descriptor per block (benchmark baseline)
+    progress_thread: bool = False  # UCX progress thread; busy-polls a core, so off on CPU
+    lease: LeasePolicy = field(default_factory=LeasePolicy)
+
+
+class KVAgent:
+    """One transport agent over this worker's KV tensor, with sending and receiving state."""
+
+    def __init__(
+        self,
+        name: str,
+        kv_cache: torch.Tensor,
+        compat: KVCompat,
+        config: KVTransferConfig | None = None,
+        wall_clock: Clock = time.time,
+    ) -> None:
+        compat.check_tensor(kv_cache)
+        self.config = config or KVTransferConfig()
+        self.compat = compat
+        self.region = KVRegion.from_tensor(kv_cache)
+        self.ref = PeerRef(name, new_epoch())
+        self._transport = make_transport(
+            self.config.backend,
+            transport_agent_name(self.ref),
+            kv_cache,
+            self.region,
+            nixl_mode=self.config.nixl_mode,
+            merge_descriptors=self.config.merge_descriptors,
+            progress_thread=self.config.progress_thread,
+        )
+        policy = self.config.lease
+        self.sender = KVSender(self.ref, self._transport, self.region, policy, self.config.merge_descriptors, wall_clock)
+        self.receiver = KVReceiver(self.ref, self._transport, self.region, policy, wall_clock)
+        logger.info("kv agent %s up: backend %s, compat %s", self.ref, self.config.backend, compat.compat_hash())
+
+    # -- handshake -----------------------------------------------------------------------
+
+    def handshake_offer(self) -> HandshakeOffer:
+        """What a peer must ``connect`` before writing into this agent."""
+        return HandshakeOffer(
+            protocol_version=PROTOCOL_VERSION,
+            peer=self.ref,
+            transport=self.config.backend,
+            transport_name=transport_agent_name(self.ref),
+            transport_metadata=self._transport.metadata(),
+            compat=self.compat,
+            compat_hash=self.compat.compat_hash(),
+            region=self.region,
+        )
+
+    def connect(self, offer: HandshakeOffer) -> PeerRef:
+        """Validate and load a peer's offer; raise IncompatiblePeerError naming each difference.
+
+        Connecting a newer epoch of a known peer fails that peer's old requests and
+        replaces it; an older epoch is refused; the same epoch is a no-op.
+        """
+        check_offer(self.compat, self.config.backend, offer)
+        self.sender.add_peer(offer)
+        return offer.peer
+
+    def is_connected(self, peer: PeerRef) -> bool:
+        return self.sender.is_connected(peer)
+
+    def disconnect(self, peer_name: str, reason: str = "disconnected by the worker") -> list[str]:
+        """Forget a peer (e.g. Ray says it died): fail its requests, return their ids."""
+        return self.sender.drop_peer(peer_name, reason)
+
+    # -- sending (prefill side) ----------------------------------------------------------
+
+    def push(
+        self,
+        req_id: str,
+        dest: KVDestination,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        num_valid_blocks: int,
+    ) -> int:
+        """Write local blocks into ``dest``'s blocks without waiting; return the write's seq.
+
+        ``num_valid_blocks`` is how many of the reservation's blocks are valid once this
+        write lands; the push that makes it equal to the reservation size seals the request.
+        Raises RequestTransferError if the request failed or was cancelled (reported once
+        by ``poll_sends`` as well), HandshakeRequiredError, InvalidBlocksError.
+        """
+        return self.sender.push(req_id, dest, src_block_ids, dst_block_ids, num_valid_blocks)
+
+    def poll_sends(self) -> list[SendEvent]:
+        """Completed writes and failed requests since the last call. Never blocks."""
+        return self.sender.poll()
+
+    def cancel(self, req_id: str) -> QuiesceReport:
+        """Stop all writes for ``req_id`` now; the report says if any are still in flight."""
+        return self.sender.cancel(req_id)
+
+    def quiesce_report(self, req_id: str) -> QuiesceReport:
+        """Ask again after ``cancel`` until ``quiesced``; relay that report to the receiver."""
+        return self.sender.quiesce_report(req_id)
+
+    def num_in_flight(self) -> int:
+        return self.sender.num_in_flight()
+
+    # -- receiving (decode side) ---------------------------------------------------------
+
+    def reserve(self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None) -> KVDestination:
+        """Own ``block_ids`` for ``req_id`` (exactly the blocks the writer will fill)."""
+        return self.receiver.reserve(req_id, block_ids, lease_s)
+
+    def renew_lease(self, req_id: str, lease_s: float) -> KVDestination:
+        return self.receiver.renew_lease(req_id, lease_s)
+
+    def poll_receives(self) -> ReceiveEvents:
+        """Progress, readiness, failures and lease-expiry frees since the last call."""
+        return self.receiver.poll()
+
+    def ready(self, req_id: str) -> bool:
+        return self.receiver.ready(req_id)
+
+    def num_valid_blocks(self, req_id: str) -> int:
+        return self.receiver.num_valid_blocks(req_id)
+
+    def complete(self, req_id: str) -> list[int]:
+        """Hand a ready request's blocks to the engine; the agent forgets them."""
+        return self.receiver.complete(req_id)
+
+    def abort(self, req_id: str) -> list[int]:
+        """Begin freeing; returns blocks safe to reuse now, the rest come later."""
+        return self.receiver.abort(req_id)
+
+    def confirm_quiesced(self, req_id: str) -> list[int]:
+        """Free after the writer's quiesced report (or its confirmed death)."""
+        return self.receiver.confirm_quiesced(req_id)
+
+    def close(self) -> None:
+        self._transport.close()

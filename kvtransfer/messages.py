@@ -1,0 +1,120 @@
+"""Typed messages that cross process boundaries, and the events the agent reports.
+
+Who sends what:
+- ``KVDestination``: decode side -> router -> prefill side (a Ray call the workers make).
+- ``TransferNotif``: prefill side -> decode side, riding on each write's NIXL notification.
+- ``QuiesceReport``: prefill side -> decode side (Ray call), confirming no write in flight.
+- ``SendEvent`` / ``ReceiveEvents``: what ``poll_sends`` / ``poll_receives`` return locally.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from kvtransfer.errors import KVTransferError, RequestTransferError
+
+NOTIF_MAGIC = b"pdkv1:"
+
+
+@dataclass(slots=True, frozen=True)
+class PeerRef:
+    """One incarnation of a worker's agent: its stable name and the epoch of this start."""
+
+    name: str
+    epoch: str
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.epoch}"
+
+
+@dataclass(slots=True)
+class KVDestination:
+    """Blocks a decode worker reserved for one request, and the lease on them.
+
+    ``lease_deadline`` is wall-clock seconds (``time.time()``): the writer posts nothing
+    that could still be running after it, and the reserver frees without confirmation
+    only after it plus a grace period. ``token`` tells two reservations of one req_id apart.
+    """
+
+    req_id: str
+    peer: PeerRef
+    block_ids: list[int]
+    lease_deadline: float
+    token: int
+
+
+@dataclass(slots=True)
+class TransferNotif:
+    """Sent with a write: which request, which blocks landed, how many are now valid."""
+
+    req_id: str
+    token: int
+    seq: int
+    num_valid_blocks: int
+    dst_spans: list[tuple[int, int]]
+
+    def encode(self) -> bytes:
+        body = {"r": self.req_id, "t": self.token, "s": self.seq, "v": self.num_valid_blocks, "d": self.dst_spans}
+        return NOTIF_MAGIC + json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> TransferNotif:
+        """Parse a notification; raise KVTransferError on anything that is not ours."""
+        if not raw.startswith(NOTIF_MAGIC):
+            raise KVTransferError(f"not a kvtransfer notification: {raw[:32]!r}")
+        try:
+            body = json.loads(raw[len(NOTIF_MAGIC) :])
+            return cls(
+                req_id=str(body["r"]),
+                token=int(body["t"]),
+                seq=int(body["s"]),
+                num_valid_blocks=int(body["v"]),
+                dst_spans=[(int(s), int(n)) for s, n in body["d"]],
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise KVTransferError(f"malformed kvtransfer notification: {e}") from e
+
+
+@dataclass(slots=True)
+class QuiesceReport:
+    """The writer's answer to a cancel: ``quiesced`` once no write for ``req_id`` is in flight."""
+
+    req_id: str
+    writer: PeerRef
+    quiesced: bool
+    num_in_flight: int
+
+
+@dataclass(slots=True)
+class SendEvent:
+    """A write finished (``error`` None) or a request failed (``error`` set) on the sending side."""
+
+    req_id: str
+    peer: str
+    seq: int
+    num_valid_blocks: int
+    error: RequestTransferError | None = None
+    finished: bool = False  # the request's last write completed; its send state is gone
+
+
+@dataclass(slots=True)
+class FreedBlocks:
+    """Blocks the receiver gave back without being asked this call (lease expiry)."""
+
+    req_id: str
+    block_ids: list[int]
+    reason: str
+
+
+@dataclass(slots=True)
+class ReceiveEvents:
+    """What one ``poll_receives`` observed, in order of arrival per request."""
+
+    progress: list[tuple[str, int]] = field(default_factory=list)  # (req_id, num_valid_blocks)
+    ready: list[str] = field(default_factory=list)
+    failed: list[RequestTransferError] = field(default_factory=list)
+    freed: list[FreedBlocks] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.progress or self.ready or self.failed or self.freed)

@@ -1,0 +1,248 @@
+"""Receiving side: a decode worker's reservations and the blocks that land in them.
+
+A request's life here:
+1. ``reserve(req_id, block_ids, lease_s)`` records that the blocks belong to this request
+   (a block belongs to at most one live reservation) and returns the ``KVDestination``
+   the router hands to the prefill worker. The lease deadline travels with it.
+2. Each decode step the worker calls ``poll()``. Notifications are applied in the
+   writer's sequence order (NIXL may deliver them out of order); each applied one marks
+   its blocks landed and may raise ``num_valid_blocks``, reported as progress. When
+   every reserved block has landed and the writer said all are valid, the request is
+   ready, once.
+3. ``complete(req_id)`` hands the blocks over to the engine's running sequence.
+Abort: ``abort(req_id)`` frees at once what no write can still reach (a ready request,
+or any request on a backend where the receiver lands bytes itself); otherwise the blocks
+wait for ``confirm_quiesced`` (the writer said nothing is in flight, or it is dead) or
+for the lease deadline plus grace, reported by ``poll()`` in ``freed``. Every block comes
+back exactly once: from ``abort``, ``confirm_quiesced``, ``complete`` or ``freed``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtransfer.descriptors import check_block_ids, spans_to_ids
+from kvtransfer.errors import (
+    BlockInUseError,
+    InvalidBlocksError,
+    KVTransferError,
+    LeaseExpiredError,
+    RequestTransferError,
+    TransferFailedError,
+    UnknownRequestError,
+)
+from kvtransfer.layout import KVRegion
+from kvtransfer.leases import Clock, LeasePolicy
+from kvtransfer.messages import FreedBlocks, KVDestination, PeerRef, ReceiveEvents, TransferNotif
+from kvtransfer.transport import Incoming, Transport
+
+logger = logging.getLogger(__name__)
+
+
+class _State(enum.Enum):
+    RECEIVING = "receiving"
+    READY = "ready"
+    ABORTING = "aborting"  # waiting for the writer's confirmation or the lease
+    FAILED = "failed"  # lease ran out before every block landed; freed at deadline + grace
+
+
+@dataclass(slots=True)
+class _Reservation:
+    req_id: str
+    token: int
+    block_ids: list[int]
+    block_set: frozenset[int]
+    deadline: float
+    state: _State = _State.RECEIVING
+    landed: set[int] = field(default_factory=set)
+    num_valid: int = 0
+    next_seq: int = 0
+    pending: dict[int, tuple[Incoming, TransferNotif]] = field(default_factory=dict)
+    writer: str | None = None
+
+
+class KVReceiver:
+    """Per-agent receiving state; plain object owned by one worker, called from one thread."""
+
+    def __init__(
+        self, local: PeerRef, transport: Transport, region: KVRegion, policy: LeasePolicy, wall_clock: Clock = time.time
+    ) -> None:
+        self._local = local
+        self._transport = transport
+        self._region = region
+        self._policy = policy
+        self._wall = wall_clock
+        self._by_req: dict[str, _Reservation] = {}
+        self._by_token: dict[int, _Reservation] = {}
+        self._owner: dict[int, str] = {}
+        self._next_token = 1
+        self.num_late_writes = 0  # notifications for freed blocks: must stay 0
+
+    def reserve(self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None) -> KVDestination:
+        """Take ownership of ``block_ids`` for ``req_id`` under a lease; return the destination."""
+        if req_id in self._by_req:
+            raise InvalidBlocksError("req_id", f"{req_id} already holds a reservation")
+        ids = check_block_ids(block_ids, self._region.num_blocks, "block_ids")
+        if not ids:
+            raise InvalidBlocksError("block_ids", "is empty")
+        if len(set(ids)) != len(ids):
+            raise InvalidBlocksError("block_ids", "names a block twice")
+        busy = [b for b in ids if b in self._owner]
+        if busy:
+            raise BlockInUseError("block_ids", f"blocks {busy[:8]} still belong to req {self._owner[busy[0]]}")
+        lease_s = self._policy.lease_s if lease_s is None else lease_s
+        if lease_s <= self._policy.write_timeout_s:
+            raise InvalidBlocksError("lease_s", f"{lease_s} must exceed the write timeout {self._policy.write_timeout_s}")
+        res = _Reservation(req_id, self._next_token, ids, frozenset(ids), self._wall() + lease_s)
+        self._next_token += 1
+        self._by_req[req_id] = self._by_token[res.token] = res
+        for b in ids:
+            self._owner[b] = req_id
+        logger.debug("req %s: reserved %d blocks, lease %.1fs", req_id, len(ids), lease_s)
+        return self._destination(res)
+
+    def _destination(self, res: _Reservation) -> KVDestination:
+        return KVDestination(res.req_id, self._local, list(res.block_ids), res.deadline, res.token)
+
+    def renew_lease(self, req_id: str, lease_s: float) -> KVDestination:
+        """Push the deadline to now + ``lease_s`` (never earlier); pass the result to the writer."""
+        res = self._get(req_id)
+        if res.state is _State.RECEIVING:
+            res.deadline = max(res.deadline, self._wall() + lease_s)
+        return self._destination(res)
+
+    def _get(self, req_id: str) -> _Reservation:
+        res = self._by_req.get(req_id)
+        if res is None:
+            raise UnknownRequestError(f"req {req_id} has no reservation here")
+        return res
+
+    # -- polling -------------------------------------------------------------------------
+
+    def poll(self) -> ReceiveEvents:
+        """Apply arrived notifications, expire leases; return what changed."""
+        events = ReceiveEvents()
+        for incoming in self._transport.get_incoming():
+            self._on_incoming(incoming, events)
+        now = self._wall()
+        for res in list(self._by_req.values()):
+            if res.state is _State.RECEIVING and now > res.deadline:
+                self._fail(res, LeaseExpiredError(
+                    res.req_id, res.writer or "-", f"lease ran out with {len(res.landed)}/{len(res.block_ids)} blocks landed"
+                ), events)
+            if res.state in (_State.ABORTING, _State.FAILED) and now >= self._policy.free_at(res.deadline):
+                events.freed.append(FreedBlocks(res.req_id, self._free(res), "lease expired"))
+        return events
+
+    def _on_incoming(self, incoming: Incoming, events: ReceiveEvents) -> None:
+        try:
+            notif = TransferNotif.decode(incoming.message)
+        except KVTransferError as e:
+            logger.warning("ignoring a notification from %s: %s", incoming.sender, e)
+            return
+        res = self._by_token.get(notif.token)
+        if res is None or res.req_id != notif.req_id:
+            if self._transport.receiver_lands:
+                logger.info("req %s: dropped a write for a reservation that is gone", notif.req_id)
+            else:
+                self.num_late_writes += 1
+                logger.error("req %s: write %d landed after its blocks were freed (from %s)",
+                             notif.req_id, notif.seq, incoming.sender)
+            return
+        if res.writer is None:
+            res.writer = incoming.sender
+        elif res.writer != incoming.sender:
+            logger.error("req %s: ignoring a second writer %s (first was %s)", res.req_id, incoming.sender, res.writer)
+            return
+        if res.state is not _State.RECEIVING:
+            logger.debug("req %s: write %d arrived while %s; ignored", res.req_id, notif.seq, res.state.value)
+            return
+        if notif.seq < res.next_seq or notif.seq in res.pending:
+            logger.error("req %s: duplicate write %d ignored", res.req_id, notif.seq)
+            return
+        res.pending[notif.seq] = (incoming, notif)
+        while res.state is _State.RECEIVING and res.next_seq in res.pending:
+            self._apply(res, *res.pending.pop(res.next_seq), events)
+            res.next_seq += 1
+
+    def _apply(self, res: _Reservation, incoming: Incoming, notif: TransferNotif, events: ReceiveEvents) -> None:
+        ids = spans_to_ids(notif.dst_spans)
+        outside = [b for b in ids if b not in res.block_set]
+        if outside:
+            self._fail(res, TransferFailedError(res.req_id, incoming.sender, f"wrote outside the reservation: {outside[:8]}"),
+                       events)
+            return
+        if self._transport.receiver_lands:
+            try:
+                self._transport.land(incoming, notif.dst_spans)
+            except Exception as e:
+                self._fail(res, TransferFailedError(res.req_id, incoming.sender, f"landing write {notif.seq}: {e}"), events)
+                return
+        res.landed.update(ids)
+        if notif.num_valid_blocks > res.num_valid:
+            res.num_valid = notif.num_valid_blocks
+            events.progress.append((res.req_id, res.num_valid))
+        if res.num_valid == len(res.block_ids) and len(res.landed) == len(res.block_ids):
+            res.state = _State.READY
+            events.ready.append(res.req_id)
+            logger.info("req %s: all %d blocks landed", res.req_id, len(res.block_ids))
+
+    def _fail(self, res: _Reservation, error: RequestTransferError, events: ReceiveEvents) -> None:
+        res.state = _State.FAILED
+        res.pending.clear()
+        events.failed.append(error)
+        logger.warning("req %s: receive failed: %s", res.req_id, error)
+
+    # -- queries and hand-back -----------------------------------------------------------
+
+    def ready(self, req_id: str) -> bool:
+        return self._get(req_id).state is _State.READY
+
+    def num_valid_blocks(self, req_id: str) -> int:
+        return self._get(req_id).num_valid
+
+    def num_reserved_blocks(self) -> int:
+        return len(self._owner)
+
+    def complete(self, req_id: str) -> list[int]:
+        """Hand a ready request's blocks to the caller (the engine's sequence) and forget it."""
+        res = self._get(req_id)
+        if res.state is not _State.READY:
+            raise KVTransferError(f"req {req_id}: cannot complete while {res.state.value}")
+        return self._free(res)
+
+    def abort(self, req_id: str) -> list[int]:
+        """Start freeing ``req_id``; return the blocks that are safe to reuse now (maybe none)."""
+        res = self._by_req.get(req_id)
+        if res is None:
+            return []  # already freed (lease) or never reserved: nothing to give back twice
+        # Ready: the writer sealed the request and every write landed. Receiver-landed
+        # backends drop later payloads themselves. Either way no late write can arrive.
+        if res.state is _State.READY or self._transport.receiver_lands:
+            logger.info("req %s: aborted, %d blocks freed at once", req_id, len(res.block_ids))
+            return self._free(res)
+        if res.state is _State.RECEIVING:
+            res.state = _State.ABORTING
+            res.pending.clear()
+        logger.info("req %s: aborted, blocks held until the writer confirms or the lease ends", req_id)
+        return []
+
+    def confirm_quiesced(self, req_id: str) -> list[int]:
+        """The writer confirmed no write is in flight (or is dead): free the blocks now."""
+        res = self._by_req.get(req_id)
+        if res is None:
+            return []
+        if res.state is _State.RECEIVING:
+            logger.info("req %s: writer quiesced before an abort; aborting now", req_id)
+        return self._free(res)
+
+    def _free(self, res: _Reservation) -> list[int]:
+        del self._by_req[res.req_id]
+        del self._by_token[res.token]
+        for b in res.block_ids:
+            del self._owner[b]
+        return list(res.block_ids)

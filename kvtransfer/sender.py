@@ -1,0 +1,336 @@
+"""Sending side: a prefill worker pushes finished KV blocks into a decode worker's reservation.
+
+A request's life here:
+1. After each prefill chunk the worker calls ``push(req_id, dest, src_ids, dst_ids,
+   num_valid_blocks)``. The push is refused unless the destination's (peer, epoch) was
+   handshaken, the lease leaves room for a whole write timeout, and every destination
+   block belongs to the reservation. Adjacent blocks are merged into runs and the write
+   is posted with a notification; it does not wait.
+2. While computing the next chunk the worker calls ``poll()``: completed writes come
+   back as ``SendEvent``s; a failed, timed-out or peer-lost write fails this request
+   only (one event with the error), and the actor's other requests go on.
+3. The push whose ``num_valid_blocks`` covers the whole reservation seals the request;
+   when its writes complete, the last event says ``finished`` and the state is dropped.
+A write that touches a block an earlier write of the same request is still writing waits
+(posted by a later poll), so two writes never race into one block.
+
+Abort: ``cancel(req_id)`` refuses every later push for the request at once and reports
+how many writes are still in flight; ``quiesce_report`` answers again until none are.
+The worker relays the quiesced report to the decode worker, which may then free.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransfer.descriptors import BlockRun, check_block_ids, dst_spans, merge_runs
+from kvtransfer.errors import (
+    HandshakeRequiredError,
+    IncompatiblePeerError,
+    InvalidBlocksError,
+    LeaseExpiredError,
+    PeerLostError,
+    RequestTransferError,
+    StaleEpochError,
+    TransferCancelledError,
+    TransferFailedError,
+    TransferTimeoutError,
+    TransportError,
+)
+from kvtransfer.handshake import HandshakeOffer
+from kvtransfer.layout import KVRegion
+from kvtransfer.leases import Clock, LeasePolicy
+from kvtransfer.messages import KVDestination, PeerRef, QuiesceReport, SendEvent, TransferNotif
+from kvtransfer.transport import Transport, XferState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Peer:
+    ref: PeerRef
+    transport_name: str
+
+
+@dataclass(slots=True)
+class _Write:
+    seq: int
+    num_valid_blocks: int
+    runs: list[BlockRun]
+    dst_blocks: frozenset[int]
+    notif: bytes
+    handle: Any = None
+    posted_at: float = 0.0
+    timed_out: bool = False
+
+
+@dataclass(slots=True)
+class _SendState:
+    req_id: str
+    dest: KVDestination
+    reserved: frozenset[int]
+    next_seq: int = 0
+    in_flight: list[_Write] = field(default_factory=list)
+    deferred: deque[_Write] = field(default_factory=deque)
+    sealed: bool = False
+    error: RequestTransferError | None = None
+
+
+@dataclass(slots=True)
+class _Tombstone:
+    token: int | None  # None refuses every reservation of the req_id (cancel)
+    error: RequestTransferError
+    expires: float
+
+
+class KVSender:
+    """Per-agent sending state; plain object owned by one worker, called from one thread."""
+
+    def __init__(
+        self,
+        local: PeerRef,
+        transport: Transport,
+        region: KVRegion,
+        policy: LeasePolicy,
+        merge: bool = True,
+        wall_clock: Clock = time.time,
+    ) -> None:
+        self._local = local
+        self._transport = transport
+        self._region = region
+        self._policy = policy
+        self._merge = merge
+        self._wall = wall_clock
+        self._peers: dict[str, _Peer] = {}
+        self._lost: set[PeerRef] = set()
+        self._reqs: dict[str, _SendState] = {}
+        self._tombstones: dict[str, _Tombstone] = {}
+        self._events: list[SendEvent] = []
+
+    # -- peers ---------------------------------------------------------------------------
+
+    def add_peer(self, offer: HandshakeOffer) -> None:
+        """Make a (validated) peer writable; a newer epoch replaces the old incarnation."""
+        current = self._peers.get(offer.peer.name)
+        if current is not None and current.ref.epoch == offer.peer.epoch:
+            return
+        if current is not None and offer.peer.epoch < current.ref.epoch:
+            raise IncompatiblePeerError(
+                str(offer.peer), [f"epoch: offer is older than the connected epoch {current.ref.epoch}"]
+            )
+        if current is not None:
+            self.drop_peer(offer.peer.name, f"restarted (epoch {current.ref.epoch} -> {offer.peer.epoch})")
+        self._transport.add_peer(offer.transport_name, offer.transport_metadata, offer.region)
+        self._peers[offer.peer.name] = _Peer(ref=offer.peer, transport_name=offer.transport_name)
+        logger.info("connected to peer %s (%d blocks x %d bytes)", offer.peer, offer.region.num_blocks,
+                    offer.region.bytes_per_block)
+
+    def drop_peer(self, name: str, reason: str) -> list[str]:
+        """Fail every request writing to peer ``name`` and forget the peer; return their ids."""
+        peer = self._peers.pop(name, None)
+        if peer is None:
+            return []
+        self._lost.add(peer.ref)
+        failed = []
+        for state in list(self._reqs.values()):
+            if state.dest.peer.name == name and state.error is None:
+                self._fail(state, PeerLostError(state.req_id, str(peer.ref), reason))
+                failed.append(state.req_id)
+            if state.dest.peer.name == name:
+                state.in_flight = [w for w in state.in_flight if not self._transport.release(w.handle)]
+        self._transport.remove_peer(peer.transport_name)
+        logger.warning("dropped peer %s: %s; %d requests failed", peer.ref, reason, len(failed))
+        return failed
+
+    def is_connected(self, peer: PeerRef) -> bool:
+        current = self._peers.get(peer.name)
+        return current is not None and current.ref == peer
+
+    # -- pushing -------------------------------------------------------------------------
+
+    def push(
+        self,
+        req_id: str,
+        dest: KVDestination,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        num_valid_blocks: int,
+    ) -> int:
+        """Start writing src blocks into dst blocks of ``dest``; return the write's seq number."""
+        tomb = self._tombstones.get(req_id)
+        if tomb is not None and tomb.token in (None, dest.token):
+            raise tomb.error
+        state = self._reqs.get(req_id)
+        if state is not None and state.dest.token != dest.token:
+            raise InvalidBlocksError("dest", f"req {req_id} is still sending into reservation {state.dest.token}")
+        if state is not None and state.error is not None:
+            raise state.error
+        if state is not None and state.sealed:
+            raise TransferCancelledError(req_id, str(dest.peer), "its final blocks were already pushed")
+        peer = self._resolve_peer(req_id, dest)
+        src = check_block_ids(src_block_ids, self._region.num_blocks, "src_block_ids")
+        if not src:
+            raise InvalidBlocksError("src_block_ids", "is empty")
+        reserved = state.reserved if state is not None else frozenset(dest.block_ids)
+        outside = [b for b in dst_block_ids if b not in reserved]
+        if outside:
+            raise InvalidBlocksError("dst_block_ids", f"blocks {outside[:8]} are not reserved for req {req_id}")
+        if not 0 <= num_valid_blocks <= len(reserved):
+            raise InvalidBlocksError("num_valid_blocks", f"{num_valid_blocks} is outside [0, {len(reserved)}]")
+        runs = merge_runs(src, [int(b) for b in dst_block_ids], self._merge)
+        if state is None:
+            state = _SendState(req_id=req_id, dest=dest, reserved=reserved)
+            self._reqs[req_id] = state
+        # A renewed lease only ever extends the deadline the reserver handed out.
+        state.dest.lease_deadline = max(state.dest.lease_deadline, dest.lease_deadline)
+        write = _Write(
+            seq=state.next_seq,
+            num_valid_blocks=num_valid_blocks,
+            runs=runs,
+            dst_blocks=frozenset(dst_block_ids),
+            notif=TransferNotif(req_id, dest.token, state.next_seq, num_valid_blocks, dst_spans(runs)).encode(),
+        )
+        state.next_seq += 1
+        state.sealed = num_valid_blocks == len(reserved)
+        if state.deferred or self._conflicts(state, write):
+            logger.debug("req %s: write %d waits for an earlier write to the same blocks", req_id, write.seq)
+            state.deferred.append(write)
+        else:
+            self._post(state, write, peer)
+        if state.error is not None:
+            raise state.error
+        return write.seq
+
+    def _resolve_peer(self, req_id: str, dest: KVDestination) -> _Peer:
+        peer = self._peers.get(dest.peer.name)
+        if peer is not None and peer.ref.epoch == dest.peer.epoch:
+            return peer
+        if dest.peer in self._lost:
+            error = PeerLostError(req_id, str(dest.peer), "the peer was lost; its reservations are void")
+            self._fail_unstarted(req_id, dest, error)
+        if peer is not None and dest.peer.epoch < peer.ref.epoch:
+            error = StaleEpochError(
+                req_id, str(dest.peer), f"destination is from an old epoch; the peer now runs {peer.ref.epoch}"
+            )
+            self._fail_unstarted(req_id, dest, error)
+        raise HandshakeRequiredError(dest.peer.name, dest.peer.epoch, peer.ref.epoch if peer else None)
+
+    def _conflicts(self, state: _SendState, write: _Write) -> bool:
+        return any(not write.dst_blocks.isdisjoint(w.dst_blocks) for w in state.in_flight)
+
+    def _post(self, state: _SendState, write: _Write, peer: _Peer | None = None) -> None:
+        peer = peer or self._peers.get(state.dest.peer.name)
+        if peer is None or peer.ref != state.dest.peer:
+            self._fail(state, PeerLostError(state.req_id, str(state.dest.peer), "peer disconnected before the write"))
+            return
+        if not self._policy.can_post(state.dest.lease_deadline, self._wall()):
+            self._fail(state, LeaseExpiredError(
+                state.req_id, str(peer.ref), f"lease ends in less than the {self._policy.write_timeout_s}s write timeout"
+            ))
+            return
+        try:
+            write.handle = self._transport.post_write(peer.transport_name, write.runs, write.notif)
+        except TransportError as e:
+            cls = PeerLostError if e.peer_lost else TransferFailedError
+            self._fail(state, cls(state.req_id, str(peer.ref), str(e)))
+            return
+        write.posted_at = time.monotonic()
+        state.in_flight.append(write)
+
+    # -- progress ------------------------------------------------------------------------
+
+    def poll(self) -> list[SendEvent]:
+        """Check in-flight writes, post deferred ones; return what happened since the last poll."""
+        now = time.monotonic()
+        for state in list(self._reqs.values()):
+            self._progress(state, now)
+        for req_id in [r for r, t in self._tombstones.items() if t.expires < now]:
+            del self._tombstones[req_id]
+        events, self._events = self._events, []
+        return events
+
+    def _progress(self, state: _SendState, now: float) -> None:
+        peer = str(state.dest.peer)
+        still: list[_Write] = []
+        done: list[SendEvent] = []
+        for w in state.in_flight:
+            status = self._transport.check(w.handle)
+            if status is XferState.DONE:
+                self._transport.release(w.handle)
+                if state.error is None:
+                    done.append(SendEvent(state.req_id, peer, w.seq, w.num_valid_blocks))
+            elif status is XferState.FAILED:
+                self._transport.release(w.handle)
+                self._fail(state, TransferFailedError(state.req_id, peer, f"write {w.seq} failed in the transport"))
+            elif now - w.posted_at > self._policy.write_timeout_s:
+                if not w.timed_out:
+                    w.timed_out = True
+                    self._fail(state, TransferTimeoutError(
+                        state.req_id, peer, f"write {w.seq} not done after {self._policy.write_timeout_s}s"
+                    ))
+                if not self._transport.release(w.handle):
+                    still.append(w)  # could not cancel: it still counts as in flight
+            else:
+                still.append(w)
+        state.in_flight = still
+        while state.error is None and state.deferred and not self._conflicts(state, state.deferred[0]):
+            self._post(state, state.deferred.popleft())
+        finished = state.error is None and state.sealed and not state.in_flight and not state.deferred
+        if finished and done:
+            done[-1].finished = True
+            self._bury(state.req_id, state.dest.token,
+                       TransferCancelledError(state.req_id, peer, "its final blocks were already pushed"))
+            logger.info("req %s: all %d blocks sent to %s", state.req_id, len(state.reserved), peer)
+        self._events.extend(done)
+        if (finished or state.error is not None) and not state.in_flight:
+            del self._reqs[state.req_id]
+
+    # -- failure and abort ---------------------------------------------------------------
+
+    def _fail(self, state: _SendState, error: RequestTransferError) -> None:
+        if state.error is not None:
+            return
+        state.error = error
+        state.deferred.clear()
+        self._bury(state.req_id, state.dest.token, error)
+        self._events.append(SendEvent(state.req_id, error.peer, state.next_seq - 1, 0, error=error))
+        logger.warning("req %s: transfer failed: %s", state.req_id, error)
+
+    def _fail_unstarted(self, req_id: str, dest: KVDestination, error: RequestTransferError) -> None:
+        state = self._reqs.get(req_id) or _SendState(req_id=req_id, dest=dest, reserved=frozenset(dest.block_ids))
+        self._fail(state, error)
+        raise error
+
+    def _bury(self, req_id: str, token: int | None, error: RequestTransferError) -> None:
+        current = self._tombstones.get(req_id)
+        if current is not None and current.token is None:
+            return  # a cancel already refuses every reservation of this request
+        self._tombstones[req_id] = _Tombstone(token, error, time.monotonic() + self._policy.tombstone_s)
+
+    def cancel(self, req_id: str) -> QuiesceReport:
+        """Refuse every later push for ``req_id`` now; report the writes still in flight."""
+        state = self._reqs.get(req_id)
+        peer = str(state.dest.peer) if state is not None else "-"
+        error = TransferCancelledError(req_id, peer, "cancelled")
+        self._tombstones[req_id] = _Tombstone(None, error, time.monotonic() + self._policy.tombstone_s)
+        if state is not None:
+            state.deferred.clear()
+            state.error = state.error or error
+            logger.info("req %s: cancelled with %d writes in flight", req_id, len(state.in_flight))
+        return self.quiesce_report(req_id)
+
+    def quiesce_report(self, req_id: str) -> QuiesceReport:
+        """Whether any write for ``req_id`` is still in flight (polls it first)."""
+        state = self._reqs.get(req_id)
+        if state is not None:
+            self._progress(state, time.monotonic())
+        num = len(state.in_flight) if state is not None else 0
+        return QuiesceReport(req_id=req_id, writer=self._local, quiesced=num == 0, num_in_flight=num)
+
+    def num_in_flight(self) -> int:
+        return sum(len(s.in_flight) + len(s.deferred) for s in self._reqs.values())
