@@ -52,6 +52,18 @@ class DecodeScheduler(Scheduler):
             self.running.append(seq)
         return seq
 
+    def detach(self, req_id: str) -> list[int]:
+        """Drop a reservation whose KV may still be arriving; return its blocks unfreed.
+
+        The caller frees them once no write into them can still land.
+        """
+        seq = self.awaiting_kv.pop(req_id, None)
+        if seq is None:
+            raise UnknownRequestError(req_id)
+        block_ids, seq.block_table = seq.block_table, []
+        self._finish(seq, FinishReason.ABORT)
+        return block_ids
+
     def abort(self, req_id: str) -> Sequence:
         seq = self.awaiting_kv.pop(req_id, None)
         if seq is not None:

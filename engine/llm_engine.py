@@ -9,6 +9,7 @@ frees the request's blocks immediately.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,18 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
+
+    def kv_compat_fields(self) -> dict[str, object]:
+        """What a peer's KV cache must match for blocks to be copied between the two."""
+        config_bytes = (self.model_path / "config.json").read_bytes()
+        return {
+            "model_id": f"{self.model_config.architecture}:{hashlib.sha256(config_bytes).hexdigest()[:16]}",
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "num_layers": self.model_config.num_layers,
+            "num_kv_heads": self.model_config.num_kv_heads,
+            "head_dim": self.model_config.head_dim,
+            "block_size": self.kv_cache.block_size,
+        }
 
     # -- stepping ---------------------------------------------------------------------
 

@@ -20,6 +20,17 @@ class PrefillScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.held: dict[str, Sequence] = {}
 
+    def _try_grow_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        # The whole prompt's blocks are taken at admission, so a running prompt never needs
+        # more and is never preempted: preemption would free blocks a write may still read.
+        if seq.block_table:
+            return True
+        needed = -(-seq.num_tokens // self.block_size)
+        if not self.allocator.can_allocate(needed):
+            return False
+        seq.block_table = self.allocator.allocate(needed)
+        return True
+
     def _after_token(self, seq: Sequence, token_id: int) -> None:
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED

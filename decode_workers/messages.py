@@ -1,0 +1,53 @@
+"""Typed messages between the router and a decode actor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
+from engine.stats import EngineStats, WorkerState
+
+
+@dataclass(slots=True)
+class DecodeRequest:
+    """A request for a decode actor: prefilled remotely (KV arrives) or locally."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    lease_s: float | None = None  # remote only: how long the reservation may wait for KV
+
+
+@dataclass(slots=True)
+class DecodeTiming:
+    """What the decode actor measured for one request, in milliseconds."""
+
+    decode_queue_ms: float = 0.0  # KV landed (or arrival, for local prefill) -> first scheduled
+    local_prefill_ms: float = 0.0  # prompt compute on the decode actor (local prefill only)
+    decode_ms: float = 0.0  # first token -> last token
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """New tokens of one sequence from one step; the last one carries finish and timing."""
+
+    req_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # FinishReason value, or "error"
+    error: str | None = None
+    timing: DecodeTiming | None = None
+
+
+@dataclass(slots=True)
+class DecodeStatus:
+    worker_id: str
+    state: WorkerState
+    epoch: str
+    node: str
+    engine: EngineStats
+    num_awaiting_kv: int  # reservations whose KV is still arriving
+    num_active_requests: int  # everything the router may still hear about

@@ -1,0 +1,305 @@
+"""The decode actor: reserves blocks for incoming KV, admits sequences, batches decode.
+
+A disaggregated request's life here:
+1. ``reserve`` (from the router) allocates the prompt's blocks in the engine and registers
+   them with the KV agent under a lease; the returned ``KVDestination`` goes to a prefill
+   actor, which writes the prompt's KV into those blocks chunk by chunk.
+2. Every iteration of the engine thread polls the agent. When every block has landed and
+   the router has relayed the first token (``start``), the sequence joins the running batch;
+   its first token is published at once.
+3. Each step publishes one batch of ``SeqOutput`` (new tokens of every sequence); the router
+   collects them with ``poll_outputs``. The last output of a request carries its timing.
+4. Abort: blocks that a write may still target are freed only after the writer's quiesce
+   report (``confirm_quiesced``) or the lease's end; the rest are freed at once.
+A local request (``add_local``: conditional disaggregation or aggregated mode) is prefilled
+here with chunked prefill and then decodes like the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from decode_workers.messages import DecodeRequest, DecodeStatus, DecodeTiming, SeqOutput
+from decode_workers.scheduler import DecodeScheduler
+from engine.config import EngineConfig
+from engine.engine_thread import EngineThread
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.sequence import FinishReason, Sequence, TokenLogprob
+from engine.stats import WorkerState, engine_stats
+from kvtransfer.agent import KVAgent, KVTransferConfig
+from kvtransfer.handshake import HandshakeOffer
+from kvtransfer.layout import KVCompat
+from kvtransfer.messages import KVDestination, QuiesceReport
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeCapacityError(RuntimeError):
+    """The decode actor cannot take this request now (no free blocks, or draining)."""
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """The decode actor's view of one request, beyond the engine's sequence."""
+
+    seq: Sequence
+    arrival: float
+    remote: bool
+    dest_block_ids: list[int]
+    kv_ready_at: float | None = None
+    first_token: tuple[int, TokenLogprob | None] | None = None
+    last_token_at: float | None = None
+
+
+class OutputBox:
+    """Outputs from the engine thread, collected by an async ``take`` on the actor's loop."""
+
+    def __init__(self) -> None:
+        self._items: list[SeqOutput] = []
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def put(self, items: list[SeqOutput]) -> None:
+        if not items:
+            return
+        with self._lock:
+            self._items.extend(items)
+            loop, event = self._loop, self._event
+        if loop is not None and event is not None:
+            loop.call_soon_threadsafe(event.set)
+
+    async def take(self, timeout_s: float) -> list[SeqOutput]:
+        if self._event is None:
+            with self._lock:
+                self._loop = asyncio.get_running_loop()
+                self._event = asyncio.Event()
+        if not self._items:
+            try:
+                await asyncio.wait_for(self._event.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        self._event.clear()
+        with self._lock:
+            items, self._items = self._items, []
+        return items
+
+
+class DecodeWorker:
+    """Hosted by Ray as an async actor (see ``cluster``); plain Python otherwise."""
+
+    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None):
+        self.worker_id = worker_id
+        self.engine = LLMEngine(model_path, engine_config, scheduler_cls=DecodeScheduler)
+        self.scheduler: DecodeScheduler = self.engine.scheduler
+        self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
+        self.state = WorkerState.READY
+        self.node = socket.gethostname()
+        self._tracked: dict[str, _Tracked] = {}
+        self._outputs = OutputBox()
+        self._thread = EngineThread(f"decode-{worker_id}", self._iterate)
+        self._thread.start()
+
+    # -- calls from the router (each runs on the engine thread) -------------------------
+
+    async def handshake_offer(self) -> HandshakeOffer:
+        return self.agent.handshake_offer()
+
+    async def reserve(self, request: DecodeRequest) -> KVDestination:
+        """Reserve blocks for a prompt another actor prefills; raise DecodeCapacityError if full."""
+        return await self._call(self._reserve, request)
+
+    async def start(self, req_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None) -> None:
+        """The prefill actor finished: this is the first token; admit once every block landed."""
+        await self._call(self._set_first_token, req_id, first_token_id, first_logprob)
+
+    async def add_local(self, request: DecodeRequest) -> None:
+        """Prefill and decode here (conditional disaggregation, aggregated mode)."""
+        await self._call(self._add_local, request)
+
+    async def abort(self, req_id: str) -> bool:
+        """Stop a request; its remotely written blocks wait for ``confirm_quiesced`` or the lease."""
+        return await self._call(self._abort, req_id)
+
+    async def confirm_quiesced(self, report: QuiesceReport) -> int:
+        """The writer says no write for this request is in flight: free its blocks."""
+        return await self._call(self._confirm_quiesced, report)
+
+    async def poll_outputs(self, timeout_s: float = 0.05) -> list[SeqOutput]:
+        """Outputs since the last call, waiting up to ``timeout_s`` for the first one."""
+        return await self._outputs.take(timeout_s)
+
+    async def status(self) -> DecodeStatus:
+        return await self._call(self._status)
+
+    async def drain(self) -> None:
+        """Take no new requests; the router removes this actor once it is idle."""
+        self.state = WorkerState.DRAINING
+
+    async def ping(self) -> str:
+        if not self._thread.alive or self._thread.last_error is not None:
+            raise RuntimeError(f"decode worker {self.worker_id}: engine thread failed: {self._thread.last_error!r}")
+        return self.agent.ref.epoch
+
+    async def _call(self, fn, *args):
+        return await asyncio.wrap_future(self._thread.call(fn, *args))
+
+    # -- engine-thread side -------------------------------------------------------------
+
+    def _check_accepting(self) -> None:
+        if self.state is not WorkerState.READY:
+            raise DecodeCapacityError(f"decode worker {self.worker_id} is {self.state.value}")
+
+    def _reserve(self, request: DecodeRequest) -> KVDestination:
+        self._check_accepting()
+        seq = self.engine.make_sequence(request.req_id, request.prompt_token_ids, request.params, request.priority)
+        dest_block_ids = self.scheduler.reserve(seq)
+        if dest_block_ids is None:
+            raise DecodeCapacityError(
+                f"decode worker {self.worker_id}: {self.engine.num_free_blocks} free KV blocks, "
+                f"request {request.req_id} needs {self.engine.kv_cache.blocks_needed(seq.num_prompt_tokens + 1)}"
+            )
+        try:
+            dest = self.agent.reserve(request.req_id, dest_block_ids, request.lease_s)
+        except Exception:
+            self.engine.allocator.free(self.scheduler.detach(request.req_id))
+            raise
+        self._tracked[request.req_id] = _Tracked(seq, time.monotonic(), remote=True, dest_block_ids=dest_block_ids)
+        logger.debug("req %s: reserved %d blocks", request.req_id, len(dest_block_ids))
+        return dest
+
+    def _set_first_token(self, req_id: str, token_id: int, logprob: TokenLogprob | None) -> None:
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            raise InvalidRequestError("request_id", f"{req_id!r} has no reservation on {self.worker_id}")
+        tracked.first_token = (token_id, logprob)
+        self._admit_if_ready(req_id, tracked)
+
+    def _add_local(self, request: DecodeRequest) -> None:
+        self._check_accepting()
+        seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
+        self._tracked[request.req_id] = _Tracked(seq, time.monotonic(), remote=False, dest_block_ids=[])
+
+    def _abort(self, req_id: str) -> bool:
+        tracked = self._tracked.pop(req_id, None)
+        if tracked is None:
+            return False
+        if req_id in self.scheduler.awaiting_kv:
+            self._drop_reservation(req_id, tracked)
+        else:
+            self.engine.abort_request(req_id)
+        logger.info("req %s: aborted on %s", req_id, self.worker_id)
+        return True
+
+    def _drop_reservation(self, req_id: str, tracked: _Tracked) -> None:
+        """Free what no write can reach now; the agent hands back the rest later."""
+        block_ids = self.scheduler.detach(req_id)
+        reserved = set(tracked.dest_block_ids)
+        safe_now = set(self.agent.abort(req_id))
+        self.engine.allocator.free([b for b in block_ids if b not in reserved or b in safe_now])
+
+    def _confirm_quiesced(self, report: QuiesceReport) -> int:
+        block_ids = self.agent.confirm_quiesced(report.req_id)
+        self.engine.allocator.free(block_ids)
+        return len(block_ids)
+
+    def _admit_if_ready(self, req_id: str, tracked: _Tracked) -> None:
+        if tracked.first_token is None or tracked.kv_ready_at is None:
+            return
+        self.agent.complete(req_id)
+        token_id, logprob = tracked.first_token
+        seq = self.scheduler.admit_remote(req_id, token_id, logprob)
+        now = time.monotonic()
+        seq.first_token_time = now
+        tracked.last_token_at = now
+        self._outputs.put([self._output(tracked, [token_id], [logprob] if logprob else [])])
+        if seq.is_finished:
+            self._tracked.pop(req_id, None)
+
+    def _iterate(self) -> bool:
+        busy = self._poll_transfers()
+        if not self.engine.has_unfinished_requests():
+            return busy
+        outputs = []
+        for out in self.engine.step():
+            tracked = self._tracked.get(out.req_id)
+            if tracked is None:
+                continue
+            tracked.last_token_at = time.monotonic()
+            outputs.append(self._output(tracked, out.new_token_ids, out.new_logprobs))
+            if out.finished:
+                del self._tracked[out.req_id]
+        self._outputs.put(outputs)
+        return True
+
+    def _poll_transfers(self) -> bool:
+        events = self.agent.poll_receives()
+        if not events:
+            return False
+        now = time.monotonic()
+        for req_id in events.ready:
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.kv_ready_at = now
+                self._admit_if_ready(req_id, tracked)
+        for failure in events.failed:
+            self._fail(failure.req_id, str(failure))
+        for freed in events.freed:
+            self.engine.allocator.free(freed.block_ids)
+        return True
+
+    def _fail(self, req_id: str, message: str) -> None:
+        tracked = self._tracked.pop(req_id, None)
+        if tracked is None:
+            return
+        logger.warning("req %s: failed on %s: %s", req_id, self.worker_id, message)
+        if req_id in self.scheduler.awaiting_kv:
+            self._drop_reservation(req_id, tracked)
+        self._outputs.put([SeqOutput(req_id, [], finished=True, finish_reason=FinishReason.ERROR.value, error=message)])
+
+    def _output(self, tracked: _Tracked, token_ids: list[int], logprobs: list[TokenLogprob]) -> SeqOutput:
+        seq = tracked.seq
+        out = SeqOutput(seq.req_id, token_ids, logprobs, finished=seq.is_finished)
+        if seq.is_finished:
+            out.finish_reason = seq.finish_reason.value if seq.finish_reason else None
+            out.timing = self._timing(tracked)
+        return out
+
+    def _timing(self, tracked: _Tracked) -> DecodeTiming:
+        seq = tracked.seq
+        now = time.monotonic()
+        first_token = seq.first_token_time or now
+        if tracked.remote:
+            queue_start = tracked.kv_ready_at or first_token
+            return DecodeTiming(decode_queue_ms=_ms(first_token - queue_start), decode_ms=_ms(now - first_token))
+        scheduled = seq.first_scheduled_time or first_token
+        return DecodeTiming(
+            decode_queue_ms=_ms(scheduled - tracked.arrival),
+            local_prefill_ms=_ms(first_token - scheduled),
+            decode_ms=_ms(now - first_token),
+        )
+
+    def _status(self) -> DecodeStatus:
+        return DecodeStatus(
+            worker_id=self.worker_id,
+            state=self.state,
+            epoch=self.agent.ref.epoch,
+            node=self.node,
+            engine=engine_stats(self.engine),
+            num_awaiting_kv=len(self.scheduler.awaiting_kv),
+            num_active_requests=len(self._tracked),
+        )
+
+    def shutdown(self) -> None:
+        self._thread.stop()
+        self.agent.close()
+
+
+def _ms(seconds: float) -> float:
+    return max(0.0, seconds * 1000.0)

@@ -1,0 +1,86 @@
+"""Run an engine on one dedicated thread; everyone else talks to it by command.
+
+The engine and its scheduler are single-threaded by design. A worker actor receives calls
+on other threads (or an event loop); it hands each one to ``call``, which runs it on the
+engine thread between two iterations and returns a ``concurrent.futures.Future``. The
+worker's ``iterate`` function does one unit of work (poll transfers, one ``step()``,
+publish outputs) and says whether it did anything; when idle the thread sleeps until a
+command arrives or ``idle_wait_s`` passes, so transfers landing meanwhile are noticed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class EngineThread:
+    def __init__(self, name: str, iterate: Callable[[], bool], idle_wait_s: float = 0.002):
+        self.name = name
+        self._iterate = iterate
+        self._idle_wait_s = idle_wait_s
+        self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Future]] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.last_error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        self._commands.put((lambda: None, (), Future()))
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the engine thread; its result or exception lands in the future."""
+        future: Future = Future()
+        if self._stopping.is_set():
+            future.set_exception(RuntimeError(f"{self.name} is stopped"))
+            return future
+        self._commands.put((fn, args, future))
+        return future
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_commands()
+            try:
+                busy = self._iterate()
+            except Exception as exc:  # a bug in one iteration must not silently kill the worker
+                logger.exception("%s: iteration failed", self.name)
+                self.last_error = exc
+                busy = False
+            if not busy:
+                try:
+                    command = self._commands.get(timeout=self._idle_wait_s)
+                except queue.Empty:
+                    continue
+                self._run_command(*command)
+        self._drain_commands()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            self._run_command(*command)
+
+    @staticmethod
+    def _run_command(fn: Callable[..., Any], args: tuple, future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to the caller, who decides what it means
+            future.set_exception(exc)

@@ -1,0 +1,45 @@
+"""A snapshot of an engine's load, for the worker status reports the router balances on."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class WorkerState(str, enum.Enum):
+    """Lifecycle of whatever runs an engine, as the router sees it."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"  # finishes what it has, takes nothing new
+    UNHEALTHY = "unhealthy"
+    DEAD = "dead"
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_waiting: int  # requests queued, not yet holding blocks
+    num_running: int  # sequences in the batch
+    num_queued_prefill_tokens: int  # prompt tokens not yet computed, queued or running
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+
+def engine_stats(engine) -> EngineStats:
+    """Read the load of an ``LLMEngine`` (call on the engine's own thread)."""
+    scheduler = engine.scheduler
+    queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting)
+    queued += sum(s.num_uncomputed_tokens for s in scheduler.running if s.num_computed_tokens < s.num_prompt_tokens)
+    return EngineStats(
+        num_waiting=len(scheduler.waiting),
+        num_running=len(scheduler.running),
+        num_queued_prefill_tokens=queued,
+        num_free_blocks=engine.allocator.num_free,
+        num_total_blocks=engine.allocator.num_blocks,
+        num_preemptions=scheduler.num_preemptions,
+    )

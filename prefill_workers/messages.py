@@ -1,0 +1,52 @@
+"""Typed messages between the router and a prefill actor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
+from engine.stats import EngineStats, WorkerState
+from kvtransfer.handshake import HandshakeOffer
+from kvtransfer.messages import KVDestination
+
+
+@dataclass(slots=True)
+class PrefillRequest:
+    """Prefill this prompt and push its KV into ``destination`` (the decode actor's blocks)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    destination: KVDestination
+    decode_offer: HandshakeOffer  # connected if this (peer, epoch) is new to the prefill actor
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class PrefillTiming:
+    """Milliseconds on the prefill actor."""
+
+    queue_ms: float  # arrival -> first chunk scheduled
+    compute_ms: float  # first chunk scheduled -> first token sampled
+    transfer_ms: float  # first token sampled -> last write completed (the exposed transfer)
+    num_chunks: int
+    num_bytes: int
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    req_id: str
+    first_token_id: int
+    first_logprob: TokenLogprob | None
+    timing: PrefillTiming
+
+
+@dataclass(slots=True)
+class PrefillStatus:
+    worker_id: str
+    state: WorkerState
+    epoch: str
+    node: str
+    engine: EngineStats
+    num_transfers_in_flight: int

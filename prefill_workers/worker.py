@@ -1,0 +1,214 @@
+"""The prefill actor: chunked prefill under a token budget, KV pushed after every chunk.
+
+A request's life here:
+1. ``submit`` (from the router) brings the prompt, the decode actor's reserved blocks and
+   its handshake offer (connected once per decode epoch). The prompt joins the engine's
+   priority queue; the call returns only when the request is done.
+2. Each engine step prefills chunks of several prompts (split-fuse). Right after the step,
+   every block a chunk completed is pushed to the decode actor: adjacent blocks merge into
+   one descriptor, and the write proceeds while the next step computes.
+3. The last chunk samples the first token. Once the last write has completed, the prompt's
+   local blocks are freed and ``submit`` returns the first token and the timing.
+4. ``cancel`` stops a request wherever it is and reports whether writes are still in
+   flight; the router relays the quiesced report to the decode actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.engine_thread import EngineThread
+from engine.llm_engine import LLMEngine
+from engine.sequence import Sequence
+from engine.stats import WorkerState, engine_stats
+from kvtransfer.agent import KVAgent, KVTransferConfig
+from kvtransfer.errors import KVTransferError
+from kvtransfer.layout import KVCompat
+from kvtransfer.messages import QuiesceReport
+from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming
+from prefill_workers.scheduler import PrefillScheduler
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillCancelledError(RuntimeError):
+    """The request was cancelled before its prefill finished."""
+
+
+class PrefillUnavailableError(RuntimeError):
+    """The prefill actor takes no new requests (draining or stopping)."""
+
+
+@dataclass(slots=True)
+class _Job:
+    request: PrefillRequest
+    seq: Sequence
+    done: Future
+    arrival: float
+    num_pushed_blocks: int = 0
+    num_chunks: int = 0
+    prefilled_at: float | None = None
+    num_bytes: int = 0
+    writes_in_flight: set[int] = field(default_factory=set)
+
+    @property
+    def all_pushed(self) -> bool:
+        return self.num_pushed_blocks == len(self.request.destination.block_ids)
+
+
+class PrefillWorker:
+    """Hosted by Ray as an async actor (see ``cluster``); plain Python otherwise."""
+
+    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None):
+        self.worker_id = worker_id
+        self.engine = LLMEngine(model_path, engine_config, scheduler_cls=PrefillScheduler)
+        self.scheduler: PrefillScheduler = self.engine.scheduler
+        self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
+        self.block_size = self.engine.kv_cache.block_size
+        self.state = WorkerState.READY
+        self.node = socket.gethostname()
+        self._jobs: dict[str, _Job] = {}
+        self._thread = EngineThread(f"prefill-{worker_id}", self._iterate)
+        self._thread.start()
+
+    # -- calls from the router ----------------------------------------------------------
+
+    async def submit(self, request: PrefillRequest) -> PrefillResult:
+        """Prefill the prompt, push its KV, return the first token once every write landed."""
+        done: Future = await asyncio.wrap_future(self._thread.call(self._enqueue, request))
+        return await asyncio.wrap_future(done)
+
+    async def cancel(self, req_id: str) -> QuiesceReport:
+        return await asyncio.wrap_future(self._thread.call(self._cancel, req_id))
+
+    async def quiesce_report(self, req_id: str) -> QuiesceReport:
+        return await asyncio.wrap_future(self._thread.call(self.agent.quiesce_report, req_id))
+
+    async def status(self) -> PrefillStatus:
+        return await asyncio.wrap_future(self._thread.call(self._status))
+
+    async def drain(self) -> None:
+        self.state = WorkerState.DRAINING
+
+    async def ping(self) -> str:
+        if not self._thread.alive or self._thread.last_error is not None:
+            raise RuntimeError(f"prefill worker {self.worker_id}: engine thread failed: {self._thread.last_error!r}")
+        return self.agent.ref.epoch
+
+    # -- engine-thread side -------------------------------------------------------------
+
+    def _enqueue(self, request: PrefillRequest) -> Future:
+        if self.state is not WorkerState.READY:
+            raise PrefillUnavailableError(f"prefill worker {self.worker_id} is {self.state.value}")
+        if not self.agent.is_connected(request.destination.peer):
+            self.agent.connect(request.decode_offer)
+        seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
+        expected = -(-seq.num_prompt_tokens // self.block_size)
+        if expected != len(request.destination.block_ids):
+            self.engine.abort_request(request.req_id)
+            raise ValueError(
+                f"req {request.req_id}: destination has {len(request.destination.block_ids)} blocks, "
+                f"the prompt fills {expected}"
+            )
+        job = _Job(request, seq, Future(), time.monotonic())
+        self._jobs[request.req_id] = job
+        return job.done
+
+    def _cancel(self, req_id: str) -> QuiesceReport:
+        job = self._jobs.pop(req_id, None)
+        report = self.agent.cancel(req_id)
+        if job is not None:
+            self.engine.abort_request(req_id)
+            job.done.set_exception(PrefillCancelledError(f"req {req_id}: cancelled on {self.worker_id}"))
+            logger.info("req %s: cancelled on %s (%d writes in flight)", req_id, self.worker_id, report.num_in_flight)
+        return report
+
+    def _iterate(self) -> bool:
+        busy = self._poll_sends()
+        if not self.engine.has_unfinished_requests():
+            return busy
+        batch = self.scheduler.schedule()
+        if not batch.slices:
+            return busy
+        self.engine.run_batch(batch)
+        for piece in batch.slices:
+            job = self._jobs.get(piece.seq.req_id)
+            if job is not None:
+                job.num_chunks += 1
+                self._push_completed_blocks(job)
+        return True
+
+    def _push_completed_blocks(self, job: _Job) -> None:
+        seq = job.seq
+        prompt_done = seq.num_computed_tokens >= seq.num_prompt_tokens
+        if prompt_done and job.prefilled_at is None:
+            job.prefilled_at = time.monotonic()
+        num_ready = -(-seq.num_computed_tokens // self.block_size) if prompt_done else seq.num_computed_tokens // self.block_size
+        if num_ready <= job.num_pushed_blocks:
+            return
+        start, dest = job.num_pushed_blocks, job.request.destination
+        try:
+            write = self.agent.push(seq.req_id, dest, seq.block_table[start:num_ready], dest.block_ids[start:num_ready], num_ready)
+        except KVTransferError as exc:
+            self._finish_job(job, exc)
+            return
+        job.writes_in_flight.add(write)
+        job.num_pushed_blocks = num_ready
+        job.num_bytes += (num_ready - start) * self.engine.kv_cache.bytes_per_block
+
+    def _poll_sends(self) -> bool:
+        events = self.agent.poll_sends()
+        for event in events:
+            job = self._jobs.get(event.req_id)
+            if job is None:
+                continue
+            if event.error is not None:
+                self._finish_job(job, event.error)
+                continue
+            job.writes_in_flight.discard(event.seq)
+            if job.all_pushed and not job.writes_in_flight and job.prefilled_at is not None:
+                self._finish_job(job, None)
+        return bool(events)
+
+    def _finish_job(self, job: _Job, error: Exception | None) -> None:
+        req_id = job.request.req_id
+        self._jobs.pop(req_id, None)
+        if error is not None:
+            self.agent.cancel(req_id)
+            self.engine.abort_request(req_id)
+            logger.warning("req %s: prefill on %s failed: %s", req_id, self.worker_id, error)
+            job.done.set_exception(error)
+            return
+        self.scheduler.release(req_id)
+        now = time.monotonic()
+        seq = job.seq
+        scheduled = seq.first_scheduled_time or job.arrival
+        timing = PrefillTiming(
+            queue_ms=(scheduled - job.arrival) * 1000,
+            compute_ms=(job.prefilled_at - scheduled) * 1000,
+            transfer_ms=(now - job.prefilled_at) * 1000,
+            num_chunks=job.num_chunks,
+            num_bytes=job.num_bytes,
+        )
+        first_logprob = seq.output_logprobs[0] if seq.output_logprobs else None
+        job.done.set_result(PrefillResult(req_id, seq.token_ids[seq.num_prompt_tokens], first_logprob, timing))
+
+    def _status(self) -> PrefillStatus:
+        return PrefillStatus(
+            worker_id=self.worker_id,
+            state=self.state,
+            epoch=self.agent.ref.epoch,
+            node=self.node,
+            engine=engine_stats(self.engine),
+            num_transfers_in_flight=self.agent.num_in_flight(),
+        )
+
+    def shutdown(self) -> None:
+        self._thread.stop()
+        self.agent.close()
