@@ -89,7 +89,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "matched_stop_string", "matched_stop_token_id", "finish_detail", "usage", "timing")
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "matched_stop_string", "matched_stop_token_id", "finish_detail", "usage", "timing", "prefill_worker_id", "decode_worker_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class GenerateResponse(_message.Message):
     FINISH_DETAIL_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -110,7 +112,9 @@ class GenerateResponse(_message.Message):
     finish_detail: str
     usage: Usage
     timing: Timing
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop_string: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., finish_detail: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    prefill_worker_id: str
+    decode_worker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop_string: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., finish_detail: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top")
@@ -187,7 +191,7 @@ class GetClusterStatusResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "state", "queue_depth", "num_queued_prefill_tokens", "num_kv_blocks_used", "num_kv_blocks_free", "num_running_seqs", "epoch")
+    __slots__ = ("worker_id", "role", "state", "queue_depth", "num_queued_prefill_tokens", "num_kv_blocks_used", "num_kv_blocks_free", "num_running_seqs", "epoch", "node")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +201,7 @@ class WorkerStatus(_message.Message):
     NUM_KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     state: WorkerState
@@ -205,8 +210,9 @@ class WorkerStatus(_message.Message):
     num_kv_blocks_used: int
     num_kv_blocks_free: int
     num_running_seqs: int
-    epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., queue_depth: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    epoch: str
+    node: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., queue_depth: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., epoch: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
     __slots__ = ("role", "replicas")
