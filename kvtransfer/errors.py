@@ -25,6 +25,9 @@ class InvalidBlocksError(KVTransferError, ValueError):
         self.field = field
         self.problem = problem
 
+    def __reduce__(self):  # errors cross Ray calls; rebuild from the constructor's arguments
+        return (type(self), (self.field, self.problem))
+
 
 class BlockInUseError(InvalidBlocksError):
     """A block is already reserved by another request that has not freed it."""
@@ -45,6 +48,9 @@ class IncompatiblePeerError(KVTransferError):
         self.peer = peer
         self.differences = differences
 
+    def __reduce__(self):
+        return (type(self), (self.peer, self.differences))
+
 
 class HandshakeRequiredError(KVTransferError):
     """No handshake with this (peer, epoch) yet: fetch the peer's offer and ``connect`` it."""
@@ -55,6 +61,9 @@ class HandshakeRequiredError(KVTransferError):
         self.peer = peer
         self.epoch = epoch
         self.connected_epoch = connected_epoch
+
+    def __reduce__(self):
+        return (type(self), (self.peer, self.epoch, self.connected_epoch))
 
 
 class BackendUnavailableError(KVTransferError):
@@ -68,6 +77,9 @@ class TransportError(KVTransferError):
         super().__init__(message)
         self.peer_lost = peer_lost
 
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.peer_lost))
+
 
 class RequestTransferError(KVTransferError):
     """One request's transfer failed; only that request is affected."""
@@ -77,6 +89,9 @@ class RequestTransferError(KVTransferError):
         self.req_id = req_id
         self.peer = peer
         self.problem = problem
+
+    def __reduce__(self):
+        return (type(self), (self.req_id, self.peer, self.problem))
 
 
 class TransferFailedError(RequestTransferError):

@@ -210,13 +210,13 @@ class KVSender:
         peer = self._peers.get(dest.peer.name)
         if peer is not None and peer.ref.epoch == dest.peer.epoch:
             return peer
-        if dest.peer in self._lost:
-            error = PeerLostError(req_id, str(dest.peer), "the peer was lost; its reservations are void")
-            self._fail_unstarted(req_id, dest, error)
         if peer is not None and dest.peer.epoch < peer.ref.epoch:
             error = StaleEpochError(
                 req_id, str(dest.peer), f"destination is from an old epoch; the peer now runs {peer.ref.epoch}"
             )
+            self._fail_unstarted(req_id, dest, error)
+        if dest.peer in self._lost:
+            error = PeerLostError(req_id, str(dest.peer), "the peer was lost; its reservations are void")
             self._fail_unstarted(req_id, dest, error)
         raise HandshakeRequiredError(dest.peer.name, dest.peer.epoch, peer.ref.epoch if peer else None)
 

@@ -1,0 +1,35 @@
+"""Fixtures for kvtransfer: a prefill/decode pair of real Ray actors talking over real NIXL."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtransfer import LeasePolicy
+
+# Short timeouts so lease paths run inside a test; both sides must share one policy.
+TEST_POLICY = LeasePolicy(lease_s=20.0, grace_s=0.3, write_timeout_s=0.5)
+
+
+def start_workers(ray, *specs):
+    """Start KVWorker actors from (name, kwargs) pairs and wait until all are up."""
+    from tests.kvtransfer.actors import KVWorker
+
+    actors = [KVWorker.remote(name, **{"lease": TEST_POLICY, **kwargs}) for name, kwargs in specs]
+    ray.get([a.ping.remote() for a in actors])
+    return actors
+
+
+def connect(ray, sender, receiver):
+    """Handshake: fetch the receiver's offer over Ray, connect it on the sender."""
+    return ray.get(sender.connect.remote(ray.get(receiver.offer.remote())))
+
+
+@pytest.fixture(scope="session")
+def nixl_pair(ray_session):
+    """(prefill P0, decode D0) over NIXL, shared by the tests that leave them healthy."""
+    ray = ray_session
+    p, d = start_workers(ray, ("P0", {}), ("D0", {}))
+    connect(ray, p, d)
+    yield p, d
+    for actor in (p, d):
+        ray.kill(actor)
