@@ -35,7 +35,7 @@ from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.layout import KVCompat
-from kvtransfer.messages import KVDestination, QuiesceReport
+from kvtransfer.messages import KVDestination
 
 logger = logging.getLogger(__name__)
 
@@ -127,9 +127,9 @@ class DecodeWorker:
         """Stop a request; its remotely written blocks wait for ``confirm_quiesced`` or the lease."""
         return await self._call(self._abort, req_id)
 
-    async def confirm_quiesced(self, report: QuiesceReport) -> int:
-        """The writer says no write for this request is in flight: free its blocks."""
-        return await self._call(self._confirm_quiesced, report)
+    async def confirm_quiesced(self, req_id: str) -> int:
+        """The writer reported no write in flight for this request (or died): free its blocks."""
+        return await self._call(self._confirm_quiesced, req_id)
 
     async def poll_outputs(self, timeout_s: float = 0.05) -> list[SeqOutput]:
         """Outputs since the last call, waiting up to ``timeout_s`` for the first one."""
@@ -204,8 +204,8 @@ class DecodeWorker:
         safe_now = set(self.agent.abort(req_id))
         self.engine.allocator.free([b for b in block_ids if b not in reserved or b in safe_now])
 
-    def _confirm_quiesced(self, report: QuiesceReport) -> int:
-        block_ids = self.agent.confirm_quiesced(report.req_id)
+    def _confirm_quiesced(self, req_id: str) -> int:
+        block_ids = self.agent.confirm_quiesced(req_id)
         self.engine.allocator.free(block_ids)
         return len(block_ids)
 
@@ -296,7 +296,7 @@ class DecodeWorker:
             num_active_requests=len(self._tracked),
         )
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         self._thread.stop()
         self.agent.close()
 

@@ -209,6 +209,6 @@ class PrefillWorker:
             num_transfers_in_flight=self.agent.num_in_flight(),
         )
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         self._thread.stop()
         self.agent.close()

@@ -1,0 +1,44 @@
+"""How the router routes, queues and retries."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from router.pool import RoutingPolicy
+
+
+class Disaggregation(str, enum.Enum):
+    AUTO = "auto"  # conditional: the decode actor prefills short prompts, or when prefill is busy
+    ALWAYS = "always"  # every prompt goes through a prefill actor (when there is one)
+    NEVER = "never"  # aggregated: decode actors prefill everything themselves
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    routing_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED
+    disaggregation: Disaggregation = Disaggregation.AUTO
+    # AUTO: prompts up to this many tokens are prefilled on the decode actor: a transfer and a
+    # second hop cost more than a few tokens of compute there.
+    local_prefill_max_tokens: int = 32
+    # AUTO: when the least busy prefill actor has this many prompt tokens queued, prompts up to
+    # ``busy_local_prefill_max_tokens`` are prefilled locally instead of waiting behind them.
+    prefill_busy_tokens: int = 8192
+    busy_local_prefill_max_tokens: int = 512
+    max_queued_requests: int = 256  # requests admitted but without a first token; beyond: RESOURCE_EXHAUSTED
+    max_prefill_retries: int = 2  # another prefill actor after one died mid-request
+    max_decode_restarts: int = 2  # restart elsewhere when a decode actor died before the first token
+    kv_lease_s: float = 120.0  # how long a decode reservation may wait for its KV
+    capacity_wait_s: float = 60.0  # how long a request may wait at the router for decode capacity
+    output_poll_s: float = 0.05  # long-poll window of the per-decode-actor output collector
+    status_timeout_s: float = 5.0
+
+    def validate(self) -> None:
+        for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "max_queued_requests", "max_prefill_retries", "max_decode_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("kv_lease_s", "capacity_wait_s", "output_poll_s", "status_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

@@ -1,0 +1,301 @@
+"""A request's path through the workers: reserve, prefill, relay, retry, abort.
+
+A request's life here (disaggregated path):
+1. ``dispatch`` picks a decode actor D (least loaded), waiting at the router while every D is
+   full, and asks D to ``reserve`` blocks for the prompt. Short prompts, a busy prefill pool
+   or an empty one send the prompt to D instead (``add_local``).
+2. A background task submits the prompt to a prefill actor P with D's destination. P pushes
+   the KV chunk by chunk and returns the first token; the task relays it to D (``start``).
+   If P dies, D's reservation is dropped (a dead writer writes nothing more) and the prompt
+   goes to another P, a bounded number of times.
+3. One collector task per D long-polls its outputs and routes them to each request's queue.
+   If D dies, its requests that have sent no token yet are dispatched again elsewhere; the
+   others end with UNAVAILABLE.
+4. ``finish`` runs when the stream ends for any reason. If the request did not end on D by
+   itself, it is aborted on D and cancelled on P, and D frees its reserved blocks only after
+   P's report that no write is still in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from decode_workers.messages import DecodeRequest, SeqOutput
+from decode_workers.worker import DecodeCapacityError
+from engine.stats import WorkerState
+from prefill_workers.messages import PrefillRequest
+from router.config import Disaggregation, RouterConfig
+from router.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from router.output_stream import OutputAssembler
+from router.pool import Role, WorkerPool, WorkerRecord
+from router.validation import ValidatedRequest
+
+logger = logging.getLogger(__name__)
+
+WORKER_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+
+
+@dataclass(slots=True)
+class Restart:
+    """The decode actor died before this request produced a token: dispatch it again."""
+
+    reason: str
+
+
+@dataclass(slots=True)
+class Failure:
+    """The request cannot go on; ``error`` is what the client is told."""
+
+    error: Exception
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    request: ValidatedRequest
+    assembler: OutputAssembler
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    decode: WorkerRecord | None = None
+    prefill: WorkerRecord | None = None
+    prefill_task: asyncio.Task | None = None
+    decode_finished: bool = False
+    num_restarts: int = 0
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, config: RouterConfig):
+        self.pool = pool
+        self.config = config
+        self.active: dict[str, ActiveRequest] = {}
+        self._collectors: dict[str, asyncio.Task] = {}
+
+    @property
+    def num_queued(self) -> int:
+        """Requests admitted that have not produced a token yet."""
+        return sum(1 for a in self.active.values() if not a.assembler.has_sent_tokens)
+
+    def admit(self, active: ActiveRequest) -> None:
+        if active.req_id in self.active:
+            raise InvalidArgumentError("request_id", f"{active.req_id!r} is already in flight")
+        if self.num_queued >= self.config.max_queued_requests:
+            raise ResourceExhaustedError(
+                f"{self.num_queued} requests are already waiting for their first token "
+                f"(limit {self.config.max_queued_requests}); retry later"
+            )
+        self.active[active.req_id] = active
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    async def dispatch(self, active: ActiveRequest) -> None:
+        """Place the request on a decode actor (and a prefill actor), waiting for capacity."""
+        request = active.request
+        give_up_at = time.monotonic() + self.config.capacity_wait_s
+        if request.deadline is not None:
+            give_up_at = min(give_up_at, request.deadline)
+        tried: set[str] = set()
+        while True:
+            decode = self.pool.pick(Role.DECODE, exclude=tried) or self.pool.pick(Role.DECODE)
+            if decode is None:
+                raise UnavailableError("no decode worker is available")
+            local = self._prefill_locally(request)
+            decode_request = DecodeRequest(
+                request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self._lease_s(request)
+            )
+            try:
+                if local:
+                    await decode.handle.add_local.remote(decode_request)
+                    destination = None
+                else:
+                    destination = await decode.handle.reserve.remote(decode_request)
+                break
+            except DecodeCapacityError as exc:
+                tried.add(decode.worker_id)
+                if len(tried) >= len(self.pool.routable(Role.DECODE)):
+                    tried.clear()
+                    if time.monotonic() >= give_up_at:
+                        raise _capacity_error(request, exc) from None
+                    await asyncio.sleep(0.01)
+            except WORKER_GONE:
+                self.on_worker_died(decode)
+        active.decode = decode
+        active.decode_finished = False
+        active.assembler.decode_worker_id = decode.worker_id
+        active.assembler.prefill_worker_id = ""
+        self.pool.assign(decode, request.req_id)
+        self._ensure_collector(decode)
+        active.assembler.timing.dispatched = time.monotonic()
+        if destination is not None:
+            active.prefill_task = asyncio.create_task(self._prefill(active, destination))
+
+    def _prefill_locally(self, request: ValidatedRequest) -> bool:
+        mode = self.config.disaggregation
+        if mode is Disaggregation.NEVER or not self.pool.routable(Role.PREFILL):
+            return True
+        if mode is Disaggregation.ALWAYS:
+            return False
+        num_tokens = len(request.prompt_token_ids)
+        if num_tokens <= self.config.local_prefill_max_tokens:
+            return True
+        backlog = self.pool.min_prefill_backlog() or 0
+        return backlog >= self.config.prefill_busy_tokens and num_tokens <= self.config.busy_local_prefill_max_tokens
+
+    def _lease_s(self, request: ValidatedRequest) -> float:
+        if request.deadline is None:
+            return self.config.kv_lease_s
+        return max(1.0, min(self.config.kv_lease_s, request.deadline - time.monotonic() + 1.0))
+
+    async def _prefill(self, active: ActiveRequest, destination) -> None:
+        request, decode = active.request, active.decode
+        tried: set[str] = set()
+        num_tokens = len(request.prompt_token_ids)
+        for attempt in range(self.config.max_prefill_retries + 1):
+            prefill = self.pool.pick(Role.PREFILL, exclude=tried)
+            if prefill is None:
+                break
+            active.prefill = prefill
+            active.assembler.prefill_worker_id = prefill.worker_id
+            self.pool.assign(prefill, request.req_id, num_tokens)
+            try:
+                result = await prefill.handle.submit.remote(
+                    PrefillRequest(request.req_id, request.prompt_token_ids, request.sampling_params, destination, decode.handshake_offer, request.priority)
+                )
+            except WORKER_GONE:
+                logger.warning("req %s: prefill worker %s died (attempt %d)", request.req_id, prefill.worker_id, attempt + 1)
+                self.on_worker_died(prefill)
+                tried.add(prefill.worker_id)
+                try:
+                    # The dead writer writes nothing more: free the reservation and take a fresh one.
+                    await decode.handle.abort.remote(request.req_id)
+                    await decode.handle.confirm_quiesced.remote(request.req_id)
+                    destination = await decode.handle.reserve.remote(
+                        DecodeRequest(request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self._lease_s(request))
+                    )
+                except WORKER_GONE:
+                    return  # the collector reports the decode actor's death
+                except Exception as exc:
+                    active.outputs.put_nowait(Failure(UnavailableError(f"re-reserving KV after a prefill worker died failed: {exc}")))
+                    return
+                continue
+            except Exception as exc:
+                logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, exc)
+                active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
+                return
+            finally:
+                self.pool.release(prefill, request.req_id, num_tokens)
+            active.assembler.timing.prefill = result.timing
+            try:
+                await decode.handle.start.remote(request.req_id, result.first_token_id, result.first_logprob)
+            except WORKER_GONE:
+                pass  # the collector reports the decode actor's death
+            return
+        active.outputs.put_nowait(
+            Failure(UnavailableError(f"prefill failed on {len(tried)} prefill workers; no other is available"))
+        )
+
+    # -- outputs --------------------------------------------------------------------------
+
+    def _ensure_collector(self, decode: WorkerRecord) -> None:
+        task = self._collectors.get(decode.worker_id)
+        if task is None or task.done():
+            self._collectors[decode.worker_id] = asyncio.create_task(self._collect(decode))
+
+    async def _collect(self, decode: WorkerRecord) -> None:
+        while decode.req_ids:
+            try:
+                outputs: list[SeqOutput] = await decode.handle.poll_outputs.remote(self.config.output_poll_s)
+            except WORKER_GONE:
+                self.on_worker_died(decode)
+                return
+            except Exception:
+                logger.exception("output collection from %s failed", decode.worker_id)
+                await asyncio.sleep(0.1)
+                continue
+            for out in outputs:
+                active = self.active.get(out.req_id)
+                if active is not None and active.decode is decode:
+                    if out.finished:
+                        active.decode_finished = True
+                        self.pool.release(decode, out.req_id)
+                    active.outputs.put_nowait(out)
+
+    def on_worker_died(self, record: WorkerRecord) -> None:
+        """Stop routing to a dead worker and tell its decode requests what that means."""
+        if record.state is WorkerState.DEAD:
+            return
+        record.state = WorkerState.DEAD
+        logger.warning("worker %s (%s) is dead", record.worker_id, record.role.value)
+        if record.role is not Role.DECODE:
+            return
+        for req_id in list(record.req_ids):
+            self.pool.release(record, req_id)
+            active = self.active.get(req_id)
+            if active is None or active.decode is not record:
+                continue
+            if active.prefill_task is not None:
+                active.prefill_task.cancel()
+            if not active.assembler.has_sent_tokens and active.num_restarts < self.config.max_decode_restarts:
+                active.outputs.put_nowait(Restart(f"decode worker {record.worker_id} died"))
+            else:
+                active.outputs.put_nowait(Failure(UnavailableError(f"decode worker {record.worker_id} died mid-stream")))
+
+    # -- the end --------------------------------------------------------------------------
+
+    async def finish(self, active: ActiveRequest) -> None:
+        """Release everything the request holds; abort it on its workers if it did not end there."""
+        self.active.pop(active.req_id, None)
+        decode = active.decode
+        if active.prefill_task is not None and not active.prefill_task.done():
+            active.prefill_task.cancel()
+        if decode is None or active.decode_finished:
+            return
+        self.pool.release(decode, active.req_id)
+        await self._abort_on_workers(active)
+
+    async def _abort_on_workers(self, active: ActiveRequest) -> None:
+        req_id, decode, prefill = active.req_id, active.decode, active.prefill
+        try:
+            await decode.handle.abort.remote(req_id)
+        except WORKER_GONE:
+            return
+        if prefill is None:
+            return
+        try:
+            report = await prefill.handle.cancel.remote(req_id)
+            for _ in range(200):  # bounded: the lease frees the blocks if the writer never confirms
+                if report.quiesced:
+                    break
+                await asyncio.sleep(0.01)
+                report = await prefill.handle.quiesce_report.remote(req_id)
+            if not report.quiesced:
+                logger.warning("req %s: %s never quiesced; the lease will free the blocks", req_id, prefill.worker_id)
+                return
+        except WORKER_GONE:
+            pass  # a dead writer has nothing in flight
+        try:
+            await decode.handle.confirm_quiesced.remote(req_id)
+        except WORKER_GONE:
+            pass
+
+    async def close(self) -> None:
+        for task in self._collectors.values():
+            task.cancel()
+
+
+def _capacity_error(request: ValidatedRequest, exc: Exception) -> Exception:
+    if request.deadline is not None and time.monotonic() >= request.deadline:
+        return DeadlineExceededError("the deadline passed while waiting for decode capacity")
+    return ResourceExhaustedError(f"no decode worker has room for this request: {_reason(exc)}")
+
+
+def _reason(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None)
+    return str(cause if cause is not None else exc).strip().splitlines()[-1]
+

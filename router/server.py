@@ -1,0 +1,245 @@
+"""The router's gRPC server (grpc.aio): Generation and Admin services, health, reflection.
+
+A Generate call's life here: validate and tokenize (INVALID_ARGUMENT naming the field on
+any problem), admit (RESOURCE_EXHAUSTED beyond the queue limit), dispatch to workers, then
+relay decode outputs as they arrive, detokenized and cut at stop strings. However the call
+ends (finished, stop string, client cancel, deadline, error) ``Dispatcher.finish`` releases
+what it holds on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from ray.exceptions import RayTaskError
+
+from decode_workers.messages import SeqOutput
+from engine.config import ModelConfig
+from router.api.pdserve.v1 import generation_pb2 as pb
+from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.dispatcher import WORKER_GONE, ActiveRequest, Dispatcher, Failure, Restart
+from router.errors import NotFoundError, UnavailableError, abort_with
+from router.output_stream import OutputAssembler
+from router.pool import Role, WorkerPool, WorkerRecord
+from router.tokenizer import Tokenizer
+from router.validation import RequestLimits, validate_drain_worker_request, validate_generate_request, validate_scale_pool_request
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {Role.PREFILL: pb.WORKER_ROLE_PREFILL, Role.DECODE: pb.WORKER_ROLE_DECODE}
+_STATES = {
+    "starting": pb.WORKER_STATE_STARTING,
+    "ready": pb.WORKER_STATE_READY,
+    "draining": pb.WORKER_STATE_DRAINING,
+    "unhealthy": pb.WORKER_STATE_UNHEALTHY,
+    "dead": pb.WORKER_STATE_DEAD,
+}
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    max_context_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path, block_size: int, max_model_len: int | None, eos_token_ids: list[int]) -> "ModelInfo":
+        config = ModelConfig.from_model_dir(model_dir)
+        limit = config.max_position_embeddings
+        if config.sliding_window is not None:
+            limit = min(limit, config.sliding_window)
+        if max_model_len is not None:
+            limit = min(limit, max_model_len)
+        return cls(Path(model_dir).name, config.architecture, limit, config.vocab_size, eos_token_ids or config.eos_token_ids, block_size)
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, router: "Router"):
+        self.router = router
+
+    async def Generate(self, request, context):
+        router = self.router
+        try:
+            validated = validate_generate_request(
+                request, router.limits, router.tokenizer.encode, timeout_s=context.time_remaining()
+            )
+            active = ActiveRequest(validated, OutputAssembler(validated, router.tokenizer))
+            router.dispatcher.admit(active)
+        except Exception as exc:
+            await abort_with(context, _unwrap(exc))
+        try:
+            await router.dispatcher.dispatch(active)
+            while True:
+                item = await active.outputs.get()
+                if isinstance(item, SeqOutput):
+                    response = active.assembler.on_output(item)
+                    yield response
+                    if active.assembler.finished:
+                        return
+                elif isinstance(item, Restart):
+                    active.num_restarts += 1
+                    logger.warning("req %s: restarting (%s)", active.req_id, item.reason)
+                    await router.dispatcher.dispatch(active)
+                elif isinstance(item, Failure):
+                    if active.assembler.has_sent_tokens and not isinstance(item.error, UnavailableError):
+                        yield active.assembler.final_message("error", str(item.error))
+                        return
+                    raise item.error
+        except asyncio.CancelledError:
+            logger.info("req %s: cancelled by the client or its deadline", active.req_id)
+            raise
+        except Exception as exc:
+            logger.warning("req %s: ended with %r", active.req_id, exc)
+            await abort_with(context, _unwrap(exc))
+        finally:
+            # Shielded: a cancelled RPC must still free its blocks on every worker.
+            await asyncio.shield(router.dispatcher.finish(active))
+
+    async def GetModelInfo(self, request, context):
+        info = self.router.model_info
+        return pb.GetModelInfoResponse(
+            model_name=info.name,
+            architecture=info.architecture,
+            max_context_len=info.max_context_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            block_size=info.block_size,
+        )
+
+    async def GetClusterStatus(self, request, context):
+        return pb.GetClusterStatusResponse(workers=await self.router.worker_statuses())
+
+
+class AdminService(pb_grpc.AdminServicer):
+    def __init__(self, router: "Router"):
+        self.router = router
+
+    async def ScalePool(self, request, context):
+        try:
+            validate_scale_pool_request(request, self.router.max_replicas)
+            if self.router.pool_manager is None:
+                raise UnavailableError("this router was started without a pool manager; scaling is not possible")
+            role = Role.PREFILL if request.role == pb.WORKER_ROLE_PREFILL else Role.DECODE
+            previous = await self.router.pool_manager.scale(role, request.replicas)
+            return pb.ScalePoolResponse(role=request.role, previous_replicas=previous, replicas=request.replicas)
+        except Exception as exc:
+            await abort_with(context, _unwrap(exc))
+
+    async def DrainWorker(self, request, context):
+        try:
+            validate_drain_worker_request(request)
+            record = self.router.pool.workers.get(request.worker_id)
+            if record is None:
+                raise NotFoundError(f"no worker {request.worker_id!r}")
+            await self.router.drain(record)
+            return pb.DrainWorkerResponse(worker_id=record.worker_id, state=_STATES[record.state.value])
+        except Exception as exc:
+            await abort_with(context, _unwrap(exc))
+
+
+class Router:
+    """Owns the pool, the dispatcher and the gRPC server of one deployment."""
+
+    def __init__(self, model_dir: Path, model_info: ModelInfo, config: RouterConfig | None = None, pool_manager=None, max_replicas: int = 64):
+        self.config = config or RouterConfig()
+        self.config.validate()
+        self.model_info = model_info
+        self.tokenizer = Tokenizer.from_model_dir(model_dir)
+        self.limits = RequestLimits(vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len)
+        self.pool = WorkerPool(self.config.routing_policy)
+        self.dispatcher = Dispatcher(self.pool, self.config)
+        self.pool_manager = pool_manager
+        self.max_replicas = max_replicas
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        self.server = grpc.aio.server()
+        pb_grpc.add_GenerationServicer_to_server(GenerationService(self), self.server)
+        pb_grpc.add_AdminServicer_to_server(AdminService(self), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Generation", "Admin")]
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self.server.start()
+        for service in ("", *names):
+            await _set_health(self.health, service, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("router serving on %s:%d", self.config.host, self.port)
+        return self.port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.dispatcher.close()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+
+    async def add_worker(self, role: Role, worker_id: str, handle) -> WorkerRecord:
+        """Route to a started worker from now on (its handshake offer is fetched once)."""
+        epoch = await handle.ping.remote()
+        record = WorkerRecord(worker_id, role, handle, epoch=epoch)
+        if role is Role.DECODE:
+            record.handshake_offer = await handle.handshake_offer.remote()
+        self.pool.add(record)
+        return record
+
+    async def drain(self, record: WorkerRecord) -> None:
+        """No new requests for this worker; it finishes what it has."""
+        from engine.stats import WorkerState
+
+        record.state = WorkerState.DRAINING
+        try:
+            await record.handle.drain.remote()
+        except WORKER_GONE:
+            self.dispatcher.on_worker_died(record)
+
+    async def worker_statuses(self) -> list[pb.WorkerStatus]:
+        records = list(self.pool.workers.values())
+        results = await asyncio.gather(
+            *(asyncio.wait_for(_await_ref(r.handle.status.remote()), self.config.status_timeout_s) for r in records),
+            return_exceptions=True,
+        )
+        statuses = []
+        for record, result in zip(records, results):
+            status = pb.WorkerStatus(worker_id=record.worker_id, role=_ROLES[record.role], epoch=record.epoch)
+            if isinstance(result, BaseException):
+                status.state = pb.WORKER_STATE_DEAD if isinstance(result, WORKER_GONE) else pb.WORKER_STATE_UNHEALTHY
+            else:
+                engine = result.engine
+                # The router's view wins for draining/dead; the worker's for everything else.
+                status.state = _STATES[record.state.value if record.state.value != "ready" else result.state.value]
+                status.queue_depth = engine.num_waiting + getattr(result, "num_awaiting_kv", 0)
+                status.num_queued_prefill_tokens = engine.num_queued_prefill_tokens
+                status.num_kv_blocks_used = engine.num_used_blocks
+                status.num_kv_blocks_free = engine.num_free_blocks
+                status.num_running_seqs = engine.num_running
+                status.epoch = result.epoch
+                status.node = result.node
+            statuses.append(status)
+        return statuses
+
+
+async def _await_ref(ref):
+    return await ref
+
+
+async def _set_health(servicer, service: str, status) -> None:
+    result = servicer.set(service, status)
+    if asyncio.iscoroutine(result):
+        await result
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The exception an actor raised, without Ray's wrapper (whose text has a traceback)."""
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        return exc.cause
+    return exc
