@@ -1,0 +1,129 @@
+"""End-to-end fixtures: a real local Ray cluster, real actors, NIXL, and a gRPC client.
+
+The model is a small random-weight Llama with a trained byte-level BPE tokenizer in the
+same directory, so the router tokenizes and detokenizes real text and transformers gives
+the reference outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import torch
+
+from cluster.deployment import Deployment, DeploymentSpec
+from engine import EngineConfig
+from router.api.pdserve.v1 import generation_pb2 as pb
+from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from tests.checkpoints import build_checkpoint
+from tests.router.tokenizer_builders import BASE_CONFIG, save_model_dir, train_byte_level_bpe
+
+torch.set_num_threads(1)
+
+
+@dataclass
+class E2EModel:
+    path: object
+    hf_model: object
+    vocab_size: int
+
+
+@pytest.fixture(scope="session")
+def e2e_model(tmp_path_factory) -> E2EModel:
+    path = tmp_path_factory.mktemp("e2e_model")
+    tokenizer = train_byte_level_bpe(400)
+    model = build_checkpoint("llama", path, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=2048)
+    save_model_dir(path, tokenizer, BASE_CONFIG)
+    return E2EModel(path, model, tokenizer.get_vocab_size())
+
+
+def engine_config(**overrides) -> EngineConfig:
+    fields = dict(num_kv_blocks=256, max_num_batched_tokens=64, long_prefill_chunk=32, num_threads=1)
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+@contextlib.contextmanager
+def running_deployment(model: E2EModel, num_prefill: int, num_decode: int, router: RouterConfig, **spec_overrides):
+    spec = DeploymentSpec(
+        model_path=model.path,
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        prefill_engine=spec_overrides.pop("prefill_engine", engine_config()),
+        decode_engine=spec_overrides.pop("decode_engine", engine_config()),
+        router=router,
+        actor_num_cpus=0.5,
+        **spec_overrides,
+    )
+    deployment = Deployment(spec)
+    deployment.start()
+    try:
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+@dataclass
+class Stream:
+    """Everything one Generate stream delivered."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    messages: list = field(default_factory=list)
+    arrival_times: list[float] = field(default_factory=list)
+
+    @property
+    def last(self):
+        return self.messages[-1]
+
+
+class Client:
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+
+    def generate(self, timeout: float | None = 60, **request) -> Stream:
+        stream = Stream()
+        for message in self.stub.Generate(make_request(**request), timeout=timeout):
+            stream.messages.append(message)
+            stream.arrival_times.append(time.monotonic())
+            stream.token_ids.extend(message.token_ids)
+            stream.text += message.text
+        return stream
+
+    def status(self):
+        return self.stub.GetClusterStatus(pb.GetClusterStatusRequest()).workers
+
+    def wait_until_idle(self, timeout_s: float = 20.0):
+        """Poll GetClusterStatus until no worker holds a block or a sequence; return the statuses."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workers = self.status()
+            if all(w.num_kv_blocks_used == 0 and w.num_running_seqs == 0 and w.queue_depth == 0 for w in workers):
+                return workers
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers still hold work: {workers}")
+            time.sleep(0.05)
+
+    def close(self):
+        self.channel.close()
+
+
+def make_request(prompt_token_ids=None, prompt_text=None, **sampling) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
+    if prompt_token_ids is not None:
+        request.prompt_token_ids.extend(prompt_token_ids)
+    if prompt_text is not None:
+        request.prompt_text = prompt_text
+    return request
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_session):
+    return ray_session
