@@ -107,7 +107,7 @@ class Dispatcher:
                 raise UnavailableError("no decode worker is available")
             local = self._prefill_locally(request)
             decode_request = DecodeRequest(
-                request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self._lease_s(request)
+                request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self.config.kv_lease_s
             )
             try:
                 if local:
@@ -147,11 +147,6 @@ class Dispatcher:
         backlog = self.pool.min_prefill_backlog() or 0
         return backlog >= self.config.prefill_busy_tokens and num_tokens <= self.config.busy_local_prefill_max_tokens
 
-    def _lease_s(self, request: ValidatedRequest) -> float:
-        if request.deadline is None:
-            return self.config.kv_lease_s
-        return max(1.0, min(self.config.kv_lease_s, request.deadline - time.monotonic() + 1.0))
-
     async def _prefill(self, active: ActiveRequest, destination) -> None:
         request, decode = active.request, active.decode
         tried: set[str] = set()
@@ -176,7 +171,7 @@ class Dispatcher:
                     await decode.handle.abort.remote(request.req_id)
                     await decode.handle.confirm_quiesced.remote(request.req_id)
                     destination = await decode.handle.reserve.remote(
-                        DecodeRequest(request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self._lease_s(request))
+                        DecodeRequest(request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self.config.kv_lease_s)
                     )
                 except WORKER_GONE:
                     return  # the collector reports the decode actor's death

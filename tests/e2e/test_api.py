@@ -1,0 +1,212 @@
+"""The Generate API as a client sees it: streaming, text, stops, cancel, deadlines, bad input."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoTokenizer
+
+from router.api.pdserve.v1 import generation_pb2 as pb
+from router.config import Disaggregation, RouterConfig
+from tests.checkpoints import hf_greedy, random_prompts
+from tests.e2e.conftest import Client, make_request, running_deployment
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, e2e_model):
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    with running_deployment(e2e_model, 1, 1, router) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    client = Client(deployment.address)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(e2e_model):
+    return AutoTokenizer.from_pretrained(e2e_model.path)
+
+
+def test_tokens_stream_before_generation_ends(client, e2e_model):
+    (prompt,) = random_prompts([30], e2e_model.vocab_size, seed=1)
+    stream = client.generate(prompt_token_ids=prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
+    assert len(stream.token_ids) == 40
+    assert len(stream.messages) > 5, "tokens arrive step by step, not in one message at the end"
+    first_token_at = next(t for t, m in zip(stream.arrival_times, stream.messages) if m.token_ids)
+    assert stream.arrival_times[-1] - first_token_at > 0.5 * (stream.last.timing.decode_ms / 1000)
+    assert stream.last.timing.time_to_first_token_ms < stream.last.timing.total_ms
+
+
+def test_text_is_the_tokenizer_decode_of_all_tokens(client, hf_tokenizer):
+    stream = client.generate(prompt_text="Café déjà vu 東京 😀", max_tokens=30, temperature=0.0, ignore_eos=True)
+    assert stream.text == hf_tokenizer.decode(stream.token_ids, skip_special_tokens=True)
+    sampled = client.generate(prompt_text="Emoji 👍🏽 and Привет", max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    assert sampled.text == hf_tokenizer.decode(sampled.token_ids, skip_special_tokens=True)
+
+
+def test_prompt_text_is_tokenized_like_transformers(client, e2e_model, hf_tokenizer):
+    text = "The quick brown fox, São Paulo"
+    ids = hf_tokenizer(text)["input_ids"]
+    stream = client.generate(prompt_text=text, max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert stream.last.usage.prompt_tokens == len(ids)
+    assert stream.token_ids == hf_greedy(e2e_model.hf_model, ids, 8)
+
+
+def test_stop_string_spanning_tokens_ends_generation(client, e2e_model, hf_tokenizer):
+    (prompt,) = random_prompts([12], e2e_model.vocab_size, seed=5)
+    full = client.generate(prompt_token_ids=prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
+    # A stop string made of the last character of one token's text and the first of the next.
+    boundaries = [len(hf_tokenizer.decode(full.token_ids[:i])) for i in range(8, 30)]
+    boundary = next(b for b, after in zip(boundaries, boundaries[1:]) if 0 < b < after and b < len(full.text))
+    stop = full.text[boundary - 1 : boundary + 1]
+    start = full.text.find(stop)
+    stopped = client.generate(prompt_token_ids=prompt, max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+    assert stopped.last.finish_reason == pb.FINISH_REASON_STOP
+    assert stopped.last.matched_stop_string == stop
+    assert stopped.text == full.text[:start]
+    assert len(stopped.token_ids) < 40
+
+
+def test_stop_token_id_ends_generation_with_reason_stop(client, e2e_model):
+    (prompt,) = random_prompts([12], e2e_model.vocab_size, seed=6)
+    full = client.generate(prompt_token_ids=prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
+    target = full.token_ids[7]
+    stopped = client.generate(prompt_token_ids=prompt, max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[target])
+    position = full.token_ids.index(target)
+    assert stopped.token_ids == full.token_ids[: position + 1]
+    assert stopped.last.finish_reason == pb.FINISH_REASON_STOP
+    assert stopped.last.matched_stop_token_id == target
+
+
+def test_logprobs_are_streamed_per_token(client, e2e_model):
+    (prompt,) = random_prompts([20], e2e_model.vocab_size, seed=7)
+    stream = client.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    entries = [e for m in stream.messages for e in m.logprobs]
+    assert len(entries) == 6
+    for token, entry in zip(stream.token_ids, entries):
+        assert entry.top[0].token_id == token  # greedy: the sampled token is the most likely one
+        assert entry.logprob == pytest.approx(entry.top[0].logprob, abs=1e-5)
+
+
+def test_client_cancel_mid_stream_frees_every_block(client, e2e_model):
+    (prompt,) = random_prompts([300], e2e_model.vocab_size, seed=8)
+    call = client.stub.Generate(make_request(prompt_token_ids=prompt, max_tokens=1500, temperature=0.0, ignore_eos=True))
+    received = 0
+    for message in call:
+        received += len(message.token_ids)
+        if received >= 3:
+            call.cancel()
+            break
+    assert received >= 3
+    client.wait_until_idle()
+
+
+def test_cancel_during_prefill_frees_blocks_on_both_actors(client, e2e_model):
+    (prompt,) = random_prompts([1200], e2e_model.vocab_size, seed=9)
+    call = client.stub.Generate(make_request(prompt_token_ids=prompt, max_tokens=50, temperature=0.0, ignore_eos=True))
+    threading.Timer(0.15, call.cancel).start()
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    client.wait_until_idle()
+
+
+def test_expired_deadline_frees_every_block(client, e2e_model):
+    (prompt,) = random_prompts([200], e2e_model.vocab_size, seed=10)
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(timeout=0.3, prompt_token_ids=prompt, max_tokens=1500, temperature=0.0, ignore_eos=True)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    client.wait_until_idle()
+
+
+@pytest.mark.parametrize(
+    "request_fields, field",
+    [
+        (dict(), "prompt"),
+        (dict(prompt_text=""), "prompt"),
+        (dict(prompt_text="hi", prompt_token_ids=[5]), "prompt"),
+        (dict(prompt_token_ids=[5, 100000]), "prompt_token_ids"),
+        (dict(prompt_token_ids=list(range(3, 300)) * 7), "prompt"),
+        (dict(prompt_token_ids=[5], max_tokens=0), "max_tokens"),
+        (dict(prompt_token_ids=[5], temperature=-1.0), "temperature"),
+        (dict(prompt_token_ids=[5], top_p=1.5), "top_p"),
+        (dict(prompt_token_ids=[5], top_p=0.0), "top_p"),
+        (dict(prompt_token_ids=[5], top_k=-5), "top_k"),
+        (dict(prompt_token_ids=[5], min_p=2.0), "min_p"),
+        (dict(prompt_token_ids=[5], logprobs=1000), "logprobs"),
+        (dict(prompt_token_ids=[5], stop=[""]), "stop"),
+        (dict(prompt_token_ids=[5], stop_token_ids=[99999]), "stop_token_ids"),
+    ],
+)
+def test_bad_input_is_invalid_argument_naming_the_field(client, request_fields, field):
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(**request_fields)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+
+
+def test_unknown_enum_value_and_bad_request_id_are_refused(client):
+    request = make_request(prompt_token_ids=[5, 6], max_tokens=2)
+    request.request_id = "bad id with spaces"
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.stub.Generate(request))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in info.value.details()
+    admin_request = pb.ScalePoolRequest(replicas=1)
+    admin_request.role = 7  # not a WorkerRole
+    with pytest.raises(grpc.RpcError) as info:
+        client.admin.ScalePool(admin_request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in info.value.details()
+
+
+def test_server_keeps_serving_after_bad_requests(client, e2e_model):
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError):
+            client.generate(prompt_token_ids=[5], top_p=7.0)
+    (prompt,) = random_prompts([10], e2e_model.vocab_size, seed=11)
+    stream = client.generate(prompt_token_ids=prompt, max_tokens=5, temperature=0.0, ignore_eos=True)
+    assert stream.token_ids == hf_greedy(e2e_model.hf_model, prompt, 5)
+    client.wait_until_idle()
+
+
+def test_backpressure_answers_resource_exhausted_at_once(deployment, client, e2e_model):
+    config = deployment.router.config
+    saved = config.max_queued_requests
+    config.max_queued_requests = 0  # everything beyond the limit; the admission rule itself is unit-tested
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(prompt_token_ids=[5, 6, 7], max_tokens=3)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry later" in info.value.details()
+        assert time.monotonic() - started < 1.0, "refused at once, not queued"
+    finally:
+        config.max_queued_requests = saved
+    assert len(client.generate(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
+    client.wait_until_idle()
+
+
+def test_model_info_health_and_reflection(client, e2e_model, deployment):
+    info = client.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.vocab_size == e2e_model.vocab_size
+    assert info.architecture == "LlamaForCausalLM"
+    assert info.max_context_len == 2048
+    assert info.block_size == 16
+    health = health_pb2_grpc.HealthStub(client.channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    reflect = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+    responses = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    services = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= services
+    roles = sorted(w.role for w in client.status())
+    assert roles == [pb.WORKER_ROLE_PREFILL, pb.WORKER_ROLE_DECODE]
