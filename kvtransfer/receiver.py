@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -41,6 +42,10 @@ from kvtransfer.messages import FreedBlocks, KVDestination, PeerRef, ReceiveEven
 from kvtransfer.transport import Incoming, Transport
 
 logger = logging.getLogger(__name__)
+
+# Tokens freed on a writer's quiesced report, remembered so that their trailing
+# notifications (the bytes landed before the writer saw the write done) are not alarms.
+_MAX_QUIESCED_TOKENS = 4096
 
 
 class _State(enum.Enum):
@@ -80,7 +85,8 @@ class KVReceiver:
         self._by_token: dict[int, _Reservation] = {}
         self._owner: dict[int, str] = {}
         self._next_token = 1
-        self.num_late_writes = 0  # notifications for freed blocks: must stay 0
+        self._quiesced_tokens: OrderedDict[int, None] = OrderedDict()
+        self.num_late_writes = 0  # writes seen for blocks freed without the writer's word: must stay 0
 
     def reserve(self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None) -> KVDestination:
         """Take ownership of ``block_ids`` for ``req_id`` under a lease; return the destination."""
@@ -148,6 +154,9 @@ class KVReceiver:
         if res is None or res.req_id != notif.req_id:
             if self._transport.receiver_lands:
                 logger.info("req %s: dropped a write for a reservation that is gone", notif.req_id)
+            elif notif.token in self._quiesced_tokens:
+                logger.debug("req %s: notification of write %d trailed the writer's quiesced report",
+                             notif.req_id, notif.seq)
             else:
                 self.num_late_writes += 1
                 logger.error("req %s: write %d landed after its blocks were freed (from %s)",
@@ -205,6 +214,9 @@ class KVReceiver:
     def num_valid_blocks(self, req_id: str) -> int:
         return self._get(req_id).num_valid
 
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self._get(req_id).block_ids)
+
     def num_reserved_blocks(self) -> int:
         return len(self._owner)
 
@@ -238,6 +250,9 @@ class KVReceiver:
             return []
         if res.state is _State.RECEIVING:
             logger.info("req %s: writer quiesced before an abort; aborting now", req_id)
+        self._quiesced_tokens[res.token] = None
+        if len(self._quiesced_tokens) > _MAX_QUIESCED_TOKENS:
+            self._quiesced_tokens.popitem(last=False)
         return self._free(res)
 
     def _free(self, res: _Reservation) -> list[int]:

@@ -116,6 +116,9 @@ class KVWorker:
         self.send_log.extend(events)
         return events
 
+    def disconnect(self, peer_name: str) -> list[str]:
+        return self.agent.disconnect(peer_name, "the test killed it")
+
     def quiesce_reports(self, req_ids: list[str]) -> dict:
         return {r: self.agent.quiesce_report(r) for r in req_ids}
 
@@ -184,6 +187,21 @@ class KVWorker:
         ids = self.agent.confirm_quiesced(req_id)
         self.free.extend(ids)
         return ids
+
+    def dstep(self, reserves=(), aborts=(), confirms=(), completes=(), poll_s: float = 0.01) -> dict:
+        """One decode-side round of the stress test, batched into a single Ray call."""
+        dests = {}
+        for req_id, num_blocks, lease_s in reserves:
+            dests[req_id] = self.reserve(req_id, num_blocks, lease_s) if len(self.free) >= num_blocks else None
+        for req_id in aborts:
+            self.abort(req_id)
+        for req_id in confirms:
+            self.confirm(req_id)
+        for req_id in completes:
+            self.complete(req_id)
+        ready = self.poll_for(poll_s) if poll_s else self.poll()
+        digests = {r: self.digests(self.agent.receiver.block_ids(r)) for r in ready}
+        return {"dests": dests, "ready": ready, "digests": digests, "num_free": len(self.free)}
 
     def num_free(self) -> int:
         return len(self.free)

@@ -7,7 +7,7 @@ import pytest
 from kvtransfer import LeasePolicy
 
 # Short timeouts so lease paths run inside a test; both sides must share one policy.
-TEST_POLICY = LeasePolicy(lease_s=20.0, grace_s=0.3, write_timeout_s=0.5)
+TEST_POLICY = LeasePolicy(lease_s=20.0, grace_s=0.3, write_timeout_s=1.0)
 
 
 def start_workers(ray, *specs):

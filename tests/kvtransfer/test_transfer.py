@@ -103,7 +103,7 @@ def test_not_ready_while_a_block_is_missing_and_lease_returns_blocks(nixl_pair):
     p, d = nixl_pair
     req_id = "missing-block"
     free_before = ray.get(d.num_free.remote())
-    dest = ray.get(d.reserve.remote(req_id, 6, 1.0))
+    dest = ray.get(d.reserve.remote(req_id, 6, 1.2))
     # The writer claims all 6 valid but only wrote 5: never ready.
     out = ray.get(p.step.remote([(req_id, dest, [0, 1, 2, 3, 4], dest.block_ids[:5], 6)]))
     assert not out["refused"]
@@ -111,7 +111,7 @@ def test_not_ready_while_a_block_is_missing_and_lease_returns_blocks(nixl_pair):
     assert not ray.get(d.is_ready.remote(req_id))
     assert ray.get(d.state.remote())["progress"][req_id] == [6]
 
-    ray.get(d.poll_for.remote(1.2))  # past the deadline (1.0 s) and the grace (0.3 s)
+    ray.get(d.poll_for.remote(1.4))  # past the deadline (1.2 s) and the grace (0.3 s)
     state = ray.get(d.state.remote())
     assert "lease ran out with 5/6 blocks landed" in state["failed"][req_id]
     assert ray.get(d.num_free.remote()) == free_before
