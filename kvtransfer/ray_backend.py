@@ -46,6 +46,9 @@ class _Mailbox:
         queue, self._queue = self._queue, []
         return queue
 
+    def ready(self) -> bool:
+        return True
+
 
 class RayTransport(Transport):
     kind = "ray"
@@ -68,6 +71,8 @@ class RayTransport(Transport):
     def metadata(self) -> bytes:
         if self._mailbox is None:
             self._mailbox = _Mailbox.remote()
+            # An offer must be usable at once: wait until the mailbox process is up.
+            ray.get(self._mailbox.ready.remote())
         return ray.cloudpickle.dumps(self._mailbox)
 
     def add_peer(self, transport_name: str, metadata: bytes, region: KVRegion) -> None:

@@ -1,0 +1,207 @@
+"""Sender and receiver rules over a scripted transport: ordering, timeouts, leases, epochs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtransfer.errors import (
+    BlockInUseError,
+    HandshakeRequiredError,
+    IncompatiblePeerError,
+    InvalidBlocksError,
+    LeaseExpiredError,
+    PeerLostError,
+    TransferTimeoutError,
+)
+from kvtransfer.handshake import PROTOCOL_VERSION, HandshakeOffer, transport_agent_name
+from kvtransfer.layout import KVCompat, KVRegion
+from kvtransfer.leases import LeasePolicy
+from kvtransfer.messages import KVDestination, PeerRef, TransferNotif
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.sender import KVSender
+from kvtransfer.transport import Incoming, Transport, XferState
+
+COMPAT = KVCompat("m", "bfloat16", 1, 1, 8, 2)
+REGION = KVRegion(base_addr=0x1000, bytes_per_block=COMPAT.bytes_per_block, num_blocks=32)
+
+
+class ScriptedTransport(Transport):
+    """Writes stay in flight until the test finishes them; notifications are injected."""
+
+    kind = "scripted"
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[str, list, bytes]] = []
+        self.states: dict[int, XferState] = {}
+        self.inbox: list[Incoming] = []
+        self.cancellable = True
+
+    def metadata(self) -> bytes:
+        return b"md"
+
+    def add_peer(self, transport_name, metadata, region) -> None:
+        pass
+
+    def remove_peer(self, transport_name) -> None:
+        pass
+
+    def post_write(self, transport_name, runs, notif):
+        self.posts.append((transport_name, list(runs), notif))
+        self.states[len(self.posts) - 1] = XferState.IN_PROGRESS
+        return len(self.posts) - 1
+
+    def check(self, handle):
+        return self.states[handle]
+
+    def release(self, handle) -> bool:
+        return self.states[handle] is not XferState.IN_PROGRESS or self.cancellable
+
+    def get_incoming(self):
+        inbox, self.inbox = self.inbox, []
+        return inbox
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def offer(name: str, epoch: str) -> HandshakeOffer:
+    peer = PeerRef(name, epoch)
+    return HandshakeOffer(PROTOCOL_VERSION, peer, "scripted", transport_agent_name(peer), b"md", COMPAT,
+                          COMPAT.compat_hash(), REGION)
+
+
+def make_sender(policy=None, clock=time.time):
+    transport = ScriptedTransport()
+    sender = KVSender(PeerRef("P", "e1"), transport, REGION, policy or LeasePolicy(), wall_clock=clock)
+    sender.add_peer(offer("D", "e1"))
+    return sender, transport
+
+
+def dest(req_id, block_ids, deadline=None, epoch="e1", token=1):
+    return KVDestination(req_id, PeerRef("D", epoch), block_ids, deadline or time.time() + 60, token)
+
+
+def make_receiver(policy=None, clock=None):
+    transport = ScriptedTransport()
+    clock = clock or FakeClock()
+    return KVReceiver(PeerRef("D", "e1"), transport, REGION, policy or LeasePolicy(), clock), transport, clock
+
+
+def notif(req_id, token, seq, valid, spans):
+    return Incoming("P@e1", TransferNotif(req_id, token, seq, valid, spans).encode())
+
+
+def test_out_of_order_notifications_are_applied_in_sequence():
+    receiver, transport, _ = make_receiver()
+    d = receiver.reserve("r", [0, 1, 2, 3, 4, 5])
+    transport.inbox = [notif("r", d.token, 2, 6, [(4, 2)])]
+    events = receiver.poll()
+    assert events.progress == [] and not receiver.ready("r")
+    transport.inbox = [notif("r", d.token, 0, 2, [(0, 2)])]
+    assert receiver.poll().progress == [("r", 2)]
+    transport.inbox = [notif("r", d.token, 1, 4, [(2, 2)])]
+    events = receiver.poll()
+    assert events.progress == [("r", 4), ("r", 6)] and events.ready == ["r"]
+    assert receiver.complete("r") == [0, 1, 2, 3, 4, 5]
+
+
+def test_timeout_fails_only_its_request_and_an_uncancellable_write_blocks_quiesce():
+    sender, transport = make_sender(LeasePolicy(write_timeout_s=0.05))
+    sender.push("slow", dest("slow", [0, 1]), [0, 1], [0, 1], 2)
+    sender.push("fast", dest("fast", [2, 3], token=2), [2, 3], [2, 3], 2)
+    transport.states[1] = XferState.DONE
+    transport.cancellable = False
+    time.sleep(0.06)
+    events = sender.poll()
+    errors = [e.error for e in events if e.error]
+    assert [e.req_id for e in events if not e.error] == ["fast"]
+    assert len(errors) == 1 and isinstance(errors[0], TransferTimeoutError)
+    assert "slow" in str(errors[0]) and "D@e1" in str(errors[0])
+    report = sender.cancel("slow")
+    assert not report.quiesced and report.num_in_flight == 1  # still counted: it may land
+    transport.states[0] = XferState.DONE
+    assert sender.quiesce_report("slow").quiesced
+
+
+def test_a_write_into_a_block_still_being_written_waits_for_the_first():
+    sender, transport = make_sender()
+    d = dest("r", [0, 1, 2])
+    sender.push("r", d, [5, 6], [0, 1], 1)
+    sender.push("r", d, [7, 8], [1, 2], 3)
+    assert len(transport.posts) == 1
+    sender.poll()
+    assert len(transport.posts) == 1
+    transport.states[0] = XferState.DONE
+    events = sender.poll()
+    assert len(transport.posts) == 2 and [e.seq for e in events] == [0]
+    transport.states[1] = XferState.DONE
+    assert [(e.seq, e.finished) for e in sender.poll()] == [(1, True)]
+
+
+def test_no_write_is_posted_that_could_outlive_the_lease():
+    clock = FakeClock()
+    sender, transport = make_sender(LeasePolicy(write_timeout_s=10), clock)
+    d = dest("r", [0, 1], deadline=clock.now + 15)
+    sender.push("r", d, [0], [0], 1)
+    clock.now += 6  # 9 s left < 10 s write timeout
+    with pytest.raises(LeaseExpiredError, match="req r"):
+        sender.push("r", d, [1], [1], 2)
+    assert len(transport.posts) == 1
+    with pytest.raises(LeaseExpiredError):
+        sender.push("r", d, [1], [1], 2)  # the failure sticks
+    with pytest.raises(InvalidBlocksError, match="not reserved"):
+        sender.push("other", dest("other", [4]), [0], [5], 1)
+
+
+def test_blocks_have_one_owner_and_come_back_once_after_the_lease():
+    receiver, transport, clock = make_receiver(LeasePolicy(lease_s=20, grace_s=2, write_timeout_s=5))
+    d = receiver.reserve("r", [0, 1, 2])
+    with pytest.raises(BlockInUseError, match="req r"):
+        receiver.reserve("s", [2, 3])
+    transport.inbox = [notif("r", d.token, 0, 1, [(0, 1)])]
+    receiver.poll()
+    assert receiver.abort("r") == []  # a write may still be in flight
+    clock.now = d.lease_deadline + 1.9
+    assert not receiver.poll().freed
+    clock.now = d.lease_deadline + 2.0
+    freed = receiver.poll().freed
+    assert [(f.req_id, f.block_ids) for f in freed] == [("r", [0, 1, 2])]
+    assert receiver.confirm_quiesced("r") == [] and receiver.abort("r") == []
+    receiver.reserve("s", [2, 3])
+    assert receiver.num_reserved_blocks() == 2
+
+
+def test_abort_frees_ready_requests_at_once_and_others_on_confirmation():
+    receiver, transport, _ = make_receiver()
+    a = receiver.reserve("a", [0, 1])
+    receiver.reserve("b", [2, 3])
+    transport.inbox = [notif("a", a.token, 0, 2, [(0, 2)])]
+    assert receiver.poll().ready == ["a"]
+    assert receiver.abort("a") == [0, 1]
+    assert receiver.abort("b") == []
+    assert receiver.confirm_quiesced("b") == [2, 3]
+    transport.inbox = [notif("b", 2, 0, 2, [(2, 2)])]  # trails the quiesced report: not an alarm
+    receiver.poll()
+    assert receiver.num_late_writes == 0 and receiver.num_reserved_blocks() == 0
+
+
+def test_epochs_new_peer_replaces_old_and_old_offers_are_refused():
+    sender, transport = make_sender()
+    sender.push("r", dest("r", [0]), [0], [0], 0)
+    with pytest.raises(HandshakeRequiredError, match="epoch e2"):
+        sender.push("s", dest("s", [1], epoch="e2"), [0], [1], 1)
+    sender.add_peer(offer("D", "e2"))
+    events = sender.poll()
+    assert [(e.req_id, type(e.error)) for e in events] == [("r", PeerLostError)]
+    assert "restarted" in str(events[0].error)
+    with pytest.raises(IncompatiblePeerError, match="epoch"):
+        sender.add_peer(offer("D", "e1"))
+    sender.push("s", dest("s", [1], epoch="e2"), [0], [1], 1)
+    assert transport.posts[-1][0] == "D@e2"
