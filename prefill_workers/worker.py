@@ -84,8 +84,9 @@ class PrefillWorker:
         done: Future = await asyncio.wrap_future(self._thread.call(self._enqueue, request))
         return await asyncio.wrap_future(done)
 
-    async def cancel(self, req_id: str) -> QuiesceReport:
-        return await asyncio.wrap_future(self._thread.call(self._cancel, req_id))
+    async def cancel(self, req_id: str, token: int | None = None) -> QuiesceReport:
+        """Stop the request (its attempt into reservation ``token``, if given) and report writes in flight."""
+        return await asyncio.wrap_future(self._thread.call(self._cancel, req_id, token))
 
     async def quiesce_report(self, req_id: str) -> QuiesceReport:
         return await asyncio.wrap_future(self._thread.call(self.agent.quiesce_report, req_id))
@@ -120,9 +121,12 @@ class PrefillWorker:
         self._jobs[request.req_id] = job
         return job.done
 
-    def _cancel(self, req_id: str) -> QuiesceReport:
-        job = self._jobs.pop(req_id, None)
-        report = self.agent.cancel(req_id)
+    def _cancel(self, req_id: str, token: int | None) -> QuiesceReport:
+        report = self.agent.cancel(req_id, token)
+        job = self._jobs.get(req_id)
+        if job is not None and token is not None and job.request.destination.token != token:
+            return report  # a newer attempt of the same request: leave it alone
+        self._jobs.pop(req_id, None)
         if job is not None:
             self.engine.abort_request(req_id)
             job.done.set_exception(PrefillCancelledError(f"req {req_id}: cancelled on {self.worker_id}"))
@@ -180,7 +184,7 @@ class PrefillWorker:
         req_id = job.request.req_id
         self._jobs.pop(req_id, None)
         if error is not None:
-            self.agent.cancel(req_id)
+            self.agent.cancel(req_id, job.request.destination.token)
             self.engine.abort_request(req_id)
             logger.warning("req %s: prefill on %s failed: %s", req_id, self.worker_id, error)
             job.done.set_exception(error)

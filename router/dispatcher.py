@@ -27,6 +27,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from decode_workers.messages import DecodeRequest, SeqOutput
 from decode_workers.worker import DecodeCapacityError
+from kvtransfer.messages import KVDestination
 from engine.stats import WorkerState
 from prefill_workers.messages import PrefillRequest
 from router.config import Disaggregation, RouterConfig
@@ -42,9 +43,10 @@ WORKER_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 
 @dataclass(slots=True)
 class Restart:
-    """The decode actor died before this request produced a token: dispatch it again."""
+    """A worker died before this request produced a token: dispatch it again."""
 
     reason: str
+    prefill_failed: bool = False  # the prefill actor died (else the decode actor did)
 
 
 @dataclass(slots=True)
@@ -62,8 +64,10 @@ class ActiveRequest:
     decode: WorkerRecord | None = None
     prefill: WorkerRecord | None = None
     prefill_task: asyncio.Task | None = None
+    destination: KVDestination | None = None  # the decode reservation the current prefill writes into
     decode_finished: bool = False
     num_restarts: int = 0
+    num_prefill_retries: int = 0
 
     @property
     def req_id(self) -> str:
@@ -147,53 +151,69 @@ class Dispatcher:
         backlog = self.pool.min_prefill_backlog() or 0
         return backlog >= self.config.prefill_busy_tokens and num_tokens <= self.config.busy_local_prefill_max_tokens
 
-    async def _prefill(self, active: ActiveRequest, destination) -> None:
+    async def _prefill(self, active: ActiveRequest, destination: KVDestination) -> None:
         request, decode = active.request, active.decode
-        tried: set[str] = set()
-        num_tokens = len(request.prompt_token_ids)
-        for attempt in range(self.config.max_prefill_retries + 1):
-            prefill = self.pool.pick(Role.PREFILL, exclude=tried)
-            if prefill is None:
-                break
-            active.prefill = prefill
-            active.assembler.prefill_worker_id = prefill.worker_id
-            self.pool.assign(prefill, request.req_id, num_tokens)
-            try:
-                result = await prefill.handle.submit.remote(
-                    PrefillRequest(request.req_id, request.prompt_token_ids, request.sampling_params, destination, decode.handshake_offer, request.priority)
-                )
-            except WORKER_GONE:
-                logger.warning("req %s: prefill worker %s died (attempt %d)", request.req_id, prefill.worker_id, attempt + 1)
-                self.on_worker_died(prefill)
-                tried.add(prefill.worker_id)
-                try:
-                    # The dead writer writes nothing more: free the reservation and take a fresh one.
-                    await decode.handle.abort.remote(request.req_id)
-                    await decode.handle.confirm_quiesced.remote(request.req_id)
-                    destination = await decode.handle.reserve.remote(
-                        DecodeRequest(request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self.config.kv_lease_s)
-                    )
-                except WORKER_GONE:
-                    return  # the collector reports the decode actor's death
-                except Exception as exc:
-                    active.outputs.put_nowait(Failure(UnavailableError(f"re-reserving KV after a prefill worker died failed: {exc}")))
-                    return
-                continue
-            except Exception as exc:
-                logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, exc)
-                active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
-                return
-            finally:
-                self.pool.release(prefill, request.req_id, num_tokens)
-            active.assembler.timing.prefill = result.timing
-            try:
-                await decode.handle.start.remote(request.req_id, result.first_token_id, result.first_logprob)
-            except WORKER_GONE:
-                pass  # the collector reports the decode actor's death
+        prefill = self.pool.pick(Role.PREFILL)
+        if prefill is None:
+            active.outputs.put_nowait(Restart("no prefill worker is available", prefill_failed=True))
             return
-        active.outputs.put_nowait(
-            Failure(UnavailableError(f"prefill failed on {len(tried)} prefill workers; no other is available"))
-        )
+        num_tokens = len(request.prompt_token_ids)
+        active.prefill = prefill
+        active.destination = destination
+        active.assembler.prefill_worker_id = prefill.worker_id
+        self.pool.assign(prefill, request.req_id, num_tokens)
+        try:
+            result = await prefill.handle.submit.remote(
+                PrefillRequest(request.req_id, request.prompt_token_ids, request.sampling_params, destination, decode.handshake_offer, request.priority)
+            )
+        except WORKER_GONE:
+            logger.warning("req %s: prefill worker %s died", request.req_id, prefill.worker_id)
+            self.on_worker_died(prefill)
+            active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", prefill_failed=True))
+            return
+        except Exception as exc:
+            logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, _reason(exc))
+            active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
+            return
+        finally:
+            self.pool.release(prefill, request.req_id, num_tokens)
+        active.assembler.timing.prefill = result.timing
+        try:
+            await decode.handle.start.remote(request.req_id, result.first_token_id, result.first_logprob)
+        except WORKER_GONE:
+            pass  # the collector reports the decode actor's death
+
+    async def restart(self, active: ActiveRequest, reason: Restart) -> None:
+        """Dispatch again after a worker died, within the retry bounds; raise UNAVAILABLE beyond them."""
+        if reason.prefill_failed:
+            active.num_prefill_retries += 1
+            if active.num_prefill_retries > self.config.max_prefill_retries:
+                raise UnavailableError(f"{reason.reason}; gave up after {self.config.max_prefill_retries} retries")
+        else:
+            active.num_restarts += 1
+        logger.warning("req %s: dispatching again (%s)", active.req_id, reason.reason)
+        if reason.prefill_failed and active.decode is not None and active.decode.state is not WorkerState.DEAD:
+            # A dead writer writes nothing more: the reservation can be freed right away.
+            self.pool.release(active.decode, active.req_id)
+            try:
+                await active.decode.handle.abort.remote(active.req_id)
+                await active.decode.handle.confirm_quiesced.remote(active.req_id)
+            except WORKER_GONE:
+                pass
+        await self.cancel_prefill(active)
+        await self.dispatch(active)
+
+    async def cancel_prefill(self, active: ActiveRequest) -> None:
+        """Stop a prefill whose decode actor is gone (before the request is dispatched again)."""
+        if active.prefill_task is not None and not active.prefill_task.done():
+            active.prefill_task.cancel()
+        prefill, active.prefill, active.prefill_task = active.prefill, None, None
+        if prefill is None or prefill.state is WorkerState.DEAD:
+            return
+        try:
+            await prefill.handle.cancel.remote(active.req_id, active.destination.token)
+        except WORKER_GONE:
+            pass
 
     # -- outputs --------------------------------------------------------------------------
 
@@ -263,7 +283,7 @@ class Dispatcher:
         if prefill is None:
             return
         try:
-            report = await prefill.handle.cancel.remote(req_id)
+            report = await prefill.handle.cancel.remote(req_id, active.destination.token)
             for _ in range(200):  # bounded: the lease frees the blocks if the writer never confirms
                 if report.quiesced:
                     break

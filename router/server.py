@@ -87,9 +87,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if active.assembler.finished:
                         return
                 elif isinstance(item, Restart):
-                    active.num_restarts += 1
-                    logger.warning("req %s: restarting (%s)", active.req_id, item.reason)
-                    await router.dispatcher.dispatch(active)
+                    await router.dispatcher.restart(active, item)
                 elif isinstance(item, Failure):
                     if active.assembler.has_sent_tokens and not isinstance(item.error, UnavailableError):
                         yield active.assembler.final_message("error", str(item.error))

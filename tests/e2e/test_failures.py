@@ -1,0 +1,104 @@
+"""Workers die mid-request: prefill deaths are retried, decode deaths end only their streams."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import grpc
+
+from router.config import Disaggregation, RouterConfig
+from router.pool import RoutingPolicy
+from tests.checkpoints import hf_greedy, random_prompts
+from tests.e2e.conftest import Client, engine_config, running_deployment
+
+
+def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2e_model):
+    prompts = random_prompts([700, 650, 600, 550, 500, 450, 400, 350], e2e_model.vocab_size, seed=21)
+    expected = [hf_greedy(e2e_model.hf_model, p, 6) for p in prompts]
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    # Small chunks keep every prompt in prefill long enough for the kill to land mid-request.
+    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)
+    with running_deployment(e2e_model, 2, 1, router, prefill_engine=slow_prefill) as deployment:
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [
+                pool.submit(client.generate, prompt_token_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts
+            ]
+            victim = deployment.router.pool.workers["prefill-0"]
+            deadline = time.monotonic() + 30
+            while victim.num_assigned_prompt_tokens < 1000 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            in_progress = victim.num_assigned_prompt_tokens
+            deployment.kill_worker("prefill-0")
+            streams = [f.result(timeout=120) for f in futures]
+        assert in_progress >= 1000, "the killed prefill actor had prompts in progress"
+        for stream, want in zip(streams, expected):
+            assert stream.token_ids == want
+        assert all(s.last.prefill_worker_id == "prefill-1" for s in streams), "retried on the survivor"
+        survivors = [w for w in client.wait_until_idle() if w.worker_id != "prefill-0"]
+        assert all(w.num_kv_blocks_used == 0 for w in survivors)
+        client.close()
+
+
+def test_killing_a_decode_actor_ends_only_its_streams(ray_cluster, e2e_model):
+    router = RouterConfig(disaggregation=Disaggregation.NEVER, routing_policy=RoutingPolicy.ROUND_ROBIN)
+    prompts = random_prompts([10, 12, 14, 16], e2e_model.vocab_size, seed=22)
+    with running_deployment(e2e_model, 0, 2, router) as deployment:
+        client = Client(deployment.address)
+        results: dict[int, object] = {}
+
+        def run(index: int) -> None:
+            try:
+                results[index] = client.generate(
+                    timeout=120, prompt_token_ids=prompts[index], max_tokens=400, temperature=0.0, ignore_eos=True
+                )
+            except grpc.RpcError as exc:
+                results[index] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)  # every stream is decoding by now
+        deployment.kill_worker("decode-0")
+        for thread in threads:
+            thread.join(120)
+        failed = [r for r in results.values() if isinstance(r, grpc.RpcError)]
+        finished = [r for r in results.values() if not isinstance(r, grpc.RpcError)]
+        assert failed and finished, "round robin put streams on both decode actors"
+        for error in failed:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            assert "decode-0" in error.details()
+        for stream in finished:
+            assert len(stream.token_ids) == 400
+            assert stream.last.decode_worker_id == "decode-1"
+        # New requests go to the survivor.
+        again = client.generate(prompt_token_ids=prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert again.last.decode_worker_id == "decode-1"
+        assert again.token_ids == hf_greedy(e2e_model.hf_model, prompts[0], 4)
+        client.close()
+
+
+def test_request_that_sent_no_token_is_restarted_on_another_decode_actor(ray_cluster, e2e_model):
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN)
+    (prompt,) = random_prompts([1500], e2e_model.vocab_size, seed=23)
+    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)
+    with running_deployment(e2e_model, 1, 2, router, prefill_engine=slow_prefill) as deployment:
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.generate, prompt_token_ids=prompt, max_tokens=5, temperature=0.0, ignore_eos=True)
+            prefill = deployment.router.pool.workers["prefill-0"]
+            deadline = time.monotonic() + 30
+            while prefill.num_assigned_prompt_tokens == 0 and time.monotonic() < deadline:
+                time.sleep(0.002)  # wait until the prompt is prefilling: no token has reached the client
+            (active,) = deployment.router.dispatcher.active.values()
+            assert not active.assembler.has_sent_tokens
+            holder = active.decode.worker_id
+            deployment.kill_worker(holder)
+            stream = future.result(timeout=120)
+        assert stream.token_ids == hf_greedy(e2e_model.hf_model, prompt, 5)
+        assert stream.last.decode_worker_id != holder
+        survivors = [w for w in client.wait_until_idle() if w.worker_id != holder]
+        assert all(w.num_kv_blocks_used == 0 for w in survivors)
+        client.close()
