@@ -133,9 +133,9 @@ class KVAgent:
         """Completed writes and failed requests since the last call. Never blocks."""
         return self.sender.poll()
 
-    def cancel(self, req_id: str) -> QuiesceReport:
-        """Stop all writes for ``req_id`` now; the report says if any are still in flight."""
-        return self.sender.cancel(req_id)
+    def cancel(self, req_id: str, token: int | None = None) -> QuiesceReport:
+        """Stop writes for ``req_id`` (into reservation ``token`` only, if given); the report says if any are in flight."""
+        return self.sender.cancel(req_id, token)
 
     def quiesce_report(self, req_id: str) -> QuiesceReport:
         """Ask again after ``cancel`` until ``quiesced``; relay that report to the receiver."""

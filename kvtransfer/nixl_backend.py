@@ -15,11 +15,10 @@ where the writer computes for long stretches without polling.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtransfer.descriptors import BlockRun, block_byte_descs, expand_runs, run_byte_descs
+from kvtransfer.descriptors import BlockRuns, block_byte_descs
 from kvtransfer.errors import BackendUnavailableError, TransportError
 from kvtransfer.layout import KVRegion
 from kvtransfer.transport import Incoming, Transport, XferState
@@ -114,20 +113,20 @@ class NixlTransport(Transport):
         except Exception:
             logger.warning("removing nixl peer %s failed", transport_name, exc_info=True)
 
-    def post_write(self, transport_name: str, runs: Sequence[BlockRun], notif: bytes) -> Any:
+    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes) -> Any:
         peer = self._peers.get(transport_name)
         if peer is None:
             raise TransportError(f"no nixl peer {transport_name}", peer_lost=True)
         try:
             if self._mode == "prepped":
-                src, dst = expand_runs(runs)
+                src, dst = runs.expand()
                 handle = self._agent.make_prepped_xfer(
                     "WRITE", self._local_prepped, src, peer.prepped, dst, notif, skip_desc_merge=not self._merge
                 )
             else:
                 mem = self._region.nixl_mem_type
-                src_descs = self._agent.get_xfer_descs(run_byte_descs(runs, self._region, "src"), mem)
-                dst_descs = self._agent.get_xfer_descs(run_byte_descs(runs, peer.region, "dst"), peer.region.nixl_mem_type)
+                src_descs = self._agent.get_xfer_descs(runs.byte_descs(self._region, "src"), mem)
+                dst_descs = self._agent.get_xfer_descs(runs.byte_descs(peer.region, "dst"), peer.region.nixl_mem_type)
                 handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, transport_name, notif)
         except Exception as e:
             raise _as_transport_error("preparing a write", transport_name, e) from e

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 
-from kvtransfer.descriptors import BlockRun
+from kvtransfer.descriptors import BlockRuns
 from kvtransfer.errors import BackendUnavailableError, TransportError
 from kvtransfer.layout import KVRegion
 from kvtransfer.transport import Incoming, Transport, XferState
@@ -84,12 +84,13 @@ class RayTransport(Transport):
     def remove_peer(self, transport_name: str) -> None:
         self._peers.pop(transport_name, None)
 
-    def _gather(self, runs: Sequence[BlockRun]) -> list[np.ndarray]:
+    def _gather(self, runs: BlockRuns) -> list[np.ndarray]:
+        spans = zip(runs.src.tolist(), runs.count.tolist())
         if self._blocks_np is not None:
-            return [self._blocks_np[r.src_start : r.src_start + r.num_blocks] for r in runs]
-        return [self._blocks[r.src_start : r.src_start + r.num_blocks].cpu().numpy() for r in runs]
+            return [self._blocks_np[start : start + count] for start, count in spans]
+        return [self._blocks[start : start + count].cpu().numpy() for start, count in spans]
 
-    def post_write(self, transport_name: str, runs: Sequence[BlockRun], notif: bytes) -> Any:
+    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes) -> Any:
         mailbox = self._peers.get(transport_name)
         if mailbox is None:
             raise TransportError(f"no ray peer {transport_name}", peer_lost=True)

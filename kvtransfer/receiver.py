@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -84,7 +85,9 @@ class KVReceiver:
         self._by_req: dict[str, _Reservation] = {}
         self._by_token: dict[int, _Reservation] = {}
         self._owner: dict[int, str] = {}
-        self._next_token = 1
+        # Random start: tokens of different receivers must not collide, since a writer that
+        # cancelled one attempt of a request refuses only that attempt's token.
+        self._next_token = secrets.randbits(48) + 1
         self._quiesced_tokens: OrderedDict[int, None] = OrderedDict()
         self.num_late_writes = 0  # writes seen for blocks freed without the writer's word: must stay 0
 
@@ -92,7 +95,7 @@ class KVReceiver:
         """Take ownership of ``block_ids`` for ``req_id`` under a lease; return the destination."""
         if req_id in self._by_req:
             raise InvalidBlocksError("req_id", f"{req_id} already holds a reservation")
-        ids = check_block_ids(block_ids, self._region.num_blocks, "block_ids")
+        ids = check_block_ids(block_ids, self._region.num_blocks, "block_ids").tolist()
         if not ids:
             raise InvalidBlocksError("block_ids", "is empty")
         if len(set(ids)) != len(ids):
@@ -179,10 +182,10 @@ class KVReceiver:
             res.next_seq += 1
 
     def _apply(self, res: _Reservation, incoming: Incoming, notif: TransferNotif, events: ReceiveEvents) -> None:
-        ids = spans_to_ids(notif.dst_spans)
-        outside = [b for b in ids if b not in res.block_set]
-        if outside:
-            self._fail(res, TransferFailedError(res.req_id, incoming.sender, f"wrote outside the reservation: {outside[:8]}"),
+        spans = spans_to_ids(notif.dst_spans)
+        if not all(res.block_set.issuperset(span) for span in spans):
+            outside = sorted(set().union(*spans) - res.block_set)[:8]
+            self._fail(res, TransferFailedError(res.req_id, incoming.sender, f"wrote outside the reservation: {outside}"),
                        events)
             return
         if self._transport.receiver_lands:
@@ -191,7 +194,7 @@ class KVReceiver:
             except Exception as e:
                 self._fail(res, TransferFailedError(res.req_id, incoming.sender, f"landing write {notif.seq}: {e}"), events)
                 return
-        res.landed.update(ids)
+        res.landed.update(*spans)
         if notif.num_valid_blocks > res.num_valid:
             res.num_valid = notif.num_valid_blocks
             events.progress.append((res.req_id, res.num_valid))

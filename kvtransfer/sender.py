@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtransfer.descriptors import BlockRun, check_block_ids, dst_spans, merge_runs
+from kvtransfer.descriptors import BlockRuns, check_block_ids, merge_runs
 from kvtransfer.errors import (
     HandshakeRequiredError,
     IncompatiblePeerError,
@@ -61,7 +61,7 @@ class _Peer:
 class _Write:
     seq: int
     num_valid_blocks: int
-    runs: list[BlockRun]
+    runs: BlockRuns
     dst_blocks: frozenset[int]
     notif: bytes
     handle: Any = None
@@ -174,15 +174,16 @@ class KVSender:
             raise TransferCancelledError(req_id, str(dest.peer), "its final blocks were already pushed")
         peer = self._resolve_peer(req_id, dest)
         src = check_block_ids(src_block_ids, self._region.num_blocks, "src_block_ids")
-        if not src:
+        if src.size == 0:
             raise InvalidBlocksError("src_block_ids", "is empty")
         reserved = state.reserved if state is not None else frozenset(dest.block_ids)
-        outside = [b for b in dst_block_ids if b not in reserved]
-        if outside:
-            raise InvalidBlocksError("dst_block_ids", f"blocks {outside[:8]} are not reserved for req {req_id}")
+        dst_blocks = frozenset(dst_block_ids)
+        if not reserved.issuperset(dst_blocks):
+            outside = sorted(dst_blocks - reserved)[:8]
+            raise InvalidBlocksError("dst_block_ids", f"blocks {outside} are not reserved for req {req_id}")
         if not 0 <= num_valid_blocks <= len(reserved):
             raise InvalidBlocksError("num_valid_blocks", f"{num_valid_blocks} is outside [0, {len(reserved)}]")
-        runs = merge_runs(src, [int(b) for b in dst_block_ids], self._merge)
+        runs = merge_runs(src, dst_block_ids, self._merge)
         if state is None:
             state = _SendState(req_id=req_id, dest=dest, reserved=reserved)
             self._reqs[req_id] = state
@@ -192,8 +193,8 @@ class KVSender:
             seq=state.next_seq,
             num_valid_blocks=num_valid_blocks,
             runs=runs,
-            dst_blocks=frozenset(dst_block_ids),
-            notif=TransferNotif(req_id, dest.token, state.next_seq, num_valid_blocks, dst_spans(runs)).encode(),
+            dst_blocks=dst_blocks,
+            notif=TransferNotif(req_id, dest.token, state.next_seq, num_valid_blocks, runs.dst_spans()).encode(),
         )
         state.next_seq += 1
         state.sealed = num_valid_blocks == len(reserved)
@@ -312,12 +313,18 @@ class KVSender:
             return  # a cancel already refuses every reservation of this request
         self._tombstones[req_id] = _Tombstone(token, error, time.monotonic() + self._policy.tombstone_s)
 
-    def cancel(self, req_id: str) -> QuiesceReport:
-        """Refuse every later push for ``req_id`` now; report the writes still in flight."""
+    def cancel(self, req_id: str, token: int | None = None) -> QuiesceReport:
+        """Refuse later pushes for ``req_id`` now; report the writes still in flight.
+
+        With ``token`` only that reservation is refused, so the same request may be sent
+        again into a fresh reservation (a retry elsewhere); without it, every one is.
+        """
         state = self._reqs.get(req_id)
         peer = str(state.dest.peer) if state is not None else "-"
         error = TransferCancelledError(req_id, peer, "cancelled")
-        self._tombstones[req_id] = _Tombstone(None, error, time.monotonic() + self._policy.tombstone_s)
+        self._tombstones[req_id] = _Tombstone(token, error, time.monotonic() + self._policy.tombstone_s)
+        if state is not None and token is not None and state.dest.token != token:
+            return self.quiesce_report(req_id)
         if state is not None:
             state.deferred.clear()
             state.error = state.error or error

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtransfer.descriptors import BlockRun
+from kvtransfer.descriptors import BlockRuns
 from kvtransfer.errors import BackendUnavailableError
 from kvtransfer.layout import KVRegion
 
@@ -64,7 +64,7 @@ class Transport(ABC):
         """Forget a peer; later writes to it are impossible. Idempotent."""
 
     @abstractmethod
-    def post_write(self, transport_name: str, runs: Sequence[BlockRun], notif: bytes) -> Any:
+    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes) -> Any:
         """Start writing ``runs`` to the peer; return a handle. Raise TransportError on failure."""
 
     @abstractmethod

@@ -48,7 +48,7 @@ class ScriptedTransport(Transport):
         pass
 
     def post_write(self, transport_name, runs, notif):
-        self.posts.append((transport_name, list(runs), notif))
+        self.posts.append((transport_name, runs.as_list(), notif))
         self.states[len(self.posts) - 1] = XferState.IN_PROGRESS
         return len(self.posts) - 1
 
