@@ -134,12 +134,16 @@ class KVAgent:
         return self.sender.poll()
 
     def cancel(self, req_id: str, token: int | None = None) -> QuiesceReport:
-        """Stop writes for ``req_id`` (into reservation ``token`` only, if given); the report says if any are in flight."""
+        """Stop writes for ``req_id`` now (only into reservation ``token``, if given).
+
+        The report says whether writes are still in flight; without a token every
+        reservation of the request is refused from now on, with one only that attempt.
+        """
         return self.sender.cancel(req_id, token)
 
-    def quiesce_report(self, req_id: str) -> QuiesceReport:
-        """Ask again after ``cancel`` until ``quiesced``; relay that report to the receiver."""
-        return self.sender.quiesce_report(req_id)
+    def quiesce_report(self, req_id: str, token: int | None = None) -> QuiesceReport:
+        """Ask again after ``cancel`` (same ``token``) until ``quiesced``; relay it to the receiver."""
+        return self.sender.quiesce_report(req_id, token)
 
     def num_in_flight(self) -> int:
         return self.sender.num_in_flight()

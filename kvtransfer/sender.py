@@ -83,7 +83,6 @@ class _SendState:
 
 @dataclass(slots=True)
 class _Tombstone:
-    token: int | None  # None refuses every reservation of the req_id (cancel)
     error: RequestTransferError
     expires: float
 
@@ -109,7 +108,8 @@ class KVSender:
         self._peers: dict[str, _Peer] = {}
         self._lost: set[PeerRef] = set()
         self._reqs: dict[str, _SendState] = {}
-        self._tombstones: dict[str, _Tombstone] = {}
+        # req_id -> reservation token -> why pushes into it are refused; token None: all of them.
+        self._tombstones: dict[str, dict[int | None, _Tombstone]] = {}
         self._events: list[SendEvent] = []
 
     # -- peers ---------------------------------------------------------------------------
@@ -162,8 +162,9 @@ class KVSender:
         num_valid_blocks: int,
     ) -> int:
         """Start writing src blocks into dst blocks of ``dest``; return the write's seq number."""
-        tomb = self._tombstones.get(req_id)
-        if tomb is not None and tomb.token in (None, dest.token):
+        tombs = self._tombstones.get(req_id)
+        tomb = tombs and (tombs.get(None) or tombs.get(dest.token))
+        if tomb:
             raise tomb.error
         state = self._reqs.get(req_id)
         if state is not None and state.dest.token != dest.token:
@@ -250,8 +251,11 @@ class KVSender:
         now = time.monotonic()
         for state in list(self._reqs.values()):
             self._progress(state, now)
-        for req_id in [r for r, t in self._tombstones.items() if t.expires < now]:
-            del self._tombstones[req_id]
+        for req_id, tombs in list(self._tombstones.items()):
+            for token in [t for t, tomb in tombs.items() if tomb.expires < now]:
+                del tombs[token]
+            if not tombs:
+                del self._tombstones[req_id]
         events, self._events = self._events, []
         return events
 
@@ -308,10 +312,9 @@ class KVSender:
         raise error
 
     def _bury(self, req_id: str, token: int | None, error: RequestTransferError) -> None:
-        current = self._tombstones.get(req_id)
-        if current is not None and current.token is None:
-            return  # a cancel already refuses every reservation of this request
-        self._tombstones[req_id] = _Tombstone(token, error, time.monotonic() + self._policy.tombstone_s)
+        # The first reason sticks; tombstones of other reservations of the req_id stay.
+        tombs = self._tombstones.setdefault(req_id, {})
+        tombs.setdefault(token, _Tombstone(error, time.monotonic() + self._policy.tombstone_s))
 
     def cancel(self, req_id: str, token: int | None = None) -> QuiesceReport:
         """Refuse later pushes for ``req_id`` now; report the writes still in flight.
@@ -321,19 +324,21 @@ class KVSender:
         """
         state = self._reqs.get(req_id)
         peer = str(state.dest.peer) if state is not None else "-"
-        error = TransferCancelledError(req_id, peer, "cancelled")
-        self._tombstones[req_id] = _Tombstone(token, error, time.monotonic() + self._policy.tombstone_s)
+        self._bury(req_id, token, TransferCancelledError(req_id, peer, "cancelled"))
+        error = self._tombstones[req_id][token].error
         if state is not None and token is not None and state.dest.token != token:
-            return self.quiesce_report(req_id)
+            return self.quiesce_report(req_id, token)  # the live attempt is another reservation
         if state is not None:
             state.deferred.clear()
             state.error = state.error or error
             logger.info("req %s: cancelled with %d writes in flight", req_id, len(state.in_flight))
-        return self.quiesce_report(req_id)
+        return self.quiesce_report(req_id, token)
 
-    def quiesce_report(self, req_id: str) -> QuiesceReport:
-        """Whether any write for ``req_id`` is still in flight (polls it first)."""
+    def quiesce_report(self, req_id: str, token: int | None = None) -> QuiesceReport:
+        """Whether any write for ``req_id`` (into reservation ``token``, if given) is in flight."""
         state = self._reqs.get(req_id)
+        if state is not None and token is not None and state.dest.token != token:
+            state = None  # one send state per req_id: an older reservation has nothing in flight
         if state is not None:
             self._progress(state, time.monotonic())
         num = len(state.in_flight) if state is not None else 0

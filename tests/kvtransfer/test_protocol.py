@@ -13,6 +13,7 @@ from kvtransfer.errors import (
     InvalidBlocksError,
     LeaseExpiredError,
     PeerLostError,
+    TransferCancelledError,
     TransferTimeoutError,
 )
 from kvtransfer.handshake import PROTOCOL_VERSION, HandshakeOffer, transport_agent_name
@@ -181,13 +182,13 @@ def test_blocks_have_one_owner_and_come_back_once_after_the_lease():
 def test_abort_frees_ready_requests_at_once_and_others_on_confirmation():
     receiver, transport, _ = make_receiver()
     a = receiver.reserve("a", [0, 1])
-    receiver.reserve("b", [2, 3])
+    b = receiver.reserve("b", [2, 3])
     transport.inbox = [notif("a", a.token, 0, 2, [(0, 2)])]
     assert receiver.poll().ready == ["a"]
     assert receiver.abort("a") == [0, 1]
     assert receiver.abort("b") == []
     assert receiver.confirm_quiesced("b") == [2, 3]
-    transport.inbox = [notif("b", 2, 0, 2, [(2, 2)])]  # trails the quiesced report: not an alarm
+    transport.inbox = [notif("b", b.token, 0, 2, [(2, 2)])]  # trails the quiesced report: not an alarm
     receiver.poll()
     assert receiver.num_late_writes == 0 and receiver.num_reserved_blocks() == 0
 
@@ -205,3 +206,21 @@ def test_epochs_new_peer_replaces_old_and_old_offers_are_refused():
         sender.add_peer(offer("D", "e1"))
     sender.push("s", dest("s", [1], epoch="e2"), [0], [1], 1)
     assert transport.posts[-1][0] == "D@e2"
+
+
+def test_cancel_by_token_refuses_that_attempt_only():
+    sender, transport = make_sender()
+    first, retry = dest("r", [0, 1], token=11), dest("r", [2, 3], token=12)
+    sender.push("r", first, [0], [0], 1)
+    report = sender.cancel("r", token=11)
+    assert not report.quiesced and report.num_in_flight == 1
+    transport.states[0] = XferState.DONE
+    assert sender.quiesce_report("r", token=11).quiesced
+    sender.poll()
+    with pytest.raises(TransferCancelledError):
+        sender.push("r", first, [1], [1], 2)
+    sender.push("r", retry, [0, 1], [2, 3], 2)  # the retry's reservation is still writable
+    assert transport.posts[-1][1][0].dst_start == 2
+    assert sender.cancel("r").quiesced is False  # no token: the live attempt is cancelled too
+    with pytest.raises(TransferCancelledError):
+        sender.push("r", dest("r", [4], token=13), [0], [4], 1)
