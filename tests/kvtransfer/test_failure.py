@@ -10,14 +10,14 @@ from tests.kvtransfer.conftest import connect, start_workers
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session):
-    """Two prefill and two decode workers; the tests kill P1 and D2."""
-    p1, p2, d1, d2 = start_workers(ray, ("P1", {}), ("P2", {}), ("D1", {}), ("D2", {}))
-    for p in (p1, p2):
-        connect(ray, p, d1)
+def cluster(nixl_pair):
+    """Two prefill and two decode workers; the tests kill P1 and D2, the shared pair survives."""
+    p2, d1 = nixl_pair
+    p1, d2 = start_workers(ray, ("P1", {}), ("D2", {}))
+    connect(ray, p1, d1)
     connect(ray, p2, d2)
     yield p1, p2, d1, d2
-    for actor in (p1, p2, d1, d2):
+    for actor in (p1, d2):
         ray.kill(actor)
 
 
