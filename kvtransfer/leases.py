@@ -20,10 +20,13 @@ write counted as in flight, so rule 2 never confirms it; only rule 3 can free it
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 Clock = Callable[[], float]
+E = TypeVar("E", bound=Exception)
 
 
 @dataclass(slots=True)
@@ -50,3 +53,40 @@ class LeasePolicy:
     def free_at(self, lease_deadline: float) -> float:
         """Rule 3: the earliest time unconfirmed blocks may be freed."""
         return lease_deadline + self.grace_s
+
+
+@dataclass(slots=True)
+class _Tombstone(Generic[E]):
+    error: E
+    expires: float
+
+
+class Tombstones(Generic[E]):
+    """Writer-side memory of reservations that must never be written again (rule 2).
+
+    Keyed by req_id and reservation token; token None covers every reservation of the
+    request. The first reason recorded sticks. Entries expire after ``ttl_s``, long after
+    any lease they could concern has run out.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._by_req: dict[str, dict[int | None, _Tombstone[E]]] = {}
+
+    def bury(self, req_id: str, token: int | None, error: E) -> E:
+        """Refuse ``token`` of ``req_id`` from now on; return the reason that sticks."""
+        tombs = self._by_req.setdefault(req_id, {})
+        return tombs.setdefault(token, _Tombstone(error, time.monotonic() + self._ttl_s)).error
+
+    def refusal(self, req_id: str, token: int) -> E | None:
+        """Why a push into ``token`` of ``req_id`` is refused, or None if it is not."""
+        tombs = self._by_req.get(req_id)
+        tomb = tombs and (tombs.get(None) or tombs.get(token))
+        return tomb.error if tomb else None
+
+    def expire(self, now: float) -> None:
+        for req_id, tombs in list(self._by_req.items()):
+            for token in [t for t, tomb in tombs.items() if tomb.expires < now]:
+                del tombs[token]
+            if not tombs:
+                del self._by_req[req_id]

@@ -21,6 +21,7 @@ The worker relays the quiesced report to the decode worker, which may then free.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -44,7 +45,7 @@ from kvtransfer.errors import (
 )
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.layout import KVRegion
-from kvtransfer.leases import Clock, LeasePolicy
+from kvtransfer.leases import Clock, LeasePolicy, Tombstones
 from kvtransfer.messages import KVDestination, PeerRef, QuiesceReport, SendEvent, TransferNotif
 from kvtransfer.transport import Transport, XferState
 
@@ -81,12 +82,6 @@ class _SendState:
     error: RequestTransferError | None = None
 
 
-@dataclass(slots=True)
-class _Tombstone:
-    error: RequestTransferError
-    expires: float
-
-
 class KVSender:
     """Per-agent sending state; plain object owned by one worker, called from one thread."""
 
@@ -108,8 +103,7 @@ class KVSender:
         self._peers: dict[str, _Peer] = {}
         self._lost: set[PeerRef] = set()
         self._reqs: dict[str, _SendState] = {}
-        # req_id -> reservation token -> why pushes into it are refused; token None: all of them.
-        self._tombstones: dict[str, dict[int | None, _Tombstone]] = {}
+        self._tombstones: Tombstones[RequestTransferError] = Tombstones(policy.tombstone_s)
         self._events: list[SendEvent] = []
 
     # -- peers ---------------------------------------------------------------------------
@@ -162,10 +156,9 @@ class KVSender:
         num_valid_blocks: int,
     ) -> int:
         """Start writing src blocks into dst blocks of ``dest``; return the write's seq number."""
-        tombs = self._tombstones.get(req_id)
-        tomb = tombs and (tombs.get(None) or tombs.get(dest.token))
-        if tomb:
-            raise tomb.error
+        refusal = self._tombstones.refusal(req_id, dest.token)
+        if refusal is not None:
+            raise refusal
         state = self._reqs.get(req_id)
         if state is not None and state.dest.token != dest.token:
             raise InvalidBlocksError("dest", f"req {req_id} is still sending into reservation {state.dest.token}")
@@ -186,7 +179,8 @@ class KVSender:
             raise InvalidBlocksError("num_valid_blocks", f"{num_valid_blocks} is outside [0, {len(reserved)}]")
         runs = merge_runs(src, dst_block_ids, self._merge)
         if state is None:
-            state = _SendState(req_id=req_id, dest=dest, reserved=reserved)
+            # A copy: the deadline below is updated in place, the caller's object is not ours.
+            state = _SendState(req_id=req_id, dest=dataclasses.replace(dest), reserved=reserved)
             self._reqs[req_id] = state
         # A renewed lease only ever extends the deadline the reserver handed out.
         state.dest.lease_deadline = max(state.dest.lease_deadline, dest.lease_deadline)
@@ -251,11 +245,7 @@ class KVSender:
         now = time.monotonic()
         for state in list(self._reqs.values()):
             self._progress(state, now)
-        for req_id, tombs in list(self._tombstones.items()):
-            for token in [t for t, tomb in tombs.items() if tomb.expires < now]:
-                del tombs[token]
-            if not tombs:
-                del self._tombstones[req_id]
+        self._tombstones.expire(now)
         events, self._events = self._events, []
         return events
 
@@ -286,10 +276,11 @@ class KVSender:
         while state.error is None and state.deferred and not self._conflicts(state, state.deferred[0]):
             self._post(state, state.deferred.popleft())
         finished = state.error is None and state.sealed and not state.in_flight and not state.deferred
-        if finished and done:
-            done[-1].finished = True
-            self._bury(state.req_id, state.dest.token,
-                       TransferCancelledError(state.req_id, peer, "its final blocks were already pushed"))
+        if finished:
+            if done:
+                done[-1].finished = True
+            self._tombstones.bury(state.req_id, state.dest.token,
+                                  TransferCancelledError(state.req_id, peer, "its final blocks were already pushed"))
             logger.info("req %s: all %d blocks sent to %s", state.req_id, len(state.reserved), peer)
         self._events.extend(done)
         if (finished or state.error is not None) and not state.in_flight:
@@ -302,7 +293,7 @@ class KVSender:
             return
         state.error = error
         state.deferred.clear()
-        self._bury(state.req_id, state.dest.token, error)
+        self._tombstones.bury(state.req_id, state.dest.token, error)
         self._events.append(SendEvent(state.req_id, error.peer, state.next_seq - 1, 0, error=error))
         logger.warning("req %s: transfer failed: %s", state.req_id, error)
 
@@ -310,11 +301,6 @@ class KVSender:
         state = self._reqs.get(req_id) or _SendState(req_id=req_id, dest=dest, reserved=frozenset(dest.block_ids))
         self._fail(state, error)
         raise error
-
-    def _bury(self, req_id: str, token: int | None, error: RequestTransferError) -> None:
-        # The first reason sticks; tombstones of other reservations of the req_id stay.
-        tombs = self._tombstones.setdefault(req_id, {})
-        tombs.setdefault(token, _Tombstone(error, time.monotonic() + self._policy.tombstone_s))
 
     def cancel(self, req_id: str, token: int | None = None) -> QuiesceReport:
         """Refuse later pushes for ``req_id`` now; report the writes still in flight.
@@ -324,8 +310,7 @@ class KVSender:
         """
         state = self._reqs.get(req_id)
         peer = str(state.dest.peer) if state is not None else "-"
-        self._bury(req_id, token, TransferCancelledError(req_id, peer, "cancelled"))
-        error = self._tombstones[req_id][token].error
+        error = self._tombstones.bury(req_id, token, TransferCancelledError(req_id, peer, "cancelled"))
         if state is not None and token is not None and state.dest.token != token:
             return self.quiesce_report(req_id, token)  # the live attempt is another reservation
         if state is not None:
