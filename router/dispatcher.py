@@ -113,6 +113,11 @@ class Dispatcher:
             decode_request = DecodeRequest(
                 request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self.config.kv_lease_s
             )
+            # Bound before the call: the collector may see this request's first output before
+            # the call returns (a short local prefill), and must route it here.
+            active.decode = decode
+            active.decode_finished = False
+            self.pool.assign(decode, request.req_id)
             try:
                 if local:
                     await decode.handle.add_local.remote(decode_request)
@@ -121,6 +126,7 @@ class Dispatcher:
                     destination = await decode.handle.reserve.remote(decode_request)
                 break
             except DecodeCapacityError as exc:
+                self.pool.release(decode, request.req_id)
                 tried.add(decode.worker_id)
                 if len(tried) >= len(self.pool.routable(Role.DECODE)):
                     tried.clear()
@@ -128,12 +134,13 @@ class Dispatcher:
                         raise _capacity_error(request, exc) from None
                     await asyncio.sleep(0.01)
             except WORKER_GONE:
+                self.pool.release(decode, request.req_id)
                 self.on_worker_died(decode)
-        active.decode = decode
-        active.decode_finished = False
+            except BaseException:
+                self.pool.release(decode, request.req_id)
+                raise
         active.assembler.decode_worker_id = decode.worker_id
         active.assembler.prefill_worker_id = ""
-        self.pool.assign(decode, request.req_id)
         self._ensure_collector(decode)
         active.assembler.timing.dispatched = time.monotonic()
         if destination is not None:
