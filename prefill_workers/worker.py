@@ -88,8 +88,8 @@ class PrefillWorker:
         """Stop the request (its attempt into reservation ``token``, if given) and report writes in flight."""
         return await asyncio.wrap_future(self._thread.call(self._cancel, req_id, token))
 
-    async def quiesce_report(self, req_id: str) -> QuiesceReport:
-        return await asyncio.wrap_future(self._thread.call(self.agent.quiesce_report, req_id))
+    async def quiesce_report(self, req_id: str, token: int | None = None) -> QuiesceReport:
+        return await asyncio.wrap_future(self._thread.call(self.agent.quiesce_report, req_id, token))
 
     async def status(self) -> PrefillStatus:
         return await asyncio.wrap_future(self._thread.call(self._status))

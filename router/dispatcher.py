@@ -295,7 +295,7 @@ class Dispatcher:
                 if report.quiesced:
                     break
                 await asyncio.sleep(0.01)
-                report = await prefill.handle.quiesce_report.remote(req_id)
+                report = await prefill.handle.quiesce_report.remote(req_id, active.destination.token)
             if not report.quiesced:
                 logger.warning("req %s: %s never quiesced; the lease will free the blocks", req_id, prefill.worker_id)
                 return
