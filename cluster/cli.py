@@ -62,7 +62,7 @@ def _generate(args: argparse.Namespace) -> int:
         return 2
     import ray
 
-    from cluster.deployment import Deployment, DeploymentSpec
+    from cluster.deployment import Deployment, DeploymentSpec, PoolSpec
     from engine.config import EngineConfig
 
     threads = max(1, (os.cpu_count() or 2) // max(1, args.prefill + args.decode))
@@ -71,11 +71,8 @@ def _generate(args: argparse.Namespace) -> int:
     deployment = Deployment(
         DeploymentSpec(
             model_path=Path(args.model),
-            num_prefill=args.prefill,
-            num_decode=args.decode,
-            prefill_engine=EngineConfig(**engine),
-            decode_engine=EngineConfig(**engine),
-            actor_num_cpus=0,
+            prefill=PoolSpec(args.prefill, EngineConfig(**engine), num_cpus=0),
+            decode=PoolSpec(args.decode, EngineConfig(**engine), num_cpus=0),
         )
     )
     try:

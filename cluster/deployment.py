@@ -1,113 +1,88 @@
-"""A running pdserve deployment: prefill and decode actor pools plus the router.
+"""A pdserve deployment hosted in this process: the router on a background event loop,
+the prefill and decode pools as Ray actors managed from that loop.
 
-``Deployment.start`` creates the actors on the current Ray cluster, waits until each has
-loaded its model, starts the router (its gRPC server on a background event loop of this
-process) and hands it the workers. Pools can be resized while traffic flows: new actors
-join the router's pool once ready; removed ones are drained first and killed only when
-the router holds no request on them.
+Used by ``pdserve up`` in the foreground (through the controller actor it is the same
+code on the actor's loop), by the benchmarks and by the tests, which reach into
+``router`` to observe routing state.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
-from decode_workers.worker import DecodeWorker
-from engine.config import EngineConfig
-from engine.default_model_path import DEFAULT_MODEL_PATH
+from cluster.pools import DeploymentSpec, PoolManager, PoolSpec
 from engine.loader import _generation_eos_ids
-from kvtransfer.agent import KVTransferConfig
-from prefill_workers.worker import PrefillWorker
-from router.config import RouterConfig
-from router.pool import Role, WorkerRecord
+from router.pool import Role
 from router.runner import LoopThread
 from router.server import ModelInfo, Router
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Deployment", "DeploymentSpec", "PoolSpec", "build_router"]
 
-@dataclass(slots=True)
-class DeploymentSpec:
-    model_path: Path = DEFAULT_MODEL_PATH
-    num_prefill: int = 1
-    num_decode: int = 1
-    prefill_engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_batched_tokens=512, long_prefill_chunk=512))
-    decode_engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_num_batched_tokens=512, long_prefill_chunk=256))
-    router: RouterConfig = field(default_factory=RouterConfig)
-    transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
-    actor_num_cpus: float = 1.0
-    actor_num_gpus: float = 0.0
-    startup_timeout_s: float = 300.0
+
+def build_router(spec: DeploymentSpec, metrics=None) -> Router:
+    """The router for ``spec``'s model (call on the loop that will serve it)."""
+    block_size = spec.decode.engine.block_size
+    if spec.prefill.engine.block_size != block_size:
+        raise ValueError(f"prefill.block_size: {spec.prefill.engine.block_size} differs from decode's {block_size}")
+    model_dir = Path(spec.model_path)
+    info = ModelInfo.from_model_dir(model_dir, block_size, spec.decode.engine.max_model_len, _generation_eos_ids(model_dir))
+    return Router(model_dir, info, spec.router, metrics=metrics)
 
 
 class Deployment:
-    def __init__(self, spec: DeploymentSpec):
+    def __init__(self, spec: DeploymentSpec, metrics=None):
         self.spec = spec
-        self._ids = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
+        self.metrics = metrics
         self._loop: LoopThread | None = None
         self.router: Router | None = None
-        self.handles: dict[str, object] = {}
+        self.pools: PoolManager | None = None
 
     @property
     def address(self) -> str:
         return f"{self.spec.router.host}:{self.router.port}"
 
+    @property
+    def handles(self) -> dict[str, object]:
+        return self.pools.handles
+
     def start(self) -> str:
-        """Create both pools and the router; return the gRPC address once all are ready."""
-        spec = self.spec
-        block_size = spec.decode_engine.block_size
-        if spec.prefill_engine.block_size != block_size:
-            raise ValueError(f"prefill_engine.block_size: {spec.prefill_engine.block_size} != decode {block_size}")
-        model_info = ModelInfo.from_model_dir(
-            Path(spec.model_path), block_size, spec.decode_engine.max_model_len, _generation_eos_ids(Path(spec.model_path))
-        )
+        """Start the router and both pools; return the gRPC address once every worker is ready."""
         self._loop = LoopThread()
-        self.router = Router(Path(spec.model_path), model_info, spec.router)
-        self._loop.run(self.router.start())
-        pending = [self._create(Role.PREFILL) for _ in range(spec.num_prefill)]
-        pending += [self._create(Role.DECODE) for _ in range(spec.num_decode)]
-        for role, worker_id, handle in pending:
-            self._join(role, worker_id, handle)
-        logger.info("deployment ready at %s: %d prefill, %d decode", self.address, spec.num_prefill, spec.num_decode)
+        self._loop.run(self._start())
+        logger.info("deployment ready at %s", self.address)
         return self.address
 
+    async def _start(self) -> None:
+        self.router = build_router(self.spec, self.metrics)
+        self.pools = PoolManager(self.spec, self.router, self.metrics)
+        self.router.pool_manager = self.pools
+        await self.router.start()
+        await self.pools.start()
+
     def stop(self) -> None:
-        if self.router is not None and self._loop is not None:
-            self._loop.run(self.router.stop(), timeout_s=10)
-        for handle in self.handles.values():
-            ray.kill(handle)
-        self.handles.clear()
-        if self._loop is not None:
-            self._loop.stop()
+        if self._loop is None:
+            return
+        if self.router is not None:
+            self._loop.run(self._stop(), timeout_s=30)
+        self._loop.stop()
+        self._loop = None
 
-    # -- workers ----------------------------------------------------------------------------
+    async def _stop(self) -> None:
+        await self.router.stop()
+        if self.pools is not None:
+            await self.pools.stop()
 
-    def _create(self, role: Role):
-        spec = self.spec
-        worker_id = f"{role.value}-{next(self._ids[role])}"
-        cls = PrefillWorker if role is Role.PREFILL else DecodeWorker
-        engine_config = spec.prefill_engine if role is Role.PREFILL else spec.decode_engine
-        handle = (
-            ray.remote(cls)
-            .options(num_cpus=spec.actor_num_cpus, num_gpus=spec.actor_num_gpus, max_restarts=0, max_concurrency=1000)
-            .remote(worker_id, str(spec.model_path), engine_config, spec.transfer)
-        )
-        self.handles[worker_id] = handle
-        return role, worker_id, handle
-
-    def _join(self, role: Role, worker_id: str, handle) -> WorkerRecord:
-        deadline = time.monotonic() + self.spec.startup_timeout_s
-        ray.get(handle.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
-        return self._loop.run(self.router.add_worker(role, worker_id, handle))
+    def scale(self, role: Role, replicas: int) -> int:
+        return self._loop.run(self.pools.scale(role, replicas))
 
     def kill_worker(self, worker_id: str) -> None:
-        """Kill a worker's process outright (tests, and replacing a hung worker)."""
-        ray.kill(self.handles[worker_id], no_restart=True)
+        """Kill a worker's process outright, as a crash would."""
+        ray.kill(self.pools.handles[worker_id], no_restart=True)
 
     def workers(self, role: Role) -> list[str]:
         return [w.worker_id for w in self.router.pool.of_role(role)]

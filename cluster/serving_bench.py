@@ -25,7 +25,7 @@ import ray
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from cluster.deployment import Deployment, DeploymentSpec
+from cluster.deployment import Deployment, DeploymentSpec, PoolSpec
 from decode_workers.messages import DecodeRequest
 from engine.bench import SMOLLM2_135M_SHAPE, write_random_checkpoint
 from engine.config import EngineConfig
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine = EngineConfig(dtype=args.dtype, num_threads=1, max_num_batched_tokens=args.chunk, long_prefill_chunk=args.chunk, kv_cache_bytes=512 * 2**20)
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
         deployment = Deployment(
-            DeploymentSpec(model_path=model_dir, num_prefill=1, num_decode=1, prefill_engine=engine, decode_engine=engine, router=RouterConfig(disaggregation=Disaggregation.ALWAYS), actor_num_cpus=0)
+            DeploymentSpec(model_path=model_dir, prefill=PoolSpec(1, engine, num_cpus=0), decode=PoolSpec(1, engine, num_cpus=0), router=RouterConfig(disaggregation=Disaggregation.ALWAYS))
         )
         try:
             address = deployment.start()

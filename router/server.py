@@ -148,7 +148,7 @@ class AdminService(pb_grpc.AdminServicer):
 class Router:
     """Owns the pool, the dispatcher and the gRPC server of one deployment."""
 
-    def __init__(self, model_dir: Path, model_info: ModelInfo, config: RouterConfig | None = None, pool_manager=None, max_replicas: int = 64):
+    def __init__(self, model_dir: Path, model_info: ModelInfo, config: RouterConfig | None = None, pool_manager=None, max_replicas: int = 64, metrics=None):
         self.config = config or RouterConfig()
         self.config.validate()
         self.model_info = model_info
@@ -157,6 +157,7 @@ class Router:
         self.pool = WorkerPool(self.config.routing_policy)
         self.dispatcher = Dispatcher(self.pool, self.config)
         self.pool_manager = pool_manager
+        self.metrics = metrics
         self.max_replicas = max_replicas
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

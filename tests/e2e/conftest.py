@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from cluster.deployment import Deployment, DeploymentSpec
+from cluster.deployment import Deployment, DeploymentSpec, PoolSpec
 from engine import EngineConfig
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -49,16 +49,13 @@ def engine_config(**overrides) -> EngineConfig:
 
 
 @contextlib.contextmanager
-def running_deployment(model: E2EModel, num_prefill: int, num_decode: int, router: RouterConfig, **spec_overrides):
+def running_deployment(model: E2EModel, num_prefill: int, num_decode: int, router: RouterConfig, **overrides):
     spec = DeploymentSpec(
         model_path=model.path,
-        num_prefill=num_prefill,
-        num_decode=num_decode,
-        prefill_engine=spec_overrides.pop("prefill_engine", engine_config()),
-        decode_engine=spec_overrides.pop("decode_engine", engine_config()),
+        prefill=PoolSpec(num_prefill, overrides.pop("prefill_engine", engine_config()), num_cpus=0.5),
+        decode=PoolSpec(num_decode, overrides.pop("decode_engine", engine_config()), num_cpus=0.5),
         router=router,
-        actor_num_cpus=0.5,
-        **spec_overrides,
+        **overrides,
     )
     deployment = Deployment(spec)
     deployment.start()

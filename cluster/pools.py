@@ -1,0 +1,201 @@
+"""Creating, health-checking, scaling and draining the prefill and decode actor pools.
+
+A worker's life here: ``_launch`` creates the actor (one GPU each where there are GPUs,
+else the configured CPUs), waits until its model is loaded and hands it to the router.
+The health loop pings every worker; one that is dead or does not answer within the
+timeout is removed from routing at once, killed if still there, and replaced by a new
+actor (a new epoch, so peers handshake afresh). Scaling down drains: the router stops
+sending the worker new requests, the worker finishes what it has, and only when neither
+the router nor the worker holds a request is the actor removed. No request fails because
+of scaling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+
+from decode_workers.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.default_model_path import DEFAULT_MODEL_PATH
+from engine.stats import WorkerState
+from kvtransfer.agent import KVTransferConfig
+from prefill_workers.worker import PrefillWorker
+from router.config import RouterConfig
+from router.dispatcher import WORKER_GONE
+from router.pool import Role, WorkerRecord
+from router.server import Router
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PoolSpec:
+    """How the actors of one pool are created."""
+
+    replicas: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DeploymentSpec:
+    model_path: Path = DEFAULT_MODEL_PATH
+    prefill: PoolSpec = field(default_factory=lambda: PoolSpec(engine=EngineConfig(max_num_batched_tokens=512, long_prefill_chunk=512)))
+    decode: PoolSpec = field(default_factory=lambda: PoolSpec(engine=EngineConfig(max_num_batched_tokens=512, long_prefill_chunk=256)))
+    router: RouterConfig = field(default_factory=RouterConfig)
+    transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    startup_timeout_s: float = 300.0
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 10.0
+    drain_timeout_s: float = 600.0
+
+    def pool(self, role: Role) -> PoolSpec:
+        return self.prefill if role is Role.PREFILL else self.decode
+
+
+class PoolManager:
+    """Owns the actors of both pools; runs on the router's event loop."""
+
+    def __init__(self, spec: DeploymentSpec, router: Router, metrics=None):
+        self.spec = spec
+        self.router = router
+        self.metrics = metrics
+        self.handles: dict[str, object] = {}
+        self._ids = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
+        self._scale_locks = {Role.PREFILL: asyncio.Lock(), Role.DECODE: asyncio.Lock()}
+        self._retiring: set[str] = set()
+        self._health_task: asyncio.Task | None = None
+        self._replacements: set[asyncio.Task] = set()
+        self.num_replaced = 0
+
+    async def start(self) -> None:
+        launches = [self._launch(Role.PREFILL) for _ in range(self.spec.prefill.replicas)]
+        launches += [self._launch(Role.DECODE) for _ in range(self.spec.decode.replicas)]
+        await asyncio.gather(*launches)
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        for task in [self._health_task, *self._replacements]:
+            if task is not None:
+                task.cancel()
+        for handle in self.handles.values():
+            ray.kill(handle)
+        self.handles.clear()
+
+    def size(self, role: Role) -> int:
+        """Workers of ``role`` that take requests (starting or ready, not draining)."""
+        return sum(1 for w in self.router.pool.of_role(role) if w.state is WorkerState.READY)
+
+    # -- creating -------------------------------------------------------------------------
+
+    async def _launch(self, role: Role) -> WorkerRecord:
+        pool = self.spec.pool(role)
+        worker_id = f"{role.value}-{next(self._ids[role])}"
+        cls = PrefillWorker if role is Role.PREFILL else DecodeWorker
+        options = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, max_restarts=0, max_concurrency=1000)
+        if pool.resources:
+            options["resources"] = dict(pool.resources)
+        handle = ray.remote(cls).options(**options).remote(worker_id, str(self.spec.model_path), pool.engine, self.spec.transfer)
+        self.handles[worker_id] = handle
+        try:
+            await asyncio.wait_for(_await(handle.ping.remote()), self.spec.startup_timeout_s)
+            record = await self.router.add_worker(role, worker_id, handle)
+        except BaseException:
+            self.handles.pop(worker_id, None)
+            ray.kill(handle)
+            raise
+        logger.info("%s is up", worker_id)
+        return record
+
+    # -- scaling --------------------------------------------------------------------------
+
+    async def scale(self, role: Role, replicas: int) -> int:
+        """Grow or shrink a pool to ``replicas`` routable workers; return the previous size."""
+        async with self._scale_locks[role]:
+            previous = self.size(role)
+            if replicas > previous:
+                await asyncio.gather(*(self._launch(role) for _ in range(replicas - previous)))
+            elif replicas < previous:
+                ready = [w for w in self.router.pool.of_role(role) if w.state is WorkerState.READY]
+                victims = sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: previous - replicas]
+                await asyncio.gather(*(self.retire(w) for w in victims))
+            logger.info("%s pool: %d -> %d workers", role.value, previous, replicas)
+            return previous
+
+    async def retire(self, record: WorkerRecord) -> None:
+        """Drain a worker, then remove it once nothing of any request is left on it."""
+        self._retiring.add(record.worker_id)
+        try:
+            await self.router.drain(record)
+            deadline = time.monotonic() + self.spec.drain_timeout_s
+            while time.monotonic() < deadline and record.state is not WorkerState.DEAD:
+                if not record.req_ids and await self._worker_idle(record):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                if record.state is not WorkerState.DEAD:
+                    logger.warning("%s did not drain within %.0fs; removing it anyway", record.worker_id, self.spec.drain_timeout_s)
+            self._remove(record)
+        finally:
+            self._retiring.discard(record.worker_id)
+
+    async def _worker_idle(self, record: WorkerRecord) -> bool:
+        try:
+            status = await asyncio.wait_for(_await(record.handle.status.remote()), self.spec.health_timeout_s)
+        except (asyncio.TimeoutError, *WORKER_GONE):
+            return True  # nothing left to wait for on a dead or hung worker
+        engine = status.engine
+        if record.role is Role.PREFILL:
+            return engine.num_waiting == 0 and engine.num_running == 0 and status.num_transfers_in_flight == 0
+        return status.num_active_requests == 0
+
+    def _remove(self, record: WorkerRecord) -> None:
+        self.router.pool.remove(record.worker_id)
+        handle = self.handles.pop(record.worker_id, None)
+        if handle is not None:
+            ray.kill(handle)
+
+    # -- health ---------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.health_interval_s)
+            records = [w for w in list(self.router.pool.workers.values()) if w.state is not WorkerState.STARTING]
+            results = await asyncio.gather(*(self._check(w) for w in records), return_exceptions=True)
+            for record, healthy in zip(records, results):
+                if healthy is not True:
+                    self._on_unhealthy(record, healthy)
+            if self.metrics is not None:
+                await self.metrics.refresh(self.router)
+
+    async def _check(self, record: WorkerRecord) -> bool:
+        if record.state is WorkerState.DEAD:
+            return False
+        await asyncio.wait_for(_await(record.handle.ping.remote()), self.spec.health_timeout_s)
+        return True
+
+    def _on_unhealthy(self, record: WorkerRecord, reason) -> None:
+        logger.warning("%s failed its health check (%r): replacing it", record.worker_id, reason)
+        self.router.dispatcher.on_worker_died(record)
+        self._remove(record)
+        if record.worker_id in self._retiring:
+            return  # it was leaving anyway
+        self.num_replaced += 1
+        if self.metrics is not None:
+            self.metrics.workers_replaced.labels(record.role.value).inc()
+        task = asyncio.create_task(self._launch(record.role))
+        self._replacements.add(task)
+        task.add_done_callback(self._replacements.discard)
+
+
+async def _await(ref):
+    return await ref
