@@ -1,20 +1,31 @@
-"""The ``pdserve`` command line.
+"""The ``pdserve`` command line: up, down, status, scale, generate.
 
-``pdserve generate "prompt"`` streams a generation to the terminal. With ``--address`` it
-talks to a running router; without, it starts a local deployment for the one call (a
-local Ray instance, one prefill and one decode actor, the router) with the built-in
-default model unless ``--model`` names another, and stops it afterwards.
+``pdserve up`` starts a local Ray instance (or joins one with ``--address``), creates the
+controller actor that hosts the router and the pools, prints the gRPC address and serves
+in the foreground until Ctrl-C; ``--detach`` leaves it serving and records where in the
+state file, which ``down``, ``status``, ``scale`` and ``generate`` read.
+``pdserve generate "prompt"`` streams to the terminal: to ``--address``, else to the
+recorded deployment, else to a local deployment started for this one call (one prefill
+and one decode actor, the built-in default model unless ``--model`` names another).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import signal
+import socket
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from engine.default_model_path import DEFAULT_MODEL_PATH
+
+DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -32,10 +43,44 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--state-file", type=Path, default=DEFAULT_STATE_FILE, help="where `up` records what `down`, `status` and `generate` find")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("up", help="start (or join) a Ray cluster and serve")
+    up.add_argument("--config", type=Path, help="YAML deployment config; flags override its fields")
+    up.add_argument("--address", help="Ray cluster to join ('auto' or host:port); omitted: start a local Ray instance")
+    up.add_argument("--detach", action="store_true", help="leave the deployment serving and return")
+    up.add_argument("--model", type=Path, help="model directory (default: the built-in model)")
+    up.add_argument("--prefill", type=int, help="prefill actors")
+    up.add_argument("--decode", type=int, help="decode actors")
+    up.add_argument("--prefill-gpus", type=float, help="GPUs per prefill actor")
+    up.add_argument("--decode-gpus", type=float, help="GPUs per decode actor")
+    up.add_argument("--prefill-cpus", type=float, help="CPUs per prefill actor")
+    up.add_argument("--decode-cpus", type=float, help="CPUs per decode actor")
+    up.add_argument("--token-budget", type=int, help="tokens per engine step, both pools")
+    up.add_argument("--block-size", type=int)
+    up.add_argument("--kv-cache-mb", type=int, help="KV cache per actor, both pools")
+    up.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    up.add_argument("--host", help="address the router binds")
+    up.add_argument("--port", type=int, help="router gRPC port")
+    up.add_argument("--metrics-port", type=int, help="Prometheus port")
+    up.add_argument("--routing-policy", choices=["least_loaded", "round_robin"])
+    up.add_argument("--disaggregation", choices=["auto", "always", "never"])
+
+    down = commands.add_parser("down", help="stop the deployment `up` started")
+    down.add_argument("--address", help="Ray cluster address (default: from the state file)")
+
+    status = commands.add_parser("status", help="a table of the workers")
+    status.add_argument("--address", help="router host:port (default: from the state file)")
+
+    scale = commands.add_parser("scale", help="resize the pools while serving")
+    scale.add_argument("--prefill", type=int)
+    scale.add_argument("--decode", type=int)
+    scale.add_argument("--address", help="router host:port (default: from the state file)")
+
     generate = commands.add_parser("generate", help="stream a generation for one prompt")
     generate.add_argument("prompt")
-    generate.add_argument("--address", help="router host:port; omitted: start a local deployment for this call")
+    generate.add_argument("--address", help="router host:port; default: the running deployment, else a local one for this call")
     generate.add_argument("--model", type=Path, default=DEFAULT_MODEL_PATH, help="model directory (local deployment)")
     generate.add_argument("--prefill", type=int, default=1, help="prefill actors (local deployment)")
     generate.add_argument("--decode", type=int, default=1, help="decode actors (local deployment)")
@@ -46,17 +91,253 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if (Path.home() / ".ray" / "auth_token").is_file():
+        # Ray reads its auth mode from the environment once, at import: a cluster started on
+        # this host with a token (Ray's default) needs its clients to present it.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "generate":
-        return _generate(args)
-    return 2
+    handlers = {"up": _up, "down": _down, "status": _status, "scale": _scale, "generate": _generate}
+    return handlers[args.command](args)
+
+
+# -- state shared between commands --------------------------------------------------------
+
+
+def _read_state(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _router_address(args: argparse.Namespace) -> str | None:
+    return args.address or _read_state(args.state_file).get("router_address")
+
+
+# -- up / down ----------------------------------------------------------------------------
+
+
+def _up(args: argparse.Namespace) -> int:
+    from cluster.config import ConfigError, load_config
+
+    overrides = {
+        "model": args.model, "dtype": args.dtype, "block_size": args.block_size,
+        "prefill.replicas": args.prefill, "decode.replicas": args.decode,
+        "prefill.num_gpus": args.prefill_gpus, "decode.num_gpus": args.decode_gpus,
+        "prefill.num_cpus": args.prefill_cpus, "decode.num_cpus": args.decode_cpus,
+        "prefill.token_budget": args.token_budget, "decode.token_budget": args.token_budget,
+        "prefill.kv_cache_mb": args.kv_cache_mb, "decode.kv_cache_mb": args.kv_cache_mb,
+        "router.host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
+        "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
+    }
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 2
+    if _read_state(args.state_file).get("router_address") and args.detach:
+        print(f"pdserve up: a deployment is already recorded in {args.state_file}; run `pdserve down` first", file=sys.stderr)
+        return 2
+    import ray
+
+    from cluster.controller import create_controller, find_controller
+
+    head = None
+    ray_address = args.address
+    if ray_address is None and args.detach:
+        head, ray_address = _start_ray_head()
+    try:
+        _connect_ray(ray_address, log_to_driver=not args.detach)
+    except Exception as exc:
+        print(f"pdserve up: cannot reach Ray at {ray_address}: {exc}", file=sys.stderr)
+        if head is not None:
+            _stop_pid(head)
+        return 1
+    if find_controller() is not None:
+        print("pdserve up: this Ray cluster already runs a pdserve deployment; run `pdserve down` first", file=sys.stderr)
+        return 2
+    controller = create_controller(detached=args.detach)
+    try:
+        info = ray.get(controller.start.remote(config.to_spec(), config.router.metrics_port))
+    except Exception as exc:
+        print(f"pdserve up: the deployment failed to start: {exc}", file=sys.stderr)
+        ray.kill(controller)
+        if head is not None:
+            _stop_pid(head)
+        return 1
+    state = {"router_address": info.router_address, "metrics_address": info.metrics_address,
+             "ray_address": ray_address, "ray_head_pid": head}
+    print(f"pdserve serving on {info.router_address} ({info.prefill_replicas} prefill, {info.decode_replicas} decode actors)")
+    if info.metrics_address:
+        print(f"metrics on http://{info.metrics_address}/metrics")
+    sys.stdout.flush()
+    if args.detach:
+        args.state_file.parent.mkdir(parents=True, exist_ok=True)
+        args.state_file.write_text(json.dumps(state))
+        return 0
+    args.state_file.parent.mkdir(parents=True, exist_ok=True)
+    args.state_file.write_text(json.dumps(state))
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    stopping.wait()
+    print("pdserve: stopping", file=sys.stderr)
+    try:
+        ray.get(controller.stop.remote(), timeout=30)
+    finally:
+        ray.kill(controller)
+        args.state_file.unlink(missing_ok=True)
+        ray.shutdown()
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    state = _read_state(args.state_file)
+    ray_address = args.address or state.get("ray_address")
+    if ray_address is None:
+        print(f"pdserve down: no detached deployment recorded in {args.state_file}; give --address", file=sys.stderr)
+        return 2
+    import ray
+
+    from cluster.controller import find_controller
+
+    _connect_ray(ray_address, log_to_driver=False)
+    controller = find_controller()
+    if controller is not None:
+        try:
+            ray.get(controller.stop.remote(), timeout=60)
+        finally:
+            ray.kill(controller)
+    ray.shutdown()
+    if state.get("ray_head_pid"):
+        _stop_pid(state["ray_head_pid"])
+    args.state_file.unlink(missing_ok=True)
+    print("pdserve stopped" if controller is not None else "no pdserve deployment was running")
+    return 0
+
+
+def _connect_ray(address: str | None, log_to_driver: bool) -> None:
+    import ray
+
+    kwargs = {"include_dashboard": False} if address is None else {}
+    ray.init(address=address, log_to_driver=log_to_driver, configure_logging=False, namespace="pdserve", **kwargs)
+
+
+def _start_ray_head() -> tuple[int, str]:
+    """A Ray head in its own session, blocking in the background: ending it stops its processes."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--block",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError("ray start --head exited; see /tmp/ray/session_latest/logs")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.3)
+    return process.pid, address
+
+
+def _stop_pid(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.killpg(pid, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- status / scale -----------------------------------------------------------------------
+
+
+def _status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from router.api.pdserve.v1 import generation_pb2 as pb
+    from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    address = _router_address(args)
+    if address is None:
+        print("pdserve status: no running deployment recorded; give --address", file=sys.stderr)
+        return 2
+    with grpc.insecure_channel(address) as channel:
+        try:
+            workers = pb_grpc.GenerationStub(channel).GetClusterStatus(pb.GetClusterStatusRequest(), timeout=30).workers
+        except grpc.RpcError as exc:
+            print(f"pdserve status: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    rows = [("WORKER", "ROLE", "STATE", "QUEUE", "KV USED", "RUNNING", "EPOCH", "NODE")]
+    for w in workers:
+        rows.append((
+            w.worker_id,
+            pb.WorkerRole.Name(w.role).removeprefix("WORKER_ROLE_").lower(),
+            pb.WorkerState.Name(w.state).removeprefix("WORKER_STATE_").lower(),
+            str(w.queue_depth),
+            f"{w.num_kv_blocks_used}/{w.num_kv_blocks_used + w.num_kv_blocks_free}",
+            str(w.num_running_seqs),
+            w.epoch,
+            w.node,
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def _scale(args: argparse.Namespace) -> int:
+    import grpc
+
+    from router.api.pdserve.v1 import generation_pb2 as pb
+    from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    address = _router_address(args)
+    if address is None:
+        print("pdserve scale: no running deployment recorded; give --address", file=sys.stderr)
+        return 2
+    if args.prefill is None and args.decode is None:
+        print("pdserve scale: give --prefill N and/or --decode M", file=sys.stderr)
+        return 2
+    with grpc.insecure_channel(address) as channel:
+        admin = pb_grpc.AdminStub(channel)
+        for role, replicas in ((pb.WORKER_ROLE_PREFILL, args.prefill), (pb.WORKER_ROLE_DECODE, args.decode)):
+            if replicas is None:
+                continue
+            try:
+                reply = admin.ScalePool(pb.ScalePoolRequest(role=role, replicas=replicas), timeout=900)
+            except grpc.RpcError as exc:
+                print(f"pdserve scale: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                return 1
+            name = pb.WorkerRole.Name(role).removeprefix("WORKER_ROLE_").lower()
+            print(f"{name}: {reply.previous_replicas} -> {reply.replicas}")
+    return 0
+
+
+# -- generate -----------------------------------------------------------------------------
 
 
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    if args.address:
-        return _stream(args, args.address)
+    address = _router_address(args)
+    if address:
+        return _stream(args, address)
     if not (Path(args.model) / "config.json").is_file():
         print(f"pdserve: --model {args.model}: not a model directory (no config.json)", file=sys.stderr)
         return 2

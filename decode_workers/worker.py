@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import ray
+
 from decode_workers.messages import DecodeRequest, DecodeStatus, DecodeTiming, SeqOutput
 from decode_workers.scheduler import DecodeScheduler
 from engine.config import EngineConfig
@@ -100,7 +102,8 @@ class DecodeWorker:
         self.scheduler: DecodeScheduler = self.engine.scheduler
         self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
         self.state = WorkerState.READY
-        self.node = socket.gethostname()
+        # Host plus Ray node: two raylets on one host are still two nodes.
+        self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._tracked: dict[str, _Tracked] = {}
         self._outputs = OutputBox()
         self._thread = EngineThread(f"decode-{worker_id}", self._iterate)

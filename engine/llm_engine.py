@@ -72,6 +72,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device)
         self.sampler = Sampler(self.config.seed, self.config.device)
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids)
+        self.num_steps = 0
+        self.num_scheduled_tokens = 0
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
             self.model_config.architecture,
@@ -168,6 +170,8 @@ class LLMEngine:
 
     def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Forward, sample and advance one scheduled batch."""
+        self.num_steps += 1
+        self.num_scheduled_tokens += batch.num_tokens
         logits = self.runner.execute(batch)
         completing = [piece.seq for piece in batch.slices if piece.completes_sequence]
         samples = self.sampler.sample(logits, completing) if completing else []

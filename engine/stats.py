@@ -24,6 +24,8 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int
+    num_steps: int = 0  # since the engine started
+    num_scheduled_tokens: int = 0  # prompt and decode tokens computed, since the engine started
 
     @property
     def num_used_blocks(self) -> int:
@@ -42,4 +44,6 @@ def engine_stats(engine) -> EngineStats:
         num_free_blocks=engine.allocator.num_free,
         num_total_blocks=engine.allocator.num_blocks,
         num_preemptions=scheduler.num_preemptions,
+        num_steps=engine.num_steps,
+        num_scheduled_tokens=engine.num_scheduled_tokens,
     )

@@ -22,6 +22,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import ray
+
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
@@ -72,7 +74,8 @@ class PrefillWorker:
         self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
         self.block_size = self.engine.kv_cache.block_size
         self.state = WorkerState.READY
-        self.node = socket.gethostname()
+        # Host plus Ray node: two raylets on one host are still two nodes.
+        self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._jobs: dict[str, _Job] = {}
         self._thread = EngineThread(f"prefill-{worker_id}", self._iterate)
         self._thread.start()

@@ -68,6 +68,7 @@ class ActiveRequest:
     decode_finished: bool = False
     num_restarts: int = 0
     num_prefill_retries: int = 0
+    last_message_at: float | None = None  # for inter-token latency
 
     @property
     def req_id(self) -> str:
@@ -75,9 +76,10 @@ class ActiveRequest:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, config: RouterConfig):
+    def __init__(self, pool: WorkerPool, config: RouterConfig, metrics=None):
         self.pool = pool
         self.config = config
+        self.metrics = metrics
         self.active: dict[str, ActiveRequest] = {}
         self._collectors: dict[str, asyncio.Task] = {}
 
@@ -185,6 +187,8 @@ class Dispatcher:
         finally:
             self.pool.release(prefill, request.req_id, num_tokens)
         active.assembler.timing.prefill = result.timing
+        if self.metrics is not None:
+            self.metrics.observe_prefill(result.timing.num_bytes, result.timing.transfer_ms)
         try:
             await decode.handle.start.remote(request.req_id, result.first_token_id, result.first_logprob)
         except WORKER_GONE:
@@ -198,6 +202,8 @@ class Dispatcher:
                 raise UnavailableError(f"{reason.reason}; gave up after {self.config.max_prefill_retries} retries")
         else:
             active.num_restarts += 1
+        if self.metrics is not None:
+            self.metrics.retries.labels("prefill" if reason.prefill_failed else "decode").inc()
         logger.warning("req %s: dispatching again (%s)", active.req_id, reason.reason)
         if reason.prefill_failed and active.decode is not None and active.decode.state is not WorkerState.DEAD:
             # A dead writer writes nothing more: the reservation can be freed right away.

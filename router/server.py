@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,17 +85,22 @@ class GenerationService(pb_grpc.GenerationServicer):
                 if isinstance(item, SeqOutput):
                     response = active.assembler.on_output(item)
                     yield response
+                    router.observe(active, response)
                     if active.assembler.finished:
                         return
                 elif isinstance(item, Restart):
                     await router.dispatcher.restart(active, item)
                 elif isinstance(item, Failure):
                     if active.assembler.has_sent_tokens and not isinstance(item.error, UnavailableError):
-                        yield active.assembler.final_message("error", str(item.error))
+                        response = active.assembler.final_message("error", str(item.error))
+                        yield response
+                        router.observe(active, response)
                         return
+                    router.observe_failure("error")
                     raise item.error
         except asyncio.CancelledError:
             logger.info("req %s: cancelled by the client or its deadline", active.req_id)
+            router.observe_failure("abort")
             raise
         except Exception as exc:
             logger.warning("req %s: ended with %r", active.req_id, exc)
@@ -155,13 +161,32 @@ class Router:
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self.limits = RequestLimits(vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len)
         self.pool = WorkerPool(self.config.routing_policy)
-        self.dispatcher = Dispatcher(self.pool, self.config)
+        self.dispatcher = Dispatcher(self.pool, self.config, metrics)
         self.pool_manager = pool_manager
         self.metrics = metrics
         self.max_replicas = max_replicas
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         self.port: int | None = None
+
+    def observe(self, active: ActiveRequest, response: pb.GenerateResponse) -> None:
+        """Record a streamed message's latencies (and the request's, on its last message)."""
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        if response.token_ids:
+            if active.last_message_at is not None:
+                self.metrics.itl.observe(now - active.last_message_at)
+            active.last_message_at = now
+        if active.assembler.finished:
+            timing = active.assembler.timing
+            ttft = None if timing.first_token_sent is None else timing.first_token_sent - timing.arrival
+            reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
+            self.metrics.observe_finished(reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens)
+
+    def observe_failure(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(reason).inc()
 
     async def start(self) -> int:
         self.server = grpc.aio.server()

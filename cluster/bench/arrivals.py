@@ -1,0 +1,68 @@
+"""When each request is sent: offsets in seconds from the start of the measured run.
+
+Inter-arrival gaps are gamma-distributed with shape ``burstiness`` and mean ``1 / rate``:
+shape 1 is a Poisson process, a smaller shape bunches requests into bursts, a larger one
+spaces them more evenly (the convention of vLLM's benchmark). An infinite rate sends every
+request at once. The first request is always sent at offset 0, so a run's duration does not
+include an initial random wait.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class ArrivalSpec:
+    rate: float = math.inf  # requests per second; inf: all at once
+    burstiness: float = 1.0  # gamma shape; 1.0 = Poisson
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"request_rate: must be > 0 (inf for all at once), got {self.rate}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness: must be > 0, got {self.burstiness}")
+
+
+def arrival_offsets(num_requests: int, spec: ArrivalSpec) -> list[float]:
+    """Send offsets of ``num_requests`` requests, non-decreasing, the first at 0."""
+    spec.validate()
+    if num_requests <= 0:
+        return []
+    if math.isinf(spec.rate):
+        return [0.0] * num_requests
+    rng = np.random.default_rng(spec.seed)
+    gaps = _gaps(rng, num_requests - 1, spec.rate, spec.burstiness)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def phased_offsets(phases: list[tuple[float, float]], burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Offsets for a load that changes: ``phases`` is [(duration_s, rate), ...] back to back.
+
+    Within a phase arrivals follow the gamma process at that phase's rate; a phase with rate
+    0 is a pause. Used for offered load that rises during a run.
+    """
+    rng = np.random.default_rng(seed)
+    offsets: list[float] = []
+    phase_start = 0.0
+    for duration_s, rate in phases:
+        if duration_s < 0 or rate < 0:
+            raise ValueError(f"phases: duration and rate must be >= 0, got ({duration_s}, {rate})")
+        phase_end = phase_start + duration_s
+        if rate > 0:
+            t = phase_start
+            if not offsets:
+                offsets.append(t)  # the run starts with a request, as in arrival_offsets
+            while (t := t + float(_gaps(rng, 1, rate, burstiness)[0])) < phase_end:
+                offsets.append(t)
+        phase_start = phase_end
+    return offsets
+
+
+def _gaps(rng: np.random.Generator, count: int, rate: float, burstiness: float) -> np.ndarray:
+    # Gamma(shape=k, scale=1/(rate*k)) has mean 1/rate whatever k is.
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=count)

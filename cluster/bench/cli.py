@@ -1,0 +1,219 @@
+"""``pdserve bench`` (load a running router) and ``pdserve bench-scenario NAME`` (launch and compare).
+
+Wiring into a parent parser::
+
+    commands = parser.add_subparsers(dest="command")
+    add_bench_parser(commands)      # "bench"          -> run_bench(args)
+    add_scenario_parser(commands)   # "bench-scenario" -> run_scenario(args)
+
+Both set ``args.bench_handler``, so a caller may also dispatch with ``args.bench_handler(args)``.
+Standalone: ``python -m cluster.bench bench --address HOST:PORT ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+from cluster.bench.arrivals import ArrivalSpec
+from cluster.bench.metrics import SLO
+from cluster.bench.workloads import WORKLOAD_KINDS, WorkloadSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _rate(text: str) -> float:
+    value = float(text)  # accepts "inf"
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
+    return value
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of request rates, got {text!r}") from exc
+    if not rates or any(not r > 0 or math.isinf(r) for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be finite and > 0, got {text!r}")
+    return rates
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--workload", choices=WORKLOAD_KINDS, default="random", help="random: synthetic lengths; mixed: long among short prompts; prefix: shared prefixes; sharegpt: --dataset")
+    group.add_argument("--num-requests", type=int, default=100)
+    group.add_argument("--input-len", type=int, default=128, help="prompt tokens (short prompts for mixed, suffix for prefix)")
+    group.add_argument("--output-len", type=int, default=64, help="tokens to generate per request")
+    group.add_argument("--range-ratio", type=float, default=0.0, help="draw lengths uniformly from len*(1±r); 0 = fixed")
+    group.add_argument("--long-fraction", type=float, default=0.2, help="mixed: share of long prompts")
+    group.add_argument("--long-input-len", type=int, default=1024, help="mixed: tokens of a long prompt")
+    group.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct shared prefixes")
+    group.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens of each shared prefix")
+    group.add_argument("--dataset", help="sharegpt: path of a ShareGPT-format JSON file")
+    group.add_argument("--tokenizer", help="sharegpt: tokenizer.json (or its directory) to count tokens; else estimated")
+    group.add_argument("--fixed-output-len", action="store_true", help="sharegpt: --output-len for every request, not the reply's length")
+    group.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrivals")
+
+
+def add_load_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("load")
+    group.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf: all at once)")
+    group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival gaps; 1 = Poisson, <1 burstier")
+    group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    group.add_argument("--num-warmup", type=int, default=2, help="requests sent first and not counted")
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True, help="generate exactly --output-len tokens (default on)")
+    group.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
+
+
+def add_slo_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("SLOs (goodput counts requests within all that are set)")
+    group.add_argument("--slo-ttft-ms", type=float)
+    group.add_argument("--slo-tpot-ms", type=float)
+    group.add_argument("--slo-e2e-ms", type=float)
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``bench`` subcommand to ``subparsers``; its handler is ``run_bench``."""
+    parser = subparsers.add_parser("bench", help="benchmark a running router", description="Benchmark a running pdserve router: TTFT, TPOT, ITL, E2E, throughput, goodput, per-stage timing.")
+    parser.add_argument("--address", required=True, help="router host:port")
+    add_workload_flags(parser)
+    add_load_flags(parser)
+    add_slo_flags(parser)
+    group = parser.add_argument_group("sweep")
+    group.add_argument("--sweep", type=_rates, metavar="RATES", help="comma-separated request rates to run in turn, e.g. 0.5,1,2,4")
+    group.add_argument("--sweep-refine", type=int, default=0, metavar="N", help="then bisect N times between the highest passing and lowest failing rate")
+    group.add_argument("--sweep-target", type=float, default=0.9, help="share of requests that must meet the SLOs for a rate to pass")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("bench-results"), help="directory for bench.json / sweep.json and the PNG plots")
+    out.add_argument("--label", default="bench")
+    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(bench_handler=run_bench)
+    return parser
+
+
+def add_scenario_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``bench-scenario NAME`` to ``subparsers``; its handler is ``run_scenario``."""
+    from cluster.bench.scenarios import SCENARIOS
+
+    parser = subparsers.add_parser("bench-scenario", help="launch local clusters and compare them on one claim", description="Launch the clusters a scenario compares (same hardware, one after the other), run its workload, write JSON and plots, print its ratio.")
+    names = parser.add_subparsers(dest="scenario", required=True, metavar="NAME")
+    for name, scenario in SCENARIOS.items():
+        sub = names.add_parser(name, help=scenario.summary, description=scenario.summary)
+        scenario.add_arguments(sub)
+        sub.add_argument("--out", type=Path, default=Path("bench-results") / name, help="directory for scenario.json and the plots")
+        sub.add_argument("--model", type=Path, help="model directory (default: random weights of SmolLM2-135M's shape, byte tokenizer)")
+        sub.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+        sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(bench_handler=run_scenario)
+    return parser
+
+
+def bench_spec_from_args(args: argparse.Namespace):
+    """The BenchSpec that ``bench``'s flags describe (ValueError names a bad flag)."""
+    from cluster.bench.runner import BenchSpec
+
+    workload = WorkloadSpec(
+        kind=args.workload,
+        num_requests=args.num_requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        long_fraction=args.long_fraction,
+        long_input_len=args.long_input_len,
+        num_prefixes=args.num_prefixes,
+        prefix_len=args.prefix_len,
+        dataset_path=args.dataset,
+        tokenizer_path=args.tokenizer,
+        fixed_output_len=args.fixed_output_len,
+        seed=args.seed,
+    )
+    workload.validate()
+    arrivals = ArrivalSpec(rate=args.request_rate, burstiness=args.burstiness, seed=args.seed)
+    arrivals.validate()
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    slo.validate()
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"max_concurrency: must be >= 1, got {args.max_concurrency}")
+    if args.num_warmup < 0:
+        raise ValueError(f"num_warmup: must be >= 0, got {args.num_warmup}")
+    return BenchSpec(
+        workload=workload,
+        arrivals=arrivals,
+        slo=slo,
+        num_warmup=args.num_warmup,
+        max_concurrency=args.max_concurrency,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        timeout_s=args.timeout,
+        show_progress=not args.no_progress,
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``pdserve bench``; 0 on success, 1 if the run failed, 2 on bad flags."""
+    from cluster.bench import runner
+    from cluster.bench.report import format_summary, format_sweep
+
+    try:
+        spec = bench_spec_from_args(args)
+    except ValueError as exc:
+        print(f"pdserve bench: {exc}", file=sys.stderr)
+        return 2
+    extra = {"address": args.address}
+    try:
+        if args.sweep:
+            result, outputs = asyncio.run(runner.sweep(args.address, spec, args.sweep, args.sweep_refine, args.sweep_target, label=args.label))
+            runner.write_sweep(args.out, spec, result, outputs, extra, make_plots=not args.no_plots)
+            for output in outputs:
+                print(format_summary(output.metrics, f"{args.label} @ {output.offered_rate:.3g} req/s"))
+            print(format_sweep([(o.offered_rate, o.metrics) for o in outputs], result.max_rate, result.target))
+            print(f"results: {args.out / 'sweep.json'}")
+            return 0
+        output = asyncio.run(runner.bench(args.address, spec, label=args.label))
+        runner.write_run(args.out, spec, output, extra, make_plots=not args.no_plots)
+    except ValueError as exc:  # e.g. a workload that does not fit the served model
+        print(f"pdserve bench: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # the router unreachable, a broken channel: say so, no traceback
+        logger.debug("bench failed", exc_info=True)
+        print(f"pdserve bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(format_summary(output.metrics, args.label))
+    print(f"results: {args.out / 'bench.json'}")
+    return 0 if output.metrics.completed else 1
+
+
+def run_scenario(args: argparse.Namespace) -> int:
+    """Run ``pdserve bench-scenario NAME``; prints the scenario's ratio; 0 on success."""
+    from cluster.bench.scenarios import SCENARIOS
+
+    started = time.perf_counter()
+    outcome = SCENARIOS[args.scenario].run(args)
+    for line in outcome.lines:
+        print(line)
+    print(f"results: {outcome.json_path} ({time.perf_counter() - started:.0f} s)")
+    return 0 if outcome.ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cluster.bench", description="pdserve's serving benchmark")
+    parser.add_argument("--log-level", default="WARNING")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(commands)
+    add_scenario_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.bench_handler(args)

@@ -1,0 +1,160 @@
+"""One benchmark against a router address: build the workload, warm up, run (or sweep), write.
+
+This is what ``pdserve bench`` does and what every scenario calls once per cluster. The
+warm-up requests have the workload's shape but their own seed, so they touch the same code
+paths (first KV transfer, first allocations) without being the measured requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cluster.bench import plots
+from cluster.bench.arrivals import ArrivalSpec, arrival_offsets
+from cluster.bench.client import BenchClient, ClientConfig, RequestRecord
+from cluster.bench.metrics import SLO, BenchMetrics, compute_metrics, metrics_by_tag
+from cluster.bench.progress import ProgressBar
+from cluster.bench.report import result_document, run_to_dict, write_json
+from cluster.bench.sweep import DEFAULT_TARGET, SweepResult, run_sweep
+from cluster.bench.workloads import BenchRequest, WorkloadSpec, build_workload
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BenchSpec:
+    """Everything that defines a run apart from the cluster it runs against."""
+
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    arrivals: ArrivalSpec = field(default_factory=ArrivalSpec)
+    slo: SLO = field(default_factory=SLO)
+    num_warmup: int = 2
+    max_concurrency: int | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    timeout_s: float = 600.0
+    show_progress: bool = True
+
+    def client_config(self, address: str, label: str = "bench") -> ClientConfig:
+        return ClientConfig(
+            address=address,
+            max_concurrency=self.max_concurrency,
+            temperature=self.temperature,
+            ignore_eos=self.ignore_eos,
+            timeout_s=self.timeout_s,
+            request_id_prefix=_id_safe(label),
+        )
+
+
+@dataclass(slots=True)
+class RunOutput:
+    label: str
+    records: list[RequestRecord]
+    metrics: BenchMetrics
+    by_tag: dict[str, BenchMetrics]
+    offered_rate: float | None = None  # requests/s; None when sent all at once
+
+
+async def run_load(client: BenchClient, requests: list[BenchRequest], offsets: list[float], slo: SLO, label: str, show_progress: bool = True) -> RunOutput:
+    """Send ``requests`` at ``offsets`` through ``client``; metrics over the run."""
+    bar = ProgressBar(len(requests), label=label, enabled=show_progress)
+    result = await client.run(requests, offsets, on_done=lambda record: bar.advance(record.ok))
+    bar.close()
+    failed = [r for r in result.records if not r.ok]
+    if failed:
+        logger.warning("%s: %d of %d requests failed, first %s: %s", label, len(failed), len(result.records), failed[0].req_id, failed[0].error)
+    return RunOutput(label, result.records, compute_metrics(result.records, result.duration_s, slo), metrics_by_tag(result.records, result.duration_s, slo))
+
+
+async def bench(address: str, spec: BenchSpec, label: str = "bench") -> RunOutput:
+    """Warm up, then run ``spec``'s workload at its arrival process against ``address``."""
+    async with BenchClient(spec.client_config(address, label)) as client:
+        requests, warmup = await _workload(client, spec)
+        if warmup:
+            await client.warm_up(warmup)
+        output = await run_load(client, requests, arrival_offsets(len(requests), spec.arrivals), spec.slo, label, spec.show_progress)
+    output.offered_rate = spec.arrivals.rate if spec.arrivals.rate != float("inf") else None
+    return output
+
+
+async def sweep(address: str, spec: BenchSpec, rates: list[float], refine_steps: int = 0, target: float = DEFAULT_TARGET, label: str = "sweep") -> tuple[SweepResult, list[RunOutput]]:
+    """The same requests at each rate (warm-up once); the highest rate meeting the SLOs."""
+    outputs: list[RunOutput] = []
+    async with BenchClient(spec.client_config(address, label)) as client:
+        requests, warmup = await _workload(client, spec)
+        if warmup:
+            await client.warm_up(warmup)
+
+        async def run_at(rate: float) -> BenchMetrics:
+            arrivals = dataclasses.replace(spec.arrivals, rate=rate)
+            output = await run_load(client, requests, arrival_offsets(len(requests), arrivals), spec.slo, f"{label} {rate:.3g} req/s", spec.show_progress)
+            output.offered_rate = rate
+            outputs.append(output)
+            return output.metrics
+
+        result = await run_sweep(run_at, rates, target=target, refine_steps=refine_steps)
+    outputs.sort(key=lambda o: o.offered_rate)
+    return result, outputs
+
+
+async def _workload(client: BenchClient, spec: BenchSpec) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    limits = await client.model_limits()
+    requests = build_workload(spec.workload, limits)
+    warmup = []
+    if spec.num_warmup > 0:
+        warm_spec = dataclasses.replace(spec.workload, num_requests=spec.num_warmup, seed=spec.workload.seed + 1_000_003)
+        warmup = build_workload(warm_spec, limits)
+    return requests, warmup
+
+
+def write_run(out_dir: Path, spec: BenchSpec, output: RunOutput, config_extra: dict[str, Any] | None = None, make_plots: bool = True) -> dict[str, Any]:
+    """``bench.json`` and the run's plots under ``out_dir``; return the JSON document."""
+    plot_paths = []
+    if make_plots:
+        plot_paths.append(plots.plot_latency_cdfs({output.label: output.records}, out_dir / "latency_cdf.png", spec.slo, title=output.label))
+        plot_paths.append(plots.plot_stage_breakdown({output.label: stage_means(output.metrics)}, out_dir / "stage_breakdown.png", title="per-stage timing (router's breakdown)"))
+    config = {**spec_to_dict(spec), **(config_extra or {})}
+    body = {"label": output.label, **run_to_dict(output.metrics, output.records, output.by_tag), "plots": [str(p) for p in plot_paths]}
+    document = result_document("bench", config, body)
+    write_json(out_dir / "bench.json", document)
+    return document
+
+
+def write_sweep(out_dir: Path, spec: BenchSpec, result: SweepResult, outputs: list[RunOutput], config_extra: dict[str, Any] | None = None, make_plots: bool = True) -> dict[str, Any]:
+    """``sweep.json`` (every rate's records) and the sweep's plots under ``out_dir``."""
+    plot_paths = []
+    if make_plots:
+        points = [(o.offered_rate, o.metrics) for o in outputs]
+        plot_paths.append(plots.plot_rate_sweep(points, out_dir / "rate_sweep.png", result.max_rate, title="throughput / latency vs offered load"))
+        plot_paths.append(plots.plot_latency_cdfs({f"{o.offered_rate:.3g} req/s": o.records for o in outputs}, out_dir / "latency_cdf.png", spec.slo))
+        plot_paths.append(plots.plot_stage_breakdown({f"{o.offered_rate:.3g} req/s": stage_means(o.metrics) for o in outputs}, out_dir / "stage_breakdown.png", title="per-stage timing by offered load"))
+    body = {
+        "target_attainment": result.target,
+        "max_rate": result.max_rate,
+        "runs": [{"rate": o.offered_rate, **run_to_dict(o.metrics, o.records, o.by_tag)} for o in outputs],
+        "plots": [str(p) for p in plot_paths],
+    }
+    document = result_document("sweep", {**spec_to_dict(spec), **(config_extra or {})}, body)
+    write_json(out_dir / "sweep.json", document)
+    return document
+
+
+def stage_means(metrics: BenchMetrics) -> dict[str, float]:
+    """Mean ms of each of the router's timing stages (0 where no request reported it)."""
+    return {name: dist.mean or 0.0 for name, dist in metrics.stages_ms.items()}
+
+
+def spec_to_dict(spec: BenchSpec) -> dict[str, Any]:
+    out = dataclasses.asdict(spec)
+    out["arrivals"]["all_at_once"] = spec.arrivals.rate == float("inf")
+    return out
+
+
+def _id_safe(label: str) -> str:
+    """``label`` reduced to the characters the API allows in request ids."""
+    safe = "".join(ch if ch.isalnum() or ch in "._:-" else "-" for ch in label)
+    return safe[:64] or "bench"

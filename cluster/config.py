@@ -1,0 +1,139 @@
+"""The user-facing deployment configuration: a YAML file and/or ``pdserve up`` flags.
+
+Validated with pydantic before anything starts; every error names the field's path
+(``decode.replicas: Input should be greater than or equal to 1``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cluster.pools import DeploymentSpec, PoolSpec
+from engine.config import EngineConfig
+from engine.default_model_path import DEFAULT_MODEL_PATH
+from kvtransfer.agent import KVTransferConfig
+from router.config import Disaggregation, RouterConfig
+from router.pool import RoutingPolicy
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message lists every bad field."""
+
+
+class PoolConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=0, le=256, description="Number of actors in the pool")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each actor")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor; 1 places each actor and its KV cache on its own GPU")
+    resources: dict[str, float] = Field(default_factory=dict, description="Extra Ray resources per actor, e.g. to pin a pool to nodes")
+    threads: int | None = Field(None, ge=1, description="torch threads per actor on CPU (default: num_cpus, at least 1)")
+    token_budget: int = Field(512, ge=1, description="Tokens per engine step (decode tokens plus prefill chunks)")
+    chunk_size: int | None = Field(None, ge=1, description="Most tokens of one prompt per step (default: the token budget)")
+    max_num_seqs: int = Field(64, ge=1, description="Most sequences in one batch")
+    kv_cache_mb: int | None = Field(None, ge=1, description="KV cache size per actor in MiB (default 256)")
+
+
+class RouterSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
+    routing_policy: RoutingPolicy = Field(RoutingPolicy.LEAST_LOADED, description="How a worker is picked")
+    disaggregation: Disaggregation = Field(Disaggregation.AUTO, description="auto: short prompts prefill on the decode actor; always; never")
+    local_prefill_max_tokens: int = Field(32, ge=0, description="auto mode: prompts up to this length prefill locally")
+    max_queued_requests: int = Field(256, ge=1, description="Requests waiting for a first token before RESOURCE_EXHAUSTED")
+    metrics_port: int | None = Field(9400, ge=0, le=65535, description="Prometheus /metrics port (null: off, 0: any free port)")
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Path = Field(DEFAULT_MODEL_PATH, description="Hugging Face model directory (default: the built-in model)")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="Weights and KV dtype (default: the checkpoint's)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when actors hold GPUs")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block")
+    transfer_backend: Literal["nixl", "ray"] = Field("nixl", description="How KV blocks move between actors")
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    router: RouterSection = Field(default_factory=RouterSection)
+    health_interval_s: float = Field(1.0, gt=0, description="Seconds between health checks")
+    health_timeout_s: float = Field(10.0, gt=0, description="A worker that does not answer a ping within this is replaced")
+
+    @field_validator("model")
+    @classmethod
+    def _model_dir_exists(cls, value: Path) -> Path:
+        if not (Path(value) / "config.json").is_file():
+            raise ValueError(f"{value} is not a model directory (no config.json)")
+        return Path(value)
+
+    @model_validator(mode="after")
+    def _at_least_one_decode_actor(self) -> "ClusterConfig":
+        if self.decode.replicas < 1:
+            raise ValueError("decode.replicas: at least one decode actor is needed (prefill-only cannot serve)")
+        return self
+
+    def to_spec(self) -> DeploymentSpec:
+        return DeploymentSpec(
+            model_path=self.model,
+            prefill=self._pool(self.prefill),
+            decode=self._pool(self.decode),
+            router=RouterConfig(
+                host=self.router.host,
+                port=self.router.port,
+                routing_policy=self.router.routing_policy,
+                disaggregation=self.router.disaggregation,
+                local_prefill_max_tokens=self.router.local_prefill_max_tokens,
+                max_queued_requests=self.router.max_queued_requests,
+            ),
+            transfer=KVTransferConfig(backend=self.transfer_backend),
+            health_interval_s=self.health_interval_s,
+            health_timeout_s=self.health_timeout_s,
+        )
+
+    def _pool(self, pool: PoolConfig) -> PoolSpec:
+        device = self.device if self.device != "auto" else ("cuda" if pool.num_gpus > 0 else "cpu")
+        engine = EngineConfig(
+            dtype=self.dtype,
+            device=device,
+            block_size=self.block_size,
+            max_num_batched_tokens=pool.token_budget,
+            long_prefill_chunk=pool.chunk_size,
+            max_num_seqs=pool.max_num_seqs,
+            num_threads=pool.threads or max(1, int(pool.num_cpus)),
+        )
+        if pool.kv_cache_mb is not None:
+            engine.kv_cache_bytes = pool.kv_cache_mb * 2**20
+        return PoolSpec(pool.replicas, engine, pool.num_cpus, pool.num_gpus, dict(pool.resources))
+
+
+def load_config(path: Path | None, overrides: dict) -> ClusterConfig:
+    """Read the YAML file (if any), apply flag overrides (dotted keys), validate."""
+    data: dict = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: the top level must be a mapping of fields")
+        data = loaded or {}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None

@@ -1,0 +1,96 @@
+"""The controller actor: hosts the router and the pool manager inside the Ray cluster.
+
+``pdserve up`` creates it (named, detached with ``--detach``) on the node the command runs
+on; its event loop serves the gRPC API and the Prometheus endpoint, creates and replaces
+workers, scales and drains pools. ``pdserve down`` stops it and its workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.deployment import build_router
+from cluster.pools import DeploymentSpec, PoolManager
+from router.metrics import Metrics
+from router.pool import Role
+
+logger = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "pdserve-controller"
+NAMESPACE = "pdserve"
+
+
+@dataclass(slots=True)
+class ControllerInfo:
+    router_address: str
+    metrics_address: str | None
+    prefill_replicas: int
+    decode_replicas: int
+
+
+class Controller:
+    def __init__(self) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.spec: DeploymentSpec | None = None
+        self.router = None
+        self.pools: PoolManager | None = None
+        self.metrics = Metrics()
+        self.metrics_address: str | None = None
+
+    async def start(self, spec: DeploymentSpec, metrics_port: int | None) -> ControllerInfo:
+        self.spec = spec
+        host = spec.router.host
+        if metrics_port is not None:
+            port = self.metrics.serve(metrics_port, host)
+            self.metrics_address = f"{_advertised(host)}:{port}"
+        self.router = build_router(spec, self.metrics)
+        self.pools = PoolManager(spec, self.router, self.metrics)
+        self.router.pool_manager = self.pools
+        await self.router.start()
+        await self.pools.start()
+        return await self.info()
+
+    async def info(self) -> ControllerInfo:
+        return ControllerInfo(
+            router_address=f"{_advertised(self.spec.router.host)}:{self.router.port}",
+            metrics_address=self.metrics_address,
+            prefill_replicas=self.pools.size(Role.PREFILL),
+            decode_replicas=self.pools.size(Role.DECODE),
+        )
+
+    async def stop(self) -> None:
+        if self.router is not None:
+            await self.router.stop()
+        if self.pools is not None:
+            await self.pools.stop()
+
+
+def create_controller(detached: bool):
+    """The controller actor, pinned to this node (where the CLI printed its address)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    options = dict(
+        name=CONTROLLER_NAME,
+        namespace=NAMESPACE,
+        num_cpus=0,
+        max_concurrency=1000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    )
+    if detached:
+        options["lifetime"] = "detached"
+    return ray.remote(Controller).options(**options).remote()
+
+
+def find_controller():
+    """The running controller, or None."""
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _advertised(host: str) -> str:
+    return ray.util.get_node_ip_address() if host in ("0.0.0.0", "") else host
