@@ -220,7 +220,7 @@ def _connect_ray(address: str | None, log_to_driver: bool) -> None:
     import ray
 
     kwargs = {"include_dashboard": False} if address is None else {}
-    ray.init(address=address, log_to_driver=log_to_driver, configure_logging=False, namespace="pdserve", **kwargs)
+    ray.init(address=address or "local", log_to_driver=log_to_driver, configure_logging=False, namespace="pdserve", **kwargs)
 
 
 def _start_ray_head() -> tuple[int, str]:
@@ -347,7 +347,7 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
 
     threads = max(1, (os.cpu_count() or 2) // max(1, args.prefill + args.decode))
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     engine = dict(num_threads=threads, max_num_batched_tokens=512, long_prefill_chunk=256)
     deployment = Deployment(
         DeploymentSpec(

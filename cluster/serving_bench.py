@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         model_dir = write_random_checkpoint(Path(tmp) / "smollm2-shape", SMOLLM2_135M_SHAPE, getattr(torch, args.dtype))
         _write_byte_tokenizer(model_dir)
         engine = EngineConfig(dtype=args.dtype, num_threads=1, max_num_batched_tokens=args.chunk, long_prefill_chunk=args.chunk, kv_cache_bytes=512 * 2**20)
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
         deployment = Deployment(
             DeploymentSpec(model_path=model_dir, prefill=PoolSpec(1, engine, num_cpus=0), decode=PoolSpec(1, engine, num_cpus=0), router=RouterConfig(disaggregation=Disaggregation.ALWAYS))
         )

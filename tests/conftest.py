@@ -1,8 +1,9 @@
-"""Fixtures shared by every test package: one local Ray instance per test session."""
+"""Fixtures shared by every test package: one local Ray instance per test session, one small model."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import pytest
 
@@ -17,6 +18,7 @@ def ray_session():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a fresh instance, never one left by `ray start`
             num_cpus=16,  # logical slots: actors in tests hold 1 CPU each, the machine has 2 cores
             include_dashboard=False,
             log_to_driver=False,
@@ -24,3 +26,28 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_session):
+    return ray_session
+
+
+@dataclass
+class E2EModel:
+    path: object
+    hf_model: object
+    vocab_size: int
+
+
+@pytest.fixture(scope="session")
+def e2e_model(tmp_path_factory) -> E2EModel:
+    """A small random Llama plus a trained byte-level BPE tokenizer, in one model directory."""
+    from tests.checkpoints import build_checkpoint
+    from tests.router.tokenizer_builders import BASE_CONFIG, save_model_dir, train_byte_level_bpe
+
+    path = tmp_path_factory.mktemp("e2e_model")
+    tokenizer = train_byte_level_bpe(400)
+    model = build_checkpoint("llama", path, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=2048)
+    save_model_dir(path, tokenizer, BASE_CONFIG)
+    return E2EModel(path, model, tokenizer.get_vocab_size())

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.e2e.conftest import Client, make_request, running_deployment
+from tests.serving import Client, make_request, running_deployment
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import grpc
 from router.config import Disaggregation, RouterConfig
 from router.pool import RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.e2e.conftest import Client, engine_config, running_deployment
+from tests.serving import Client, engine_config, running_deployment
 
 
 def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2e_model):

@@ -8,7 +8,7 @@ import pytest
 
 from router.config import Disaggregation, RouterConfig
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.e2e.conftest import Client, running_deployment
+from tests.serving import Client, running_deployment
 
 # Some prompts span more than ten 32-token chunks; short ones share steps with long ones.
 PROMPT_LENGTHS = [3, 9, 17, 25, 40, 64, 130, 350, 420, 12]

@@ -1,0 +1,130 @@
+"""What every scenario shares: the model, Ray, launching a local cluster, and the outcome.
+
+Scenarios compare clusters on the same hardware by launching them one after the other in
+this process (router on a background loop, actors on the local Ray instance), each actor
+with one torch thread. Without ``--model`` the model is a random-weight checkpoint of
+SmolLM2-135M's shape with a byte-level tokenizer: realistic compute per token, nothing to
+download. Prompts are token ids, so the tokenizer only matters for detokenizing output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from router.config import Disaggregation, RouterConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScenarioOutcome:
+    """What the CLI prints and where the results went."""
+
+    name: str
+    lines: list[str]  # the ratio the scenario is about, first, then supporting figures
+    json_path: Path
+    ratios: dict[str, float | None] = field(default_factory=dict)
+    ok: bool = True
+
+
+@dataclass(slots=True)
+class ClusterShape:
+    """One cluster a scenario launches."""
+
+    label: str
+    num_prefill: int
+    num_decode: int
+    disaggregation: Disaggregation
+    prefill_engine: EngineConfig
+    decode_engine: EngineConfig
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "num_prefill": self.num_prefill,
+            "num_decode": self.num_decode,
+            "disaggregation": self.disaggregation.value,
+            "prefill_chunk": self.prefill_engine.long_prefill_chunk,
+            "prefill_token_budget": self.prefill_engine.max_num_batched_tokens,
+            "decode_chunk": self.decode_engine.long_prefill_chunk,
+            "decode_token_budget": self.decode_engine.max_num_batched_tokens,
+        }
+
+
+def engine_config(dtype: str, token_budget: int, chunk: int | None, kv_cache_bytes: int = 512 * 2**20, seed: int = 0) -> EngineConfig:
+    # One torch thread per actor: on a small machine the actors, not intra-op threads,
+    # should divide the cores, so that every cluster compared gets the same share.
+    return EngineConfig(dtype=dtype, num_threads=1, max_num_batched_tokens=token_budget, long_prefill_chunk=chunk, kv_cache_bytes=kv_cache_bytes, seed=seed)
+
+
+@contextlib.contextmanager
+def scenario_model(model: Path | None, dtype: str, seed: int = 0) -> Iterator[Path]:
+    """``model`` if given, else a random SmolLM2-135M-shaped checkpoint in a temporary directory."""
+    if model is not None:
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(f"model: {model} is not a model directory (no config.json)")
+        yield Path(model)
+        return
+    import torch
+
+    from cluster.serving_bench import _write_byte_tokenizer  # the serving microbenchmark's byte tokenizer
+    from engine.bench import SMOLLM2_135M_SHAPE, write_random_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
+        model_dir = write_random_checkpoint(Path(tmp) / "smollm2-135m-shape-random", SMOLLM2_135M_SHAPE, getattr(torch, dtype), seed=seed)
+        _write_byte_tokenizer(model_dir)
+        yield model_dir
+
+
+@contextlib.contextmanager
+def ray_running() -> Iterator[None]:
+    """A local Ray instance for the scenario, unless one is already up (then it is left up)."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    # address="local": always a fresh instance of our own, never a cluster someone else
+    # left running on this machine (ray.init() would silently join it).
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_cluster(model_dir: Path, shape: ClusterShape, actor_num_cpus: float = 0.0) -> Iterator[Any]:
+    """Start ``shape`` on the local Ray instance; yield the Deployment (its ``address`` is the router's)."""
+    from cluster.deployment import Deployment, DeploymentSpec, PoolSpec
+
+    spec = DeploymentSpec(
+        model_path=model_dir,
+        prefill=PoolSpec(shape.num_prefill, shape.prefill_engine, num_cpus=actor_num_cpus),
+        decode=PoolSpec(shape.num_decode, shape.decode_engine, num_cpus=actor_num_cpus),
+        router=RouterConfig(disaggregation=shape.disaggregation),
+    )
+    deployment = Deployment(spec)
+    logger.info("starting cluster %s: %d prefill, %d decode, %s", shape.label, shape.num_prefill, shape.num_decode, shape.disaggregation.value)
+    try:
+        deployment.start()
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def fmt(value: float | None, unit: str = "", digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{unit}"

@@ -1,0 +1,150 @@
+"""Operating a live deployment: scaling under traffic, replacing dead workers, metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from router.config import Disaggregation, RouterConfig
+from router.metrics import Metrics
+from router.pool import Role
+from tests.checkpoints import hf_greedy, random_prompts
+from tests.serving import Client, running_deployment
+
+
+class SteadyTraffic:
+    """A client thread that sends one request after another until stopped; keeps every result."""
+
+    def __init__(self, client: Client, prompts: list[list[int]], max_tokens: int):
+        self.client, self.prompts, self.max_tokens = client, prompts, max_tokens
+        self.results: list[tuple[int, object]] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(offset,)) for offset in range(3)]
+
+    def _run(self, offset: int) -> None:
+        index = offset
+        while not self._stop.is_set() and index < 10_000:
+            prompt_index = index % len(self.prompts)
+            try:
+                stream = self.client.generate(
+                    prompt_token_ids=self.prompts[prompt_index], max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True
+                )
+                self.results.append((prompt_index, stream.token_ids))
+            except Exception as exc:  # recorded: the test asserts there are none
+                self.results.append((prompt_index, exc))
+            index += 3
+
+    def __enter__(self):
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(120)
+
+
+@pytest.fixture(scope="module")
+def traffic_references(e2e_model):
+    prompts = random_prompts([5, 50, 120, 33, 80], e2e_model.vocab_size, seed=31)
+    return prompts, [hf_greedy(e2e_model.hf_model, p, 8) for p in prompts]
+
+
+def _assert_all_correct(results, expected):
+    errors = [r for _, r in results if isinstance(r, Exception)]
+    assert not errors, f"requests failed during the operation: {errors[:3]}"
+    for prompt_index, tokens in results:
+        assert tokens == expected[prompt_index]
+
+
+def test_scaling_each_pool_up_and_down_under_traffic_loses_nothing(ray_cluster, e2e_model, traffic_references):
+    prompts, expected = traffic_references
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    with running_deployment(e2e_model, 1, 1, router) as deployment:
+        client = Client(deployment.address)
+        with SteadyTraffic(client, prompts, 8) as traffic:
+            for role in (Role.PREFILL, Role.DECODE):
+                assert deployment.scale(role, 2) == 1
+                assert len(deployment.workers(role)) == 2
+                time.sleep(0.5)
+                assert deployment.scale(role, 1) == 2
+                assert deployment.pools.size(role) == 1
+            time.sleep(0.5)
+        assert len(traffic.results) > 10
+        _assert_all_correct(traffic.results, expected)
+        # The survivors serve; every retired worker is gone from the status.
+        workers = client.wait_until_idle()
+        assert sorted(w.role for w in workers) == [1, 2]
+        client.close()
+
+
+def test_killed_worker_is_replaced_and_requests_keep_completing(ray_cluster, e2e_model, traffic_references):
+    prompts, expected = traffic_references
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    with running_deployment(e2e_model, 1, 2, router, health_interval_s=0.3) as deployment:
+        client = Client(deployment.address)
+        epochs_before = {w.worker_id: w.epoch for w in client.status()}
+        with SteadyTraffic(client, prompts, 8) as traffic:
+            time.sleep(0.5)
+            deployment.kill_worker("prefill-0")
+            deadline = time.monotonic() + 60
+            while deployment.pools.size(Role.PREFILL) < 1 or "prefill-0" in deployment.workers(Role.PREFILL):
+                assert time.monotonic() < deadline, "the prefill pool did not return to its size"
+                time.sleep(0.1)
+            time.sleep(1.0)
+        assert deployment.pools.num_replaced == 1
+        _assert_all_correct(traffic.results, expected)
+        workers = {w.worker_id: w for w in client.status()}
+        assert "prefill-0" not in workers and "prefill-1" in workers
+        assert workers["prefill-1"].epoch not in epochs_before.values(), "a replacement has a new epoch"
+        # The replacement serves: a fresh request goes through it with the right output.
+        stream = client.generate(prompt_token_ids=prompts[2], max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert stream.token_ids == expected[2] and stream.last.prefill_worker_id == "prefill-1"
+        client.close()
+
+
+def test_metrics_scrape_reports_sensible_values_after_traffic(ray_cluster, e2e_model, traffic_references):
+    prompts, expected = traffic_references
+    metrics = Metrics()
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    with running_deployment(e2e_model, 1, 1, router, health_interval_s=0.2, metrics=metrics) as deployment:
+        port = metrics.serve(0)
+        client = Client(deployment.address)
+        for prompt in prompts:
+            client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+        client.generate(prompt_token_ids=prompts[0], max_tokens=30, temperature=0.0, stop_token_ids=[expected[0][3]])
+        time.sleep(0.6)  # a health-loop refresh of the pool gauges
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        client.close()
+    values = _parse(text)
+    assert values['pdserve_requests_total{finish_reason="length"}'] == 5
+    assert values['pdserve_requests_total{finish_reason="stop"}'] == 1
+    assert values["pdserve_time_to_first_token_seconds_count"] == 6
+    assert 0 < values["pdserve_time_to_first_token_seconds_sum"] / 6 < 10
+    assert values["pdserve_time_per_output_token_seconds_count"] == 6
+    assert values["pdserve_inter_token_latency_seconds_count"] >= 6 * 3
+    assert values["pdserve_e2e_request_latency_seconds_count"] == 6
+    # KV bytes pushed: every prompt's blocks, each 2 layers x 2 x 16 tokens x 2 heads x 16 dims x 4 bytes.
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    pushed_blocks = sum(-(-len(p) // 16) for p in prompts) + -(-len(prompts[0]) // 16)
+    assert values["pdserve_kv_transfer_bytes_total"] == pushed_blocks * block_bytes
+    assert values["pdserve_kv_transfer_seconds_count"] == 6
+    assert values['pdserve_kv_blocks_used{role="decode",worker_id="decode-0"}'] == 0
+    assert values['pdserve_kv_blocks_free{role="prefill",worker_id="prefill-0"}'] == 256
+    assert values['pdserve_queue_depth{role="prefill"}'] == 0
+    assert values['pdserve_prefill_tokens_per_step{worker_id="prefill-0"}'] > 1
+    assert values['pdserve_preemptions{role="decode",worker_id="decode-0"}'] == 0
+    assert 'pdserve_request_retries_total' not in values or values.get('pdserve_request_retries_total', 0) == 0
+
+
+def _parse(text: str) -> dict[str, float]:
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values

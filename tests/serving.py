@@ -1,0 +1,98 @@
+"""Helpers for tests that run a real deployment: Ray actors, NIXL, a gRPC client.
+
+The model (fixture ``e2e_model`` in tests/conftest.py) is a small random-weight Llama with a
+trained byte-level BPE tokenizer in the same directory, so the router tokenizes and
+detokenizes real text and transformers gives the reference outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from cluster.deployment import Deployment, DeploymentSpec, PoolSpec
+from engine import EngineConfig
+from router.api.pdserve.v1 import generation_pb2 as pb
+from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+
+def engine_config(**overrides) -> EngineConfig:
+    fields = dict(num_kv_blocks=256, max_num_batched_tokens=64, long_prefill_chunk=32, num_threads=1)
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+@contextlib.contextmanager
+def running_deployment(model, num_prefill: int, num_decode: int, router: RouterConfig, metrics=None, **overrides):
+    spec = DeploymentSpec(
+        model_path=model.path,
+        prefill=PoolSpec(num_prefill, overrides.pop("prefill_engine", engine_config()), num_cpus=0.5),
+        decode=PoolSpec(num_decode, overrides.pop("decode_engine", engine_config()), num_cpus=0.5),
+        router=router,
+        **overrides,
+    )
+    deployment = Deployment(spec, metrics)
+    deployment.start()
+    try:
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+@dataclass
+class Stream:
+    """Everything one Generate stream delivered."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    messages: list = field(default_factory=list)
+    arrival_times: list[float] = field(default_factory=list)
+
+    @property
+    def last(self):
+        return self.messages[-1]
+
+
+class Client:
+    def __init__(self, address: str):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+
+    def generate(self, timeout: float | None = 60, **request) -> Stream:
+        stream = Stream()
+        for message in self.stub.Generate(make_request(**request), timeout=timeout):
+            stream.messages.append(message)
+            stream.arrival_times.append(time.monotonic())
+            stream.token_ids.extend(message.token_ids)
+            stream.text += message.text
+        return stream
+
+    def status(self):
+        return self.stub.GetClusterStatus(pb.GetClusterStatusRequest()).workers
+
+    def wait_until_idle(self, timeout_s: float = 20.0):
+        """Poll GetClusterStatus until no worker holds a block or a sequence; return the statuses."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            workers = self.status()
+            if all(w.num_kv_blocks_used == 0 and w.num_running_seqs == 0 and w.queue_depth == 0 for w in workers):
+                return workers
+            if time.monotonic() > deadline:
+                raise AssertionError(f"workers still hold work: {workers}")
+            time.sleep(0.05)
+
+    def close(self):
+        self.channel.close()
+
+
+def make_request(prompt_token_ids=None, prompt_text=None, **sampling) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
+    if prompt_token_ids is not None:
+        request.prompt_token_ids.extend(prompt_token_ids)
+    if prompt_text is not None:
+        request.prompt_text = prompt_text
+    return request
