@@ -18,6 +18,8 @@ import numpy as np
 from kvtransfer.errors import InvalidBlocksError
 from kvtransfer.layout import KVRegion
 
+_SMALL = 64  # up to this many blocks (or runs), plain Python is faster than numpy
+
 
 @dataclass(slots=True, frozen=True)
 class BlockRun:
@@ -52,6 +54,13 @@ class BlockRuns:
 
     def expand(self) -> tuple[np.ndarray, np.ndarray]:
         """Per-block (src, dst) int32 index arrays in run order, for prepared descriptor lists."""
+        if len(self) <= _SMALL:
+            src_list: list[int] = []
+            dst_list: list[int] = []
+            for s, d, n in zip(self.src.tolist(), self.dst.tolist(), self.count.tolist()):
+                src_list.extend(range(s, s + n))
+                dst_list.extend(range(d, d + n))
+            return np.array(src_list, dtype=np.int32), np.array(dst_list, dtype=np.int32)
         offsets = np.arange(self.num_blocks, dtype=np.int64) - np.repeat(np.cumsum(self.count) - self.count, self.count)
         src = np.repeat(self.src, self.count) + offsets
         dst = np.repeat(self.dst, self.count) + offsets
@@ -79,6 +88,24 @@ def check_block_ids(block_ids: Sequence[int], num_blocks: int, field: str) -> np
     return ids
 
 
+def _merge_small(src: list[int], dst: list[int], merge: bool) -> BlockRuns:
+    # Plain Python beats a dozen numpy calls for the few blocks of a typical chunk.
+    if len(set(dst)) != len(dst):
+        raise InvalidBlocksError("dst_block_ids", "names a destination block twice in one push")
+    starts_src: list[int] = []
+    starts_dst: list[int] = []
+    counts: list[int] = []
+    for s, d in sorted(zip(src, dst)):
+        if merge and counts and s == starts_src[-1] + counts[-1] and d == starts_dst[-1] + counts[-1]:
+            counts[-1] += 1
+        else:
+            starts_src.append(s)
+            starts_dst.append(d)
+            counts.append(1)
+    return BlockRuns(np.array(starts_src, dtype=np.int64), np.array(starts_dst, dtype=np.int64),
+                     np.array(counts, dtype=np.int64))
+
+
 def merge_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int], merge: bool = True) -> BlockRuns:
     """Pair src[i] with dst[i] and merge pairs that are adjacent on both sides.
 
@@ -86,10 +113,13 @@ def merge_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int], merge
     becomes one run; with unique sources one pass over the sorted pairs is minimal. With
     ``merge=False`` every block is its own run (the benchmark's baseline).
     """
+    if len(src_block_ids) != len(dst_block_ids):
+        raise InvalidBlocksError("dst_block_ids", f"has {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks")
+    if len(src_block_ids) <= _SMALL:
+        as_ints = (lambda ids: ids.tolist()) if isinstance(src_block_ids, np.ndarray) else list
+        return _merge_small([int(b) for b in as_ints(src_block_ids)], [int(b) for b in dst_block_ids], merge)
     src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
     dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
-    if len(src) != len(dst):
-        raise InvalidBlocksError("dst_block_ids", f"has {len(dst)} ids for {len(src)} source blocks")
     # Pushes usually list blocks in order; skip the sorts then (they dominate for 1000s of blocks).
     src_sorted = bool(np.all(src[1:] > src[:-1]))
     if not (src_sorted and np.all(dst[1:] > dst[:-1])) and len(np.unique(dst)) != len(dst):

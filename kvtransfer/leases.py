@@ -21,6 +21,7 @@ write counted as in flight, so rule 2 never confirms it; only rule 3 can free it
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -66,17 +67,23 @@ class Tombstones(Generic[E]):
 
     Keyed by req_id and reservation token; token None covers every reservation of the
     request. The first reason recorded sticks. Entries expire after ``ttl_s``, long after
-    any lease they could concern has run out.
+    any lease they could concern has run out; expiry walks a FIFO, so a poll costs
+    nothing per remembered request.
     """
 
     def __init__(self, ttl_s: float) -> None:
         self._ttl_s = ttl_s
         self._by_req: dict[str, dict[int | None, _Tombstone[E]]] = {}
+        self._order: deque[tuple[float, str, int | None]] = deque()
 
     def bury(self, req_id: str, token: int | None, error: E) -> E:
         """Refuse ``token`` of ``req_id`` from now on; return the reason that sticks."""
         tombs = self._by_req.setdefault(req_id, {})
-        return tombs.setdefault(token, _Tombstone(error, time.monotonic() + self._ttl_s)).error
+        if token not in tombs:
+            expires = time.monotonic() + self._ttl_s
+            tombs[token] = _Tombstone(error, expires)
+            self._order.append((expires, req_id, token))
+        return tombs[token].error
 
     def refusal(self, req_id: str, token: int) -> E | None:
         """Why a push into ``token`` of ``req_id`` is refused, or None if it is not."""
@@ -85,8 +92,12 @@ class Tombstones(Generic[E]):
         return tomb.error if tomb else None
 
     def expire(self, now: float) -> None:
-        for req_id, tombs in list(self._by_req.items()):
-            for token in [t for t, tomb in tombs.items() if tomb.expires < now]:
-                del tombs[token]
+        while self._order and self._order[0][0] < now:
+            _, req_id, token = self._order.popleft()
+            tombs = self._by_req.get(req_id, {})
+            tombs.pop(token, None)
             if not tombs:
-                del self._by_req[req_id]
+                self._by_req.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._order)
