@@ -119,6 +119,11 @@ class KVWorker:
     def disconnect(self, peer_name: str) -> list[str]:
         return self.agent.disconnect(peer_name, "the test killed it")
 
+    def poll_sends_once(self) -> tuple[list, int]:
+        events = self.agent.poll_sends()
+        self.send_log.extend(events)
+        return events, self.agent.num_in_flight()
+
     def quiesce_reports(self, req_ids: list[str]) -> dict:
         return {r: self.agent.quiesce_report(r) for r in req_ids}
 

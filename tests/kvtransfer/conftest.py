@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvtransfer import LeasePolicy
 
 # Short timeouts so lease paths run inside a test; both sides must share one policy.
-TEST_POLICY = LeasePolicy(lease_s=20.0, grace_s=0.3, write_timeout_s=1.0)
+TEST_POLICY = LeasePolicy(lease_s=20.0, grace_s=0.3, write_timeout_s=1.5)
 
 
 def start_workers(ray, *specs):
@@ -22,6 +24,21 @@ def start_workers(ray, *specs):
 def connect(ray, sender, receiver):
     """Handshake: fetch the receiver's offer over Ray, connect it on the sender."""
     return ray.get(sender.connect.remote(ray.get(receiver.offer.remote())))
+
+
+def pump(ray, sender, receivers, timeout_s: float = 10.0) -> list:
+    """Drive the sender's writes to completion while every receiver keeps polling.
+
+    On CPU, UCX finishes a write only when both sides make progress, so a receiver that
+    stops polling would turn a slow machine into spurious write timeouts.
+    """
+    events, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        (new, in_flight), *_ = ray.get([sender.poll_sends_once.remote()] + [r.poll_for.remote(0.02) for r in receivers])
+        events.extend(new)
+        if not in_flight:
+            break
+    return events
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 import ray
@@ -18,7 +19,7 @@ from kvtransfer.errors import (
     TransferFailedError,
 )
 from tests.kvtransfer.actors import SMALL_COMPAT
-from tests.kvtransfer.conftest import connect, start_workers
+from tests.kvtransfer.conftest import connect, pump, start_workers
 
 
 def _split(pairs, rng, num_chunks):
@@ -84,7 +85,8 @@ def test_progress_is_reported_in_order_and_ready_only_at_the_end(nixl_pair):
     chunks = [(req_id, dest, src[i : i + 3], dest.block_ids[i : i + 3], i + 3) for i in range(0, 12, 3)]
 
     ray.get(p.step.remote(chunks[:3]))  # three chunks in flight at once
-    ray.get([p.drain_sends.remote(), d.poll_for.remote(0.3)])
+    pump(ray, p, [d])
+    ray.get(d.poll_for.remote(0.1))
     assert not ray.get(d.is_ready.remote(req_id))
     assert ray.get(d.state.remote())["progress"][req_id] == [3, 6, 9]
 
@@ -103,15 +105,18 @@ def test_not_ready_while_a_block_is_missing_and_lease_returns_blocks(nixl_pair):
     p, d = nixl_pair
     req_id = "missing-block"
     free_before = ray.get(d.num_free.remote())
-    dest = ray.get(d.reserve.remote(req_id, 6, 1.2))
+    dest = ray.get(d.reserve.remote(req_id, 6, 3.0))
     # The writer claims all 6 valid but only wrote 5: never ready.
     out = ray.get(p.step.remote([(req_id, dest, [0, 1, 2, 3, 4], dest.block_ids[:5], 6)]))
     assert not out["refused"]
-    ray.get([p.drain_sends.remote(), d.poll_for.remote(0.3)])
+    pump(ray, p, [d])
+    ray.get(d.poll_for.remote(0.1))
     assert not ray.get(d.is_ready.remote(req_id))
     assert ray.get(d.state.remote())["progress"][req_id] == [6]
 
-    ray.get(d.poll_for.remote(1.4))  # past the deadline (1.2 s) and the grace (0.3 s)
+    end = time.monotonic() + 10  # past the deadline (3 s) and the grace (0.3 s)
+    while ray.get(d.num_free.remote()) != free_before and time.monotonic() < end:
+        ray.get(d.poll_for.remote(0.2))
     state = ray.get(d.state.remote())
     assert "lease ran out with 5/6 blocks landed" in state["failed"][req_id]
     assert ray.get(d.num_free.remote()) == free_before
