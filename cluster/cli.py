@@ -250,12 +250,25 @@ def _stop_pid(pid: int) -> None:
     except ProcessLookupError:
         return
     for _ in range(100):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not process_alive(pid):
             return
         time.sleep(0.1)
     os.killpg(pid, signal.SIGKILL)
+
+
+def process_alive(pid: int) -> bool:
+    """Running (a zombie waiting for a parent that is gone does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
 
 def _free_port() -> int:

@@ -1,0 +1,166 @@
+"""The pdserve CLI as a user types it, in subprocesses, on local Ray clusters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from cluster.cli import process_alive
+from tests.checkpoints import hf_greedy
+
+PDSERVE = [sys.executable, "-m", "cluster.cli"]
+
+
+def _run(*args: str, state_file: Path, timeout: float = 180, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [*PDSERVE, "--state-file", str(state_file), *args], capture_output=True, text=True, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"pdserve {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def test_up_generate_status_scale_down_detached(e2e_model, tmp_path):
+    state = tmp_path / "state.json"
+    up = _run("up", "--detach", "--model", str(e2e_model.path), "--port", "0", "--metrics-port", "0",
+              "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--disaggregation", "always", state_file=state)
+    try:
+        assert "pdserve serving on 127.0.0.1:" in up.stdout
+        recorded = json.loads(state.read_text())
+        assert recorded["router_address"] in up.stdout
+
+        prompt = "The quick brown fox"
+        generated = _run("generate", prompt, "--max-tokens", "10", "--ignore-eos", state_file=state)
+        tokenizer = AutoTokenizer.from_pretrained(e2e_model.path)
+        ids = tokenizer(prompt)["input_ids"]
+        expected = tokenizer.decode(hf_greedy(e2e_model.hf_model, ids, 10), skip_special_tokens=True)
+        assert generated.stdout == prompt + expected + "\n"
+
+        table = _run("status", state_file=state).stdout.splitlines()
+        assert table[0].split() == ["WORKER", "ROLE", "STATE", "QUEUE", "KV", "USED", "RUNNING", "EPOCH", "NODE"]
+        rows = {line.split()[0]: line.split() for line in table[1:]}
+        assert set(rows) == {"prefill-0", "decode-0"}
+        assert rows["prefill-0"][1:3] == ["prefill", "ready"] and rows["decode-0"][1:3] == ["decode", "ready"]
+
+        assert _run("scale", "--decode", "2", state_file=state).stdout.strip() == "decode: 1 -> 2"
+        rows = [line.split() for line in _run("status", state_file=state).stdout.splitlines()[1:]]
+        assert sorted(r[0] for r in rows) == ["decode-0", "decode-1", "prefill-0"]
+    finally:
+        down = _run("down", state_file=state, check=False)
+    assert down.returncode == 0 and "pdserve stopped" in down.stdout
+    assert not state.exists()
+    assert not process_alive(recorded["ray_head_pid"]), "the Ray head that `up --detach` started is gone too"
+
+
+def test_up_in_the_foreground_serves_until_interrupted(e2e_model, tmp_path):
+    state = tmp_path / "state.json"
+    process = subprocess.Popen(
+        [*PDSERVE, "--state-file", str(state), "up", "--model", str(e2e_model.path), "--port", "0", "--metrics-port", "0",
+         "--prefill", "0", "--decode-cpus", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = ""
+        while not line.startswith("pdserve serving on "):  # Ray relays worker logs to stdout too
+            line = process.stdout.readline()
+            assert line or process.poll() is None, process.stderr.read()
+        address = line.split()[3]
+        generated = _run("generate", "hello", "--address", address, "--max-tokens", "4", "--ignore-eos", state_file=state)
+        assert generated.stdout.startswith("hello")
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 0, stderr[-3000:]
+    assert not state.exists()
+
+
+@pytest.mark.parametrize(
+    "config_text, flags, message",
+    [
+        ("decode:\n  replicas: -1\n", [], "decode.replicas"),
+        ("router:\n  routing_policy: fastest\n", [], "router.routing_policy"),
+        ("bogus_field: 3\n", [], "bogus_field"),
+        ("decode: [1, 2\n", [], "not valid YAML"),
+        ("", ["--block-size", "0"], "block_size"),
+    ],
+)
+def test_config_errors_name_the_field_and_start_nothing(tmp_path, config_text, flags, message):
+    config = tmp_path / "pdserve.yaml"
+    config.write_text(config_text)
+    started = time.monotonic()
+    result = _run("up", "--config", str(config), *flags, state_file=tmp_path / "state.json", check=False, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert time.monotonic() - started < 30, "refused before starting Ray"
+    assert "pdserve serving" not in result.stdout
+
+
+def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, tmp_path):
+    """Two raylets on this machine, each with a resource that pins one pool to it."""
+    head_port = _free_port()
+    nodes = []
+    state = tmp_path / "state.json"
+    ray_cli = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats", "--num-cpus=2"]
+    # Both raylets use Ray's token auth (its default for local clusters); the worker node
+    # must be told, or the head refuses it.
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    try:
+        nodes.append(subprocess.Popen([*ray_cli, "--head", f"--port={head_port}", "--node-ip-address=127.0.0.1",
+                                       "--include-dashboard=false", '--resources={"prefill_node": 4}'],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env))
+        _wait_for_port(head_port)
+        nodes.append(subprocess.Popen([*ray_cli, f"--address=127.0.0.1:{head_port}", "--node-ip-address=127.0.0.1",
+                                       '--resources={"decode_node": 4}'],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env))
+        config = tmp_path / "two_nodes.yaml"
+        config.write_text(
+            f"model: {e2e_model.path}\n"
+            "router: {port: 0, metrics_port: null, disaggregation: always}\n"
+            "prefill: {replicas: 1, num_cpus: 0.5, resources: {prefill_node: 1}}\n"
+            "decode: {replicas: 1, num_cpus: 0.5, resources: {decode_node: 1}}\n"
+        )
+        # Actors wait for the second node's resource if it is still registering.
+        up = _run("up", "--detach", "--config", str(config), "--address", f"127.0.0.1:{head_port}", state_file=state, check=False)
+        assert up.returncode == 0, up.stderr
+        rows = {line.split()[0]: line.split() for line in _run("status", state_file=state).stdout.splitlines()[1:]}
+        assert rows["prefill-0"][-1] != rows["decode-0"][-1], "prefill and decode run on different Ray nodes"
+        generated = _run("generate", "The quick brown fox", "--max-tokens", "8", "--ignore-eos", state_file=state)
+        tokenizer = AutoTokenizer.from_pretrained(e2e_model.path)
+        ids = tokenizer("The quick brown fox")["input_ids"]
+        expected = tokenizer.decode(hf_greedy(e2e_model.hf_model, ids, 8), skip_special_tokens=True)
+        assert generated.stdout == "The quick brown fox" + expected + "\n"
+    finally:
+        _run("down", state_file=state, check=False)
+        for node in reversed(nodes):
+            os.killpg(node.pid, signal.SIGTERM)
+        for node in nodes:
+            node.wait(timeout=60)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_for_port(port: int, timeout_s: float = 60) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"nothing listens on {port}")
