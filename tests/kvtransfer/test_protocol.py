@@ -224,3 +224,19 @@ def test_cancel_by_token_refuses_that_attempt_only():
     assert sender.cancel("r").quiesced is False  # no token: the live attempt is cancelled too
     with pytest.raises(TransferCancelledError):
         sender.push("r", dest("r", [4], token=13), [0], [4], 1)
+
+
+def test_a_renewed_lease_lets_a_slow_prefill_keep_writing():
+    clock = FakeClock()
+    policy = LeasePolicy(lease_s=12, grace_s=1, write_timeout_s=10)
+    receiver, _, _ = make_receiver(policy, clock)
+    sender, transport = make_sender(policy, clock)
+    d = receiver.reserve("r", [0, 1], lease_s=12)
+    sender.push("r", d, [0], [0], 1)
+    clock.now += 5  # 7 s left: too little for another 10 s write
+    renewed = receiver.renew_lease("r", 30)
+    assert renewed.lease_deadline == clock.now + 30 and renewed.token == d.token
+    sender.push("r", renewed, [1], [1], 2)
+    assert len(transport.posts) == 2
+    clock.now = d.lease_deadline + 2  # the old deadline and grace passed: still reserved
+    assert not receiver.poll().failed and receiver.num_reserved_blocks() == 2
