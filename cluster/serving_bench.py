@@ -64,12 +64,12 @@ def _router_gaps_ms(stub, prompt: list[int], num_tokens: int) -> list[float]:
     return [1000 * (b - a) for a, b in zip(times[1:], times[2:])]
 
 
-def _direct_gaps_ms(decode_handle, prompt: list[int], num_tokens: int) -> list[float]:
-    ray.get(decode_handle.add_local.remote(DecodeRequest("direct", prompt, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))))
+def _direct_gaps_ms(decode_handle, prompt: list[int], num_tokens: int, req_id: str) -> list[float]:
+    ray.get(decode_handle.add_local.remote(DecodeRequest(req_id, prompt, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))))
     times, received = [], 0
     while received < num_tokens:
         for out in ray.get(decode_handle.poll_outputs.remote(0.05)):
-            if out.req_id == "direct":
+            if out.req_id == req_id:
                 received += len(out.token_ids)
                 times.extend([time.perf_counter()] * len(out.token_ids))
     return [1000 * (b - a) for a, b in zip(times[1:], times[2:])]
@@ -123,12 +123,15 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  ratio          {disagg / local:8.3f}  (goal <= 1.1)")
             deployment.router.config.disaggregation = Disaggregation.NEVER
             short = prompts[0][:32]
-            via_router = _router_gaps_ms(stub, short, args.decode_tokens)
             decode_handle = deployment.handles[deployment.workers(Role.DECODE)[0]]
-            direct = _direct_gaps_ms(decode_handle, short, args.decode_tokens)
-            router_gap, direct_gap = statistics.mean(via_router), statistics.mean(direct)
+            # Alternated and repeated: on a shared machine, load drifts between measurements.
+            router_means, direct_means = [], []
+            for rep in range(args.reps):
+                router_means.append(statistics.mean(_router_gaps_ms(stub, short, args.decode_tokens)))
+                direct_means.append(statistics.mean(_direct_gaps_ms(decode_handle, short, args.decode_tokens, f"direct-{rep}")))
+            router_gap, direct_gap = statistics.median(router_means), statistics.median(direct_means)
             results |= {"itl_router_ms": router_gap, "itl_direct_ms": direct_gap, "router_added_ms_per_token": router_gap - direct_gap}
-            print(f"inter-token gap, one sequence, {args.decode_tokens} tokens:")
+            print(f"inter-token gap, one sequence, {args.decode_tokens} tokens, median of {args.reps} alternated runs:")
             print(f"  through the router (gRPC) {router_gap:7.2f} ms")
             print(f"  decode actor directly     {direct_gap:7.2f} ms")
             print(f"  router adds               {router_gap - direct_gap:7.2f} ms per token ({router_gap / direct_gap:.3f}x)")
