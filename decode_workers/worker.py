@@ -145,9 +145,9 @@ class DecodeWorker:
         """Take no new requests; the router removes this actor once it is idle."""
         self.state = WorkerState.DRAINING
 
-    async def ping(self) -> str:
-        if not self._thread.alive or self._thread.last_error is not None:
-            raise RuntimeError(f"decode worker {self.worker_id}: engine thread failed: {self._thread.last_error!r}")
+    async def ping(self, hang_timeout_s: float = 120.0) -> str:
+        """The epoch, if the engine thread is alive and making progress (else RuntimeError)."""
+        self._thread.check_healthy(hang_timeout_s)
         return self.agent.ref.epoch
 
     async def _call(self, fn, *args):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -29,6 +30,7 @@ class EngineThread:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.last_error: BaseException | None = None
+        self._last_beat = time.monotonic()
 
     def start(self) -> None:
         self._thread.start()
@@ -51,14 +53,30 @@ class EngineThread:
         self._commands.put((fn, args, future))
         return future
 
+    def seconds_since_progress(self) -> float:
+        """How long ago the thread last went round its loop; large means hung in a step."""
+        return time.monotonic() - self._last_beat
+
+    def check_healthy(self, hang_timeout_s: float) -> None:
+        """Raise RuntimeError if the thread died, failed an iteration, or is stuck."""
+        if not self.alive:
+            raise RuntimeError(f"{self.name}: engine thread is not running")
+        if self.last_error is not None:
+            raise RuntimeError(f"{self.name}: engine iteration failed: {self.last_error!r}")
+        if self.seconds_since_progress() > hang_timeout_s:
+            raise RuntimeError(f"{self.name}: no progress for {self.seconds_since_progress():.0f}s")
+
     def _run(self) -> None:
         while not self._stopping.is_set():
+            self._last_beat = time.monotonic()
             self._drain_commands()
             try:
                 busy = self._iterate()
             except Exception as exc:  # a bug in one iteration must not silently kill the worker
-                logger.exception("%s: iteration failed", self.name)
+                if self.last_error is None:
+                    logger.exception("%s: iteration failed", self.name)
                 self.last_error = exc
+                self._stopping.wait(0.1)  # the health check replaces this worker; do not spin meanwhile
                 busy = False
             if not busy:
                 try:
