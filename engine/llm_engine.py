@@ -70,7 +70,7 @@ class LLMEngine:
         self.kv_cache = KVCache(loaded.config, self.config, loaded.dtype)
         self.allocator = BlockAllocator(self.kv_cache.num_blocks)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device)
-        self.sampler = Sampler(self.config.seed, self.config.device)
+        self.sampler = Sampler(self.config.seed)
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids)
         self.num_steps = 0
         self.num_scheduled_tokens = 0
@@ -125,7 +125,7 @@ class LLMEngine:
             num_prompt_tokens=len(prompt_token_ids),
             params=params,
             priority=priority,
-            generator=Sampler.make_generator(params.seed, self.config.device),
+            generator=Sampler.make_generator(params.seed),
         )
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, priority: int = 0) -> Sequence:

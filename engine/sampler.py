@@ -17,28 +17,32 @@ _SEED_MASK = (1 << 63) - 1
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: str = "cpu") -> None:
-        # Requests without a seed of their own draw from this engine-wide generator.
-        self.default_generator = torch.Generator(device=device)
+    def __init__(self, seed: int = 0) -> None:
+        # Requests without a seed of their own draw from this engine-wide generator (CPU).
+        self.default_generator = torch.Generator()
         self.default_generator.manual_seed(seed)
 
     @staticmethod
-    def make_generator(seed: int | None, device: str = "cpu") -> torch.Generator | None:
+    def make_generator(seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
-        generator = torch.Generator(device=device)
+        generator = torch.Generator()
         generator.manual_seed(seed)
         return generator
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """Next token (and its log-probabilities if asked) for each row of ``logits``."""
+        if logits.device.type != "cpu" and any(not s.params.greedy or s.params.logprobs is not None or s.params.repetition_penalty != 1.0 for s in seqs):
+            # Per-row work (penalties, filters, seeded draws) runs on the CPU, where the
+            # per-request generators live; all-greedy batches stay on the device.
+            logits = logits.cpu()
         raw_logits = logits
         logits = self._apply_repetition_penalty(logits, seqs)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         token_ids = [0] * len(seqs)
         if greedy_rows:
-            rows = torch.tensor(greedy_rows)
+            rows = torch.tensor(greedy_rows, device=logits.device)
             for row, token in zip(greedy_rows, logits[rows].argmax(dim=-1).tolist()):
                 token_ids[row] = token
         if sampled_rows:
