@@ -44,6 +44,7 @@ class PoolSpec:
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
+    spread: bool = True
 
 
 @dataclass(slots=True)
@@ -104,6 +105,8 @@ class PoolManager:
         options = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, max_restarts=0, max_concurrency=1000)
         if pool.resources:
             options["resources"] = dict(pool.resources)
+        elif pool.spread:
+            options["scheduling_strategy"] = "SPREAD"  # one pool's actors on as many nodes as possible
         handle = ray.remote(cls).options(**options).remote(worker_id, str(self.spec.model_path), pool.engine, self.spec.transfer)
         self.handles[worker_id] = handle
         try:

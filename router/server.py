@@ -22,6 +22,7 @@ from ray.exceptions import RayTaskError
 
 from decode_workers.messages import SeqOutput
 from engine.config import ModelConfig
+from engine.stats import WorkerState
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.config import RouterConfig
@@ -145,6 +146,12 @@ class AdminService(pb_grpc.AdminServicer):
             record = self.router.pool.workers.get(request.worker_id)
             if record is None:
                 raise NotFoundError(f"no worker {request.worker_id!r}")
+            if self.router.pool_manager is not None:
+                # Drained, then removed once it holds nothing; the pool does not replace it.
+                task = asyncio.create_task(self.router.pool_manager.retire(record))
+                self.router.background_tasks.add(task)
+                task.add_done_callback(self.router.background_tasks.discard)
+                await asyncio.sleep(0)
             await self.router.drain(record)
             return pb.DrainWorkerResponse(worker_id=record.worker_id, state=_STATES[record.state.value])
         except Exception as exc:
@@ -164,6 +171,7 @@ class Router:
         self.dispatcher = Dispatcher(self.pool, self.config, metrics)
         self.pool_manager = pool_manager
         self.metrics = metrics
+        self.background_tasks: set[asyncio.Task] = set()
         self.max_replicas = max_replicas
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -218,8 +226,6 @@ class Router:
 
     async def drain(self, record: WorkerRecord) -> None:
         """No new requests for this worker; it finishes what it has."""
-        from engine.stats import WorkerState
-
         record.state = WorkerState.DRAINING
         try:
             await record.handle.drain.remote()

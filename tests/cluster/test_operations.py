@@ -148,3 +148,29 @@ def _parse(text: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
     return values
+
+
+def test_drain_worker_finishes_its_requests_then_removes_it(ray_cluster, e2e_model, traffic_references):
+    import grpc
+
+    from router.api.pdserve.v1 import generation_pb2 as pb
+
+    prompts, expected = traffic_references
+    router = RouterConfig(disaggregation=Disaggregation.NEVER)
+    with running_deployment(e2e_model, 0, 2, router) as deployment:
+        client = Client(deployment.address)
+        with pytest.raises(grpc.RpcError) as info:
+            client.admin.DrainWorker(pb.DrainWorkerRequest(worker_id="decode-9"))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        with SteadyTraffic(client, prompts, 8) as traffic:
+            time.sleep(0.5)
+            reply = client.admin.DrainWorker(pb.DrainWorkerRequest(worker_id="decode-0"))
+            assert reply.state == pb.WORKER_STATE_DRAINING
+            deadline = time.monotonic() + 60
+            while "decode-0" in deployment.workers(Role.DECODE):
+                assert time.monotonic() < deadline, "the drained worker was never removed"
+                time.sleep(0.1)
+            time.sleep(0.5)
+        _assert_all_correct(traffic.results, expected)
+        assert [w.worker_id for w in client.status()] == ["decode-1"]
+        client.close()
