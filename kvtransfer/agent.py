@@ -74,7 +74,9 @@ class KVAgent:
             progress_thread=self.config.progress_thread,
         )
         policy = self.config.lease
-        self.sender = KVSender(self.ref, self._transport, self.region, policy, self.config.merge_descriptors, wall_clock)
+        self.sender = KVSender(
+            self.ref, self._transport, self.region, policy, self.config.merge_descriptors, wall_clock
+        )
         self.receiver = KVReceiver(self.ref, self._transport, self.region, policy, wall_clock)
         logger.info("kv agent %s up: backend %s, compat %s", self.ref, self.config.backend, compat.compat_hash())
 

@@ -37,7 +37,8 @@ VARIANTS = {
 
 def _compat_for_block_bytes(block_bytes: int) -> KVCompat:
     # One layer, one head, 64 dims of uint8: each token is 128 bytes (K and V).
-    return KVCompat("bench/synthetic", "uint8", num_layers=1, num_kv_heads=1, head_dim=64, block_size=block_bytes // 128)
+    return KVCompat("bench/synthetic", "uint8", num_layers=1, num_kv_heads=1, head_dim=64,
+                    block_size=block_bytes // 128)
 
 
 @ray.remote(num_cpus=1)

@@ -114,7 +114,9 @@ def merge_runs(src_block_ids: Sequence[int], dst_block_ids: Sequence[int], merge
     ``merge=False`` every block is its own run (the benchmark's baseline).
     """
     if len(src_block_ids) != len(dst_block_ids):
-        raise InvalidBlocksError("dst_block_ids", f"has {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks")
+        raise InvalidBlocksError(
+            "dst_block_ids", f"has {len(dst_block_ids)} ids for {len(src_block_ids)} source blocks"
+        )
     if len(src_block_ids) <= _SMALL:
         as_ints = (lambda ids: ids.tolist()) if isinstance(src_block_ids, np.ndarray) else list
         return _merge_small([int(b) for b in as_ints(src_block_ids)], [int(b) for b in dst_block_ids], merge)

@@ -53,7 +53,8 @@ def check_offer(local_compat: KVCompat, local_transport: str, offer: HandshakeOf
     if offer.transport != local_transport:
         problems.append(f"transport: {local_transport!r} != {offer.transport!r}")
     if offer.compat_hash != local_compat.compat_hash():
-        problems.extend(local_compat.differences(offer.compat) or [f"compat_hash: {local_compat.compat_hash()} != {offer.compat_hash}"])
+        differences = local_compat.differences(offer.compat)
+        problems.extend(differences or [f"compat_hash: {local_compat.compat_hash()} != {offer.compat_hash}"])
     if offer.region.bytes_per_block != local_compat.bytes_per_block:
         problems.append(f"bytes_per_block: {local_compat.bytes_per_block} != {offer.region.bytes_per_block}")
     if problems:

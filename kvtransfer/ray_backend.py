@@ -132,7 +132,9 @@ class RayTransport(Transport):
 
         chunks = ray.get(incoming.payload)
         if len(chunks) != len(dst_spans):
-            raise TransportError(f"payload from {incoming.sender} has {len(chunks)} runs, notification {len(dst_spans)}")
+            raise TransportError(
+                f"payload from {incoming.sender} has {len(chunks)} runs, its notification {len(dst_spans)}"
+            )
         for (start, count), chunk in zip(dst_spans, chunks):
             if self._blocks_np is not None:
                 self._blocks_np[start : start + count] = chunk

@@ -105,7 +105,8 @@ class KVReceiver:
             raise BlockInUseError("block_ids", f"blocks {busy[:8]} still belong to req {self._owner[busy[0]]}")
         lease_s = self._policy.lease_s if lease_s is None else lease_s
         if lease_s <= self._policy.write_timeout_s:
-            raise InvalidBlocksError("lease_s", f"{lease_s} must exceed the write timeout {self._policy.write_timeout_s}")
+            timeout = self._policy.write_timeout_s
+            raise InvalidBlocksError("lease_s", f"{lease_s} must exceed the write timeout {timeout}s")
         res = _Reservation(req_id, self._next_token, ids, frozenset(ids), self._wall() + lease_s)
         self._next_token += 1
         self._by_req[req_id] = self._by_token[res.token] = res
@@ -140,8 +141,9 @@ class KVReceiver:
         now = self._wall()
         for res in list(self._by_req.values()):
             if res.state is _State.RECEIVING and now > res.deadline:
+                landed = f"{len(res.landed)}/{len(res.block_ids)}"
                 self._fail(res, LeaseExpiredError(
-                    res.req_id, res.writer or "-", f"lease ran out with {len(res.landed)}/{len(res.block_ids)} blocks landed"
+                    res.req_id, res.writer or "-", f"lease ran out with {landed} blocks landed"
                 ), events)
             if res.state in (_State.ABORTING, _State.FAILED) and now >= self._policy.free_at(res.deadline):
                 events.freed.append(FreedBlocks(res.req_id, self._free(res), "lease expired"))
@@ -185,14 +187,15 @@ class KVReceiver:
         spans = spans_to_ids(notif.dst_spans)
         if not all(res.block_set.issuperset(span) for span in spans):
             outside = sorted(set().union(*spans) - res.block_set)[:8]
-            self._fail(res, TransferFailedError(res.req_id, incoming.sender, f"wrote outside the reservation: {outside}"),
-                       events)
+            error = TransferFailedError(res.req_id, incoming.sender, f"wrote outside the reservation: {outside}")
+            self._fail(res, error, events)
             return
         if self._transport.receiver_lands:
             try:
                 self._transport.land(incoming, notif.dst_spans)
             except Exception as e:
-                self._fail(res, TransferFailedError(res.req_id, incoming.sender, f"landing write {notif.seq}: {e}"), events)
+                error = TransferFailedError(res.req_id, incoming.sender, f"landing write {notif.seq}: {e}")
+                self._fail(res, error, events)
                 return
         res.landed.update(*spans)
         if notif.num_valid_blocks > res.num_valid:

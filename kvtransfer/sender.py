@@ -226,7 +226,8 @@ class KVSender:
             return
         if not self._policy.can_post(state.dest.lease_deadline, self._wall()):
             self._fail(state, LeaseExpiredError(
-                state.req_id, str(peer.ref), f"lease ends in less than the {self._policy.write_timeout_s}s write timeout"
+                state.req_id, str(peer.ref),
+                f"lease ends in less than the {self._policy.write_timeout_s}s write timeout",
             ))
             return
         try:
