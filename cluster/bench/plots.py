@@ -12,13 +12,14 @@ from cluster.bench.client import RequestRecord
 from cluster.bench.metrics import SLO, BenchMetrics, e2e_ms, itls_ms, tpot_ms, ttft_ms
 
 TTFT_STAGES = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "decode_queue_ms")
-ALL_STAGES = (*TTFT_STAGES, "decode_ms")
+ALL_STAGES = (*TTFT_STAGES, "ttft_other_ms", "decode_ms")
 _STAGE_NAMES = {
     "router_queue_ms": "router queue",
     "prefill_queue_ms": "prefill queue",
     "prefill_compute_ms": "prefill compute",
     "kv_transfer_ms": "KV transfer",
     "decode_queue_ms": "decode queue",
+    "ttft_other_ms": "other (to first token)",
     "decode_ms": "decode",
 }
 
@@ -100,27 +101,39 @@ def plot_rate_sweep(points: list[tuple[float, BenchMetrics]], path: Path, max_ra
     return _save(fig, path)
 
 
-def plot_stage_breakdown(groups: dict[str, dict[str, float]], path: Path, stages: tuple[str, ...] = ALL_STAGES, title: str = "", notes: dict[str, str] | None = None) -> Path:
-    """Stacked horizontal bars: mean ms per stage (the router's Timing fields) per group."""
+def plot_stage_breakdown(
+    groups: dict[str, dict[str, float]],
+    path: Path,
+    stages: tuple[str, ...] = ALL_STAGES,
+    title: str = "",
+    notes: dict[str, str] | None = None,
+    xlabel: str = "mean time (ms)",
+    normalize: bool = False,
+) -> Path:
+    """Stacked horizontal bars of ms per stage (the router's Timing fields) per group;
+    ``normalize`` draws each bar as percentages of its own total instead."""
     plt = _pyplot()
     labels = list(groups)
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.6 * len(labels)))
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.6 * len(labels)))
     left = [0.0] * len(labels)
+    totals = [sum(groups[label].get(stage, 0.0) for stage in stages) or 1.0 for label in labels]
     for stage in stages:
         widths = [groups[label].get(stage, 0.0) for label in labels]
+        if normalize:
+            widths = [100 * w / t for w, t in zip(widths, totals)]
         ax.barh(labels, widths, left=left, label=_STAGE_NAMES.get(stage, stage))
         left = [a + b for a, b in zip(left, widths)]
     for i, label in enumerate(labels):
         if notes and label in notes:
             ax.text(left[i], i, f"  {notes[label]}", va="center", fontsize=8)
-    ax.set_xlabel("mean time (ms)")
+    ax.set_xlabel("share (%)" if normalize else xlabel)
     ax.invert_yaxis()
-    ax.legend(fontsize=8, ncol=min(6, len(stages)), loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(alpha=0.3, axis="x")
     if notes:
         ax.set_xlim(0, max(left) * 1.25 if max(left) > 0 else 1)
     if title:
-        ax.set_title(title, pad=28)
+        ax.set_title(title)
     return _save(fig, path)
 
 
@@ -161,11 +174,34 @@ def plot_latency_over_time(records: list[RequestRecord], path: Path, events: lis
         rate_axis.step([t for t, _ in offered], [r for _, r in offered], where="post", color="gray", linestyle=":", label="offered req/s")
         rate_axis.set_ylabel("offered load (req/s)")
     for ax in (top, bottom):
-        for t, label in events:
-            ax.axvline(t, color="tab:green", linestyle="--")
-            ax.annotate(label, (t, 1), xycoords=("data", "axes fraction"), fontsize=8, va="top", rotation=90)
+        for i, (t, label) in enumerate(events):
+            ax.axvline(t, color=f"C{i + 2}", linestyle="--", label=f"{label} ({t:.1f}s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)
+
+
+def plot_gap_timeline(groups: dict[str, list[RequestRecord]], path: Path, windows: dict[str, tuple[float, float] | None], title: str = "") -> Path:
+    """Per group, over time: every inter-chunk gap of every stream and every request's TTFT,
+    with the shaded window in which a marked request (the long prompt) was being prefilled."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 2.8 * len(groups)), sharex=True, squeeze=False)
+    for ax, (label, records) in zip(axes[:, 0], groups.items()):
+        done = [r for r in records if r.ok]
+        gaps = [(b, (b - a) * 1000) for r in done for a, b in zip(r.chunk_s, r.chunk_s[1:])]
+        ax.scatter([t for t, _ in gaps], [g for _, g in gaps], s=4, label="ITL (gap ends at x)")
+        ax.scatter([r.send_s for r in done], [ttft_ms(r) for r in done], s=18, marker="^", color="tab:orange", label="TTFT (sent at x)")
+        window = windows.get(label)
+        if window is not None:
+            ax.axvspan(window[0], window[1], color="tab:red", alpha=0.12, label="long prompt until its first token")
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, loc="upper right")
+    axes[-1, 0].set_xlabel("time (s from start)")
     if title:
         fig.suptitle(title)
     return _save(fig, path)

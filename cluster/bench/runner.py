@@ -144,8 +144,12 @@ def write_sweep(out_dir: Path, spec: BenchSpec, result: SweepResult, outputs: li
 
 
 def stage_means(metrics: BenchMetrics) -> dict[str, float]:
-    """Mean ms of each of the router's timing stages (0 where no request reported it)."""
-    return {name: dist.mean or 0.0 for name, dist in metrics.stages_ms.items()}
+    """Mean ms of each of the router's timing stages (0 where none reported it), plus
+    ``ttft_other_ms``: the part of the router's TTFT that no stage accounts for (relaying,
+    the hop back from the decode actor), so that the stages add up to the TTFT."""
+    means = {name: dist.mean or 0.0 for name, dist in metrics.stages_ms.items()}
+    means["ttft_other_ms"] = max(0.0, means.get("time_to_first_token_ms", 0.0) - sum(means.get(s, 0.0) for s in plots.TTFT_STAGES))
+    return means
 
 
 def spec_to_dict(spec: BenchSpec) -> dict[str, Any]:

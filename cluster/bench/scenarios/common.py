@@ -128,3 +128,8 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def fmt(value: float | None, unit: str = "", digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def flags_of(args: Any) -> dict[str, Any]:
+    """A scenario's flags for its JSON (paths as strings, the CLI's handler left out)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not callable(v)}

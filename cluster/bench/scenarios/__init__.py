@@ -1,0 +1,27 @@
+"""The benchmark scenarios: each launches the local clusters it compares and prints its ratio.
+
+Every scenario module exposes ``NAME``, ``SUMMARY``, ``add_arguments(parser)`` and
+``run(args) -> ScenarioOutcome``; this registry is what ``pdserve bench-scenario`` lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cluster.bench.scenarios import disaggregation, hol_blocking, kv_transfer, scaling
+from cluster.bench.scenarios.common import ScenarioOutcome
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    summary: str
+    add_arguments: Callable
+    run: Callable[..., ScenarioOutcome]
+
+
+SCENARIOS: dict[str, Scenario] = {
+    module.NAME: Scenario(module.NAME, module.SUMMARY, module.add_arguments, module.run)
+    for module in (disaggregation, hol_blocking, scaling, kv_transfer)
+}
