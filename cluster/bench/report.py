@@ -87,11 +87,11 @@ def _default(value: Any) -> Any:
 
 def format_summary(metrics: BenchMetrics, title: str) -> str:
     """A fixed-width table of one run's metrics."""
-    width = 62
+    width = 66
     lines = [f" {title} ".center(width, "=")]
 
     def row(name: str, value: str) -> None:
-        lines.append(f"{name:<40}{value:>22}")
+        lines.append(f"{name:<34}{value:>32}")
 
     row("Requests completed / sent", f"{metrics.completed} / {metrics.num_requests}")
     row("Failed requests", str(metrics.failed))
@@ -100,7 +100,8 @@ def format_summary(metrics: BenchMetrics, title: str) -> str:
     row("Request throughput (req/s)", f"{metrics.request_throughput:.3f}")
     row("Output token throughput (tok/s)", f"{metrics.output_throughput:.1f}")
     row("Total token throughput (tok/s)", f"{metrics.total_token_throughput:.1f}")
-    row(f"Goodput (req/s) at {format_slo(metrics.slo)}", f"{metrics.goodput:.3f}")
+    row("SLOs", format_slo(metrics.slo))
+    row("Goodput (req/s)", f"{metrics.goodput:.3f}")
     row("SLO attainment", f"{100 * metrics.slo_attainment:.1f}%")
     lines.append(_distribution_header(width))
     for name, dist in (("TTFT", metrics.ttft_ms), ("TPOT", metrics.tpot_ms), ("ITL", metrics.itl_ms), ("E2E latency", metrics.e2e_ms)):
@@ -113,17 +114,17 @@ def format_summary(metrics: BenchMetrics, title: str) -> str:
 
 
 def format_slo(slo: SLO) -> str:
-    parts = [f"{name.upper()}<={value:g}ms" for name, value in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms), ("e2e", slo.e2e_ms)) if value is not None]
+    parts = [f"{name.upper()}<={value:.1f}".removesuffix(".0") + "ms" for name, value in (("ttft", slo.ttft_ms), ("tpot", slo.tpot_ms), ("e2e", slo.e2e_ms)) if value is not None]
     return ", ".join(parts) if parts else "no SLO"
 
 
 def _distribution_header(width: int) -> str:
-    return "-" * width + "\n" + f"{'(ms)':<22}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"
+    return "-" * width + "\n" + f"{'(ms)':<26}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"
 
 
 def _distribution_row(name: str, dist: Distribution) -> str:
     cells = "".join(f"{_num(getattr(dist, key)):>10}" for key in ("mean", "p50", "p90", "p99"))
-    return f"{name:<22}{cells}"
+    return f"{name:<26}{cells}"
 
 
 def _num(value: float | None) -> str:

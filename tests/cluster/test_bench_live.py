@@ -49,7 +49,7 @@ def assert_consistent(run: dict, num_requests: int) -> None:
         # ignore_eos: exactly the requested number of tokens, streamed and in the usage
         assert r["output_tokens"] == r["max_tokens"] == r["usage_completion_tokens"] == OUTPUT_LEN
         assert r["prompt_len"] in (12, 96)
-        assert r["scheduled_s"] <= r["send_s"] + 1e-6 and r["chunk_s"] == sorted(r["chunk_s"])
+        assert r["scheduled_s"] <= r["send_s"] + 1e-3 and r["chunk_s"] == sorted(r["chunk_s"])
         assert r["send_s"] < r["chunk_s"][0] <= r["chunk_s"][-1] <= r["end_s"]
         assert 0 < r["ttft_ms"] <= r["e2e_ms"]
         assert r["ttft_ms"] == pytest.approx(1000 * (r["chunk_s"][0] - r["send_s"]))

@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import json
 import math
-import random
 import statistics
 
 import pytest
@@ -15,7 +14,7 @@ from cluster.bench.arrivals import ArrivalSpec, arrival_offsets, phased_offsets
 from cluster.bench.cli import add_bench_parser, bench_spec_from_args
 from cluster.bench.client import RequestRecord, ServerTiming
 from cluster.bench.metrics import SLO, compute_metrics, distribution, e2e_ms, itls_ms, meets_slo, metrics_by_tag, percentile, tpot_ms, ttft_ms
-from cluster.bench.report import format_summary, result_document, run_to_dict, write_json
+from cluster.bench.report import format_slo, format_summary, result_document, run_to_dict, write_json
 from cluster.bench.sweep import bisection_bounds, max_rate_meeting, run_sweep
 from cluster.bench.workloads import ModelLimits, WorkloadSpec, build_workload
 
@@ -161,7 +160,8 @@ def test_json_is_strict_and_holds_derived_fields(tmp_path):
     assert doc["records"][2]["tpot_ms"] == pytest.approx(800 / 3)
     assert doc["records"][3]["ttft_ms"] is None and doc["records"][3]["send_s"] == 1.5
     table = format_summary(m, "hand")
-    assert "Goodput (req/s) at TTFT<=250ms, TPOT<=150ms" in table and "0.500" in table and "25.0%" in table
+    assert "TTFT<=250ms, TPOT<=150ms" in table and "0.500" in table and "25.0%" in table
+    assert format_slo(SLO(ttft_ms=10748.63, e2e_ms=2000)) == "TTFT<=10748.6ms, E2E<=2000ms"
 
 
 # -- sweep ----------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def test_sharegpt_workload(tmp_path):
     ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
-    requests = build_workload(WorkloadSpec(kind="sharegpt", num_requests=10, dataset_path=str(path), seed=random.randint(0, 9)), LIMITS)
+    requests = build_workload(WorkloadSpec(kind="sharegpt", num_requests=10, dataset_path=str(path), seed=4), LIMITS)
     assert sorted(r.prompt_text for r in requests) == ["Tell me about the sea, please.", "What is two plus two?"]
     assert sorted(r.max_tokens for r in requests) == [10, 20]  # estimated at 4 bytes per token
     fixed = build_workload(WorkloadSpec(kind="sharegpt", dataset_path=str(path), fixed_output_len=True, output_len=6), LIMITS)

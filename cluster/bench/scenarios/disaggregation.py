@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
                 if spec.slo.ttft_ms is None or spec.slo.tpot_ms is None:
                     calibration = asyncio.run(_calibrate(deployment.address, args))
                     spec.slo = SLO(
-                        spec.slo.ttft_ms or args.slo_scale * calibration["solo_long_ttft_ms"],
-                        spec.slo.tpot_ms or args.slo_scale * calibration["solo_short_tpot_ms"],
+                        spec.slo.ttft_ms or round(args.slo_scale * calibration["solo_long_ttft_ms"], 1),
+                        spec.slo.tpot_ms or round(args.slo_scale * calibration["solo_short_tpot_ms"], 1),
                     )
                 outputs.append(asyncio.run(bench(deployment.address, spec, shape.label)))
     agg, disagg = outputs
