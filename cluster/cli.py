@@ -1,4 +1,4 @@
-"""The ``pdserve`` command line: up, down, status, scale, generate.
+"""The ``pdserve`` command line: up, down, status, scale, generate, bench, bench-scenario.
 
 ``pdserve up`` starts a local Ray instance (or joins one with ``--address``), creates the
 controller actor that hosts the router and the pools, prints the gRPC address and serves
@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--decode", type=int, default=1, help="decode actors (local deployment)")
     generate.add_argument("--timing", action="store_true", help="print the timing breakdown at the end")
     _add_sampling_flags(generate)
+
+    from cluster.bench.cli import add_bench_parser, add_scenario_parser
+
+    add_bench_parser(commands)
+    add_scenario_parser(commands)
     return parser
 
 
@@ -97,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {"up": _up, "down": _down, "status": _status, "scale": _scale, "generate": _generate}
-    return handlers[args.command](args)
+    if args.command in handlers:
+        return handlers[args.command](args)
+    return args.bench_handler(args)
 
 
 # -- state shared between commands --------------------------------------------------------
