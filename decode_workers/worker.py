@@ -4,9 +4,10 @@ A disaggregated request's life here:
 1. ``reserve`` (from the router) allocates the prompt's blocks in the engine and registers
    them with the KV agent under a lease; the returned ``KVDestination`` goes to a prefill
    actor, which writes the prompt's KV into those blocks chunk by chunk.
-2. Every iteration of the engine thread polls the agent. When every block has landed and
-   the router has relayed the first token (``start``), the sequence joins the running batch;
-   its first token is published at once.
+2. Every iteration of the engine thread polls the agent. When every block has landed, the
+   first token has come with the last write's notification, and the sequence joins the
+   running batch; its first token is published at once. (``start``, the router's relay of
+   the same token, is the fallback and a no-op once the sequence is admitted.)
 3. Each step publishes one batch of ``SeqOutput`` (new tokens of every sequence); the router
    collects them with ``poll_outputs``. The last output of a request carries its timing.
 4. Abort: blocks that a write may still target are freed only after the writer's quiesce
@@ -30,9 +31,8 @@ from decode_workers.messages import DecodeRequest, DecodeStatus, DecodeTiming, S
 from decode_workers.scheduler import DecodeScheduler
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
-from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.sequence import FinishReason, Sequence, TokenLogprob
+from engine.sequence import FinishReason, Sequence, TokenLogprob, sampled_token_from_json
 from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.handshake import HandshakeOffer
@@ -179,8 +179,8 @@ class DecodeWorker:
 
     def _set_first_token(self, req_id: str, token_id: int, logprob: TokenLogprob | None) -> None:
         tracked = self._tracked.get(req_id)
-        if tracked is None:
-            raise InvalidRequestError("request_id", f"{req_id!r} has no reservation on {self.worker_id}")
+        if tracked is None or req_id not in self.scheduler.awaiting_kv:
+            return  # already admitted with the token the last write carried (or gone)
         tracked.first_token = (token_id, logprob)
         self._admit_if_ready(req_id, tracked)
 
@@ -250,6 +250,9 @@ class DecodeWorker:
             tracked = self._tracked.get(req_id)
             if tracked is not None:
                 tracked.kv_ready_at = now
+                payload = self.agent.payload(req_id)
+                if payload and tracked.first_token is None:
+                    tracked.first_token = sampled_token_from_json(payload)
                 self._admit_if_ready(req_id, tracked)
         for failure in events.failed:
             self._fail(failure.req_id, str(failure))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import time
 from dataclasses import dataclass, field
 
@@ -34,6 +35,23 @@ class TokenLogprob:
     logprob: float
     rank: int  # 1 = the most likely token
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def sampled_token_to_json(token_id: int, logprob: TokenLogprob | None) -> str:
+    """A sampled token (and its log-probabilities) as text, to travel with another message."""
+    body: dict = {"id": token_id}
+    if logprob is not None:
+        body["lp"] = [logprob.logprob, logprob.rank, logprob.top]
+    return json.dumps(body, separators=(",", ":"))
+
+
+def sampled_token_from_json(text: str) -> tuple[int, TokenLogprob | None]:
+    body = json.loads(text)
+    token_id = int(body["id"])
+    if "lp" not in body:
+        return token_id, None
+    value, rank, top = body["lp"]
+    return token_id, TokenLogprob(token_id, float(value), int(rank), [(int(t), float(v)) for t, v in top])
 
 
 @dataclass(slots=True, eq=False)  # identity: two requests are never "equal"

@@ -121,6 +121,7 @@ class KVAgent:
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
         num_valid_blocks: int,
+        payload: str = "",
     ) -> int:
         """Write local blocks into ``dest``'s blocks without waiting; return the write's seq.
 
@@ -129,7 +130,7 @@ class KVAgent:
         Raises RequestTransferError if the request failed or was cancelled (reported once
         by ``poll_sends`` as well), HandshakeRequiredError, InvalidBlocksError.
         """
-        return self.sender.push(req_id, dest, src_block_ids, dst_block_ids, num_valid_blocks)
+        return self.sender.push(req_id, dest, src_block_ids, dst_block_ids, num_valid_blocks, payload)
 
     def poll_sends(self) -> list[SendEvent]:
         """Completed writes and failed requests since the last call. Never blocks."""
@@ -168,6 +169,10 @@ class KVAgent:
 
     def num_valid_blocks(self, req_id: str) -> int:
         return self.receiver.num_valid_blocks(req_id)
+
+    def payload(self, req_id: str) -> str:
+        """What the writer attached to the request's landed writes (e.g. the first sampled token)."""
+        return self.receiver.payload(req_id)
 
     def complete(self, req_id: str) -> list[int]:
         """Hand a ready request's blocks to the engine; the agent forgets them."""

@@ -46,16 +46,19 @@ class KVDestination:
 
 @dataclass(slots=True)
 class TransferNotif:
-    """Sent with a write: which request, which blocks landed, how many are now valid."""
+    """Sent with a write: which request, which blocks landed, how many are now valid, and a payload."""
 
     req_id: str
     token: int
     seq: int
     num_valid_blocks: int
     dst_spans: list[tuple[int, int]]
+    payload: str = ""  # opaque to kvtransfer: what the writer wants the reader to get with the blocks
 
     def encode(self) -> bytes:
         body = {"r": self.req_id, "t": self.token, "s": self.seq, "v": self.num_valid_blocks, "d": self.dst_spans}
+        if self.payload:
+            body["p"] = self.payload
         return NOTIF_MAGIC + json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -71,6 +74,7 @@ class TransferNotif:
                 seq=int(body["s"]),
                 num_valid_blocks=int(body["v"]),
                 dst_spans=[(int(s), int(n)) for s, n in body["d"]],
+                payload=str(body.get("p", "")),
             )
         except (ValueError, KeyError, TypeError) as e:
             raise KVTransferError(f"malformed kvtransfer notification: {e}") from e

@@ -69,6 +69,7 @@ class _Reservation:
     next_seq: int = 0
     pending: dict[int, tuple[Incoming, TransferNotif]] = field(default_factory=dict)
     writer: str | None = None
+    payload: str = ""  # the latest non-empty payload a landed write carried
 
 
 class KVReceiver:
@@ -198,6 +199,8 @@ class KVReceiver:
                 self._fail(res, error, events)
                 return
         res.landed.update(*spans)
+        if notif.payload:
+            res.payload = notif.payload
         if notif.num_valid_blocks > res.num_valid:
             res.num_valid = notif.num_valid_blocks
             events.progress.append((res.req_id, res.num_valid))
@@ -225,6 +228,10 @@ class KVReceiver:
 
     def num_reserved_blocks(self) -> int:
         return len(self._owner)
+
+    def payload(self, req_id: str) -> str:
+        """The latest payload that arrived with a landed write of ``req_id`` ("" if none)."""
+        return self._get(req_id).payload
 
     def complete(self, req_id: str) -> list[int]:
         """Hand a ready request's blocks to the caller (the engine's sequence) and forget it."""

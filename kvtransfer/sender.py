@@ -154,8 +154,12 @@ class KVSender:
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
         num_valid_blocks: int,
+        payload: str = "",
     ) -> int:
-        """Start writing src blocks into dst blocks of ``dest``; return the write's seq number."""
+        """Start writing src blocks into dst blocks of ``dest``; return the write's seq number.
+
+        ``payload`` rides in this write's notification and reaches the reader when it lands.
+        """
         refusal = self._tombstones.refusal(req_id, dest.token)
         if refusal is not None:
             raise refusal
@@ -189,7 +193,7 @@ class KVSender:
             num_valid_blocks=num_valid_blocks,
             runs=runs,
             dst_blocks=dst_blocks,
-            notif=TransferNotif(req_id, dest.token, state.next_seq, num_valid_blocks, runs.dst_spans()).encode(),
+            notif=TransferNotif(req_id, dest.token, state.next_seq, num_valid_blocks, runs.dst_spans(), payload).encode(),
         )
         state.next_seq += 1
         state.sealed = num_valid_blocks == len(reserved)

@@ -7,8 +7,9 @@ A request's life here:
 2. Each engine step prefills chunks of several prompts (split-fuse). Right after the step,
    every block a chunk completed is pushed to the decode actor: adjacent blocks merge into
    one descriptor, and the write proceeds while the next step computes.
-3. The last chunk samples the first token. Once the last write has completed, the prompt's
-   local blocks are freed and ``submit`` returns the first token and the timing.
+3. The last chunk samples the first token, which rides in the notification of the last
+   write. Once that write has completed, the prompt's local blocks are freed and ``submit``
+   returns the first token and the timing.
 4. ``cancel`` stops a request wherever it is and reports whether writes are still in
    flight; the router relays the quiesced report to the decode actor.
 """
@@ -27,7 +28,7 @@ import ray
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
-from engine.sequence import Sequence
+from engine.sequence import Sequence, sampled_token_to_json
 from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.errors import KVTransferError
@@ -160,8 +161,16 @@ class PrefillWorker:
         if num_ready <= job.num_pushed_blocks:
             return
         start, dest = job.num_pushed_blocks, job.request.destination
+        payload = ""
+        if prompt_done and num_ready == len(dest.block_ids):
+            # The last write carries the first token: the decode actor can start the moment
+            # the blocks land, without waiting for a message through the router.
+            first_logprob = seq.output_logprobs[0] if seq.output_logprobs else None
+            payload = sampled_token_to_json(seq.token_ids[seq.num_prompt_tokens], first_logprob)
         try:
-            write = self.agent.push(seq.req_id, dest, seq.block_table[start:num_ready], dest.block_ids[start:num_ready], num_ready)
+            write = self.agent.push(
+                seq.req_id, dest, seq.block_table[start:num_ready], dest.block_ids[start:num_ready], num_ready, payload
+            )
         except KVTransferError as exc:
             self._finish_job(job, exc)
             return

@@ -64,3 +64,11 @@ def test_aborting_a_reservation_returns_its_blocks(checkpoint):
     assert decode.num_free_blocks == 12
     decode.abort_request("r")
     assert decode.num_free_blocks == 16
+
+
+def test_sampled_token_survives_its_json_form():
+    from engine.sequence import TokenLogprob, sampled_token_from_json, sampled_token_to_json
+
+    logprob = TokenLogprob(42, -0.25, 1, [(42, -0.25), (7, -1.5)])
+    assert sampled_token_from_json(sampled_token_to_json(42, logprob)) == (42, logprob)
+    assert sampled_token_from_json(sampled_token_to_json(9, None)) == (9, None)

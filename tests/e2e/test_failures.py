@@ -52,7 +52,7 @@ def test_killing_a_decode_actor_ends_only_its_streams(ray_cluster, e2e_model):
         def run(index: int) -> None:
             try:
                 results[index] = client.generate(
-                    timeout=120, prompt_token_ids=prompts[index], max_tokens=400, temperature=0.0, ignore_eos=True
+                    timeout=120, prompt_token_ids=prompts[index], max_tokens=1500, temperature=0.0, ignore_eos=True
                 )
             except grpc.RpcError as exc:
                 results[index] = exc
@@ -60,8 +60,12 @@ def test_killing_a_decode_actor_ends_only_its_streams(ray_cluster, e2e_model):
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)  # every stream is decoding by now
-        deployment.kill_worker("decode-0")
+        active = deployment.router.dispatcher.active
+        deadline = time.monotonic() + 30
+        while not (len(active) == len(prompts) and all(a.assembler.has_sent_tokens for a in list(active.values()))):
+            assert time.monotonic() < deadline, "streams did not start"
+            time.sleep(0.01)
+        deployment.kill_worker("decode-0")  # every stream is mid-decode
         for thread in threads:
             thread.join(120)
         failed = [r for r in results.values() if isinstance(r, grpc.RpcError)]
@@ -71,7 +75,7 @@ def test_killing_a_decode_actor_ends_only_its_streams(ray_cluster, e2e_model):
             assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert "decode-0" in error.details()
         for stream in finished:
-            assert len(stream.token_ids) == 400
+            assert len(stream.token_ids) == 1500
             assert stream.last.decode_worker_id == "decode-1"
         # New requests go to the survivor.
         again = client.generate(prompt_token_ids=prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)

@@ -67,3 +67,12 @@ def test_notification_round_trip_and_foreign_messages():
         TransferNotif.decode(b"hello")
     with pytest.raises(KVTransferError):
         TransferNotif.decode(b"pdkv1:{not json")
+
+
+def test_notification_payload_round_trips_and_is_optional():
+    from kvtransfer.messages import TransferNotif
+
+    with_payload = TransferNotif("r1", 7, 3, 4, [(0, 2), (5, 2)], payload='{"id":42}')
+    assert TransferNotif.decode(with_payload.encode()) == with_payload
+    plain = TransferNotif("r1", 7, 0, 1, [(0, 1)])
+    assert b'"p"' not in plain.encode() and TransferNotif.decode(plain.encode()).payload == ""
