@@ -82,7 +82,7 @@ def add_slo_flags(parser: argparse.ArgumentParser) -> None:
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``subparsers``; its handler is ``run_bench``."""
     parser = subparsers.add_parser("bench", help="benchmark a running router", description="Benchmark a running pdserve router: TTFT, TPOT, ITL, E2E, throughput, goodput, per-stage timing.")
-    parser.add_argument("--address", required=True, help="router host:port")
+    parser.add_argument("--address", help="router host:port (default: the deployment `pdserve up` recorded)")
     add_workload_flags(parser)
     add_load_flags(parser)
     add_slo_flags(parser)
@@ -168,6 +168,11 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
+    if not args.address:
+        args.address = _recorded_router_address(getattr(args, "state_file", None))
+        if not args.address:
+            print("pdserve bench: no --address and no running deployment recorded by `pdserve up`", file=sys.stderr)
+            return 2
     extra = {"address": args.address}
     try:
         if args.sweep:
@@ -217,3 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.bench_handler(args)
+
+
+def _recorded_router_address(state_file) -> str | None:
+    """The router address ``pdserve up`` wrote to its state file, if any."""
+    import json
+    from pathlib import Path
+
+    if state_file is None:
+        return None
+    try:
+        return json.loads(Path(state_file).read_text()).get("router_address")
+    except (OSError, ValueError):
+        return None
