@@ -122,6 +122,10 @@ class DecodeWorker:
         """The prefill actor finished: this is the first token; admit once every block landed."""
         await self._call(self._set_first_token, req_id, first_token_id, first_logprob)
 
+    async def is_admitted(self, req_id: str) -> bool:
+        """Whether the request's KV and first token arrived and it is decoding (or done)."""
+        return await self._call(self._is_admitted, req_id)
+
     async def add_local(self, request: DecodeRequest) -> None:
         """Prefill and decode here (conditional disaggregation, aggregated mode)."""
         await self._call(self._add_local, request)
@@ -183,6 +187,12 @@ class DecodeWorker:
             return  # already admitted with the token the last write carried (or gone)
         tracked.first_token = (token_id, logprob)
         self._admit_if_ready(req_id, tracked)
+
+    def _is_admitted(self, req_id: str) -> bool:
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            return True  # finished already: its outputs are on their way to the router
+        return req_id not in self.scheduler.awaiting_kv
 
     def _add_local(self, request: DecodeRequest) -> None:
         self._check_accepting()

@@ -178,6 +178,13 @@ class Dispatcher:
         except WORKER_GONE:
             logger.warning("req %s: prefill worker %s died", request.req_id, prefill.worker_id)
             self.on_worker_died(prefill)
+            try:
+                # The last write carries the first token: the decode actor may already be
+                # decoding this request, and then the prefill worker's death changes nothing.
+                if await decode.handle.is_admitted.remote(request.req_id):
+                    return
+            except WORKER_GONE:
+                return  # the collector reports the decode actor's death
             active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", prefill_failed=True))
             return
         except Exception as exc:
