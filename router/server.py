@@ -146,13 +146,12 @@ class AdminService(pb_grpc.AdminServicer):
             record = self.router.pool.workers.get(request.worker_id)
             if record is None:
                 raise NotFoundError(f"no worker {request.worker_id!r}")
+            await self.router.drain(record)
             if self.router.pool_manager is not None:
-                # Drained, then removed once it holds nothing; the pool does not replace it.
+                # Removed once it holds nothing (retire waits for that); the pool does not replace it.
                 task = asyncio.create_task(self.router.pool_manager.retire(record))
                 self.router.background_tasks.add(task)
                 task.add_done_callback(self.router.background_tasks.discard)
-                await asyncio.sleep(0)
-            await self.router.drain(record)
             return pb.DrainWorkerResponse(worker_id=record.worker_id, state=_STATES[record.state.value])
         except Exception as exc:
             await abort_with(context, _unwrap(exc))
