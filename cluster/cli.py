@@ -1,8 +1,9 @@
 """The ``pdserve`` command line: up, down, status, scale, generate, bench, bench-scenario.
 
 ``pdserve up`` starts a local Ray instance (or joins one with ``--address``), creates the
-controller actor that hosts the router and the pools, prints the gRPC address and serves
-in the foreground until Ctrl-C; ``--detach`` leaves it serving and records where in the
+controller actor that hosts the router and the pools, prints the gRPC address once the
+router's health service says SERVING (every worker is up) and serves in the foreground
+until Ctrl-C; ``--detach`` leaves it serving and records where in the
 state file, which ``down``, ``status``, ``scale`` and ``generate`` read.
 ``pdserve generate "prompt"`` streams to the terminal: to ``--address``, else to the
 recorded deployment, else to a local deployment started for this one call (one prefill
@@ -26,6 +27,7 @@ from pathlib import Path
 from engine.default_model_path import DEFAULT_MODEL_PATH
 
 DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
+SERVING_TIMEOUT_S = 60.0  # after the controller reported every worker up
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -172,6 +174,16 @@ def _up(args: argparse.Namespace) -> int:
         if head is not None:
             _stop_pid(head)
         return 1
+    # The controller returns once every worker is up; the health check is what a client sees.
+    if not _wait_until_serving(info.router_address, SERVING_TIMEOUT_S):
+        print(f"pdserve up: the router at {info.router_address} did not report SERVING within {SERVING_TIMEOUT_S:.0f}s", file=sys.stderr)
+        try:
+            ray.get(controller.stop.remote(), timeout=30)
+        finally:
+            ray.kill(controller)
+            if head is not None:
+                _stop_pid(head)
+        return 1
     state = {"router_address": info.router_address, "metrics_address": info.metrics_address,
              "ray_address": ray_address, "ray_head_pid": head}
     print(f"pdserve serving on {info.router_address} ({info.prefill_replicas} prefill, {info.decode_replicas} decode actors)")
@@ -221,6 +233,25 @@ def _down(args: argparse.Namespace) -> int:
     args.state_file.unlink(missing_ok=True)
     print("pdserve stopped" if controller is not None else "no pdserve deployment was running")
     return 0
+
+
+def _wait_until_serving(address: str, timeout_s: float) -> bool:
+    """Whether the router's gRPC health service said SERVING within ``timeout_s``."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    return False
 
 
 def _connect_ray(address: str | None, log_to_driver: bool) -> None:

@@ -2,6 +2,8 @@
 
 A worker's life here: ``_launch`` creates the actor (one GPU each where there are GPUs,
 else the configured CPUs), waits until its model is loaded and hands it to the router.
+The router's readiness (health SERVING, Generate calls let through) follows: set once every
+worker asked for at start-up is up, cleared whenever no decode actor is left to route to.
 The health loop pings every worker; one that is dead or does not answer within the
 timeout is removed from routing at once, killed if still there, and replaced by a new
 actor (a new epoch, so peers handshake afresh). Scaling down drains: the router stops
@@ -76,13 +78,25 @@ class PoolManager:
         self._retiring: set[str] = set()
         self._health_task: asyncio.Task | None = None
         self._replacements: set[asyncio.Task] = set()
+        self._started = False
         self.num_replaced = 0
 
     async def start(self) -> None:
         launches = [self._launch(Role.PREFILL) for _ in range(self.spec.prefill.replicas)]
         launches += [self._launch(Role.DECODE) for _ in range(self.spec.decode.replicas)]
         await asyncio.gather(*launches)
+        self._started = True
+        await self.refresh_readiness()
         self._health_task = asyncio.create_task(self._health_loop())
+
+    async def refresh_readiness(self) -> None:
+        """Ready once start-up is done and while a decode actor takes requests."""
+        if not self._started:
+            return  # still starting: every requested worker must be up first
+        if self.router.pool.routable(Role.DECODE):
+            await self.router.readiness.set_ready()
+        else:
+            await self.router.readiness.set_not_ready("no decode worker is ready (a replacement is starting, or the pool was drained)")
 
     async def stop(self) -> None:
         for task in [self._health_task, *self._replacements]:
@@ -117,6 +131,7 @@ class PoolManager:
             ray.kill(handle)
             raise
         logger.info("%s is up", worker_id)
+        await self.refresh_readiness()
         return record
 
     # -- scaling --------------------------------------------------------------------------
@@ -148,6 +163,7 @@ class PoolManager:
                 if record.state is not WorkerState.DEAD:
                     logger.warning("%s did not drain within %.0fs; removing it anyway", record.worker_id, self.spec.drain_timeout_s)
             self._remove(record)
+            await self.refresh_readiness()
         finally:
             self._retiring.discard(record.worker_id)
 
@@ -177,6 +193,7 @@ class PoolManager:
             for record, healthy in zip(records, results):
                 if healthy is not True:
                     self._on_unhealthy(record, healthy)
+            await self.refresh_readiness()
             if self.metrics is not None:
                 await self.metrics.refresh(self.router)
 

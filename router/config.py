@@ -32,6 +32,7 @@ class RouterConfig:
     max_decode_restarts: int = 2  # restart elsewhere when a decode actor died before the first token
     kv_lease_s: float = 120.0  # how long a decode reservation may wait for its KV
     capacity_wait_s: float = 60.0  # how long a request may wait at the router for decode capacity
+    ready_wait_s: float = 120.0  # how long a request may wait for the deployment to become ready
     output_poll_s: float = 0.05  # long-poll window of the per-decode-actor output collector
     status_timeout_s: float = 5.0
 
@@ -39,6 +40,6 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "max_queued_requests", "max_prefill_retries", "max_decode_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        for name in ("kv_lease_s", "capacity_wait_s", "output_poll_s", "status_timeout_s"):
+        for name in ("kv_lease_s", "capacity_wait_s", "ready_wait_s", "output_poll_s", "status_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

@@ -1,7 +1,8 @@
 """The router's gRPC server (grpc.aio): Generation and Admin services, health, reflection.
 
 A Generate call's life here: validate and tokenize (INVALID_ARGUMENT naming the field on
-any problem), admit (RESOURCE_EXHAUSTED beyond the queue limit), dispatch to workers, then
+any problem), admit (RESOURCE_EXHAUSTED beyond the queue limit), wait until the deployment
+is ready (bounded by ``ready_wait_s``; UNAVAILABLE past it), dispatch to workers, then
 relay decode outputs as they arrive, detokenized and cut at stop strings. However the call
 ends (finished, stop string, client cancel, deadline, error) ``Dispatcher.finish`` releases
 what it holds on every worker.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from ray.exceptions import RayTaskError
 
@@ -30,6 +31,7 @@ from router.dispatcher import WORKER_GONE, ActiveRequest, Dispatcher, Failure, R
 from router.errors import NotFoundError, UnavailableError, abort_with
 from router.output_stream import OutputAssembler
 from router.pool import Role, WorkerPool, WorkerRecord
+from router.readiness import Readiness
 from router.tokenizer import Tokenizer
 from router.validation import RequestLimits, validate_drain_worker_request, validate_generate_request, validate_scale_pool_request
 
@@ -80,6 +82,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         except Exception as exc:
             await abort_with(context, _unwrap(exc))
         try:
+            await router.wait_ready()
             await router.dispatcher.dispatch(active)
             while True:
                 item = await active.outputs.get()
@@ -90,6 +93,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     if active.assembler.finished:
                         return
                 elif isinstance(item, Restart):
+                    await router.wait_ready()  # the only decode actor died: wait for its replacement
                     await router.dispatcher.restart(active, item)
                 elif isinstance(item, Failure):
                     if active.assembler.has_sent_tokens and not isinstance(item.error, UnavailableError):
@@ -174,6 +178,8 @@ class Router:
         self.max_replicas = max_replicas
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        # NOT_SERVING until the pool manager says the pools can serve.
+        self.readiness = Readiness(self.health)
         self.port: int | None = None
 
     def observe(self, active: ActiveRequest, response: pb.GenerateResponse) -> None:
@@ -203,11 +209,18 @@ class Router:
         names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Generation", "Admin")]
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.readiness.add_services(names)
+        await self.readiness.publish()
         await self.server.start()
-        for service in ("", *names):
-            await _set_health(self.health, service, health_pb2.HealthCheckResponse.SERVING)
-        logger.info("router serving on %s:%d", self.config.host, self.port)
+        logger.info("router listening on %s:%d (%s)", self.config.host, self.port, "ready" if self.readiness.is_ready else "not ready yet")
         return self.port
+
+    async def wait_ready(self) -> None:
+        """Wait, at most ``ready_wait_s``, until the pools can serve; else UnavailableError."""
+        if self.readiness.is_ready and not self.pool.routable(Role.DECODE):
+            # A decode death the pool manager has not seen yet: wait for it to bring one back.
+            await self.readiness.set_not_ready("no decode worker is ready")
+        await self.readiness.wait(self.config.ready_wait_s)
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.dispatcher.close()
@@ -259,12 +272,6 @@ class Router:
 
 async def _await_ref(ref):
     return await ref
-
-
-async def _set_health(servicer, service: str, status) -> None:
-    result = servicer.set(service, status)
-    if asyncio.iscoroutine(result):
-        await result
 
 
 def _unwrap(exc: BaseException) -> BaseException:
