@@ -68,7 +68,7 @@ def _direct_gaps_ms(decode_handle, prompt: list[int], num_tokens: int, req_id: s
     ray.get(decode_handle.add_local.remote(DecodeRequest(req_id, prompt, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))))
     times, received = [], 0
     while received < num_tokens:
-        for out in ray.get(decode_handle.poll_outputs.remote(0.05)):
+        for out in ray.get(decode_handle.poll_outputs.remote(0.05)).outputs:
             if out.req_id == req_id:
                 received += len(out.token_ids)
                 times.extend([time.perf_counter()] * len(out.token_ids))

@@ -43,6 +43,15 @@ class SeqOutput:
 
 
 @dataclass(slots=True)
+class DecodeReport:
+    """What one ``poll_outputs`` returns: new outputs, and room for new requests right now."""
+
+    outputs: list[SeqOutput]
+    num_reservable_blocks: int  # free blocks beyond the watermark kept for running sequences
+    num_total_blocks: int
+
+
+@dataclass(slots=True)
 class DecodeStatus:
     worker_id: str
     state: WorkerState

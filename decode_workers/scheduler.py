@@ -17,15 +17,31 @@ from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
 
 
+# Share of the cache a new reservation may not take while sequences run: their next decode
+# tokens need room, and a reservation that took it would force preemptions (recompute).
+WATERMARK_FRACTION = 0.02
+
+
 class DecodeScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.awaiting_kv: dict[str, Sequence] = {}
+        self.watermark_blocks = max(1, int(self.allocator.num_blocks * WATERMARK_FRACTION))
+
+    def blocks_to_reserve(self, seq: Sequence) -> int:
+        """Blocks a reservation takes: the prompt's KV and the first decode token."""
+        return -(-(seq.num_prompt_tokens + 1) // self.block_size)
+
+    def num_reservable_blocks(self) -> int:
+        """Free blocks a new reservation may take now (all of them when nothing runs)."""
+        if not self.running and not self.waiting:
+            return self.allocator.num_free
+        return max(0, self.allocator.num_free - self.watermark_blocks)
 
     def reserve(self, seq: Sequence) -> list[int] | None:
         """Blocks for the prompt's KV (and the first decode token), or None if they are not free."""
-        num_blocks = -(-(seq.num_prompt_tokens + 1) // self.block_size)
-        if not self.allocator.can_allocate(num_blocks):
+        num_blocks = self.blocks_to_reserve(seq)
+        if num_blocks > self.num_reservable_blocks():
             return None
         seq.arrival_order = next(self._arrivals)
         seq.block_table = self.allocator.allocate(num_blocks)

@@ -4,12 +4,17 @@ A disaggregated request's life here:
 1. ``reserve`` (from the router) allocates the prompt's blocks in the engine and registers
    them with the KV agent under a lease; the returned ``KVDestination`` goes to a prefill
    actor, which writes the prompt's KV into those blocks chunk by chunk.
-2. Every iteration of the engine thread polls the agent. When every block has landed, the
-   first token has come with the last write's notification, and the sequence joins the
-   running batch; its first token is published at once. (``start``, the router's relay of
-   the same token, is the fallback and a no-op once the sequence is admitted.)
+   While the prompt waits in a prefill queue the router renews the lease (``renew_leases``),
+   so no time spent waiting can void the reservation.
+2. The transfer pump polls the agent on its own thread, also while a step computes, and
+   wakes the engine thread when something landed. When every block has landed, the first
+   token has come with the last write's notification, and the sequence joins the running
+   batch; its first token is published at once. (``start``, the router's relay of the same
+   token, is the fallback and a no-op once the sequence is admitted.)
 3. Each step publishes one batch of ``SeqOutput`` (new tokens of every sequence); the router
-   collects them with ``poll_outputs``. The last output of a request carries its timing.
+   collects them with ``poll_outputs``, which also reports how many blocks a new
+   reservation could take now, so the router queues requests instead of asking in vain.
+   The last output of a request carries its timing.
 4. Abort: blocks that a write may still target are freed only after the writer's quiesce
    report (``confirm_quiesced``) or the lease's end; the rest are freed at once.
 A local request (``add_local``: conditional disaggregation or aggregated mode) is prefilled
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 
 import ray
 
-from decode_workers.messages import DecodeRequest, DecodeStatus, DecodeTiming, SeqOutput
+from decode_workers.messages import DecodeReport, DecodeRequest, DecodeStatus, DecodeTiming, SeqOutput
 from decode_workers.scheduler import DecodeScheduler
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
@@ -38,6 +43,7 @@ from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.layout import KVCompat
 from kvtransfer.messages import KVDestination
+from kvtransfer.pump import TransferPump
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +113,9 @@ class DecodeWorker:
         self._tracked: dict[str, _Tracked] = {}
         self._outputs = OutputBox()
         self._thread = EngineThread(f"decode-{worker_id}", self._iterate)
+        self.pump = TransferPump(self.agent, on_events=self._thread.wake)
         self._thread.start()
+        self.pump.start()
 
     # -- calls from the router (each runs on the engine thread) -------------------------
 
@@ -138,9 +146,15 @@ class DecodeWorker:
         """The writer reported no write in flight for this request (or died): free its blocks."""
         return await self._call(self._confirm_quiesced, req_id)
 
-    async def poll_outputs(self, timeout_s: float = 0.05) -> list[SeqOutput]:
-        """Outputs since the last call, waiting up to ``timeout_s`` for the first one."""
-        return await self._outputs.take(timeout_s)
+    async def renew_leases(self, req_ids: list[str], lease_s: float) -> list[KVDestination]:
+        """Extend the leases of these reservations that still wait for KV (the rest are skipped)."""
+        # The agent is thread-safe: no need to wait for the engine thread to finish a step.
+        return self.agent.renew_leases(req_ids, lease_s)
+
+    async def poll_outputs(self, timeout_s: float = 0.05) -> DecodeReport:
+        """Outputs since the last call (waiting up to ``timeout_s`` for the first one) and capacity."""
+        outputs = await self._outputs.take(timeout_s)
+        return DecodeReport(outputs, self.scheduler.num_reservable_blocks(), self.engine.kv_cache.num_blocks)
 
     async def status(self) -> DecodeStatus:
         return await self._call(self._status)
@@ -152,6 +166,8 @@ class DecodeWorker:
     async def ping(self, hang_timeout_s: float = 120.0) -> str:
         """The epoch, if the engine thread is alive and making progress (else RuntimeError)."""
         self._thread.check_healthy(hang_timeout_s)
+        if not self.pump.alive or self.pump.last_error is not None:
+            raise RuntimeError(f"decode worker {self.worker_id}: transfer pump failed: {self.pump.last_error!r}")
         return self.agent.ref.epoch
 
     async def _call(self, fn, *args):
@@ -169,8 +185,8 @@ class DecodeWorker:
         dest_block_ids = self.scheduler.reserve(seq)
         if dest_block_ids is None:
             raise DecodeCapacityError(
-                f"decode worker {self.worker_id}: {self.engine.num_free_blocks} free KV blocks, "
-                f"request {request.req_id} needs {self.engine.kv_cache.blocks_needed(seq.num_prompt_tokens + 1)}"
+                f"decode worker {self.worker_id}: {self.scheduler.num_reservable_blocks()} KV blocks free for "
+                f"new requests, request {request.req_id} needs {self.scheduler.blocks_to_reserve(seq)}"
             )
         try:
             dest = self.agent.reserve(request.req_id, dest_block_ids, request.lease_s)
@@ -178,6 +194,7 @@ class DecodeWorker:
             self.engine.allocator.free(self.scheduler.detach(request.req_id))
             raise
         self._tracked[request.req_id] = _Tracked(seq, time.monotonic(), remote=True, dest_block_ids=dest_block_ids)
+        self.pump.kick()
         logger.debug("req %s: reserved %d blocks", request.req_id, len(dest_block_ids))
         return dest
 
@@ -216,6 +233,7 @@ class DecodeWorker:
         reserved = set(tracked.dest_block_ids)
         safe_now = set(self.agent.abort(req_id))
         self.engine.allocator.free([b for b in block_ids if b not in reserved or b in safe_now])
+        self.pump.kick()  # the rest come back through the pump: the writer's report or the lease
 
     def _confirm_quiesced(self, req_id: str) -> int:
         block_ids = self.agent.confirm_quiesced(req_id)
@@ -252,7 +270,7 @@ class DecodeWorker:
         return True
 
     def _poll_transfers(self) -> bool:
-        events = self.agent.poll_receives()
+        events = self.pump.take_receive_events()
         if not events:
             return False
         now = time.monotonic()
@@ -314,6 +332,7 @@ class DecodeWorker:
 
     async def shutdown(self) -> None:
         self._thread.stop()
+        self.pump.stop()
         self.agent.close()
 
 

@@ -5,7 +5,8 @@ on other threads (or an event loop); it hands each one to ``call``, which runs i
 engine thread between two iterations and returns a ``concurrent.futures.Future``. The
 worker's ``iterate`` function does one unit of work (poll transfers, one ``step()``,
 publish outputs) and says whether it did anything; when idle the thread sleeps until a
-command arrives or ``idle_wait_s`` passes, so transfers landing meanwhile are noticed.
+command arrives or ``wake`` is called (a transfer landed), so an idle worker costs no CPU.
+``idle_wait_s`` bounds that sleep for workers that still need a periodic look.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineThread:
-    def __init__(self, name: str, iterate: Callable[[], bool], idle_wait_s: float = 0.002):
+    def __init__(self, name: str, iterate: Callable[[], bool], idle_wait_s: float | None = None):
         self.name = name
         self._iterate = iterate
         self._idle_wait_s = idle_wait_s
@@ -31,6 +32,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.last_error: BaseException | None = None
         self._last_beat = time.monotonic()
+        self._idle = False  # asleep waiting for a command: not hung, however long ago the last beat
 
     def start(self) -> None:
         self._thread.start()
@@ -53,8 +55,14 @@ class EngineThread:
         self._commands.put((fn, args, future))
         return future
 
+    def wake(self) -> None:
+        """Make an idle thread go round its loop once (something arrived that ``iterate`` handles)."""
+        self._commands.put((_nothing, (), Future()))
+
     def seconds_since_progress(self) -> float:
         """How long ago the thread last went round its loop; large means hung in a step."""
+        if self._idle:
+            return 0.0
         return time.monotonic() - self._last_beat
 
     def check_healthy(self, hang_timeout_s: float) -> None:
@@ -79,10 +87,14 @@ class EngineThread:
                 self._stopping.wait(0.1)  # the health check replaces this worker; do not spin meanwhile
                 busy = False
             if not busy:
+                self._idle = True
                 try:
                     command = self._commands.get(timeout=self._idle_wait_s)
                 except queue.Empty:
                     continue
+                finally:
+                    self._idle = False
+                    self._last_beat = time.monotonic()
                 self._run_command(*command)
         self._drain_commands()
 
@@ -102,3 +114,7 @@ class EngineThread:
             future.set_result(fn(*args))
         except BaseException as exc:  # handed to the caller, who decides what it means
             future.set_exception(exc)
+
+
+def _nothing() -> None:
+    return None

@@ -17,7 +17,9 @@ when the lease runs out). A push to a (peer, epoch) not handshaken raises
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,8 +50,23 @@ class KVTransferConfig:
     lease: LeasePolicy = field(default_factory=LeasePolicy)
 
 
+def _locked(method):
+    """Run an agent method under the agent's lock: the engine thread and the pump share it."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class KVAgent:
-    """One transport agent over this worker's KV tensor, with sending and receiving state."""
+    """One transport agent over this worker's KV tensor, with sending and receiving state.
+
+    Thread-safe: the worker's engine thread pushes and reserves while its transfer pump
+    (``kvtransfer.pump``) polls; every call that touches the state holds one lock.
+    """
 
     def __init__(
         self,
@@ -64,6 +81,7 @@ class KVAgent:
         self.compat = compat
         self.region = KVRegion.from_tensor(kv_cache)
         self.ref = PeerRef(name, new_epoch())
+        self._lock = threading.RLock()
         self._transport = make_transport(
             self.config.backend,
             transport_agent_name(self.ref),
@@ -95,6 +113,7 @@ class KVAgent:
             region=self.region,
         )
 
+    @_locked
     def connect(self, offer: HandshakeOffer) -> PeerRef:
         """Validate and load a peer's offer; raise IncompatiblePeerError naming each difference.
 
@@ -105,15 +124,18 @@ class KVAgent:
         self.sender.add_peer(offer)
         return offer.peer
 
+    @_locked
     def is_connected(self, peer: PeerRef) -> bool:
         return self.sender.is_connected(peer)
 
+    @_locked
     def disconnect(self, peer_name: str, reason: str = "disconnected by the worker") -> list[str]:
         """Forget a peer (e.g. Ray says it died): fail its requests, return their ids."""
         return self.sender.drop_peer(peer_name, reason)
 
     # -- sending (prefill side) ----------------------------------------------------------
 
+    @_locked
     def push(
         self,
         req_id: str,
@@ -132,10 +154,12 @@ class KVAgent:
         """
         return self.sender.push(req_id, dest, src_block_ids, dst_block_ids, num_valid_blocks, payload)
 
+    @_locked
     def poll_sends(self) -> list[SendEvent]:
         """Completed writes and failed requests since the last call. Never blocks."""
         return self.sender.poll()
 
+    @_locked
     def cancel(self, req_id: str, token: int | None = None) -> QuiesceReport:
         """Stop writes for ``req_id`` now (only into reservation ``token``, if given).
 
@@ -144,47 +168,74 @@ class KVAgent:
         """
         return self.sender.cancel(req_id, token)
 
+    @_locked
     def quiesce_report(self, req_id: str, token: int | None = None) -> QuiesceReport:
         """Ask again after ``cancel`` (same ``token``) until ``quiesced``; relay it to the receiver."""
         return self.sender.quiesce_report(req_id, token)
 
+    @_locked
     def num_in_flight(self) -> int:
         return self.sender.num_in_flight()
 
+    @_locked
+    def extend_lease(self, req_id: str, token: int, lease_deadline: float) -> bool:
+        """The reserver renewed reservation ``token`` of ``req_id``: writes may go on until then."""
+        return self.sender.extend_lease(req_id, token, lease_deadline)
+
+    @_locked
+    def has_pending_work(self) -> bool:
+        """Whether something needs polling: a write in flight, a reservation awaiting writes or a lease."""
+        return self.sender.has_work() or self.receiver.has_work()
+
     # -- receiving (decode side) ---------------------------------------------------------
 
+    @_locked
     def reserve(self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None) -> KVDestination:
         """Own ``block_ids`` for ``req_id`` (exactly the blocks the writer will fill)."""
         return self.receiver.reserve(req_id, block_ids, lease_s)
 
+    @_locked
     def renew_lease(self, req_id: str, lease_s: float) -> KVDestination:
         return self.receiver.renew_lease(req_id, lease_s)
 
+    @_locked
+    def renew_leases(self, req_ids: Sequence[str], lease_s: float) -> list[KVDestination]:
+        """Renew the leases of the still-receiving reservations among ``req_ids``."""
+        return self.receiver.renew_leases(req_ids, lease_s)
+
+    @_locked
     def poll_receives(self) -> ReceiveEvents:
         """Progress, readiness, failures and lease-expiry frees since the last call."""
         return self.receiver.poll()
 
+    @_locked
     def ready(self, req_id: str) -> bool:
         return self.receiver.ready(req_id)
 
+    @_locked
     def num_valid_blocks(self, req_id: str) -> int:
         return self.receiver.num_valid_blocks(req_id)
 
+    @_locked
     def payload(self, req_id: str) -> str:
         """What the writer attached to the request's landed writes (e.g. the first sampled token)."""
         return self.receiver.payload(req_id)
 
+    @_locked
     def complete(self, req_id: str) -> list[int]:
         """Hand a ready request's blocks to the engine; the agent forgets them."""
         return self.receiver.complete(req_id)
 
+    @_locked
     def abort(self, req_id: str) -> list[int]:
         """Begin freeing; returns blocks safe to reuse now, the rest come later."""
         return self.receiver.abort(req_id)
 
+    @_locked
     def confirm_quiesced(self, req_id: str) -> list[int]:
         """Free after the writer's quiesced report (or its confirmed death)."""
         return self.receiver.confirm_quiesced(req_id)
 
+    @_locked
     def close(self) -> None:
         self._transport.close()

@@ -38,6 +38,7 @@ class LeasePolicy:
     grace_s: float = 2.0  # wait past the deadline before freeing unconfirmed blocks
     write_timeout_s: float = 10.0  # a posted write must finish within this or be cancelled
     tombstone_s: float = 600.0  # how long a writer remembers cancelled/finished requests
+    max_write_retries: int = 2  # a write that failed (or timed out and was cancelled) is posted again this often
 
     def __post_init__(self) -> None:
         if self.write_timeout_s <= 0:
@@ -46,6 +47,8 @@ class LeasePolicy:
             raise ValueError(f"grace_s: must be >= 0, got {self.grace_s!r}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s: must be > 0, got {self.lease_s!r}")
+        if self.max_write_retries < 0:
+            raise ValueError(f"max_write_retries: must be >= 0, got {self.max_write_retries!r}")
 
     def can_post(self, lease_deadline: float, now: float) -> bool:
         """Rule 1: a write posted now must be done or cancelled before the deadline."""

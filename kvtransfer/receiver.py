@@ -4,7 +4,7 @@ A request's life here:
 1. ``reserve(req_id, block_ids, lease_s)`` records that the blocks belong to this request
    (a block belongs to at most one live reservation) and returns the ``KVDestination``
    the router hands to the prefill worker. The lease deadline travels with it.
-2. Each decode step the worker calls ``poll()``. Notifications are applied in the
+2. ``poll()`` runs on the agent's transfer pump, also while the engine computes. Notifications are applied in the
    writer's sequence order (NIXL may deliver them out of order); each applied one marks
    its blocks landed and may raise ``num_valid_blocks``, reported as progress. When
    every reserved block has landed and the writer said all are valid, the request is
@@ -125,6 +125,24 @@ class KVReceiver:
         if res.state is _State.RECEIVING:
             res.deadline = max(res.deadline, self._wall() + lease_s)
         return self._destination(res)
+
+    def renew_leases(self, req_ids: Sequence[str], lease_s: float) -> list[KVDestination]:
+        """Renew every still-receiving reservation among ``req_ids``; the others are skipped.
+
+        The returned destinations carry the new deadlines for the writers.
+        """
+        now = self._wall()
+        renewed = []
+        for req_id in req_ids:
+            res = self._by_req.get(req_id)
+            if res is not None and res.state is _State.RECEIVING:
+                res.deadline = max(res.deadline, now + lease_s)
+                renewed.append(self._destination(res))
+        return renewed
+
+    def has_work(self) -> bool:
+        """Whether a reservation still expects writes or waits out a lease: someone must poll."""
+        return any(res.state is not _State.READY for res in self._by_req.values())
 
     def _get(self, req_id: str) -> _Reservation:
         res = self._by_req.get(req_id)

@@ -6,9 +6,11 @@ A request's life here:
    handshaken, the lease leaves room for a whole write timeout, and every destination
    block belongs to the reservation. Adjacent blocks are merged into runs and the write
    is posted with a notification; it does not wait.
-2. While computing the next chunk the worker calls ``poll()``: completed writes come
-   back as ``SendEvent``s; a failed, timed-out or peer-lost write fails this request
-   only (one event with the error), and the actor's other requests go on.
+2. ``poll()`` (from the agent's transfer pump, while the engine computes the next chunk)
+   checks the writes: completed ones come back as ``SendEvent``s; a write that failed in
+   the transport, or timed out and could be cancelled, is posted again up to
+   ``max_write_retries`` times; after that, or when the peer is lost, it fails this
+   request only (one event with the error), and the actor's other requests go on.
 3. The push whose ``num_valid_blocks`` covers the whole reservation seals the request;
    when its writes complete, the last event says ``finished`` and the state is dropped.
 A write that touches a block an earlier write of the same request is still writing waits
@@ -68,6 +70,7 @@ class _Write:
     handle: Any = None
     posted_at: float = 0.0
     timed_out: bool = False
+    num_retries: int = 0
 
 
 @dataclass(slots=True)
@@ -223,7 +226,8 @@ class KVSender:
     def _conflicts(self, state: _SendState, write: _Write) -> bool:
         return any(not write.dst_blocks.isdisjoint(w.dst_blocks) for w in state.in_flight)
 
-    def _post(self, state: _SendState, write: _Write, peer: _Peer | None = None) -> None:
+    def _post(self, state: _SendState, write: _Write, peer: _Peer | None = None, in_flight: list[_Write] | None = None) -> None:
+        """Post ``write`` and count it in ``in_flight`` (the state's own list unless given)."""
         peer = peer or self._peers.get(state.dest.peer.name)
         if peer is None or peer.ref != state.dest.peer:
             self._fail(state, PeerLostError(state.req_id, str(state.dest.peer), "peer disconnected before the write"))
@@ -241,7 +245,7 @@ class KVSender:
             self._fail(state, cls(state.req_id, str(peer.ref), str(e)))
             return
         write.posted_at = time.monotonic()
-        state.in_flight.append(write)
+        (state.in_flight if in_flight is None else in_flight).append(write)
 
     # -- progress ------------------------------------------------------------------------
 
@@ -266,15 +270,25 @@ class KVSender:
                     done.append(SendEvent(state.req_id, peer, w.seq, w.num_valid_blocks))
             elif status is XferState.FAILED:
                 self._transport.release(w.handle)
-                self._fail(state, TransferFailedError(state.req_id, peer, f"write {w.seq} failed in the transport"))
-            elif now - w.posted_at > self._policy.write_timeout_s:
-                if not w.timed_out:
-                    w.timed_out = True
-                    self._fail(state, TransferTimeoutError(
-                        state.req_id, peer, f"write {w.seq} not done after {self._policy.write_timeout_s}s"
+                if not self._retry(state, w, "failed in the transport", still):
+                    self._fail(state, TransferFailedError(
+                        state.req_id, peer, f"write {w.seq} failed in the transport ({w.num_retries} retries)"
                     ))
+            elif now - w.posted_at > self._policy.write_timeout_s:
                 if not self._transport.release(w.handle):
-                    still.append(w)  # could not cancel: it still counts as in flight
+                    # Could not cancel: it still counts as in flight, and it may yet land, so
+                    # posting it again could race it. The request fails.
+                    if not w.timed_out:
+                        w.timed_out = True
+                        self._fail(state, TransferTimeoutError(
+                            state.req_id, peer, f"write {w.seq} not done after {self._policy.write_timeout_s}s"
+                        ))
+                    still.append(w)
+                elif not self._retry(state, w, f"not done after {self._policy.write_timeout_s}s", still):
+                    self._fail(state, TransferTimeoutError(
+                        state.req_id, peer,
+                        f"write {w.seq} not done after {self._policy.write_timeout_s}s ({w.num_retries} retries)",
+                    ))
             else:
                 still.append(w)
         state.in_flight = still
@@ -290,6 +304,37 @@ class KVSender:
         self._events.extend(done)
         if (finished or state.error is not None) and not state.in_flight:
             del self._reqs[state.req_id]
+
+    def _retry(self, state: _SendState, write: _Write, why: str, still: list[_Write]) -> bool:
+        """Post a write whose handle is released once more; False when its retries are spent.
+
+        The same bytes into the same blocks with the same notification: a receiver that saw
+        the first attempt's notification ignores the second as a duplicate.
+        """
+        if state.error is not None or write.num_retries >= self._policy.max_write_retries:
+            return False
+        write.num_retries += 1
+        logger.warning("req %s: write %d %s; posting it again (retry %d of %d)",
+                       state.req_id, write.seq, why, write.num_retries, self._policy.max_write_retries)
+        self._post(state, write, in_flight=still)
+        return state.error is None
+
+    # -- leases --------------------------------------------------------------------------
+
+    def extend_lease(self, req_id: str, token: int, lease_deadline: float) -> bool:
+        """The reserver renewed the lease of reservation ``token``: writes may go on until then.
+
+        Returns whether the request is sending into that reservation here right now.
+        """
+        state = self._reqs.get(req_id)
+        if state is None or state.dest.token != token:
+            return False
+        state.dest.lease_deadline = max(state.dest.lease_deadline, lease_deadline)
+        return True
+
+    def has_work(self) -> bool:
+        """Whether a write is in flight or waiting: someone must keep polling."""
+        return bool(self._reqs)
 
     # -- failure and abort ---------------------------------------------------------------
 

@@ -4,9 +4,12 @@ A request's life here:
 1. ``submit`` (from the router) brings the prompt, the decode actor's reserved blocks and
    its handshake offer (connected once per decode epoch). The prompt joins the engine's
    priority queue; the call returns only when the request is done.
-2. Each engine step prefills chunks of several prompts (split-fuse). Right after the step,
-   every block a chunk completed is pushed to the decode actor: adjacent blocks merge into
-   one descriptor, and the write proceeds while the next step computes.
+2. Each engine step prefills chunks of several prompts (split-fuse). Right after the step
+   (on a GPU, once the step's kernels have finished writing the KV), every block a chunk
+   completed is pushed to the decode actor: adjacent blocks merge into one descriptor, and
+   the transfer pump drives the write on its own thread while the next step computes.
+   While the prompt waits, the router relays the decode actor's lease renewals
+   (``extend_leases``), so a long queue never voids the reservation.
 3. The last chunk samples the first token, which rides in the notification of the last
    write. Once that write has completed, the prompt's local blocks are freed and ``submit``
    returns the first token and the timing.
@@ -24,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import ray
+import torch
 
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
@@ -33,7 +37,8 @@ from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import KVCompat
-from kvtransfer.messages import QuiesceReport
+from kvtransfer.messages import KVDestination, QuiesceReport
+from kvtransfer.pump import TransferPump
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming
 from prefill_workers.scheduler import PrefillScheduler
 
@@ -78,8 +83,11 @@ class PrefillWorker:
         # Host plus Ray node: two raylets on one host are still two nodes.
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._jobs: dict[str, _Job] = {}
+        self._step_delay_s = 0.0
         self._thread = EngineThread(f"prefill-{worker_id}", self._iterate)
+        self.pump = TransferPump(self.agent, on_events=self._thread.wake)
         self._thread.start()
+        self.pump.start()
 
     # -- calls from the router ----------------------------------------------------------
 
@@ -95,6 +103,28 @@ class PrefillWorker:
     async def quiesce_report(self, req_id: str, token: int | None = None) -> QuiesceReport:
         return await asyncio.wrap_future(self._thread.call(self.agent.quiesce_report, req_id, token))
 
+    async def extend_leases(self, destinations: list[KVDestination]) -> int:
+        """The decode actors renewed these reservations: writes into them may go on longer.
+
+        Runs on the actor's event loop, not the engine thread: a renewal must not wait for a
+        long step to end. Returns how many of them belong to requests held here.
+        """
+        num_held = 0
+        for renewed in destinations:
+            job = self._jobs.get(renewed.req_id)
+            dest = job.request.destination if job is not None else None
+            if dest is None or dest.token != renewed.token:
+                continue
+            # A float store is atomic; the engine thread only ever reads this deadline.
+            dest.lease_deadline = max(dest.lease_deadline, renewed.lease_deadline)
+            self.agent.extend_lease(renewed.req_id, renewed.token, renewed.lease_deadline)
+            num_held += 1
+        return num_held
+
+    async def set_step_delay(self, seconds: float) -> None:
+        """Fault injection for tests and drills: sleep this long after every prefill step."""
+        self._step_delay_s = max(0.0, float(seconds))
+
     async def status(self) -> PrefillStatus:
         return await asyncio.wrap_future(self._thread.call(self._status))
 
@@ -104,6 +134,8 @@ class PrefillWorker:
     async def ping(self, hang_timeout_s: float = 120.0) -> str:
         """The epoch, if the engine thread is alive and making progress (else RuntimeError)."""
         self._thread.check_healthy(hang_timeout_s)
+        if not self.pump.alive or self.pump.last_error is not None:
+            raise RuntimeError(f"prefill worker {self.worker_id}: transfer pump failed: {self.pump.last_error!r}")
         return self.agent.ref.epoch
 
     # -- engine-thread side -------------------------------------------------------------
@@ -145,6 +177,13 @@ class PrefillWorker:
         if not batch.slices:
             return busy
         self.engine.run_batch(batch)
+        if self._step_delay_s:
+            time.sleep(self._step_delay_s)
+        if self.engine.kv_cache.tensor.is_cuda:
+            # Kernels run asynchronously: NIXL must not read blocks the step is still writing.
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
         for piece in batch.slices:
             job = self._jobs.get(piece.seq.req_id)
             if job is not None:
@@ -174,12 +213,13 @@ class PrefillWorker:
         except KVTransferError as exc:
             self._finish_job(job, exc)
             return
+        self.pump.kick()
         job.writes_in_flight.add(write)
         job.num_pushed_blocks = num_ready
         job.num_bytes += (num_ready - start) * self.engine.kv_cache.bytes_per_block
 
     def _poll_sends(self) -> bool:
-        events = self.agent.poll_sends()
+        events = self.pump.take_send_events()
         for event in events:
             job = self._jobs.get(event.req_id)
             if job is None:
@@ -227,4 +267,5 @@ class PrefillWorker:
 
     async def shutdown(self) -> None:
         self._thread.stop()
+        self.pump.stop()
         self.agent.close()

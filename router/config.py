@@ -30,8 +30,15 @@ class RouterConfig:
     max_queued_requests: int = 256  # requests admitted but without a first token; beyond: RESOURCE_EXHAUSTED
     max_prefill_retries: int = 2  # another prefill actor after one died mid-request
     max_decode_restarts: int = 2  # restart elsewhere when a decode actor died before the first token
-    kv_lease_s: float = 120.0  # how long a decode reservation may wait for its KV
-    capacity_wait_s: float = 60.0  # how long a request may wait at the router for decode capacity
+    # Lease of a decode reservation. The router renews it every quarter of this while the
+    # request's KV is coming, so only a router or writer that vanished lets it run out.
+    kv_lease_s: float = 30.0
+    # How long a request may wait at the router for decode KV room; None: until its deadline.
+    # Overload is refused up front by the admission budget below, not by waiting and failing.
+    capacity_wait_s: float | None = None
+    # Refuse at admission (RESOURCE_EXHAUSTED, with a retry hint) a request whose estimated wait
+    # for its first token, from measured rates, exceeds this; None: never refuse by estimate.
+    admission_ttft_budget_s: float | None = 120.0
     ready_wait_s: float = 120.0  # how long a request may wait for the deployment to become ready
     output_poll_s: float = 0.05  # long-poll window of the per-decode-actor output collector
     status_timeout_s: float = 5.0
@@ -40,6 +47,9 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "max_queued_requests", "max_prefill_retries", "max_decode_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        for name in ("kv_lease_s", "capacity_wait_s", "ready_wait_s", "output_poll_s", "status_timeout_s"):
+        for name in ("kv_lease_s", "ready_wait_s", "output_poll_s", "status_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("capacity_wait_s", "admission_ttft_budget_s"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0 or unset, got {getattr(self, name)}")

@@ -1,16 +1,21 @@
 """A request's path through the workers: reserve, prefill, relay, retry, abort.
 
 A request's life here (disaggregated path):
-1. ``dispatch`` picks a decode actor D (least loaded), waiting at the router while every D is
-   full, and asks D to ``reserve`` blocks for the prompt. Short prompts, a busy prefill pool
-   or an empty one send the prompt to D instead (``add_local``).
+0. ``admit`` refuses, fast, a request whose estimated wait (from measured prefill and KV
+   release rates) exceeds the TTFT budget: RESOURCE_EXHAUSTED with a retry hint.
+1. ``dispatch`` takes a decode actor D with room for the prompt's blocks, by the actors' own
+   capacity reports, waiting its turn in ``DecodeCapacity`` while the decode pool is full
+   (never failing for having waited), and asks D to ``reserve`` them. Short prompts, a busy
+   prefill pool or an empty one send the prompt to D instead (``add_local``).
 2. A background task submits the prompt to a prefill actor P with D's destination. P pushes
    the KV chunk by chunk and returns the first token; the task relays it to D (``start``).
-   If P dies, D's reservation is dropped (a dead writer writes nothing more) and the prompt
-   goes to another P, a bounded number of times.
-3. One collector task per D long-polls its outputs and routes them to each request's queue.
-   If D dies, its requests that have sent no token yet are dispatched again elsewhere; the
-   others end with UNAVAILABLE.
+   Meanwhile the ``LeaseKeeper`` renews the reservation's lease on D and relays the new
+   deadline to P, however long the prompt waits in P's queue. If P dies, D's reservation
+   is dropped (a dead writer writes nothing more) and the prompt goes to another P, a
+   bounded number of times.
+3. One collector task per D long-polls its outputs and capacity and routes the outputs to
+   each request's queue. If D dies, its requests that have sent no token yet are
+   dispatched again elsewhere; the others end with UNAVAILABLE.
 4. ``finish`` runs when the stream ends for any reason. If the request did not end on D by
    itself, it is aborted on D and cancelled on P, and D frees its reserved blocks only after
    P's report that no write is still in flight.
@@ -25,12 +30,15 @@ from dataclasses import dataclass, field
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from decode_workers.messages import DecodeRequest, SeqOutput
+from decode_workers.messages import DecodeReport, DecodeRequest, SeqOutput
 from decode_workers.worker import DecodeCapacityError
 from kvtransfer.messages import KVDestination
 from engine.stats import WorkerState
 from prefill_workers.messages import PrefillRequest
+from router.admission import BusyRate, WaitEstimate, WindowRate, estimate_wait
+from router.capacity import DecodeCapacity
 from router.config import Disaggregation, RouterConfig
+from router.lease_keeper import LeaseKeeper
 from router.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from router.output_stream import OutputAssembler
 from router.pool import Role, WorkerPool, WorkerRecord
@@ -76,12 +84,17 @@ class ActiveRequest:
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, config: RouterConfig, metrics=None):
+    def __init__(self, pool: WorkerPool, config: RouterConfig, metrics=None, block_size: int = 16):
         self.pool = pool
         self.config = config
         self.metrics = metrics
+        self.block_size = block_size
         self.active: dict[str, ActiveRequest] = {}
         self._collectors: dict[str, asyncio.Task] = {}
+        self.capacity = DecodeCapacity(pool)
+        pool.on_change = self.capacity.on_report
+        self.lease_keeper = LeaseKeeper(config.kv_lease_s, config.status_timeout_s, self._awaiting_kv)
+        self.kv_freed = WindowRate()  # KV blocks finished requests give back, per second
 
     @property
     def num_queued(self) -> int:
@@ -96,22 +109,59 @@ class Dispatcher:
                 f"{self.num_queued} requests are already waiting for their first token "
                 f"(limit {self.config.max_queued_requests}); retry later"
             )
+        budget = self.config.admission_ttft_budget_s
+        if budget is not None:
+            estimate = self.estimate_wait(active.request)
+            total = estimate.total_s
+            if total is not None and total > budget:
+                raise ResourceExhaustedError(
+                    f"the estimated wait for a first token is {total:.1f}s (prefill queue "
+                    f"{_seconds(estimate.prefill_s)}, KV room {_seconds(estimate.kv_s)}), over the "
+                    f"{budget:g}s budget; retry in {total - budget:.0f}s",
+                    retry_after_s=total - budget,
+                )
         self.active[active.req_id] = active
+
+    def estimate_wait(self, request: ValidatedRequest) -> WaitEstimate:
+        """How long a new request would wait for its prompt to be computed, from measured rates."""
+        num_tokens = len(request.prompt_token_ids)
+        prefill = self.pool.pick(Role.PREFILL)
+        queued_tokens, rate = num_tokens, None
+        if prefill is not None and not self._prefill_locally(request):
+            queued_tokens += prefill.num_assigned_prompt_tokens
+            rate = prefill.prefill_rate.per_second
+        reservable = self.capacity.total_reservable()
+        short = 0
+        if reservable is not None:
+            short = self.capacity.num_blocks_waiting + self._blocks_for(num_tokens + 1) - reservable
+        return estimate_wait(queued_tokens, rate, short, self.kv_freed.per_second())
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _awaiting_kv(self):
+        """Requests whose decode reservation still waits for KV (their leases need renewing)."""
+        return [
+            a for a in self.active.values()
+            if a.destination is not None and a.prefill_task is not None and not a.prefill_task.done()
+        ]
 
     # -- dispatch -------------------------------------------------------------------------
 
     async def dispatch(self, active: ActiveRequest) -> None:
-        """Place the request on a decode actor (and a prefill actor), waiting for capacity."""
+        """Place the request on a decode actor (and a prefill actor), waiting for room if needed."""
         request = active.request
-        give_up_at = time.monotonic() + self.config.capacity_wait_s
-        if request.deadline is not None:
-            give_up_at = min(give_up_at, request.deadline)
+        order = self.capacity.next_order()  # its place in the capacity queue, kept across refusals
         tried: set[str] = set()
         while True:
-            decode = self.pool.pick(Role.DECODE, exclude=tried) or self.pool.pick(Role.DECODE)
-            if decode is None:
-                raise UnavailableError("no decode worker is available")
             local = self._prefill_locally(request)
+            if local:
+                # The decode actor queues local prompts itself, until its KV has room.
+                decode = self.pool.pick(Role.DECODE, exclude=tried)
+                if decode is None:
+                    raise UnavailableError("no decode worker is available")
+            else:
+                decode = await self._wait_for_room(request, order)
             decode_request = DecodeRequest(
                 request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self.config.kv_lease_s
             )
@@ -127,14 +177,13 @@ class Dispatcher:
                 else:
                     destination = await decode.handle.reserve.remote(decode_request)
                 break
-            except DecodeCapacityError as exc:
+            except DecodeCapacityError:
+                # Draining, or its room went to someone else since its last report: the next
+                # report tells the truth; the request keeps its place in the queue.
                 self.pool.release(decode, request.req_id)
                 tried.add(decode.worker_id)
-                if len(tried) >= len(self.pool.routable(Role.DECODE)):
-                    tried.clear()
-                    if time.monotonic() >= give_up_at:
-                        raise _capacity_error(request, exc) from None
-                    await asyncio.sleep(0.01)
+                decode.num_reservable_blocks = 0
+                self._ensure_collector(decode)
             except WORKER_GONE:
                 self.pool.release(decode, request.req_id)
                 self.on_worker_died(decode)
@@ -146,7 +195,25 @@ class Dispatcher:
         self._ensure_collector(decode)
         active.assembler.timing.dispatched = time.monotonic()
         if destination is not None:
+            active.destination = destination
             active.prefill_task = asyncio.create_task(self._prefill(active, destination))
+            self.lease_keeper.ensure_running()
+
+    async def _wait_for_room(self, request: ValidatedRequest, order: int) -> WorkerRecord:
+        """A decode actor with room for the prompt's blocks; waits its turn while the pool is full."""
+        if not self.pool.routable(Role.DECODE):
+            raise UnavailableError("no decode worker is available")
+        for record in self.pool.routable(Role.DECODE):
+            self._ensure_collector(record)  # their reports are what wakes the queue
+        timeout = self.config.capacity_wait_s
+        if request.deadline is not None:
+            left = request.deadline - time.monotonic()
+            timeout = left if timeout is None else min(timeout, left)
+        wait = self.capacity.acquire(self._blocks_for(len(request.prompt_token_ids) + 1), request.priority, order)
+        try:
+            return await asyncio.wait_for(wait, timeout)
+        except asyncio.TimeoutError:
+            raise _capacity_error(request) from None
 
     def _prefill_locally(self, request: ValidatedRequest) -> bool:
         mode = self.config.disaggregation
@@ -170,6 +237,8 @@ class Dispatcher:
         active.prefill = prefill
         active.destination = destination
         active.assembler.prefill_worker_id = prefill.worker_id
+        if prefill.num_assigned_prompt_tokens == 0:
+            prefill.busy_since = time.monotonic()
         self.pool.assign(prefill, request.req_id, num_tokens)
         try:
             result = await prefill.handle.submit.remote(
@@ -193,6 +262,7 @@ class Dispatcher:
             return
         finally:
             self.pool.release(prefill, request.req_id, num_tokens)
+        prefill.prefill_rate.done(num_tokens, prefill.busy_since or time.monotonic())
         active.assembler.timing.prefill = result.timing
         if self.metrics is not None:
             self.metrics.observe_prefill(result.timing.num_bytes, result.timing.transfer_ms)
@@ -243,9 +313,10 @@ class Dispatcher:
             self._collectors[decode.worker_id] = asyncio.create_task(self._collect(decode))
 
     async def _collect(self, decode: WorkerRecord) -> None:
-        while decode.req_ids:
+        # Runs while the actor has requests, or while anyone waits for room (its reports wake them).
+        while decode.req_ids or (self.capacity.num_waiting and decode.routable):
             try:
-                outputs: list[SeqOutput] = await decode.handle.poll_outputs.remote(self.config.output_poll_s)
+                report: DecodeReport = await decode.handle.poll_outputs.remote(self.config.output_poll_s)
             except WORKER_GONE:
                 self.on_worker_died(decode)
                 return
@@ -253,13 +324,18 @@ class Dispatcher:
                 logger.exception("output collection from %s failed", decode.worker_id)
                 await asyncio.sleep(0.1)
                 continue
-            for out in outputs:
+            for out in report.outputs:
                 active = self.active.get(out.req_id)
                 if active is not None and active.decode is decode:
                     if out.finished:
                         active.decode_finished = True
                         self.pool.release(decode, out.req_id)
+                        num_tokens = len(active.request.prompt_token_ids) + active.assembler.num_completion_tokens
+                        self.kv_freed.add(self._blocks_for(num_tokens + len(out.token_ids)))
                     active.outputs.put_nowait(out)
+            decode.num_reservable_blocks = report.num_reservable_blocks
+            decode.num_total_blocks = report.num_total_blocks
+            self.capacity.on_report()
 
     def on_worker_died(self, record: WorkerRecord) -> None:
         """Stop routing to a dead worker and tell its decode requests what that means."""
@@ -267,6 +343,7 @@ class Dispatcher:
             return
         record.state = WorkerState.DEAD
         logger.warning("worker %s (%s) is dead", record.worker_id, record.role.value)
+        self.capacity.on_report()  # waiters may fit elsewhere now, or nowhere
         if record.role is not Role.DECODE:
             return
         for req_id in list(record.req_ids):
@@ -322,12 +399,17 @@ class Dispatcher:
     async def close(self) -> None:
         for task in self._collectors.values():
             task.cancel()
+        await self.lease_keeper.close()
 
 
-def _capacity_error(request: ValidatedRequest, exc: Exception) -> Exception:
-    if request.deadline is not None and time.monotonic() >= request.deadline:
+def _capacity_error(request: ValidatedRequest) -> Exception:
+    if request.deadline is not None and time.monotonic() >= request.deadline - 0.001:
         return DeadlineExceededError("the deadline passed while waiting for decode capacity")
-    return ResourceExhaustedError(f"no decode worker has room for this request: {_reason(exc)}")
+    return ResourceExhaustedError("no decode worker had room for this request within capacity_wait_s; retry later")
+
+
+def _seconds(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.1f}s"
 
 
 def _reason(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ not leak, and are meant to be logged in full where they are caught.
 
 from __future__ import annotations
 
+import math
 from typing import NoReturn
 
 import grpc
@@ -29,7 +30,14 @@ class InvalidArgumentError(RouterError, ValueError):
 
 
 class ResourceExhaustedError(RouterError):
-    """The cluster cannot take this request now (queue full, no KV room); the client may retry later."""
+    """The cluster cannot take this request now (queue full, no KV room); the client may retry later.
+
+    ``retry_after_s``, when known, travels to gRPC clients as the ``retry-after`` trailer.
+    """
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class UnavailableError(RouterError):
@@ -84,5 +92,9 @@ def _client_message(exc: BaseException) -> str:
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """End the RPC with the status ``exc`` maps to (``context.abort`` raises, so this never returns)."""
     code, message = grpc_status(exc)
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is not None:
+        # Whole seconds, at least 1, as HTTP's Retry-After.
+        context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(retry_after_s)))),))
     await context.abort(code, message)
     raise AssertionError("grpc.aio context.abort returned")  # abort always raises

@@ -10,10 +10,12 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.stats import WorkerState
+from router.admission import BusyRate
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,13 @@ class WorkerRecord:
     num_assigned: int = 0  # requests assigned and not finished
     num_assigned_prompt_tokens: int = 0  # prefill workers: prompt tokens not yet prefilled
     req_ids: set[str] = field(default_factory=set)
+    # Decode workers: blocks a new reservation may take, from the actor's last report less
+    # what the router reserved since (None: no report yet).
+    num_reservable_blocks: int | None = None
+    num_total_blocks: int | None = None
+    # Prefill workers: measured prompt tokens per second of busy time, and since when busy.
+    prefill_rate: BusyRate = field(default_factory=BusyRate)
+    busy_since: float | None = None
 
     @property
     def routable(self) -> bool:
@@ -50,15 +59,18 @@ class WorkerPool:
         self.policy = policy
         self.workers: dict[str, WorkerRecord] = {}
         self._round_robin = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
+        self.on_change: Callable[[], None] = lambda: None  # a worker joined or left
 
     def add(self, record: WorkerRecord) -> None:
         self.workers[record.worker_id] = record
         logger.info("worker %s (%s, epoch %s) joined the pool", record.worker_id, record.role.value, record.epoch)
+        self.on_change()
 
     def remove(self, worker_id: str) -> WorkerRecord | None:
         record = self.workers.pop(worker_id, None)
         if record is not None:
             logger.info("worker %s left the pool", worker_id)
+            self.on_change()
         return record
 
     def of_role(self, role: Role) -> list[WorkerRecord]:

@@ -171,7 +171,7 @@ class Router:
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self.limits = RequestLimits(vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len)
         self.pool = WorkerPool(self.config.routing_policy)
-        self.dispatcher = Dispatcher(self.pool, self.config, metrics)
+        self.dispatcher = Dispatcher(self.pool, self.config, metrics, block_size=model_info.block_size)
         self.pool_manager = pool_manager
         self.metrics = metrics
         self.background_tasks: set[asyncio.Task] = set()

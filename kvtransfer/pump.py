@@ -1,0 +1,102 @@
+"""TransferPump: drives an agent's transfers on a thread of their own.
+
+Why a thread: without UCX's progress thread (it busy-polls a whole core, so it is off on
+CPU), a NIXL write advances only when someone checks it, and notifications are seen only
+when someone asks. If the engine thread did that between steps, a step of several seconds
+(a long chunk, a slow dtype, a big batch) would stall every write for that long and trip
+the write timeout, and leases would be checked late. The pump polls while anything is in
+flight, whatever the engine is doing; torch releases the GIL inside its kernels, so the
+two threads really overlap.
+
+Idle costs nothing: with no write in flight and no reservation waiting for writes, the
+pump sleeps on an event that the worker sets when it pushes or reserves (``kick``).
+
+Events are buffered here and taken by the engine thread (``take_send_events``,
+``take_receive_events``); ``on_events`` tells the worker that something arrived, so an
+idle engine thread wakes at once instead of polling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from kvtransfer.agent import KVAgent
+from kvtransfer.messages import ReceiveEvents, SendEvent
+
+logger = logging.getLogger(__name__)
+
+
+class TransferPump:
+    def __init__(self, agent: KVAgent, on_events: Callable[[], None] = lambda: None, poll_interval_s: float = 0.001):
+        self._agent = agent
+        self._on_events = on_events
+        self._poll_interval_s = poll_interval_s
+        self._work = threading.Event()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._sends: list[SendEvent] = []
+        self._receives = ReceiveEvents()
+        self._thread = threading.Thread(target=self._run, name=f"kv-pump-{agent.ref.name}", daemon=True)
+        self.last_error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        self._work.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def kick(self) -> None:
+        """Something was pushed or reserved: start polling if the pump sleeps."""
+        self._work.set()
+
+    def take_send_events(self) -> list[SendEvent]:
+        with self._lock:
+            events, self._sends = self._sends, []
+        return events
+
+    def take_receive_events(self) -> ReceiveEvents:
+        with self._lock:
+            events, self._receives = self._receives, ReceiveEvents()
+        return events
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            # Clear before looking: a kick that lands after the look sets it again.
+            self._work.clear()
+            try:
+                if not self._agent.has_pending_work():
+                    self._work.wait()
+                    continue
+                self._poll_once()
+            except Exception as exc:  # the health check sees it; never spin on a broken agent
+                if self.last_error is None:
+                    logger.exception("transfer pump of %s failed", self._agent.ref)
+                self.last_error = exc
+                self._stopping.wait(0.1)
+                continue
+            self._stopping.wait(self._poll_interval_s)
+
+    def _poll_once(self) -> None:
+        sends = self._agent.poll_sends()
+        receives = self._agent.poll_receives()
+        if not sends and not receives:
+            return
+        with self._lock:
+            self._sends.extend(sends)
+            _merge_into(self._receives, receives)
+        self._on_events()
+
+
+def _merge_into(into: ReceiveEvents, more: ReceiveEvents) -> None:
+    into.progress.extend(more.progress)
+    into.ready.extend(more.ready)
+    into.failed.extend(more.failed)
+    into.freed.extend(more.freed)

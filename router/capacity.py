@@ -1,0 +1,101 @@
+"""Decode capacity: requests that wait for KV room on the decode pool, and who gets it next.
+
+The router never asks a decode actor for blocks it knows the actor lacks. Each actor's
+reports (every ``poll_outputs``, so at least every ``output_poll_s`` while anything runs
+or waits) say how many blocks a new reservation may take; the router debits its copy as
+it reserves, and the next report corrects it. A request that fits on no decode actor
+waits here instead of failing, as in vLLM's waiting queue: served by priority, then
+arrival, and a request that does not fit yet holds back the ones behind it, so a large
+prompt is never starved by a stream of small ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from router.pool import Role, WorkerPool, WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(order=True, slots=True)
+class _Waiter:
+    neg_priority: int
+    order: int
+    num_blocks: int = field(compare=False)
+    granted: asyncio.Future = field(compare=False)
+
+
+class DecodeCapacity:
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+        self._waiters: list[_Waiter] = []
+        self._order = itertools.count()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def num_blocks_waiting(self) -> int:
+        """KV blocks the waiting requests need, all together."""
+        return sum(w.num_blocks for w in self._waiters)
+
+    def total_reservable(self) -> int | None:
+        """Blocks the routable decode actors say a reservation may take now (None: no report yet)."""
+        known = [w.num_reservable_blocks for w in self.pool.routable(Role.DECODE) if w.num_reservable_blocks is not None]
+        return sum(known) if known else None
+
+    async def acquire(self, num_blocks: int, priority: int, order: int | None = None) -> WorkerRecord:
+        """A decode actor with room for ``num_blocks`` now, its room debited; waits for one.
+
+        ``order`` keeps a request's place when it comes back after a refused reservation.
+        Cancel the awaiting task to give up the place (a deadline, a client that left).
+        """
+        order = next(self._order) if order is None else order
+        waiter = _Waiter(-priority, order, num_blocks, asyncio.get_running_loop().create_future())
+        heapq.heappush(self._waiters, waiter)
+        self.on_report()
+        try:
+            return await waiter.granted
+        finally:
+            if not waiter.granted.done() or waiter.granted.cancelled():
+                self._remove(waiter)
+
+    def next_order(self) -> int:
+        return next(self._order)
+
+    def on_report(self) -> None:
+        """Capacity may have changed (a report, a death, a new worker): grant waiters in order."""
+        while self._waiters:
+            head = self._waiters[0]
+            if head.granted.done():  # cancelled while waiting
+                heapq.heappop(self._waiters)
+                continue
+            record = self._fitting(head.num_blocks)
+            if record is None:
+                return  # the head does not fit anywhere yet: everyone behind it waits too
+            heapq.heappop(self._waiters)
+            if record.num_reservable_blocks is not None:
+                record.num_reservable_blocks -= head.num_blocks
+            head.granted.set_result(record)
+
+    def _fitting(self, num_blocks: int) -> WorkerRecord | None:
+        """The least loaded routable decode actor that has room (unknown room counts as room)."""
+        fits = [
+            w for w in self.pool.routable(Role.DECODE)
+            if w.num_reservable_blocks is None or w.num_reservable_blocks >= num_blocks
+        ]
+        return min(fits, key=lambda w: w.num_assigned) if fits else None
+
+    def _remove(self, waiter: _Waiter) -> None:
+        try:
+            self._waiters.remove(waiter)
+            heapq.heapify(self._waiters)
+        except ValueError:
+            pass
+        self.on_report()  # the head may have left: the next may fit

@@ -1,0 +1,59 @@
+"""Load: a burst of long prompts against a short lease, a slow prefill and a small decode cache.
+
+Before the lease keeper and the transfer pump, every one of these conditions failed
+requests: prompts that waited in the prefill queue longer than the lease ("lease ends in
+less than the write timeout"), writes that were not checked while a long step computed
+("write not done after ..."), and a full decode cache ("no decode worker has room").
+Now none may fail, and every output must still equal transformers'.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import ray
+
+from kvtransfer.agent import KVTransferConfig
+from kvtransfer.leases import LeasePolicy
+from router.config import Disaggregation, RouterConfig
+from tests.checkpoints import hf_greedy, random_prompts
+from tests.serving import Client, engine_config, running_deployment
+
+LEASE_S = 1.5
+WRITE_TIMEOUT_S = 0.3
+STEP_DELAY_S = 0.4  # each prefill step sleeps longer than the write timeout
+
+
+def test_a_burst_that_waits_longer_than_the_lease_loses_no_request(ray_cluster, e2e_model):
+    lengths = [150 + 17 * i for i in range(14)]  # 150..371 tokens, 3.6k in all
+    prompts = random_prompts(lengths, e2e_model.vocab_size, seed=41)
+    expected = [hf_greedy(e2e_model.hf_model, p, 3) for p in prompts]
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, kv_lease_s=LEASE_S, admission_ttft_budget_s=None)
+    transfer = KVTransferConfig(lease=LeasePolicy(lease_s=LEASE_S, write_timeout_s=WRITE_TIMEOUT_S, grace_s=0.2))
+    # The decode cache holds about four of these prompts at once: the rest wait for room.
+    decode = engine_config(num_kv_blocks=96)
+    prefill = engine_config(max_num_batched_tokens=256, long_prefill_chunk=128)
+    with running_deployment(
+        e2e_model, 1, 1, router, prefill_engine=prefill, decode_engine=decode, transfer=transfer
+    ) as deployment:
+        ray.get(deployment.handles["prefill-0"].set_step_delay.remote(STEP_DELAY_S))
+        client = Client(deployment.address)
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [
+                pool.submit(client.generate, timeout=180, prompt_token_ids=p, max_tokens=3, temperature=0.0, ignore_eos=True)
+                for p in prompts
+            ]
+            streams = [f.result(timeout=200) for f in futures]
+        elapsed = time.monotonic() - start
+        for stream, want in zip(streams, expected):
+            assert stream.token_ids == want
+            assert stream.last.finish_reason != 0
+        # The burst really outlasted the lease many times over, and waited for decode room.
+        assert elapsed > 4 * LEASE_S
+        queue_ms = [s.last.timing.prefill_queue_ms for s in streams]
+        assert max(queue_ms) > 1000 * LEASE_S, f"some prompt waited in the prefill queue past the lease: {queue_ms}"
+        workers = client.wait_until_idle()
+        assert all(w.num_kv_blocks_used == 0 for w in workers)
+        client.close()
