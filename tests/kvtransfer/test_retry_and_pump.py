@@ -1,0 +1,118 @@
+"""Write retries, lease renewal in bulk, and the transfer pump that runs while the engine computes."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtransfer import KVCompat, LeasePolicy
+from kvtransfer.agent import KVAgent
+from kvtransfer.errors import TransferFailedError, TransferTimeoutError
+from kvtransfer.pump import TransferPump
+from kvtransfer.transport import XferState
+from tests.kvtransfer.test_protocol import FakeClock, dest, make_receiver, make_sender
+
+
+def test_a_write_that_fails_in_the_transport_is_posted_again_before_the_request_fails():
+    sender, transport = make_sender(LeasePolicy(max_write_retries=2))
+    sender.push("r", dest("r", [0, 1]), [0, 1], [0, 1], 2)
+    transport.states[0] = XferState.FAILED
+    assert sender.poll() == [] and len(transport.posts) == 2  # retried, nothing reported yet
+    assert transport.posts[1] == transport.posts[0]  # the same blocks and the same notification
+    transport.states[1] = XferState.DONE
+    (event,) = sender.poll()
+    assert event.error is None and event.finished
+
+    sender.push("s", dest("s", [2], token=2), [2], [2], 1)
+    for attempt in range(3):
+        transport.states[len(transport.posts) - 1] = XferState.FAILED
+        events = sender.poll()
+    assert len(transport.posts) == 5  # two of "r", the first post of "s" and its two retries
+    assert len(events) == 1 and isinstance(events[0].error, TransferFailedError)
+    assert "2 retries" in str(events[0].error)
+
+
+def test_a_timed_out_write_that_could_be_cancelled_is_retried():
+    sender, transport = make_sender(LeasePolicy(write_timeout_s=0.02, max_write_retries=1))
+    sender.push("r", dest("r", [0]), [0], [0], 1)
+    time.sleep(0.03)
+    assert sender.poll() == [] and len(transport.posts) == 2
+    time.sleep(0.03)
+    (event,) = sender.poll()
+    assert isinstance(event.error, TransferTimeoutError) and "1 retries" in str(event.error)
+
+
+def test_leases_renew_in_bulk_and_the_writer_may_post_past_the_first_deadline():
+    clock = FakeClock()
+    policy = LeasePolicy(lease_s=12, grace_s=1, write_timeout_s=10)
+    receiver, _, _ = make_receiver(policy, clock)
+    sender, transport = make_sender(policy, clock)
+    first = receiver.reserve("a", [0, 1], lease_s=12)
+    second = receiver.reserve("b", [2], lease_s=12)
+    sender.push("a", first, [0], [0], 1)
+    clock.now += 8  # 4 s left: too little for another 10 s write
+    renewed = receiver.renew_leases(["a", "b", "gone"], 30)
+    assert [(d.req_id, d.lease_deadline) for d in renewed] == [("a", clock.now + 30), ("b", clock.now + 30)]
+    assert sender.extend_lease("a", first.token, renewed[0].lease_deadline)
+    assert not sender.extend_lease("b", second.token, renewed[1].lease_deadline)  # nothing sent yet
+    sender.push("a", first, [1], [1], 2)  # the stale copy in hand does not shorten the lease
+    assert len(transport.posts) == 2
+
+
+def _thread_cpu_seconds(native_id: int) -> float:
+    fields = open(f"/proc/self/task/{native_id}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture
+def agents():
+    pytest.importorskip("nixl")
+    compat = KVCompat("m", "float32", 2, 1, 4, 8)
+    sender = KVAgent("P-pump", torch.zeros(16, *compat.block_shape()), compat, None)
+    receiver = KVAgent("D-pump", torch.zeros(16, *compat.block_shape()), compat, None)
+    sender.connect(receiver.handshake_offer())
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def test_the_pump_completes_writes_while_nobody_else_polls_and_sleeps_when_idle(agents):
+    sender_agent, receiver_agent = agents
+    arrived = threading.Event()
+    send_pump = TransferPump(sender_agent)
+    receive_pump = TransferPump(receiver_agent, on_events=arrived.set)
+    send_pump.start()
+    receive_pump.start()
+    try:
+        destination = receiver_agent.reserve("r", [3, 4])
+        receive_pump.kick()
+        sender_agent.push("r", destination, [1, 2], [3, 4], 2, payload="first-token")
+        send_pump.kick()
+        # The "engine threads" never poll: the pumps alone must finish the write.
+        assert arrived.wait(10), "the receiving pump saw no notification"
+        deadline = time.monotonic() + 10
+        ready = []
+        while not ready and time.monotonic() < deadline:
+            ready = receive_pump.take_receive_events().ready
+            time.sleep(0.01)
+        assert ready == ["r"] and receiver_agent.payload("r") == "first-token"
+        deadline = time.monotonic() + 10
+        sends = []
+        while not any(e.finished for e in sends) and time.monotonic() < deadline:
+            sends += send_pump.take_send_events()
+            time.sleep(0.01)
+        assert any(e.finished for e in sends) and not any(e.error for e in sends)
+        receiver_agent.complete("r")
+        assert not sender_agent.has_pending_work() and not receiver_agent.has_pending_work()
+        time.sleep(0.1)  # let both pumps reach their idle wait
+        before = [_thread_cpu_seconds(p._thread.native_id) for p in (send_pump, receive_pump)]
+        time.sleep(1.0)
+        after = [_thread_cpu_seconds(p._thread.native_id) for p in (send_pump, receive_pump)]
+        assert all(b - a <= 0.02 for a, b in zip(before, after)), "an idle pump must not spin"
+    finally:
+        send_pump.stop()
+        receive_pump.stop()

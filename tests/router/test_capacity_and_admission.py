@@ -1,0 +1,126 @@
+"""A full decode pool queues requests in order; overload is refused at admission, with a hint."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from router.admission import BusyRate, WindowRate, estimate_wait
+from router.capacity import DecodeCapacity
+from router.config import Disaggregation, RouterConfig
+from router.dispatcher import ActiveRequest, Dispatcher
+from router.errors import ResourceExhaustedError
+from router.pool import Role, WorkerPool, WorkerRecord
+from router.validation import ValidatedRequest
+
+
+def _pool(*reservable: int | None) -> WorkerPool:
+    pool = WorkerPool()
+    for i, blocks in enumerate(reservable):
+        pool.add(WorkerRecord(f"decode-{i}", Role.DECODE, handle=None, num_reservable_blocks=blocks))
+    return pool
+
+
+def test_waiters_are_served_by_priority_then_arrival_and_a_big_head_holds_back_the_rest():
+    async def scenario():
+        pool = _pool(0)
+        capacity = DecodeCapacity(pool)
+        pool.on_change = capacity.on_report
+        granted: list[str] = []
+
+        async def want(name: str, blocks: int, priority: int = 0):
+            await capacity.acquire(blocks, priority)
+            granted.append(name)
+
+        tasks = [asyncio.create_task(want("big", 10)), asyncio.create_task(want("small", 1))]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(want("urgent", 2, priority=5)))
+        await asyncio.sleep(0)
+        assert granted == [] and capacity.num_waiting == 3 and capacity.num_blocks_waiting == 13
+        record = pool.workers["decode-0"]
+        record.num_reservable_blocks = 5  # a report: room for "urgent", then not for "big"
+        capacity.on_report()
+        await asyncio.sleep(0)
+        assert granted == ["urgent"], "the small request must not overtake the big one ahead of it"
+        assert record.num_reservable_blocks == 3  # debited until the next report
+        record.num_reservable_blocks = 11
+        capacity.on_report()
+        await asyncio.gather(*tasks)
+        assert granted == ["urgent", "big", "small"]
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_that_gives_up_leaves_the_queue_and_unblocks_the_next():
+    async def scenario():
+        pool = _pool(3)
+        capacity = DecodeCapacity(pool)
+        big = asyncio.create_task(capacity.acquire(10, 0))
+        small = asyncio.create_task(capacity.acquire(2, 0))
+        await asyncio.sleep(0)
+        assert not small.done()
+        big.cancel()  # its deadline passed, or the client left
+        record = await asyncio.wait_for(small, 1)
+        assert record.worker_id == "decode-0" and capacity.num_waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_unknown_room_counts_as_room_and_the_least_loaded_actor_with_room_wins():
+    async def scenario():
+        pool = _pool(1, None, 50)
+        pool.workers["decode-1"].num_assigned = 3
+        capacity = DecodeCapacity(pool)
+        assert (await capacity.acquire(4, 0)).worker_id == "decode-2"
+        pool.workers["decode-2"].num_assigned = 9
+        assert (await capacity.acquire(4, 0)).worker_id == "decode-1"
+
+    asyncio.run(scenario())
+
+
+def test_rates_are_measured_over_busy_time_only():
+    rate = BusyRate(smoothing=1.0)
+    rate.done(1000, busy_since=10.0, now=12.0)
+    assert rate.per_second == 500
+    rate.done(300, busy_since=100.0, now=101.0)  # idle from 12 to 100: not counted as slowness
+    assert rate.per_second == 300
+    window = WindowRate(window_s=10)
+    window.add(5, now=0.0)
+    assert window.per_second(now=0.5) is None  # too little history
+    window.add(15, now=4.0)
+    assert window.per_second(now=5.0) == 4.0
+    assert window.per_second(now=13.5) == 1.5  # the first event left the window
+
+
+def test_estimate_adds_prefill_queue_and_kv_wait_and_knows_when_it_cannot_tell():
+    estimate = estimate_wait(3000, 1000.0, 20, 4.0)
+    assert (estimate.prefill_s, estimate.kv_s, estimate.total_s) == (3.0, 5.0, 8.0)
+    assert estimate_wait(3000, None, 0, None).total_s == 0.0
+    assert estimate_wait(3000, None, 5, None).total_s is None
+
+
+def _active(req_id: str, num_tokens: int) -> ActiveRequest:
+    request = ValidatedRequest(req_id, list(range(num_tokens)), None, SamplingParams(), [], True, 0, 0.0, None)
+
+    class _Assembler:
+        has_sent_tokens = False
+
+    return ActiveRequest(request, _Assembler(), outputs=None)
+
+
+def test_admission_refuses_what_would_wait_past_the_budget_and_says_when_to_retry():
+    pool = WorkerPool()
+    prefill = WorkerRecord("prefill-0", Role.PREFILL, handle=None, num_assigned_prompt_tokens=9000)
+    pool.add(prefill)
+    pool.add(WorkerRecord("decode-0", Role.DECODE, handle=None, num_reservable_blocks=1000))
+    config = RouterConfig(disaggregation=Disaggregation.ALWAYS, admission_ttft_budget_s=10.0)
+    dispatcher = Dispatcher(pool, config, block_size=16)
+    dispatcher.admit(_active("unmeasured", 1000))  # no rate measured yet: never refused on a guess
+    prefill.prefill_rate.per_second = 500.0  # measured: 9000 queued + 1000 = 20 s of prefill
+    with pytest.raises(ResourceExhaustedError, match=r"20\.0s.*over the 10s budget; retry in 10s") as refused:
+        dispatcher.admit(_active("late", 1000))
+    assert refused.value.retry_after_s == pytest.approx(10.0)
+    prefill.num_assigned_prompt_tokens = 3000
+    dispatcher.admit(_active("fits", 1000))  # 8 s: admitted
