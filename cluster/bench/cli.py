@@ -110,7 +110,7 @@ def add_scenario_parser(subparsers) -> argparse.ArgumentParser:
         scenario.add_arguments(sub)
         sub.add_argument("--out", type=Path, default=Path("bench-results") / name, help="directory for scenario.json and the plots")
         sub.add_argument("--model", type=Path, help="model directory (default: random weights of SmolLM2-135M's shape, byte tokenizer)")
-        sub.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+        sub.add_argument("--dtype", default=scenario.default_dtype, choices=["float32", "bfloat16", "float16"])
         sub.add_argument("--seed", type=int, default=0)
         sub.add_argument("--no-progress", action="store_true")
     parser.set_defaults(bench_handler=run_scenario)
@@ -202,7 +202,11 @@ def run_scenario(args: argparse.Namespace) -> int:
     from cluster.bench.scenarios import SCENARIOS
 
     started = time.perf_counter()
-    outcome = SCENARIOS[args.scenario].run(args)
+    try:
+        outcome = SCENARIOS[args.scenario].run(args)
+    except ValueError as exc:  # a bad flag or model directory, named by the scenario
+        print(f"pdserve bench-scenario {args.scenario}: {exc}", file=sys.stderr)
+        return 2
     for line in outcome.lines:
         print(line)
     print(f"results: {outcome.json_path} ({time.perf_counter() - started:.0f} s)")

