@@ -12,6 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.kv_memory import KVMemoryPolicy
 from cluster.pools import DeploymentSpec, PoolSpec
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
@@ -35,7 +36,9 @@ class PoolConfig(BaseModel):
     token_budget: int = Field(512, ge=1, description="Tokens per engine step (decode tokens plus prefill chunks)")
     chunk_size: int | None = Field(None, ge=1, description="Most tokens of one prompt per step (default: the token budget)")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one batch")
-    kv_cache_mb: int | None = Field(None, ge=1, description="KV cache size per actor in MiB (default 256)")
+    kv_cache_mb: int | None = Field(
+        None, ge=1, description="KV cache size per actor in MiB (default: sized from the actor's machine, see cluster/kv_memory.py)"
+    )
 
 
 class RouterSection(BaseModel):
@@ -47,6 +50,7 @@ class RouterSection(BaseModel):
     disaggregation: Disaggregation = Field(Disaggregation.AUTO, description="auto: short prompts prefill on the decode actor; always; never")
     local_prefill_max_tokens: int = Field(32, ge=0, description="auto mode: prompts up to this length prefill locally")
     max_queued_requests: int = Field(256, ge=1, description="Requests waiting for a first token before RESOURCE_EXHAUSTED")
+    ready_wait_s: float = Field(120.0, gt=0, description="How long a request waits for a starting deployment before UNAVAILABLE")
     metrics_port: int | None = Field(9400, ge=0, le=65535, description="Prometheus /metrics port (null: off, 0: any free port)")
 
 
@@ -58,6 +62,12 @@ class ClusterConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when actors hold GPUs")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block")
     transfer_backend: Literal["nixl", "ray"] = Field("nixl", description="How KV blocks move between actors")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Default KV sizing on GPUs: share of each GPU's memory for weights, activations and KV"
+    )
+    host_memory_fraction: float = Field(
+        0.5, gt=0, le=1, description="Default KV sizing on CPUs: share of a node's available memory for its actors' KV caches"
+    )
     prefill: PoolConfig = Field(default_factory=PoolConfig)
     decode: PoolConfig = Field(default_factory=PoolConfig)
     router: RouterSection = Field(default_factory=RouterSection)
@@ -89,6 +99,7 @@ class ClusterConfig(BaseModel):
                 disaggregation=self.router.disaggregation,
                 local_prefill_max_tokens=self.router.local_prefill_max_tokens,
                 max_queued_requests=self.router.max_queued_requests,
+                ready_wait_s=self.router.ready_wait_s,
             ),
             transfer=KVTransferConfig(backend=self.transfer_backend),
             health_interval_s=self.health_interval_s,
@@ -106,9 +117,12 @@ class ClusterConfig(BaseModel):
             max_num_seqs=pool.max_num_seqs,
             num_threads=pool.threads or max(1, int(pool.num_cpus)),
         )
+        kv_memory = None
         if pool.kv_cache_mb is not None:
             engine.kv_cache_bytes = pool.kv_cache_mb * 2**20
-        return PoolSpec(pool.replicas, engine, pool.num_cpus, pool.num_gpus, dict(pool.resources))
+        else:
+            kv_memory = KVMemoryPolicy(gpu_memory_utilization=self.gpu_memory_utilization, host_memory_fraction=self.host_memory_fraction)
+        return PoolSpec(pool.replicas, engine, pool.num_cpus, pool.num_gpus, dict(pool.resources), kv_memory=kv_memory)
 
 
 def load_config(path: Path | None, overrides: dict) -> ClusterConfig:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ray
 
+from cluster.kv_memory import KVMemoryPolicy, KVSizedDecodeWorker, KVSizedPrefillWorker
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
@@ -47,6 +49,9 @@ class PoolSpec:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
     spread: bool = True
+    # Set: each actor sizes its KV cache from its own node's memory (the engine's
+    # kv_cache_bytes / num_kv_blocks are replaced); None: the engine config's size is used.
+    kv_memory: KVMemoryPolicy | None = None
 
 
 @dataclass(slots=True)
@@ -82,8 +87,10 @@ class PoolManager:
         self.num_replaced = 0
 
     async def start(self) -> None:
-        launches = [self._launch(Role.PREFILL) for _ in range(self.spec.prefill.replicas)]
-        launches += [self._launch(Role.DECODE) for _ in range(self.spec.decode.replicas)]
+        # CPU actors share their node's host memory; each GPU actor has its own GPU.
+        num_starting = sum(p.replicas for p in (self.spec.prefill, self.spec.decode) if p.num_gpus == 0) or 1
+        launches = [self._launch(Role.PREFILL, num_starting) for _ in range(self.spec.prefill.replicas)]
+        launches += [self._launch(Role.DECODE, num_starting) for _ in range(self.spec.decode.replicas)]
         await asyncio.gather(*launches)
         self._started = True
         await self.refresh_readiness()
@@ -112,16 +119,22 @@ class PoolManager:
 
     # -- creating -------------------------------------------------------------------------
 
-    async def _launch(self, role: Role) -> WorkerRecord:
+    async def _launch(self, role: Role, num_starting: int = 1) -> WorkerRecord:
+        """Create one actor; ``num_starting`` actors (this one included) start at the same time."""
         pool = self.spec.pool(role)
         worker_id = f"{role.value}-{next(self._ids[role])}"
-        cls = PrefillWorker if role is Role.PREFILL else DecodeWorker
         options = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, max_restarts=0, max_concurrency=1000)
         if pool.resources:
             options["resources"] = dict(pool.resources)
         elif pool.spread:
             options["scheduling_strategy"] = "SPREAD"  # one pool's actors on as many nodes as possible
-        handle = ray.remote(cls).options(**options).remote(worker_id, str(self.spec.model_path), pool.engine, self.spec.transfer)
+        args = [worker_id, str(self.spec.model_path), pool.engine, self.spec.transfer]
+        if pool.kv_memory is not None:
+            cls = KVSizedPrefillWorker if role is Role.PREFILL else KVSizedDecodeWorker
+            args.append(replace(pool.kv_memory, num_sharing=_num_sharing(pool, num_starting)))
+        else:
+            cls = PrefillWorker if role is Role.PREFILL else DecodeWorker
+        handle = ray.remote(cls).options(**options).remote(*args)
         self.handles[worker_id] = handle
         try:
             await asyncio.wait_for(_await(handle.ping.remote()), self.spec.startup_timeout_s)
@@ -141,7 +154,7 @@ class PoolManager:
         async with self._scale_locks[role]:
             previous = self.size(role)
             if replicas > previous:
-                await asyncio.gather(*(self._launch(role) for _ in range(replicas - previous)))
+                await asyncio.gather(*(self._launch(role, replicas - previous) for _ in range(replicas - previous)))
             elif replicas < previous:
                 ready = [w for w in self.router.pool.of_role(role) if w.state is WorkerState.READY]
                 victims = sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: previous - replicas]
@@ -215,6 +228,16 @@ class PoolManager:
         task = asyncio.create_task(self._launch(record.role))
         self._replacements.add(task)
         task.add_done_callback(self._replacements.discard)
+
+
+def _num_sharing(pool: PoolSpec, num_starting: int) -> int:
+    """How many actors may measure the same memory at once: of one GPU, or of one node's host."""
+    if pool.num_gpus > 0:
+        return max(1, math.floor(1 / pool.num_gpus)) if pool.num_gpus < 1 else 1
+    if pool.resources or not pool.spread:
+        return num_starting  # placement unknown: assume they all land on one node
+    num_nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
+    return max(1, math.ceil(num_starting / max(1, num_nodes)))
 
 
 async def _await(ref):

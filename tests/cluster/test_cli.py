@@ -10,7 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
 from cluster.cli import process_alive
@@ -73,6 +75,9 @@ def test_up_in_the_foreground_serves_until_interrupted(e2e_model, tmp_path):
             line = process.stdout.readline()
             assert line or process.poll() is None, process.stderr.read()
         address = line.split()[3]
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING, "the address is printed only once the router serves"
         generated = _run("generate", "hello", "--address", address, "--max-tokens", "4", "--ignore-eos", state_file=state)
         assert generated.stdout.startswith("hello")
     finally:

@@ -1,0 +1,97 @@
+"""The default KV cache size: the rule's arithmetic, what an actor measures, and the config that selects it."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from cluster.config import load_config
+from cluster.kv_memory import GiB, MiB, KVMemoryPolicy, MemoryFigures, default_kv_cache_bytes, measure, sized_engine_config
+from engine.config import EngineConfig
+
+
+def cpu(available_gib: float, weights_mib: float = 0, useful_gib: float | None = None) -> MemoryFigures:
+    useful = None if useful_gib is None else int(useful_gib * GiB)
+    return MemoryFigures("cpu", host_available=int(available_gib * GiB), weight_bytes=int(weights_mib * MiB), max_useful_bytes=useful)
+
+
+def test_cpu_takes_half_the_available_memory_split_among_the_actors_starting_there_less_weights():
+    # 64 GiB available, half for KV, 4 actors: 8 GiB each, less 1 GiB of weights.
+    assert default_kv_cache_bytes(KVMemoryPolicy(num_sharing=4), cpu(64, weights_mib=1024)) == 7 * GiB
+    assert default_kv_cache_bytes(KVMemoryPolicy(num_sharing=1, host_memory_fraction=0.25), cpu(16)) == 4 * GiB
+
+
+def test_cpu_share_is_capped_per_actor_and_never_below_the_floor():
+    assert default_kv_cache_bytes(KVMemoryPolicy(), cpu(512)) == 16 * GiB
+    assert default_kv_cache_bytes(KVMemoryPolicy(max_host_bytes=2 * GiB), cpu(512)) == 2 * GiB
+    # 1 GiB available among 8 actors with 200 MiB of weights each: nothing left; the floor holds.
+    assert default_kv_cache_bytes(KVMemoryPolicy(num_sharing=8), cpu(1, weights_mib=200)) == 64 * MiB
+
+
+def test_never_more_than_max_num_seqs_full_length_sequences_can_use():
+    assert default_kv_cache_bytes(KVMemoryPolicy(), cpu(64, useful_gib=0.5)) == 512 * MiB
+
+
+def test_cuda_takes_the_utilization_share_of_the_gpu_less_other_processes_weights_and_activations():
+    figures = MemoryFigures("cuda", gpu_total=80 * GiB, gpu_free=79 * GiB, weight_bytes=16 * GiB, activation_bytes=2 * GiB)
+    # 0.9 * 80 = 72 GiB, less 1 GiB held by another process, 16 GiB of weights and 2 GiB of activations.
+    assert default_kv_cache_bytes(KVMemoryPolicy(gpu_memory_utilization=0.9), figures) == 53 * GiB
+    # Two actors on one GPU (num_gpus 0.5) split what is left before their own weights.
+    assert default_kv_cache_bytes(KVMemoryPolicy(gpu_memory_utilization=0.9, num_sharing=2), figures) == int(35.5 * GiB - 18 * GiB)
+    # Host memory plays no part on a GPU.
+    assert default_kv_cache_bytes(KVMemoryPolicy(), figures) == default_kv_cache_bytes(
+        KVMemoryPolicy(), MemoryFigures(**{**_fields(figures), "host_available": 1})
+    )
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    config = {
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8,
+        "num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1000,
+        "max_position_embeddings": 1000, "dtype": "float32",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4000)
+    return tmp_path
+
+
+def test_an_actor_measures_its_host_and_estimates_weights_and_useful_size_from_the_checkpoint(model_dir):
+    engine = EngineConfig(dtype="bfloat16", block_size=16, max_num_seqs=3, max_model_len=None, max_num_batched_tokens=8)
+    figures = measure(engine, model_dir)
+    assert figures.device == "cpu" and figures.host_available > 0
+    assert figures.weight_bytes == 2000, "a float32 checkpoint loaded in bfloat16 takes half its file size"
+    # 3 sequences of 1000 tokens (63 blocks of 16 = 1008 slots), 4 layers x K,V x 2 heads x 32 dims x 2 bytes.
+    assert figures.max_useful_bytes == 3 * 1008 * 4 * 2 * 2 * 32 * 2
+    assert figures.activation_bytes == 8 * (4 * 1000 + 4 * 2 * 688)
+
+
+def test_the_chosen_size_replaces_the_engine_configs_and_is_logged(model_dir, caplog):
+    engine = EngineConfig(num_kv_blocks=7, max_num_seqs=2, max_model_len=64)
+    with caplog.at_level(logging.INFO, logger="cluster.kv_memory"):
+        sized = sized_engine_config(engine, str(model_dir), KVMemoryPolicy(), "decode-0")
+    # Two 64-token sequences are all that can ever be used: 2 * 64 * 4 * 2 * 2 * 32 * 4 bytes.
+    assert sized.num_kv_blocks is None and sized.kv_cache_bytes == 2 * 64 * 2048
+    assert "decode-0: KV cache 0.2 MiB (device cpu" in caplog.text
+
+
+def test_the_deployment_config_sizes_kv_from_the_machine_unless_kv_cache_mb_is_given():
+    spec = load_config(None, {"gpu_memory_utilization": 0.8}).to_spec()
+    assert spec.decode.kv_memory == KVMemoryPolicy(gpu_memory_utilization=0.8, host_memory_fraction=0.5)
+    explicit = load_config(None, {"decode.kv_cache_mb": 300}).to_spec()
+    assert explicit.decode.kv_memory is None and explicit.decode.engine.kv_cache_bytes == 300 * MiB
+    assert explicit.prefill.kv_memory is not None
+
+
+def _fields(figures: MemoryFigures) -> dict:
+    return {name: getattr(figures, name) for name in MemoryFigures.__slots__}
+
+
+def test_actors_that_may_share_memory_divide_it():
+    from cluster.pools import PoolSpec, _num_sharing
+
+    assert _num_sharing(PoolSpec(num_gpus=0.5), num_starting=6) == 2, "two actors per GPU"
+    assert _num_sharing(PoolSpec(num_gpus=1), num_starting=6) == 1
+    assert _num_sharing(PoolSpec(resources={"prefill_node": 1}), num_starting=3) == 3, "pinned: maybe all on one node"
