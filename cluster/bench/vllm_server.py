@@ -145,14 +145,13 @@ class VllmServer:
         self.stop()
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``grace_s``; idempotent."""
+        """SIGTERM the server, SIGKILL what is left of its process group after ``grace_s``; idempotent."""
         process, self._process = self._process, None
         if process is None:
             return
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        # The API server alone: it shuts its engine core down in order (a SIGTERM to the whole
+        # group makes every process shut down at once and log a spurious EngineDeadError).
+        process.terminate()
         try:
             process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:

@@ -156,9 +156,12 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         if not args.skip_vllm:
             try:
                 runs[VLLM_LABEL], vllm_info = _run_vllm(model_dir, args, vllm_python, vllm_cli, requests, warmup, schedule)
-            except (VllmStartError, OSError, RuntimeError) as exc:
+            except VllmStartError as exc:
                 errors[VLLM_LABEL] = f"{type(exc).__name__}: {exc}"
-                logger.error("vLLM run failed: %s", exc)
+                logger.error("vLLM did not start: %s", exc)
+            except Exception as exc:  # pdserve's figures are still worth having
+                errors[VLLM_LABEL] = f"{type(exc).__name__}: {exc}"
+                logger.exception("the vLLM run failed")
         if shapes:
             with ray_running():
                 for shape in shapes:
