@@ -58,7 +58,11 @@ class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: Path = Field(DEFAULT_MODEL_PATH, description="Hugging Face model directory (default: the built-in model)")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="Weights and KV dtype (default: the checkpoint's)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="Weights and KV dtype; auto: the fastest exact one for each actor's device "
+        "(float32 on a CPU without native bfloat16, else bfloat16); null (default for now): the checkpoint's",
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when actors hold GPUs")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block")
     transfer_backend: Literal["nixl", "ray"] = Field("nixl", description="How KV blocks move between actors")

@@ -1,0 +1,27 @@
+"""The deployment config's defaults as they reach the actors' engine configs."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.cli import build_parser
+from cluster.config import ConfigError, load_config
+
+
+def test_dtype_auto_reaches_both_pools_engines():
+    spec = load_config(None, {"dtype": "auto"}).to_spec()
+    assert spec.prefill.engine.dtype == "auto" and spec.decode.engine.dtype == "auto"
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
+def test_the_dtype_flag_passes_through(dtype):
+    args = build_parser().parse_args(["up", "--dtype", dtype])
+    assert load_config(None, {"dtype": args.dtype}).to_spec().decode.engine.dtype == dtype
+
+
+def test_a_null_dtype_means_the_checkpoints_and_a_bad_one_is_refused_by_name(tmp_path):
+    config = tmp_path / "pdserve.yaml"
+    config.write_text("dtype: null\n")
+    assert load_config(config, {}).to_spec().decode.engine.dtype is None
+    with pytest.raises(ConfigError, match="dtype"):
+        load_config(None, {"dtype": "int8"})
