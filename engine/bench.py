@@ -1,19 +1,25 @@
-"""Engine microbenchmark: scheduled decode vs a raw forward loop, and chunked prefill.
+"""Engine microbenchmark against transformers, in the same process and the same run.
 
-Run as ``python -m engine.bench``. Everything is measured in one process on one model (a
-random-weight checkpoint with SmolLM2-135M's shape unless ``--model`` is given), so the
-ratios are meaningful even on a noisy shared machine:
+    python -m engine.bench --model /work/ckpt/smollm2-135m-fp32 --dtype float32 --threads 2
 
-* decode tokens/s at several batch sizes through ``LLMEngine.step()`` against a raw loop
-  that calls the same model on the same KV cache with tensors prepared in bulk and no
-  scheduler, sampler or bookkeeping (the ceiling);
-* prefill tokens/s of one long prompt in chunks of several sizes against unchunked.
+The model is a checkpoint directory (a random-weight one of SmolLM2-135M's shape unless
+``--model`` is given). For each measurement the engine and the outside reference
+(transformers' eager forward with a static cache, ``engine.bench_reference``) take turns,
+``--repeats`` times, so a noisy shared machine slows both alike; the tables give the best
+and the median of the repeats and the ratio pdserve / transformers of each:
+
+* decode tokens/s at several batch sizes through ``LLMEngine.step()`` (scheduler, sampler
+  and bookkeeping included), through a raw loop over the engine's model with inputs built
+  in bulk (its ceiling), and through transformers;
+* prefill tokens/s of one long prompt through ``step()`` in chunks of several sizes, and
+  through one transformers forward over the whole prompt.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -22,12 +28,14 @@ import torch
 from safetensors.torch import save_file
 
 from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
+from engine.bench_reference import TransformersReference
+from engine.config import DTYPES, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 SMOLLM2_135M_SHAPE = {
     "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
     "hidden_size": 576,
     "intermediate_size": 1536,
     "num_hidden_layers": 30,
@@ -73,19 +81,33 @@ def write_random_checkpoint(directory: Path, config: dict, dtype: torch.dtype, s
     return directory
 
 
-def _decode_engine(model_dir: Path, dtype: str, batch: int, context: int) -> LLMEngine:
-    blocks_per_seq = -(-(context + 64) // 16)
-    config = EngineConfig(dtype=dtype, num_kv_blocks=batch * blocks_per_seq + 8, max_num_seqs=batch, max_num_batched_tokens=2048)
+def _decode_engine(model_dir: Path, dtype: str, batch: int, context: int, steps: int) -> LLMEngine:
+    blocks_per_seq = -(-(context + steps + 8) // 16)
+    # Room for the scheduled run and the raw loop side by side.
+    config = EngineConfig(dtype=dtype, num_kv_blocks=2 * batch * blocks_per_seq + 8, max_num_seqs=batch, max_num_batched_tokens=2048)
     return LLMEngine(model_dir, config)
+
+
+def _seat_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int) -> None:
+    """Put ``batch`` sequences straight into decode, their ``context`` tokens' KV taken as cached.
+
+    A decode step costs the same whatever the cache holds; skipping the prompts' prefill
+    keeps a batch-32 run at a long context from spending minutes before the timed steps.
+    """
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"d{i}", [(7 * i + j) % 1000 + 3 for j in range(context)], params)
+    scheduler = engine.scheduler
+    for seq in list(scheduler.waiting):
+        seq.block_table = engine.allocator.allocate(engine.kv_cache.blocks_needed(context + 1))
+        seq.num_computed_tokens = context
+        seq.token_ids.append(5)  # its first output token, as if the prompt's step sampled it
+        scheduler._admit(seq)
 
 
 def bench_scheduled_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
     """Decode tokens/s through step(), once every sequence is past its prompt."""
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"d{i}", [(7 * i + j) % 1000 + 3 for j in range(context)], params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.requests.values()):
-        engine.step()
+    _seat_decoding(engine, batch, context, steps + 8)
     engine.step()  # warm-up decode step
     start = time.perf_counter()
     for _ in range(steps):
@@ -97,7 +119,7 @@ def bench_scheduled_decode(engine: LLMEngine, batch: int, context: int, steps: i
 
 
 def bench_raw_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
-    """The ceiling: the same model and cache, inputs built with a few tensor ops per step."""
+    """The engine's ceiling: its model and cache, inputs built with a few tensor ops per step."""
     block_size = engine.kv_cache.block_size
     blocks_per_seq = -(-(context + steps + 2) // block_size)
     block_tables = torch.tensor(engine.allocator.allocate(batch * blocks_per_seq)).view(batch, blocks_per_seq)
@@ -128,53 +150,104 @@ def bench_raw_decode(engine: LLMEngine, batch: int, context: int, steps: int) ->
     return batch * steps / elapsed
 
 
-def bench_prefill(model_dir: Path, dtype: str, prompt_len: int, chunk: int | None) -> float:
-    """Prefill tokens/s of one prompt, from add_request to its first token."""
+def _prefill_engine(model_dir: Path, dtype: str, prompt_len: int, chunk: int | None) -> LLMEngine:
     budget = chunk or prompt_len
-    engine = LLMEngine(model_dir, EngineConfig(dtype=dtype, num_kv_blocks=prompt_len // 16 + 8, max_num_batched_tokens=budget, long_prefill_chunk=chunk))
-    prompt = [(j * 31) % 1000 + 3 for j in range(prompt_len)]
-    engine.generate([prompt[:64]], SamplingParams(max_tokens=1))  # warm-up
+    config = EngineConfig(dtype=dtype, num_kv_blocks=prompt_len // 16 + 8, max_num_batched_tokens=budget, long_prefill_chunk=chunk)
+    engine = LLMEngine(model_dir, config)
+    engine.generate([[3 + j for j in range(64)]], SamplingParams(max_tokens=1))  # warm-up
+    return engine
+
+
+def bench_prefill(engine: LLMEngine, prompt: list[int]) -> float:
+    """Prefill tokens/s of one prompt, from add_request to its first token."""
     engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0))
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    return prompt_len / (time.perf_counter() - start)
+    return len(prompt) / (time.perf_counter() - start)
+
+
+def _summary(samples: list[float]) -> dict:
+    return {"best": max(samples), "median": statistics.median(samples), "samples": samples}
+
+
+def _ratio(ours: dict, theirs: dict) -> dict:
+    return {"best": ours["best"] / theirs["best"], "median": ours["median"] / theirs["median"]}
+
+
+def run_decode(model_dir: Path, args: argparse.Namespace, reference: TransformersReference) -> list[dict]:
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        engine = _decode_engine(model_dir, args.dtype, batch, args.context, args.steps)
+        step_s, raw_s, hf_s = [], [], []
+        for _ in range(args.repeats):
+            hf_s.append(reference.decode_tok_s(batch, args.context, args.steps))
+            step_s.append(bench_scheduled_decode(engine, batch, args.context, args.steps))
+            raw_s.append(bench_raw_decode(engine, batch, args.context, args.steps))
+        row = {"batch": batch, "step": _summary(step_s), "raw": _summary(raw_s), "transformers": _summary(hf_s)}
+        row["ratio_step_vs_transformers"] = _ratio(row["step"], row["transformers"])
+        row["ratio_raw_vs_transformers"] = _ratio(row["raw"], row["transformers"])
+        rows.append(row)
+        del engine
+    return rows
+
+
+def run_prefill(model_dir: Path, args: argparse.Namespace, reference: TransformersReference) -> list[dict]:
+    prompt = [(j * 31) % 1000 + 3 for j in range(args.prefill_len)]
+    chunks = [int(c) or None for c in args.chunks.split(",")]
+    engines = {chunk: _prefill_engine(model_dir, args.dtype, args.prefill_len, chunk) for chunk in chunks}
+    samples: dict = {chunk: [] for chunk in chunks}
+    hf_s = []
+    for _ in range(args.repeats):
+        hf_s.append(reference.prefill_tok_s(prompt))
+        for chunk, engine in engines.items():
+            samples[chunk].append(bench_prefill(engine, prompt))
+    theirs = _summary(hf_s)
+    rows = []
+    for chunk in chunks:
+        ours = _summary(samples[chunk])
+        rows.append({"chunk": chunk, "step": ours, "transformers": theirs, "ratio_vs_transformers": _ratio(ours, theirs)})
+    return rows
+
+
+def _print_tables(results: dict, args: argparse.Namespace) -> None:
+    print(f"decode, context {args.context}, {args.steps} steps x {args.repeats} repeats, {args.dtype}, {args.threads} thread(s); tok/s best/median")
+    print(f"{'batch':>5} {'step()':>15} {'raw loop':>15} {'transformers':>15} {'step/tf':>13} {'raw/tf':>13}")
+    for row in results["decode"]:
+        cells = [f"{row[k]['best']:7.1f}/{row[k]['median']:7.1f}" for k in ("step", "raw", "transformers")]
+        ratios = [f"{row[k]['best']:6.3f}/{row[k]['median']:6.3f}" for k in ("ratio_step_vs_transformers", "ratio_raw_vs_transformers")]
+        print(f"{row['batch']:>5} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} {ratios[0]:>13} {ratios[1]:>13}")
+    print(f"\nprefill of a {args.prefill_len}-token prompt (transformers: one forward, logits of the last token only)")
+    print(f"{'chunk':>9} {'step()':>15} {'transformers':>15} {'step/tf':>13}")
+    for row in results["prefill"]:
+        ours, theirs, ratio = row["step"], row["transformers"], row["ratio_vs_transformers"]
+        print(
+            f"{row['chunk'] or 'whole':>9} {ours['best']:7.1f}/{ours['median']:7.1f} "
+            f"{theirs['best']:7.1f}/{theirs['median']:7.1f} {ratio['best']:6.3f}/{ratio['median']:6.3f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="checkpoint dir (default: random SmolLM2-135M shape)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--batches", default="1,8,32,64")
-    parser.add_argument("--context", type=int, default=128, help="prompt tokens of each decoding sequence")
-    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--context", type=int, default=600, help="tokens each decoding sequence already holds")
+    parser.add_argument("--steps", type=int, default=16, help="timed decode steps per repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="turns each side takes; best and median are reported")
     parser.add_argument("--prefill-len", type=int, default=2048)
-    parser.add_argument("--chunks", default="128,512,0", help="prefill chunk sizes, 0 = unchunked")
+    parser.add_argument("--chunks", default="512,0", help="prefill chunk sizes, 0 = unchunked")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or write_random_checkpoint(Path(tmp) / "smollm2-shape", SMOLLM2_135M_SHAPE, getattr(torch, args.dtype))
-        results: dict = {"dtype": args.dtype, "threads": args.threads, "decode": [], "prefill": []}
-        print(f"decode, context {args.context} tokens, {args.steps} steps, dtype {args.dtype}, {args.threads} thread(s)")
-        print(f"{'batch':>6} {'step() tok/s':>14} {'raw tok/s':>12} {'ratio':>7}")
-        for batch in [int(b) for b in args.batches.split(",")]:
-            engine = _decode_engine(model_dir, args.dtype, batch, args.context)
-            raw = bench_raw_decode(engine, batch, args.context, args.steps)
-            scheduled = bench_scheduled_decode(engine, batch, args.context, args.steps)
-            results["decode"].append({"batch": batch, "scheduled_tok_s": scheduled, "raw_tok_s": raw, "ratio": scheduled / raw})
-            print(f"{batch:>6} {scheduled:>14.1f} {raw:>12.1f} {scheduled / raw:>7.3f}")
-            del engine
-        print(f"\nprefill of a {args.prefill_len}-token prompt")
-        print(f"{'chunk':>10} {'tok/s':>10} {'vs unchunked':>13}")
-        chunks = [int(c) or None for c in args.chunks.split(",")]
-        rates = {chunk: bench_prefill(model_dir, args.dtype, args.prefill_len, chunk) for chunk in chunks}
-        unchunked = rates.get(None)
-        for chunk, rate in rates.items():
-            ratio = rate / unchunked if unchunked else float("nan")
-            results["prefill"].append({"chunk": chunk, "tok_s": rate, "ratio_vs_unchunked": ratio})
-            print(f"{chunk or 'unchunked':>10} {rate:>10.1f} {ratio:>13.3f}")
+        model_dir = args.model or write_random_checkpoint(Path(tmp) / "smollm2-shape", SMOLLM2_135M_SHAPE, DTYPES[args.dtype])
+        reference = TransformersReference(model_dir, DTYPES[args.dtype])
+        results: dict = {"dtype": args.dtype, "threads": args.threads, "context": args.context}
+        results["decode"] = run_decode(model_dir, args, reference) if args.batches else []
+        results["prefill"] = run_prefill(model_dir, args, reference) if args.prefill_len else []
+    _print_tables(results, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

@@ -162,7 +162,7 @@ class EngineConfig:
     given, else from ``kv_cache_bytes``.
     """
 
-    dtype: str | None = None  # None: the checkpoint's dtype
+    dtype: str | None = None  # None: the checkpoint's dtype; "auto": fastest exact one (engine.device_caps)
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -173,10 +173,13 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None
     seed: int = 0
+    # CPU: run linears on oneDNN with weights repacked at load (engine.cpu_linear); False
+    # keeps torch's default matmul.
+    prepack_linear: bool = True
 
     def validate(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted([*DTYPES, 'auto'])}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -62,7 +62,7 @@ class LLMEngine:
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.model_path = Path(model_path) if model_path is not None else DEFAULT_MODEL_PATH
-        loaded = load_model(self.model_path, dtype=self.config.dtype, device=self.config.device)
+        loaded = load_model(self.model_path, dtype=self.config.dtype, device=self.config.device, prepack_linear=self.config.prepack_linear)
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.eos_token_ids = loaded.eos_token_ids

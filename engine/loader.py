@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import DTYPES, ModelConfig
+from engine import device_caps
+from engine.config import ModelConfig
+from engine.cpu_linear import can_prepack, prepack_linears
 from engine.errors import ModelLoadError
 from engine.model import CausalLM
 from engine.rope import RotaryEmbedding
@@ -35,21 +37,26 @@ class LoadedModel:
     model_dir: Path
 
 
-def resolve_dtype(config: ModelConfig, dtype: str | None) -> torch.dtype:
-    if dtype is None:
-        return config.checkpoint_dtype
-    if dtype not in DTYPES:
-        raise ModelLoadError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+def resolve_dtype(config: ModelConfig, dtype: str | None, device: str = "cpu") -> torch.dtype:
+    try:
+        return device_caps.resolve_dtype(dtype, config.checkpoint_dtype, device)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
-def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "cpu", max_positions: int | None = None) -> LoadedModel:
+def load_model(
+    model_dir: str | Path,
+    dtype: str | None = None,
+    device: str = "cpu",
+    max_positions: int | None = None,
+    prepack_linear: bool = False,
+) -> LoadedModel:
     """Build the model for ``model_dir`` and fill it with the checkpoint's weights."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_model_dir(model_dir)
-    torch_dtype = resolve_dtype(config, dtype)
+    torch_dtype = resolve_dtype(config, dtype, device)
     weights = _read_weights(model_dir)
     rotary = RotaryEmbedding(
         config.rope, config.head_dim, max_positions or config.max_position_embeddings, torch_dtype, device
@@ -60,14 +67,16 @@ def load_model(model_dir: str | Path, dtype: str | None = None, device: str = "c
     state = _engine_state_dict(weights, config, torch_dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device).eval()
+    num_packed = prepack_linear and can_prepack(device, torch_dtype) and prepack_linears(model)
     eos_ids = _generation_eos_ids(model_dir) or config.eos_token_ids
     logger.info(
-        "loaded %s from %s: %d layers, hidden %d, dtype %s",
+        "loaded %s from %s: %d layers, hidden %d, dtype %s, %d linears prepacked for oneDNN",
         config.architecture,
         model_dir,
         config.num_layers,
         config.hidden_size,
         torch_dtype,
+        num_packed or 0,
     )
     return LoadedModel(model=model, config=config, dtype=torch_dtype, eos_token_ids=eos_ids, model_dir=model_dir)
 

@@ -118,3 +118,24 @@ def test_float32_override_of_a_bf16_checkpoint_matches_float32_transformers(tmp_
     (got,) = engine.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert engine.dtype == torch.float32
     assert got.token_ids == want
+
+
+def test_decode_gathered_in_small_groups_matches_transformers(checkpoints, references, monkeypatch):
+    """Decode attention gathered a sequence at a time (as a long context does on a CPU) is unchanged."""
+    import engine.attention
+
+    monkeypatch.setattr(engine.attention, "GROUP_GATHER_BYTES", 1)
+    path, _ = checkpoints["llama"]
+    prompts, expected = references["llama"]
+    batched = _engine(path, 16).generate(prompts, GREEDY)
+    assert [c.token_ids for c in batched] == expected
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_both_linear_kernels_match_transformers(checkpoints, references, prepack):
+    path, _ = checkpoints["qwen2"]
+    prompts, expected = references["qwen2"]
+    engine = _engine(path, 16, prepack_linear=prepack)
+    kinds = {type(m).__name__ for m in engine.runner.model.modules()}
+    assert ("PackedLinear" in kinds) == prepack
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected

@@ -1,0 +1,70 @@
+"""The engine benchmark's outside reference: transformers' own eager forward with a static cache.
+
+What a careful transformers user gets on the same checkpoint, dtype and threads: SDPA
+attention, a ``StaticCache`` (no per-step cache growth), greedy argmax per decode step, and
+a prefill that computes logits for the last position only (``logits_to_keep=1``, as
+``generate`` does). Decode timing does not depend on what the cache holds, so the cache is
+advanced to the context length without computing a prompt, as the engine's side does too.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+
+class TransformersReference:
+    """One ``LlamaForCausalLM`` (or sibling) loaded through transformers, timed like the engine."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
+        self.dtype = dtype
+
+    def _static_cache(self, batch: int, max_len: int):
+        from transformers import StaticCache
+
+        cache = StaticCache(config=self.model.config, max_cache_len=max_len)
+        # Initialise every layer's buffers with one token, then rewind: the timed steps never
+        # pay for the lazy allocation.
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros((batch, 1), dtype=torch.long), past_key_values=cache, use_cache=True)
+        return cache
+
+    @staticmethod
+    def _seek(cache, length: int) -> None:
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(length)
+
+    @torch.inference_mode()
+    def decode_tok_s(self, batch: int, context: int, steps: int) -> float:
+        """Greedy decode tokens/s of ``batch`` sequences that already hold ``context`` tokens."""
+        cache = self._static_cache(batch, context + steps + 2)
+        self._seek(cache, context)
+        tokens = torch.full((batch, 1), 5, dtype=torch.long)
+
+        def one_step(position: int) -> torch.Tensor:
+            positions = torch.full((batch, 1), position, dtype=torch.long)
+            out = self.model(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True)
+            return out.logits[:, -1].argmax(dim=-1, keepdim=True)
+
+        tokens = one_step(context)  # warm-up
+        start = time.perf_counter()
+        for i in range(steps):
+            tokens = one_step(context + 1 + i)
+        return batch * steps / (time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def prefill_tok_s(self, prompt: list[int]) -> float:
+        """Tokens/s of one forward over the whole prompt into an empty static cache."""
+        cache = self._static_cache(1, len(prompt))
+        input_ids = torch.tensor([prompt], dtype=torch.long)
+        self._seek(cache, 0)
+        self.model(input_ids=input_ids[:, :64], past_key_values=cache, use_cache=True, logits_to_keep=1)  # warm-up
+        self._seek(cache, 0)
+        start = time.perf_counter()
+        self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return len(prompt) / (time.perf_counter() - start)
