@@ -57,7 +57,17 @@ def prepack_linears(model: nn.Module) -> int:
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
-                replaced += 1
+            if not isinstance(child, nn.Linear):
+                continue
+            try:
+                packed = PackedLinear(child)
+                # oneDNN picks its kernel at the first call; a CPU it has none for fails here,
+                # at load, and keeps the plain layer instead of failing a request later.
+                with torch.inference_mode():
+                    packed(torch.zeros((1, child.in_features), dtype=child.weight.dtype))
+            except RuntimeError as exc:
+                logger.warning("oneDNN cannot run %s in %s here, keeping torch's matmul: %s", name, child.weight.dtype, exc)
+                return replaced
+            setattr(module, name, packed)
+            replaced += 1
     return replaced
