@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--token-budget", type=int, help="tokens per engine step, both pools")
     up.add_argument("--block-size", type=int)
     up.add_argument("--kv-cache-mb", type=int, help="KV cache per actor, both pools")
-    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto: the fastest exact dtype for each actor's device (default: the checkpoint's)")
+    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto (default): the fastest exact dtype for each actor's device")
     up.add_argument("--host", help="address the router binds")
     up.add_argument("--port", type=int, help="router gRPC port")
     up.add_argument("--metrics-port", type=int, help="Prometheus port")

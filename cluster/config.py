@@ -59,9 +59,9 @@ class ClusterConfig(BaseModel):
 
     model: Path = Field(DEFAULT_MODEL_PATH, description="Hugging Face model directory (default: the built-in model)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
-        None,
+        "auto",
         description="Weights and KV dtype; auto: the fastest exact one for each actor's device "
-        "(float32 on a CPU without native bfloat16, else bfloat16); null (default for now): the checkpoint's",
+        "(float32 on a CPU without native bfloat16, else bfloat16); null: the checkpoint's",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when actors hold GPUs")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block")

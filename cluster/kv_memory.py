@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from decode_workers.worker import DecodeWorker
-from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.device_caps import resolve_dtype
 from prefill_workers.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -150,13 +151,8 @@ class KVSizedDecodeWorker(DecodeWorker):
 
 
 def _element_size(dtype: str | None, model: ModelConfig, device: str) -> int:
-    if dtype in DTYPES:
-        return DTYPES[dtype].itemsize
-    if dtype is None:
-        return model.checkpoint_dtype.itemsize
-    # "auto" is resolved by the engine from the device; 4 bytes is the widest it can pick,
-    # so the weights are not underestimated.
-    return 4
+    """Bytes per weight and KV element, as the engine will resolve ``dtype`` on this device."""
+    return resolve_dtype(dtype, model.checkpoint_dtype, device).itemsize
 
 
 def _meminfo_kib(field: str) -> int:

@@ -8,8 +8,8 @@ from cluster.cli import build_parser
 from cluster.config import ConfigError, load_config
 
 
-def test_dtype_auto_reaches_both_pools_engines():
-    spec = load_config(None, {"dtype": "auto"}).to_spec()
+def test_dtype_defaults_to_auto_and_reaches_both_pools_engines():
+    spec = load_config(None, {}).to_spec()
     assert spec.prefill.engine.dtype == "auto" and spec.decode.engine.dtype == "auto"
 
 
