@@ -127,6 +127,8 @@ def paged_attention(
         _attend_single(q, key_cache, value_cache, meta, out)
     for chunk in meta.chunks:
         queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
+        if chunk.mask is not None:
+            chunk.mask = additive_mask(chunk.mask, q.dtype)
         if chunk.mask is None:
             keys = k[chunk.token_start : chunk.token_end].transpose(0, 1)
             values = v[chunk.token_start : chunk.token_end].transpose(0, 1)
@@ -179,7 +181,10 @@ def _attend_single(
     tables = meta.single_block_tables
     width = tables.shape[1]
     if meta.single_groups is None:
+        # Once per step, at the first layer: the grouping, and the mask as an additive float
+        # one (SDPA would convert a boolean mask again in every layer).
         meta.single_groups = single_groups(tables, key_cache[0].nbytes * 2, q.device.type)
+        meta.single_mask = additive_mask(meta.single_mask, q.dtype)
     for start, end, block_ids in meta.single_groups:
         n = end - start
         keys, values = _gather(key_cache, value_cache, block_ids, meta)
@@ -205,3 +210,10 @@ def single_groups(tables: torch.Tensor, block_kv_bytes: int, device_type: str) -
     else:
         per_group = num  # a GPU gathers at full bandwidth; fewer kernel launches win there
     return [(start, min(start + per_group, num), tables[start : start + per_group].flatten()) for start in range(0, num, per_group)]
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: attend) as 0 / -inf to add to the scores; others as they are."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))

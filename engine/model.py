@@ -53,8 +53,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope_tables: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -66,7 +65,7 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, k, positions)
+        q, k = RotaryEmbedding.rotate(q, k, *rope_tables)
         attended = paged_attention(
             q,
             k,
@@ -105,7 +104,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the packed batch; return float32 logits only at ``logits_indices``."""
         hidden = self.embed_tokens(input_ids)
+        rope_tables = self.rotary.tables(positions)
         for layer in self.layers:
-            hidden = layer(hidden, positions, self.rotary, kv_cache, meta)
+            hidden = layer(hidden, rope_tables, kv_cache, meta)
         hidden = self.norm(hidden[logits_indices])
         return self.lm_head(hidden).float()

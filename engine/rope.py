@@ -40,10 +40,18 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(dtype=dtype, device=device)
         self.sin = freqs.sin().to(dtype=dtype, device=device)
 
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [tokens, 1, dim / 2] of ``positions``: looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] by their positions."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self.tables(positions)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    @staticmethod
+    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``apply`` with the tables already looked up."""
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
