@@ -43,7 +43,7 @@ class AttentionMetadata:
     single_block_tables: torch.Tensor | None = None  # [num_single, max_blocks]
     single_mask: torch.Tensor | None = None  # [num_single, 1, 1, max_blocks * block_size]
     chunks: list[ChunkSpan] = field(default_factory=list)
-    single_groups: list[tuple[int, int, torch.Tensor]] | None = None  # (start, end, flat block ids); None: derive
+    single_groups: list["GatherGroup"] | None = None  # derived at the first layer of a step
     gather_keys: torch.Tensor | None = None  # reused per layer: [rows, block_size * kv_heads * head_dim]
     gather_values: torch.Tensor | None = None
 
@@ -177,23 +177,24 @@ def _attend_single(
     """Attention of the step's single-token entries, a group of sequences at a time."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
     group = num_heads // num_kv_heads
-    tables = meta.single_block_tables
-    width = tables.shape[1]
     if meta.single_groups is None:
         # Once per step, at the first layer: the grouping, and the mask as an additive float
         # one (SDPA would convert a boolean mask again in every layer).
-        meta.single_groups = single_groups(tables, key_cache[0].nbytes * 2, q.device.type)
+        meta.single_groups = single_groups(meta.single_block_tables, meta.single_mask, key_cache[0].nbytes * 2, q.device.type)
         meta.single_mask = additive_mask(meta.single_mask, q.dtype)
-    for start, end, block_ids in meta.single_groups:
+    for gathered in meta.single_groups:
+        start, end, width = gathered.start, gathered.end, gathered.num_blocks
         n = end - start
-        keys, values = _gather(key_cache, value_cache, block_ids, meta)
+        keys, values = _gather(key_cache, value_cache, gathered.block_ids, meta)
         # [n * blocks, block_size, KVH, D] -> [n, KVH, blocks * block_size, D]
-        keys = keys.view(n, width * keys.shape[1], num_kv_heads, head_dim).transpose(1, 2)
-        values = values.view(n, width * values.shape[1], num_kv_heads, head_dim).transpose(1, 2)
+        keys = keys.view(n, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        values = values.view(n, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
         # The query heads sharing a KV head ride as that head's query rows: GQA without repeat.
         queries = q[start:end].view(n, num_kv_heads, group, head_dim)
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.single_mask[start:end])
+        mask = meta.single_mask[start:end, :, :, : width * block_size]
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
         out[start:end] = attended.reshape(n, num_heads, head_dim)
 
 
@@ -202,14 +203,39 @@ def _attend_single(
 GROUP_GATHER_BYTES = 8 * 1024 * 1024
 
 
-def single_groups(tables: torch.Tensor, block_kv_bytes: int, device_type: str) -> list[tuple[int, int, torch.Tensor]]:
-    """Split the single-token entries into gather groups: (start, end, their flat block ids)."""
+@dataclass(slots=True)
+class GatherGroup:
+    """Single-token entries [start, end) gathered together, over their first ``num_blocks`` blocks."""
+
+    start: int
+    end: int
+    num_blocks: int
+    block_ids: torch.Tensor  # [(end - start) * num_blocks]
+
+
+def single_groups(tables: torch.Tensor, mask: torch.Tensor, block_kv_bytes: int, device_type: str) -> list[GatherGroup]:
+    """Split the single-token entries into gather groups, each as wide as its longest sequence.
+
+    On a CPU a group holds as many consecutive sequences as fit ``GROUP_GATHER_BYTES``, and
+    trimming each group to its own longest sequence keeps a short sequence batched with a
+    long one from copying the long one's width of padding. A GPU takes one group.
+    """
     num, width = tables.shape
-    if device_type == "cpu":
-        per_group = max(1, GROUP_GATHER_BYTES // max(1, width * block_kv_bytes))
-    else:
-        per_group = num  # a GPU gathers at full bandwidth; fewer kernel launches win there
-    return [(start, min(start + per_group, num), tables[start : start + per_group].flatten()) for start in range(0, num, per_group)]
+    if device_type != "cpu":
+        return [GatherGroup(0, num, width, tables.flatten())]
+    block_size = mask.shape[-1] // width
+    lengths = mask.reshape(num, -1).sum(dim=1).tolist() if mask.dtype == torch.bool else [width * block_size] * num
+    blocks = [-(-int(length) // block_size) for length in lengths]
+    groups: list[GatherGroup] = []
+    start = 0
+    while start < num:
+        end, group_width = start + 1, blocks[start]
+        while end < num and (end - start + 1) * max(group_width, blocks[end]) * block_kv_bytes <= GROUP_GATHER_BYTES:
+            group_width = max(group_width, blocks[end])
+            end += 1
+        groups.append(GatherGroup(start, end, group_width, tables[start:end, :group_width].flatten()))
+        start = end
+    return groups
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--context", type=int, default=600, help="tokens each decoding sequence already holds")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per repeat")
     parser.add_argument("--repeats", type=int, default=3, help="turns each side takes; best and median are reported")
-    parser.add_argument("--prefill-len", type=int, default=2048)
+    parser.add_argument("--prefill-len", type=int, default=1536, help="prompt tokens (below the model's context)")
     parser.add_argument("--chunks", default="512,0", help="prefill chunk sizes, 0 = unchunked")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
