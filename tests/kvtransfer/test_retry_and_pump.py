@@ -68,51 +68,60 @@ def _thread_cpu_seconds(native_id: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@pytest.fixture
-def agents():
-    pytest.importorskip("nixl")
+def _wait_for(take, done, timeout_s: float = 10.0) -> list:
+    seen, deadline = [], time.monotonic() + timeout_s
+    while not done(seen) and time.monotonic() < deadline:
+        seen += take()
+        time.sleep(0.01)
+    return seen
+
+
+def _pump_round_trip() -> dict:
+    """Two real NIXL agents, each with its pump; nobody else ever polls them."""
     compat = KVCompat("m", "float32", 2, 1, 4, 8)
-    sender = KVAgent("P-pump", torch.zeros(16, *compat.block_shape()), compat, None)
-    receiver = KVAgent("D-pump", torch.zeros(16, *compat.block_shape()), compat, None)
+    sender_kv = torch.randn(16, *compat.block_shape())
+    sender = KVAgent("P-pump", sender_kv, compat)
+    receiver_kv = torch.zeros(16, *compat.block_shape())
+    receiver = KVAgent("D-pump", receiver_kv, compat)
     sender.connect(receiver.handshake_offer())
-    yield sender, receiver
-    sender.close()
-    receiver.close()
-
-
-def test_the_pump_completes_writes_while_nobody_else_polls_and_sleeps_when_idle(agents):
-    sender_agent, receiver_agent = agents
     arrived = threading.Event()
-    send_pump = TransferPump(sender_agent)
-    receive_pump = TransferPump(receiver_agent, on_events=arrived.set)
-    send_pump.start()
-    receive_pump.start()
+    pumps = [TransferPump(sender), TransferPump(receiver, on_events=arrived.set)]
+    for pump in pumps:
+        pump.start()
+    send_pump, receive_pump = pumps
     try:
-        destination = receiver_agent.reserve("r", [3, 4])
+        destination = receiver.reserve("r", [3, 4])
         receive_pump.kick()
-        sender_agent.push("r", destination, [1, 2], [3, 4], 2, payload="first-token")
+        sender.push("r", destination, [1, 2], [3, 4], 2, payload="first-token")
         send_pump.kick()
-        # The "engine threads" never poll: the pumps alone must finish the write.
-        assert arrived.wait(10), "the receiving pump saw no notification"
-        deadline = time.monotonic() + 10
-        ready = []
-        while not ready and time.monotonic() < deadline:
-            ready = receive_pump.take_receive_events().ready
-            time.sleep(0.01)
-        assert ready == ["r"] and receiver_agent.payload("r") == "first-token"
-        deadline = time.monotonic() + 10
-        sends = []
-        while not any(e.finished for e in sends) and time.monotonic() < deadline:
-            sends += send_pump.take_send_events()
-            time.sleep(0.01)
-        assert any(e.finished for e in sends) and not any(e.error for e in sends)
-        receiver_agent.complete("r")
-        assert not sender_agent.has_pending_work() and not receiver_agent.has_pending_work()
+        result = {"notified": arrived.wait(10)}
+        result["ready"] = _wait_for(lambda: receive_pump.take_receive_events().ready, bool)
+        result["payload"] = receiver.payload("r") if result["ready"] else ""
+        sends = _wait_for(send_pump.take_send_events, lambda seen: any(e.finished or e.error for e in seen))
+        result["sent"] = [(e.finished, e.error is None) for e in sends]
+        result["bytes_equal"] = bool(torch.equal(receiver_kv[3:5], sender_kv[1:3]))
+        receiver.complete("r")
+        result["pending"] = (sender.has_pending_work(), receiver.has_pending_work())
         time.sleep(0.1)  # let both pumps reach their idle wait
-        before = [_thread_cpu_seconds(p._thread.native_id) for p in (send_pump, receive_pump)]
+        before = [_thread_cpu_seconds(p._thread.native_id) for p in pumps]
         time.sleep(1.0)
-        after = [_thread_cpu_seconds(p._thread.native_id) for p in (send_pump, receive_pump)]
-        assert all(b - a <= 0.02 for a, b in zip(before, after)), "an idle pump must not spin"
+        after = [_thread_cpu_seconds(p._thread.native_id) for p in pumps]
+        result["idle_cpu_s"] = [b - a for a, b in zip(before, after)]
+        return result
     finally:
-        send_pump.stop()
-        receive_pump.stop()
+        for pump in pumps:
+            pump.stop()
+        sender.close()
+        receiver.close()
+
+
+def test_the_pump_completes_writes_while_nobody_else_polls_and_sleeps_when_idle(ray_session):
+    # In a worker process: NIXL's native libraries must not share the test process with
+    # grpc_tools' protoc extension (loading both in one process crashes it).
+    result = ray_session.get(ray_session.remote(_pump_round_trip).remote())
+    assert result["notified"], "the receiving pump saw no notification"
+    assert result["ready"] == ["r"] and result["payload"] == "first-token"
+    assert result["bytes_equal"], "the blocks landed byte for byte"
+    assert (True, True) in result["sent"] and all(ok for _, ok in result["sent"])
+    assert result["pending"] == (False, False)
+    assert all(cpu <= 0.02 for cpu in result["idle_cpu_s"]), f"an idle pump must not spin: {result['idle_cpu_s']}"
