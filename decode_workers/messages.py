@@ -18,6 +18,7 @@ class DecodeRequest:
     params: SamplingParams
     priority: int = 0
     lease_s: float | None = None  # remote only: how long the reservation may wait for KV
+    attempt: int = 0  # the router's dispatch attempt; echoed in every output of this request
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class SeqOutput:
     finish_reason: str | None = None  # FinishReason value, or "error"
     error: str | None = None
     timing: DecodeTiming | None = None
+    attempt: int = 0  # the dispatch attempt it belongs to: a restarted request ignores older ones
 
 
 @dataclass(slots=True)

@@ -63,6 +63,7 @@ class _Tracked:
     kv_ready_at: float | None = None
     first_token: tuple[int, TokenLogprob | None] | None = None
     last_token_at: float | None = None
+    attempt: int = 0
 
 
 class OutputBox:
@@ -193,7 +194,9 @@ class DecodeWorker:
         except Exception:
             self.engine.allocator.free(self.scheduler.detach(request.req_id))
             raise
-        self._tracked[request.req_id] = _Tracked(seq, time.monotonic(), remote=True, dest_block_ids=dest_block_ids)
+        self._tracked[request.req_id] = _Tracked(
+            seq, time.monotonic(), remote=True, dest_block_ids=dest_block_ids, attempt=request.attempt
+        )
         self.pump.kick()
         logger.debug("req %s: reserved %d blocks", request.req_id, len(dest_block_ids))
         return dest
@@ -206,6 +209,7 @@ class DecodeWorker:
         self._admit_if_ready(req_id, tracked)
 
     def _is_admitted(self, req_id: str) -> bool:
+        self._poll_transfers()  # a last write that already landed counts: admit it first
         tracked = self._tracked.get(req_id)
         if tracked is None:
             return True  # finished already: its outputs are on their way to the router
@@ -214,7 +218,7 @@ class DecodeWorker:
     def _add_local(self, request: DecodeRequest) -> None:
         self._check_accepting()
         seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
-        self._tracked[request.req_id] = _Tracked(seq, time.monotonic(), remote=False, dest_block_ids=[])
+        self._tracked[request.req_id] = _Tracked(seq, time.monotonic(), remote=False, dest_block_ids=[], attempt=request.attempt)
 
     def _abort(self, req_id: str) -> bool:
         tracked = self._tracked.pop(req_id, None)
@@ -295,11 +299,13 @@ class DecodeWorker:
         logger.warning("req %s: failed on %s: %s", req_id, self.worker_id, message)
         if req_id in self.scheduler.awaiting_kv:
             self._drop_reservation(req_id, tracked)
-        self._outputs.put([SeqOutput(req_id, [], finished=True, finish_reason=FinishReason.ERROR.value, error=message)])
+        self._outputs.put([SeqOutput(
+            req_id, [], finished=True, finish_reason=FinishReason.ERROR.value, error=message, attempt=tracked.attempt
+        )])
 
     def _output(self, tracked: _Tracked, token_ids: list[int], logprobs: list[TokenLogprob]) -> SeqOutput:
         seq = tracked.seq
-        out = SeqOutput(seq.req_id, token_ids, logprobs, finished=seq.is_finished)
+        out = SeqOutput(seq.req_id, token_ids, logprobs, finished=seq.is_finished, attempt=tracked.attempt)
         if seq.is_finished:
             out.finish_reason = seq.finish_reason.value if seq.finish_reason else None
             out.timing = self._timing(tracked)

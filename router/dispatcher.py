@@ -76,6 +76,9 @@ class ActiveRequest:
     decode_finished: bool = False
     num_restarts: int = 0
     num_prefill_retries: int = 0
+    # Each dispatch is a new attempt; outputs of an older one (a decode actor that admitted the
+    # request just as the router gave up on it) are dropped, never streamed twice.
+    attempt: int = 0
     last_message_at: float | None = None  # for inter-token latency
 
     @property
@@ -162,8 +165,10 @@ class Dispatcher:
                     raise UnavailableError("no decode worker is available")
             else:
                 decode = await self._wait_for_room(request, order)
+            active.attempt += 1
             decode_request = DecodeRequest(
-                request.req_id, request.prompt_token_ids, request.sampling_params, request.priority, self.config.kv_lease_s
+                request.req_id, request.prompt_token_ids, request.sampling_params, request.priority,
+                self.config.kv_lease_s, attempt=active.attempt,
             )
             # Bound before the call: the collector may see this request's first output before
             # the call returns (a short local prefill), and must route it here.
@@ -254,6 +259,7 @@ class Dispatcher:
                     return
             except WORKER_GONE:
                 return  # the collector reports the decode actor's death
+            active.attempt += 1  # whatever the decode actor still sends for this attempt is stale now
             active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", prefill_failed=True))
             return
         except Exception as exc:
@@ -326,7 +332,7 @@ class Dispatcher:
                 continue
             for out in report.outputs:
                 active = self.active.get(out.req_id)
-                if active is not None and active.decode is decode:
+                if active is not None and active.decode is decode and out.attempt == active.attempt:
                     if out.finished:
                         active.decode_finished = True
                         self.pool.release(decode, out.req_id)
