@@ -105,7 +105,9 @@ class DecodeWorker:
 
     def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None):
         self.worker_id = worker_id
-        self.engine = LLMEngine(model_path, engine_config, scheduler_cls=DecodeScheduler)
+        self._thread = EngineThread(f"decode-{worker_id}")
+        self._thread.start()
+        self.engine = self._thread.run(LLMEngine, model_path, engine_config, DecodeScheduler)
         self.scheduler: DecodeScheduler = self.engine.scheduler
         self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
         self.state = WorkerState.READY
@@ -113,10 +115,9 @@ class DecodeWorker:
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._tracked: dict[str, _Tracked] = {}
         self._outputs = OutputBox()
-        self._thread = EngineThread(f"decode-{worker_id}", self._iterate)
         self.pump = TransferPump(self.agent, on_events=self._thread.wake)
-        self._thread.start()
         self.pump.start()
+        self._thread.attach(self._iterate)
 
     # -- calls from the router (each runs on the engine thread) -------------------------
 

@@ -75,7 +75,9 @@ class PrefillWorker:
 
     def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None):
         self.worker_id = worker_id
-        self.engine = LLMEngine(model_path, engine_config, scheduler_cls=PrefillScheduler)
+        self._thread = EngineThread(f"prefill-{worker_id}")
+        self._thread.start()
+        self.engine = self._thread.run(LLMEngine, model_path, engine_config, PrefillScheduler)
         self.scheduler: PrefillScheduler = self.engine.scheduler
         self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
         self.block_size = self.engine.kv_cache.block_size
@@ -84,10 +86,9 @@ class PrefillWorker:
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._jobs: dict[str, _Job] = {}
         self._step_delay_s = 0.0
-        self._thread = EngineThread(f"prefill-{worker_id}", self._iterate)
         self.pump = TransferPump(self.agent, on_events=self._thread.wake)
-        self._thread.start()
         self.pump.start()
+        self._thread.attach(self._iterate)
 
     # -- calls from the router ----------------------------------------------------------
 
