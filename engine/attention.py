@@ -180,22 +180,23 @@ def _attend_single(
     block_size = key_cache.shape[1]
     group = num_heads // num_kv_heads
     if meta.single_groups is None:
-        # Once per step, at the first layer: the grouping, and the mask as an additive float
-        # one (SDPA would convert a boolean mask again in every layer).
+        # Once per step, at the first layer: the grouping, with each group's mask made additive
+        # (SDPA would convert a boolean mask again in every layer).
         meta.single_groups = single_groups(meta.single_block_tables, meta.single_mask, key_cache[0].nbytes * 2, q.device.type)
-        meta.single_mask = additive_mask(meta.single_mask, q.dtype)
+        for gathered in meta.single_groups:
+            width = gathered.num_blocks * block_size
+            gathered.mask = additive_mask(meta.single_mask.index_select(0, gathered.rows)[..., :width], q.dtype)
     for gathered in meta.single_groups:
-        start, end, width = gathered.start, gathered.end, gathered.num_blocks
-        n = end - start
+        rows, width = gathered.rows, gathered.num_blocks
+        n = rows.numel()
         keys, values = _gather(key_cache, value_cache, gathered.block_ids, meta)
         # [n * blocks, block_size, KVH, D] -> [n, KVH, blocks * block_size, D]
         keys = keys.view(n, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
         values = values.view(n, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
         # The query heads sharing a KV head ride as that head's query rows: GQA without repeat.
-        queries = q[start:end].view(n, num_kv_heads, group, head_dim)
-        mask = meta.single_mask[start:end, :, :, : width * block_size]
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
-        out[start:end] = attended.reshape(n, num_heads, head_dim)
+        queries = q.index_select(0, rows).view(n, num_kv_heads, group, head_dim)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=gathered.mask)
+        out.index_copy_(0, rows, attended.reshape(n, num_heads, head_dim))
 
 
 # What one group's gathered keys and values may occupy: small enough to stay in a CPU's
@@ -205,35 +206,40 @@ GROUP_GATHER_BYTES = 8 * 1024 * 1024
 
 @dataclass(slots=True)
 class GatherGroup:
-    """Single-token entries [start, end) gathered together, over their first ``num_blocks`` blocks."""
+    """Single-token entries ``rows`` gathered together, over their first ``num_blocks`` blocks."""
 
-    start: int
-    end: int
+    rows: torch.Tensor  # indices among the step's single-token entries
     num_blocks: int
-    block_ids: torch.Tensor  # [(end - start) * num_blocks]
+    block_ids: torch.Tensor  # [len(rows) * num_blocks]
+    mask: torch.Tensor | None = None  # [len(rows), 1, 1, num_blocks * block_size], additive
 
 
 def single_groups(tables: torch.Tensor, mask: torch.Tensor, block_kv_bytes: int, device_type: str) -> list[GatherGroup]:
-    """Split the single-token entries into gather groups, each as wide as its longest sequence.
+    """Split the single-token entries into gather groups of similar length, each as wide as its longest.
 
-    On a CPU a group holds as many consecutive sequences as fit ``GROUP_GATHER_BYTES``, and
-    trimming each group to its own longest sequence keeps a short sequence batched with a
-    long one from copying the long one's width of padding. A GPU takes one group.
+    On a CPU the entries are taken shortest first, and a group holds as many as fit
+    ``GROUP_GATHER_BYTES``: sequences of like length share a group, so little padding is
+    copied or attended (on the 135M shape, batch 32 of 64-1024 tokens, batch order cost 292
+    ms a step against 208 for equal lengths). A GPU takes one group.
     """
     num, width = tables.shape
     if device_type != "cpu":
-        return [GatherGroup(0, num, width, tables.flatten())]
+        return [GatherGroup(torch.arange(num, device=tables.device), width, tables.flatten())]
     block_size = mask.shape[-1] // width
     lengths = mask.reshape(num, -1).sum(dim=1).tolist() if mask.dtype == torch.bool else [width * block_size] * num
     blocks = [-(-int(length) // block_size) for length in lengths]
+    order = sorted(range(num), key=blocks.__getitem__)
     groups: list[GatherGroup] = []
     start = 0
     while start < num:
-        end, group_width = start + 1, blocks[start]
-        while end < num and (end - start + 1) * max(group_width, blocks[end]) * block_kv_bytes <= GROUP_GATHER_BYTES:
-            group_width = max(group_width, blocks[end])
+        end = start + 1
+        # Shortest first: the last entry taken is the group's widest.
+        while end < num and (end - start + 1) * blocks[order[end]] * block_kv_bytes <= GROUP_GATHER_BYTES:
             end += 1
-        groups.append(GatherGroup(start, end, group_width, tables[start:end, :group_width].flatten()))
+        rows = order[start:end]
+        group_width = blocks[rows[-1]]
+        index = torch.tensor(rows, dtype=torch.long, device=tables.device)
+        groups.append(GatherGroup(index, group_width, tables.index_select(0, index)[:, :group_width].flatten()))
         start = end
     return groups
 

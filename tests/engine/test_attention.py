@@ -13,18 +13,21 @@ def _mask(lengths: list[int], width: int, block_size: int) -> torch.Tensor:
     return (keys.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).view(len(lengths), 1, 1, -1)
 
 
-def test_groups_fit_the_byte_budget_and_trim_padding(monkeypatch):
+def test_groups_take_like_lengths_together_within_the_byte_budget(monkeypatch):
     block_size, block_bytes = 16, 1000
     monkeypatch.setattr(engine.attention, "GROUP_GATHER_BYTES", 4 * block_bytes)
-    lengths = [16, 17, 64, 3]  # 1, 2, 4 and 1 blocks
+    lengths = [16, 64, 17, 3]  # 1, 4, 2 and 1 blocks
     tables = torch.arange(4 * 4).view(4, 4)
     groups = single_groups(tables, _mask(lengths, 4, block_size), block_bytes, "cpu")
-    assert [(g.start, g.end, g.num_blocks) for g in groups] == [(0, 2, 2), (2, 3, 4), (3, 4, 1)]
-    assert groups[0].block_ids.tolist() == [0, 1, 4, 5]  # each row's first two blocks, no padding beyond
-    assert groups[2].block_ids.tolist() == [12]
+    # Shortest first: the two one-block rows share a group (the two-block row would make it
+    # 3 x 2 blocks, over the budget of 4), so no row is padded at all here.
+    assert [(g.rows.tolist(), g.num_blocks) for g in groups] == [([0, 3], 1), ([2], 2), ([1], 4)]
+    assert groups[0].block_ids.tolist() == [0, 12]
+    assert groups[1].block_ids.tolist() == [8, 9]
+    assert groups[2].block_ids.tolist() == [4, 5, 6, 7]
 
 
 def test_a_gpu_takes_the_whole_batch_in_one_group():
     tables = torch.arange(6).view(3, 2)
     (group,) = single_groups(tables, _mask([5, 20, 32], 2, 16), 10**9, "cuda")
-    assert (group.start, group.end, group.num_blocks) == (0, 3, 2)
+    assert (group.rows.tolist(), group.num_blocks) == ([0, 1, 2], 2)
