@@ -59,6 +59,12 @@ def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
     # Token budgets and chunks are `pdserve up`'s defaults (DeploymentSpec) unless given.
     if name == "disagg":
         return ClusterShape("pdserve disagg (1P+1D)", 1, 1, defaults.disaggregation, engine(1, 512, 512), engine(1, 512, 256))
+    if name == "disagg-d2":
+        # Every prompt through the prefill actor (none prefilled between decode steps), and the
+        # decode actor's two threads take the core the prefill actor leaves idle between bursts.
+        return ClusterShape(
+            "pdserve disagg (1P x1 + 1D x2 threads, always)", 1, 1, Disaggregation.ALWAYS, engine(1, 512, 512), engine(2, 512, 256)
+        )
     if name == "agg":
         decode = engine(2, 512, 256)
         return ClusterShape("pdserve agg (1D x 2 threads)", 0, 1, Disaggregation.NEVER, decode, decode)
@@ -68,7 +74,7 @@ def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
     raise ValueError(f"pdserve_configs: unknown configuration {name!r} (known: {', '.join(PDSERVE_CONFIGS)})")
 
 
-PDSERVE_CONFIGS = ("disagg", "agg", "agg2")
+PDSERVE_CONFIGS = ("disagg", "disagg-d2", "agg", "agg2")
 
 
 def _names(text: str) -> list[str]:
@@ -108,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--max-model-len", type=int, default=2048, help="context of both servers")
     work.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of vLLM and of each pdserve actor")
     pd = parser.add_argument_group("pdserve")
-    pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; agg: 1 decode actor with 2 threads prefilling itself; agg2: 2 such actors with 1 thread")
+    pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; disagg-d2: the same with 2 decode threads and every prompt through the prefill actor; agg: 1 decode actor with 2 threads prefilling itself; agg2: 2 such actors with 1 thread")
     pd.add_argument("--skip-pdserve", action="store_true")
     pd.add_argument("--token-budget", type=int, help="tokens per engine step (default: pdserve up's)")
     pd.add_argument("--chunk", type=int, help="prefill chunk (default: pdserve up's)")
