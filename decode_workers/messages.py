@@ -50,7 +50,6 @@ class DecodeReport:
 
     outputs: list[SeqOutput]
     num_reservable_blocks: int  # free blocks beyond the watermark kept for running sequences
-    num_total_blocks: int
 
 
 @dataclass(slots=True)

@@ -156,7 +156,7 @@ class DecodeWorker:
     async def poll_outputs(self, timeout_s: float = 0.05) -> DecodeReport:
         """Outputs since the last call (waiting up to ``timeout_s`` for the first one) and capacity."""
         outputs = await self._outputs.take(timeout_s)
-        return DecodeReport(outputs, self.scheduler.num_reservable_blocks(), self.engine.kv_cache.num_blocks)
+        return DecodeReport(outputs, self.scheduler.num_reservable_blocks())
 
     async def status(self) -> DecodeStatus:
         return await self._call(self._status)

@@ -119,7 +119,7 @@ def paged_attention(
     """Write k/v into the cache, then attend. q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
     key_cache[meta.slot_blocks, meta.slot_offsets] = k
     value_cache[meta.slot_blocks, meta.slot_offsets] = v
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads = q.shape[1]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)

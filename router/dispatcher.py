@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from decode_workers.messages import DecodeReport, DecodeRequest, SeqOutput
+from decode_workers.messages import DecodeReport, DecodeRequest
 from decode_workers.worker import DecodeCapacityError
 from kvtransfer.messages import KVDestination
 from engine.stats import WorkerState
 from prefill_workers.messages import PrefillRequest
-from router.admission import BusyRate, WaitEstimate, WindowRate, estimate_wait
+from router.admission import WaitEstimate, WindowRate, estimate_wait
 from router.capacity import DecodeCapacity
 from router.config import Disaggregation, RouterConfig
 from router.lease_keeper import LeaseKeeper
@@ -340,7 +340,6 @@ class Dispatcher:
                         self.kv_freed.add(self._blocks_for(num_tokens + len(out.token_ids)))
                     active.outputs.put_nowait(out)
             decode.num_reservable_blocks = report.num_reservable_blocks
-            decode.num_total_blocks = report.num_total_blocks
             self.capacity.on_report()
 
     def on_worker_died(self, record: WorkerRecord) -> None:

@@ -44,7 +44,6 @@ class WorkerRecord:
     # Decode workers: blocks a new reservation may take, from the actor's last report less
     # what the router reserved since (None: no report yet).
     num_reservable_blocks: int | None = None
-    num_total_blocks: int | None = None
     # Prefill workers: measured prompt tokens per second of busy time, and since when busy.
     prefill_rate: BusyRate = field(default_factory=BusyRate)
     busy_since: float | None = None

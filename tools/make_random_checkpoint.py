@@ -13,7 +13,6 @@ the unused embedding rows are simply never produced by the tokenizer).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sysconfig
 import time
@@ -21,7 +20,9 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from hf_tokenizer import save_fast_tokenizer  # tools/ is on the path: these run as scripts
 
 logger = logging.getLogger("make_random_checkpoint")
 
@@ -126,20 +127,7 @@ def build(out: Path, shape: str, dtype: torch.dtype, seed: int, stdlib: Path) ->
     if tokenizer.get_vocab_size() > config.vocab_size:
         raise SystemExit(f"tokenizer has {tokenizer.get_vocab_size()} ids, the model only {config.vocab_size}")
     logger.info("tokenizer: %d ids in %.1fs", tokenizer.get_vocab_size(), time.perf_counter() - started)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=EOT,
-        eos_token=EOT,
-        pad_token=EOT,
-        model_max_length=config.max_position_embeddings,
-        clean_up_tokenization_spaces=False,
-    )
-    fast.save_pretrained(out)
-    # transformers 5 records its own backend class name, which 4.x cannot resolve.
-    config_path = out / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    save_fast_tokenizer(tokenizer, out, EOT, config.max_position_embeddings)
     num_params = sum(p.numel() for p in model.parameters())
     logger.info("wrote %s: %s shape, %.1fM parameters, %s", out, shape, num_params / 1e6, dtype)
     return out

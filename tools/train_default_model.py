@@ -34,7 +34,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from hf_tokenizer import save_fast_tokenizer  # tools/ is on the path: these run as scripts
 
 logger = logging.getLogger("train_default_model")
 
@@ -272,22 +274,7 @@ def save_model_dir(out: Path, model: LlamaForCausalLM, tokenizer: Tokenizer, arg
         bos_token_id=eot_id, eos_token_id=eot_id, pad_token_id=eot_id, do_sample=False, max_new_tokens=128
     )
     model.save_pretrained(out)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=EOT,
-        eos_token=EOT,
-        pad_token=EOT,
-        model_max_length=args.max_positions,
-        # transformers' clean-up would delete the space in "x ." and similar, corrupting code.
-        clean_up_tokenization_spaces=False,
-    )
-    fast.save_pretrained(out)
-    # transformers 5 records its own backend class name, which 4.x cannot resolve; the generic
-    # fast class loads the same tokenizer.json in both.
-    config_path = out / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    save_fast_tokenizer(tokenizer, out, EOT, args.max_positions)
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 class OpenAIClient(BenchClient):
     """``BenchClient`` against an OpenAI-compatible server at ``config.address`` (a base URL)."""
 
-    def __init__(self, config: ClientConfig, model: str | None = None, seed: int | None = 0):
+    def __init__(self, config: ClientConfig, model: str | None = None, seed: int | None = 0, model_dir: Path | None = None):
         super().__init__(config)
         self.base_url = config.address.rstrip("/")
         if not self.base_url.startswith(("http://", "https://")):
@@ -41,6 +42,9 @@ class OpenAIClient(BenchClient):
         self.model = model  # None: the first model the server lists
         self.seed = seed
         self.max_model_len: int | None = None
+        # An OpenAI server reports its context length but not its vocabulary: that comes
+        # from the checkpoint it serves.
+        self.model_dir = model_dir
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "OpenAIClient":
@@ -70,7 +74,10 @@ class OpenAIClient(BenchClient):
                 self.max_model_len = int(entry["max_model_len"])
 
     async def model_limits(self, timeout_s: float = 30.0) -> ModelLimits:
-        raise NotImplementedError("an OpenAI server does not report its vocabulary: build the workload from the model directory")
+        """The served model's limits: vocabulary from ``model_dir``, context from /v1/models when listed."""
+        if self.model_dir is None:
+            raise ValueError("model_dir: an OpenAI server does not report its vocabulary; give the served model's directory")
+        return ModelLimits.from_model_dir(self.model_dir, self.max_model_len)
 
     def request_body(self, request: BenchRequest) -> dict[str, Any]:
         """The /v1/completions body for ``request`` (token-id prompt, streamed, usage per chunk)."""

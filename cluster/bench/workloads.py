@@ -18,11 +18,20 @@ WORKLOAD_KINDS = ("random", "mixed", "prefix", "sharegpt")
 
 @dataclass(slots=True)
 class ModelLimits:
-    """What the served model allows, from the router's GetModelInfo."""
+    """What the served model allows: from the router's GetModelInfo, or from its directory."""
 
     vocab_size: int
     max_context_len: int
     eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path, max_context_len: int | None = None) -> "ModelLimits":
+        """The checkpoint's limits; the context is ``max_context_len`` if served shorter than its own."""
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        context = max_context_len or int(config.get("max_position_embeddings", 2048))
+        return cls(vocab_size=int(config["vocab_size"]), max_context_len=context, eos_token_ids=eos_ids)
 
 
 @dataclass(slots=True)

@@ -264,3 +264,19 @@ def test_a_server_that_dies_at_start_up_reports_its_log(tmp_path):
         with VllmServer(spec, tmp_path / "server.log", start_timeout_s=30):
             pass
 
+
+
+def test_model_limits_take_the_vocabulary_from_the_checkpoint_and_the_context_from_the_server(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 777, "eos_token_id": [2, 5], "max_position_embeddings": 8192}))
+
+    async def limits(base_url: str, model_dir):
+        async with OpenAIClient(ClientConfig(address=base_url, request_id_prefix="t"), model_dir=model_dir) as client:
+            return await client.model_limits()
+
+    async def no_handler(_):
+        raise AssertionError("no completion is requested")
+
+    got = asyncio.run(_serve(no_handler, lambda url: limits(url, tmp_path)))
+    assert (got.vocab_size, got.max_context_len, got.eos_token_ids) == (777, 2048, (2, 5))
+    with pytest.raises(ValueError, match="model_dir"):
+        asyncio.run(_serve(no_handler, lambda url: limits(url, None)))

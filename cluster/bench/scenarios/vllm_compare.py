@@ -133,7 +133,7 @@ def build_requests(model_dir: Path, args: argparse.Namespace, seed: int, num_req
         raise ValueError(f"min_input_len/max_input_len: need 1 <= {args.min_input_len} <= {args.max_input_len}")
     if args.max_input_len + args.output_len > args.max_model_len:
         raise ValueError(f"max_input_len: {args.max_input_len} + output_len {args.output_len} exceeds max_model_len {args.max_model_len}")
-    limits = _model_limits(model_dir, args.max_model_len)
+    limits = ModelLimits.from_model_dir(model_dir, args.max_model_len)
     rng = random.Random(seed)
     requests = []
     for _ in range(num_requests):
@@ -202,12 +202,12 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
 def _run_vllm(model_dir: Path, args, python, cli, requests, warmup, schedule) -> tuple[dict[str, RunOutput], dict]:
     if args.vllm_url:
         waited = wait_healthy(args.vllm_url.rstrip("/"), args.vllm_start_timeout)
-        client = OpenAIClient(_client_config(args.vllm_url, args, "vllm"), seed=args.seed)
+        client = OpenAIClient(_client_config(args.vllm_url, args, "vllm"), seed=args.seed, model_dir=model_dir)
         return asyncio.run(_measure(client, requests, warmup, schedule, VLLM_LABEL, args)), {"url": args.vllm_url, "started_here": False, "health_wait_s": waited}
     spec = VllmServerSpec(model_dir=model_dir, python=python, cli=cli, port=args.vllm_port, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)))
     log_path = args.out / "vllm-server.log"
     with VllmServer(spec, log_path, args.vllm_start_timeout) as server:
-        client = OpenAIClient(_client_config(spec.url, args, "vllm"), seed=args.seed)
+        client = OpenAIClient(_client_config(spec.url, args, "vllm"), seed=args.seed, model_dir=model_dir)
         outputs = asyncio.run(_measure(client, requests, warmup, schedule, VLLM_LABEL, args))
     return outputs, {"url": spec.url, "started_here": True, "command": spec.command(), "startup_s": server.startup_s, "log": str(log_path)}
 
@@ -225,13 +225,6 @@ async def _measure(client: BenchClient, requests, warmup, schedule: dict[str, li
 
 def _client_config(address: str, args, label: str) -> ClientConfig:
     return ClientConfig(address=address, temperature=0.0, ignore_eos=True, timeout_s=args.timeout, request_id_prefix=label.split(" ")[0] if " " in label else label)
-
-
-def _model_limits(model_dir: Path, max_model_len: int) -> ModelLimits:
-    config = json.loads((model_dir / "config.json").read_text())
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return ModelLimits(vocab_size=int(config["vocab_size"]), max_context_len=max_model_len, eos_token_ids=eos_ids)
 
 
 def _check_tokenizer(model_dir: Path, generated: bool) -> None:
