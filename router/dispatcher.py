@@ -35,6 +35,7 @@ from decode_workers.worker import DecodeCapacityError
 from kvtransfer.messages import KVDestination
 from engine.stats import WorkerState
 from prefill_workers.messages import PrefillRequest
+from prefill_workers.worker import PrefillUnavailableError
 from router.admission import WaitEstimate, WindowRate, estimate_wait
 from router.capacity import DecodeCapacity
 from router.config import Disaggregation, RouterConfig
@@ -234,40 +235,46 @@ class Dispatcher:
 
     async def _prefill(self, active: ActiveRequest, destination: KVDestination) -> None:
         request, decode = active.request, active.decode
-        prefill = self.pool.pick(Role.PREFILL)
-        if prefill is None:
-            active.outputs.put_nowait(Restart("no prefill worker is available", prefill_failed=True))
-            return
         num_tokens = len(request.prompt_token_ids)
-        active.prefill = prefill
-        active.destination = destination
-        active.assembler.prefill_worker_id = prefill.worker_id
-        if prefill.num_assigned_prompt_tokens == 0:
-            prefill.busy_since = time.monotonic()
-        self.pool.assign(prefill, request.req_id, num_tokens)
-        try:
-            result = await prefill.handle.submit.remote(
-                PrefillRequest(request.req_id, request.prompt_token_ids, request.sampling_params, destination, decode.handshake_offer, request.priority)
-            )
-        except WORKER_GONE:
-            logger.warning("req %s: prefill worker %s died", request.req_id, prefill.worker_id)
-            self.on_worker_died(prefill)
+        draining: set[str] = set()
+        while True:
+            prefill = self.pool.pick(Role.PREFILL, exclude=draining)
+            if prefill is None:
+                active.outputs.put_nowait(Restart("no prefill worker is available", prefill_failed=True))
+                return
+            active.prefill = prefill
+            active.destination = destination
+            active.assembler.prefill_worker_id = prefill.worker_id
+            if prefill.num_assigned_prompt_tokens == 0:
+                prefill.busy_since = time.monotonic()
+            self.pool.assign(prefill, request.req_id, num_tokens)
             try:
-                # The last write carries the first token: the decode actor may already be
-                # decoding this request, and then the prefill worker's death changes nothing.
-                if await decode.handle.is_admitted.remote(request.req_id):
-                    return
+                result = await prefill.handle.submit.remote(
+                    PrefillRequest(request.req_id, request.prompt_token_ids, request.sampling_params, destination, decode.handshake_offer, request.priority)
+                )
+                break
+            except PrefillUnavailableError:
+                # It began draining after the router picked it, and queued nothing: try another.
+                draining.add(prefill.worker_id)
             except WORKER_GONE:
-                return  # the collector reports the decode actor's death
-            active.attempt += 1  # whatever the decode actor still sends for this attempt is stale now
-            active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", prefill_failed=True))
-            return
-        except Exception as exc:
-            logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, _reason(exc))
-            active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
-            return
-        finally:
-            self.pool.release(prefill, request.req_id, num_tokens)
+                logger.warning("req %s: prefill worker %s died", request.req_id, prefill.worker_id)
+                self.on_worker_died(prefill)
+                try:
+                    # The last write carries the first token: the decode actor may already be
+                    # decoding this request, and then the prefill worker's death changes nothing.
+                    if await decode.handle.is_admitted.remote(request.req_id):
+                        return
+                except WORKER_GONE:
+                    return  # the collector reports the decode actor's death
+                active.attempt += 1  # whatever the decode actor still sends for this attempt is stale now
+                active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", prefill_failed=True))
+                return
+            except Exception as exc:
+                logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, _reason(exc))
+                active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
+                return
+            finally:
+                self.pool.release(prefill, request.req_id, num_tokens)
         prefill.prefill_rate.done(num_tokens, prefill.busy_since or time.monotonic())
         active.assembler.timing.prefill = result.timing
         if self.metrics is not None:
