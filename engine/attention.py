@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from engine import cpu_decode_attention
+
 
 @dataclass(slots=True)
 class ChunkSpan:
@@ -41,7 +43,9 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_tokens] offset inside that block
     num_single: int = 0  # tokens [0, num_single) each belong to a different sequence
     single_block_tables: torch.Tensor | None = None  # [num_single, max_blocks]
-    single_mask: torch.Tensor | None = None  # [num_single, 1, 1, max_blocks * block_size]
+    single_lens: torch.Tensor | None = None  # [num_single] tokens each attends, its new one included
+    single_mask: torch.Tensor | None = None  # [num_single, 1, 1, max_blocks * block_size]; SDPA path only
+    native_decode: bool = False  # single-token entries attend through engine.cpu_decode_attention
     chunks: list[ChunkSpan] = field(default_factory=list)
     single_groups: list["GatherGroup"] | None = None  # derived at the first layer of a step
     gather_keys: torch.Tensor | None = None  # reused per layer: [rows, block_size * kv_heads * head_dim]
@@ -57,8 +61,12 @@ class SeqSlice:
     num_tokens: int
 
 
-def build_metadata(slices: list[SeqSlice], block_size: int, device: str) -> AttentionMetadata:
-    """Pack per-sequence slices (single-token ones first) into one step's metadata."""
+def build_metadata(slices: list[SeqSlice], block_size: int, device: str, native_decode: bool = False) -> AttentionMetadata:
+    """Pack per-sequence slices (single-token ones first) into one step's metadata.
+
+    ``native_decode``: the single-token entries will attend through the CPU kernel, which
+    reads block tables and lengths and needs no mask.
+    """
     slot_blocks: list[int] = []
     slot_offsets: list[int] = []
     single_tables: list[list[int]] = []
@@ -96,15 +104,17 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device: str) -> Atte
         slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
         num_single=len(single_tables),
         chunks=chunks,
+        native_decode=native_decode,
     )
     if single_tables:
         width = max(len(t) for t in single_tables)
         # Padding points at the sequence's own first block; the mask hides it.
         padded = [t + [t[0]] * (width - len(t)) for t in single_tables]
         meta.single_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        lens = torch.tensor(single_lens, device=device)
-        key_pos = torch.arange(width * block_size, device=device)
-        meta.single_mask = (key_pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(single_tables), 1, 1, -1)
+        meta.single_lens = torch.tensor(single_lens, dtype=torch.long, device=device)
+        if not native_decode:
+            key_pos = torch.arange(width * block_size, device=device)
+            meta.single_mask = (key_pos.unsqueeze(0) < meta.single_lens.unsqueeze(1)).view(len(single_tables), 1, 1, -1)
     return meta
 
 
@@ -123,7 +133,11 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    if meta.num_single:
+    if meta.num_single and meta.native_decode:
+        out[: meta.num_single] = cpu_decode_attention.attend(
+            q[: meta.num_single], key_cache, value_cache, meta.single_block_tables, meta.single_lens
+        )
+    elif meta.num_single:
         _attend_single(q, key_cache, value_cache, meta, out)
     for chunk in meta.chunks:
         queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)

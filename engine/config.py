@@ -176,6 +176,10 @@ class EngineConfig:
     # CPU: run linears on oneDNN with weights repacked at load (engine.cpu_linear); False
     # keeps torch's default matmul.
     prepack_linear: bool = True
+    # CPU: decode attention reads the paged cache through a kernel built for this machine on
+    # first use (engine.cpu_decode_attention); False, or where it cannot be built, gathers
+    # the blocks for SDPA.
+    native_decode_attention: bool = True
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:

@@ -11,6 +11,14 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_sessionstart(session):
+    """Build the CPU decode-attention kernel once, before any engine or actor wants it (a fresh
+    machine compiles it in about 25 s; every later process loads the cached build)."""
+    from engine import cpu_decode_attention
+
+    cpu_decode_attention.kernel()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray instance shared by the whole test session; torn down at the end."""
