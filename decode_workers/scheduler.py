@@ -80,12 +80,12 @@ class DecodeScheduler(Scheduler):
         self._finish(seq, FinishReason.ABORT)
         return block_ids
 
-    def abort(self, req_id: str) -> Sequence:
+    def abort(self, req_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence:
         seq = self.awaiting_kv.pop(req_id, None)
         if seq is not None:
-            self._finish(seq, FinishReason.ABORT)
+            self._finish(seq, reason)
             return seq
-        return super().abort(req_id)
+        return super().abort(req_id, reason)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -268,7 +268,9 @@ class DecodeWorker:
             if tracked is None:
                 continue
             tracked.last_token_at = time.monotonic()
-            outputs.append(self._output(tracked, out.new_token_ids, out.new_logprobs))
+            output = self._output(tracked, out.new_token_ids, out.new_logprobs)
+            output.error = out.error  # set where computing this request failed (FinishReason.ERROR)
+            outputs.append(output)
             if out.finished:
                 del self._tracked[out.req_id]
         self._outputs.put(outputs)

@@ -36,9 +36,11 @@ _SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.cpp"
 _MAX_GROUP = 8  # query heads per KV head the kernel was instantiated for
 _HEAD_VECTORS = (1, 2, 4, 8, 16)  # head_dim as this many vectors of the machine's width
 _DTYPES = (torch.float32, torch.bfloat16)
-# -ffast-math for the kernel alone (vectorized expf, reassociated sums); it is never passed
-# where it would link crtfastmath and switch the whole process to flush-to-zero.
-_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+# -ffast-math when compiling the kernel (vectorized expf, reassociated sums), never when
+# linking it: linked with it, the library carries crtfastmath, which switches the whole
+# process to flush-to-zero on load (a temperature of 1e-40 then divided to nan).
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c"]
+_LINK_FLAGS = ["-shared", "-fopenmp", "-lmvec", "-lm"]
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -70,18 +72,20 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("the CPU has no AVX2")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     source = _SOURCE.read_text()
-    key = hashlib.sha256("\0".join([source, version, _cpu_flags(), *_CFLAGS]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_{key}.so"
+    key = hashlib.sha256("\0".join([source, version, _cpu_flags(), *_COMPILE_FLAGS, *_LINK_FLAGS]).encode())
+    target = _cache_dir() / f"paged_decode_{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Built under a temporary name, then renamed: processes building at once never see half a file.
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            result = subprocess.run(
-                [compiler, *_CFLAGS, str(_SOURCE), "-o", str(built), "-lmvec", "-lm"], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            obj, built = Path(scratch) / "kernel.o", Path(scratch) / target.name
+            for command in (
+                [compiler, *_COMPILE_FLAGS, str(_SOURCE), "-o", str(obj)],
+                [compiler, str(obj), "-o", str(built), *_LINK_FLAGS],
+            ):
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise RuntimeError(f"{' '.join(command[:2])}... failed: {result.stderr.strip()[-2000:]}")
             os.replace(built, target)
         logger.info("built the CPU decode-attention kernel: %s", target)
     library = ctypes.CDLL(str(target))

@@ -15,6 +15,11 @@ class InvalidRequestError(EngineError, ValueError):
         self.field = field
         self.problem = problem
 
+    def __reduce__(self):
+        # Rebuilt from (field, problem), not from the formatted message: Ray pickles errors
+        # raised in an actor, and one it cannot rebuild reaches the caller as a bare RayTaskError.
+        return type(self), (self.field, self.problem)
+
 
 class ModelLoadError(EngineError):
     """A checkpoint cannot be loaded (missing file, unsupported architecture, bad config)."""
@@ -22,3 +27,10 @@ class ModelLoadError(EngineError):
 
 class UnknownRequestError(EngineError, KeyError):
     """A request id the engine does not hold."""
+
+
+class RequestFailedError(EngineError):
+    """Computing one request raised: that request alone ends (its blocks freed), the engine goes on.
+
+    Not retried on another worker: what broke this computation would break it there too.
+    """

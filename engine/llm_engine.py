@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from engine import cpu_decode_attention
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -43,6 +44,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None  # why a request ended with FinishReason.ERROR
 
 
 @dataclass(slots=True)
@@ -179,9 +181,47 @@ class LLMEngine:
         return self.run_batch(batch)
 
     def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """Forward, sample and advance one scheduled batch."""
+        """Forward, sample and advance one scheduled batch.
+
+        If computing the batch raises, each of its sequences is run again on its own, and only
+        those that raise alone end, with FinishReason.ERROR and their blocks freed: one
+        request's values (or a bug they reach) never take the engine or its other requests
+        down. Running a sequence again is safe: nothing advanced, and rewriting its KV slots
+        writes the same values.
+        """
         self.num_steps += 1
         self.num_scheduled_tokens += batch.num_tokens
+        try:
+            return self._compute(batch)
+        except Exception:
+            if len(batch.slices) == 1:
+                return [self._fail(batch.slices[0].seq)]
+            logger.exception("a batch of %d sequences failed; running each alone", len(batch.slices))
+        outputs = []
+        for piece in batch.slices:
+            try:
+                outputs.extend(self._compute(ScheduledBatch([piece])))
+            except Exception:
+                outputs.append(self._fail(piece.seq))
+        return outputs
+
+    def _fail(self, seq: Sequence) -> RequestOutput:
+        """End a sequence whose computation raised (the exception being handled)."""
+        logger.exception("req %s: computing it failed; it alone ends", seq.req_id)
+        exc = sys.exc_info()[1]
+        error = RequestFailedError(f"computing this request failed: {type(exc).__name__}: {exc}")
+        self.scheduler.abort(seq.req_id, FinishReason.ERROR)
+        return RequestOutput(
+            req_id=seq.req_id,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            error=str(error),
+        )
+
+    def _compute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         logits = self.runner.execute(batch)
         completing = [piece.seq for piece in batch.slices if piece.completes_sequence]
         samples = self.sampler.sample(logits, completing) if completing else []

@@ -66,12 +66,21 @@ class Sampler:
             seen = torch.tensor(sorted(set(seqs[row].token_ids)), dtype=torch.long)
             penalty = seqs[row].params.repetition_penalty
             values = logits[row, seen]
-            logits[row, seen] = torch.where(values > 0, values / penalty, values * penalty)
+            penalised_values = torch.where(values > 0, values / penalty, values * penalty)
+            # A tiny or huge penalty overflows to +-inf; keep the logits finite so nothing
+            # downstream computes inf - inf (it ties the overflowed tokens at the extreme).
+            limit = torch.finfo(logits.dtype).max
+            logits[row, seen] = penalised_values.clamp(-limit, limit)
         return logits
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[int]:
         params = [seqs[r].params for r in rows]
-        scaled = logits[torch.tensor(rows)] / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        chosen = logits[torch.tensor(rows)]
+        # Shifted so each row's largest logit is 0 before dividing: a temperature as small as
+        # 1e-40 then sends the others to -inf (greedy, in effect) instead of overflowing to
+        # inf - inf = nan in the softmax.
+        shifted = chosen - chosen.max(dim=-1, keepdim=True).values
+        scaled = shifted / torch.tensor([p.temperature for p in params], dtype=chosen.dtype).unsqueeze(1)
         needs_filter = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
         if needs_filter:
             scaled, order = scaled.sort(dim=-1, descending=True)

@@ -74,8 +74,8 @@ class Scheduler:
         self.requests[seq.req_id] = seq
         self._push_waiting(seq)
 
-    def abort(self, req_id: str) -> Sequence:
-        """Remove a request wherever it is and free its blocks now."""
+    def abort(self, req_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence:
+        """Remove a request wherever it is and free its blocks now (``reason``: ABORT, or ERROR)."""
         seq = self.requests.get(req_id)
         if seq is None:
             raise UnknownRequestError(req_id)
@@ -83,7 +83,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self._finish(seq, FinishReason.ABORT)
+        self._finish(seq, reason)
         return seq
 
     def has_work(self) -> bool:

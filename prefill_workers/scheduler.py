@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from engine.errors import UnknownRequestError
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class PrefillScheduler(Scheduler):
@@ -46,9 +46,9 @@ class PrefillScheduler(Scheduler):
         seq.block_table = []
         self.requests.pop(req_id, None)
 
-    def abort(self, req_id: str) -> Sequence:
+    def abort(self, req_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence:
         if req_id in self.held:
             seq = self.held[req_id]
             self.release(req_id)
             return seq
-        return super().abort(req_id)
+        return super().abort(req_id, reason)

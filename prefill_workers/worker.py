@@ -31,6 +31,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
+from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence, sampled_token_to_json
 from engine.stats import WorkerState, engine_stats
@@ -177,7 +178,9 @@ class PrefillWorker:
         batch = self.scheduler.schedule()
         if not batch.slices:
             return busy
-        self.engine.run_batch(batch)
+        for out in self.engine.run_batch(batch):
+            if out.error is not None and (job := self._jobs.get(out.req_id)) is not None:
+                self._finish_job(job, RequestFailedError(out.error))  # that request alone; its blocks are free
         if self._step_delay_s:
             time.sleep(self._step_delay_s)
         if self.engine.kv_cache.tensor.is_cuda:

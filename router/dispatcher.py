@@ -33,6 +33,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from decode_workers.messages import DecodeReport, DecodeRequest
 from decode_workers.worker import DecodeCapacityError
 from kvtransfer.messages import KVDestination
+from engine.errors import EngineError
 from engine.stats import WorkerState
 from prefill_workers.messages import PrefillRequest
 from prefill_workers.worker import PrefillUnavailableError
@@ -271,7 +272,13 @@ class Dispatcher:
                 return
             except Exception as exc:
                 logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, _reason(exc))
-                active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, EngineError):
+                    # The engine's own verdict on this request (bad input, its computation
+                    # raised): the client gets it as it is, and it is not tried elsewhere.
+                    active.outputs.put_nowait(Failure(cause))
+                else:
+                    active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
                 return
             finally:
                 self.pool.release(prefill, request.req_id, num_tokens)

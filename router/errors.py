@@ -13,7 +13,7 @@ from typing import NoReturn
 
 import grpc
 
-from engine.errors import EngineError, InvalidRequestError, ModelLoadError, UnknownRequestError
+from engine.errors import EngineError, InvalidRequestError, ModelLoadError, RequestFailedError, UnknownRequestError
 
 
 class RouterError(Exception):
@@ -67,6 +67,7 @@ _STATUS_BY_TYPE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (InternalError, grpc.StatusCode.INTERNAL),
+    (RequestFailedError, grpc.StatusCode.INTERNAL),  # with its message: which request, what raised
 )
 
 _GENERIC_INTERNAL_MESSAGE = "internal error; the server log has the details"

@@ -106,3 +106,26 @@ def test_request_that_sent_no_token_is_restarted_on_another_decode_actor(ray_clu
         survivors = [w for w in client.wait_until_idle() if w.worker_id != holder]
         assert all(w.num_kv_blocks_used == 0 for w in survivors)
         client.close()
+
+
+def test_extreme_sampling_values_crash_no_worker_and_disturb_no_other_request(ray_cluster, e2e_model):
+    """temperature 1e-40 and repetition_penalty 1e-40 used to kill the decode actor (and, with a
+    long prompt, the prefill actor that samples the first token); retries then carried the request
+    from worker to worker. Now each request finishes, and the same workers serve on."""
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    long_prompt, short_prompt = random_prompts([200, 12], e2e_model.vocab_size, seed=31)
+    with running_deployment(e2e_model, 1, 1, router) as deployment:
+        client = Client(deployment.address)
+        epochs = {w.worker_id: w.epoch for w in client.status()}
+        cases = [
+            dict(prompt_token_ids=long_prompt, max_tokens=4, temperature=1e-40),
+            dict(prompt_token_ids=long_prompt, max_tokens=4, temperature=1.0, repetition_penalty=1e-40, seed=3),
+            dict(prompt_token_ids=short_prompt, max_tokens=4, temperature=0.0),
+        ]
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            streams = list(pool.map(lambda case: client.generate(ignore_eos=True, **case), cases))
+        assert all(len(s.token_ids) == 4 for s in streams)
+        assert streams[0].token_ids == hf_greedy(e2e_model.hf_model, long_prompt, 4), "a vanishing temperature is greedy"
+        assert streams[2].token_ids == hf_greedy(e2e_model.hf_model, short_prompt, 4)
+        assert {w.worker_id: w.epoch for w in client.wait_until_idle()} == epochs, "no worker died or was replaced"
+        client.close()

@@ -120,3 +120,12 @@ def test_engine_greedy_output_matches_transformers_through_the_kernel(tmp_path, 
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     assert [c.token_ids for c in engine.generate(prompts, greedy)] == expected
     assert engine.allocator.num_free == engine.kv_cache.num_blocks
+
+
+def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
+    """Linked with -ffast-math, the library switched the process to flush-to-zero on load, and a
+    request's temperature of 1e-40 then divided to nan in the sampler."""
+    assert cpu_decode_attention.kernel() is not None
+    tiny = torch.tensor([1e-40])
+    assert tiny.item() > 0
+    assert (torch.tensor([0.0]) / tiny).item() == 0.0
