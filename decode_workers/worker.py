@@ -28,6 +28,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import ray
@@ -50,6 +51,14 @@ logger = logging.getLogger(__name__)
 
 class DecodeCapacityError(RuntimeError):
     """The decode actor cannot take this request now (no free blocks, or draining)."""
+
+
+class DecodeAbortedError(RuntimeError):
+    """This attempt of the request was aborted before it arrived here (calls ran out of order)."""
+
+
+# Attempts aborted before they arrived, remembered so their late reserve is refused; bounded.
+_MAX_ABORTED_ATTEMPTS = 4096
 
 
 @dataclass(slots=True)
@@ -114,6 +123,7 @@ class DecodeWorker:
         # Host plus Ray node: two raylets on one host are still two nodes.
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._tracked: dict[str, _Tracked] = {}
+        self._aborted_attempts: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._outputs = OutputBox()
         self.pump = TransferPump(self.agent, on_events=self._thread.wake)
         self.pump.start()
@@ -140,9 +150,10 @@ class DecodeWorker:
         """Prefill and decode here (conditional disaggregation, aggregated mode)."""
         await self._call(self._add_local, request)
 
-    async def abort(self, req_id: str) -> bool:
-        """Stop a request; its remotely written blocks wait for ``confirm_quiesced`` or the lease."""
-        return await self._call(self._abort, req_id)
+    async def abort(self, req_id: str, attempt: int | None = None) -> bool:
+        """Stop a request (only its ``attempt``, if given); remotely written blocks wait for
+        ``confirm_quiesced`` or the lease. An attempt not here yet is refused when it comes."""
+        return await self._call(self._abort, req_id, attempt)
 
     async def confirm_quiesced(self, req_id: str) -> int:
         """The writer reported no write in flight for this request (or died): free its blocks."""
@@ -181,8 +192,13 @@ class DecodeWorker:
         if self.state is not WorkerState.READY:
             raise DecodeCapacityError(f"decode worker {self.worker_id} is {self.state.value}")
 
+    def _check_not_aborted(self, request: DecodeRequest) -> None:
+        if (request.req_id, request.attempt) in self._aborted_attempts:
+            raise DecodeAbortedError(f"req {request.req_id}: attempt {request.attempt} was aborted before it arrived")
+
     def _reserve(self, request: DecodeRequest) -> KVDestination:
         self._check_accepting()
+        self._check_not_aborted(request)
         seq = self.engine.make_sequence(request.req_id, request.prompt_token_ids, request.params, request.priority)
         dest_block_ids = self.scheduler.reserve(seq)
         if dest_block_ids is None:
@@ -218,13 +234,19 @@ class DecodeWorker:
 
     def _add_local(self, request: DecodeRequest) -> None:
         self._check_accepting()
+        self._check_not_aborted(request)
         seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
         self._tracked[request.req_id] = _Tracked(seq, time.monotonic(), remote=False, dest_block_ids=[], attempt=request.attempt)
 
-    def _abort(self, req_id: str) -> bool:
-        tracked = self._tracked.pop(req_id, None)
-        if tracked is None:
+    def _abort(self, req_id: str, attempt: int | None = None) -> bool:
+        tracked = self._tracked.get(req_id)
+        if tracked is None or (attempt is not None and tracked.attempt != attempt):
+            if attempt is not None:
+                self._aborted_attempts[(req_id, attempt)] = None
+                if len(self._aborted_attempts) > _MAX_ABORTED_ATTEMPTS:
+                    self._aborted_attempts.popitem(last=False)
             return False
+        del self._tracked[req_id]
         if req_id in self.scheduler.awaiting_kv:
             self._drop_reservation(req_id, tracked)
         else:

@@ -180,6 +180,10 @@ class EngineConfig:
     # first use (engine.cpu_decode_attention); False, or where it cannot be built, gathers
     # the blocks for SDPA.
     native_decode_attention: bool = True
+    # Priority aging: a request waiting this long since it arrived is served ahead of every
+    # priority, oldest first, so a low priority bounds a wait instead of starving it. None:
+    # strict priority.
+    priority_max_wait_s: float | None = 30.0
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:
@@ -192,5 +196,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
         if self.long_prefill_chunk is not None and self.long_prefill_chunk < 1:
             raise ValueError(f"long_prefill_chunk: must be >= 1, got {self.long_prefill_chunk}")
+        if self.priority_max_wait_s is not None and not self.priority_max_wait_s > 0:
+            raise ValueError(f"priority_max_wait_s: must be > 0 or None, got {self.priority_max_wait_s}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")

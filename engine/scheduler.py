@@ -115,9 +115,19 @@ class Scheduler:
         batch.slices.sort(key=lambda s: s.num_tokens != 1)
         return batch
 
+    def _order_key(self):
+        """How queues are ordered this step: by priority, with aging when configured."""
+        max_wait_s = self.config.priority_max_wait_s
+        if max_wait_s is None:
+            return Sequence.queue_key
+        now = time.monotonic()
+        return lambda seq: seq.aged_queue_key(now, max_wait_s)
+
     def _fill(self, batch: ScheduledBatch) -> None:
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=Sequence.queue_key)
+        key = self._order_key()
+        self.running.sort(key=key)
+        self.waiting.sort(key=key)  # aging moves old ones forward; nearly sorted, so cheap
         decoding = [s for s in self.running if s.num_uncomputed_tokens == 1 and s.num_computed_tokens >= s.num_prompt_tokens]
         decoding = decoding[:budget]
         self._make_room_for(decoding, batch)
@@ -144,7 +154,7 @@ class Scheduler:
         scheduled = {id(s.seq) for s in batch.slices}
         partial = [s for s in self.running if id(s) not in scheduled and s.num_uncomputed_tokens > 0]
         room = max(self.config.max_num_seqs - len(self.running), 0)
-        return sorted(partial + self.waiting[:room], key=Sequence.queue_key)
+        return sorted(partial + self.waiting[:room], key=self._order_key())
 
     def _admit(self, seq: Sequence) -> None:
         self.waiting.remove(seq)

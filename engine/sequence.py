@@ -101,6 +101,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def queue_key(self) -> tuple[int, int]:
+    def queue_key(self) -> tuple[int, int, int]:
         """Higher priority first, then first come first served."""
-        return (-self.priority, self.arrival_order)
+        return (1, -self.priority, self.arrival_order)
+
+    def aged_queue_key(self, now: float, max_wait_s: float) -> tuple[int, int, int]:
+        """``queue_key``, except that a sequence waiting ``max_wait_s`` or longer since it arrived
+        goes ahead of every priority (oldest first): a low priority delays, never starves."""
+        if now - self.arrival_time >= max_wait_s:
+            return (0, 0, self.arrival_order)
+        return (1, -self.priority, self.arrival_order)

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -52,6 +53,11 @@ class PrefillCancelledError(RuntimeError):
 
 class PrefillUnavailableError(RuntimeError):
     """The prefill actor takes no new requests (draining or stopping)."""
+
+
+# Reservation tokens cancelled before their request arrived (an async actor may run a cancel
+# ahead of the submit it follows), remembered so that submit is refused; bounded.
+_MAX_CANCELLED_TOKENS = 4096
 
 
 @dataclass(slots=True)
@@ -86,6 +92,7 @@ class PrefillWorker:
         # Host plus Ray node: two raylets on one host are still two nodes.
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._jobs: dict[str, _Job] = {}
+        self._cancelled_tokens: OrderedDict[int, None] = OrderedDict()
         self._step_delay_s = 0.0
         self.pump = TransferPump(self.agent, on_events=self._thread.wake)
         self.pump.start()
@@ -145,6 +152,8 @@ class PrefillWorker:
     def _enqueue(self, request: PrefillRequest) -> Future:
         if self.state is not WorkerState.READY:
             raise PrefillUnavailableError(f"prefill worker {self.worker_id} is {self.state.value}")
+        if request.destination.token in self._cancelled_tokens:
+            raise PrefillCancelledError(f"req {request.req_id}: cancelled before it arrived on {self.worker_id}")
         if not self.agent.is_connected(request.destination.peer):
             self.agent.connect(request.decode_offer)
         seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
@@ -162,6 +171,10 @@ class PrefillWorker:
     def _cancel(self, req_id: str, token: int | None) -> QuiesceReport:
         report = self.agent.cancel(req_id, token)
         job = self._jobs.get(req_id)
+        if token is not None and (job is None or job.request.destination.token != token):
+            self._cancelled_tokens[token] = None  # its submit, if still to come, is refused
+            if len(self._cancelled_tokens) > _MAX_CANCELLED_TOKENS:
+                self._cancelled_tokens.popitem(last=False)
         if job is not None and token is not None and job.request.destination.token != token:
             return report  # a newer attempt of the same request: leave it alone
         self._jobs.pop(req_id, None)

@@ -15,6 +15,7 @@ import asyncio
 import heapq
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 from router.pool import Role, WorkerPool, WorkerRecord
@@ -24,15 +25,24 @@ logger = logging.getLogger(__name__)
 
 @dataclass(order=True, slots=True)
 class _Waiter:
+    not_aged: int  # 0 once it has waited ``max_wait_s``: then ahead of every priority
     neg_priority: int
     order: int
     num_blocks: int = field(compare=False)
     granted: asyncio.Future = field(compare=False)
+    since: float = field(compare=False, default=0.0)
 
 
 class DecodeCapacity:
-    def __init__(self, pool: WorkerPool):
+    """The queue of requests waiting for decode KV room.
+
+    ``max_wait_s`` ages priorities: a request queued that long goes ahead of every priority
+    (oldest first), so a low priority delays a request but never starves it. None: strict.
+    """
+
+    def __init__(self, pool: WorkerPool, max_wait_s: float | None = None):
         self.pool = pool
+        self.max_wait_s = max_wait_s
         self._waiters: list[_Waiter] = []
         self._order = itertools.count()
 
@@ -50,14 +60,18 @@ class DecodeCapacity:
         known = [w.num_reservable_blocks for w in self.pool.routable(Role.DECODE) if w.num_reservable_blocks is not None]
         return sum(known) if known else None
 
-    async def acquire(self, num_blocks: int, priority: int, order: int | None = None) -> WorkerRecord:
+    async def acquire(
+        self, num_blocks: int, priority: int, order: int | None = None, since: float | None = None
+    ) -> WorkerRecord:
         """A decode actor with room for ``num_blocks`` now, its room debited; waits for one.
 
-        ``order`` keeps a request's place when it comes back after a refused reservation.
+        ``order`` keeps a request's place when it comes back after a refused reservation;
+        ``since`` (default: now) is when its wait began, for aging.
         Cancel the awaiting task to give up the place (a deadline, a client that left).
         """
         order = next(self._order) if order is None else order
-        waiter = _Waiter(-priority, order, num_blocks, asyncio.get_running_loop().create_future())
+        start = time.monotonic() if since is None else since
+        waiter = _Waiter(1, -priority, order, num_blocks, asyncio.get_running_loop().create_future(), start)
         heapq.heappush(self._waiters, waiter)
         self.on_report()
         try:
@@ -71,6 +85,7 @@ class DecodeCapacity:
 
     def on_report(self) -> None:
         """Capacity may have changed (a report, a death, a new worker): grant waiters in order."""
+        self._age()
         while self._waiters:
             head = self._waiters[0]
             if head.granted.done():  # cancelled while waiting
@@ -83,6 +98,19 @@ class DecodeCapacity:
             if record.num_reservable_blocks is not None:
                 record.num_reservable_blocks -= head.num_blocks
             head.granted.set_result(record)
+
+    def _age(self) -> None:
+        """Move the waiters queued ``max_wait_s`` or longer ahead (reports come every poll interval)."""
+        if self.max_wait_s is None:
+            return
+        now = time.monotonic()
+        aged = False
+        for waiter in self._waiters:
+            if waiter.not_aged and now - waiter.since >= self.max_wait_s:
+                waiter.not_aged = 0
+                aged = True
+        if aged:
+            heapq.heapify(self._waiters)
 
     def _fitting(self, num_blocks: int) -> WorkerRecord | None:
         """The least loaded routable decode actor that has room (unknown room counts as room)."""

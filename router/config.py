@@ -39,6 +39,10 @@ class RouterConfig:
     # Refuse at admission (RESOURCE_EXHAUSTED, with a retry hint) a request whose estimated wait
     # for its first token, from measured rates, exceeds this; None: never refuse by estimate.
     admission_ttft_budget_s: float | None = 120.0
+    # Priority aging in the router's queue for decode room: a request queued this long goes
+    # ahead of every priority, oldest first (the engines age their own queues the same way,
+    # EngineConfig.priority_max_wait_s). None: strict priority, which can starve.
+    priority_max_wait_s: float | None = 30.0
     ready_wait_s: float = 120.0  # how long a request may wait for the deployment to become ready
     output_poll_s: float = 0.05  # long-poll window of the per-decode-actor output collector
     status_timeout_s: float = 5.0
@@ -50,6 +54,6 @@ class RouterConfig:
         for name in ("kv_lease_s", "ready_wait_s", "output_poll_s", "status_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("capacity_wait_s", "admission_ttft_budget_s"):
+        for name in ("capacity_wait_s", "admission_ttft_budget_s", "priority_max_wait_s"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0 or unset, got {getattr(self, name)}")

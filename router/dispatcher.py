@@ -24,8 +24,10 @@ A request's life here (disaggregated path):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -33,7 +35,6 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from decode_workers.messages import DecodeReport, DecodeRequest
 from decode_workers.worker import DecodeCapacityError
 from kvtransfer.messages import KVDestination
-from engine.errors import EngineError
 from engine.stats import WorkerState
 from prefill_workers.messages import PrefillRequest
 from prefill_workers.worker import PrefillUnavailableError
@@ -41,7 +42,7 @@ from router.admission import WaitEstimate, WindowRate, estimate_wait
 from router.capacity import DecodeCapacity
 from router.config import Disaggregation, RouterConfig
 from router.lease_keeper import LeaseKeeper
-from router.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from router.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, UnavailableError, remote_cause
 from router.output_stream import OutputAssembler
 from router.pool import Role, WorkerPool, WorkerRecord
 from router.validation import ValidatedRequest
@@ -49,6 +50,12 @@ from router.validation import ValidatedRequest
 logger = logging.getLogger(__name__)
 
 WORKER_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+# How long a request waits for the previous request of its id to be released on its workers
+# (bounded: that release's own waits are, and it may have lost a worker meanwhile).
+RELEASE_WAIT_S = 10.0
+# How long a new request waits for a previous one of its id, still in flight, to turn out
+# cancelled (the cancel may reach the server just after the new request).
+DUPLICATE_GRACE_S = 0.5
 
 
 @dataclass(slots=True)
@@ -78,10 +85,15 @@ class ActiveRequest:
     decode_finished: bool = False
     num_restarts: int = 0
     num_prefill_retries: int = 0
-    # Each dispatch is a new attempt; outputs of an older one (a decode actor that admitted the
-    # request just as the router gave up on it) are dropped, never streamed twice.
+    # Each dispatch is a new attempt, numbered uniquely across the router; outputs of an older
+    # one (a decode actor that admitted the request just as the router gave up on it) are
+    # dropped, never streamed twice, and an abort names the attempt it ends.
     attempt: int = 0
     last_message_at: float | None = None  # for inter-token latency
+    # Whether the client has gone (cancelled, deadline): its id may be taken by a new request,
+    # which then waits for ``released``, set once nothing of this one is left on any worker.
+    client_gone: Callable[[], bool] = lambda: False
+    released: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def req_id(self) -> str:
@@ -95,8 +107,12 @@ class Dispatcher:
         self.metrics = metrics
         self.block_size = block_size
         self.active: dict[str, ActiveRequest] = {}
+        # Ended requests still being released on their workers, by id: a new request under the
+        # same id waits for that (else its reservation would meet the old one's).
+        self._releasing: dict[str, ActiveRequest] = {}
+        self._attempts = itertools.count(1)
         self._collectors: dict[str, asyncio.Task] = {}
-        self.capacity = DecodeCapacity(pool)
+        self.capacity = DecodeCapacity(pool, config.priority_max_wait_s)
         pool.on_change = self.capacity.on_report
         self.lease_keeper = LeaseKeeper(config.kv_lease_s, config.status_timeout_s, self._awaiting_kv)
         self.kv_freed = WindowRate()  # KV blocks finished requests give back, per second
@@ -105,6 +121,28 @@ class Dispatcher:
     def num_queued(self) -> int:
         """Requests admitted that have not produced a token yet."""
         return sum(1 for a in self.active.values() if not a.assembler.has_sent_tokens)
+
+    async def wait_for_id(self, req_id: str) -> None:
+        """Let the previous request of ``req_id`` be released first, if its client has gone.
+
+        A client that cancels and at once sends the same id again must not be told the id is
+        in flight, nor meet the old request's blocks on a worker. The server may learn of the
+        cancel a moment after the new request arrives, so a previous request still in flight
+        gets ``DUPLICATE_GRACE_S`` to turn out abandoned; one that does not is a true duplicate,
+        which ``admit`` refuses.
+        """
+        previous = self._releasing.get(req_id) or self.active.get(req_id)
+        if previous is None:
+            return
+        grace_ends = time.monotonic() + DUPLICATE_GRACE_S
+        while self.active.get(req_id) is previous and not previous.client_gone():
+            if time.monotonic() >= grace_ends:
+                return
+            await asyncio.sleep(0.01)
+        try:
+            await asyncio.wait_for(previous.released.wait(), RELEASE_WAIT_S)
+        except asyncio.TimeoutError:
+            logger.warning("req %s: the previous request of this id is still being released", req_id)
 
     def admit(self, active: ActiveRequest) -> None:
         if active.req_id in self.active:
@@ -167,7 +205,7 @@ class Dispatcher:
                     raise UnavailableError("no decode worker is available")
             else:
                 decode = await self._wait_for_room(request, order)
-            active.attempt += 1
+            active.attempt = next(self._attempts)
             decode_request = DecodeRequest(
                 request.req_id, request.prompt_token_ids, request.sampling_params, request.priority,
                 self.config.kv_lease_s, attempt=active.attempt,
@@ -216,7 +254,9 @@ class Dispatcher:
         if request.deadline is not None:
             left = request.deadline - time.monotonic()
             timeout = left if timeout is None else min(timeout, left)
-        wait = self.capacity.acquire(self._blocks_for(len(request.prompt_token_ids) + 1), request.priority, order)
+        wait = self.capacity.acquire(
+            self._blocks_for(len(request.prompt_token_ids) + 1), request.priority, order, since=request.arrival_time
+        )
         try:
             return await asyncio.wait_for(wait, timeout)
         except asyncio.TimeoutError:
@@ -267,13 +307,13 @@ class Dispatcher:
                         return
                 except WORKER_GONE:
                     return  # the collector reports the decode actor's death
-                active.attempt += 1  # whatever the decode actor still sends for this attempt is stale now
+                active.attempt = next(self._attempts)  # whatever the decode actor still sends for the old one is stale now
                 active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", prefill_failed=True))
                 return
             except Exception as exc:
                 logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, _reason(exc))
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, EngineError):
+                cause = remote_cause(exc)
+                if cause is not exc:
                     # The engine's own verdict on this request (bad input, its computation
                     # raised): the client gets it as it is, and it is not tried elsewhere.
                     active.outputs.put_nowait(Failure(cause))
@@ -381,22 +421,39 @@ class Dispatcher:
 
     async def finish(self, active: ActiveRequest) -> None:
         """Release everything the request holds; abort it on its workers if it did not end there."""
-        self.active.pop(active.req_id, None)
-        decode = active.decode
-        if active.prefill_task is not None and not active.prefill_task.done():
-            active.prefill_task.cancel()
-        if decode is None or active.decode_finished:
-            return
-        self.pool.release(decode, active.req_id)
-        await self._abort_on_workers(active)
+        if self.active.get(active.req_id) is active:
+            del self.active[active.req_id]
+        self._releasing[active.req_id] = active
+        try:
+            decode = active.decode
+            if active.prefill_task is not None and not active.prefill_task.done():
+                active.prefill_task.cancel()
+            if decode is None or active.decode_finished:
+                return
+            self.pool.release(decode, active.req_id)
+            await self._abort_on_workers(active)
+        finally:
+            active.released.set()
+            if self._releasing.get(active.req_id) is active:
+                del self._releasing[active.req_id]
 
     async def _abort_on_workers(self, active: ActiveRequest) -> None:
         req_id, decode, prefill = active.req_id, active.decode, active.prefill
         try:
-            await decode.handle.abort.remote(req_id)
+            # With the attempt: an abort that overtakes its own reserve call (an async actor may
+            # run calls out of order) leaves a mark, and that reserve is refused.
+            await decode.handle.abort.remote(req_id, active.attempt)
         except WORKER_GONE:
             return
         if prefill is None:
+            # Ended before any prefill actor was given a reservation (the prefill task sets
+            # ``prefill`` before it submits), possibly while the reserve call itself was in
+            # flight: nothing can write into those blocks, so they are free now, not when the
+            # lease runs out. (A no-op where nothing was reserved.)
+            try:
+                await decode.handle.confirm_quiesced.remote(req_id)
+            except WORKER_GONE:
+                pass
             return
         try:
             report = await prefill.handle.cancel.remote(req_id, active.destination.token)

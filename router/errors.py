@@ -75,10 +75,23 @@ _GENERIC_INTERNAL_MESSAGE = "internal error; the server log has the details"
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and client-facing message for ``exc``."""
+    exc = remote_cause(exc)
     for exc_type, code in _STATUS_BY_TYPE:
         if isinstance(exc, exc_type):
             return code, _client_message(exc)
     return grpc.StatusCode.INTERNAL, _GENERIC_INTERNAL_MESSAGE
+
+
+def remote_cause(exc: BaseException) -> BaseException:
+    """The engine's or router's own error behind a Ray task error, else ``exc`` itself.
+
+    An error raised in an actor reaches the caller wrapped (``RayTaskError``, its ``str`` the
+    remote traceback); its ``cause`` is the original, whose message is written for clients.
+    """
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, (RouterError, EngineError)):
+        return cause
+    return exc
 
 
 def _client_message(exc: BaseException) -> str:

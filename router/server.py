@@ -11,6 +11,8 @@ what it holds on every worker.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -19,7 +21,6 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from ray.exceptions import RayTaskError
 
 from decode_workers.messages import SeqOutput
 from engine.config import ModelConfig
@@ -28,12 +29,19 @@ from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.dispatcher import WORKER_GONE, ActiveRequest, Dispatcher, Failure, Restart
-from router.errors import NotFoundError, UnavailableError, abort_with
+from router.errors import NotFoundError, UnavailableError, abort_with, remote_cause
 from router.output_stream import OutputAssembler
 from router.pool import Role, WorkerPool, WorkerRecord
 from router.readiness import Readiness
+from router.request_bytes import tolerant
 from router.tokenizer import Tokenizer
-from router.validation import RequestLimits, validate_drain_worker_request, validate_generate_request, validate_scale_pool_request
+from router.validation import (
+    RequestLimits,
+    ValidatedRequest,
+    validate_drain_worker_request,
+    validate_generate_request,
+    validate_scale_pool_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +75,10 @@ class ModelInfo:
         return cls(Path(model_dir).name, config.architecture, limit, config.vocab_size, eos_token_ids or config.eos_token_ids, block_size)
 
 
+# Text prompts longer than this are tokenized on a thread (about 1 ms of tokenizing inline).
+INLINE_TOKENIZE_CHARS = 4096
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, router: "Router"):
         self.router = router
@@ -74,13 +86,12 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def Generate(self, request, context):
         router = self.router
         try:
-            validated = validate_generate_request(
-                request, router.limits, router.tokenizer.encode, timeout_s=context.time_remaining()
-            )
-            active = ActiveRequest(validated, OutputAssembler(validated, router.tokenizer))
+            validated = await router.validate(request, context.time_remaining())
+            await router.dispatcher.wait_for_id(validated.req_id)
+            active = ActiveRequest(validated, OutputAssembler(validated, router.tokenizer), client_gone=context.cancelled)
             router.dispatcher.admit(active)
         except Exception as exc:
-            await abort_with(context, _unwrap(exc))
+            await abort_with(context, exc)
         try:
             await router.wait_ready()
             await router.dispatcher.dispatch(active)
@@ -108,8 +119,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             router.observe_failure("abort")
             raise
         except Exception as exc:
-            logger.warning("req %s: ended with %r", active.req_id, exc)
-            await abort_with(context, _unwrap(exc))
+            logger.warning("req %s: ended with %r", active.req_id, remote_cause(exc))
+            await abort_with(context, exc)
         finally:
             # Shielded: a cancelled RPC must still free its blocks on every worker.
             await asyncio.shield(router.dispatcher.finish(active))
@@ -142,7 +153,7 @@ class AdminService(pb_grpc.AdminServicer):
             previous = await self.router.pool_manager.scale(role, request.replicas)
             return pb.ScalePoolResponse(role=request.role, previous_replicas=previous, replicas=request.replicas)
         except Exception as exc:
-            await abort_with(context, _unwrap(exc))
+            await abort_with(context, exc)
 
     async def DrainWorker(self, request, context):
         try:
@@ -158,7 +169,7 @@ class AdminService(pb_grpc.AdminServicer):
                 task.add_done_callback(self.router.background_tasks.discard)
             return pb.DrainWorkerResponse(worker_id=record.worker_id, state=_STATES[record.state.value])
         except Exception as exc:
-            await abort_with(context, _unwrap(exc))
+            await abort_with(context, exc)
 
 
 class Router:
@@ -170,6 +181,8 @@ class Router:
         self.model_info = model_info
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         self.limits = RequestLimits(vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len)
+        # One thread: long prompts are tokenized one at a time, off the event loop.
+        self._tokenize_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pool = WorkerPool(self.config.routing_policy)
         self.dispatcher = Dispatcher(self.pool, self.config, metrics, block_size=model_info.block_size)
         self.pool_manager = pool_manager
@@ -181,6 +194,17 @@ class Router:
         # NOT_SERVING until the pool manager says the pools can serve.
         self.readiness = Readiness(self.health)
         self.port: int | None = None
+
+    async def validate(self, request: pb.GenerateRequest, timeout_s: float | None) -> ValidatedRequest:
+        """Validate and tokenize; a long text prompt is tokenized off the event loop.
+
+        Tokenizing megabytes of text takes seconds, during which every other stream on this
+        loop would stall. Short prompts stay inline: a thread hop costs more than they do.
+        """
+        validate = functools.partial(validate_generate_request, request, self.limits, self.tokenizer.encode, timeout_s=timeout_s)
+        if request.HasField("prompt_text") and len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)
+        return validate()
 
     def observe(self, active: ActiveRequest, response: pb.GenerateResponse) -> None:
         """Record a streamed message's latencies (and the request's, on its last message)."""
@@ -203,8 +227,9 @@ class Router:
 
     async def start(self) -> int:
         self.server = grpc.aio.server()
-        pb_grpc.add_GenerationServicer_to_server(GenerationService(self), self.server)
-        pb_grpc.add_AdminServicer_to_server(AdminService(self), self.server)
+        # Through ``tolerant``: malformed request bytes get INVALID_ARGUMENT and one log line.
+        pb_grpc.add_GenerationServicer_to_server(GenerationService(self), tolerant(self.server))
+        pb_grpc.add_AdminServicer_to_server(AdminService(self), tolerant(self.server))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Generation", "Admin")]
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
@@ -226,6 +251,7 @@ class Router:
         await self.dispatcher.close()
         if self.server is not None:
             await self.server.stop(grace_s)
+        self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
 
     async def add_worker(self, role: Role, worker_id: str, handle) -> WorkerRecord:
         """Route to a started worker from now on (its handshake offer is fetched once)."""
@@ -274,8 +300,3 @@ async def _await_ref(ref):
     return await ref
 
 
-def _unwrap(exc: BaseException) -> BaseException:
-    """The exception an actor raised, without Ray's wrapper (whose text has a traceback)."""
-    if isinstance(exc, RayTaskError) and exc.cause is not None:
-        return exc.cause
-    return exc

@@ -83,8 +83,13 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``, with BOS/EOS added as the model's tokenizer config says."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``, with BOS/EOS added as the model's tokenizer config says.
+
+        Through ``encode_batch``: unlike ``encode`` it releases the GIL while it works, so a
+        megabyte prompt tokenized on a thread does not stall the router's event loop (measured:
+        a 3.6 MB text, 4.4 s holding the GIL through ``encode``).
+        """
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` as transformers' ``decode`` returns it."""

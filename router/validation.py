@@ -37,6 +37,9 @@ class RequestLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 128
+    # Characters of prompt_text per token of context (a token of code can hold a long run of
+    # spaces): text far longer than any prompt that fits is refused before it is tokenized.
+    max_prompt_chars_per_token: int = 64
     min_priority: int = -100
     max_priority: int = 100
 
@@ -187,19 +190,33 @@ def _prompt(
         token_ids = list(request.prompt_token_ids)
         # Length first: refusing an over-long prompt should not cost a scan of every id.
         _check_prompt_fits(len(token_ids), limits)
-        for index, token_id in enumerate(token_ids):
-            if token_id >= limits.vocab_size:
-                raise InvalidArgumentError(
-                    f"prompt_token_ids[{index}]",
-                    f"{token_id} is not a token id of this model (vocab size {limits.vocab_size})",
-                )
+        _check_vocabulary(token_ids, limits, "prompt_token_ids", by_position=True)
         return None, token_ids
     if not request.prompt_text:
         raise InvalidArgumentError("prompt_text", "must not be empty")
+    max_chars = limits.max_prompt_chars_per_token * limits.max_context_len
+    if len(request.prompt_text) > max_chars:
+        raise InvalidArgumentError(
+            "prompt_text",
+            f"has {len(request.prompt_text)} characters; at most {max_chars} are taken "
+            f"({limits.max_prompt_chars_per_token} per token of the model's {limits.max_context_len}-token context)",
+        )
     token_ids = encode(request.prompt_text)
     if not token_ids:
         raise InvalidArgumentError("prompt_text", "tokenizes to no tokens")
+    # A tokenizer with more entries than the model's embedding (added tokens past it) yields
+    # ids the model cannot take: checked like ids sent directly, named by the text's field.
+    _check_vocabulary(token_ids, limits, "prompt_text", by_position=False)
     return request.prompt_text, token_ids
+
+
+def _check_vocabulary(token_ids: list[int], limits: RequestLimits, field: str, by_position: bool) -> None:
+    for index, token_id in enumerate(token_ids):
+        if token_id >= limits.vocab_size:
+            outside = f"outside the model's vocabulary (size {limits.vocab_size})"
+            if by_position:
+                raise InvalidArgumentError(f"{field}[{index}]", f"token id {token_id} is {outside}")
+            raise InvalidArgumentError(field, f"tokenizes to token id {token_id} (at {index}), {outside}")
 
 
 def _check_prompt_fits(num_prompt_tokens: int, limits: RequestLimits) -> None:

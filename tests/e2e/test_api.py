@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -210,3 +211,69 @@ def test_model_info_health_and_reflection(client, e2e_model, deployment):
     assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= services
     roles = sorted(w.role for w in client.status())
     assert roles == [pb.WORKER_ROLE_PREFILL, pb.WORKER_ROLE_DECODE]
+
+
+@pytest.mark.parametrize(
+    "method, raw",
+    [
+        ("/pdserve.v1.Generation/Generate", b"\x0a\xff\xff\xff\xff\x0f"),  # field 1 claims a 4 GB string
+        ("/pdserve.v1.Generation/Generate", b"\x1a\x03\x80\x80"),  # packed ids cut mid-varint
+        ("/pdserve.v1.Generation/GetModelInfo", b"\xff"),
+        ("/pdserve.v1.Admin/ScalePool", b"\x08"),  # a tag with no value
+    ],
+)
+def test_malformed_request_bytes_are_invalid_argument_not_unknown(deployment, method, raw):
+    """Hand-made bytes on a generic channel: the server answers INVALID_ARGUMENT naming the message
+    type (it used to be UNKNOWN with a traceback in the log) and keeps serving."""
+    channel = grpc.insecure_channel(deployment.address)
+    call = channel.unary_stream(method) if method.endswith("/Generate") else channel.unary_unary(method)
+    with pytest.raises(grpc.RpcError) as info:
+        result = call(raw, timeout=10)
+        list(result) if method.endswith("/Generate") else result
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "pdserve.v1." in info.value.details() and "not a valid" in info.value.details()
+    channel.close()
+
+
+def test_text_far_beyond_the_context_is_refused_before_tokenizing(client, deployment):
+    limits = deployment.router.limits
+    text = "x" * (limits.max_prompt_chars_per_token * limits.max_context_len + 1)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(prompt_text=text, max_tokens=2)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_text" in info.value.details() and "characters" in info.value.details()
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_long_text_prompt_does_not_stall_other_streams(client, e2e_model, deployment):
+    """The largest text accepted is tokenized off the router's event loop: a stream already running
+    keeps receiving tokens meanwhile (inline, every stream stalled for seconds)."""
+    saved = deployment.router.limits
+    # A limit loose enough for two megabytes of text: seconds of tokenizing.
+    deployment.router.limits = dataclasses.replace(saved, max_prompt_chars_per_token=1 << 30)
+    big_text = "def f(x):\n    return x * 2  # twice\n" * 100_000  # 3.6 MB, under grpc's 4 MB message limit
+    (prompt,) = random_prompts([8], e2e_model.vocab_size, seed=12)
+    gaps: list[float] = []
+
+    def stream_tokens():
+        stream = client.generate(prompt_token_ids=prompt, max_tokens=200, temperature=0.0, ignore_eos=True)
+        times = stream.arrival_times
+        gaps.extend(b - a for a, b in zip(times, times[1:]))
+
+    runner = threading.Thread(target=stream_tokens)
+    runner.start()
+    time.sleep(0.3)
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate(prompt_text=big_text, max_tokens=2)  # tokenizes to more than the context holds
+        tokenizing_s = time.monotonic() - started
+    finally:
+        deployment.router.limits = saved
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in info.value.details()
+    runner.join(60)
+    assert tokenizing_s > 1.0, "the text must take long enough to tokenize for a stall to show"
+    assert len(gaps) == 199
+    assert max(gaps) < 1.0, f"a stream stalled {max(gaps):.2f}s while a long text was tokenized"
+    client.wait_until_idle()

@@ -1,4 +1,4 @@
-"""Workers die mid-request: prefill deaths are retried, decode deaths end only their streams."""
+"""Faults a user meets: workers dying mid-request, extreme request values, cancels at any moment."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import threading
 import time
 
 import grpc
+import ray
 
 from router.config import Disaggregation, RouterConfig
 from router.pool import RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.serving import Client, engine_config, running_deployment
+from tests.serving import Client, engine_config, make_request, running_deployment
 
 
 def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2e_model):
@@ -128,4 +129,33 @@ def test_extreme_sampling_values_crash_no_worker_and_disturb_no_other_request(ra
         assert streams[0].token_ids == hf_greedy(e2e_model.hf_model, long_prompt, 4), "a vanishing temperature is greedy"
         assert streams[2].token_ids == hf_greedy(e2e_model.hf_model, short_prompt, 4)
         assert {w.worker_id: w.epoch for w in client.wait_until_idle()} == epochs, "no worker died or was replaced"
+        client.close()
+
+
+def test_cancels_at_any_moment_free_their_blocks_at_once_and_free_the_id(ray_cluster, e2e_model):
+    """Cancelled just after the decode reservation (or during the reserve call), a request used
+    to keep its blocks until the lease ran out, and its id answered "already holds a
+    reservation". With a 300 s lease, every block must come back within seconds."""
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, kv_lease_s=300.0)
+    prompts = random_prompts([300] * 6, e2e_model.vocab_size, seed=41)
+    with running_deployment(e2e_model, 1, 1, router) as deployment:
+        client = Client(deployment.address)
+        ray.get(deployment.handles["prefill-0"].set_step_delay.remote(0.05))
+        calls = []
+        for round_index, delay in enumerate([0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2] * 3):
+            request = make_request(prompt_token_ids=prompts[round_index % len(prompts)], max_tokens=4, temperature=0.0)
+            request.request_id = f"cancelled-{round_index % 4}"  # ids reused across rounds
+            call = client.stub.Generate(request, timeout=60)
+            time.sleep(delay)
+            call.cancel()
+            calls.append(call)
+        assert all(c.code() is grpc.StatusCode.CANCELLED for c in calls), [(c.code(), c.details()) for c in calls if c.code() is not grpc.StatusCode.CANCELLED]
+        ray.get(deployment.handles["prefill-0"].set_step_delay.remote(0.0))
+        # The id of a request cancelled a moment ago is taken again at once, and served.
+        request = make_request(prompt_token_ids=prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+        request.request_id = "cancelled-0"
+        tokens = [t for message in client.stub.Generate(request, timeout=60) for t in message.token_ids]
+        assert tokens == hf_greedy(e2e_model.hf_model, prompts[0], 4)
+        workers = client.wait_until_idle(timeout_s=15)
+        assert all(w.num_kv_blocks_used == 0 for w in workers), "no block waits for the 300 s lease"
         client.close()

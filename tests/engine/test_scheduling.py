@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -153,3 +154,28 @@ def test_max_num_seqs_bounds_the_running_batch(checkpoints, max_num_seqs):
         engine.step()
         peak = max(peak, len(engine.scheduler.running))
     assert peak == max_num_seqs
+
+
+@pytest.mark.parametrize("max_wait_s", [None, 0.3])
+def test_priority_aging_bounds_the_wait_of_a_low_priority_request(checkpoints, max_wait_s):
+    """One running slot and an urgent request always waiting: strict priority never runs the
+    low-priority one; with aging it runs once it has waited max_wait_s."""
+    path, _ = checkpoints["llama"]
+    engine = LLMEngine(path, EngineConfig(num_kv_blocks=64, max_num_seqs=1, priority_max_wait_s=max_wait_s))
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.add_request("patient", [5, 6, 7, 8], short, priority=-1)
+    started = time.monotonic()
+    finished_after = None
+    num_urgent = 0
+    while time.monotonic() - started < 1.2 and finished_after is None:
+        if sum(1 for s in engine.scheduler.requests.values() if s.priority == 5) < 2:
+            engine.add_request(f"urgent-{num_urgent}", [9, 10, 11], short, priority=5)
+            num_urgent += 1
+        for out in engine.step():
+            if out.req_id == "patient" and out.finished:
+                finished_after = time.monotonic() - started
+    assert num_urgent > 10, "urgent requests kept arriving"
+    if max_wait_s is None:
+        assert finished_after is None
+    else:
+        assert finished_after is not None and max_wait_s <= finished_after < max_wait_s + 0.5

@@ -53,6 +53,38 @@ def test_waiters_are_served_by_priority_then_arrival_and_a_big_head_holds_back_t
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("max_wait_s", [None, 0.2])
+def test_a_low_priority_waiter_is_served_once_it_has_waited_max_wait_s(max_wait_s):
+    """Under a steady stream of urgent requests, strict priority starves a low one; aging bounds its wait."""
+
+    async def scenario():
+        pool = _pool(0)
+        capacity = DecodeCapacity(pool, max_wait_s=max_wait_s)
+        record = pool.workers["decode-0"]
+        granted: list[str] = []
+
+        async def want(name: str, priority: int):
+            await capacity.acquire(1, priority)
+            granted.append(name)
+
+        tasks = [asyncio.create_task(want("patient", -1))]
+        for round_index in range(8):  # 0.4 s: a new urgent request and room for one, every 50 ms
+            tasks.append(asyncio.create_task(want(f"urgent-{round_index}", 5)))
+            await asyncio.sleep(0.05)
+            record.num_reservable_blocks = 1
+            capacity.on_report()
+            await asyncio.sleep(0)
+        for task in tasks:
+            task.cancel()
+        return granted
+
+    granted = asyncio.run(scenario())
+    if max_wait_s is None:
+        assert "patient" not in granted
+    else:
+        assert "patient" in granted and granted.index("patient") <= 5, granted
+
+
 def test_a_waiter_that_gives_up_leaves_the_queue_and_unblocks_the_next():
     async def scenario():
         pool = _pool(3)
