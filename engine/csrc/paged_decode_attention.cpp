@@ -61,6 +61,19 @@ struct Vec {
 };
 #endif
 
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 1
+#endif
+
+// One token's row of one head, a few blocks ahead: blocks lie at random places, and the
+// hardware prefetcher starts cold on each; spread over the current block's rows, the
+// prefetches never flood the fill buffers.
+template <typename T, int D>
+static inline void prefetch_row(const T* row) {
+  for (int64_t offset = 0; offset < D * (int64_t)sizeof(T); offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + offset, _MM_HINT_T0);
+}
+
 struct Geometry {
   int64_t block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k, head_stride_v, block_size;
 };
@@ -76,9 +89,11 @@ static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp,
   using Reg = typename Vec::Reg;
   const int64_t BS = geo.block_size;
   const Reg vscale = Vec::set1(scale);
+  const int64_t num_blocks = (len + BS - 1) / BS;
   for (int64_t j = 0; j * BS < len; ++j) {
     const T* kb = kp + table[j] * geo.block_stride_k;
     const int64_t ntok = std::min(BS, len - j * BS);
+    const T* kb_ahead = j + PREFETCH_BLOCKS < num_blocks ? kp + table[j + PREFETCH_BLOCKS] * geo.block_stride_k : nullptr;
     for (int64_t h = 0; h < KVH; ++h) {
       Reg qr[G][DV];
       for (int g = 0; g < G; ++g)
@@ -87,6 +102,7 @@ static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp,
       const T* kh = kb + h * geo.head_stride_k;
       for (int64_t t = 0; t < ntok; ++t) {
         const T* kt = kh + t * geo.token_stride_k;
+        if (kb_ahead != nullptr) prefetch_row<T, D>(kb_ahead + h * geo.head_stride_k + t * geo.token_stride_k);
         Reg acc[G];
         for (int g = 0; g < G; ++g) acc[g] = Vec::zero();
         for (int c = 0; c < DV; ++c) {
@@ -115,6 +131,7 @@ static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp,
   for (int64_t j = 0; j * BS < len; ++j) {
     const T* vb = vp + table[j] * geo.block_stride_v;
     const int64_t ntok = std::min(BS, len - j * BS);
+    const T* vb_ahead = j + PREFETCH_BLOCKS < num_blocks ? vp + table[j + PREFETCH_BLOCKS] * geo.block_stride_v : nullptr;
     for (int64_t h = 0; h < KVH; ++h) {
       Reg acc[G][DV];
       float* ah = acc_buf + h * G * D;
@@ -124,6 +141,7 @@ static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp,
       const T* vh = vb + h * geo.head_stride_v;
       for (int64_t t = 0; t < ntok; ++t) {
         const T* vt = vh + t * geo.token_stride_v;
+        if (vb_ahead != nullptr) prefetch_row<T, D>(vb_ahead + h * geo.head_stride_v + t * geo.token_stride_v);
         Reg p[G];
         for (int g = 0; g < G; ++g) p[g] = Vec::set1(sh[g * len + t]);
         for (int c = 0; c < DV; ++c) {
