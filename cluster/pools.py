@@ -15,6 +15,7 @@ of scaling.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
@@ -70,6 +71,10 @@ class DeploymentSpec:
         return self.prefill if role is Role.PREFILL else self.decode
 
 
+# After a failed launch, how long the health loop waits before it launches for that pool again.
+LAUNCH_RETRY_PAUSE_S = 5.0
+
+
 class PoolManager:
     """Owns the actors of both pools; runs on the router's event loop."""
 
@@ -85,6 +90,11 @@ class PoolManager:
         self._replacements: set[asyncio.Task] = set()
         self._started = False
         self.num_replaced = 0
+        # Reconciliation: the health loop launches what each pool lacks of its desired size
+        # (a dead worker's replacement, or one whose launch failed, retried after a pause).
+        self.desired = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
+        self._num_launching = {Role.PREFILL: 0, Role.DECODE: 0}
+        self._launch_retry_at = {Role.PREFILL: 0.0, Role.DECODE: 0.0}
 
     async def start(self) -> None:
         # CPU actors share their node's host memory; each GPU actor has its own GPU.
@@ -153,17 +163,24 @@ class PoolManager:
         """Grow or shrink a pool to ``replicas`` routable workers; return the previous size."""
         async with self._scale_locks[role]:
             previous = self.size(role)
+            self.desired[role] = replicas
             if replicas > previous:
                 await asyncio.gather(*(self._launch(role, replicas - previous) for _ in range(replicas - previous)))
             elif replicas < previous:
                 ready = [w for w in self.router.pool.of_role(role) if w.state is WorkerState.READY]
                 victims = sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: previous - replicas]
-                await asyncio.gather(*(self.retire(w) for w in victims))
+                await asyncio.gather(*(self.retire(w, shrink=False) for w in victims))
             logger.info("%s pool: %d -> %d workers", role.value, previous, replicas)
             return previous
 
-    async def retire(self, record: WorkerRecord) -> None:
-        """Drain a worker, then remove it once nothing of any request is left on it."""
+    async def retire(self, record: WorkerRecord, shrink: bool = True) -> None:
+        """Drain a worker, then remove it once nothing of any request is left on it.
+
+        ``shrink``: the pool's desired size drops by one, so it is not replaced (``scale`` sets
+        the size itself and passes False).
+        """
+        if shrink and record.worker_id not in self._retiring:
+            self.desired[record.role] = max(0, self.desired[record.role] - 1)
         self._retiring.add(record.worker_id)
         try:
             await self.router.drain(record)
@@ -206,9 +223,10 @@ class PoolManager:
             for record, healthy in zip(records, results):
                 if healthy is not True:
                     self._on_unhealthy(record, healthy)
+            self._reconcile()
             await self.refresh_readiness()
             if self.metrics is not None:
-                await self.metrics.refresh(self.router)
+                await self.metrics.refresh(self.router, self.spec.health_timeout_s)
 
     async def _check(self, record: WorkerRecord) -> bool:
         if record.state is WorkerState.DEAD:
@@ -225,9 +243,30 @@ class PoolManager:
         self.num_replaced += 1
         if self.metrics is not None:
             self.metrics.workers_replaced.labels(record.role.value).inc()
-        task = asyncio.create_task(self._launch(record.role))
-        self._replacements.add(task)
-        task.add_done_callback(self._replacements.discard)
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        """Launch what each pool lacks of its desired size (not while it is being scaled)."""
+        now = time.monotonic()
+        for role in (Role.PREFILL, Role.DECODE):
+            if self._scale_locks[role].locked() or now < self._launch_retry_at[role]:
+                continue
+            present = sum(1 for w in self.router.pool.of_role(role) if w.state in (WorkerState.READY, WorkerState.STARTING))
+            for _ in range(self.desired[role] - present - self._num_launching[role]):
+                self._num_launching[role] += 1
+                task = asyncio.create_task(self._launch(role))
+                self._replacements.add(task)
+                task.add_done_callback(functools.partial(self._replacement_done, role))
+
+    def _replacement_done(self, role: Role, task: asyncio.Task) -> None:
+        self._replacements.discard(task)
+        self._num_launching[role] -= 1
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            # Retried by the health loop after a pause, until the pool is back at its size.
+            self._launch_retry_at[role] = time.monotonic() + LAUNCH_RETRY_PAUSE_S
+            logger.warning("launching a %s worker failed (retrying in %.0fs): %r", role.value, LAUNCH_RETRY_PAUSE_S, task.exception())
 
 
 def _num_sharing(pool: PoolSpec, num_starting: int) -> int:

@@ -30,6 +30,9 @@ class RouterConfig:
     max_queued_requests: int = 256  # requests admitted but without a first token; beyond: RESOURCE_EXHAUSTED
     max_prefill_retries: int = 2  # another prefill actor after one died mid-request
     max_decode_restarts: int = 2  # restart elsewhere when a decode actor died before the first token
+    # Poison detection: a request present at this many worker deaths is refused, not carried to
+    # yet another worker (1 would refuse every bystander of a single crash).
+    max_worker_deaths_per_request: int = 2
     # Lease of a decode reservation. The router renews it every quarter of this while the
     # request's KV is coming, so only a router or writer that vanished lets it run out.
     kv_lease_s: float = 30.0
@@ -51,6 +54,8 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "max_queued_requests", "max_prefill_retries", "max_decode_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.max_worker_deaths_per_request < 1:
+            raise ValueError(f"max_worker_deaths_per_request: must be >= 1, got {self.max_worker_deaths_per_request}")
         for name in ("kv_lease_s", "ready_wait_s", "output_poll_s", "status_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")

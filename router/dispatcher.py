@@ -42,7 +42,14 @@ from router.admission import WaitEstimate, WindowRate, estimate_wait
 from router.capacity import DecodeCapacity
 from router.config import Disaggregation, RouterConfig
 from router.lease_keeper import LeaseKeeper
-from router.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, UnavailableError, remote_cause
+from router.errors import (
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnavailableError,
+    remote_cause,
+)
 from router.output_stream import OutputAssembler
 from router.pool import Role, WorkerPool, WorkerRecord
 from router.validation import ValidatedRequest
@@ -64,6 +71,7 @@ class Restart:
 
     reason: str
     prefill_failed: bool = False  # the prefill actor died (else the decode actor did)
+    dead_worker_id: str | None = None  # the worker whose death this is (None: none was available)
 
 
 @dataclass(slots=True)
@@ -85,6 +93,7 @@ class ActiveRequest:
     decode_finished: bool = False
     num_restarts: int = 0
     num_prefill_retries: int = 0
+    dead_workers: list[str] = field(default_factory=list)  # workers that died with this request on them
     # Each dispatch is a new attempt, numbered uniquely across the router; outputs of an older
     # one (a decode actor that admitted the request just as the router gave up on it) are
     # dropped, never streamed twice, and an abort names the attempt it ends.
@@ -308,7 +317,7 @@ class Dispatcher:
                 except WORKER_GONE:
                     return  # the collector reports the decode actor's death
                 active.attempt = next(self._attempts)  # whatever the decode actor still sends for the old one is stale now
-                active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", prefill_failed=True))
+                active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", prefill_failed=True, dead_worker_id=prefill.worker_id))
                 return
             except Exception as exc:
                 logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, _reason(exc))
@@ -332,7 +341,24 @@ class Dispatcher:
             pass  # the collector reports the decode actor's death
 
     async def restart(self, active: ActiveRequest, reason: Restart) -> None:
-        """Dispatch again after a worker died, within the retry bounds; raise UNAVAILABLE beyond them."""
+        """Dispatch again after a worker died, within the retry bounds; raise UNAVAILABLE beyond them.
+
+        Poison detection: a request that was in flight on ``max_worker_deaths_per_request``
+        workers that died is not carried to another one. A bystander of one crash is retried;
+        a request present at two is refused (INTERNAL, naming the workers), since it may be
+        what kills them, and two crashed workers are the most it costs.
+        """
+        if reason.dead_worker_id is not None:
+            active.dead_workers.append(reason.dead_worker_id)
+            limit = self.config.max_worker_deaths_per_request
+            if len(active.dead_workers) >= limit:
+                if self.metrics is not None:
+                    self.metrics.poisoned.inc()
+                raise InternalError(
+                    f"this request was in flight on {len(active.dead_workers)} workers that died "
+                    f"({', '.join(active.dead_workers)}); it is not retried on another, in case it is what "
+                    f"kills them (router.max_worker_deaths_per_request = {limit})"
+                )
         if reason.prefill_failed:
             active.num_prefill_retries += 1
             if active.num_prefill_retries > self.config.max_prefill_retries:
@@ -413,7 +439,7 @@ class Dispatcher:
             if active.prefill_task is not None:
                 active.prefill_task.cancel()
             if not active.assembler.has_sent_tokens and active.num_restarts < self.config.max_decode_restarts:
-                active.outputs.put_nowait(Restart(f"decode worker {record.worker_id} died"))
+                active.outputs.put_nowait(Restart(f"decode worker {record.worker_id} died", dead_worker_id=record.worker_id))
             else:
                 active.outputs.put_nowait(Failure(UnavailableError(f"decode worker {record.worker_id} died mid-stream")))
 

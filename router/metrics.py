@@ -28,6 +28,9 @@ class Metrics:
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to the last message", buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter("pdserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.retries = Counter("pdserve_request_retries", "Requests dispatched again after a worker died", ["kind"], registry=r)
+        self.poisoned = Counter(
+            "pdserve_requests_refused_poison", "Requests refused after being in flight on workers that died", registry=r
+        )
         self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes pushed from prefill to decode actors", registry=r)
         self.kv_transfer_time = Histogram("pdserve_kv_transfer_seconds", "Transfer time left after the last prefill chunk", buckets=_LATENCY_BUCKETS, registry=r)
         self.router_queued = Gauge("pdserve_router_queued_requests", "Requests admitted without a first token yet", registry=r)
@@ -62,10 +65,12 @@ class Metrics:
 
     # -- pool gauges --------------------------------------------------------------------
 
-    async def refresh(self, router) -> None:
-        """Read every worker's status report into the gauges."""
+    async def refresh(self, router, timeout_s: float = 10.0) -> None:
+        """Read every worker's status report into the gauges (a hung worker's after ``timeout_s``: none)."""
         records = list(router.pool.workers.values())
-        results = await asyncio.gather(*(_await(r.handle.status.remote()) for r in records), return_exceptions=True)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(_await(r.handle.status.remote()), timeout_s) for r in records), return_exceptions=True
+        )
         depth = {"prefill": 0, "decode": 0}
         seen = set()
         for record, status in zip(records, results):

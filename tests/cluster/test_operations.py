@@ -174,3 +174,36 @@ def test_drain_worker_finishes_its_requests_then_removes_it(ray_cluster, e2e_mod
         _assert_all_correct(traffic.results, expected)
         assert [w.worker_id for w in client.status()] == ["decode-1"]
         client.close()
+
+
+def test_a_failed_replacement_launch_is_retried_until_the_pool_is_back(ray_cluster, e2e_model, traffic_references, monkeypatch):
+    """The first replacement launch fails (as on a node out of resources): the health loop
+    launches again after a pause, and the pool returns to its size and serves."""
+    import cluster.pools
+
+    prompts, expected = traffic_references
+    monkeypatch.setattr(cluster.pools, "LAUNCH_RETRY_PAUSE_S", 0.5)
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    with running_deployment(e2e_model, 1, 1, router, health_interval_s=0.3) as deployment:
+        pools = deployment.pools
+        real_launch = pools._launch
+        attempts: list[Role] = []
+
+        async def flaky_launch(role, num_starting=1):
+            attempts.append(role)
+            if len(attempts) == 1:
+                raise RuntimeError("injected: no resources for the replacement")
+            return await real_launch(role, num_starting)
+
+        monkeypatch.setattr(pools, "_launch", flaky_launch)
+        deployment.kill_worker("prefill-0")
+        deadline = time.monotonic() + 60
+        while pools.size(Role.PREFILL) < 1 or "prefill-0" in deployment.workers(Role.PREFILL):
+            assert time.monotonic() < deadline, f"the prefill pool did not return to its size ({attempts})"
+            time.sleep(0.1)
+        assert attempts == [Role.PREFILL, Role.PREFILL], "one failed launch, then one that worked"
+        assert pools.desired == {Role.PREFILL: 1, Role.DECODE: 1}
+        client = Client(deployment.address)
+        stream = client.generate(prompt_token_ids=prompts[0], max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert stream.token_ids == expected[0]
+        client.close()

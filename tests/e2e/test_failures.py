@@ -10,7 +10,8 @@ import grpc
 import ray
 
 from router.config import Disaggregation, RouterConfig
-from router.pool import RoutingPolicy
+from engine.stats import WorkerState
+from router.pool import Role, RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
 from tests.serving import Client, engine_config, make_request, running_deployment
 
@@ -158,4 +159,47 @@ def test_cancels_at_any_moment_free_their_blocks_at_once_and_free_the_id(ray_clu
         assert tokens == hf_greedy(e2e_model.hf_model, prompts[0], 4)
         workers = client.wait_until_idle(timeout_s=15)
         assert all(w.num_kv_blocks_used == 0 for w in workers), "no block waits for the 300 s lease"
+        client.close()
+
+
+def test_a_request_present_at_two_worker_deaths_is_refused_not_carried_on(ray_cluster, e2e_model):
+    """Poison detection: a request whose prefill actor dies is retried once elsewhere; when that one
+    dies too it is refused with a clear error instead of being carried to a third worker."""
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    (prompt,) = random_prompts([600], e2e_model.vocab_size, seed=51)
+    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)
+    with running_deployment(e2e_model, 2, 1, router, prefill_engine=slow_prefill) as deployment:
+        client = Client(deployment.address)
+        for worker_id in ("prefill-0", "prefill-1"):  # 75 chunks of 8 tokens take seconds now
+            ray.get(deployment.handles[worker_id].set_step_delay.remote(0.03))
+        outcome: dict[str, object] = {}
+
+        def run():
+            try:
+                outcome["stream"] = client.generate(timeout=120, prompt_token_ids=prompt, max_tokens=4, ignore_eos=True)
+            except grpc.RpcError as exc:
+                outcome["error"] = exc
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        killed: list[str] = []
+        deadline = time.monotonic() + 60
+        while len(killed) < 2 and time.monotonic() < deadline and runner.is_alive():
+            holder = next(
+                (w for w in deployment.router.pool.of_role(Role.PREFILL)
+                 if w.num_assigned_prompt_tokens > 0 and w.worker_id not in killed and w.state is not WorkerState.DEAD),
+                None,
+            )
+            if holder is None:
+                time.sleep(0.01)
+                continue
+            time.sleep(0.2)  # let it compute a few chunks: it is mid-prefill, not queued
+            deployment.kill_worker(holder.worker_id)
+            killed.append(holder.worker_id)
+        runner.join(120)
+        assert len(killed) == 2, "the request sat on two prefill actors in turn"
+        error = outcome.get("error")
+        assert error is not None, "refused, not served by a third worker"
+        assert error.code() is grpc.StatusCode.INTERNAL
+        assert "2 workers that died" in error.details() and all(w in error.details() for w in killed)
         client.close()

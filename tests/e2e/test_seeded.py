@@ -7,7 +7,7 @@ import concurrent.futures
 
 from router.config import Disaggregation, RouterConfig
 from tests.checkpoints import random_prompts
-from tests.serving import Client, engine_config, running_deployment
+from tests.serving import Client, running_deployment
 
 
 def _burst(client: Client, jobs: list[tuple[list[int], dict]]) -> list[list[int]]:
