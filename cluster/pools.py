@@ -212,6 +212,12 @@ class PoolManager:
         handle = self.handles.pop(record.worker_id, None)
         if handle is not None:
             ray.kill(handle)
+        if record.role is Role.DECODE:
+            # Every prefill agent forgets it as a NIXL peer: a replaced decode actor comes back
+            # under a new name, and the old peer's agent and descriptors would stay forever.
+            for prefill in self.router.pool.of_role(Role.PREFILL):
+                if prefill.state is not WorkerState.DEAD:
+                    prefill.handle.disconnect_peer.remote(record.worker_id, f"{record.worker_id} left the pool")
 
     # -- health ---------------------------------------------------------------------------
 

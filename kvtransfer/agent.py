@@ -133,6 +133,11 @@ class KVAgent:
         """Forget a peer (e.g. Ray says it died): fail its requests, return their ids."""
         return self.sender.drop_peer(peer_name, reason)
 
+    @_locked
+    def peers(self) -> list[PeerRef]:
+        """The peers this agent can write to now."""
+        return self.sender.peers()
+
     # -- sending (prefill side) ----------------------------------------------------------
 
     @_locked

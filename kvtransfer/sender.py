@@ -144,6 +144,9 @@ class KVSender:
         logger.warning("dropped peer %s: %s; %d requests failed", peer.ref, reason, len(failed))
         return failed
 
+    def peers(self) -> list[PeerRef]:
+        return [peer.ref for peer in self._peers.values()]
+
     def is_connected(self, peer: PeerRef) -> bool:
         current = self._peers.get(peer.name)
         return current is not None and current.ref == peer

@@ -130,6 +130,21 @@ class PrefillWorker:
             num_held += 1
         return num_held
 
+    async def disconnect_peer(self, peer_name: str, reason: str) -> list[str]:
+        """A decode actor is gone: drop it as a NIXL peer (its remote agent, its prepared
+        descriptors) and fail the writes to it; returns the ids of the requests that failed.
+
+        Runs on the actor's event loop, not the engine thread: the agent is thread-safe, and
+        the failures reach the jobs through the pump's events.
+        """
+        failed = self.agent.disconnect(peer_name, reason)
+        self.pump.kick()
+        return failed
+
+    async def peers(self) -> list[str]:
+        """Names of the decode actors this prefill actor can write to."""
+        return [peer.name for peer in self.agent.peers()]
+
     async def set_step_delay(self, seconds: float) -> None:
         """Fault injection for tests and drills: sleep this long after every prefill step."""
         self._step_delay_s = max(0.0, float(seconds))

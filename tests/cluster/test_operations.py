@@ -207,3 +207,33 @@ def test_a_failed_replacement_launch_is_retried_until_the_pool_is_back(ray_clust
         stream = client.generate(prompt_token_ids=prompts[0], max_tokens=8, temperature=0.0, ignore_eos=True)
         assert stream.token_ids == expected[0]
         client.close()
+
+
+def test_a_decode_actor_replaced_five_times_leaves_one_peer_on_the_prefill_agent(ray_cluster, e2e_model, traffic_references):
+    """Each replacement comes back under a new name; the prefill agent drops each dead one as a
+    NIXL peer (remote agent and descriptors) instead of keeping all six."""
+    import ray
+
+    prompts, expected = traffic_references
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    with running_deployment(e2e_model, 1, 1, router, health_interval_s=0.3) as deployment:
+        client = Client(deployment.address)
+        prefill = deployment.handles["prefill-0"]
+        for _ in range(5):
+            (victim,) = deployment.workers(Role.DECODE)
+            stream = client.generate(prompt_token_ids=prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+            assert stream.token_ids == expected[0][:4]
+            assert victim in ray.get(prefill.peers.remote())
+            deployment.kill_worker(victim)
+            deadline = time.monotonic() + 60
+            while deployment.workers(Role.DECODE) in ([], [victim]) or deployment.pools.size(Role.DECODE) < 1:
+                assert time.monotonic() < deadline, "the decode pool did not come back"
+                time.sleep(0.1)
+        (live,) = deployment.workers(Role.DECODE)
+        stream = client.generate(prompt_token_ids=prompts[1], max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert stream.token_ids == expected[1][:4]
+        deadline = time.monotonic() + 10
+        while ray.get(prefill.peers.remote()) != [live]:
+            assert time.monotonic() < deadline, f"prefill peers: {ray.get(prefill.peers.remote())}, live decode: {live}"
+            time.sleep(0.1)
+        client.close()
