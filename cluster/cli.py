@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale = commands.add_parser("scale", help="resize the pools while serving")
     scale.add_argument("--prefill", type=int)
     scale.add_argument("--decode", type=int)
+    scale.add_argument("--force", action="store_true", help="allow scaling the decode pool to 0 (nothing left serving)")
     scale.add_argument("--address", help="router host:port (default: from the state file)")
 
     generate = commands.add_parser("generate", help="stream a generation for one prompt")
@@ -371,7 +372,7 @@ def _scale(args: argparse.Namespace) -> int:
             if replicas is None:
                 continue
             try:
-                reply = admin.ScalePool(pb.ScalePoolRequest(role=role, replicas=replicas), timeout=900)
+                reply = admin.ScalePool(pb.ScalePoolRequest(role=role, replicas=replicas, force=args.force), timeout=900)
             except grpc.RpcError as exc:
                 print(f"pdserve scale: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 return 1

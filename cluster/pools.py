@@ -34,6 +34,7 @@ from kvtransfer.agent import KVTransferConfig
 from prefill_workers.worker import PrefillWorker
 from router.config import RouterConfig
 from router.dispatcher import WORKER_GONE
+from router.errors import FailedPreconditionError
 from router.pool import Role, WorkerRecord
 from router.server import Router
 
@@ -158,6 +159,23 @@ class PoolManager:
         return record
 
     # -- scaling --------------------------------------------------------------------------
+
+    async def check_resources(self, role: Role, replicas: int) -> None:
+        """Raise FailedPreconditionError, naming the resource, if growing ``role`` to ``replicas``
+        needs more than the cluster has free (instead of waiting for actors that never start)."""
+        adding = replicas - self.size(role)
+        if adding <= 0:
+            return
+        pool = self.spec.pool(role)
+        per_actor = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+        available = await asyncio.to_thread(ray.available_resources)
+        for resource, amount in per_actor.items():
+            needed = amount * adding
+            if needed > 0 and available.get(resource, 0.0) + 1e-9 < needed:
+                raise FailedPreconditionError(
+                    f"replicas: {adding} more {role.value} workers need {needed:g} {resource}, the cluster has "
+                    f"{available.get(resource, 0.0):g} free"
+                )
 
     async def scale(self, role: Role, replicas: int) -> int:
         """Grow or shrink a pool to ``replicas`` routable workers; return the previous size."""

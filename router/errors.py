@@ -48,6 +48,11 @@ class NotFoundError(RouterError):
     """A named entity (worker id, request id) does not exist."""
 
 
+class FailedPreconditionError(RouterError):
+    """The cluster is not in a state where this operation makes sense (it would leave nothing
+    serving; the resources it needs are not there)."""
+
+
 class DeadlineExceededError(RouterError):
     """The request's deadline passed before it finished."""
 
@@ -64,6 +69,7 @@ _STATUS_BY_TYPE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (ModelLoadError, grpc.StatusCode.UNAVAILABLE),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
     (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
     (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (InternalError, grpc.StatusCode.INTERNAL),

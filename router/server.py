@@ -29,7 +29,7 @@ from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.dispatcher import WORKER_GONE, ActiveRequest, Dispatcher, Failure, Restart
-from router.errors import NotFoundError, UnavailableError, abort_with, remote_cause
+from router.errors import FailedPreconditionError, NotFoundError, UnavailableError, abort_with, remote_cause
 from router.output_stream import OutputAssembler
 from router.pool import Role, WorkerPool, WorkerRecord
 from router.readiness import Readiness
@@ -150,6 +150,11 @@ class AdminService(pb_grpc.AdminServicer):
             if self.router.pool_manager is None:
                 raise UnavailableError("this router was started without a pool manager; scaling is not possible")
             role = Role.PREFILL if request.role == pb.WORKER_ROLE_PREFILL else Role.DECODE
+            if role is Role.DECODE and request.replicas == 0 and not request.force:
+                raise FailedPreconditionError(
+                    "replicas: 0 decode workers leave nothing that can serve requests; set force to do it anyway"
+                )
+            await self.router.pool_manager.check_resources(role, request.replicas)
             previous = await self.router.pool_manager.scale(role, request.replicas)
             return pb.ScalePoolResponse(role=request.role, previous_replicas=previous, replicas=request.replicas)
         except Exception as exc:
@@ -161,6 +166,12 @@ class AdminService(pb_grpc.AdminServicer):
             record = self.router.pool.workers.get(request.worker_id)
             if record is None:
                 raise NotFoundError(f"no worker {request.worker_id!r}")
+            others = [w for w in self.router.pool.routable(Role.DECODE) if w is not record]
+            if record.role is Role.DECODE and not others and not request.force:
+                raise FailedPreconditionError(
+                    f"worker_id: {record.worker_id} is the only ready decode worker; draining it leaves nothing "
+                    "that can serve requests; set force to do it anyway"
+                )
             await self.router.drain(record)
             if self.router.pool_manager is not None:
                 # Removed once it holds nothing (retire waits for that); the pool does not replace it.

@@ -277,3 +277,23 @@ def test_a_long_text_prompt_does_not_stall_other_streams(client, e2e_model, depl
     assert len(gaps) == 199
     assert max(gaps) < 1.0, f"a stream stalled {max(gaps):.2f}s while a long text was tokenized"
     client.wait_until_idle()
+
+
+def test_admin_refuses_to_leave_nothing_serving_or_to_wait_for_missing_resources(client, deployment):
+    """ScalePool(DECODE, 0) and draining the only decode actor used to succeed and leave nothing
+    serving; growing a pool beyond the cluster's free CPUs answered INTERNAL after 300 s."""
+    with pytest.raises(grpc.RpcError) as info:
+        client.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_DECODE, replicas=0))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "force" in info.value.details()
+    (decode,) = [w.worker_id for w in client.status() if w.role == pb.WORKER_ROLE_DECODE]
+    with pytest.raises(grpc.RpcError) as info:
+        client.admin.DrainWorker(pb.DrainWorkerRequest(worker_id=decode))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and decode in info.value.details()
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        client.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=60), timeout=30)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "CPU" in info.value.details() and "free" in info.value.details()
+    assert time.monotonic() - started < 5.0
+    assert sorted(w.role for w in client.wait_until_idle()) == [pb.WORKER_ROLE_PREFILL, pb.WORKER_ROLE_DECODE]
+    assert len(client.generate(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3

@@ -215,12 +215,14 @@ class WorkerStatus(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., queue_depth: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., epoch: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
-    __slots__ = ("role", "replicas")
+    __slots__ = ("role", "replicas", "force")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     role: WorkerRole
     replicas: int
-    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., replicas: _Optional[int] = ...) -> None: ...
+    force: bool
+    def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., replicas: _Optional[int] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class ScalePoolResponse(_message.Message):
     __slots__ = ("role", "previous_replicas", "replicas")
@@ -233,10 +235,12 @@ class ScalePoolResponse(_message.Message):
     def __init__(self, role: _Optional[_Union[WorkerRole, str]] = ..., previous_replicas: _Optional[int] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class DrainWorkerRequest(_message.Message):
-    __slots__ = ("worker_id",)
+    __slots__ = ("worker_id", "force")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, worker_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class DrainWorkerResponse(_message.Message):
     __slots__ = ("worker_id", "state")

@@ -218,7 +218,8 @@ class AdminServicer:
     """
 
     def ScalePool(self, request, context):
-        """Sets the number of replicas of one pool; removed prefill workers are drained first.
+        """Sets the number of replicas of one pool; removed workers are drained first. Growing beyond
+        the cluster's free resources is refused at once (FAILED_PRECONDITION naming the resource).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
