@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,22 +192,21 @@ class LLMEngine:
         self.num_scheduled_tokens += batch.num_tokens
         try:
             return self._compute(batch)
-        except Exception:
+        except Exception as exc:
             if len(batch.slices) == 1:
-                return [self._fail(batch.slices[0].seq)]
+                return [self._fail(batch.slices[0].seq, exc)]
             logger.exception("a batch of %d sequences failed; running each alone", len(batch.slices))
         outputs = []
         for piece in batch.slices:
             try:
                 outputs.extend(self._compute(ScheduledBatch([piece])))
-            except Exception:
-                outputs.append(self._fail(piece.seq))
+            except Exception as exc:
+                outputs.append(self._fail(piece.seq, exc))
         return outputs
 
-    def _fail(self, seq: Sequence) -> RequestOutput:
-        """End a sequence whose computation raised (the exception being handled)."""
-        logger.exception("req %s: computing it failed; it alone ends", seq.req_id)
-        exc = sys.exc_info()[1]
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """End a sequence whose computation raised ``exc``; its blocks are freed."""
+        logger.error("req %s: computing it failed; it alone ends", seq.req_id, exc_info=exc)
         error = RequestFailedError(f"computing this request failed: {type(exc).__name__}: {exc}")
         self.scheduler.abort(seq.req_id, FinishReason.ERROR)
         return RequestOutput(
