@@ -28,7 +28,6 @@ import logging
 import socket
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import ray
@@ -43,6 +42,7 @@ from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.layout import KVCompat
+from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import KVDestination
 from kvtransfer.pump import TransferPump
 
@@ -55,10 +55,6 @@ class DecodeCapacityError(RuntimeError):
 
 class DecodeAbortedError(RuntimeError):
     """This attempt of the request was aborted before it arrived here (calls ran out of order)."""
-
-
-# Attempts aborted before they arrived, remembered so their late reserve is refused; bounded.
-_MAX_ABORTED_ATTEMPTS = 4096
 
 
 @dataclass(slots=True)
@@ -123,7 +119,7 @@ class DecodeWorker:
         # Host plus Ray node: two raylets on one host are still two nodes.
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._tracked: dict[str, _Tracked] = {}
-        self._aborted_attempts: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self._aborted_attempts = RecentKeys()  # (req_id, attempt) aborted before it arrived: refused when it does
         self._outputs = OutputBox()
         self.pump = TransferPump(self.agent, on_events=self._thread.wake)
         self.pump.start()
@@ -242,9 +238,7 @@ class DecodeWorker:
         tracked = self._tracked.get(req_id)
         if tracked is None or (attempt is not None and tracked.attempt != attempt):
             if attempt is not None:
-                self._aborted_attempts[(req_id, attempt)] = None
-                if len(self._aborted_attempts) > _MAX_ABORTED_ATTEMPTS:
-                    self._aborted_attempts.popitem(last=False)
+                self._aborted_attempts.add((req_id, attempt))
             return False
         del self._tracked[req_id]
         if req_id in self.scheduler.awaiting_kv:

@@ -20,7 +20,7 @@ from engine import cpu_decode_attention
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
-from engine.errors import InvalidRequestError, RequestFailedError
+from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -207,7 +207,6 @@ class LLMEngine:
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
         """End a sequence whose computation raised ``exc``; its blocks are freed."""
         logger.error("req %s: computing it failed; it alone ends", seq.req_id, exc_info=exc)
-        error = RequestFailedError(f"computing this request failed: {type(exc).__name__}: {exc}")
         self.scheduler.abort(seq.req_id, FinishReason.ERROR)
         return RequestOutput(
             req_id=seq.req_id,
@@ -216,7 +215,7 @@ class LLMEngine:
             finish_reason=FinishReason.ERROR,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            error=str(error),
+            error=f"computing this request failed: {type(exc).__name__}: {exc}",
         )
 
     def _compute(self, batch: ScheduledBatch) -> list[RequestOutput]:

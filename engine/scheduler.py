@@ -136,7 +136,7 @@ class Scheduler:
                 self._grow_blocks(seq, 1)
                 batch.slices.append(ScheduledSlice(seq, 1))
                 budget -= 1
-        for seq in self._prefill_candidates(batch):
+        for seq in self._prefill_candidates(batch, key):
             if budget <= 0:
                 break
             num_tokens = min(seq.num_uncomputed_tokens, budget)
@@ -149,12 +149,12 @@ class Scheduler:
             batch.slices.append(ScheduledSlice(seq, num_tokens))
             budget -= num_tokens
 
-    def _prefill_candidates(self, batch: ScheduledBatch) -> list[Sequence]:
+    def _prefill_candidates(self, batch: ScheduledBatch, key) -> list[Sequence]:
         """Running prompts still prefilling and waiting prompts, most important first."""
         scheduled = {id(s.seq) for s in batch.slices}
         partial = [s for s in self.running if id(s) not in scheduled and s.num_uncomputed_tokens > 0]
         room = max(self.config.max_num_seqs - len(self.running), 0)
-        return sorted(partial + self.waiting[:room], key=self._order_key())
+        return sorted(partial + self.waiting[:room], key=key)
 
     def _admit(self, seq: Sequence) -> None:
         self.waiting.remove(seq)

@@ -21,10 +21,10 @@ write counted as in flight, so rule 2 never confirms it; only rule 3 can free it
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Hashable, TypeVar
 
 Clock = Callable[[], float]
 E = TypeVar("E", bound=Exception)
@@ -104,3 +104,21 @@ class Tombstones(Generic[E]):
 
     def __len__(self) -> int:
         return len(self._order)
+
+
+class RecentKeys:
+    """The last ``capacity`` keys remembered, oldest forgotten first: what a worker keeps of
+    things already ended (a cancelled reservation, an aborted attempt, a quiesced token) so
+    that a call or notification about them arriving late is recognised."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._capacity = capacity
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+
+    def add(self, key: Hashable) -> None:
+        self._keys[key] = None
+        if len(self._keys) > self._capacity:
+            self._keys.popitem(last=False)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._keys

@@ -23,7 +23,6 @@ import enum
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,15 +37,11 @@ from kvtransfer.errors import (
     UnknownRequestError,
 )
 from kvtransfer.layout import KVRegion
-from kvtransfer.leases import Clock, LeasePolicy
+from kvtransfer.leases import Clock, LeasePolicy, RecentKeys
 from kvtransfer.messages import FreedBlocks, KVDestination, PeerRef, ReceiveEvents, TransferNotif
 from kvtransfer.transport import Incoming, Transport
 
 logger = logging.getLogger(__name__)
-
-# Tokens freed on a writer's quiesced report, remembered so that their trailing
-# notifications (the bytes landed before the writer saw the write done) are not alarms.
-_MAX_QUIESCED_TOKENS = 4096
 
 
 class _State(enum.Enum):
@@ -89,7 +84,9 @@ class KVReceiver:
         # Random start: tokens of different receivers must not collide, since a writer that
         # cancelled one attempt of a request refuses only that attempt's token.
         self._next_token = secrets.randbits(48) + 1
-        self._quiesced_tokens: OrderedDict[int, None] = OrderedDict()
+        # Tokens freed on a writer's quiesced report: their trailing notifications (the bytes
+        # landed before the writer saw the write done) are not alarms.
+        self._quiesced_tokens = RecentKeys()
         self.num_late_writes = 0  # writes seen for blocks freed without the writer's word: must stay 0
 
     def reserve(self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None) -> KVDestination:
@@ -281,9 +278,7 @@ class KVReceiver:
             return []
         if res.state is _State.RECEIVING:
             logger.info("req %s: writer quiesced before an abort; aborting now", req_id)
-        self._quiesced_tokens[res.token] = None
-        if len(self._quiesced_tokens) > _MAX_QUIESCED_TOKENS:
-            self._quiesced_tokens.popitem(last=False)
+        self._quiesced_tokens.add(res.token)
         return self._free(res)
 
     def _free(self, res: _Reservation) -> list[int]:

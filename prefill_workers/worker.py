@@ -23,7 +23,6 @@ import asyncio
 import logging
 import socket
 import time
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -39,6 +38,7 @@ from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import KVCompat
+from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import KVDestination, QuiesceReport
 from kvtransfer.pump import TransferPump
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming
@@ -53,11 +53,6 @@ class PrefillCancelledError(RuntimeError):
 
 class PrefillUnavailableError(RuntimeError):
     """The prefill actor takes no new requests (draining or stopping)."""
-
-
-# Reservation tokens cancelled before their request arrived (an async actor may run a cancel
-# ahead of the submit it follows), remembered so that submit is refused; bounded.
-_MAX_CANCELLED_TOKENS = 4096
 
 
 @dataclass(slots=True)
@@ -92,7 +87,9 @@ class PrefillWorker:
         # Host plus Ray node: two raylets on one host are still two nodes.
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._jobs: dict[str, _Job] = {}
-        self._cancelled_tokens: OrderedDict[int, None] = OrderedDict()
+        # Reservation tokens cancelled before their request arrived (an async actor may run a
+        # cancel ahead of the submit it follows): that submit is refused.
+        self._cancelled_tokens = RecentKeys()
         self._step_delay_s = 0.0
         self.pump = TransferPump(self.agent, on_events=self._thread.wake)
         self.pump.start()
@@ -187,9 +184,7 @@ class PrefillWorker:
         report = self.agent.cancel(req_id, token)
         job = self._jobs.get(req_id)
         if token is not None and (job is None or job.request.destination.token != token):
-            self._cancelled_tokens[token] = None  # its submit, if still to come, is refused
-            if len(self._cancelled_tokens) > _MAX_CANCELLED_TOKENS:
-                self._cancelled_tokens.popitem(last=False)
+            self._cancelled_tokens.add(token)  # its submit, if still to come, is refused
         if job is not None and token is not None and job.request.destination.token != token:
             return report  # a newer attempt of the same request: leave it alone
         self._jobs.pop(req_id, None)

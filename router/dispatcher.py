@@ -143,15 +143,14 @@ class Dispatcher:
         previous = self._releasing.get(req_id) or self.active.get(req_id)
         if previous is None:
             return
-        grace_ends = time.monotonic() + DUPLICATE_GRACE_S
-        while self.active.get(req_id) is previous and not previous.client_gone():
-            if time.monotonic() >= grace_ends:
+        for wait_s in (DUPLICATE_GRACE_S, RELEASE_WAIT_S):
+            try:
+                await asyncio.wait_for(previous.released.wait(), wait_s)
                 return
-            await asyncio.sleep(0.01)
-        try:
-            await asyncio.wait_for(previous.released.wait(), RELEASE_WAIT_S)
-        except asyncio.TimeoutError:
-            logger.warning("req %s: the previous request of this id is still being released", req_id)
+            except asyncio.TimeoutError:
+                if self.active.get(req_id) is previous and not previous.client_gone():
+                    return  # its client is still there: a true duplicate
+        logger.warning("req %s: the previous request of this id is still being released", req_id)
 
     def admit(self, active: ActiveRequest) -> None:
         if active.req_id in self.active:

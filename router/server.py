@@ -309,5 +309,3 @@ class Router:
 
 async def _await_ref(ref):
     return await ref
-
-
