@@ -93,7 +93,8 @@ class Sampler:
             if seq.generator is not None:
                 # Re-seeded per position: the draw for token i depends only on (seed, i), so a
                 # request resumed on another worker (or recomputed) draws exactly the same.
-                generator.manual_seed(hash((seq.params.seed, seq.num_output_tokens)) & _SEED_MASK)
+                position = seq.params.num_resumed_tokens + seq.num_output_tokens
+                generator.manual_seed(hash((seq.params.seed, position)) & _SEED_MASK)
             choice = int(torch.multinomial(probs[local], 1, generator=generator))
             tokens.append(int(order[local, choice]) if needs_filter else choice)
         return tokens

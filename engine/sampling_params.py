@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
@@ -28,8 +29,18 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Output tokens the request produced before it was resumed on this worker (a stream
+    # migrated after its decode actor died): they end the prompt it is given here, and seeded
+    # draws go on at their own positions. Set by the router, never by a client.
+    num_resumed_tokens: int = 0
 
     MAX_LOGPROBS = 20
+
+    def resumed(self, num_generated: int) -> "SamplingParams":
+        """These parameters for the rest of a request that already produced ``num_generated`` tokens."""
+        return dataclasses.replace(
+            self, max_tokens=self.max_tokens - num_generated, num_resumed_tokens=self.num_resumed_tokens + num_generated
+        )
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -53,6 +64,8 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
         ):
             raise InvalidRequestError("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.num_resumed_tokens, int) or self.num_resumed_tokens < 0:
+            raise InvalidRequestError("num_resumed_tokens", f"must be an integer >= 0, got {self.num_resumed_tokens!r}")
         for token_id in self.stop_token_ids:
             if not isinstance(token_id, int) or token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
                 raise InvalidRequestError("stop_token_ids", f"contains {token_id!r}, not a token id of this model")

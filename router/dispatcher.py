@@ -14,8 +14,10 @@ A request's life here (disaggregated path):
    is dropped (a dead writer writes nothing more) and the prompt goes to another P, a
    bounded number of times.
 3. One collector task per D long-polls its outputs and capacity and routes the outputs to
-   each request's queue. If D dies, its requests that have sent no token yet are
-   dispatched again elsewhere; the others end with UNAVAILABLE.
+   each request's queue. If D dies, its requests are dispatched again elsewhere (waiting,
+   bounded, for a replacement if D was the last); a stream that already sent tokens is
+   migrated: its prompt plus the tokens its client has are prefilled again and it goes on
+   from there, so the client sees no gap and no repeat (``ActiveRequest.resume_point``).
 4. ``finish`` runs when the stream ends for any reason. If the request did not end on D by
    itself, it is aborted on D and cancelled on P, and D frees its reserved blocks only after
    P's report that no write is still in flight.
@@ -24,10 +26,11 @@ A request's life here (disaggregated path):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -103,15 +106,47 @@ class ActiveRequest:
     # which then waits for ``released``, set once nothing of this one is left on any worker.
     client_gone: Callable[[], bool] = lambda: False
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    # What the workers are given: the request itself, or after a decode actor died mid-stream,
+    # ``resume_point``. (``request`` stays what the client sent: usage and stop strings use it.)
+    work: ValidatedRequest = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.work = self.request
 
     @property
     def req_id(self) -> str:
         return self.request.req_id
 
+    def resume_point(self) -> ValidatedRequest:
+        """The request as it stands now: its prompt plus every token its client was sent.
+
+        Prefilled on a new decode actor, this continues the stream exactly where the client's
+        copy ends: greedy output is what an uninterrupted run gives, and a seeded draw depends
+        only on its position (``SamplingParams.num_resumed_tokens``).
+        """
+        sent = self.assembler.completion_token_ids
+        if not sent:
+            return self.request
+        return dataclasses.replace(
+            self.request,
+            prompt_token_ids=self.request.prompt_token_ids + sent,
+            sampling_params=self.request.sampling_params.resumed(len(sent)),
+        )
+
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, config: RouterConfig, metrics=None, block_size: int = 16):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        config: RouterConfig,
+        metrics=None,
+        block_size: int = 16,
+        decode_ready: Callable[[], Awaitable[None]] | None = None,
+    ):
         self.pool = pool
+        # Awaited when no decode actor is routable: returns once one is (a replacement is up),
+        # raises UnavailableError past its bound. None: no decode actor means UNAVAILABLE now.
+        self.decode_ready = decode_ready
         self.config = config
         self.metrics = metrics
         self.block_size = block_size
@@ -201,10 +236,11 @@ class Dispatcher:
 
     async def dispatch(self, active: ActiveRequest) -> None:
         """Place the request on a decode actor (and a prefill actor), waiting for room if needed."""
-        request = active.request
+        request = active.work
         order = self.capacity.next_order()  # its place in the capacity queue, kept across refusals
         tried: set[str] = set()
         while True:
+            await self._wait_for_decode_pool()
             local = self._prefill_locally(request)
             if local:
                 # The decode actor queues local prompts itself, until its KV has room.
@@ -252,6 +288,12 @@ class Dispatcher:
             active.prefill_task = asyncio.create_task(self._prefill(active, destination))
             self.lease_keeper.ensure_running()
 
+    async def _wait_for_decode_pool(self) -> None:
+        """Return once a decode actor is routable, waiting (bounded) for a replacement if need be."""
+        if self.pool.routable(Role.DECODE) or self.decode_ready is None:
+            return
+        await self.decode_ready()
+
     async def _wait_for_room(self, request: ValidatedRequest, order: int) -> WorkerRecord:
         """A decode actor with room for the prompt's blocks; waits its turn while the pool is full."""
         if not self.pool.routable(Role.DECODE):
@@ -283,7 +325,7 @@ class Dispatcher:
         return backlog >= self.config.prefill_busy_tokens and num_tokens <= self.config.busy_local_prefill_max_tokens
 
     async def _prefill(self, active: ActiveRequest, destination: KVDestination) -> None:
-        request, decode = active.request, active.decode
+        request, decode = active.work, active.decode
         num_tokens = len(request.prompt_token_ids)
         draining: set[str] = set()
         while True:
@@ -364,9 +406,16 @@ class Dispatcher:
                 raise UnavailableError(f"{reason.reason}; gave up after {self.config.max_prefill_retries} retries")
         else:
             active.num_restarts += 1
+            if active.num_restarts > self.config.max_decode_restarts:
+                raise UnavailableError(f"{reason.reason}; gave up after {self.config.max_decode_restarts} restarts")
+        kind = "prefill" if reason.prefill_failed else "migrate" if active.assembler.has_sent_tokens else "decode"
         if self.metrics is not None:
-            self.metrics.retries.labels("prefill" if reason.prefill_failed else "decode").inc()
-        logger.warning("req %s: dispatching again (%s)", active.req_id, reason.reason)
+            self.metrics.retries.labels(kind).inc()
+        active.work = active.resume_point()
+        logger.warning(
+            "req %s: dispatching again (%s)%s", active.req_id, reason.reason,
+            f"; resuming after the {active.assembler.num_completion_tokens} tokens sent" if kind == "migrate" else "",
+        )
         if reason.prefill_failed and active.decode is not None and active.decode.state is not WorkerState.DEAD:
             # A dead writer writes nothing more: the reservation can be freed right away.
             self.pool.release(active.decode, active.req_id)
@@ -437,10 +486,8 @@ class Dispatcher:
                 continue
             if active.prefill_task is not None:
                 active.prefill_task.cancel()
-            if not active.assembler.has_sent_tokens and active.num_restarts < self.config.max_decode_restarts:
-                active.outputs.put_nowait(Restart(f"decode worker {record.worker_id} died", dead_worker_id=record.worker_id))
-            else:
-                active.outputs.put_nowait(Failure(UnavailableError(f"decode worker {record.worker_id} died mid-stream")))
+            # Restarted (or, mid-stream, migrated) elsewhere; ``restart`` applies the bounds.
+            active.outputs.put_nowait(Restart(f"decode worker {record.worker_id} died", dead_worker_id=record.worker_id))
 
     # -- the end --------------------------------------------------------------------------
 

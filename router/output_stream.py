@@ -45,18 +45,22 @@ class OutputAssembler:
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=request.skip_special_tokens, req_id=request.req_id)
         self.stops = StopStringMatcher(request.stop)
         self.timing = RouterTiming(arrival=request.arrival_time)
-        self.num_completion_tokens = 0
+        self.completion_token_ids: list[int] = []  # what the client was sent (a migrated stream resumes after them)
         self.finished = False
         self.prefill_worker_id = ""
         self.decode_worker_id = ""
 
     @property
+    def num_completion_tokens(self) -> int:
+        return len(self.completion_token_ids)
+
+    @property
     def has_sent_tokens(self) -> bool:
-        return self.num_completion_tokens > 0
+        return bool(self.completion_token_ids)
 
     def on_output(self, out: SeqOutput) -> pb.GenerateResponse:
         """The message for one decode output; ``finished`` turns true on a request's end."""
-        self.num_completion_tokens += len(out.token_ids)
+        self.completion_token_ids += out.token_ids
         text = self.detokenizer.add_tokens(out.token_ids)
         if out.finished:
             text += self.detokenizer.finish()

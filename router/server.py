@@ -103,17 +103,24 @@ class GenerationService(pb_grpc.GenerationServicer):
                     router.observe(active, response)
                     if active.assembler.finished:
                         return
-                elif isinstance(item, Restart):
-                    await router.wait_ready()  # the only decode actor died: wait for its replacement
-                    await router.dispatcher.restart(active, item)
-                elif isinstance(item, Failure):
-                    if active.assembler.has_sent_tokens and not isinstance(item.error, UnavailableError):
-                        response = active.assembler.final_message("error", str(item.error))
-                        yield response
-                        router.observe(active, response)
-                        return
-                    router.observe_failure("error")
-                    raise item.error
+                    continue
+                if isinstance(item, Restart):
+                    try:
+                        await router.dispatcher.restart(active, item)
+                        continue
+                    except Exception as exc:
+                        if not active.assembler.has_sent_tokens:
+                            raise
+                        item = Failure(remote_cause(exc))
+                if active.assembler.has_sent_tokens:
+                    # The client has part of its answer: it ends with a last message that says
+                    # why, with the usage so far, rather than a bare status.
+                    response = active.assembler.final_message("error", str(item.error))
+                    yield response
+                    router.observe(active, response)
+                    return
+                router.observe_failure("error")
+                raise item.error
         except asyncio.CancelledError:
             logger.info("req %s: cancelled by the client or its deadline", active.req_id)
             router.observe_failure("abort")
@@ -195,7 +202,7 @@ class Router:
         # One thread: long prompts are tokenized one at a time, off the event loop.
         self._tokenize_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pool = WorkerPool(self.config.routing_policy)
-        self.dispatcher = Dispatcher(self.pool, self.config, metrics, block_size=model_info.block_size)
+        self.dispatcher = Dispatcher(self.pool, self.config, metrics, block_size=model_info.block_size, decode_ready=self.wait_ready)
         self.pool_manager = pool_manager
         self.metrics = metrics
         self.background_tasks: set[asyncio.Task] = set()

@@ -9,6 +9,7 @@ import time
 import grpc
 import ray
 
+from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
 from engine.stats import WorkerState
 from router.pool import Role, RoutingPolicy
@@ -44,45 +45,113 @@ def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2
         client.close()
 
 
-def test_killing_a_decode_actor_ends_only_its_streams(ray_cluster, e2e_model):
-    router = RouterConfig(disaggregation=Disaggregation.NEVER, routing_policy=RoutingPolicy.ROUND_ROBIN)
-    prompts = random_prompts([10, 12, 14, 16], e2e_model.vocab_size, seed=22)
+class ParallelStreams:
+    """Streams sent at once from threads; each result is a Stream or the RpcError it ended with."""
+
+    def __init__(self, client: Client, requests: list[dict]):
+        self.results: dict[int, object] = {}
+        self._threads = [threading.Thread(target=self._run, args=(client, i, r)) for i, r in enumerate(requests)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, client: Client, index: int, request: dict) -> None:
+        try:
+            self.results[index] = client.generate(timeout=120, **request)
+        except grpc.RpcError as exc:
+            self.results[index] = exc
+
+    def join(self) -> list:
+        for thread in self._threads:
+            thread.join(120)
+        return [self.results[i] for i in range(len(self._threads))]
+
+
+def _wait_until_every_stream_sent_tokens(deployment, num_streams: int, at_least: int = 10) -> None:
+    active = deployment.router.dispatcher.active
+    deadline = time.monotonic() + 30
+    while not (len(active) == num_streams and all(a.assembler.num_completion_tokens >= at_least for a in list(active.values()))):
+        assert time.monotonic() < deadline, "streams did not start"
+        time.sleep(0.005)
+
+
+def test_a_stream_whose_decode_actor_dies_migrates_with_no_gap_and_no_repeat(ray_cluster, e2e_model):
+    """Killed mid-decode, decode-0's streams are re-prefilled (prompt plus the tokens sent) on
+    decode-1 through the prefill actor and go on: greedy output equals transformers' for the
+    whole run, and a seeded sampled stream equals its own uninterrupted run."""
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN)
+    prompts = random_prompts([40, 60, 80, 100], e2e_model.vocab_size, seed=22)
+    num_tokens = 600
+    expected = [hf_greedy(e2e_model.hf_model, p, num_tokens) for p in prompts]
+    seeded = dict(prompt_token_ids=prompts[0], max_tokens=num_tokens, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    with running_deployment(e2e_model, 1, 2, router) as deployment:
+        client = Client(deployment.address)
+        seeded_reference = client.generate(**seeded).token_ids
+        requests = [dict(prompt_token_ids=p, max_tokens=num_tokens, temperature=0.0, ignore_eos=True) for p in prompts]
+        streams = ParallelStreams(client, [*requests, seeded])
+        _wait_until_every_stream_sent_tokens(deployment, len(requests) + 1)
+        on_victim = {a.req_id for a in deployment.router.dispatcher.active.values() if a.decode.worker_id == "decode-0"}
+        deployment.kill_worker("decode-0")
+        results = streams.join()
+        assert not [r for r in results if isinstance(r, grpc.RpcError)], "no stream failed"
+        assert on_victim, "round robin put streams on decode-0"
+        for stream, want, prompt in zip(results, expected, prompts):
+            assert stream.token_ids == want, "no token lost, repeated or changed"
+            assert stream.last.finish_reason == pb.FINISH_REASON_LENGTH
+            assert stream.last.usage.completion_tokens == num_tokens
+            assert stream.last.usage.prompt_tokens == len(prompt)
+        assert results[-1].token_ids == seeded_reference
+        migrated = [s for s in results if s.messages[0].request_id in on_victim]
+        assert migrated and all(s.last.decode_worker_id == "decode-1" for s in migrated)
+        survivors = [w for w in client.wait_until_idle() if w.worker_id != "decode-0"]
+        assert all(w.num_kv_blocks_used == 0 for w in survivors)
+        client.close()
+
+
+def test_where_migration_is_not_allowed_the_stream_ends_with_an_error_message_and_its_usage(ray_cluster, e2e_model):
+    router = RouterConfig(disaggregation=Disaggregation.NEVER, routing_policy=RoutingPolicy.ROUND_ROBIN, max_decode_restarts=0)
+    prompts = random_prompts([10, 12, 14, 16], e2e_model.vocab_size, seed=23)
     with running_deployment(e2e_model, 0, 2, router) as deployment:
         client = Client(deployment.address)
-        results: dict[int, object] = {}
-
-        def run(index: int) -> None:
-            try:
-                results[index] = client.generate(
-                    timeout=120, prompt_token_ids=prompts[index], max_tokens=1500, temperature=0.0, ignore_eos=True
-                )
-            except grpc.RpcError as exc:
-                results[index] = exc
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        active = deployment.router.dispatcher.active
-        deadline = time.monotonic() + 30
-        while not (len(active) == len(prompts) and all(a.assembler.has_sent_tokens for a in list(active.values()))):
-            assert time.monotonic() < deadline, "streams did not start"
-            time.sleep(0.01)
+        requests = [dict(prompt_token_ids=p, max_tokens=1500, temperature=0.0, ignore_eos=True) for p in prompts]
+        streams = ParallelStreams(client, requests)
+        _wait_until_every_stream_sent_tokens(deployment, len(prompts))
         deployment.kill_worker("decode-0")  # every stream is mid-decode
-        for thread in threads:
-            thread.join(120)
-        failed = [r for r in results.values() if isinstance(r, grpc.RpcError)]
-        finished = [r for r in results.values() if not isinstance(r, grpc.RpcError)]
-        assert failed and finished, "round robin put streams on both decode actors"
-        for error in failed:
-            assert error.code() == grpc.StatusCode.UNAVAILABLE
-            assert "decode-0" in error.details()
-        for stream in finished:
-            assert len(stream.token_ids) == 1500
-            assert stream.last.decode_worker_id == "decode-1"
+        results = streams.join()
+        assert not [r for r in results if isinstance(r, grpc.RpcError)], "every stream ends with a message, not a bare status"
+        cut = [s for s in results if s.last.finish_reason == pb.FINISH_REASON_ERROR]
+        whole = [s for s in results if s.last.finish_reason == pb.FINISH_REASON_LENGTH]
+        assert cut and whole and len(cut) + len(whole) == len(prompts), "round robin put streams on both decode actors"
+        for stream in cut:
+            assert "decode-0" in stream.last.finish_detail and "restarts" in stream.last.finish_detail
+            assert stream.last.usage.completion_tokens == len(stream.token_ids) < 1500
+            prompt = prompts[results.index(stream)]
+            assert stream.token_ids == hf_greedy(e2e_model.hf_model, prompt, len(stream.token_ids))
+        for stream in whole:
+            assert len(stream.token_ids) == 1500 and stream.last.decode_worker_id == "decode-1"
         # New requests go to the survivor.
         again = client.generate(prompt_token_ids=prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
         assert again.last.decode_worker_id == "decode-1"
         assert again.token_ids == hf_greedy(e2e_model.hf_model, prompts[0], 4)
+        client.close()
+
+
+def test_when_the_only_decode_actor_dies_its_stream_and_new_requests_wait_for_the_replacement(ray_cluster, e2e_model):
+    router = RouterConfig(disaggregation=Disaggregation.NEVER)
+    prompts = random_prompts([30, 20], e2e_model.vocab_size, seed=24)
+    expected = [hf_greedy(e2e_model.hf_model, prompts[0], 800), hf_greedy(e2e_model.hf_model, prompts[1], 8)]
+    with running_deployment(e2e_model, 0, 1, router, health_interval_s=0.3) as deployment:
+        client = Client(deployment.address)
+        streams = ParallelStreams(client, [dict(prompt_token_ids=prompts[0], max_tokens=800, temperature=0.0, ignore_eos=True)])
+        _wait_until_every_stream_sent_tokens(deployment, 1)
+        deployment.kill_worker("decode-0")
+        # Sent while no decode actor is left: it waits for the replacement instead of failing.
+        late = client.generate(timeout=120, prompt_token_ids=prompts[1], max_tokens=8, temperature=0.0, ignore_eos=True)
+        (stream,) = streams.join()
+        assert not isinstance(stream, grpc.RpcError), stream
+        assert stream.token_ids == expected[0]
+        assert late.token_ids == expected[1]
+        assert stream.last.decode_worker_id == late.last.decode_worker_id == "decode-1"
+        client.wait_until_idle()
         client.close()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -73,6 +74,21 @@ def test_same_seed_same_output_whatever_shares_the_batch(llama):
     assert together[1].token_ids == alone.token_ids
     (other_seed,) = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))
     assert other_seed.token_ids != alone.token_ids
+
+
+def test_a_seeded_request_resumed_after_k_tokens_draws_the_rest_unchanged(llama):
+    """What a stream migrated to another decode actor relies on: the prompt plus the k tokens
+    already sent, with ``resumed(k)``, continues exactly as the uninterrupted request did."""
+    engine, model = llama
+    (prompt,) = random_prompts([20], model.config.vocab_size, seed=5)
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=77, repetition_penalty=1.2, ignore_eos=True)
+    (whole,) = engine.generate([prompt], params)
+    for k in (1, 9):
+        (rest,) = engine.generate([prompt + whole.token_ids[:k]], params.resumed(k))
+        assert whole.token_ids[:k] + rest.token_ids == whole.token_ids
+    # Without the offset the draws restart at position 0: a different continuation.
+    (naive,) = engine.generate([prompt + whole.token_ids[:9]], dataclasses.replace(params, max_tokens=15))
+    assert naive.token_ids != whole.token_ids[9:]
 
 
 def test_top_k_1_equals_greedy(llama):
