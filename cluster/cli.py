@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from cluster.local_ray import LOOPBACK_NETWORK_DEVICES, confine_to_loopback
 from engine.default_model_path import DEFAULT_MODEL_PATH
 
 DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--prefill", type=int)
     scale.add_argument("--decode", type=int)
     scale.add_argument("--force", action="store_true", help="allow scaling the decode pool to 0 (nothing left serving)")
-    scale.add_argument("--address", help="router host:port (default: from the state file)")
+    scale.add_argument("--address", help="the Admin service's host:port (default: from the state file)")
 
     generate = commands.add_parser("generate", help="stream a generation for one prompt")
     generate.add_argument("prompt")
@@ -111,6 +112,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # -- state shared between commands --------------------------------------------------------
+
+
+def _channel(address: str, ca_file: Path | None = None):
+    """A channel to the router with the client's credentials: $PDSERVE_AUTH_TOKEN, and TLS
+    verified against $PDSERVE_TLS_CA (or ``ca_file``) when either is there."""
+    from router.security import AUTH_TOKEN_ENV, TLS_CA_ENV, client_channel
+
+    ca = os.environ.get(TLS_CA_ENV) or ca_file
+    return client_channel(address, os.environ.get(AUTH_TOKEN_ENV) or None, Path(ca) if ca else None)
 
 
 def _read_state(path: Path) -> dict:
@@ -148,6 +158,8 @@ def _up(args: argparse.Namespace) -> int:
     if _read_state(args.state_file).get("router_address") and args.detach:
         print(f"pdserve up: a deployment is already recorded in {args.state_file}; run `pdserve down` first", file=sys.stderr)
         return 2
+    if args.address is None:
+        confine_to_loopback()  # before ray is imported, and inherited by a head started here
     import ray
 
     from cluster.controller import create_controller, find_controller
@@ -168,7 +180,7 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     controller = create_controller(detached=args.detach)
     try:
-        info = ray.get(controller.start.remote(config.to_spec(), config.router.metrics_port))
+        info = ray.get(controller.start.remote(config.to_spec(local=args.address is None), config.router.metrics_port, config.router.metrics_host))
     except Exception as exc:
         print(f"pdserve up: the deployment failed to start: {exc}", file=sys.stderr)
         ray.kill(controller)
@@ -176,7 +188,7 @@ def _up(args: argparse.Namespace) -> int:
             _stop_pid(head)
         return 1
     # The controller returns once every worker is up; the health check is what a client sees.
-    if not _wait_until_serving(info.router_address, SERVING_TIMEOUT_S):
+    if not _wait_until_serving(info.router_address, SERVING_TIMEOUT_S, ca_file=config.router.tls_cert_file):
         print(f"pdserve up: the router at {info.router_address} did not report SERVING within {SERVING_TIMEOUT_S:.0f}s", file=sys.stderr)
         try:
             ray.get(controller.stop.remote(), timeout=30)
@@ -185,9 +197,11 @@ def _up(args: argparse.Namespace) -> int:
             if head is not None:
                 _stop_pid(head)
         return 1
-    state = {"router_address": info.router_address, "metrics_address": info.metrics_address,
+    state = {"router_address": info.router_address, "admin_address": info.admin_address, "metrics_address": info.metrics_address,
              "ray_address": ray_address, "ray_head_pid": head}
     print(f"pdserve serving on {info.router_address} ({info.prefill_replicas} prefill, {info.decode_replicas} decode actors)")
+    if info.admin_address:
+        print(f"admin on {info.admin_address}")
     if info.metrics_address:
         print(f"metrics on http://{info.metrics_address}/metrics")
     sys.stdout.flush()
@@ -217,6 +231,8 @@ def _down(args: argparse.Namespace) -> int:
     if ray_address is None:
         print(f"pdserve down: no detached deployment recorded in {args.state_file}; give --address", file=sys.stderr)
         return 2
+    if state.get("ray_head_pid") and not args.address:
+        confine_to_loopback()  # the Ray head `up --detach` started listens on loopback only
     import ray
 
     from cluster.controller import find_controller
@@ -236,13 +252,13 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wait_until_serving(address: str, timeout_s: float) -> bool:
+def _wait_until_serving(address: str, timeout_s: float, ca_file: Path | None = None) -> bool:
     """Whether the router's gRPC health service said SERVING within ``timeout_s``."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, ca_file) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -259,6 +275,8 @@ def _connect_ray(address: str | None, log_to_driver: bool) -> None:
     import ray
 
     kwargs = {"include_dashboard": False} if address is None else {}
+    if address is None:
+        confine_to_loopback()  # a Ray started here serves this machine only
     ray.init(address=address or "local", log_to_driver=log_to_driver, configure_logging=False, namespace="pdserve", **kwargs)
 
 
@@ -329,7 +347,7 @@ def _status(args: argparse.Namespace) -> int:
     if address is None:
         print("pdserve status: no running deployment recorded; give --address", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         try:
             workers = pb_grpc.GenerationStub(channel).GetClusterStatus(pb.GetClusterStatusRequest(), timeout=30).workers
         except grpc.RpcError as exc:
@@ -359,14 +377,14 @@ def _scale(args: argparse.Namespace) -> int:
     from router.api.pdserve.v1 import generation_pb2 as pb
     from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
-    address = _router_address(args)
+    address = args.address or _read_state(args.state_file).get("admin_address")
     if address is None:
-        print("pdserve scale: no running deployment recorded; give --address", file=sys.stderr)
+        print("pdserve scale: no running deployment with Admin recorded; give --address (the admin address)", file=sys.stderr)
         return 2
     if args.prefill is None and args.decode is None:
         print("pdserve scale: give --prefill N and/or --decode M", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         admin = pb_grpc.AdminStub(channel)
         for role, replicas in ((pb.WORKER_ROLE_PREFILL, args.prefill), (pb.WORKER_ROLE_DECODE, args.decode)):
             if replicas is None:
@@ -398,14 +416,17 @@ def _generate(args: argparse.Namespace) -> int:
     from cluster.deployment import Deployment, DeploymentSpec, PoolSpec
     from engine.config import EngineConfig
 
+    from kvtransfer.agent import KVTransferConfig
+
     threads = max(1, (os.cpu_count() or 2) // max(1, args.prefill + args.decode))
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+    _connect_ray(None, log_to_driver=False)
     engine = dict(num_threads=threads, max_num_batched_tokens=512, long_prefill_chunk=256)
     deployment = Deployment(
         DeploymentSpec(
             model_path=Path(args.model),
             prefill=PoolSpec(args.prefill, EngineConfig(**engine), num_cpus=0),
             decode=PoolSpec(args.decode, EngineConfig(**engine), num_cpus=0),
+            transfer=KVTransferConfig(network_devices=LOOPBACK_NETWORK_DEVICES),
         )
     )
     try:
@@ -438,7 +459,7 @@ def _stream(args: argparse.Namespace, address: str) -> int:
     if args.seed is not None:
         sampling.seed = args.seed
     request = pb.GenerateRequest(prompt_text=args.prompt, sampling=sampling)
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             sys.stdout.write(args.prompt)

@@ -6,6 +6,7 @@ Validated with pydantic before anything starts; every error names the field's pa
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -13,12 +14,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.kv_memory import KVMemoryPolicy
+from cluster.local_ray import LOOPBACK_NETWORK_DEVICES
 from cluster.pools import DeploymentSpec, PoolSpec
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
 from kvtransfer.agent import KVTransferConfig
 from router.config import Disaggregation, RouterConfig
 from router.pool import RoutingPolicy
+from router.security import AUTH_TOKEN_ENV, is_loopback
 
 
 class ConfigError(ValueError):
@@ -52,6 +55,43 @@ class RouterSection(BaseModel):
     max_queued_requests: int = Field(256, ge=1, description="Requests waiting for a first token before RESOURCE_EXHAUSTED")
     ready_wait_s: float = Field(120.0, gt=0, description="How long a request waits for a starting deployment before UNAVAILABLE")
     metrics_port: int | None = Field(9400, ge=0, le=65535, description="Prometheus /metrics port (null: off, 0: any free port)")
+    metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds (it has no authentication)")
+    admin_host: str = Field("127.0.0.1", description="Address the Admin service (ScalePool, DrainWorker) binds")
+    admin_port: int | None = Field(50052, ge=0, le=65535, description="Admin's own port (null: Admin off, 0: any free port)")
+    auth_token_file: Path | None = Field(
+        None, description=f"File holding the bearer token that Generation and Admin calls must present (else ${AUTH_TOKEN_ENV})"
+    )
+    tls_cert_file: Path | None = Field(None, description="PEM certificate chain: both listeners speak TLS only (with tls_key_file)")
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
+    allow_unauthenticated: bool = Field(
+        False, description="Let host or admin_host be a non-loopback address without a bearer token (not recommended)"
+    )
+
+    @model_validator(mode="after")
+    def _exposed_only_with_a_token(self) -> "RouterSection":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("router.tls_cert_file and router.tls_key_file: give both or neither")
+        for path in (self.auth_token_file, self.tls_cert_file, self.tls_key_file):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"router: {path} does not exist")
+        exposed = [name for name, host in (("host", self.host), ("admin_host", self.admin_host)) if not is_loopback(host)]
+        if self.admin_port is None and "admin_host" in exposed:
+            exposed.remove("admin_host")
+        if exposed and self.auth_token() is None and not self.allow_unauthenticated:
+            raise ValueError(
+                f"router.{exposed[0]}: {getattr(self, exposed[0])} is reachable from other machines, and no bearer token "
+                f"is set: give router.auth_token_file or ${AUTH_TOKEN_ENV} (or set router.allow_unauthenticated)"
+            )
+        return self
+
+    def auth_token(self) -> str | None:
+        """The configured bearer token: the file's contents, else the environment's."""
+        if self.auth_token_file is not None:
+            token = Path(self.auth_token_file).read_text().strip()
+            if not token:
+                raise ValueError(f"router.auth_token_file: {self.auth_token_file} is empty")
+            return token
+        return os.environ.get(AUTH_TOKEN_ENV) or None
 
 
 class ClusterConfig(BaseModel):
@@ -66,6 +106,11 @@ class ClusterConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when actors hold GPUs")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block")
     transfer_backend: Literal["nixl", "ray"] = Field("nixl", description="How KV blocks move between actors")
+    transfer_network_devices: str | None = Field(
+        None,
+        description="UCX network devices NIXL uses (UCX_NET_DEVICES), e.g. mlx5_0:1; default: 'lo' for a "
+        "local deployment (loopback only), every device when joining a Ray cluster",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Default KV sizing on GPUs: share of each GPU's memory for weights, activations and KV"
     )
@@ -83,6 +128,10 @@ class ClusterConfig(BaseModel):
     def _model_dir_exists(cls, value: Path) -> Path:
         if not (Path(value) / "config.json").is_file():
             raise ValueError(f"{value} is not a model directory (no config.json)")
+        if not (Path(value) / "tokenizer.json").is_file():
+            # The router tokenizes prompts and detokenizes outputs with the model's own fast
+            # tokenizer: refused here, before Ray or any actor starts.
+            raise ValueError(f"{value} has no tokenizer.json (the model's fast tokenizer; pdserve needs it)")
         return Path(value)
 
     @model_validator(mode="after")
@@ -91,7 +140,9 @@ class ClusterConfig(BaseModel):
             raise ValueError("decode.replicas: at least one decode actor is needed (prefill-only cannot serve)")
         return self
 
-    def to_spec(self) -> DeploymentSpec:
+    def to_spec(self, local: bool = False) -> DeploymentSpec:
+        """The deployment; ``local``: on a Ray instance of this machine alone (listeners on loopback)."""
+        network_devices = self.transfer_network_devices or (LOOPBACK_NETWORK_DEVICES if local else None)
         return DeploymentSpec(
             model_path=self.model,
             prefill=self._pool(self.prefill),
@@ -104,8 +155,13 @@ class ClusterConfig(BaseModel):
                 local_prefill_max_tokens=self.router.local_prefill_max_tokens,
                 max_queued_requests=self.router.max_queued_requests,
                 ready_wait_s=self.router.ready_wait_s,
+                admin_host=self.router.admin_host,
+                admin_port=self.router.admin_port,
+                auth_token=self.router.auth_token(),
+                tls_cert_file=self.router.tls_cert_file,
+                tls_key_file=self.router.tls_key_file,
             ),
-            transfer=KVTransferConfig(backend=self.transfer_backend),
+            transfer=KVTransferConfig(backend=self.transfer_backend, network_devices=network_devices),
             health_interval_s=self.health_interval_s,
             health_timeout_s=self.health_timeout_s,
         )

@@ -27,6 +27,7 @@ NAMESPACE = "pdserve"
 @dataclass(slots=True)
 class ControllerInfo:
     router_address: str
+    admin_address: str | None  # None: Admin is off
     metrics_address: str | None
     prefill_replicas: int
     decode_replicas: int
@@ -41,12 +42,11 @@ class Controller:
         self.metrics = Metrics()
         self.metrics_address: str | None = None
 
-    async def start(self, spec: DeploymentSpec, metrics_port: int | None) -> ControllerInfo:
+    async def start(self, spec: DeploymentSpec, metrics_port: int | None, metrics_host: str = "127.0.0.1") -> ControllerInfo:
         self.spec = spec
-        host = spec.router.host
         if metrics_port is not None:
-            port = self.metrics.serve(metrics_port, host)
-            self.metrics_address = f"{_advertised(host)}:{port}"
+            port = self.metrics.serve(metrics_port, metrics_host)
+            self.metrics_address = f"{_advertised(metrics_host)}:{port}"
         self.router = build_router(spec, self.metrics)
         self.pools = PoolManager(spec, self.router, self.metrics)
         self.router.pool_manager = self.pools
@@ -57,6 +57,7 @@ class Controller:
     async def info(self) -> ControllerInfo:
         return ControllerInfo(
             router_address=f"{_advertised(self.spec.router.host)}:{self.router.port}",
+            admin_address=None if self.router.admin_port is None else f"{_advertised(self.spec.router.admin_host)}:{self.router.admin_port}",
             metrics_address=self.metrics_address,
             prefill_replicas=self.pools.size(Role.PREFILL),
             decode_replicas=self.pools.size(Role.DECODE),

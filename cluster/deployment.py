@@ -47,6 +47,10 @@ class Deployment:
         return f"{self.spec.router.host}:{self.router.port}"
 
     @property
+    def admin_address(self) -> str | None:
+        return None if self.router.admin_port is None else f"{self.spec.router.admin_host}:{self.router.admin_port}"
+
+    @property
     def handles(self) -> dict[str, object]:
         return self.pools.handles
 

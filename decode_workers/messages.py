@@ -19,6 +19,10 @@ class DecodeRequest:
     priority: int = 0
     lease_s: float | None = None  # remote only: how long the reservation may wait for KV
     attempt: int = 0  # the router's dispatch attempt; echoed in every output of this request
+    # The router that sent it: only that router's ``poll_outputs`` returns its outputs, and if
+    # that router is not heard from for ``router_lease_s`` (it died) the request is dropped.
+    router_id: str = ""
+    router_lease_s: float | None = None
 
 
 @dataclass(slots=True)

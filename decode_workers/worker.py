@@ -17,6 +17,10 @@ A disaggregated request's life here:
    The last output of a request carries its timing.
 4. Abort: blocks that a write may still target are freed only after the writer's quiesce
    report (``confirm_quiesced``) or the lease's end; the rest are freed at once.
+5. Several routers may share this actor. Each request is named by its router
+   ("<router id>/<request id>") and its outputs go to that router's ``poll_outputs`` only.
+   A router not heard from for its ``router_lease_s`` is taken for dead: its requests are
+   aborted as in 4, so a router that crashed leaves no blocks behind.
 A local request (``add_local``: conditional disaggregation or aggregated mode) is prefilled
 here with chunked prefill and then decodes like the others.
 """
@@ -69,40 +73,46 @@ class _Tracked:
     first_token: tuple[int, TokenLogprob | None] | None = None
     last_token_at: float | None = None
     attempt: int = 0
+    router_id: str = ""
 
 
 class OutputBox:
-    """Outputs from the engine thread, collected by an async ``take`` on the actor's loop."""
+    """Outputs from the engine thread, per router, collected by an async ``take`` on the actor's loop."""
 
     def __init__(self) -> None:
-        self._items: list[SeqOutput] = []
+        self._items: dict[str, list[SeqOutput]] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
+        self._events: dict[str, asyncio.Event] = {}
 
-    def put(self, items: list[SeqOutput]) -> None:
+    def put(self, router_id: str, items: list[SeqOutput]) -> None:
         if not items:
             return
         with self._lock:
-            self._items.extend(items)
-            loop, event = self._loop, self._event
+            self._items.setdefault(router_id, []).extend(items)
+            loop, event = self._loop, self._events.get(router_id)
         if loop is not None and event is not None:
             loop.call_soon_threadsafe(event.set)
 
-    async def take(self, timeout_s: float) -> list[SeqOutput]:
-        if self._event is None:
-            with self._lock:
-                self._loop = asyncio.get_running_loop()
-                self._event = asyncio.Event()
-        if not self._items:
+    async def take(self, router_id: str, timeout_s: float) -> list[SeqOutput]:
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            event = self._events.setdefault(router_id, asyncio.Event())
+            waiting = not self._items.get(router_id)
+        if waiting:
             try:
-                await asyncio.wait_for(self._event.wait(), timeout_s)
+                await asyncio.wait_for(event.wait(), timeout_s)
             except asyncio.TimeoutError:
                 pass
-        self._event.clear()
+        event.clear()
         with self._lock:
-            items, self._items = self._items, []
-        return items
+            return self._items.pop(router_id, [])
+
+    def forget(self, router_id: str) -> None:
+        """Drop a router that is gone, with whatever it did not collect."""
+        with self._lock:
+            self._items.pop(router_id, None)
+            self._events.pop(router_id, None)
 
 
 class DecodeWorker:
@@ -121,6 +131,10 @@ class DecodeWorker:
         self._tracked: dict[str, _Tracked] = {}
         self._aborted_attempts = RecentKeys()  # (req_id, attempt) aborted before it arrived: refused when it does
         self._outputs = OutputBox()
+        # When each router was last heard from, and how long its silence may last.
+        self._router_heard: dict[str, float] = {}
+        self._router_lease_s: dict[str, float] = {}
+        self._router_watch: asyncio.Task | None = None
         self.pump = TransferPump(self.agent, on_events=self._thread.wake)
         self.pump.start()
         self._thread.attach(self._iterate)
@@ -132,6 +146,7 @@ class DecodeWorker:
 
     async def reserve(self, request: DecodeRequest) -> KVDestination:
         """Reserve blocks for a prompt another actor prefills; raise DecodeCapacityError if full."""
+        self._heard_from(request.router_id, request.router_lease_s)
         return await self._call(self._reserve, request)
 
     async def start(self, req_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None) -> None:
@@ -144,6 +159,7 @@ class DecodeWorker:
 
     async def add_local(self, request: DecodeRequest) -> None:
         """Prefill and decode here (conditional disaggregation, aggregated mode)."""
+        self._heard_from(request.router_id, request.router_lease_s)
         await self._call(self._add_local, request)
 
     async def abort(self, req_id: str, attempt: int | None = None) -> bool:
@@ -160,10 +176,37 @@ class DecodeWorker:
         # The agent is thread-safe: no need to wait for the engine thread to finish a step.
         return self.agent.renew_leases(req_ids, lease_s)
 
-    async def poll_outputs(self, timeout_s: float = 0.05) -> DecodeReport:
-        """Outputs since the last call (waiting up to ``timeout_s`` for the first one) and capacity."""
-        outputs = await self._outputs.take(timeout_s)
+    async def poll_outputs(self, timeout_s: float = 0.05, router_id: str = "") -> DecodeReport:
+        """This router's outputs since its last call (waiting up to ``timeout_s`` for the first
+        one), and capacity."""
+        self._heard_from(router_id)
+        outputs = await self._outputs.take(router_id, timeout_s)
+        self._heard_from(router_id)
         return DecodeReport(outputs, self.scheduler.num_reservable_blocks())
+
+    def _heard_from(self, router_id: str, lease_s: float | None = None) -> None:
+        self._router_heard[router_id] = time.monotonic()
+        if lease_s is not None:
+            self._router_lease_s[router_id] = lease_s
+            if self._router_watch is None or self._router_watch.done():
+                self._router_watch = asyncio.get_running_loop().create_task(self._watch_routers())
+
+    async def _watch_routers(self) -> None:
+        """Abort the requests of routers that fell silent (crashed); runs while any router
+        with a lease has requests here, a check every few seconds."""
+        while self._router_lease_s:
+            await asyncio.sleep(min(5.0, min(self._router_lease_s.values()) / 4))
+            now = time.monotonic()
+            for router_id, lease_s in list(self._router_lease_s.items()):
+                if now - self._router_heard.get(router_id, now) > lease_s:
+                    num_aborted = await self._call(self._release_router, router_id)
+                    if num_aborted:
+                        logger.warning(
+                            "%s: router %s silent for over %.0fs; aborted its %d requests", self.worker_id, router_id, lease_s, num_aborted
+                        )
+                    self._router_lease_s.pop(router_id, None)
+                    self._router_heard.pop(router_id, None)
+                    self._outputs.forget(router_id)
 
     async def status(self) -> DecodeStatus:
         return await self._call(self._status)
@@ -192,6 +235,13 @@ class DecodeWorker:
         if (request.req_id, request.attempt) in self._aborted_attempts:
             raise DecodeAbortedError(f"req {request.req_id}: attempt {request.attempt} was aborted before it arrived")
 
+    def _release_router(self, router_id: str) -> int:
+        """Abort every request of ``router_id``; reserved blocks come back as after any abort."""
+        req_ids = [req_id for req_id, tracked in self._tracked.items() if tracked.router_id == router_id]
+        for req_id in req_ids:
+            self._abort(req_id)
+        return len(req_ids)
+
     def _reserve(self, request: DecodeRequest) -> KVDestination:
         self._check_accepting()
         self._check_not_aborted(request)
@@ -208,7 +258,7 @@ class DecodeWorker:
             self.engine.allocator.free(self.scheduler.detach(request.req_id))
             raise
         self._tracked[request.req_id] = _Tracked(
-            seq, time.monotonic(), remote=True, dest_block_ids=dest_block_ids, attempt=request.attempt
+            seq, time.monotonic(), remote=True, dest_block_ids=dest_block_ids, attempt=request.attempt, router_id=request.router_id
         )
         self.pump.kick()
         logger.debug("req %s: reserved %d blocks", request.req_id, len(dest_block_ids))
@@ -232,7 +282,9 @@ class DecodeWorker:
         self._check_accepting()
         self._check_not_aborted(request)
         seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
-        self._tracked[request.req_id] = _Tracked(seq, time.monotonic(), remote=False, dest_block_ids=[], attempt=request.attempt)
+        self._tracked[request.req_id] = _Tracked(
+            seq, time.monotonic(), remote=False, dest_block_ids=[], attempt=request.attempt, router_id=request.router_id
+        )
 
     def _abort(self, req_id: str, attempt: int | None = None) -> bool:
         tracked = self._tracked.get(req_id)
@@ -270,7 +322,7 @@ class DecodeWorker:
         now = time.monotonic()
         seq.first_token_time = now
         tracked.last_token_at = now
-        self._outputs.put([self._output(tracked, [token_id], [logprob] if logprob else [])])
+        self._outputs.put(tracked.router_id, [self._output(tracked, [token_id], [logprob] if logprob else [])])
         if seq.is_finished:
             self._tracked.pop(req_id, None)
 
@@ -278,7 +330,7 @@ class DecodeWorker:
         busy = self._poll_transfers()
         if not self.engine.has_unfinished_requests():
             return busy
-        outputs = []
+        outputs: dict[str, list[SeqOutput]] = {}
         for out in self.engine.step():
             tracked = self._tracked.get(out.req_id)
             if tracked is None:
@@ -286,10 +338,11 @@ class DecodeWorker:
             tracked.last_token_at = time.monotonic()
             output = self._output(tracked, out.new_token_ids, out.new_logprobs)
             output.error = out.error  # set where computing this request failed (FinishReason.ERROR)
-            outputs.append(output)
+            outputs.setdefault(tracked.router_id, []).append(output)
             if out.finished:
                 del self._tracked[out.req_id]
-        self._outputs.put(outputs)
+        for router_id, items in outputs.items():
+            self._outputs.put(router_id, items)
         return True
 
     def _poll_transfers(self) -> bool:
@@ -318,7 +371,7 @@ class DecodeWorker:
         logger.warning("req %s: failed on %s: %s", req_id, self.worker_id, message)
         if req_id in self.scheduler.awaiting_kv:
             self._drop_reservation(req_id, tracked)
-        self._outputs.put([SeqOutput(
+        self._outputs.put(tracked.router_id, [SeqOutput(
             req_id, [], finished=True, finish_reason=FinishReason.ERROR.value, error=message, attempt=tracked.attempt
         )])
 

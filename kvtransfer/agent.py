@@ -47,6 +47,9 @@ class KVTransferConfig:
     nixl_mode: str = "prepped"  # "prepped": per-block lists prepared once; "dynamic": per push
     merge_descriptors: bool = True  # False sends one descriptor per block (benchmark baseline)
     progress_thread: bool = False  # UCX progress thread; busy-polls a core, so off on CPU
+    # UCX network devices (UCX_NET_DEVICES) NIXL may listen and send on: "lo" keeps a
+    # single-machine deployment's transfers on loopback; None: every device UCX finds.
+    network_devices: str | None = None
     lease: LeasePolicy = field(default_factory=LeasePolicy)
 
 
@@ -90,6 +93,7 @@ class KVAgent:
             nixl_mode=self.config.nixl_mode,
             merge_descriptors=self.config.merge_descriptors,
             progress_thread=self.config.progress_thread,
+            network_devices=self.config.network_devices,
         )
         policy = self.config.lease
         self.sender = KVSender(

@@ -15,6 +15,7 @@ where the writer computes for long stretches without polling.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ class NixlTransport(Transport):
         mode: str = "prepped",
         merge: bool = True,
         progress_thread: bool = False,
+        network_devices: str | None = None,
     ) -> None:
         try:
             from nixl._api import nixl_agent, nixl_agent_config
@@ -67,6 +69,9 @@ class NixlTransport(Transport):
         self._merge = merge
         self._region = region
         self._kv_cache = kv_cache  # registered memory must outlive the agent
+        if network_devices is not None:
+            # UCX reads it when the agent creates its context: the one agent of this process.
+            os.environ["UCX_NET_DEVICES"] = network_devices
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=["UCX"])
         self._agent = nixl_agent(transport_name, config)
         if "UCX" not in self._agent.backends:

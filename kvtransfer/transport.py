@@ -94,6 +94,7 @@ def make_transport(
     nixl_mode: str = "prepped",
     merge_descriptors: bool = True,
     progress_thread: bool = False,
+    network_devices: str | None = None,
 ) -> Transport:
     """Create the named backend; its module (and nixl or ray) is imported only here."""
     if backend == "nixl":
@@ -106,6 +107,7 @@ def make_transport(
             mode=nixl_mode,
             merge=merge_descriptors,
             progress_thread=progress_thread,
+            network_devices=network_devices,
         )
     if backend == "ray":
         from kvtransfer.ray_backend import RayTransport

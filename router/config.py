@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from router.pool import RoutingPolicy
 
@@ -18,6 +19,15 @@ class Disaggregation(str, enum.Enum):
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
+    # Admin (ScalePool, DrainWorker) listens on its own address, loopback by default, so
+    # exposing Generate never exposes it; admin_port None turns Admin off.
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = 0
+    # With a token, Generation and Admin calls must carry "authorization: Bearer <token>".
+    auth_token: str | None = field(default=None, repr=False)
+    # With both, the listeners speak TLS only.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
     routing_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED
     disaggregation: Disaggregation = Disaggregation.AUTO
     # AUTO: prompts up to this many tokens are prefilled on the decode actor: a transfer and a
@@ -47,6 +57,9 @@ class RouterConfig:
     # EngineConfig.priority_max_wait_s). None: strict priority, which can starve.
     priority_max_wait_s: float | None = 30.0
     ready_wait_s: float = 120.0  # how long a request may wait for the deployment to become ready
+    # A decode actor that has not heard from this router for this long (it polls every
+    # output_poll_s while it has requests there) takes it for dead and frees its requests.
+    router_lease_s: float = 30.0
     output_poll_s: float = 0.05  # long-poll window of the per-decode-actor output collector
     status_timeout_s: float = 5.0
 
@@ -56,7 +69,11 @@ class RouterConfig:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.max_worker_deaths_per_request < 1:
             raise ValueError(f"max_worker_deaths_per_request: must be >= 1, got {self.max_worker_deaths_per_request}")
-        for name in ("kv_lease_s", "ready_wait_s", "output_poll_s", "status_timeout_s"):
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: give both or neither")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ValueError("auth_token: must not be empty")
+        for name in ("kv_lease_s", "ready_wait_s", "output_poll_s", "status_timeout_s", "router_lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("capacity_wait_s", "admission_ttft_budget_s", "priority_max_wait_s"):

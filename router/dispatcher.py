@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -106,12 +107,12 @@ class ActiveRequest:
     # which then waits for ``released``, set once nothing of this one is left on any worker.
     client_gone: Callable[[], bool] = lambda: False
     released: asyncio.Event = field(default_factory=asyncio.Event)
-    # What the workers are given: the request itself, or after a decode actor died mid-stream,
-    # ``resume_point``. (``request`` stays what the client sent: usage and stop strings use it.)
-    work: ValidatedRequest = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.work = self.request
+    # The request's name on the workers, "<router id>/<request id>": routers that share workers
+    # never meet each other's ids, and each collects only its own outputs. Set at admission.
+    key: str = ""
+    # What the workers are given (named ``key``): the request itself, or after a decode actor
+    # died mid-stream, ``resume_point``. (``request`` stays what the client sent.)
+    work: ValidatedRequest | None = None
 
     @property
     def req_id(self) -> str:
@@ -126,9 +127,10 @@ class ActiveRequest:
         """
         sent = self.assembler.completion_token_ids
         if not sent:
-            return self.request
+            return dataclasses.replace(self.request, req_id=self.key)
         return dataclasses.replace(
             self.request,
+            req_id=self.key,
             prompt_token_ids=self.request.prompt_token_ids + sent,
             sampling_params=self.request.sampling_params.resumed(len(sent)),
         )
@@ -142,8 +144,12 @@ class Dispatcher:
         metrics=None,
         block_size: int = 16,
         decode_ready: Callable[[], Awaitable[None]] | None = None,
+        router_id: str | None = None,
     ):
         self.pool = pool
+        # Names this router's requests on the workers (``ActiveRequest.key``) and its outputs.
+        self.router_id = router_id or f"r{secrets.token_hex(4)}"
+        self._by_key: dict[str, ActiveRequest] = {}  # admitted requests by their key
         # Awaited when no decode actor is routable: returns once one is (a replacement is up),
         # raises UnavailableError past its bound. None: no decode actor means UNAVAILABLE now.
         self.decode_ready = decode_ready
@@ -207,6 +213,9 @@ class Dispatcher:
                     retry_after_s=total - budget,
                 )
         self.active[active.req_id] = active
+        active.key = f"{self.router_id}/{active.req_id}"
+        active.work = active.resume_point()
+        self._by_key[active.key] = active
 
     def estimate_wait(self, request: ValidatedRequest) -> WaitEstimate:
         """How long a new request would wait for its prompt to be computed, from measured rates."""
@@ -252,7 +261,8 @@ class Dispatcher:
             active.attempt = next(self._attempts)
             decode_request = DecodeRequest(
                 request.req_id, request.prompt_token_ids, request.sampling_params, request.priority,
-                self.config.kv_lease_s, attempt=active.attempt,
+                self.config.kv_lease_s, attempt=active.attempt, router_id=self.router_id,
+                router_lease_s=self.config.router_lease_s,
             )
             # Bound before the call: the collector may see this request's first output before
             # the call returns (a short local prefill), and must route it here.
@@ -418,10 +428,10 @@ class Dispatcher:
         )
         if reason.prefill_failed and active.decode is not None and active.decode.state is not WorkerState.DEAD:
             # A dead writer writes nothing more: the reservation can be freed right away.
-            self.pool.release(active.decode, active.req_id)
+            self.pool.release(active.decode, active.key)
             try:
-                await active.decode.handle.abort.remote(active.req_id)
-                await active.decode.handle.confirm_quiesced.remote(active.req_id)
+                await active.decode.handle.abort.remote(active.key)
+                await active.decode.handle.confirm_quiesced.remote(active.key)
             except WORKER_GONE:
                 pass
         await self.cancel_prefill(active)
@@ -435,7 +445,7 @@ class Dispatcher:
         if prefill is None or prefill.state is WorkerState.DEAD:
             return
         try:
-            await prefill.handle.cancel.remote(active.req_id, active.destination.token)
+            await prefill.handle.cancel.remote(active.key, active.destination.token)
         except WORKER_GONE:
             pass
 
@@ -450,7 +460,7 @@ class Dispatcher:
         # Runs while the actor has requests, or while anyone waits for room (its reports wake them).
         while decode.req_ids or (self.capacity.num_waiting and decode.routable):
             try:
-                report: DecodeReport = await decode.handle.poll_outputs.remote(self.config.output_poll_s)
+                report: DecodeReport = await decode.handle.poll_outputs.remote(self.config.output_poll_s, self.router_id)
             except WORKER_GONE:
                 self.on_worker_died(decode)
                 return
@@ -459,7 +469,7 @@ class Dispatcher:
                 await asyncio.sleep(0.1)
                 continue
             for out in report.outputs:
-                active = self.active.get(out.req_id)
+                active = self._by_key.get(out.req_id)
                 if active is not None and active.decode is decode and out.attempt == active.attempt:
                     if out.finished:
                         active.decode_finished = True
@@ -479,9 +489,9 @@ class Dispatcher:
         self.capacity.on_report()  # waiters may fit elsewhere now, or nowhere
         if record.role is not Role.DECODE:
             return
-        for req_id in list(record.req_ids):
-            self.pool.release(record, req_id)
-            active = self.active.get(req_id)
+        for key in list(record.req_ids):
+            self.pool.release(record, key)
+            active = self._by_key.get(key)
             if active is None or active.decode is not record:
                 continue
             if active.prefill_task is not None:
@@ -495,6 +505,8 @@ class Dispatcher:
         """Release everything the request holds; abort it on its workers if it did not end there."""
         if self.active.get(active.req_id) is active:
             del self.active[active.req_id]
+        if self._by_key.get(active.key) is active:
+            del self._by_key[active.key]
         self._releasing[active.req_id] = active
         try:
             decode = active.decode
@@ -502,7 +514,7 @@ class Dispatcher:
                 active.prefill_task.cancel()
             if decode is None or active.decode_finished:
                 return
-            self.pool.release(decode, active.req_id)
+            self.pool.release(decode, active.key)
             await self._abort_on_workers(active)
         finally:
             active.released.set()
@@ -510,11 +522,11 @@ class Dispatcher:
                 del self._releasing[active.req_id]
 
     async def _abort_on_workers(self, active: ActiveRequest) -> None:
-        req_id, decode, prefill = active.req_id, active.decode, active.prefill
+        key, decode, prefill = active.key, active.decode, active.prefill
         try:
             # With the attempt: an abort that overtakes its own reserve call (an async actor may
             # run calls out of order) leaves a mark, and that reserve is refused.
-            await decode.handle.abort.remote(req_id, active.attempt)
+            await decode.handle.abort.remote(key, active.attempt)
         except WORKER_GONE:
             return
         if prefill is None:
@@ -523,24 +535,24 @@ class Dispatcher:
             # flight: nothing can write into those blocks, so they are free now, not when the
             # lease runs out. (A no-op where nothing was reserved.)
             try:
-                await decode.handle.confirm_quiesced.remote(req_id)
+                await decode.handle.confirm_quiesced.remote(key)
             except WORKER_GONE:
                 pass
             return
         try:
-            report = await prefill.handle.cancel.remote(req_id, active.destination.token)
+            report = await prefill.handle.cancel.remote(key, active.destination.token)
             for _ in range(200):  # bounded: the lease frees the blocks if the writer never confirms
                 if report.quiesced:
                     break
                 await asyncio.sleep(0.01)
-                report = await prefill.handle.quiesce_report.remote(req_id, active.destination.token)
+                report = await prefill.handle.quiesce_report.remote(key, active.destination.token)
             if not report.quiesced:
-                logger.warning("req %s: %s never quiesced; the lease will free the blocks", req_id, prefill.worker_id)
+                logger.warning("req %s: %s never quiesced; the lease will free the blocks", active.req_id, prefill.worker_id)
                 return
         except WORKER_GONE:
             pass  # a dead writer has nothing in flight
         try:
-            await decode.handle.confirm_quiesced.remote(req_id)
+            await decode.handle.confirm_quiesced.remote(key)
         except WORKER_GONE:
             pass
 

@@ -60,7 +60,7 @@ class LeaseKeeper:
         renewed = await asyncio.gather(
             *(self._renew_on_decode(record, group) for record, group in by_decode.values()), return_exceptions=True
         )
-        by_req = {active.req_id: active for active in requests}
+        by_req = {active.key: active for active in requests}
         by_prefill: dict[str, tuple[WorkerRecord, list[KVDestination]]] = {}
         for result in renewed:
             if isinstance(result, BaseException):
@@ -77,7 +77,7 @@ class LeaseKeeper:
         )
 
     async def _renew_on_decode(self, record: "WorkerRecord", group: list["ActiveRequest"]) -> list[KVDestination]:
-        req_ids = [active.req_id for active in group]
+        req_ids = [active.key for active in group]
         return await asyncio.wait_for(_await(record.handle.renew_leases.remote(req_ids, self.lease_s)), self.call_timeout_s)
 
     async def _extend_on_prefill(self, record: "WorkerRecord", dests: list[KVDestination]) -> None:

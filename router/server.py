@@ -1,4 +1,5 @@
-"""The router's gRPC server (grpc.aio): Generation and Admin services, health, reflection.
+"""The router's gRPC servers (grpc.aio): Generation, health and reflection on one listener;
+Admin (``router/admin.py``) on its own.
 
 A Generate call's life here: validate and tokenize (INVALID_ARGUMENT naming the field on
 any problem), admit (RESOURCE_EXHAUSTED beyond the queue limit), wait until the deployment
@@ -27,32 +28,26 @@ from engine.config import ModelConfig
 from engine.stats import WorkerState
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.admin import SERVICE as ADMIN_SERVICE
+from router.admin import AdminOperations, AdminService, worker_state_to_proto
 from router.config import RouterConfig
 from router.dispatcher import WORKER_GONE, ActiveRequest, Dispatcher, Failure, Restart
-from router.errors import FailedPreconditionError, NotFoundError, UnavailableError, abort_with, remote_cause
+from router.errors import abort_with, remote_cause
 from router.output_stream import OutputAssembler
 from router.pool import Role, WorkerPool, WorkerRecord
 from router.readiness import Readiness
 from router.request_bytes import tolerant
+from router.security import BearerTokenInterceptor, server_credentials
 from router.tokenizer import Tokenizer
 from router.validation import (
     RequestLimits,
     ValidatedRequest,
-    validate_drain_worker_request,
     validate_generate_request,
-    validate_scale_pool_request,
 )
 
 logger = logging.getLogger(__name__)
 
 _ROLES = {Role.PREFILL: pb.WORKER_ROLE_PREFILL, Role.DECODE: pb.WORKER_ROLE_DECODE}
-_STATES = {
-    "starting": pb.WORKER_STATE_STARTING,
-    "ready": pb.WORKER_STATE_READY,
-    "draining": pb.WORKER_STATE_DRAINING,
-    "unhealthy": pb.WORKER_STATE_UNHEALTHY,
-    "dead": pb.WORKER_STATE_DEAD,
-}
 
 
 @dataclass(slots=True)
@@ -147,49 +142,6 @@ class GenerationService(pb_grpc.GenerationServicer):
         return pb.GetClusterStatusResponse(workers=await self.router.worker_statuses())
 
 
-class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, router: "Router"):
-        self.router = router
-
-    async def ScalePool(self, request, context):
-        try:
-            validate_scale_pool_request(request, self.router.max_replicas)
-            if self.router.pool_manager is None:
-                raise UnavailableError("this router was started without a pool manager; scaling is not possible")
-            role = Role.PREFILL if request.role == pb.WORKER_ROLE_PREFILL else Role.DECODE
-            if role is Role.DECODE and request.replicas == 0 and not request.force:
-                raise FailedPreconditionError(
-                    "replicas: 0 decode workers leave nothing that can serve requests; set force to do it anyway"
-                )
-            await self.router.pool_manager.check_resources(role, request.replicas)
-            previous = await self.router.pool_manager.scale(role, request.replicas)
-            return pb.ScalePoolResponse(role=request.role, previous_replicas=previous, replicas=request.replicas)
-        except Exception as exc:
-            await abort_with(context, exc)
-
-    async def DrainWorker(self, request, context):
-        try:
-            validate_drain_worker_request(request)
-            record = self.router.pool.workers.get(request.worker_id)
-            if record is None:
-                raise NotFoundError(f"no worker {request.worker_id!r}")
-            others = [w for w in self.router.pool.routable(Role.DECODE) if w is not record]
-            if record.role is Role.DECODE and not others and not request.force:
-                raise FailedPreconditionError(
-                    f"worker_id: {record.worker_id} is the only ready decode worker; draining it leaves nothing "
-                    "that can serve requests; set force to do it anyway"
-                )
-            await self.router.drain(record)
-            if self.router.pool_manager is not None:
-                # Removed once it holds nothing (retire waits for that); the pool does not replace it.
-                task = asyncio.create_task(self.router.pool_manager.retire(record))
-                self.router.background_tasks.add(task)
-                task.add_done_callback(self.router.background_tasks.discard)
-            return pb.DrainWorkerResponse(worker_id=record.worker_id, state=_STATES[record.state.value])
-        except Exception as exc:
-            await abort_with(context, exc)
-
-
 class Router:
     """Owns the pool, the dispatcher and the gRPC server of one deployment."""
 
@@ -212,6 +164,8 @@ class Router:
         # NOT_SERVING until the pool manager says the pools can serve.
         self.readiness = Readiness(self.health)
         self.port: int | None = None
+        self.admin_server: grpc.aio.Server | None = None
+        self.admin_port: int | None = None
 
     async def validate(self, request: pb.GenerateRequest, timeout_s: float | None) -> ValidatedRequest:
         """Validate and tokenize; a long text prompt is tokenized off the event loop.
@@ -244,19 +198,49 @@ class Router:
             self.metrics.requests.labels(reason).inc()
 
     async def start(self) -> int:
-        self.server = grpc.aio.server()
+        """Start the Generation listener (and Admin's own, unless it is off); return its port."""
+        generation = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+        self.server = self._new_server()
         # Through ``tolerant``: malformed request bytes get INVALID_ARGUMENT and one log line.
         pb_grpc.add_GenerationServicer_to_server(GenerationService(self), tolerant(self.server))
-        pb_grpc.add_AdminServicer_to_server(AdminService(self), tolerant(self.server))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Generation", "Admin")]
-        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        self.readiness.add_services(names)
+        reflection.enable_server_reflection([generation, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self._listen(self.server, self.config.host, self.config.port)
+        self.readiness.add_services([generation])
         await self.readiness.publish()
         await self.server.start()
-        logger.info("router listening on %s:%d (%s)", self.config.host, self.port, "ready" if self.readiness.is_ready else "not ready yet")
+        if self.config.admin_port is not None:
+            self.admin_server = self._new_server()
+            pb_grpc.add_AdminServicer_to_server(AdminService(AdminOperations(self)), tolerant(self.admin_server))
+            reflection.enable_server_reflection([ADMIN_SERVICE, reflection.SERVICE_NAME], self.admin_server)
+            self.admin_port = self._listen(self.admin_server, self.config.admin_host, self.config.admin_port)
+            await self.admin_server.start()
+            logger.info("admin listening on %s:%d", self.config.admin_host, self.admin_port)
+        logger.info(
+            "router listening on %s:%d (%s; %s, %s)", self.config.host, self.port,
+            "ready" if self.readiness.is_ready else "not ready yet",
+            "bearer token required" if self.config.auth_token else "no authentication",
+            "TLS" if self.config.tls_cert_file else "plaintext",
+        )
         return self.port
+
+    def _new_server(self) -> grpc.aio.Server:
+        interceptors = [BearerTokenInterceptor(self.config.auth_token)] if self.config.auth_token else []
+        # No SO_REUSEPORT: another process binding the same port would receive part of its calls.
+        return grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        if self.config.tls_cert_file is None:
+            return None
+        return server_credentials(self.config.tls_cert_file, self.config.tls_key_file)
+
+    def _listen(self, server: grpc.aio.Server, host: str, port: int) -> int:
+        address = f"{host}:{port}"
+        credentials = self._credentials()
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        if bound == 0:
+            raise OSError(f"cannot listen on {address}")
+        return bound
 
     async def wait_ready(self) -> None:
         """Wait, at most ``ready_wait_s``, until the pools can serve; else UnavailableError."""
@@ -267,6 +251,8 @@ class Router:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.dispatcher.close()
+        if self.admin_server is not None:
+            await self.admin_server.stop(grace_s)
         if self.server is not None:
             await self.server.stop(grace_s)
         self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
@@ -302,7 +288,7 @@ class Router:
             else:
                 engine = result.engine
                 # The router's view wins for draining/dead; the worker's for everything else.
-                status.state = _STATES[record.state.value if record.state.value != "ready" else result.state.value]
+                status.state = worker_state_to_proto(record.state if record.state is not WorkerState.READY else result.state)
                 status.queue_depth = engine.num_waiting + getattr(result, "num_awaiting_kv", 0)
                 status.num_queued_prefill_tokens = engine.num_queued_prefill_tokens
                 status.num_kv_blocks_used = engine.num_used_blocks

@@ -7,8 +7,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from cluster.local_ray import LOOPBACK_NETWORK_DEVICES, confine_to_loopback, release_loopback_confinement
+
 # One torch thread per process keeps 2-core CI machines from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# NIXL's UCX in the test session's actors (which inherit this environment) keeps to loopback.
+os.environ.setdefault("UCX_NET_DEVICES", LOOPBACK_NETWORK_DEVICES)
 
 
 def pytest_sessionstart(session):
@@ -25,6 +29,10 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
+        # The session's Ray listens on loopback only. Its processes take the setting from the
+        # environment as they start; it is removed again after, so that the Ray clusters some
+        # tests start with `ray start` (several nodes) are not confined to one machine.
+        confine_to_loopback()
         ray.init(
             address="local",  # a fresh instance, never one left by `ray start`
             num_cpus=16,  # logical slots: actors in tests hold 1 CPU each, the machine has 2 cores
@@ -32,6 +40,7 @@ def ray_session():
             log_to_driver=False,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
         )
+        release_loopback_confinement()
     yield ray
     ray.shutdown()
 

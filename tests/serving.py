@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from cluster.deployment import Deployment, DeploymentSpec, PoolSpec
+from cluster.deployment import Deployment, DeploymentSpec, PoolSpec, build_router
+from cluster.pools import PoolManager
+from router.runner import LoopThread
 from engine import EngineConfig
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -57,10 +59,12 @@ class Stream:
 
 
 class Client:
-    def __init__(self, address: str):
+    def __init__(self, address: str, admin_address: str | None = None):
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.GenerationStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
+        # Admin listens on its own port.
+        self.admin_channel = grpc.insecure_channel(admin_address) if admin_address else None
+        self.admin = pb_grpc.AdminStub(self.admin_channel) if admin_address else None
 
     def generate(self, timeout: float | None = 60, **request) -> Stream:
         stream = Stream()
@@ -87,6 +91,8 @@ class Client:
 
     def close(self):
         self.channel.close()
+        if self.admin_channel is not None:
+            self.admin_channel.close()
 
 
 def make_request(prompt_token_ids=None, prompt_text=None, **sampling) -> pb.GenerateRequest:
@@ -96,3 +102,29 @@ def make_request(prompt_token_ids=None, prompt_text=None, **sampling) -> pb.Gene
     if prompt_text is not None:
         request.prompt_text = prompt_text
     return request
+
+
+class HostedRouter:
+    """A router serving on 127.0.0.1 from a background loop, with no worker yet."""
+
+    def __init__(self, spec: DeploymentSpec):
+        self.spec = spec
+        self.loop = LoopThread()
+        self.router = self.loop.run(self._build())
+        self.address = f"127.0.0.1:{self.loop.run(self.router.start())}"
+        self.admin_address = None if self.router.admin_port is None else f"127.0.0.1:{self.router.admin_port}"
+        self.pools: PoolManager | None = None
+
+    async def _build(self):
+        return build_router(self.spec)
+
+    def start_pools(self) -> None:
+        self.pools = PoolManager(self.spec, self.router)
+        self.router.pool_manager = self.pools
+        self.loop.run(self.pools.start(), timeout_s=120)
+
+    def close(self) -> None:
+        self.loop.run(self.router.stop(), timeout_s=30)
+        if self.pools is not None:
+            self.loop.run(self.pools.stop(), timeout_s=30)
+        self.loop.stop()

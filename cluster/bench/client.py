@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import grpc
 from cluster.bench.workloads import BenchRequest, ModelLimits
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.security import AUTH_TOKEN_ENV, client_token_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,8 @@ class ClientConfig:
     ignore_eos: bool = True
     timeout_s: float = 600.0  # per request
     request_id_prefix: str = "bench"
+    admin_address: str | None = None  # Admin's own host:port (for scaling scenarios)
+    auth_token: str | None = field(default_factory=lambda: os.environ.get(AUTH_TOKEN_ENV) or None, repr=False)
 
 
 class BenchClient:
@@ -119,23 +123,29 @@ class BenchClient:
             raise ValueError(f"max_concurrency: must be >= 1, got {config.max_concurrency}")
         self.config = config
         self._channel: grpc.aio.Channel | None = None
+        self._admin_channel: grpc.aio.Channel | None = None
+        self._metadata = client_token_metadata(config.auth_token)
         self._t0 = time.perf_counter()
 
     async def __aenter__(self) -> "BenchClient":
         self._channel = grpc.aio.insecure_channel(self.config.address)
         self.stub = pb_grpc.GenerationStub(self._channel)
-        self.admin = pb_grpc.AdminStub(self._channel)
+        if self.config.admin_address is not None:
+            self._admin_channel = grpc.aio.insecure_channel(self.config.admin_address)
+            self.admin = pb_grpc.AdminStub(self._admin_channel)
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self._channel.close()
+        if self._admin_channel is not None:
+            await self._admin_channel.close()
 
     def now_s(self) -> float:
         """Seconds since the current run started (or since the client was made)."""
         return time.perf_counter() - self._t0
 
     async def model_limits(self, timeout_s: float = 30.0) -> ModelLimits:
-        info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True)
+        info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True, metadata=self._metadata)
         return ModelLimits(vocab_size=info.vocab_size, max_context_len=info.max_context_len, eos_token_ids=tuple(info.eos_token_ids))
 
     async def warm_up(self, requests: list[BenchRequest]) -> None:
@@ -180,7 +190,7 @@ class BenchClient:
         record.send_s = self.now_s()
         last = None
         try:
-            async for response in self.stub.Generate(message, timeout=self.config.timeout_s):
+            async for response in self.stub.Generate(message, timeout=self.config.timeout_s, metadata=self._metadata):
                 received = self.now_s()
                 if response.token_ids:
                     record.chunk_s.append(received)
@@ -207,8 +217,12 @@ class BenchClient:
         """Admin.ScalePool; a refusal (no pool manager, unimplemented) is returned, not raised."""
         outcome = ScaleOutcome(role=role, replicas=replicas, requested_s=self.now_s())
         wire_role = pb.WORKER_ROLE_PREFILL if role == "prefill" else pb.WORKER_ROLE_DECODE
+        if self._admin_channel is None:
+            outcome.error = "no Admin address was given"
+            outcome.done_s = self.now_s()
+            return outcome
         try:
-            response = await self.admin.ScalePool(pb.ScalePoolRequest(role=wire_role, replicas=replicas), timeout=timeout_s)
+            response = await self.admin.ScalePool(pb.ScalePoolRequest(role=wire_role, replicas=replicas), timeout=timeout_s, metadata=self._metadata)
             outcome.previous_replicas = response.previous_replicas
         except grpc.aio.AioRpcError as exc:
             outcome.error = f"{exc.code().name}: {exc.details()}"
@@ -218,5 +232,5 @@ class BenchClient:
     async def num_workers(self, role: str) -> int:
         """Workers of ``role`` the router lists as ready."""
         wire_role = pb.WORKER_ROLE_PREFILL if role == "prefill" else pb.WORKER_ROLE_DECODE
-        status = await self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=30.0)
+        status = await self.stub.GetClusterStatus(pb.GetClusterStatusRequest(), timeout=30.0, metadata=self._metadata)
         return sum(1 for w in status.workers if w.role == wire_role and w.state == pb.WORKER_STATE_READY)

@@ -39,9 +39,10 @@ class BenchSpec:
     timeout_s: float = 600.0
     show_progress: bool = True
 
-    def client_config(self, address: str, label: str = "bench") -> ClientConfig:
+    def client_config(self, address: str, label: str = "bench", admin_address: str | None = None) -> ClientConfig:
         return ClientConfig(
             address=address,
+            admin_address=admin_address,
             max_concurrency=self.max_concurrency,
             temperature=self.temperature,
             ignore_eos=self.ignore_eos,

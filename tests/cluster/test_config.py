@@ -25,3 +25,12 @@ def test_a_null_dtype_means_the_checkpoints_and_a_bad_one_is_refused_by_name(tmp
     assert load_config(config, {}).to_spec().decode.engine.dtype is None
     with pytest.raises(ConfigError, match="dtype"):
         load_config(None, {"dtype": "int8"})
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_before_anything_starts(tmp_path, e2e_model):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((e2e_model.path / "config.json").read_text())
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {"model": str(model)})
+    assert "model" in str(info.value) and "no tokenizer.json" in str(info.value)

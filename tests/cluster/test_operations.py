@@ -158,7 +158,7 @@ def test_drain_worker_finishes_its_requests_then_removes_it(ray_cluster, e2e_mod
     prompts, expected = traffic_references
     router = RouterConfig(disaggregation=Disaggregation.NEVER)
     with running_deployment(e2e_model, 0, 2, router) as deployment:
-        client = Client(deployment.address)
+        client = Client(deployment.address, deployment.admin_address)
         with pytest.raises(grpc.RpcError) as info:
             client.admin.DrainWorker(pb.DrainWorkerRequest(worker_id="decode-9"))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND

@@ -9,14 +9,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.deployment import build_router
 from cluster.pools import DeploymentSpec, PoolManager, PoolSpec
 from engine.stats import WorkerState
 from router.config import Disaggregation, RouterConfig
 from router.pool import Role, WorkerRecord
-from router.runner import LoopThread
 from tests.checkpoints import hf_greedy
-from tests.serving import Client, engine_config
+from tests.serving import Client, HostedRouter, engine_config
 
 SERVICES = ("", "pdserve.v1.Generation")
 
@@ -30,31 +28,6 @@ def _health(address: str) -> dict[str, str]:
             )
             for service in SERVICES
         }
-
-
-class HostedRouter:
-    """A router serving on 127.0.0.1 from a background loop, with no worker yet."""
-
-    def __init__(self, spec: DeploymentSpec):
-        self.spec = spec
-        self.loop = LoopThread()
-        self.router = self.loop.run(self._build())
-        self.address = f"127.0.0.1:{self.loop.run(self.router.start())}"
-        self.pools: PoolManager | None = None
-
-    async def _build(self):
-        return build_router(self.spec)
-
-    def start_pools(self) -> None:
-        self.pools = PoolManager(self.spec, self.router)
-        self.router.pool_manager = self.pools
-        self.loop.run(self.pools.start(), timeout_s=120)
-
-    def close(self) -> None:
-        self.loop.run(self.router.stop(), timeout_s=30)
-        if self.pools is not None:
-            self.loop.run(self.pools.stop(), timeout_s=30)
-        self.loop.stop()
 
 
 @pytest.fixture

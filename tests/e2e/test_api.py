@@ -26,7 +26,7 @@ def deployment(ray_cluster, e2e_model):
 
 @pytest.fixture(scope="module")
 def client(deployment):
-    client = Client(deployment.address)
+    client = Client(deployment.address, deployment.admin_address)
     yield client
     client.close()
 
@@ -205,10 +205,15 @@ def test_model_info_health_and_reflection(client, e2e_model, deployment):
     assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    reflect = reflection_pb2_grpc.ServerReflectionStub(client.channel)
-    responses = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-    services = {s.name for r in responses for s in r.list_services_response.service}
-    assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= services
+    def listed(channel) -> set[str]:
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        return {s.name for r in responses for s in r.list_services_response.service}
+
+    # Admin is served on its own (loopback) port only.
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= listed(client.channel)
+    assert "pdserve.v1.Admin" not in listed(client.channel)
+    assert "pdserve.v1.Admin" in listed(client.admin_channel)
     roles = sorted(w.role for w in client.status())
     assert roles == [pb.WORKER_ROLE_PREFILL, pb.WORKER_ROLE_DECODE]
 
@@ -225,7 +230,7 @@ def test_model_info_health_and_reflection(client, e2e_model, deployment):
 def test_malformed_request_bytes_are_invalid_argument_not_unknown(deployment, method, raw):
     """Hand-made bytes on a generic channel: the server answers INVALID_ARGUMENT naming the message
     type (it used to be UNKNOWN with a traceback in the log) and keeps serving."""
-    channel = grpc.insecure_channel(deployment.address)
+    channel = grpc.insecure_channel(deployment.admin_address if method.startswith("/pdserve.v1.Admin/") else deployment.address)
     call = channel.unary_stream(method) if method.endswith("/Generate") else channel.unary_unary(method)
     with pytest.raises(grpc.RpcError) as info:
         result = call(raw, timeout=10)

@@ -138,6 +138,7 @@ def _active(req_id: str, num_tokens: int) -> ActiveRequest:
 
     class _Assembler:
         has_sent_tokens = False
+        completion_token_ids: list[int] = []
 
     return ActiveRequest(request, _Assembler(), outputs=None)
 

@@ -15,6 +15,7 @@ from router.validation import ValidatedRequest
 class _Assembler:
     def __init__(self):
         self.has_sent_tokens = False
+        self.completion_token_ids: list[int] = []
 
 
 def _active(req_id: str) -> ActiveRequest:

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     phases = [(args.phase_s, args.low_rate), (args.phase_s, args.high_rate), (args.after_s, args.high_rate)]
     with scenario_model(args.model, args.dtype, args.seed) as model_dir, ray_running():
         with local_cluster(model_dir, shape) as deployment:
-            output, scale = asyncio.run(_run(deployment.address, args, phases))
+            output, scale = asyncio.run(_run(deployment.address, deployment.admin_address, args, phases))
     records = output.records
     high_start, scale_at = args.phase_s, 2 * args.phase_s
     before = [r for r in records if r.ok and high_start <= r.send_s < scale_at]
@@ -85,9 +85,9 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     return ScenarioOutcome(NAME, lines, json_path, ratios, ok=output.metrics.completed > 0 and not scale.error)
 
 
-async def _run(address: str, args: argparse.Namespace, phases: list[tuple[float, float]]) -> tuple[RunOutput, ScaleOutcome]:
+async def _run(address: str, admin_address: str | None, args: argparse.Namespace, phases: list[tuple[float, float]]) -> tuple[RunOutput, ScaleOutcome]:
     spec = BenchSpec(show_progress=not args.no_progress)
-    async with BenchClient(spec.client_config(address, "scaling")) as client:
+    async with BenchClient(spec.client_config(address, "scaling", admin_address)) as client:
         limits = await client.model_limits()
         rng = random.Random(args.seed)
         offsets = phased_offsets(phases, seed=args.seed)
