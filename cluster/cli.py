@@ -178,9 +178,11 @@ def _up(args: argparse.Namespace) -> int:
     if find_controller() is not None:
         print("pdserve up: this Ray cluster already runs a pdserve deployment; run `pdserve down` first", file=sys.stderr)
         return 2
-    controller = create_controller(detached=args.detach)
+    spec = config.to_spec(local=args.address is None)
+    spec.durable_workers = True  # they outlive the controller; a restarted one adopts them
+    controller = create_controller(spec, config.router.metrics_port, config.router.metrics_host, detached=args.detach)
     try:
-        info = ray.get(controller.start.remote(config.to_spec(local=args.address is None), config.router.metrics_port, config.router.metrics_host))
+        info = ray.get(controller.start.remote())
     except Exception as exc:
         print(f"pdserve up: the deployment failed to start: {exc}", file=sys.stderr)
         ray.kill(controller)

@@ -3,10 +3,16 @@
 ``pdserve up`` creates it (named, detached with ``--detach``) on the node the command runs
 on; its event loop serves the gRPC API and the Prometheus endpoint, creates and replaces
 workers, scales and drains pools. ``pdserve down`` stops it and its workers.
+
+It is not a single point of failure: Ray restarts it if its process dies, and the new one
+starts itself with the same deployment and adopts the running workers (they are durable:
+detached and named, see ``cluster/pools.py``). Only the streams in flight through the dead
+router are lost; the workers drop those requests once that router falls silent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -34,25 +40,39 @@ class ControllerInfo:
 
 
 class Controller:
-    def __init__(self) -> None:
+    def __init__(self, spec: DeploymentSpec, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.spec: DeploymentSpec | None = None
+        self.spec = spec
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
         self.router = None
         self.pools: PoolManager | None = None
         self.metrics = Metrics()
         self.metrics_address: str | None = None
+        self._starting: asyncio.Task | None = None
+        context = ray.get_runtime_context()
+        if context.was_current_actor_reconstructed:
+            # Ray restarted this actor after its process died: nobody will call start, so it
+            # calls itself (the call runs once this constructor has returned).
+            logger.warning("controller restarted: starting the deployment again, adopting its workers")
+            context.current_actor.start.remote()
 
-    async def start(self, spec: DeploymentSpec, metrics_port: int | None, metrics_host: str = "127.0.0.1") -> ControllerInfo:
-        self.spec = spec
-        if metrics_port is not None:
-            port = self.metrics.serve(metrics_port, metrics_host)
-            self.metrics_address = f"{_advertised(metrics_host)}:{port}"
-        self.router = build_router(spec, self.metrics)
-        self.pools = PoolManager(spec, self.router, self.metrics)
+    async def start(self) -> ControllerInfo:
+        """Start the router and the pools (once; later calls wait for the same start)."""
+        if self._starting is None:
+            self._starting = asyncio.create_task(self._start())
+        await asyncio.shield(self._starting)
+        return await self.info()
+
+    async def _start(self) -> None:
+        if self.metrics_port is not None:
+            port = self.metrics.serve(self.metrics_port, self.metrics_host)
+            self.metrics_address = f"{_advertised(self.metrics_host)}:{port}"
+        self.router = build_router(self.spec, self.metrics)
+        self.pools = PoolManager(self.spec, self.router, self.metrics)
         self.router.pool_manager = self.pools
         await self.router.start()
         await self.pools.start()
-        return await self.info()
 
     async def info(self) -> ControllerInfo:
         return ControllerInfo(
@@ -70,19 +90,21 @@ class Controller:
             await self.pools.stop()
 
 
-def create_controller(detached: bool):
-    """The controller actor, pinned to this node (where the CLI printed its address)."""
+def create_controller(spec: DeploymentSpec, metrics_port: int | None, metrics_host: str, detached: bool):
+    """The controller actor, pinned to this node (where the CLI printed its address); Ray
+    restarts it, as often as needed, if its process dies."""
     node_id = ray.get_runtime_context().get_node_id()
     options = dict(
         name=CONTROLLER_NAME,
         namespace=NAMESPACE,
         num_cpus=0,
         max_concurrency=1000,
+        max_restarts=-1,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     )
     if detached:
         options["lifetime"] = "detached"
-    return ray.remote(Controller).options(**options).remote()
+    return ray.remote(Controller).options(**options).remote(spec, metrics_port, metrics_host)
 
 
 def find_controller():

@@ -68,6 +68,12 @@ class Deployment:
         await self.router.start()
         await self.pools.start()
 
+    def crash(self) -> None:
+        """Stop the router's event loop where it stands, as if its process died: no stream is
+        ended, nothing is released on the workers, no worker is stopped (tests use this)."""
+        self._loop.stop()
+        self._loop = None
+
     def stop(self) -> None:
         if self._loop is None:
             return

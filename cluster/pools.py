@@ -10,13 +10,21 @@ actor (a new epoch, so peers handshake afresh). Scaling down drains: the router 
 sending the worker new requests, the worker finishes what it has, and only when neither
 the router nor the worker holds a request is the actor removed. No request fails because
 of scaling.
+
+Durable workers (``DeploymentSpec.durable_workers``, what ``pdserve up`` uses) are detached,
+named actors ("<deployment name>/<worker id>" in Ray namespace "pdserve"): they outlive the
+controller. A pool manager starting under the same deployment name adopts the live ones
+instead of launching new ones, so a restarted controller or router keeps every worker; the
+requests the old router had on them are dropped by the workers once that router falls silent
+(``RouterConfig.router_lease_s``). A pool manager with ``manage=False`` only follows the pools
+another one manages: a second router beside the first (it adopts, routes and health-checks,
+and never launches, drains or kills).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import math
 import time
@@ -67,6 +75,8 @@ class DeploymentSpec:
     health_interval_s: float = 1.0
     health_timeout_s: float = 10.0
     drain_timeout_s: float = 600.0
+    name: str = "pdserve"  # names durable workers; one deployment per name in a Ray cluster
+    durable_workers: bool = False
 
     def pool(self, role: Role) -> PoolSpec:
         return self.prefill if role is Role.PREFILL else self.decode
@@ -74,17 +84,19 @@ class DeploymentSpec:
 
 # After a failed launch, how long the health loop waits before it launches for that pool again.
 LAUNCH_RETRY_PAUSE_S = 5.0
+WORKER_NAMESPACE = "pdserve"  # Ray namespace of durable workers
 
 
 class PoolManager:
     """Owns the actors of both pools; runs on the router's event loop."""
 
-    def __init__(self, spec: DeploymentSpec, router: Router, metrics=None):
+    def __init__(self, spec: DeploymentSpec, router: Router, metrics=None, manage: bool = True):
         self.spec = spec
+        self.manage = manage  # False: follow pools another manager runs (adopt, never launch or kill)
         self.router = router
         self.metrics = metrics
         self.handles: dict[str, object] = {}
-        self._ids = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
+        self._next_index = {Role.PREFILL: 0, Role.DECODE: 0}
         self._scale_locks = {Role.PREFILL: asyncio.Lock(), Role.DECODE: asyncio.Lock()}
         self._retiring: set[str] = set()
         self._health_task: asyncio.Task | None = None
@@ -98,10 +110,15 @@ class PoolManager:
         self._launch_retry_at = {Role.PREFILL: 0.0, Role.DECODE: 0.0}
 
     async def start(self) -> None:
+        adopted = await self._adopt() if self.spec.durable_workers or not self.manage else {Role.PREFILL: 0, Role.DECODE: 0}
+        missing = {role: max(0, self.spec.pool(role).replicas - adopted[role]) for role in (Role.PREFILL, Role.DECODE)}
+        if not self.manage:
+            missing = {Role.PREFILL: 0, Role.DECODE: 0}
+        for role in (Role.PREFILL, Role.DECODE):
+            self.desired[role] = max(self.desired[role], adopted[role])  # keep what an earlier manager scaled to
         # CPU actors share their node's host memory; each GPU actor has its own GPU.
-        num_starting = sum(p.replicas for p in (self.spec.prefill, self.spec.decode) if p.num_gpus == 0) or 1
-        launches = [self._launch(Role.PREFILL, num_starting) for _ in range(self.spec.prefill.replicas)]
-        launches += [self._launch(Role.DECODE, num_starting) for _ in range(self.spec.decode.replicas)]
+        num_starting = sum(missing[r] for r in missing if self.spec.pool(r).num_gpus == 0) or 1
+        launches = [self._launch(role, num_starting) for role in (Role.PREFILL, Role.DECODE) for _ in range(missing[role])]
         await asyncio.gather(*launches)
         self._started = True
         await self.refresh_readiness()
@@ -120,9 +137,52 @@ class PoolManager:
         for task in [self._health_task, *self._replacements]:
             if task is not None:
                 task.cancel()
-        for handle in self.handles.values():
-            ray.kill(handle)
+        if self.manage:
+            for handle in self.handles.values():
+                ray.kill(handle)
         self.handles.clear()
+
+    # -- adopting -------------------------------------------------------------------------
+
+    def _name_prefix(self) -> str:
+        return f"{self.spec.name}/"
+
+    async def _adopt(self) -> dict[Role, int]:
+        """Route to the live durable workers of this deployment; return how many per role."""
+        prefix = self._name_prefix()
+        named = await asyncio.to_thread(ray.util.list_named_actors, True)
+        names = sorted(a["name"] for a in named if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(prefix))
+        adopted = {Role.PREFILL: 0, Role.DECODE: 0}
+        for name in names:
+            worker_id = name[len(prefix):]
+            if worker_id in self.router.pool.workers:
+                adopted[self.router.pool.workers[worker_id].role] += 1
+                continue
+            role = Role.PREFILL if worker_id.startswith(f"{Role.PREFILL.value}-") else Role.DECODE
+            try:
+                handle = ray.get_actor(name, namespace=WORKER_NAMESPACE)
+                await asyncio.wait_for(_await(handle.ping.remote()), self.spec.health_timeout_s)
+                await self.router.add_worker(role, worker_id, handle)
+            except Exception as exc:
+                if isinstance(exc, ValueError):
+                    continue  # gone since it was listed
+                logger.warning("%s does not answer (%r); not adopted", name, exc)
+                if self.manage:
+                    ray.kill(handle)  # a hung worker: the pool launches a replacement
+                continue
+            self.handles[worker_id] = handle
+            adopted[role] += 1
+            self._skip_ids_up_to(role, worker_id)
+            logger.info("adopted %s", worker_id)
+        return adopted
+
+    def _skip_ids_up_to(self, role: Role, worker_id: str) -> None:
+        """New workers of ``role`` get ids after ``worker_id``'s (ids are never reused)."""
+        try:
+            index = int(worker_id.rsplit("-", 1)[1])
+        except (IndexError, ValueError):
+            return
+        self._next_index[role] = max(self._next_index[role], index + 1)
 
     def size(self, role: Role) -> int:
         """Workers of ``role`` that take requests (starting or ready, not draining)."""
@@ -133,8 +193,11 @@ class PoolManager:
     async def _launch(self, role: Role, num_starting: int = 1) -> WorkerRecord:
         """Create one actor; ``num_starting`` actors (this one included) start at the same time."""
         pool = self.spec.pool(role)
-        worker_id = f"{role.value}-{next(self._ids[role])}"
+        worker_id = f"{role.value}-{self._next_index[role]}"
+        self._next_index[role] += 1
         options = dict(num_cpus=pool.num_cpus, num_gpus=pool.num_gpus, max_restarts=0, max_concurrency=1000)
+        if self.spec.durable_workers:
+            options.update(name=f"{self._name_prefix()}{worker_id}", namespace=WORKER_NAMESPACE, lifetime="detached")
         if pool.resources:
             options["resources"] = dict(pool.resources)
         elif pool.spread:
@@ -247,7 +310,10 @@ class PoolManager:
             for record, healthy in zip(records, results):
                 if healthy is not True:
                     self._on_unhealthy(record, healthy)
-            self._reconcile()
+            if self.manage:
+                self._reconcile()
+            else:
+                await self._adopt()  # what the managing pool manager launched since
             await self.refresh_readiness()
             if self.metrics is not None:
                 await self.metrics.refresh(self.router, self.spec.health_timeout_s)
@@ -259,8 +325,13 @@ class PoolManager:
         return True
 
     def _on_unhealthy(self, record: WorkerRecord, reason) -> None:
-        logger.warning("%s failed its health check (%r): replacing it", record.worker_id, reason)
         self.router.dispatcher.on_worker_died(record)
+        if not self.manage:
+            logger.warning("%s failed its health check (%r): no longer routed to", record.worker_id, reason)
+            self.router.pool.remove(record.worker_id)
+            self.handles.pop(record.worker_id, None)
+            return  # the managing pool manager replaces it
+        logger.warning("%s failed its health check (%r): replacing it", record.worker_id, reason)
         self._remove(record)
         if record.worker_id in self._retiring:
             return  # it was leaving anyway

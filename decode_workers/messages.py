@@ -65,3 +65,4 @@ class DecodeStatus:
     engine: EngineStats
     num_awaiting_kv: int  # reservations whose KV is still arriving
     num_active_requests: int  # everything the router may still hear about
+    num_orphans_aborted: int = 0  # requests dropped because their router fell silent (died)

@@ -135,6 +135,7 @@ class DecodeWorker:
         self._router_heard: dict[str, float] = {}
         self._router_lease_s: dict[str, float] = {}
         self._router_watch: asyncio.Task | None = None
+        self._num_orphans_aborted = 0
         self.pump = TransferPump(self.agent, on_events=self._thread.wake)
         self.pump.start()
         self._thread.attach(self._iterate)
@@ -240,6 +241,7 @@ class DecodeWorker:
         req_ids = [req_id for req_id, tracked in self._tracked.items() if tracked.router_id == router_id]
         for req_id in req_ids:
             self._abort(req_id)
+        self._num_orphans_aborted += len(req_ids)
         return len(req_ids)
 
     def _reserve(self, request: DecodeRequest) -> KVDestination:
@@ -406,6 +408,7 @@ class DecodeWorker:
             engine=engine_stats(self.engine),
             num_awaiting_kv=len(self.scheduler.awaiting_kv),
             num_active_requests=len(self._tracked),
+            num_orphans_aborted=self._num_orphans_aborted,
         )
 
     async def shutdown(self) -> None:

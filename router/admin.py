@@ -44,6 +44,8 @@ class AdminOperations:
         validate_scale_pool_request(request, self.router.max_replicas)
         if self.router.pool_manager is None:
             raise UnavailableError("this router was started without a pool manager; scaling is not possible")
+        if not self.router.pool_manager.manage:
+            raise FailedPreconditionError("this router follows pools another router manages; scale through that one")
         role = Role.PREFILL if request.role == pb.WORKER_ROLE_PREFILL else Role.DECODE
         if role is Role.DECODE and request.replicas == 0 and not request.force:
             raise FailedPreconditionError(
@@ -55,6 +57,8 @@ class AdminOperations:
 
     async def drain_worker(self, request: pb.DrainWorkerRequest) -> pb.DrainWorkerResponse:
         validate_drain_worker_request(request)
+        if self.router.pool_manager is not None and not self.router.pool_manager.manage:
+            raise FailedPreconditionError("this router follows pools another router manages; drain through that one")
         record = self.router.pool.workers.get(request.worker_id)
         if record is None:
             raise NotFoundError(f"no worker {request.worker_id!r}")

@@ -95,8 +95,8 @@ class Client:
             self.admin_channel.close()
 
 
-def make_request(prompt_token_ids=None, prompt_text=None, **sampling) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
+def make_request(prompt_token_ids=None, prompt_text=None, request_id: str = "", **sampling) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
     if prompt_token_ids is not None:
         request.prompt_token_ids.extend(prompt_token_ids)
     if prompt_text is not None:
@@ -118,8 +118,8 @@ class HostedRouter:
     async def _build(self):
         return build_router(self.spec)
 
-    def start_pools(self) -> None:
-        self.pools = PoolManager(self.spec, self.router)
+    def start_pools(self, manage: bool = True) -> None:
+        self.pools = PoolManager(self.spec, self.router, manage=manage)
         self.router.pool_manager = self.pools
         self.loop.run(self.pools.start(), timeout_s=120)
 

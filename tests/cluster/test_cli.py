@@ -30,9 +30,10 @@ def _run(*args: str, state_file: Path, timeout: float = 180, check: bool = True)
     return result
 
 
-def test_up_generate_status_scale_down_detached(e2e_model, tmp_path):
+def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_model, tmp_path):
     state = tmp_path / "state.json"
-    up = _run("up", "--detach", "--model", str(e2e_model.path), "--port", "0", "--metrics-port", "0",
+    port = _free_port()  # fixed, as in production: the restarted controller listens on it again
+    up = _run("up", "--detach", "--model", str(e2e_model.path), "--port", str(port), "--metrics-port", "0",
               "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--disaggregation", "always", state_file=state)
     try:
         assert "pdserve serving on 127.0.0.1:" in up.stdout
@@ -55,6 +56,21 @@ def test_up_generate_status_scale_down_detached(e2e_model, tmp_path):
         assert _run("scale", "--decode", "2", state_file=state).stdout.strip() == "decode: 1 -> 2"
         rows = [line.split() for line in _run("status", state_file=state).stdout.splitlines()[1:]]
         assert sorted(r[0] for r in rows) == ["decode-0", "decode-1", "prefill-0"]
+        epochs = {r[0]: r[-2] for r in rows}
+
+        # The controller's process dies: Ray restarts it, the new one adopts every worker.
+        (controller,) = _processes_named("ray::Controller", session=recorded["ray_head_pid"])
+        os.kill(controller, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while True:
+            status = _run("status", state_file=state, check=False)
+            if status.returncode == 0 and process_alive(controller) is False:
+                break
+            assert time.monotonic() < deadline, status.stderr
+            time.sleep(0.5)
+        rows = [line.split() for line in status.stdout.splitlines()[1:]]
+        assert {r[0]: r[-2] for r in rows} == epochs, "the same workers (same epochs), none launched anew"
+        assert _run("generate", prompt, "--max-tokens", "10", "--ignore-eos", state_file=state).stdout == prompt + expected + "\n"
     finally:
         down = _run("down", state_file=state, check=False)
     assert down.returncode == 0 and "pdserve stopped" in down.stdout
@@ -148,6 +164,23 @@ def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, 
             os.killpg(node.pid, signal.SIGTERM)
         for node in nodes:
             node.wait(timeout=60)
+
+
+def _processes_named(name: str, session: int) -> list[int]:
+    """Pids of processes called ``name`` in the process session ``session``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        if comm == name[:15] and int(fields[3]) == session:
+            found.append(int(entry.name))
+    return found
 
 
 def _free_port() -> int:

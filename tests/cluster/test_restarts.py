@@ -1,0 +1,115 @@
+"""No single point of failure: durable workers outlive their router, a new router adopts them,
+and two routers can share one set of workers, each seeing only its own requests' outputs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from cluster.deployment import Deployment
+from cluster.pools import DeploymentSpec, PoolSpec
+from router.api.pdserve.v1 import generation_pb2 as pb
+from router.config import Disaggregation, RouterConfig
+from tests.checkpoints import hf_greedy, random_prompts
+from tests.serving import Client, HostedRouter, engine_config
+
+
+def _durable_spec(e2e_model, name: str, **router_fields) -> DeploymentSpec:
+    return DeploymentSpec(
+        model_path=e2e_model.path,
+        prefill=PoolSpec(1, engine_config(), num_cpus=0.5),
+        decode=PoolSpec(1, engine_config(), num_cpus=0.5),
+        router=RouterConfig(disaggregation=Disaggregation.ALWAYS, **router_fields),
+        name=name,
+        durable_workers=True,
+        health_interval_s=0.3,
+    )
+
+
+def _epochs(client: Client) -> dict[str, str]:
+    return {w.worker_id: w.epoch for w in client.status()}
+
+
+def test_two_routers_side_by_side_each_receive_only_their_own_outputs(ray_cluster, e2e_model):
+    """A second router follows the first one's pools (adopts its durable workers, never launches
+    or kills). Both send the same request ids at the same time, with different prompts: every
+    stream gets exactly its own prompt's continuation."""
+    spec = _durable_spec(e2e_model, "side-by-side")
+    first = Deployment(spec)
+    first.start()
+    second = HostedRouter(dataclasses.replace(spec, router=dataclasses.replace(spec.router)))
+    try:
+        second.start_pools(manage=False)
+        one, two = Client(first.address), Client(second.address)
+        assert _epochs(one) == _epochs(two), "the second router routes to the first one's workers"
+        prompts = random_prompts([40, 90, 25, 60, 120, 33], e2e_model.vocab_size, seed=41)
+        expected = [hf_greedy(e2e_model.hf_model, p, 24) for p in prompts]
+        jobs = []
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            for index, prompt in enumerate(prompts):
+                client = one if index % 2 == 0 else two
+                request_id = f"same-id-{index // 2}"  # each id is in flight on both routers at once
+                jobs.append(pool.submit(
+                    client.generate, request_id=request_id, prompt_token_ids=prompt, max_tokens=24, temperature=0.0, ignore_eos=True
+                ))
+            streams = [job.result(timeout=120) for job in jobs]
+        for stream, want in zip(streams, expected):
+            assert stream.token_ids == want
+        with pytest.raises(grpc.RpcError) as refused:
+            Client(second.address, second.admin_address).admin.DrainWorker(pb.DrainWorkerRequest(worker_id="decode-0"))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, "only the managing router changes pools"
+        assert all(w.num_kv_blocks_used == 0 for w in one.wait_until_idle())
+        one.close()
+        two.close()
+    finally:
+        second.close()
+        first.stop()
+
+
+def test_a_router_that_dies_loses_only_its_streams_and_a_new_one_adopts_its_workers(ray_cluster, e2e_model):
+    spec = _durable_spec(e2e_model, "router-restart", router_lease_s=2.0)
+    (prompt,) = random_prompts([50], e2e_model.vocab_size, seed=42)
+    first = Deployment(spec)
+    first.start()
+    client = Client(first.address)
+    epochs = _epochs(client)
+    outcome: dict = {}
+
+    def stream() -> None:
+        try:
+            outcome["stream"] = client.generate(timeout=6, prompt_token_ids=prompt, max_tokens=1900, temperature=0.0, ignore_eos=True)
+        except grpc.RpcError as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    active = first.router.dispatcher.active
+    deadline = time.monotonic() + 30
+    while not any(a.assembler.has_sent_tokens for a in list(active.values())):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    first.crash()  # the router's process is gone: nothing of it cleans up
+    second = Deployment(spec)
+    try:
+        second.start()
+        again = Client(second.address)
+        assert _epochs(again) == epochs, "the same workers, adopted, none launched"
+        thread.join(30)
+        assert "error" in outcome, "the dead router's stream ended without its last message"
+        # The dead router's request still held blocks on the decode actor; they are freed once
+        # that router has been silent for its router_lease_s.
+        assert all(w.num_kv_blocks_used == 0 for w in again.wait_until_idle(timeout_s=30))
+        decode = ray.get(second.handles["decode-0"].status.remote())
+        assert decode.num_orphans_aborted == 1, "dropped for its silent router, not left to run to its end"
+        stream = again.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert stream.token_ids == hf_greedy(e2e_model.hf_model, prompt, 8)
+        again.close()
+    finally:
+        second.stop()  # kills the workers it adopted
+    client.close()
