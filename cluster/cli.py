@@ -185,6 +185,10 @@ def _up(args: argparse.Namespace) -> int:
         info = ray.get(controller.start.remote())
     except Exception as exc:
         print(f"pdserve up: the deployment failed to start: {exc}", file=sys.stderr)
+        try:
+            ray.get(controller.stop.remote(), timeout=30)  # its workers are detached: stop them too
+        except Exception:
+            pass
         ray.kill(controller)
         if head is not None:
             _stop_pid(head)
