@@ -50,12 +50,9 @@ class Controller:
         self.metrics = Metrics()
         self.metrics_address: str | None = None
         self._starting: asyncio.Task | None = None
-        context = ray.get_runtime_context()
-        if context.was_current_actor_reconstructed:
-            # Ray restarted this actor after its process died: nobody will call start, so it
-            # calls itself (the call runs once this constructor has returned).
-            logger.warning("controller restarted: starting the deployment again, adopting its workers")
-            context.current_actor.start.remote()
+        # It starts itself (the call runs once this constructor has returned): after Ray
+        # restarted it, nobody else would. ``start`` from the CLI waits for the same start.
+        ray.get_runtime_context().current_actor.start.remote()
 
     async def start(self) -> ControllerInfo:
         """Start the router and the pools (once; later calls wait for the same start)."""

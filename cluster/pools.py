@@ -81,6 +81,16 @@ class DeploymentSpec:
     def pool(self, role: Role) -> PoolSpec:
         return self.prefill if role is Role.PREFILL else self.decode
 
+    def validate(self) -> None:
+        """Raise ValueError, naming the field, for settings that cannot work together."""
+        self.router.validate()
+        write_timeout_s = self.transfer.lease.write_timeout_s
+        if self.router.kv_lease_s <= write_timeout_s:
+            raise ValueError(
+                f"router.kv_lease_s: {self.router.kv_lease_s:g}s must exceed the KV write timeout ({write_timeout_s:g}s): "
+                "a write posted near the end of a lease could outlive it"
+            )
+
 
 # After a failed launch, how long the health loop waits before it launches for that pool again.
 LAUNCH_RETRY_PAUSE_S = 5.0
@@ -91,6 +101,7 @@ class PoolManager:
     """Owns the actors of both pools; runs on the router's event loop."""
 
     def __init__(self, spec: DeploymentSpec, router: Router, metrics=None, manage: bool = True):
+        spec.validate()
         self.spec = spec
         self.manage = manage  # False: follow pools another manager runs (adopt, never launch or kill)
         self.router = router

@@ -70,6 +70,7 @@ class RequestRecord:
     send_s: float = math.nan  # when Generate was called
     chunk_s: list[float] = field(default_factory=list)  # receipt of every message carrying tokens
     chunk_tokens: list[int] = field(default_factory=list)  # tokens in each of those messages
+    token_ids: list[int] = field(default_factory=list)  # every token received, in order
     end_s: float = math.nan  # receipt of the last message (or of the error)
     usage_completion_tokens: int = 0
     finish_reason: str = ""  # length, stop, eos, abort, error; "" if the stream broke off
@@ -112,6 +113,9 @@ class ClientConfig:
     timeout_s: float = 600.0  # per request
     request_id_prefix: str = "bench"
     admin_address: str | None = None  # Admin's own host:port (for scaling scenarios)
+    # Wait (up to timeout_s) for an unreachable router instead of failing at once, as a client
+    # that rides out a router restart does.
+    wait_for_ready: bool = False
     auth_token: str | None = field(default_factory=lambda: os.environ.get(AUTH_TOKEN_ENV) or None, repr=False)
 
 
@@ -190,11 +194,13 @@ class BenchClient:
         record.send_s = self.now_s()
         last = None
         try:
-            async for response in self.stub.Generate(message, timeout=self.config.timeout_s, metadata=self._metadata):
+            call = self.stub.Generate(message, timeout=self.config.timeout_s, metadata=self._metadata, wait_for_ready=self.config.wait_for_ready)
+            async for response in call:
                 received = self.now_s()
                 if response.token_ids:
                     record.chunk_s.append(received)
                     record.chunk_tokens.append(len(response.token_ids))
+                    record.token_ids.extend(response.token_ids)
                 last = response
         except grpc.aio.AioRpcError as exc:
             record.error = f"{exc.code().name}: {exc.details()}"
