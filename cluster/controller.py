@@ -52,6 +52,8 @@ class Controller:
         self._starting: asyncio.Task | None = None
         # It starts itself (the call runs once this constructor has returned): after Ray
         # restarted it, nobody else would. ``start`` from the CLI waits for the same start.
+        # While a restarted actor is still constructing, Ray answers this call "restarting":
+        # it is retried (max_task_retries) until the actor takes it.
         ray.get_runtime_context().current_actor.start.remote()
 
     async def start(self) -> ControllerInfo:
@@ -97,6 +99,7 @@ def create_controller(spec: DeploymentSpec, metrics_port: int | None, metrics_ho
         num_cpus=0,
         max_concurrency=1000,
         max_restarts=-1,
+        max_task_retries=-1,  # calls that meet a restarting controller wait for the new one
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     )
     if detached:

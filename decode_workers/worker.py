@@ -29,26 +29,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
-import ray
-
 from decode_workers.messages import DecodeReport, DecodeRequest, DecodeStatus, DecodeTiming, SeqOutput
 from decode_workers.scheduler import DecodeScheduler
 from engine.config import EngineConfig
-from engine.engine_thread import EngineThread
-from engine.llm_engine import LLMEngine
 from engine.sequence import FinishReason, Sequence, TokenLogprob, sampled_token_from_json
 from engine.stats import WorkerState, engine_stats
-from kvtransfer.agent import KVAgent, KVTransferConfig
+from kvtransfer.agent import KVTransferConfig
 from kvtransfer.handshake import HandshakeOffer
-from kvtransfer.layout import KVCompat
 from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import KVDestination
-from kvtransfer.pump import TransferPump
+from workers.base import EngineWorker
 
 logger = logging.getLogger(__name__)
 
@@ -115,19 +109,14 @@ class OutputBox:
             self._events.pop(router_id, None)
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
     """Hosted by Ray as an async actor (see ``cluster``); plain Python otherwise."""
 
+    role = "decode"
+
     def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None):
-        self.worker_id = worker_id
-        self._thread = EngineThread(f"decode-{worker_id}")
-        self._thread.start()
-        self.engine = self._thread.run(LLMEngine, model_path, engine_config, DecodeScheduler)
-        self.scheduler: DecodeScheduler = self.engine.scheduler
-        self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
-        self.state = WorkerState.READY
-        # Host plus Ray node: two raylets on one host are still two nodes.
-        self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
+        super().__init__(worker_id, model_path, engine_config, transfer_config, DecodeScheduler)
+        self.scheduler: DecodeScheduler
         self._tracked: dict[str, _Tracked] = {}
         self._aborted_attempts = RecentKeys()  # (req_id, attempt) aborted before it arrived: refused when it does
         self._outputs = OutputBox()
@@ -136,9 +125,7 @@ class DecodeWorker:
         self._router_lease_s: dict[str, float] = {}
         self._router_watch: asyncio.Task | None = None
         self._num_orphans_aborted = 0
-        self.pump = TransferPump(self.agent, on_events=self._thread.wake)
-        self.pump.start()
-        self._thread.attach(self._iterate)
+        self._run_engine()
 
     # -- calls from the router (each runs on the engine thread) -------------------------
 
@@ -212,19 +199,6 @@ class DecodeWorker:
     async def status(self) -> DecodeStatus:
         return await self._call(self._status)
 
-    async def drain(self) -> None:
-        """Take no new requests; the router removes this actor once it is idle."""
-        self.state = WorkerState.DRAINING
-
-    async def ping(self, hang_timeout_s: float = 120.0) -> str:
-        """The epoch, if the engine thread is alive and making progress (else RuntimeError)."""
-        self._thread.check_healthy(hang_timeout_s)
-        if not self.pump.alive or self.pump.last_error is not None:
-            raise RuntimeError(f"decode worker {self.worker_id}: transfer pump failed: {self.pump.last_error!r}")
-        return self.agent.ref.epoch
-
-    async def _call(self, fn, *args):
-        return await asyncio.wrap_future(self._thread.call(fn, *args))
 
     # -- engine-thread side -------------------------------------------------------------
 
@@ -345,6 +319,7 @@ class DecodeWorker:
                 del self._tracked[out.req_id]
         for router_id, items in outputs.items():
             self._outputs.put(router_id, items)
+        self._pause_after_step()
         return True
 
     def _poll_transfers(self) -> bool:
@@ -411,10 +386,6 @@ class DecodeWorker:
             num_orphans_aborted=self._num_orphans_aborted,
         )
 
-    async def shutdown(self) -> None:
-        self._thread.stop()
-        self.pump.stop()
-        self.agent.close()
 
 
 def _ms(seconds: float) -> float:

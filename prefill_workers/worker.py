@@ -21,28 +21,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import ray
 import torch
 
 from engine.config import EngineConfig
-from engine.engine_thread import EngineThread
 from engine.errors import RequestFailedError
-from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence, sampled_token_to_json
 from engine.stats import WorkerState, engine_stats
-from kvtransfer.agent import KVAgent, KVTransferConfig
+from kvtransfer.agent import KVTransferConfig
 from kvtransfer.errors import KVTransferError
-from kvtransfer.layout import KVCompat
 from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import KVDestination, QuiesceReport
-from kvtransfer.pump import TransferPump
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming
 from prefill_workers.scheduler import PrefillScheduler
+from workers.base import EngineWorker
 
 logger = logging.getLogger(__name__)
 
@@ -72,28 +67,20 @@ class _Job:
         return self.num_pushed_blocks == len(self.request.destination.block_ids)
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
     """Hosted by Ray as an async actor (see ``cluster``); plain Python otherwise."""
 
+    role = "prefill"
+
     def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None):
-        self.worker_id = worker_id
-        self._thread = EngineThread(f"prefill-{worker_id}")
-        self._thread.start()
-        self.engine = self._thread.run(LLMEngine, model_path, engine_config, PrefillScheduler)
-        self.scheduler: PrefillScheduler = self.engine.scheduler
-        self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
+        super().__init__(worker_id, model_path, engine_config, transfer_config, PrefillScheduler)
+        self.scheduler: PrefillScheduler
         self.block_size = self.engine.kv_cache.block_size
-        self.state = WorkerState.READY
-        # Host plus Ray node: two raylets on one host are still two nodes.
-        self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._jobs: dict[str, _Job] = {}
         # Reservation tokens cancelled before their request arrived (an async actor may run a
         # cancel ahead of the submit it follows): that submit is refused.
         self._cancelled_tokens = RecentKeys()
-        self._step_delay_s = 0.0
-        self.pump = TransferPump(self.agent, on_events=self._thread.wake)
-        self.pump.start()
-        self._thread.attach(self._iterate)
+        self._run_engine()
 
     # -- calls from the router ----------------------------------------------------------
 
@@ -142,22 +129,8 @@ class PrefillWorker:
         """Names of the decode actors this prefill actor can write to."""
         return [peer.name for peer in self.agent.peers()]
 
-    async def set_step_delay(self, seconds: float) -> None:
-        """Fault injection for tests and drills: sleep this long after every prefill step."""
-        self._step_delay_s = max(0.0, float(seconds))
-
     async def status(self) -> PrefillStatus:
-        return await asyncio.wrap_future(self._thread.call(self._status))
-
-    async def drain(self) -> None:
-        self.state = WorkerState.DRAINING
-
-    async def ping(self, hang_timeout_s: float = 120.0) -> str:
-        """The epoch, if the engine thread is alive and making progress (else RuntimeError)."""
-        self._thread.check_healthy(hang_timeout_s)
-        if not self.pump.alive or self.pump.last_error is not None:
-            raise RuntimeError(f"prefill worker {self.worker_id}: transfer pump failed: {self.pump.last_error!r}")
-        return self.agent.ref.epoch
+        return await self._call(self._status)
 
     # -- engine-thread side -------------------------------------------------------------
 
@@ -204,8 +177,7 @@ class PrefillWorker:
         for out in self.engine.run_batch(batch):
             if out.error is not None and (job := self._jobs.get(out.req_id)) is not None:
                 self._finish_job(job, RequestFailedError(out.error))  # that request alone; its blocks are free
-        if self._step_delay_s:
-            time.sleep(self._step_delay_s)
+        self._pause_after_step()
         if self.engine.kv_cache.tensor.is_cuda:
             # Kernels run asynchronously: NIXL must not read blocks the step is still writing.
             done = torch.cuda.Event()
@@ -292,7 +264,3 @@ class PrefillWorker:
             num_transfers_in_flight=self.agent.num_in_flight(),
         )
 
-    async def shutdown(self) -> None:
-        self._thread.stop()
-        self.pump.stop()
-        self.agent.close()

@@ -74,6 +74,7 @@ class Restart:
     """A worker died before this request produced a token: dispatch it again."""
 
     reason: str
+    attempt: int  # the dispatch attempt it ends: stale once the request was dispatched again
     prefill_failed: bool = False  # the prefill actor died (else the decode actor did)
     dead_worker_id: str | None = None  # the worker whose death this is (None: none was available)
 
@@ -341,7 +342,7 @@ class Dispatcher:
         while True:
             prefill = self.pool.pick(Role.PREFILL, exclude=draining)
             if prefill is None:
-                active.outputs.put_nowait(Restart("no prefill worker is available", prefill_failed=True))
+                active.outputs.put_nowait(Restart("no prefill worker is available", active.attempt, prefill_failed=True))
                 return
             active.prefill = prefill
             active.destination = destination
@@ -368,7 +369,7 @@ class Dispatcher:
                 except WORKER_GONE:
                     return  # the collector reports the decode actor's death
                 active.attempt = next(self._attempts)  # whatever the decode actor still sends for the old one is stale now
-                active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", prefill_failed=True, dead_worker_id=prefill.worker_id))
+                active.outputs.put_nowait(Restart(f"prefill worker {prefill.worker_id} died", active.attempt, prefill_failed=True, dead_worker_id=prefill.worker_id))
                 return
             except Exception as exc:
                 logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, _reason(exc))
@@ -394,11 +395,16 @@ class Dispatcher:
     async def restart(self, active: ActiveRequest, reason: Restart) -> None:
         """Dispatch again after a worker died, within the retry bounds; raise UNAVAILABLE beyond them.
 
+        A Restart of an earlier attempt is ignored: the worker died while that attempt was being
+        placed, and the placement went on elsewhere (``dispatch`` retries a dead worker itself).
+
         Poison detection: a request that was in flight on ``max_worker_deaths_per_request``
         workers that died is not carried to another one. A bystander of one crash is retried;
         a request present at two is refused (INTERNAL, naming the workers), since it may be
         what kills them, and two crashed workers are the most it costs.
         """
+        if reason.attempt != active.attempt:
+            return
         if reason.dead_worker_id is not None:
             active.dead_workers.append(reason.dead_worker_id)
             limit = self.config.max_worker_deaths_per_request
@@ -497,7 +503,7 @@ class Dispatcher:
             if active.prefill_task is not None:
                 active.prefill_task.cancel()
             # Restarted (or, mid-stream, migrated) elsewhere; ``restart`` applies the bounds.
-            active.outputs.put_nowait(Restart(f"decode worker {record.worker_id} died", dead_worker_id=record.worker_id))
+            active.outputs.put_nowait(Restart(f"decode worker {record.worker_id} died", active.attempt, dead_worker_id=record.worker_id))
 
     # -- the end --------------------------------------------------------------------------
 

@@ -79,6 +79,9 @@ def test_a_router_that_dies_loses_only_its_streams_and_a_new_one_adopts_its_work
     first.start()
     client = Client(first.address)
     epochs = _epochs(client)
+    # Slow decoding: the stream would need 19 s or more to run to its end, far beyond the 2 s
+    # after which the decode actor gives up on its silent router.
+    ray.get(first.handles["decode-0"].set_step_delay.remote(0.01))
     outcome: dict = {}
 
     def stream() -> None:

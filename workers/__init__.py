@@ -1,0 +1,1 @@
+"""What the prefill and the decode actor share (``workers.base.EngineWorker``)."""

@@ -1,0 +1,85 @@
+"""The scaffolding every pdserve worker actor shares, written once.
+
+A worker runs its engine on a thread of its own (``EngineThread``: the actor's event loop stays
+free to answer calls while a step computes), registers the engine's KV cache with a KV agent,
+and drives the agent's transfers from a pump thread. Around that sit the calls every worker
+answers the same way: ``ping`` (the health check: is the engine thread alive and making
+progress, is the pump alive), ``drain``, ``set_step_delay`` (fault injection for tests and
+drills) and ``shutdown``. ``PrefillWorker`` and ``DecodeWorker`` add their own request
+lifecycles and their ``_iterate`` (one turn of the engine thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import ray
+
+from engine.config import EngineConfig
+from engine.engine_thread import EngineThread
+from engine.llm_engine import LLMEngine
+from engine.stats import WorkerState
+from kvtransfer.agent import KVAgent, KVTransferConfig
+from kvtransfer.layout import KVCompat
+from kvtransfer.pump import TransferPump
+
+
+class EngineWorker:
+    """Base of the worker actors; ``role`` names the kind ("prefill", "decode")."""
+
+    role = "worker"
+
+    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None, scheduler_class):
+        self.worker_id = worker_id
+        self._thread = EngineThread(f"{self.role}-{worker_id}")
+        self._thread.start()
+        self.engine = self._thread.run(LLMEngine, model_path, engine_config, scheduler_class)
+        self.scheduler = self.engine.scheduler
+        self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
+        self.state = WorkerState.READY
+        # Host plus Ray node: two raylets on one host are still two nodes.
+        self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
+        self._step_delay_s = 0.0
+        self.pump = TransferPump(self.agent, on_events=self._thread.wake)
+        self.pump.start()
+
+    def _run_engine(self) -> None:
+        """Start turning ``_iterate`` on the engine thread (a subclass calls this last in its
+        constructor, once its own state exists)."""
+        self._thread.attach(self._iterate)
+
+    def _iterate(self) -> bool:
+        """One turn of the engine thread; True if it did something (else the thread sleeps)."""
+        raise NotImplementedError
+
+    def _pause_after_step(self) -> None:
+        if self._step_delay_s:
+            time.sleep(self._step_delay_s)
+
+    async def _call(self, fn, *args):
+        """Run ``fn`` on the engine thread (between steps) and wait for it."""
+        return await asyncio.wrap_future(self._thread.call(fn, *args))
+
+    # -- calls every worker answers -----------------------------------------------------
+
+    async def ping(self, hang_timeout_s: float = 120.0) -> str:
+        """The epoch, if the engine thread is alive and making progress (else RuntimeError)."""
+        self._thread.check_healthy(hang_timeout_s)
+        if not self.pump.alive or self.pump.last_error is not None:
+            raise RuntimeError(f"{self.role} worker {self.worker_id}: transfer pump failed: {self.pump.last_error!r}")
+        return self.agent.ref.epoch
+
+    async def drain(self) -> None:
+        """Take no new requests; the pool manager removes this worker once it is idle."""
+        self.state = WorkerState.DRAINING
+
+    async def set_step_delay(self, seconds: float) -> None:
+        """Fault injection for tests and drills: sleep this long after every engine step."""
+        self._step_delay_s = max(0.0, float(seconds))
+
+    async def shutdown(self) -> None:
+        self._thread.stop()
+        self.pump.stop()
+        self.agent.close()
