@@ -96,6 +96,23 @@ class PrefillWorker(EngineWorker):
     async def quiesce_report(self, req_id: str, token: int | None = None) -> QuiesceReport:
         return await asyncio.wrap_future(self._thread.call(self.agent.quiesce_report, req_id, token))
 
+    async def wait_quiesced(self, req_id: str, token: int | None, timeout_s: float) -> QuiesceReport:
+        """After ``cancel``: the report once no write of the request is in flight, or after
+        ``timeout_s`` whatever it says. Woken by the transfer pump's events, not by polling;
+        runs on the actor's event loop (the agent is thread-safe), so a long step does not delay it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            events = self.transfer_events.arm()
+            report = self.agent.quiesce_report(req_id, token)
+            left = deadline - loop.time()
+            if report.quiesced or left <= 0:
+                return report
+            try:
+                await asyncio.wait_for(events.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
     async def extend_leases(self, destinations: list[KVDestination]) -> int:
         """The decode actors renewed these reservations: writes into them may go on longer.
 

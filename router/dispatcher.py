@@ -67,6 +67,8 @@ RELEASE_WAIT_S = 10.0
 # How long a new request waits for a previous one of its id, still in flight, to turn out
 # cancelled (the cancel may reach the server just after the new request).
 DUPLICATE_GRACE_S = 0.5
+# How long an abort waits for the prefill actor's writes into the request's blocks to stop.
+QUIESCE_WAIT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -547,11 +549,9 @@ class Dispatcher:
             return
         try:
             report = await prefill.handle.cancel.remote(key, active.destination.token)
-            for _ in range(200):  # bounded: the lease frees the blocks if the writer never confirms
-                if report.quiesced:
-                    break
-                await asyncio.sleep(0.01)
-                report = await prefill.handle.quiesce_report.remote(key, active.destination.token)
+            if not report.quiesced:
+                # Bounded: the lease frees the blocks if the writer never confirms.
+                report = await prefill.handle.wait_quiesced.remote(key, active.destination.token, QUIESCE_WAIT_S)
             if not report.quiesced:
                 logger.warning("req %s: %s never quiesced; the lease will free the blocks", active.req_id, prefill.worker_id)
                 return

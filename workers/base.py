@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 
 import ray
@@ -24,6 +25,31 @@ from engine.stats import WorkerState
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.layout import KVCompat
 from kvtransfer.pump import TransferPump
+
+
+class TransferSignal:
+    """Wakes coroutines on the actor's event loop when the transfer pump reports events."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def notify(self) -> None:
+        """From any thread."""
+        with self._lock:
+            loop, event = self._loop, self._event
+        if loop is not None and event is not None:
+            loop.call_soon_threadsafe(event.set)
+
+    def arm(self) -> asyncio.Event:
+        """A cleared event that the next ``notify`` sets: arm, then check, then wait on it, so
+        that no event between the check and the wait is missed."""
+        with self._lock:
+            if self._event is None:
+                self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+            self._event.clear()
+            return self._event
 
 
 class EngineWorker:
@@ -42,8 +68,14 @@ class EngineWorker:
         # Host plus Ray node: two raylets on one host are still two nodes.
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._step_delay_s = 0.0
-        self.pump = TransferPump(self.agent, on_events=self._thread.wake)
+        self.transfer_events = TransferSignal()
+        self.pump = TransferPump(self.agent, on_events=self._on_transfer_events)
         self.pump.start()
+
+    def _on_transfer_events(self) -> None:
+        """The pump saw transfers complete, fail or arrive (its thread): wake whoever waits."""
+        self._thread.wake()
+        self.transfer_events.notify()
 
     def _run_engine(self) -> None:
         """Start turning ``_iterate`` on the engine thread (a subclass calls this last in its
