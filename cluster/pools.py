@@ -41,7 +41,6 @@ from engine.stats import WorkerState
 from kvtransfer.agent import KVTransferConfig
 from prefill_workers.worker import PrefillWorker
 from router.config import RouterConfig
-from router.dispatcher import WORKER_GONE
 from router.errors import FailedPreconditionError
 from router.pool import Role, WorkerRecord
 from router.server import Router
@@ -290,9 +289,9 @@ class PoolManager:
             self._retiring.discard(record.worker_id)
 
     async def _worker_idle(self, record: WorkerRecord) -> bool:
-        try:
-            status = await asyncio.wait_for(_await(record.handle.status.remote()), self.spec.health_timeout_s)
-        except (asyncio.TimeoutError, *WORKER_GONE):
+        report = await self.router.status_monitor.report(record, max_age_s=0.0)
+        status = report.status
+        if status is None:
             return True  # nothing left to wait for on a dead or hung worker
         engine = status.engine
         if record.role is Role.PREFILL:
@@ -327,7 +326,7 @@ class PoolManager:
                 await self._adopt()  # what the managing pool manager launched since
             await self.refresh_readiness()
             if self.metrics is not None:
-                await self.metrics.refresh(self.router, self.spec.health_timeout_s)
+                await self.metrics.refresh(self.router, max_age_s=self.spec.health_interval_s)
 
     async def _check(self, record: WorkerRecord) -> bool:
         if record.state is WorkerState.DEAD:

@@ -8,7 +8,6 @@ several can live in one process (tests) without clashing.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -65,16 +64,16 @@ class Metrics:
 
     # -- pool gauges --------------------------------------------------------------------
 
-    async def refresh(self, router, timeout_s: float = 10.0) -> None:
-        """Read every worker's status report into the gauges (a hung worker's after ``timeout_s``: none)."""
+    async def refresh(self, router, max_age_s: float = 1.0) -> None:
+        """Read every worker's load report (none older than ``max_age_s``) into the gauges."""
         records = list(router.pool.workers.values())
-        results = await asyncio.gather(
-            *(asyncio.wait_for(_await(r.handle.status.remote()), timeout_s) for r in records), return_exceptions=True
-        )
+        reports = await router.status_monitor.reports(max_age_s)
         depth = {"prefill": 0, "decode": 0}
         seen = set()
-        for record, status in zip(records, results):
-            if isinstance(status, BaseException):
+        for record in records:
+            report = reports.get(record.worker_id)
+            status = report.status if report is not None else None
+            if status is None:
                 continue
             worker, role = record.worker_id, record.role.value
             seen.add(worker)
@@ -101,6 +100,3 @@ class Metrics:
                         pass
         self._known_workers = seen | (self._known_workers & {r.worker_id for r in records})
 
-
-async def _await(ref):
-    return await ref

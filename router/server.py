@@ -38,6 +38,7 @@ from router.pool import Role, WorkerPool, WorkerRecord
 from router.readiness import Readiness
 from router.request_bytes import tolerant
 from router.security import BearerTokenInterceptor, server_credentials
+from router.status_monitor import StatusMonitor
 from router.tokenizer import Tokenizer
 from router.validation import (
     RequestLimits,
@@ -70,6 +71,9 @@ class ModelInfo:
         return cls(Path(model_dir).name, config.architecture, limit, config.vocab_size, eos_token_ids or config.eos_token_ids, block_size)
 
 
+# GetClusterStatus answers from status reports at most this old (callers at the same moment
+# share one round of status calls).
+CLUSTER_STATUS_MAX_AGE_S = 0.05
 # Text prompts longer than this are tokenized on a thread (about 1 ms of tokenizing inline).
 INLINE_TOKENIZE_CHARS = 4096
 
@@ -154,6 +158,8 @@ class Router:
         # One thread: long prompts are tokenized one at a time, off the event loop.
         self._tokenize_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pool = WorkerPool(self.config.routing_policy)
+        # The one reader of worker status (GetClusterStatus, metrics, the pool manager).
+        self.status_monitor = StatusMonitor(self.pool, self.config.status_timeout_s)
         self.dispatcher = Dispatcher(self.pool, self.config, metrics, block_size=model_info.block_size, decode_ready=self.wait_ready)
         self.pool_manager = pool_manager
         self.metrics = metrics
@@ -275,16 +281,16 @@ class Router:
             self.dispatcher.on_worker_died(record)
 
     async def worker_statuses(self) -> list[pb.WorkerStatus]:
-        records = list(self.pool.workers.values())
-        results = await asyncio.gather(
-            *(asyncio.wait_for(_await_ref(r.handle.status.remote()), self.config.status_timeout_s) for r in records),
-            return_exceptions=True,
-        )
+        reports = await self.status_monitor.reports(max_age_s=CLUSTER_STATUS_MAX_AGE_S)
         statuses = []
-        for record, result in zip(records, results):
+        for record in list(self.pool.workers.values()):
+            report = reports.get(record.worker_id)
+            if report is None:
+                continue  # joined after the round: in the next answer
             status = pb.WorkerStatus(worker_id=record.worker_id, role=_ROLES[record.role], epoch=record.epoch)
-            if isinstance(result, BaseException):
-                status.state = pb.WORKER_STATE_DEAD if isinstance(result, WORKER_GONE) else pb.WORKER_STATE_UNHEALTHY
+            result = report.status
+            if result is None:
+                status.state = pb.WORKER_STATE_DEAD if report.gone else pb.WORKER_STATE_UNHEALTHY
             else:
                 engine = result.engine
                 # The router's view wins for draining/dead; the worker's for everything else.
@@ -299,6 +305,3 @@ class Router:
             statuses.append(status)
         return statuses
 
-
-async def _await_ref(ref):
-    return await ref
