@@ -43,7 +43,7 @@ from prefill_workers.worker import PrefillWorker
 from router.config import RouterConfig
 from router.errors import FailedPreconditionError
 from router.pool import Role, WorkerRecord
-from router.server import Router
+from router.pool_control import PoolHost
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ WORKER_NAMESPACE = "pdserve"  # Ray namespace of durable workers
 class PoolManager:
     """Owns the actors of both pools; runs on the router's event loop."""
 
-    def __init__(self, spec: DeploymentSpec, router: Router, metrics=None, manage: bool = True):
+    def __init__(self, spec: DeploymentSpec, router: PoolHost, metrics=None, manage: bool = True):
         spec.validate()
         self.spec = spec
         self.manage = manage  # False: follow pools another manager runs (adopt, never launch or kill)
@@ -335,7 +335,7 @@ class PoolManager:
         return True
 
     def _on_unhealthy(self, record: WorkerRecord, reason) -> None:
-        self.router.dispatcher.on_worker_died(record)
+        self.router.worker_died(record)
         if not self.manage:
             logger.warning("%s failed its health check (%r): no longer routed to", record.worker_id, reason)
             self.router.pool.remove(record.worker_id)

@@ -35,6 +35,7 @@ from router.dispatcher import WORKER_GONE, ActiveRequest, Dispatcher, Failure, R
 from router.errors import abort_with, remote_cause
 from router.output_stream import OutputAssembler
 from router.pool import Role, WorkerPool, WorkerRecord
+from router.pool_control import PoolControl
 from router.readiness import Readiness
 from router.request_bytes import tolerant
 from router.security import BearerTokenInterceptor, server_credentials
@@ -149,7 +150,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 class Router:
     """Owns the pool, the dispatcher and the gRPC server of one deployment."""
 
-    def __init__(self, model_dir: Path, model_info: ModelInfo, config: RouterConfig | None = None, pool_manager=None, max_replicas: int = 64, metrics=None):
+    def __init__(self, model_dir: Path, model_info: ModelInfo, config: RouterConfig | None = None, pool_manager: PoolControl | None = None, max_replicas: int = 64, metrics=None):
         self.config = config or RouterConfig()
         self.config.validate()
         self.model_info = model_info
@@ -161,7 +162,7 @@ class Router:
         # The one reader of worker status (GetClusterStatus, metrics, the pool manager).
         self.status_monitor = StatusMonitor(self.pool, self.config.status_timeout_s)
         self.dispatcher = Dispatcher(self.pool, self.config, metrics, block_size=model_info.block_size, decode_ready=self.wait_ready)
-        self.pool_manager = pool_manager
+        self.pool_manager: PoolControl | None = pool_manager  # set by whoever runs the pools
         self.metrics = metrics
         self.background_tasks: set[asyncio.Task] = set()
         self.max_replicas = max_replicas
@@ -271,6 +272,9 @@ class Router:
             record.handshake_offer = await handle.handshake_offer.remote()
         self.pool.add(record)
         return record
+
+    def worker_died(self, record: WorkerRecord) -> None:
+        self.dispatcher.on_worker_died(record)
 
     async def drain(self, record: WorkerRecord) -> None:
         """No new requests for this worker; it finishes what it has."""

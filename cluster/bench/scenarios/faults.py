@@ -48,10 +48,10 @@ RECOVERY_LIMIT_S = 180.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="requests/s (Poisson)")
-    parser.add_argument("--duration-s", type=float, default=100.0, help="seconds of traffic")
-    parser.add_argument("--kill-prefill-at", type=float, default=15.0, help="seconds into the traffic")
-    parser.add_argument("--kill-decode-at", type=float, default=40.0)
-    parser.add_argument("--kill-router-at", type=float, default=65.0)
+    parser.add_argument("--duration-s", type=float, default=120.0, help="seconds of traffic")
+    parser.add_argument("--kill-prefill-at", type=float, default=30.0, help="seconds into the traffic (the 25 s before are the baseline)")
+    parser.add_argument("--kill-decode-at", type=float, default=60.0)
+    parser.add_argument("--kill-router-at", type=float, default=90.0)
     parser.add_argument("--window-s", type=float, default=15.0, help="requests sent this long after a fault count as its impact")
     parser.add_argument("--input-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=64)
