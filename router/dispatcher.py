@@ -375,6 +375,11 @@ class Dispatcher:
                 return
             except Exception as exc:
                 logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, _reason(exc))
+                if getattr(getattr(exc, "cause", None), "peer_lost", False):
+                    # The decode actor it was writing into is unreachable: not this request's
+                    # fault. It is placed again, like any request whose decode actor died.
+                    await self._on_decode_unreachable(active, decode)
+                    return
                 cause = remote_cause(exc)
                 if cause is not exc:
                     # The engine's own verdict on this request (bad input, its computation
@@ -393,6 +398,17 @@ class Dispatcher:
             await decode.handle.start.remote(request.req_id, result.first_token_id, result.first_logprob)
         except WORKER_GONE:
             pass  # the collector reports the decode actor's death
+
+    async def _on_decode_unreachable(self, active: ActiveRequest, decode: WorkerRecord) -> None:
+        """A prefill actor lost its connection to ``decode``: restart the request, as its death
+        would (if it is dead, ``on_worker_died`` does; if not, its reservation is given up)."""
+        try:
+            await asyncio.wait_for(_await(decode.handle.ping.remote()), self.config.status_timeout_s)
+        except (asyncio.TimeoutError, *WORKER_GONE):
+            self.on_worker_died(decode)  # restarts every request it held, this one included
+            return
+        active.attempt = next(self._attempts)
+        active.outputs.put_nowait(Restart(f"the connection to decode worker {decode.worker_id} was lost", active.attempt, prefill_failed=True))
 
     async def restart(self, active: ActiveRequest, reason: Restart) -> None:
         """Dispatch again after a worker died, within the retry bounds; raise UNAVAILABLE beyond them.
@@ -572,6 +588,10 @@ def _capacity_error(request: ValidatedRequest) -> Exception:
     if request.deadline is not None and time.monotonic() >= request.deadline - 0.001:
         return DeadlineExceededError("the deadline passed while waiting for decode capacity")
     return ResourceExhaustedError("no decode worker had room for this request within capacity_wait_s; retry later")
+
+
+async def _await(ref):
+    return await ref
 
 
 def _seconds(value: float | None) -> str:
