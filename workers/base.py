@@ -78,13 +78,10 @@ class EngineWorker:
         self.transfer_events.notify()
 
     def _run_engine(self) -> None:
-        """Start turning ``_iterate`` on the engine thread (a subclass calls this last in its
-        constructor, once its own state exists)."""
+        """Start turning the subclass's ``_iterate`` on the engine thread: one turn of work,
+        True if it did something (else the thread sleeps until woken). A subclass calls this
+        last in its constructor, once its own state exists."""
         self._thread.attach(self._iterate)
-
-    def _iterate(self) -> bool:
-        """One turn of the engine thread; True if it did something (else the thread sleeps)."""
-        raise NotImplementedError
 
     def _pause_after_step(self) -> None:
         if self._step_delay_s:
