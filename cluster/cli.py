@@ -417,6 +417,9 @@ def _generate(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"pdserve: --model {args.model}: not a model directory (no config.json)", file=sys.stderr)
         return 2
+    if not (Path(args.model) / "tokenizer.json").is_file():
+        print(f"pdserve: --model {args.model}: no tokenizer.json (the model's fast tokenizer; pdserve needs it)", file=sys.stderr)
+        return 2
     import ray
 
     from cluster.deployment import Deployment, DeploymentSpec, PoolSpec

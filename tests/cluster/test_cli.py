@@ -202,3 +202,11 @@ def _wait_for_port(port: int, timeout_s: float = 60) -> None:
         except OSError:
             time.sleep(0.3)
     raise AssertionError(f"nothing listens on {port}")
+
+
+def test_generate_refuses_a_model_directory_without_a_tokenizer_before_starting_anything(e2e_model, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((e2e_model.path / "config.json").read_text())
+    result = _run("generate", "hello", "--model", str(model), state_file=tmp_path / "none.json", check=False, timeout=60)
+    assert result.returncode == 2 and "no tokenizer.json" in result.stderr
