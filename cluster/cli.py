@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from cluster.local_ray import LOOPBACK_NETWORK_DEVICES, confine_to_loopback
+from cluster.local_ray import confine_to_loopback
 from engine.default_model_path import DEFAULT_MODEL_PATH
 
 DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
@@ -178,7 +178,7 @@ def _up(args: argparse.Namespace) -> int:
     if find_controller() is not None:
         print("pdserve up: this Ray cluster already runs a pdserve deployment; run `pdserve down` first", file=sys.stderr)
         return 2
-    spec = config.to_spec(local=args.address is None)
+    spec = config.to_spec()
     spec.durable_workers = True  # they outlive the controller; a restarted one adopts them
     controller = create_controller(spec, config.router.metrics_port, config.router.metrics_host, detached=args.detach)
     try:
@@ -425,8 +425,6 @@ def _generate(args: argparse.Namespace) -> int:
     from cluster.deployment import Deployment, DeploymentSpec, PoolSpec
     from engine.config import EngineConfig
 
-    from kvtransfer.agent import KVTransferConfig
-
     threads = max(1, (os.cpu_count() or 2) // max(1, args.prefill + args.decode))
     _connect_ray(None, log_to_driver=False)
     engine = dict(num_threads=threads, max_num_batched_tokens=512, long_prefill_chunk=256)
@@ -435,7 +433,6 @@ def _generate(args: argparse.Namespace) -> int:
             model_path=Path(args.model),
             prefill=PoolSpec(args.prefill, EngineConfig(**engine), num_cpus=0),
             decode=PoolSpec(args.decode, EngineConfig(**engine), num_cpus=0),
-            transfer=KVTransferConfig(network_devices=LOOPBACK_NETWORK_DEVICES),
         )
     )
     try:

@@ -14,7 +14,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.kv_memory import KVMemoryPolicy
-from cluster.local_ray import LOOPBACK_NETWORK_DEVICES
 from cluster.pools import DeploymentSpec, PoolSpec
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
@@ -109,7 +108,7 @@ class ClusterConfig(BaseModel):
     transfer_network_devices: str | None = Field(
         None,
         description="UCX network devices NIXL uses (UCX_NET_DEVICES), e.g. mlx5_0:1; default: 'lo' for a "
-        "local deployment (loopback only), every device when joining a Ray cluster",
+        "local deployment (loopback only, cluster/local_ray.py), every device when joining a Ray cluster",
     )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Default KV sizing on GPUs: share of each GPU's memory for weights, activations and KV"
@@ -140,9 +139,7 @@ class ClusterConfig(BaseModel):
             raise ValueError("decode.replicas: at least one decode actor is needed (prefill-only cannot serve)")
         return self
 
-    def to_spec(self, local: bool = False) -> DeploymentSpec:
-        """The deployment; ``local``: on a Ray instance of this machine alone (listeners on loopback)."""
-        network_devices = self.transfer_network_devices or (LOOPBACK_NETWORK_DEVICES if local else None)
+    def to_spec(self) -> DeploymentSpec:
         return DeploymentSpec(
             model_path=self.model,
             prefill=self._pool(self.prefill),
@@ -161,7 +158,7 @@ class ClusterConfig(BaseModel):
                 tls_cert_file=self.router.tls_cert_file,
                 tls_key_file=self.router.tls_key_file,
             ),
-            transfer=KVTransferConfig(backend=self.transfer_backend, network_devices=network_devices),
+            transfer=KVTransferConfig(backend=self.transfer_backend, network_devices=self.transfer_network_devices),
             health_interval_s=self.health_interval_s,
             health_timeout_s=self.health_timeout_s,
         )

@@ -42,7 +42,7 @@ from kvtransfer.agent import KVTransferConfig
 from prefill_workers.worker import PrefillWorker
 from router.config import RouterConfig
 from router.errors import FailedPreconditionError
-from router.pool import Role, WorkerRecord
+from router.pool import Role, WorkerRecord, within
 from router.pool_control import PoolHost
 
 logger = logging.getLogger(__name__)
@@ -120,15 +120,15 @@ class PoolManager:
         self._launch_retry_at = {Role.PREFILL: 0.0, Role.DECODE: 0.0}
 
     async def start(self) -> None:
-        adopted = await self._adopt() if self.spec.durable_workers or not self.manage else {Role.PREFILL: 0, Role.DECODE: 0}
-        missing = {role: max(0, self.spec.pool(role).replicas - adopted[role]) for role in (Role.PREFILL, Role.DECODE)}
-        if not self.manage:
-            missing = {Role.PREFILL: 0, Role.DECODE: 0}
-        for role in (Role.PREFILL, Role.DECODE):
+        roles = (Role.PREFILL, Role.DECODE)
+        adopted = await self._adopt() if self.spec.durable_workers or not self.manage else dict.fromkeys(roles, 0)
+        for role in roles:
             self.desired[role] = max(self.desired[role], adopted[role])  # keep what an earlier manager scaled to
+        # A following manager launches nothing; a managing one what adoption left missing.
+        missing = {role: self.desired[role] - adopted[role] if self.manage else 0 for role in roles}
         # CPU actors share their node's host memory; each GPU actor has its own GPU.
         num_starting = sum(missing[r] for r in missing if self.spec.pool(r).num_gpus == 0) or 1
-        launches = [self._launch(role, num_starting) for role in (Role.PREFILL, Role.DECODE) for _ in range(missing[role])]
+        launches = [self._launch(role, num_starting) for role in roles for _ in range(missing[role])]
         await asyncio.gather(*launches)
         self._started = True
         await self.refresh_readiness()
@@ -171,11 +171,12 @@ class PoolManager:
             role = Role.PREFILL if worker_id.startswith(f"{Role.PREFILL.value}-") else Role.DECODE
             try:
                 handle = ray.get_actor(name, namespace=WORKER_NAMESPACE)
-                await asyncio.wait_for(_await(handle.ping.remote()), self.spec.health_timeout_s)
+            except ValueError:
+                continue  # gone since it was listed
+            try:
+                await within(handle.ping.remote(), self.spec.health_timeout_s)
                 await self.router.add_worker(role, worker_id, handle)
             except Exception as exc:
-                if isinstance(exc, ValueError):
-                    continue  # gone since it was listed
                 logger.warning("%s does not answer (%r); not adopted", name, exc)
                 if self.manage:
                     ray.kill(handle)  # a hung worker: the pool launches a replacement
@@ -221,7 +222,7 @@ class PoolManager:
         handle = ray.remote(cls).options(**options).remote(*args)
         self.handles[worker_id] = handle
         try:
-            await asyncio.wait_for(_await(handle.ping.remote()), self.spec.startup_timeout_s)
+            await within(handle.ping.remote(), self.spec.startup_timeout_s)
             record = await self.router.add_worker(role, worker_id, handle)
         except BaseException:
             self.handles.pop(worker_id, None)
@@ -331,7 +332,7 @@ class PoolManager:
     async def _check(self, record: WorkerRecord) -> bool:
         if record.state is WorkerState.DEAD:
             return False
-        await asyncio.wait_for(_await(record.handle.ping.remote()), self.spec.health_timeout_s)
+        await within(record.handle.ping.remote(), self.spec.health_timeout_s)
         return True
 
     def _on_unhealthy(self, record: WorkerRecord, reason) -> None:
@@ -382,7 +383,3 @@ def _num_sharing(pool: PoolSpec, num_starting: int) -> int:
         return num_starting  # placement unknown: assume they all land on one node
     num_nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
     return max(1, math.ceil(num_starting / max(1, num_nodes)))
-
-
-async def _await(ref):
-    return await ref

@@ -169,7 +169,6 @@ class DecodeWorker(EngineWorker):
         one), and capacity."""
         self._heard_from(router_id)
         outputs = await self._outputs.take(router_id, timeout_s)
-        self._heard_from(router_id)
         return DecodeReport(outputs, self.scheduler.num_reservable_blocks())
 
     def _heard_from(self, router_id: str, lease_s: float | None = None) -> None:

@@ -93,9 +93,6 @@ class PrefillWorker(EngineWorker):
         """Stop the request (its attempt into reservation ``token``, if given) and report writes in flight."""
         return await asyncio.wrap_future(self._thread.call(self._cancel, req_id, token))
 
-    async def quiesce_report(self, req_id: str, token: int | None = None) -> QuiesceReport:
-        return await asyncio.wrap_future(self._thread.call(self.agent.quiesce_report, req_id, token))
-
     async def wait_quiesced(self, req_id: str, token: int | None, timeout_s: float) -> QuiesceReport:
         """After ``cancel``: the report once no write of the request is in flight, or after
         ``timeout_s`` whatever it says. Woken by the transfer pump's events, not by polling;

@@ -55,7 +55,7 @@ from router.errors import (
     remote_cause,
 )
 from router.output_stream import OutputAssembler
-from router.pool import Role, WorkerPool, WorkerRecord
+from router.pool import Role, WorkerPool, WorkerRecord, within
 from router.validation import ValidatedRequest
 
 logger = logging.getLogger(__name__)
@@ -403,7 +403,7 @@ class Dispatcher:
         """A prefill actor lost its connection to ``decode``: restart the request, as its death
         would (if it is dead, ``on_worker_died`` does; if not, its reservation is given up)."""
         try:
-            await asyncio.wait_for(_await(decode.handle.ping.remote()), self.config.status_timeout_s)
+            await within(decode.handle.ping.remote(), self.config.status_timeout_s)
         except (asyncio.TimeoutError, *WORKER_GONE):
             self.on_worker_died(decode)  # restarts every request it held, this one included
             return
@@ -588,10 +588,6 @@ def _capacity_error(request: ValidatedRequest) -> Exception:
     if request.deadline is not None and time.monotonic() >= request.deadline - 0.001:
         return DeadlineExceededError("the deadline passed while waiting for decode capacity")
     return ResourceExhaustedError("no decode worker had room for this request within capacity_wait_s; retry later")
-
-
-async def _await(ref):
-    return await ref
 
 
 def _seconds(value: float | None) -> str:

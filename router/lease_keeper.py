@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from kvtransfer.messages import KVDestination
+from router.pool import within
 
 if TYPE_CHECKING:
     from router.dispatcher import ActiveRequest
@@ -78,11 +79,7 @@ class LeaseKeeper:
 
     async def _renew_on_decode(self, record: "WorkerRecord", group: list["ActiveRequest"]) -> list[KVDestination]:
         req_ids = [active.key for active in group]
-        return await asyncio.wait_for(_await(record.handle.renew_leases.remote(req_ids, self.lease_s)), self.call_timeout_s)
+        return await within(record.handle.renew_leases.remote(req_ids, self.lease_s), self.call_timeout_s)
 
     async def _extend_on_prefill(self, record: "WorkerRecord", dests: list[KVDestination]) -> None:
-        await asyncio.wait_for(_await(record.handle.extend_leases.remote(dests)), self.call_timeout_s)
-
-
-async def _await(ref):
-    return await ref
+        await within(record.handle.extend_leases.remote(dests), self.call_timeout_s)

@@ -7,6 +7,7 @@ a worker costs no remote call. ``GetClusterStatus`` asks the workers themselves.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
 import logging
@@ -105,3 +106,12 @@ class WorkerPool:
         record.req_ids.discard(req_id)
         record.num_assigned -= 1
         record.num_assigned_prompt_tokens -= prompt_tokens
+
+
+async def within(ref, timeout_s: float | None):
+    """The result of a worker call (a Ray ObjectRef); asyncio.TimeoutError after ``timeout_s``."""
+
+    async def result():
+        return await ref
+
+    return await asyncio.wait_for(result(), timeout_s)

@@ -89,24 +89,14 @@ class _BearerTokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
         self._header = ("authorization", f"Bearer {token}")
 
     def _with_token(self, details):
-        metadata = [*(details.metadata or ()), self._header]
-        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(details, metadata)
+        # grpc hands interceptors its call details as a namedtuple.
+        return details._replace(metadata=[*(details.metadata or ()), self._header])
 
     def intercept_unary_unary(self, continuation, client_call_details, request):
         return continuation(self._with_token(client_call_details), request)
 
     def intercept_unary_stream(self, continuation, client_call_details, request):
         return continuation(self._with_token(client_call_details), request)
-
-
-class _Details(grpc.ClientCallDetails):
-    def __init__(self, details, metadata):
-        self.method = details.method
-        self.timeout = details.timeout
-        self.metadata = metadata
-        self.credentials = details.credentials
-        self.wait_for_ready = getattr(details, "wait_for_ready", None)
-        self.compression = getattr(details, "compression", None)
 
 
 def client_channel(address: str, token: str | None = None, ca_file: Path | None = None) -> grpc.Channel:

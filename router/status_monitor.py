@@ -16,7 +16,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from router.pool import WorkerPool, WorkerRecord
+from router.pool import WorkerPool, WorkerRecord, within
 
 _GONE_ERRORS = (ActorDiedError, ActorUnavailableError, RayActorError)
 
@@ -85,14 +85,10 @@ class StatusMonitor:
     async def _fetch(self, record: WorkerRecord) -> LoadReport:
         self.num_calls += 1
         try:
-            status = await asyncio.wait_for(_await(record.handle.status.remote()), self.timeout_s)
+            status = await within(record.handle.status.remote(), self.timeout_s)
         except asyncio.TimeoutError:
             return LoadReport(record.worker_id, time.monotonic(), problem=f"no status within {self.timeout_s:g}s")
         except Exception as exc:
             gone = isinstance(exc, _GONE_ERRORS)
             return LoadReport(record.worker_id, time.monotonic(), gone=gone, problem=f"{type(exc).__name__}: {exc}")
         return LoadReport(record.worker_id, time.monotonic(), status=status)
-
-
-async def _await(ref):
-    return await ref

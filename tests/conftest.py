@@ -7,12 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from cluster.local_ray import LOOPBACK_NETWORK_DEVICES, confine_to_loopback, release_loopback_confinement
+from cluster.local_ray import confine_to_loopback, release_loopback_confinement
 
 # One torch thread per process keeps 2-core CI machines from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# NIXL's UCX in the test session's actors (which inherit this environment) keeps to loopback.
-os.environ.setdefault("UCX_NET_DEVICES", LOOPBACK_NETWORK_DEVICES)
 
 
 def pytest_sessionstart(session):

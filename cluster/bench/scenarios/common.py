@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -92,13 +91,12 @@ def ray_running() -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    from cluster.local_ray import LOOPBACK_NETWORK_DEVICES, confine_to_loopback
+    from cluster.local_ray import confine_to_loopback
 
     # address="local": always a fresh instance of our own, never a cluster someone else
     # left running on this machine (ray.init() would silently join it). It listens on
     # loopback only, and so do the actors' NIXL transfers.
     confine_to_loopback()
-    os.environ.setdefault("UCX_NET_DEVICES", LOOPBACK_NETWORK_DEVICES)
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         yield
