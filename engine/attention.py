@@ -2,11 +2,15 @@
 
 Every step packs its tokens without padding. Single-token entries (decodes, and prompt
 chunks of one token) are attended together in batched calls over their block tables;
-each multi-token chunk is attended on its own, against the blocks already cached for its
-sequence plus its own tokens, causally. New keys and values are written into the cache
-before attention reads it, so a chunk sees itself and everything before it.
+each multi-token chunk is attended against the blocks already cached for its sequence plus
+its own tokens, causally. New keys and values are written into the cache before attention
+reads it, so a chunk sees itself and everything before it.
 
-Reading the paged cache means gathering each layer's blocks into a contiguous buffer for
+On a CPU where engine.cpu_attention's kernels build, both kinds read the cache in place.
+Elsewhere (another device, or ``native_attention`` off) the portable path below runs: SDPA,
+with each chunk attended on its own.
+
+Reading the paged cache for SDPA means gathering each layer's blocks into a contiguous buffer for
 SDPA. On a CPU that copy, not the attention, dominated a decode step (57% of a batch-32
 step at context 600, from fresh 15 MB allocations per layer and the element-wise index
 kernel). So the gather goes into buffers allocated once per step and reused by every
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_decode_attention
+from engine import cpu_attention
 
 
 @dataclass(slots=True)
@@ -45,8 +49,9 @@ class AttentionMetadata:
     single_block_tables: torch.Tensor | None = None  # [num_single, max_blocks]
     single_lens: torch.Tensor | None = None  # [num_single] tokens each attends, its new one included
     single_mask: torch.Tensor | None = None  # [num_single, 1, 1, max_blocks * block_size]; SDPA path only
-    native_decode: bool = False  # single-token entries attend through engine.cpu_decode_attention
-    chunks: list[ChunkSpan] = field(default_factory=list)
+    native: bool = False  # attention through engine.cpu_attention's kernels
+    chunks: list[ChunkSpan] = field(default_factory=list)  # SDPA path only
+    prefill: cpu_attention.PrefillChunks | None = None  # the chunks for the kernel; native only
     single_groups: list["GatherGroup"] | None = None  # derived at the first layer of a step
     gather_keys: torch.Tensor | None = None  # reused per layer: [rows, block_size * kv_heads * head_dim]
     gather_values: torch.Tensor | None = None
@@ -61,17 +66,18 @@ class SeqSlice:
     num_tokens: int
 
 
-def build_metadata(slices: list[SeqSlice], block_size: int, device: str, native_decode: bool = False) -> AttentionMetadata:
+def build_metadata(slices: list[SeqSlice], block_size: int, device: str, native: bool = False) -> AttentionMetadata:
     """Pack per-sequence slices (single-token ones first) into one step's metadata.
 
-    ``native_decode``: the single-token entries will attend through the CPU kernel, which
-    reads block tables and lengths and needs no mask.
+    ``native``: attention runs on the CPU kernels, which read block tables and lengths and
+    need no masks.
     """
     slot_blocks: list[int] = []
     slot_offsets: list[int] = []
     single_tables: list[list[int]] = []
     single_lens: list[int] = []
     chunks: list[ChunkSpan] = []
+    native_chunks: list[tuple[int, int, int, list[int]]] = []  # first row, tokens, context, blocks
     token_cursor = 0
     for seq in slices:
         for pos in range(seq.context_len, seq.context_len + seq.num_tokens):
@@ -80,9 +86,11 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device: str, native_
         total = seq.context_len + seq.num_tokens
         num_blocks = -(-total // block_size)
         if seq.num_tokens == 1:
-            assert not chunks, "single-token slices must come before multi-token chunks"
+            assert not chunks and not native_chunks, "single-token slices must come before multi-token chunks"
             single_tables.append(seq.block_table[:num_blocks])
             single_lens.append(total)
+        elif native:
+            native_chunks.append((token_cursor - len(single_tables), seq.num_tokens, seq.context_len, seq.block_table[:num_blocks]))
         else:
             mask = None
             if seq.context_len > 0:
@@ -104,15 +112,23 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device: str, native_
         slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
         num_single=len(single_tables),
         chunks=chunks,
-        native_decode=native_decode,
+        native=native,
     )
+    if native_chunks:
+        width = max(len(blocks) for *_, blocks in native_chunks)
+        meta.prefill = cpu_attention.PrefillChunks(
+            first_rows=torch.tensor([c[0] for c in native_chunks], dtype=torch.long),
+            num_tokens=torch.tensor([c[1] for c in native_chunks], dtype=torch.long),
+            context_lens=torch.tensor([c[2] for c in native_chunks], dtype=torch.long),
+            tables=torch.tensor([blocks + [blocks[0]] * (width - len(blocks)) for *_, blocks in native_chunks], dtype=torch.long),
+        )
     if single_tables:
         width = max(len(t) for t in single_tables)
         # Padding points at the sequence's own first block; the mask hides it.
         padded = [t + [t[0]] * (width - len(t)) for t in single_tables]
         meta.single_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
         meta.single_lens = torch.tensor(single_lens, dtype=torch.long, device=device)
-        if not native_decode:
+        if not native:
             key_pos = torch.arange(width * block_size, device=device)
             meta.single_mask = (key_pos.unsqueeze(0) < meta.single_lens.unsqueeze(1)).view(len(single_tables), 1, 1, -1)
     return meta
@@ -133,12 +149,14 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    if meta.num_single and meta.native_decode:
-        out[: meta.num_single] = cpu_decode_attention.attend(
+    if meta.num_single and meta.native:
+        out[: meta.num_single] = cpu_attention.attend_decode(
             q[: meta.num_single], key_cache, value_cache, meta.single_block_tables, meta.single_lens
         )
     elif meta.num_single:
         _attend_single(q, key_cache, value_cache, meta, out)
+    if meta.prefill is not None:
+        out[meta.num_single :] = cpu_attention.attend_prefill(q[meta.num_single :], key_cache, value_cache, meta.prefill)
     for chunk in meta.chunks:
         queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
         if chunk.mask is not None:

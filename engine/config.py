@@ -176,10 +176,10 @@ class EngineConfig:
     # CPU: run linears on oneDNN with weights repacked at load (engine.cpu_linear); False
     # keeps torch's default matmul.
     prepack_linear: bool = True
-    # CPU: decode attention reads the paged cache through a kernel built for this machine on
-    # first use (engine.cpu_decode_attention); False, or where it cannot be built, gathers
-    # the blocks for SDPA.
-    native_decode_attention: bool = True
+    # CPU: decode and prefill attention read the paged cache through kernels built for this
+    # machine on first use (engine.cpu_attention); False, or where they cannot be built,
+    # gathers the blocks for SDPA.
+    native_attention: bool = True
     # Priority aging: a request waiting this long since it arrived is served ahead of every
     # priority, oldest first, so a low priority bounds a wait instead of starving it. None:
     # strict priority.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_decode_attention
+from engine import cpu_attention
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
@@ -71,7 +71,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.kv_cache = KVCache(loaded.config, self.config, loaded.dtype)
         self.allocator = BlockAllocator(self.kv_cache.num_blocks)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, self._native_decode())
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, self._native_attention())
         self.sampler = Sampler(self.config.seed)
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids)
         self.num_steps = 0
@@ -85,12 +85,12 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _native_decode(self) -> bool:
-        """Whether decode attention runs on the CPU kernel (built here, not on the first step)."""
-        if not self.config.native_decode_attention:
+    def _native_attention(self) -> bool:
+        """Whether attention runs on the CPU kernels (built here, not on the first step)."""
+        if not self.config.native_attention:
             return False
         config = self.model_config
-        return cpu_decode_attention.prepare(
+        return cpu_attention.prepare(
             self.config.device, self.dtype, config.head_dim, config.num_heads // config.num_kv_heads
         )
 

@@ -11,11 +11,11 @@ from engine.scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: str = "cpu", native_decode: bool = False):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: str = "cpu", native_attention: bool = False):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.native_decode = native_decode  # decode attention through engine.cpu_decode_attention
+        self.native_attention = native_attention  # attention through engine.cpu_attention
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward the batch; logits [sequences completing this step, vocab] in slice order."""
@@ -32,7 +32,7 @@ class ModelRunner:
             if piece.completes_sequence:
                 logits_indices.append(len(input_ids) - 1)
             slices.append(SeqSlice(seq.block_table, start, piece.num_tokens))
-        meta = build_metadata(slices, self.kv_cache.block_size, self.device, self.native_decode)
+        meta = build_metadata(slices, self.kv_cache.block_size, self.device, self.native_attention)
         return self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

@@ -14,11 +14,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_sessionstart(session):
-    """Build the CPU decode-attention kernel once, before any engine or actor wants it (a fresh
+    """Build the CPU attention kernels once, before any engine or actor wants it (a fresh
     machine compiles it in about 25 s; every later process loads the cached build)."""
-    from engine import cpu_decode_attention
+    from engine import cpu_attention
 
-    cpu_decode_attention.kernel()
+    cpu_attention.kernel()
 
 
 @pytest.fixture(scope="session")

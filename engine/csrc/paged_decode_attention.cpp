@@ -11,71 +11,7 @@
 // contiguous; tables [n, width] int64; lens [n] int64 (tokens to attend, the new one
 // included). Built per machine with -march=native by engine/cpu_decode_attention.py and called
 // through ctypes: plain C, no torch headers, so the build takes seconds, not a minute.
-#include <immintrin.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <limits>
-#include <vector>
-
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "paged decode attention needs AVX2 and FMA"
-#endif
-
-#if defined(__AVX512F__)
-struct Vec {
-  using Reg = __m512;
-  static constexpr int W = 16;
-  static Reg zero() { return _mm512_setzero_ps(); }
-  static Reg set1(float x) { return _mm512_set1_ps(x); }
-  static Reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static Reg load(const uint16_t* p) {  // bfloat16 -> float: the top half of the float's bits
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
-  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
-  static float sum(Reg a) { return _mm512_reduce_add_ps(a); }
-  static void store(float* p, Reg a) { _mm512_storeu_ps(p, a); }
-};
-#else
-struct Vec {
-  using Reg = __m256;
-  static constexpr int W = 8;
-  static Reg zero() { return _mm256_setzero_ps(); }
-  static Reg set1(float x) { return _mm256_set1_ps(x); }
-  static Reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static Reg load(const uint16_t* p) {
-    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
-  static float sum(Reg a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-  static void store(float* p, Reg a) { _mm256_storeu_ps(p, a); }
-};
-#endif
-
-// How far ahead a block's rows are prefetched (1 measured best; 2 and 4 no better).
-constexpr int64_t PREFETCH_BLOCKS = 1;
-
-// One token's row of one head, a block ahead: blocks lie at random places, and the
-// hardware prefetcher starts cold on each; spread over the current block's rows, the
-// prefetches never flood the fill buffers.
-template <typename T, int D>
-static inline void prefetch_row(const T* row) {
-  for (int64_t offset = 0; offset < D * (int64_t)sizeof(T); offset += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + offset, _MM_HINT_T0);
-}
-
-struct Geometry {
-  int64_t block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k, head_stride_v, block_size;
-};
+#include "simd.h"
 
 // One sequence, all its KV heads, each with the G query heads that share it; D = DV * Vec::W.
 // Two passes over the blocks (scores, then values) with the softmax between them: each key

@@ -139,3 +139,16 @@ def test_both_linear_kernels_match_transformers(checkpoints, references, prepack
     kinds = {type(m).__name__ for m in engine.runner.model.modules()}
     assert ("PackedLinear" in kinds) == prepack
     assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_both_attention_paths_match_transformers(checkpoints, references, native):
+    """The CPU kernels (where this machine builds them) and the portable gather + SDPA path,
+    through chunks with cached context."""
+    from engine import cpu_attention
+
+    path, _ = checkpoints["llama"]
+    prompts, expected = references["llama"]
+    engine = _engine(path, 16, native_attention=native)
+    assert engine.runner.native_attention == (native and cpu_attention.kernel() is not None)
+    assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected
