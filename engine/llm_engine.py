@@ -72,7 +72,7 @@ class LLMEngine:
         self.kv_cache = KVCache(loaded.config, self.config, loaded.dtype)
         self.allocator = BlockAllocator(self.kv_cache.num_blocks)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, self._native_attention())
-        self.sampler = Sampler(self.config.seed)
+        self.sampler = Sampler(self.config.seed, self.eos_token_ids)
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids)
         self.num_steps = 0
         self.num_scheduled_tokens = 0

@@ -17,10 +17,11 @@ _SEED_MASK = (1 << 63) - 1
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: list[int] | None = None) -> None:
         # Requests without a seed of their own draw from this engine-wide generator (CPU).
         self.default_generator = torch.Generator()
         self.default_generator.manual_seed(seed)
+        self.eos_token_ids = list(eos_token_ids or [])
 
     @staticmethod
     def make_generator(seed: int | None) -> torch.Generator | None:
@@ -38,6 +39,7 @@ class Sampler:
             logits = logits.cpu()
         raw_logits = logits
         logits = self._apply_repetition_penalty(logits, seqs)
+        logits = self._suppress_early_stops(logits, seqs)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         token_ids = [0] * len(seqs)
@@ -56,6 +58,19 @@ class Sampler:
             for local, row in enumerate(logprob_rows):
                 logprobs[row] = _token_logprob(log_probs[local], token_ids[row], seqs[row].params.logprobs)
         return list(zip(token_ids, logprobs))
+
+    def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """No EOS or stop token id for a request short of its ``min_tokens``."""
+        early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        if not early:
+            return logits
+        logits = logits.clone()
+        for row in early:
+            params = seqs[row].params
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if stops:
+                logits[row, sorted(stops)] = float("-inf")
+        return logits
 
     def _apply_repetition_penalty(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         penalised = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]

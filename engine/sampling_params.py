@@ -16,7 +16,8 @@ class SamplingParams:
     disable those filters. ``seed`` makes a sampled request reproducible on its own,
     whatever else shares its batch. ``logprobs`` asks for the log-probability of each
     sampled token plus the top-``logprobs`` alternatives (0 = sampled token only,
-    None = none).
+    None = none). ``min_tokens``: until this many tokens are out, EOS and ``stop_token_ids``
+    cannot be drawn (their logits are masked) and do not end the request.
     """
 
     max_tokens: int = 16
@@ -29,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int = 0
     # Output tokens the request produced before it was resumed on this worker (a stream
     # migrated after its decode actor died): they end the prompt it is given here, and seeded
     # draws go on at their own positions. Set by the router, never by a client.
@@ -39,7 +41,10 @@ class SamplingParams:
     def resumed(self, num_generated: int) -> "SamplingParams":
         """These parameters for the rest of a request that already produced ``num_generated`` tokens."""
         return dataclasses.replace(
-            self, max_tokens=self.max_tokens - num_generated, num_resumed_tokens=self.num_resumed_tokens + num_generated
+            self,
+            max_tokens=self.max_tokens - num_generated,
+            min_tokens=max(0, self.min_tokens - num_generated),
+            num_resumed_tokens=self.num_resumed_tokens + num_generated,
         )
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -64,6 +69,8 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
         ):
             raise InvalidRequestError("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.num_resumed_tokens, int) or self.num_resumed_tokens < 0:
             raise InvalidRequestError("num_resumed_tokens", f"must be an integer >= 0, got {self.num_resumed_tokens!r}")
         for token_id in self.stop_token_ids:

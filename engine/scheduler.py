@@ -229,6 +229,8 @@ class Scheduler:
             self._finish(seq, reason)
 
     def stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        if seq.num_output_tokens < seq.params.min_tokens:
+            return FinishReason.LENGTH if seq.num_tokens >= self.max_model_len else None
         if token_id in seq.params.stop_token_ids:
             return FinishReason.STOP
         if not seq.params.ignore_eos and token_id in self.eos_token_ids:

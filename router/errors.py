@@ -1,13 +1,16 @@
-"""The router's exceptions, and the one place that turns any exception into a gRPC status.
+"""The router's exceptions, their API-neutral kinds, and the one place that turns any
+exception into a gRPC status.
 
 Code anywhere in the router raises one of these (or lets an engine error through); only the
-servicer edge calls ``grpc_status`` / ``abort_with``. Messages of these exceptions are written
+API edges map them: the gRPC servicer through ``grpc_status`` / ``abort_with``, the OpenAI
+HTTP server through ``classify`` and its own status table. Messages of these exceptions are written
 for the client; unexpected exceptions map to INTERNAL with a generic message so internals do
 not leak, and are meant to be logged in full where they are caught.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import NoReturn
 
@@ -61,31 +64,52 @@ class InternalError(RouterError):
     """A broken invariant inside the cluster; the message still says which request and what failed."""
 
 
+class ErrorKind(enum.Enum):
+    """What went wrong, in terms every API maps to its own status codes (gRPC below, HTTP in
+    router/openai_api/errors.py)."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    NOT_FOUND = "not_found"
+    FAILED_PRECONDITION = "failed_precondition"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    INTERNAL = "internal"
+
+
 # Ordered: the first matching class wins, so subclasses come before their bases.
-_STATUS_BY_TYPE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UnavailableError, grpc.StatusCode.UNAVAILABLE),
-    (ModelLoadError, grpc.StatusCode.UNAVAILABLE),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (UnknownRequestError, grpc.StatusCode.NOT_FOUND),
-    (DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (InternalError, grpc.StatusCode.INTERNAL),
-    (RequestFailedError, grpc.StatusCode.INTERNAL),  # with its message: which request, what raised
+_KIND_BY_TYPE: tuple[tuple[type[BaseException], ErrorKind], ...] = (
+    (InvalidArgumentError, ErrorKind.INVALID_ARGUMENT),
+    (InvalidRequestError, ErrorKind.INVALID_ARGUMENT),
+    (ResourceExhaustedError, ErrorKind.RESOURCE_EXHAUSTED),
+    (UnavailableError, ErrorKind.UNAVAILABLE),
+    (ModelLoadError, ErrorKind.UNAVAILABLE),
+    (NotFoundError, ErrorKind.NOT_FOUND),
+    (FailedPreconditionError, ErrorKind.FAILED_PRECONDITION),
+    (UnknownRequestError, ErrorKind.NOT_FOUND),
+    (DeadlineExceededError, ErrorKind.DEADLINE_EXCEEDED),
+    (InternalError, ErrorKind.INTERNAL),
+    (RequestFailedError, ErrorKind.INTERNAL),  # with its message: which request, what raised
 )
+
+_GRPC_CODES = {kind: getattr(grpc.StatusCode, kind.name) for kind in ErrorKind}
 
 _GENERIC_INTERNAL_MESSAGE = "internal error; the server log has the details"
 
 
+def classify(exc: BaseException) -> tuple[ErrorKind, str]:
+    """The kind of ``exc`` and its client-facing message (generic for unexpected exceptions)."""
+    exc = remote_cause(exc)
+    for exc_type, kind in _KIND_BY_TYPE:
+        if isinstance(exc, exc_type):
+            return kind, _client_message(exc)
+    return ErrorKind.INTERNAL, _GENERIC_INTERNAL_MESSAGE
+
+
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and client-facing message for ``exc``."""
-    exc = remote_cause(exc)
-    for exc_type, code in _STATUS_BY_TYPE:
-        if isinstance(exc, exc_type):
-            return code, _client_message(exc)
-    return grpc.StatusCode.INTERNAL, _GENERIC_INTERNAL_MESSAGE
+    kind, message = classify(exc)
+    return _GRPC_CODES[kind], message
 
 
 def remote_cause(exc: BaseException) -> BaseException:

@@ -1,31 +1,26 @@
-"""Turn one request's decode outputs into the GenerateResponse messages its client sees.
+"""Turn one request's decode outputs into what its client sees, for any API.
 
 Token ids go through the incremental detokenizer, the text through the stop-string matcher;
-the last message carries the finish reason, usage and the timing breakdown that the router,
-the prefill actor and the decode actor measured.
+the last chunk carries how the request ended: the finish reason, usage and the timing
+breakdown that the router, the prefill actor and the decode actor measured. The chunks are
+plain data: the gRPC servicer (router/server.py) and the OpenAI HTTP server
+(router/openai_api/) each render them in their own format.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decode_workers.messages import DecodeTiming, SeqOutput
 from engine.sequence import TokenLogprob
 from prefill_workers.messages import PrefillTiming
-from router.api.pdserve.v1 import generation_pb2 as pb
 from router.detokenizer import IncrementalDetokenizer
 from router.stop_strings import StopStringMatcher
 from router.tokenizer import Tokenizer
 from router.validation import ValidatedRequest
 
-FINISH_REASONS = {
-    "length": pb.FINISH_REASON_LENGTH,
-    "stop": pb.FINISH_REASON_STOP,
-    "eos": pb.FINISH_REASON_EOS,
-    "abort": pb.FINISH_REASON_ABORT,
-    "error": pb.FINISH_REASON_ERROR,
-}
+FINISH_REASONS = ("length", "stop", "eos", "abort", "error")
 
 
 @dataclass(slots=True)
@@ -37,6 +32,46 @@ class RouterTiming:
     first_token_sent: float | None = None
     prefill: PrefillTiming | None = None
     decode: DecodeTiming | None = None
+
+
+@dataclass(slots=True)
+class TimingBreakdown:
+    """Where one request's time went, in milliseconds (0 where a stage did not happen)."""
+
+    router_queue_ms: float = 0.0
+    prefill_queue_ms: float = 0.0
+    prefill_compute_ms: float = 0.0
+    kv_transfer_ms: float = 0.0
+    decode_queue_ms: float = 0.0
+    decode_ms: float = 0.0
+    time_to_first_token_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    """How a request ended, with what it cost."""
+
+    reason: str  # one of FINISH_REASONS
+    prompt_tokens: int
+    completion_tokens: int
+    timing: TimingBreakdown
+    matched_stop: str = ""  # the stop string that ended it
+    matched_stop_token_id: int | None = None  # the stop token id that ended it
+    detail: str = ""  # why, for "error" and "abort"
+    prefill_worker_id: str = ""
+    decode_worker_id: str = ""
+
+
+@dataclass(slots=True)
+class OutputChunk:
+    """What one request's client receives next: new tokens and their text, and on the last
+    chunk, ``end``."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    end: StreamEnd | None = None
 
 
 class OutputAssembler:
@@ -58,49 +93,49 @@ class OutputAssembler:
     def has_sent_tokens(self) -> bool:
         return bool(self.completion_token_ids)
 
-    def on_output(self, out: SeqOutput) -> pb.GenerateResponse:
-        """The message for one decode output; ``finished`` turns true on a request's end."""
+    def on_output(self, out: SeqOutput) -> OutputChunk:
+        """The chunk for one decode output; ``finished`` turns true on a request's end."""
         self.completion_token_ids += out.token_ids
         text = self.detokenizer.add_tokens(out.token_ids)
         if out.finished:
             text += self.detokenizer.finish()
-        check = self.stops.feed(text)
-        text = check.text
-        response = pb.GenerateResponse(request_id=self.request.req_id, token_ids=out.token_ids, text=text)
-        response.logprobs.extend(_logprobs(out.logprobs))
+        # Short of min_tokens, stop strings are not matched (as vLLM does); the text passes.
+        check = self.stops.feed(text, match=self.num_completion_tokens >= self.request.sampling_params.min_tokens)
+        chunk = OutputChunk(token_ids=list(out.token_ids), text=check.text, logprobs=list(out.logprobs))
         if self.timing.first_token_sent is None and out.token_ids:
             self.timing.first_token_sent = time.monotonic()
         if check.matched_stop is not None:
-            self._finish(response, "stop", matched_stop=check.matched_stop)
+            chunk.end = self._end("stop", matched_stop=check.matched_stop)
         elif out.finished:
             self.timing.decode = out.timing
-            response.text += self.stops.flush()
-            self._finish(response, out.finish_reason or "error", detail=out.error or "")
+            chunk.text += self.stops.flush()
+            chunk.end = self._end(out.finish_reason or "error", detail=out.error or "")
             if out.finish_reason == "stop" and out.token_ids:
-                response.matched_stop_token_id = out.token_ids[-1]
-        return response
+                chunk.end.matched_stop_token_id = out.token_ids[-1]
+        return chunk
 
-    def final_message(self, reason: str, detail: str = "") -> pb.GenerateResponse:
-        """A last message for an end the decode actor did not report (abort, error)."""
-        response = pb.GenerateResponse(request_id=self.request.req_id)
-        self._finish(response, reason, detail=detail)
-        return response
+    def final_chunk(self, reason: str, detail: str = "") -> OutputChunk:
+        """A last chunk for an end the decode actor did not report (abort, error)."""
+        return OutputChunk(end=self._end(reason, detail=detail))
 
-    def _finish(self, response: pb.GenerateResponse, reason: str, matched_stop: str = "", detail: str = "") -> None:
+    def _end(self, reason: str, matched_stop: str = "", detail: str = "") -> StreamEnd:
+        assert reason in FINISH_REASONS, reason
         self.finished = True
-        response.finish_reason = FINISH_REASONS[reason]
-        response.matched_stop_string = matched_stop
-        response.finish_detail = detail
-        response.usage.prompt_tokens = len(self.request.prompt_token_ids)
-        response.usage.completion_tokens = self.num_completion_tokens
-        response.prefill_worker_id = self.prefill_worker_id
-        response.decode_worker_id = self.decode_worker_id
-        self._fill_timing(response.timing)
+        return StreamEnd(
+            reason=reason,
+            prompt_tokens=len(self.request.prompt_token_ids),
+            completion_tokens=self.num_completion_tokens,
+            timing=self._timing(),
+            matched_stop=matched_stop,
+            detail=detail,
+            prefill_worker_id=self.prefill_worker_id,
+            decode_worker_id=self.decode_worker_id,
+        )
 
-    def _fill_timing(self, out: pb.Timing) -> None:
+    def _timing(self) -> TimingBreakdown:
         t = self.timing
         now = time.monotonic()
-        out.router_queue_ms = _ms((t.dispatched or now) - t.arrival)
+        out = TimingBreakdown(router_queue_ms=_ms((t.dispatched or now) - t.arrival), total_ms=_ms(now - t.arrival))
         if t.prefill is not None:
             out.prefill_queue_ms = t.prefill.queue_ms
             out.prefill_compute_ms = t.prefill.compute_ms
@@ -112,14 +147,7 @@ class OutputAssembler:
                 out.prefill_compute_ms = t.decode.local_prefill_ms
         if t.first_token_sent is not None:
             out.time_to_first_token_ms = _ms(t.first_token_sent - t.arrival)
-        out.total_ms = _ms(now - t.arrival)
-
-
-def _logprobs(entries: list[TokenLogprob]) -> list[pb.TokenLogprobs]:
-    return [
-        pb.TokenLogprobs(logprob=e.logprob, top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
-        for e in entries
-    ]
+        return out
 
 
 def _ms(seconds: float) -> float:

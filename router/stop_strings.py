@@ -43,12 +43,19 @@ class StopStringMatcher:
         """Text received but not yet released because it could start a stop string."""
         return self._held
 
-    def feed(self, text: str) -> StopCheck:
-        """Take the next text delta; return what may be sent and whether a stop string matched."""
+    def feed(self, text: str, match: bool = True) -> StopCheck:
+        """Take the next text delta; return what may be sent and whether a stop string matched.
+
+        ``match=False`` (a request short of its minimum length): the text and anything held
+        pass unmatched.
+        """
         if self._matched is not None:
             return StopCheck("", self._matched)
         if not self._stops:
             return StopCheck(text)
+        if not match:
+            held, self._held = self._held, ""
+            return StopCheck(held + text)
         pending = self._held + text
         match = self._earliest_match(pending)
         if match is not None:

@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -59,36 +59,106 @@ class ValidatedRequest:
     deadline: float | None  # time.monotonic() by which the request must finish; None: no deadline
 
 
+@dataclass(slots=True)
+class GenerateInput:
+    """A generation request as an API edge hands it over, before validation: None is unset.
+
+    The field names in errors are the API's own: ``sampling_prefix`` goes before each sampling
+    field's name (``sampling.`` for gRPC, nothing for the OpenAI API), and the prompt is named
+    ``text_field`` or ``ids_field``.
+    """
+
+    request_id: str = ""
+    prompt_text: str | None = None
+    prompt_token_ids: list[int] | None = None
+    # A chat prompt already holds its special tokens, rendered by its template.
+    add_special_tokens: bool = True
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int = 0
+    top_p: float | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    priority: int = 0
+    sampling_prefix: str = "sampling."
+    text_field: str = "prompt_text"
+    ids_field: str = "prompt_token_ids"
+
+
 def validate_generate_request(
     request: pb.GenerateRequest,
     limits: RequestLimits,
-    encode: Callable[[str], list[int]],
+    encode: Callable[..., list[int]],
     *,
     timeout_s: float | None = None,
     now: float | None = None,
 ) -> ValidatedRequest:
-    """Validate and tokenize ``request``; ``timeout_s`` is the RPC's remaining deadline, if any."""
-    now = time.monotonic() if now is None else now
+    """Validate and tokenize a gRPC ``request``; ``timeout_s`` is the RPC's remaining deadline, if any."""
     check_known_fields(request)
+    sampling = request.sampling
+
+    def given(name: str):
+        return getattr(sampling, name) if sampling.HasField(name) else None
+
+    has_text, has_ids = request.HasField("prompt_text"), len(request.prompt_token_ids) > 0
+    if has_text and has_ids:
+        raise InvalidArgumentError("prompt", "set only one of prompt_text and prompt_token_ids")
+    request_input = GenerateInput(
+        request_id=request.request_id,
+        prompt_text=request.prompt_text if has_text else None,
+        prompt_token_ids=list(request.prompt_token_ids) if has_ids else None,
+        max_tokens=given("max_tokens"),
+        temperature=given("temperature"),
+        top_k=sampling.top_k,
+        top_p=given("top_p"),
+        min_p=sampling.min_p,
+        seed=given("seed"),
+        repetition_penalty=given("repetition_penalty"),
+        stop=list(sampling.stop),
+        stop_token_ids=list(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+        logprobs=given("logprobs"),
+        min_tokens=sampling.min_tokens,
+        skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+        priority=request.priority,
+    )
+    return validate_input(request_input, limits, encode, timeout_s=timeout_s, now=now)
+
+
+def validate_input(
+    request: GenerateInput,
+    limits: RequestLimits,
+    encode: Callable[..., list[int]],
+    *,
+    timeout_s: float | None = None,
+    now: float | None = None,
+) -> ValidatedRequest:
+    """Validate and tokenize ``request``; ``timeout_s`` is the caller's remaining deadline, if any."""
+    now = time.monotonic() if now is None else now
     deadline = _deadline(timeout_s, now)
     req_id = _request_id(request.request_id, limits)
     if not limits.min_priority <= request.priority <= limits.max_priority:
         raise InvalidArgumentError(
             "priority", f"must be in [{limits.min_priority}, {limits.max_priority}], got {request.priority}"
         )
-    sampling = request.sampling
-    stop = _stop_strings(list(sampling.stop), limits)
-    params = _sampling_params(sampling, limits)
-    explicit_max_tokens = sampling.HasField("max_tokens")
+    stop = _stop_strings(request.stop, limits, request.sampling_prefix)
+    params = _sampling_params(request, limits)
     prompt_text, prompt_token_ids = _prompt(request, limits, encode)
-    _fit_context(params, len(prompt_token_ids), explicit_max_tokens, limits)
+    _fit_context(params, len(prompt_token_ids), request.max_tokens is not None, limits, request.sampling_prefix)
     return ValidatedRequest(
         req_id=req_id,
         prompt_token_ids=prompt_token_ids,
         prompt_text=prompt_text,
         sampling_params=params,
         stop=stop,
-        skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+        skip_special_tokens=request.skip_special_tokens,
         priority=request.priority,
         arrival_time=now,
         deadline=deadline,
@@ -134,80 +204,81 @@ def _request_id(request_id: str, limits: RequestLimits) -> str:
     return request_id
 
 
-def _stop_strings(stop: list[str], limits: RequestLimits) -> list[str]:
+def _stop_strings(stop: list[str], limits: RequestLimits, prefix: str) -> list[str]:
     if len(stop) > limits.max_stop_strings:
-        raise InvalidArgumentError("sampling.stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
+        raise InvalidArgumentError(f"{prefix}stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
     for index, text in enumerate(stop):
         if not text:
-            raise InvalidArgumentError(f"sampling.stop[{index}]", "must not be empty")
+            raise InvalidArgumentError(f"{prefix}stop[{index}]", "must not be empty")
         if len(text) > limits.max_stop_string_chars:
             raise InvalidArgumentError(
-                f"sampling.stop[{index}]", f"must be at most {limits.max_stop_string_chars} characters, got {len(text)}"
+                f"{prefix}stop[{index}]", f"must be at most {limits.max_stop_string_chars} characters, got {len(text)}"
             )
     return list(dict.fromkeys(stop))
 
 
-def _sampling_params(sampling: pb.SamplingParams, limits: RequestLimits) -> SamplingParams:
-    if sampling.HasField("max_tokens") and sampling.max_tokens < 1:
-        raise InvalidArgumentError("sampling.max_tokens", "must be >= 1 (leave it unset for the default)")
-    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+def _sampling_params(request: GenerateInput, limits: RequestLimits) -> SamplingParams:
+    prefix = request.sampling_prefix
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise InvalidArgumentError(f"{prefix}max_tokens", "must be >= 1 (leave it unset for the default)")
+    if len(request.stop_token_ids) > limits.max_stop_token_ids:
         raise InvalidArgumentError(
-            "sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(sampling.stop_token_ids)}"
+            f"{prefix}stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(request.stop_token_ids)}"
         )
-    if sampling.HasField("logprobs") and sampling.logprobs > limits.max_logprobs:
-        raise InvalidArgumentError(
-            "sampling.logprobs", f"must be in [0, {limits.max_logprobs}], got {sampling.logprobs}"
-        )
+    if request.logprobs is not None and request.logprobs > limits.max_logprobs:
+        raise InvalidArgumentError(f"{prefix}logprobs", f"must be in [0, {limits.max_logprobs}], got {request.logprobs}")
     params = SamplingParams(
-        max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else limits.default_max_tokens,
-        temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
-        min_p=sampling.min_p,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
-        stop_token_ids=list(dict.fromkeys(sampling.stop_token_ids)),
-        ignore_eos=sampling.ignore_eos,
-        logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+        # Unset, it defaults to what fits (_fit_context), and never below min_tokens.
+        max_tokens=request.max_tokens if request.max_tokens is not None else max(limits.default_max_tokens, request.min_tokens),
+        temperature=request.temperature if request.temperature is not None else 1.0,
+        top_k=request.top_k,
+        top_p=request.top_p if request.top_p is not None else 1.0,
+        min_p=request.min_p,
+        seed=request.seed,
+        repetition_penalty=request.repetition_penalty if request.repetition_penalty is not None else 1.0,
+        stop_token_ids=list(dict.fromkeys(request.stop_token_ids)),
+        ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs,
+        min_tokens=request.min_tokens,
     )
     try:
         params.validate(limits.vocab_size)
     except InvalidRequestError as exc:
-        raise InvalidArgumentError(f"sampling.{exc.field}", exc.problem) from exc
+        raise InvalidArgumentError(f"{prefix}{exc.field}", exc.problem) from exc
     return params
 
 
-def _prompt(
-    request: pb.GenerateRequest, limits: RequestLimits, encode: Callable[[str], list[int]]
-) -> tuple[str | None, list[int]]:
-    has_text = request.HasField("prompt_text")
-    has_ids = len(request.prompt_token_ids) > 0
-    if has_text and has_ids:
-        raise InvalidArgumentError("prompt", "set only one of prompt_text and prompt_token_ids")
-    if not has_text and not has_ids:
-        raise InvalidArgumentError("prompt", "set prompt_text or prompt_token_ids (the prompt is empty)")
-    if has_ids:
+def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[..., list[int]]) -> tuple[str | None, list[int]]:
+    text_field, ids_field = request.text_field, request.ids_field
+    if request.prompt_text is not None and request.prompt_token_ids is not None:
+        raise InvalidArgumentError("prompt", f"set only one of {text_field} and {ids_field}")
+    if request.prompt_text is None and not request.prompt_token_ids:
+        if text_field == ids_field:
+            raise InvalidArgumentError(text_field, "must not be empty")
+        raise InvalidArgumentError("prompt", f"set {text_field} or {ids_field} (the prompt is empty)")
+    if request.prompt_token_ids is not None:
         token_ids = list(request.prompt_token_ids)
         # Length first: refusing an over-long prompt should not cost a scan of every id.
         _check_prompt_fits(len(token_ids), limits)
-        _check_vocabulary(token_ids, limits, "prompt_token_ids", by_position=True)
+        _check_vocabulary(token_ids, limits, ids_field, by_position=True)
         return None, token_ids
-    if not request.prompt_text:
-        raise InvalidArgumentError("prompt_text", "must not be empty")
+    text = request.prompt_text
+    if not text:
+        raise InvalidArgumentError(text_field, "must not be empty")
     max_chars = limits.max_prompt_chars_per_token * limits.max_context_len
-    if len(request.prompt_text) > max_chars:
+    if len(text) > max_chars:
         raise InvalidArgumentError(
-            "prompt_text",
-            f"has {len(request.prompt_text)} characters; at most {max_chars} are taken "
+            text_field,
+            f"has {len(text)} characters; at most {max_chars} are taken "
             f"({limits.max_prompt_chars_per_token} per token of the model's {limits.max_context_len}-token context)",
         )
-    token_ids = encode(request.prompt_text)
+    token_ids = encode(text) if request.add_special_tokens else encode(text, add_special_tokens=False)
     if not token_ids:
-        raise InvalidArgumentError("prompt_text", "tokenizes to no tokens")
+        raise InvalidArgumentError(text_field, "tokenizes to no tokens")
     # A tokenizer with more entries than the model's embedding (added tokens past it) yields
     # ids the model cannot take: checked like ids sent directly, named by the text's field.
-    _check_vocabulary(token_ids, limits, "prompt_text", by_position=False)
-    return request.prompt_text, token_ids
+    _check_vocabulary(token_ids, limits, text_field, by_position=False)
+    return text, token_ids
 
 
 def _check_vocabulary(token_ids: list[int], limits: RequestLimits, field: str, by_position: bool) -> None:
@@ -229,15 +300,21 @@ def _check_prompt_fits(num_prompt_tokens: int, limits: RequestLimits) -> None:
 
 
 def _fit_context(
-    params: SamplingParams, num_prompt_tokens: int, explicit_max_tokens: bool, limits: RequestLimits
+    params: SamplingParams, num_prompt_tokens: int, explicit_max_tokens: bool, limits: RequestLimits, prefix: str
 ) -> None:
     _check_prompt_fits(num_prompt_tokens, limits)
     room = limits.max_context_len - num_prompt_tokens
     if not explicit_max_tokens:
-        params.max_tokens = min(params.max_tokens, room)
+        params.max_tokens = min(max(params.max_tokens, params.min_tokens), room)
+        if params.min_tokens > params.max_tokens:
+            raise InvalidArgumentError(
+                f"{prefix}min_tokens",
+                f"prompt ({num_prompt_tokens} tokens) + min_tokens ({params.min_tokens}) exceeds the model's context "
+                f"of {limits.max_context_len} tokens; at most {room} new tokens fit",
+            )
     elif params.max_tokens > room:
         raise InvalidArgumentError(
-            "sampling.max_tokens",
+            f"{prefix}max_tokens",
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
             f"of {limits.max_context_len} tokens; at most {room} new tokens fit",
         )

@@ -1,0 +1,114 @@
+"""One generation request's life at the router, whatever API carried it.
+
+An API edge (the gRPC servicer, the OpenAI HTTP server) validates its own message into a
+``ValidatedRequest``, opens a session, renders the session's ``OutputChunk``s in its own
+format, and maps the router's exceptions to its own status codes in one place. Everything
+between is here: admission, the wait for a ready deployment, dispatch, migration of a stream
+whose decode actor died, the last chunk of a stream that fails after tokens were sent, the
+latency metrics, and, however the stream ends, the release of what the request holds on
+every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+from decode_workers.messages import SeqOutput
+from router.dispatcher import ActiveRequest, Failure, Restart
+from router.errors import remote_cause
+from router.output_stream import OutputAssembler, OutputChunk
+from router.validation import ValidatedRequest
+
+if TYPE_CHECKING:
+    from router.server import Router
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationSession:
+    """Admitted at construction (``open``); ``chunks`` streams it; ``close`` always runs."""
+
+    def __init__(self, router: "Router", active: ActiveRequest):
+        self.router = router
+        self.active = active
+
+    @classmethod
+    async def open(cls, router: "Router", request: ValidatedRequest, client_gone: Callable[[], bool]) -> "GenerationSession":
+        """Admit ``request``: ResourceExhaustedError beyond the queue limit, InvalidArgumentError
+        for an id still in use."""
+        await router.dispatcher.wait_for_id(request.req_id)
+        active = ActiveRequest(request, OutputAssembler(request, router.tokenizer), client_gone=client_gone)
+        router.dispatcher.admit(active)
+        return cls(router, active)
+
+    @property
+    def request(self) -> ValidatedRequest:
+        return self.active.request
+
+    async def chunks(self) -> AsyncIterator[OutputChunk]:
+        """The request's output, until a chunk with ``end``; raises the router's errors for a
+        request that fails before any token was sent."""
+        router, active = self.router, self.active
+        try:
+            await router.wait_ready()
+            await router.dispatcher.dispatch(active)
+            while True:
+                item = await active.outputs.get()
+                if isinstance(item, SeqOutput):
+                    chunk = active.assembler.on_output(item)
+                    self._observe(chunk)
+                    yield chunk
+                    if chunk.end is not None:
+                        return
+                    continue
+                if isinstance(item, Restart):
+                    try:
+                        await router.dispatcher.restart(active, item)
+                        continue
+                    except Exception as exc:
+                        if not active.assembler.has_sent_tokens:
+                            raise
+                        item = Failure(remote_cause(exc))
+                if active.assembler.has_sent_tokens:
+                    # The client has part of its answer: it ends with a last chunk that says
+                    # why, with the usage so far, rather than a bare error.
+                    chunk = active.assembler.final_chunk("error", str(item.error))
+                    self._observe(chunk)
+                    yield chunk
+                    return
+                self._observe_failure("error")
+                raise item.error
+        except (asyncio.CancelledError, GeneratorExit):
+            logger.info("req %s: cancelled by the client or its deadline", active.req_id)
+            self._observe_failure("abort")
+            raise
+        except Exception as exc:
+            logger.warning("req %s: ended with %r", active.req_id, remote_cause(exc))
+            raise
+
+    async def close(self) -> None:
+        """Release what the request holds on every worker (shielded: a cancelled caller still frees its blocks)."""
+        await asyncio.shield(self.router.dispatcher.finish(self.active))
+
+    def _observe(self, chunk: OutputChunk) -> None:
+        """Record a chunk's latencies (and the request's, on its last chunk)."""
+        metrics, active = self.router.metrics, self.active
+        if metrics is None:
+            return
+        now = time.monotonic()
+        if chunk.token_ids:
+            if active.last_message_at is not None:
+                metrics.itl.observe(now - active.last_message_at)
+            active.last_message_at = now
+        if chunk.end is not None:
+            timing = active.assembler.timing
+            ttft = None if timing.first_token_sent is None else timing.first_token_sent - timing.arrival
+            metrics.observe_finished(chunk.end.reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens)
+
+    def _observe_failure(self, reason: str) -> None:
+        if self.router.metrics is not None:
+            self.router.metrics.requests.labels(reason).inc()
