@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto (default): the fastest exact dtype for each actor's device")
     up.add_argument("--host", help="address the router binds")
     up.add_argument("--port", type=int, help="router gRPC port")
+    up.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port (default 8000)")
+    up.add_argument("--served-model-name", nargs="+", help="names the OpenAI API answers to (default: the model directory's name)")
     up.add_argument("--metrics-port", type=int, help="Prometheus port")
     up.add_argument("--routing-policy", choices=["least_loaded", "round_robin"])
     up.add_argument("--disaggregation", choices=["auto", "always", "never"])
@@ -148,6 +150,7 @@ def _up(args: argparse.Namespace) -> int:
         "prefill.token_budget": args.token_budget, "decode.token_budget": args.token_budget,
         "prefill.kv_cache_mb": args.kv_cache_mb, "decode.kv_cache_mb": args.kv_cache_mb,
         "router.host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
+        "router.http_port": args.http_port, "router.served_model_names": args.served_model_name,
         "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
     }
     try:
@@ -203,9 +206,13 @@ def _up(args: argparse.Namespace) -> int:
             if head is not None:
                 _stop_pid(head)
         return 1
-    state = {"router_address": info.router_address, "admin_address": info.admin_address, "metrics_address": info.metrics_address,
+    state = {"router_address": info.router_address, "admin_address": info.admin_address, "http_address": info.http_address,
+             "metrics_address": info.metrics_address,
              "ray_address": ray_address, "ray_head_pid": head}
     print(f"pdserve serving on {info.router_address} ({info.prefill_replicas} prefill, {info.decode_replicas} decode actors)")
+    if info.http_address:
+        scheme = "https" if config.router.tls_cert_file else "http"
+        print(f"OpenAI API on {scheme}://{info.http_address}/v1")
     if info.admin_address:
         print(f"admin on {info.admin_address}")
     if info.metrics_address:

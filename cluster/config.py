@@ -57,13 +57,18 @@ class RouterSection(BaseModel):
     metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds (it has no authentication)")
     admin_host: str = Field("127.0.0.1", description="Address the Admin service (ScalePool, DrainWorker) binds")
     admin_port: int | None = Field(50052, ge=0, le=65535, description="Admin's own port (null: Admin off, 0: any free port)")
+    http_host: str = Field("127.0.0.1", description="Address the OpenAI-compatible HTTP API binds")
+    http_port: int | None = Field(8000, ge=0, le=65535, description="OpenAI-compatible HTTP API port (null: off, 0: any free port)")
+    served_model_names: list[str] | None = Field(
+        None, description="Model names the OpenAI API answers to, the first in its responses (default: the model directory's name)"
+    )
     auth_token_file: Path | None = Field(
         None, description=f"File holding the bearer token that Generation and Admin calls must present (else ${AUTH_TOKEN_ENV})"
     )
     tls_cert_file: Path | None = Field(None, description="PEM certificate chain: both listeners speak TLS only (with tls_key_file)")
     tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
     allow_unauthenticated: bool = Field(
-        False, description="Let host or admin_host be a non-loopback address without a bearer token (not recommended)"
+        False, description="Let host, admin_host or http_host be a non-loopback address without a bearer token (not recommended)"
     )
 
     @model_validator(mode="after")
@@ -73,9 +78,8 @@ class RouterSection(BaseModel):
         for path in (self.auth_token_file, self.tls_cert_file, self.tls_key_file):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"router: {path} does not exist")
-        exposed = [name for name, host in (("host", self.host), ("admin_host", self.admin_host)) if not is_loopback(host)]
-        if self.admin_port is None and "admin_host" in exposed:
-            exposed.remove("admin_host")
+        listeners = (("host", self.host, self.port), ("admin_host", self.admin_host, self.admin_port), ("http_host", self.http_host, self.http_port))
+        exposed = [name for name, host, port in listeners if port is not None and not is_loopback(host)]
         if exposed and self.auth_token() is None and not self.allow_unauthenticated:
             raise ValueError(
                 f"router.{exposed[0]}: {getattr(self, exposed[0])} is reachable from other machines, and no bearer token "
@@ -154,6 +158,9 @@ class ClusterConfig(BaseModel):
                 ready_wait_s=self.router.ready_wait_s,
                 admin_host=self.router.admin_host,
                 admin_port=self.router.admin_port,
+                http_host=self.router.http_host,
+                http_port=self.router.http_port,
+                served_model_names=self.router.served_model_names,
                 auth_token=self.router.auth_token(),
                 tls_cert_file=self.router.tls_cert_file,
                 tls_key_file=self.router.tls_key_file,

@@ -34,6 +34,7 @@ NAMESPACE = "pdserve"
 class ControllerInfo:
     router_address: str
     admin_address: str | None  # None: Admin is off
+    http_address: str | None  # the OpenAI API; None: off
     metrics_address: str | None
     prefill_replicas: int
     decode_replicas: int
@@ -77,6 +78,7 @@ class Controller:
         return ControllerInfo(
             router_address=f"{_advertised(self.spec.router.host)}:{self.router.port}",
             admin_address=None if self.router.admin_port is None else f"{_advertised(self.spec.router.admin_host)}:{self.router.admin_port}",
+            http_address=None if self.router.http_port is None else f"{_advertised(self.spec.router.http_host)}:{self.router.http_port}",
             metrics_address=self.metrics_address,
             prefill_replicas=self.pools.size(Role.PREFILL),
             decode_replicas=self.pools.size(Role.DECODE),

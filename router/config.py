@@ -23,6 +23,12 @@ class RouterConfig:
     # exposing Generate never exposes it; admin_port None turns Admin off.
     admin_host: str = "127.0.0.1"
     admin_port: int | None = 0
+    # The OpenAI-compatible HTTP API (router/openai_api/); http_port None turns it off.
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 0
+    # Names a request's "model" may give (the first is what responses say); None: the model
+    # directory's name.
+    served_model_names: list[str] | None = None
     # With a token, Generation and Admin calls must carry "authorization: Bearer <token>".
     auth_token: str | None = field(default=None, repr=False)
     # With both, the listeners speak TLS only.
@@ -71,6 +77,8 @@ class RouterConfig:
             raise ValueError(f"max_worker_deaths_per_request: must be >= 1, got {self.max_worker_deaths_per_request}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file: give both or neither")
+        if self.served_model_names is not None and (not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names)):
+            raise ValueError(f"served_model_names: must be non-empty names, got {self.served_model_names!r}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth_token: must not be empty")
         for name in ("kv_lease_s", "ready_wait_s", "output_poll_s", "status_timeout_s", "router_lease_s"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import ssl
 from pathlib import Path
 
 import grpc
@@ -80,6 +81,13 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 def server_credentials(cert_file: Path, key_file: Path) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())])
+
+
+def server_ssl_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
+    """The same certificate for the HTTP (OpenAI) listener."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(cert_file), str(key_file))
+    return context
 
 
 class _BearerTokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

@@ -2,11 +2,12 @@
 Admin (``router/admin.py``) on its own.
 
 A Generate call's life here: validate and tokenize (INVALID_ARGUMENT naming the field on
-any problem), admit (RESOURCE_EXHAUSTED beyond the queue limit), wait until the deployment
-is ready (bounded by ``ready_wait_s``; UNAVAILABLE past it), dispatch to workers, then
-relay decode outputs as they arrive, detokenized and cut at stop strings. However the call
-ends (finished, stop string, client cancel, deadline, error) ``Dispatcher.finish`` releases
-what it holds on every worker.
+any problem), then a ``GenerationSession`` (router/session.py) admits it (RESOURCE_EXHAUSTED
+beyond the queue limit), waits until the deployment is ready (bounded by ``ready_wait_s``;
+UNAVAILABLE past it), dispatches it to workers and relays decode outputs as they arrive,
+detokenized and cut at stop strings; this module renders them as GenerateResponse messages.
+However the call ends (finished, stop string, client cancel, deadline, error) the session
+releases what it holds on every worker.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from decode_workers.messages import SeqOutput
 from engine.config import ModelConfig
 from engine.stats import WorkerState
 from router.api.pdserve.v1 import generation_pb2 as pb
@@ -31,20 +30,24 @@ from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.admin import SERVICE as ADMIN_SERVICE
 from router.admin import AdminOperations, AdminService, worker_state_to_proto
 from router.config import RouterConfig
-from router.dispatcher import WORKER_GONE, ActiveRequest, Dispatcher, Failure, Restart
-from router.errors import abort_with, remote_cause
-from router.output_stream import OutputAssembler
+from router.dispatcher import WORKER_GONE, Dispatcher
+from router.errors import abort_with
+from router.output_stream import OutputChunk, TimingBreakdown
 from router.pool import Role, WorkerPool, WorkerRecord
 from router.pool_control import PoolControl
 from router.readiness import Readiness
 from router.request_bytes import tolerant
-from router.security import BearerTokenInterceptor, server_credentials
+from router.openai_api.server import OpenAIServer
+from router.security import BearerTokenInterceptor, server_credentials, server_ssl_context
+from router.session import GenerationSession
 from router.status_monitor import StatusMonitor
 from router.tokenizer import Tokenizer
 from router.validation import (
+    GenerateInput,
     RequestLimits,
     ValidatedRequest,
     validate_generate_request,
+    validate_input,
 )
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,41 @@ CLUSTER_STATUS_MAX_AGE_S = 0.05
 INLINE_TOKENIZE_CHARS = 4096
 
 
+_FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "eos": pb.FINISH_REASON_EOS,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+def generate_response(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
+    """One session chunk as the GenerateResponse message that carries it."""
+    response = pb.GenerateResponse(request_id=req_id, token_ids=chunk.token_ids, text=chunk.text)
+    response.logprobs.extend(
+        pb.TokenLogprobs(logprob=e.logprob, top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top]) for e in chunk.logprobs
+    )
+    end = chunk.end
+    if end is not None:
+        response.finish_reason = _FINISH_REASONS[end.reason]
+        response.matched_stop_string = end.matched_stop
+        if end.matched_stop_token_id is not None:
+            response.matched_stop_token_id = end.matched_stop_token_id
+        response.finish_detail = end.detail
+        response.usage.prompt_tokens = end.prompt_tokens
+        response.usage.completion_tokens = end.completion_tokens
+        response.prefill_worker_id = end.prefill_worker_id
+        response.decode_worker_id = end.decode_worker_id
+        _fill_timing(response.timing, end.timing)
+    return response
+
+
+def _fill_timing(out: pb.Timing, timing: TimingBreakdown) -> None:
+    for name in TimingBreakdown.__slots__:
+        setattr(out, name, getattr(timing, name))
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, router: "Router"):
         self.router = router
@@ -87,50 +125,18 @@ class GenerationService(pb_grpc.GenerationServicer):
         router = self.router
         try:
             validated = await router.validate(request, context.time_remaining())
-            await router.dispatcher.wait_for_id(validated.req_id)
-            active = ActiveRequest(validated, OutputAssembler(validated, router.tokenizer), client_gone=context.cancelled)
-            router.dispatcher.admit(active)
+            session = await GenerationSession.open(router, validated, client_gone=context.cancelled)
         except Exception as exc:
             await abort_with(context, exc)
         try:
-            await router.wait_ready()
-            await router.dispatcher.dispatch(active)
-            while True:
-                item = await active.outputs.get()
-                if isinstance(item, SeqOutput):
-                    response = active.assembler.on_output(item)
-                    yield response
-                    router.observe(active, response)
-                    if active.assembler.finished:
-                        return
-                    continue
-                if isinstance(item, Restart):
-                    try:
-                        await router.dispatcher.restart(active, item)
-                        continue
-                    except Exception as exc:
-                        if not active.assembler.has_sent_tokens:
-                            raise
-                        item = Failure(remote_cause(exc))
-                if active.assembler.has_sent_tokens:
-                    # The client has part of its answer: it ends with a last message that says
-                    # why, with the usage so far, rather than a bare status.
-                    response = active.assembler.final_message("error", str(item.error))
-                    yield response
-                    router.observe(active, response)
-                    return
-                router.observe_failure("error")
-                raise item.error
+            async for chunk in session.chunks():
+                yield generate_response(validated.req_id, chunk)
         except asyncio.CancelledError:
-            logger.info("req %s: cancelled by the client or its deadline", active.req_id)
-            router.observe_failure("abort")
             raise
         except Exception as exc:
-            logger.warning("req %s: ended with %r", active.req_id, remote_cause(exc))
             await abort_with(context, exc)
         finally:
-            # Shielded: a cancelled RPC must still free its blocks on every worker.
-            await asyncio.shield(router.dispatcher.finish(active))
+            await session.close()
 
     async def GetModelInfo(self, request, context):
         info = self.router.model_info
@@ -173,6 +179,8 @@ class Router:
         self.port: int | None = None
         self.admin_server: grpc.aio.Server | None = None
         self.admin_port: int | None = None
+        self.http_server: OpenAIServer | None = None
+        self.http_port: int | None = None
 
     async def validate(self, request: pb.GenerateRequest, timeout_s: float | None) -> ValidatedRequest:
         """Validate and tokenize; a long text prompt is tokenized off the event loop.
@@ -185,24 +193,12 @@ class Router:
             return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)
         return validate()
 
-    def observe(self, active: ActiveRequest, response: pb.GenerateResponse) -> None:
-        """Record a streamed message's latencies (and the request's, on its last message)."""
-        if self.metrics is None:
-            return
-        now = time.monotonic()
-        if response.token_ids:
-            if active.last_message_at is not None:
-                self.metrics.itl.observe(now - active.last_message_at)
-            active.last_message_at = now
-        if active.assembler.finished:
-            timing = active.assembler.timing
-            ttft = None if timing.first_token_sent is None else timing.first_token_sent - timing.arrival
-            reason = pb.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
-            self.metrics.observe_finished(reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens)
-
-    def observe_failure(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.requests.labels(reason).inc()
+    async def validate_input(self, request: GenerateInput, timeout_s: float | None = None) -> ValidatedRequest:
+        """``validate`` for a request another API edge (the OpenAI server) has read."""
+        validate = functools.partial(validate_input, request, self.limits, self.tokenizer.encode, timeout_s=timeout_s)
+        if request.prompt_text is not None and len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)
+        return validate()
 
     async def start(self) -> int:
         """Start the Generation listener (and Admin's own, unless it is off); return its port."""
@@ -223,6 +219,13 @@ class Router:
             self.admin_port = self._listen(self.admin_server, self.config.admin_host, self.config.admin_port)
             await self.admin_server.start()
             logger.info("admin listening on %s:%d", self.config.admin_host, self.admin_port)
+        if self.config.http_port is not None:
+            names = self.config.served_model_names or [self.model_info.name]
+            ssl_context = None
+            if self.config.tls_cert_file is not None:
+                ssl_context = server_ssl_context(self.config.tls_cert_file, self.config.tls_key_file)
+            self.http_server = OpenAIServer(self, self.config.http_host, self.config.http_port, names, self.config.auth_token, ssl_context)
+            self.http_port = await self.http_server.start()
         logger.info(
             "router listening on %s:%d (%s; %s, %s)", self.config.host, self.port,
             "ready" if self.readiness.is_ready else "not ready yet",
@@ -258,6 +261,8 @@ class Router:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.dispatcher.close()
+        if self.http_server is not None:
+            await self.http_server.stop()
         if self.admin_server is not None:
             await self.admin_server.stop(grace_s)
         if self.server is not None:

@@ -46,6 +46,9 @@ class Tokenizer:
         self._backend = backend
         self._config = config
         named = {key: _token_content(config.get(key)) for key in _NAMED_SPECIAL_TOKENS}
+        # What a chat template sees as bos_token, eos_token, ... (transformers' special_tokens_map).
+        self.special_tokens_map = {key: content for key, content in named.items() if content is not None}
+        self.chat_template: str | None = _default_template(config.get("chat_template"))
         self._add_missing_special_tokens([*named.values(), *_extra_special_tokens(config)])
         self.bos_token_id = self._token_id(named["bos_token"])
         self.eos_token_id = self._token_id(named["eos_token"])
@@ -69,6 +72,9 @@ class Tokenizer:
         # tokenizer_config.json wins where both name a token, as in transformers.
         config.update(_read_json(model_dir / "tokenizer_config.json"))
         tokenizer = cls(backend, config)
+        template_file = model_dir / "chat_template.jinja"
+        if template_file.is_file():  # where transformers v5 saves it; it wins over the config's
+            tokenizer.chat_template = template_file.read_text(encoding="utf-8")
         tokenizer._warn_if_config_disagrees(model_dir)
         logger.info(
             "loaded tokenizer from %s (class %s, %d tokens, bos=%s, eos=%s)",
@@ -174,3 +180,14 @@ def _extra_special_tokens(config: dict[str, Any]) -> list[str | None]:
         entries = value.values() if isinstance(value, dict) else value or []
         tokens.extend(_token_content(entry) for entry in entries)
     return tokens
+
+
+def _default_template(value: Any) -> str | None:
+    """tokenizer_config.json's ``chat_template``: the text, or the one named "default" of a list."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, dict)}
+        template = named.get("default")
+        return template if isinstance(template, str) else None
+    return None

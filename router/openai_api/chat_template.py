@@ -1,0 +1,78 @@
+"""Render a chat as the model's chat template renders it in transformers.
+
+``apply_chat_template`` compiles the template in a sandboxed Jinja environment with
+``trim_blocks`` and ``lstrip_blocks``, the loop-control extension, a ``tojson`` filter that
+keeps non-ASCII text as it is, and the globals ``raise_exception`` and ``strftime_now``; it
+renders with ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and the named
+special tokens (``bos_token``, ``eos_token``, ...), and tokenizes the result without adding
+special tokens again. The same here, without importing transformers into the router.
+Templates come from model repositories: untrusted code, hence the sandbox.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from router.errors import InvalidArgumentError
+
+
+class ChatTemplateError(InvalidArgumentError):
+    """The template refused the chat (its ``raise_exception``) or failed on it."""
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment.from_string(template)
+
+
+class ChatTemplate:
+    def __init__(self, template: str, special_tokens: dict[str, str]):
+        self.special_tokens = dict(special_tokens)
+        try:
+            self._compiled = _compile(template)
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise ValueError(f"the model's chat template does not compile: {exc}") from exc
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for ``messages``; ChatTemplateError (field ``messages``) when the
+        template refuses them. ``extra``: more template variables (``chat_template_kwargs``)."""
+        variables = {**self.special_tokens, **(extra or {})}
+        try:
+            return self._compiled.render(
+                messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **variables
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise ChatTemplateError("messages", f"the model's chat template refused them: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ChatTemplateError("messages", f"the model's chat template failed on them: {exc}") from exc

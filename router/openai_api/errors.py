@@ -1,0 +1,60 @@
+"""The one place the OpenAI HTTP server turns an exception into a status and OpenAI's error JSON.
+
+OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``; the official client reads
+it into ``BadRequestError`` (400), ``AuthenticationError`` (401), ``NotFoundError`` (404),
+``RateLimitError`` (429) and ``InternalServerError`` (5xx).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from aiohttp import web
+
+from router.errors import ErrorKind, RouterError, classify, remote_cause
+
+# kind -> (HTTP status, OpenAI error type)
+_HTTP = {
+    ErrorKind.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorKind.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    ErrorKind.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    ErrorKind.UNAVAILABLE: (503, "service_unavailable"),
+    ErrorKind.DEADLINE_EXCEEDED: (504, "timeout"),
+    ErrorKind.INTERNAL: (500, "internal_error"),
+}
+
+
+class UnauthenticatedError(RouterError):
+    """No bearer token, or the wrong one."""
+
+
+class ModelNotFoundError(RouterError):
+    """The request names a model this server does not serve."""
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, OpenAI error JSON, extra headers) for ``exc``."""
+    if isinstance(exc, UnauthenticatedError):
+        return 401, _body(str(exc), "invalid_request_error", None, "invalid_api_key"), {"WWW-Authenticate": "Bearer"}
+    if isinstance(exc, ModelNotFoundError):
+        return 404, _body(str(exc), "invalid_request_error", "model", "model_not_found"), {}
+    kind, message = classify(exc)
+    status, error_type = _HTTP[kind]
+    param = getattr(remote_cause(exc), "field", None)
+    headers = {}
+    retry_after_s = getattr(remote_cause(exc), "retry_after_s", None)
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    return status, _body(message, error_type, param, kind.value), headers
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status, body, headers = error_body(exc)
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
+
+
+def _body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -1,0 +1,321 @@
+"""OpenAI request bodies (completions, chat completions) read into the router's neutral requests.
+
+Each field is checked for its JSON type and range here, and any problem raises
+``InvalidArgumentError`` naming the field as the client wrote it (``temperature``,
+``messages[2].content``, ``stream_options.include_usage``). A field the API defines but
+pdserve does not implement (penalties other than 0, ``logit_bias``, ``tools``, ...) and a field
+the API does not define are refused with 400 too, never ignored: nothing a client sent is
+dropped silently. vLLM's extensions are accepted under vLLM's names (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
+``skip_special_tokens``, ``priority`` where lower is served first, ``add_generation_prompt``,
+``chat_template_kwargs``).
+
+``n`` choices (and, for completions, a batch of prompts) become one neutral request each; a
+seeded request's choice i draws with seed + i, so choices differ and each repeats exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from router.errors import InvalidArgumentError
+from router.openai_api.chat_template import ChatTemplate
+from router.validation import GenerateInput
+
+MAX_CHOICES = 16  # n, and n times the prompts of a completions batch
+MAX_LOGPROBS = 20
+
+# Fields both endpoints take, with what they do here.
+_COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+    "presence_penalty", "frequency_penalty", "logit_bias", "user", "best_of",
+    # vLLM's extensions
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
+}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
+_CHAT_FIELDS = _COMMON_FIELDS | {
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs", "metadata", "store",
+}
+
+
+@dataclass(slots=True)
+class ApiRequest:
+    """One completions or chat completions call, read and checked."""
+
+    model: str | None
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
+    logprobs: int | None  # top alternatives per token (completions' logprobs, chat's top_logprobs); None: none
+    choices: list[GenerateInput] = field(default_factory=list)  # in choice-index order: prompt by prompt, n each
+    choices_per_prompt: int = 1
+
+
+def read_completion(body: Any) -> ApiRequest:
+    body = _object(body, "body")
+    _refuse_unknown(body, _COMPLETION_FIELDS)
+    if _bool(body, "echo", False):
+        raise InvalidArgumentError("echo", "is not supported")
+    if body.get("suffix") is not None:
+        raise InvalidArgumentError("suffix", "is not supported")
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    prompts = _prompts(body)
+    base = _common(body, logprobs)
+    request = _api_request(body, logprobs)
+    count = request.choices_per_prompt = _num_choices(body, len(prompts))
+    for prompt_field, prompt in prompts:
+        for i in range(count):
+            choice = _choice(base, i)
+            choice.text_field = choice.ids_field = prompt_field
+            if isinstance(prompt, str):
+                choice.prompt_text = prompt
+            else:
+                choice.prompt_token_ids = prompt
+            request.choices.append(choice)
+    return request
+
+
+def read_chat(body: Any, template: ChatTemplate | None) -> ApiRequest:
+    body = _object(body, "body")
+    _refuse_unknown(body, _CHAT_FIELDS)
+    if template is None:
+        raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja); use /v1/completions")
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) not in (None, "none", [], False):
+            raise InvalidArgumentError(name, "tool calling is not supported")
+    response_format = body.get("response_format")
+    if response_format is not None and _object(response_format, "response_format").get("type") != "text":
+        raise InvalidArgumentError("response_format.type", "only \"text\" is supported")
+    if body.get("store") not in (None, False):
+        raise InvalidArgumentError("store", "is not supported")
+    if "metadata" in body and body["metadata"] is not None:
+        _object(body["metadata"], "metadata")
+    if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] != body["max_completion_tokens"]:
+        raise InvalidArgumentError("max_completion_tokens", "differs from max_tokens (its deprecated name); give one")
+    wants_logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not wants_logprobs:
+        raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
+    logprobs = (top or 0) if wants_logprobs else None
+    messages = _messages(body)
+    extra = body.get("chat_template_kwargs")
+    extra = dict(_object(extra, "chat_template_kwargs")) if extra is not None else None
+    prompt = template.render(messages, add_generation_prompt=_bool(body, "add_generation_prompt", True), extra=extra)
+    base = _common(body, logprobs, max_tokens_field="max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+    base.prompt_text = prompt
+    base.add_special_tokens = False  # the template wrote them
+    base.text_field = base.ids_field = "messages"
+    request = _api_request(body, logprobs)
+    request.choices_per_prompt = _num_choices(body, 1)
+    request.choices = [_choice(base, i) for i in range(request.choices_per_prompt)]
+    return request
+
+
+def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = continuous = False
+    if options is not None:
+        if not stream:
+            raise InvalidArgumentError("stream_options", "is only allowed with stream: true")
+        options = _object(options, "stream_options")
+        _refuse_unknown(options, {"include_usage", "continuous_usage_stats"}, prefix="stream_options.")
+        include_usage = _bool(options, "include_usage", False, prefix="stream_options.")
+        continuous = _bool(options, "continuous_usage_stats", False, prefix="stream_options.")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidArgumentError("model", f"must be a string, got {_type(model)}")
+    return ApiRequest(model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs)
+
+
+def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_tokens") -> GenerateInput:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name, 0.0)
+        if value != 0.0:
+            raise InvalidArgumentError(name, "is not supported (only 0); repetition_penalty is")
+    if body.get("logit_bias"):
+        raise InvalidArgumentError("logit_bias", "is not supported")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise InvalidArgumentError("user", f"must be a string, got {_type(body['user'])}")
+    top_k = _int(body, "top_k", 0, -1, None)
+    priority = _int(body, "priority", 0, -100, 100)
+    return GenerateInput(
+        max_tokens=_int(body, max_tokens_field, None, None, None),
+        temperature=_number(body, "temperature", None),
+        top_k=top_k,
+        top_p=_number(body, "top_p", None),
+        min_p=_number(body, "min_p", 0.0),
+        seed=_int(body, "seed", None, None, None),
+        repetition_penalty=_number(body, "repetition_penalty", None),
+        stop=_stop(body),
+        stop_token_ids=_int_list(body, "stop_token_ids"),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        logprobs=logprobs,
+        min_tokens=_int(body, "min_tokens", 0, 0, None),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        # vLLM's priority: lower is served first; the router's: higher is.
+        priority=-priority,
+        sampling_prefix="",
+    )
+
+
+def _choice(base: GenerateInput, index: int) -> GenerateInput:
+    return replace(
+        base,
+        stop=list(base.stop),
+        stop_token_ids=list(base.stop_token_ids),
+        seed=None if base.seed is None else base.seed + index,
+    )
+
+
+def _num_choices(body: dict, num_prompts: int) -> int:
+    n = _int(body, "n", 1, 1, MAX_CHOICES)
+    best_of = _int(body, "best_of", None, 1, None)
+    if best_of is not None and best_of != n:
+        raise InvalidArgumentError("best_of", f"is not supported other than equal to n ({n})")
+    if n * num_prompts > MAX_CHOICES:
+        raise InvalidArgumentError("n", f"n ({n}) x prompts ({num_prompts}) must be at most {MAX_CHOICES}")
+    return n
+
+
+def _prompts(body: dict) -> list[tuple[str, str | list[int]]]:
+    """(field name for errors, text or token ids) for each prompt of a completions call."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise InvalidArgumentError("prompt", "is required")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return [("prompt", prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise InvalidArgumentError("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+    if all(_is_int(x) for x in prompt):
+        return [("prompt", list(prompt))]
+    prompts: list[tuple[str, str | list[int]]] = []
+    for index, item in enumerate(prompt):
+        name = f"prompt[{index}]"
+        if isinstance(item, str):
+            prompts.append((name, item))
+        elif isinstance(item, list) and item and all(_is_int(x) for x in item):
+            prompts.append((name, list(item)))
+        else:
+            raise InvalidArgumentError(name, "must be a string or a non-empty list of token ids")
+    return prompts
+
+
+def _messages(body: dict) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgumentError("messages", "must be a non-empty list of messages")
+    out = []
+    for index, message in enumerate(messages):
+        name = f"messages[{index}]"
+        message = _object(message, name)
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidArgumentError(f"{name}.role", "must be a non-empty string")
+        plain: dict[str, Any] = {"role": role}
+        for key, value in message.items():
+            if key == "role":
+                continue
+            if key == "content":
+                plain["content"] = _content(value, f"{name}.content")
+            elif key == "name":
+                if not isinstance(value, str):
+                    raise InvalidArgumentError(f"{name}.name", f"must be a string, got {_type(value)}")
+                plain["name"] = value
+            elif key in ("tool_calls", "tool_call_id", "function_call") and value in (None, []):
+                continue
+            else:
+                raise InvalidArgumentError(f"{name}.{key}", "is not supported")
+        out.append(plain)
+    return out
+
+
+def _content(value: Any, name: str) -> str | None:
+    """Text content; a list of text parts is joined with newlines (as vLLM does for text models)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidArgumentError(name, f"must be a string or a list of text parts, got {_type(value)}")
+    texts = []
+    for index, part in enumerate(value):
+        part = _object(part, f"{name}[{index}]")
+        if part.get("type") != "text":
+            raise InvalidArgumentError(f"{name}[{index}].type", f"only \"text\" parts are supported, got {part.get('type')!r}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"{name}[{index}].text", f"must be a string, got {_type(text)}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise InvalidArgumentError("stop", "must be a string or a list of strings")
+
+
+def _int_list(body: dict, name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_int(x) for x in value):
+        raise InvalidArgumentError(name, "must be a list of integers")
+    return list(value)
+
+
+def _refuse_unknown(body: dict, known: set[str], prefix: str = "") -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise InvalidArgumentError(f"{prefix}{unknown[0]}", "is not a field of this API (unrecognized request argument)")
+
+
+def _object(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(name, f"must be a JSON object, got {_type(value)}")
+    return value
+
+
+def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{prefix}{name}", f"must be true or false, got {_type(value)}")
+    return value
+
+
+def _int(body: dict, name: str, default: int | None, low: int | None, high: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise InvalidArgumentError(name, f"must be an integer, got {_type(value)}")
+    if low is not None and value < low or high is not None and value > high:
+        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise InvalidArgumentError(name, f"must be in {bounds}, got {value}")
+    return value
+
+
+def _number(body: dict, name: str, default: float | None) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgumentError(name, f"must be a finite number, got {_type(value)}")
+    return float(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), repr(value))

@@ -1,0 +1,140 @@
+"""Session chunks rendered as OpenAI completions and chat completions, whole or as SSE chunks.
+
+One ``ChoiceState`` per choice keeps what its rendering needs across chunks: the text offset
+(completions' ``text_offset``), whether the chat role was sent, and, for a whole response,
+the text and log-probabilities so far.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sequence import TokenLogprob
+from router.output_stream import OutputChunk, StreamEnd
+from router.tokenizer import Tokenizer
+
+# JSON has no -inf; vLLM sends this for a log-probability of 0.
+_LOGPROB_FLOOR = -9999.0
+
+
+def finish_reason(end: StreamEnd) -> str:
+    """OpenAI's finish_reason: "stop" for a stop string, stop token or EOS; "length"; "abort"."""
+    return {"eos": "stop", "stop": "stop", "length": "length"}.get(end.reason, end.reason)
+
+
+def stop_reason(end: StreamEnd) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the choice, else None."""
+    if end.matched_stop:
+        return end.matched_stop
+    return end.matched_stop_token_id
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    index: int
+    chat: bool
+    num_logprobs: int | None
+    prompt_tokens: int
+    num_tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    text_len: int = 0
+    role_sent: bool = False
+    completion_logprobs: dict[str, list] = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
+    chat_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    end: StreamEnd | None = None
+
+    def add(self, chunk: OutputChunk, tokenizer: Tokenizer) -> dict[str, Any] | None:
+        """Take a chunk; return its rendered logprobs (None when not asked for)."""
+        logprobs = None
+        if self.num_logprobs is not None and chunk.logprobs:
+            if self.chat:
+                entries = [_chat_entry(t, e, tokenizer) for t, e in zip(chunk.token_ids, chunk.logprobs)]
+                self.chat_logprobs.extend(entries)
+                logprobs = {"content": entries}
+            else:
+                logprobs = self._completion_logprobs(chunk, tokenizer)
+        self.num_tokens += len(chunk.token_ids)
+        self.text.append(chunk.text)
+        self.text_len += len(chunk.text)
+        if chunk.end is not None:
+            self.end = chunk.end
+        return logprobs
+
+    def _completion_logprobs(self, chunk: OutputChunk, tokenizer: Tokenizer) -> dict[str, list]:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self.text_len
+        for token_id, entry in zip(chunk.token_ids, chunk.logprobs):
+            token = _token_text(token_id, tokenizer)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(_logprob(entry.logprob))
+            out["top_logprobs"].append({_token_text(t, tokenizer): _logprob(lp) for t, lp in entry.top})
+            out["text_offset"].append(offset)
+            offset += len(token)
+        for key, values in out.items():
+            self.completion_logprobs[key].extend(values)
+        return out
+
+    def whole(self) -> dict[str, Any]:
+        """This choice in a non-streamed response (after its last chunk)."""
+        assert self.end is not None
+        text = "".join(self.text)
+        choice: dict[str, Any] = {"index": self.index}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = {"content": self.chat_logprobs} if self.num_logprobs is not None else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = self.completion_logprobs if self.num_logprobs is not None else None
+        choice["finish_reason"] = finish_reason(self.end)
+        choice["stop_reason"] = stop_reason(self.end)
+        return choice
+
+    def delta(self, chunk: OutputChunk, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        """This choice's entry in a streamed chunk."""
+        choice: dict[str, Any] = {"index": self.index}
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if not self.role_sent:
+                delta["role"] = "assistant"
+                self.role_sent = True
+            if chunk.text or "role" in delta:
+                delta["content"] = chunk.text
+            choice["delta"] = delta
+        else:
+            choice["text"] = chunk.text
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = None if chunk.end is None else finish_reason(chunk.end)
+        if chunk.end is not None:
+            choice["stop_reason"] = stop_reason(chunk.end)
+        return choice
+
+
+def envelope(response_id: str, model: str, chat: bool, stream: bool, created: int | None = None) -> dict[str, Any]:
+    if chat:
+        kind = "chat.completion.chunk" if stream else "chat.completion"
+    else:
+        kind = "text_completion"
+    return {"id": response_id, "object": kind, "created": int(time.time()) if created is None else created, "model": model}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_text(token_id: int, tokenizer: Tokenizer) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logprob(value: float) -> float:
+    return max(value, _LOGPROB_FLOOR)
+
+
+def _chat_entry(token_id: int, entry: TokenLogprob, tokenizer: Tokenizer) -> dict[str, Any]:
+    token = _token_text(token_id, tokenizer)
+    top = []
+    for alt_id, alt_logprob in entry.top:
+        alt = _token_text(alt_id, tokenizer)
+        top.append({"token": alt, "logprob": _logprob(alt_logprob), "bytes": list(alt.encode("utf-8"))})
+    return {"token": token, "logprob": _logprob(entry.logprob), "bytes": list(token.encode("utf-8")), "top_logprobs": top}

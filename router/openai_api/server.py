@@ -1,0 +1,269 @@
+"""The router's OpenAI-compatible HTTP server (aiohttp), beside its gRPC listeners.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and
+``GET /health`` (200 once the pools can serve, 503 before; no token needed, like gRPC health).
+A generation call reads its body (router/openai_api/protocol.py), validates and tokenizes each
+choice like a gRPC request, opens one ``GenerationSession`` per choice, and renders their
+chunks (router/openai_api/responses.py): one JSON response, or server-sent events ending in
+``data: [DONE]``. The response starts with the first token, so a request refused or failed
+before it gets a real HTTP status (429 with Retry-After, 503, ...). A client that disconnects
+cancels the handler (``handler_cancellation``); its sessions close and free their blocks.
+With ``auth_token`` set every route but /health needs ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from router.errors import ErrorKind, InternalError, InvalidArgumentError, UnavailableError, classify
+from router.openai_api.chat_template import ChatTemplate
+from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
+from router.openai_api.protocol import ApiRequest, read_chat, read_completion
+from router.openai_api.responses import ChoiceState, envelope, usage
+from router.output_stream import OutputChunk
+from router.session import GenerationSession
+
+if TYPE_CHECKING:
+    from router.server import Router
+
+logger = logging.getLogger(__name__)
+
+# A request body may hold the longest prompt the router takes (64 characters per token of
+# context, up to 4 bytes each), and JSON's escapes on top.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class OpenAIServer:
+    def __init__(self, router: "Router", host: str, port: int, model_names: list[str], auth_token: str | None = None, ssl_context: ssl.SSLContext | None = None):
+        self.router = router
+        self.host = host
+        self.requested_port = port
+        self.model_names = list(model_names)
+        self.auth_token = auth_token
+        self.ssl_context = ssl_context
+        self.created = int(time.time())
+        self.chat_template = self._load_chat_template()
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def _load_chat_template(self) -> ChatTemplate | None:
+        tokenizer = self.router.tokenizer
+        if tokenizer.chat_template is None:
+            return None
+        try:
+            return ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens_map)
+        except ValueError as exc:
+            logger.warning("chat completions are off: %s", exc)
+            return None
+
+    async def start(self) -> int:
+        app = web.Application(middlewares=[self._edge], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        # handler_cancellation: a client that goes away cancels its handler, which aborts its requests.
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.host, self.requested_port, ssl_context=self.ssl_context, reuse_port=False)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        logger.info("OpenAI API listening on %s://%s:%d (model %s)", "https" if self.ssl_context else "http", self.host, self.port, ", ".join(self.model_names))
+        return self.port
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    # -- edge: authentication and errors, in one place -----------------------------------
+
+    @web.middleware
+    async def _edge(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            if request.path != "/health":
+                self._authenticate(request)
+            return await handler(request)
+        except web.HTTPException as exc:  # unknown route, wrong method
+            if exc.status < 400:
+                raise
+            body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}", "type": "invalid_request_error", "param": None, "code": None}}
+            return web.json_response(body, status=exc.status)
+        except Exception as exc:
+            if classify(exc)[0] is ErrorKind.INTERNAL:
+                logger.exception("%s %s failed", request.method, request.path)
+            return error_response(exc)
+
+    def _authenticate(self, request: web.Request) -> None:
+        if self.auth_token is None:
+            return
+        offered = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(offered.encode(), f"Bearer {self.auth_token}".encode()):
+            raise UnauthenticatedError("missing or wrong bearer token (Authorization: Bearer <token>)")
+
+    # -- routes --------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.router.readiness.is_ready:
+            return error_response(UnavailableError("the deployment is not ready yet"))
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        info = self.router.model_info
+        data = [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve", "root": info.name, "max_model_len": info.max_context_len}
+            for name in self.model_names
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, read_completion(await _json(request)), chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, read_chat(await _json(request), self.chat_template), chat=True)
+
+    # -- generation ----------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, api: ApiRequest, chat: bool) -> web.StreamResponse:
+        model = self._model(api.model)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # Every choice is validated before any is admitted: a bad one admits none.
+        validated = []
+        for index, choice in enumerate(api.choices):
+            choice.request_id = f"{response_id}-{index}"
+            validated.append(await self.router.validate_input(choice))
+
+        def client_gone() -> bool:
+            return request.transport is None or request.transport.is_closing()
+
+        sessions: list[GenerationSession] = []
+        try:
+            for one in validated:
+                sessions.append(await GenerationSession.open(self.router, one, client_gone))
+            states = [ChoiceState(index, chat, api.logprobs, len(one.prompt_token_ids)) for index, one in enumerate(validated)]
+            chunks = _merged(sessions)
+            async with contextlib.aclosing(chunks):
+                if api.stream:
+                    return await self._stream(request, api, response_id, model, chat, states, chunks)
+                return await self._whole(api, response_id, model, chat, states, chunks)
+        finally:
+            await asyncio.gather(*(session.close() for session in sessions))
+
+    def _model(self, requested: str | None) -> str:
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise ModelNotFoundError(f"model {requested!r} is not served here; /v1/models lists {self.model_names}")
+        return requested
+
+    async def _whole(self, api: ApiRequest, response_id: str, model: str, chat: bool, states: list[ChoiceState], chunks) -> web.Response:
+        async for index, item in chunks:
+            if isinstance(item, BaseException):
+                raise item
+            states[index].add(item, self.router.tokenizer)
+        failed = next((s.end for s in states if s.end.reason == "error"), None)
+        if failed is not None:
+            raise InternalError(f"generation failed after {failed.completion_tokens} tokens: {failed.detail}")
+        body = envelope(response_id, model, chat, stream=False)
+        body["choices"] = [state.whole() for state in states]
+        body["usage"] = _usage(api, states)
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, api: ApiRequest, response_id: str, model: str, chat: bool, states: list[ChoiceState], chunks) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        created = int(time.time())
+        started = False
+        try:
+            async for index, item in chunks:
+                if isinstance(item, BaseException):
+                    if not started:
+                        raise item  # nothing sent yet: a real status
+                    await _send(response, {"error": error_body(item)[1]["error"]})
+                    break
+                if not started:
+                    await response.prepare(request)
+                    started = True
+                state = states[index]
+                logprobs = state.add(item, self.router.tokenizer)
+                if item.end is None and not item.text and logprobs is None and (state.role_sent or not chat):
+                    continue  # nothing new to say (text held back at a possible stop string)
+                payload = envelope(response_id, model, chat, stream=True, created=created)
+                payload["choices"] = [state.delta(item, logprobs)]
+                if api.include_usage or api.continuous_usage:
+                    payload["usage"] = _usage(api, states) if api.continuous_usage else None
+                await _send(response, payload)
+                if item.end is not None and item.end.reason == "error":
+                    error = InternalError(f"generation failed after {item.end.completion_tokens} tokens: {item.end.detail}")
+                    await _send(response, {"error": error_body(error)[1]["error"]})
+            if api.include_usage:
+                payload = envelope(response_id, model, chat, stream=True, created=created)
+                payload["choices"] = []
+                payload["usage"] = _usage(api, states)
+                await _send(response, payload)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            logger.info("%s: the client went away mid-stream", response_id)
+        return response
+
+
+async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, OutputChunk | BaseException]]:
+    """Every session's chunks as they come, tagged with the session's index; a session that
+    fails yields its exception in place of its end."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, session: GenerationSession) -> None:
+        ended = False
+        try:
+            async with contextlib.aclosing(session.chunks()) as chunks:
+                async for chunk in chunks:
+                    ended = chunk.end is not None
+                    await queue.put((index, chunk))
+            if not ended:
+                await queue.put((index, InternalError(f"{session.request.req_id}: the stream ended without a last chunk")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(index, session)) for index, session in enumerate(sessions)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException) or item.end is not None:
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, int]:
+    # A prompt counts once however many choices it has (as in OpenAI's and vLLM's usage).
+    prompt = sum(state.prompt_tokens for state in states[:: api.choices_per_prompt])
+    return usage(prompt, sum(state.num_tokens for state in states))
+
+
+async def _json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidArgumentError("body", f"is not valid JSON: {exc}") from exc
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())

@@ -1,0 +1,243 @@
+"""The OpenAI HTTP API as the official ``openai`` client sees it, against a live deployment.
+
+References are transformers' own: ``apply_chat_template`` + ``generate`` for chat, the
+tokenizer's decode for text, the model's log-softmax for log-probabilities.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import ray
+import torch
+from transformers import AutoTokenizer
+
+from router.config import RouterConfig
+from tests.checkpoints import hf_greedy, random_prompts
+from tests.serving import Client, running_deployment
+
+# A chat template with the features transformers' rendering has: special-token variables,
+# trim_blocks/lstrip_blocks whitespace, filters, raise_exception, add_generation_prompt.
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+        {{- raise_exception('unknown role ' + message['role']) }}
+    {%- endif %}
+<|{{ message['role'] }}|>
+{{ message['content'] | trim }}{{ eos_token }}
+{% endfor %}
+{%- if add_generation_prompt %}
+<|assistant|>
+{% endif %}"""
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a prime number, café!"},
+]
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def chat_model(e2e_model, tmp_path_factory):
+    """The e2e model directory plus a chat template in tokenizer_config.json."""
+    path = tmp_path_factory.mktemp("chat_model") / "tiny-chat"
+    shutil.copytree(e2e_model.path, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return type(e2e_model)(path, e2e_model.hf_model, e2e_model.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, chat_model):
+    with running_deployment(chat_model, 1, 1, RouterConfig(http_port=0)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def base_url(deployment):
+    return f"http://127.0.0.1:{deployment.router.http_port}/v1"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(chat_model):
+    return AutoTokenizer.from_pretrained(chat_model.path)
+
+
+def _chat_ids(hf_tokenizer, messages) -> list[int]:
+    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_models_and_health(client, base_url):
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/health") as response:
+        assert response.status == 200
+
+
+def test_chat_completion_equals_transformers_greedy_whole_and_streamed(client, chat_model, hf_tokenizer):
+    ids = _chat_ids(hf_tokenizer, MESSAGES)
+    expected = hf_greedy(chat_model.hf_model, ids, 12)
+    want_text = hf_tokenizer.decode(expected, skip_special_tokens=True)
+
+    whole = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_completion_tokens=12, **GREEDY)
+    assert whole.object == "chat.completion"
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == want_text
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == (len(ids), 12, len(ids) + 12)
+
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-chat", messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want_text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len(chunks) > 3, "tokens stream as they come, not in one piece"
+
+
+def test_text_completion_of_token_ids_and_of_text_equals_transformers(client, chat_model, hf_tokenizer):
+    (prompt,) = random_prompts([20], chat_model.vocab_size, seed=11)
+    expected = hf_greedy(chat_model.hf_model, prompt, 10)
+    whole = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=10, **GREEDY)
+    assert whole.choices[0].text == hf_tokenizer.decode(expected, skip_special_tokens=True)
+    assert whole.usage.prompt_tokens == 20
+
+    text = "The quick brown fox"
+    text_ids = hf_tokenizer(text)["input_ids"]
+    expected = hf_greedy(chat_model.hf_model, text_ids, 10)
+    streamed = client.completions.create(model="tiny-chat", prompt=text, max_tokens=10, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == hf_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_logprobs_are_the_models_log_softmax(client, chat_model):
+    (prompt,) = random_prompts([15], chat_model.vocab_size, seed=12)
+    completion = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6, logprobs=3, **GREEDY)
+    logprobs = completion.choices[0].logprobs
+    generated = hf_greedy(chat_model.hf_model, prompt, 6)
+    with torch.no_grad():
+        logits = chat_model.hf_model(torch.tensor([prompt + generated])).logits[0]
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    for step, token in enumerate(generated):
+        want = reference[len(prompt) - 1 + step]
+        assert logprobs.token_logprobs[step] == pytest.approx(want[token].item(), abs=1e-3)
+        top = sorted(logprobs.top_logprobs[step].values(), reverse=True)
+        assert top == pytest.approx(want.topk(3).values.tolist(), abs=1e-3)
+    assert len(logprobs.tokens) == 6 and logprobs.text_offset[0] == 0
+
+    chat = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6) for entry in content), "greedy picks the top token"
+
+
+def test_stop_string_cuts_the_text_and_is_reported(client, chat_model, hf_tokenizer):
+    (prompt,) = random_prompts([12], chat_model.vocab_size, seed=13)
+    full = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=30, **GREEDY).choices[0].text
+    stop = full[10:12]
+    stopped = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=30, stop=[stop], **GREEDY).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full[: full.find(stop)]
+    assert stopped.model_extra["stop_reason"] == stop
+
+
+def test_n_choices_with_a_seed_are_each_reproducible(client, chat_model):
+    (prompt,) = random_prompts([10], chat_model.vocab_size, seed=14)
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    first = client.completions.create(model="tiny-chat", prompt=prompt, n=2, **sampled)
+    again = client.completions.create(model="tiny-chat", prompt=prompt, n=2, **sampled)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.choices[0].text != first.choices[1].text, "choice i draws with seed + i"
+    alone = client.completions.create(model="tiny-chat", prompt=prompt, n=1, **sampled)
+    assert alone.choices[0].text == first.choices[0].text
+    assert first.usage.prompt_tokens == 10 and first.usage.completion_tokens == 24
+
+
+def test_min_tokens_holds_off_a_stop_token(client, chat_model):
+    (prompt,) = random_prompts([10], chat_model.vocab_size, seed=15)
+    greedy = hf_greedy(chat_model.hf_model, prompt, 8)
+    at = next(i for i in range(1, 8) if greedy[i] not in greedy[:i])  # its first appearance
+    stop_token = greedy[at]
+    early = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [stop_token]})
+    assert early.usage.completion_tokens == at + 1 and early.choices[0].model_extra["stop_reason"] == stop_token
+    held = client.completions.create(
+        model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [stop_token], "min_tokens": 5}
+    )
+    assert held.usage.completion_tokens >= 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"extra_body": {"not_a_field": 1}}, "not_a_field"),
+        ({"extra_body": {"top_k": "ten"}}, "top_k"),
+        ({"stop": ["ok", ""]}, "stop[1]"),
+        ({"max_tokens": 5000}, "max_tokens"),
+    ],
+)
+def test_bad_completion_requests_get_a_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model="tiny-chat", prompt="hello", **kwargs)
+    assert raised.value.status_code == 400
+    assert raised.value.body["param"] == param
+    assert raised.value.body["type"] == "invalid_request_error"
+    assert param.split("[")[0] in raised.value.body["message"]
+
+
+def test_bad_chat_requests_and_unknown_models(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "robot", "content": "hi"}])
+    assert raised.value.body["param"] == "messages" and "unknown role robot" in raised.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="tiny-chat", messages=[])
+    assert raised.value.body["param"] == "messages"
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert raised.value.body["code"] == "model_not_found"
+    request = urllib.request.Request(str(client.base_url) + "completions", data=b"{not json", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as raised:
+        urllib.request.urlopen(request)
+    assert raised.value.code == 400 and json.loads(raised.value.read())["error"]["param"] == "body"
+
+
+def test_a_disconnect_mid_stream_aborts_the_request_and_frees_every_block(client, chat_model, deployment):
+    grpc_client = Client(deployment.address)
+    decode = next(h for name, h in deployment.handles.items() if name.startswith("decode"))
+    ray.get(decode.set_step_delay.remote(0.05))  # 1,500 tokens would take over a minute
+    try:
+        (prompt,) = random_prompts([40], chat_model.vocab_size, seed=16)
+        stream = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=1500, stream=True, **GREEDY)
+        for _, chunk in zip(range(3), stream):
+            assert chunk.choices[0].finish_reason is None
+        stream.close()
+        started = time.monotonic()
+        workers = grpc_client.wait_until_idle(timeout_s=15)
+        assert time.monotonic() - started < 15
+        assert all(w.num_kv_blocks_used == 0 for w in workers)
+        assert not deployment.router.dispatcher.active, "the router forgot the request"
+    finally:
+        ray.get(decode.set_step_delay.remote(0.0))
+        grpc_client.close()

@@ -1,0 +1,203 @@
+"""OpenAI request bodies become neutral requests, chat templates render as transformers renders
+them, and the HTTP edge answers without any worker: auth, health, errors."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from router.errors import InvalidArgumentError
+from router.openai_api.chat_template import ChatTemplate
+from router.openai_api.protocol import read_chat, read_completion
+from tests.router.tokenizer_builders import BASE_CONFIG, save_model_dir, train_byte_level_bpe
+
+TEMPLATES = {
+    "chatml": (
+        "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    # Block tags on their own lines: trim_blocks and lstrip_blocks decide the whitespace.
+    "blocks": (
+        "{{ bos_token }}\n{% for m in messages %}\n  {% if m.role == 'system' %}\n[SYS] {{ m.content | trim }}\n  {% else %}\n"
+        "<{{ m.role }}> {{ m.content }}{{ eos_token }}\n  {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}<assistant>{% endif %}"
+    ),
+    "json": "{% for m in messages %}{{ m | tojson }}{% if not loop.last %},{% endif %}{% endfor %}{{ extra_flag }}",
+}
+MESSAGES = [
+    {"role": "system", "content": "  Be brief. Ünïcode ok  "},
+    {"role": "user", "content": "2+2? 東京"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "and 3+3?"},
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    path = save_model_dir(tmp_path_factory.mktemp("tok"), train_byte_level_bpe(300), BASE_CONFIG)
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_templates_render_as_transformers_renders_them(hf_tokenizer, name, add_generation_prompt):
+    template = TEMPLATES[name]
+    want = hf_tokenizer.apply_chat_template(
+        MESSAGES, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, extra_flag="!"
+    )
+    ours = ChatTemplate(template, {"bos_token": "<s>", "eos_token": "</s>"})
+    assert ours.render(MESSAGES, add_generation_prompt=add_generation_prompt, extra={"extra_flag": "!"}) == want
+
+
+def test_a_template_that_raises_names_the_messages():
+    template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}", {})
+    with pytest.raises(InvalidArgumentError) as raised:
+        template.render([{"role": "system", "content": "x"}])
+    assert raised.value.field == "messages" and "first must be user" in raised.value.problem
+
+
+def test_the_sandbox_keeps_templates_from_python_internals():
+    template = ChatTemplate("{{ messages.__class__.__mro__ }}", {})
+    with pytest.raises(InvalidArgumentError):
+        template.render([{"role": "user", "content": "x"}])
+
+
+def test_completion_fields_map_to_the_neutral_request():
+    request = read_completion(
+        {
+            "model": "m", "prompt": "hi", "max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "\n",
+            "logprobs": 2, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "ignore_eos": True, "min_tokens": 2,
+            "priority": 4, "stop_token_ids": [9], "stream": True, "stream_options": {"include_usage": True}, "n": 2,
+        }
+    )
+    assert request.stream and request.include_usage and request.logprobs == 2 and request.choices_per_prompt == 2
+    first, second = request.choices
+    assert (first.prompt_text, first.max_tokens, first.temperature, first.top_p, first.stop) == ("hi", 7, 0.5, 0.9, ["\n"])
+    assert (first.top_k, first.min_p, first.repetition_penalty, first.ignore_eos, first.min_tokens) == (5, 0.1, 1.2, True, 2)
+    assert first.stop_token_ids == [9] and first.logprobs == 2
+    assert first.priority == -4, "vLLM's priority: lower first; the router's: higher first"
+    assert (first.seed, second.seed) == (3, 4), "choice i draws with seed + i"
+    assert first.sampling_prefix == ""
+
+
+def test_a_batch_of_prompts_gives_n_choices_each_in_order():
+    request = read_completion({"prompt": [[1, 2, 3], "text"], "n": 2})
+    assert [(c.prompt_token_ids, c.prompt_text) for c in request.choices] == [([1, 2, 3], None), ([1, 2, 3], None), (None, "text"), (None, "text")]
+    assert [c.text_field for c in request.choices] == ["prompt[0]", "prompt[0]", "prompt[1]", "prompt[1]"]
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": ["ok", 5]}, "prompt[1]"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": ["a", "b", "c"], "n": 6}, "n"),
+        ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
+        ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias"),
+        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "stream": True, "stream_options": {"usage": True}}, "stream_options.usage"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "stop": [1]}, "stop"),
+        ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+        ({"prompt": "x", "priority": 101}, "priority"),
+        ({"prompt": "x", "typo_field": 1}, "typo_field"),
+        ([1, 2], "body"),
+    ],
+)
+def test_bad_completion_bodies_name_the_field(body, field):
+    with pytest.raises(InvalidArgumentError) as raised:
+        read_completion(body)
+    assert raised.value.field == field
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": "x", "weird": 1}]}, "messages[0].weird"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+    ],
+)
+def test_bad_chat_bodies_name_the_field(body, field):
+    with pytest.raises(InvalidArgumentError) as raised:
+        read_chat(body, ChatTemplate(TEMPLATES["chatml"], {}))
+    assert raised.value.field == field
+
+
+def test_chat_renders_text_parts_and_leaves_special_tokens_to_the_template():
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_completion_tokens": 5}
+    request = read_chat(body, ChatTemplate(TEMPLATES["chatml"], {}))
+    (choice,) = request.choices
+    assert choice.prompt_text == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
+    assert choice.add_special_tokens is False and choice.max_tokens == 5 and choice.text_field == "messages"
+
+
+def test_chat_without_a_template_is_refused_with_a_pointer_to_completions():
+    with pytest.raises(InvalidArgumentError) as raised:
+        read_chat({"messages": [{"role": "user", "content": "x"}]}, None)
+    assert "/v1/completions" in raised.value.problem
+
+
+# -- the HTTP edge of a router with no worker -------------------------------------------------
+
+
+@pytest.fixture
+def hosted(tmp_path, e2e_model):
+    from cluster.deployment import DeploymentSpec, PoolSpec
+    from router.config import RouterConfig
+    from tests.serving import HostedRouter, engine_config
+
+    spec = DeploymentSpec(
+        model_path=e2e_model.path,
+        prefill=PoolSpec(0, engine_config()),
+        decode=PoolSpec(1, engine_config()),
+        router=RouterConfig(http_port=0, auth_token="s3cret", served_model_names=["alias", "other"], ready_wait_s=0.5),
+    )
+    router = HostedRouter(spec)
+    yield f"http://127.0.0.1:{router.router.http_port}"
+    router.close()
+
+
+def _call(url: str, token: str | None = None, body: dict | None = None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_the_bearer_token_guards_everything_but_health(hosted):
+    status, body = _call(f"{hosted}/v1/models")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, body = _call(f"{hosted}/v1/models", token="wrong")
+    assert status == 401
+    status, body = _call(f"{hosted}/v1/models", token="s3cret")
+    assert status == 200 and [m["id"] for m in body["data"]] == ["alias", "other"]
+    status, body = _call(f"{hosted}/health")
+    assert status == 503, "no worker yet: not ready"
+
+
+def test_a_request_before_any_worker_waits_then_gets_503(hosted):
+    status, body = _call(f"{hosted}/v1/completions", token="s3cret", body={"model": "other", "prompt": "hi", "max_tokens": 2})
+    assert status == 503 and body["error"]["type"] == "service_unavailable"
+    status, body = _call(f"{hosted}/v1/completions", token="s3cret", body={"model": "nope", "prompt": "hi"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = _call(f"{hosted}/v1/nothing", token="s3cret")
+    assert status == 404 and "error" in body
