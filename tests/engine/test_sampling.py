@@ -130,3 +130,34 @@ def test_logprobs_are_the_models_log_softmax(llama):
         assert entry.rank == int((row > row[token]).sum()) + 1
         top_ids = row.topk(3).indices.tolist()
         assert [t for t, _ in entry.top] == top_ids
+
+
+def test_min_tokens_matches_transformers_min_new_tokens(llama):
+    """Short of min_tokens neither a stop token id nor EOS can be drawn (transformers masks the
+    end tokens with min_new_tokens the same way), and the request runs on past them."""
+    engine, model = llama
+    (prompt,) = random_prompts([9], model.config.vocab_size, seed=21)
+    greedy = hf_greedy(model, prompt, 10)
+    at = next(i for i in range(1, 10) if greedy[i] not in greedy[:i])
+    stop = greedy[at]
+    (early,) = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop]))
+    assert early.token_ids == greedy[: at + 1] and early.finish_reason == "stop"
+
+    model.generation_config.eos_token_id = None
+    want = model.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=10,
+        min_new_tokens=at + 3, eos_token_id=stop, do_sample=False, pad_token_id=0,
+    )[0, len(prompt):].tolist()
+    params = SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop], min_tokens=at + 3)
+    (held,) = engine.generate([prompt], params)
+    assert len(held.token_ids) >= at + 3
+    assert held.token_ids == want[: len(held.token_ids)] and (len(held.token_ids) == 10 or held.token_ids[-1] == stop)
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_min_tokens_above_max_tokens_is_refused():
+    from engine.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as raised:
+        SamplingParams(max_tokens=4, min_tokens=5).validate()
+    assert raised.value.field == "min_tokens"
