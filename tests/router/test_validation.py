@@ -67,6 +67,11 @@ def test_explicit_fields_reach_the_engine_params():
     assert (result.priority, result.deadline) == (-3, 12.5)
 
 
+def test_min_tokens_reaches_the_engine_and_lifts_an_unset_max_tokens():
+    result = validate(request(sampling=dict(min_tokens=20)))
+    assert (result.sampling_params.min_tokens, result.sampling_params.max_tokens) == (20, 20)
+
+
 def test_unset_max_tokens_shrinks_to_the_room_left_in_the_context():
     result = validate(request(prompt_text="x" * 60))  # 61 tokens in a 64-token context
     assert result.sampling_params.max_tokens == 3
@@ -108,6 +113,8 @@ BAD_REQUESTS = [
     ("request_id", dict(request_id="é")),
     ("priority", dict(priority=101)),
     ("priority", dict(priority=-101)),
+    ("sampling.min_tokens", dict(sampling=dict(max_tokens=4, min_tokens=5))),
+    ("sampling.min_tokens", dict(prompt_text="x" * 60, sampling=dict(min_tokens=5))),  # 61 + 5 > 64
 ]
 
 
