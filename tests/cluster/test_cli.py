@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -33,7 +34,7 @@ def _run(*args: str, state_file: Path, timeout: float = 180, check: bool = True)
 def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_model, tmp_path):
     state = tmp_path / "state.json"
     port = _free_port()  # fixed, as in production: the restarted controller listens on it again
-    up = _run("up", "--detach", "--model", str(e2e_model.path), "--port", str(port), "--metrics-port", "0",
+    up = _run("up", "--detach", "--model", str(e2e_model.path), "--port", str(port), "--metrics-port", "0", "--http-port", "0",
               "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--disaggregation", "always", state_file=state)
     try:
         assert "pdserve serving on 127.0.0.1:" in up.stdout
@@ -46,6 +47,12 @@ def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_m
         ids = tokenizer(prompt)["input_ids"]
         expected = tokenizer.decode(hf_greedy(e2e_model.hf_model, ids, 10), skip_special_tokens=True)
         assert generated.stdout == prompt + expected + "\n"
+        # The same through the OpenAI API whose address `up` printed.
+        assert f"OpenAI API on http://{recorded['http_address']}/v1" in up.stdout
+        body = json.dumps({"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://{recorded['http_address']}/v1/completions", data=body, method="POST")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["choices"][0]["text"] == expected
 
         table = _run("status", state_file=state).stdout.splitlines()
         assert table[0].split() == ["WORKER", "ROLE", "STATE", "QUEUE", "KV", "USED", "RUNNING", "EPOCH", "NODE"]
@@ -81,7 +88,7 @@ def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_m
 def test_up_in_the_foreground_serves_until_interrupted(e2e_model, tmp_path):
     state = tmp_path / "state.json"
     process = subprocess.Popen(
-        [*PDSERVE, "--state-file", str(state), "up", "--model", str(e2e_model.path), "--port", "0", "--metrics-port", "0",
+        [*PDSERVE, "--state-file", str(state), "up", "--model", str(e2e_model.path), "--port", "0", "--metrics-port", "0", "--http-port", "0",
          "--prefill", "0", "--decode-cpus", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -144,7 +151,7 @@ def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, 
         config = tmp_path / "two_nodes.yaml"
         config.write_text(
             f"model: {e2e_model.path}\n"
-            "router: {port: 0, metrics_port: null, disaggregation: always}\n"
+            "router: {port: 0, metrics_port: null, http_port: null, disaggregation: always}\n"
             "prefill: {replicas: 1, num_cpus: 0.5, resources: {prefill_node: 1}}\n"
             "decode: {replicas: 1, num_cpus: 0.5, resources: {decode_node: 1}}\n"
         )
