@@ -27,16 +27,28 @@ DTYPES = {
 }
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+
+
 @dataclass(slots=True)
 class RopeConfig:
-    """Rotary embedding parameters; ``scaling_type`` is default, linear or llama3."""
+    """Rotary embedding parameters; ``scaling_type`` is one of ROPE_TYPES (engine/rope.py)."""
 
     theta: float = 10000.0
     scaling_type: str = "default"
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position: int = 8192  # llama3, yarn, longrope: the pretraining context
+    max_position: int = 2048  # the config's max_position_embeddings (dynamic NTK scales from it)
+    attention_factor: float | None = None  # yarn, longrope: cos/sin scale; None: derived from factor
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn
+    short_factor: list[float] | None = None  # longrope
+    long_factor: list[float] | None = None  # longrope
 
 
 @dataclass(slots=True)
@@ -61,6 +73,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None
+    o_bias: bool = False  # o_proj has a bias
+    mlp_bias: bool = False  # gate, up and down projections have biases
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> "ModelConfig":
@@ -82,6 +96,17 @@ class ModelConfig:
                 f"{source}: architecture {architectures or '(none)'} is not supported; "
                 f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        quantization = raw.get("quantization_config")
+        if quantization:
+            method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+            raise ModelLoadError(
+                f"{source}: a quantized checkpoint (quantization_config: {method}) is not supported; "
+                "give an unquantized float32, bfloat16 or float16 checkpoint"
+            )
+        dtype_name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
+        if dtype_name not in DTYPES:
+            raise ModelLoadError(f"{source}: dtype {dtype_name!r} is not supported ({', '.join(DTYPES)})")
+        qkv_bias, o_bias, mlp_bias = _BIASES[arch](raw)
         try:
             hidden = int(raw["hidden_size"])
             num_heads = int(raw["num_attention_heads"])
@@ -89,7 +114,6 @@ class ModelConfig:
             sliding = raw.get("sliding_window")
             if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
                 sliding = None
-            dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -103,9 +127,11 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope=_parse_rope(raw, source),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+                qkv_bias=qkv_bias,
+                o_bias=o_bias,
+                mlp_bias=mlp_bias,
                 qk_norm=arch == "Qwen3ForCausalLM",
-                checkpoint_dtype=DTYPES.get(str(dtype_name), torch.float32),
+                checkpoint_dtype=DTYPES[dtype_name],
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
                 sliding_window=int(sliding) if sliding else None,
@@ -125,6 +151,20 @@ class ModelConfig:
         }
 
 
+def _attention_and_mlp_bias(raw: dict) -> tuple[bool, bool, bool]:
+    attention = bool(raw.get("attention_bias", False))
+    return attention, attention, bool(raw.get("mlp_bias", False))
+
+
+# (q/k/v bias, o_proj bias, MLP biases) as each architecture's transformers module builds them.
+_BIASES = {
+    "LlamaForCausalLM": _attention_and_mlp_bias,
+    "MistralForCausalLM": lambda raw: (False, False, False),
+    "Qwen2ForCausalLM": lambda raw: (True, False, False),
+    "Qwen3ForCausalLM": lambda raw: (*_attention_and_mlp_bias(raw)[:2], False),
+}
+
+
 def _parse_rope(raw: dict, source: str) -> RopeConfig:
     # transformers 5 writes "rope_parameters" (theta inside); 4.x wrote rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})
@@ -132,16 +172,40 @@ def _parse_rope(raw: dict, source: str) -> RopeConfig:
     merged = {**scaling, **params}
     theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = merged.get("rope_type") or merged.get("type") or "default"
-    if rope_type not in ("default", "linear", "llama3"):
-        raise ModelLoadError(f"{source}: rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(f"{source}: rope scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
+    max_position = int(raw.get("max_position_embeddings", 2048))
+    # As transformers: a top-level original_max_position_embeddings (Phi-3 style) wins, and
+    # without one the pretraining context is max_position_embeddings.
+    original = raw.get("original_max_position_embeddings") or merged.get("original_max_position_embeddings") or max_position
+    factor = merged.get("factor")
+    if factor is None and rope_type in ("yarn", "longrope"):
+        factor = max_position / int(original)
+    optional = {name: merged.get(name) for name in ("attention_factor", "mscale", "mscale_all_dim")}
     return RopeConfig(
         theta=theta,
         scaling_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        original_max_position=int(original),
+        max_position=max_position,
+        attention_factor=None if optional["attention_factor"] is None else float(optional["attention_factor"]),
+        beta_fast=float(merged.get("beta_fast") or 32.0),
+        beta_slow=float(merged.get("beta_slow") or 1.0),
+        mscale=None if optional["mscale"] is None else float(optional["mscale"]),
+        mscale_all_dim=None if optional["mscale_all_dim"] is None else float(optional["mscale_all_dim"]),
+        truncate=bool(merged.get("truncate", True)),
+        short_factor=_factor_list(merged.get("short_factor")),
+        long_factor=_factor_list(merged.get("long_factor")),
     )
+
+
+def _factor_list(value: object) -> list[float] | None:
+    return None if value is None else [float(v) for v in value]
 
 
 def _as_id_list(value: object) -> list[int]:

@@ -64,7 +64,11 @@ class LLMEngine:
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.model_path = Path(model_path) if model_path is not None else DEFAULT_MODEL_PATH
-        loaded = load_model(self.model_path, dtype=self.config.dtype, device=self.config.device, prepack_linear=self.config.prepack_linear)
+        # The rotary tables cover the engine's context (dynamic and LongRoPE schedules depend on it).
+        loaded = load_model(
+            self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,
+            prepack_linear=self.config.prepack_linear,
+        )
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.eos_token_ids = loaded.eos_token_ids

@@ -102,6 +102,12 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
             with safe_open(str(path), framework="pt") as handle:
                 for key in handle.keys():
                     tensors[key] = handle.get_tensor(key)
+                    if not tensors[key].is_floating_point() or tensors[key].element_size() == 1:
+                        raise ModelLoadError(
+                            f"{path}: tensor {key!r} is {tensors[key].dtype}: quantized weights are not supported"
+                        )
+        except ModelLoadError:
+            raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
     return tensors
@@ -131,16 +137,26 @@ def _engine_state_dict(weights: dict[str, torch.Tensor], config: ModelConfig, dt
         if config.qkv_bias:
             state[dst + "qkv_proj.bias"] = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
         state[dst + "o_proj.weight"] = take(attn + "o_proj.weight")
+        if config.o_bias:
+            state[dst + "o_proj.bias"] = take(attn + "o_proj.bias")
         if config.qk_norm:
             state[dst + "q_norm.weight"] = take(attn + "q_norm.weight")
             state[dst + "k_norm.weight"] = take(attn + "k_norm.weight")
         mlp = src + "mlp."
         state[dst + "gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
         state[dst + "down_proj.weight"] = take(mlp + "down_proj.weight")
+        if config.mlp_bias:
+            state[dst + "gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
+            state[dst + "down_proj.bias"] = take(mlp + "down_proj.bias")
     known = _known_checkpoint_names(config)
     unused = [k for k in weights if k not in known and not k.endswith(_SKIPPED_SUFFIXES)]
     if unused:
-        logger.warning("checkpoint tensors not used by the engine: %s", ", ".join(sorted(unused)[:8]))
+        # A tensor the model code has no place for means it computes something else than the
+        # checkpoint's model (a bias its config did not announce, another architecture's layer).
+        raise ModelLoadError(
+            f"checkpoint tensors the {config.architecture} model code has no place for: {', '.join(sorted(unused)[:8])}"
+            + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+        )
     return state
 
 
@@ -150,9 +166,15 @@ def _known_checkpoint_names(config: ModelConfig) -> set[str]:
         src = f"model.layers.{i}."
         names |= {src + "input_layernorm.weight", src + "post_attention_layernorm.weight"}
         names |= {src + f"self_attn.{p}_proj.weight" for p in "qkvo"}
-        names |= {src + f"self_attn.{p}_proj.bias" for p in "qkv"}
-        names |= {src + "self_attn.q_norm.weight", src + "self_attn.k_norm.weight"}
+        if config.qkv_bias:
+            names |= {src + f"self_attn.{p}_proj.bias" for p in "qkv"}
+        if config.o_bias:
+            names.add(src + "self_attn.o_proj.bias")
+        if config.qk_norm:
+            names |= {src + "self_attn.q_norm.weight", src + "self_attn.k_norm.weight"}
         names |= {src + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        if config.mlp_bias:
+            names |= {src + f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")}
     return names
 
 

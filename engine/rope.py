@@ -1,4 +1,16 @@
-"""Rotary position embeddings with the default, linear and llama3 frequency schedules."""
+"""Rotary position embeddings with the default, linear, llama3, yarn, dynamic-NTK and LongRoPE
+frequency schedules, computed as transformers computes them.
+
+Two schedules depend on the sequence's length in transformers, which switches frequencies (and
+so every cached key's rotation) when a sequence grows past the pretraining context; a KV cache
+cannot follow that. Here the schedule is fixed per engine from its ``max_positions``:
+- dynamic NTK: the unscaled frequencies when every sequence fits ``max_position_embeddings``
+  (transformers' own choice for such sequences), else the frequencies for ``max_positions``;
+- LongRoPE: the short factors when every sequence fits the pretraining context, else the long
+  ones (transformers' choice for a sequence beyond it).
+Either way the result equals transformers' for every sequence within the pretraining context,
+and for a long sequence when the engine's context is long.
+"""
 
 from __future__ import annotations
 
@@ -9,36 +21,102 @@ import torch
 from engine.config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Per-pair rotation frequencies, rescaled as the checkpoint's scaling type says."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.scaling_type == "linear":
-        return inv_freq / rope.factor
-    if rope.scaling_type == "llama3":
-        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-        low_freq_wavelen = rope.original_max_position / rope.low_freq_factor
-        high_freq_wavelen = rope.original_max_position / rope.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
-            rope.high_freq_factor - rope.low_freq_factor
-        )
-        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, blended, scaled)
-    return inv_freq
+def _base_frequencies(theta: float, head_dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Per-pair rotation frequencies as the checkpoint's schedule says, and the factor that
+    scales cos and sin (1 except for yarn and LongRoPE)."""
+    kind = rope.scaling_type
+    max_positions = max_positions or rope.max_position
+    inv_freq = _base_frequencies(rope.theta, head_dim)
+    if kind == "linear":
+        return inv_freq / rope.factor, 1.0
+    if kind == "llama3":
+        return _llama3(rope, inv_freq), 1.0
+    if kind == "yarn":
+        return _yarn(rope, head_dim)
+    if kind == "dynamic":
+        if max_positions <= rope.max_position:
+            return inv_freq, 1.0
+        # NTK: a larger base, grown with the context beyond max_position_embeddings.
+        stretch = rope.factor * max_positions / rope.max_position - (rope.factor - 1)
+        return _base_frequencies(rope.theta * stretch ** (head_dim / (head_dim - 2)), head_dim), 1.0
+    if kind == "longrope":
+        return _longrope(rope, head_dim, max_positions)
+    return inv_freq, 1.0
+
+
+def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    low_freq_wavelen = rope.original_max_position / rope.low_freq_factor
+    high_freq_wavelen = rope.original_max_position / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN: pairs that turn fast within the pretraining context keep their frequency
+    (extrapolation), slow ones are divided by `factor` (interpolation), with a linear ramp
+    between the dimensions where beta_fast and beta_slow rotations fit the context."""
+    factor = rope.factor
+    if rope.attention_factor is not None:
+        attention = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+    else:
+        attention = _yarn_mscale(factor)
+
+    def dimension_for(rotations: float) -> float:
+        # The pair index whose wavelength fits `rotations` times in the pretraining context.
+        return head_dim * math.log(rope.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dimension_for(rope.beta_fast), dimension_for(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    wavelengths = rope.theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    inv_freq = (1.0 / (factor * wavelengths)) * (1 - keep) + (1.0 / wavelengths) * keep
+    return inv_freq, float(attention)
+
+
+def _longrope(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    if rope.short_factor is None or rope.long_factor is None:
+        raise ValueError("longrope needs short_factor and long_factor")
+    if rope.attention_factor is not None:
+        attention = rope.attention_factor
+    elif rope.factor <= 1.0:
+        attention = 1.0
+    else:
+        attention = math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position))
+    factors = rope.long_factor if max_positions > rope.original_max_position else rope.short_factor
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents), float(attention)
 
 
 class RotaryEmbedding:
     """Precomputed cos/sin tables for every position up to ``max_positions``."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: str):
-        inv_freq = inverse_frequencies(rope, head_dim)
+        inv_freq, scale = inverse_frequencies(rope, head_dim, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         # Computed in float32 and cast once, as transformers does, so low-precision runs agree.
-        self.cos = freqs.cos().to(dtype=dtype, device=device)
-        self.sin = freqs.sin().to(dtype=dtype, device=device)
+        self.cos = (freqs.cos() * scale).to(dtype=dtype, device=device)
+        self.sin = (freqs.sin() * scale).to(dtype=dtype, device=device)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [tokens, 1, dim / 2] of ``positions``: looked up once per step, used by every layer."""

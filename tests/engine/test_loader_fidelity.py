@@ -1,0 +1,128 @@
+"""Checkpoints load as transformers runs them: biases, every RoPE schedule, and a clear refusal
+for what the engine cannot run (quantized weights, unknown dtypes, tensors it has no place for)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.rope import inverse_frequencies
+from tests.checkpoints import build_checkpoint, hf_config, hf_greedy, random_prompts
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+HALF_HEAD = 8  # the test checkpoints' head_dim (64 / 4) / 2 rotation pairs
+
+ROPES = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 16, "beta_slow": 2},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.7, "mscale_all_dim": 1.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": 64,
+        "short_factor": [1.0 + 0.1 * i for i in range(HALF_HEAD)],
+        "long_factor": [1.5 + 0.4 * i for i in range(HALF_HEAD)],
+    },
+}
+
+
+def _engine_matches_transformers(path, model, lengths=(5, 40), max_model_len=None):
+    prompts = random_prompts(list(lengths), model.config.vocab_size, seed=3)
+    engine = LLMEngine(path, EngineConfig(num_kv_blocks=64, long_prefill_chunk=16, max_num_batched_tokens=64, max_model_len=max_model_len))
+    got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    assert got == [hf_greedy(model, p, 10) for p in prompts]
+    # Log-probabilities too, not only the argmax (float32).
+    prompt = prompts[-1]
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0, -1]
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+    top = dict(out.logprobs[0].top)
+    reference = torch.log_softmax(want.double(), dim=-1)
+    for token, logprob in top.items():
+        assert logprob == pytest.approx(reference[token].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("llama", {"attention_bias": True}),
+        ("llama", {"mlp_bias": True}),
+        ("llama", {"attention_bias": True, "mlp_bias": True, "rope_scaling": None}),
+        ("qwen3", {"attention_bias": True}),
+    ],
+)
+def test_biases_are_loaded_and_used(tmp_path, arch, overrides):
+    model = build_checkpoint(arch, tmp_path, **overrides)
+    config = ModelConfig.from_model_dir(tmp_path)
+    assert config.o_bias == overrides.get("attention_bias", False)
+    assert config.mlp_bias == overrides.get("mlp_bias", False)
+    _engine_matches_transformers(tmp_path, model)
+
+
+@pytest.mark.parametrize("name", sorted(ROPES))
+def test_each_rope_schedule_matches_transformers(tmp_path, name):
+    model = build_checkpoint("llama", tmp_path, rope_scaling=ROPES[name], max_position_embeddings=256)
+    # Within the pretraining context, the schedule transformers uses for such sequences.
+    _engine_matches_transformers(tmp_path, model, max_model_len=64 if name == "longrope" else None)
+
+
+@pytest.mark.parametrize("name, seq_len", [("yarn", 100), ("dynamic", 400), ("longrope", 200), ("longrope", 50)])
+def test_rope_frequencies_equal_transformers_at_a_length(name, seq_len):
+    """The frequencies and cos/sin scale transformers computes for a sequence of seq_len, which
+    the engine uses when its context is seq_len."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = hf_config("llama", rope_scaling=ROPES[name], max_position_embeddings=256)
+    want, want_scale = ROPE_INIT_FUNCTIONS[ROPES[name]["rope_type"]](hf, "cpu", seq_len=seq_len)
+    config = ModelConfig.from_dict(json.loads(hf.to_json_string()) | {"architectures": ["LlamaForCausalLM"]})
+    got, scale = inverse_frequencies(config.rope, config.head_dim, seq_len)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(want_scale, rel=1e-6)
+
+
+def test_a_quantized_checkpoint_is_refused_naming_the_method(tmp_path):
+    build_checkpoint("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="quantized checkpoint.*fp8"):
+        LLMEngine(tmp_path, EngineConfig(num_kv_blocks=8))
+
+
+def test_integer_or_fp8_weights_and_unknown_dtypes_are_refused(tmp_path):
+    build_checkpoint("llama", tmp_path)
+    (weights_file,) = tmp_path.glob("*.safetensors")
+    weights = load_file(weights_file)
+    weights["model.layers.0.mlp.down_proj.weight"] = weights["model.layers.0.mlp.down_proj.weight"].to(torch.int8)
+    save_file(weights, weights_file)
+    with pytest.raises(ModelLoadError, match="down_proj.weight.*int8"):
+        LLMEngine(tmp_path, EngineConfig(num_kv_blocks=8))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["dtype"] = "float8_e4m3fn"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="dtype 'float8_e4m3fn' is not supported"):
+        ModelConfig.from_model_dir(tmp_path)
+
+
+def test_a_tensor_the_model_has_no_place_for_is_refused(tmp_path):
+    """A bias the config does not announce used to be dropped with a warning: wrong output."""
+    build_checkpoint("mistral", tmp_path)
+    (weights_file,) = tmp_path.glob("*.safetensors")
+    weights = load_file(weights_file)
+    weights["model.layers.1.self_attn.o_proj.bias"] = torch.ones(64)
+    save_file(weights, weights_file)
+    with pytest.raises(ModelLoadError, match="no place for: model.layers.1.self_attn.o_proj.bias"):
+        LLMEngine(tmp_path, EngineConfig(num_kv_blocks=8))
+
+
+def test_partial_rotary_and_unknown_rope_types_are_refused():
+    base = json.loads(hf_config("llama").to_json_string()) | {"architectures": ["LlamaForCausalLM"]}
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
+        ModelConfig.from_dict(base | {"partial_rotary_factor": 0.5})
+    with pytest.raises(ModelLoadError, match="rope scaling type 'su'"):
+        ModelConfig.from_dict(base | {"rope_scaling": {"rope_type": "su", "factor": 2.0}, "rope_parameters": None})
