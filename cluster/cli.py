@@ -43,9 +43,19 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     parser.add_argument("--state-file", type=Path, default=DEFAULT_STATE_FILE, help="where `up` records what `down`, `status` and `generate` find")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -53,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", type=Path, help="YAML deployment config; flags override its fields")
     up.add_argument("--address", help="Ray cluster to join ('auto' or host:port); omitted: start a local Ray instance")
     up.add_argument("--detach", action="store_true", help="leave the deployment serving and return")
-    up.add_argument("--model", type=Path, help="model directory (default: the built-in model)")
+    up.add_argument("--model", help="model directory, or a Hugging Face id in the local cache (default: the built-in model)")
     up.add_argument("--prefill", type=int, help="prefill actors")
     up.add_argument("--decode", type=int, help="decode actors")
     up.add_argument("--prefill-gpus", type=float, help="GPUs per prefill actor")
@@ -87,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="stream a generation for one prompt")
     generate.add_argument("prompt")
     generate.add_argument("--address", help="router host:port; default: the running deployment, else a local one for this call")
-    generate.add_argument("--model", type=Path, default=DEFAULT_MODEL_PATH, help="model directory (local deployment)")
+    generate.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="model directory or Hugging Face id in the local cache (local deployment)")
     generate.add_argument("--prefill", type=int, default=1, help="prefill actors (local deployment)")
     generate.add_argument("--decode", type=int, default=1, help="decode actors (local deployment)")
     generate.add_argument("--timing", action="store_true", help="print the timing breakdown at the end")
@@ -421,6 +431,14 @@ def _generate(args: argparse.Namespace) -> int:
     address = _router_address(args)
     if address:
         return _stream(args, address)
+    from engine.errors import ModelLoadError
+    from engine.model_source import resolve_model
+
+    try:
+        args.model = resolve_model(args.model).path
+    except ModelLoadError as exc:
+        print(f"pdserve: --model {exc}", file=sys.stderr)
+        return 2
     if not (Path(args.model) / "config.json").is_file():
         print(f"pdserve: --model {args.model}: not a model directory (no config.json)", file=sys.stderr)
         return 2

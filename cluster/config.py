@@ -17,6 +17,8 @@ from cluster.kv_memory import KVMemoryPolicy
 from cluster.pools import DeploymentSpec, PoolSpec
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
+from engine.errors import ModelLoadError
+from engine.model_source import resolve_model
 from kvtransfer.agent import KVTransferConfig
 from router.config import Disaggregation, RouterConfig
 from router.pool import RoutingPolicy
@@ -100,7 +102,10 @@ class RouterSection(BaseModel):
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: Path = Field(DEFAULT_MODEL_PATH, description="Hugging Face model directory (default: the built-in model)")
+    model: Path = Field(
+        DEFAULT_MODEL_PATH,
+        description="Model directory, or a Hugging Face id (org/name[@revision]) already in the local Hugging Face cache (default: the built-in model)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         "auto",
         description="Weights and KV dtype; auto: the fastest exact one for each actor's device "
@@ -125,6 +130,24 @@ class ClusterConfig(BaseModel):
     router: RouterSection = Field(default_factory=RouterSection)
     health_interval_s: float = Field(1.0, gt=0, description="Seconds between health checks")
     health_timeout_s: float = Field(10.0, gt=0, description="A worker that does not answer a ping within this is replaced")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_model(cls, data):
+        """A Hugging Face id becomes its snapshot directory, and the name the OpenAI API answers to."""
+        if not isinstance(data, dict) or data.get("model") is None:
+            return data
+        try:
+            resolved = resolve_model(data["model"])
+        except ModelLoadError as exc:
+            raise ValueError(f"model: {exc}") from None
+        data = {**data, "model": resolved.path}
+        if resolved.from_hub:
+            router = dict(data.get("router") or {})
+            if router.get("served_model_names") is None:
+                router["served_model_names"] = [resolved.name]  # as vLLM names it
+            data["router"] = router
+        return data
 
     @field_validator("model")
     @classmethod

@@ -29,6 +29,9 @@ class RouterConfig:
     # Names a request's "model" may give (the first is what responses say); None: the model
     # directory's name.
     served_model_names: list[str] | None = None
+    # Fields a request leaves unset take the model's generation_config.json values
+    # (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM does.
+    model_sampling_defaults: bool = True
     # With a token, Generation and Admin calls must carry "authorization: Bearer <token>".
     auth_token: str | None = field(default=None, repr=False)
     # With both, the listeners speak TLS only.

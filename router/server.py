@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, SamplingDefaults
 from engine.stats import WorkerState
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
@@ -63,6 +63,7 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: list[int]
     block_size: int
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, block_size: int, max_model_len: int | None, eos_token_ids: list[int]) -> "ModelInfo":
@@ -72,7 +73,10 @@ class ModelInfo:
             limit = min(limit, config.sliding_window)
         if max_model_len is not None:
             limit = min(limit, max_model_len)
-        return cls(Path(model_dir).name, config.architecture, limit, config.vocab_size, eos_token_ids or config.eos_token_ids, block_size)
+        return cls(
+            Path(model_dir).name, config.architecture, limit, config.vocab_size, eos_token_ids or config.eos_token_ids,
+            block_size, SamplingDefaults.from_model_dir(model_dir),
+        )
 
 
 # GetClusterStatus answers from status reports at most this old (callers at the same moment
@@ -161,7 +165,10 @@ class Router:
         self.config.validate()
         self.model_info = model_info
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
-        self.limits = RequestLimits(vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len)
+        defaults = model_info.sampling_defaults if self.config.model_sampling_defaults else SamplingDefaults()
+        if defaults != SamplingDefaults():
+            logger.info("sampling defaults from the model's generation_config.json, for fields a request leaves unset: %s", defaults)
+        self.limits = RequestLimits(vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len, defaults=defaults)
         # One thread: long prompts are tokenized one at a time, off the event loop.
         self._tokenize_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.pool = WorkerPool(self.config.routing_policy)

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.config import SamplingDefaults
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from router.api.pdserve.v1 import generation_pb2 as pb
@@ -42,6 +43,8 @@ class RequestLimits:
     max_prompt_chars_per_token: int = 64
     min_priority: int = -100
     max_priority: int = 100
+    # The model's generation_config.json values for fields a request leaves unset.
+    defaults: SamplingDefaults = SamplingDefaults()
 
 
 @dataclass(slots=True)
@@ -75,9 +78,9 @@ class GenerateInput:
     add_special_tokens: bool = True
     max_tokens: int | None = None
     temperature: float | None = None
-    top_k: int = 0
+    top_k: int | None = None
     top_p: float | None = None
-    min_p: float = 0.0
+    min_p: float | None = None
     seed: int | None = None
     repetition_penalty: float | None = None
     stop: list[str] = field(default_factory=list)
@@ -116,9 +119,10 @@ def validate_generate_request(
         prompt_token_ids=list(request.prompt_token_ids) if has_ids else None,
         max_tokens=given("max_tokens"),
         temperature=given("temperature"),
-        top_k=sampling.top_k,
+        # Not optional in the proto: 0 leaves them to the model's default (-1 disables top-k).
+        top_k=sampling.top_k or None,
         top_p=given("top_p"),
-        min_p=sampling.min_p,
+        min_p=sampling.min_p or None,
         seed=given("seed"),
         repetition_penalty=given("repetition_penalty"),
         stop=list(sampling.stop),
@@ -227,15 +231,20 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits) -> SamplingP
         )
     if request.logprobs is not None and request.logprobs > limits.max_logprobs:
         raise InvalidArgumentError(f"{prefix}logprobs", f"must be in [0, {limits.max_logprobs}], got {request.logprobs}")
+    defaults = limits.defaults
+
+    def pick(given, model_default, default):
+        return given if given is not None else model_default if model_default is not None else default
+
     params = SamplingParams(
         # Unset, it defaults to what fits (_fit_context), and never below min_tokens.
-        max_tokens=request.max_tokens if request.max_tokens is not None else max(limits.default_max_tokens, request.min_tokens),
-        temperature=request.temperature if request.temperature is not None else 1.0,
-        top_k=request.top_k,
-        top_p=request.top_p if request.top_p is not None else 1.0,
-        min_p=request.min_p,
+        max_tokens=pick(request.max_tokens, None, max(pick(None, defaults.max_tokens, limits.default_max_tokens), request.min_tokens)),
+        temperature=pick(request.temperature, defaults.temperature, 1.0),
+        top_k=pick(request.top_k, defaults.top_k, 0),
+        top_p=pick(request.top_p, defaults.top_p, 1.0),
+        min_p=pick(request.min_p, defaults.min_p, 0.0),
         seed=request.seed,
-        repetition_penalty=request.repetition_penalty if request.repetition_penalty is not None else 1.0,
+        repetition_penalty=pick(request.repetition_penalty, defaults.repetition_penalty, 1.0),
         stop_token_ids=list(dict.fromkeys(request.stop_token_ids)),
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs,

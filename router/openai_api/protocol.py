@@ -140,14 +140,14 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
         raise InvalidArgumentError("logit_bias", "is not supported")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise InvalidArgumentError("user", f"must be a string, got {_type(body['user'])}")
-    top_k = _int(body, "top_k", 0, -1, None)
+    top_k = _int(body, "top_k", None, -1, None)
     priority = _int(body, "priority", 0, -100, 100)
     return GenerateInput(
         max_tokens=_int(body, max_tokens_field, None, None, None),
         temperature=_number(body, "temperature", None),
         top_k=top_k,
         top_p=_number(body, "top_p", None),
-        min_p=_number(body, "min_p", 0.0),
+        min_p=_number(body, "min_p", None),
         seed=_int(body, "seed", None, None, None),
         repetition_penalty=_number(body, "repetition_penalty", None),
         stop=_stop(body),

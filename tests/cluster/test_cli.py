@@ -110,6 +110,12 @@ def test_up_in_the_foreground_serves_until_interrupted(e2e_model, tmp_path):
     assert not state.exists()
 
 
+def test_version():
+    from importlib.metadata import version
+
+    assert _run("--version", state_file=Path("unused")).stdout.strip() == f"pdserve {version('pdserve')}"
+
+
 @pytest.mark.parametrize(
     "config_text, flags, message",
     [

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
 import pytest
 
+from engine.config import SamplingDefaults
 from engine.sampling_params import SamplingParams
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.errors import DeadlineExceededError, InvalidArgumentError, grpc_status
@@ -174,3 +176,27 @@ def test_drain_worker_needs_a_well_formed_id():
         with pytest.raises(InvalidArgumentError) as info:
             validate_drain_worker_request(pb.DrainWorkerRequest(worker_id=worker_id))
         assert info.value.field == "worker_id"
+
+
+def test_the_models_generation_config_fills_only_what_a_request_leaves_unset(tmp_path):
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "max_new_tokens": 40, "do_sample": True})
+    )
+    defaults = SamplingDefaults.from_model_dir(tmp_path)
+    limits = RequestLimits(vocab_size=1000, max_context_len=64, defaults=defaults)
+    unset = validate(request(), limits).sampling_params
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p, unset.repetition_penalty) == (0.6, 0.9, 20, 0.05, 1.1)
+    assert unset.max_tokens == 40
+    given = validate(request(sampling=dict(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=3, repetition_penalty=1.0)), limits)
+    params = given.sampling_params
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.repetition_penalty) == (0.0, 1.0, -1, 3, 1.0)
+    # Long prompts: the model's max_new_tokens still shrinks to the room left.
+    assert validate(request(prompt_text="x" * 60), limits).sampling_params.max_tokens == 3
+
+
+def test_a_malformed_generation_config_is_named(tmp_path):
+    from engine.errors import ModelLoadError
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ModelLoadError, match="temperature must be a number"):
+        SamplingDefaults.from_model_dir(tmp_path)
