@@ -48,7 +48,7 @@ class Controller:
         self.metrics_host = metrics_host
         self.router = None
         self.pools: PoolManager | None = None
-        self.metrics = Metrics()
+        self.metrics = Metrics(spec.served_model_name)
         self.metrics_address: str | None = None
         self._starting: asyncio.Task | None = None
         # It starts itself (the call runs once this constructor has returned): after Ray

@@ -80,6 +80,11 @@ class DeploymentSpec:
     def pool(self, role: Role) -> PoolSpec:
         return self.prefill if role is Role.PREFILL else self.decode
 
+    @property
+    def served_model_name(self) -> str:
+        """What the OpenAI API and the metrics call the model."""
+        return (self.router.served_model_names or [Path(self.model_path).name])[0]
+
     def validate(self) -> None:
         """Raise ValueError, naming the field, for settings that cannot work together."""
         self.router.validate()
@@ -348,7 +353,7 @@ class PoolManager:
             return  # it was leaving anyway
         self.num_replaced += 1
         if self.metrics is not None:
-            self.metrics.workers_replaced.labels(record.role.value).inc()
+            self.metrics.workers_replaced(record.role.value).inc()
         self._reconcile()
 
     def _reconcile(self) -> None:

@@ -444,7 +444,7 @@ class Dispatcher:
                 raise UnavailableError(f"{reason.reason}; gave up after {self.config.max_decode_restarts} restarts")
         kind = "prefill" if reason.prefill_failed else "migrate" if active.assembler.has_sent_tokens else "decode"
         if self.metrics is not None:
-            self.metrics.retries.labels(kind).inc()
+            self.metrics.retries(kind).inc()
         active.work = active.resume_point()
         logger.warning(
             "req %s: dispatching again (%s)%s", active.req_id, reason.reason,

@@ -1,5 +1,12 @@
 """Prometheus metrics of one deployment, served over HTTP by the process hosting the router.
 
+Names and labels follow vLLM's (``vllm:time_to_first_token_seconds`` is
+``pdserve:time_to_first_token_seconds`` here), so a vLLM dashboard works with the prefix
+changed: every series has a ``model_name`` label, tokens are counted as
+``prompt_tokens_total`` and ``generation_tokens_total``, finished requests as
+``request_success_total`` by ``finished_reason``, preemptions as a counter. pdserve's own
+series (KV transfer, retries, per-worker KV blocks) sit beside them under the same prefix.
+
 Per-request latencies are observed by the router as it streams; pool gauges (queue depths,
 KV blocks, preemptions, prefill tokens per step) are refreshed from the workers' status
 reports by the pool manager's health loop. Each deployment has its own registry, so
@@ -15,32 +22,46 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PREFIX = "pdserve:"
+# Series of one worker, dropped when it leaves the pool.
+_PER_WORKER = ("num_requests_running", "kv_cache_usage_perc", "kv_blocks_used", "kv_blocks_free", "num_preemptions")
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival at the router to the first token sent", buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1)", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Gap between consecutive streamed messages with tokens", buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to the last message", buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("pdserve_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
-        self.retries = Counter("pdserve_request_retries", "Requests dispatched again after a worker died", ["kind"], registry=r)
-        self.poisoned = Counter(
-            "pdserve_requests_refused_poison", "Requests refused after being in flight on workers that died", registry=r
-        )
-        self.kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes pushed from prefill to decode actors", registry=r)
-        self.kv_transfer_time = Histogram("pdserve_kv_transfer_seconds", "Transfer time left after the last prefill chunk", buckets=_LATENCY_BUCKETS, registry=r)
-        self.router_queued = Gauge("pdserve_router_queued_requests", "Requests admitted without a first token yet", registry=r)
-        self.queue_depth = Gauge("pdserve_queue_depth", "Requests queued on the workers of a pool", ["role"], registry=r)
-        self.kv_blocks_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use", ["worker_id", "role"], registry=r)
-        self.kv_blocks_free = Gauge("pdserve_kv_blocks_free", "KV blocks free", ["worker_id", "role"], registry=r)
-        self.running = Gauge("pdserve_running_sequences", "Sequences in a worker's batch", ["worker_id", "role"], registry=r)
-        self.prefill_tokens_per_step = Gauge("pdserve_prefill_tokens_per_step", "Mean tokens per engine step over the last refresh", ["worker_id"], registry=r)
-        self.preemptions = Gauge("pdserve_preemptions", "Preemptions since the worker started", ["worker_id", "role"], registry=r)
-        self.workers_replaced = Counter("pdserve_workers_replaced", "Workers replaced after failing health checks", ["role"], registry=r)
+        self._families: dict[str, object] = {}
+
+        def metric(kind, name: str, doc: str, labels: tuple[str, ...] = (), **kwargs):
+            family = kind(PREFIX + name, doc, ["model_name", *labels], registry=self.registry, **kwargs)
+            self._families[name] = family
+            # Unlabelled beyond the model: the series itself; else a function of the other labels.
+            return family.labels(model_name) if not labels else (lambda *values: family.labels(model_name, *values))
+
+        latency = {"buckets": _LATENCY_BUCKETS}
+        self.ttft = metric(Histogram, "time_to_first_token_seconds", "Arrival at the router to the first token sent", **latency)
+        self.tpot = metric(Histogram, "time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1)", **latency)
+        self.itl = metric(Histogram, "inter_token_latency_seconds", "Gap between consecutive streamed chunks with tokens", **latency)
+        self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Arrival to the last chunk", **latency)
+        self.requests = metric(Counter, "request_success", "Finished requests by finish reason", ("finished_reason",))
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = metric(Counter, "generation_tokens", "Tokens generated for finished requests")
+        self.retries = metric(Counter, "request_retries", "Requests dispatched again after a worker died", ("kind",))
+        self.poisoned = metric(Counter, "requests_refused_poison", "Requests refused after being in flight on workers that died")
+        self.kv_transfer_bytes = metric(Counter, "kv_transfer_bytes", "KV bytes pushed from prefill to decode actors")
+        self.kv_transfer_time = metric(Histogram, "kv_transfer_seconds", "Transfer time left after the last prefill chunk", **latency)
+        self.router_queued = metric(Gauge, "num_requests_waiting", "Requests admitted at the router without a first token yet")
+        self.queue_depth = metric(Gauge, "queue_depth", "Requests queued on the workers of a pool", ("role",))
+        self.running = metric(Gauge, "num_requests_running", "Sequences in a worker's batch", ("worker_id", "role"))
+        self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Share of a worker's KV blocks in use (0 to 1)", ("worker_id", "role"))
+        self.kv_blocks_used = metric(Gauge, "kv_blocks_used", "KV blocks in use", ("worker_id", "role"))
+        self.kv_blocks_free = metric(Gauge, "kv_blocks_free", "KV blocks free", ("worker_id", "role"))
+        self.prefill_tokens_per_step = metric(Gauge, "prefill_tokens_per_step", "Mean tokens per engine step over the last refresh", ("worker_id",))
+        self.preemptions = metric(Counter, "num_preemptions", "Sequences preempted (KV freed, recomputed later)", ("worker_id", "role"))
+        self.workers_replaced = metric(Counter, "workers_replaced", "Workers replaced after failing health checks", ("role",))
         self._last_steps: dict[str, tuple[int, int]] = {}
+        self._last_preemptions: dict[str, int] = {}
         self._known_workers: set[str] = set()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -50,8 +71,10 @@ class Metrics:
 
     # -- per request --------------------------------------------------------------------
 
-    def observe_finished(self, finish_reason: str, ttft_s: float | None, e2e_s: float, num_output_tokens: int) -> None:
-        self.requests.labels(finish_reason).inc()
+    def observe_finished(self, finish_reason: str, ttft_s: float | None, e2e_s: float, num_output_tokens: int, num_prompt_tokens: int = 0) -> None:
+        self.requests(finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_output_tokens)
         self.e2e.observe(e2e_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
@@ -79,23 +102,30 @@ class Metrics:
             seen.add(worker)
             engine = status.engine
             depth[role] += engine.num_waiting + getattr(status, "num_awaiting_kv", 0)
-            self.kv_blocks_used.labels(worker, role).set(engine.num_used_blocks)
-            self.kv_blocks_free.labels(worker, role).set(engine.num_free_blocks)
-            self.running.labels(worker, role).set(engine.num_running)
-            self.preemptions.labels(worker, role).set(engine.num_preemptions)
+            self.kv_blocks_used(worker, role).set(engine.num_used_blocks)
+            self.kv_blocks_free(worker, role).set(engine.num_free_blocks)
+            total_blocks = engine.num_used_blocks + engine.num_free_blocks
+            self.kv_usage(worker, role).set(engine.num_used_blocks / total_blocks if total_blocks else 0.0)
+            self.running(worker, role).set(engine.num_running)
+            # Workers report a running total; the counter grows by what is new (a replaced
+            # worker starts again from 0).
+            previous = self._last_preemptions.get(worker, 0)
+            self.preemptions(worker, role).inc(max(0, engine.num_preemptions - previous))
+            self._last_preemptions[worker] = engine.num_preemptions
             if role == "prefill":
                 steps, tokens = self._last_steps.get(worker, (0, 0))
                 if engine.num_steps > steps:
-                    self.prefill_tokens_per_step.labels(worker).set((engine.num_scheduled_tokens - tokens) / (engine.num_steps - steps))
+                    self.prefill_tokens_per_step(worker).set((engine.num_scheduled_tokens - tokens) / (engine.num_steps - steps))
                 self._last_steps[worker] = (engine.num_steps, engine.num_scheduled_tokens)
         for role, value in depth.items():
-            self.queue_depth.labels(role).set(value)
+            self.queue_depth(role).set(value)
         self.router_queued.set(router.dispatcher.num_queued)
         for gone in self._known_workers - seen - {r.worker_id for r in records}:
-            for gauge in (self.kv_blocks_used, self.kv_blocks_free, self.running, self.preemptions):
+            self._last_preemptions.pop(gone, None)
+            for name in _PER_WORKER:
                 for role in ("prefill", "decode"):
                     try:
-                        gauge.remove(gone, role)
+                        self._families[name].remove(self.model_name, gone, role)
                     except KeyError:
                         pass
         self._known_workers = seen | (self._known_workers & {r.worker_id for r in records})

@@ -107,8 +107,10 @@ class GenerationSession:
         if chunk.end is not None:
             timing = active.assembler.timing
             ttft = None if timing.first_token_sent is None else timing.first_token_sent - timing.arrival
-            metrics.observe_finished(chunk.end.reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens)
+            metrics.observe_finished(
+                chunk.end.reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens, chunk.end.prompt_tokens
+            )
 
     def _observe_failure(self, reason: str) -> None:
         if self.router.metrics is not None:
-            self.router.metrics.requests.labels(reason).inc()
+            self.router.metrics.requests(reason).inc()

@@ -109,7 +109,7 @@ def test_killed_worker_is_replaced_and_requests_keep_completing(ray_cluster, e2e
 
 def test_metrics_scrape_reports_sensible_values_after_traffic(ray_cluster, e2e_model, traffic_references):
     prompts, expected = traffic_references
-    metrics = Metrics()
+    metrics = Metrics("tiny")
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
     with running_deployment(e2e_model, 1, 1, router, health_interval_s=0.2, metrics=metrics) as deployment:
         port = metrics.serve(0)
@@ -121,24 +121,34 @@ def test_metrics_scrape_reports_sensible_values_after_traffic(ray_cluster, e2e_m
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         client.close()
     values = _parse(text)
-    assert values['pdserve_requests_total{finish_reason="length"}'] == 5
-    assert values['pdserve_requests_total{finish_reason="stop"}'] == 1
-    assert values["pdserve_time_to_first_token_seconds_count"] == 6
-    assert 0 < values["pdserve_time_to_first_token_seconds_sum"] / 6 < 10
-    assert values["pdserve_time_per_output_token_seconds_count"] == 6
-    assert values["pdserve_inter_token_latency_seconds_count"] >= 6 * 3
-    assert values["pdserve_e2e_request_latency_seconds_count"] == 6
+    m = '{model_name="tiny"}'
+
+    def series(name: str, **labels) -> float:
+        text_labels = ",".join([f'{k}="{v}"' for k, v in sorted({"model_name": "tiny", **labels}.items())])
+        return values[f"pdserve:{name}{{{text_labels}}}"]
+
+    assert series("request_success_total", finished_reason="length") == 5
+    assert series("request_success_total", finished_reason="stop") == 1
+    assert series("prompt_tokens_total") == sum(len(p) for p in prompts) + len(prompts[0])
+    assert series("generation_tokens_total") == 5 * 8 + 4
+    assert values["pdserve:time_to_first_token_seconds_count" + m] == 6
+    assert 0 < values["pdserve:time_to_first_token_seconds_sum" + m] / 6 < 10
+    assert values["pdserve:time_per_output_token_seconds_count" + m] == 6
+    assert values["pdserve:inter_token_latency_seconds_count" + m] >= 6 * 3
+    assert values["pdserve:e2e_request_latency_seconds_count" + m] == 6
     # KV bytes pushed: every prompt's blocks, each 2 layers x 2 x 16 tokens x 2 heads x 16 dims x 4 bytes.
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
     pushed_blocks = sum(-(-len(p) // 16) for p in prompts) + -(-len(prompts[0]) // 16)
-    assert values["pdserve_kv_transfer_bytes_total"] == pushed_blocks * block_bytes
-    assert values["pdserve_kv_transfer_seconds_count"] == 6
-    assert values['pdserve_kv_blocks_used{role="decode",worker_id="decode-0"}'] == 0
-    assert values['pdserve_kv_blocks_free{role="prefill",worker_id="prefill-0"}'] == 256
-    assert values['pdserve_queue_depth{role="prefill"}'] == 0
-    assert values['pdserve_prefill_tokens_per_step{worker_id="prefill-0"}'] > 1
-    assert values['pdserve_preemptions{role="decode",worker_id="decode-0"}'] == 0
-    assert 'pdserve_request_retries_total' not in values or values.get('pdserve_request_retries_total', 0) == 0
+    assert series("kv_transfer_bytes_total") == pushed_blocks * block_bytes
+    assert values["pdserve:kv_transfer_seconds_count" + m] == 6
+    assert series("kv_blocks_used", role="decode", worker_id="decode-0") == 0
+    assert series("kv_cache_usage_perc", role="decode", worker_id="decode-0") == 0
+    assert series("kv_blocks_free", role="prefill", worker_id="prefill-0") == 256
+    assert series("queue_depth", role="prefill") == 0
+    assert series("num_requests_waiting") == 0
+    assert series("prefill_tokens_per_step", worker_id="prefill-0") > 1
+    assert series("num_preemptions_total", role="decode", worker_id="decode-0") == 0
+    assert values.get('pdserve:request_retries_total{kind="prefill",model_name="tiny"}', 0) == 0
 
 
 def _parse(text: str) -> dict[str, float]:
