@@ -46,16 +46,17 @@ def _rates(text: str) -> list[float]:
 
 def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--workload", choices=WORKLOAD_KINDS, default="random", help="random: synthetic lengths; mixed: long among short prompts; prefix: shared prefixes; sharegpt: --dataset")
-    group.add_argument("--num-requests", type=int, default=100)
-    group.add_argument("--input-len", type=int, default=128, help="prompt tokens (short prompts for mixed, suffix for prefix)")
-    group.add_argument("--output-len", type=int, default=64, help="tokens to generate per request")
-    group.add_argument("--range-ratio", type=float, default=0.0, help="draw lengths uniformly from len*(1±r); 0 = fixed")
+    # Second names are vLLM's `bench serve` flags, so its command lines run here unchanged.
+    group.add_argument("--workload", "--dataset-name", dest="workload", choices=WORKLOAD_KINDS, default="random", help="random: synthetic lengths; mixed: long among short prompts; prefix: shared prefixes; sharegpt: --dataset")
+    group.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int, default=100)
+    group.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128, help="prompt tokens (short prompts for mixed, suffix for prefix)")
+    group.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64, help="tokens to generate per request")
+    group.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0, help="draw lengths uniformly from len*(1±r); 0 = fixed")
     group.add_argument("--long-fraction", type=float, default=0.2, help="mixed: share of long prompts")
     group.add_argument("--long-input-len", type=int, default=1024, help="mixed: tokens of a long prompt")
     group.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct shared prefixes")
     group.add_argument("--prefix-len", type=int, default=256, help="prefix: tokens of each shared prefix")
-    group.add_argument("--dataset", help="sharegpt: path of a ShareGPT-format JSON file")
+    group.add_argument("--dataset", "--dataset-path", dest="dataset", help="sharegpt: path of a ShareGPT-format JSON file")
     group.add_argument("--tokenizer", help="sharegpt: tokenizer.json (or its directory) to count tokens; else estimated")
     group.add_argument("--fixed-output-len", action="store_true", help="sharegpt: --output-len for every request, not the reply's length")
     group.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrivals")
@@ -66,7 +67,7 @@ def add_load_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf: all at once)")
     group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival gaps; 1 = Poisson, <1 burstier")
     group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
-    group.add_argument("--num-warmup", type=int, default=2, help="requests sent first and not counted")
+    group.add_argument("--num-warmup", "--num-warmups", dest="num_warmup", type=int, default=2, help="requests sent first and not counted")
     group.add_argument("--temperature", type=float, default=0.0)
     group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True, help="generate exactly --output-len tokens (default on)")
     group.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
@@ -77,12 +78,18 @@ def add_slo_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--slo-ttft-ms", type=float)
     group.add_argument("--slo-tpot-ms", type=float)
     group.add_argument("--slo-e2e-ms", type=float)
+    group.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="vLLM's form of the SLOs: ttft:MS tpot:MS e2el:MS")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``subparsers``; its handler is ``run_bench``."""
     parser = subparsers.add_parser("bench", help="benchmark a running router", description="Benchmark a running pdserve router: TTFT, TPOT, ITL, E2E, throughput, goodput, per-stage timing.")
     parser.add_argument("--address", help="router host:port (default: the deployment `pdserve up` recorded)")
+    server = parser.add_argument_group("server (any OpenAI-compatible one: --backend openai)")
+    server.add_argument("--backend", choices=["grpc", "openai"], default="grpc", help="grpc: pdserve's router; openai: streamed /v1/completions at --base-url")
+    server.add_argument("--base-url", help="openai: the server's base URL, e.g. http://127.0.0.1:8000 (default: pdserve's recorded HTTP API)")
+    server.add_argument("--model", help="openai: the model name to request (default: the first /v1/models lists)")
+    server.add_argument("--model-dir", type=Path, help="openai: the served checkpoint's directory, for its vocabulary (an OpenAI server does not report it)")
     add_workload_flags(parser)
     add_load_flags(parser)
     add_slo_flags(parser)
@@ -140,7 +147,19 @@ def bench_spec_from_args(args: argparse.Namespace):
     arrivals = ArrivalSpec(rate=args.request_rate, burstiness=args.burstiness, seed=args.seed)
     arrivals.validate()
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms)
+    for item in getattr(args, "goodput", None) or []:
+        key, _, value = item.partition(":")
+        fields = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2e_ms"}
+        if key not in fields:
+            raise ValueError(f"goodput: {item!r}: the key must be ttft, tpot or e2el")
+        try:
+            setattr(slo, fields[key], float(value))
+        except ValueError:
+            raise ValueError(f"goodput: {item!r}: the value must be milliseconds") from None
     slo.validate()
+    backend = getattr(args, "backend", "grpc")
+    if backend == "openai" and getattr(args, "model_dir", None) is None:
+        raise ValueError("model_dir: --backend openai needs --model-dir, the served checkpoint's directory (for its vocabulary)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"max_concurrency: must be >= 1, got {args.max_concurrency}")
     if args.num_warmup < 0:
@@ -155,6 +174,9 @@ def bench_spec_from_args(args: argparse.Namespace):
         ignore_eos=args.ignore_eos,
         timeout_s=args.timeout,
         show_progress=not args.no_progress,
+        backend=backend,
+        model=getattr(args, "model", None),
+        model_dir=getattr(args, "model_dir", None),
     )
 
 
@@ -168,8 +190,13 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve bench: {exc}", file=sys.stderr)
         return 2
-    if not args.address:
-        args.address = _recorded_router_address(getattr(args, "state_file", None))
+    if spec.backend == "openai":
+        args.address = args.base_url or _recorded(getattr(args, "state_file", None), "http_address")
+        if not args.address:
+            print("pdserve bench: --backend openai needs --base-url (or a deployment `pdserve up` recorded)", file=sys.stderr)
+            return 2
+    elif not args.address:
+        args.address = _recorded(getattr(args, "state_file", None), "router_address")
         if not args.address:
             print("pdserve bench: no --address and no running deployment recorded by `pdserve up`", file=sys.stderr)
             return 2
@@ -228,14 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     return args.bench_handler(args)
 
 
-def _recorded_router_address(state_file) -> str | None:
-    """The router address ``pdserve up`` wrote to its state file, if any."""
+def _recorded(state_file, key: str) -> str | None:
+    """An address (``router_address``, ``http_address``) ``pdserve up`` wrote to its state file, if any."""
     import json
     from pathlib import Path
 
     if state_file is None:
         return None
     try:
-        return json.loads(Path(state_file).read_text()).get("router_address")
+        return json.loads(Path(state_file).read_text()).get(key)
     except (OSError, ValueError):
         return None

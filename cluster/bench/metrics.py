@@ -50,6 +50,7 @@ class Distribution:
     p99: float | None = None
     min: float | None = None
     max: float | None = None
+    std: float | None = None  # population standard deviation, as vLLM's benchmark reports it
 
 
 @dataclass(slots=True)
@@ -90,7 +91,9 @@ def distribution(values: list[float]) -> Distribution:
     if not values:
         return Distribution()
     p50, p90, p99 = (percentile(values, q) for q in PERCENTILES)
-    return Distribution(count=len(values), mean=sum(values) / len(values), p50=p50, p90=p90, p99=p99, min=min(values), max=max(values))
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    return Distribution(count=len(values), mean=mean, p50=p50, p90=p90, p99=p99, min=min(values), max=max(values), std=std)
 
 
 def ttft_ms(record: RequestRecord) -> float | None:

@@ -54,6 +54,31 @@ def run_to_dict(metrics: BenchMetrics, records: list[RequestRecord], by_tag: dic
     }
 
 
+def vllm_keys(metrics: BenchMetrics) -> dict[str, Any]:
+    """The run's figures under the keys vLLM's ``bench serve`` writes (mean_ttft_ms, p99_itl_ms,
+    ...), so tools that read its JSON read ours."""
+    out: dict[str, Any] = {
+        "duration": metrics.duration_s,
+        "completed": metrics.completed,
+        "failed": metrics.failed,
+        "total_input_tokens": metrics.total_input_tokens,
+        "total_output_tokens": metrics.total_output_tokens,
+        "request_throughput": metrics.request_throughput,
+        "request_goodput": metrics.goodput,
+        "output_throughput": metrics.output_throughput,
+        "total_token_throughput": metrics.total_token_throughput,
+    }
+    for name, dist in (("ttft", metrics.ttft_ms), ("tpot", metrics.tpot_ms), ("itl", metrics.itl_ms), ("e2el", metrics.e2e_ms)):
+        out |= {
+            f"mean_{name}_ms": dist.mean,
+            f"median_{name}_ms": dist.p50,
+            f"std_{name}_ms": dist.std,
+            f"p90_{name}_ms": dist.p90,
+            f"p99_{name}_ms": dist.p99,
+        }
+    return out
+
+
 def result_document(kind: str, config: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
     """The top-level JSON object: what ran, when, and its results."""
     return {"schema": SCHEMA, "kind": kind, "created_unix_s": time.time(), "config": config, **body}

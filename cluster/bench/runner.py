@@ -8,6 +8,7 @@ paths (first KV transfer, first allocations) without being the measured requests
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from cluster.bench.arrivals import ArrivalSpec, arrival_offsets
 from cluster.bench.client import BenchClient, ClientConfig, RequestRecord
 from cluster.bench.metrics import SLO, BenchMetrics, compute_metrics, metrics_by_tag
 from cluster.bench.progress import ProgressBar
-from cluster.bench.report import result_document, run_to_dict, write_json
+from cluster.bench.report import result_document, run_to_dict, vllm_keys, write_json
 from cluster.bench.sweep import DEFAULT_TARGET, SweepResult, run_sweep
 from cluster.bench.workloads import BenchRequest, WorkloadSpec, build_workload
 
@@ -38,6 +39,11 @@ class BenchSpec:
     ignore_eos: bool = True
     timeout_s: float = 600.0
     show_progress: bool = True
+    # "grpc": pdserve's router; "openai": any OpenAI-compatible server at a base URL (vLLM's,
+    # pdserve's own HTTP API), measured by the same schedule and metrics.
+    backend: str = "grpc"
+    model: str | None = None  # openai: the model name to request (default: the first listed)
+    model_dir: Path | None = None  # openai: the served checkpoint's directory (its vocabulary)
 
     def client_config(self, address: str, label: str = "bench", admin_address: str | None = None) -> ClientConfig:
         return ClientConfig(
@@ -71,9 +77,19 @@ async def run_load(client: BenchClient, requests: list[BenchRequest], offsets: l
     return RunOutput(label, result.records, compute_metrics(result.records, result.duration_s, slo), metrics_by_tag(result.records, result.duration_s, slo))
 
 
+def make_client(address: str, spec: BenchSpec, label: str) -> BenchClient:
+    """The load generator for ``spec.backend`` at ``address`` (host:port, or a base URL)."""
+    config = spec.client_config(address, label)
+    if spec.backend == "openai":
+        from cluster.bench.openai_client import OpenAIClient
+
+        return OpenAIClient(config, model=spec.model, seed=None, model_dir=spec.model_dir)
+    return BenchClient(config)
+
+
 async def bench(address: str, spec: BenchSpec, label: str = "bench") -> RunOutput:
     """Warm up, then run ``spec``'s workload at its arrival process against ``address``."""
-    async with BenchClient(spec.client_config(address, label)) as client:
+    async with make_client(address, spec, label) as client:
         requests, warmup = await _workload(client, spec)
         if warmup:
             await client.warm_up(warmup)
@@ -85,7 +101,7 @@ async def bench(address: str, spec: BenchSpec, label: str = "bench") -> RunOutpu
 async def sweep(address: str, spec: BenchSpec, rates: list[float], refine_steps: int = 0, target: float = DEFAULT_TARGET, label: str = "sweep") -> tuple[SweepResult, list[RunOutput]]:
     """The same requests at each rate (warm-up once); the highest rate meeting the SLOs."""
     outputs: list[RunOutput] = []
-    async with BenchClient(spec.client_config(address, label)) as client:
+    async with make_client(address, spec, label) as client:
         requests, warmup = await _workload(client, spec)
         if warmup:
             await client.warm_up(warmup)
@@ -113,34 +129,49 @@ async def _workload(client: BenchClient, spec: BenchSpec) -> tuple[list[BenchReq
 
 
 def write_run(out_dir: Path, spec: BenchSpec, output: RunOutput, config_extra: dict[str, Any] | None = None, make_plots: bool = True) -> dict[str, Any]:
-    """``bench.json`` and the run's plots under ``out_dir``; return the JSON document."""
-    plot_paths = []
-    if make_plots:
-        plot_paths.append(plots.plot_latency_cdfs({output.label: output.records}, out_dir / "latency_cdf.png", spec.slo, title=output.label))
-        plot_paths.append(plots.plot_stage_breakdown({output.label: stage_means(output.metrics)}, out_dir / "stage_breakdown.png", title="per-stage timing (router's breakdown)"))
+    """``bench.json`` and the run's plots under ``out_dir``; return the JSON document.
+
+    The JSON is written first (with vLLM's keys at the top level as well as ours), so a plot
+    that fails, or matplotlib missing, never costs the results."""
     config = {**spec_to_dict(spec), **(config_extra or {})}
-    body = {"label": output.label, **run_to_dict(output.metrics, output.records, output.by_tag), "plots": [str(p) for p in plot_paths]}
+    body = {"label": output.label, **vllm_keys(output.metrics), **run_to_dict(output.metrics, output.records, output.by_tag), "plots": []}
     document = result_document("bench", config, body)
     write_json(out_dir / "bench.json", document)
+    if make_plots:
+        document["plots"] = _plots(
+            lambda: plots.plot_latency_cdfs({output.label: output.records}, out_dir / "latency_cdf.png", spec.slo, title=output.label),
+            lambda: plots.plot_stage_breakdown({output.label: stage_means(output.metrics)}, out_dir / "stage_breakdown.png", title="per-stage timing (router's breakdown)"),
+        )
+        write_json(out_dir / "bench.json", document)
     return document
 
 
+def _plots(*makers) -> list[str]:
+    """Each plot that can be made; without matplotlib a warning and none."""
+    if importlib.util.find_spec("matplotlib") is None:
+        logger.warning("no plots: matplotlib is not installed (pip install 'pdserve[bench]'); the JSON has every figure")
+        return []
+    return [str(make()) for make in makers]
+
+
 def write_sweep(out_dir: Path, spec: BenchSpec, result: SweepResult, outputs: list[RunOutput], config_extra: dict[str, Any] | None = None, make_plots: bool = True) -> dict[str, Any]:
-    """``sweep.json`` (every rate's records) and the sweep's plots under ``out_dir``."""
-    plot_paths = []
-    if make_plots:
-        points = [(o.offered_rate, o.metrics) for o in outputs]
-        plot_paths.append(plots.plot_rate_sweep(points, out_dir / "rate_sweep.png", result.max_rate, title="throughput / latency vs offered load"))
-        plot_paths.append(plots.plot_latency_cdfs({f"{o.offered_rate:.3g} req/s": o.records for o in outputs}, out_dir / "latency_cdf.png", spec.slo))
-        plot_paths.append(plots.plot_stage_breakdown({f"{o.offered_rate:.3g} req/s": stage_means(o.metrics) for o in outputs}, out_dir / "stage_breakdown.png", title="per-stage timing by offered load"))
+    """``sweep.json`` (every rate's records) and then the sweep's plots under ``out_dir``."""
     body = {
         "target_attainment": result.target,
         "max_rate": result.max_rate,
-        "runs": [{"rate": o.offered_rate, **run_to_dict(o.metrics, o.records, o.by_tag)} for o in outputs],
-        "plots": [str(p) for p in plot_paths],
+        "runs": [{"rate": o.offered_rate, **vllm_keys(o.metrics), **run_to_dict(o.metrics, o.records, o.by_tag)} for o in outputs],
+        "plots": [],
     }
     document = result_document("sweep", {**spec_to_dict(spec), **(config_extra or {})}, body)
     write_json(out_dir / "sweep.json", document)
+    if make_plots:
+        points = [(o.offered_rate, o.metrics) for o in outputs]
+        document["plots"] = _plots(
+            lambda: plots.plot_rate_sweep(points, out_dir / "rate_sweep.png", result.max_rate, title="throughput / latency vs offered load"),
+            lambda: plots.plot_latency_cdfs({f"{o.offered_rate:.3g} req/s": o.records for o in outputs}, out_dir / "latency_cdf.png", spec.slo),
+            lambda: plots.plot_stage_breakdown({f"{o.offered_rate:.3g} req/s": stage_means(o.metrics) for o in outputs}, out_dir / "stage_breakdown.png", title="per-stage timing by offered load"),
+        )
+        write_json(out_dir / "sweep.json", document)
     return document
 
 

@@ -106,3 +106,42 @@ def test_sweep_writes_every_rate_and_the_curve(deployment, tmp_path):
     assert any(p.endswith("rate_sweep.png") for p in doc["plots"])
     for path in doc["plots"]:
         assert_png(path)
+
+
+def test_vllm_flag_names_and_the_openai_backend_write_vllms_keys(deployment, e2e_model, tmp_path):
+    """vLLM's `bench serve` command line, pointed at pdserve's OpenAI API: the same client
+    code measures it, and the JSON carries vLLM's keys, equal to pdserve's own figures."""
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    base_url = f"http://127.0.0.1:{deployment.router.http_port}"
+    args = parser.parse_args([
+        "bench", "--backend", "openai", "--base-url", base_url, "--model-dir", str(e2e_model.path), "--out", str(tmp_path),
+        "--no-progress", "--dataset-name", "random", "--num-prompts", "6", "--random-input-len", "12",
+        "--random-output-len", str(OUTPUT_LEN), "--num-warmups", "1", "--goodput", "ttft:5000", "tpot:2000", "--no-plots",
+    ])
+    assert args.bench_handler(args) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    metrics = doc["metrics"]
+    assert doc["config"]["backend"] == "openai" and doc["config"]["slo"] == {"ttft_ms": 5000.0, "tpot_ms": 2000.0, "e2e_ms": None}
+    assert doc["completed"] == metrics["completed"] == 6 and doc["failed"] == 0
+    assert doc["total_output_tokens"] == 6 * OUTPUT_LEN and doc["total_input_tokens"] == 6 * 12
+    assert all(r["output_tokens"] == OUTPUT_LEN and r["ok"] for r in doc["records"])
+    for vllm_name, ours in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("itl", "itl_ms"), ("e2el", "e2e_ms")):
+        assert doc[f"mean_{vllm_name}_ms"] == pytest.approx(metrics[ours]["mean"])
+        assert doc[f"median_{vllm_name}_ms"] == pytest.approx(metrics[ours]["p50"])
+        assert doc[f"p99_{vllm_name}_ms"] == pytest.approx(metrics[ours]["p99"])
+        assert doc[f"std_{vllm_name}_ms"] >= 0
+    assert doc["output_throughput"] == pytest.approx(metrics["output_throughput"])
+    assert doc["request_goodput"] == pytest.approx(metrics["goodput"])
+
+
+def test_without_matplotlib_the_json_is_written_and_a_warning_says_why(deployment, tmp_path, monkeypatch, caplog):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    flags = ["--num-requests", "4", "--input-len", "12", "--output-len", str(OUTPUT_LEN), "--num-warmup", "0"]
+    assert bench(deployment.address, tmp_path, *flags) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["plots"] == [] and doc["completed"] == 4
+    assert "matplotlib is not installed" in caplog.text
