@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtransfer import nixl_api
 from kvtransfer.descriptors import BlockRuns, block_byte_descs
 from kvtransfer.errors import BackendUnavailableError, TransportError
 from kvtransfer.layout import KVRegion
@@ -59,7 +60,8 @@ class NixlTransport(Transport):
         network_devices: str | None = None,
     ) -> None:
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            api = nixl_api.load()
+            nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
         except ImportError as e:
             raise BackendUnavailableError(f"nixl is not importable here: {e}") from e
         if mode not in ("prepped", "dynamic"):
