@@ -141,8 +141,12 @@ def paged_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Write k/v into the cache, then attend. q [T, H, D], k/v [T, KVH, D] -> [T, H, D]."""
+    """Write k/v into the cache, then attend. q [T, H, D], k/v [T, KVH, D] -> [T, H, D].
+
+    ``window``: this layer's sliding window; each query attends its latest ``window`` keys.
+    """
     key_cache[meta.slot_blocks, meta.slot_offsets] = k
     value_cache[meta.slot_blocks, meta.slot_offsets] = v
     num_heads = q.shape[1]
@@ -151,16 +155,20 @@ def paged_attention(
     out = torch.empty_like(q)
     if meta.num_single and meta.native:
         out[: meta.num_single] = cpu_attention.attend_decode(
-            q[: meta.num_single], key_cache, value_cache, meta.single_block_tables, meta.single_lens
+            q[: meta.num_single], key_cache, value_cache, meta.single_block_tables, meta.single_lens, window
         )
     elif meta.num_single:
-        _attend_single(q, key_cache, value_cache, meta, out)
+        _attend_single(q, key_cache, value_cache, meta, out, window)
     if meta.prefill is not None:
-        out[meta.num_single :] = cpu_attention.attend_prefill(q[meta.num_single :], key_cache, value_cache, meta.prefill)
+        out[meta.num_single :] = cpu_attention.attend_prefill(q[meta.num_single :], key_cache, value_cache, meta.prefill, window)
     for chunk in meta.chunks:
         queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
         if chunk.mask is not None:
             chunk.mask = additive_mask(chunk.mask, q.dtype)
+        mask = chunk.mask
+        num_tokens = chunk.token_end - chunk.token_start
+        if window is not None and window < chunk.context_len + num_tokens:
+            mask = _sliding_mask(chunk.context_len, num_tokens, window, q.dtype, q.device)
         if chunk.mask is None:
             keys = k[chunk.token_start : chunk.token_end].transpose(0, 1)
             values = v[chunk.token_start : chunk.token_end].transpose(0, 1)
@@ -175,8 +183,8 @@ def paged_attention(
             queries.unsqueeze(0),
             keys.unsqueeze(0),
             values.unsqueeze(0),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             enable_gqa=group > 1,
         )
         out[chunk.token_start : chunk.token_end] = attended[0].transpose(0, 1)
@@ -203,8 +211,20 @@ def _gather(
     return keys.view(shape), values.view(shape)
 
 
+def _sliding_mask(context_len: int, num_tokens: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive [chunk, context + chunk] mask: each query sees itself and the window - 1 keys before it."""
+    query_pos = torch.arange(context_len, context_len + num_tokens, device=device).unsqueeze(1)
+    key_pos = torch.arange(context_len + num_tokens, device=device).unsqueeze(0)
+    return additive_mask((key_pos <= query_pos) & (key_pos > query_pos - window), dtype)
+
+
 def _attend_single(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor,
+    window: int | None = None,
 ) -> None:
     """Attention of the step's single-token entries, a group of sequences at a time."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -227,7 +247,12 @@ def _attend_single(
         values = values.view(n, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
         # The query heads sharing a KV head ride as that head's query rows: GQA without repeat.
         queries = q.index_select(0, rows).view(n, num_kv_heads, group, head_dim)
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=gathered.mask)
+        mask = gathered.mask
+        if window is not None:
+            key_pos = torch.arange(width * block_size, device=q.device)
+            before = key_pos.unsqueeze(0) < (meta.single_lens.index_select(0, rows) - window).unsqueeze(1)
+            mask = mask.masked_fill(before.view(n, 1, 1, -1), float("-inf"))
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
         out.index_copy_(0, rows, attended.reshape(n, num_heads, head_dim))
 
 

@@ -72,7 +72,9 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    sliding_window: int | None = None
+    # Per layer: the sliding window it attends through (the latest this many keys), None for
+    # full attention.
+    layer_windows: list[int | None] = field(default_factory=list)
     o_bias: bool = False  # o_proj has a bias
     mlp_bias: bool = False  # gate, up and down projections have biases
 
@@ -111,9 +113,6 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             num_heads = int(raw["num_attention_heads"])
             head_dim = raw.get("head_dim") or hidden // num_heads
-            sliding = raw.get("sliding_window")
-            if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-                sliding = None
             return cls(
                 architecture=arch,
                 vocab_size=int(raw["vocab_size"]),
@@ -134,7 +133,7 @@ class ModelConfig:
                 checkpoint_dtype=DTYPES[dtype_name],
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
-                sliding_window=int(sliding) if sliding else None,
+                layer_windows=_layer_windows(arch, raw, int(raw["num_hidden_layers"])),
             )
         except KeyError as exc:
             raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from exc
@@ -189,6 +188,25 @@ class SamplingDefaults:
             repetition_penalty=number("repetition_penalty", float),
             max_tokens=number("max_new_tokens", int),
         )
+
+
+def _layer_windows(arch: str, raw: dict, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window as transformers applies it: every layer of a Mistral with a
+    sliding_window; for Qwen2/Qwen3 only with use_sliding_window, on the layers from
+    max_window_layers on (or those layer_types names "sliding_attention"); none for Llama."""
+    window = raw.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        window = None
+    if arch == "LlamaForCausalLM" or not window:
+        return [None] * num_layers
+    window = int(window)
+    types = raw.get("layer_types")
+    if arch == "MistralForCausalLM":
+        return [window] * num_layers
+    if isinstance(types, list) and len(types) == num_layers:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    first = int(raw.get("max_window_layers", num_layers))
+    return [window if i >= first else None for i in range(num_layers)]
 
 
 def _attention_and_mlp_bias(raw: dict) -> tuple[bool, bool, bool]:

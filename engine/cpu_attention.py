@@ -105,7 +105,7 @@ def _build() -> ctypes.CDLL:
         int64, int64, int64, int64, int64,  # n, kv heads, group, head_dim, block size
         int64, int64, int64, int64, int64, int64,  # block, token and head strides of keys, values
         pointer, int64, pointer, pointer,  # tables, table width, lens, out
-        ctypes.c_float, ctypes.c_int,  # scale, threads
+        ctypes.c_float, ctypes.c_int, int64,  # scale, threads, sliding window (0: none)
     ]
     library.pdserve_paged_prefill.restype = ctypes.c_int
     library.pdserve_paged_prefill.argtypes = [
@@ -113,7 +113,7 @@ def _build() -> ctypes.CDLL:
         int64, pointer, pointer, pointer, pointer, int64,  # chunks, first rows, tokens, contexts, tables, width
         int64, int64, int64, int64,  # kv heads, group, head_dim, block size
         int64, int64, int64, int64, int64, int64,  # block, token and head strides of keys, values
-        pointer, ctypes.c_float, ctypes.c_int,  # out, scale, threads
+        pointer, ctypes.c_float, ctypes.c_int, int64,  # out, scale, threads, sliding window (0: none)
     ]
     library.pdserve_vector_width.restype = ctypes.c_int
     if library.pdserve_vector_width() != _vector_width():
@@ -175,11 +175,13 @@ def attend_decode(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     lens: torch.Tensor,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of n single-token queries q [n, H, D] over their blocks -> [n, H, D] in q's dtype.
 
     key/value caches [num_blocks, block_size, kv_heads, head_dim] (any block stride, the rest
-    dense); block_tables [n, width] and lens [n] int64 (tokens attended, the new one included).
+    dense); block_tables [n, width] and lens [n] int64 (tokens attended, the new one included);
+    ``window``: a sliding window's size (each query attends its latest ``window`` keys).
     """
     n, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
@@ -204,6 +206,7 @@ def attend_decode(
         out.data_ptr(),
         head_dim**-0.5,
         torch.get_num_threads(),
+        window or 0,
     )
     if status != 0:
         raise ValueError(f"no kernel built for head_dim {head_dim} with {num_heads // num_kv_heads} query heads per KV head")
@@ -224,8 +227,11 @@ class PrefillChunks:
     tables: torch.Tensor  # [chunks, width] int64: blocks covering context + chunk
 
 
-def attend_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, chunks: PrefillChunks) -> torch.Tensor:
-    """Causal attention of packed chunks q [T, H, D] over their context and themselves -> [T, H, D]."""
+def attend_prefill(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, chunks: PrefillChunks, window: int | None = None
+) -> torch.Tensor:
+    """Causal attention of packed chunks q [T, H, D] over their context and themselves -> [T, H, D];
+    under a sliding ``window`` each query attends its latest ``window`` keys only."""
     rows, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     _check_layout(q, key_cache, value_cache)
@@ -249,6 +255,7 @@ def attend_prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
         out.data_ptr(),
         head_dim**-0.5,
         torch.get_num_threads(),
+        window or 0,
     )
     if status != 0:
         raise ValueError(f"no kernel built for head_dim {head_dim}")

@@ -100,10 +100,6 @@ class LLMEngine:
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
-        if self.model_config.sliding_window is not None and self.model_config.sliding_window < limit:
-            # Beyond the window the model attends differently; never go there.
-            logger.warning("max_model_len capped to the sliding window, %d", self.model_config.sliding_window)
-            limit = self.model_config.sliding_window
         if self.config.max_model_len is not None:
             limit = min(limit, self.config.max_model_len)
         return limit

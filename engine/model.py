@@ -49,6 +49,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.intermediate_size = config.intermediate_size
+        self.window = config.layer_windows[layer_index] if config.layer_windows else None  # sliding window, or None
 
     def forward(
         self,
@@ -73,6 +74,7 @@ class DecoderLayer(nn.Module):
             kv_cache.key_views[self.layer_index],
             kv_cache.value_views[self.layer_index],
             meta,
+            self.window,
         )
         hidden = hidden + self.o_proj(attended.view(num_tokens, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).split(self.intermediate_size, dim=-1)

@@ -69,8 +69,6 @@ class ModelInfo:
     def from_model_dir(cls, model_dir: Path, block_size: int, max_model_len: int | None, eos_token_ids: list[int]) -> "ModelInfo":
         config = ModelConfig.from_model_dir(model_dir)
         limit = config.max_position_embeddings
-        if config.sliding_window is not None:
-            limit = min(limit, config.sliding_window)
         if max_model_len is not None:
             limit = min(limit, max_model_len)
         return cls(

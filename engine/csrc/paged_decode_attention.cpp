@@ -9,7 +9,8 @@
 // Layout (see engine/kv_cache.py): key/value caches [num_blocks, block_size, kv_heads,
 // head_dim] with any block stride; q and out [n, kv_heads, group, head_dim] float32,
 // contiguous; tables [n, width] int64; lens [n] int64 (tokens to attend, the new one
-// included). Built per machine with -march=native by engine/cpu_decode_attention.py and called
+// included); window: under a sliding window, how many of the latest keys a query attends
+// (0: all). Built per machine with -march=native by engine/cpu_attention.py and called
 // through ctypes: plain C, no torch headers, so the build takes seconds, not a minute.
 #include "simd.h"
 
@@ -18,14 +19,17 @@
 // and value is read once, and every head of a block is read while that block is at hand.
 template <typename T, int G, int DV>
 static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp, const T* vp, const Geometry& geo,
-                            const int64_t* table, int64_t len, float scale, float* __restrict scores,
+                            const int64_t* table, int64_t len, int64_t first, float scale, float* __restrict scores,
                             float* __restrict out) {
   constexpr int D = DV * Vec::W;
   using Reg = typename Vec::Reg;
   const int64_t BS = geo.block_size;
   const Reg vscale = Vec::set1(scale);
   const int64_t num_blocks = (len + BS - 1) / BS;
-  for (int64_t j = 0; j * BS < len; ++j) {
+  // Keys [first, len) are attended (first > 0 under a sliding window); blocks before first's
+  // are never read, and first's block is scored whole, its keys before first weighted 0.
+  const int64_t first_block = first / BS;
+  for (int64_t j = first_block; j * BS < len; ++j) {
     const T* kb = kp + table[j] * geo.block_stride_k;
     const int64_t ntok = std::min(BS, len - j * BS);
     const T* kb_ahead = j + PREFETCH_BLOCKS < num_blocks ? kp + table[j + PREFETCH_BLOCKS] * geo.block_stride_k : nullptr;
@@ -51,20 +55,21 @@ static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp,
   for (int64_t row = 0; row < KVH * G; ++row) {
     float* __restrict s = scores + row * len;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    for (int64_t t = first; t < len; ++t) m = std::max(m, s[t]);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = first; t < len; ++t) {
       s[t] = expf(s[t] - m);
       total += s[t];
     }
     const float inv = 1.f / total;
 #pragma omp simd
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    for (int64_t t = first; t < len; ++t) s[t] *= inv;
+    for (int64_t t = first_block * BS; t < first; ++t) s[t] = 0.f;
   }
   // The weighted values accumulate in ``out`` itself: this sequence's rows, nobody else's.
   std::fill(out, out + KVH * G * D, 0.f);
-  for (int64_t j = 0; j * BS < len; ++j) {
+  for (int64_t j = first_block; j * BS < len; ++j) {
     const T* vb = vp + table[j] * geo.block_stride_v;
     const int64_t ntok = std::min(BS, len - j * BS);
     const T* vb_ahead = j + PREFETCH_BLOCKS < num_blocks ? vp + table[j + PREFETCH_BLOCKS] * geo.block_stride_v : nullptr;
@@ -102,6 +107,7 @@ struct Call {
   float* out;
   float scale;
   int num_threads;
+  int64_t window;  // keys a query attends, itself included; 0: all
 };
 
 template <typename T, int G, int DV>
@@ -124,8 +130,9 @@ static void run(const Call& call) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t b = order[i], len = call.lens[b];
       if ((int64_t)scores.size() < KVH * G * len) scores.resize(KVH * G * len);
+      const int64_t first = call.window > 0 ? std::max<int64_t>(0, len - call.window) : 0;
       attend_sequence<T, G, DV>(call.q + b * KVH * G * D, KVH, kp, vp, call.geo, call.tables + b * call.table_width,
-                                len, call.scale, scores.data(), call.out + b * KVH * G * D);
+                                len, first, call.scale, scores.data(), call.out + b * KVH * G * D);
     }
   }
 }
@@ -156,11 +163,11 @@ extern "C" int pdserve_paged_decode(const float* q, const void* key_cache, const
                                     int64_t block_size, int64_t block_stride_k, int64_t block_stride_v,
                                     int64_t token_stride_k, int64_t token_stride_v, int64_t head_stride_k,
                                     int64_t head_stride_v, const int64_t* tables, int64_t table_width,
-                                    const int64_t* lens, float* out, float scale, int num_threads) {
+                                    const int64_t* lens, float* out, float scale, int num_threads, int64_t window) {
   const Call call{q, key_cache, value_cache,
                   Geometry{block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k,
                            head_stride_v, block_size},
-                  n, num_kv_heads, table_width, tables, lens, out, scale, num_threads};
+                  n, num_kv_heads, table_width, tables, lens, out, scale, num_threads, window};
   if (head_dim % Vec::W != 0) return -1;
   bool done = false;
   switch (head_dim / Vec::W) {

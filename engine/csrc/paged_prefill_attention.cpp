@@ -15,6 +15,7 @@
 // Layout: key/value caches [num_blocks, block_size, kv_heads, head_dim] with any block stride;
 // q and out [tokens, kv_heads, group, head_dim] float32, contiguous, each chunk's rows together;
 // tables [chunks, width] int64. The chunk's own keys and values are in the cache already.
+// window: under a sliding window, how many of the latest keys a query attends (0: all).
 #include "simd.h"
 
 #include <memory>
@@ -96,6 +97,7 @@ struct Call {
   float* out;
   float scale;
   int num_threads;
+  int64_t window;  // keys a query attends, itself included; 0: all
 };
 
 // Phase 1, one tile of one (chunk, KV head): keys transposed, values widened, zeros past the end.
@@ -170,15 +172,21 @@ void attend_task(const Call& call, const Span& span, const Task& task, const flo
   }
   const int64_t num_tiles = (end + KT - 1) / KT;
   const int64_t head_tiles = span.tile_offset + task.head * span.num_tiles;
-  for (int64_t tile = 0; tile < num_tiles; ++tile) {
+  // Under a sliding window a row attends keys (pos - window, pos]: tiles before the first
+  // row's window are skipped, and tiles before the last row's window start are masked below.
+  const int64_t window = call.window;
+  const int64_t first_tile = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / KT : 0;
+  for (int64_t tile = first_tile; tile < num_tiles; ++tile) {
     const float* kt = kt_all + (head_tiles + tile) * D * KT;
     const float* vt = vt_all + (head_tiles + tile) * KT * D;
     const int64_t j0 = tile * KT;
     for (int64_t r = 0; r < padded; r += QK_ROWS) score_rows<D>(qs + r * D, kt, s + r * KT);
     const bool diagonal = j0 + KT - 1 > first_pos;  // some key here lies after some query
+    const bool behind = window > 0 && j0 < end - window;  // some key here lies before some query's window
     // Online softmax, a row (two vectors of scores) at a time.
     const Reg index_lo = Vec::iota(static_cast<float>(j0)), index_hi = Vec::iota(static_cast<float>(j0 + Vec::W));
     const Reg masked = Vec::set1(MASKED);
+    const Reg back_lo = Vec::sub(Vec::zero(), index_lo), back_hi = Vec::sub(Vec::zero(), index_hi);
     for (int64_t r = 0; r < padded; ++r) {
       float* __restrict sr = s + r * KT;
       Reg lo = Vec::load(sr), hi = Vec::load(sr + Vec::W);
@@ -187,7 +195,18 @@ void attend_task(const Call& call, const Span& span, const Task& task, const flo
         lo = Vec::keep_upto(lo, index_lo, limit, masked);
         hi = Vec::keep_upto(hi, index_hi, limit, masked);
       }
+      if (behind) {  // keep index >= pos - window + 1, as -index <= -(pos - window + 1)
+        const Reg low = Vec::set1(static_cast<float>(window - 1 - pos[r]));
+        lo = Vec::keep_upto(lo, back_lo, low, masked);
+        hi = Vec::keep_upto(hi, back_hi, low, masked);
+      }
       const float m_new = std::max(m[r], Vec::reduce_max(Vec::max(lo, hi)));
+      if (m_new == MASKED) {  // no key of this row yet (its window starts later): nothing to add
+        Vec::store(sr, Vec::zero());
+        Vec::store(sr + Vec::W, Vec::zero());
+        alpha[r] = 1.f;
+        continue;
+      }
       const Reg shift = Vec::set1(m_new);
       lo = vec_exp(Vec::sub(lo, shift));
       hi = vec_exp(Vec::sub(hi, shift));
@@ -267,12 +286,12 @@ extern "C" int pdserve_paged_prefill(const float* q, const void* key_cache, cons
                                      int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                                      int64_t block_stride_k, int64_t block_stride_v, int64_t token_stride_k,
                                      int64_t token_stride_v, int64_t head_stride_k, int64_t head_stride_v,
-                                     float* out, float scale, int num_threads) {
+                                     float* out, float scale, int num_threads, int64_t window) {
   if (head_dim % Vec::W != 0 || group < 1) return -1;
   const Call call{q, key_cache, value_cache,
                   Geometry{block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k,
                            head_stride_v, block_size},
-                  num_kv_heads, group, out, scale, num_threads};
+                  num_kv_heads, group, out, scale, num_threads, window};
   std::vector<Span> spans;
   for (int64_t c = 0; c < num_chunks; ++c)
     spans.push_back(Span{first_rows[c], num_tokens[c], context_lens[c], tables + c * table_width, 0, 0});

@@ -19,16 +19,18 @@ pytestmark = pytest.mark.skipif(
 BLOCK_SIZE = 16
 
 
-def _reference(q, key_cache, value_cache, tables, lens):
-    """Float64 attention of each query over its own blocks' first ``len`` tokens."""
+def _reference(q, key_cache, value_cache, tables, lens, window=None):
+    """Float64 attention of each query over its own blocks' first ``len`` tokens (the last
+    ``window`` of them under a sliding window)."""
     n, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     out = torch.empty(n, num_heads, head_dim, dtype=torch.float64)
     for b in range(n):
         length = int(lens[b])
         blocks = tables[b, : -(-length // BLOCK_SIZE)]
-        keys = key_cache[blocks].double().flatten(0, 1)[:length]  # [len, KVH, D]
-        values = value_cache[blocks].double().flatten(0, 1)[:length]
+        start = max(0, length - window) if window else 0
+        keys = key_cache[blocks].double().flatten(0, 1)[start:length]  # [len, KVH, D]
+        values = value_cache[blocks].double().flatten(0, 1)[start:length]
         for head in range(num_heads):
             kv_head = head // (num_heads // num_kv_heads)
             scores = keys[:, kv_head] @ q[b, head].double() / head_dim**0.5
@@ -163,8 +165,9 @@ def _prefill_case(num_kv_heads, group, head_dim, dtype, chunks, seed=0):
     return q, key_cache, value_cache, meta
 
 
-def _prefill_reference(q, key_cache, value_cache, meta):
-    """Float64 causal attention of each chunk over its context and itself."""
+def _prefill_reference(q, key_cache, value_cache, meta, window=None):
+    """Float64 causal attention of each chunk over its context and itself (the latest
+    ``window`` keys of each query under a sliding window)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // key_cache.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
@@ -175,7 +178,10 @@ def _prefill_reference(q, key_cache, value_cache, meta):
         values = value_cache[blocks].double().flatten(0, 1)[:total].repeat_interleave(group, dim=1)
         queries = q[first : first + tokens].double()
         scores = torch.einsum("thd,khd->htk", queries, keys) / head_dim**0.5
-        visible = torch.arange(total).unsqueeze(0) <= torch.arange(context, total).unsqueeze(1)
+        key_pos, query_pos = torch.arange(total).unsqueeze(0), torch.arange(context, total).unsqueeze(1)
+        visible = key_pos <= query_pos
+        if window:
+            visible &= key_pos > query_pos - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out[first : first + tokens] = torch.einsum("htk,khd->thd", torch.softmax(scores, dim=-1), values)
     return out
@@ -234,3 +240,17 @@ def test_a_prompt_attends_bit_for_bit_the_same_however_it_is_chunked():
     assert torch.equal(
         cpu_attention.attend_prefill(q, key_cache, value_cache, whole), cpu_attention.attend_prefill(q, key_cache, value_cache, split)
     )
+
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 33, 70])
+def test_sliding_windows_in_both_kernels_match_float64_attention(window):
+    """Each query attends its latest ``window`` keys: windows inside a block, on block and tile
+    edges, and wider than a query tile, where whole tiles before a row's window are skipped."""
+    q, key_cache, value_cache, meta = _prefill_case(3, 3, 4 * _width(), torch.float32, PREFILL_CHUNKS, seed=9)
+    got = cpu_attention.attend_prefill(q, key_cache, value_cache, meta, window)
+    torch.testing.assert_close(got.double(), _prefill_reference(q, key_cache, value_cache, meta, window), rtol=0, atol=2e-6)
+    lengths = [1, 15, 16, 17, 33, 300]
+    q, key_cache, value_cache, tables, lens = _random_case(3, 3, 4 * _width(), torch.float32, lengths, seed=10)
+    got = cpu_attention.attend_decode(q, key_cache, value_cache, tables, lens, window)
+    torch.testing.assert_close(got.double(), _reference(q, key_cache, value_cache, tables, lens, window), rtol=0, atol=2e-6)
