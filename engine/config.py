@@ -9,16 +9,12 @@ from pathlib import Path
 
 import torch
 
+from engine.architectures import ARCHITECTURES
 from engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 DTYPES = {
     "float32": torch.float32,
@@ -108,8 +104,8 @@ class ModelConfig:
         dtype_name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
         if dtype_name not in DTYPES:
             raise ModelLoadError(f"{source}: dtype {dtype_name!r} is not supported ({', '.join(DTYPES)})")
-        qkv_bias, o_bias, mlp_bias = _BIASES[arch](raw)
         try:
+            traits = ARCHITECTURES[arch].traits(raw, int(raw["num_hidden_layers"]))
             hidden = int(raw["hidden_size"])
             num_heads = int(raw["num_attention_heads"])
             head_dim = raw.get("head_dim") or hidden // num_heads
@@ -126,14 +122,14 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope=_parse_rope(raw, source),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=qkv_bias,
-                o_bias=o_bias,
-                mlp_bias=mlp_bias,
-                qk_norm=arch == "Qwen3ForCausalLM",
+                qkv_bias=traits.qkv_bias,
+                o_bias=traits.o_bias,
+                mlp_bias=traits.mlp_bias,
+                qk_norm=traits.qk_norm,
                 checkpoint_dtype=DTYPES[dtype_name],
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_id_list(raw.get("eos_token_id")),
-                layer_windows=_layer_windows(arch, raw, int(raw["num_hidden_layers"])),
+                layer_windows=list(traits.layer_windows),
             )
         except KeyError as exc:
             raise ModelLoadError(f"{source}: missing required field {exc.args[0]!r}") from exc
@@ -188,39 +184,6 @@ class SamplingDefaults:
             repetition_penalty=number("repetition_penalty", float),
             max_tokens=number("max_new_tokens", int),
         )
-
-
-def _layer_windows(arch: str, raw: dict, num_layers: int) -> list[int | None]:
-    """Each layer's sliding window as transformers applies it: every layer of a Mistral with a
-    sliding_window; for Qwen2/Qwen3 only with use_sliding_window, on the layers from
-    max_window_layers on (or those layer_types names "sliding_attention"); none for Llama."""
-    window = raw.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
-        window = None
-    if arch == "LlamaForCausalLM" or not window:
-        return [None] * num_layers
-    window = int(window)
-    types = raw.get("layer_types")
-    if arch == "MistralForCausalLM":
-        return [window] * num_layers
-    if isinstance(types, list) and len(types) == num_layers:
-        return [window if kind == "sliding_attention" else None for kind in types]
-    first = int(raw.get("max_window_layers", num_layers))
-    return [window if i >= first else None for i in range(num_layers)]
-
-
-def _attention_and_mlp_bias(raw: dict) -> tuple[bool, bool, bool]:
-    attention = bool(raw.get("attention_bias", False))
-    return attention, attention, bool(raw.get("mlp_bias", False))
-
-
-# (q/k/v bias, o_proj bias, MLP biases) as each architecture's transformers module builds them.
-_BIASES = {
-    "LlamaForCausalLM": _attention_and_mlp_bias,
-    "MistralForCausalLM": lambda raw: (False, False, False),
-    "Qwen2ForCausalLM": lambda raw: (True, False, False),
-    "Qwen3ForCausalLM": lambda raw: (*_attention_and_mlp_bias(raw)[:2], False),
-}
 
 
 def _parse_rope(raw: dict, source: str) -> RopeConfig:

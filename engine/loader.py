@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from engine import device_caps
+from engine.architectures import ARCHITECTURES
 from engine.config import ModelConfig
 from engine.cpu_linear import can_prepack, prepack_linears
 from engine.errors import ModelLoadError
@@ -114,42 +115,20 @@ def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _engine_state_dict(weights: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    taken: set[str] = set()
+
     def take(name: str) -> torch.Tensor:
         try:
-            return weights[name].to(dtype)
+            tensor = weights[name].to(dtype)
         except KeyError:
             raise ModelLoadError(f"checkpoint has no tensor {name!r}") from None
+        taken.add(name)
+        return tensor
 
-    state = {
-        "embed_tokens.weight": take("model.embed_tokens.weight"),
-        "norm.weight": take("model.norm.weight"),
-    }
-    if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    else:
-        state["lm_head.weight"] = take("lm_head.weight")
-    for i in range(config.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = src + "self_attn."
-        state[dst + "input_norm.weight"] = take(src + "input_layernorm.weight")
-        state[dst + "post_attention_norm.weight"] = take(src + "post_attention_layernorm.weight")
-        state[dst + "qkv_proj.weight"] = torch.cat([take(attn + f"{p}_proj.weight") for p in "qkv"])
-        if config.qkv_bias:
-            state[dst + "qkv_proj.bias"] = torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"])
-        state[dst + "o_proj.weight"] = take(attn + "o_proj.weight")
-        if config.o_bias:
-            state[dst + "o_proj.bias"] = take(attn + "o_proj.bias")
-        if config.qk_norm:
-            state[dst + "q_norm.weight"] = take(attn + "q_norm.weight")
-            state[dst + "k_norm.weight"] = take(attn + "k_norm.weight")
-        mlp = src + "mlp."
-        state[dst + "gate_up_proj.weight"] = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
-        state[dst + "down_proj.weight"] = take(mlp + "down_proj.weight")
-        if config.mlp_bias:
-            state[dst + "gate_up_proj.bias"] = torch.cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")])
-            state[dst + "down_proj.bias"] = take(mlp + "down_proj.bias")
-    known = _known_checkpoint_names(config)
-    unused = [k for k in weights if k not in known and not k.endswith(_SKIPPED_SUFFIXES)]
+    state = ARCHITECTURES[config.architecture].state_dict(take, config)
+    # A tied checkpoint may still carry its lm_head copy; nothing else may go unused.
+    spare = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unused = [k for k in weights if k not in taken and k not in spare and not k.endswith(_SKIPPED_SUFFIXES)]
     if unused:
         # A tensor the model code has no place for means it computes something else than the
         # checkpoint's model (a bias its config did not announce, another architecture's layer).
@@ -158,24 +137,6 @@ def _engine_state_dict(weights: dict[str, torch.Tensor], config: ModelConfig, dt
             + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
         )
     return state
-
-
-def _known_checkpoint_names(config: ModelConfig) -> set[str]:
-    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
-    for i in range(config.num_layers):
-        src = f"model.layers.{i}."
-        names |= {src + "input_layernorm.weight", src + "post_attention_layernorm.weight"}
-        names |= {src + f"self_attn.{p}_proj.weight" for p in "qkvo"}
-        if config.qkv_bias:
-            names |= {src + f"self_attn.{p}_proj.bias" for p in "qkv"}
-        if config.o_bias:
-            names.add(src + "self_attn.o_proj.bias")
-        if config.qk_norm:
-            names |= {src + "self_attn.q_norm.weight", src + "self_attn.k_norm.weight"}
-        names |= {src + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
-        if config.mlp_bias:
-            names |= {src + f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")}
-    return names
 
 
 def _generation_eos_ids(model_dir: Path) -> list[int]:
