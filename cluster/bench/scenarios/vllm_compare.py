@@ -42,7 +42,7 @@ GIB = 2**30
 
 
 def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
-    """The pdserve configuration called ``name``: disagg, agg, agg2."""
+    """The pdserve configuration called ``name`` (PDSERVE_CONFIGS)."""
     defaults = RouterConfig()  # only to keep `pdserve up`'s dispatch default for disagg
 
     def engine(threads: int, budget: int, chunk: int | None) -> EngineConfig:
@@ -68,13 +68,17 @@ def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
     if name == "agg":
         decode = engine(2, 512, 256)
         return ClusterShape("pdserve agg (1D x 2 threads)", 0, 1, Disaggregation.NEVER, decode, decode)
+    if name == "agg-c512":
+        # Whole 512-token chunks: fewer, longer mixed steps (throughput for bursts, at some TPOT).
+        decode = engine(2, 512, 512)
+        return ClusterShape("pdserve agg (1D x 2 threads, chunk 512)", 0, 1, Disaggregation.NEVER, decode, decode)
     if name == "agg2":
         decode = engine(1, 512, 256)
         return ClusterShape("pdserve agg2 (2D x 1 thread)", 0, 2, Disaggregation.NEVER, decode, decode)
     raise ValueError(f"pdserve_configs: unknown configuration {name!r} (known: {', '.join(PDSERVE_CONFIGS)})")
 
 
-PDSERVE_CONFIGS = ("disagg", "disagg-d2", "agg", "agg2")
+PDSERVE_CONFIGS = ("disagg", "disagg-d2", "agg", "agg-c512", "agg2")
 
 
 def _names(text: str) -> list[str]:
@@ -114,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--max-model-len", type=int, default=2048, help="context of both servers")
     work.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of vLLM and of each pdserve actor")
     pd = parser.add_argument_group("pdserve")
-    pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; disagg-d2: the same with 2 decode threads and every prompt through the prefill actor; agg: 1 decode actor with 2 threads prefilling itself; agg2: 2 such actors with 1 thread")
+    pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; disagg-d2: the same with 2 decode threads and every prompt through the prefill actor; agg: 1 decode actor with 2 threads prefilling itself in 256-token chunks; agg-c512: the same in 512-token chunks; agg2: 2 such actors with 1 thread")
     pd.add_argument("--skip-pdserve", action="store_true")
     pd.add_argument("--token-budget", type=int, help="tokens per engine step (default: pdserve up's)")
     pd.add_argument("--chunk", type=int, help="prefill chunk (default: pdserve up's)")
