@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -131,8 +132,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         except Exception as exc:
             await abort_with(context, exc)
         try:
-            async for chunk in session.chunks():
-                yield generate_response(validated.req_id, chunk)
+            async with contextlib.aclosing(session.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield generate_response(validated.req_id, chunk)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

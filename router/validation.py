@@ -292,7 +292,7 @@ def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[...,
 
 def _check_vocabulary(token_ids: list[int], limits: RequestLimits, field: str, by_position: bool) -> None:
     for index, token_id in enumerate(token_ids):
-        if token_id >= limits.vocab_size:
+        if not 0 <= token_id < limits.vocab_size:
             outside = f"outside the model's vocabulary (size {limits.vocab_size})"
             if by_position:
                 raise InvalidArgumentError(f"{field}[{index}]", f"token id {token_id} is {outside}")

@@ -22,39 +22,16 @@ import grpc
 from cluster.bench.workloads import BenchRequest, ModelLimits
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from router.output_stream import TimingBreakdown
 from router.security import AUTH_TOKEN_ENV, client_token_metadata
 
 logger = logging.getLogger(__name__)
 
-STAGE_FIELDS = (
-    "router_queue_ms",
-    "prefill_queue_ms",
-    "prefill_compute_ms",
-    "kv_transfer_ms",
-    "decode_queue_ms",
-    "time_to_first_token_ms",
-    "decode_ms",
-    "total_ms",
-)
+# The router's per-request timing breakdown (the last message's Timing), in ms: the same
+# fields as the router's own record of it.
+ServerTiming = TimingBreakdown
+STAGE_FIELDS = tuple(TimingBreakdown.__slots__)
 FINISHED_OK = ("length", "stop", "eos")
-
-
-@dataclass(slots=True)
-class ServerTiming:
-    """The router's per-request timing breakdown (the last message's Timing), in ms."""
-
-    router_queue_ms: float = 0.0
-    prefill_queue_ms: float = 0.0
-    prefill_compute_ms: float = 0.0
-    kv_transfer_ms: float = 0.0
-    decode_queue_ms: float = 0.0
-    time_to_first_token_ms: float = 0.0
-    decode_ms: float = 0.0
-    total_ms: float = 0.0
-
-    @classmethod
-    def from_proto(cls, timing: pb.Timing) -> "ServerTiming":
-        return cls(**{name: getattr(timing, name) for name in STAGE_FIELDS})
 
 
 @dataclass(slots=True)
@@ -210,7 +187,7 @@ class BenchClient:
             record.finish_reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
             record.usage_completion_tokens = last.usage.completion_tokens
             record.prompt_len = last.usage.prompt_tokens
-            record.timing = ServerTiming.from_proto(last.timing)
+            record.timing = ServerTiming(**{name: getattr(last.timing, name) for name in STAGE_FIELDS})
             record.prefill_worker_id = last.prefill_worker_id
             record.decode_worker_id = last.decode_worker_id
             if record.finish_reason not in FINISHED_OK and not record.error:

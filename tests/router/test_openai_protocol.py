@@ -65,6 +65,15 @@ def test_the_sandbox_keeps_templates_from_python_internals():
         template.render([{"role": "user", "content": "x"}])
 
 
+def test_negative_token_ids_are_refused_naming_the_position():
+    from router.validation import RequestLimits, validate_input
+
+    (choice,) = read_completion({"prompt": [5, -1, 7]}).choices
+    with pytest.raises(InvalidArgumentError) as raised:
+        validate_input(choice, RequestLimits(vocab_size=100, max_context_len=64), lambda text: [1])
+    assert raised.value.field == "prompt[1]" and "-1" in raised.value.problem
+
+
 def test_completion_fields_map_to_the_neutral_request():
     request = read_completion(
         {
