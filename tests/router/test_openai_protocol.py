@@ -164,19 +164,23 @@ def test_chat_without_a_template_is_refused_with_a_pointer_to_completions():
 # -- the HTTP edge of a router with no worker -------------------------------------------------
 
 
-@pytest.fixture
-def hosted(tmp_path, e2e_model):
+def _hosted_router(model_path, **router_fields):
     from cluster.deployment import DeploymentSpec, PoolSpec
     from router.config import RouterConfig
     from tests.serving import HostedRouter, engine_config
 
     spec = DeploymentSpec(
-        model_path=e2e_model.path,
+        model_path=model_path,
         prefill=PoolSpec(0, engine_config()),
         decode=PoolSpec(1, engine_config()),
-        router=RouterConfig(http_port=0, auth_token="s3cret", served_model_names=["alias", "other"], ready_wait_s=0.5),
+        router=RouterConfig(http_port=0, **router_fields),
     )
-    router = HostedRouter(spec)
+    return HostedRouter(spec)
+
+
+@pytest.fixture
+def hosted(e2e_model):
+    router = _hosted_router(e2e_model.path, auth_token="s3cret", served_model_names=["alias", "other"], ready_wait_s=0.5)
     yield f"http://127.0.0.1:{router.router.http_port}"
     router.close()
 
@@ -210,3 +214,12 @@ def test_a_request_before_any_worker_waits_then_gets_503(hosted):
     assert status == 404 and body["error"]["code"] == "model_not_found"
     status, body = _call(f"{hosted}/v1/nothing", token="s3cret")
     assert status == 404 and "error" in body
+
+
+def test_overload_is_a_429_in_openais_shape(e2e_model):
+    router = _hosted_router(e2e_model.path, max_queued_requests=0)
+    try:
+        status, body = _call(f"http://127.0.0.1:{router.router.http_port}/v1/completions", body={"prompt": "hi", "max_tokens": 2})
+    finally:
+        router.close()
+    assert status == 429 and body["error"]["type"] == "rate_limit_error" and "retry later" in body["error"]["message"]
