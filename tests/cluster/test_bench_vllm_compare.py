@@ -203,6 +203,8 @@ def test_scenario_flags_default_to_float32_and_the_issue_workload():
     assert args.rates == [math.inf, 1.5] and args.pdserve_configs == ["agg2"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench-scenario", "vllm-compare", "--pdserve-configs", "fast"])
+    assert build_parser().parse_args(["bench-scenario", "vllm-compare"]).pdserve_api == "grpc"
+    assert build_parser().parse_args(["bench-scenario", "vllm-compare", "--pdserve-api", "openai"]).pdserve_api == "openai"
 
 
 def test_a_missing_vllm_python_says_how_to_make_one(tmp_path):

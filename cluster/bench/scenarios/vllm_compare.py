@@ -118,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--max-model-len", type=int, default=2048, help="context of both servers")
     work.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of vLLM and of each pdserve actor")
     pd = parser.add_argument_group("pdserve")
+    pd.add_argument("--pdserve-api", choices=["grpc", "openai"], default="grpc", help="measure pdserve through its gRPC API (default) or its OpenAI HTTP API, with the client that measures vLLM")
     pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; disagg-d2: the same with 2 decode threads and every prompt through the prefill actor; agg: 1 decode actor with 2 threads prefilling itself in 256-token chunks; agg-c512: the same in 512-token chunks; agg2: 2 such actors with 1 thread")
     pd.add_argument("--skip-pdserve", action="store_true")
     pd.add_argument("--token-budget", type=int, help="tokens per engine step (default: pdserve up's)")
@@ -177,7 +178,12 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
                 for shape in shapes:
                     try:
                         with local_cluster(model_dir, shape) as deployment:
-                            client = BenchClient(_client_config(deployment.address, args, shape.label))
+                            if args.pdserve_api == "openai":
+                                # The very client that measures vLLM, over pdserve's own OpenAI API.
+                                url = f"http://127.0.0.1:{deployment.router.http_port}"
+                                client = OpenAIClient(_client_config(url, args, shape.label), seed=args.seed, model_dir=model_dir)
+                            else:
+                                client = BenchClient(_client_config(deployment.address, args, shape.label))
                             runs[shape.label] = asyncio.run(_measure(client, requests, warmup, schedule, shape.label, args))
                     except Exception as exc:  # one broken configuration must not hide the others' figures
                         errors[shape.label] = f"{type(exc).__name__}: {exc}"
