@@ -5,10 +5,13 @@
 1. Exactness: for each test architecture, random-weight checkpoints run through the engine on
    CUDA (float32, chunk sizes 7 and 64, several prompts batched) and through transformers'
    ``generate`` on CUDA; greedy tokens must be equal. bfloat16 reports the agreement rate.
-2. The prefill actor's push rule: a step's KV, read right after an event recorded behind the
+2. Checkpoint features, float32, greedy against transformers on CUDA: attention and MLP
+   biases, sliding windows (gather + SDPA on the GPU, prompts past the window), the yarn,
+   dynamic and LongRoPE schedules, and min_tokens holding off a stop token.
+3. The prefill actor's push rule: a step's KV, read right after an event recorded behind the
    step and synchronized (what ``PrefillWorker`` does before a NIXL push), equals the KV after a
    full device synchronization.
-3. Speed: a decode step at batch 32 and context 600 on the SmolLM2-135M shape, the engine
+4. Speed: a decode step at batch 32 and context 600 on the SmolLM2-135M shape, the engine
    against transformers' forward with a static cache, both on the GPU, same dtype.
 """
 
@@ -51,6 +54,44 @@ def check_exactness(workdir: Path) -> dict:
                 agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
                 results[f"{arch}/{dtype}/chunk{chunk}"] = {"exact": got == want, "token_agreement": agree}
                 assert engine.num_free_blocks == engine.kv_cache.num_blocks, "blocks leaked"
+    return results
+
+
+_HALF_HEAD = 8  # rotation pairs of the test checkpoints' head (64 / 4 / 2)
+FEATURES = {
+    "llama/attention_bias+mlp_bias": ("llama", {"attention_bias": True, "mlp_bias": True}, None),
+    "qwen3/attention_bias": ("qwen3", {"attention_bias": True}, None),
+    "mistral/sliding_window": ("mistral", {"sliding_window": 12}, None),
+    "qwen2/sliding_window_from_layer_1": ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}, None),
+    "llama/yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, "max_position_embeddings": 256}, None),
+    "llama/dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 256}, None),
+    "llama/longrope": ("llama", {"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 64,
+                                                  "short_factor": [1.0 + 0.1 * i for i in range(_HALF_HEAD)],
+                                                  "long_factor": [1.5 + 0.4 * i for i in range(_HALF_HEAD)]},
+                                 "max_position_embeddings": 256}, 64),
+}
+
+
+def check_features(workdir: Path) -> dict:
+    results = {}
+    for name, (arch, overrides, max_model_len) in FEATURES.items():
+        path = workdir / name.replace("/", "_")
+        model = build_checkpoint(arch, path, **overrides).to("cuda")
+        prompts = random_prompts([5, 30, 45], model.config.vocab_size, seed=4)
+        want = [_hf_greedy_cuda(model, p, 12) for p in prompts]
+        config = EngineConfig(device="cuda", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, long_prefill_chunk=16, max_model_len=max_model_len)
+        got = [c.token_ids for c in LLMEngine(path, config).generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+        results[name] = got == want
+    # min_tokens: a stop token id that would end the request early is held off on the device.
+    path = workdir / "llama"
+    model = build_checkpoint("llama", path / "min_tokens").to("cuda")
+    (prompt,) = random_prompts([9], model.config.vocab_size, seed=21)
+    greedy = _hf_greedy_cuda(model, prompt, 10)
+    at = next(i for i in range(1, 10) if greedy[i] not in greedy[:i])
+    engine = LLMEngine(path / "min_tokens", EngineConfig(device="cuda", dtype="float32", num_kv_blocks=64))
+    (early,) = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[greedy[at]]))
+    (held,) = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[greedy[at]], min_tokens=at + 3))
+    results["min_tokens"] = early.token_ids == greedy[: at + 1] and len(held.token_ids) >= at + 3 and held.token_ids[:at] == greedy[:at]
     return results
 
 
@@ -125,13 +166,14 @@ def main() -> int:
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         report["exactness"] = check_exactness(Path(tmp))
+        report["features"] = check_features(Path(tmp))
         report["event_before_push"] = check_event_before_push(Path(tmp))
     report["decode"] = [bench_decode("bfloat16"), bench_decode("float32")]
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     float32_exact = all(v["exact"] for k, v in report["exactness"].items() if "/float32/" in k)
-    return 0 if float32_exact and report["event_before_push"] else 1
+    return 0 if float32_exact and all(report["features"].values()) and report["event_before_push"] else 1
 
 
 if __name__ == "__main__":
