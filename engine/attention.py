@@ -37,6 +37,7 @@ class ChunkSpan:
     context_len: int  # tokens of this sequence already in the cache before the chunk
     block_ids: torch.Tensor  # blocks covering context + chunk
     mask: torch.Tensor | None  # [chunk, context + chunk] bool, None when causal from zero
+    sliding_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> additive mask, made at its first layer
 
 
 @dataclass(slots=True)
@@ -168,7 +169,9 @@ def paged_attention(
         mask = chunk.mask
         num_tokens = chunk.token_end - chunk.token_start
         if window is not None and window < chunk.context_len + num_tokens:
-            mask = _sliding_mask(chunk.context_len, num_tokens, window, q.dtype, q.device)
+            if window not in chunk.sliding_masks:
+                chunk.sliding_masks[window] = _sliding_mask(chunk.context_len, num_tokens, window, q.dtype, q.device)
+            mask = chunk.sliding_masks[window]
         if chunk.mask is None:
             keys = k[chunk.token_start : chunk.token_end].transpose(0, 1)
             values = v[chunk.token_start : chunk.token_end].transpose(0, 1)
@@ -249,9 +252,11 @@ def _attend_single(
         queries = q.index_select(0, rows).view(n, num_kv_heads, group, head_dim)
         mask = gathered.mask
         if window is not None:
-            key_pos = torch.arange(width * block_size, device=q.device)
-            before = key_pos.unsqueeze(0) < (meta.single_lens.index_select(0, rows) - window).unsqueeze(1)
-            mask = mask.masked_fill(before.view(n, 1, 1, -1), float("-inf"))
+            if window not in gathered.sliding_masks:
+                key_pos = torch.arange(width * block_size, device=q.device)
+                before = key_pos.unsqueeze(0) < (meta.single_lens.index_select(0, rows) - window).unsqueeze(1)
+                gathered.sliding_masks[window] = mask.masked_fill(before.view(n, 1, 1, -1), float("-inf"))
+            mask = gathered.sliding_masks[window]
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask)
         out.index_copy_(0, rows, attended.reshape(n, num_heads, head_dim))
 
@@ -269,6 +274,7 @@ class GatherGroup:
     num_blocks: int
     block_ids: torch.Tensor  # [len(rows) * num_blocks]
     mask: torch.Tensor | None = None  # [len(rows), 1, 1, num_blocks * block_size], additive
+    sliding_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> mask, made at its first layer
 
 
 def single_groups(tables: torch.Tensor, mask: torch.Tensor, block_kv_bytes: int, device_type: str) -> list[GatherGroup]:

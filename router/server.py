@@ -47,7 +47,7 @@ from router.validation import (
     GenerateInput,
     RequestLimits,
     ValidatedRequest,
-    validate_generate_request,
+    input_from_proto,
     validate_input,
 )
 
@@ -195,13 +195,10 @@ class Router:
         Tokenizing megabytes of text takes seconds, during which every other stream on this
         loop would stall. Short prompts stay inline: a thread hop costs more than they do.
         """
-        validate = functools.partial(validate_generate_request, request, self.limits, self.tokenizer.encode, timeout_s=timeout_s)
-        if request.HasField("prompt_text") and len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
-            return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)
-        return validate()
+        return await self.validate_input(input_from_proto(request), timeout_s)
 
     async def validate_input(self, request: GenerateInput, timeout_s: float | None = None) -> ValidatedRequest:
-        """``validate`` for a request another API edge (the OpenAI server) has read."""
+        """``validate`` for a request an API edge has read into the neutral input."""
         validate = functools.partial(validate_input, request, self.limits, self.tokenizer.encode, timeout_s=timeout_s)
         if request.prompt_text is not None and len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
             return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)

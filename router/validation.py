@@ -104,6 +104,11 @@ def validate_generate_request(
     now: float | None = None,
 ) -> ValidatedRequest:
     """Validate and tokenize a gRPC ``request``; ``timeout_s`` is the RPC's remaining deadline, if any."""
+    return validate_input(input_from_proto(request), limits, encode, timeout_s=timeout_s, now=now)
+
+
+def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
+    """A gRPC GenerateRequest as the neutral input (unknown fields and two prompts refused here)."""
     check_known_fields(request)
     sampling = request.sampling
 
@@ -113,7 +118,7 @@ def validate_generate_request(
     has_text, has_ids = request.HasField("prompt_text"), len(request.prompt_token_ids) > 0
     if has_text and has_ids:
         raise InvalidArgumentError("prompt", "set only one of prompt_text and prompt_token_ids")
-    request_input = GenerateInput(
+    return GenerateInput(
         request_id=request.request_id,
         prompt_text=request.prompt_text if has_text else None,
         prompt_token_ids=list(request.prompt_token_ids) if has_ids else None,
@@ -133,7 +138,6 @@ def validate_generate_request(
         skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
         priority=request.priority,
     )
-    return validate_input(request_input, limits, encode, timeout_s=timeout_s, now=now)
 
 
 def validate_input(

@@ -31,7 +31,7 @@ from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
 from router.openai_api.protocol import ApiRequest, read_chat, read_completion
 from router.openai_api.responses import ChoiceState, envelope, usage
-from router.output_stream import OutputChunk
+from router.output_stream import OutputChunk, StreamEnd
 from router.session import GenerationSession
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ class OpenAIServer:
             states[index].add(item, self.router.tokenizer)
         failed = next((s.end for s in states if s.end.reason == "error"), None)
         if failed is not None:
-            raise InternalError(f"generation failed after {failed.completion_tokens} tokens: {failed.detail}")
+            raise _failed(failed)
         body = envelope(response_id, model, chat, stream=False)
         body["choices"] = [state.whole() for state in states]
         body["usage"] = _usage(api, states)
@@ -189,7 +189,7 @@ class OpenAIServer:
                 if isinstance(item, BaseException):
                     if not started:
                         raise item  # nothing sent yet: a real status
-                    await _send(response, {"error": error_body(item)[1]["error"]})
+                    await _send(response, error_body(item)[1])
                     break
                 if not started:
                     await response.prepare(request)
@@ -204,8 +204,7 @@ class OpenAIServer:
                     payload["usage"] = _usage(api, states) if api.continuous_usage else None
                 await _send(response, payload)
                 if item.end is not None and item.end.reason == "error":
-                    error = InternalError(f"generation failed after {item.end.completion_tokens} tokens: {item.end.detail}")
-                    await _send(response, {"error": error_body(error)[1]["error"]})
+                    await _send(response, error_body(_failed(item.end))[1])
             if api.include_usage:
                 payload = envelope(response_id, model, chat, stream=True, created=created)
                 payload["choices"] = []
@@ -249,6 +248,11 @@ async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _failed(end: StreamEnd) -> InternalError:
+    """The error of a choice that failed after tokens were generated."""
+    return InternalError(f"generation failed after {end.completion_tokens} tokens: {end.detail}")
 
 
 def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, int]:
