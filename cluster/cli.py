@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port (default 8000)")
     up.add_argument("--served-model-name", nargs="+", help="names the OpenAI API answers to (default: the model directory's name)")
     up.add_argument("--metrics-port", type=int, help="Prometheus port")
-    up.add_argument("--routing-policy", choices=["least_loaded", "round_robin"])
+    up.add_argument("--routing-policy", choices=["kv_aware", "least_loaded", "round_robin"])
+    up.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                    help="compute every prompt in full (prefix caching is on by default)")
     up.add_argument("--disaggregation", choices=["auto", "always", "never"])
 
     down = commands.add_parser("down", help="stop the deployment `up` started")
@@ -162,6 +164,7 @@ def _up(args: argparse.Namespace) -> int:
         "router.host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
         "router.http_port": args.http_port, "router.served_model_names": args.served_model_name,
         "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
+        "prefill.enable_prefix_caching": args.enable_prefix_caching, "decode.enable_prefix_caching": args.enable_prefix_caching,
     }
     try:
         config = load_config(args.config, overrides)

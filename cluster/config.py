@@ -40,6 +40,7 @@ class PoolConfig(BaseModel):
     token_budget: int = Field(512, ge=1, description="Tokens per engine step (decode tokens plus prefill chunks)")
     chunk_size: int | None = Field(None, ge=1, description="Most tokens of one prompt per step (default: the token budget)")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one batch")
+    enable_prefix_caching: bool = Field(True, description="Keep full prompt blocks cached for later prompts with the same prefix")
     kv_cache_mb: int | None = Field(
         None, ge=1, description="KV cache size per actor in MiB (default: sized from the actor's machine, see cluster/kv_memory.py)"
     )
@@ -50,7 +51,10 @@ class RouterSection(BaseModel):
 
     host: str = Field("127.0.0.1", description="Address the gRPC server binds")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
-    routing_policy: RoutingPolicy = Field(RoutingPolicy.LEAST_LOADED, description="How a worker is picked")
+    routing_policy: RoutingPolicy = Field(
+        RoutingPolicy.KV_AWARE, description="How a worker is picked: kv_aware (cached prefix against load), least_loaded, round_robin"
+    )
+    kv_overlap_weight: float = Field(1.0, ge=0, description="kv_aware: a cached prompt token against a token of queued work (0: least loaded)")
     disaggregation: Disaggregation = Field(Disaggregation.AUTO, description="auto: short prompts prefill on the decode actor; always; never")
     local_prefill_max_tokens: int = Field(32, ge=0, description="auto mode: prompts up to this length prefill locally")
     max_queued_requests: int = Field(256, ge=1, description="Requests waiting for a first token before RESOURCE_EXHAUSTED")
@@ -175,6 +179,7 @@ class ClusterConfig(BaseModel):
                 host=self.router.host,
                 port=self.router.port,
                 routing_policy=self.router.routing_policy,
+                kv_overlap_weight=self.router.kv_overlap_weight,
                 disaggregation=self.router.disaggregation,
                 local_prefill_max_tokens=self.router.local_prefill_max_tokens,
                 max_queued_requests=self.router.max_queued_requests,
@@ -203,6 +208,7 @@ class ClusterConfig(BaseModel):
             long_prefill_chunk=pool.chunk_size,
             max_num_seqs=pool.max_num_seqs,
             num_threads=pool.threads or max(1, int(pool.num_cpus)),
+            enable_prefix_caching=pool.enable_prefix_caching,
         )
         kv_memory = None
         if pool.kv_cache_mb is not None:

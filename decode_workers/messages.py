@@ -32,6 +32,7 @@ class DecodeTiming:
     decode_queue_ms: float = 0.0  # KV landed (or arrival, for local prefill) -> first scheduled
     local_prefill_ms: float = 0.0  # prompt compute on the decode actor (local prefill only)
     decode_ms: float = 0.0  # first token -> last token
+    num_cached_tokens: int = 0  # prompt tokens whose KV this actor's prefix cache held
 
 
 @dataclass(slots=True)

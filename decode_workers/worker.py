@@ -221,22 +221,22 @@ class DecodeWorker(EngineWorker):
         self._check_accepting()
         self._check_not_aborted(request)
         seq = self.engine.make_sequence(request.req_id, request.prompt_token_ids, request.params, request.priority)
-        dest_block_ids = self.scheduler.reserve(seq)
-        if dest_block_ids is None:
+        remote = self.scheduler.reserve(seq)
+        if remote is None:
             raise DecodeCapacityError(
                 f"decode worker {self.worker_id}: {self.scheduler.num_reservable_blocks()} KV blocks free for "
-                f"new requests, request {request.req_id} needs {self.scheduler.blocks_to_reserve(seq)}"
+                f"new requests, request {request.req_id} needs {self.scheduler.blocks_for_remote(seq)}"
             )
         try:
-            dest = self.agent.reserve(request.req_id, dest_block_ids, request.lease_s)
+            dest = self.agent.reserve(request.req_id, remote.block_ids, request.lease_s, remote.num_cached_blocks)
         except Exception:
-            self.engine.allocator.free(self.scheduler.detach(request.req_id))
+            self.scheduler.abort(request.req_id)  # nothing can write into blocks never handed out
             raise
         self._tracked[request.req_id] = _Tracked(
-            seq, time.monotonic(), remote=True, dest_block_ids=dest_block_ids, attempt=request.attempt, router_id=request.router_id
+            seq, time.monotonic(), remote=True, dest_block_ids=remote.block_ids, attempt=request.attempt, router_id=request.router_id
         )
         self.pump.kick()
-        logger.debug("req %s: reserved %d blocks", request.req_id, len(dest_block_ids))
+        logger.debug("req %s: reserved %d blocks, %d held already", request.req_id, len(remote.block_ids), remote.num_cached_blocks)
         return dest
 
     def _set_first_token(self, req_id: str, token_id: int, logprob: TokenLogprob | None) -> None:
@@ -277,15 +277,13 @@ class DecodeWorker(EngineWorker):
 
     def _drop_reservation(self, req_id: str, tracked: _Tracked) -> None:
         """Free what no write can reach now; the agent hands back the rest later."""
-        block_ids = self.scheduler.detach(req_id)
-        reserved = set(tracked.dest_block_ids)
         safe_now = set(self.agent.abort(req_id))
-        self.engine.allocator.free([b for b in block_ids if b not in reserved or b in safe_now])
+        self.scheduler.detach_remote(req_id, still_targeted=set(tracked.dest_block_ids) - safe_now)
         self.pump.kick()  # the rest come back through the pump: the writer's report or the lease
 
     def _confirm_quiesced(self, req_id: str) -> int:
         block_ids = self.agent.confirm_quiesced(req_id)
-        self.engine.allocator.free(block_ids)
+        self.scheduler.release_detached(block_ids)
         return len(block_ids)
 
     def _admit_if_ready(self, req_id: str, tracked: _Tracked) -> None:
@@ -337,7 +335,7 @@ class DecodeWorker(EngineWorker):
         for failure in events.failed:
             self._fail(failure.req_id, str(failure))
         for freed in events.freed:
-            self.engine.allocator.free(freed.block_ids)
+            self.scheduler.release_detached(freed.block_ids)
         return True
 
     def _fail(self, req_id: str, message: str) -> None:
@@ -363,14 +361,18 @@ class DecodeWorker(EngineWorker):
         seq = tracked.seq
         now = time.monotonic()
         first_token = seq.first_token_time or now
+        cached = seq.num_cached_tokens or 0
         if tracked.remote:
             queue_start = tracked.kv_ready_at or first_token
-            return DecodeTiming(decode_queue_ms=_ms(first_token - queue_start), decode_ms=_ms(now - first_token))
+            return DecodeTiming(
+                decode_queue_ms=_ms(first_token - queue_start), decode_ms=_ms(now - first_token), num_cached_tokens=cached
+            )
         scheduled = seq.first_scheduled_time or first_token
         return DecodeTiming(
             decode_queue_ms=_ms(scheduled - tracked.arrival),
             local_prefill_ms=_ms(first_token - scheduled),
             decode_ms=_ms(now - first_token),
+            num_cached_tokens=cached,
         )
 
     def _status(self) -> DecodeStatus:

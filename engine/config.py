@@ -269,6 +269,9 @@ class EngineConfig:
     # priority, oldest first, so a low priority bounds a wait instead of starving it. None:
     # strict priority.
     priority_max_wait_s: float | None = 30.0
+    # Full prompt blocks stay cached after their request ends and a later request with the
+    # same prefix reuses them instead of computing them again (engine.block_allocator).
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:

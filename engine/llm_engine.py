@@ -74,7 +74,7 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self._max_model_len()
         self.kv_cache = KVCache(loaded.config, self.config, loaded.dtype)
-        self.allocator = BlockAllocator(self.kv_cache.num_blocks)
+        self.allocator = BlockAllocator(self.kv_cache.num_blocks, self.config.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, self._native_attention())
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids)

@@ -10,6 +10,14 @@ partially prefilled prompts and new prompts from the waiting queue, each capped 
 ``update`` advances each sequence, appends sampled tokens, decides who finished and frees
 their blocks. ``abort`` frees a request's blocks at once.
 
+Sequences whose prompt KV another engine computes (disaggregation) have a state of their
+own, WAITING_FOR_REMOTE_KV, and a small protocol the decode actor plugs into:
+``reserve_remote`` takes their blocks (reusing cached prefix blocks) outside the batch,
+``admit_remote`` puts them in the batch once their KV landed, ``detach_remote`` ends one
+whose blocks a write may still target (they stay allocated, owned by no sequence) and
+``release_detached`` frees those once no write can land. Every block of the engine is
+allocated and freed here, through its ``BlockAllocator``.
+
 The prefill and decode actors reuse this class with different admission rules by
 overriding ``_prefill_candidates`` and ``_after_token``.
 """
@@ -20,6 +28,7 @@ import bisect
 import itertools
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.block_allocator import BlockAllocator, chained_block_hashes
@@ -40,6 +49,15 @@ class ScheduledSlice:
     @property
     def completes_sequence(self) -> bool:
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class RemoteBlocks:
+    """What a remote-KV reservation asks a peer to write: ``block_ids`` stand for the prompt's
+    blocks from index ``num_cached_blocks`` on; the ones before it are here already (cached)."""
+
+    block_ids: list[int]
+    num_cached_blocks: int
 
 
 @dataclass(slots=True)
@@ -66,6 +84,10 @@ class Scheduler:
         self.requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.num_prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hit_tokens = 0  # of those, tokens whose KV the cache held
+        self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by request
+        self.detached_blocks: set[int] = set()  # of ended requests, still a write's target
 
     # -- queue management -------------------------------------------------------------
 
@@ -75,11 +97,14 @@ class Scheduler:
         self._push_waiting(seq)
 
     def abort(self, req_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence:
-        """Remove a request wherever it is and free its blocks now (``reason``: ABORT, or ERROR)."""
+        """Remove a request wherever it is and free its blocks now (``reason``: ABORT, or ERROR);
+        a remote reservation's blocks too (use ``detach_remote`` if a write may still land)."""
         seq = self.requests.get(req_id)
         if seq is None:
             raise UnknownRequestError(req_id)
-        if seq in self.running:
+        if seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+            del self.awaiting_kv[req_id]
+        elif seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -139,10 +164,14 @@ class Scheduler:
         for seq in self._prefill_candidates(batch, key):
             if budget <= 0:
                 break
+            if seq.status is SequenceStatus.WAITING:
+                self._take_cached_prefix(seq)
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if self.config.long_prefill_chunk is not None:
                 num_tokens = min(num_tokens, self.config.long_prefill_chunk)
             if not self._try_grow_blocks(seq, num_tokens):
+                if seq.status is SequenceStatus.WAITING:
+                    self._return_cached_prefix(seq)  # cached again, for it or anyone, next step
                 break  # strict priority: a less important prompt never jumps a blocked one
             if seq.status is SequenceStatus.WAITING:
                 self._admit(seq)
@@ -156,8 +185,116 @@ class Scheduler:
         room = max(self.config.max_num_seqs - len(self.running), 0)
         return sorted(partial + self.waiting[:room], key=key)
 
+    # -- KV computed elsewhere ----------------------------------------------------------
+
+    def blocks_for_remote(self, seq: Sequence) -> int:
+        """Blocks a remote reservation takes: the prompt's KV and the first decode token."""
+        return -(-(seq.num_prompt_tokens + 1) // self.block_size)
+
+    def reserve_remote(self, seq: Sequence, max_new_blocks: int) -> RemoteBlocks | None:
+        """Blocks for a prompt whose KV a peer writes (and for its first decode token), taking no
+        more than ``max_new_blocks`` free ones; None if that is too few.
+
+        Leading blocks the prefix cache holds are taken from it: only the rest are written by
+        the peer. The last prompt block is always written (``lookup_hashes`` stops before the
+        last token), so the write that completes the prompt can carry the first token.
+        """
+        hashes = self.lookup_hashes(seq) if self.allocator.enable_prefix_caching else []
+        num_free = self.allocator.num_free
+        cached = self.allocator.take_cached(hashes)
+        num_new = self.blocks_for_remote(seq) - len(cached)
+        # Cached blocks nobody was using came out of the free pool too.
+        if num_new + num_free - self.allocator.num_free > max_new_blocks or not self.allocator.can_allocate(num_new):
+            self.allocator.free(cached)
+            return None
+        seq.arrival_order = next(self._arrivals)
+        seq.block_table = cached + self.allocator.allocate(num_new)
+        seq.block_hashes = hashes[: len(cached)]
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = len(cached) * self.block_size
+        if self.allocator.enable_prefix_caching:
+            self.num_prefix_query_tokens += seq.num_prompt_tokens
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
+        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        self.requests[seq.req_id] = seq
+        self.awaiting_kv[seq.req_id] = seq
+        num_prompt_blocks = -(-seq.num_prompt_tokens // self.block_size)
+        return RemoteBlocks(seq.block_table[len(cached) : num_prompt_blocks], len(cached))
+
+    def admit_remote(self, req_id: str, first_token: int, logprob: TokenLogprob | None = None) -> Sequence:
+        """Every block landed: the sequence joins the running batch with its first token."""
+        seq = self.awaiting_kv.pop(req_id, None)
+        if seq is None:
+            raise UnknownRequestError(req_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self._record_full_block_hashes(seq)
+        seq.token_ids.append(first_token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        reason = self.stop_reason(seq, first_token)
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return seq
+
+    def detach_remote(self, req_id: str, still_targeted: Collection[int] = ()) -> None:
+        """End a reservation whose KV may still be arriving. Its blocks in ``still_targeted``
+        stay allocated until ``release_detached`` (a write may still land in them); the rest
+        are freed now."""
+        seq = self.awaiting_kv.pop(req_id, None)
+        if seq is None:
+            raise UnknownRequestError(req_id)
+        kept = [b for b in seq.block_table if b in still_targeted]
+        seq.block_table = [b for b in seq.block_table if b not in still_targeted]
+        self._finish(seq, FinishReason.ABORT)
+        self.detached_blocks.update(kept)
+
+    def release_detached(self, block_ids: list[int]) -> None:
+        """No write can land in these blocks of ended reservations any more: free them."""
+        unknown = [b for b in block_ids if b not in self.detached_blocks]
+        if unknown:
+            raise ValueError(f"blocks {unknown[:8]} are not held for a write")
+        self.detached_blocks.difference_update(block_ids)
+        self.allocator.free(block_ids)
+
+    # -- prefix cache ------------------------------------------------------------------
+
+    def lookup_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of the full blocks a cache hit may cover for ``seq``: all but its last token,
+        which must be computed to give the logits of its next one."""
+        return chained_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Start a waiting sequence with the longest prefix the cache holds, computed already."""
+        if seq.block_table or not self.allocator.enable_prefix_caching:
+            return
+        hashes = self.lookup_hashes(seq)
+        block_ids = self.allocator.take_cached(hashes)
+        seq.block_table = block_ids
+        seq.block_hashes = hashes[: len(block_ids)]
+        seq.num_computed_tokens = len(block_ids) * self.block_size
+
+    def _return_cached_prefix(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def _count_prefix_hit(self, seq: Sequence) -> None:
+        """Prompt tokens asked of the cache and found there, once per sequence (as vLLM counts)."""
+        if seq.num_cached_tokens is not None:
+            return
+        seq.num_cached_tokens = seq.num_computed_tokens
+        if self.allocator.enable_prefix_caching:
+            self.num_prefix_query_tokens += seq.num_prompt_tokens
+            self.num_prefix_hit_tokens += seq.num_computed_tokens
+
     def _admit(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
+        self._count_prefix_hit(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

@@ -79,6 +79,7 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    num_cached_tokens: int | None = None  # prompt tokens whose KV came from a prefix cache
     first_token_time: float | None = None
 
     @property

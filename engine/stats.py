@@ -26,6 +26,9 @@ class EngineStats:
     num_preemptions: int
     num_steps: int = 0  # since the engine started
     num_scheduled_tokens: int = 0  # prompt and decode tokens computed, since the engine started
+    num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache, since the start
+    num_prefix_hit_tokens: int = 0  # of those, tokens the cache held
+    num_cached_free_blocks: int = 0  # free blocks still holding a cached prefix block
 
     @property
     def num_used_blocks(self) -> int:
@@ -46,4 +49,7 @@ def engine_stats(engine) -> EngineStats:
         num_preemptions=scheduler.num_preemptions,
         num_steps=engine.num_steps,
         num_scheduled_tokens=engine.num_scheduled_tokens,
+        num_prefix_query_tokens=scheduler.num_prefix_query_tokens,
+        num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
+        num_cached_free_blocks=engine.allocator.num_cached_free,
     )

@@ -199,9 +199,12 @@ class KVAgent:
     # -- receiving (decode side) ---------------------------------------------------------
 
     @_locked
-    def reserve(self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None) -> KVDestination:
-        """Own ``block_ids`` for ``req_id`` (exactly the blocks the writer will fill)."""
-        return self.receiver.reserve(req_id, block_ids, lease_s)
+    def reserve(
+        self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None, num_cached_blocks: int = 0
+    ) -> KVDestination:
+        """Own ``block_ids`` for ``req_id`` (exactly the blocks the writer will fill; the
+        request's first ``num_cached_blocks`` are held here already and not written)."""
+        return self.receiver.reserve(req_id, block_ids, lease_s, num_cached_blocks)
 
     @_locked
     def renew_lease(self, req_id: str, lease_s: float) -> KVDestination:

@@ -42,6 +42,14 @@ class KVDestination:
     block_ids: list[int]
     lease_deadline: float
     token: int
+    # The reserver already holds the request's first blocks (a prefix cache): ``block_ids``
+    # stand for its blocks from this index on, and only those are written.
+    num_cached_blocks: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        """The request's blocks the destination covers, the held ones included."""
+        return self.num_cached_blocks + len(self.block_ids)
 
 
 @dataclass(slots=True)

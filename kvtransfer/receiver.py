@@ -58,6 +58,7 @@ class _Reservation:
     block_ids: list[int]
     block_set: frozenset[int]
     deadline: float
+    num_cached_blocks: int  # the request's leading blocks the reserver holds; not written
     state: _State = _State.RECEIVING
     landed: set[int] = field(default_factory=set)
     num_valid: int = 0
@@ -89,7 +90,9 @@ class KVReceiver:
         self._quiesced_tokens = RecentKeys()
         self.num_late_writes = 0  # writes seen for blocks freed without the writer's word: must stay 0
 
-    def reserve(self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None) -> KVDestination:
+    def reserve(
+        self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None, num_cached_blocks: int = 0
+    ) -> KVDestination:
         """Take ownership of ``block_ids`` for ``req_id`` under a lease; return the destination."""
         if req_id in self._by_req:
             raise InvalidBlocksError("req_id", f"{req_id} already holds a reservation")
@@ -105,7 +108,7 @@ class KVReceiver:
         if lease_s <= self._policy.write_timeout_s:
             timeout = self._policy.write_timeout_s
             raise InvalidBlocksError("lease_s", f"{lease_s} must exceed the write timeout {timeout}s")
-        res = _Reservation(req_id, self._next_token, ids, frozenset(ids), self._wall() + lease_s)
+        res = _Reservation(req_id, self._next_token, ids, frozenset(ids), self._wall() + lease_s, num_cached_blocks)
         self._next_token += 1
         self._by_req[req_id] = self._by_token[res.token] = res
         for b in ids:
@@ -114,7 +117,7 @@ class KVReceiver:
         return self._destination(res)
 
     def _destination(self, res: _Reservation) -> KVDestination:
-        return KVDestination(res.req_id, self._local, list(res.block_ids), res.deadline, res.token)
+        return KVDestination(res.req_id, self._local, list(res.block_ids), res.deadline, res.token, res.num_cached_blocks)
 
     def renew_lease(self, req_id: str, lease_s: float) -> KVDestination:
         """Push the deadline to now + ``lease_s`` (never earlier); pass the result to the writer."""

@@ -31,7 +31,8 @@ class PrefillTiming:
     compute_ms: float  # first chunk scheduled -> first token sampled
     transfer_ms: float  # first token sampled -> last write completed (the exposed transfer)
     num_chunks: int
-    num_bytes: int
+    num_bytes: int  # KV bytes pushed (blocks the decode actor held already are not)
+    num_cached_tokens: int = 0  # prompt tokens whose KV this actor's prefix cache held
 
 
 @dataclass(slots=True)

@@ -23,12 +23,12 @@ class PrefillScheduler(Scheduler):
     def _try_grow_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         # The whole prompt's blocks are taken at admission, so a running prompt never needs
         # more and is never preempted: preemption would free blocks a write may still read.
-        if seq.block_table:
+        needed = -(-seq.num_tokens // self.block_size) - len(seq.block_table)  # beyond a cached prefix
+        if needed <= 0:
             return True
-        needed = -(-seq.num_tokens // self.block_size)
         if not self.allocator.can_allocate(needed):
             return False
-        seq.block_table = self.allocator.allocate(needed)
+        seq.block_table.extend(self.allocator.allocate(needed))
         return True
 
     def _after_token(self, seq: Sequence, token_id: int) -> None:

@@ -56,7 +56,7 @@ class _Job:
     seq: Sequence
     done: Future
     arrival: float
-    num_pushed_blocks: int = 0
+    num_pushed_blocks: int  # of the prompt's blocks, counted from its first (held ones included)
     num_chunks: int = 0
     prefilled_at: float | None = None
     num_bytes: int = 0
@@ -64,7 +64,7 @@ class _Job:
 
     @property
     def all_pushed(self) -> bool:
-        return self.num_pushed_blocks == len(self.request.destination.block_ids)
+        return self.num_pushed_blocks == self.request.destination.num_blocks
 
 
 class PrefillWorker(EngineWorker):
@@ -157,13 +157,16 @@ class PrefillWorker(EngineWorker):
             self.agent.connect(request.decode_offer)
         seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
         expected = -(-seq.num_prompt_tokens // self.block_size)
-        if expected != len(request.destination.block_ids):
+        dest = request.destination
+        if expected != dest.num_blocks or not dest.block_ids:
             self.engine.abort_request(request.req_id)
             raise ValueError(
-                f"req {request.req_id}: destination has {len(request.destination.block_ids)} blocks, "
-                f"the prompt fills {expected}"
+                f"req {request.req_id}: destination covers {dest.num_blocks} blocks ({dest.num_cached_blocks} held "
+                f"there), the prompt fills {expected} and its last one must be written"
             )
-        job = _Job(request, seq, Future(), time.monotonic())
+        # Blocks the decode actor holds already are never pushed (this actor may still have to
+        # compute them: the rest of the prompt attends to them).
+        job = _Job(request, seq, Future(), time.monotonic(), num_pushed_blocks=dest.num_cached_blocks)
         self._jobs[request.req_id] = job
         return job.done
 
@@ -213,15 +216,17 @@ class PrefillWorker(EngineWorker):
         if num_ready <= job.num_pushed_blocks:
             return
         start, dest = job.num_pushed_blocks, job.request.destination
+        held = dest.num_cached_blocks  # prompt block i lands in dest.block_ids[i - held]
         payload = ""
-        if prompt_done and num_ready == len(dest.block_ids):
+        if prompt_done and num_ready == dest.num_blocks:
             # The last write carries the first token: the decode actor can start the moment
             # the blocks land, without waiting for a message through the router.
             first_logprob = seq.output_logprobs[0] if seq.output_logprobs else None
             payload = sampled_token_to_json(seq.token_ids[seq.num_prompt_tokens], first_logprob)
         try:
             write = self.agent.push(
-                seq.req_id, dest, seq.block_table[start:num_ready], dest.block_ids[start:num_ready], num_ready, payload
+                seq.req_id, dest, seq.block_table[start:num_ready], dest.block_ids[start - held : num_ready - held],
+                num_ready - held, payload,
             )
         except KVTransferError as exc:
             self._finish_job(job, exc)
@@ -264,6 +269,7 @@ class PrefillWorker(EngineWorker):
             transfer_ms=(now - job.prefilled_at) * 1000,
             num_chunks=job.num_chunks,
             num_bytes=job.num_bytes,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
         first_logprob = seq.output_logprobs[0] if seq.output_logprobs else None
         job.done.set_result(PrefillResult(req_id, seq.token_ids[seq.num_prompt_tokens], first_logprob, timing))

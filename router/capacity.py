@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.pool import Role, WorkerPool, WorkerRecord
+from router.routing import RouteQuery
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ class _Waiter:
     num_blocks: int = field(compare=False)
     granted: asyncio.Future = field(compare=False)
     since: float = field(compare=False, default=0.0)
+    query: RouteQuery | None = field(compare=False, default=None)  # what the pool's selector weighs
 
 
 class DecodeCapacity:
@@ -61,7 +63,7 @@ class DecodeCapacity:
         return sum(known) if known else None
 
     async def acquire(
-        self, num_blocks: int, priority: int, order: int | None = None, since: float | None = None
+        self, num_blocks: int, priority: int, order: int | None = None, since: float | None = None, query: RouteQuery | None = None
     ) -> WorkerRecord:
         """A decode actor with room for ``num_blocks`` now, its room debited; waits for one.
 
@@ -71,7 +73,7 @@ class DecodeCapacity:
         """
         order = next(self._order) if order is None else order
         start = time.monotonic() if since is None else since
-        waiter = _Waiter(1, -priority, order, num_blocks, asyncio.get_running_loop().create_future(), start)
+        waiter = _Waiter(1, -priority, order, num_blocks, asyncio.get_running_loop().create_future(), start, query)
         heapq.heappush(self._waiters, waiter)
         self.on_report()
         try:
@@ -91,7 +93,7 @@ class DecodeCapacity:
             if head.granted.done():  # cancelled while waiting
                 heapq.heappop(self._waiters)
                 continue
-            record = self._fitting(head.num_blocks)
+            record = self._fitting(head.num_blocks, head.query)
             if record is None:
                 return  # the head does not fit anywhere yet: everyone behind it waits too
             heapq.heappop(self._waiters)
@@ -112,13 +114,14 @@ class DecodeCapacity:
         if aged:
             heapq.heapify(self._waiters)
 
-    def _fitting(self, num_blocks: int) -> WorkerRecord | None:
-        """The least loaded routable decode actor that has room (unknown room counts as room)."""
+    def _fitting(self, num_blocks: int, query: RouteQuery | None) -> WorkerRecord | None:
+        """The routable decode actor with room (unknown room counts as room) that the pool's
+        selector prefers (least loaded, or by cached prefix against load)."""
         fits = [
             w for w in self.pool.routable(Role.DECODE)
             if w.num_reservable_blocks is None or w.num_reservable_blocks >= num_blocks
         ]
-        return min(fits, key=lambda w: w.num_assigned) if fits else None
+        return self.pool.selector.choose(Role.DECODE, fits, query) if fits else None
 
     def _remove(self, waiter: _Waiter) -> None:
         try:

@@ -37,7 +37,11 @@ class RouterConfig:
     # With both, the listeners speak TLS only.
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
-    routing_policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED
+    # kv_aware: each worker is scored by the prompt prefix its cache holds against its load
+    # (router.routing); least_loaded and round_robin ignore caches.
+    routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE
+    # kv_aware: what a cached prompt token is worth against a token of queued work (0: least loaded).
+    kv_overlap_weight: float = 1.0
     disaggregation: Disaggregation = Disaggregation.AUTO
     # AUTO: prompts up to this many tokens are prefilled on the decode actor: a transfer and a
     # second hop cost more than a few tokens of compute there.
@@ -76,6 +80,8 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "max_queued_requests", "max_prefill_retries", "max_decode_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not self.kv_overlap_weight >= 0:
+            raise ValueError(f"kv_overlap_weight: must be >= 0, got {self.kv_overlap_weight}")
         if self.max_worker_deaths_per_request < 1:
             raise ValueError(f"max_worker_deaths_per_request: must be >= 1, got {self.max_worker_deaths_per_request}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -56,6 +56,8 @@ from router.errors import (
 )
 from router.output_stream import OutputAssembler
 from router.pool import Role, WorkerPool, WorkerRecord, within
+from router.prefix_index import PrefixFeed
+from router.routing import RouteQuery
 from router.validation import ValidatedRequest
 
 logger = logging.getLogger(__name__)
@@ -148,8 +150,10 @@ class Dispatcher:
         block_size: int = 16,
         decode_ready: Callable[[], Awaitable[None]] | None = None,
         router_id: str | None = None,
+        prefix_feed: PrefixFeed | None = None,
     ):
         self.pool = pool
+        self.prefix_feed = prefix_feed  # keeps the KV-aware selector's index current
         # Names this router's requests on the workers (``ActiveRequest.key``) and its outputs.
         self.router_id = router_id or f"r{secrets.token_hex(4)}"
         self._by_key: dict[str, ActiveRequest] = {}  # admitted requests by their key
@@ -251,16 +255,19 @@ class Dispatcher:
         request = active.work
         order = self.capacity.next_order()  # its place in the capacity queue, kept across refusals
         tried: set[str] = set()
+        if self.prefix_feed is not None:
+            self.prefix_feed.ensure()
+        query = self.pool.selector.query(request.prompt_token_ids)
         while True:
             await self._wait_for_decode_pool()
-            local = self._prefill_locally(request)
+            local = self._prefill_locally(request, query)
             if local:
                 # The decode actor queues local prompts itself, until its KV has room.
-                decode = self.pool.pick(Role.DECODE, exclude=tried)
+                decode = self.pool.pick(Role.DECODE, exclude=tried, query=query)
                 if decode is None:
                     raise UnavailableError("no decode worker is available")
             else:
-                decode = await self._wait_for_room(request, order)
+                decode = await self._wait_for_room(request, order, query)
             active.attempt = next(self._attempts)
             decode_request = DecodeRequest(
                 request.req_id, request.prompt_token_ids, request.sampling_params, request.priority,
@@ -271,7 +278,7 @@ class Dispatcher:
             # the call returns (a short local prefill), and must route it here.
             active.decode = decode
             active.decode_finished = False
-            self.pool.assign(decode, request.req_id)
+            self.pool.assign(decode, request.req_id, len(request.prompt_token_ids))
             try:
                 if local:
                     await decode.handle.add_local.remote(decode_request)
@@ -298,7 +305,7 @@ class Dispatcher:
         active.assembler.timing.dispatched = time.monotonic()
         if destination is not None:
             active.destination = destination
-            active.prefill_task = asyncio.create_task(self._prefill(active, destination))
+            active.prefill_task = asyncio.create_task(self._prefill(active, destination, query))
             self.lease_keeper.ensure_running()
 
     async def _wait_for_decode_pool(self) -> None:
@@ -307,7 +314,7 @@ class Dispatcher:
             return
         await self.decode_ready()
 
-    async def _wait_for_room(self, request: ValidatedRequest, order: int) -> WorkerRecord:
+    async def _wait_for_room(self, request: ValidatedRequest, order: int, query: RouteQuery) -> WorkerRecord:
         """A decode actor with room for the prompt's blocks; waits its turn while the pool is full."""
         if not self.pool.routable(Role.DECODE):
             raise UnavailableError("no decode worker is available")
@@ -318,31 +325,33 @@ class Dispatcher:
             left = request.deadline - time.monotonic()
             timeout = left if timeout is None else min(timeout, left)
         wait = self.capacity.acquire(
-            self._blocks_for(len(request.prompt_token_ids) + 1), request.priority, order, since=request.arrival_time
+            self._blocks_for(len(request.prompt_token_ids) + 1), request.priority, order, since=request.arrival_time, query=query
         )
         try:
             return await asyncio.wait_for(wait, timeout)
         except asyncio.TimeoutError:
             raise _capacity_error(request) from None
 
-    def _prefill_locally(self, request: ValidatedRequest) -> bool:
+    def _prefill_locally(self, request: ValidatedRequest, query: RouteQuery | None = None) -> bool:
         mode = self.config.disaggregation
         if mode is Disaggregation.NEVER or not self.pool.routable(Role.PREFILL):
             return True
         if mode is Disaggregation.ALWAYS:
             return False
-        num_tokens = len(request.prompt_token_ids)
+        # Only what a decode actor would compute counts: its cached prefix costs nothing there.
+        cached = max((self.pool.selector.num_cached_tokens(d, query) for d in self.pool.routable(Role.DECODE)), default=0)
+        num_tokens = len(request.prompt_token_ids) - cached
         if num_tokens <= self.config.local_prefill_max_tokens:
             return True
         backlog = self.pool.min_prefill_backlog() or 0
         return backlog >= self.config.prefill_busy_tokens and num_tokens <= self.config.busy_local_prefill_max_tokens
 
-    async def _prefill(self, active: ActiveRequest, destination: KVDestination) -> None:
+    async def _prefill(self, active: ActiveRequest, destination: KVDestination, query: RouteQuery | None = None) -> None:
         request, decode = active.work, active.decode
         num_tokens = len(request.prompt_token_ids)
         draining: set[str] = set()
         while True:
-            prefill = self.pool.pick(Role.PREFILL, exclude=draining)
+            prefill = self.pool.pick(Role.PREFILL, exclude=draining, query=query)
             if prefill is None:
                 active.outputs.put_nowait(Restart("no prefill worker is available", active.attempt, prefill_failed=True))
                 return
@@ -351,7 +360,8 @@ class Dispatcher:
             active.assembler.prefill_worker_id = prefill.worker_id
             if prefill.num_assigned_prompt_tokens == 0:
                 prefill.busy_since = time.monotonic()
-            self.pool.assign(prefill, request.req_id, num_tokens)
+            # Its load grows by what it will compute: the prompt less the prefix its cache holds.
+            self.pool.assign(prefill, request.req_id, num_tokens - self.pool.selector.num_cached_tokens(prefill, query))
             try:
                 result = await prefill.handle.submit.remote(
                     PrefillRequest(request.req_id, request.prompt_token_ids, request.sampling_params, destination, decode.handshake_offer, request.priority)
@@ -389,8 +399,8 @@ class Dispatcher:
                     active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
                 return
             finally:
-                self.pool.release(prefill, request.req_id, num_tokens)
-        prefill.prefill_rate.done(num_tokens, prefill.busy_since or time.monotonic())
+                self.pool.release(prefill, request.req_id)
+        prefill.prefill_rate.done(num_tokens - result.timing.num_cached_tokens, prefill.busy_since or time.monotonic())
         active.assembler.timing.prefill = result.timing
         if self.metrics is not None:
             self.metrics.observe_prefill(result.timing.num_bytes, result.timing.transfer_ms)

@@ -24,7 +24,11 @@ logger = logging.getLogger(__name__)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PREFIX = "pdserve:"
 # Series of one worker, dropped when it leaves the pool.
-_PER_WORKER = ("num_requests_running", "kv_cache_usage_perc", "kv_blocks_used", "kv_blocks_free", "num_preemptions")
+_PER_WORKER = (
+    "num_requests_running", "kv_cache_usage_perc", "kv_blocks_used", "kv_blocks_free", "num_preemptions",
+    "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
+)
+
 
 
 class Metrics:
@@ -59,9 +63,17 @@ class Metrics:
         self.kv_blocks_free = metric(Gauge, "kv_blocks_free", "KV blocks free", ("worker_id", "role"))
         self.prefill_tokens_per_step = metric(Gauge, "prefill_tokens_per_step", "Mean tokens per engine step over the last refresh", ("worker_id",))
         self.preemptions = metric(Counter, "num_preemptions", "Sequences preempted (KV freed, recomputed later)", ("worker_id", "role"))
+        self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in a worker's prefix cache", ("worker_id", "role"))
+        self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens a worker's prefix cache held", ("worker_id", "role"))
+        self.prefix_hit_rate = metric(Gauge, "prefix_cache_hit_rate", "Prefix cache hits / queries since the worker started", ("worker_id", "role"))
+        self._worker_counters = {
+            "num_preemptions": self.preemptions,
+            "num_prefix_query_tokens": self.prefix_queries,
+            "num_prefix_hit_tokens": self.prefix_hits,
+        }
         self.workers_replaced = metric(Counter, "workers_replaced", "Workers replaced after failing health checks", ("role",))
         self._last_steps: dict[str, tuple[int, int]] = {}
-        self._last_preemptions: dict[str, int] = {}
+        self._last_totals: dict[tuple[str, str], int] = {}  # (worker, EngineStats field) -> last total
         self._known_workers: set[str] = set()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -109,9 +121,12 @@ class Metrics:
             self.running(worker, role).set(engine.num_running)
             # Workers report a running total; the counter grows by what is new (a replaced
             # worker starts again from 0).
-            previous = self._last_preemptions.get(worker, 0)
-            self.preemptions(worker, role).inc(max(0, engine.num_preemptions - previous))
-            self._last_preemptions[worker] = engine.num_preemptions
+            for field_name, counter in self._worker_counters.items():
+                total = getattr(engine, field_name)
+                counter(worker, role).inc(max(0, total - self._last_totals.get((worker, field_name), 0)))
+                self._last_totals[(worker, field_name)] = total
+            if engine.num_prefix_query_tokens:
+                self.prefix_hit_rate(worker, role).set(engine.num_prefix_hit_tokens / engine.num_prefix_query_tokens)
             if role == "prefill":
                 steps, tokens = self._last_steps.get(worker, (0, 0))
                 if engine.num_steps > steps:
@@ -121,7 +136,8 @@ class Metrics:
             self.queue_depth(role).set(value)
         self.router_queued.set(router.dispatcher.num_queued)
         for gone in self._known_workers - seen - {r.worker_id for r in records}:
-            self._last_preemptions.pop(gone, None)
+            for field_name in self._worker_counters:
+                self._last_totals.pop((gone, field_name), None)
             for name in _PER_WORKER:
                 for role in ("prefill", "decode"):
                     try:

@@ -46,6 +46,8 @@ class TimingBreakdown:
     decode_ms: float = 0.0
     time_to_first_token_ms: float = 0.0
     total_ms: float = 0.0
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (the rest: prefix cache)
+    kv_bytes_transferred: int = 0  # KV bytes the prefill actor pushed to the decode actor
 
 
 @dataclass(slots=True)
@@ -56,6 +58,7 @@ class StreamEnd:
     prompt_tokens: int
     completion_tokens: int
     timing: TimingBreakdown
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
     matched_stop: str = ""  # the stop string that ended it
     matched_stop_token_id: int | None = None  # the stop token id that ended it
     detail: str = ""  # why, for "error" and "abort"
@@ -121,16 +124,30 @@ class OutputAssembler:
     def _end(self, reason: str, matched_stop: str = "", detail: str = "") -> StreamEnd:
         assert reason in FINISH_REASONS, reason
         self.finished = True
+        num_prompt = len(self.request.prompt_token_ids)
+        cached = self._cached_prompt_tokens()
+        timing = self._timing()
+        timing.prompt_tokens_computed = num_prompt - cached if self.timing.prefill or self.timing.decode else 0
         return StreamEnd(
             reason=reason,
-            prompt_tokens=len(self.request.prompt_token_ids),
+            prompt_tokens=num_prompt,
             completion_tokens=self.num_completion_tokens,
-            timing=self._timing(),
+            timing=timing,
+            cached_prompt_tokens=cached,
             matched_stop=matched_stop,
             detail=detail,
             prefill_worker_id=self.prefill_worker_id,
             decode_worker_id=self.decode_worker_id,
         )
+
+    def _cached_prompt_tokens(self) -> int:
+        """Prompt tokens not computed: the prefill actor's cache hit, or the decode actor's
+        when it prefilled the prompt itself."""
+        if self.timing.prefill is not None:
+            return self.timing.prefill.num_cached_tokens
+        if self.timing.decode is not None:
+            return self.timing.decode.num_cached_tokens
+        return 0
 
     def _timing(self) -> TimingBreakdown:
         t = self.timing
@@ -140,6 +157,7 @@ class OutputAssembler:
             out.prefill_queue_ms = t.prefill.queue_ms
             out.prefill_compute_ms = t.prefill.compute_ms
             out.kv_transfer_ms = t.prefill.transfer_ms
+            out.kv_bytes_transferred = t.prefill.num_bytes
         if t.decode is not None:
             out.decode_queue_ms = t.decode.decode_queue_ms
             out.decode_ms = t.decode.decode_ms

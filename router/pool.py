@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.stats import WorkerState
 from router.admission import BusyRate
+
+if TYPE_CHECKING:
+    from router.routing import RouteQuery, Selector
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +29,11 @@ class Role(str, enum.Enum):
 
 
 class RoutingPolicy(str, enum.Enum):
+    """How workers are chosen (router.routing has one Selector for each)."""
+
     LEAST_LOADED = "least_loaded"
     ROUND_ROBIN = "round_robin"
+    KV_AWARE = "kv_aware"  # cached prefix (from the workers' cache events) against load
 
 
 @dataclass(slots=True)
@@ -40,8 +45,10 @@ class WorkerRecord:
     epoch: str = ""
     handshake_offer: Any = None  # decode workers: what prefill actors connect to
     num_assigned: int = 0  # requests assigned and not finished
-    num_assigned_prompt_tokens: int = 0  # prefill workers: prompt tokens not yet prefilled
-    req_ids: set[str] = field(default_factory=set)
+    # Prompt tokens of those requests: on a prefill actor, the ones still to compute; on a
+    # decode actor, the KV it holds for them.
+    num_assigned_prompt_tokens: int = 0
+    assigned_tokens: dict[str, int] = field(default_factory=dict)  # request -> its share of the above
     # Decode workers: blocks a new reservation may take, from the actor's last report less
     # what the router reserved since (None: no report yet).
     num_reservable_blocks: int | None = None
@@ -53,12 +60,20 @@ class WorkerRecord:
     def routable(self) -> bool:
         return self.state is WorkerState.READY
 
+    @property
+    def req_ids(self):
+        """The requests assigned here and not finished."""
+        return self.assigned_tokens.keys()
+
 
 class WorkerPool:
-    def __init__(self, policy: RoutingPolicy = RoutingPolicy.LEAST_LOADED):
-        self.policy = policy
+    def __init__(self, selector: Selector | None = None):
+        if selector is None:
+            from router.routing import LeastLoaded  # router.routing builds on this module
+
+            selector = LeastLoaded()
+        self.selector = selector
         self.workers: dict[str, WorkerRecord] = {}
-        self._round_robin = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
         self.on_change: Callable[[], None] = lambda: None  # a worker joined or left
 
     def add(self, record: WorkerRecord) -> None:
@@ -79,16 +94,12 @@ class WorkerPool:
     def routable(self, role: Role) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.role is role and w.routable]
 
-    def pick(self, role: Role, exclude: set[str] = frozenset()) -> WorkerRecord | None:
+    def pick(self, role: Role, exclude: set[str] = frozenset(), query: RouteQuery | None = None) -> WorkerRecord | None:
         """The worker the next request of ``role`` should go to, or None if none may take it."""
         candidates = [w for w in self.routable(role) if w.worker_id not in exclude]
         if not candidates:
             return None
-        if self.policy is RoutingPolicy.ROUND_ROBIN:
-            return candidates[next(self._round_robin[role]) % len(candidates)]
-        if role is Role.PREFILL:
-            return min(candidates, key=lambda w: (w.num_assigned_prompt_tokens, w.num_assigned))
-        return min(candidates, key=lambda w: w.num_assigned)
+        return self.selector.choose(role, candidates, query)
 
     def min_prefill_backlog(self) -> int | None:
         """Prompt tokens queued on the least busy routable prefill actor (None: no prefill actor)."""
@@ -96,14 +107,16 @@ class WorkerPool:
         return min(backlogs) if backlogs else None
 
     def assign(self, record: WorkerRecord, req_id: str, prompt_tokens: int = 0) -> None:
+        if req_id in record.assigned_tokens:
+            self.release(record, req_id)
         record.num_assigned += 1
         record.num_assigned_prompt_tokens += prompt_tokens
-        record.req_ids.add(req_id)
+        record.assigned_tokens[req_id] = prompt_tokens
 
-    def release(self, record: WorkerRecord, req_id: str, prompt_tokens: int = 0) -> None:
-        if req_id not in record.req_ids:
+    def release(self, record: WorkerRecord, req_id: str) -> None:
+        prompt_tokens = record.assigned_tokens.pop(req_id, None)
+        if prompt_tokens is None:
             return
-        record.req_ids.discard(req_id)
         record.num_assigned -= 1
         record.num_assigned_prompt_tokens -= prompt_tokens
 

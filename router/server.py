@@ -34,10 +34,12 @@ from router.config import RouterConfig
 from router.dispatcher import WORKER_GONE, Dispatcher
 from router.errors import abort_with
 from router.output_stream import OutputChunk, TimingBreakdown
-from router.pool import Role, WorkerPool, WorkerRecord
+from router.pool import Role, RoutingPolicy, WorkerPool, WorkerRecord
 from router.pool_control import PoolControl
+from router.prefix_index import PrefixFeed, PrefixIndex
 from router.readiness import Readiness
 from router.request_bytes import tolerant
+from router.routing import make_selector
 from router.openai_api.server import OpenAIServer
 from router.security import BearerTokenInterceptor, server_credentials, server_ssl_context
 from router.session import GenerationSession
@@ -109,6 +111,7 @@ def generate_response(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
         response.finish_detail = end.detail
         response.usage.prompt_tokens = end.prompt_tokens
         response.usage.completion_tokens = end.completion_tokens
+        response.usage.cached_prompt_tokens = end.cached_prompt_tokens
         response.prefill_worker_id = end.prefill_worker_id
         response.decode_worker_id = end.decode_worker_id
         _fill_timing(response.timing, end.timing)
@@ -171,10 +174,15 @@ class Router:
         self.limits = RequestLimits(vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len, defaults=defaults)
         # One thread: long prompts are tokenized one at a time, off the event loop.
         self._tokenize_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.pool = WorkerPool(self.config.routing_policy)
+        # KV-aware routing: an index of every worker's prefix cache, fed by their own events.
+        self.prefix_index = PrefixIndex(model_info.block_size) if self.config.routing_policy is RoutingPolicy.KV_AWARE else None
+        self.pool = WorkerPool(make_selector(self.config.routing_policy, self.prefix_index, self.config.kv_overlap_weight))
+        self.prefix_feed = None if self.prefix_index is None else PrefixFeed(self.pool, self.prefix_index, self.config.status_timeout_s)
         # The one reader of worker status (GetClusterStatus, metrics, the pool manager).
         self.status_monitor = StatusMonitor(self.pool, self.config.status_timeout_s)
-        self.dispatcher = Dispatcher(self.pool, self.config, metrics, block_size=model_info.block_size, decode_ready=self.wait_ready)
+        self.dispatcher = Dispatcher(
+            self.pool, self.config, metrics, block_size=model_info.block_size, decode_ready=self.wait_ready, prefix_feed=self.prefix_feed
+        )
         self.pool_manager: PoolControl | None = pool_manager  # set by whoever runs the pools
         self.metrics = metrics
         self.background_tasks: set[asyncio.Task] = set()
@@ -265,6 +273,8 @@ class Router:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.dispatcher.close()
+        if self.prefix_feed is not None:
+            await self.prefix_feed.stop()
         if self.http_server is not None:
             await self.http_server.stop()
         if self.admin_server is not None:

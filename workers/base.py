@@ -5,8 +5,9 @@ free to answer calls while a step computes), registers the engine's KV cache wit
 and drives the agent's transfers from a pump thread. Around that sit the calls every worker
 answers the same way: ``ping`` (the health check: is the engine thread alive and making
 progress, is the pump alive), ``drain``, ``set_step_delay`` (fault injection for tests and
-drills) and ``shutdown``. ``PrefillWorker`` and ``DecodeWorker`` add their own request
-lifecycles and their ``_iterate`` (one turn of the engine thread).
+drills), ``cache_events`` (what its prefix cache stored and evicted, for a router's index)
+and ``shutdown``. ``PrefillWorker`` and ``DecodeWorker`` add their own request lifecycles and
+their ``_iterate`` (one turn of the engine thread).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.stats import WorkerState
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.layout import KVCompat
 from kvtransfer.pump import TransferPump
+from workers.cache_events import CacheEventLog, CacheUpdate
 
 
 class TransferSignal:
@@ -68,6 +70,7 @@ class EngineWorker:
         # Host plus Ray node: two raylets on one host are still two nodes.
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._step_delay_s = 0.0
+        self._cache_log = CacheEventLog(worker_id)
         self.transfer_events = TransferSignal()
         self.pump = TransferPump(self.agent, on_events=self._on_transfer_events)
         self.pump.start()
@@ -81,7 +84,17 @@ class EngineWorker:
         """Start turning the subclass's ``_iterate`` on the engine thread: one turn of work,
         True if it did something (else the thread sleeps until woken). A subclass calls this
         last in its constructor, once its own state exists."""
-        self._thread.attach(self._iterate)
+        self._thread.attach(self._turn)
+
+    def _turn(self) -> bool:
+        busy = self._iterate()
+        self._publish_cache_events()
+        return busy
+
+    def _publish_cache_events(self) -> None:
+        """Engine thread: what the prefix cache did this turn, for the routers that follow it."""
+        if self.engine.allocator.record_events:
+            self._cache_log.append(self.engine.allocator.drain_events())
 
     def _pause_after_step(self) -> None:
         if self._step_delay_s:
@@ -107,6 +120,20 @@ class EngineWorker:
     async def set_step_delay(self, seconds: float) -> None:
         """Fault injection for tests and drills: sleep this long after every engine step."""
         self._step_delay_s = max(0.0, float(seconds))
+
+    async def cache_events(self, cursor: int = -1, timeout_s: float = 1.0) -> CacheUpdate:
+        """What the prefix cache stored and evicted after ``cursor`` (waiting up to ``timeout_s``
+        for something), or, for a new follower (-1) or one the log no longer reaches, a snapshot
+        of everything it holds."""
+        update = await self._cache_log.wait_since(cursor, timeout_s)
+        if update is None:
+            update = await self._call(self._cache_snapshot)
+        return update
+
+    def _cache_snapshot(self) -> CacheUpdate:
+        self.engine.allocator.record_events = True  # from now on someone follows
+        self._publish_cache_events()
+        return self._cache_log.snapshot(self.engine.allocator.cached_hashes())
 
     async def shutdown(self) -> None:
         self._thread.stop()

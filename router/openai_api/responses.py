@@ -119,8 +119,13 @@ def envelope(response_id: str, model: str, chat: bool, stream: bool, created: in
     return {"id": response_id, "object": kind, "created": int(time.time()) if created is None else created, "model": model}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},  # served by the prefix cache
+    }
 
 
 def _token_text(token_id: int, tokenizer: Tokenizer) -> str:

@@ -255,10 +255,12 @@ def _failed(end: StreamEnd) -> InternalError:
     return InternalError(f"generation failed after {end.completion_tokens} tokens: {end.detail}")
 
 
-def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, int]:
+def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, Any]:
     # A prompt counts once however many choices it has (as in OpenAI's and vLLM's usage).
-    prompt = sum(state.prompt_tokens for state in states[:: api.choices_per_prompt])
-    return usage(prompt, sum(state.num_tokens for state in states))
+    firsts = states[:: api.choices_per_prompt]
+    prompt = sum(state.prompt_tokens for state in firsts)
+    cached = sum(state.end.cached_prompt_tokens for state in firsts if state.end is not None)
+    return usage(prompt, sum(state.num_tokens for state in states), cached)
 
 
 async def _json(request: web.Request) -> Any:

@@ -32,7 +32,7 @@ def test_prefill_then_remote_decode_matches_transformers(checkpoint, chunk):
     destinations = {}
     for i, prompt in enumerate(prompts):
         seq = decode.make_sequence(f"r{i}", prompt, params)
-        destinations[seq.req_id] = decode.scheduler.reserve(seq)
+        destinations[seq.req_id] = decode.scheduler.reserve(seq).block_ids
         prefill.add_request(f"r{i}", prompt, params)
     first_tokens = {}
     while prefill.has_unfinished_requests():
@@ -57,7 +57,7 @@ def test_aborting_a_reservation_returns_its_blocks(checkpoint):
     path, _ = checkpoint
     decode = LLMEngine(path, EngineConfig(num_kv_blocks=16, block_size=16), scheduler_cls=DecodeScheduler)
     seq = decode.make_sequence("r", list(range(3, 51)), SamplingParams(max_tokens=4))
-    assert len(decode.scheduler.reserve(seq)) == 3  # 48 prompt tokens: 3 full blocks written by prefill
+    assert len(decode.scheduler.reserve(seq).block_ids) == 3  # 48 prompt tokens: 3 full blocks written by prefill
     assert decode.num_free_blocks == 12  # plus one of headroom for the first decode token
     big = decode.make_sequence("big", list(range(3, 196)), SamplingParams(max_tokens=1))
     assert decode.scheduler.reserve(big) is None, "a reservation larger than the free pool is refused"
@@ -72,3 +72,101 @@ def test_sampled_token_survives_its_json_form():
     logprob = TokenLogprob(42, -0.25, 1, [(42, -0.25), (7, -1.5)])
     assert sampled_token_from_json(sampled_token_to_json(42, logprob)) == (42, logprob)
     assert sampled_token_from_json(sampled_token_to_json(9, None)) == (9, None)
+
+
+# -- prefix caching across the handoff ----------------------------------------------------
+
+BLOCK = 16
+
+
+def _engines(path, prefill_cache: bool, decode_cache: bool, num_blocks: int = 64):
+    prefill = LLMEngine(
+        path,
+        EngineConfig(num_kv_blocks=num_blocks, block_size=BLOCK, long_prefill_chunk=24, max_num_batched_tokens=48, enable_prefix_caching=prefill_cache),
+        scheduler_cls=PrefillScheduler,
+    )
+    decode = LLMEngine(path, EngineConfig(num_kv_blocks=num_blocks, block_size=BLOCK, enable_prefix_caching=decode_cache), scheduler_cls=DecodeScheduler)
+    return prefill, decode
+
+
+def _handoff(prefill, decode, req_id, prompt, max_tokens=8):
+    """One request through both engines, blocks copied as the prefill actor pushes them: only
+    the prompt blocks the decode reservation asks for. Returns (output, computed, pushed)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    seq = decode.make_sequence(req_id, prompt, params)
+    remote = decode.scheduler.reserve(seq)
+    held = seq.block_table[: remote.num_cached_blocks]
+    assert all(decode.allocator.ref_count(b) == 1 for b in remote.block_ids), "a written block is nobody else's"
+    assert not set(held) & set(remote.block_ids)
+    computed_before = prefill.num_scheduled_tokens
+    prefill_seq = prefill.add_request(req_id, prompt, params)
+    first = None
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            first = out.new_token_ids[0]
+    src = prefill.scheduler.held[req_id].block_table[remote.num_cached_blocks :]
+    assert len(src) == len(remote.block_ids)
+    decode.kv_cache.tensor[remote.block_ids] = prefill.kv_cache.tensor[src]
+    prefill.scheduler.release(req_id)
+    decode.scheduler.admit_remote(req_id, first)
+    tokens = [first]
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens.extend(out.new_token_ids)
+    computed = prefill.num_scheduled_tokens - computed_before
+    assert computed == len(prompt) - (prefill_seq.num_cached_tokens or 0)
+    return tokens, computed, len(remote.block_ids)
+
+
+@pytest.mark.parametrize("prefill_cache, decode_cache", [(True, True), (False, True), (True, False)])
+def test_a_shared_prefix_is_computed_once_and_sent_once_on_either_side(checkpoint, prefill_cache, decode_cache):
+    path, model = checkpoint
+    base, s1, s2 = random_prompts([70, 9, 30], model.config.vocab_size, seed=8)
+    prefill, decode = _engines(path, prefill_cache, decode_cache)
+    first, second = base + s1, base + s2  # 79 and 100 tokens: 5 and 7 blocks
+    out1, computed1, pushed1 = _handoff(prefill, decode, "a", first)
+    out2, computed2, pushed2 = _handoff(prefill, decode, "b", second)
+    assert out1 == hf_greedy(model, first, 8)
+    assert out2 == hf_greedy(model, second, 8)
+    assert (computed1, pushed1) == (79, 5)
+    shared_blocks = 70 // BLOCK  # 4 full blocks of the base
+    assert computed2 == (100 - shared_blocks * BLOCK if prefill_cache else 100)
+    assert pushed2 == (7 - shared_blocks if decode_cache else 7)
+    assert prefill.num_free_blocks == decode.num_free_blocks == 64
+
+
+def test_a_decode_hit_is_held_while_the_prompt_waits_and_a_prefill_hit_evicted_meanwhile_is_recomputed(checkpoint):
+    path, model = checkpoint
+    base, s1, s2, other = random_prompts([64, 5, 7, 215], model.config.vocab_size, seed=9)
+    prefill, decode = _engines(path, True, True, num_blocks=14)
+    _handoff(prefill, decode, "warm", base + s1)  # both caches now hold the 4 blocks of base
+    # The decode actor reserves: its 4 cached blocks are held, not just found.
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    seq = decode.make_sequence("late", base + s2, params)
+    remote = decode.scheduler.reserve(seq)
+    assert remote.num_cached_blocks == 4 and len(remote.block_ids) == 1
+    # While it waits, another request takes every other decode block: the held ones survive.
+    hog = decode.make_sequence("hog", other[:140], params)
+    assert decode.scheduler.reserve(hog) is not None
+    assert decode.num_free_blocks == 0
+    # On the prefill side, a prompt that needs every block runs first and evicts the cached base.
+    prefill.add_request("other", other, params)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    prefill.scheduler.release("other")
+    prefill_seq = prefill.add_request("late", base + s2, params)
+    while prefill.has_unfinished_requests():
+        for out in prefill.step():
+            first = out.new_token_ids[0]
+    assert prefill_seq.num_cached_tokens == 0, "the evicted base was computed again"
+    src = prefill.scheduler.held["late"].block_table[4:]
+    decode.kv_cache.tensor[remote.block_ids] = prefill.kv_cache.tensor[src]
+    prefill.scheduler.release("late")
+    decode.abort_request("hog")
+    decode.scheduler.admit_remote("late", first)
+    tokens = [first]
+    while decode.has_unfinished_requests():
+        for out in decode.step():
+            tokens.extend(out.new_token_ids)
+    assert tokens == hf_greedy(model, base + s2, 8)
+    assert prefill.num_free_blocks == decode.num_free_blocks == 14

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&router/api/pdserve/v1/generation.proto\x12\npdserve.v1\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x0e\n\x0c_prompt_text\"\x9e\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x92\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x1b\n\x13matched_stop_string\x18\x06 \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rfinish_detail\x18\x08 \x01(\t\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\n \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x19\n\x11prefill_worker_id\x18\x0b \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x0c \x01(\tB\x18\n\x16_matched_stop_token_id\"E\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xcd\x01\n\x06Timing\x12\x17\n\x0frouter_queue_ms\x18\x01 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x02 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x03 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x05 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x06 \x01(\x01\x12\x11\n\tdecode_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\"\x15\n\x13GetModelInfoRequest\"\x98\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\"\x19\n\x17GetClusterStatusRequest\"E\n\x18GetClusterStatusResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\x96\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12num_kv_blocks_used\x18\x06 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x07 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x08 \x01(\r\x12\r\n\x05\x65poch\x18\t \x01(\t\x12\x0c\n\x04node\x18\n \x01(\t\"Y\n\x10ScalePoolRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"f\n\x11ScalePoolResponse\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x19\n\x11previous_replicas\x18\x02 \x01(\r\x12\x10\n\x08replicas\x18\x03 \x01(\r\"6\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"P\n\x13\x44rainWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.WorkerState*\xa8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02*\xac\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x1a\n\x16WORKER_STATE_UNHEALTHY\x10\x04\x12\x15\n\x11WORKER_STATE_DEAD\x10\x05\x32\x87\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponse\x12]\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a$.pdserve.v1.GetClusterStatusResponse2\xa1\x01\n\x05\x41\x64min\x12H\n\tScalePool\x12\x1c.pdserve.v1.ScalePoolRequest\x1a\x1d.pdserve.v1.ScalePoolResponse\x12N\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x1f.pdserve.v1.DrainWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&router/api/pdserve/v1/generation.proto\x12\npdserve.v1\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x42\x0e\n\x0c_prompt_text\"\x9e\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x92\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x1b\n\x13matched_stop_string\x18\x06 \x01(\t\x12\"\n\x15matched_stop_token_id\x18\x07 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rfinish_detail\x18\x08 \x01(\t\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\"\n\x06timing\x18\n \x01(\x0b\x32\x12.pdserve.v1.Timing\x12\x19\n\x11prefill_worker_id\x18\x0b \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x0c \x01(\tB\x18\n\x16_matched_stop_token_id\"E\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12#\n\x03top\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x8b\x02\n\x06Timing\x12\x17\n\x0frouter_queue_ms\x18\x01 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x02 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x03 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x05 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x06 \x01(\x01\x12\x11\n\tdecode_ms\x18\x07 \x01(\x01\x12\x10\n\x08total_ms\x18\x08 \x01(\x01\x12\x1e\n\x16prompt_tokens_computed\x18\t \x01(\r\x12\x1c\n\x14kv_bytes_transferred\x18\n \x01(\x04\"\x15\n\x13GetModelInfoRequest\"\x98\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\"\x19\n\x17GetClusterStatusRequest\"E\n\x18GetClusterStatusResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\x96\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12&\n\x05state\x18\x03 \x01(\x0e\x32\x17.pdserve.v1.WorkerState\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12num_kv_blocks_used\x18\x06 \x01(\r\x12\x1a\n\x12num_kv_blocks_free\x18\x07 \x01(\r\x12\x18\n\x10num_running_seqs\x18\x08 \x01(\r\x12\r\n\x05\x65poch\x18\t \x01(\t\x12\x0c\n\x04node\x18\n \x01(\t\"Y\n\x10ScalePoolRequest\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"f\n\x11ScalePoolResponse\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\x19\n\x11previous_replicas\x18\x02 \x01(\r\x12\x10\n\x08replicas\x18\x03 \x01(\r\"6\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x66orce\x18\x02 \x01(\x08\"P\n\x13\x44rainWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pdserve.v1.WorkerState*\xa8\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02*\xac\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15WORKER_STATE_STARTING\x10\x01\x12\x16\n\x12WORKER_STATE_READY\x10\x02\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x03\x12\x1a\n\x16WORKER_STATE_UNHEALTHY\x10\x04\x12\x15\n\x11WORKER_STATE_DEAD\x10\x05\x32\x87\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponse\x12]\n\x10GetClusterStatus\x12#.pdserve.v1.GetClusterStatusRequest\x1a$.pdserve.v1.GetClusterStatusResponse2\xa1\x01\n\x05\x41\x64min\x12H\n\tScalePool\x12\x1c.pdserve.v1.ScalePoolRequest\x1a\x1d.pdserve.v1.ScalePoolResponse\x12N\n\x0b\x44rainWorker\x12\x1e.pdserve.v1.DrainWorkerRequest\x1a\x1f.pdserve.v1.DrainWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'router.api.pdserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2326
-  _globals['_FINISHREASON']._serialized_end=2494
-  _globals['_WORKERROLE']._serialized_start=2496
-  _globals['_WORKERROLE']._serialized_end=2586
-  _globals['_WORKERSTATE']._serialized_start=2589
-  _globals['_WORKERSTATE']._serialized_end=2761
+  _globals['_FINISHREASON']._serialized_start=2418
+  _globals['_FINISHREASON']._serialized_end=2586
+  _globals['_WORKERROLE']._serialized_start=2588
+  _globals['_WORKERROLE']._serialized_end=2678
+  _globals['_WORKERSTATE']._serialized_start=2681
+  _globals['_WORKERSTATE']._serialized_end=2853
   _globals['_GENERATEREQUEST']._serialized_start=55
   _globals['_GENERATEREQUEST']._serialized_end=224
   _globals['_SAMPLINGPARAMS']._serialized_start=227
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROB']._serialized_start=1119
   _globals['_TOPLOGPROB']._serialized_end=1166
   _globals['_USAGE']._serialized_start=1168
-  _globals['_USAGE']._serialized_end=1225
-  _globals['_TIMING']._serialized_start=1228
-  _globals['_TIMING']._serialized_end=1433
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1435
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1456
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1459
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1611
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1613
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1638
-  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_start=1640
-  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_end=1709
-  _globals['_WORKERSTATUS']._serialized_start=1712
-  _globals['_WORKERSTATUS']._serialized_end=1990
-  _globals['_SCALEPOOLREQUEST']._serialized_start=1992
-  _globals['_SCALEPOOLREQUEST']._serialized_end=2081
-  _globals['_SCALEPOOLRESPONSE']._serialized_start=2083
-  _globals['_SCALEPOOLRESPONSE']._serialized_end=2185
-  _globals['_DRAINWORKERREQUEST']._serialized_start=2187
-  _globals['_DRAINWORKERREQUEST']._serialized_end=2241
-  _globals['_DRAINWORKERRESPONSE']._serialized_start=2243
-  _globals['_DRAINWORKERRESPONSE']._serialized_end=2323
-  _globals['_GENERATION']._serialized_start=2764
-  _globals['_GENERATION']._serialized_end=3027
-  _globals['_ADMIN']._serialized_start=3030
-  _globals['_ADMIN']._serialized_end=3191
+  _globals['_USAGE']._serialized_end=1255
+  _globals['_TIMING']._serialized_start=1258
+  _globals['_TIMING']._serialized_end=1525
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1527
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1548
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1551
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1703
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1705
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1730
+  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_start=1732
+  _globals['_GETCLUSTERSTATUSRESPONSE']._serialized_end=1801
+  _globals['_WORKERSTATUS']._serialized_start=1804
+  _globals['_WORKERSTATUS']._serialized_end=2082
+  _globals['_SCALEPOOLREQUEST']._serialized_start=2084
+  _globals['_SCALEPOOLREQUEST']._serialized_end=2173
+  _globals['_SCALEPOOLRESPONSE']._serialized_start=2175
+  _globals['_SCALEPOOLRESPONSE']._serialized_end=2277
+  _globals['_DRAINWORKERREQUEST']._serialized_start=2279
+  _globals['_DRAINWORKERREQUEST']._serialized_end=2333
+  _globals['_DRAINWORKERRESPONSE']._serialized_start=2335
+  _globals['_DRAINWORKERRESPONSE']._serialized_end=2415
+  _globals['_GENERATION']._serialized_start=2856
+  _globals['_GENERATION']._serialized_end=3119
+  _globals['_ADMIN']._serialized_start=3122
+  _globals['_ADMIN']._serialized_end=3283
 # @@protoc_insertion_point(module_scope)
