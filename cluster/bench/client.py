@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 # The router's per-request timing breakdown (the last message's Timing), in ms: the same
 # fields as the router's own record of it.
 ServerTiming = TimingBreakdown
-STAGE_FIELDS = tuple(TimingBreakdown.__slots__)
+STAGE_FIELDS = tuple(name for name in TimingBreakdown.__slots__ if name.endswith("_ms"))
 FINISHED_OK = ("length", "stop", "eos")
 
 
@@ -50,6 +50,7 @@ class RequestRecord:
     token_ids: list[int] = field(default_factory=list)  # every token received, in order
     end_s: float = math.nan  # receipt of the last message (or of the error)
     usage_completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens a prefix cache held (the router's usage)
     finish_reason: str = ""  # length, stop, eos, abort, error; "" if the stream broke off
     error: str = ""  # "CODE: details" of a failed RPC
     timing: ServerTiming | None = None
@@ -187,7 +188,8 @@ class BenchClient:
             record.finish_reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
             record.usage_completion_tokens = last.usage.completion_tokens
             record.prompt_len = last.usage.prompt_tokens
-            record.timing = ServerTiming(**{name: getattr(last.timing, name) for name in STAGE_FIELDS})
+            record.cached_prompt_tokens = last.usage.cached_prompt_tokens
+            record.timing = ServerTiming(**{name: getattr(last.timing, name) for name in TimingBreakdown.__slots__})
             record.prefill_worker_id = last.prefill_worker_id
             record.decode_worker_id = last.decode_worker_id
             if record.finish_reason not in FINISHED_OK and not record.error:

@@ -110,6 +110,8 @@ def test_chat_completion_equals_transformers_greedy_whole_and_streamed(client, c
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert all(c.usage is None for c in chunks[:-1])
+    # The same messages again: their full blocks (16 tokens each) came from the prefix cache.
+    assert len(ids) > 16 and chunks[-1].usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16
     assert len(chunks) > 3, "tokens stream as they come, not in one piece"
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from router.config import Disaggregation, RouterConfig
+from router.pool import RoutingPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class ClusterShape:
     disaggregation: Disaggregation
     prefill_engine: EngineConfig
     decode_engine: EngineConfig
+    routing_policy: RoutingPolicy | None = None  # None: the router's default
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -55,6 +57,8 @@ class ClusterShape:
             "prefill_token_budget": self.prefill_engine.max_num_batched_tokens,
             "decode_chunk": self.decode_engine.long_prefill_chunk,
             "decode_token_budget": self.decode_engine.max_num_batched_tokens,
+            "prefix_caching": [self.prefill_engine.enable_prefix_caching, self.decode_engine.enable_prefix_caching],
+            "routing_policy": (self.routing_policy or RouterConfig().routing_policy).value,
         }
 
 
@@ -115,6 +119,8 @@ def local_cluster(model_dir: Path, shape: ClusterShape, actor_num_cpus: float = 
         decode=PoolSpec(shape.num_decode, shape.decode_engine, num_cpus=actor_num_cpus),
         router=RouterConfig(disaggregation=shape.disaggregation),
     )
+    if shape.routing_policy is not None:
+        spec.router.routing_policy = shape.routing_policy
     deployment = Deployment(spec)
     logger.info("starting cluster %s: %d prefill, %d decode, %s", shape.label, shape.num_prefill, shape.num_decode, shape.disaggregation.value)
     try:
