@@ -46,6 +46,7 @@ class ClusterShape:
     prefill_engine: EngineConfig
     decode_engine: EngineConfig
     routing_policy: RoutingPolicy | None = None  # None: the router's default
+    kv_overlap_weight: float | None = None  # kv_aware: None, the router's default
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -59,6 +60,7 @@ class ClusterShape:
             "decode_token_budget": self.decode_engine.max_num_batched_tokens,
             "prefix_caching": [self.prefill_engine.enable_prefix_caching, self.decode_engine.enable_prefix_caching],
             "routing_policy": (self.routing_policy or RouterConfig().routing_policy).value,
+            "kv_overlap_weight": self.kv_overlap_weight if self.kv_overlap_weight is not None else RouterConfig().kv_overlap_weight,
         }
 
 
@@ -121,6 +123,8 @@ def local_cluster(model_dir: Path, shape: ClusterShape, actor_num_cpus: float = 
     )
     if shape.routing_policy is not None:
         spec.router.routing_policy = shape.routing_policy
+    if shape.kv_overlap_weight is not None:
+        spec.router.kv_overlap_weight = shape.kv_overlap_weight
     deployment = Deployment(spec)
     logger.info("starting cluster %s: %d prefill, %d decode, %s", shape.label, shape.num_prefill, shape.num_decode, shape.disaggregation.value)
     try:

@@ -9,7 +9,7 @@ every prompt through a prefill actor) run it three times:
 - ``on``: caching on every actor, workers chosen least loaded (a prefix is reused only where
   it happens to be);
 - ``kv_aware``: caching, and the router scores workers by the prefix their caches hold
-  against their load.
+  against their load (``kv_aware:W`` with ``kv_overlap_weight`` W instead of the default).
 
 Reported per cluster: TTFT p50/p99, output tok/s, prompt tokens computed, KV bytes moved and
 prompt tokens served from a cache, from each request's own usage and timing breakdown. The
@@ -54,25 +54,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     parser.add_argument("--token-budget", type=int, default=512, help="tokens per engine step")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"which of {', '.join(CONFIGS)} to run, in order")
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"which of {', '.join(CONFIGS)} to run, in order; kv_aware:W sets kv_overlap_weight W"
+    )
 
 
 def _configs(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if _parse_config(n) is None]
     if unknown or not names:
-        raise ValueError(f"configs: choose from {', '.join(CONFIGS)}, got {text!r}")
+        raise ValueError(f"configs: choose from {', '.join(CONFIGS)} (kv_aware:W for a weight W), got {text!r}")
     return names
+
+
+def _parse_config(name: str) -> tuple[bool, RoutingPolicy, float | None] | None:
+    """(caching, policy, kv_overlap_weight or None for the default) of a config name."""
+    base, _, weight = name.partition(":")
+    if base not in CONFIGS or (weight and base != "kv_aware"):
+        return None
+    try:
+        value = float(weight) if weight else None
+    except ValueError:
+        return None
+    if value is not None and not value >= 0:
+        return None
+    return (*CONFIGS[base], value)
 
 
 def run(args: argparse.Namespace) -> ScenarioOutcome:
     names = _configs(args.configs)
     shapes = []
     for name in names:
-        caching, policy = CONFIGS[name]
+        caching, policy, weight = _parse_config(name)
         engine = dataclasses.replace(engine_config(args.dtype, args.token_budget, args.chunk, seed=args.seed), enable_prefix_caching=caching)
         label = f"{name} ({args.num_prefill}P+{args.num_decode}D, caching {'on' if caching else 'off'}, {policy.value})"
-        shapes.append(ClusterShape(label, args.num_prefill, args.num_decode, Disaggregation.ALWAYS, engine, engine, routing_policy=policy))
+        shapes.append(ClusterShape(
+            label, args.num_prefill, args.num_decode, Disaggregation.ALWAYS, engine, engine, routing_policy=policy, kv_overlap_weight=weight
+        ))
     workload = WorkloadSpec(
         kind="prefix", num_requests=args.num_requests, input_len=args.suffix_len, output_len=args.output_len,
         num_prefixes=args.num_prefixes, prefix_len=args.prefix_len, seed=args.seed,
@@ -98,10 +116,10 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     table = _table(workload, rows, names)
     (out / "comparison.md").write_text(table + "\n")
     lines = [format_summary(o.metrics, o.label) for o in outputs] + [table]
-    if "ttft_p50_off_over_kv_aware" in ratios:
-        ttft_gain, kv_share = ratios["ttft_p50_off_over_kv_aware"], ratios["kv_bytes_kv_aware_over_off"]
+    for name in [n for n in names if n.startswith("kv_aware") and base is not None]:
+        ttft_gain, kv_share = ratios[f"ttft_p50_off_over_{name}"], ratios[f"kv_bytes_{name}_over_off"]
         lines.append(
-            f"goals (caching + KV-aware routing vs no caching): TTFT p50 {fmt(ttft_gain, 'x', 2)} better (>=4x: "
+            f"goals ({name} vs off): TTFT p50 {fmt(ttft_gain, 'x', 2)} better (>=4x: "
             f"{_verdict(ttft_gain is not None and ttft_gain >= 4)}), KV bytes {fmt(kv_share, 'x', 3)} (<=0.2x: "
             f"{_verdict(kv_share is not None and kv_share <= 0.2)})"
         )
