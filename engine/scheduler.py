@@ -31,7 +31,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from engine.block_allocator import BlockAllocator, chained_block_hashes
+from engine.block_allocator import BlockAllocator, chained_block_hashes, prefix_lookup_hashes
 from engine.config import EngineConfig
 from engine.errors import UnknownRequestError
 from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
@@ -196,30 +196,26 @@ class Scheduler:
         more than ``max_new_blocks`` free ones; None if that is too few.
 
         Leading blocks the prefix cache holds are taken from it: only the rest are written by
-        the peer. The last prompt block is always written (``lookup_hashes`` stops before the
-        last token), so the write that completes the prompt can carry the first token.
+        the peer. The last prompt block is always written (``prefix_lookup_hashes`` stops before
+        the last token), so the write that completes the prompt can carry the first token.
         """
-        hashes = self.lookup_hashes(seq) if self.allocator.enable_prefix_caching else []
         num_free = self.allocator.num_free
-        cached = self.allocator.take_cached(hashes)
-        num_new = self.blocks_for_remote(seq) - len(cached)
+        self._take_cached_prefix(seq)
+        num_cached = len(seq.block_table)
+        num_new = self.blocks_for_remote(seq) - num_cached
         # Cached blocks nobody was using came out of the free pool too.
         if num_new + num_free - self.allocator.num_free > max_new_blocks or not self.allocator.can_allocate(num_new):
-            self.allocator.free(cached)
+            self._return_cached_prefix(seq)
             return None
+        self._count_prefix_hit(seq, num_cached * self.block_size)
         seq.arrival_order = next(self._arrivals)
-        seq.block_table = cached + self.allocator.allocate(num_new)
-        seq.block_hashes = hashes[: len(cached)]
-        seq.num_computed_tokens = 0
-        seq.num_cached_tokens = len(cached) * self.block_size
-        if self.allocator.enable_prefix_caching:
-            self.num_prefix_query_tokens += seq.num_prompt_tokens
-            self.num_prefix_hit_tokens += seq.num_cached_tokens
+        seq.block_table.extend(self.allocator.allocate(num_new))
+        seq.num_computed_tokens = 0  # set to the whole prompt once its KV landed (admit_remote)
         seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         self.requests[seq.req_id] = seq
         self.awaiting_kv[seq.req_id] = seq
         num_prompt_blocks = -(-seq.num_prompt_tokens // self.block_size)
-        return RemoteBlocks(seq.block_table[len(cached) : num_prompt_blocks], len(cached))
+        return RemoteBlocks(seq.block_table[num_cached:num_prompt_blocks], num_cached)
 
     def admit_remote(self, req_id: str, first_token: int, logprob: TokenLogprob | None = None) -> Sequence:
         """Every block landed: the sequence joins the running batch with its first token."""
@@ -261,16 +257,11 @@ class Scheduler:
 
     # -- prefix cache ------------------------------------------------------------------
 
-    def lookup_hashes(self, seq: Sequence) -> list[bytes]:
-        """Hashes of the full blocks a cache hit may cover for ``seq``: all but its last token,
-        which must be computed to give the logits of its next one."""
-        return chained_block_hashes(seq.token_ids[: seq.num_tokens - 1], self.block_size)
-
     def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Start a waiting sequence with the longest prefix the cache holds, computed already."""
+        """Start a sequence with the longest prefix the cache holds, computed already."""
         if seq.block_table or not self.allocator.enable_prefix_caching:
             return
-        hashes = self.lookup_hashes(seq)
+        hashes = prefix_lookup_hashes(seq.token_ids, self.block_size)
         block_ids = self.allocator.take_cached(hashes)
         seq.block_table = block_ids
         seq.block_hashes = hashes[: len(block_ids)]
@@ -283,18 +274,18 @@ class Scheduler:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
-    def _count_prefix_hit(self, seq: Sequence) -> None:
+    def _count_prefix_hit(self, seq: Sequence, num_cached_tokens: int) -> None:
         """Prompt tokens asked of the cache and found there, once per sequence (as vLLM counts)."""
         if seq.num_cached_tokens is not None:
             return
-        seq.num_cached_tokens = seq.num_computed_tokens
+        seq.num_cached_tokens = num_cached_tokens
         if self.allocator.enable_prefix_caching:
             self.num_prefix_query_tokens += seq.num_prompt_tokens
-            self.num_prefix_hit_tokens += seq.num_computed_tokens
+            self.num_prefix_hit_tokens += seq.num_cached_tokens
 
     def _admit(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
-        self._count_prefix_hit(seq)
+        self._count_prefix_hit(seq, seq.num_computed_tokens)  # at admission: what the cache held
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 

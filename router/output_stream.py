@@ -127,7 +127,8 @@ class OutputAssembler:
         num_prompt = len(self.request.prompt_token_ids)
         cached = self._cached_prompt_tokens()
         timing = self._timing()
-        timing.prompt_tokens_computed = num_prompt - cached if self.timing.prefill or self.timing.decode else 0
+        prefilled = self.timing.prefill is not None or self.timing.decode is not None
+        timing.prompt_tokens_computed = num_prompt - cached if prefilled else 0
         return StreamEnd(
             reason=reason,
             prompt_tokens=num_prompt,

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from engine.block_allocator import chained_block_hashes
+from engine.block_allocator import prefix_lookup_hashes
 from router.pool import WorkerPool, WorkerRecord, within
 from workers.cache_events import CacheUpdate
 
@@ -33,9 +33,8 @@ class PrefixIndex:
         self._held: dict[str, set[bytes]] = {}
 
     def prompt_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Hashes of the prompt's blocks a cache hit may cover (all but the last token, as the
-        engine looks them up)."""
-        return chained_block_hashes(token_ids[: len(token_ids) - 1], self.block_size)
+        """Hashes of the prompt's blocks a cache hit may cover, as the engine looks them up."""
+        return prefix_lookup_hashes(token_ids, self.block_size)
 
     def apply(self, update: CacheUpdate) -> None:
         held = self._held.setdefault(update.worker_id, set())
@@ -94,8 +93,6 @@ class PrefixFeed:
                     return
                 self.index.apply(update)
                 cursor = update.cursor
-        except asyncio.CancelledError:
-            raise
         except Exception:
             logger.exception("following the prefix cache of %s failed; routing ignores its cache", record.worker_id)
         finally:

@@ -86,9 +86,9 @@ class KVAware:
         return self.index.num_cached_tokens(record.worker_id, query.prompt_hashes)
 
     def choose(self, role: Role, candidates: Sequence[WorkerRecord], query: RouteQuery | None) -> WorkerRecord:
-        if query is None:
-            return LeastLoaded().choose(role, candidates, None)
         tie_break = _least_loaded_key(role)
+        if query is None:
+            return min(candidates, key=tie_break)
 
         def cost(record: WorkerRecord):
             added = query.num_prompt_tokens - self.weight * self.num_cached_tokens(record, query)
