@@ -86,33 +86,36 @@ def test_kv_aware_routing_sends_a_repeated_prefix_to_the_decode_actor_that_holds
 
     import ray
 
-    from router.pool import RoutingPolicy
+    from router.pool import Role, RoutingPolicy
 
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy(policy))
     (first, want1), (second, want2) = prompts
     hog_prompts = random_prompts([10, 10], e2e_model.vocab_size, seed=78)
     with running_deployment(e2e_model, 1, 2, router) as deployment:
         client = Client(deployment.address)
-        for decode in ("decode-0", "decode-1"):
+        # In a tie the selectors take the first decode actor in the pool's order (the order
+        # the actors came up in): "busy" gets the first stream, "holder" the prefix.
+        busy, holder = deployment.workers(Role.DECODE)
+        for decode in (busy, holder):
             ray.get(deployment.handles[decode].set_step_delay.remote(0.02))
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             hog = lambda p: client.generate(prompt_token_ids=p, max_tokens=200, temperature=0.0, ignore_eos=True)  # noqa: E731
             hog0 = pool.submit(hog, hog_prompts[0])
-            _wait_for(lambda: _running(client, "decode-0") == 1)
+            _wait_for(lambda: _running(client, busy) == 1)
             one = client.generate(prompt_token_ids=first, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-            assert one.last.decode_worker_id == "decode-1", "decode-0 was busier"
+            assert one.last.decode_worker_id == holder, "the other one was busier"
             hog1 = pool.submit(hog, hog_prompts[1])
-            _wait_for(lambda: _running(client, "decode-1") == 1)
+            _wait_for(lambda: _running(client, holder) == 1)
             # Both decode actors now run one stream of 10 prompt tokens: equal load.
             two = client.generate(prompt_token_ids=second, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
             hog0.result(timeout=60), hog1.result(timeout=60)
         assert one.token_ids == want1 and two.token_ids == want2
         block_bytes = one.last.timing.kv_bytes_transferred // 7
         if policy == "kv_aware":
-            assert two.last.decode_worker_id == "decode-1"
-            assert two.last.timing.kv_bytes_transferred == block_bytes, "only the block decode-1 lacked"
+            assert two.last.decode_worker_id == holder
+            assert two.last.timing.kv_bytes_transferred == block_bytes, "only the block the holder lacked"
         else:
-            assert two.last.decode_worker_id == "decode-0"
+            assert two.last.decode_worker_id == busy
             assert two.last.timing.kv_bytes_transferred == 7 * block_bytes
         assert two.last.usage.cached_prompt_tokens == 6 * BLOCK  # the prefill actor's own cache either way
         for worker in client.wait_until_idle():
