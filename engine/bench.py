@@ -152,7 +152,14 @@ def bench_raw_decode(engine: LLMEngine, batch: int, context: int, steps: int) ->
 
 def _prefill_engine(model_dir: Path, dtype: str, prompt_len: int, chunk: int | None) -> LLMEngine:
     budget = chunk or prompt_len
-    config = EngineConfig(dtype=dtype, num_kv_blocks=prompt_len // 16 + 8, max_num_batched_tokens=budget, long_prefill_chunk=chunk)
+    # No prefix caching: every repeat prefills the same prompt, and each must compute all of it.
+    config = EngineConfig(
+        dtype=dtype,
+        num_kv_blocks=prompt_len // 16 + 8,
+        max_num_batched_tokens=budget,
+        long_prefill_chunk=chunk,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine(model_dir, config)
     engine.generate([[3 + j for j in range(64)]], SamplingParams(max_tokens=1))  # warm-up
     return engine

@@ -201,11 +201,18 @@ def test_prefill_kernel_matches_float64_causal_attention(vectors, group):
     torch.testing.assert_close(got.double(), _prefill_reference(q, key_cache, value_cache, meta), rtol=0, atol=2e-6)
 
 
-def test_prefill_kernel_on_a_bfloat16_cache_matches_float64_attention_of_the_same_values():
-    q, key_cache, value_cache, meta = _prefill_case(3, 3, 4 * _width(), torch.bfloat16, [(0, 40), (300, 130)], seed=4)
-    got = cpu_attention.attend_prefill(q, key_cache, value_cache, meta)
+@pytest.mark.parametrize("vectors", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("window", [None, 33])
+def test_prefill_kernel_on_a_bfloat16_cache_matches_float64_attention_of_the_same_values(vectors, group, window):
+    """Where the CPU multiplies bfloat16 natively the products run on bfloat16 pairs (queries and
+    softmax weights rounded to bfloat16): the error stays within the output's own rounding."""
+    chunks = [(0, 40), (300, 130), *PREFILL_CHUNKS]
+    q, key_cache, value_cache, meta = _prefill_case(3, group, vectors * _width(), torch.bfloat16, chunks, seed=4)
+    got = cpu_attention.attend_prefill(q, key_cache, value_cache, meta, window)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), _prefill_reference(q, key_cache, value_cache, meta), rtol=1 / 128, atol=1 / 256)
+    want = _prefill_reference(q, key_cache, value_cache, meta, window)
+    torch.testing.assert_close(got.double(), want, rtol=1 / 128, atol=1 / 256)
 
 
 def test_prefill_reads_only_its_own_blocks_and_nothing_after_each_query():
