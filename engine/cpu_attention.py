@@ -11,7 +11,9 @@ Prefill (``csrc/paged_prefill_attention.cpp``): a chunk with cached context need
 causal mask in SDPA, so torch's CPU flash kernel computes the masked half too, after the
 context is gathered out of the blocks; attention was 28% of a prefill step. The kernel is
 flash attention in tiles that skips every tile after a query's position: 512 queries over
-512 + 512 keys in ~6.5 ms against SDPA's ~11 ms, 512 causal queries in ~3 ms against ~5.
+512 + 512 keys in ~6.5 ms against SDPA's ~11 ms, 512 causal queries in ~3 ms against ~5. On a
+bfloat16 cache with avx512_bf16 the tiles stay bfloat16 and the products run on vdpbf16ps:
+~3.5 ms for the first case, and the engine's bfloat16 prefill went from 943 to 1,117 tok/s.
 
 Both are plain C++ with AVX2 or AVX-512 intrinsics, compiled with the system's ``g++`` on
 first use (seconds, once per machine) into one library in ``~/.cache/pdserve/kernels`` under

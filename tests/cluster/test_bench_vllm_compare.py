@@ -204,6 +204,20 @@ def test_scenario_flags_default_to_float32_and_the_issue_workload():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench-scenario", "vllm-compare", "--pdserve-configs", "fast"])
     assert build_parser().parse_args(["bench-scenario", "vllm-compare"]).pdserve_api == "grpc"
+
+
+def test_both_systems_run_without_prefix_caching(tmp_path):
+    """Every rate sends the same prompts: a cache on one side only would turn its later
+    requests into cache hits and its TTFT into a figure vLLM was never asked to match."""
+    from cluster.bench.cli import build_parser
+    from cluster.bench.scenarios.vllm_compare import PDSERVE_CONFIGS, _pdserve_shape
+
+    args = build_parser().parse_args(["bench-scenario", "vllm-compare"])
+    for name in PDSERVE_CONFIGS:
+        shape = _pdserve_shape(name, args)
+        assert not shape.prefill_engine.enable_prefix_caching and not shape.decode_engine.enable_prefix_caching, name
+    spec = VllmServerSpec(model_dir=tmp_path, python=Path("python"), cli=Path("vllm"), port=8000, dtype="float32", max_model_len=2048, seed=0, kv_cache_gib=1)
+    assert "--no-enable-prefix-caching" in spec.command()
     assert build_parser().parse_args(["bench-scenario", "vllm-compare", "--pdserve-api", "openai"]).pdserve_api == "openai"
 
 

@@ -46,7 +46,10 @@ def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
     defaults = RouterConfig()  # only to keep `pdserve up`'s dispatch default for disagg
 
     def engine(threads: int, budget: int, chunk: int | None) -> EngineConfig:
+        # No prefix caching, as vLLM runs here (--no-enable-prefix-caching): each rate sends the
+        # same prompts again, and cache hits from the burst would make every later TTFT a hit.
         return EngineConfig(
+            enable_prefix_caching=False,
             dtype=args.dtype,
             num_threads=threads,
             max_num_batched_tokens=args.token_budget or budget,
