@@ -27,6 +27,7 @@
 #include "simd.h"
 
 #include <memory>
+#include <utility>
 
 namespace {
 
@@ -53,11 +54,6 @@ struct Span {  // one chunk's part of the call
   int64_t tile_offset;   // first tile of this chunk's KV head 0 in the transposed buffers
 };
 
-// How a tile's products are computed: on widened float32 tiles with float32 FMAs (F32Math), or
-// on bfloat16 pairs with vdpbf16ps (Bf16Math). Each says how its query rows and tiles are staged,
-// how a score block and a value block are computed, and how softmax weights are stored for the
-// values; attend_task is the same for both.
-
 struct Call {
   const float* q;
   const void* key_cache;
@@ -70,14 +66,22 @@ struct Call {
   int64_t window;  // keys a query attends, itself included; 0: all
 };
 
-// The cache row of one key or value, by position.
+// The cached key and value rows of one position and KV head.
 template <typename T>
-inline const T* cache_row(const void* cache, const Geometry& geo, const Span& span, int64_t pos, int64_t head,
-                          bool key) {
+inline std::pair<const T*, const T*> cache_rows(const Call& call, const Span& span, int64_t pos, int64_t head) {
+  const Geometry& geo = call.geo;
   const int64_t block = span.table[pos / geo.block_size], offset = pos % geo.block_size;
-  return static_cast<const T*>(cache) + block * (key ? geo.block_stride_k : geo.block_stride_v) +
-         offset * (key ? geo.token_stride_k : geo.token_stride_v) + head * (key ? geo.head_stride_k : geo.head_stride_v);
+  const T* key = static_cast<const T*>(call.key_cache) + block * geo.block_stride_k + offset * geo.token_stride_k +
+                 head * geo.head_stride_k;
+  const T* value = static_cast<const T*>(call.value_cache) + block * geo.block_stride_v + offset * geo.token_stride_v +
+                   head * geo.head_stride_v;
+  return {key, value};
 }
+
+// How a tile's products are computed: on widened float32 tiles with float32 FMAs (F32Math), or
+// on bfloat16 pairs with vdpbf16ps (Bf16Math). Each says how its query rows and tiles are staged,
+// how a score block and a value block are computed, and how softmax weights are stored for the
+// values; attend_task is the same for both.
 
 template <typename T, int DV>
 struct F32Math {
@@ -106,8 +110,7 @@ struct F32Math {
         for (int d = 0; d < D; ++d) vt[j * D + d] = 0.f;
         continue;
       }
-      const T* key = cache_row<T>(call.key_cache, call.geo, span, pos, head, true);
-      const T* value = cache_row<T>(call.value_cache, call.geo, span, pos, head, false);
+      const auto [key, value] = cache_rows<T>(call, span, pos, head);
       for (int d = 0; d < D; ++d) kt[d * KT + j] = to_float(key[d]);
       for (int d = 0; d < D; ++d) vt[j * D + d] = to_float(value[d]);
     }
@@ -210,9 +213,10 @@ struct Bf16Math {
         values[j] = zeros;
         continue;
       }
-      const uint32_t* key = reinterpret_cast<const uint32_t*>(cache_row<uint16_t>(call.key_cache, call.geo, span, pos, head, true));
-      for (int w = 0; w < D / 2; ++w) kt[w * KT + j] = key[w];
-      values[j] = cache_row<uint16_t>(call.value_cache, call.geo, span, pos, head, false);
+      const auto [key, value] = cache_rows<uint16_t>(call, span, pos, head);
+      const uint32_t* key_words = reinterpret_cast<const uint32_t*>(key);
+      for (int w = 0; w < D / 2; ++w) kt[w * KT + j] = key_words[w];
+      values[j] = value;
     }
     for (int t = 0; t < KT / 2; ++t)
       for (int c = 0; c < DV; ++c)
