@@ -258,8 +258,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None
     seed: int = 0
-    # CPU: run linears on oneDNN with weights repacked at load (engine.cpu_linear); False
-    # keeps torch's default matmul.
+    # CPU: run linears with weights repacked at load (engine.cpu_linear: pdserve's bfloat16
+    # pair kernel where the CPU has avx512_bf16, else oneDNN); False keeps torch's matmul.
     prepack_linear: bool = True
     # CPU: decode and prefill attention read the paged cache through kernels built for this
     # machine on first use (engine.cpu_attention); False, or where they cannot be built,

@@ -15,7 +15,10 @@ flash attention in tiles that skips every tile after a query's position: 512 que
 bfloat16 cache with avx512_bf16 the tiles stay bfloat16 and the products run on vdpbf16ps:
 ~3.5 ms for the first case, and the engine's bfloat16 prefill went from 943 to 1,117 tok/s.
 
-Both are plain C++ with AVX2 or AVX-512 intrinsics, compiled with the system's ``g++`` on
+The same library carries the bfloat16 linear layers of ``engine.cpu_linear``
+(``csrc/bf16_linear.cpp``), built only where the CPU has avx512_bf16.
+
+All are plain C++ with AVX2 or AVX-512 intrinsics, compiled with the system's ``g++`` on
 first use (seconds, once per machine) into one library in ``~/.cache/pdserve/kernels`` under
 a name keyed by the sources, the compiler and the CPU's instruction-set flags (built with
 ``-march=native``, so a build from another CPU is never loaded), and called through ctypes,
@@ -42,7 +45,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp")
+_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "bf16_linear.cpp")
 _HEADERS = ("simd.h",)
 _MAX_GROUP = 8  # query heads per KV head the kernel was instantiated for
 _HEAD_VECTORS = (1, 2, 4, 8, 16)  # head_dim as this many vectors of the machine's width
@@ -117,6 +120,11 @@ def _build() -> ctypes.CDLL:
         int64, int64, int64, int64, int64, int64,  # block, token and head strides of keys, values
         pointer, ctypes.c_float, ctypes.c_int, int64,  # out, scale, threads, sliding window (0: none)
     ]
+    library.pdserve_bf16_linear_available.restype = ctypes.c_int
+    library.pdserve_bf16_pack.restype = ctypes.c_int
+    library.pdserve_bf16_pack.argtypes = [pointer, int64, int64, pointer]  # weight, N, K, packed
+    library.pdserve_bf16_linear.restype = ctypes.c_int
+    library.pdserve_bf16_linear.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]  # x, M, K, packed, bias, N, y, threads
     library.pdserve_vector_width.restype = ctypes.c_int
     if library.pdserve_vector_width() != _vector_width():
         raise RuntimeError("kernel vector width does not match the CPU flags")

@@ -71,7 +71,7 @@ def load_model(
     num_packed = prepack_linear and can_prepack(device, torch_dtype) and prepack_linears(model)
     eos_ids = _generation_eos_ids(model_dir) or config.eos_token_ids
     logger.info(
-        "loaded %s from %s: %d layers, hidden %d, dtype %s, %d linears prepacked for oneDNN",
+        "loaded %s from %s: %d layers, hidden %d, dtype %s, %d linears prepacked (oneDNN or bfloat16 pairs)",
         config.architecture,
         model_dir,
         config.num_layers,
