@@ -16,7 +16,8 @@ bfloat16 cache with avx512_bf16 the tiles stay bfloat16 and the products run on 
 ~3.5 ms for the first case, and the engine's bfloat16 prefill went from 943 to 1,117 tok/s.
 
 The same library carries the bfloat16 linear layers of ``engine.cpu_linear``
-(``csrc/bf16_linear.cpp``), built only where the CPU has avx512_bf16.
+(``csrc/bf16_linear.cpp``, built only where the CPU has avx512_bf16) and the fused
+elementwise ops of ``engine.fused_ops`` (``csrc/elementwise.cpp``).
 
 All are plain C++ with AVX2 or AVX-512 intrinsics, compiled with the system's ``g++`` on
 first use (seconds, once per machine) into one library in ``~/.cache/pdserve/kernels`` under
@@ -45,7 +46,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "bf16_linear.cpp")
+_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "bf16_linear.cpp", "elementwise.cpp")
 _HEADERS = ("simd.h",)
 _MAX_GROUP = 8  # query heads per KV head the kernel was instantiated for
 _HEAD_VECTORS = (1, 2, 4, 8, 16)  # head_dim as this many vectors of the machine's width
@@ -125,6 +126,12 @@ def _build() -> ctypes.CDLL:
     library.pdserve_bf16_pack.argtypes = [pointer, int64, int64, pointer]  # weight, N, K, packed
     library.pdserve_bf16_linear.restype = ctypes.c_int
     library.pdserve_bf16_linear.argtypes = [pointer, int64, int64, pointer, pointer, int64, pointer, ctypes.c_int]  # x, M, K, packed, bias, N, y, threads
+    library.pdserve_add_rms_norm.restype = None
+    library.pdserve_add_rms_norm.argtypes = [pointer, pointer, pointer, pointer, int64, int64, ctypes.c_float, ctypes.c_int, ctypes.c_int]  # x, residual, weight, out, rows, cols, eps, bf16, threads
+    library.pdserve_silu_mul.restype = None
+    library.pdserve_silu_mul.argtypes = [pointer, pointer, int64, int64, ctypes.c_int, ctypes.c_int]  # gate_up, out, rows, inter, bf16, threads
+    library.pdserve_rotary.restype = None
+    library.pdserve_rotary.argtypes = [pointer, int64, int64, int64, int64, pointer, pointer, ctypes.c_int, ctypes.c_int]  # qkv, rows, row stride, heads, head_dim, cos, sin, bf16, threads
     library.pdserve_vector_width.restype = ctypes.c_int
     if library.pdserve_vector_width() != _vector_width():
         raise RuntimeError("kernel vector width does not match the CPU flags")

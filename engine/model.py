@@ -8,9 +8,9 @@ before the rotation (Qwen3).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine import fused_ops
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
@@ -24,11 +24,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as transformers does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return fused_ops.add_rms_norm(None, x, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm of ``residual + x``, ``residual + x``); ``residual`` may be updated in place."""
+        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -54,19 +54,30 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rope_tables: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous layer's output and the residual stream before it (None for the first
+        layer, whose input is the residual) -> this layer's output and the stream before it.
+        Each add into the residual is fused with the norm that follows it (vLLM's layout)."""
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_norm(hidden))
+        if residual is None:
+            normed, residual = self.input_norm(hidden), hidden
+        else:
+            normed, residual = self.input_norm.add_and_norm(hidden, residual)
+        qkv = self.qkv_proj(normed)
+        # Rotated in place in qkv where the kernel takes it (no per-head norm to apply first).
+        rotated = self.q_norm is None and fused_ops.rotate_heads_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope_tables)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.rotate(q, k, *rope_tables)
+        if not rotated:
+            q, k = RotaryEmbedding.rotate(q, k, *rope_tables)
         attended = paged_attention(
             q,
             k,
@@ -76,9 +87,8 @@ class DecoderLayer(nn.Module):
             meta,
             self.window,
         )
-        hidden = hidden + self.o_proj(attended.view(num_tokens, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_norm(hidden)).split(self.intermediate_size, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        normed, residual = self.post_attention_norm.add_and_norm(self.o_proj(attended.view(num_tokens, self.q_size)), residual)
+        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(normed))), residual
 
 
 class CausalLM(nn.Module):
@@ -106,8 +116,10 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the packed batch; return float32 logits only at ``logits_indices``."""
         hidden = self.embed_tokens(input_ids)
+        residual = None
         rope_tables = self.rotary.tables(positions)
         for layer in self.layers:
-            hidden = layer(hidden, rope_tables, kv_cache, meta)
-        hidden = self.norm(hidden[logits_indices])
+            hidden, residual = layer(hidden, residual, rope_tables, kv_cache, meta)
+        # Only the rows that need logits: the last add and the final norm are per row.
+        hidden, _ = self.norm.add_and_norm(hidden[logits_indices], residual[logits_indices])
         return self.lm_head(hidden).float()
