@@ -92,11 +92,14 @@ constexpr int64_t PREFETCH_BLOCKS = 1;
 
 // One token's row of one head, a block ahead: blocks lie at random places, and the
 // hardware prefetcher starts cold on each; spread over the current block's rows, the
-// prefetches never flood the fill buffers.
+// prefetches never flood the fill buffers. Into L2 (T1), not L1: an L1 prefetch holds one of
+// the core's few L1 miss buffers until it lands, which capped a core at ~7 GB/s from DRAM;
+// decode attention of the 135M shape, batch 32 at context 600 in a 4 GiB cache with blocks
+// at random places, 1 thread: 62 -> 40 ms.
 template <typename T, int D>
 static inline void prefetch_row(const T* row) {
   for (int64_t offset = 0; offset < D * (int64_t)sizeof(T); offset += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + offset, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(row) + offset, _MM_HINT_T1);
 }
 
 struct Geometry {
