@@ -232,10 +232,12 @@ def test_prefill_reads_only_its_own_blocks_and_nothing_after_each_query():
     assert torch.equal(before, cpu_attention.attend_prefill(q, key_cache, value_cache, meta))
 
 
-def test_a_prompt_attends_bit_for_bit_the_same_however_it_is_chunked():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_attends_bit_for_bit_the_same_however_it_is_chunked(dtype):
     """What a query gets does not depend on where its chunk starts or what shares the call: the
-    promise that a seeded request repeats exactly however its prompt was chunked."""
-    q, key_cache, value_cache, whole = _prefill_case(3, 3, 4 * _width(), torch.float32, [(0, 300)], seed=8)
+    promise that a seeded request repeats exactly however its prompt was chunked (bfloat16: the
+    pairs path where the CPU has avx512_bf16, else widened tiles)."""
+    q, key_cache, value_cache, whole = _prefill_case(3, 3, 4 * _width(), dtype, [(0, 300)], seed=8)
     table = whole.tables[0].tolist()
     pieces = [(0, 100), (100, 37), (137, 1 + 31), (169, 131)]
     split = PrefillChunks(
