@@ -65,10 +65,11 @@ class SeqSlice:
     block_table: list[int]
     context_len: int
     num_tokens: int
+    decode: bool = False  # one generated token (decode attention); else a prompt chunk, of any size
 
 
 def build_metadata(slices: list[SeqSlice], block_size: int, device: str, native: bool = False) -> AttentionMetadata:
-    """Pack per-sequence slices (single-token ones first) into one step's metadata.
+    """Pack per-sequence slices (decode ones first) into one step's metadata.
 
     ``native``: attention runs on the CPU kernels, which read block tables and lengths and
     need no masks.
@@ -86,8 +87,8 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device: str, native:
             slot_offsets.append(pos % block_size)
         total = seq.context_len + seq.num_tokens
         num_blocks = -(-total // block_size)
-        if seq.num_tokens == 1:
-            assert not chunks and not native_chunks, "single-token slices must come before multi-token chunks"
+        if seq.decode:
+            assert seq.num_tokens == 1 and not chunks and not native_chunks, "decode slices are one token each, before every chunk"
             single_tables.append(seq.block_table[:num_blocks])
             single_lens.append(total)
         elif native:

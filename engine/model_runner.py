@@ -31,7 +31,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             if piece.completes_sequence:
                 logits_indices.append(len(input_ids) - 1)
-            slices.append(SeqSlice(seq.block_table, start, piece.num_tokens))
+            slices.append(SeqSlice(seq.block_table, start, piece.num_tokens, decode=piece.is_decode))
         meta = build_metadata(slices, self.kv_cache.block_size, self.device, self.native_attention)
         return self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

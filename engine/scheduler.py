@@ -50,6 +50,12 @@ class ScheduledSlice:
     def completes_sequence(self) -> bool:
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One token past the prompt: the decode kernel's. A one-token piece of a prompt is a
+        prefill chunk like any other, so a prompt's bits never depend on where it was cut."""
+        return self.num_tokens == 1 and self.seq.num_computed_tokens >= self.seq.num_prompt_tokens
+
 
 @dataclass(slots=True)
 class RemoteBlocks:
@@ -136,8 +142,8 @@ class Scheduler:
         for piece in batch.slices:
             if piece.seq.first_scheduled_time is None:
                 piece.seq.first_scheduled_time = now
-        # Single-token slices first: the attention kernel batches them together.
-        batch.slices.sort(key=lambda s: s.num_tokens != 1)
+        # Decode slices first: the decode attention kernel batches them together.
+        batch.slices.sort(key=lambda s: not s.is_decode)
         return batch
 
     def _order_key(self):

@@ -239,7 +239,7 @@ def test_a_prompt_attends_bit_for_bit_the_same_however_it_is_chunked(dtype):
     pairs path where the CPU has avx512_bf16, else widened tiles)."""
     q, key_cache, value_cache, whole = _prefill_case(3, 3, 4 * _width(), dtype, [(0, 300)], seed=8)
     table = whole.tables[0].tolist()
-    pieces = [(0, 100), (100, 37), (137, 1 + 31), (169, 131)]
+    pieces = [(0, 100), (100, 1), (101, 36), (137, 1 + 31), (169, 131)]  # one-token chunks are chunks too
     split = PrefillChunks(
         first_rows=torch.tensor([start for start, _ in pieces]),
         num_tokens=torch.tensor([tokens for _, tokens in pieces]),
@@ -263,3 +263,25 @@ def test_sliding_windows_in_both_kernels_match_float64_attention(window):
     q, key_cache, value_cache, tables, lens = _random_case(3, 3, 4 * _width(), torch.float32, lengths, seed=10)
     got = cpu_attention.attend_decode(q, key_cache, value_cache, tables, lens, window)
     torch.testing.assert_close(got.double(), _reference(q, key_cache, value_cache, tables, lens, window), rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prompts_logprobs_are_the_same_bits_however_it_is_chunked(tmp_path, dtype):
+    """Whole, in chunks of 16 (33 tokens: 16 + 16 + a one-token chunk) and a token at a time: a
+    one-token piece of a prompt goes through the prefill kernel like any chunk, not the decode
+    kernel, so the logits do not change in their last bit. (bfloat16 needs the row-invariant
+    pair linears; where the CPU lacks avx512_bf16 only float32 is promised.)"""
+    from engine.cpu_linear import bf16_pair_kernel_available
+
+    if dtype == "bfloat16" and not bf16_pair_kernel_available():
+        pytest.skip("bfloat16 linears on oneDNN here: not row-invariant")
+    model = build_checkpoint("llama", tmp_path)
+    (prompt,) = random_prompts([33], model.config.vocab_size, seed=12)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3)
+    results = []
+    for chunk in (None, 16, 1):
+        engine = LLMEngine(tmp_path, EngineConfig(num_kv_blocks=32, dtype=dtype, long_prefill_chunk=chunk, num_threads=1))
+        (completion,) = engine.generate([prompt], params)
+        results.append([(lp.token_id, lp.logprob, lp.top) for lp in completion.logprobs])
+    assert results[1] == results[0]
+    assert results[2] == results[0]
