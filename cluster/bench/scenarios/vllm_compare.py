@@ -117,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--workload-seed", type=int, default=1, help="seeds prompt lengths and ids (1 draws 18.1k prompt tokens for 32 requests, near issue 10's 18.2k)")
     work.add_argument("--rates", type=_pattern_rates, default=[math.inf, 0.5], help="arrival patterns: burst (all at once) and/or Poisson req/s (default burst,0.5)")
     work.add_argument("--num-warmup", type=int, default=2, help="requests each system gets first, not counted")
+    work.add_argument("--rounds", type=int, default=1, help="rounds of the whole comparison (vLLM, then each pdserve configuration), alternating; the table gives medians and the median of each round's ratio (this machine's figures move +-15%% between runs)")
     work.add_argument("--timeout", type=float, default=900.0, help="per-request deadline in seconds")
     work.add_argument("--max-model-len", type=int, default=2048, help="context of both servers")
     work.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of vLLM and of each pdserve actor")
@@ -157,7 +158,10 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     vllm_python = vllm_cli = None
     if not args.skip_vllm and not args.vllm_url:
         vllm_python, vllm_cli = find_vllm_python(args.vllm_python), find_vllm_cli(args.vllm_cli)
-    runs: dict[str, dict[str, RunOutput]] = {}
+    if args.rounds < 1:
+        raise ValueError(f"rounds: must be >= 1, got {args.rounds}")
+    # runs[system][rate][round]: None where that round of the system failed.
+    runs: dict[str, dict[str, list[RunOutput | None]]] = {}
     errors: dict[str, str] = {}
     vllm_info: dict = {}
     with scenario_model(args.model, args.dtype, args.seed) as model_dir:
@@ -167,31 +171,44 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         warmup = build_requests(model_dir, args, args.workload_seed + 1_000_003, args.num_warmup)
         schedule = {rate_label(rate): arrival_offsets(len(requests), ArrivalSpec(rate=rate, seed=args.seed)) for rate in args.rates}
         logger.info("workload: %d requests, %d prompt tokens, %d output tokens each", len(requests), sum(r.prompt_len for r in requests), args.output_len)
-        if not args.skip_vllm:
-            try:
-                runs[VLLM_LABEL], vllm_info = _run_vllm(model_dir, args, vllm_python, vllm_cli, requests, warmup, schedule)
-            except VllmStartError as exc:
-                errors[VLLM_LABEL] = f"{type(exc).__name__}: {exc}"
-                logger.error("vLLM did not start: %s", exc)
-            except Exception as exc:  # pdserve's figures are still worth having
-                errors[VLLM_LABEL] = f"{type(exc).__name__}: {exc}"
-                logger.exception("the vLLM run failed")
-        if shapes:
-            with ray_running():
-                for shape in shapes:
-                    try:
-                        with local_cluster(model_dir, shape) as deployment:
-                            if args.pdserve_api == "openai":
-                                # The very client that measures vLLM, over pdserve's own OpenAI API.
-                                url = f"http://127.0.0.1:{deployment.router.http_port}"
-                                client = OpenAIClient(_client_config(url, args, shape.label), seed=args.seed, model_dir=model_dir)
-                            else:
-                                client = BenchClient(_client_config(deployment.address, args, shape.label))
-                            runs[shape.label] = asyncio.run(_measure(client, requests, warmup, schedule, shape.label, args))
-                    except Exception as exc:  # one broken configuration must not hide the others' figures
-                        errors[shape.label] = f"{type(exc).__name__}: {exc}"
-                        logger.exception("pdserve configuration %s failed", shape.label)
-    metrics = {system: {rate: output.metrics for rate, output in by_rate.items()} for system, by_rate in runs.items()}
+
+        def record(system: str, round_index: int, outputs: dict[str, RunOutput] | None) -> None:
+            by_rate = runs.setdefault(system, {rate: [None] * args.rounds for rate in schedule})
+            for rate in schedule:
+                by_rate[rate][round_index] = None if outputs is None else outputs.get(rate)
+
+        for round_index in range(args.rounds):
+            if args.rounds > 1:
+                logger.info("round %d of %d", round_index + 1, args.rounds)
+            if not args.skip_vllm:
+                outputs = None
+                try:
+                    outputs, vllm_info = _run_vllm(model_dir, args, vllm_python, vllm_cli, requests, warmup, schedule)
+                except VllmStartError as exc:
+                    errors[VLLM_LABEL] = f"{type(exc).__name__}: {exc}"
+                    logger.error("vLLM did not start: %s", exc)
+                except Exception as exc:  # pdserve's figures are still worth having
+                    errors[VLLM_LABEL] = f"{type(exc).__name__}: {exc}"
+                    logger.exception("the vLLM run failed")
+                record(VLLM_LABEL, round_index, outputs)
+            if shapes:
+                with ray_running():
+                    for shape in shapes:
+                        outputs = None
+                        try:
+                            with local_cluster(model_dir, shape) as deployment:
+                                if args.pdserve_api == "openai":
+                                    # The very client that measures vLLM, over pdserve's own OpenAI API.
+                                    url = f"http://127.0.0.1:{deployment.router.http_port}"
+                                    client = OpenAIClient(_client_config(url, args, shape.label), seed=args.seed, model_dir=model_dir)
+                                else:
+                                    client = BenchClient(_client_config(deployment.address, args, shape.label))
+                                outputs = asyncio.run(_measure(client, requests, warmup, schedule, shape.label, args))
+                        except Exception as exc:  # one broken configuration must not hide the others' figures
+                            errors[shape.label] = f"{type(exc).__name__}: {exc}"
+                            logger.exception("pdserve configuration %s failed", shape.label)
+                        record(shape.label, round_index, outputs)
+    metrics = {system: {rate: [o and o.metrics for o in per_round] for rate, per_round in by_rate.items()} for system, by_rate in runs.items()}
     table = comparison(metrics, list(schedule))
     markdown = format_markdown(table, _workload_line(requests, args))
     out = args.out
@@ -203,12 +220,13 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         "vllm": vllm_info,
         "errors": errors,
         "table": table,
-        "runs": {system: {rate: run_to_dict(o.metrics, o.records) for rate, o in by_rate.items()} for system, by_rate in runs.items()},
+        # One entry per round (null where that round failed).
+        "runs": {system: {rate: [o and run_to_dict(o.metrics, o.records) for o in per_round] for rate, per_round in by_rate.items()} for system, by_rate in runs.items()},
     }
     json_path = write_json(out / "scenario.json", result_document(f"scenario:{NAME}", config, body))
     lines = [markdown, *goal_lines(table), *(f"FAILED to run {system}: {error}" for system, error in errors.items())]
     lines.append(f"table: {out / 'comparison.md'}")
-    ok = not errors and all(m.failed == 0 for by_rate in metrics.values() for m in by_rate.values())
+    ok = not errors and all(m is not None and m.failed == 0 for by_rate in metrics.values() for per_round in by_rate.values() for m in per_round)
     return ScenarioOutcome(NAME, lines, json_path, {}, ok=ok)
 
 
