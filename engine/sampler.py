@@ -44,8 +44,10 @@ class Sampler:
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         token_ids = [0] * len(seqs)
         if greedy_rows:
-            rows = torch.tensor(greedy_rows, device=logits.device)
-            for row, token in zip(greedy_rows, logits[rows].argmax(dim=-1).tolist()):
+            # All greedy (the common case): argmax in place, not over a copy of every row's logits
+            # (6 MB a step at 32 rows of a 49k vocabulary).
+            greedy_logits = logits if not sampled_rows else logits[torch.tensor(greedy_rows, device=logits.device)]
+            for row, token in zip(greedy_rows, greedy_logits.argmax(dim=-1).tolist()):
                 token_ids[row] = token
         if sampled_rows:
             for row, token in zip(sampled_rows, self._draw(logits, seqs, sampled_rows)):
