@@ -141,13 +141,15 @@ def _build() -> ctypes.CDLL:
 def kernel() -> ctypes.CDLL | None:
     """The compiled kernel, building it on the first call; None where it cannot be built."""
     global _library, _build_tried
+    if _build_tried:  # every linear and elementwise op asks, every step: no lock once settled
+        return _library
     with _lock:
         if not _build_tried:
-            _build_tried = True
             try:
                 _library = _build()
             except Exception as exc:  # no compiler, no AVX2, an exotic platform
                 logger.warning("CPU attention kernels unavailable, attention gathers blocks for SDPA: %s", exc)
+            _build_tried = True  # only now: a reader without the lock must see the library set
         return _library
 
 

@@ -48,7 +48,6 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.intermediate_size = config.intermediate_size
         self.window = config.layer_windows[layer_index] if config.layer_windows else None  # sliding window, or None
 
     def forward(

@@ -54,7 +54,7 @@ class ScheduledSlice:
     def is_decode(self) -> bool:
         """One token past the prompt: the decode kernel's. A one-token piece of a prompt is a
         prefill chunk like any other, so a prompt's bits never depend on where it was cut."""
-        return self.num_tokens == 1 and self.seq.num_computed_tokens >= self.seq.num_prompt_tokens
+        return self.num_tokens == 1 and self.seq.is_decoding
 
 
 @dataclass(slots=True)
@@ -159,7 +159,7 @@ class Scheduler:
         key = self._order_key()
         self.running.sort(key=key)
         self.waiting.sort(key=key)  # aging moves old ones forward; nearly sorted, so cheap
-        decoding = [s for s in self.running if s.num_uncomputed_tokens == 1 and s.num_computed_tokens >= s.num_prompt_tokens]
+        decoding = [s for s in self.running if s.is_decoding]
         decoding = decoding[:budget]
         self._make_room_for(decoding, batch)
         for seq in decoding:

@@ -99,6 +99,11 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
+    def is_decoding(self) -> bool:
+        """Past its prompt, with one token (the last sampled) to compute."""
+        return self.num_uncomputed_tokens == 1 and self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
