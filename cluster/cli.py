@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", help="address the router binds")
     up.add_argument("--port", type=int, help="router gRPC port")
     up.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port (default 8000)")
+    up.add_argument("--admin-port", type=int, help="Admin service port, loopback by default (default 50052; 0: any free port)")
     up.add_argument("--served-model-name", nargs="+", help="names the OpenAI API answers to (default: the model directory's name)")
     up.add_argument("--metrics-port", type=int, help="Prometheus port")
     up.add_argument("--routing-policy", choices=["kv_aware", "least_loaded", "round_robin"])
@@ -162,7 +163,7 @@ def _up(args: argparse.Namespace) -> int:
         "prefill.token_budget": args.token_budget, "decode.token_budget": args.token_budget,
         "prefill.kv_cache_mb": args.kv_cache_mb, "decode.kv_cache_mb": args.kv_cache_mb,
         "router.host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
-        "router.http_port": args.http_port, "router.served_model_names": args.served_model_name,
+        "router.http_port": args.http_port, "router.admin_port": args.admin_port, "router.served_model_names": args.served_model_name,
         "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
         "prefill.enable_prefix_caching": args.enable_prefix_caching, "decode.enable_prefix_caching": args.enable_prefix_caching,
     }
@@ -200,7 +201,9 @@ def _up(args: argparse.Namespace) -> int:
     try:
         info = ray.get(controller.start.remote())
     except Exception as exc:
-        print(f"pdserve up: the deployment failed to start: {exc}", file=sys.stderr)
+        # A Ray task error carries the actor's whole traceback; the cause's own message is what a user acts on.
+        cause = getattr(exc, "cause", None) or exc
+        print(f"pdserve up: the deployment failed to start: {cause}", file=sys.stderr)
         try:
             ray.get(controller.stop.remote(), timeout=30)  # its workers are detached: stop them too
         except Exception:

@@ -220,7 +220,7 @@ class Router:
         pb_grpc.add_GenerationServicer_to_server(GenerationService(self), tolerant(self.server))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([generation, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self._listen(self.server, self.config.host, self.config.port)
+        self.port = self._listen(self.server, "port", self.config.host, self.config.port)
         self.readiness.add_services([generation])
         await self.readiness.publish()
         await self.server.start()
@@ -228,7 +228,7 @@ class Router:
             self.admin_server = self._new_server()
             pb_grpc.add_AdminServicer_to_server(AdminService(AdminOperations(self)), tolerant(self.admin_server))
             reflection.enable_server_reflection([ADMIN_SERVICE, reflection.SERVICE_NAME], self.admin_server)
-            self.admin_port = self._listen(self.admin_server, self.config.admin_host, self.config.admin_port)
+            self.admin_port = self._listen(self.admin_server, "admin_port", self.config.admin_host, self.config.admin_port)
             await self.admin_server.start()
             logger.info("admin listening on %s:%d", self.config.admin_host, self.admin_port)
         if self.config.http_port is not None:
@@ -256,12 +256,18 @@ class Router:
             return None
         return server_credentials(self.config.tls_cert_file, self.config.tls_key_file)
 
-    def _listen(self, server: grpc.aio.Server, host: str, port: int) -> int:
+    def _listen(self, server: grpc.aio.Server, field: str, host: str, port: int) -> int:
+        """Bind ``host:port``; a failure names the config field, since grpc's own message names neither
+        the field nor the cause (newer grpc raises RuntimeError, older returns port 0)."""
         address = f"{host}:{port}"
         credentials = self._credentials()
-        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        try:
+            bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError:
+            bound = 0
         if bound == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(f"router.{field}: cannot listen on {address} (the port is in use, or the host is not "
+                          f"an address of this machine); give another port, or 0 for any free one")
         return bound
 
     async def wait_ready(self) -> None:

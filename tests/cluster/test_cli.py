@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,8 +34,10 @@ def _run(*args: str, state_file: Path, timeout: float = 180, check: bool = True)
 
 def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_model, tmp_path):
     state = tmp_path / "state.json"
-    port = _free_port()  # fixed, as in production: the restarted controller listens on it again
-    up = _run("up", "--detach", "--model", str(e2e_model.path), "--port", str(port), "--metrics-port", "0", "--http-port", "0",
+    # Fixed ports, as in production: the restarted controller listens on them again.
+    port, admin_port = _free_port(), _free_port()
+    up = _run("up", "--detach", "--model", str(e2e_model.path), "--port", str(port), "--admin-port", str(admin_port),
+              "--metrics-port", "0", "--http-port", "0",
               "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--disaggregation", "always", state_file=state)
     try:
         assert "pdserve serving on 127.0.0.1:" in up.stdout
@@ -89,7 +92,7 @@ def test_up_in_the_foreground_serves_until_interrupted(e2e_model, tmp_path):
     state = tmp_path / "state.json"
     process = subprocess.Popen(
         [*PDSERVE, "--state-file", str(state), "up", "--model", str(e2e_model.path), "--port", "0", "--metrics-port", "0", "--http-port", "0",
-         "--prefill", "0", "--decode-cpus", "0.5"],
+         "--admin-port", "0", "--prefill", "0", "--decode-cpus", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -137,6 +140,24 @@ def test_config_errors_name_the_field_and_start_nothing(tmp_path, config_text, f
     assert "pdserve serving" not in result.stdout
 
 
+def test_a_taken_port_fails_up_with_the_field_named_and_leaves_nothing_running(e2e_model, tmp_path):
+    state = tmp_path / "state.json"
+    heads_before = set(_processes_named("gcs_server"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("up", "--detach", "--model", str(e2e_model.path), "--port", "0", "--admin-port", str(port),
+                      "--metrics-port", "0", "--http-port", "0", "--prefill", "0", "--decode-cpus", "0.5",
+                      state_file=state, check=False)
+    assert result.returncode == 1
+    message = result.stderr.strip().splitlines()
+    assert message[0].startswith(f"pdserve up: the deployment failed to start: router.admin_port: cannot listen on 127.0.0.1:{port}")
+    assert len(message) == 1, "the cause alone, not the actor's traceback"
+    assert not state.exists()
+    assert set(_processes_named("gcs_server")) <= heads_before, "the Ray head that `up` started is gone"
+
+
 def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, tmp_path):
     """Two raylets on this machine, each with a resource that pins one pool to it."""
     head_port = _free_port()
@@ -157,7 +178,7 @@ def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, 
         config = tmp_path / "two_nodes.yaml"
         config.write_text(
             f"model: {e2e_model.path}\n"
-            "router: {port: 0, metrics_port: null, http_port: null, disaggregation: always}\n"
+            "router: {port: 0, admin_port: 0, metrics_port: null, http_port: null, disaggregation: always}\n"
             "prefill: {replicas: 1, num_cpus: 0.5, resources: {prefill_node: 1}}\n"
             "decode: {replicas: 1, num_cpus: 0.5, resources: {decode_node: 1}}\n"
         )
@@ -179,8 +200,8 @@ def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, 
             node.wait(timeout=60)
 
 
-def _processes_named(name: str, session: int) -> list[int]:
-    """Pids of processes called ``name`` in the process session ``session``."""
+def _processes_named(name: str, session: int | None = None) -> list[int]:
+    """Pids of processes called ``name`` in the process session ``session`` (None: in any)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -191,14 +212,12 @@ def _processes_named(name: str, session: int) -> list[int]:
             continue
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat.rsplit(")", 1)[1].split()
-        if comm == name[:15] and int(fields[3]) == session:
+        if comm == name[:15] and session in (None, int(fields[3])):
             found.append(int(entry.name))
     return found
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -197,7 +197,8 @@ def test_a_local_deployment_listens_on_loopback_only(e2e_model, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("UCX_NET_DEVICES", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     process = subprocess.Popen(
         [*PDSERVE, "--state-file", str(tmp_path / "state.json"), "up", "--model", str(e2e_model.path), "--port", "0",
-         "--metrics-port", "0", "--prefill", "1", "--decode-cpus", "0.5", "--prefill-cpus", "0.5"],
+         "--metrics-port", "0", "--http-port", "0", "--admin-port", "0", "--prefill", "1", "--decode-cpus", "0.5",
+         "--prefill-cpus", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )
     try:
