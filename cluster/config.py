@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.errors import ModelLoadError
 from engine.model_source import resolve_model
+from engine.speculation import SpeculativeConfig
 from kvtransfer.agent import KVTransferConfig
 from router.config import Disaggregation, RouterConfig
 from router.pool import RoutingPolicy
@@ -44,6 +45,26 @@ class PoolConfig(BaseModel):
     kv_cache_mb: int | None = Field(
         None, ge=1, description="KV cache size per actor in MiB (default: sized from the actor's machine, see cluster/kv_memory.py)"
     )
+
+
+class SpeculativeSection(BaseModel):
+    """Speculative decoding on the decode pool (engine/speculation.py); absent: off."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["ngram"] = Field("ngram", description="ngram: drafts looked up in the request's own tokens (prompt lookup)")
+    num_speculative_tokens: int = Field(4, ge=1, le=16, description="Draft tokens verified per sequence per decode step, at most")
+    prompt_lookup_max: int = Field(4, ge=1, description="ngram: the longest suffix of the sequence looked up")
+    prompt_lookup_min: int = Field(1, ge=1, description="ngram: the shortest")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "SpeculativeSection":
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max ({self.prompt_lookup_max})")
+        return self
+
+    def to_engine(self) -> SpeculativeConfig:
+        return SpeculativeConfig(self.method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min)
 
 
 class RouterSection(BaseModel):
@@ -132,6 +153,7 @@ class ClusterConfig(BaseModel):
     prefill: PoolConfig = Field(default_factory=PoolConfig)
     decode: PoolConfig = Field(default_factory=PoolConfig)
     router: RouterSection = Field(default_factory=RouterSection)
+    speculative: SpeculativeSection | None = Field(None, description="Speculative decoding on the decode pool (null: off)")
     health_interval_s: float = Field(1.0, gt=0, description="Seconds between health checks")
     health_timeout_s: float = Field(10.0, gt=0, description="A worker that does not answer a ping within this is replaced")
 
@@ -174,7 +196,7 @@ class ClusterConfig(BaseModel):
         return DeploymentSpec(
             model_path=self.model,
             prefill=self._pool(self.prefill),
-            decode=self._pool(self.decode),
+            decode=self._pool(self.decode, speculative=self.speculative),
             router=RouterConfig(
                 host=self.router.host,
                 port=self.router.port,
@@ -198,7 +220,7 @@ class ClusterConfig(BaseModel):
             health_timeout_s=self.health_timeout_s,
         )
 
-    def _pool(self, pool: PoolConfig) -> PoolSpec:
+    def _pool(self, pool: PoolConfig, speculative: SpeculativeSection | None = None) -> PoolSpec:
         device = self.device if self.device != "auto" else ("cuda" if pool.num_gpus > 0 else "cpu")
         engine = EngineConfig(
             dtype=self.dtype,
@@ -209,6 +231,7 @@ class ClusterConfig(BaseModel):
             max_num_seqs=pool.max_num_seqs,
             num_threads=pool.threads or max(1, int(pool.num_cpus)),
             enable_prefix_caching=pool.enable_prefix_caching,
+            speculative=speculative.to_engine() if speculative is not None else None,
         )
         kv_memory = None
         if pool.kv_cache_mb is not None:

@@ -33,6 +33,11 @@ class DecodeTiming:
     local_prefill_ms: float = 0.0  # prompt compute on the decode actor (local prefill only)
     decode_ms: float = 0.0  # first token -> last token
     num_cached_tokens: int = 0  # prompt tokens whose KV this actor's prefix cache held
+    # Speculative decoding (engine.speculation): decode steps the request took part in, draft
+    # tokens proposed for it, and how many of those the model confirmed.
+    num_decode_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass(slots=True)

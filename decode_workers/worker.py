@@ -362,18 +362,20 @@ class DecodeWorker(EngineWorker):
         now = time.monotonic()
         first_token = seq.first_token_time or now
         cached = seq.num_cached_tokens or 0
-        if tracked.remote:
-            queue_start = tracked.kv_ready_at or first_token
-            return DecodeTiming(
-                decode_queue_ms=_ms(first_token - queue_start), decode_ms=_ms(now - first_token), num_cached_tokens=cached
-            )
-        scheduled = seq.first_scheduled_time or first_token
-        return DecodeTiming(
-            decode_queue_ms=_ms(scheduled - tracked.arrival),
-            local_prefill_ms=_ms(first_token - scheduled),
+        timing = DecodeTiming(
             decode_ms=_ms(now - first_token),
             num_cached_tokens=cached,
+            num_decode_steps=seq.num_decode_steps,
+            num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_draft_tokens=seq.num_accepted_draft_tokens,
         )
+        if tracked.remote:
+            timing.decode_queue_ms = _ms(first_token - (tracked.kv_ready_at or first_token))
+        else:
+            scheduled = seq.first_scheduled_time or first_token
+            timing.decode_queue_ms = _ms(scheduled - tracked.arrival)
+            timing.local_prefill_ms = _ms(first_token - scheduled)
+        return timing
 
     def _status(self) -> DecodeStatus:
         return DecodeStatus(

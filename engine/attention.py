@@ -46,7 +46,7 @@ class AttentionMetadata:
 
     slot_blocks: torch.Tensor  # [num_tokens] block id of each new token's KV
     slot_offsets: torch.Tensor  # [num_tokens] offset inside that block
-    num_single: int = 0  # tokens [0, num_single) each belong to a different sequence
+    num_single: int = 0  # tokens [0, num_single) are decode rows (a sequence has several when it speculates)
     single_block_tables: torch.Tensor | None = None  # [num_single, max_blocks]
     single_lens: torch.Tensor | None = None  # [num_single] tokens each attends, its new one included
     single_mask: torch.Tensor | None = None  # [num_single, 1, 1, max_blocks * block_size]; SDPA path only
@@ -65,7 +65,7 @@ class SeqSlice:
     block_table: list[int]
     context_len: int
     num_tokens: int
-    decode: bool = False  # one generated token (decode attention); else a prompt chunk, of any size
+    decode: bool = False  # generated tokens (decode attention, a row each); else a prompt chunk, of any size
 
 
 def build_metadata(slices: list[SeqSlice], block_size: int, device: str, native: bool = False) -> AttentionMetadata:
@@ -88,9 +88,12 @@ def build_metadata(slices: list[SeqSlice], block_size: int, device: str, native:
         total = seq.context_len + seq.num_tokens
         num_blocks = -(-total // block_size)
         if seq.decode:
-            assert seq.num_tokens == 1 and not chunks and not native_chunks, "decode slices are one token each, before every chunk"
-            single_tables.append(seq.block_table[:num_blocks])
-            single_lens.append(total)
+            assert not chunks and not native_chunks, "decode slices come before every chunk"
+            # One decode row per token (more than one: speculative drafts), each attending up to
+            # itself: the same computation as decoding those tokens one step at a time.
+            for length in range(seq.context_len + 1, total + 1):
+                single_tables.append(seq.block_table[: -(-length // block_size)])
+                single_lens.append(length)
         elif native:
             native_chunks.append((token_cursor - len(single_tables), seq.num_tokens, seq.context_len, seq.block_table[:num_blocks]))
         else:

@@ -11,6 +11,7 @@ import torch
 
 from engine.architectures import ARCHITECTURES
 from engine.errors import ModelLoadError
+from engine.speculation import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +273,12 @@ class EngineConfig:
     # Full prompt blocks stay cached after their request ends and a later request with the
     # same prefix reuses them instead of computing them again (engine.block_allocator).
     enable_prefix_caching: bool = True
+    # Decoding sequences verify drafted tokens in their step (engine.speculation); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
+        if self.speculative is not None:
+            self.speculative.validate()
         if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted([*DTYPES, 'auto'])}, got {self.dtype!r}")
         if self.block_size < 1:

@@ -28,6 +28,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, TokenLogprob
+from engine.speculation import DraftRow
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +221,7 @@ class LLMEngine:
 
     def _compute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         logits = self.runner.execute(batch)
-        completing = [piece.seq for piece in batch.slices if piece.completes_sequence]
-        samples = self.sampler.sample(logits, completing) if completing else []
+        samples = self._sample(logits, batch)
         outputs = []
         for seq, new_tokens in self.scheduler.update(batch, samples):
             outputs.append(
@@ -236,6 +236,35 @@ class LLMEngine:
                 )
             )
         return outputs
+
+    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[list[tuple[int, TokenLogprob | None]]]:
+        """Per completing slice, the tokens it emits: its one sampled token, or with drafts, the
+        row-by-row tokens while each equals the draft it verifies, and the first that does not
+        (or the token after the last draft)."""
+        completing = [piece for piece in batch.slices if piece.num_sampled_rows]
+        if not completing:
+            return []
+        if not any(piece.draft_token_ids for piece in completing):
+            return [[sample] for sample in self.sampler.sample(logits, [piece.seq for piece in completing])]
+        rows: list[Sequence | DraftRow] = []
+        row_drafts: list[int | None] = []
+        for piece in completing:
+            drafts = piece.draft_token_ids
+            rows.append(piece.seq)
+            rows.extend(DraftRow(piece.seq, drafts[:i]) for i in range(1, len(drafts) + 1))
+            row_drafts.extend(drafts)
+            row_drafts.append(None)  # the row after the last draft: the target's own token
+        samples = self.sampler.sample(logits, rows, row_drafts)
+        emitted = []
+        cursor = 0
+        for piece in completing:
+            drafts = piece.draft_token_ids
+            accepted = 0
+            while accepted < len(drafts) and samples[cursor + accepted][0] == drafts[accepted]:
+                accepted += 1
+            emitted.append(samples[cursor : cursor + accepted + 1])
+            cursor += piece.num_sampled_rows
+        return emitted
 
     def generate(
         self,

@@ -18,7 +18,8 @@ class ModelRunner:
         self.native_attention = native_attention  # attention through engine.cpu_attention
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Forward the batch; logits [sequences completing this step, vocab] in slice order."""
+        """Forward the batch; logits [rows sampled this step, vocab] in slice order: one row per
+        sequence completing this step, plus one per draft token."""
         input_ids: list[int] = []
         positions: list[int] = []
         logits_indices: list[int] = []
@@ -27,10 +28,10 @@ class ModelRunner:
             seq = piece.seq
             start = seq.num_computed_tokens
             end = start + piece.num_tokens
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start : end - len(piece.draft_token_ids)])
+            input_ids.extend(piece.draft_token_ids)
             positions.extend(range(start, end))
-            if piece.completes_sequence:
-                logits_indices.append(len(input_ids) - 1)
+            logits_indices.extend(range(len(input_ids) - piece.num_sampled_rows, len(input_ids)))
             slices.append(SeqSlice(seq.block_table, start, piece.num_tokens, decode=piece.is_decode))
         meta = build_metadata(slices, self.kv_cache.block_size, self.device, self.native_attention)
         return self.model(

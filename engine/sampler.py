@@ -31,8 +31,17 @@ class Sampler:
         generator.manual_seed(seed)
         return generator
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-        """Next token (and its log-probabilities if asked) for each row of ``logits``."""
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], draft_token_ids: list[int | None] | None = None
+    ) -> list[tuple[int, TokenLogprob | None]]:
+        """Next token (and its log-probabilities if asked) for each row of ``logits``.
+
+        ``draft_token_ids``: per row, a speculative token proposed there (None: none). A greedy
+        row takes its argmax as always (the draft is accepted when they agree). A sampled row
+        keeps the draft with the probability the row gives it, and otherwise draws from the
+        row's distribution without it: whichever way, the row's token is distributed as the
+        target's (rejection sampling with a one-token proposal). ``seqs[i]`` may be a
+        ``speculation.DraftRow``, the sequence as it stands at that row."""
         if logits.device.type != "cpu" and any(not s.params.greedy or s.params.logprobs is not None or s.params.repetition_penalty != 1.0 for s in seqs):
             # Per-row work (penalties, filters, seeded draws) runs on the CPU, where the
             # per-request generators live; all-greedy batches stay on the device.
@@ -50,7 +59,8 @@ class Sampler:
             for row, token in zip(greedy_rows, greedy_logits.argmax(dim=-1).tolist()):
                 token_ids[row] = token
         if sampled_rows:
-            for row, token in zip(sampled_rows, self._draw(logits, seqs, sampled_rows)):
+            drafts = [None] * len(sampled_rows) if draft_token_ids is None else [draft_token_ids[r] for r in sampled_rows]
+            for row, token in zip(sampled_rows, self._draw(logits, seqs, sampled_rows, drafts)):
                 token_ids[row] = token
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
@@ -90,7 +100,7 @@ class Sampler:
             logits[row, seen] = penalised_values.clamp(-limit, limit)
         return logits
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[int]:
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], drafts: list[int | None]) -> list[int]:
         params = [seqs[r].params for r in rows]
         chosen = logits[torch.tensor(rows)]
         # Shifted so each row's largest logit is 0 before dividing: a temperature as small as
@@ -112,7 +122,16 @@ class Sampler:
                 # request resumed on another worker (or recomputed) draws exactly the same.
                 position = seq.params.num_resumed_tokens + seq.num_output_tokens
                 generator.manual_seed(hash((seq.params.seed, position)) & _SEED_MASK)
-            choice = int(torch.multinomial(probs[local], 1, generator=generator))
+            row_probs = probs[local]
+            draft = drafts[local]
+            if draft is not None:
+                slot = int((order[local] == draft).nonzero()[0]) if needs_filter else draft
+                if float(torch.rand((), generator=generator)) < float(row_probs[slot]):
+                    tokens.append(draft)
+                    continue
+                row_probs = row_probs.clone()
+                row_probs[slot] = 0.0  # rejected: the rest of the distribution, renormalized
+            choice = int(torch.multinomial(row_probs, 1, generator=generator))
             tokens.append(int(order[local, choice]) if needs_filter else choice)
         return tokens
 

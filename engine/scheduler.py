@@ -35,6 +35,7 @@ from engine.block_allocator import BlockAllocator, chained_block_hashes, prefix_
 from engine.config import EngineConfig
 from engine.errors import UnknownRequestError
 from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
+from engine.speculation import make_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +45,25 @@ class ScheduledSlice:
     """``num_tokens`` of ``seq`` (from its ``num_computed_tokens``) are computed this step."""
 
     seq: Sequence
-    num_tokens: int
+    num_tokens: int  # drafts included
+    # Speculative tokens computed after the sequence's last one (engine.speculation); each
+    # row is verified by the sampler.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes_sequence(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens - len(self.draft_token_ids) == self.seq.num_tokens
 
     @property
     def is_decode(self) -> bool:
-        """One token past the prompt: the decode kernel's. A one-token piece of a prompt is a
-        prefill chunk like any other, so a prompt's bits never depend on where it was cut."""
-        return self.num_tokens == 1 and self.seq.is_decoding
+        """One token past the prompt (and its drafts): the decode kernel's. A one-token piece of a
+        prompt is a prefill chunk like any other, so a prompt's bits never depend on where it was cut."""
+        return self.num_tokens - len(self.draft_token_ids) == 1 and self.seq.is_decoding
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows of logits this slice yields: its last token's and one per draft (0: mid-prompt)."""
+        return 1 + len(self.draft_token_ids) if self.completes_sequence else 0
 
 
 @dataclass(slots=True)
@@ -94,6 +103,9 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0  # of those, tokens whose KV the cache held
         self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by request
         self.detached_blocks: set[int] = set()  # of ended requests, still a write's target
+        self.proposer = make_proposer(config.speculative)
+        self.num_draft_tokens = 0  # proposed, since the start
+        self.num_accepted_draft_tokens = 0
 
     # -- queue management -------------------------------------------------------------
 
@@ -167,6 +179,8 @@ class Scheduler:
                 self._grow_blocks(seq, 1)
                 batch.slices.append(ScheduledSlice(seq, 1))
                 budget -= 1
+        if self.proposer is not None:
+            budget -= self._add_drafts(batch.slices, budget)
         for seq in self._prefill_candidates(batch, key):
             if budget <= 0:
                 break
@@ -183,6 +197,26 @@ class Scheduler:
                 self._admit(seq)
             batch.slices.append(ScheduledSlice(seq, num_tokens))
             budget -= num_tokens
+
+    def _add_drafts(self, decodes: list[ScheduledSlice], budget: int) -> int:
+        """Give decode slices the proposer's drafts, within ``budget`` tokens and the free blocks
+        (after every decode got its own token: a draft never preempts); return tokens taken."""
+        taken = 0
+        limit = self.config.speculative.num_speculative_tokens
+        for piece in decodes:
+            seq = piece.seq
+            # Never past what the request may emit: the drafts and the target's token after them.
+            room = min(limit, budget - taken, seq.params.max_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            if room <= 0:
+                continue
+            drafts = self.proposer.propose(seq, room)
+            if not drafts or not self._try_grow_blocks(seq, 1 + len(drafts)):
+                continue
+            piece.draft_token_ids = drafts
+            piece.num_tokens += len(drafts)
+            taken += len(drafts)
+        return taken
 
     def _prefill_candidates(self, batch: ScheduledBatch, key) -> list[Sequence]:
         """Running prompts still prefilling and waiting prompts, most important first."""
@@ -333,28 +367,50 @@ class Scheduler:
     # -- after the forward pass -------------------------------------------------------
 
     def update(
-        self, batch: ScheduledBatch, samples: list[tuple[int, TokenLogprob | None]]
+        self, batch: ScheduledBatch, samples: list[list[tuple[int, TokenLogprob | None]]]
     ) -> list[tuple[Sequence, list[int]]]:
-        """Advance every scheduled sequence; return (seq, new tokens) for those that got one."""
+        """Advance every scheduled sequence; return (seq, new tokens) for those that got any.
+
+        ``samples`` has one list per slice that completes its sequence, in slice order: the
+        tokens it emits (one, or with drafts, the accepted ones and the target's token after them)."""
         results: list[tuple[Sequence, list[int]]] = []
         sample_iter = iter(samples)
         now = time.monotonic()
         for piece in batch.slices:
             seq = piece.seq
-            completes = piece.completes_sequence
-            seq.num_computed_tokens += piece.num_tokens
-            self._record_full_block_hashes(seq)
-            if not completes:
+            if not piece.completes_sequence:
+                seq.num_computed_tokens += piece.num_tokens
+                self._record_full_block_hashes(seq)
                 continue
-            token_id, logprob = next(sample_iter)
+            if piece.is_decode:  # asked before the new tokens change what the sequence is
+                seq.num_decode_steps += 1
+            emitted = self._emit(seq, next(sample_iter))
+            if piece.draft_token_ids:
+                accepted = len(emitted) - 1  # each emitted token before the last matched its draft
+                seq.num_draft_tokens += len(piece.draft_token_ids)
+                seq.num_accepted_draft_tokens += accepted
+                self.num_draft_tokens += len(piece.draft_token_ids)
+                self.num_accepted_draft_tokens += accepted
+            # Every token but the newest has its KV now: the slice's own and the accepted drafts'.
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self._record_full_block_hashes(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._after_token(seq, emitted[-1])
+            results.append((seq, emitted))
+        return results
+
+    def _emit(self, seq: Sequence, samples: list[tuple[int, TokenLogprob | None]]) -> list[int]:
+        """Append a slice's sampled tokens, up to the first that ends the request."""
+        emitted = []
+        for token_id, logprob in samples:
             seq.token_ids.append(token_id)
             if logprob is not None:
                 seq.output_logprobs.append(logprob)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self._after_token(seq, token_id)
-            results.append((seq, [token_id]))
-        return results
+            emitted.append(token_id)
+            if self.stop_reason(seq, token_id) is not None:
+                break
+        return emitted
 
     def _after_token(self, seq: Sequence, token_id: int) -> None:
         reason = self.stop_reason(seq, token_id)

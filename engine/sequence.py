@@ -81,6 +81,12 @@ class Sequence:
     first_scheduled_time: float | None = None
     num_cached_tokens: int | None = None  # prompt tokens whose KV came from a prefix cache
     first_token_time: float | None = None
+    # Speculative decoding (engine.speculation): the proposer's state for this sequence, and
+    # what its decode steps proposed and accepted.
+    draft_state: object | None = None
+    num_decode_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,8 @@ class EngineStats:
     num_prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache, since the start
     num_prefix_hit_tokens: int = 0  # of those, tokens the cache held
     num_cached_free_blocks: int = 0  # free blocks still holding a cached prefix block
+    num_draft_tokens: int = 0  # speculative tokens proposed, since the start
+    num_accepted_draft_tokens: int = 0  # of those, tokens the model confirmed
 
     @property
     def num_used_blocks(self) -> int:
@@ -52,4 +54,6 @@ def engine_stats(engine) -> EngineStats:
         num_prefix_query_tokens=scheduler.num_prefix_query_tokens,
         num_prefix_hit_tokens=scheduler.num_prefix_hit_tokens,
         num_cached_free_blocks=engine.allocator.num_cached_free,
+        num_draft_tokens=scheduler.num_draft_tokens,
+        num_accepted_draft_tokens=scheduler.num_accepted_draft_tokens,
     )

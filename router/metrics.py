@@ -27,6 +27,7 @@ PREFIX = "pdserve:"
 _PER_WORKER = (
     "num_requests_running", "kv_cache_usage_perc", "kv_blocks_used", "kv_blocks_free", "num_preemptions",
     "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
 )
 
 
@@ -71,6 +72,14 @@ class Metrics:
             "num_prefix_query_tokens": self.prefix_queries,
             "num_prefix_hit_tokens": self.prefix_hits,
         }
+        self.spec_draft_tokens = metric(Counter, "spec_decode_num_draft_tokens", "Speculative tokens a decode worker proposed", ("worker_id", "role"))
+        self.spec_accepted_tokens = metric(Counter, "spec_decode_num_accepted_tokens", "Speculative tokens the model confirmed", ("worker_id", "role"))
+        self._worker_counters["num_draft_tokens"] = self.spec_draft_tokens
+        self._worker_counters["num_accepted_draft_tokens"] = self.spec_accepted_tokens
+        self.spec_acceptance = metric(Histogram, "spec_decode_acceptance_rate", "Per request: accepted / proposed speculative tokens",
+                                      buckets=tuple(i / 10 for i in range(11)))
+        self.spec_tokens_per_step = metric(Histogram, "spec_decode_tokens_per_step", "Per request: tokens a decode step emitted",
+                                           buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0))
         self.workers_replaced = metric(Counter, "workers_replaced", "Workers replaced after failing health checks", ("role",))
         self._last_steps: dict[str, tuple[int, int]] = {}
         self._last_totals: dict[tuple[str, str], int] = {}  # (worker, EngineStats field) -> last total
@@ -92,6 +101,10 @@ class Metrics:
             self.ttft.observe(ttft_s)
             if num_output_tokens > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+
+    def observe_speculation(self, acceptance_rate: float, tokens_per_step: float) -> None:
+        self.spec_acceptance.observe(acceptance_rate)
+        self.spec_tokens_per_step.observe(tokens_per_step)
 
     def observe_prefill(self, num_bytes: int, transfer_ms: float) -> None:
         self.kv_transfer_bytes.inc(num_bytes)

@@ -51,6 +51,24 @@ class TimingBreakdown:
 
 
 @dataclass(slots=True)
+class Speculation:
+    """What speculative decoding did for one request on its decode actor."""
+
+    decode_steps: int  # decode steps the request took part in
+    draft_tokens: int  # tokens proposed for it
+    accepted_draft_tokens: int  # of those, tokens the model confirmed
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens each decode step emitted: its own, plus the drafts it confirmed."""
+        return 1.0 + self.accepted_draft_tokens / self.decode_steps if self.decode_steps else 0.0
+
+
+@dataclass(slots=True)
 class StreamEnd:
     """How a request ended, with what it cost."""
 
@@ -64,6 +82,7 @@ class StreamEnd:
     detail: str = ""  # why, for "error" and "abort"
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
+    speculation: Speculation | None = None  # None: no decode actor reported (it never decoded)
 
 
 @dataclass(slots=True)
@@ -139,7 +158,14 @@ class OutputAssembler:
             detail=detail,
             prefill_worker_id=self.prefill_worker_id,
             decode_worker_id=self.decode_worker_id,
+            speculation=self._speculation(),
         )
+
+    def _speculation(self) -> Speculation | None:
+        decode = self.timing.decode
+        if decode is None:
+            return None
+        return Speculation(decode.num_decode_steps, decode.num_draft_tokens, decode.num_accepted_draft_tokens)
 
     def _cached_prompt_tokens(self) -> int:
         """Prompt tokens not computed: the prefill actor's cache hit, or the decode actor's

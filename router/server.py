@@ -115,6 +115,13 @@ def generate_response(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
         response.prefill_worker_id = end.prefill_worker_id
         response.decode_worker_id = end.decode_worker_id
         _fill_timing(response.timing, end.timing)
+        if end.speculation is not None:
+            spec = end.speculation
+            response.speculation.decode_steps = spec.decode_steps
+            response.speculation.draft_tokens = spec.draft_tokens
+            response.speculation.accepted_draft_tokens = spec.accepted_draft_tokens
+            response.speculation.acceptance_rate = spec.acceptance_rate
+            response.speculation.tokens_per_step = spec.tokens_per_step
     return response
 
 

@@ -110,6 +110,9 @@ class GenerationSession:
             metrics.observe_finished(
                 chunk.end.reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens, chunk.end.prompt_tokens
             )
+            speculation = chunk.end.speculation
+            if speculation is not None and speculation.draft_tokens:
+                metrics.observe_speculation(speculation.acceptance_rate, speculation.tokens_per_step)
 
     def _observe_failure(self, reason: str) -> None:
         if self.router.metrics is not None:

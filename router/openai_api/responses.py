@@ -119,12 +119,15 @@ def envelope(response_id: str, model: str, chat: bool, stream: bool, created: in
     return {"id": response_id, "object": kind, "created": int(time.time()) if created is None else created, "model": model}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, accepted_drafts: int = 0, rejected_drafts: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},  # served by the prefix cache
+        # OpenAI's fields for predicted tokens the model confirmed or not: here, the decode
+        # actor's speculative drafts.
+        "completion_tokens_details": {"accepted_prediction_tokens": accepted_drafts, "rejected_prediction_tokens": rejected_drafts},
     }
 
 

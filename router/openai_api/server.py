@@ -260,7 +260,10 @@ def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, Any]:
     firsts = states[:: api.choices_per_prompt]
     prompt = sum(state.prompt_tokens for state in firsts)
     cached = sum(state.end.cached_prompt_tokens for state in firsts if state.end is not None)
-    return usage(prompt, sum(state.num_tokens for state in states), cached)
+    speculated = [state.end.speculation for state in states if state.end is not None and state.end.speculation is not None]
+    accepted = sum(spec.accepted_draft_tokens for spec in speculated)
+    rejected = sum(spec.draft_tokens - spec.accepted_draft_tokens for spec in speculated)
+    return usage(prompt, sum(state.num_tokens for state in states), cached, accepted, rejected)
 
 
 async def _json(request: web.Request) -> Any:

@@ -1,0 +1,129 @@
+"""Speculative decoding: cheap guesses of a sequence's next tokens, verified in one forward.
+
+A decoding sequence's life with speculation: each step the scheduler asks the proposer for up
+to ``num_speculative_tokens`` draft tokens; the step computes the sequence's last token and the
+drafts together, each as its own decode row over the paged cache (so every row is the exact
+computation plain decoding would do at that position); the sampler then emits the target's
+token at each row and keeps going while that token equals the draft. A step thus emits between
+one token (every draft rejected) and ``1 + drafts`` (every draft accepted, plus the target's own
+token after the last). Greedy output is the same token for token as without speculation; sampled
+output keeps the target's distribution (``engine.sampler`` accepts a draft with the target's
+probability of it and otherwise draws from the rest).
+
+The n-gram proposer (prompt lookup) needs no draft model: it finds the latest earlier place
+where the sequence's last ``n`` tokens occurred (longest ``n`` first) and proposes the tokens
+that followed there. It pays where text repeats itself: code, edits, extraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import Sequence
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """How a decoding engine speculates (None in ``EngineConfig.speculative``: it does not)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # drafts proposed per sequence per step, at most
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
+    prompt_lookup_min: int = 1  # ngram: the shortest
+
+    def validate(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative.method: must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative.num_speculative_tokens: must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
+            raise ValueError(f"speculative.prompt_lookup_min: must be an integer >= 1, got {self.prompt_lookup_min!r}")
+        if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"speculative.prompt_lookup_max: must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), "
+                f"got {self.prompt_lookup_max!r}"
+            )
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """One sequence's n-grams, each mapped to the latest place it starts with a token after it.
+
+    Kept on the sequence and extended as tokens arrive, so a step's lookup costs a few dict
+    probes however long the sequence is."""
+
+    sizes: range
+    latest_start: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    num_indexed: dict[int, int] = field(default_factory=dict)  # per size: starts indexed so far
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Index every n-gram that has a token after it in ``token_ids``."""
+        for n in self.sizes:
+            table = self.latest_start.setdefault(n, {})
+            start = self.num_indexed.get(n, 0)
+            last = len(token_ids) - n  # exclusive: the n-gram at ``last`` has nothing after it yet
+            for i in range(start, last):
+                table[tuple(token_ids[i : i + n])] = i
+            self.num_indexed[n] = max(start, last)
+
+    def lookup(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """The tokens that followed the latest earlier match of the longest matching suffix."""
+        for n in reversed(self.sizes):
+            if n >= len(token_ids):
+                continue
+            start = self.latest_start.get(n, {}).get(tuple(token_ids[-n:]))
+            if start is not None:
+                return token_ids[start + n : start + n + max_tokens]
+        return []
+
+
+class NgramProposer:
+    """Prompt-lookup drafts from the sequence's own tokens (prompt and output)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.sizes = range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """At most ``max_tokens`` draft tokens to follow ``seq.token_ids`` (maybe none)."""
+        if max_tokens <= 0:
+            return []
+        index = seq.draft_state
+        if not isinstance(index, NgramIndex):
+            index = seq.draft_state = NgramIndex(self.sizes)
+        index.extend(seq.token_ids)
+        return index.lookup(seq.token_ids, max_tokens)
+
+
+def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
+    if config is None:
+        return None
+    return NgramProposer(config)
+
+
+@dataclass(slots=True)
+class DraftRow:
+    """A sequence as seen by the sampler at a draft's row: its tokens plus the drafts before it.
+
+    Quacks like ``Sequence`` for what the sampler reads (params, generator, tokens so far)."""
+
+    seq: Sequence
+    drafts_before: list[int]
+
+    @property
+    def params(self):
+        return self.seq.params
+
+    @property
+    def generator(self):
+        return self.seq.generator
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.drafts_before
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.drafts_before)
