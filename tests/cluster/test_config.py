@@ -34,3 +34,17 @@ def test_a_model_directory_without_a_tokenizer_is_refused_before_anything_starts
     with pytest.raises(ConfigError) as info:
         load_config(None, {"model": str(model)})
     assert "model" in str(info.value) and "no tokenizer.json" in str(info.value)
+
+
+def test_speculation_is_off_by_default_and_reaches_the_decode_pool_only_when_asked(tmp_path):
+    assert load_config(None, {}).to_spec().decode.engine.speculative is None
+    args = build_parser().parse_args(["up", "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
+    spec = load_config(None, {"speculative.method": args.speculative_method, "speculative.num_speculative_tokens": args.num_speculative_tokens}).to_spec()
+    assert spec.prefill.engine.speculative is None, "prefill actors never decode"
+    assert spec.decode.engine.speculative.method == "ngram" and spec.decode.engine.speculative.num_speculative_tokens == 3
+    config = tmp_path / "pdserve.yaml"
+    config.write_text("speculative:\n  prompt_lookup_min: 3\n  prompt_lookup_max: 2\n")
+    with pytest.raises(ConfigError, match="speculative: .*prompt_lookup_min"):
+        load_config(config, {})
+    with pytest.raises(ConfigError, match="speculative.num_speculative_tokens"):
+        load_config(None, {"speculative.num_speculative_tokens": 0})
