@@ -56,6 +56,8 @@ class RequestRecord:
     timing: ServerTiming | None = None
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
+    num_draft_tokens: int = 0  # speculative decoding on the decode actor: tokens proposed
+    num_accepted_draft_tokens: int = 0  # and confirmed
 
     @property
     def output_tokens(self) -> int:
@@ -192,6 +194,8 @@ class BenchClient:
             record.timing = ServerTiming(**{name: getattr(last.timing, name) for name in TimingBreakdown.__slots__})
             record.prefill_worker_id = last.prefill_worker_id
             record.decode_worker_id = last.decode_worker_id
+            record.num_draft_tokens = last.speculation.draft_tokens
+            record.num_accepted_draft_tokens = last.speculation.accepted_draft_tokens
             if record.finish_reason not in FINISHED_OK and not record.error:
                 record.error = f"{record.finish_reason.upper()}: {last.finish_detail}"
         elif not record.error:

@@ -100,11 +100,13 @@ def test_chunked_prefill_preemption_and_prefix_cache_keep_greedy_exact(checkpoin
 
 @pytest.mark.skipif(not bf16_pair_kernel_available(), reason="row-invariant bfloat16 linears need avx512_bf16")
 def test_bfloat16_greedy_output_is_bit_for_bit_the_same_as_without_speculation(code_prompts):
-    params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True, logprobs=0)
     plain = _engine(dtype="bfloat16").generate(code_prompts, params)
     spec_engine = _engine(dtype="bfloat16", speculative=SpeculativeConfig(num_speculative_tokens=4))
     spec = spec_engine.generate(code_prompts, params)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    # Not just the same argmax: the same bits at every position, drafted or not.
+    assert [[lp.logprob for lp in c.logprobs] for c in spec] == [[lp.logprob for lp in c.logprobs] for c in plain]
     assert spec_engine.scheduler.num_accepted_draft_tokens > 0
 
 

