@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                     help="compute every prompt in full (prefix caching is on by default)")
     up.add_argument("--disaggregation", choices=["auto", "always", "never"])
-    up.add_argument("--speculative-method", choices=["ngram"], help="speculative decoding on the decode pool (default: off)")
+    up.add_argument("--speculative-method", choices=["ngram", "draft_model"], help="speculative decoding on the decode pool (default: off)")
+    up.add_argument("--draft-model", help="the draft's model directory (--speculative-method draft_model)")
     up.add_argument("--num-speculative-tokens", type=int, help="draft tokens verified per sequence per step (with --speculative-method)")
 
     down = commands.add_parser("down", help="stop the deployment `up` started")
@@ -169,6 +170,7 @@ def _up(args: argparse.Namespace) -> int:
         "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
         "prefill.enable_prefix_caching": args.enable_prefix_caching, "decode.enable_prefix_caching": args.enable_prefix_caching,
         "speculative.method": args.speculative_method, "speculative.num_speculative_tokens": args.num_speculative_tokens,
+        "speculative.draft_model": args.draft_model,
     }
     try:
         config = load_config(args.config, overrides)

@@ -52,19 +52,28 @@ class SpeculativeSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["ngram"] = Field("ngram", description="ngram: drafts looked up in the request's own tokens (prompt lookup)")
+    method: Literal["ngram", "draft_model"] = Field(
+        "ngram", description="ngram: drafts looked up in the request's own tokens (prompt lookup); draft_model: guesses of a smaller model"
+    )
     num_speculative_tokens: int = Field(4, ge=1, le=16, description="Draft tokens verified per sequence per decode step, at most")
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: the longest suffix of the sequence looked up")
     prompt_lookup_min: int = Field(1, ge=1, description="ngram: the shortest")
+    draft_model: Path | None = Field(None, description="draft_model: the draft's model directory (the target's tokenizer and vocabulary)")
 
     @model_validator(mode="after")
-    def _lookup_range(self) -> "SpeculativeSection":
+    def _consistent(self) -> "SpeculativeSection":
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model":
+            if self.draft_model is None:
+                raise ValueError("draft_model: method draft_model needs the draft's model directory")
+            if not (self.draft_model / "config.json").is_file():
+                raise ValueError(f"draft_model: {self.draft_model} is not a model directory (no config.json)")
         return self
 
     def to_engine(self) -> SpeculativeConfig:
-        return SpeculativeConfig(self.method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min)
+        draft = str(self.draft_model) if self.draft_model is not None else None
+        return SpeculativeConfig(self.method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min, draft)
 
 
 class RouterSection(BaseModel):

@@ -54,6 +54,12 @@ class KVCache:
         self.key_views = [self.tensor[:, layer, 0] for layer in range(self.num_layers)]
         self.value_views = [self.tensor[:, layer, 1] for layer in range(self.num_layers)]
 
+    @staticmethod
+    def bytes_per_block_of(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """What one block of ``model_config``'s cache takes, every layer's keys and values."""
+        shape = (model_config.num_layers, 2, block_size, model_config.num_kv_heads, model_config.head_dim)
+        return _numel(shape) * torch.empty((), dtype=dtype).element_size()
+
     def layout(self) -> KVLayout:
         return KVLayout(
             base_address=self.tensor.data_ptr(),

@@ -9,6 +9,7 @@ frees the request's blocks immediately.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, TokenLogprob
-from engine.speculation import DraftRow
+from engine.draft_model import DraftModelProposer, draft_bytes_per_block
+from engine.speculation import DraftRow, NgramProposer, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +76,13 @@ class LLMEngine:
         self.dtype = loaded.dtype
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self._max_model_len()
-        self.kv_cache = KVCache(loaded.config, self.config, loaded.dtype)
+        draft = self.config.speculative is not None and self.config.speculative.method == "draft_model"
+        cache_config = self._with_draft_share(loaded.config, loaded.dtype) if draft else self.config
+        self.kv_cache = KVCache(loaded.config, cache_config, loaded.dtype)
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, self.config.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, self._native_attention())
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
-        self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids)
+        self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids, proposer=self._proposer(loaded.dtype))
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         logger.info(
@@ -89,6 +93,24 @@ class LLMEngine:
             self.kv_cache.num_blocks * self.kv_cache.bytes_per_block / 2**20,
             self.max_model_len,
         )
+
+    def _with_draft_share(self, model_config, dtype: torch.dtype) -> EngineConfig:
+        """The cache config when a draft model shares the block ids: ``kv_cache_bytes`` pays for
+        both caches, so each block id costs the target's bytes plus the draft's."""
+        if self.config.num_kv_blocks is not None:
+            return self.config
+        per_block = KVCache.bytes_per_block_of(model_config, self.config.block_size, dtype)
+        per_block += draft_bytes_per_block(self.config.speculative.draft_model, self.config, dtype)
+        return dataclasses.replace(self.config, num_kv_blocks=max(1, self.config.kv_cache_bytes // per_block))
+
+    def _proposer(self, dtype: torch.dtype) -> Proposer | None:
+        """Where a decoding sequence's drafts come from (None: no speculation)."""
+        spec = self.config.speculative
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(spec)
+        return DraftModelProposer(spec.draft_model, self.config, self.kv_cache.num_blocks, self.model_config.vocab_size, dtype)
 
     def _native_attention(self) -> bool:
         """Whether attention runs on the CPU kernels (built here, not on the first step)."""
@@ -248,13 +270,16 @@ class LLMEngine:
             return [[sample] for sample in self.sampler.sample(logits, [piece.seq for piece in completing])]
         rows: list[Sequence | DraftRow] = []
         row_drafts: list[int | None] = []
+        row_probs: list[torch.Tensor | None] = []
         for piece in completing:
             drafts = piece.draft_token_ids
             rows.append(piece.seq)
             rows.extend(DraftRow(piece.seq, drafts[:i]) for i in range(1, len(drafts) + 1))
             row_drafts.extend(drafts)
             row_drafts.append(None)  # the row after the last draft: the target's own token
-        samples = self.sampler.sample(logits, rows, row_drafts)
+            row_probs.extend(piece.draft_probs or [None] * len(drafts))
+            row_probs.append(None)
+        samples = self.sampler.sample(logits, rows, row_drafts, row_probs)
         emitted = []
         cursor = 0
         for piece in completing:

@@ -32,16 +32,21 @@ class Sampler:
         return generator
 
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], draft_token_ids: list[int | None] | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        draft_token_ids: list[int | None] | None = None,
+        draft_probs: list[torch.Tensor | None] | None = None,
     ) -> list[tuple[int, TokenLogprob | None]]:
         """Next token (and its log-probabilities if asked) for each row of ``logits``.
 
-        ``draft_token_ids``: per row, a speculative token proposed there (None: none). A greedy
-        row takes its argmax as always (the draft is accepted when they agree). A sampled row
-        keeps the draft with the probability the row gives it, and otherwise draws from the
-        row's distribution without it: whichever way, the row's token is distributed as the
-        target's (rejection sampling with a one-token proposal). ``seqs[i]`` may be a
-        ``speculation.DraftRow``, the sequence as it stands at that row."""
+        ``draft_token_ids``: per row, a speculative token proposed there (None: none), and
+        ``draft_probs`` the proposer's distribution it was drawn from (None: proposed with
+        certainty, as n-gram lookup does). A greedy row takes its argmax as always (the draft is
+        accepted when they agree). A sampled row keeps the draft with probability
+        min(1, p/q) of it and otherwise draws from max(p - q, 0) renormalized: whichever way,
+        the row's token is distributed as the target's p (rejection sampling). ``seqs[i]`` may
+        be a ``speculation.DraftRow``, the sequence as it stands at that row."""
         if logits.device.type != "cpu" and any(not s.params.greedy or s.params.logprobs is not None or s.params.repetition_penalty != 1.0 for s in seqs):
             # Per-row work (penalties, filters, seeded draws) runs on the CPU, where the
             # per-request generators live; all-greedy batches stay on the device.
@@ -60,7 +65,8 @@ class Sampler:
                 token_ids[row] = token
         if sampled_rows:
             drafts = [None] * len(sampled_rows) if draft_token_ids is None else [draft_token_ids[r] for r in sampled_rows]
-            for row, token in zip(sampled_rows, self._draw(logits, seqs, sampled_rows, drafts)):
+            proposals = [None] * len(sampled_rows) if draft_probs is None else [draft_probs[r] for r in sampled_rows]
+            for row, token in zip(sampled_rows, self._draw(logits, seqs, sampled_rows, drafts, proposals)):
                 token_ids[row] = token
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
@@ -70,6 +76,24 @@ class Sampler:
             for local, row in enumerate(logprob_rows):
                 logprobs[row] = _token_logprob(log_probs[local], token_ids[row], seqs[row].params.logprobs)
         return list(zip(token_ids, logprobs))
+
+    def probabilities(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's sampling distribution over the vocabulary, as ``sample`` would draw from it
+        (sampled rows only: greedy ones are argmax, no distribution)."""
+        logits = self._suppress_early_stops(self._apply_repetition_penalty(logits, seqs), seqs)
+        probs, order = self._sorted_probabilities(logits, [s.params for s in seqs])
+        return probs if order is None else torch.zeros_like(probs).scatter_(1, order, probs)
+
+    def draw_generator(self, seq: Sequence, salt: int = 0) -> torch.Generator:
+        """The generator a row draws from: a seeded request's is re-seeded for the row's position
+        (and ``salt``), so the draw for token i depends only on (seed, i, salt); a request resumed on
+        another worker (or recomputed) draws exactly the same."""
+        if seq.generator is None:
+            return self.default_generator
+        position = seq.params.num_resumed_tokens + seq.num_output_tokens
+        key = (seq.params.seed, position) if salt == 0 else (seq.params.seed, position, salt)
+        seq.generator.manual_seed(hash(key) & _SEED_MASK)
+        return seq.generator
 
     def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """No EOS or stop token id for a request short of its ``min_tokens``."""
@@ -100,39 +124,50 @@ class Sampler:
             logits[row, seen] = penalised_values.clamp(-limit, limit)
         return logits
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], drafts: list[int | None]) -> list[int]:
-        params = [seqs[r].params for r in rows]
-        chosen = logits[torch.tensor(rows)]
+    def _sorted_probabilities(self, logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Temperature, then the filters: probabilities, sorted descending with their token ids
+        (``order``) when a filter applies, else in vocabulary order (``order`` None)."""
         # Shifted so each row's largest logit is 0 before dividing: a temperature as small as
         # 1e-40 then sends the others to -inf (greedy, in effect) instead of overflowing to
         # inf - inf = nan in the softmax.
-        shifted = chosen - chosen.max(dim=-1, keepdim=True).values
-        scaled = shifted / torch.tensor([p.temperature for p in params], dtype=chosen.dtype).unsqueeze(1)
-        needs_filter = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
-        if needs_filter:
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        scaled = shifted / torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        order = None
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             scaled, order = scaled.sort(dim=-1, descending=True)
             scaled = _filter_sorted(scaled, params)
-        probs = torch.softmax(scaled, dim=-1)
+        return torch.softmax(scaled, dim=-1), order
+
+    def _draw(
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], drafts: list[int | None], proposals: list[torch.Tensor | None]
+    ) -> list[int]:
+        probs, order = self._sorted_probabilities(logits[torch.tensor(rows)], [seqs[r].params for r in rows])
         tokens: list[int] = []
         for local, row in enumerate(rows):
-            seq = seqs[row]
-            generator = seq.generator or self.default_generator
-            if seq.generator is not None:
-                # Re-seeded per position: the draw for token i depends only on (seed, i), so a
-                # request resumed on another worker (or recomputed) draws exactly the same.
-                position = seq.params.num_resumed_tokens + seq.num_output_tokens
-                generator.manual_seed(hash((seq.params.seed, position)) & _SEED_MASK)
+            generator = self.draw_generator(seqs[row])
             row_probs = probs[local]
             draft = drafts[local]
             if draft is not None:
-                slot = int((order[local] == draft).nonzero()[0]) if needs_filter else draft
-                if float(torch.rand((), generator=generator)) < float(row_probs[slot]):
+                slot = int((order[local] == draft).nonzero()[0]) if order is not None else draft
+                proposal = proposals[local]
+                # Accept with min(1, p/q); q = 1 for a draft proposed with certainty.
+                threshold = float(row_probs[slot]) if proposal is None else float(row_probs[slot]) / float(proposal[draft])
+                if float(torch.rand((), generator=generator)) < threshold:
                     tokens.append(draft)
                     continue
-                row_probs = row_probs.clone()
-                row_probs[slot] = 0.0  # rejected: the rest of the distribution, renormalized
+                if proposal is None:
+                    row_probs = row_probs.clone()
+                    row_probs[slot] = 0.0  # rejected: the rest of the distribution, renormalized
+                else:
+                    # Rejected: draw from what p has beyond q, in vocabulary order.
+                    full = row_probs if order is None else torch.zeros_like(row_probs).scatter_(0, order[local], row_probs)
+                    residual = (full - proposal).clamp_(min=0.0)
+                    if float(residual.sum()) <= 0.0:  # p <= q everywhere only if p == q: never rejected
+                        residual = full
+                    tokens.append(int(torch.multinomial(residual, 1, generator=generator)))
+                    continue
             choice = int(torch.multinomial(row_probs, 1, generator=generator))
-            tokens.append(int(order[local, choice]) if needs_filter else choice)
+            tokens.append(int(order[local, choice]) if order is not None else choice)
         return tokens
 
 

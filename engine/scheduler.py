@@ -35,7 +35,7 @@ from engine.block_allocator import BlockAllocator, chained_block_hashes, prefix_
 from engine.config import EngineConfig
 from engine.errors import UnknownRequestError
 from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
-from engine.speculation import make_proposer
+from engine.speculation import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class ScheduledSlice:
     # Speculative tokens computed after the sequence's last one (engine.speculation); each
     # row is verified by the sampler.
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: list | None = None  # per draft, the proposer's distribution (None: proposed with certainty)
 
     @property
     def completes_sequence(self) -> bool:
@@ -88,7 +89,9 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the waiting queue, the running set and the block allocator of one engine."""
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int, eos_token_ids: list[int]):
+    def __init__(
+        self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int, eos_token_ids: list[int], proposer: Proposer | None = None
+    ):
         self.config = config
         self.allocator = allocator
         self.block_size = config.block_size
@@ -103,7 +106,7 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0  # of those, tokens whose KV the cache held
         self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by request
         self.detached_blocks: set[int] = set()  # of ended requests, still a write's target
-        self.proposer = make_proposer(config.speculative)
+        self.proposer = proposer  # speculative drafts for decoding sequences (None: none)
         self.num_draft_tokens = 0  # proposed, since the start
         self.num_accepted_draft_tokens = 0
 
@@ -201,21 +204,32 @@ class Scheduler:
     def _add_drafts(self, decodes: list[ScheduledSlice], budget: int) -> int:
         """Give decode slices the proposer's drafts, within ``budget`` tokens and the free blocks
         (after every decode got its own token: a draft never preempts); return tokens taken."""
-        taken = 0
         limit = self.config.speculative.num_speculative_tokens
+        pieces, rooms = [], []
         for piece in decodes:
             seq = piece.seq
             # Never past what the request may emit: the drafts and the target's token after them.
-            room = min(limit, budget - taken, seq.params.max_tokens - seq.num_output_tokens - 1,
+            room = min(limit, budget - sum(rooms), seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            if room <= 0:
-                continue
-            drafts = self.proposer.propose(seq, room)
-            if not drafts or not self._try_grow_blocks(seq, 1 + len(drafts)):
-                continue
-            piece.draft_token_ids = drafts
-            piece.num_tokens += len(drafts)
-            taken += len(drafts)
+            # Blocks first: a draft model writes its own KV for its guesses into them.
+            if room > 0 and self._try_grow_blocks(seq, 1 + room):
+                pieces.append(piece)
+                rooms.append(room)
+        if not pieces:
+            return 0
+        try:
+            proposals = self.proposer.propose([p.seq for p in pieces], rooms)
+        except Exception:
+            # Drafts are an optimization: the step goes on without them, and so does every request.
+            logger.exception("the %s proposer failed; this step decodes without drafts", type(self.proposer).__name__)
+            return 0
+        taken = 0
+        for piece, proposal in zip(pieces, proposals):
+            if proposal.token_ids:
+                piece.draft_token_ids = proposal.token_ids
+                piece.draft_probs = proposal.probs
+                piece.num_tokens += len(proposal.token_ids)
+                taken += len(proposal.token_ids)
         return taken
 
     def _prefill_candidates(self, batch: ScheduledBatch, key) -> list[Sequence]:
@@ -391,6 +405,7 @@ class Scheduler:
                 seq.num_accepted_draft_tokens += accepted
                 self.num_draft_tokens += len(piece.draft_token_ids)
                 self.num_accepted_draft_tokens += accepted
+                self.proposer.after_verify(seq)
             # Every token but the newest has its KV now: the slice's own and the accepted drafts'.
             seq.num_computed_tokens = seq.num_tokens - 1
             self._record_full_block_hashes(seq)

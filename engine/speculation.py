@@ -18,10 +18,13 @@ that followed there. It pays where text repeats itself: code, edits, extraction.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from engine.sequence import Sequence
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(slots=True)
@@ -32,10 +35,16 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # drafts proposed per sequence per step, at most
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
     prompt_lookup_min: int = 1  # ngram: the shortest
+    draft_model: str | None = None  # draft_model: the draft's checkpoint directory (same tokenizer)
 
     def validate(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative.method: must be one of {list(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.method == "draft_model":
+            if not self.draft_model:
+                raise ValueError("speculative.draft_model: method draft_model needs the draft's model directory")
+            if not (Path(self.draft_model) / "config.json").is_file():
+                raise ValueError(f"speculative.draft_model: {self.draft_model} is not a model directory (no config.json)")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative.num_speculative_tokens: must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
@@ -79,14 +88,37 @@ class NgramIndex:
         return []
 
 
-class NgramProposer:
+@dataclass(slots=True)
+class Proposal:
+    """Draft tokens for one sequence, and per token the distribution it was drawn from
+    (``probs`` None: proposed with certainty, as a lookup or a greedy draft does)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] | None = None
+
+
+class Proposer:
+    """What the scheduler asks for drafts (engine.draft_model's proposer is the other kind)."""
+
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
+        """At most ``rooms[i]`` drafts to follow ``seqs[i]``; the blocks for them are allocated."""
+        raise NotImplementedError
+
+    def after_verify(self, seq: Sequence) -> None:
+        """``seq``'s drafts were verified and its new tokens appended."""
+
+
+class NgramProposer(Proposer):
     """Prompt-lookup drafts from the sequence's own tokens (prompt and output)."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.sizes = range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
+        return [Proposal(self.lookup(seq, room)) for seq, room in zip(seqs, rooms)]
+
+    def lookup(self, seq: Sequence, max_tokens: int) -> list[int]:
         """At most ``max_tokens`` draft tokens to follow ``seq.token_ids`` (maybe none)."""
         if max_tokens <= 0:
             return []
@@ -95,12 +127,6 @@ class NgramProposer:
             index = seq.draft_state = NgramIndex(self.sizes)
         index.extend(seq.token_ids)
         return index.lookup(seq.token_ids, max_tokens)
-
-
-def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    if config is None:
-        return None
-    return NgramProposer(config)
 
 
 @dataclass(slots=True)

@@ -91,3 +91,4 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def random_prompts(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+

