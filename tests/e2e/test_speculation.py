@@ -9,7 +9,9 @@ import time
 import urllib.request
 
 import openai
+import pytest
 
+from cluster.bench.scenarios.speculation import write_layer_skip_draft
 from engine.speculation import SpeculativeConfig
 from router.config import Disaggregation, RouterConfig
 from router.metrics import Metrics
@@ -22,12 +24,18 @@ MAX_TOKENS = 40
 PROMPT_LENGTHS = [5, 12, 40, 90, 150, 18]
 
 
-def test_speculating_decode_actor_serves_transformers_output_and_reports_acceptance(ray_cluster, e2e_model):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculating_decode_actor_serves_transformers_output_and_reports_acceptance(ray_cluster, e2e_model, tmp_path, method):
     prompts = random_prompts(PROMPT_LENGTHS, e2e_model.vocab_size, seed=31)
     expected = [hf_greedy(e2e_model.hf_model, p, MAX_TOKENS) for p in prompts]
     metrics = Metrics("tiny")
     router = RouterConfig(disaggregation=Disaggregation.AUTO, local_prefill_max_tokens=20, http_port=0)
-    decode_engine = engine_config(speculative=SpeculativeConfig(num_speculative_tokens=3))
+    speculative = SpeculativeConfig(num_speculative_tokens=3)
+    if method == "draft_model":
+        # The draft catches up on prompts the prefill actor computed: its KV never travels.
+        draft = write_layer_skip_draft(e2e_model.path, tmp_path / "draft", 1)
+        speculative = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, draft_model=str(draft))
+    decode_engine = engine_config(speculative=speculative)
     with running_deployment(e2e_model, 1, 1, router, metrics=metrics, decode_engine=decode_engine, health_interval_s=0.2) as deployment:
         port = metrics.serve(0)
         client = Client(deployment.address)
@@ -45,9 +53,11 @@ def test_speculating_decode_actor_serves_transformers_output_and_reports_accepta
             assert abs(spec.tokens_per_step - (1 + spec.accepted_draft_tokens / spec.decode_steps)) < 1e-9
             if spec.draft_tokens:
                 assert abs(spec.acceptance_rate - spec.accepted_draft_tokens / spec.draft_tokens) < 1e-9
+            if method == "draft_model":
+                assert spec.draft_tokens > 0, "a draft model guesses for every request"
         accepted = sum(s.last.speculation.accepted_draft_tokens for s in streams)
         drafted = sum(s.last.speculation.draft_tokens for s in streams)
-        assert accepted > 0, "the random model's greedy loops are what n-gram drafts catch"
+        assert accepted > 0, "the random model's greedy loops are what drafts catch"
         # Multi-token steps reach the client as one message per step, not token by token.
         assert any(len(m.token_ids) > 1 for s in streams for m in s.messages)
 
