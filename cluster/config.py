@@ -59,6 +59,7 @@ class SpeculativeSection(BaseModel):
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: the longest suffix of the sequence looked up")
     prompt_lookup_min: int = Field(1, ge=1, description="ngram: the shortest")
     draft_model: Path | None = Field(None, description="draft_model: the draft's model directory (the target's tokenizer and vocabulary)")
+    adaptive: bool = Field(True, description="Each sequence's draft count follows how its drafts fare (false: always num_speculative_tokens)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "SpeculativeSection":
@@ -73,7 +74,7 @@ class SpeculativeSection(BaseModel):
 
     def to_engine(self) -> SpeculativeConfig:
         draft = str(self.draft_model) if self.draft_model is not None else None
-        return SpeculativeConfig(self.method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min, draft)
+        return SpeculativeConfig(self.method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min, draft, self.adaptive)
 
 
 class RouterSection(BaseModel):

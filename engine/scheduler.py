@@ -35,7 +35,7 @@ from engine.block_allocator import BlockAllocator, chained_block_hashes, prefix_
 from engine.config import EngineConfig
 from engine.errors import UnknownRequestError
 from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
-from engine.speculation import Proposer
+from engine.speculation import DraftWindow, Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -204,10 +204,15 @@ class Scheduler:
     def _add_drafts(self, decodes: list[ScheduledSlice], budget: int) -> int:
         """Give decode slices the proposer's drafts, within ``budget`` tokens and the free blocks
         (after every decode got its own token: a draft never preempts); return tokens taken."""
-        limit = self.config.speculative.num_speculative_tokens
+        spec = self.config.speculative
         pieces, rooms = [], []
         for piece in decodes:
             seq = piece.seq
+            limit = spec.num_speculative_tokens
+            if spec.adaptive:
+                if seq.draft_window is None:
+                    seq.draft_window = DraftWindow(limit)
+                limit = seq.draft_window.room()
             # Never past what the request may emit: the drafts and the target's token after them.
             room = min(limit, budget - sum(rooms), seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
@@ -406,6 +411,8 @@ class Scheduler:
                 self.num_draft_tokens += len(piece.draft_token_ids)
                 self.num_accepted_draft_tokens += accepted
                 self.proposer.after_verify(seq)
+                if seq.draft_window is not None:
+                    seq.draft_window.update(len(piece.draft_token_ids), accepted)
             # Every token but the newest has its KV now: the slice's own and the accepted drafts'.
             seq.num_computed_tokens = seq.num_tokens - 1
             self._record_full_block_hashes(seq)

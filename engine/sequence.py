@@ -84,6 +84,7 @@ class Sequence:
     # Speculative decoding (engine.speculation): the proposer's state for this sequence, and
     # what its decode steps proposed and accepted.
     draft_state: object | None = None
+    draft_window: object | None = None  # engine.speculation.DraftWindow: how many drafts it gets next
     num_decode_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0

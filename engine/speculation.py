@@ -36,6 +36,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: the longest suffix looked up
     prompt_lookup_min: int = 1  # ngram: the shortest
     draft_model: str | None = None  # draft_model: the draft's checkpoint directory (same tokenizer)
+    # Each sequence's draft count follows how its drafts fare (DraftWindow); False: always
+    # num_speculative_tokens.
+    adaptive: bool = True
 
     def validate(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -86,6 +89,40 @@ class NgramIndex:
             if start is not None:
                 return token_ids[start + n : start + n + max_tokens]
         return []
+
+
+@dataclass(slots=True)
+class DraftWindow:
+    """How many drafts one sequence gets next step, from how its last ones fared.
+
+    A draft row costs a decode row whether it is accepted or not, and the rows after a rejected
+    draft are wasted. So the window grows by one after a step that accepted every draft, shrinks
+    to one past the last accepted draft after a rejection, and after a step that accepted none,
+    drafting pauses for a number of steps that doubles with each such step in a row (0, 1, 3, 7,
+    then 15): a sequence whose drafts keep failing costs (almost) no rows, and is retried now
+    and then, since text changes character."""
+
+    limit: int
+    size: int = 0  # 0: not set yet, the limit
+    pause: int = 0  # steps left without drafts
+    misses: int = 0  # steps in a row that accepted no draft
+
+    def room(self) -> int:
+        """Drafts for this step (taking one step of a pause)."""
+        if self.pause > 0:
+            self.pause -= 1
+            return 0
+        return self.size or self.limit
+
+    def update(self, num_drafts: int, num_accepted: int) -> None:
+        if num_accepted == num_drafts:
+            self.size, self.misses, self.pause = min(self.limit, num_drafts + 1), 0, 0
+        elif num_accepted > 0:
+            self.size, self.misses, self.pause = num_accepted + 1, 0, 0
+        else:
+            self.misses += 1
+            self.size = 1
+            self.pause = min(16, 2 ** (self.misses - 1)) - 1
 
 
 @dataclass(slots=True)

@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to run, of {', '.join(SYSTEMS)}")
     parser.add_argument("--draft-model", type=Path, help="draft for the -draft systems (default: the model's first --draft-layers layers, LayerSkip-style)")
     parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--fixed-window", action="store_true", help="pdserve: always num_speculative_tokens drafts (no adaptive window), as vLLM does")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of pdserve's one decode actor (aggregated)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
@@ -130,13 +131,14 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     model_dir = Path(args.model or DEFAULT_MODEL_PATH)
     if args.prompt_len + args.output_len > args.max_model_len:
         raise ValueError(f"prompt_len {args.prompt_len} + output_len {args.output_len} exceeds max_model_len {args.max_model_len}")
-    ngram = SpeculativeConfig("ngram", args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min)
+    adaptive = not args.fixed_window
+    ngram = SpeculativeConfig("ngram", args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min, adaptive=adaptive)
     ngram.validate()
     scratch = tempfile.TemporaryDirectory(prefix="pdserve-draft-")
     draft_dir = args.draft_model
     if draft_dir is None and any(s.endswith("-draft") for s in systems):
         draft_dir = write_layer_skip_draft(model_dir, Path(scratch.name) / f"{model_dir.name}-{args.draft_layers}-layers", args.draft_layers)
-    draft = SpeculativeConfig("draft_model", args.num_speculative_tokens, draft_model=str(draft_dir) if draft_dir else None)
+    draft = SpeculativeConfig("draft_model", args.num_speculative_tokens, draft_model=str(draft_dir) if draft_dir else None, adaptive=adaptive)
     speculation = {"": None, "-ngram": ngram, "-draft": draft}
     workloads = {b: [BenchRequest(args.output_len, p, prompt_len=len(p)) for p in code_prompts(model_dir, b * args.repeats, args.prompt_len, args.seed + b)] for b in batches}
     warmup = [BenchRequest(8, p, prompt_len=len(p)) for p in code_prompts(model_dir, 2, args.prompt_len, args.seed + 999)]
