@@ -59,7 +59,9 @@ class SpeculativeSection(BaseModel):
     prompt_lookup_max: int = Field(4, ge=1, description="ngram: the longest suffix of the sequence looked up")
     prompt_lookup_min: int = Field(1, ge=1, description="ngram: the shortest")
     draft_model: Path | None = Field(None, description="draft_model: the draft's model directory (the target's tokenizer and vocabulary)")
-    adaptive: bool = Field(True, description="Each sequence's draft count follows how its drafts fare (false: always num_speculative_tokens)")
+    adaptive: bool = Field(
+        False, description="Each sequence's draft count follows how its drafts fare: fewer rows where drafts fail, fewer tokens where they pay (false: always num_speculative_tokens)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> "SpeculativeSection":

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to run, of {', '.join(SYSTEMS)}")
     parser.add_argument("--draft-model", type=Path, help="draft for the -draft systems (default: the model's first --draft-layers layers, LayerSkip-style)")
     parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--fixed-window", action="store_true", help="pdserve: always num_speculative_tokens drafts (no adaptive window), as vLLM does")
+    parser.add_argument("--adaptive-window", action="store_true", help="pdserve: each sequence's draft count follows how its drafts fare (default: always num_speculative_tokens, as vLLM)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of pdserve's one decode actor (aggregated)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     model_dir = Path(args.model or DEFAULT_MODEL_PATH)
     if args.prompt_len + args.output_len > args.max_model_len:
         raise ValueError(f"prompt_len {args.prompt_len} + output_len {args.output_len} exceeds max_model_len {args.max_model_len}")
-    adaptive = not args.fixed_window
+    adaptive = args.adaptive_window
     ngram = SpeculativeConfig("ngram", args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min, adaptive=adaptive)
     ngram.validate()
     scratch = tempfile.TemporaryDirectory(prefix="pdserve-draft-")
