@@ -147,25 +147,34 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     window: int | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write k/v into the cache, then attend. q [T, H, D], k/v [T, KVH, D] -> [T, H, D].
 
     ``window``: this layer's sliding window; each query attends its latest ``window`` keys.
+    ``key_scales``/``value_scales`` [num_blocks, KVH]: a quantized cache's (engine.kv_cache).
     """
-    key_cache[meta.slot_blocks, meta.slot_offsets] = k
-    value_cache[meta.slot_blocks, meta.slot_offsets] = v
+    if key_scales is None:
+        key_cache[meta.slot_blocks, meta.slot_offsets] = k
+        value_cache[meta.slot_blocks, meta.slot_offsets] = v
+    else:
+        write_quantized(k, key_cache, key_scales, meta.slot_blocks, meta.slot_offsets)
+        write_quantized(v, value_cache, value_scales, meta.slot_blocks, meta.slot_offsets)
     num_heads = q.shape[1]
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     if meta.num_single and meta.native:
         out[: meta.num_single] = cpu_attention.attend_decode(
-            q[: meta.num_single], key_cache, value_cache, meta.single_block_tables, meta.single_lens, window
+            q[: meta.num_single], key_cache, value_cache, meta.single_block_tables, meta.single_lens, window, key_scales, value_scales
         )
     elif meta.num_single:
-        _attend_single(q, key_cache, value_cache, meta, out, window)
+        _attend_single(q, key_cache, value_cache, meta, out, window, key_scales, value_scales)
     if meta.prefill is not None:
-        out[meta.num_single :] = cpu_attention.attend_prefill(q[meta.num_single :], key_cache, value_cache, meta.prefill, window)
+        out[meta.num_single :] = cpu_attention.attend_prefill(
+            q[meta.num_single :], key_cache, value_cache, meta.prefill, window, key_scales, value_scales
+        )
     for chunk in meta.chunks:
         queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
         if chunk.mask is not None:
@@ -176,12 +185,13 @@ def paged_attention(
             if window not in chunk.sliding_masks:
                 chunk.sliding_masks[window] = _sliding_mask(chunk.context_len, num_tokens, window, q.dtype, q.device)
             mask = chunk.sliding_masks[window]
-        if chunk.mask is None:
+        if chunk.mask is None and key_scales is None:
             keys = k[chunk.token_start : chunk.token_end].transpose(0, 1)
             values = v[chunk.token_start : chunk.token_end].transpose(0, 1)
         else:
-            total = chunk.mask.shape[1]
-            keys, values = _gather(key_cache, value_cache, chunk.block_ids, meta)
+            # With context, or from a quantized cache (attention reads what the cache holds).
+            total = chunk.context_len + num_tokens
+            keys, values = _gather(key_cache, value_cache, chunk.block_ids, meta, key_scales, value_scales, q.dtype)
             keys = keys.flatten(0, 1)[:total].transpose(0, 1)
             values = values.flatten(0, 1)[:total].transpose(0, 1)
         # 4-D inputs (a batch of one): with 3-D ones the CPU kernel falls back to the plain
@@ -204,9 +214,16 @@ def _block_rows(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor, meta: AttentionMetadata
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    meta: AttentionMetadata,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy ``block_ids``' keys and values into the step's reusable buffers: [n, block_size, KVH, D] each."""
+    """Copy ``block_ids``' keys and values into the step's reusable buffers: [n, block_size, KVH, D]
+    each; from a quantized cache, dequantized to ``dtype``."""
     num = block_ids.numel()
     row = key_cache[0].numel()
     if meta.gather_keys is None or meta.gather_keys.shape[0] < num or meta.gather_keys.shape[1] != row:
@@ -215,7 +232,37 @@ def _gather(
     keys = torch.index_select(_block_rows(key_cache), 0, block_ids, out=meta.gather_keys[:num])
     values = torch.index_select(_block_rows(value_cache), 0, block_ids, out=meta.gather_values[:num])
     shape = (num, *key_cache.shape[1:])
-    return keys.view(shape), values.view(shape)
+    keys, values = keys.view(shape), values.view(shape)
+    if key_scales is not None:
+        # [n, KVH] scales over each block's tokens and head dimension.
+        keys = (keys.to(torch.float32) * key_scales.index_select(0, block_ids)[:, None, :, None]).to(dtype)
+        values = (values.to(torch.float32) * value_scales.index_select(0, block_ids)[:, None, :, None]).to(dtype)
+    return keys, values
+
+
+def write_quantized(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """Quantize x [T, KVH, D] into an int8/fp8 cache at its slots with per (block, head) scales that
+    only grow (csrc/kv_quant.cpp on a CPU; the same rules in torch elsewhere)."""
+    if cpu_attention.write_quantized(x, cache, scales, slot_blocks, slot_offsets):
+        return
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    qmax = 448.0 if fp8 else 127.0
+
+    def quantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        scaled = torch.where(scale > 0, values / torch.where(scale > 0, scale, 1.0), 0.0)
+        return scaled.clamp(-qmax, qmax).to(cache.dtype) if fp8 else scaled.round().clamp(-qmax, qmax).to(cache.dtype)
+
+    for block in slot_blocks.unique().tolist():
+        chosen = slot_blocks == block
+        offsets, rows = slot_offsets[chosen], x[chosen].float()
+        first = int(offsets.min())
+        old = scales[block].clone() if first > 0 else torch.zeros_like(scales[block])
+        new = torch.maximum(old, rows.abs().amax(dim=(0, 2)) / qmax)
+        if first > 0 and bool((new > old).any()):
+            earlier = cache[block, :first].float() * old[None, :, None]
+            cache[block, :first] = quantize(earlier, new[None, :, None])
+        scales[block] = new
+        cache[block, offsets] = quantize(rows, new[None, :, None])
 
 
 def _sliding_mask(context_len: int, num_tokens: int, window: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -232,6 +279,8 @@ def _attend_single(
     meta: AttentionMetadata,
     out: torch.Tensor,
     window: int | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> None:
     """Attention of the step's single-token entries, a group of sequences at a time."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -248,7 +297,7 @@ def _attend_single(
     for gathered in meta.single_groups:
         rows, width = gathered.rows, gathered.num_blocks
         n = rows.numel()
-        keys, values = _gather(key_cache, value_cache, gathered.block_ids, meta)
+        keys, values = _gather(key_cache, value_cache, gathered.block_ids, meta, key_scales, value_scales, q.dtype)
         # [n * blocks, block_size, KVH, D] -> [n, KVH, blocks * block_size, D]
         keys = keys.view(n, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
         values = values.view(n, width * block_size, num_kv_heads, head_dim).transpose(1, 2)

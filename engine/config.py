@@ -24,6 +24,8 @@ DTYPES = {
 }
 
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
@@ -275,10 +277,15 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Decoding sequences verify drafted tokens in their step (engine.speculation); None: off.
     speculative: SpeculativeConfig | None = None
+    # KV cache elements: "auto" (the model's dtype), or quantized to one byte with a scale per
+    # block, layer and KV head: "int8", "fp8_e4m3" (engine.kv_cache).
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         if self.speculative is not None:
             self.speculative.validate()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype is not None and self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted([*DTYPES, 'auto'])}, got {self.dtype!r}")
         if self.block_size < 1:

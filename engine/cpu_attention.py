@@ -46,11 +46,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "bf16_linear.cpp", "elementwise.cpp")
+_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "bf16_linear.cpp", "elementwise.cpp", "kv_quant.cpp")
 _HEADERS = ("simd.h",)
 _MAX_GROUP = 8  # query heads per KV head the kernel was instantiated for
 _HEAD_VECTORS = (1, 2, 4, 8, 16)  # head_dim as this many vectors of the machine's width
-_DTYPES = (torch.float32, torch.bfloat16)
+# The cache element types the kernels read, as their ``kind`` argument; the last two are
+# quantized (engine.kv_cache), with a float32 scale per block and KV head.
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+_DTYPES = tuple(_KINDS)
 # -ffast-math when compiling the kernel (vectorized expf, reassociated sums), never when
 # linking it: linked with it, the library carries crtfastmath, which switches the whole
 # process to flush-to-zero on load (a temperature of 1e-40 then divided to nan).
@@ -107,19 +110,27 @@ def _build() -> ctypes.CDLL:
     library.pdserve_paged_decode.restype = ctypes.c_int
     pointer, int64 = ctypes.c_void_p, ctypes.c_int64
     library.pdserve_paged_decode.argtypes = [
-        pointer, pointer, pointer, ctypes.c_int,  # q, key cache, value cache, bf16
+        pointer, pointer, pointer, ctypes.c_int,  # q, key cache, value cache, element kind
         int64, int64, int64, int64, int64,  # n, kv heads, group, head_dim, block size
         int64, int64, int64, int64, int64, int64,  # block, token and head strides of keys, values
+        pointer, pointer, int64, int64,  # key and value scales, their block strides (quantized caches)
         pointer, int64, pointer, pointer,  # tables, table width, lens, out
         ctypes.c_float, ctypes.c_int, int64,  # scale, threads, sliding window (0: none)
     ]
     library.pdserve_paged_prefill.restype = ctypes.c_int
     library.pdserve_paged_prefill.argtypes = [
-        pointer, pointer, pointer, ctypes.c_int,  # q, key cache, value cache, bf16
+        pointer, pointer, pointer, ctypes.c_int,  # q, key cache, value cache, element kind
         int64, pointer, pointer, pointer, pointer, int64,  # chunks, first rows, tokens, contexts, tables, width
         int64, int64, int64, int64,  # kv heads, group, head_dim, block size
         int64, int64, int64, int64, int64, int64,  # block, token and head strides of keys, values
+        pointer, pointer, int64, int64,  # key and value scales, their block strides (quantized caches)
         pointer, ctypes.c_float, ctypes.c_int, int64,  # out, scale, threads, sliding window (0: none)
+    ]
+    library.pdserve_kv_quant_write.restype = None
+    library.pdserve_kv_quant_write.argtypes = [
+        pointer, ctypes.c_int, int64, int64, int64,  # src, bf16, tokens, heads, head_dim
+        pointer, pointer, pointer,  # slot blocks, slot offsets, cache
+        int64, int64, int64, pointer, int64, ctypes.c_int,  # block, token, head strides, scales, scale block stride, fp8
     ]
     library.pdserve_bf16_linear_available.restype = ctypes.c_int
     library.pdserve_bf16_pack.restype = ctypes.c_int
@@ -188,6 +199,33 @@ def _cache_geometry(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple
     )
 
 
+def _scale_args(key_cache: torch.Tensor, key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> tuple:
+    """The kernels' scale arguments: pointers and block strides, or nulls for an unquantized cache."""
+    if key_cache.dtype not in (torch.int8, torch.float8_e4m3fn):
+        return (None, None, 0, 0)
+    if key_scales is None or value_scales is None or key_scales.stride(1) != 1 or value_scales.stride(1) != 1:
+        raise ValueError("a quantized KV cache needs its per-block key and value scales [num_blocks, kv_heads]")
+    return (key_scales.data_ptr(), value_scales.data_ptr(), key_scales.stride(0), value_scales.stride(0))
+
+
+def write_quantized(
+    x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor
+) -> bool:
+    """Quantize x [tokens, kv_heads, head_dim] into an int8 or fp8 cache at its slots, raising each
+    touched block's per-head scale as needed (csrc/kv_quant.cpp). False: no kernel here."""
+    library = kernel()
+    if library is None or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    x = x.contiguous()
+    library.pdserve_kv_quant_write(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], x.shape[2],
+        slot_blocks.data_ptr(), slot_offsets.data_ptr(), cache.data_ptr(),
+        cache.stride(0), cache.stride(1), cache.stride(2), scales.data_ptr(), scales.stride(0),
+        int(cache.dtype == torch.float8_e4m3fn),
+    )
+    return True
+
+
 def attend_decode(
     q: torch.Tensor,
     key_cache: torch.Tensor,
@@ -195,6 +233,8 @@ def attend_decode(
     block_tables: torch.Tensor,
     lens: torch.Tensor,
     window: int | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of n single-token queries q [n, H, D] over their blocks -> [n, H, D] in q's dtype.
 
@@ -213,12 +253,13 @@ def attend_decode(
         queries.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        int(key_cache.dtype == torch.bfloat16),
+        _KINDS[key_cache.dtype],
         n,
         num_kv_heads,
         num_heads // num_kv_heads,
         head_dim,
         *_cache_geometry(key_cache, value_cache),
+        *_scale_args(key_cache, key_scales, value_scales),
         tables.data_ptr(),
         tables.shape[1],
         lengths.data_ptr(),
@@ -247,7 +288,13 @@ class PrefillChunks:
 
 
 def attend_prefill(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, chunks: PrefillChunks, window: int | None = None
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    chunks: PrefillChunks,
+    window: int | None = None,
+    key_scales: torch.Tensor | None = None,
+    value_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed chunks q [T, H, D] over their context and themselves -> [T, H, D];
     under a sliding ``window`` each query attends its latest ``window`` keys only."""
@@ -260,7 +307,7 @@ def attend_prefill(
         queries.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        int(key_cache.dtype == torch.bfloat16),
+        _KINDS[key_cache.dtype],
         chunks.first_rows.numel(),
         chunks.first_rows.data_ptr(),
         chunks.num_tokens.data_ptr(),
@@ -271,6 +318,7 @@ def attend_prefill(
         num_heads // num_kv_heads,
         head_dim,
         *_cache_geometry(key_cache, value_cache),
+        *_scale_args(key_cache, key_scales, value_scales),
         out.data_ptr(),
         head_dim**-0.5,
         torch.get_num_threads(),

@@ -85,6 +85,8 @@ class DecoderLayer(nn.Module):
             kv_cache.value_views[self.layer_index],
             meta,
             self.window,
+            kv_cache.key_scales[self.layer_index],
+            kv_cache.value_scales[self.layer_index],
         )
         normed, residual = self.post_attention_norm.add_and_norm(self.o_proj(attended.view(num_tokens, self.q_size)), residual)
         return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(normed))), residual

@@ -34,6 +34,8 @@ static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp,
     const int64_t ntok = std::min(BS, len - j * BS);
     const T* kb_ahead = j + PREFETCH_BLOCKS < num_blocks ? kp + table[j + PREFETCH_BLOCKS] * geo.block_stride_k : nullptr;
     for (int64_t h = 0; h < KVH; ++h) {
+      // A quantized block's key scale for this head folds into the score scale.
+      const Reg hscale = Quant<T>::scaled ? Vec::set1(scale * geo.key_scale<T>(table[j], h)) : vscale;
       Reg qr[G][DV];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < DV; ++c) qr[g][c] = Vec::load(q + (h * G + g) * D + c * Vec::W);
@@ -48,7 +50,7 @@ static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp,
           Reg k = Vec::load(kt + c * Vec::W);
           for (int g = 0; g < G; ++g) acc[g] = Vec::fmadd(qr[g][c], k, acc[g]);
         }
-        for (int g = 0; g < G; ++g) sh[g * len + t] = Vec::sum(Vec::mul(acc[g], vscale));
+        for (int g = 0; g < G; ++g) sh[g * len + t] = Vec::sum(Vec::mul(acc[g], hscale));
       }
     }
   }
@@ -74,6 +76,7 @@ static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp,
     const int64_t ntok = std::min(BS, len - j * BS);
     const T* vb_ahead = j + PREFETCH_BLOCKS < num_blocks ? vp + table[j + PREFETCH_BLOCKS] * geo.block_stride_v : nullptr;
     for (int64_t h = 0; h < KVH; ++h) {
+      const float value_scale = geo.value_scale<T>(table[j], h);  // 1 unless quantized
       Reg acc[G][DV];
       float* ah = out + h * G * D;
       for (int g = 0; g < G; ++g)
@@ -84,7 +87,7 @@ static void attend_sequence(const float* __restrict q, int64_t KVH, const T* kp,
         const T* vt = vh + t * geo.token_stride_v;
         if (vb_ahead != nullptr) prefetch_row<T, D>(vb_ahead + h * geo.head_stride_v + t * geo.token_stride_v);
         Reg p[G];
-        for (int g = 0; g < G; ++g) p[g] = Vec::set1(sh[g * len + t]);
+        for (int g = 0; g < G; ++g) p[g] = Vec::set1(Quant<T>::scaled ? sh[g * len + t] * value_scale : sh[g * len + t]);
         for (int c = 0; c < DV; ++c) {
           Reg v = Vec::load(vt + c * Vec::W);
           for (int g = 0; g < G; ++g) acc[g][c] = Vec::fmadd(p[g], v, acc[g][c]);
@@ -152,30 +155,40 @@ static bool by_group(int64_t G, const Call& call) {
   return false;
 }
 
+// The cache's element type: 0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3fn (the last two scaled).
 template <int DV>
-static bool by_dtype(bool bf16, int64_t G, const Call& call) {
-  return bf16 ? by_group<uint16_t, DV>(G, call) : by_group<float, DV>(G, call);
+static bool by_dtype(int kind, int64_t G, const Call& call) {
+  switch (kind) {
+    case 0: return by_group<float, DV>(G, call);
+    case 1: return by_group<uint16_t, DV>(G, call);
+    case 2: return by_group<int8_t, DV>(G, call);
+    case 3: return by_group<Fp8, DV>(G, call);
+  }
+  return false;
 }
 
-// Strides in elements. Returns 0, or -1 for a head size or group it was not built for.
-extern "C" int pdserve_paged_decode(const float* q, const void* key_cache, const void* value_cache, int bf16,
+// Strides in elements (scale strides in floats). Returns 0, or -1 for a head size, group or
+// element type it was not built for.
+extern "C" int pdserve_paged_decode(const float* q, const void* key_cache, const void* value_cache, int kind,
                                     int64_t n, int64_t num_kv_heads, int64_t group, int64_t head_dim,
                                     int64_t block_size, int64_t block_stride_k, int64_t block_stride_v,
                                     int64_t token_stride_k, int64_t token_stride_v, int64_t head_stride_k,
-                                    int64_t head_stride_v, const int64_t* tables, int64_t table_width,
-                                    const int64_t* lens, float* out, float scale, int num_threads, int64_t window) {
+                                    int64_t head_stride_v, const float* key_scales, const float* value_scales,
+                                    int64_t scale_stride_k, int64_t scale_stride_v, const int64_t* tables,
+                                    int64_t table_width, const int64_t* lens, float* out, float scale, int num_threads,
+                                    int64_t window) {
   const Call call{q, key_cache, value_cache,
                   Geometry{block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k,
-                           head_stride_v, block_size},
+                           head_stride_v, block_size, key_scales, value_scales, scale_stride_k, scale_stride_v},
                   n, num_kv_heads, table_width, tables, lens, out, scale, num_threads, window};
   if (head_dim % Vec::W != 0) return -1;
   bool done = false;
   switch (head_dim / Vec::W) {
-    case 1: done = by_dtype<1>(bf16, group, call); break;
-    case 2: done = by_dtype<2>(bf16, group, call); break;
-    case 4: done = by_dtype<4>(bf16, group, call); break;
-    case 8: done = by_dtype<8>(bf16, group, call); break;
-    case 16: done = by_dtype<16>(bf16, group, call); break;
+    case 1: done = by_dtype<1>(kind, group, call); break;
+    case 2: done = by_dtype<2>(kind, group, call); break;
+    case 4: done = by_dtype<4>(kind, group, call); break;
+    case 8: done = by_dtype<8>(kind, group, call); break;
+    case 16: done = by_dtype<16>(kind, group, call); break;
   }
   return done ? 0 : -1;
 }

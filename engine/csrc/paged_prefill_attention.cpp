@@ -111,8 +111,15 @@ struct F32Math {
         continue;
       }
       const auto [key, value] = cache_rows<T>(call, span, pos, head);
-      for (int d = 0; d < D; ++d) kt[d * KT + j] = to_float(key[d]);
-      for (int d = 0; d < D; ++d) vt[j * D + d] = to_float(value[d]);
+      if constexpr (Quant<T>::scaled) {  // dequantized here, once per call: the tiles are float32
+        const int64_t block = span.table[pos / call.geo.block_size];
+        const float ks = call.geo.key_scale<T>(block, head), vs = call.geo.value_scale<T>(block, head);
+        for (int d = 0; d < D; ++d) kt[d * KT + j] = to_float(key[d]) * ks;
+        for (int d = 0; d < D; ++d) vt[j * D + d] = to_float(value[d]) * vs;
+      } else {
+        for (int d = 0; d < D; ++d) kt[d * KT + j] = to_float(key[d]);
+        for (int d = 0; d < D; ++d) vt[j * D + d] = to_float(value[d]);
+      }
     }
   }
 
@@ -415,41 +422,50 @@ void run(const Call& call, std::vector<Span>& spans) {
   }
 }
 
+// The cache's element type: 0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3fn (the last two scaled,
+// dequantized into float32 tiles).
 template <int DV>
-void by_dtype(bool bf16, const Call& call, std::vector<Span>& spans) {
+bool by_dtype(int kind, const Call& call, std::vector<Span>& spans) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if (bf16) return run<Bf16Math<DV>>(call, spans);
+  if (kind == 1) {
+    run<Bf16Math<DV>>(call, spans);
+    return true;
+  }
 #endif
-  if (bf16)
-    run<F32Math<uint16_t, DV>>(call, spans);
-  else
-    run<F32Math<float, DV>>(call, spans);
+  switch (kind) {
+    case 0: run<F32Math<float, DV>>(call, spans); return true;
+    case 1: run<F32Math<uint16_t, DV>>(call, spans); return true;
+    case 2: run<F32Math<int8_t, DV>>(call, spans); return true;
+    case 3: run<F32Math<Fp8, DV>>(call, spans); return true;
+  }
+  return false;
 }
 
 }  // namespace
 
 // Strides in elements. Returns 0, or -1 for a head size it was not built for.
-extern "C" int pdserve_paged_prefill(const float* q, const void* key_cache, const void* value_cache, int bf16,
+extern "C" int pdserve_paged_prefill(const float* q, const void* key_cache, const void* value_cache, int kind,
                                      int64_t num_chunks, const int64_t* first_rows, const int64_t* num_tokens,
                                      const int64_t* context_lens, const int64_t* tables, int64_t table_width,
                                      int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
                                      int64_t block_stride_k, int64_t block_stride_v, int64_t token_stride_k,
                                      int64_t token_stride_v, int64_t head_stride_k, int64_t head_stride_v,
-                                     float* out, float scale, int num_threads, int64_t window) {
+                                     const float* key_scales, const float* value_scales, int64_t scale_stride_k,
+                                     int64_t scale_stride_v, float* out, float scale, int num_threads, int64_t window) {
   if (head_dim % Vec::W != 0 || group < 1) return -1;
   const Call call{q, key_cache, value_cache,
                   Geometry{block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k,
-                           head_stride_v, block_size},
+                           head_stride_v, block_size, key_scales, value_scales, scale_stride_k, scale_stride_v},
                   num_kv_heads, group, out, scale, num_threads, window};
   std::vector<Span> spans;
   for (int64_t c = 0; c < num_chunks; ++c)
     spans.push_back(Span{first_rows[c], num_tokens[c], context_lens[c], tables + c * table_width, 0, 0});
   switch (head_dim / Vec::W) {
-    case 1: by_dtype<1>(bf16, call, spans); return 0;
-    case 2: by_dtype<2>(bf16, call, spans); return 0;
-    case 4: by_dtype<4>(bf16, call, spans); return 0;
-    case 8: by_dtype<8>(bf16, call, spans); return 0;
-    case 16: by_dtype<16>(bf16, call, spans); return 0;
+    case 1: return by_dtype<1>(kind, call, spans) ? 0 : -1;
+    case 2: return by_dtype<2>(kind, call, spans) ? 0 : -1;
+    case 4: return by_dtype<4>(kind, call, spans) ? 0 : -1;
+    case 8: return by_dtype<8>(kind, call, spans) ? 0 : -1;
+    case 16: return by_dtype<16>(kind, call, spans) ? 0 : -1;
   }
   return -1;
 }

@@ -12,6 +12,30 @@
 #error "the CPU attention kernels need AVX2 and FMA"
 #endif
 
+// An fp8 e4m3fn cache element. Widened through float16: its 7 low bits shifted into a float16's
+// exponent and mantissa give the value times 2^-8 (normal and subnormal alike; e4m3's exponent
+// bias is 7, float16's 15), so a scale read for fp8 is multiplied by Quant<Fp8>::unit = 256.
+struct Fp8 {
+  uint8_t bits;
+};
+
+// Quantized element types carry a float scale per (block, KV head); float and bfloat16 do not.
+template <typename T>
+struct Quant {
+  static constexpr bool scaled = false;
+  static constexpr float unit = 1.f;
+};
+template <>
+struct Quant<int8_t> {
+  static constexpr bool scaled = true;
+  static constexpr float unit = 1.f;
+};
+template <>
+struct Quant<Fp8> {
+  static constexpr bool scaled = true;
+  static constexpr float unit = 256.f;
+};
+
 #if defined(__AVX512F__)
 struct Vec {
   using Reg = __m512;
@@ -23,6 +47,15 @@ struct Vec {
   static Reg load(const uint16_t* p) {  // bfloat16 -> float: the top half of the float's bits
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static Reg load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static Reg load(const Fp8* p) {  // the value times 2^-8 (see Fp8)
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
   }
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
@@ -55,6 +88,15 @@ struct Vec {
   static Reg load(const uint16_t* p) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static Reg load(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static Reg load(const Fp8* p) {  // the value times 2^-8 (see Fp8)
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    const __m128i rest = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, rest));
   }
   static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
@@ -104,10 +146,32 @@ static inline void prefetch_row(const T* row) {
 
 struct Geometry {
   int64_t block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k, head_stride_v, block_size;
+  // Quantized caches: each block's per-KV-head scales (floats), block strides in floats.
+  const float* key_scales = nullptr;
+  const float* value_scales = nullptr;
+  int64_t scale_stride_k = 0, scale_stride_v = 0;
+
+  template <typename T>
+  float key_scale(int64_t block, int64_t head) const {
+    if constexpr (Quant<T>::scaled) return key_scales[block * scale_stride_k + head] * Quant<T>::unit;
+    return 1.f;
+  }
+  template <typename T>
+  float value_scale(int64_t block, int64_t head) const {
+    if constexpr (Quant<T>::scaled) return value_scales[block * scale_stride_v + head] * Quant<T>::unit;
+    return 1.f;
+  }
 };
 
 // One cached element as a float: float32 as it is, bfloat16 (stored as uint16) widened.
 static inline float to_float(float x) { return x; }
+static inline float to_float(int8_t x) { return static_cast<float>(x); }
+static inline float to_float(Fp8 x) {  // times 2^-8, as Vec::load(const Fp8*)
+  const int exponent = (x.bits >> 3) & 0xF, mantissa = x.bits & 0x7;
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -17)
+                                        : std::ldexp(1.f + mantissa / 8.f, exponent - 15);
+  return (x.bits & 0x80) ? -magnitude : magnitude;
+}
 static inline float to_float(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float out;
