@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-cpus", type=float, help="CPUs per decode actor")
     up.add_argument("--token-budget", type=int, help="tokens per engine step, both pools")
     up.add_argument("--block-size", type=int)
+    up.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], help="KV cache elements (default auto: the model's dtype)")
     up.add_argument("--kv-cache-mb", type=int, help="KV cache per actor, both pools")
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto (default): the fastest exact dtype for each actor's device")
     up.add_argument("--host", help="address the router binds")
@@ -159,7 +160,7 @@ def _up(args: argparse.Namespace) -> int:
     from cluster.config import ConfigError, load_config
 
     overrides = {
-        "model": args.model, "dtype": args.dtype, "block_size": args.block_size,
+        "model": args.model, "dtype": args.dtype, "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
         "prefill.replicas": args.prefill, "decode.replicas": args.decode,
         "prefill.num_gpus": args.prefill_gpus, "decode.num_gpus": args.decode_gpus,
         "prefill.num_cpus": args.prefill_cpus, "decode.num_cpus": args.decode_cpus,

@@ -150,6 +150,11 @@ class ClusterConfig(BaseModel):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when actors hold GPUs")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block")
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = Field(
+        "auto",
+        description="KV cache elements: auto (the model's dtype), or one byte each with a float32 scale per block, layer and KV head "
+        "(about half of bfloat16's bytes, in memory and on the wire); both pools, since blocks travel between them",
+    )
     transfer_backend: Literal["nixl", "ray"] = Field("nixl", description="How KV blocks move between actors")
     transfer_network_devices: str | None = Field(
         None,
@@ -238,6 +243,7 @@ class ClusterConfig(BaseModel):
             dtype=self.dtype,
             device=device,
             block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_num_batched_tokens=pool.token_budget,
             long_prefill_chunk=pool.chunk_size,
             max_num_seqs=pool.max_num_seqs,

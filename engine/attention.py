@@ -243,8 +243,12 @@ def _gather(
 def write_quantized(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
     """Quantize x [T, KVH, D] into an int8/fp8 cache at its slots with per (block, head) scales that
     only grow (csrc/kv_quant.cpp on a CPU; the same rules in torch elsewhere)."""
-    if cpu_attention.write_quantized(x, cache, scales, slot_blocks, slot_offsets):
-        return
+    if not cpu_attention.write_quantized(x, cache, scales, slot_blocks, slot_offsets):
+        write_quantized_torch(x, cache, scales, slot_blocks, slot_offsets)
+
+
+def write_quantized_torch(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
+    """``write_quantized`` in torch ops, a block at a time (devices without the CPU kernel)."""
     fp8 = cache.dtype == torch.float8_e4m3fn
     qmax = 448.0 if fp8 else 127.0
 

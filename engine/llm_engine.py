@@ -99,7 +99,8 @@ class LLMEngine:
         both caches, so each block id costs the target's bytes plus the draft's."""
         if self.config.num_kv_blocks is not None:
             return self.config
-        per_block = KVCache.bytes_per_block_of(model_config, self.config.block_size, dtype)
+        quantized = self.config.kv_cache_dtype if self.config.kv_cache_dtype != "auto" else None
+        per_block = KVCache.bytes_per_block_of(model_config, self.config.block_size, dtype, quantized)
         per_block += draft_bytes_per_block(self.config.speculative.draft_model, self.config, dtype)
         return dataclasses.replace(self.config, num_kv_blocks=max(1, self.config.kv_cache_bytes // per_block))
 
@@ -187,11 +188,12 @@ class LLMEngine:
         config_bytes = (self.model_path / "config.json").read_bytes()
         return {
             "model_id": f"{self.model_config.architecture}:{hashlib.sha256(config_bytes).hexdigest()[:16]}",
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": str(self.kv_cache.dtype).removeprefix("torch."),  # a quantized cache's element type
             "num_layers": self.model_config.num_layers,
             "num_kv_heads": self.model_config.num_kv_heads,
             "head_dim": self.model_config.head_dim,
             "block_size": self.kv_cache.block_size,
+            "block_scales": self.kv_cache.quantized is not None,
         }
 
     # -- stepping ---------------------------------------------------------------------

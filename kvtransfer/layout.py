@@ -49,6 +49,9 @@ class KVCompat:
     head_dim: int
     block_size: int
     layout: str = BLOCK_MAJOR
+    # A quantized cache (int8, fp8): after each block's elements, a float32 scale per layer,
+    # key/value and KV head; the tensor is then raw bytes, [num_blocks, bytes_per_block].
+    block_scales: bool = False
 
     def __post_init__(self) -> None:
         if dtype_name(self.dtype) not in DTYPE_SIZES:
@@ -63,9 +66,8 @@ class KVCompat:
 
     @property
     def bytes_per_block(self) -> int:
-        return (
-            self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
-        )
+        elements = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
+        return elements + (self.num_layers * 2 * self.num_kv_heads * 4 if self.block_scales else 0)
 
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block inside the block-major KV tensor."""
@@ -86,6 +88,15 @@ class KVCompat:
 
     def check_tensor(self, kv_cache: torch.Tensor) -> None:
         """Raise LayoutError unless ``kv_cache`` is a contiguous tensor of this layout."""
+        if self.block_scales:
+            if kv_cache.dim() != 2 or kv_cache.shape[1] != self.bytes_per_block or dtype_name(kv_cache.dtype) != "uint8":
+                raise LayoutError(
+                    f"kv_cache: {tuple(kv_cache.shape)} {dtype_name(kv_cache.dtype)} is not [num_blocks, {self.bytes_per_block}] uint8 "
+                    f"(a {self.dtype} cache with block scales)"
+                )
+            if not kv_cache.is_contiguous():
+                raise LayoutError("kv_cache: must be contiguous so that a block is one run of bytes")
+            return
         expected = self.block_shape()
         if kv_cache.dim() != 1 + len(expected) or tuple(kv_cache.shape[1:]) != expected:
             raise LayoutError(

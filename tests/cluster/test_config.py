@@ -48,3 +48,12 @@ def test_speculation_is_off_by_default_and_reaches_the_decode_pool_only_when_ask
         load_config(config, {})
     with pytest.raises(ConfigError, match="speculative.num_speculative_tokens"):
         load_config(None, {"speculative.num_speculative_tokens": 0})
+
+
+def test_the_kv_cache_dtype_reaches_both_pools_since_their_blocks_travel_between_them():
+    assert load_config(None, {}).to_spec().prefill.engine.kv_cache_dtype == "auto"
+    args = build_parser().parse_args(["up", "--kv-cache-dtype", "int8"])
+    spec = load_config(None, {"kv_cache_dtype": args.kv_cache_dtype}).to_spec()
+    assert spec.prefill.engine.kv_cache_dtype == spec.decode.engine.kv_cache_dtype == "int8"
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        load_config(None, {"kv_cache_dtype": "int4"})

@@ -60,6 +60,17 @@ def test_kv_tensor_must_match_the_layout():
         KVCompat("m", "complex64", 2, 2, 8, 4)
 
 
+def test_a_quantized_cache_is_raw_bytes_with_its_scales_and_never_matches_an_unquantized_one():
+    int8 = KVCompat("HuggingFaceTB/SmolLM2-135M", "int8", 30, 3, 64, 16, block_scales=True)
+    # One byte per element plus a float32 scale per layer, key/value and KV head.
+    assert int8.bytes_per_block == 184_320 + 30 * 2 * 3 * 4 <= 0.55 * SMOLLM2.bytes_per_block
+    assert int8.differences(SMOLLM2) == ["dtype: 'int8' != 'bfloat16'", "block_scales: True != False"]
+    int8.check_tensor(torch.zeros((4, int8.bytes_per_block), dtype=torch.uint8))
+    assert KVRegion.from_tensor(torch.zeros((4, int8.bytes_per_block), dtype=torch.uint8)).bytes_per_block == int8.bytes_per_block
+    with pytest.raises(LayoutError, match="block scales"):
+        int8.check_tensor(torch.zeros((4, 184_320), dtype=torch.uint8))
+
+
 def test_notification_round_trip_and_foreign_messages():
     notif = TransferNotif("req-é", 7, 3, 12, [(4, 3), (20, 1)])
     assert TransferNotif.decode(notif.encode()) == notif

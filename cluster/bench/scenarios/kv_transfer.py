@@ -40,10 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=3, help="requests per length")
     parser.add_argument("--output-len", type=int, default=4)
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], default="auto", help="KV cache elements of both actors")
+    parser.add_argument("--kv-memory-gib", type=float, default=4.0, help="for the report: sequences of each length that many GiB of KV hold")
 
 
 def run(args: argparse.Namespace) -> ScenarioOutcome:
     engine = engine_config(args.dtype, args.chunk, args.chunk, seed=args.seed)
+    engine.kv_cache_dtype = args.kv_cache_dtype
     shape = ClusterShape("1 prefill + 1 decode", 1, 1, Disaggregation.ALWAYS, engine, engine)
     with scenario_model(args.model, args.dtype, args.seed) as model_dir, ray_running():
         with local_cluster(model_dir, shape) as deployment:
@@ -61,13 +64,22 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     config = {"scenario": NAME, **flags_of(args), "clusters": [shape.describe()]}
     body = {"ratios": ratios, "per_length": {str(k): v for k, v in per_length.items()}, "runs": {output.label: run_to_dict(output.metrics, output.records, output.by_tag)}, "plots": [str(p) for p in paths]}
     json_path = write_json(out / "scenario.json", result_document(f"scenario:{NAME}", config, body))
-    lines = [f"{'prompt':>8}{'TTFT':>10}{'prefill':>10}{'transfer':>10}{'share':>8}   (medians, ms; transfer = exposed after the last chunk)"]
+    lines = [
+        f"KV cache {args.kv_cache_dtype} ({args.dtype} model)",
+        f"{'prompt':>8}{'TTFT':>10}{'prefill':>10}{'transfer':>10}{'share':>8}{'KV bytes':>12}{'seqs in ' + str(args.kv_memory_gib) + ' GiB':>16}"
+        "   (medians, ms; transfer = exposed after the last chunk)",
+    ]
     for length, f in per_length.items():
         if not f["num_ok"]:
             lines.append(f"{length:>8}  (no request completed)")
             continue
         m = f["stage_medians_ms"]
-        lines.append(f"{length:>8}{f['client_ttft_ms']:>10.1f}{m['prefill_compute_ms']:>10.1f}{m['kv_transfer_ms']:>10.1f}{100 * f['transfer_share']:>7.2f}%")
+        # Every prompt block crosses (no prefix cache hits between distinct random prompts).
+        capacity = int(args.kv_memory_gib * 2**30 // f["kv_bytes"]) if f["kv_bytes"] else 0
+        lines.append(
+            f"{length:>8}{f['client_ttft_ms']:>10.1f}{m['prefill_compute_ms']:>10.1f}{m['kv_transfer_ms']:>10.1f}{100 * f['transfer_share']:>7.2f}%"
+            f"{f['kv_bytes']:>12,}{capacity:>16,}"
+        )
     shares = [f"{length}: {100 * f['transfer_share']:.2f}%" for length, f in per_length.items() if f["transfer_share"] is not None]
     lines.append("share of TTFT spent in KV transfer, by prompt length: " + ", ".join(shares))
     return ScenarioOutcome(NAME, lines, json_path, ratios, ok=output.metrics.completed == output.metrics.num_requests)
@@ -100,4 +112,5 @@ def _per_length(records: list[RequestRecord]) -> dict:
         "client_ttft_ms": statistics.median(ttft_ms(r) for r in done),
         "stage_medians_ms": medians,
         "transfer_share": statistics.median(shares) if shares else None,  # per request, then the median
+        "kv_bytes": int(statistics.median(r.timing.kv_bytes_transferred for r in done)),
     }
