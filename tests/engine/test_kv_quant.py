@@ -131,3 +131,26 @@ def test_int8_greedy_output_mostly_agrees_and_both_attention_paths_agree(native)
     agree = sum(a == b for p, q in zip(plain, quantized) for a, b in zip(p.token_ids, q.token_ids))
     assert agree >= 0.9 * 48 * len(prompts)
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_with_speculation_preemption_prefix_hits_and_chunks_together():
+    from engine.speculation import SpeculativeConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)
+    shared = tokenizer("import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n")["input_ids"]
+    prompts = [shared + tokenizer(tail)["input_ids"][1:] for tail in ("    args = parser", "    return 0\n", "    for arg in argv:\n", "    print(")]
+    params = SamplingParams(max_tokens=80, temperature=0, ignore_eos=True)
+    plain = LLMEngine(None, EngineConfig(dtype="float32", num_threads=1)).generate(prompts, params)
+    # 14 blocks of 16 tokens cannot hold four sequences of ~30 + 80 tokens: preemptions.
+    engine = LLMEngine(None, EngineConfig(
+        dtype="float32", num_threads=1, kv_cache_dtype="int8", num_kv_blocks=14, long_prefill_chunk=8,
+        speculative=SpeculativeConfig(num_speculative_tokens=3),
+    ))
+    out = engine.generate(prompts[:1], params)  # its prompt blocks stay cached for the others
+    out += engine.generate(prompts[1:], params)
+    assert [len(c.token_ids) for c in out] == [80] * len(prompts)
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_accepted_draft_tokens > 0
+    assert engine.scheduler.num_prefix_hit_tokens > 0
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    agree = sum(a == b for p, q in zip(plain, out) for a, b in zip(p.token_ids, q.token_ids))
+    assert agree >= 0.8 * 80 * len(prompts)
