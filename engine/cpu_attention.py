@@ -125,6 +125,7 @@ def _build() -> ctypes.CDLL:
         int64, int64, int64, int64, int64, int64,  # block, token and head strides of keys, values
         pointer, pointer, int64, int64,  # key and value scales, their block strides (quantized caches)
         pointer, ctypes.c_float, ctypes.c_int, int64,  # out, scale, threads, sliding window (0: none)
+        ctypes.c_int,  # bfloat16 model: a quantized cache's tiles may be bfloat16 (avx512_bf16)
     ]
     library.pdserve_kv_quant_write.restype = None
     library.pdserve_kv_quant_write.argtypes = [
@@ -323,6 +324,7 @@ def attend_prefill(
         head_dim**-0.5,
         torch.get_num_threads(),
         window or 0,
+        int(q.dtype == torch.bfloat16),
     )
     if status != 0:
         raise ValueError(f"no kernel built for head_dim {head_dim}")

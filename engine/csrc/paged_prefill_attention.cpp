@@ -27,6 +27,7 @@
 #include "simd.h"
 
 #include <memory>
+#include <tuple>
 #include <utility>
 
 namespace {
@@ -173,7 +174,10 @@ struct F32Math {
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // A word holds two bfloat16 values, the first in its low half: the operand layout of vdpbf16ps.
-template <int DV>
+// T: the cache's element type. bfloat16 rows are paired as they lie; quantized rows (int8, fp8)
+// are dequantized with their block's scale and rounded to bfloat16 first (a bfloat16 model only:
+// its queries are bfloat16 already, and the rounding is far below the quantization step).
+template <typename T, int DV>
 struct Bf16Math {
   static constexpr int D = DV * Vec::W;
   using Elem = uint32_t;
@@ -184,6 +188,13 @@ struct Bf16Math {
 
   static __m512 dot(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+  }
+  // D quantized elements times their scale, rounded to bfloat16.
+  static void to_bf16_row(const T* src, float scale, uint16_t* dst) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int c = 0; c < D; c += Vec::W)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(Vec::load(src + c), vscale))));
   }
   static __m512i pairs(const uint16_t* first, const uint16_t* second) {  // 16 (first[i], second[i]) words
     const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first)));
@@ -213,6 +224,7 @@ struct Bf16Math {
     const int64_t total = span.context_len + span.num_tokens;
     static const uint16_t zeros[D] = {};
     const uint16_t* values[KT];
+    alignas(64) uint16_t dequantized[Quant<T>::scaled ? 2 * KT * D : 1];  // rows of a quantized cache, as bfloat16
     for (int j = 0; j < KT; ++j) {
       const int64_t pos = tile * KT + j;
       if (pos >= total) {
@@ -220,7 +232,19 @@ struct Bf16Math {
         values[j] = zeros;
         continue;
       }
-      const auto [key, value] = cache_rows<uint16_t>(call, span, pos, head);
+      const uint16_t *key, *value;
+      if constexpr (Quant<T>::scaled) {
+        const auto [qkey, qvalue] = cache_rows<T>(call, span, pos, head);
+        const int64_t block = span.table[pos / call.geo.block_size];
+        uint16_t* krow = dequantized + j * D;
+        uint16_t* vrow = dequantized + (KT + j) * D;
+        to_bf16_row(qkey, call.geo.key_scale<T>(block, head), krow);
+        to_bf16_row(qvalue, call.geo.value_scale<T>(block, head), vrow);
+        key = krow;
+        value = vrow;
+      } else {
+        std::tie(key, value) = cache_rows<uint16_t>(call, span, pos, head);
+      }
       const uint32_t* key_words = reinterpret_cast<const uint32_t*>(key);
       for (int w = 0; w < D / 2; ++w) kt[w * KT + j] = key_words[w];
       values[j] = value;
@@ -425,12 +449,15 @@ void run(const Call& call, std::vector<Span>& spans) {
 // The cache's element type: 0 float32, 1 bfloat16, 2 int8, 3 fp8 e4m3fn (the last two scaled,
 // dequantized into float32 tiles).
 template <int DV>
-bool by_dtype(int kind, const Call& call, std::vector<Span>& spans) {
+bool by_dtype(int kind, bool bf16_model, const Call& call, std::vector<Span>& spans) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if (kind == 1) {
-    run<Bf16Math<DV>>(call, spans);
-    return true;
+  switch (kind) {
+    case 1: run<Bf16Math<uint16_t, DV>>(call, spans); return true;
+    case 2: if (bf16_model) { run<Bf16Math<int8_t, DV>>(call, spans); return true; } break;
+    case 3: if (bf16_model) { run<Bf16Math<Fp8, DV>>(call, spans); return true; } break;
   }
+#else
+  (void)bf16_model;
 #endif
   switch (kind) {
     case 0: run<F32Math<float, DV>>(call, spans); return true;
@@ -451,7 +478,8 @@ extern "C" int pdserve_paged_prefill(const float* q, const void* key_cache, cons
                                      int64_t block_stride_k, int64_t block_stride_v, int64_t token_stride_k,
                                      int64_t token_stride_v, int64_t head_stride_k, int64_t head_stride_v,
                                      const float* key_scales, const float* value_scales, int64_t scale_stride_k,
-                                     int64_t scale_stride_v, float* out, float scale, int num_threads, int64_t window) {
+                                     int64_t scale_stride_v, float* out, float scale, int num_threads, int64_t window,
+                                     int bf16_model) {
   if (head_dim % Vec::W != 0 || group < 1) return -1;
   const Call call{q, key_cache, value_cache,
                   Geometry{block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k,
@@ -461,11 +489,11 @@ extern "C" int pdserve_paged_prefill(const float* q, const void* key_cache, cons
   for (int64_t c = 0; c < num_chunks; ++c)
     spans.push_back(Span{first_rows[c], num_tokens[c], context_lens[c], tables + c * table_width, 0, 0});
   switch (head_dim / Vec::W) {
-    case 1: return by_dtype<1>(kind, call, spans) ? 0 : -1;
-    case 2: return by_dtype<2>(kind, call, spans) ? 0 : -1;
-    case 4: return by_dtype<4>(kind, call, spans) ? 0 : -1;
-    case 8: return by_dtype<8>(kind, call, spans) ? 0 : -1;
-    case 16: return by_dtype<16>(kind, call, spans) ? 0 : -1;
+    case 1: return by_dtype<1>(kind, bf16_model != 0, call, spans) ? 0 : -1;
+    case 2: return by_dtype<2>(kind, bf16_model != 0, call, spans) ? 0 : -1;
+    case 4: return by_dtype<4>(kind, bf16_model != 0, call, spans) ? 0 : -1;
+    case 8: return by_dtype<8>(kind, bf16_model != 0, call, spans) ? 0 : -1;
+    case 16: return by_dtype<16>(kind, bf16_model != 0, call, spans) ? 0 : -1;
   }
   return -1;
 }

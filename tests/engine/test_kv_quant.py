@@ -101,6 +101,12 @@ def test_attention_kernels_read_what_the_cache_holds(kind):
     got = cpu_attention.attend_prefill(q, quantized.key_views[0], quantized.value_views[0], chunks, None, quantized.key_scales[0], quantized.value_scales[0])
     want = cpu_attention.attend_prefill(q, keys, values, chunks)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    # A bfloat16 model: where the CPU has avx512_bf16 the tiles are the dequantized values rounded
+    # to bfloat16, as a bfloat16 cache holding them would be.
+    q16 = q.to(torch.bfloat16)
+    got = cpu_attention.attend_prefill(q16, quantized.key_views[0], quantized.value_views[0], chunks, None, quantized.key_scales[0], quantized.value_scales[0])
+    want = cpu_attention.attend_prefill(q16, keys.to(torch.bfloat16), values.to(torch.bfloat16), chunks)
+    assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("kind", KINDS)
