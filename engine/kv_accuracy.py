@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +39,12 @@ HELD_OUT_FILES = (
 class Perplexity:
     nll: float  # summed over tokens
     num_tokens: int
+    top1: list[int] = field(default_factory=list)  # the most likely next token at every position
+
+    def top1_agreement(self, other: "Perplexity") -> float:
+        """Share of positions where both runs' most likely next token is the same (greedy
+        agreement, teacher-forced: no divergence compounds)."""
+        return sum(a == b for a, b in zip(self.top1, other.top1)) / max(1, len(self.top1))
 
     @property
     def value(self) -> float:
@@ -61,7 +67,7 @@ def held_out_windows(tokenizer, window: int = 256, per_file: int = 4) -> list[li
 @torch.inference_mode()
 def perplexity(engine: LLMEngine, texts: list[list[int]], chunk: int = 32) -> Perplexity:
     """Teacher-forced perplexity of ``texts`` through ``engine``'s model and KV cache, in chunks."""
-    nll, count = 0.0, 0
+    nll, count, top1 = 0.0, 0, []
     block_size = engine.kv_cache.block_size
     for ids in texts:
         block_table = engine.allocator.allocate(-(-len(ids) // block_size))
@@ -74,9 +80,10 @@ def perplexity(engine: LLMEngine, texts: list[list[int]], chunk: int = 32) -> Pe
                 )
                 nll += float(F.cross_entropy(logits.float(), torch.tensor(ids[start + 1 : end + 1]), reduction="sum"))
                 count += end - start
+                top1.extend(logits.argmax(dim=-1).tolist())
         finally:
             engine.allocator.free(block_table)
-    return Perplexity(nll, count)
+    return Perplexity(nll, count, top1)
 
 
 def main() -> None:
@@ -93,10 +100,11 @@ def main() -> None:
     for kv_dtype in ("auto", "int8", "fp8_e4m3"):
         engine = LLMEngine(args.model, EngineConfig(dtype=args.dtype, kv_cache_dtype=kv_dtype, num_threads=args.threads, num_kv_blocks=64))
         results[kv_dtype] = perplexity(engine, texts, args.chunk)
-        base = results["auto"].value
+        base = results["auto"]
         print(
-            f"kv {kv_dtype:9s} perplexity {results[kv_dtype].value:8.4f} ({results[kv_dtype].value / base - 1:+.2%} against the "
-            f"{args.dtype} cache) over {results[kv_dtype].num_tokens} tokens; {engine.kv_cache.bytes_per_block} bytes per block"
+            f"kv {kv_dtype:9s} perplexity {results[kv_dtype].value:8.4f} ({results[kv_dtype].value / base.value - 1:+.2%} against the "
+            f"{args.dtype} cache), top-1 agreement {results[kv_dtype].top1_agreement(base):.2%} over {results[kv_dtype].num_tokens} "
+            f"tokens; {engine.kv_cache.bytes_per_block} bytes per block"
         )
 
 
