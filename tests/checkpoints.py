@@ -92,3 +92,36 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 1) -> list[l
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
+
+
+def exact_top_k_sequences(model, prompt: list[int], num_tokens: int, temperature: float, top_k: int) -> dict[tuple[int, ...], float]:
+    """Every continuation of ``num_tokens`` tokens that sampling with ``temperature`` and ``top_k``
+    can draw after ``prompt``, with its exact probability under transformers' model."""
+
+    def filtered(logits: torch.Tensor) -> torch.Tensor:
+        scaled = logits / temperature
+        kth = scaled.topk(top_k).values[-1]
+        return torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
+
+    frontier = {(): 1.0}
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            grown = {}
+            for prefix, prob in frontier.items():
+                probs = filtered(model(torch.tensor([prompt + list(prefix)])).logits[0, -1])
+                for token in probs.nonzero().flatten().tolist():
+                    grown[prefix + (token,)] = prob * float(probs[token])
+            frontier = grown
+    return frontier
+
+
+def assert_drawn_like(outcomes: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]) -> None:
+    """Each outcome's frequency within four standard errors of its exact probability."""
+    counts: dict[tuple[int, ...], int] = {}
+    for outcome in outcomes:
+        counts[outcome] = counts.get(outcome, 0) + 1
+    assert set(counts) <= set(exact), "an outcome sampling cannot produce"
+    draws = len(outcomes)
+    for outcome, p in exact.items():
+        freq = counts.get(outcome, 0) / draws
+        assert abs(freq - p) <= 4 * (p * (1 - p) / draws) ** 0.5 + 2e-3, (outcome, freq, p)

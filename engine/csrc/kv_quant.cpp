@@ -10,22 +10,12 @@
 //
 // Layout: src [tokens, heads, head_dim] float32 or bfloat16, contiguous; cache elements are one
 // byte, strides in bytes (= elements); scales [num_blocks] x heads floats, block stride in floats.
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
+#include "simd.h"
+
 #include <cstring>
 #include <unordered_map>
-#include <vector>
 
 namespace {
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
 
 // float -> e4m3fn, round to nearest even, saturating at 448 (no NaN is ever produced).
 inline uint8_t to_e4m3(float x) {
@@ -48,20 +38,14 @@ inline uint8_t to_e4m3(float x) {
   return sign | static_cast<uint8_t>(std::min<uint32_t>(code, 0x7E));
 }
 
-inline float from_e4m3(uint8_t v) {
-  const int exponent = (v >> 3) & 0xF, mantissa = v & 0x7;
-  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
-                                        : std::ldexp(1.f + mantissa / 8.f, exponent - 7);
-  return (v & 0x80) ? -magnitude : magnitude;
-}
-
 inline uint8_t quantize(float x, float inv_scale, bool fp8) {
   if (fp8) return to_e4m3(x * inv_scale);
   const float q = std::nearbyint(x * inv_scale);
   return static_cast<uint8_t>(static_cast<int8_t>(std::clamp(q, -127.f, 127.f)));
 }
 
-inline float dequantize(uint8_t v, bool fp8) { return fp8 ? from_e4m3(v) : static_cast<float>(static_cast<int8_t>(v)); }
+// to_float(Fp8) gives the value times 2^-8 (simd.h), as the attention kernels read it.
+inline float dequantize(uint8_t v, bool fp8) { return fp8 ? to_float(Fp8{v}) * 256.f : static_cast<float>(static_cast<int8_t>(v)); }
 
 template <typename T>
 void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const int64_t* slot_blocks,
@@ -85,7 +69,7 @@ void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const i
     for (int64_t h = 0; h < heads; ++h) {
       const T* row = src + (t * heads + h) * dim;
       float m = amax[i * heads + h];
-      for (int64_t d = 0; d < dim; ++d) m = std::max(m, std::fabs(widen(row[d])));
+      for (int64_t d = 0; d < dim; ++d) m = std::max(m, std::fabs(to_float(row[d])));
       amax[i * heads + h] = m;
     }
   }
@@ -115,7 +99,7 @@ void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const i
       const T* row = src + (t * heads + h) * dim;
       uint8_t* out = token + h * head_stride;
       const float inv = inv_scale[i * heads + h];
-      for (int64_t d = 0; d < dim; ++d) out[d] = quantize(widen(row[d]), inv, fp8);
+      for (int64_t d = 0; d < dim; ++d) out[d] = quantize(to_float(row[d]), inv, fp8);
     }
   }
 }

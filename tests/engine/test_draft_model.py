@@ -13,7 +13,7 @@ from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
 from engine.speculation import SpeculativeConfig
 from cluster.bench.scenarios.speculation import write_layer_skip_draft
-from tests.checkpoints import build_checkpoint, hf_greedy, random_prompts
+from tests.checkpoints import assert_drawn_like, build_checkpoint, exact_top_k_sequences, hf_greedy, random_prompts
 
 CODE_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"]
 
@@ -78,33 +78,13 @@ def test_sampled_sequences_keep_the_models_joint_distribution(draft_dir):
     prompt = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)("def add(a, b):\n    return")["input_ids"]
     top_k, temperature = 3, 1.5
 
-    def filtered(logits: torch.Tensor) -> torch.Tensor:
-        scaled = logits / temperature
-        kth = scaled.topk(top_k).values[-1]
-        return torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
-
-    frontier = {(): 1.0}
-    with torch.no_grad():
-        for _ in range(3):
-            grown = {}
-            for prefix, prob in frontier.items():
-                probs = filtered(model(torch.tensor([prompt + list(prefix)])).logits[0, -1])
-                for token in probs.nonzero().flatten().tolist():
-                    grown[prefix + (token,)] = prob * float(probs[token])
-            frontier = grown
-
+    frontier = exact_top_k_sequences(model, prompt, 3, temperature, top_k)
     engine = _engine(speculative=_spec(draft_dir, k=2), num_kv_blocks=2048, max_num_seqs=512, max_num_batched_tokens=4096)
     draws = 3000
     outs = engine.generate([prompt] * draws, SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True))
     drafted, accepted = engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_draft_tokens
     assert drafted == draws and 0 < accepted < drafted, "every second token was a guess, some confirmed"
-    counts: dict[tuple[int, ...], int] = {}
-    for out in outs:
-        counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
-    assert set(counts) <= set(frontier)
-    for outcome, p in frontier.items():
-        freq = counts.get(outcome, 0) / draws
-        assert abs(freq - p) <= 4 * (p * (1 - p) / draws) ** 0.5 + 2e-3, (outcome, freq, p)
+    assert_drawn_like([tuple(out.token_ids) for out in outs], frontier)
 
 
 def test_a_seeded_request_repeats_whatever_shares_its_batches(draft_dir, code_prompts):

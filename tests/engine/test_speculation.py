@@ -15,7 +15,7 @@ from engine.cpu_linear import bf16_pair_kernel_available
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from engine.speculation import DraftWindow, NgramIndex, NgramProposer, Proposal, SpeculativeConfig
-from tests.checkpoints import hf_greedy, random_prompts
+from tests.checkpoints import assert_drawn_like, exact_top_k_sequences, hf_greedy, random_prompts
 
 CODE_PROMPTS = [
     "def fibonacci(n):\n",
@@ -173,23 +173,7 @@ def test_sampled_sequences_keep_the_models_joint_distribution():
     prompt = tokenizer("x = x + 1\nx = x + 1\nx = x + 1\nx = x")["input_ids"]
     top_k, temperature = 3, 1.3
 
-    def filtered(logits: torch.Tensor) -> torch.Tensor:
-        scaled = logits / temperature
-        kth = scaled.topk(top_k).values[-1]
-        return torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
-
-    exact: dict[tuple[int, ...], float] = {}
-    frontier = {(): 1.0}
-    with torch.no_grad():
-        for _ in range(3):
-            grown = {}
-            for prefix, prob in frontier.items():
-                probs = filtered(model(torch.tensor([prompt + list(prefix)])).logits[0, -1])
-                for token in probs.nonzero().flatten().tolist():
-                    grown[prefix + (token,)] = prob * float(probs[token])
-            frontier = grown
-    exact = frontier
-
+    exact = exact_top_k_sequences(model, prompt, 3, temperature, top_k)
     engine = _engine(speculative=SpeculativeConfig(num_speculative_tokens=2), num_kv_blocks=2048, max_num_seqs=512,
                      max_num_batched_tokens=4096)
     params = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True)
@@ -199,14 +183,7 @@ def test_sampled_sequences_keep_the_models_joint_distribution():
     # had a match for its first: most of them, some confirmed and some not.
     drafted, accepted = engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_draft_tokens
     assert drafted > draws // 2 and 0 < accepted < drafted
-    counts = {}
-    for out in outs:
-        key = tuple(out.token_ids)
-        counts[key] = counts.get(key, 0) + 1
-    assert set(counts) <= set(exact)
-    for outcome, p in exact.items():
-        freq = counts.get(outcome, 0) / draws
-        assert abs(freq - p) <= 4 * (p * (1 - p) / draws) ** 0.5 + 2e-3, (outcome, freq, p)
+    assert_drawn_like([tuple(out.token_ids) for out in outs], exact)
 
 
 def test_a_seeded_request_repeats_whatever_shares_its_batches(code_prompts):
