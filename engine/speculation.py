@@ -17,6 +17,7 @@ that followed there. It pays where text repeats itself: code, edits, extraction.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,12 +137,12 @@ class Proposal:
     probs: list[torch.Tensor] | None = None
 
 
-class Proposer:
+class Proposer(ABC):
     """What the scheduler asks for drafts (engine.draft_model's proposer is the other kind)."""
 
+    @abstractmethod
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
         """At most ``rooms[i]`` drafts to follow ``seqs[i]``; the blocks for them are allocated."""
-        raise NotImplementedError
 
     def after_verify(self, seq: Sequence) -> None:
         """``seq``'s drafts were verified and its new tokens appended."""
