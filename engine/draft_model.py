@@ -49,8 +49,8 @@ class DraftProgress:
 
 def draft_bytes_per_block(draft_model: str | Path, engine_config: EngineConfig, dtype: torch.dtype) -> int:
     """KV bytes the draft needs per block id, to size the two caches together."""
-    quantized = engine_config.kv_cache_dtype if engine_config.kv_cache_dtype != "auto" else None
-    return KVCache.bytes_per_block_of(ModelConfig.from_model_dir(Path(draft_model)), engine_config.block_size, dtype, quantized)
+    draft_config = ModelConfig.from_model_dir(Path(draft_model))
+    return KVCache.bytes_per_block_of(draft_config, engine_config.block_size, dtype, engine_config.kv_cache_dtype)
 
 
 class DraftModelProposer(Proposer):

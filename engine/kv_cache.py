@@ -51,7 +51,7 @@ class KVCache:
         quantized = engine_config.kv_cache_dtype if engine_config.kv_cache_dtype in QUANTIZED_DTYPES else None
         self.quantized = quantized  # None: elements in the model's dtype, no scales
         self.dtype = QUANTIZED_DTYPES[quantized] if quantized else dtype
-        self.bytes_per_block = self.bytes_per_block_of(model_config, engine_config.block_size, dtype, quantized)
+        self.bytes_per_block = self.bytes_per_block_of(model_config, engine_config.block_size, dtype, engine_config.kv_cache_dtype)
         if engine_config.num_kv_blocks is not None:
             self.num_blocks = engine_config.num_kv_blocks
         else:
@@ -75,11 +75,11 @@ class KVCache:
         self.value_views = [elements[:, layer, 1] for layer in range(self.num_layers)]
 
     @staticmethod
-    def bytes_per_block_of(model_config: ModelConfig, block_size: int, dtype: torch.dtype, quantized: str | None = None) -> int:
+    def bytes_per_block_of(model_config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """What one block of ``model_config``'s cache takes, every layer's keys and values (and
-        their scales, for a quantized cache)."""
+        their scales, for a quantized ``kv_cache_dtype``; "auto": elements in ``dtype``)."""
         shape = (model_config.num_layers, 2, block_size, model_config.num_kv_heads, model_config.head_dim)
-        if quantized is None:
+        if kv_cache_dtype not in QUANTIZED_DTYPES:
             return _numel(shape) * torch.empty((), dtype=dtype).element_size()
         return _numel(shape) + model_config.num_layers * 2 * model_config.num_kv_heads * 4
 

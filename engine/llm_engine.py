@@ -99,8 +99,7 @@ class LLMEngine:
         both caches, so each block id costs the target's bytes plus the draft's."""
         if self.config.num_kv_blocks is not None:
             return self.config
-        quantized = self.config.kv_cache_dtype if self.config.kv_cache_dtype != "auto" else None
-        per_block = KVCache.bytes_per_block_of(model_config, self.config.block_size, dtype, quantized)
+        per_block = KVCache.bytes_per_block_of(model_config, self.config.block_size, dtype, self.config.kv_cache_dtype)
         per_block += draft_bytes_per_block(self.config.speculative.draft_model, self.config, dtype)
         return dataclasses.replace(self.config, num_kv_blocks=max(1, self.config.kv_cache_bytes // per_block))
 

@@ -28,7 +28,7 @@ class ModelRunner:
             seq = piece.seq
             start = seq.num_computed_tokens
             end = start + piece.num_tokens
-            input_ids.extend(seq.token_ids[start : end - len(piece.draft_token_ids)])
+            input_ids.extend(seq.token_ids[start : start + piece.num_own_tokens])
             input_ids.extend(piece.draft_token_ids)
             positions.extend(range(start, end))
             logits_indices.extend(range(len(input_ids) - piece.num_sampled_rows, len(input_ids)))

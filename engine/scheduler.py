@@ -52,14 +52,19 @@ class ScheduledSlice:
     draft_probs: list | None = None  # per draft, the proposer's distribution (None: proposed with certainty)
 
     @property
+    def num_own_tokens(self) -> int:
+        """The sequence's own tokens in the slice (drafts excluded)."""
+        return self.num_tokens - len(self.draft_token_ids)
+
+    @property
     def completes_sequence(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_tokens - len(self.draft_token_ids) == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_own_tokens == self.seq.num_tokens
 
     @property
     def is_decode(self) -> bool:
         """One token past the prompt (and its drafts): the decode kernel's. A one-token piece of a
         prompt is a prefill chunk like any other, so a prompt's bits never depend on where it was cut."""
-        return self.num_tokens - len(self.draft_token_ids) == 1 and self.seq.is_decoding
+        return self.num_own_tokens == 1 and self.seq.is_decoding
 
     @property
     def num_sampled_rows(self) -> int:
@@ -206,6 +211,7 @@ class Scheduler:
         (after every decode got its own token: a draft never preempts); return tokens taken."""
         spec = self.config.speculative
         pieces, rooms = [], []
+        reserved = 0
         for piece in decodes:
             seq = piece.seq
             limit = spec.num_speculative_tokens
@@ -214,12 +220,13 @@ class Scheduler:
                     seq.draft_window = DraftWindow(limit)
                 limit = seq.draft_window.room()
             # Never past what the request may emit: the drafts and the target's token after them.
-            room = min(limit, budget - sum(rooms), seq.params.max_tokens - seq.num_output_tokens - 1,
+            room = min(limit, budget - reserved, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
             # Blocks first: a draft model writes its own KV for its guesses into them.
             if room > 0 and self._try_grow_blocks(seq, 1 + room):
                 pieces.append(piece)
                 rooms.append(room)
+                reserved += room
         if not pieces:
             return 0
         try:

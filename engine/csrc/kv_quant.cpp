@@ -54,7 +54,7 @@ void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const i
   const float qmax = fp8 ? 448.f : 127.f;
   // The blocks this step touches, each with its first new offset and per-head range.
   std::unordered_map<int64_t, int64_t> index;
-  std::vector<int64_t> blocks, first_offset;
+  std::vector<int64_t> blocks, first_offset, token_block(num_tokens);  // token_block: index into blocks
   std::vector<float> amax;
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t block = slot_blocks[t];
@@ -64,7 +64,7 @@ void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const i
       first_offset.push_back(slot_offsets[t]);
       amax.resize(amax.size() + heads, 0.f);
     }
-    const int64_t i = it->second;
+    const int64_t i = token_block[t] = it->second;
     first_offset[i] = std::min(first_offset[i], slot_offsets[t]);
     for (int64_t h = 0; h < heads; ++h) {
       const T* row = src + (t * heads + h) * dim;
@@ -93,7 +93,7 @@ void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const i
     }
   }
   for (int64_t t = 0; t < num_tokens; ++t) {
-    const int64_t i = index[slot_blocks[t]];
+    const int64_t i = token_block[t];
     uint8_t* token = cache + slot_blocks[t] * block_stride + slot_offsets[t] * token_stride;
     for (int64_t h = 0; h < heads; ++h) {
       const T* row = src + (t * heads + h) * dim;
