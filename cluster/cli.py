@@ -1,4 +1,4 @@
-"""The ``pdserve`` command line: up, down, status, scale, generate, bench, bench-scenario.
+"""The ``pdserve`` command line: up, down, status, scale, generate, bench, bench-scenario, profile, simulate, plan.
 
 ``pdserve up`` starts a local Ray instance (or joins one with ``--address``), creates the
 controller actor that hosts the router and the pools, prints the gRPC address once the
@@ -112,8 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from cluster.bench.cli import add_bench_parser, add_scenario_parser
 
+    from cluster.planning.cli import add_planning_parsers
+
     add_bench_parser(commands)
     add_scenario_parser(commands)
+    add_planning_parsers(commands)
     return parser
 
 

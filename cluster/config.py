@@ -41,6 +41,10 @@ class PoolConfig(BaseModel):
     token_budget: int = Field(512, ge=1, description="Tokens per engine step (decode tokens plus prefill chunks)")
     chunk_size: int | None = Field(None, ge=1, description="Most tokens of one prompt per step (default: the token budget)")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one batch")
+    target_step_ms: float | None = Field(
+        None, gt=0, description="Adaptive chunk size: a step that also decodes carries the prompt tokens its measured step time "
+        "allows within this many ms (null: fixed chunk_size)"
+    )
     enable_prefix_caching: bool = Field(True, description="Keep full prompt blocks cached for later prompts with the same prefix")
     kv_cache_mb: int | None = Field(
         None, ge=1, description="KV cache size per actor in MiB (default: sized from the actor's machine, see cluster/kv_memory.py)"
@@ -77,6 +81,47 @@ class SpeculativeSection(BaseModel):
     def to_engine(self) -> SpeculativeConfig:
         draft = str(self.draft_model) if self.draft_model is not None else None
         return SpeculativeConfig(self.method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min, draft, self.adaptive)
+
+
+class AutoscalerSection(BaseModel):
+    """The SLA autoscaler (cluster/planning/autoscaler.py); absent or enabled: false: off."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="Resize the pools from the observed load (off by default)")
+    profile: Path | None = Field(None, description="A profile JSON from `pdserve profile` for this model and hardware")
+    slo_ttft_ms: float = Field(2000.0, gt=0, description="TTFT target at the percentile")
+    slo_tpot_ms: float = Field(100.0, gt=0, description="TPOT target at the percentile")
+    percentile: float = Field(90.0, gt=0, lt=100)
+    interval_s: float = Field(30.0, gt=0, description="Seconds between decisions")
+    window_s: float = Field(120.0, gt=0, description="Seconds of traffic each decision looks at")
+    headroom: float = Field(1.2, gt=0, description="Plan for this multiple of the observed arrival rate")
+    max_workers: int = Field(16, ge=1, description="Most workers of both pools together")
+    min_prefill: int = Field(0, ge=0)
+    min_decode: int = Field(1, ge=1)
+    scale_down_delay_s: float = Field(300.0, ge=0, description="A pool shrinks only after every decision this long asked for less")
+
+    @model_validator(mode="after")
+    def _needs_a_profile(self) -> "AutoscalerSection":
+        if self.enabled:
+            if self.profile is None:
+                raise ValueError("autoscaler.profile: an enabled autoscaler needs a profile (run `pdserve profile`)")
+            from cluster.planning.profile import Profile
+
+            Profile.load(self.profile)  # a missing or malformed profile fails here, by its path
+        if self.min_prefill + self.min_decode > self.max_workers:
+            raise ValueError(f"autoscaler.max_workers: {self.max_workers} is below min_prefill + min_decode")
+        return self
+
+    def to_spec(self):
+        from cluster.planning.autoscaler import AutoscalerConfig
+
+        if not self.enabled:
+            return None
+        return AutoscalerConfig(
+            self.profile, self.slo_ttft_ms, self.slo_tpot_ms, self.percentile, self.interval_s, self.window_s, self.headroom,
+            self.max_workers, self.min_prefill, self.min_decode, self.scale_down_delay_s,
+        )
 
 
 class RouterSection(BaseModel):
@@ -171,6 +216,7 @@ class ClusterConfig(BaseModel):
     decode: PoolConfig = Field(default_factory=PoolConfig)
     router: RouterSection = Field(default_factory=RouterSection)
     speculative: SpeculativeSection | None = Field(None, description="Speculative decoding on the decode pool (null: off)")
+    autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection)
     health_interval_s: float = Field(1.0, gt=0, description="Seconds between health checks")
     health_timeout_s: float = Field(10.0, gt=0, description="A worker that does not answer a ping within this is replaced")
 
@@ -235,6 +281,7 @@ class ClusterConfig(BaseModel):
             transfer=KVTransferConfig(backend=self.transfer_backend, network_devices=self.transfer_network_devices),
             health_interval_s=self.health_interval_s,
             health_timeout_s=self.health_timeout_s,
+            autoscaler=self.autoscaler.to_spec(),
         )
 
     def _pool(self, pool: PoolConfig, speculative: SpeculativeSection | None = None) -> PoolSpec:
@@ -247,6 +294,7 @@ class ClusterConfig(BaseModel):
             max_num_batched_tokens=pool.token_budget,
             long_prefill_chunk=pool.chunk_size,
             max_num_seqs=pool.max_num_seqs,
+            target_step_ms=pool.target_step_ms,
             num_threads=pool.threads or max(1, int(pool.num_cpus)),
             enable_prefix_caching=pool.enable_prefix_caching,
             speculative=speculative.to_engine() if speculative is not None else None,

@@ -29,6 +29,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 from pathlib import Path
 
 import ray
@@ -76,6 +77,7 @@ class DeploymentSpec:
     drain_timeout_s: float = 600.0
     name: str = "pdserve"  # names durable workers; one deployment per name in a Ray cluster
     durable_workers: bool = False
+    autoscaler: Any = None  # cluster.planning.autoscaler.AutoscalerConfig; None: the pools keep the sizes they are given
 
     def pool(self, role: Role) -> PoolSpec:
         return self.prefill if role is Role.PREFILL else self.decode
@@ -118,6 +120,7 @@ class PoolManager:
         self._replacements: set[asyncio.Task] = set()
         self._started = False
         self.num_replaced = 0
+        self.autoscaler = None  # cluster.planning.autoscaler.Autoscaler, when the spec enables one
         # Reconciliation: the health loop launches what each pool lacks of its desired size
         # (a dead worker's replacement, or one whose launch failed, retried after a pause).
         self.desired = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
@@ -138,6 +141,13 @@ class PoolManager:
         self._started = True
         await self.refresh_readiness()
         self._health_task = asyncio.create_task(self._health_loop())
+        if self.spec.autoscaler is not None and self.manage:
+            from cluster.planning.autoscaler import Autoscaler, apply_sizes, observed_sizes
+
+            self.autoscaler = Autoscaler.from_config(
+                self.spec.autoscaler, self.router.traffic.snapshot, lambda: observed_sizes(self), lambda p, d: apply_sizes(self, p, d)
+            )
+            self.autoscaler.start()
 
     async def refresh_readiness(self) -> None:
         """Ready once start-up is done and while a decode actor takes requests."""
@@ -149,6 +159,8 @@ class PoolManager:
             await self.router.readiness.set_not_ready("no decode worker is ready (a replacement is starting, or the pool was drained)")
 
     async def stop(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         for task in [self._health_task, *self._replacements]:
             if task is not None:
                 task.cancel()

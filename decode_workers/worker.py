@@ -38,6 +38,7 @@ from decode_workers.scheduler import DecodeScheduler
 from engine.config import EngineConfig
 from engine.sequence import FinishReason, Sequence, TokenLogprob, sampled_token_from_json
 from engine.stats import WorkerState, engine_stats
+from engine.step_profile import shape_of
 from kvtransfer.agent import KVTransferConfig
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.leases import RecentKeys
@@ -303,8 +304,13 @@ class DecodeWorker(EngineWorker):
         busy = self._poll_transfers()
         if not self.engine.has_unfinished_requests():
             return busy
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch.slices:
+            return busy
+        shape = shape_of(batch)
         outputs: dict[str, list[SeqOutput]] = {}
-        for out in self.engine.step():
+        for out in self.engine.run_batch(batch):
             tracked = self._tracked.get(out.req_id)
             if tracked is None:
                 continue
@@ -316,6 +322,7 @@ class DecodeWorker(EngineWorker):
                 del self._tracked[out.req_id]
         for router_id, items in outputs.items():
             self._outputs.put(router_id, items)
+        self.step_log.record(shape, time.perf_counter() - started)
         self._pause_after_step()
         return True
 

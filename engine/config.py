@@ -280,6 +280,10 @@ class EngineConfig:
     # KV cache elements: "auto" (the model's dtype), or quantized to one byte with a scale per
     # block, layer and KV head: "int8", "fp8_e4m3" (engine.kv_cache).
     kv_cache_dtype: str = "auto"
+    # Adaptive chunk size: a step that also decodes carries as many prompt tokens as the
+    # measured step-time model says fit in this many ms (engine.chunk_sizer), at least
+    # ``block_size`` and at most the budget and ``long_prefill_chunk``; None: fixed chunks.
+    target_step_ms: float | None = None
 
     def validate(self) -> None:
         if self.speculative is not None:
@@ -300,3 +304,5 @@ class EngineConfig:
             raise ValueError(f"priority_max_wait_s: must be > 0 or None, got {self.priority_max_wait_s}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if self.target_step_ms is not None and not self.target_step_ms > 0:
+            raise ValueError(f"target_step_ms: must be > 0 or None, got {self.target_step_ms}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from engine.draft_model import DraftModelProposer, draft_bytes_per_block
 from engine.speculation import DraftRow, NgramProposer, Proposer
+from engine.step_profile import shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +216,14 @@ class LLMEngine:
         """
         self.num_steps += 1
         self.num_scheduled_tokens += batch.num_tokens
+        sizer = self.scheduler.chunk_sizer
         try:
-            return self._compute(batch)
+            if sizer is None:
+                return self._compute(batch)
+            shape, started = shape_of(batch), time.perf_counter()
+            outputs = self._compute(batch)
+            sizer.observe(shape, time.perf_counter() - started)
+            return outputs
         except Exception as exc:
             if len(batch.slices) == 1:
                 return [self._fail(batch.slices[0].seq, exc)]

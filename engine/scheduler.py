@@ -27,11 +27,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import math
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.block_allocator import BlockAllocator, chained_block_hashes, prefix_lookup_hashes
+from engine.chunk_sizer import AdaptiveChunkSizer
 from engine.config import EngineConfig
 from engine.errors import UnknownRequestError
 from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
@@ -112,6 +114,11 @@ class Scheduler:
         self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by request
         self.detached_blocks: set[int] = set()  # of ended requests, still a write's target
         self.proposer = proposer  # speculative drafts for decoding sequences (None: none)
+        self.chunk_sizer: AdaptiveChunkSizer | None = None
+        if config.target_step_ms is not None:
+            self.chunk_sizer = AdaptiveChunkSizer(
+                config.target_step_ms / 1000, config.block_size, min(config.max_num_batched_tokens, config.long_prefill_chunk or math.inf)
+            )
         self.num_draft_tokens = 0  # proposed, since the start
         self.num_accepted_draft_tokens = 0
 
@@ -189,7 +196,12 @@ class Scheduler:
                 budget -= 1
         if self.proposer is not None:
             budget -= self._add_drafts(batch.slices, budget)
-        for seq in self._prefill_candidates(batch, key):
+        candidates = self._prefill_candidates(batch, key)
+        if self.chunk_sizer is not None and batch.slices and candidates:
+            allowed = self._adaptive_prefill_tokens(batch, candidates[0])
+            if allowed is not None:
+                budget = min(budget, allowed)
+        for seq in candidates:
             if budget <= 0:
                 break
             if seq.status is SequenceStatus.WAITING:
@@ -205,6 +217,15 @@ class Scheduler:
                 self._admit(seq)
             batch.slices.append(ScheduledSlice(seq, num_tokens))
             budget -= num_tokens
+
+    def _adaptive_prefill_tokens(self, batch: ScheduledBatch, first: Sequence) -> int | None:
+        """Prompt tokens this step may carry beside its decode rows (engine.chunk_sizer)."""
+        rows = kv_tokens = 0
+        for piece in batch.slices:
+            rows += piece.num_tokens
+            kv_tokens += piece.num_tokens * (piece.seq.num_computed_tokens + 1) + piece.num_tokens * (piece.num_tokens - 1) // 2
+        start = first.num_computed_tokens if first.status is not SequenceStatus.WAITING else 0
+        return self.chunk_sizer.prefill_tokens(rows, kv_tokens, start)
 
     def _add_drafts(self, decodes: list[ScheduledSlice], budget: int) -> int:
         """Give decode slices the proposer's drafts, within ``budget`` tokens and the free blocks

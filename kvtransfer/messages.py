@@ -108,6 +108,7 @@ class SendEvent:
     num_valid_blocks: int
     error: RequestTransferError | None = None
     finished: bool = False  # the request's last write completed; its send state is gone
+    seen_at: float = 0.0  # time.perf_counter() when the transfer pump saw it (0: not through a pump)
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kvtransfer.agent import KVAgent
@@ -89,6 +90,9 @@ class TransferPump:
         receives = self._agent.poll_receives()
         if not sends and not receives:
             return
+        seen = time.perf_counter()
+        for event in sends:
+            event.seen_at = seen  # the engine thread takes it later, after its step: not part of the transfer
         with self._lock:
             self._sends.extend(sends)
             _merge_into(self._receives, receives)

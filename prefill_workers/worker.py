@@ -30,8 +30,10 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import RequestFailedError
 from engine.sequence import Sequence, sampled_token_to_json
+from engine.step_profile import TransferRecord, shape_of
 from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVTransferConfig
+from kvtransfer.descriptors import merge_runs
 from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import KVDestination, QuiesceReport
@@ -61,6 +63,8 @@ class _Job:
     prefilled_at: float | None = None
     num_bytes: int = 0
     writes_in_flight: set[int] = field(default_factory=set)
+    # Per write in flight: when it was pushed, its bytes and descriptors (the step profile's transfer records).
+    write_shapes: dict[int, tuple[float, int, int]] = field(default_factory=dict)
 
     @property
     def all_pushed(self) -> bool:
@@ -188,13 +192,17 @@ class PrefillWorker(EngineWorker):
         busy = self._poll_sends()
         if not self.engine.has_unfinished_requests():
             return busy
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.slices:
             return busy
+        shape = shape_of(batch)
         for out in self.engine.run_batch(batch):
             if out.error is not None and (job := self._jobs.get(out.req_id)) is not None:
                 self._finish_job(job, RequestFailedError(out.error))  # that request alone; its blocks are free
+        computed = time.perf_counter()
         self._pause_after_step()
+        paused = time.perf_counter() - computed
         if self.engine.kv_cache.tensor.is_cuda:
             # Kernels run asynchronously: NIXL must not read blocks the step is still writing.
             done = torch.cuda.Event()
@@ -205,6 +213,7 @@ class PrefillWorker(EngineWorker):
             if job is not None:
                 job.num_chunks += 1
                 self._push_completed_blocks(job)
+        self.step_log.record(shape, time.perf_counter() - started - paused)
         return True
 
     def _push_completed_blocks(self, job: _Job) -> None:
@@ -232,9 +241,12 @@ class PrefillWorker(EngineWorker):
             self._finish_job(job, exc)
             return
         self.pump.kick()
+        num_bytes = (num_ready - start) * self.engine.kv_cache.bytes_per_block
+        num_descriptors = len(merge_runs(seq.block_table[start:num_ready], dest.block_ids[start - held : num_ready - held]))
+        job.write_shapes[write] = (time.perf_counter(), num_bytes, num_descriptors)
         job.writes_in_flight.add(write)
         job.num_pushed_blocks = num_ready
-        job.num_bytes += (num_ready - start) * self.engine.kv_cache.bytes_per_block
+        job.num_bytes += num_bytes
 
     def _poll_sends(self) -> bool:
         events = self.pump.take_send_events()
@@ -246,6 +258,10 @@ class PrefillWorker(EngineWorker):
                 self._finish_job(job, event.error)
                 continue
             job.writes_in_flight.discard(event.seq)
+            pushed = job.write_shapes.pop(event.seq, None)
+            if pushed is not None:
+                done = event.seen_at or time.perf_counter()
+                self.step_log.record_transfer(TransferRecord(pushed[1], pushed[2], done - pushed[0]))
             if job.all_pushed and not job.writes_in_flight and job.prefilled_at is not None:
                 self._finish_job(job, None)
         return bool(events)

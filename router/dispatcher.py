@@ -254,7 +254,7 @@ class Dispatcher:
         """Place the request on a decode actor (and a prefill actor), waiting for room if needed."""
         request = active.work
         order = self.capacity.next_order()  # its place in the capacity queue, kept across refusals
-        tried: set[str] = set()
+        refused_local: set[str] = set()  # workers that refused a local prompt (draining)
         if self.prefix_feed is not None:
             self.prefix_feed.ensure()
         query = self.pool.selector.query(request.prompt_token_ids)
@@ -263,7 +263,9 @@ class Dispatcher:
             local = self._prefill_locally(request, query)
             if local:
                 # The decode actor queues local prompts itself, until its KV has room.
-                decode = self.pool.pick(Role.DECODE, exclude=tried, query=query)
+                # A worker that refused a remote reservation for want of room still queues a
+                # local prompt itself: only a refusal of a local prompt (draining) excludes it.
+                decode = self.pool.pick(Role.DECODE, exclude=refused_local, query=query)
                 if decode is None:
                     raise UnavailableError("no decode worker is available")
             else:
@@ -290,7 +292,8 @@ class Dispatcher:
                 # Draining, or its room went to someone else since its last report: the next
                 # report tells the truth; the request keeps its place in the queue.
                 self.pool.release(decode, request.req_id)
-                tried.add(decode.worker_id)
+                if local:
+                    refused_local.add(decode.worker_id)
                 decode.num_reservable_blocks = 0
                 self._ensure_collector(decode)
             except WORKER_GONE:

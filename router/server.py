@@ -44,6 +44,7 @@ from router.openai_api.server import OpenAIServer
 from router.security import BearerTokenInterceptor, server_credentials, server_ssl_context
 from router.session import GenerationSession
 from router.status_monitor import StatusMonitor
+from router.traffic import TrafficWindow
 from router.tokenizer import Tokenizer
 from router.validation import (
     GenerateInput,
@@ -192,6 +193,7 @@ class Router:
         )
         self.pool_manager: PoolControl | None = pool_manager  # set by whoever runs the pools
         self.metrics = metrics
+        self.traffic = TrafficWindow()  # recent arrivals, sizes and queue times (the autoscaler's input)
         self.background_tasks: set[asyncio.Task] = set()
         self.max_replicas = max_replicas
         self.server: grpc.aio.Server | None = None

@@ -42,6 +42,7 @@ class GenerationSession:
         for an id still in use."""
         await router.dispatcher.wait_for_id(request.req_id)
         active = ActiveRequest(request, OutputAssembler(request, router.tokenizer), client_gone=client_gone)
+        router.traffic.on_arrival()  # demand, whether admitted or refused as overload
         router.dispatcher.admit(active)
         return cls(router, active)
 
@@ -97,9 +98,14 @@ class GenerationSession:
     def _observe(self, chunk: OutputChunk) -> None:
         """Record a chunk's latencies (and the request's, on its last chunk)."""
         metrics, active = self.router.metrics, self.active
+        now = time.monotonic()
+        if chunk.end is not None:
+            end = chunk.end
+            self.router.traffic.on_finished(
+                end.prompt_tokens, end.completion_tokens, end.timing.router_queue_ms, end.timing.prefill_queue_ms, end.timing.decode_queue_ms
+            )
         if metrics is None:
             return
-        now = time.monotonic()
         if chunk.token_ids:
             if active.last_message_at is not None:
                 metrics.itl.observe(now - active.last_message_at)

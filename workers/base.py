@@ -16,12 +16,14 @@ import asyncio
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
+from engine.step_profile import StepLog, TransferRecord
 from engine.stats import WorkerState
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.layout import KVCompat
@@ -54,6 +56,19 @@ class TransferSignal:
             return self._event
 
 
+@dataclass(slots=True)
+class StepProfileBatch:
+    """A worker's step log from some index on (``engine.step_profile``)."""
+
+    role: str
+    node: str  # workers on one node share its cores and memory bandwidth (contention, in the fit)
+    num_steps: int  # recorded ever; pass back as ``since_step`` for only newer ones
+    steps: list[tuple]  # in engine.step_profile.STEP_FIELDS order
+    num_transfers: int
+    transfers: list[TransferRecord]
+    engine: dict[str, int | None]  # what the steps ran under: block size and count, budget, chunk, ...
+
+
 class EngineWorker:
     """Base of the worker actors; ``role`` names the kind ("prefill", "decode")."""
 
@@ -71,6 +86,7 @@ class EngineWorker:
         self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
         self._step_delay_s = 0.0
         self._cache_log = CacheEventLog(worker_id)
+        self.step_log = StepLog()  # what each step computed and how long the turn took (cluster/planning)
         self.transfer_events = TransferSignal()
         self.pump = TransferPump(self.agent, on_events=self._on_transfer_events)
         self.pump.start()
@@ -134,6 +150,23 @@ class EngineWorker:
         self.engine.allocator.record_events = True  # from now on someone follows
         self._publish_cache_events()
         return self._cache_log.snapshot(self.engine.allocator.cached_hashes())
+
+    async def step_profile(self, since_step: int = 0, since_transfer: int = 0) -> StepProfileBatch:
+        """Steps (and KV writes) recorded from those indexes on, for fitting a step-time model."""
+        log = self.step_log
+        engine, config = self.engine, self.engine.config
+        facts = {
+            "block_size": engine.kv_cache.block_size,
+            "bytes_per_block": engine.kv_cache.bytes_per_block,
+            "num_blocks": engine.kv_cache.num_blocks,
+            "max_model_len": engine.max_model_len,
+            "token_budget": config.max_num_batched_tokens,
+            "chunk_size": config.long_prefill_chunk,
+            "max_num_seqs": config.max_num_seqs,
+        }
+        return StepProfileBatch(
+            self.role, self.node, log.num_steps, log.steps_since(since_step), log.num_transfers, log.transfers_since(since_transfer), facts
+        )
 
     async def shutdown(self) -> None:
         self._thread.stop()

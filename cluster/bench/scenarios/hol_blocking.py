@@ -10,6 +10,11 @@ Default: one actor that prefills and decodes (aggregated), where both effects sh
 ``--mode disaggregated`` puts the prefill on its own actor (then only the TTFT effect is
 expected). The figures: short-request TTFT p99, and ITL p99 of the streams that were running
 while the long prompt was prefilled, unchunked over chunked.
+
+``--more-chunks`` adds fixed chunk sizes and ``--adaptive-target-ms`` a variant whose chunk
+size adapts (engine.chunk_sizer): beside decodes, steps carry what fits in the target; with
+nothing to decode, the whole budget. Its figures against each fixed size: running streams'
+ITL p99 (TPOT kept) and the long prompt's TTFT (prefill throughput kept).
 """
 
 from __future__ import annotations
@@ -41,17 +46,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-input-len", type=int, default=2048)
     parser.add_argument("--long-at", type=float, default=8.0, help="seconds into the run the long prompt arrives")
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk of the chunked variant (its step budget is two chunks)")
+    parser.add_argument("--more-chunks", default="", help="more fixed chunk sizes to compare, comma-separated (e.g. 32,64)")
+    parser.add_argument(
+        "--adaptive-target-ms", type=float,
+        help="add a variant with adaptive chunk size: steps that also decode stay within this many ms (engine.chunk_sizer)",
+    )
 
 
 def run(args: argparse.Namespace) -> ScenarioOutcome:
-    # Chunked: a step's budget is two chunks, so a long prompt takes at most half of any
-    # step and short prompts queued behind it still get the other half (split-fuse).
-    chunked = engine_config(args.dtype, 2 * args.chunk, args.chunk, seed=args.seed)
     # Unchunked: the budget admits the whole long prompt in one step, as an engine without
     # chunked prefill would run it.
-    unchunked = engine_config(args.dtype, args.long_input_len + args.chunk, None, seed=args.seed)
+    variants = [("unchunked", engine_config(args.dtype, args.long_input_len + args.chunk, None, seed=args.seed))]
+    # Chunked: a step's budget is two chunks, so a long prompt takes at most half of any
+    # step and short prompts queued behind it still get the other half (split-fuse).
+    variants.append(("chunked", engine_config(args.dtype, 2 * args.chunk, args.chunk, seed=args.seed)))
+    chunked = variants[-1][1]
+    for size in (int(c) for c in args.more_chunks.split(",") if c.strip()):
+        variants.append((f"chunk-{size}", engine_config(args.dtype, 2 * size, size, seed=args.seed)))
+    if args.adaptive_target_ms is not None:
+        # Adaptive: with nothing to decode a step takes as much prompt as the unchunked one;
+        # beside decodes, what the measured step time allows within the target.
+        adaptive = engine_config(args.dtype, args.long_input_len + args.chunk, None, seed=args.seed)
+        adaptive.target_step_ms = args.adaptive_target_ms
+        variants.append(("adaptive", adaptive))
     shapes = []
-    for label, engine in (("unchunked", unchunked), ("chunked", chunked)):
+    for label, engine in variants:
         if args.mode == "aggregated":
             shapes.append(ClusterShape(label, 0, 1, Disaggregation.NEVER, engine, engine))
         else:
@@ -67,6 +86,12 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         "short_ttft_p99_unchunked_over_chunked": ratio(unch["short_ttft_ms"].p99, ch["short_ttft_ms"].p99),
         "running_itl_p99_unchunked_over_chunked": ratio(unch["running_itl_ms"].p99, ch["running_itl_ms"].p99),
     }
+    if "adaptive" in figures:
+        ad = figures["adaptive"]
+        for label, f in figures.items():
+            if label.startswith("chunk"):
+                ratios[f"running_itl_p99_{label}_over_adaptive"] = ratio(f["running_itl_ms"].p99, ad["running_itl_ms"].p99)
+                ratios[f"long_ttft_{label}_over_adaptive"] = ratio(f["long_ttft_ms"], ad["long_ttft_ms"])
     out = args.out
     paths = [
         plots.plot_gap_timeline({o.label: o.records for o in outputs}, out / "timeline.png", {label: f["long_window_s"] for label, f in figures.items()}, title=f"{args.long_input_len}-token prompt among short requests ({args.mode})"),
@@ -95,6 +120,7 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         f"short-request TTFT p99: unchunked / chunked = {fmt(ratios['short_ttft_p99_unchunked_over_chunked'], 'x', 2)}",
         f"running streams' ITL p99: unchunked / chunked = {fmt(ratios['running_itl_p99_unchunked_over_chunked'], 'x', 2)}",
     ]
+    lines += [f"{name}: {fmt(value, 'x', 2)}" for name, value in ratios.items() if "adaptive" in name]
     ok = all(o.metrics.completed == o.metrics.num_requests for o in outputs)
     return ScenarioOutcome(NAME, lines, json_path, ratios, ok=ok)
 

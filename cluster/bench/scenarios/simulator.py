@@ -1,0 +1,179 @@
+"""Scenario: the simulator against the real deployment, same requests, two workloads x two pool shapes.
+
+For each pool shape (default: one prefill + one decode actor with conditional
+disaggregation; no prefill actor and two decode actors that prefill themselves) a local
+cluster runs each workload (default: "chat", 256 +- 50% prompt tokens and 64 +- 50% output
+tokens; "mixed", 128-token prompts with a fifth of 1024-token ones and 32 output tokens) at
+its Poisson rate. The very same requests (arrival offsets, prompt and output lengths) are then
+replayed through ``pdserve simulate``'s simulation with the profile, and the measured and
+predicted p50 and p99 of TTFT, TPOT and ITL, and the output throughput, are set side by side.
+
+The profile must come from the same model, engine settings and machine (``pdserve profile``
+with the same --model, --dtype, --kv-cache-mb); it is fitted on a separate sweep, never on
+these runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.bench.client import BenchClient, RequestRecord
+from cluster.bench.metrics import SLO, distribution, itls_ms, tpot_ms, ttft_ms
+from cluster.bench.report import result_document, write_json
+from cluster.bench.runner import BenchSpec, run_load
+from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, engine_config, flags_of, fmt, local_cluster, ray_running, scenario_model
+from cluster.bench.workloads import BenchRequest, random_token_ids
+from cluster.planning.profile import Profile
+from cluster.planning.simulator import SimResult, Simulation
+from cluster.planning.workload import WorkloadModel
+from router.config import Disaggregation
+
+NAME = "simulator"
+SUMMARY = "simulated vs measured TTFT/TPOT/ITL p50 and p99 and throughput, two workloads on two pool shapes, same requests"
+DEFAULT_DTYPE = "float32"
+
+P50_TOLERANCE = 0.15
+P99_TOLERANCE = 0.25
+
+
+@dataclass(slots=True)
+class Case:
+    shape: str
+    workload: str
+    measured: dict
+    simulated: dict
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", type=Path, required=True, help="a profile JSON of this model, engine settings and machine")
+    parser.add_argument(
+        "--aggregated-profile", type=Path,
+        help="the profile for shapes without prefill actors (`pdserve profile --prefill 0`; default: --profile)",
+    )
+    parser.add_argument("--duration", type=float, default=150.0, help="seconds of arrivals per run")
+    parser.add_argument("--chat-rate", type=float, default=0.6, help="requests per second of the chat workload")
+    parser.add_argument("--mixed-rate", type=float, default=0.45, help="requests per second of the mixed workload")
+    parser.add_argument("--shapes", default="1p1d,0p2d", help="pool shapes: NpMd, comma-separated (0p: no prefill actor)")
+    parser.add_argument("--workloads", default="chat,mixed")
+    parser.add_argument("--kv-cache-mb", type=int, default=1024, help="per actor (as profiled)")
+    parser.add_argument("--token-budget", type=int, default=512, help="as profiled")
+
+
+def workloads(args: argparse.Namespace) -> dict[str, WorkloadModel]:
+    return {
+        "chat": WorkloadModel(rate=args.chat_rate, duration_s=args.duration, input_len=256, output_len=64, range_ratio=0.5, seed=args.seed),
+        "mixed": WorkloadModel(rate=args.mixed_rate, duration_s=args.duration, input_len=128, output_len=32, long_fraction=0.2,
+                               long_input_len=1024, seed=args.seed + 1),
+    }
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        prefill, decode = text.lower().rstrip("d").split("p")
+        return int(prefill), int(decode)
+    except ValueError:
+        raise ValueError(f"shapes: {text!r} is not of the form NpMd (e.g. 1p1d)") from None
+
+
+def run(args: argparse.Namespace) -> ScenarioOutcome:
+    profile = Profile.load(args.profile)
+    aggregated = Profile.load(args.aggregated_profile) if args.aggregated_profile else profile
+    chosen = {name: w for name, w in workloads(args).items() if name in args.workloads.split(",")}
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    engine = engine_config(args.dtype, args.token_budget, None, kv_cache_bytes=args.kv_cache_mb * 2**20, seed=args.seed)
+    cases: list[Case] = []
+    with scenario_model(args.model, args.dtype, args.seed) as model_dir, ray_running():
+        for num_prefill, num_decode in shapes:
+            label = f"{num_prefill}P+{num_decode}D"
+            mode = Disaggregation.AUTO if num_prefill else Disaggregation.NEVER
+            shape = ClusterShape(label, num_prefill, num_decode, mode, engine, engine)
+            with local_cluster(model_dir, shape) as deployment:
+                for name, workload in chosen.items():
+                    trace = list(workload.requests())
+                    records = asyncio.run(_measure(deployment.address, trace, f"{label}-{name}", args))
+                    simulated = Simulation(profile if num_prefill else aggregated, num_prefill, num_decode, colocated=True).run(trace)
+                    cases.append(Case(label, name, measured_figures(records), simulated_figures(simulated)))
+    table, worst = comparison(cases)
+    config = {"scenario": NAME, **flags_of(args), "profile_source": profile.source,
+              "workloads": {name: w.to_dict() for name, w in chosen.items()}}
+    body = {"cases": [{"shape": c.shape, "workload": c.workload, "measured": c.measured, "simulated": c.simulated} for c in cases],
+            "worst_error": worst}
+    json_path = write_json(args.out / "scenario.json", result_document(f"scenario:{NAME}", config, body))
+    lines = table + [
+        f"largest p50 error {fmt(worst['p50'] * 100, '%')} (target {P50_TOLERANCE:.0%}), largest p99 error {fmt(worst['p99'] * 100, '%')}"
+        f" (target {P99_TOLERANCE:.0%}), largest throughput error {fmt(worst['throughput'] * 100, '%')}",
+    ]
+    ok = all(c.measured["failed"] == 0 for c in cases)
+    ratios = {"worst_p50_error": worst["p50"], "worst_p99_error": worst["p99"]}
+    return ScenarioOutcome(NAME, lines, json_path, ratios, ok=ok)
+
+
+async def _measure(address: str, trace: list[tuple[float, int, int]], label: str, args: argparse.Namespace) -> list[RequestRecord]:
+    spec = BenchSpec(show_progress=not args.no_progress)
+    rng = random.Random(args.seed)
+    async with BenchClient(spec.client_config(address, label)) as client:
+        limits = await client.model_limits()
+        await client.warm_up([BenchRequest(4, random_token_ids(rng, limits, 64), prompt_len=64) for _ in range(2)])
+        requests = [BenchRequest(output, random_token_ids(rng, limits, prompt), prompt_len=prompt) for _, prompt, output in trace]
+        output = await run_load(client, requests, [t for t, _, _ in trace], SLO(), label, spec.show_progress)
+    return output.records
+
+
+def measured_figures(records: list[RequestRecord]) -> dict:
+    ok = [r for r in records if r.ok]
+    ttft = distribution([ttft_ms(r) for r in ok])
+    tpot = distribution([v for r in ok if (v := tpot_ms(r)) is not None])
+    itl = distribution([gap for r in ok for gap in itls_ms(r)])
+    start = min((r.send_s for r in ok), default=0.0)
+    end = max((r.end_s for r in ok), default=0.0)
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "completed": len(ok), "failed": len(records) - len(ok),
+        "ttft_ms": {"p50": ttft.p50, "p99": ttft.p99}, "tpot_ms": {"p50": tpot.p50, "p99": tpot.p99}, "itl_ms": {"p50": itl.p50, "p99": itl.p99},
+        "output_throughput": tokens / (end - start) if end > start else 0.0,
+    }
+
+
+def simulated_figures(result: SimResult) -> dict:
+    def pair(hist) -> dict:
+        return {"p50": hist.percentile(50), "p99": hist.percentile(99)}
+
+    return {"completed": result.completed, "rejected": result.rejected, "ttft_ms": pair(result.ttft), "tpot_ms": pair(result.tpot),
+            "itl_ms": pair(result.itl), "output_throughput": result.output_throughput}
+
+
+def comparison(cases: list[Case]) -> tuple[list[str], dict[str, float]]:
+    """The table the closing note quotes, and the largest relative errors."""
+    worst = {"p50": 0.0, "p99": 0.0, "throughput": 0.0}
+    lines = [f"{'shape':<7} {'workload':<7} {'metric':<6} {'measured p50':>13} {'simulated':>10} {'err':>6} {'measured p99':>13} {'simulated':>10} {'err':>6}"]
+    for case in cases:
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+            m, s = case.measured[metric], case.simulated[metric]
+            errors = {q: _error(s[q], m[q]) for q in ("p50", "p99")}
+            for q, e in errors.items():
+                if e is not None:
+                    worst[q] = max(worst[q], abs(e))
+            lines.append(
+                f"{case.shape:<7} {case.workload:<7} {metric[:4].upper():<6} {fmt(m['p50']):>13} {fmt(s['p50']):>10} {_pct(errors['p50']):>6}"
+                f" {fmt(m['p99']):>13} {fmt(s['p99']):>10} {_pct(errors['p99']):>6}"
+            )
+        e = _error(case.simulated["output_throughput"], case.measured["output_throughput"])
+        if e is not None:
+            worst["throughput"] = max(worst["throughput"], abs(e))
+        lines.append(f"{case.shape:<7} {case.workload:<7} output tok/s: measured {case.measured['output_throughput']:.1f},"
+                     f" simulated {case.simulated['output_throughput']:.1f} ({_pct(e)})")
+    return lines, worst
+
+
+def _error(simulated: float | None, measured: float | None) -> float | None:
+    if simulated is None or not measured:
+        return None
+    return (simulated - measured) / measured
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:+.0f}%"

@@ -1,0 +1,198 @@
+"""The SLA autoscaler: the controller applies the planner's pool sizes to the load it observes.
+
+Off unless the deployment configures it. Every ``interval_s`` it reads the router's recent
+traffic (``router.traffic``): the arrival rate over ``window_s``, the mean prompt and output
+lengths, and the per-stage queue times. It plans for the rate times ``headroom`` with that
+request mix, then corrects the plan by what it sees: a stage whose 90th-percentile queue time
+exceeds ``queue_fraction`` of the TTFT target while the plan would not grow it gets one more
+worker (the profile underestimates that stage). Decisions have hysteresis: a pool grows as soon
+as a tick asks for more; it shrinks only after every tick for ``scale_down_delay_s`` asked for
+less, and then to the largest size those ticks asked for. Shrinking drains (the pool manager
+removes a worker once it holds nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cluster.planning.planner import SLO, Planner
+from cluster.planning.profile import Profile
+from cluster.planning.workload import WorkloadModel
+from router.traffic import TrafficSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class AutoscalerConfig:
+    profile: Path
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    percentile: float = 90.0
+    interval_s: float = 30.0
+    window_s: float = 120.0
+    headroom: float = 1.2  # plan for this multiple of the observed rate
+    max_workers: int = 16
+    min_prefill: int = 0
+    min_decode: int = 1
+    scale_down_delay_s: float = 300.0
+    queue_fraction: float = 0.5
+    min_arrivals: int = 5  # fewer in the window: the rate is noise, keep the pools as they are
+
+    def validate(self) -> None:
+        for name in ("interval_s", "window_s", "headroom", "slo_ttft_ms", "slo_tpot_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"autoscaler.{name}: must be > 0, got {getattr(self, name)}")
+        if self.min_decode < 1 or self.min_prefill < 0:
+            raise ValueError("autoscaler.min_decode: must be >= 1 (and min_prefill >= 0)")
+        if self.min_prefill + self.min_decode > self.max_workers:
+            raise ValueError(f"autoscaler.max_workers: {self.max_workers} is below min_prefill + min_decode")
+        if self.scale_down_delay_s < 0:
+            raise ValueError(f"autoscaler.scale_down_delay_s: must be >= 0, got {self.scale_down_delay_s}")
+
+
+@dataclass(slots=True)
+class Decision:
+    at: float
+    rate: float
+    planned: tuple[int, int]  # what the planner (and the queue correction) asked for
+    applied: tuple[int, int] | None  # what the pools were set to (None: left as they were)
+    reason: str
+
+
+@dataclass(slots=True)
+class _Shrink:
+    since: float
+    largest: tuple[int, int]
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        config: AutoscalerConfig,
+        planner: Planner,
+        observe: Callable[[float], TrafficSnapshot],
+        current: Callable[[], tuple[int, int]],
+        apply: Callable[[int, int], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        config.validate()
+        self.config = config
+        self.planner = planner
+        self._observe = observe
+        self._current = current
+        self._apply = apply
+        self._clock = clock
+        self._shrink: _Shrink | None = None
+        self.decisions: list[Decision] = []
+        self._task: asyncio.Task | None = None
+
+    @classmethod
+    def from_config(cls, config: AutoscalerConfig, observe, current, apply, clock=time.monotonic) -> "Autoscaler":
+        profile = Profile.load(config.profile)
+        mix = WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64, range_ratio=0.5)
+        planner = Planner(profile, mix, SLO(config.slo_ttft_ms, config.slo_tpot_ms, config.percentile), config.max_workers)
+        return cls(config, planner, observe, current, apply, clock)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                await self.tick()
+            except Exception:  # a failed tick leaves the pools as they are; the next one tries again
+                logger.exception("autoscaler tick failed")
+
+    async def tick(self) -> Decision:
+        snapshot = self._observe(self.config.window_s)
+        current = self._current()
+        planned, reason = await asyncio.to_thread(self.target, snapshot, current)
+        applied = self._with_hysteresis(planned, current)
+        decision = Decision(self._clock(), snapshot.arrival_rate, planned, applied, reason)
+        self.decisions.append(decision)
+        del self.decisions[:-1000]
+        if applied is not None and applied != current:
+            logger.info("autoscaler: %.2f req/s (%s): pools %d+%d -> %d+%d", snapshot.arrival_rate, reason, *current, *applied)
+            await self._apply(*applied)
+        return decision
+
+    def target(self, snapshot: TrafficSnapshot, current: tuple[int, int]) -> tuple[tuple[int, int], str]:
+        """The sizes this snapshot asks for, and why (no hysteresis)."""
+        config = self.config
+        if snapshot.num_arrivals < config.min_arrivals:
+            if snapshot.num_arrivals == 0 and snapshot.window_s >= config.window_s:
+                return (config.min_prefill, config.min_decode), "no traffic"
+            return current, f"{snapshot.num_arrivals} arrivals in the window: too few to plan from"
+        mix = self.planner.mix
+        if snapshot.num_finished:
+            mix = replace(
+                mix, input_len=max(1, round(snapshot.mean_prompt_tokens)), output_len=max(1, round(snapshot.mean_output_tokens)),
+                long_fraction=0.0,
+            )
+        planner = replace(self.planner, mix=mix)
+        plan = planner.plan(snapshot.arrival_rate * config.headroom)
+        if plan.feasible:
+            prefill, decode = plan.num_prefill, plan.num_decode
+            reason = f"plan for {snapshot.arrival_rate * config.headroom:.2f} req/s"
+        else:
+            prefill, decode = current
+            reason = f"no shape within {config.max_workers} workers meets the SLO"
+        budget = config.slo_ttft_ms * config.queue_fraction
+        if snapshot.prefill_queue_ms_p90 > budget and prefill <= current[0] and current[0] > 0:
+            prefill = current[0] + 1
+            reason += f"; prefill queue p90 {snapshot.prefill_queue_ms_p90:.0f} ms"
+        if max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90) > budget and decode <= current[1]:
+            decode = current[1] + 1
+            reason += f"; decode queue p90 {max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90):.0f} ms"
+        prefill = max(config.min_prefill, prefill)
+        decode = max(config.min_decode, decode)
+        while prefill + decode > config.max_workers:  # the queue correction may overshoot the cap
+            if prefill > config.min_prefill and prefill >= decode:
+                prefill -= 1
+            else:
+                decode -= 1
+        return (prefill, decode), reason
+
+    def _with_hysteresis(self, planned: tuple[int, int], current: tuple[int, int]) -> tuple[int, int] | None:
+        now = self._clock()
+        if planned == current:
+            self._shrink = None
+            return None
+        if planned[0] > current[0] or planned[1] > current[1]:
+            # Grow what is short now; a pool the plan would shrink keeps its size meanwhile.
+            self._shrink = None
+            return max(planned[0], current[0]), max(planned[1], current[1])
+        if self._shrink is None:
+            self._shrink = _Shrink(now, planned)
+            return None
+        self._shrink.largest = (max(self._shrink.largest[0], planned[0]), max(self._shrink.largest[1], planned[1]))
+        if now - self._shrink.since < self.config.scale_down_delay_s:
+            return None
+        target, self._shrink = self._shrink.largest, None
+        return target
+
+
+def observed_sizes(pools) -> tuple[int, int]:
+    """Routable workers per pool of a ``PoolManager``."""
+    from router.pool import Role
+
+    return pools.size(Role.PREFILL), pools.size(Role.DECODE)
+
+
+async def apply_sizes(pools, num_prefill: int, num_decode: int) -> None:
+    from router.pool import Role
+
+    await asyncio.gather(pools.scale(Role.PREFILL, num_prefill), pools.scale(Role.DECODE, num_decode))
+

@@ -1,0 +1,680 @@
+"""A discrete-event simulation of a pdserve deployment, driven by a fitted step-time profile.
+
+What is simulated, as the real parts do it:
+- **Router.** A request arrives; if as many requests already wait for a first token as the
+  router queues, it is refused. Otherwise it needs a decode worker with room for its KV
+  (prompt plus output blocks) and a batch slot; it takes the routable one with the fewest
+  requests (the least-loaded policy), or waits in FIFO order until blocks free up. Prompts up
+  to ``local_prefill_max_tokens`` (or every prompt, without prefill workers) prefill on the
+  decode worker; the rest on the prefill worker with the fewest queued prompt tokens.
+  ``ttft_overhead_s`` (router, Ray calls, streaming: measured) delays the dispatch.
+- **Prefill worker.** FIFO queue; each step fills the token budget with chunks (at most
+  ``chunk_size`` tokens of one prompt), its duration is the profile's. After the step that
+  completes a prompt, the blocks it completed are written to the decode worker (the earlier
+  chunks' writes overlapped the compute); the KV lands after the transfer model's time.
+- **Decode worker.** Continuous batching: every step computes one token of every running
+  sequence plus, when it prefills locally, prompt chunks in the rest of the budget. A
+  sequence whose KV landed joins at the next step boundary and its first token goes out then.
+
+Decode steps are not simulated one by one while nothing changes: between two events a decode
+worker's batch is fixed and its KV grows by the batch size per step, so step durations form
+an arithmetic series and the time of the k-th step is closed-form. An arrival in the middle
+of such a run cuts it at the next step boundary. Events are then per request, not per token,
+which is what lets a day of a 200-worker cluster run in minutes.
+
+Latencies go into log-bucket histograms (0.5% wide), so memory does not grow with the run.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cluster.planning.profile import Profile
+
+_BUCKET_GROWTH = 1.005
+_LOG_GROWTH = math.log(_BUCKET_GROWTH)
+_MIN_MS = 1e-3
+_NUM_BUCKETS = int(math.log(1e8 / _MIN_MS) / _LOG_GROWTH) + 2  # up to ~28 hours
+_ITL_POINTS = 4  # ITL samples recorded per run of decode steps (each weighted by the tokens it stands for)
+
+
+class LogHistogram:
+    """Weighted values in 0.5%-wide logarithmic buckets (ms); percentiles within 0.5%.
+
+    Values are appended to lists and binned by numpy in blocks: an append is what the event
+    loop pays per value.
+    """
+
+    __slots__ = ("counts", "total", "sum", "max", "_values", "_weights")
+
+    def __init__(self) -> None:
+        self.counts = np.zeros(_NUM_BUCKETS)
+        self.total = 0.0
+        self.sum = 0.0
+        self.max = 0.0
+        self._values: list[float] = []
+        self._weights: list[float] = []
+
+    def add(self, value_ms: float, weight: float = 1.0) -> None:
+        self._values.append(value_ms)
+        self._weights.append(weight)
+        if len(self._values) >= 65_536:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._values:
+            return
+        values = np.asarray(self._values)
+        weights = np.asarray(self._weights)
+        self._values, self._weights = [], []
+        index = np.zeros(len(values), dtype=np.int64)
+        above = values > _MIN_MS
+        index[above] = (np.log(values[above] / _MIN_MS) / _LOG_GROWTH).astype(np.int64) + 1
+        np.add.at(self.counts, np.minimum(index, _NUM_BUCKETS - 1), weights)
+        self.total += float(weights.sum())
+        self.sum += float((values * weights).sum())
+        self.max = max(self.max, float(values.max()))
+
+    def merge(self, other: "LogHistogram") -> None:
+        self._flush()
+        other._flush()
+        self.counts += other.counts
+        self.total += other.total
+        self.sum += other.sum
+        self.max = max(self.max, other.max)
+
+    def percentile(self, q: float) -> float | None:
+        self._flush()
+        if self.total <= 0:
+            return None
+        cumulative = np.cumsum(self.counts)
+        index = int(np.searchsorted(cumulative, self.total * q / 100.0))
+        if index == 0:
+            return _MIN_MS
+        # The bucket's geometric middle.
+        return min(_MIN_MS * _BUCKET_GROWTH ** (index - 0.5), self.max)
+
+    @property
+    def mean(self) -> float | None:
+        self._flush()
+        return self.sum / self.total if self.total > 0 else None
+
+    def summary(self) -> dict[str, float | None]:
+        self._flush()
+        return {"mean": self.mean, "p50": self.percentile(50), "p90": self.percentile(90), "p99": self.percentile(99), "max": self.max or None}
+
+
+class _Request:
+    __slots__ = ("arrival", "prompt_len", "output_len", "blocks", "decode", "prefill", "computed", "first_token", "finish_step", "order")
+
+    def __init__(self, arrival: float, prompt_len: int, output_len: int, blocks: int, order: int):
+        self.arrival = arrival
+        self.prompt_len = prompt_len
+        self.output_len = output_len
+        self.blocks = blocks
+        self.order = order
+        self.decode: _DecodeWorker | None = None
+        self.prefill: _PrefillWorker | None = None
+        self.computed = 0  # prompt tokens computed so far
+        self.first_token = math.nan
+        self.finish_step = 0  # the decode worker's step count at which its last token is out
+
+
+class _PrefillWorker:
+    __slots__ = ("index", "queue", "busy", "queued_tokens", "routable", "step_chunks")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.queue: deque[_Request] = deque()
+        self.busy = False
+        self.queued_tokens = 0
+        self.routable = True
+        self.step_chunks: list[tuple[_Request, int]] = []
+
+
+class _DecodeWorker:
+    __slots__ = (
+        "index", "running", "num_running", "kv_tokens", "steps_done", "prefilling", "joining", "free_blocks", "num_assigned", "routable",
+        "busy", "version", "epoch_start", "epoch_steps", "epoch_first_step_s", "epoch_growth_s", "epoch_chunks",
+    )
+
+    def __init__(self, index: int, num_blocks: int) -> None:
+        self.index = index
+        self.running: list[tuple[int, int, _Request]] = []  # heap by the step its last token is out
+        self.num_running = 0
+        self.kv_tokens = 0  # KV tokens the next decode step reads, summed over the running sequences
+        self.steps_done = 0
+        self.prefilling: deque[_Request] = deque()  # local prompts, in order
+        self.joining: deque[_Request] = deque()  # KV landed, joining at the next boundary
+        self.free_blocks = num_blocks
+        self.num_assigned = 0
+        self.routable = True
+        self.busy = False
+        self.version = 0  # invalidates a scheduled boundary that an arrival moved earlier
+        self.epoch_start = 0.0
+        self.epoch_steps = 0
+        self.epoch_first_step_s = 0.0
+        self.epoch_growth_s = 0.0  # each step of the run takes this much longer than the one before
+        self.epoch_chunks: list[tuple[_Request, int]] = []
+
+
+@dataclass(slots=True)
+class WindowStats:
+    """Per time window of the run (the plot of a day)."""
+
+    start_s: float
+    num_prefill: int = 0
+    num_decode: int = 0
+    arrived: int = 0
+    completed: int = 0
+    rejected: int = 0
+    ttft: LogHistogram = field(default_factory=LogHistogram)
+    tpot: LogHistogram = field(default_factory=LogHistogram)
+
+
+@dataclass(slots=True)
+class SimResult:
+    num_prefill: int
+    num_decode: int
+    num_requests: int
+    completed: int
+    rejected: int
+    duration_s: float  # first arrival to last completion
+    output_tokens: int
+    ttft: LogHistogram
+    tpot: LogHistogram
+    itl: LogHistogram
+    e2e: LogHistogram
+    num_events: int
+    windows: list[WindowStats] = field(default_factory=list)
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def request_throughput(self) -> float:
+        return self.completed / self.duration_s if self.duration_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "num_prefill": self.num_prefill,
+            "num_decode": self.num_decode,
+            "num_requests": self.num_requests,
+            "completed": self.completed,
+            "rejected": self.rejected,
+            "duration_s": self.duration_s,
+            "output_throughput_tok_s": self.output_throughput,
+            "request_throughput_req_s": self.request_throughput,
+            "ttft_ms": self.ttft.summary(),
+            "tpot_ms": self.tpot.summary(),
+            "itl_ms": self.itl.summary(),
+            "e2e_ms": self.e2e.summary(),
+            "num_events": self.num_events,
+        }
+
+
+@dataclass(slots=True)
+class PoolChange:
+    """At ``at_s`` the pools become this size: new workers start after the startup time, removed
+    ones drain (take nothing new, finish what they hold)."""
+
+    at_s: float
+    num_prefill: int
+    num_decode: int
+
+
+# Event kinds, in tie-break order at equal times.
+_POOL_CHANGE, _WORKER_UP, _DISPATCH, _PREFILL_STEP, _KV_READY, _DECODE_BOUNDARY = range(6)
+
+
+class Simulation:
+    max_steps_per_run: int | None = None  # 1: an event per decode step (the shortcut's reference, in tests)
+
+    def __init__(
+        self,
+        profile: Profile,
+        num_prefill: int,
+        num_decode: int,
+        max_queued_requests: int = 256,
+        window_s: float | None = None,
+        worker_startup_s: float = 30.0,
+        colocated: bool = False,
+    ):
+        if num_decode < 1:
+            raise ValueError(f"decode: a deployment needs at least one decode worker, got {num_decode}")
+        if num_prefill < 0:
+            raise ValueError(f"prefill: must be >= 0, got {num_prefill}")
+        self.profile = profile
+        facts = profile.facts
+        self.step = profile.step
+        self.block_size = facts.block_size
+        self.bytes_per_block = facts.bytes_per_block
+        self.decode_blocks = facts.decode_num_blocks
+        self.prefill_budget = facts.token_budget["prefill"]
+        self.prefill_chunk = facts.chunk_size["prefill"] or self.prefill_budget
+        self.decode_budget = facts.token_budget["decode"]
+        self.decode_chunk = facts.chunk_size["decode"] or self.decode_budget
+        self.max_num_seqs = facts.max_num_seqs
+        self.local_max = facts.local_prefill_max_tokens
+        self.max_queued = max_queued_requests
+        self.window_s = window_s
+        self.worker_startup_s = worker_startup_s
+        # Every worker on one machine, as when profiled on it: a step is slower by the profile's
+        # contention factor times the share of the other workers computing when it starts.
+        self.colocated = colocated
+        self._contention = {role: self.step.contention.get(role, 0.0) for role in ("prefill", "decode")} if colocated else {}
+        self.prefills = [_PrefillWorker(i) for i in range(num_prefill)]
+        self.decodes = [_DecodeWorker(i, self.decode_blocks) for i in range(num_decode)]
+        # Least-loaded picks from heaps of (load, index) with lazy deletion: an entry whose load
+        # is no longer the worker's (or whose worker left) is dropped when it reaches the top.
+        # Ties go to the lower index, as the router's ``min`` over its list does.
+        self._prefill_heap = [(0, w.index) for w in self.prefills]
+        self._decode_heap = [(0, w.index) for w in self.decodes]
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        self._events: list = []
+        self._counter = itertools.count()
+        self._router_queue: deque[_Request] = deque()
+        self._waiting_first_token = 0
+        self.now = 0.0
+        self.ttft, self.tpot, self.itl, self.e2e = LogHistogram(), LogHistogram(), LogHistogram(), LogHistogram()
+        self.num_requests = self.completed = self.rejected = self.output_tokens = 0
+        self.first_arrival = math.nan
+        self.last_finish = 0.0
+        self.num_events = 0
+        self.windows: list[WindowStats] = []
+        # Decode-step terms, hoisted: the inner loops read them per step.
+        self._d_intercept = self.step.intercept_s["decode"]
+        self._d_row = self.step.decode_row_s
+        self._d_kv = self.step.decode_kv_s
+
+    # -- running ------------------------------------------------------------------------
+
+    def run(self, arrivals: Iterable[tuple[float, int, int]], pool_changes: Iterable[PoolChange] = ()) -> SimResult:
+        for change in pool_changes:
+            self._push(change.at_s, _POOL_CHANGE, change)
+        events = self._events
+        arrivals = iter(arrivals)
+        next_arrival = next(arrivals, None)
+        pop = heapq.heappop
+        while next_arrival is not None or events:
+            if next_arrival is not None and (not events or next_arrival[0] <= events[0][0]):
+                self.now = next_arrival[0]
+                self._arrive(*next_arrival)
+                next_arrival = next(arrivals, None)
+            else:
+                when, _, kind, subject, version = pop(events)
+                self.now = when
+                if kind == _DECODE_BOUNDARY:
+                    if version == subject.version:
+                        self._decode_boundary(subject)
+                elif kind == _KV_READY:
+                    self._kv_ready(subject)
+                elif kind == _PREFILL_STEP:
+                    self._prefill_step_end(subject)
+                elif kind == _DISPATCH:
+                    self._dispatch(subject)
+                elif kind == _WORKER_UP:
+                    self._worker_up(subject)
+                else:
+                    self._change_pools(subject)
+            self.num_events += 1
+        start = 0.0 if math.isnan(self.first_arrival) else self.first_arrival
+        return SimResult(
+            self.num_prefill, self.num_decode, self.num_requests, self.completed, self.rejected, max(0.0, self.last_finish - start),
+            self.output_tokens, self.ttft, self.tpot, self.itl, self.e2e, self.num_events, self.windows,
+        )
+
+    def _push(self, when: float, kind: int, subject, version: int = 0) -> None:
+        heapq.heappush(self._events, (when, next(self._counter), kind, subject, version))
+
+    def _window(self) -> WindowStats | None:
+        if self.window_s is None:
+            return None
+        index = int(self.now // self.window_s)
+        while len(self.windows) <= index:
+            self.windows.append(WindowStats(
+                len(self.windows) * self.window_s, sum(1 for w in self.prefills if w.routable), sum(1 for w in self.decodes if w.routable)
+            ))
+        return self.windows[index]
+
+    # -- router -------------------------------------------------------------------------
+
+    def _arrive(self, when: float, prompt_len: int, output_len: int) -> None:
+        if math.isnan(self.first_arrival):
+            self.first_arrival = when
+        self.num_requests += 1
+        window = self._window()
+        if window is not None:
+            window.arrived += 1
+        if self._waiting_first_token >= self.max_queued:
+            self.rejected += 1
+            if window is not None:
+                window.rejected += 1
+            return
+        blocks = -(-(prompt_len + output_len) // self.block_size)
+        if blocks > self.decode_blocks:
+            self.rejected += 1  # the router refuses it: no decode worker could ever hold it
+            return
+        request = _Request(when, prompt_len, output_len, blocks, self.num_requests)
+        self._waiting_first_token += 1
+        if self._router_queue or not self._admit(request):
+            self._router_queue.append(request)
+
+    def _admit(self, request: _Request) -> bool:
+        """Give the request a decode worker with room, or return False (it waits)."""
+        decode = self._least_assigned_decode(request.blocks)
+        if decode is None:
+            return False
+        decode.free_blocks -= request.blocks
+        self._set_assigned(decode, decode.num_assigned + 1)
+        request.decode = decode
+        prefill = None if request.prompt_len <= self.local_max else self._least_queued_prefill()
+        if prefill is not None:
+            request.prefill = prefill
+            self._set_queued(prefill, prefill.queued_tokens + request.prompt_len)
+        overhead = self.profile.ttft_overhead_s["local" if prefill is None else "remote"]
+        self._push(self.now + overhead, _DISPATCH, request)
+        return True
+
+    def _least_assigned_decode(self, blocks: int) -> _DecodeWorker | None:
+        heap, workers = self._decode_heap, self.decodes
+        passed = []
+        chosen = None
+        while heap:
+            load, index = heap[0]
+            worker = workers[index]
+            if not worker.routable or load != worker.num_assigned:
+                heapq.heappop(heap)
+            elif worker.free_blocks >= blocks:
+                chosen = worker
+                break
+            else:
+                passed.append(heapq.heappop(heap))  # no room for this one: the next least loaded
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return chosen
+
+    def _least_queued_prefill(self) -> _PrefillWorker | None:
+        heap, workers = self._prefill_heap, self.prefills
+        while heap:
+            load, index = heap[0]
+            worker = workers[index]
+            if worker.routable and load == worker.queued_tokens:
+                return worker
+            heapq.heappop(heap)
+        return None
+
+    def _set_assigned(self, worker: _DecodeWorker, value: int) -> None:
+        worker.num_assigned = value
+        if worker.routable:
+            self._push_load(self._decode_heap, value, worker.index, self.decodes, "num_assigned")
+
+    def _set_queued(self, worker: _PrefillWorker, value: int) -> None:
+        worker.queued_tokens = value
+        if worker.routable:
+            self._push_load(self._prefill_heap, value, worker.index, self.prefills, "queued_tokens")
+
+    @staticmethod
+    def _push_load(heap: list, value: int, index: int, workers: list, attribute: str) -> None:
+        heapq.heappush(heap, (value, index))
+        if len(heap) > 8 * len(workers) + 64:  # stale entries piled up: rebuild from the live loads
+            heap[:] = [(getattr(w, attribute), w.index) for w in workers if w.routable]
+            heapq.heapify(heap)
+
+    def _retry_router_queue(self) -> None:
+        queue = self._router_queue
+        while queue and self._admit(queue[0]):
+            queue.popleft()
+
+    def _dispatch(self, request: _Request) -> None:
+        if request.prefill is None:
+            worker = request.decode
+            worker.prefilling.append(request)
+            self._wake_decode(worker)
+            return
+        worker = request.prefill
+        worker.queue.append(request)
+        if not worker.busy:
+            self._start_prefill_step(worker)
+
+    # -- prefill workers ----------------------------------------------------------------
+
+    def _start_prefill_step(self, worker: _PrefillWorker) -> None:
+        budget = self.prefill_budget
+        chunks = []
+        tokens = 0
+        attention = 0.0
+        for request in worker.queue:
+            if budget <= 0:
+                break
+            chunk = min(request.prompt_len - request.computed, budget, self.prefill_chunk)
+            chunks.append((request, chunk))
+            attention += chunk * (request.computed + chunk / 2)
+            tokens += chunk
+            budget -= chunk
+        duration = self.step.step_s("prefill", tokens, attention, len(chunks)) * self._crowding("prefill", worker)
+        worker.step_chunks = chunks
+        self._set_busy(worker, True)
+        self._push(self.now + duration, _PREFILL_STEP, worker)
+
+    def _prefill_step_end(self, worker: _PrefillWorker) -> None:
+        self._set_busy(worker, False)
+        for request, chunk in worker.step_chunks:
+            start = request.computed
+            request.computed += chunk
+            if request.computed == request.prompt_len:
+                worker.queue.remove(request)
+                self._set_queued(worker, worker.queued_tokens - request.prompt_len)
+                # The blocks this step completed go last; the earlier ones were written meanwhile.
+                blocks = -(-request.prompt_len // self.block_size) - start // self.block_size
+                self._push(self.now + self.profile.transfer.transfer_s(blocks * self.bytes_per_block, 1), _KV_READY, request)
+        worker.step_chunks = []
+        if worker.queue:
+            self._start_prefill_step(worker)
+
+    # -- decode workers -----------------------------------------------------------------
+
+    def _kv_ready(self, request: _Request) -> None:
+        worker = request.decode
+        worker.joining.append(request)
+        self._wake_decode(worker)
+
+    def _wake_decode(self, worker: _DecodeWorker) -> None:
+        """Something arrived: an idle worker starts now; a run of decode steps stops at the next boundary."""
+        if not worker.busy:
+            self._decode_boundary(worker)
+            return
+        if worker.epoch_chunks or worker.epoch_steps <= 1:
+            return  # a single step is running; its end is the next boundary anyway
+        elapsed = self.now - worker.epoch_start
+        first, growth = worker.epoch_first_step_s, worker.epoch_growth_s
+        # The first step j (0-based) whose end is at or after now: end(j) = (j + 1) first + growth j (j + 1) / 2.
+        if growth > 0:
+            a, b, c = growth / 2, first + growth / 2, first - elapsed
+            j = math.ceil((-b + math.sqrt(max(0.0, b * b - 4 * a * c))) / (2 * a) - 1e-9)
+        else:
+            j = math.ceil(elapsed / first - 1 - 1e-9) if first > 0 else 0
+        j = min(max(j, 0), worker.epoch_steps - 1)
+        if j + 1 < worker.epoch_steps:
+            worker.epoch_steps = j + 1
+            worker.version += 1
+            end = worker.epoch_start + (j + 1) * first + growth * j * (j + 1) / 2
+            self._push(max(end, self.now), _DECODE_BOUNDARY, worker, worker.version)
+
+    def _decode_boundary(self, worker: _DecodeWorker) -> None:
+        now = self.now
+        if worker.busy:
+            self._finish_epoch(worker)
+        self._set_busy(worker, False)
+        # Sequences whose KV landed join and send their first token.
+        while worker.joining and worker.num_running + len(worker.prefilling) < self.max_num_seqs:
+            self._start_decoding(worker, worker.joining.popleft(), now)
+        if not worker.routable and worker.num_assigned == 0:
+            return
+        self._start_epoch(worker)
+
+    def _finish_epoch(self, worker: _DecodeWorker) -> None:
+        steps, batch = worker.epoch_steps, worker.num_running
+        if batch:
+            first, growth = worker.epoch_first_step_s, worker.epoch_growth_s
+            points = min(steps, _ITL_POINTS)
+            weight = batch * steps / points
+            for i in range(points):
+                j = (i + 0.5) * steps / points - 0.5
+                self.itl.add((first + growth * j) * 1000.0, weight)
+            worker.kv_tokens += steps * batch
+            self.output_tokens += steps * batch
+        worker.steps_done += steps
+        done = worker.steps_done
+        running = worker.running
+        while running and running[0][0] <= done:
+            self._finish(worker, heapq.heappop(running)[2])
+        for request, chunk in worker.epoch_chunks:
+            request.computed += chunk
+            if request.computed == request.prompt_len:
+                worker.prefilling.remove(request)
+                self.output_tokens += 1
+                self._start_decoding(worker, request, self.now)
+        worker.epoch_chunks = []
+
+    def _start_decoding(self, worker: _DecodeWorker, request: _Request, now: float) -> None:
+        request.first_token = now
+        self._waiting_first_token -= 1
+        self.ttft.add((now - request.arrival) * 1000.0)
+        window = self._window()
+        if window is not None:
+            window.ttft.add((now - request.arrival) * 1000.0)
+        if request.prefill is not None:
+            self.output_tokens += 1  # the first token, sampled by the prefill worker
+        if request.output_len <= 1:
+            self._finish(worker, request)
+            return
+        request.finish_step = worker.steps_done + request.output_len - 1
+        heapq.heappush(worker.running, (request.finish_step, request.order, request))
+        worker.num_running += 1
+        worker.kv_tokens += request.prompt_len + 1
+
+    def _finish(self, worker: _DecodeWorker, request: _Request) -> None:
+        now = self.now
+        if request.finish_step:  # it decoded (else it ended with its first token)
+            worker.num_running -= 1
+            worker.kv_tokens -= request.prompt_len + request.output_len
+            tpot = (now - request.first_token) * 1000.0 / (request.output_len - 1)
+            self.tpot.add(tpot)
+        worker.free_blocks += request.blocks
+        self._set_assigned(worker, worker.num_assigned - 1)
+        self.completed += 1
+        self.e2e.add((now - request.arrival) * 1000.0)
+        self.last_finish = max(self.last_finish, now)
+        window = self._window()
+        if window is not None:
+            window.completed += 1
+            if request.finish_step:
+                window.tpot.add(tpot)
+        if self._router_queue:
+            self._retry_router_queue()
+
+    def _start_epoch(self, worker: _DecodeWorker) -> None:
+        batch = worker.num_running
+        chunks = []
+        if worker.prefilling:
+            budget = self.decode_budget - batch
+            for request in worker.prefilling:
+                if budget <= 0:
+                    break
+                chunk = min(request.prompt_len - request.computed, budget, self.decode_chunk)
+                chunks.append((request, chunk))
+                budget -= chunk
+        if not batch and not chunks:
+            return  # idle until something arrives
+        first = self._d_intercept + self._d_row * batch + self._d_kv * worker.kv_tokens
+        if chunks:
+            steps = 1
+            tokens = sum(c for _, c in chunks)
+            attention = sum(c * (r.computed + c / 2) for r, c in chunks)
+            first += self.step.prefill_token_s * tokens + self.step.prefill_attention_s * attention + self.step.prefill_seq_s * len(chunks)
+        else:
+            steps = worker.running[0][0] - worker.steps_done  # until the next sequence finishes
+            if self.max_steps_per_run is not None:
+                steps = min(steps, self.max_steps_per_run)
+        crowding = self._crowding("decode", worker)
+        first *= crowding
+        growth = self._d_kv * batch * crowding
+        worker.epoch_start = self.now
+        worker.epoch_steps = steps
+        worker.epoch_first_step_s = first
+        worker.epoch_growth_s = growth
+        worker.epoch_chunks = chunks
+        worker.version += 1
+        self._set_busy(worker, True)
+        end = self.now + steps * first + growth * (steps - 1) * steps / 2
+        self._push(end, _DECODE_BOUNDARY, worker, worker.version)
+
+    # -- sharing a machine ---------------------------------------------------------------
+
+    def _crowding(self, role: str, worker) -> float:
+        """How much slower a step starting now runs for the other workers computing beside it."""
+        factor = self._contention.get(role, 0.0)
+        if not factor:
+            return 1.0
+        others = len(self.prefills) + len(self.decodes) - 1
+        busy = sum(1 for w in self.prefills if w.busy and w is not worker) + sum(1 for w in self.decodes if w.busy and w is not worker)
+        return 1.0 + factor * busy / others if others else 1.0
+
+    def _set_busy(self, worker, busy: bool) -> None:
+        changed = worker.busy != busy
+        worker.busy = busy
+        if changed and self._contention:
+            # The other decode workers' runs of steps were timed for the old crowding: they stop
+            # at their next boundary and are timed again.
+            for other in self.decodes:
+                if other is not worker and other.busy:
+                    self._wake_decode(other)
+
+    # -- pool changes -------------------------------------------------------------------
+
+    def _change_pools(self, change: PoolChange) -> None:
+        self._resize(self.prefills, change.num_prefill, "prefill")
+        self._resize(self.decodes, change.num_decode, "decode")
+
+    def _resize(self, workers: list, size: int, role: str) -> None:
+        routable = [w for w in workers if w.routable]
+        for worker in routable[size:]:
+            worker.routable = False  # drains: finishes what it holds, takes nothing new
+        for _ in range(size - len(routable)):
+            index = len(workers)
+            worker = _PrefillWorker(index) if role == "prefill" else _DecodeWorker(index, self.decode_blocks)
+            worker.routable = False
+            workers.append(worker)
+            self._push(self.now + self.worker_startup_s, _WORKER_UP, worker)
+        if role == "prefill":  # the result reports the largest size each pool reached
+            self.num_prefill = max(self.num_prefill, size)
+        else:
+            self.num_decode = max(self.num_decode, size)
+
+    def _worker_up(self, worker) -> None:
+        worker.routable = True
+        if isinstance(worker, _PrefillWorker):
+            self._set_queued(worker, worker.queued_tokens)
+        else:
+            self._set_assigned(worker, worker.num_assigned)
+        if self._router_queue:
+            self._retry_router_queue()
+
+    @property
+    def pool_sizes(self) -> tuple[int, int]:
+        return sum(1 for w in self.prefills if w.routable), sum(1 for w in self.decodes if w.routable)
+
+
+def simulate(profile: Profile, workload, num_prefill: int, num_decode: int, **options) -> SimResult:
+    """Run ``workload`` (a ``WorkloadModel``) through a deployment of that shape."""
+    pool_changes = options.pop("pool_changes", ())
+    return Simulation(profile, num_prefill, num_decode, **options).run(workload.requests(), pool_changes)

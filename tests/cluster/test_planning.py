@@ -1,0 +1,329 @@
+"""The planning stack without a cluster: fitting, the simulator, the planner, the autoscaler.
+
+The simulator is checked against closed forms (a request alone: its prefill steps, transfer
+and decode steps add up; a saturated stage: throughput is its capacity), against itself with
+the decode-run shortcut turned off (one event per decode step), and against invariants (every
+request completes, every KV block returns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import numpy as np
+import pytest
+
+from cluster.planning.autoscaler import Autoscaler, AutoscalerConfig
+from cluster.planning.planner import SLO, Planner
+from cluster.planning.profile import DeploymentFacts, Profile, StepTimeModel, TransferModel, fit_step_model, fit_transfer_model
+from cluster.planning.simulator import PoolChange, Simulation, simulate
+from cluster.planning.workload import WorkloadModel
+from engine.step_profile import StepLog, StepShape, TransferRecord
+from router.traffic import TrafficSnapshot, TrafficWindow
+
+BLOCK = 16
+
+
+def make_profile(**facts) -> Profile:
+    step = StepTimeModel(
+        intercept_s={"prefill": 0.004, "decode": 0.006}, prefill_token_s=0.0012, prefill_attention_s=2e-8, prefill_seq_s=0.0005,
+        decode_row_s=0.0008, decode_kv_s=1.5e-6,
+    )
+    defaults = dict(
+        block_size=BLOCK, bytes_per_block=100_000, decode_num_blocks=4000, token_budget={"prefill": 512, "decode": 512},
+        chunk_size={"prefill": None, "decode": None}, max_num_seqs=64, local_prefill_max_tokens=32, max_model_len=4096,
+    )
+    defaults.update(facts)
+    return Profile(step, TransferModel(0.002, 1e-9, 5e-6), DeploymentFacts(**defaults), {"remote": 0.010, "local": 0.008})
+
+
+# -- fitting ------------------------------------------------------------------------------
+
+
+def test_fit_recovers_the_step_time_model_it_was_generated_from():
+    truth = make_profile().step
+    rng = random.Random(0)
+    steps = {"prefill": [], "decode": []}
+    for _ in range(300):
+        tokens = rng.randint(1, 512)
+        start = rng.randint(0, 2048)
+        seqs = rng.randint(1, 4)
+        attention = tokens * (start + tokens / 2)
+        duration = truth.step_s("prefill", tokens, attention, seqs) * rng.uniform(0.98, 1.02)
+        steps["prefill"].append((tokens, attention, seqs, 0, 0, duration))
+        rows = rng.randint(1, 64)
+        kv = rows * rng.randint(16, 2048)
+        local = rng.choice([0, 0, 32])
+        local_attention = local * local / 2
+        duration = truth.step_s("decode", local, local_attention, 1 if local else 0, rows, kv) * rng.uniform(0.98, 1.02)
+        steps["decode"].append((local, local_attention, 1 if local else 0, rows, kv, duration))
+    fitted = fit_step_model(steps)
+    for name in ("prefill_token_s", "decode_row_s", "decode_kv_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=0.1), name
+    assert fitted.intercept_s["decode"] == pytest.approx(truth.intercept_s["decode"], rel=0.15)
+    assert fitted.fit["decode"]["median_abs_error_pct"] < 2.0
+    assert all(getattr(fitted, name) >= 0 for name in ("prefill_token_s", "prefill_attention_s", "prefill_seq_s", "decode_row_s", "decode_kv_s"))
+
+
+def test_fit_never_returns_a_negative_cost():
+    # Durations that fall with the token count: unconstrained least squares gives a negative
+    # per-token cost, which the simulator would extrapolate into negative step times.
+    steps = {"prefill": [(n, 0.0, 1, 0, 0, 0.05 - n * 1e-5) for n in range(10, 400, 10)], "decode": [(0, 0.0, 0, 1, 100, 0.01)] * 5}
+    fitted = fit_step_model(steps)
+    assert fitted.prefill_token_s >= 0
+    assert fitted.step_s("prefill", 4000, 0.0, 1) > 0
+
+
+def test_transfer_fit_and_too_few_steps():
+    records = [TransferRecord(n * 100_000, 1 + n % 3, 0.001 + n * 100_000 * 2e-9 + (1 + n % 3) * 1e-5) for n in range(1, 40)]
+    model = fit_transfer_model(records)
+    assert model.per_byte_s == pytest.approx(2e-9, rel=0.05)
+    assert model.transfer_s(10**7, 1) == pytest.approx(0.001 + 0.02 + 1e-5, rel=0.05)
+    with pytest.raises(ValueError, match="too few"):
+        fit_step_model({"decode": [(0, 0.0, 0, 1, 10, 0.01)]})
+
+
+def test_profile_round_trips_and_refuses_other_files(tmp_path):
+    profile = make_profile()
+    path = profile.save(tmp_path / "p.json")
+    again = Profile.load(path)
+    assert again.step.step_s("decode", 0, 0, 0, 8, 800) == profile.step.step_s("decode", 0, 0, 0, 8, 800)
+    assert again.facts == profile.facts
+    (tmp_path / "other.json").write_text('{"format": "something-else"}')
+    with pytest.raises(ValueError, match="not a pdserve profile"):
+        Profile.load(tmp_path / "other.json")
+
+
+def test_step_log_keeps_the_latest_steps_and_reads_from_an_index():
+    log = StepLog(capacity=4)
+    for i in range(6):
+        log.record(StepShape(num_prefill_tokens=i), 0.001 * i)
+    assert log.num_steps == 6
+    assert [s[0] for s in log.steps_since(0)] == [2, 3, 4, 5]  # the two oldest were dropped
+    assert [s[0] for s in log.steps_since(4)] == [4, 5]
+    assert log.steps_since(6) == []
+
+
+# -- the simulator ----------------------------------------------------------------------
+
+
+def test_a_request_alone_takes_its_steps_transfer_and_decode_steps():
+    profile = make_profile()
+    prompt, output = 1000, 20
+    result = simulate(profile, WorkloadModel(trace=[(0.0, prompt, output)]), 1, 1)
+    step = profile.step
+    # Prefill: a 512-token chunk, then 488 tokens; then the last chunk's blocks travel.
+    prefill = step.step_s("prefill", 512, 512 * 256, 1) + step.step_s("prefill", 488, 488 * (512 + 244), 1)
+    blocks = math.ceil(prompt / BLOCK) - 512 // BLOCK
+    transfer = profile.transfer.transfer_s(blocks * profile.facts.bytes_per_block, 1)
+    ttft = profile.ttft_overhead_s["remote"] + prefill + transfer
+    assert result.ttft.percentile(50) == pytest.approx(ttft * 1000, rel=0.006)
+    # Decode: output - 1 steps, each reading one more KV token than the last.
+    decode = sum(step.step_s("decode", 0, 0, 0, 1, prompt + 1 + j) for j in range(output - 1))
+    assert result.tpot.percentile(50) == pytest.approx(decode / (output - 1) * 1000, rel=0.006)
+    assert result.output_tokens == output
+    assert result.completed == 1
+
+
+def test_a_short_prompt_prefills_on_the_decode_worker():
+    profile = make_profile()
+    result = simulate(profile, WorkloadModel(trace=[(0.0, 20, 5)]), 1, 1)
+    expected = profile.ttft_overhead_s["local"] + profile.step.step_s("decode", 20, 20 * 10, 1)
+    assert result.ttft.percentile(50) == pytest.approx(expected * 1000, rel=0.006)
+
+
+def _stepwise(profile, trace, num_prefill, num_decode):
+    simulation = Simulation(profile, num_prefill, num_decode, max_queued_requests=10**6)
+    simulation.max_steps_per_run = 1  # one event per decode step: no closed-form runs
+    return simulation.run(trace)
+
+
+@pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 3), (0, 2)])
+def test_runs_of_decode_steps_equal_simulating_every_step(num_prefill, num_decode):
+    profile = make_profile()
+    trace = list(WorkloadModel(rate=8.0, num_requests=400, input_len=200, output_len=40, range_ratio=0.9, seed=3).requests())
+    fast = Simulation(profile, num_prefill, num_decode, max_queued_requests=10**6).run(trace)
+    slow = _stepwise(profile, trace, num_prefill, num_decode)
+    if num_prefill:  # (aggregated, most steps carry a prompt chunk and are single steps anyway)
+        assert fast.num_events < slow.num_events / 3  # the shortcut is what makes days simulable
+    for name in ("ttft", "tpot", "e2e"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.mean == pytest.approx(b.mean, rel=1e-6), name
+        assert a.percentile(99) == pytest.approx(b.percentile(99), rel=1e-6), name
+    assert fast.output_tokens == slow.output_tokens == sum(o for _, _, o in trace)
+
+
+def test_throughput_of_a_saturated_prefill_worker_is_its_capacity():
+    profile = make_profile()
+    # 512-token prompts: one step each on the prefill worker, far more than it can take.
+    step_s = profile.step.step_s("prefill", 512, 512 * 256, 1)
+    workload = WorkloadModel(rate=3.0 / step_s, num_requests=600, input_len=512, output_len=2)
+    result = simulate(profile, workload, 1, 4, max_queued_requests=10**6)
+    assert result.completed == 600
+    assert result.request_throughput == pytest.approx(1 / step_s, rel=0.03)
+
+
+def test_every_block_returns_and_overload_is_refused():
+    profile = make_profile(decode_num_blocks=200)
+    simulation = Simulation(profile, 1, 2, max_queued_requests=50)
+    result = simulation.run(WorkloadModel(rate=200.0, num_requests=2000, input_len=300, output_len=50, range_ratio=0.5).requests())
+    assert result.rejected > 0
+    assert result.completed + result.rejected == result.num_requests
+    assert all(w.free_blocks == 200 and w.num_assigned == 0 and not w.running for w in simulation.decodes)
+
+
+def test_pool_changes_add_workers_after_startup_and_drain_removed_ones():
+    profile = make_profile()
+    workload = WorkloadModel(rate=2.0, duration_s=60.0, input_len=256, output_len=32)
+    changes = [PoolChange(20.0, 3, 3), PoolChange(40.0, 1, 1)]
+    simulation = Simulation(profile, 1, 1, window_s=10.0, worker_startup_s=5.0)
+    result = simulation.run(workload.requests(), changes)
+    assert result.completed == result.num_requests
+    sizes = [(w.num_prefill, w.num_decode) for w in result.windows]
+    assert sizes[0] == (1, 1) and sizes[3] == (3, 3) and sizes[5] == (1, 1)
+    assert all(w.free_blocks == profile.facts.decode_num_blocks for w in simulation.decodes)
+    assert (result.num_prefill, result.num_decode) == (3, 3)  # the largest the pools were
+    # Drained workers took no request after the shrink; the new ones took some while up.
+    assert len(simulation.decodes) == 3
+
+
+# -- workloads ----------------------------------------------------------------------------
+
+
+def test_diurnal_arrivals_follow_the_rate_curve():
+    workload = WorkloadModel.from_dict({
+        "duration_s": 86_400, "input_len": 100, "output_len": 10,
+        "diurnal": {"trough_rate": 0.5, "peak_rate": 4.5, "period_s": 86_400, "peak_at_s": 43_200},
+    })
+    times = np.array([t for t, _, _ in workload.requests()])
+    assert len(times) == pytest.approx(2.5 * 86_400, rel=0.02)  # the mean rate times the day
+    night = np.sum(times < 3600)
+    noon = np.sum((times >= 41_400) & (times < 45_000))
+    assert night == pytest.approx(0.5 * 3600, rel=0.1)
+    assert noon == pytest.approx(4.5 * 3600, rel=0.05)
+
+
+def test_workload_errors_name_the_field():
+    with pytest.raises(ValueError, match="workload.rates: unknown field"):
+        WorkloadModel.from_dict({"rates": 1, "duration_s": 1})
+    with pytest.raises(ValueError, match="workload: give exactly one of duration_s and num_requests"):
+        WorkloadModel.from_dict({"rate": 1})
+    with pytest.raises(ValueError, match="workload.diurnal"):
+        WorkloadModel.from_dict({"duration_s": 1, "diurnal": {"trough_rate": 5, "peak_rate": 1}})
+
+
+# -- the planner ----------------------------------------------------------------------------
+
+
+def test_plan_is_the_cheapest_shape_that_meets_the_slo():
+    profile = make_profile()
+    mix = WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64, range_ratio=0.5)
+    slo = SLO(ttft_ms=800.0, tpot_ms=40.0, percentile=90)
+    planner = Planner(profile, mix, slo, max_workers=12, min_requests=800, max_requests=1500)
+    low, high = planner.plan(2.0), planner.plan(20.0)
+    assert low.feasible and high.feasible
+    assert high.cost > low.cost
+    for plan in (low, high):
+        assert slo.met_by(plan.result)
+        # No cheaper shape that was simulated meets the SLO.
+        cheaper = [c for c in plan.candidates if c.num_prefill + c.num_decode < plan.cost]
+        assert not any(c.meets_slo for c in cheaper)
+        # One decode worker fewer misses it.
+        if plan.num_decode > 1:
+            assert not planner.evaluate(plan.rate, plan.num_prefill, plan.num_decode - 1)[0]
+    # Prefill workers priced out: the decode workers prefill everything.
+    pricey = Planner(profile, mix, slo, max_workers=12, prefill_cost=100.0, min_requests=800, max_requests=1500).plan(2.0)
+    assert pricey.num_prefill == 0
+
+
+def test_plan_says_when_no_shape_fits():
+    planner = Planner(make_profile(), WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64), SLO(1.0, 1.0), max_workers=3)
+    assert not planner.plan(5.0).feasible
+
+
+# -- the autoscaler -------------------------------------------------------------------------
+
+
+class FakeLoad:
+    """A simulated load change: the rate the router would observe, minute by minute."""
+
+    def __init__(self) -> None:
+        self.rate = 1.0
+        self.now = 0.0
+        self.sizes = (1, 1)
+        self.applied: list[tuple[float, tuple[int, int]]] = []
+
+    def observe(self, window_s: float) -> TrafficSnapshot:
+        arrivals = int(self.rate * window_s)
+        return TrafficSnapshot(window_s, arrivals, arrivals, self.rate, 256.0, 64.0, 0.0, 0.0, 0.0)
+
+    async def apply(self, num_prefill: int, num_decode: int) -> None:
+        self.sizes = (num_prefill, num_decode)
+        self.applied.append((self.now, self.sizes))
+
+
+def test_autoscaler_follows_a_load_change_with_hysteresis(tmp_path):
+    profile = make_profile()
+    config = AutoscalerConfig(profile.save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0, interval_s=30.0,
+                              window_s=60.0, headroom=1.0, max_workers=12, scale_down_delay_s=300.0)
+    load = FakeLoad()
+    scaler = Autoscaler.from_config(config, load.observe, lambda: load.sizes, load.apply, clock=lambda: load.now)
+    scaler.planner.min_requests, scaler.planner.max_requests = 800, 1500
+    high_plan = scaler.planner.plan(20.0)
+
+    async def minutes(rate: float, count: int) -> None:
+        load.rate = rate
+        for _ in range(count):
+            load.now += 30.0
+            await scaler.tick()
+
+    async def scenario() -> None:
+        await minutes(1.0, 2)
+        start = load.sizes
+        await minutes(20.0, 1)  # the load rises twentyfold: grown on the first tick
+        assert load.sizes == (high_plan.num_prefill, high_plan.num_decode)
+        assert sum(load.sizes) > sum(start)
+        await minutes(1.0, 4)  # a lull shorter than the delay: nothing shrinks
+        await minutes(20.0, 1)
+        assert load.sizes == (high_plan.num_prefill, high_plan.num_decode)
+        shrink_from = load.now
+        await minutes(1.0, 12)  # a lasting drop: shrunk once, after the delay, by draining
+        shrinks = [(t, s) for t, s in load.applied if t > shrink_from]
+        assert len(shrinks) == 1
+        assert shrinks[0][0] - shrink_from >= config.scale_down_delay_s
+        assert sum(load.sizes) < sum(high_plan.num_prefill + high_plan.num_decode for _ in [0])
+
+    asyncio.run(scenario())
+    assert len(load.applied) == 2  # one grow, one shrink: the lull did not make it flap
+
+
+def test_autoscaler_adds_a_worker_to_a_stage_whose_queue_is_long(tmp_path):
+    profile = make_profile()
+    config = AutoscalerConfig(profile.save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0, headroom=1.0)
+    scaler = Autoscaler.from_config(config, None, lambda: (1, 1), None)
+    scaler.planner.min_requests, scaler.planner.max_requests = 800, 1500
+    quiet = TrafficSnapshot(120.0, 120, 120, 1.0, 256.0, 64.0, 0.0, 0.0, 0.0)
+    (prefill, decode), _ = scaler.target(quiet, (1, 1))
+    queued = TrafficSnapshot(120.0, 120, 120, 1.0, 256.0, 64.0, 0.0, 900.0, 0.0)  # prefill queue p90 beyond half the TTFT target
+    (more_prefill, _), reason = scaler.target(queued, (1, 1))
+    assert more_prefill == max(prefill, 2)
+    assert "prefill queue" in reason
+    assert scaler.target(TrafficSnapshot(120.0, 2, 2, 0.02, 256.0, 64.0, 0.0, 0.0, 0.0), (3, 4))[0] == (3, 4)  # too few to judge
+
+
+def test_traffic_window_rates_and_queue_times():
+    now = [0.0]
+    window = TrafficWindow(horizon_s=300.0, clock=lambda: now[0])
+    for i in range(100):
+        now[0] = i * 0.5  # 2 per second for 50 s
+        window.on_arrival()
+        window.on_finished(100 + i, 10, 0.0, float(i), 1.0)
+    now[0] = 60.0
+    snapshot = window.snapshot(30.0)
+    assert snapshot.num_arrivals == 40  # arrivals at 30.0 .. 49.5
+    assert snapshot.arrival_rate == pytest.approx(40 / 30.0)
+    assert snapshot.prefill_queue_ms_p90 == pytest.approx(np.percentile(range(60, 100), 90))
+    now[0] = 1000.0
+    assert window.snapshot(30.0).num_arrivals == 0  # forgotten past the horizon
