@@ -151,6 +151,8 @@ def fit_profile(batches: list, isolated: list[RequestRecord], local_prefill_max_
     }
     samples = {**{role: [list(row) for row in rows] for role, rows in steps.items()},
                "overlaps": overlaps,
+               "isolated": [[r.prompt_len, not r.prefill_worker_id, ttft_ms(r), r.timing.prefill_compute_ms if r.timing else None]
+                            for r in isolated],
                "transfers": [[t.num_bytes, t.num_descriptors, t.duration_s] for t in transfers]}
     return Profile(step, transfer, facts, overheads, info, samples)
 
@@ -172,15 +174,23 @@ def predicted_prefill_s(prompt_len: int, local: bool, step: StepTimeModel, trans
 
 
 def ttft_overheads(isolated: list[RequestRecord], step: StepTimeModel, transfer: TransferModel, facts: DeploymentFacts) -> dict[str, float]:
-    """Median of (client TTFT - predicted prefill) per path, for requests that ran alone."""
+    """What a client waits for a first token beyond the workers' stages, per path, for requests
+    that ran alone: client TTFT less the stages the workers timed (prefill queue and compute,
+    transfer, decode queue), so the figure does not depend on how well the step model fits.
+    Without the workers' timing, less the model's prediction of the prefill."""
     residuals: dict[str, list[float]] = {"remote": [], "local": []}
     for record in isolated:
         measured = ttft_ms(record)
         if measured is None:
             continue
         local = not record.prefill_worker_id
-        predicted = predicted_prefill_s(record.prompt_len, local, step, transfer, facts)
-        residuals["local" if local else "remote"].append(measured / 1000 - predicted)
+        timing = record.timing
+        if timing is not None and timing.prefill_compute_ms > 0:
+            stages = timing.prefill_queue_ms + timing.prefill_compute_ms + timing.kv_transfer_ms + timing.decode_queue_ms
+            residuals["local" if local else "remote"].append((measured - stages) / 1000)
+        else:
+            predicted = predicted_prefill_s(record.prompt_len, local, step, transfer, facts)
+            residuals["local" if local else "remote"].append(measured / 1000 - predicted)
     medians = {path: max(0.0, statistics.median(values)) for path, values in residuals.items() if values}
     fallback = next(iter(medians.values()), 0.0)
     return {path: medians.get(path, fallback) for path in ("remote", "local")}

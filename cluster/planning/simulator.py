@@ -112,7 +112,7 @@ class LogHistogram:
 
 
 class _Request:
-    __slots__ = ("arrival", "prompt_len", "output_len", "blocks", "decode", "prefill", "computed", "first_token", "finish_step", "order")
+    __slots__ = ("arrival", "prompt_len", "output_len", "blocks", "decode", "prefill", "computed", "first_token", "finish_step", "order", "finished")
 
     def __init__(self, arrival: float, prompt_len: int, output_len: int, blocks: int, order: int):
         self.arrival = arrival
@@ -124,6 +124,7 @@ class _Request:
         self.prefill: _PrefillWorker | None = None
         self.computed = 0  # prompt tokens computed so far
         self.first_token = math.nan
+        self.finished = math.nan
         self.finish_step = 0  # the decode worker's step count at which its last token is out
 
 
@@ -247,6 +248,7 @@ class Simulation:
         window_s: float | None = None,
         worker_startup_s: float = 30.0,
         colocated: bool = False,
+        keep_requests: bool = False,
     ):
         if num_decode < 1:
             raise ValueError(f"decode: a deployment needs at least one decode worker, got {num_decode}")
@@ -270,6 +272,7 @@ class Simulation:
         # Every worker on one machine, as when profiled on it: a step is slower by the profile's
         # contention factor times the share of the other workers computing when it starts.
         self.colocated = colocated
+        self.kept: list[_Request] | None = [] if keep_requests else None  # every request, for per-request comparisons
         self._contention = {role: self.step.contention.get(role, 0.0) for role in ("prefill", "decode")} if colocated else {}
         self.prefills = [_PrefillWorker(i) for i in range(num_prefill)]
         self.decodes = [_DecodeWorker(i, self.decode_blocks) for i in range(num_decode)]
@@ -364,6 +367,8 @@ class Simulation:
             self.rejected += 1  # the router refuses it: no decode worker could ever hold it
             return
         request = _Request(when, prompt_len, output_len, blocks, self.num_requests)
+        if self.kept is not None:
+            self.kept.append(request)
         self._waiting_first_token += 1
         if self._router_queue or not self._admit(request):
             self._router_queue.append(request)
@@ -569,6 +574,7 @@ class Simulation:
             worker.kv_tokens -= request.prompt_len + request.output_len
             tpot = (now - request.first_token) * 1000.0 / (request.output_len - 1)
             self.tpot.add(tpot)
+        request.finished = now
         worker.free_blocks += request.blocks
         self._set_assigned(worker, worker.num_assigned - 1)
         self.completed += 1

@@ -67,6 +67,41 @@ def test_fit_recovers_the_step_time_model_it_was_generated_from():
     assert all(getattr(fitted, name) >= 0 for name in ("prefill_token_s", "prefill_attention_s", "prefill_seq_s", "decode_row_s", "decode_kv_s"))
 
 
+def test_fit_separates_contention_from_the_terms():
+    # Steps that ran beside another worker's steps took 40% longer: the terms come from the
+    # steps that ran alone, the slow-down is the contention factor.
+    truth = make_profile().step
+    rng = random.Random(1)
+    steps, overlaps = {"prefill": [], "decode": []}, {"prefill": [], "decode": []}
+    for _ in range(300):
+        share = rng.choice([0.0, 0.0, 1.0, rng.random()])
+        tokens, start = rng.randint(1, 512), rng.randint(0, 1024)
+        attention = tokens * (start + tokens / 2)
+        steps["prefill"].append((tokens, attention, 1, 0, 0, truth.step_s("prefill", tokens, attention, 1) * (1 + 0.4 * share)))
+        overlaps["prefill"].append(share)
+        rows, kv = rng.randint(1, 32), rng.randint(16, 40_000)
+        steps["decode"].append((0, 0.0, 0, rows, kv, truth.step_s("decode", 0, 0, 0, rows, kv) * (1 + 0.4 * share)))
+        overlaps["decode"].append(share)
+    fitted = fit_step_model(steps, overlaps)
+    assert fitted.contention["prefill"] == pytest.approx(0.4, abs=0.02)
+    assert fitted.contention["decode"] == pytest.approx(0.4, abs=0.02)
+    assert fitted.prefill_token_s == pytest.approx(truth.prefill_token_s, rel=0.05)
+    assert fitted.fit["decode"]["median_abs_error_pct"] < 1.0
+
+
+def test_colocated_workers_slow_each_other_by_the_contention_factor():
+    profile = make_profile()
+    profile.step.contention = {"prefill": 0.5, "decode": 0.5}
+    trace = list(WorkloadModel(rate=3.0, num_requests=200, input_len=256, output_len=40, range_ratio=0.5, seed=2).requests())
+    apart = Simulation(profile, 1, 1).run(trace)
+    together = Simulation(profile, 1, 1, colocated=True).run(trace)
+    ratio = together.tpot.mean / apart.tpot.mean
+    assert 1.05 < ratio < 1.5  # slower while the prefill worker computes, never beyond the factor
+    # Alone, a request's decode steps see no contention even on a shared machine.
+    alone = Simulation(profile, 1, 1, colocated=True).run([(0.0, 64, 20)])
+    assert alone.tpot.mean == pytest.approx(simulate(profile, WorkloadModel(trace=[(0.0, 64, 20)]), 1, 1).tpot.mean, rel=0.006)
+
+
 def test_fit_never_returns_a_negative_cost():
     # Durations that fall with the token count: unconstrained least squares gives a negative
     # per-token cost, which the simulator would extrapolate into negative step times.

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.bench.client import BenchClient, RequestRecord
-from cluster.bench.metrics import SLO, distribution, itls_ms, tpot_ms, ttft_ms
+from cluster.bench.metrics import SLO, distribution, e2e_ms, itls_ms, tpot_ms, ttft_ms
 from cluster.bench.report import result_document, write_json
 from cluster.bench.runner import BenchSpec, run_load
 from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, engine_config, flags_of, fmt, local_cluster, ray_running, scenario_model
@@ -55,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the profile for shapes without prefill actors (`pdserve profile --prefill 0`; default: --profile)",
     )
     parser.add_argument("--duration", type=float, default=150.0, help="seconds of arrivals per run")
-    parser.add_argument("--chat-rate", type=float, default=0.6, help="requests per second of the chat workload")
-    parser.add_argument("--mixed-rate", type=float, default=0.45, help="requests per second of the mixed workload")
+    parser.add_argument("--chat-rate", type=float, default=0.4, help="requests per second of the chat workload")
+    parser.add_argument("--mixed-rate", type=float, default=0.3, help="requests per second of the mixed workload")
     parser.add_argument("--shapes", default="1p1d,0p2d", help="pool shapes: NpMd, comma-separated (0p: no prefill actor)")
     parser.add_argument("--workloads", default="chat,mixed")
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="per actor (as profiled)")
@@ -95,8 +96,16 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
                 for name, workload in chosen.items():
                     trace = list(workload.requests())
                     records = asyncio.run(_measure(deployment.address, trace, f"{label}-{name}", args))
-                    simulated = Simulation(profile if num_prefill else aggregated, num_prefill, num_decode, colocated=True).run(trace)
-                    cases.append(Case(label, name, measured_figures(records), simulated_figures(simulated)))
+                    simulation = Simulation(profile if num_prefill else aggregated, num_prefill, num_decode, colocated=True, keep_requests=True)
+                    simulated = simulation.run(trace)
+                    case = Case(label, name, measured_figures(records), simulated_figures(simulated))
+                    # Per request, in trace order: what the client saw and what the simulator predicted.
+                    case.measured["requests"] = [[r.prompt_len, r.max_tokens, ttft_ms(r), e2e_ms(r)] for r in records]
+                    case.simulated["requests"] = [
+                        [q.prompt_len, q.output_len, _finite((q.first_token - q.arrival) * 1000), _finite((q.finished - q.arrival) * 1000)]
+                        for q in simulation.kept
+                    ]
+                    cases.append(case)
     table, worst = comparison(cases)
     config = {"scenario": NAME, **flags_of(args), "profile_source": profile.source,
               "workloads": {name: w.to_dict() for name, w in chosen.items()}}
@@ -167,6 +176,10 @@ def comparison(cases: list[Case]) -> tuple[list[str], dict[str, float]]:
         lines.append(f"{case.shape:<7} {case.workload:<7} output tok/s: measured {case.measured['output_throughput']:.1f},"
                      f" simulated {case.simulated['output_throughput']:.1f} ({_pct(e)})")
     return lines, worst
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isnan(value) else value
 
 
 def _error(simulated: float | None, measured: float | None) -> float | None:
