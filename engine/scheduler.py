@@ -197,18 +197,24 @@ class Scheduler:
         if self.proposer is not None:
             budget -= self._add_drafts(batch.slices, budget)
         candidates = self._prefill_candidates(batch, key)
+        chunk_cap = self.config.long_prefill_chunk
         if self.chunk_sizer is not None and batch.slices and candidates:
             allowed = self._adaptive_prefill_tokens(batch, candidates[0])
             if allowed is not None:
                 budget = min(budget, allowed)
+                if len(candidates) > 1:
+                    # Split-fuse within the allowance: a long prompt takes at most half of it,
+                    # so the prompts queued behind it still move every step.
+                    half = max(self.block_size, allowed // 2)
+                    chunk_cap = half if chunk_cap is None else min(chunk_cap, half)
         for seq in candidates:
             if budget <= 0:
                 break
             if seq.status is SequenceStatus.WAITING:
                 self._take_cached_prefix(seq)
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if self.config.long_prefill_chunk is not None:
-                num_tokens = min(num_tokens, self.config.long_prefill_chunk)
+            if chunk_cap is not None:
+                num_tokens = min(num_tokens, chunk_cap)
             if not self._try_grow_blocks(seq, num_tokens):
                 if seq.status is SequenceStatus.WAITING:
                     self._return_cached_prefix(seq)  # cached again, for it or anyone, next step

@@ -14,7 +14,9 @@ removes a worker once it holds nothing).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import multiprocessing
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -91,6 +93,8 @@ class Autoscaler:
         self._shrink: _Shrink | None = None
         self.decisions: list[Decision] = []
         self._task: asyncio.Task | None = None
+        self.in_process = False  # True: plan on the caller's thread (tests); else in a worker process
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
 
     @classmethod
     def from_config(cls, config: AutoscalerConfig, observe, current, apply, clock=time.monotonic) -> "Autoscaler":
@@ -106,6 +110,8 @@ class Autoscaler:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _loop(self) -> None:
         while True:
@@ -118,7 +124,15 @@ class Autoscaler:
     async def tick(self) -> Decision:
         snapshot = self._observe(self.config.window_s)
         current = self._current()
-        planned, reason = await asyncio.to_thread(self.target, snapshot, current)
+        if self.in_process:
+            planned, reason = self.target(snapshot, current)
+        else:
+            # Planning runs simulations in pure Python for seconds: in a process of its own, so
+            # that the router sharing this event loop (and its GIL) keeps serving meanwhile.
+            if self._executor is None:
+                self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            loop = asyncio.get_running_loop()
+            planned, reason = await loop.run_in_executor(self._executor, plan_target, self.planner, self.config, snapshot, current)
         applied = self._with_hysteresis(planned, current)
         decision = Decision(self._clock(), snapshot.arrival_rate, planned, applied, reason)
         self.decisions.append(decision)
@@ -130,40 +144,7 @@ class Autoscaler:
 
     def target(self, snapshot: TrafficSnapshot, current: tuple[int, int]) -> tuple[tuple[int, int], str]:
         """The sizes this snapshot asks for, and why (no hysteresis)."""
-        config = self.config
-        if snapshot.num_arrivals < config.min_arrivals:
-            if snapshot.num_arrivals == 0 and snapshot.window_s >= config.window_s:
-                return (config.min_prefill, config.min_decode), "no traffic"
-            return current, f"{snapshot.num_arrivals} arrivals in the window: too few to plan from"
-        mix = self.planner.mix
-        if snapshot.num_finished:
-            mix = replace(
-                mix, input_len=max(1, round(snapshot.mean_prompt_tokens)), output_len=max(1, round(snapshot.mean_output_tokens)),
-                long_fraction=0.0,
-            )
-        planner = replace(self.planner, mix=mix)
-        plan = planner.plan(snapshot.arrival_rate * config.headroom)
-        if plan.feasible:
-            prefill, decode = plan.num_prefill, plan.num_decode
-            reason = f"plan for {snapshot.arrival_rate * config.headroom:.2f} req/s"
-        else:
-            prefill, decode = current
-            reason = f"no shape within {config.max_workers} workers meets the SLO"
-        budget = config.slo_ttft_ms * config.queue_fraction
-        if snapshot.prefill_queue_ms_p90 > budget and prefill <= current[0] and current[0] > 0:
-            prefill = current[0] + 1
-            reason += f"; prefill queue p90 {snapshot.prefill_queue_ms_p90:.0f} ms"
-        if max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90) > budget and decode <= current[1]:
-            decode = current[1] + 1
-            reason += f"; decode queue p90 {max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90):.0f} ms"
-        prefill = max(config.min_prefill, prefill)
-        decode = max(config.min_decode, decode)
-        while prefill + decode > config.max_workers:  # the queue correction may overshoot the cap
-            if prefill > config.min_prefill and prefill >= decode:
-                prefill -= 1
-            else:
-                decode -= 1
-        return (prefill, decode), reason
+        return plan_target(self.planner, self.config, snapshot, current)
 
     def _with_hysteresis(self, planned: tuple[int, int], current: tuple[int, int]) -> tuple[int, int] | None:
         now = self._clock()
@@ -182,6 +163,43 @@ class Autoscaler:
             return None
         target, self._shrink = self._shrink.largest, None
         return target
+
+
+def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSnapshot, current: tuple[int, int]) -> tuple[tuple[int, int], str]:
+    """The pool sizes a traffic snapshot asks for, and why (no hysteresis; picklable for a worker process)."""
+    if snapshot.num_arrivals < config.min_arrivals:
+        if snapshot.num_arrivals == 0 and snapshot.window_s >= config.window_s:
+            return (config.min_prefill, config.min_decode), "no traffic"
+        return current, f"{snapshot.num_arrivals} arrivals in the window: too few to plan from"
+    mix = planner.mix
+    if snapshot.num_finished:
+        mix = replace(
+            mix, input_len=max(1, round(snapshot.mean_prompt_tokens)), output_len=max(1, round(snapshot.mean_output_tokens)),
+            long_fraction=0.0,
+        )
+    planner = replace(planner, mix=mix)
+    plan = planner.plan(snapshot.arrival_rate * config.headroom)
+    if plan.feasible:
+        prefill, decode = plan.num_prefill, plan.num_decode
+        reason = f"plan for {snapshot.arrival_rate * config.headroom:.2f} req/s"
+    else:
+        prefill, decode = current
+        reason = f"no shape within {config.max_workers} workers meets the SLO"
+    budget = config.slo_ttft_ms * config.queue_fraction
+    if snapshot.prefill_queue_ms_p90 > budget and prefill <= current[0] and current[0] > 0:
+        prefill = current[0] + 1
+        reason += f"; prefill queue p90 {snapshot.prefill_queue_ms_p90:.0f} ms"
+    if max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90) > budget and decode <= current[1]:
+        decode = current[1] + 1
+        reason += f"; decode queue p90 {max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90):.0f} ms"
+    prefill = max(config.min_prefill, prefill)
+    decode = max(config.min_decode, decode)
+    while prefill + decode > config.max_workers:  # the queue correction may overshoot the cap
+        if prefill > config.min_prefill and prefill >= decode:
+            prefill -= 1
+        else:
+            decode -= 1
+    return (prefill, decode), reason
 
 
 def observed_sizes(pools) -> tuple[int, int]:

@@ -53,10 +53,10 @@ def test_adaptive_chunks_keep_greedy_output_exact(checkpoints):
     config = EngineConfig(dtype="float32", block_size=16, num_kv_blocks=128, max_num_batched_tokens=512, target_step_ms=2.0)
     engine = LLMEngine(path, config)
     # The short prompts decode while the long one arrives and is prefilled beside them.
-    short = [engine.add_request(f"short-{i}", p, SamplingParams(max_tokens=24)) for i, p in enumerate(prompts[1:])]
+    short = [engine.add_request(f"short-{i}", p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for i, p in enumerate(prompts[1:])]
     for _ in range(3):
         engine.step()
-    long = engine.add_request("long", prompts[0], SamplingParams(max_tokens=8))
+    long = engine.add_request("long", prompts[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     chunks = []
     while engine.has_unfinished_requests():
         batch = engine.scheduler.schedule()

@@ -34,3 +34,61 @@ def test_requests_beyond_the_queue_limit_are_refused_until_one_starts_streaming(
     dispatcher.admit(_active("c"))
     with pytest.raises(InvalidArgumentError, match="request_id"):
         dispatcher.admit(_active("b"))
+
+
+class _Call:
+    """A fake Ray actor method: ``method.remote(...)`` returns an awaitable."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+
+def test_a_prompt_refused_for_room_then_prefilled_locally_is_not_failed_as_unavailable():
+    # The decode actor refuses a remote reservation (its room went to another request since its
+    # last report); meanwhile the prefill backlog grew past prefill_busy_tokens, so the next
+    # attempt prefills the prompt on the decode actor, which queues local prompts itself. That
+    # refusal for room must not exclude the only decode actor from the local path.
+    import asyncio
+    from types import SimpleNamespace
+
+    from decode_workers.messages import DecodeReport
+    from decode_workers.worker import DecodeCapacityError
+    from router.config import Disaggregation
+    from router.pool import Role, WorkerRecord
+
+    pool = WorkerPool()
+    prefill = WorkerRecord("prefill-0", Role.PREFILL, handle=None)
+    added_locally = []
+
+    async def reserve(request):
+        prefill.num_assigned_prompt_tokens = 9000  # the prefill actor got busy meanwhile
+        raise DecodeCapacityError("decode-0: 0 KV blocks free for new requests")
+
+    async def add_local(request):
+        added_locally.append(request.req_id)
+
+    async def poll_outputs(timeout_s, router_id):
+        await asyncio.sleep(timeout_s)
+        return DecodeReport([], 1000)
+
+    handle = SimpleNamespace(reserve=_Call(reserve), add_local=_Call(add_local), poll_outputs=_Call(poll_outputs))
+    pool.add(prefill)
+    pool.add(WorkerRecord("decode-0", Role.DECODE, handle=handle, num_reservable_blocks=1000))
+    config = RouterConfig(disaggregation=Disaggregation.AUTO, local_prefill_max_tokens=4, prefill_busy_tokens=8192)
+    active = _active("a")
+    active.assembler.timing = SimpleNamespace(dispatched=None)
+    active.request.prompt_token_ids[:] = list(range(100))  # long enough to go to the prefill actor at first
+
+    async def scenario():
+        dispatcher = Dispatcher(pool, config)
+        dispatcher.admit(active)
+        await asyncio.wait_for(dispatcher.dispatch(active), 5)
+        for task in dispatcher._collectors.values():
+            task.cancel()
+
+    asyncio.run(scenario())
+    assert added_locally == [active.key]
+    assert active.decode.worker_id == "decode-0"

@@ -93,9 +93,11 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
             mode = Disaggregation.AUTO if num_prefill else Disaggregation.NEVER
             shape = ClusterShape(label, num_prefill, num_decode, mode, engine, engine)
             with local_cluster(model_dir, shape) as deployment:
-                for name, workload in chosen.items():
+                for index, (name, workload) in enumerate(chosen.items()):
                     trace = list(workload.requests())
-                    records = asyncio.run(_measure(deployment.address, trace, f"{label}-{name}", args))
+                    # Prompts of their own per workload: one workload's prompts must not be cached
+                    # prefixes of the next one's on the same cluster.
+                    records = asyncio.run(_measure(deployment.address, trace, f"{label}-{name}", args.seed + 1000 * (index + 1), args))
                     simulation = Simulation(profile if num_prefill else aggregated, num_prefill, num_decode, colocated=True, keep_requests=True)
                     simulated = simulation.run(trace)
                     case = Case(label, name, measured_figures(records), simulated_figures(simulated))
@@ -121,9 +123,9 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     return ScenarioOutcome(NAME, lines, json_path, ratios, ok=ok)
 
 
-async def _measure(address: str, trace: list[tuple[float, int, int]], label: str, args: argparse.Namespace) -> list[RequestRecord]:
+async def _measure(address: str, trace: list[tuple[float, int, int]], label: str, seed: int, args: argparse.Namespace) -> list[RequestRecord]:
     spec = BenchSpec(show_progress=not args.no_progress)
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
     async with BenchClient(spec.client_config(address, label)) as client:
         limits = await client.model_limits()
         await client.warm_up([BenchRequest(4, random_token_ids(rng, limits, 64), prompt_len=64) for _ in range(2)])
