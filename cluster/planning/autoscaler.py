@@ -129,10 +129,15 @@ class Autoscaler:
         else:
             # Planning runs simulations in pure Python for seconds: in a process of its own, so
             # that the router sharing this event loop (and its GIL) keeps serving meanwhile.
-            if self._executor is None:
-                self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-            loop = asyncio.get_running_loop()
-            planned, reason = await loop.run_in_executor(self._executor, plan_target, self.planner, self.config, snapshot, current)
+            try:
+                if self._executor is None:
+                    self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                loop = asyncio.get_running_loop()
+                planned, reason = await loop.run_in_executor(self._executor, plan_target, self.planner, self.config, snapshot, current)
+            except (OSError, concurrent.futures.process.BrokenProcessPool) as exc:
+                logger.warning("autoscaler: planning process unavailable (%r); planning on a thread", exc)
+                self._executor = None
+                planned, reason = await asyncio.to_thread(self.target, snapshot, current)
         applied = self._with_hysteresis(planned, current)
         decision = Decision(self._clock(), snapshot.arrival_rate, planned, applied, reason)
         self.decisions.append(decision)

@@ -184,8 +184,10 @@ class _Search:
         if d is None:
             return None
         for _ in range(_DESCENT_ROUNDS):
-            p_next = self.fewest(lambda n: (n, d), most - d)
-            d_next = self.fewest(lambda n: (p_next, n), most - p_next)
+            # (Simulated latencies are not perfectly monotone in a pool's size: where a search
+            # finds nothing, the count it started from stands.)
+            p_next = self.fewest(lambda n: (n, d), most - d) or p
+            d_next = self.fewest(lambda n: (p_next, n), most - p_next) or d
             if (p_next, d_next) == (p, d):
                 break
             p, d = p_next, d_next
