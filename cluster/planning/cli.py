@@ -59,6 +59,7 @@ def add_planning_parsers(commands) -> None:
     plan.add_argument("--prefill-cost", type=float, default=1.0, help="cost of one prefill worker (e.g. its GPU's price)")
     plan.add_argument("--decode-cost", type=float, default=1.0)
     plan.add_argument("--diurnal", action="store_true", help="plan each hour of the workload's diurnal day")
+    plan.add_argument("--headroom", type=float, default=1.1, help="--diurnal: plan each hour for this multiple of its peak rate")
     plan.add_argument("--out", type=Path, help="directory for plan.json (and the diurnal plot)")
     plan.set_defaults(bench_handler=run_plan)
 
@@ -168,7 +169,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.diurnal:
             if mix.diurnal is None:
                 raise ValueError("workload.diurnal: --diurnal needs a workload with a diurnal section")
-            day = plan_day(planner, mix, args.out)
+            day = plan_day(planner, mix, args.out, headroom=args.headroom)
             print(day.summary())
             return 0 if day.all_feasible else 1
         rate = args.rate if args.rate is not None else mix.rate

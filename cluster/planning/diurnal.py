@@ -1,7 +1,8 @@
 """A plan for a day: pool sizes per hour of a diurnal load, checked by simulating the whole day.
 
-Each hour is planned at the highest rate the hour reaches (its start, middle or end), so the
-pools are sized for the hour's peak. The day is then simulated with the pools following the
+Each hour is planned at the highest rate the hour reaches (its start, middle or end) times
+``headroom``, so the pools are sized for the hour's peak (a plan is judged on a few thousand
+simulated requests; an hour of them at the edge of the SLO drifts past it, hence the margin). The day is then simulated with the pools following the
 plan: a pool grows ``startup_s`` before its hour starts (new workers need that long to load),
 shrinks at the hour's start by draining. The check is per hour: the SLO percentile of TTFT and
 TPOT of the requests that hour, and the worker-hours against one static deployment sized for
@@ -82,7 +83,7 @@ class DayPlan:
         return "\n".join(lines)
 
 
-def plan_day(planner: Planner, workload: WorkloadModel, out_dir: Path | None = None, startup_s: float = 60.0) -> DayPlan:
+def plan_day(planner: Planner, workload: WorkloadModel, out_dir: Path | None = None, startup_s: float = 60.0, headroom: float = 1.0) -> DayPlan:
     diurnal = workload.diurnal
     slot = diurnal.period_s / HOURS
     rates = [max(diurnal.rate_at(h * slot), diurnal.rate_at((h + 0.5) * slot), diurnal.rate_at((h + 1) * slot)) for h in range(HOURS)]
@@ -92,7 +93,7 @@ def plan_day(planner: Planner, workload: WorkloadModel, out_dir: Path | None = N
     for rate in rates:
         key = round(rate, 3)
         if key not in by_rate:
-            by_rate[key] = planner.plan(rate)
+            by_rate[key] = planner.plan(rate * headroom)
         plans.append(by_rate[key])
     day = DayPlan(slot, rates, plans, planning_s=time.perf_counter() - started, percentile=planner.slo.percentile,
                   slo=(planner.slo.ttft_ms, planner.slo.tpot_ms))

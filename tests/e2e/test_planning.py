@@ -65,11 +65,15 @@ def test_profile_sweep_fits_a_model_that_predicts_a_lone_request(ray_cluster, e2
     assert loaded.samples["prefill"] and loaded.samples["decode"] and loaded.samples["transfers"]
     assert loaded.facts.token_budget == {"prefill": 128, "decode": 128} and loaded.facts.decode_num_blocks == 256
     step = loaded.step
-    assert step.prefill_token_s > 0 and step.decode_row_s + step.decode_kv_s + step.intercept_s["decode"] > 0
+    # Longer prompts and bigger batches cost more (on this tiny model per-step costs dominate).
+    assert predicted_prefill_s(400, False, step, loaded.transfer, loaded.facts) > predicted_prefill_s(20, False, step, loaded.transfer, loaded.facts)
+    assert step.step_s("decode", decode_rows=12, decode_kv_tokens=1200) > step.step_s("decode", decode_rows=1, decode_kv_tokens=50)
     measured = sorted(ttfts)[2]
     predicted = predicted_prefill_s(150, False, step, loaded.transfer, loaded.facts) + loaded.ttft_overhead_s["remote"]
-    # Generous: a shared 2-core machine; what matters is the order of magnitude of each term.
-    assert 0.5 * measured <= predicted <= 2.0 * measured, (predicted, measured)
+    # Generous: steps of a few ms on a shared 2-core machine, where per-step Python costs and
+    # the other actor's work move each step; what matters is the order of magnitude of each term.
+    assert measured / 3 <= predicted <= 3 * measured, (predicted, measured)
+    assert step.fit["decode"]["median_abs_error_pct"] < 60
 
 
 def test_autoscaler_drains_a_prefill_pool_the_plan_does_not_need(ray_cluster, e2e_model, tmp_path):
