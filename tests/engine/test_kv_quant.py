@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 from engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
 from engine.attention import write_quantized_torch
 from engine.config import ModelConfig
+from engine.cpu_linear import bf16_pair_kernel_available
 from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.kv_accuracy import held_out_windows, perplexity
 from engine.kv_cache import KVCache
@@ -103,9 +104,13 @@ def test_attention_kernels_read_what_the_cache_holds(kind):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
     # A bfloat16 model: where the CPU has avx512_bf16 the tiles are the dequantized values rounded
     # to bfloat16, as a bfloat16 cache holding them would be.
+    # Elsewhere they stay float32, as over a float32 cache holding them.
     q16 = q.to(torch.bfloat16)
     got = cpu_attention.attend_prefill(q16, quantized.key_views[0], quantized.value_views[0], chunks, None, quantized.key_scales[0], quantized.value_scales[0])
-    want = cpu_attention.attend_prefill(q16, keys.to(torch.bfloat16), values.to(torch.bfloat16), chunks)
+    if bf16_pair_kernel_available():
+        want = cpu_attention.attend_prefill(q16, keys.to(torch.bfloat16), values.to(torch.bfloat16), chunks)
+    else:
+        want = cpu_attention.attend_prefill(q16.float(), keys, values, chunks)
     assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
@@ -123,7 +128,9 @@ def test_held_out_perplexity_stays_within_two_percent_and_greedy_choices_agree(k
     reference = perplexity(LLMEngine(None, EngineConfig(dtype="float32", num_threads=1, num_kv_blocks=32)), texts)
     quantized = perplexity(LLMEngine(None, EngineConfig(dtype="float32", num_threads=1, num_kv_blocks=32, kv_cache_dtype=kind)), texts)
     assert quantized.num_tokens == reference.num_tokens
-    assert reference.value < quantized.value <= 1.02 * reference.value
+    # Within 2% either way: rounding noise can even lower it a hair (int8: -0.0007% on an AVX2 CPU).
+    assert 0.98 * reference.value <= quantized.value <= 1.02 * reference.value
+    assert quantized.value != reference.value  # the cache did quantize
     # Greedy agreement, teacher-forced (one near-tie does not send the rest down another path).
     assert quantized.top1_agreement(reference) >= 0.97
 
