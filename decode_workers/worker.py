@@ -38,7 +38,6 @@ from decode_workers.scheduler import DecodeScheduler
 from engine.config import EngineConfig
 from engine.sequence import FinishReason, Sequence, TokenLogprob, sampled_token_from_json
 from engine.stats import WorkerState, engine_stats
-from engine.step_profile import shape_of
 from kvtransfer.agent import KVTransferConfig
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.leases import RecentKeys
@@ -308,7 +307,6 @@ class DecodeWorker(EngineWorker):
         batch = self.scheduler.schedule()
         if not batch.slices:
             return busy
-        shape = shape_of(batch)
         outputs: dict[str, list[SeqOutput]] = {}
         for out in self.engine.run_batch(batch):
             tracked = self._tracked.get(out.req_id)
@@ -322,7 +320,7 @@ class DecodeWorker(EngineWorker):
                 del self._tracked[out.req_id]
         for router_id, items in outputs.items():
             self._outputs.put(router_id, items)
-        self.step_log.record(shape, time.perf_counter() - started)
+        self.step_log.record(self.engine.last_shape, time.perf_counter() - started)
         self._pause_after_step()
         return True
 

@@ -32,7 +32,7 @@ from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from engine.draft_model import DraftModelProposer, draft_bytes_per_block
 from engine.speculation import DraftRow, NgramProposer, Proposer
-from engine.step_profile import shape_of
+from engine.step_profile import StepShape, shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class LLMEngine:
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids, proposer=self._proposer(loaded.dtype))
         self.num_steps = 0
         self.num_scheduled_tokens = 0
+        self.last_shape: StepShape | None = None  # of the latest batch run_batch was given
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
             self.model_config.architecture,
@@ -216,13 +217,14 @@ class LLMEngine:
         """
         self.num_steps += 1
         self.num_scheduled_tokens += batch.num_tokens
+        self.last_shape = shape_of(batch)  # what this step computes: the workers' step log, the chunk sizer
         sizer = self.scheduler.chunk_sizer
         try:
             if sizer is None:
                 return self._compute(batch)
-            shape, started = shape_of(batch), time.perf_counter()
+            started = time.perf_counter()
             outputs = self._compute(batch)
-            sizer.observe(shape, time.perf_counter() - started)
+            sizer.observe(self.last_shape, time.perf_counter() - started)
             return outputs
         except Exception as exc:
             if len(batch.slices) == 1:

@@ -38,6 +38,7 @@ from engine.config import EngineConfig
 from engine.errors import UnknownRequestError
 from engine.sequence import FinishReason, Sequence, SequenceStatus, TokenLogprob
 from engine.speculation import DraftWindow, Proposer
+from engine.step_profile import shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -226,12 +227,9 @@ class Scheduler:
 
     def _adaptive_prefill_tokens(self, batch: ScheduledBatch, first: Sequence) -> int | None:
         """Prompt tokens this step may carry beside its decode rows (engine.chunk_sizer)."""
-        rows = kv_tokens = 0
-        for piece in batch.slices:
-            rows += piece.num_tokens
-            kv_tokens += piece.num_tokens * (piece.seq.num_computed_tokens + 1) + piece.num_tokens * (piece.num_tokens - 1) // 2
+        decode = shape_of(batch)  # so far the batch holds its decode rows only
         start = first.num_computed_tokens if first.status is not SequenceStatus.WAITING else 0
-        return self.chunk_sizer.prefill_tokens(rows, kv_tokens, start)
+        return self.chunk_sizer.prefill_tokens(decode.num_decode_rows, decode.num_decode_kv_tokens, start)
 
     def _add_drafts(self, decodes: list[ScheduledSlice], budget: int) -> int:
         """Give decode slices the proposer's drafts, within ``budget`` tokens and the free blocks

@@ -30,7 +30,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import RequestFailedError
 from engine.sequence import Sequence, sampled_token_to_json
-from engine.step_profile import TransferRecord, shape_of
+from engine.step_profile import TransferRecord
 from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVTransferConfig
 from kvtransfer.descriptors import merge_runs
@@ -196,7 +196,6 @@ class PrefillWorker(EngineWorker):
         batch = self.scheduler.schedule()
         if not batch.slices:
             return busy
-        shape = shape_of(batch)
         for out in self.engine.run_batch(batch):
             if out.error is not None and (job := self._jobs.get(out.req_id)) is not None:
                 self._finish_job(job, RequestFailedError(out.error))  # that request alone; its blocks are free
@@ -213,7 +212,7 @@ class PrefillWorker(EngineWorker):
             if job is not None:
                 job.num_chunks += 1
                 self._push_completed_blocks(job)
-        self.step_log.record(shape, time.perf_counter() - started - paused)
+        self.step_log.record(self.engine.last_shape, time.perf_counter() - started - paused)
         return True
 
     def _push_completed_blocks(self, job: _Job) -> None:

@@ -511,7 +511,7 @@ class Simulation:
         if j + 1 < worker.epoch_steps:
             worker.epoch_steps = j + 1
             worker.version += 1
-            end = worker.epoch_start + (j + 1) * first + growth * j * (j + 1) / 2
+            end = worker.epoch_start + _run_s(first, growth, j + 1)
             self._push(max(end, self.now), _DECODE_BOUNDARY, worker, worker.version)
 
     def _decode_boundary(self, worker: _DecodeWorker) -> None:
@@ -621,7 +621,7 @@ class Simulation:
         worker.epoch_chunks = chunks
         worker.version += 1
         self._set_busy(worker, True)
-        end = self.now + steps * first + growth * (steps - 1) * steps / 2
+        end = self.now + _run_s(first, growth, steps)
         self._push(end, _DECODE_BOUNDARY, worker, worker.version)
 
     # -- sharing a machine ---------------------------------------------------------------
@@ -678,6 +678,11 @@ class Simulation:
     @property
     def pool_sizes(self) -> tuple[int, int]:
         return sum(1 for w in self.prefills if w.routable), sum(1 for w in self.decodes if w.routable)
+
+
+def _run_s(first_step_s: float, growth_s: float, steps: int) -> float:
+    """How long ``steps`` decode steps take when each takes ``growth_s`` longer than the one before."""
+    return steps * first_step_s + growth_s * steps * (steps - 1) / 2
 
 
 def simulate(profile: Profile, workload, num_prefill: int, num_decode: int, **options) -> SimResult:
