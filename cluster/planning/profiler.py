@@ -63,7 +63,7 @@ async def run_sweep(address: str, handles: dict[str, object], plan: SweepPlan, l
             return BenchRequest(max_tokens, random_token_ids(rng, limits, min(length, longest)), tag=tag, prompt_len=min(length, longest))
 
         await client.warm_up([prompt(32, "warmup", 4), prompt(max(lengths), "warmup", 4)])
-        started = await _log_positions(handles)  # the warm-up's first steps (lazy inits) are not fitted
+        started = await log_positions(handles)  # the warm-up's first steps (lazy inits) are not fitted
         isolated: list[RequestRecord] = []
         for length in lengths:
             for _ in range(plan.repeats):
@@ -92,7 +92,7 @@ async def run_sweep(address: str, handles: dict[str, object], plan: SweepPlan, l
     failed = [r for r in isolated if not r.ok]
     if failed:
         raise RuntimeError(f"profile: {len(failed)} isolated requests failed, first: {failed[0].error or failed[0].finish_reason}")
-    batches = await asyncio.gather(*(handle.step_profile.remote(*started[worker_id]) for worker_id, handle in handles.items()))
+    batches = await step_logs_since(handles, started)
     return fit_profile(batches, isolated, local_prefill_max_tokens, max_queued_requests, source)
 
 
@@ -105,9 +105,36 @@ def _prefill_seconds(isolated: list[RequestRecord]):
     return lambda n: max(0.0, intercept + slope * n)
 
 
-async def _log_positions(handles: dict[str, object]) -> dict[str, tuple[int, int]]:
+async def log_positions(handles: dict[str, object]) -> dict[str, tuple[int, int]]:
+    """Per worker, how many steps and KV writes its log holds so far (where a reader starts)."""
     batches = await asyncio.gather(*(handle.step_profile.remote(1 << 62, 1 << 62) for handle in handles.values()))
     return {worker_id: (b.num_steps, b.num_transfers) for worker_id, b in zip(handles, batches)}
+
+
+async def step_logs_since(handles: dict[str, object], positions: dict[str, tuple[int, int]]) -> list:
+    """Every worker's ``StepProfileBatch`` of the steps and KV writes after ``positions``."""
+    return list(await asyncio.gather(*(handle.step_profile.remote(*positions[worker_id]) for worker_id, handle in handles.items())))
+
+
+def step_model_check(step: StepTimeModel, batches: list) -> dict[str, dict[str, float]]:
+    """How well ``step`` describes steps the workers ran later (their logs, ``batches``): per role,
+    the median and 10th/90th percentiles of measured / predicted duration, contention included.
+
+    A profile fits the machine as it was while profiled; a ratio away from 1 on a later run is
+    the machine's speed having moved since (shared hosts drift by tens of percent).
+    """
+    ratios: dict[str, list[float]] = {}
+    for batch, shares in zip(batches, step_overlaps(batches).values()):
+        factor = step.contention.get(batch.role, 0.0)
+        for row, share in zip(batch.steps, shares):
+            predicted = step.step_s(batch.role, *row[:5]) * (1 + factor * share)
+            if predicted > 0:
+                ratios.setdefault(batch.role, []).append(row[5] / predicted)
+    return {
+        role: {"num_steps": float(len(values)), "median": float(np.median(values)),
+               "p10": float(np.percentile(values, 10)), "p90": float(np.percentile(values, 90))}
+        for role, values in ratios.items()
+    }
 
 
 def fit_profile(batches: list, isolated: list[RequestRecord], local_prefill_max_tokens: int, max_queued_requests: int = 256,

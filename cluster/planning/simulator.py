@@ -3,8 +3,10 @@
 What is simulated, as the real parts do it:
 - **Router.** A request arrives; if as many requests already wait for a first token as the
   router queues, it is refused. Otherwise it needs a decode worker with room for its KV
-  (prompt plus output blocks) and a batch slot; it takes the routable one with the fewest
-  requests (the least-loaded policy), or waits in FIFO order until blocks free up. Prompts up
+  (prompt plus output blocks) and a batch slot; it takes the routable one the router's policy
+  picks (``kv_aware``, the default, without cache hits: the fewest prompt tokens assigned, then
+  the fewest requests; ``least_loaded``: the fewest requests; ``round_robin``), or waits in
+  FIFO order until blocks free up. Prompts up
   to ``local_prefill_max_tokens`` (or every prompt, without prefill workers) prefill on the
   decode worker; the rest on the prefill worker with the fewest queued prompt tokens.
   ``ttft_overhead_s`` (router, Ray calls, streaming: measured) delays the dispatch.
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.planning.profile import Profile
+from router.pool import RoutingPolicy
 
 _BUCKET_GROWTH = 1.005
 _LOG_GROWTH = math.log(_BUCKET_GROWTH)
@@ -90,6 +93,29 @@ class LogHistogram:
         self.sum += other.sum
         self.max = max(self.max, other.max)
 
+    def spread(self, factors: list[float]) -> "LogHistogram":
+        """The distribution of value x factor, each factor equally likely (a multiplicative
+        noise): every bucket's count is shared out over the buckets its value lands in."""
+        self._flush()
+        result = LogHistogram()
+        if not factors:
+            result.merge(self)
+            return result
+        for factor in factors:
+            shift = int(round(math.log(factor) / _LOG_GROWTH))
+            shifted = np.zeros(_NUM_BUCKETS)
+            if shift >= 0:
+                shifted[shift:] = self.counts[:_NUM_BUCKETS - shift]
+                shifted[-1] += self.counts[_NUM_BUCKETS - shift:].sum()
+            else:
+                shifted[:shift] = self.counts[-shift:]
+                shifted[0] += self.counts[:-shift].sum()
+            result.counts += shifted / len(factors)
+        result.total = self.total
+        result.sum = self.sum * sum(factors) / len(factors)
+        result.max = self.max * max(factors)
+        return result
+
     def percentile(self, q: float) -> float | None:
         self._flush()
         if self.total <= 0:
@@ -142,7 +168,8 @@ class _PrefillWorker:
 
 class _DecodeWorker:
     __slots__ = (
-        "index", "running", "num_running", "kv_tokens", "steps_done", "prefilling", "joining", "free_blocks", "num_assigned", "routable",
+        "index", "running", "num_running", "kv_tokens", "steps_done", "prefilling", "joining", "free_blocks", "num_assigned",
+        "assigned_tokens", "routable",
         "busy", "version", "epoch_start", "epoch_steps", "epoch_first_step_s", "epoch_growth_s", "epoch_chunks",
     )
 
@@ -156,6 +183,7 @@ class _DecodeWorker:
         self.joining: deque[_Request] = deque()  # KV landed, joining at the next boundary
         self.free_blocks = num_blocks
         self.num_assigned = 0
+        self.assigned_tokens = 0  # prompt tokens of the assigned requests
         self.routable = True
         self.busy = False
         self.version = 0  # invalidates a scheduled boundary that an arrival moved earlier
@@ -249,6 +277,7 @@ class Simulation:
         worker_startup_s: float = 30.0,
         colocated: bool = False,
         keep_requests: bool = False,
+        routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE,
     ):
         if num_decode < 1:
             raise ValueError(f"decode: a deployment needs at least one decode worker, got {num_decode}")
@@ -279,8 +308,10 @@ class Simulation:
         # Least-loaded picks from heaps of (load, index) with lazy deletion: an entry whose load
         # is no longer the worker's (or whose worker left) is dropped when it reaches the top.
         # Ties go to the lower index, as the router's ``min`` over its list does.
+        self._decode_load = _DECODE_LOADS[RoutingPolicy(routing_policy)]
+        self._round_robin = itertools.count() if routing_policy == RoutingPolicy.ROUND_ROBIN else None
         self._prefill_heap = [(0, w.index) for w in self.prefills]
-        self._decode_heap = [(0, w.index) for w in self.decodes]
+        self._decode_heap = [(self._decode_load(w), w.index) for w in self.decodes]
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self._events: list = []
         self._counter = itertools.count()
@@ -330,9 +361,12 @@ class Simulation:
                     self._change_pools(subject)
             self.num_events += 1
         start = 0.0 if math.isnan(self.first_arrival) else self.first_arrival
+        # Decode steps scatter around the model; an inter-token latency is one step, so its
+        # percentiles carry that scatter (TPOT and TTFT average over many steps: they do not).
+        itl = self.itl.spread(self.step.residuals.get("decode", []))
         return SimResult(
             self.num_prefill, self.num_decode, self.num_requests, self.completed, self.rejected, max(0.0, self.last_finish - start),
-            self.output_tokens, self.ttft, self.tpot, self.itl, self.e2e, self.num_events, self.windows,
+            self.output_tokens, self.ttft, self.tpot, itl, self.e2e, self.num_events, self.windows,
         )
 
     def _push(self, when: float, kind: int, subject, version: int = 0) -> None:
@@ -379,7 +413,7 @@ class Simulation:
         if decode is None:
             return False
         decode.free_blocks -= request.blocks
-        self._set_assigned(decode, decode.num_assigned + 1)
+        self._assign(decode, request, +1)
         request.decode = decode
         prefill = None if request.prompt_len <= self.local_max else self._least_queued_prefill()
         if prefill is not None:
@@ -390,13 +424,16 @@ class Simulation:
         return True
 
     def _least_assigned_decode(self, blocks: int) -> _DecodeWorker | None:
-        heap, workers = self._decode_heap, self.decodes
+        if self._round_robin is not None:
+            candidates = [w for w in self.decodes if w.routable and w.free_blocks >= blocks]
+            return candidates[next(self._round_robin) % len(candidates)] if candidates else None
+        heap, workers, load_of = self._decode_heap, self.decodes, self._decode_load
         passed = []
         chosen = None
         while heap:
             load, index = heap[0]
             worker = workers[index]
-            if not worker.routable or load != worker.num_assigned:
+            if not worker.routable or load != load_of(worker):
                 heapq.heappop(heap)
             elif worker.free_blocks >= blocks:
                 chosen = worker
@@ -417,21 +454,26 @@ class Simulation:
             heapq.heappop(heap)
         return None
 
-    def _set_assigned(self, worker: _DecodeWorker, value: int) -> None:
-        worker.num_assigned = value
+    def _assign(self, worker: _DecodeWorker, request: _Request, sign: int) -> None:
+        """``request`` is assigned to ``worker`` (sign +1) or done there (-1)."""
+        worker.num_assigned += sign
+        worker.assigned_tokens += sign * request.prompt_len
+        self._push_decode_load(worker)
+
+    def _push_decode_load(self, worker: _DecodeWorker) -> None:
         if worker.routable:
-            self._push_load(self._decode_heap, value, worker.index, self.decodes, "num_assigned")
+            self._push_load(self._decode_heap, worker.index, self.decodes, self._decode_load)
 
     def _set_queued(self, worker: _PrefillWorker, value: int) -> None:
         worker.queued_tokens = value
         if worker.routable:
-            self._push_load(self._prefill_heap, value, worker.index, self.prefills, "queued_tokens")
+            self._push_load(self._prefill_heap, worker.index, self.prefills, _queued_tokens)
 
     @staticmethod
-    def _push_load(heap: list, value: int, index: int, workers: list, attribute: str) -> None:
-        heapq.heappush(heap, (value, index))
+    def _push_load(heap: list, index: int, workers: list, load_of) -> None:
+        heapq.heappush(heap, (load_of(workers[index]), index))
         if len(heap) > 8 * len(workers) + 64:  # stale entries piled up: rebuild from the live loads
-            heap[:] = [(getattr(w, attribute), w.index) for w in workers if w.routable]
+            heap[:] = [(load_of(w), w.index) for w in workers if w.routable]
             heapq.heapify(heap)
 
     def _retry_router_queue(self) -> None:
@@ -576,7 +618,7 @@ class Simulation:
             self.tpot.add(tpot)
         request.finished = now
         worker.free_blocks += request.blocks
-        self._set_assigned(worker, worker.num_assigned - 1)
+        self._assign(worker, request, -1)
         self.completed += 1
         self.e2e.add((now - request.arrival) * 1000.0)
         self.last_finish = max(self.last_finish, now)
@@ -671,13 +713,27 @@ class Simulation:
         if isinstance(worker, _PrefillWorker):
             self._set_queued(worker, worker.queued_tokens)
         else:
-            self._set_assigned(worker, worker.num_assigned)
+            self._push_decode_load(worker)
         if self._router_queue:
             self._retry_router_queue()
 
     @property
     def pool_sizes(self) -> tuple[int, int]:
         return sum(1 for w in self.prefills if w.routable), sum(1 for w in self.decodes if w.routable)
+
+
+def _queued_tokens(worker: _PrefillWorker) -> int:
+    return worker.queued_tokens
+
+
+# A decode worker's load as each routing policy ranks it (the lowest is picked; ties: the lower
+# index, as the router's ``min`` over its list). ``kv_aware`` without cache hits ranks by the
+# prompt tokens assigned (``router.routing.KVAware``); round robin does not rank (its own path).
+_DECODE_LOADS = {
+    RoutingPolicy.KV_AWARE: lambda w: (w.assigned_tokens, w.num_assigned),
+    RoutingPolicy.LEAST_LOADED: lambda w: (w.num_assigned, 0),
+    RoutingPolicy.ROUND_ROBIN: lambda w: (0, 0),
+}
 
 
 def _run_s(first_step_s: float, growth_s: float, steps: int) -> float:

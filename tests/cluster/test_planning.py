@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ import pytest
 from cluster.planning.autoscaler import Autoscaler, AutoscalerConfig
 from cluster.planning.planner import SLO, Planner
 from cluster.planning.profile import DeploymentFacts, Profile, StepTimeModel, TransferModel, fit_step_model, fit_transfer_model
-from cluster.planning.simulator import PoolChange, Simulation, simulate
+from cluster.planning.profiler import step_model_check
+from cluster.planning.simulator import LogHistogram, PoolChange, Simulation, simulate
 from cluster.planning.workload import WorkloadModel
 from engine.step_profile import StepLog, StepShape, TransferRecord
 from router.traffic import TrafficSnapshot, TrafficWindow
@@ -106,6 +108,73 @@ def test_colocated_workers_slow_each_other_by_the_contention_factor():
     # Alone, a request's decode steps see no contention even on a shared machine.
     alone = Simulation(profile, 1, 1, colocated=True).run([(0.0, 64, 20)])
     assert alone.tpot.mean == pytest.approx(simulate(profile, WorkloadModel(trace=[(0.0, 64, 20)]), 1, 1).tpot.mean, rel=0.006)
+
+
+def test_step_model_check_reports_how_far_the_machine_moved_since_profiling():
+    # Decode steps ran 30% slower than profiled. Each prefill step ran inside a decode step on
+    # the same node and took what the profile says with its contention: its ratio is 1.
+    step = make_profile().step
+    step.contention = {"prefill": 0.4, "decode": 0.0}
+    decode_steps, prefill_steps = [], []
+    for i in range(40):
+        rows, kv = 32, 32 * (1000 + i)
+        decode_s = step.step_s("decode", 0, 0.0, 0, rows, kv) * 1.3
+        decode_steps.append((0, 0.0, 0, rows, kv, decode_s, 100.0 + i))
+        prefill_s = step.step_s("prefill", 8, 32.0, 1) * 1.4
+        assert prefill_s < decode_s / 2
+        prefill_steps.append((8, 32.0, 1, 0, 0, prefill_s, 100.0 + i - decode_s / 4))
+    batches = [SimpleNamespace(role="decode", node="n1", steps=decode_steps), SimpleNamespace(role="prefill", node="n1", steps=prefill_steps)]
+    check = step_model_check(step, batches)
+    assert check["decode"]["median"] == pytest.approx(1.3, rel=1e-6)
+    assert check["decode"]["num_steps"] == 40
+    assert check["prefill"]["median"] == pytest.approx(1.0, rel=1e-6)
+    # On another node the prefill steps had no company: predicted without contention, they read 40% slow.
+    batches[1].node = "n2"
+    assert step_model_check(step, batches)["prefill"]["median"] == pytest.approx(1.4, rel=1e-6)
+
+
+def test_fit_keeps_the_scatter_of_steps_around_the_model():
+    # Decode steps scatter uniformly within +-20% of the model: the fitted residual quantiles say so.
+    truth = make_profile().step
+    rng = random.Random(2)
+    steps = {"prefill": [], "decode": []}
+    for _ in range(2000):
+        tokens, rows, kv = rng.randint(16, 512), rng.randint(1, 32), rng.randint(100, 30_000)
+        steps["prefill"].append((tokens, tokens * tokens / 2, 1, 0, 0, truth.step_s("prefill", tokens, tokens * tokens / 2, 1)))
+        steps["decode"].append((0, 0.0, 0, rows, kv, truth.step_s("decode", 0, 0.0, 0, rows, kv) * rng.uniform(0.8, 1.2)))
+    fitted = fit_step_model(steps)
+    quantiles = fitted.residuals["decode"]
+    assert len(quantiles) == 20
+    assert quantiles[0] == pytest.approx(0.81, abs=0.02) and quantiles[-1] == pytest.approx(1.19, abs=0.02)
+    assert quantiles[10] == pytest.approx(1.01, abs=0.02)
+    assert fitted.residuals["prefill"][0] == pytest.approx(1.0, abs=0.01)  # exact steps: no scatter
+
+
+def test_spread_histogram_is_the_values_times_the_noise():
+    rng = random.Random(3)
+    values = [rng.uniform(10, 100) for _ in range(5000)]
+    factors = [0.8, 0.9, 1.0, 1.1, 1.3]
+    histogram = LogHistogram()
+    for v in values:
+        histogram.add(v)
+    spread = histogram.spread(factors)
+    exact = np.array([v * f for v in values for f in factors])
+    for q in (1, 50, 90, 99):
+        assert spread.percentile(q) == pytest.approx(np.percentile(exact, q), rel=0.01)
+    assert spread.total == histogram.total
+    assert spread.mean == pytest.approx(exact.mean(), rel=1e-6)
+    assert histogram.spread([]).percentile(50) == histogram.percentile(50)
+
+
+def test_step_scatter_widens_itl_percentiles_but_not_tpot():
+    profile = make_profile()
+    trace = [(0.1 * i, 64, 40) for i in range(50)]
+    plain = simulate(profile, WorkloadModel(trace=trace), 1, 2)
+    profile.step.residuals = {"decode": [0.8] * 2 + [1.0] * 16 + [1.5] * 2}
+    noisy = simulate(profile, WorkloadModel(trace=trace), 1, 2)
+    assert noisy.itl.percentile(99) == pytest.approx(1.5 * plain.itl.percentile(99), rel=0.02)
+    assert noisy.itl.percentile(50) == pytest.approx(plain.itl.percentile(50), rel=0.01)
+    assert noisy.tpot.percentile(99) == plain.tpot.percentile(99)
 
 
 def test_fit_never_returns_a_negative_cost():
@@ -314,6 +383,8 @@ def test_autoscaler_follows_a_load_change_with_hysteresis(tmp_path):
     scaler.planner.min_requests, scaler.planner.max_requests = 800, 1500
     scaler.in_process = True  # (the controller plans in a worker process; here the fake clock must not move meanwhile)
     high_plan = scaler.planner.plan(20.0)
+    low_plan = scaler.planner.plan(1.0)
+    load.sizes = (low_plan.num_prefill, low_plan.num_decode)  # sized for the low load it starts with
 
     async def minutes(rate: float, count: int) -> None:
         load.rate = rate
@@ -324,18 +395,19 @@ def test_autoscaler_follows_a_load_change_with_hysteresis(tmp_path):
     async def scenario() -> None:
         await minutes(1.0, 2)
         start = load.sizes
-        await minutes(20.0, 1)  # the load rises twentyfold: grown on the first tick
-        assert load.sizes == (high_plan.num_prefill, high_plan.num_decode)
+        await minutes(20.0, 1)  # the load rises twentyfold: grown on the first tick (a pool the plan shrinks keeps its size)
+        grown = (max(high_plan.num_prefill, start[0]), max(high_plan.num_decode, start[1]))
+        assert load.sizes == grown
         assert sum(load.sizes) > sum(start)
         await minutes(1.0, 4)  # a lull shorter than the delay: nothing shrinks
         await minutes(20.0, 1)
-        assert load.sizes == (high_plan.num_prefill, high_plan.num_decode)
+        assert load.sizes == grown
         shrink_from = load.now
         await minutes(1.0, 12)  # a lasting drop: shrunk once, after the delay, by draining
         shrinks = [(t, s) for t, s in load.applied if t > shrink_from]
         assert len(shrinks) == 1
         assert shrinks[0][0] - shrink_from >= config.scale_down_delay_s
-        assert sum(load.sizes) < high_plan.num_prefill + high_plan.num_decode
+        assert sum(load.sizes) < sum(grown)
 
     asyncio.run(scenario())
     assert len(load.applied) == 2  # one grow, one shrink: the lull did not make it flap

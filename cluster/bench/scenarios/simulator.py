@@ -8,9 +8,15 @@ its Poisson rate. The very same requests (arrival offsets, prompt and output len
 replayed through ``pdserve simulate``'s simulation with the profile, and the measured and
 predicted p50 and p99 of TTFT, TPOT and ITL, and the output throughput, are set side by side.
 
-The profile must come from the same model, engine settings and machine (``pdserve profile``
-with the same --model, --dtype, --kv-cache-mb); it is fitted on a separate sweep, never on
-these runs.
+The profile is fitted on a separate sweep, never on these runs. By default each shape's
+cluster is profiled (``pdserve profile``'s sweep) right before its workloads run on it: a
+shared host's speed drifts by tens of percent within half an hour (measured here: the decode
+step intercept went from 51 to 75 ms in 20 minutes), so a profile from earlier describes
+another machine. ``--profile`` (and ``--aggregated-profile`` for shapes without prefill
+actors) uses a given profile instead; it must come from the same model, engine settings and
+machine. Either way each case also reports how well the profile predicted the steps the
+workers ran during that case (their step logs: measured / predicted duration), which
+separates the step model's error (drift) from the simulator's.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import argparse
 import asyncio
 import math
 import random
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.bench.client import BenchClient, RequestRecord
@@ -29,9 +36,10 @@ from cluster.bench.runner import BenchSpec, run_load
 from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, engine_config, flags_of, fmt, local_cluster, ray_running, scenario_model
 from cluster.bench.workloads import BenchRequest, random_token_ids
 from cluster.planning.profile import Profile
+from cluster.planning.profiler import SweepPlan, log_positions, run_sweep, step_logs_since, step_model_check
 from cluster.planning.simulator import SimResult, Simulation
 from cluster.planning.workload import WorkloadModel
-from router.config import Disaggregation
+from router.config import Disaggregation, RouterConfig
 
 NAME = "simulator"
 SUMMARY = "simulated vs measured TTFT/TPOT/ITL p50 and p99 and throughput, two workloads on two pool shapes, same requests"
@@ -47,14 +55,20 @@ class Case:
     workload: str
     measured: dict
     simulated: dict
+    # Per role: measured / predicted duration of the steps the workers ran in this case.
+    step_check: dict[str, dict[str, float]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", type=Path, required=True, help="a profile JSON of this model, engine settings and machine")
+    parser.add_argument(
+        "--profile", type=Path,
+        help="a profile JSON of this model, engine settings and machine (default: profile each shape's cluster before measuring it)",
+    )
     parser.add_argument(
         "--aggregated-profile", type=Path,
-        help="the profile for shapes without prefill actors (`pdserve profile --prefill 0`; default: --profile)",
+        help="with --profile: the profile for shapes without prefill actors (`pdserve profile --prefill 0`; default: --profile)",
     )
+    parser.add_argument("--quick-profile", action="store_true", help="profile each shape with the quick sweep (tests, tiny models)")
     parser.add_argument("--duration", type=float, default=150.0, help="seconds of arrivals per run")
     parser.add_argument("--chat-rate", type=float, default=0.4, help="requests per second of the chat workload")
     parser.add_argument("--mixed-rate", type=float, default=0.3, help="requests per second of the mixed workload")
@@ -81,26 +95,31 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> ScenarioOutcome:
-    profile = Profile.load(args.profile)
-    aggregated = Profile.load(args.aggregated_profile) if args.aggregated_profile else profile
+    given = Profile.load(args.profile) if args.profile else None
+    aggregated = Profile.load(args.aggregated_profile) if args.aggregated_profile else given
     chosen = {name: w for name, w in workloads(args).items() if name in args.workloads.split(",")}
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     engine = engine_config(args.dtype, args.token_budget, None, kv_cache_bytes=args.kv_cache_mb * 2**20, seed=args.seed)
     cases: list[Case] = []
+    profiles: dict[str, dict] = {}
     with scenario_model(args.model, args.dtype, args.seed) as model_dir, ray_running():
         for num_prefill, num_decode in shapes:
             label = f"{num_prefill}P+{num_decode}D"
             mode = Disaggregation.AUTO if num_prefill else Disaggregation.NEVER
             shape = ClusterShape(label, num_prefill, num_decode, mode, engine, engine)
             with local_cluster(model_dir, shape) as deployment:
+                profile = (aggregated if not num_prefill else given) or _profile_now(deployment, label, model_dir, args)
+                profiles[label] = {"source": profile.source, "step": asdict(profile.step)}
                 for index, (name, workload) in enumerate(chosen.items()):
                     trace = list(workload.requests())
+                    positions = asyncio.run(log_positions(deployment.handles))
                     # Prompts of their own per workload: one workload's prompts must not be cached
                     # prefixes of the next one's on the same cluster.
                     records = asyncio.run(_measure(deployment.address, trace, f"{label}-{name}", args.seed + 1000 * (index + 1), args))
-                    simulation = Simulation(profile if num_prefill else aggregated, num_prefill, num_decode, colocated=True, keep_requests=True)
+                    step_logs = asyncio.run(step_logs_since(deployment.handles, positions))
+                    simulation = Simulation(profile, num_prefill, num_decode, colocated=True, keep_requests=True)
                     simulated = simulation.run(trace)
-                    case = Case(label, name, measured_figures(records), simulated_figures(simulated))
+                    case = Case(label, name, measured_figures(records), simulated_figures(simulated), step_model_check(profile.step, step_logs))
                     # Per request, in trace order: what the client saw and what the simulator predicted.
                     case.measured["requests"] = [[r.prompt_len, r.max_tokens, ttft_ms(r), e2e_ms(r)] for r in records]
                     case.simulated["requests"] = [
@@ -109,9 +128,10 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
                     ]
                     cases.append(case)
     table, worst = comparison(cases)
-    config = {"scenario": NAME, **flags_of(args), "profile_source": profile.source,
-              "workloads": {name: w.to_dict() for name, w in chosen.items()}}
-    body = {"cases": [{"shape": c.shape, "workload": c.workload, "measured": c.measured, "simulated": c.simulated} for c in cases],
+    config = {"scenario": NAME, **flags_of(args), "workloads": {name: w.to_dict() for name, w in chosen.items()}}
+    body = {"profiles": profiles,
+            "cases": [{"shape": c.shape, "workload": c.workload, "measured": c.measured, "simulated": c.simulated, "step_model_check": c.step_check}
+                      for c in cases],
             "worst_error": worst}
     json_path = write_json(args.out / "scenario.json", result_document(f"scenario:{NAME}", config, body))
     lines = table + [
@@ -121,6 +141,18 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     ok = all(c.measured["failed"] == 0 for c in cases)
     ratios = {"worst_p50_error": worst["p50"], "worst_p99_error": worst["p99"]}
     return ScenarioOutcome(NAME, lines, json_path, ratios, ok=ok)
+
+
+def _profile_now(deployment, label: str, model_dir: Path, args: argparse.Namespace) -> Profile:
+    """Profile the cluster about to be measured (a separate sweep, before its workloads)."""
+    plan = SweepPlan.quick() if args.quick_profile else SweepPlan()
+    plan.seed = args.seed
+    source = {"model": str(model_dir), "dtype": args.dtype, "shape": label, "threads_per_actor": 1}
+    started = time.perf_counter()
+    profile = asyncio.run(run_sweep(deployment.address, deployment.handles, plan, RouterConfig().local_prefill_max_tokens, source=source))
+    profile.source["sweep_s"] = round(time.perf_counter() - started, 1)
+    profile.save(args.out / f"profile-{label.lower().replace('+', '')}.json")
+    return profile
 
 
 async def _measure(address: str, trace: list[tuple[float, int, int]], label: str, seed: int, args: argparse.Namespace) -> list[RequestRecord]:
@@ -177,6 +209,8 @@ def comparison(cases: list[Case]) -> tuple[list[str], dict[str, float]]:
             worst["throughput"] = max(worst["throughput"], abs(e))
         lines.append(f"{case.shape:<7} {case.workload:<7} output tok/s: measured {case.measured['output_throughput']:.1f},"
                      f" simulated {case.simulated['output_throughput']:.1f} ({_pct(e)})")
+        checks = ", ".join(f"{role} x{c['median']:.2f} (p10 {c['p10']:.2f}, p90 {c['p90']:.2f})" for role, c in case.step_check.items())
+        lines.append(f"{case.shape:<7} {case.workload:<7} steps run / profile predicted: {checks or 'n/a'}")
     return lines, worst
 
 
