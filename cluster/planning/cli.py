@@ -108,6 +108,11 @@ def _describe_profile(profile) -> str:
             f"fit ({role}, {int(quality['num_samples'])} steps): R^2 {quality['r2']:.3f}, median error {quality['median_abs_error_pct']:.1f}%,"
             f" p90 error {quality['p90_abs_error_pct']:.1f}%"
         )
+    for role, factors in step.contention.items():
+        residuals = step.residuals.get(role)
+        scatter = f"; steps scatter x{residuals[0]:.2f}-x{residuals[-1]:.2f} (2.5-97.5%)" if residuals else ""
+        lines.append(f"{role} steps beside another worker's: {factors.get('prefill', 0) * 100:.0f}% slower if it prefills,"
+                     f" {factors.get('decode', 0) * 100:.0f}% if it decodes{scatter}")
     return "\n".join(lines)
 
 

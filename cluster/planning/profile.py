@@ -33,6 +33,7 @@ PROFILE_FORMAT = "pdserve-profile/1"
 # Per-token terms, in this order, after the two role intercepts.
 TERMS = ("prefill_token_s", "prefill_attention_s", "prefill_seq_s", "decode_row_s", "decode_kv_s")
 ROLES = ("prefill", "decode")
+COMPANY = ("prefill", "decode")  # what a step beside this one computes: prompt tokens, or decode rows only
 
 
 @dataclass(slots=True)
@@ -44,10 +45,13 @@ class StepTimeModel:
     decode_row_s: float = 0.0
     decode_kv_s: float = 0.0  # per KV token a decode row reads
     fit: dict[str, float] = field(default_factory=dict)  # quality of the fit, per role
-    # Per role: how much slower a step is while the other workers on its machine compute (its
-    # duration x (1 + contention x the share of the step they were busy)); what 2 CPU actors
-    # sharing cores and memory bandwidth see, and a GPU per actor does not.
-    contention: dict[str, float] = field(default_factory=dict)
+    # Per role, then per kind of step the company ran (COMPANY: with prompt tokens, or decode
+    # rows only): how much slower a step is while other workers on its machine compute; its
+    # duration x (1 + sum over kinds of contention x the share of the step they ran that kind).
+    # What 2 CPU actors sharing cores and memory bandwidth see, and a GPU per actor does not:
+    # measured here, a decode step beside another decode step +25%, beside a prefill step +12%
+    # (both stream the weights from memory; a prefill step reuses them across its tokens).
+    contention: dict[str, dict[str, float]] = field(default_factory=dict)
     # Per role: measured / predicted duration of the profiled steps at the quantiles
     # RESIDUAL_QUANTILES (decode: steps without prompt tokens). Steps scatter around the model
     # (the machine's noise, partial overlaps); a per-step figure such as ITL has that scatter in
@@ -60,6 +64,14 @@ class StepTimeModel:
             self.intercept_s[role] + self.prefill_token_s * prefill_tokens + self.prefill_attention_s * prefill_attention
             + self.prefill_seq_s * prefill_seqs + self.decode_row_s * decode_rows + self.decode_kv_s * decode_kv_tokens
         )
+
+    def crowding(self, role: str, company: tuple[float, float]) -> float:
+        """A step's slow-down for its company: the shares of it during which other workers on its
+        machine ran steps of each COMPANY kind (counts of busy workers / others, in the simulator)."""
+        factors = self.contention.get(role)
+        if not factors:
+            return 1.0
+        return 1.0 + sum(factors.get(kind, 0.0) * share for kind, share in zip(COMPANY, company))
 
 
 @dataclass(slots=True)
@@ -117,7 +129,7 @@ class Profile:
             raise ValueError(f"profile: {path} is not a pdserve profile (format {data.get('format')!r}, expected {PROFILE_FORMAT!r})")
         try:
             return cls(
-                step=StepTimeModel(**data["step"]),
+                step=StepTimeModel(**{**data["step"], "contention": _contention_of(data["step"].get("contention", {}))}),
                 transfer=TransferModel(**data["transfer"]),
                 facts=DeploymentFacts(**data["facts"]),
                 ttft_overhead_s=dict(data["ttft_overhead_s"]),
@@ -128,58 +140,65 @@ class Profile:
             raise ValueError(f"profile: {path} is incomplete or malformed: {exc}") from None
 
 
+def _contention_of(saved: dict) -> dict[str, dict[str, float]]:
+    """A saved profile's contention; one factor per role (profiles before COMPANY) applies to both kinds."""
+    return {role: dict(value) if isinstance(value, dict) else dict.fromkeys(COMPANY, float(value)) for role, value in saved.items()}
+
+
 def fit_step_model(steps_by_role: dict[str, list[tuple]], overlaps_by_role: dict[str, list[float]] | None = None) -> StepTimeModel:
     """Fit the joint model to steps in ``engine.step_profile.STEP_FIELDS`` order, per role.
 
-    ``overlaps_by_role``: per step, the share of it during which other workers on its machine
-    were computing. A step's duration is modelled as ``terms x (1 + contention[role] x share)``
-    and both are fitted together on every step, alternating until the contention settles: the
-    terms by non-negative least squares with the contention fixed, then each role's contention
-    by least squares with the terms fixed. Errors are relative (each step weighs 1 / its
-    predicted duration, from the round before), so 40 ms decode steps count as much as 2 s
-    prefill steps, and a step's scatter around the model averages out (weighing by 1 / its
-    measured duration instead would fit 2.6% low under +-20% scatter).
+    ``overlaps_by_role``: per step, the shares of it during which other workers on its machine
+    ran steps of each COMPANY kind (``step_overlaps``). A step's duration is modelled as
+    ``terms x crowding`` (``StepTimeModel.crowding``) and both are fitted together on every
+    step, alternating until they settle: the terms by non-negative least squares with the
+    contention fixed, then each role's contention per kind by least squares with the terms fixed
+    (a kind its steps met too rarely takes the factor fitted over both). Errors are relative
+    (each step weighs 1 / its predicted duration, from the round before), so 40 ms decode steps
+    count as much as 2 s prefill steps, and a step's scatter around the model averages out
+    (weighing by 1 / its measured duration instead would fit 2.6% low under +-20% scatter).
 
     Fitting the terms on the steps that ran alone (what this did first) fails where few do:
     two decode workers sharing a machine decode side by side nearly all the time; 145 of 2,404
     profiled steps ran alone, all small batches, and the terms fitted on them put the steps of a
-    later run 9% above the prediction (this joint fit: 2% below).
+    later run 9% above the prediction.
     """
     rows, targets, roles, overlaps = [], [], [], []
     for role, steps in steps_by_role.items():
         if role not in ROLES:
             raise ValueError(f"steps: unknown role {role!r}")
-        shares = (overlaps_by_role or {}).get(role) or [0.0] * len(steps)
+        shares = (overlaps_by_role or {}).get(role) or [(0.0, 0.0)] * len(steps)
         for step, share in zip(steps, shares):
             prefill_tokens, attention, seqs, decode_rows, kv_tokens, duration = step[:6]
             rows.append([role == "prefill", role == "decode", prefill_tokens, attention, seqs, decode_rows, kv_tokens])
             targets.append(duration)
             roles.append(role)
-            overlaps.append(share)
+            overlaps.append(tuple(share))
     if len(rows) < 2 * len(TERMS):
         raise ValueError(f"steps: {len(rows)} recorded steps are too few to fit a step-time model")
     features = np.asarray(rows, dtype=np.float64)
     durations = np.asarray(targets, dtype=np.float64)
-    shares = np.asarray(overlaps, dtype=np.float64)
+    shares = np.asarray(overlaps, dtype=np.float64).reshape(len(rows), len(COMPANY))
     roles_array = np.asarray(roles)
     weights = 1.0 / np.maximum(durations, 1e-9)
-    contention = dict.fromkeys(ROLES, 0.0)
+    contention = {role: dict.fromkeys(COMPANY, 0.0) for role in ROLES}
+
+    def crowding() -> np.ndarray:
+        factors = np.array([[contention[r][kind] for kind in COMPANY] for r in roles])
+        return 1.0 + np.sum(factors * shares, axis=1)
+
     for _ in range(_CONTENTION_ROUNDS):
-        factor = 1 + np.array([contention[r] for r in roles]) * shares
-        coefficients = _nonnegative_fit(features * (factor * weights)[:, None], durations * weights)
+        coefficients = _nonnegative_fit(features * (crowding() * weights)[:, None], durations * weights)
         base = features @ np.asarray(coefficients)
-        previous = dict(contention)
+        previous = {role: dict(factors) for role, factors in contention.items()}
         for role in ROLES:
             mine = roles_array == role
-            # Relative excess over the terms = contention x share, by least squares.
-            x = shares[mine] * base[mine] * weights[mine]
-            y = (durations[mine] - base[mine]) * weights[mine]
-            contention[role] = float(np.clip(x @ y / (x @ x), 0.0, 3.0)) if np.sum(shares[mine] >= _CROWDED) >= 5 else 0.0
-        predicted = base * (1 + np.array([contention[r] for r in roles]) * shares)
-        new_weights = 1.0 / np.maximum(predicted, 1e-9)
-        settled = np.max(np.abs(new_weights * durations - weights * durations)) < 1e-3
-        weights = np.where(predicted > 0, new_weights, weights)
-        if settled and all(abs(contention[r] - previous[r]) < 1e-4 for r in ROLES):
+            contention[role] = _fit_contention(shares[mine], base[mine] * weights[mine], (durations[mine] - base[mine]) * weights[mine])
+        predicted = base * crowding()
+        new_weights = np.where(predicted > 0, 1.0 / np.maximum(predicted, 1e-9), weights)
+        settled = np.max(np.abs((new_weights - weights) * durations)) < 1e-3
+        weights = new_weights
+        if settled and all(abs(contention[r][k] - previous[r][k]) < 1e-4 for r in ROLES for k in COMPANY):
             break
     model = StepTimeModel(intercept_s={"prefill": coefficients[0], "decode": coefficients[1]}, **dict(zip(TERMS, coefficients[2:])))
     model.contention = contention
@@ -200,32 +219,65 @@ _CONTENTION_ROUNDS = 50
 _CROWDED = 0.6
 
 
-def step_overlaps(batches: list) -> dict[int, list[float]]:
-    """For each worker's step log (index in ``batches``), the share of each step's interval during
-    which another worker on the same node was running a step."""
-    intervals: dict[int, list[tuple[float, float]]] = {
-        i: [(step[6] - step[5], step[6]) for step in batch.steps] for i, batch in enumerate(batches)
+def _fit_contention(shares: np.ndarray, base: np.ndarray, excess: np.ndarray) -> dict[str, float]:
+    """One role's factors per COMPANY kind: ``excess = sum(factor x share x base)`` by least
+    squares, each in [0, 3]; a kind with fewer than 5 steps mostly in its company shares the
+    factor fitted over both kinds (none at all: 0)."""
+    columns = shares * base[:, None]
+    seen = [int(np.sum(shares[:, k] >= _CROWDED)) >= 5 for k in range(len(COMPANY))]
+    if all(seen):
+        factors, *_ = np.linalg.lstsq(columns, excess, rcond=None)
+        if factors.min() < 0:  # the other kind alone explains the excess
+            keep = int(np.argmax(factors))
+            factors = np.zeros(len(COMPANY))
+            column = columns[:, keep]
+            factors[keep] = column @ excess / (column @ column)
+        return {kind: float(np.clip(f, 0.0, 3.0)) for kind, f in zip(COMPANY, factors)}
+    if not any(seen) and int(np.sum(shares.sum(axis=1) >= _CROWDED)) < 5:
+        return dict.fromkeys(COMPANY, 0.0)
+    column = columns.sum(axis=1)
+    pooled = float(np.clip(column @ excess / (column @ column), 0.0, 3.0))
+    factors = dict.fromkeys(COMPANY, pooled)
+    if any(seen):  # the kind it did see gets its own fit; the other keeps the pooled one
+        k = seen.index(True)
+        column = columns[:, k]
+        factors[COMPANY[k]] = float(np.clip(column @ excess / (column @ column), 0.0, 3.0))
+    return factors
+
+
+def step_overlaps(batches: list) -> dict[int, list[tuple[float, float]]]:
+    """For each worker's step log (index in ``batches``), per step the shares of its interval
+    during which other workers on the same node ran steps of each COMPANY kind (with prompt
+    tokens; decode rows only)."""
+    intervals: dict[int, list[tuple[float, float, int]]] = {
+        i: [(step[6] - step[5], step[6], 0 if step[0] > 0 else 1) for step in batch.steps] for i, batch in enumerate(batches)
     }
-    shares: dict[int, list[float]] = {}
+    shares: dict[int, list[tuple[float, float]]] = {}
     for i, batch in enumerate(batches):
-        others = sorted(iv for j, other in enumerate(batches) if j != i and other.node == batch.node for iv in intervals[j])
-        merged: list[list[float]] = []
-        for start, end in others:
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        starts = [m[0] for m in merged]
-        result = []
-        for start, end in intervals[i]:
-            covered = 0.0
-            k = max(0, bisect.bisect_right(starts, start) - 1)
-            while k < len(merged) and merged[k][0] < end:
-                covered += max(0.0, min(end, merged[k][1]) - max(start, merged[k][0]))
-                k += 1
-            result.append(covered / (end - start) if end > start else 0.0)
-        shares[i] = result
+        company = [iv for j, other in enumerate(batches) if j != i and other.node == batch.node for iv in intervals[j]]
+        per_kind = [_covered_shares(intervals[i], [(a, b) for a, b, kind in company if kind == k]) for k in range(len(COMPANY))]
+        shares[i] = list(zip(*per_kind))
     return shares
+
+
+def _covered_shares(steps: list[tuple[float, float, int]], others: list[tuple[float, float]]) -> list[float]:
+    """For each step (start, end, _), the share of it covered by the union of ``others``."""
+    merged: list[list[float]] = []
+    for start, end in sorted(others):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    starts = [m[0] for m in merged]
+    result = []
+    for start, end, _ in steps:
+        covered = 0.0
+        k = max(0, bisect.bisect_right(starts, start) - 1)
+        while k < len(merged) and merged[k][0] < end:
+            covered += max(0.0, min(end, merged[k][1]) - max(start, merged[k][0]))
+            k += 1
+        result.append(covered / (end - start) if end > start else 0.0)
+    return result
 
 
 def fit_transfer_model(records: list) -> TransferModel:

@@ -125,9 +125,8 @@ def step_model_check(step: StepTimeModel, batches: list) -> dict[str, dict[str, 
     """
     ratios: dict[str, list[float]] = {}
     for batch, shares in zip(batches, step_overlaps(batches).values()):
-        factor = step.contention.get(batch.role, 0.0)
-        for row, share in zip(batch.steps, shares):
-            predicted = step.step_s(batch.role, *row[:5]) * (1 + factor * share)
+        for row, company in zip(batch.steps, shares):
+            predicted = step.step_s(batch.role, *row[:5]) * step.crowding(batch.role, company)
             if predicted > 0:
                 ratios.setdefault(batch.role, []).append(row[5] / predicted)
     return {
@@ -141,7 +140,7 @@ def fit_profile(batches: list, isolated: list[RequestRecord], local_prefill_max_
                 source: dict | None = None) -> Profile:
     """Fit the step logs (``StepProfileBatch`` per worker) and the isolated requests' TTFTs."""
     steps: dict[str, list[tuple]] = {"prefill": [], "decode": []}
-    overlaps: dict[str, list[float]] = {"prefill": [], "decode": []}
+    overlaps: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
     transfers = []
     engines: dict[str, dict] = {}
     for batch, shares in zip(batches, step_overlaps(batches).values()):

@@ -302,7 +302,7 @@ class Simulation:
         # contention factor times the share of the other workers computing when it starts.
         self.colocated = colocated
         self.kept: list[_Request] | None = [] if keep_requests else None  # every request, for per-request comparisons
-        self._contention = {role: self.step.contention.get(role, 0.0) for role in ("prefill", "decode")} if colocated else {}
+        self._contended = colocated and any(v for factors in self.step.contention.values() for v in factors.values())
         self.prefills = [_PrefillWorker(i) for i in range(num_prefill)]
         self.decodes = [_DecodeWorker(i, self.decode_blocks) for i in range(num_decode)]
         # Least-loaded picks from heaps of (load, index) with lazy deletion: an entry whose load
@@ -669,18 +669,27 @@ class Simulation:
     # -- sharing a machine ---------------------------------------------------------------
 
     def _crowding(self, role: str, worker) -> float:
-        """How much slower a step starting now runs for the other workers computing beside it."""
-        factor = self._contention.get(role, 0.0)
-        if not factor:
+        """How much slower a step starting now runs for the other workers computing beside it
+        (by what they compute: prompt tokens, or decode rows only)."""
+        if not self._contended:
             return 1.0
         others = len(self.prefills) + len(self.decodes) - 1
-        busy = sum(1 for w in self.prefills if w.busy and w is not worker) + sum(1 for w in self.decodes if w.busy and w is not worker)
-        return 1.0 + factor * busy / others if others else 1.0
+        if not others:
+            return 1.0
+        prefilling = sum(1 for w in self.prefills if w.busy and w is not worker)
+        decoding = 0
+        for other in self.decodes:
+            if other.busy and other is not worker:
+                if other.epoch_chunks:
+                    prefilling += 1
+                else:
+                    decoding += 1
+        return self.step.crowding(role, (prefilling / others, decoding / others))
 
     def _set_busy(self, worker, busy: bool) -> None:
         changed = worker.busy != busy
         worker.busy = busy
-        if changed and self._contention:
+        if changed and self._contended:
             # The other decode workers' runs of steps were timed for the old crowding: they stop
             # at their next boundary and are timed again.
             for other in self.decodes:

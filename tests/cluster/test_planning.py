@@ -9,6 +9,7 @@ request completes, every KV block returns).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 from types import SimpleNamespace
@@ -69,31 +70,47 @@ def test_fit_recovers_the_step_time_model_it_was_generated_from():
     assert all(getattr(fitted, name) >= 0 for name in ("prefill_token_s", "prefill_attention_s", "prefill_seq_s", "decode_row_s", "decode_kv_s"))
 
 
-def test_fit_separates_contention_from_the_terms():
-    # Steps that ran beside another worker's steps took 40% longer: the terms come from the
-    # steps that ran alone, the slow-down is the contention factor.
+def test_fit_separates_contention_by_company_from_the_terms():
+    # A decode step beside another worker's decode step took 30% longer, beside its prefill step
+    # 10%; a prefill step 40% longer beside either. Steps overlap their company by any share;
+    # the terms and the factors are fitted together.
     truth = make_profile().step
     rng = random.Random(1)
     steps, overlaps = {"prefill": [], "decode": []}, {"prefill": [], "decode": []}
-    for _ in range(300):
-        share = rng.choice([0.0, 0.0, 1.0, rng.random()])
+    for _ in range(400):
+        company = rng.choice([(0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (rng.random(), 0.0), (0.0, rng.random())])
         tokens, start = rng.randint(1, 512), rng.randint(0, 1024)
         attention = tokens * (start + tokens / 2)
-        steps["prefill"].append((tokens, attention, 1, 0, 0, truth.step_s("prefill", tokens, attention, 1) * (1 + 0.4 * share)))
-        overlaps["prefill"].append(share)
+        crowding = 1 + 0.4 * sum(company)
+        steps["prefill"].append((tokens, attention, 1, 0, 0, truth.step_s("prefill", tokens, attention, 1) * crowding))
+        overlaps["prefill"].append(company)
         rows, kv = rng.randint(1, 32), rng.randint(16, 40_000)
-        steps["decode"].append((0, 0.0, 0, rows, kv, truth.step_s("decode", 0, 0, 0, rows, kv) * (1 + 0.4 * share)))
-        overlaps["decode"].append(share)
+        crowding = 1 + 0.1 * company[0] + 0.3 * company[1]
+        steps["decode"].append((0, 0.0, 0, rows, kv, truth.step_s("decode", 0, 0, 0, rows, kv) * crowding))
+        overlaps["decode"].append(company)
     fitted = fit_step_model(steps, overlaps)
-    assert fitted.contention["prefill"] == pytest.approx(0.4, abs=0.02)
-    assert fitted.contention["decode"] == pytest.approx(0.4, abs=0.02)
+    assert fitted.contention["prefill"] == pytest.approx({"prefill": 0.4, "decode": 0.4}, abs=0.02)
+    assert fitted.contention["decode"] == pytest.approx({"prefill": 0.1, "decode": 0.3}, abs=0.02)
     assert fitted.prefill_token_s == pytest.approx(truth.prefill_token_s, rel=0.05)
     assert fitted.fit["decode"]["median_abs_error_pct"] < 1.0
+    # Decode steps that only ever ran beside prefill steps: the decode-company factor is the pooled one.
+    only_prefill = {role: [c if c[1] == 0 else (0.0, 0.0) for c in companies] for role, companies in overlaps.items()}
+    fitted = fit_step_model(steps, only_prefill)
+    assert fitted.contention["decode"]["decode"] == pytest.approx(fitted.contention["decode"]["prefill"], rel=1e-9)
+
+
+def test_profiles_saved_with_one_factor_per_role_still_load(tmp_path):
+    profile = make_profile()
+    data = profile.to_json()
+    data["step"]["contention"] = {"prefill": 0.2, "decode": 0.3}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert Profile.load(path).step.contention == {"prefill": {"prefill": 0.2, "decode": 0.2}, "decode": {"prefill": 0.3, "decode": 0.3}}
 
 
 def test_colocated_workers_slow_each_other_by_the_contention_factor():
     profile = make_profile()
-    profile.step.contention = {"prefill": 0.5, "decode": 0.5}
+    profile.step.contention = {"prefill": {"prefill": 0.5, "decode": 0.5}, "decode": {"prefill": 0.5, "decode": 0.1}}
     # A decodes while the prefill worker computes B's long prompt: every step of A's runs beside it.
     trace = [(0.0, 64, 30), (0.01, 2000, 2)]
 
@@ -105,6 +122,14 @@ def test_colocated_workers_slow_each_other_by_the_contention_factor():
         return (first.finished - first.first_token) / (first.output_len - 1)
 
     assert tpot_of_first(True) == pytest.approx(1.5 * tpot_of_first(False), rel=1e-6)
+    # Two decode workers decoding side by side (no prefill pool; short prompts arriving together):
+    # their decode steps are slower by the decode-beside-decode factor (the one step of each
+    # that overlaps the other's prompt step, by the prefill factor).
+    pair = [(0.0, 16, 30), (0.0, 16, 30)]
+    side_by_side = Simulation(profile, 0, 2, colocated=True).run(pair)
+    apart = Simulation(profile, 0, 2).run(pair)
+    assert side_by_side.itl.percentile(50) == pytest.approx(1.1 * apart.itl.percentile(50), rel=0.006)
+    assert side_by_side.itl.max == pytest.approx(1.5 * apart.itl.max, rel=0.006)
     # Alone, a request's decode steps see no contention even on a shared machine.
     alone = Simulation(profile, 1, 1, colocated=True).run([(0.0, 64, 20)])
     assert alone.tpot.mean == pytest.approx(simulate(profile, WorkloadModel(trace=[(0.0, 64, 20)]), 1, 1).tpot.mean, rel=0.006)
@@ -114,7 +139,7 @@ def test_step_model_check_reports_how_far_the_machine_moved_since_profiling():
     # Decode steps ran 30% slower than profiled. Each prefill step ran inside a decode step on
     # the same node and took what the profile says with its contention: its ratio is 1.
     step = make_profile().step
-    step.contention = {"prefill": 0.4, "decode": 0.0}
+    step.contention = {"prefill": {"prefill": 0.0, "decode": 0.4}, "decode": {"prefill": 0.0, "decode": 0.0}}
     decode_steps, prefill_steps = [], []
     for i in range(40):
         rows, kv = 32, 32 * (1000 + i)
