@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from router.pool import RoutingPolicy
+
 logger = logging.getLogger(__name__)
 
 
@@ -41,6 +43,10 @@ def add_planning_parsers(commands) -> None:
     sim.add_argument("--decode", type=int, required=True, help="decode workers")
     sim.add_argument("--window-s", type=float, help="also report per window of this many seconds")
     sim.add_argument("--colocated", action="store_true", help="all workers share one machine, as when profiled on it (the profile's contention applies)")
+    sim.add_argument(
+        "--routing-policy", choices=[p.value for p in RoutingPolicy], default=RoutingPolicy.KV_AWARE.value,
+        help="the router's routing_policy (kv_aware is simulated without prefix-cache hits)",
+    )
     sim.add_argument("--json", type=Path, help="write the result here")
     sim.set_defaults(bench_handler=run_simulate)
 
@@ -128,7 +134,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         profile = Profile.load(args.profile)
         workload = WorkloadModel.load(args.workload)
         started = time.perf_counter()
-        result = simulate(profile, workload, args.prefill, args.decode, window_s=args.window_s, colocated=args.colocated)
+        result = simulate(profile, workload, args.prefill, args.decode, window_s=args.window_s, colocated=args.colocated,
+                          routing_policy=RoutingPolicy(args.routing_policy))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

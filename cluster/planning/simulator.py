@@ -6,9 +6,9 @@ What is simulated, as the real parts do it:
   (prompt plus output blocks) and a batch slot; it takes the routable one the router's policy
   picks (``kv_aware``, the default, without cache hits: the fewest prompt tokens assigned, then
   the fewest requests; ``least_loaded``: the fewest requests; ``round_robin``), or waits in
-  FIFO order until blocks free up. Prompts up
-  to ``local_prefill_max_tokens`` (or every prompt, without prefill workers) prefill on the
-  decode worker; the rest on the prefill worker with the fewest queued prompt tokens.
+  FIFO order until blocks free up. Prompts up to ``local_prefill_max_tokens`` (or every
+  prompt, without prefill workers) prefill on the decode worker; the rest on the prefill
+  worker with the fewest queued prompt tokens.
   ``ttft_overhead_s`` (router, Ray calls, streaming: measured) delays the dispatch.
 - **Prefill worker.** FIFO queue; each step fills the token budget with chunks (at most
   ``chunk_size`` tokens of one prompt), its duration is the profile's. After the step that
@@ -299,7 +299,8 @@ class Simulation:
         self.window_s = window_s
         self.worker_startup_s = worker_startup_s
         # Every worker on one machine, as when profiled on it: a step is slower by the profile's
-        # contention factor times the share of the other workers computing when it starts.
+        # contention factors times the shares of the other workers prefilling and decoding
+        # when it starts.
         self.colocated = colocated
         self.kept: list[_Request] | None = [] if keep_requests else None  # every request, for per-request comparisons
         self._contended = colocated and any(v for factors in self.step.contention.values() for v in factors.values())

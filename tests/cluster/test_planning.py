@@ -466,3 +466,21 @@ def test_traffic_window_rates_and_queue_times():
     assert snapshot.prefill_queue_ms_p90 == pytest.approx(np.percentile(range(60, 100), 90))
     now[0] = 1000.0
     assert window.snapshot(30.0).num_arrivals == 0  # forgotten past the horizon
+
+
+def test_simulated_percentiles_are_taken_like_the_measured_ones():
+    # 35 requests, one of them far slower: the scenario's simulated TPOT p99 interpolates between
+    # the two largest as the measured one does, instead of the histogram's nearest rank (the largest).
+    from cluster.bench.metrics import percentile
+    from cluster.bench.scenarios.simulator import simulated_figures
+
+    profile = make_profile()
+    trace = [(2.0 * i, 64, 40) for i in range(34)] + [(0.5, 3000, 40)]
+    simulation = Simulation(profile, 1, 1, keep_requests=True)
+    result = simulation.run(sorted(trace))
+    figures = simulated_figures(result, simulation.kept)
+    tpots = [(q.finished - q.first_token) * 1000 / (q.output_len - 1) for q in simulation.kept]
+    ttfts = [(q.first_token - q.arrival) * 1000 for q in simulation.kept]
+    assert figures["tpot_ms"]["p99"] == pytest.approx(percentile(tpots, 99))
+    assert figures["ttft_ms"]["p99"] == pytest.approx(percentile(ttfts, 99))
+    assert figures["ttft_ms"]["p99"] < 0.9 * result.ttft.percentile(99)  # nearest rank: the slow one itself

@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
                     step_logs = asyncio.run(step_logs_since(deployment.handles, positions))
                     simulation = Simulation(profile, num_prefill, num_decode, colocated=True, keep_requests=True)
                     simulated = simulation.run(trace)
-                    case = Case(label, name, measured_figures(records), simulated_figures(simulated), step_model_check(profile.step, step_logs))
+                    case = Case(label, name, measured_figures(records), simulated_figures(simulated, simulation.kept),
+                                step_model_check(profile.step, step_logs))
                     # Per request, in trace order: what the client saw and what the simulator predicted.
                     case.measured["requests"] = [[r.prompt_len, r.max_tokens, ttft_ms(r), e2e_ms(r)] for r in records]
                     case.simulated["requests"] = [
@@ -181,11 +182,25 @@ def measured_figures(records: list[RequestRecord]) -> dict:
     }
 
 
-def simulated_figures(result: SimResult) -> dict:
+def simulated_figures(result: SimResult, kept: list | None = None) -> dict:
+    """The simulation's figures. With its requests (``kept``), TTFT and TPOT percentiles are taken
+    from them the way the measured ones are (``distribution``: linear between ranks); the
+    histograms' are nearest-rank, and on 35 requests a p99 between the largest value and the
+    next differs by far more than any prediction error (seen: 180 against 144 ms for the same
+    largest TPOT). ITL, thousands of samples per run, comes from the histogram."""
     def pair(hist) -> dict:
         return {"p50": hist.percentile(50), "p99": hist.percentile(99)}
 
-    return {"completed": result.completed, "rejected": result.rejected, "ttft_ms": pair(result.ttft), "tpot_ms": pair(result.tpot),
+    def per_request(values: list[float]) -> dict:
+        figures = distribution(values)
+        return {"p50": figures.p50, "p99": figures.p99}
+
+    ttft, tpot = pair(result.ttft), pair(result.tpot)
+    if kept:
+        done = [q for q in kept if not math.isnan(q.finished)]
+        ttft = per_request([(q.first_token - q.arrival) * 1000 for q in done])
+        tpot = per_request([(q.finished - q.first_token) * 1000 / (q.output_len - 1) for q in done if q.output_len > 1])
+    return {"completed": result.completed, "rejected": result.rejected, "ttft_ms": ttft, "tpot_ms": tpot,
             "itl_ms": pair(result.itl), "output_throughput": result.output_throughput}
 
 
