@@ -11,7 +11,9 @@ prefill worker's turn also pushes KV, a decode worker's publishes tokens). A dec
 that prefills locally (conditional or no disaggregation) mixes both kinds of terms in one
 step, which is what the aggregated pool shapes run. Coefficients are fitted by non-negative
 least squares: a negative cost per token would be an artefact of collinear sweeps, and the
-simulator extrapolates from them.
+simulator extrapolates from them. Workers sharing a machine slow each other: the sum is
+multiplied by ``1 + contention`` for the share of the step other workers computed, per kind
+of step they ran (``StepTimeModel.crowding``), fitted together with the terms.
 
 A KV write after a prefill step costs ``transfer_s = intercept + per_byte * bytes +
 per_descriptor * descriptors``. ``ttft_overhead_s`` is what a client sees beyond the steps
