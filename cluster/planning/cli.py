@@ -89,10 +89,8 @@ def run_profile(args: argparse.Namespace) -> int:
     plan = SweepPlan.quick() if args.quick else SweepPlan()
     plan.seed = args.seed
     source = {"model": str(model), "dtype": args.dtype, "num_prefill": args.prefill, "num_decode": args.decode, "threads_per_actor": 1}
-    started = time.perf_counter()
     with ray_running(), local_cluster(Path(model), shape) as deployment:
         profile = asyncio.run(run_sweep(deployment.address, deployment.handles, plan, RouterConfig().local_prefill_max_tokens, source=source))
-    profile.source["sweep_s"] = round(time.perf_counter() - started, 1)
     profile.save(args.out)
     print(_describe_profile(profile))
     print(f"wrote {args.out}")

@@ -53,6 +53,7 @@ class SweepPlan:
 async def run_sweep(address: str, handles: dict[str, object], plan: SweepPlan, local_prefill_max_tokens: int,
                     max_queued_requests: int = 256, source: dict | None = None) -> Profile:
     """Sweep the deployment at ``address`` whose workers are ``handles`` (worker id -> Ray actor)."""
+    started_s = time.perf_counter()
     rng = random.Random(plan.seed)
     async with BenchClient(ClientConfig(address, request_id_prefix="profile")) as client:
         limits = await client.model_limits()
@@ -93,7 +94,8 @@ async def run_sweep(address: str, handles: dict[str, object], plan: SweepPlan, l
     if failed:
         raise RuntimeError(f"profile: {len(failed)} isolated requests failed, first: {failed[0].error or failed[0].finish_reason}")
     batches = await step_logs_since(handles, started)
-    return fit_profile(batches, isolated, local_prefill_max_tokens, max_queued_requests, source)
+    return fit_profile(batches, isolated, local_prefill_max_tokens, max_queued_requests,
+                       {**(source or {}), "sweep_s": round(time.perf_counter() - started_s, 1)})
 
 
 def _prefill_seconds(isolated: list[RequestRecord]):

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import math
 import random
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -149,9 +148,7 @@ def _profile_now(deployment, label: str, model_dir: Path, args: argparse.Namespa
     plan = SweepPlan.quick() if args.quick_profile else SweepPlan()
     plan.seed = args.seed
     source = {"model": str(model_dir), "dtype": args.dtype, "shape": label, "threads_per_actor": 1}
-    started = time.perf_counter()
     profile = asyncio.run(run_sweep(deployment.address, deployment.handles, plan, RouterConfig().local_prefill_max_tokens, source=source))
-    profile.source["sweep_s"] = round(time.perf_counter() - started, 1)
     profile.save(args.out / f"profile-{label.lower().replace('+', '')}.json")
     return profile
 
