@@ -301,18 +301,18 @@ class Simulation:
         # Every worker on one machine, as when profiled on it: a step is slower by the profile's
         # contention factors times the shares of the other workers prefilling and decoding
         # when it starts.
-        self.colocated = colocated
-        self.kept: list[_Request] | None = [] if keep_requests else None  # every request, for per-request comparisons
         self._contended = colocated and any(v for factors in self.step.contention.values() for v in factors.values())
+        self.kept: list[_Request] | None = [] if keep_requests else None  # every request, for per-request comparisons
         self.prefills = [_PrefillWorker(i) for i in range(num_prefill)]
         self.decodes = [_DecodeWorker(i, self.decode_blocks) for i in range(num_decode)]
         # Least-loaded picks from heaps of (load, index) with lazy deletion: an entry whose load
         # is no longer the worker's (or whose worker left) is dropped when it reaches the top.
         # Ties go to the lower index, as the router's ``min`` over its list does.
-        self._decode_load = _DECODE_LOADS[RoutingPolicy(routing_policy)]
-        self._round_robin = itertools.count() if routing_policy == RoutingPolicy.ROUND_ROBIN else None
+        policy = RoutingPolicy(routing_policy)
+        self._round_robin = itertools.count() if policy == RoutingPolicy.ROUND_ROBIN else None
+        self._decode_load = _DECODE_LOADS.get(policy)
         self._prefill_heap = [(0, w.index) for w in self.prefills]
-        self._decode_heap = [(self._decode_load(w), w.index) for w in self.decodes]
+        self._decode_heap = [] if self._round_robin is not None else [(self._decode_load(w), w.index) for w in self.decodes]
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self._events: list = []
         self._counter = itertools.count()
@@ -462,7 +462,7 @@ class Simulation:
         self._push_decode_load(worker)
 
     def _push_decode_load(self, worker: _DecodeWorker) -> None:
-        if worker.routable:
+        if worker.routable and self._round_robin is None:  # round robin ranks nothing: no heap
             self._push_load(self._decode_heap, worker.index, self.decodes, self._decode_load)
 
     def _set_queued(self, worker: _PrefillWorker, value: int) -> None:
@@ -738,11 +738,10 @@ def _queued_tokens(worker: _PrefillWorker) -> int:
 
 # A decode worker's load as each routing policy ranks it (the lowest is picked; ties: the lower
 # index, as the router's ``min`` over its list). ``kv_aware`` without cache hits ranks by the
-# prompt tokens assigned (``router.routing.KVAware``); round robin does not rank (its own path).
+# prompt tokens assigned (``router.routing.KVAware``); round robin does not rank (its own path, no heap).
 _DECODE_LOADS = {
     RoutingPolicy.KV_AWARE: lambda w: (w.assigned_tokens, w.num_assigned),
     RoutingPolicy.LEAST_LOADED: lambda w: (w.num_assigned, 0),
-    RoutingPolicy.ROUND_ROBIN: lambda w: (0, 0),
 }
 
 
