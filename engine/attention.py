@@ -54,7 +54,7 @@ class AttentionMetadata:
     chunks: list[ChunkSpan] = field(default_factory=list)  # SDPA path only
     prefill: cpu_attention.PrefillChunks | None = None  # the chunks for the kernel; native only
     single_groups: list["GatherGroup"] | None = None  # derived at the first layer of a step
-    gather_keys: torch.Tensor | None = None  # reused per layer: [rows, block_size * kv_heads * head_dim]
+    gather_keys: torch.Tensor | None = None  # reused per layer: [rows, block_size, kv_heads, head_dim]
     gather_values: torch.Tensor | None = None
 
 
@@ -208,11 +208,6 @@ def paged_attention(
     return out
 
 
-def _block_rows(cache: torch.Tensor) -> torch.Tensor:
-    """One layer's keys (or values) as [num_blocks, block_size * kv_heads * head_dim] rows, no copy."""
-    return cache.as_strided((cache.shape[0], cache[0].numel()), (cache.stride(0), 1))
-
-
 def _gather(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -225,14 +220,13 @@ def _gather(
     """Copy ``block_ids``' keys and values into the step's reusable buffers: [n, block_size, KVH, D]
     each; from a quantized cache, dequantized to ``dtype``."""
     num = block_ids.numel()
-    row = key_cache[0].numel()
-    if meta.gather_keys is None or meta.gather_keys.shape[0] < num or meta.gather_keys.shape[1] != row:
-        meta.gather_keys = key_cache.new_empty((num, row))
-        meta.gather_values = value_cache.new_empty((num, row))
-    keys = torch.index_select(_block_rows(key_cache), 0, block_ids, out=meta.gather_keys[:num])
-    values = torch.index_select(_block_rows(value_cache), 0, block_ids, out=meta.gather_values[:num])
-    shape = (num, *key_cache.shape[1:])
-    keys, values = keys.view(shape), values.view(shape)
+    block_shape = key_cache.shape[1:]
+    if meta.gather_keys is None or meta.gather_keys.shape[0] < num or meta.gather_keys.shape[1:] != block_shape:
+        meta.gather_keys = key_cache.new_empty((num, *block_shape))
+        meta.gather_values = value_cache.new_empty((num, *block_shape))
+    # The views are strided (heads outermost in a block): the copies come out dense.
+    keys = torch.index_select(key_cache, 0, block_ids, out=meta.gather_keys[:num])
+    values = torch.index_select(value_cache, 0, block_ids, out=meta.gather_values[:num])
     if key_scales is not None:
         # [n, KVH] scales over each block's tokens and head dimension.
         keys = (keys.to(torch.float32) * key_scales.index_select(0, block_ids)[:, None, :, None]).to(dtype)

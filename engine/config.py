@@ -284,6 +284,9 @@ class EngineConfig:
     # measured step-time model says fit in this many ms (engine.chunk_sizer), at least
     # ``block_size`` and at most the budget and ``long_prefill_chunk``; None: fixed chunks.
     target_step_ms: float | None = None
+    # Ranks the model is split over (engine.parallel): this process is rank 0, the others are
+    # started by the engine's rank launcher. KV sizes (kv_cache_bytes) are per rank.
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         if self.speculative is not None:
@@ -306,3 +309,5 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
         if self.target_step_ms is not None and not self.target_step_ms > 0:
             raise ValueError(f"target_step_ms: must be > 0 or None, got {self.target_step_ms}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")

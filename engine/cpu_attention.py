@@ -113,7 +113,7 @@ def _build() -> ctypes.CDLL:
         pointer, pointer, pointer, ctypes.c_int,  # q, key cache, value cache, element kind
         int64, int64, int64, int64, int64,  # n, kv heads, group, head_dim, block size
         int64, int64, int64, int64, int64, int64,  # block, token and head strides of keys, values
-        pointer, pointer, int64, int64,  # key and value scales, their block strides (quantized caches)
+        pointer, pointer, int64, int64, int64,  # key and value scales, their block strides, their head stride (quantized caches)
         pointer, int64, pointer, pointer,  # tables, table width, lens, out
         ctypes.c_float, ctypes.c_int, int64,  # scale, threads, sliding window (0: none)
     ]
@@ -123,7 +123,7 @@ def _build() -> ctypes.CDLL:
         int64, pointer, pointer, pointer, pointer, int64,  # chunks, first rows, tokens, contexts, tables, width
         int64, int64, int64, int64,  # kv heads, group, head_dim, block size
         int64, int64, int64, int64, int64, int64,  # block, token and head strides of keys, values
-        pointer, pointer, int64, int64,  # key and value scales, their block strides (quantized caches)
+        pointer, pointer, int64, int64, int64,  # key and value scales, their block strides, their head stride (quantized caches)
         pointer, ctypes.c_float, ctypes.c_int, int64,  # out, scale, threads, sliding window (0: none)
         ctypes.c_int,  # bfloat16 model: a quantized cache's tiles may be bfloat16 (avx512_bf16)
     ]
@@ -131,7 +131,7 @@ def _build() -> ctypes.CDLL:
     library.pdserve_kv_quant_write.argtypes = [
         pointer, ctypes.c_int, int64, int64, int64,  # src, bf16, tokens, heads, head_dim
         pointer, pointer, pointer,  # slot blocks, slot offsets, cache
-        int64, int64, int64, pointer, int64, ctypes.c_int,  # block, token, head strides, scales, scale block stride, fp8
+        int64, int64, int64, pointer, int64, int64, ctypes.c_int,  # block, token, head strides, scales, scale block and head strides, fp8
     ]
     library.pdserve_bf16_linear_available.restype = ctypes.c_int
     library.pdserve_bf16_pack.restype = ctypes.c_int
@@ -181,9 +181,8 @@ def prepare(device: torch.device | str, dtype: torch.dtype, head_dim: int, group
 
 
 def _check_layout(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    head_dim = q.shape[-1]
     for cache in (key_cache, value_cache):
-        if cache.stride(3) != 1 or cache.stride(2) != head_dim or cache.dtype not in _DTYPES:
+        if cache.stride(3) != 1 or cache.dtype not in _DTYPES:
             raise ValueError(f"KV cache layout {tuple(cache.shape)}/{cache.stride()} {cache.dtype} not supported")
 
 
@@ -201,12 +200,13 @@ def _cache_geometry(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple
 
 
 def _scale_args(key_cache: torch.Tensor, key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> tuple:
-    """The kernels' scale arguments: pointers and block strides, or nulls for an unquantized cache."""
+    """The kernels' scale arguments: pointers, block strides and the head stride, or nulls for an
+    unquantized cache."""
     if key_cache.dtype not in (torch.int8, torch.float8_e4m3fn):
-        return (None, None, 0, 0)
-    if key_scales is None or value_scales is None or key_scales.stride(1) != 1 or value_scales.stride(1) != 1:
+        return (None, None, 0, 0, 1)
+    if key_scales is None or value_scales is None or key_scales.stride(1) != value_scales.stride(1):
         raise ValueError("a quantized KV cache needs its per-block key and value scales [num_blocks, kv_heads]")
-    return (key_scales.data_ptr(), value_scales.data_ptr(), key_scales.stride(0), value_scales.stride(0))
+    return (key_scales.data_ptr(), value_scales.data_ptr(), key_scales.stride(0), value_scales.stride(0), key_scales.stride(1))
 
 
 def write_quantized(
@@ -221,7 +221,7 @@ def write_quantized(
     library.pdserve_kv_quant_write(
         x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], x.shape[2],
         slot_blocks.data_ptr(), slot_offsets.data_ptr(), cache.data_ptr(),
-        cache.stride(0), cache.stride(1), cache.stride(2), scales.data_ptr(), scales.stride(0),
+        cache.stride(0), cache.stride(1), cache.stride(2), scales.data_ptr(), scales.stride(0), scales.stride(1),
         int(cache.dtype == torch.float8_e4m3fn),
     )
     return True
@@ -239,8 +239,8 @@ def attend_decode(
 ) -> torch.Tensor:
     """Attention of n single-token queries q [n, H, D] over their blocks -> [n, H, D] in q's dtype.
 
-    key/value caches [num_blocks, block_size, kv_heads, head_dim] (any block stride, the rest
-    dense); block_tables [n, width] and lens [n] int64 (tokens attended, the new one included);
+    key/value caches [num_blocks, block_size, kv_heads, head_dim] (any block, token and head
+    strides; each row dense); block_tables [n, width] and lens [n] int64 (tokens attended, the new one included);
     ``window``: a sliding window's size (each query attends its latest ``window`` keys).
     """
     n, num_heads, head_dim = q.shape

@@ -1,9 +1,15 @@
-"""The paged KV cache: one tensor per engine, block-major so a block is one run of bytes.
+"""The paged KV cache: one tensor per engine (per rank), block-major so a block is one run of bytes.
 
-Layout ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``: everything a
-block holds, for every layer, keys then values, sits in ``bytes_per_block`` consecutive
-bytes. The transfer layer moves whole blocks with one descriptor per run of adjacent block
-ids; attention reads one layer's keys or values through a strided view.
+Layout ``[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]``: everything a block
+holds, for every layer, keys then values, sits in ``bytes_per_block`` consecutive bytes, and
+inside a block each KV head's share is one run too (heads outermost). A transfer moves whole
+blocks with one descriptor per run of adjacent block ids; between workers of different
+tensor-parallel sizes a rank's heads of a block are still one run (``kvtransfer.sharding``).
+Attention reads one layer's keys or values through a strided view
+``[num_blocks, block_size, kv_heads, head_dim]``.
+
+A quantized cache (int8, fp8) keeps, per block and KV head, that head's elements followed by
+its float32 scales (one per layer, keys then values), so a head's run carries its scales.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 
-LAYOUT_NAME = "block_major_v1"
+LAYOUT_NAME = "heads_outer_v2"
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,22 +42,22 @@ QUANTIZED_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 class KVCache:
-    """Owns the KV tensor and its per-layer key/value views (and scale views, when quantized)."""
+    """Owns the KV tensor and its per-layer key/value views (and scale views, when quantized).
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype):
+    ``num_kv_heads``: the heads this cache holds (a tensor-parallel rank's); the model's by default.
+    """
+
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype, num_kv_heads: int | None = None):
         self.block_size = engine_config.block_size
         self.num_layers = model_config.num_layers
-        self.block_shape = (
-            model_config.num_layers,
-            2,
-            engine_config.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-        )
+        self.num_kv_heads = num_kv_heads = num_kv_heads or model_config.num_kv_heads
+        layers, block_size, head_dim = model_config.num_layers, engine_config.block_size, model_config.head_dim
+        self.head_shape = (layers, 2, block_size, head_dim)  # one KV head's share of a block
+        self.block_shape = (num_kv_heads, *self.head_shape)
         quantized = engine_config.kv_cache_dtype if engine_config.kv_cache_dtype in QUANTIZED_DTYPES else None
         self.quantized = quantized  # None: elements in the model's dtype, no scales
         self.dtype = QUANTIZED_DTYPES[quantized] if quantized else dtype
-        self.bytes_per_block = self.bytes_per_block_of(model_config, engine_config.block_size, dtype, engine_config.kv_cache_dtype)
+        self.bytes_per_block = self.bytes_per_block_of(model_config, block_size, dtype, engine_config.kv_cache_dtype, num_kv_heads)
         if engine_config.num_kv_blocks is not None:
             self.num_blocks = engine_config.num_kv_blocks
         else:
@@ -62,26 +68,33 @@ class KVCache:
             self.tensor = torch.zeros((self.num_blocks, *self.block_shape), dtype=dtype, device=engine_config.device)
             elements = self.tensor
         else:
-            # One run of bytes per block: its elements, then its scales.
+            # Per block and head one run of bytes: the head's elements, then its scales.
             self.tensor = torch.zeros((self.num_blocks, self.bytes_per_block), dtype=torch.uint8, device=engine_config.device)
-            data_bytes = _numel(self.block_shape)
-            elements = self.tensor[:, :data_bytes].view(self.num_blocks, *self.block_shape).view(self.dtype)
-            scales = self.tensor[:, data_bytes:].view(torch.float32).view(self.num_blocks, self.num_layers, 2, model_config.num_kv_heads)
-            # [num_blocks, kv_heads] per layer
-            self.key_scales = [scales[:, layer, 0] for layer in range(self.num_layers)]
-            self.value_scales = [scales[:, layer, 1] for layer in range(self.num_layers)]
+            per_head = self.tensor.view(self.num_blocks, num_kv_heads, self.bytes_per_block // num_kv_heads)
+            data_bytes = _numel(self.head_shape)
+            elements = per_head[..., :data_bytes].view(self.num_blocks, num_kv_heads, *self.head_shape).view(self.dtype)
+            scales = per_head[..., data_bytes:].view(torch.float32).view(self.num_blocks, num_kv_heads, layers, 2)
+            # [num_blocks, kv_heads] per layer (strided)
+            self.key_scales = [scales[:, :, layer, 0] for layer in range(self.num_layers)]
+            self.value_scales = [scales[:, :, layer, 1] for layer in range(self.num_layers)]
         # Views [num_blocks, block_size, kv_heads, head_dim] per layer; no copies.
-        self.key_views = [elements[:, layer, 0] for layer in range(self.num_layers)]
-        self.value_views = [elements[:, layer, 1] for layer in range(self.num_layers)]
+        self.key_views = [elements[:, :, layer, 0].transpose(1, 2) for layer in range(self.num_layers)]
+        self.value_views = [elements[:, :, layer, 1].transpose(1, 2) for layer in range(self.num_layers)]
 
     @staticmethod
-    def bytes_per_block_of(model_config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    def bytes_per_block_of(
+        model_config: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_kv_heads: int | None = None
+    ) -> int:
         """What one block of ``model_config``'s cache takes, every layer's keys and values (and
-        their scales, for a quantized ``kv_cache_dtype``; "auto": elements in ``dtype``)."""
-        shape = (model_config.num_layers, 2, block_size, model_config.num_kv_heads, model_config.head_dim)
+        their scales, for a quantized ``kv_cache_dtype``; "auto": elements in ``dtype``), for
+        ``num_kv_heads`` heads (the model's by default)."""
+        heads = num_kv_heads or model_config.num_kv_heads
+        per_head = model_config.num_layers * 2 * block_size * model_config.head_dim
         if kv_cache_dtype not in QUANTIZED_DTYPES:
-            return _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        return _numel(shape) + model_config.num_layers * 2 * model_config.num_kv_heads * 4
+            return heads * per_head * torch.empty((), dtype=dtype).element_size()
+        if per_head % 4:
+            raise ValueError(f"block_size: layers x block_size x head_dim must be even for a quantized cache's float32 scales, got {block_size}")
+        return heads * (per_head + model_config.num_layers * 2 * 4)
 
     def layout(self) -> KVLayout:
         return KVLayout(

@@ -20,12 +20,16 @@ import torch
 
 from engine import cpu_attention
 from engine.block_allocator import BlockAllocator
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, ModelLoadError
+from engine.executor import Executor, LocalExecutor, MultiRankExecutor
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.parallel.group import SINGLE, RankFailedError, TPGroup, free_address
+from engine.parallel.launch import RankLauncher, SubprocessRanks
+from engine.parallel.shard import TPShard
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -63,48 +67,82 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None, scheduler_cls=Scheduler):
+    """One scheduler, one block manager and a sampler over an executor (one process, or the
+    ranks of a tensor-parallel group whose rank 0 this is; ``rank_launcher`` starts the others,
+    ``SubprocessRanks`` by default)."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        config: EngineConfig | None = None,
+        scheduler_cls=Scheduler,
+        rank_launcher: RankLauncher | None = None,
+    ):
         self.config = config or EngineConfig()
         self.config.validate()
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         self.model_path = Path(model_path) if model_path is not None else DEFAULT_MODEL_PATH
+        tp_size = self.config.tensor_parallel_size
+        if not self.model_path.is_dir():
+            raise ModelLoadError(f"model directory {self.model_path} does not exist")
+        model_config = ModelConfig.from_model_dir(self.model_path)
+        try:
+            self.shard = TPShard.of(model_config, tp_size)
+        except ValueError as exc:
+            raise ModelLoadError(f"{self.model_path}: {exc}") from None
+        # Every rank must agree on the block count: rank 0 settles it before any starts.
+        cache_config = self._sized_cache_config(model_config)
+        group: TPGroup = SINGLE
+        self.rank_launcher = None
+        if tp_size > 1:
+            self.rank_launcher = rank_launcher or SubprocessRanks()
+            address = free_address(tp_size, self.config.device)
+            self.rank_launcher.start(self.model_path, dataclasses.replace(cache_config, speculative=None), address)
+            group = TPGroup.join(address, 0)
         # The rotary tables cover the engine's context (dynamic and LongRoPE schedules depend on it).
         loaded = load_model(
             self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,
-            prepack_linear=self.config.prepack_linear,
+            prepack_linear=self.config.prepack_linear, tp_size=tp_size, group=group,
         )
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self._max_model_len()
-        draft = self.config.speculative is not None and self.config.speculative.method == "draft_model"
-        cache_config = self._with_draft_share(loaded.config, loaded.dtype) if draft else self.config
-        self.kv_cache = KVCache(loaded.config, cache_config, loaded.dtype)
+        self.kv_cache = KVCache(loaded.config, cache_config, loaded.dtype, num_kv_heads=self.shard.num_kv_heads)
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, self.config.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, self._native_attention())
+        self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids, proposer=self._proposer(loaded.dtype))
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         self.last_shape: StepShape | None = None  # of the latest batch run_batch was given
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB), max_model_len %d",
+            "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB per rank), max_model_len %d, tensor parallel %d",
             self.model_config.architecture,
             self.kv_cache.num_blocks,
             self.kv_cache.block_size,
             self.kv_cache.num_blocks * self.kv_cache.bytes_per_block / 2**20,
             self.max_model_len,
+            tp_size,
         )
 
-    def _with_draft_share(self, model_config, dtype: torch.dtype) -> EngineConfig:
-        """The cache config when a draft model shares the block ids: ``kv_cache_bytes`` pays for
-        both caches, so each block id costs the target's bytes plus the draft's."""
+    def _sized_cache_config(self, model_config: ModelConfig) -> EngineConfig:
+        """The config with ``num_kv_blocks`` settled: from ``kv_cache_bytes`` per rank (the bytes a
+        block of this rank's KV heads takes, plus a draft model's share of the same block id)."""
         if self.config.num_kv_blocks is not None:
             return self.config
-        per_block = KVCache.bytes_per_block_of(model_config, self.config.block_size, dtype, self.config.kv_cache_dtype)
-        per_block += draft_bytes_per_block(self.config.speculative.draft_model, self.config, dtype)
-        return dataclasses.replace(self.config, num_kv_blocks=max(1, self.config.kv_cache_bytes // per_block))
+        config = self.config
+        per_block = KVCache.bytes_per_block_of(model_config, config.block_size, self._cache_dtype(model_config), config.kv_cache_dtype, self.shard.num_kv_heads)
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            per_block += draft_bytes_per_block(config.speculative.draft_model, config, self._cache_dtype(model_config))
+        return dataclasses.replace(config, num_kv_blocks=max(1, config.kv_cache_bytes // per_block))
+
+    def _cache_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        from engine.loader import resolve_dtype
+
+        return resolve_dtype(model_config, self.config.dtype, self.config.device)
 
     def _proposer(self, dtype: torch.dtype) -> Proposer | None:
         """Where a decoding sequence's drafts come from (None: no speculation)."""
@@ -213,7 +251,8 @@ class LLMEngine:
         those that raise alone end, with FinishReason.ERROR and their blocks freed: one
         request's values (or a bug they reach) never take the engine or its other requests
         down. Running a sequence again is safe: nothing advanced, and rewriting its KV slots
-        writes the same values.
+        writes the same values. A lost rank (``RankFailedError``) is the worker's failure, not
+        the batch's: it propagates, and no request is failed for it.
         """
         self.num_steps += 1
         self.num_scheduled_tokens += batch.num_tokens
@@ -226,6 +265,8 @@ class LLMEngine:
             outputs = self._compute(batch)
             sizer.observe(self.last_shape, time.perf_counter() - started)
             return outputs
+        except RankFailedError:
+            raise  # the worker is lost, not the batch: its requests are retried elsewhere
         except Exception as exc:
             if len(batch.slices) == 1:
                 return [self._fail(batch.slices[0].seq, exc)]
@@ -234,9 +275,17 @@ class LLMEngine:
         for piece in batch.slices:
             try:
                 outputs.extend(self._compute(ScheduledBatch([piece])))
+            except RankFailedError:
+                raise
             except Exception as exc:
                 outputs.append(self._fail(piece.seq, exc))
         return outputs
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do with one rank)."""
+        self.executor.close()
+        if self.rank_launcher is not None:
+            self.rank_launcher.stop()
 
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
         """End a sequence whose computation raised ``exc``; its blocks are freed."""
@@ -253,7 +302,7 @@ class LLMEngine:
         )
 
     def _compute(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        logits = self.runner.execute(batch)
+        logits = self.executor.execute(batch)
         samples = self._sample(logits, batch)
         outputs = []
         for seq, new_tokens in self.scheduler.update(batch, samples):

@@ -4,17 +4,21 @@ Reads ``config.json``, single-file or sharded (``model.safetensors.index.json``)
 safetensors weights and ``generation_config.json``. Separate q/k/v and gate/up weights
 are fused into the engine's projections while loading. Every problem names the file or
 tensor at fault.
+
+A tensor-parallel rank (``shard``) reads only its own slices of each tensor straight from the
+files (safetensors' sliced reads through its memory map): no rank ever holds the whole model.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from engine import device_caps
 from engine.architectures import ARCHITECTURES
@@ -22,11 +26,15 @@ from engine.config import ModelConfig
 from engine.cpu_linear import can_prepack, prepack_linears
 from engine.errors import ModelLoadError
 from engine.model import CausalLM
+from engine.parallel.group import SINGLE, TPGroup
+from engine.parallel.shard import TPShard
 from engine.rope import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
 
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+# safetensors' element types the engine computes with (others are quantized or unknown).
+_FLOAT_TYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 @dataclass(slots=True)
@@ -51,84 +59,175 @@ def load_model(
     device: str = "cpu",
     max_positions: int | None = None,
     prepack_linear: bool = False,
+    tp_size: int = 1,
+    group: TPGroup = SINGLE,
 ) -> LoadedModel:
-    """Build the model for ``model_dir`` and fill it with the checkpoint's weights."""
+    """Build the model for ``model_dir`` (rank ``group.rank``'s shard of it when ``tp_size`` > 1)
+    and fill it with the checkpoint's weights."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_model_dir(model_dir)
     torch_dtype = resolve_dtype(config, dtype, device)
-    weights = _read_weights(model_dir)
+    try:
+        shard = TPShard.of(config, tp_size, group.rank)
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from None
     rotary = RotaryEmbedding(
         config.rope, config.head_dim, max_positions or config.max_position_embeddings, torch_dtype, device
     )
     # Built on the meta device and then handed the checkpoint's tensors: no double allocation.
     with torch.device("meta"):
-        model = CausalLM(config, rotary)
-    state = _engine_state_dict(weights, config, torch_dtype)
+        model = CausalLM(config, rotary, shard, group)
+    with CheckpointReader(model_dir) as reader:
+        state = _engine_state_dict(reader, config, torch_dtype, shard)
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device).eval()
     num_packed = prepack_linear and can_prepack(device, torch_dtype) and prepack_linears(model)
     eos_ids = _generation_eos_ids(model_dir) or config.eos_token_ids
     logger.info(
-        "loaded %s from %s: %d layers, hidden %d, dtype %s, %d linears prepacked (oneDNN or bfloat16 pairs)",
+        "loaded %s from %s: %d layers, hidden %d, dtype %s, rank %d of %d, %d linears prepacked (oneDNN or bfloat16 pairs)",
         config.architecture,
         model_dir,
         config.num_layers,
         config.hidden_size,
         torch_dtype,
+        shard.rank,
+        shard.tp_size,
         num_packed or 0,
     )
     return LoadedModel(model=model, config=config, dtype=torch_dtype, eos_token_ids=eos_ids, model_dir=model_dir)
 
 
-def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    index_path = model_dir / "model.safetensors.index.json"
-    if index_path.is_file():
+class CheckpointReader:
+    """The checkpoint's tensors by name, read on demand (whole, or a slice along one dimension).
+
+    Reads go through ``pread`` into memory the model then owns, not through a memory map: a
+    tensor-parallel rank touches only the bytes of its slices (row slices are one read, column
+    slices a read per band of rows), so its peak memory is its shard, not the files.
+    """
+
+    _BAND_BYTES = 4 * 1024 * 1024  # column slices are read this many bytes of rows at a time
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self._files: dict[str, int] = {}  # file name -> descriptor
+        self._entries: dict[str, tuple[str, str, list[int], int]] = {}  # name -> (file, dtype, shape, data start)
+        index_path = model_dir / "model.safetensors.index.json"
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+            if not files:
+                raise ModelLoadError(f"{model_dir}: no *.safetensors weight file (PyTorch .bin checkpoints are not supported)")
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc})") from exc
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-        if not files:
-            raise ModelLoadError(f"{model_dir}: no *.safetensors weight file (PyTorch .bin checkpoints are not supported)")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        path = model_dir / name
+            for name in files:
+                self._index_file(name)
+        except BaseException:
+            self.close()
+            raise
+
+    def _index_file(self, name: str) -> None:
+        path = self.model_dir / name
         if not path.is_file():
-            raise ModelLoadError(f"{model_dir}: weight file {name} is listed in the index but missing")
+            raise ModelLoadError(f"{self.model_dir}: weight file {name} is listed in the index but missing")
+        fd = os.open(path, os.O_RDONLY)
+        self._files[name] = fd
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():
-                    tensors[key] = handle.get_tensor(key)
-                    if not tensors[key].is_floating_point() or tensors[key].element_size() == 1:
-                        raise ModelLoadError(
-                            f"{path}: tensor {key!r} is {tensors[key].dtype}: quantized weights are not supported"
-                        )
+            (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            header = json.loads(os.pread(fd, header_len, 8))
+            data_start = 8 + header_len
+            for key, entry in header.items():
+                if key == "__metadata__":
+                    continue
+                kind = entry["dtype"]
+                if kind not in _FLOAT_TYPES:
+                    raise ModelLoadError(f"{path}: tensor {key!r} is {_dtype_label(kind)}: quantized weights are not supported")
+                self._entries[key] = (name, kind, [int(d) for d in entry["shape"]], data_start + int(entry["data_offsets"][0]))
         except ModelLoadError:
             raise
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from exc
-    return tensors
+        except Exception as exc:  # a truncated or corrupt header
+            raise ModelLoadError(f"{path}: cannot read safetensors file ({type(exc).__name__}: {exc})") from exc
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def read(self, name: str, dtype: torch.dtype, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` in ``dtype``; with ``dim`` (0 or 1), only indices [start, stop) along it."""
+        entry = self._entries.get(name)
+        if entry is None:
+            raise ModelLoadError(f"checkpoint has no tensor {name!r}")
+        file, kind, shape, offset = entry
+        stored = getattr(torch, _FLOAT_TYPES[kind])
+        item = torch.empty((), dtype=stored).element_size()
+        fd = self._files[file]
+        rows = shape[0] if shape else 1
+        row_elems = 1
+        for size in shape[1:]:
+            row_elems *= size
+        if dim is None or dim == 0:
+            first, last = (0, rows) if dim is None else (start, rows if stop is None else stop)
+            out_shape = shape if dim is None else [last - first, *shape[1:]]
+            tensor = self._pread(fd, offset + first * row_elems * item, (last - first) * row_elems, stored).view(out_shape)
+        elif dim == 1 and len(shape) == 2:
+            last = shape[1] if stop is None else stop
+            tensor = torch.empty((rows, last - start), dtype=stored)
+            band = max(1, self._BAND_BYTES // max(1, row_elems * item))
+            for row in range(0, rows, band):
+                count = min(band, rows - row)
+                block = self._pread(fd, offset + row * row_elems * item, count * row_elems, stored).view(count, row_elems)
+                tensor[row : row + count] = block[:, start:last]
+        else:
+            raise ModelLoadError(f"{name}: cannot slice a {len(shape)}-d tensor along dimension {dim}")
+        return tensor.to(dtype)
+
+    @staticmethod
+    def _pread(fd: int, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        item = torch.empty((), dtype=dtype).element_size()
+        buffer = bytearray(count * item)
+        view = memoryview(buffer)
+        done = 0
+        while done < len(buffer):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ModelLoadError(f"weight file ends before its tensors do (at byte {offset + done})")
+            done += got
+        return torch.frombuffer(buffer, dtype=dtype) if count else torch.empty(0, dtype=dtype)
 
 
-def _engine_state_dict(weights: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _dtype_label(kind: str) -> str:
+    labels = {"I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "BOOL": "bool"}
+    return labels.get(kind, kind)
+
+
+def _engine_state_dict(reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype, shard: TPShard) -> dict[str, torch.Tensor]:
     taken: set[str] = set()
 
-    def take(name: str) -> torch.Tensor:
-        try:
-            tensor = weights[name].to(dtype)
-        except KeyError:
-            raise ModelLoadError(f"checkpoint has no tensor {name!r}") from None
+    def take(name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        tensor = reader.read(name, dtype, dim, start, stop)
         taken.add(name)
         return tensor
 
-    state = ARCHITECTURES[config.architecture].state_dict(take, config)
+    state = ARCHITECTURES[config.architecture].state_dict(take, config, shard)
     # A tied checkpoint may still carry its lm_head copy; nothing else may go unused.
     spare = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    unused = [k for k in weights if k not in taken and k not in spare and not k.endswith(_SKIPPED_SUFFIXES)]
+    unused = [k for k in reader.names if k not in taken and k not in spare and not k.endswith(_SKIPPED_SUFFIXES)]
     if unused:
         # A tensor the model code has no place for means it computes something else than the
         # checkpoint's model (a bias its config did not announce, another architecture's layer).

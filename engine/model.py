@@ -3,6 +3,11 @@
 Projections are fused (q|k|v, gate|up) so a step does few, large matmuls. The four
 architectures differ only in q/k/v biases (Qwen2) and a per-head RMSNorm on q and k
 before the rotation (Qwen3).
+
+Under tensor parallelism (``engine.parallel``) a model holds one rank's shard: its heads'
+rows of q|k|v, its slice of gate|up, the matching input columns of o_proj and down_proj
+(whose partial sums one all-reduce each per layer adds up) and its rows of the vocabulary.
+With one rank every collective is a no-op and the model is the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from engine import fused_ops
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.parallel.group import SINGLE, TPGroup
+from engine.parallel.shard import TPShard
 from engine.rope import RotaryEmbedding
 
 
@@ -32,22 +39,23 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, shard: TPShard, group: TPGroup = SINGLE):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.group = group
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = shard.num_heads * config.head_dim
+        self.kv_size = shard.num_kv_heads * config.head_dim
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * shard.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.window = config.layer_windows[layer_index] if config.layer_windows else None  # sliding window, or None
 
     def forward(
@@ -88,20 +96,24 @@ class DecoderLayer(nn.Module):
             kv_cache.key_scales[self.layer_index],
             kv_cache.value_scales[self.layer_index],
         )
-        normed, residual = self.post_attention_norm.add_and_norm(self.o_proj(attended.view(num_tokens, self.q_size)), residual)
-        return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(normed))), residual
+        # Row-parallel: each rank's partial product, summed over the ranks (its bias on rank 0 only).
+        attention_out = self.group.all_reduce(self.o_proj(attended.view(num_tokens, self.q_size)))
+        normed, residual = self.post_attention_norm.add_and_norm(attention_out, residual)
+        return self.group.all_reduce(self.down_proj(fused_ops.silu_mul(self.gate_up_proj(normed)))), residual
 
 
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head of one checkpoint."""
+    """Embedding, decoder layers, final norm and LM head of one checkpoint (or of one rank's shard)."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, shard: TPShard | None = None, group: TPGroup = SINGLE):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.shard = shard = shard or TPShard.of(config)
+        self.group = group
+        self.embed_tokens = nn.Embedding(shard.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shard, group) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, shard.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = rotary
@@ -114,13 +126,29 @@ class CausalLM(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run the packed batch; return float32 logits only at ``logits_indices``."""
-        hidden = self.embed_tokens(input_ids)
+    ) -> torch.Tensor | None:
+        """Run the packed batch; return float32 logits only at ``logits_indices`` (on rank 0 of a
+        tensor-parallel group; None on the others)."""
+        hidden = self._embed(input_ids)
         residual = None
         rope_tables = self.rotary.tables(positions)
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rope_tables, kv_cache, meta)
         # Only the rows that need logits: the last add and the final norm are per row.
         hidden, _ = self.norm.add_and_norm(hidden[logits_indices], residual[logits_indices])
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.shard.is_whole:
+            return logits.float()
+        # Vocabulary-parallel: each rank scored its rows; rank 0 (the sampler's) joins them.
+        gathered = self.group.gather_to_first(logits)
+        return None if gathered is None else gathered[:, : self.config.vocab_size].float()
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.is_whole:
+            return self.embed_tokens(input_ids)
+        # Each rank looks up the ids in its rows, zeros for the rest; the sum is every id's row.
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_size)
+        hidden = self.embed_tokens(local.masked_fill(outside, 0))
+        hidden.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(hidden)

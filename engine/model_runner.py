@@ -1,6 +1,13 @@
-"""Turn a scheduled batch into packed tensors, run the model, return next-token logits."""
+"""Turn a scheduled batch into packed step inputs, run the model, return next-token logits.
+
+``prepare`` (on the worker, where the scheduler is) reduces a batch to a ``StepInput``: plain
+lists a tensor-parallel worker broadcasts to its other ranks; ``run`` (on every rank) packs it
+into tensors and runs that rank's shard.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -8,6 +15,16 @@ from engine.attention import SeqSlice, build_metadata
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.scheduler import ScheduledBatch
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One step's tokens and where they go, as every rank of a worker computes it."""
+
+    input_ids: list[int]
+    positions: list[int]
+    logits_indices: list[int]  # rows that get logits: one per completing sequence, one per draft
+    slices: list[SeqSlice]
 
 
 class ModelRunner:
@@ -20,24 +37,29 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward the batch; logits [rows sampled this step, vocab] in slice order: one row per
         sequence completing this step, plus one per draft token."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_indices: list[int] = []
-        slices: list[SeqSlice] = []
+        return self.run(self.prepare(batch))
+
+    @staticmethod
+    def prepare(batch: ScheduledBatch) -> StepInput:
+        step = StepInput([], [], [], [])
         for piece in batch.slices:
             seq = piece.seq
             start = seq.num_computed_tokens
             end = start + piece.num_tokens
-            input_ids.extend(seq.token_ids[start : start + piece.num_own_tokens])
-            input_ids.extend(piece.draft_token_ids)
-            positions.extend(range(start, end))
-            logits_indices.extend(range(len(input_ids) - piece.num_sampled_rows, len(input_ids)))
-            slices.append(SeqSlice(seq.block_table, start, piece.num_tokens, decode=piece.is_decode))
-        meta = build_metadata(slices, self.kv_cache.block_size, self.device, self.native_attention)
+            step.input_ids.extend(seq.token_ids[start : start + piece.num_own_tokens])
+            step.input_ids.extend(piece.draft_token_ids)
+            step.positions.extend(range(start, end))
+            step.logits_indices.extend(range(len(step.input_ids) - piece.num_sampled_rows, len(step.input_ids)))
+            step.slices.append(SeqSlice(seq.block_table, start, piece.num_tokens, decode=piece.is_decode))
+        return step
+
+    def run(self, step: StepInput) -> torch.Tensor | None:
+        """This rank's part of the step; the logits on rank 0 (None on the others)."""
+        meta = build_metadata(step.slices, self.kv_cache.block_size, self.device, self.native_attention)
         return self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+            torch.tensor(step.input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(step.positions, dtype=torch.long, device=self.device),
             self.kv_cache,
             meta,
-            torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            torch.tensor(step.logits_indices, dtype=torch.long, device=self.device),
         )

@@ -1,10 +1,12 @@
 """What a worker's KV cache looks like to the transfer layer.
 
-The engine keeps one KV tensor per worker, block-major
-``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, so block ``b`` is the
-single contiguous byte run ``[base + b * bytes_per_block, base + (b + 1) * bytes_per_block)``.
-``KVRegion`` is that run of memory (no model knowledge); ``KVCompat`` is what two workers
-must agree on before one writes into the other, hashed for the handshake.
+The engine keeps one KV tensor per worker (per tensor-parallel rank), block-major with heads
+outermost inside a block: ``[num_blocks, num_kv_heads, num_layers, 2, block_size, head_dim]``.
+Block ``b`` is the single contiguous byte run ``[base + b * bytes_per_block, base + (b + 1) *
+bytes_per_block)``, and each KV head's share of it is one run of ``bytes_per_head`` too, which
+is what lets ranks of different tensor-parallel sizes write each other's heads directly
+(``kvtransfer.sharding``). ``KVRegion`` is that memory (no model knowledge); ``KVCompat`` is
+what two workers must agree on before one writes into the other, hashed for the handshake.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from kvtransfer.errors import LayoutError
 if TYPE_CHECKING:
     import torch
 
-BLOCK_MAJOR = "block_major_v1"
+HEADS_OUTER = "heads_outer_v2"
 
 # Element sizes by dtype name; torch is not needed to describe a layout.
 DTYPE_SIZES = {
@@ -45,12 +47,12 @@ class KVCompat:
     model_id: str
     dtype: str
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # the model's; a tensor-parallel rank holds some of them
     head_dim: int
     block_size: int
-    layout: str = BLOCK_MAJOR
-    # A quantized cache (int8, fp8): after each block's elements, a float32 scale per layer,
-    # key/value and KV head; the tensor is then raw bytes, [num_blocks, bytes_per_block].
+    layout: str = HEADS_OUTER
+    # A quantized cache (int8, fp8): after each head's elements in a block, its float32 scales
+    # (per layer, key/value); the tensor is then raw bytes, [num_blocks, bytes_per_block].
     block_scales: bool = False
 
     def __post_init__(self) -> None:
@@ -61,17 +63,23 @@ class KVCompat:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name}: must be a positive integer, got {value!r}")
-        if self.layout != BLOCK_MAJOR:
-            raise LayoutError(f"layout: only {BLOCK_MAJOR!r} is supported, got {self.layout!r}")
+        if self.layout != HEADS_OUTER:
+            raise LayoutError(f"layout: only {HEADS_OUTER!r} is supported, got {self.layout!r}")
+
+    @property
+    def bytes_per_head(self) -> int:
+        """One KV head's share of a block: its elements for every layer (and its scales)."""
+        elements = self.num_layers * 2 * self.block_size * self.head_dim * DTYPE_SIZES[self.dtype]
+        return elements + (self.num_layers * 2 * 4 if self.block_scales else 0)
 
     @property
     def bytes_per_block(self) -> int:
-        elements = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_SIZES[self.dtype]
-        return elements + (self.num_layers * 2 * self.num_kv_heads * 4 if self.block_scales else 0)
+        """A block holding every KV head of the model (a rank's holds its heads only)."""
+        return self.num_kv_heads * self.bytes_per_head
 
-    def block_shape(self) -> tuple[int, ...]:
-        """Shape of one block inside the block-major KV tensor."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+    def block_shape(self, num_kv_heads: int | None = None) -> tuple[int, ...]:
+        """Shape of one block inside the KV tensor (of a rank holding ``num_kv_heads`` heads)."""
+        return (num_kv_heads or self.num_kv_heads, self.num_layers, 2, self.block_size, self.head_dim)
 
     def compat_hash(self) -> str:
         """A short stable digest of every field; equal hashes mean compatible caches."""
@@ -86,18 +94,20 @@ class KVCompat:
             if getattr(self, f.name) != getattr(other, f.name)
         ]
 
-    def check_tensor(self, kv_cache: torch.Tensor) -> None:
-        """Raise LayoutError unless ``kv_cache`` is a contiguous tensor of this layout."""
+    def check_tensor(self, kv_cache: torch.Tensor, num_kv_heads: int | None = None) -> None:
+        """Raise LayoutError unless ``kv_cache`` is a contiguous tensor of this layout (holding
+        ``num_kv_heads`` heads: a rank's; all of them by default)."""
         if self.block_scales:
-            if kv_cache.dim() != 2 or kv_cache.shape[1] != self.bytes_per_block or dtype_name(kv_cache.dtype) != "uint8":
+            expected_bytes = (num_kv_heads or self.num_kv_heads) * self.bytes_per_head
+            if kv_cache.dim() != 2 or kv_cache.shape[1] != expected_bytes or dtype_name(kv_cache.dtype) != "uint8":
                 raise LayoutError(
-                    f"kv_cache: {tuple(kv_cache.shape)} {dtype_name(kv_cache.dtype)} is not [num_blocks, {self.bytes_per_block}] uint8 "
+                    f"kv_cache: {tuple(kv_cache.shape)} {dtype_name(kv_cache.dtype)} is not [num_blocks, {expected_bytes}] uint8 "
                     f"(a {self.dtype} cache with block scales)"
                 )
             if not kv_cache.is_contiguous():
                 raise LayoutError("kv_cache: must be contiguous so that a block is one run of bytes")
             return
-        expected = self.block_shape()
+        expected = self.block_shape(num_kv_heads)
         if kv_cache.dim() != 1 + len(expected) or tuple(kv_cache.shape[1:]) != expected:
             raise LayoutError(
                 f"kv_cache: shape {tuple(kv_cache.shape)} is not [num_blocks, {', '.join(map(str, expected))}]"

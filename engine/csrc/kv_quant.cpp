@@ -9,7 +9,7 @@
 // nothing clips; a head of zeros keeps scale 0 and reads back as zeros.
 //
 // Layout: src [tokens, heads, head_dim] float32 or bfloat16, contiguous; cache elements are one
-// byte, strides in bytes (= elements); scales [num_blocks] x heads floats, block stride in floats.
+// byte, strides in bytes (= elements); scales [num_blocks] x heads floats, block and head strides in floats.
 #include "simd.h"
 
 #include <cstring>
@@ -50,7 +50,7 @@ inline float dequantize(uint8_t v, bool fp8) { return fp8 ? to_float(Fp8{v}) * 2
 template <typename T>
 void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const int64_t* slot_blocks,
            const int64_t* slot_offsets, uint8_t* cache, int64_t block_stride, int64_t token_stride, int64_t head_stride,
-           float* scales, int64_t scale_block_stride, bool fp8) {
+           float* scales, int64_t scale_block_stride, int64_t scale_head_stride, bool fp8) {
   const float qmax = fp8 ? 448.f : 127.f;
   // The blocks this step touches, each with its first new offset and per-head range.
   std::unordered_map<int64_t, int64_t> index;
@@ -79,7 +79,7 @@ void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const i
     float* block_scales = scales + blocks[i] * scale_block_stride;
     uint8_t* block_data = cache + blocks[i] * block_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const float old_scale = first_offset[i] == 0 ? 0.f : block_scales[h];
+      const float old_scale = first_offset[i] == 0 ? 0.f : block_scales[h * scale_head_stride];
       const float scale = std::max(old_scale, amax[i * heads + h] / qmax);
       if (old_scale > 0.f && scale > old_scale) {
         const float ratio = old_scale / scale;
@@ -88,7 +88,7 @@ void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const i
           for (int64_t d = 0; d < dim; ++d) row[d] = quantize(dequantize(row[d], fp8) * ratio, 1.f, fp8);
         }
       }
-      block_scales[h] = scale;
+      block_scales[h * scale_head_stride] = scale;
       inv_scale[i * heads + h] = scale > 0.f ? 1.f / scale : 0.f;
     }
   }
@@ -109,12 +109,12 @@ void write(const T* src, int64_t num_tokens, int64_t heads, int64_t dim, const i
 extern "C" void pdserve_kv_quant_write(const void* src, int src_bf16, int64_t num_tokens, int64_t heads, int64_t dim,
                                        const int64_t* slot_blocks, const int64_t* slot_offsets, void* cache,
                                        int64_t block_stride, int64_t token_stride, int64_t head_stride, float* scales,
-                                       int64_t scale_block_stride, int fp8) {
+                                       int64_t scale_block_stride, int64_t scale_head_stride, int fp8) {
   uint8_t* data = static_cast<uint8_t*>(cache);
   if (src_bf16)
     write(static_cast<const uint16_t*>(src), num_tokens, heads, dim, slot_blocks, slot_offsets, data, block_stride,
-          token_stride, head_stride, scales, scale_block_stride, fp8 != 0);
+          token_stride, head_stride, scales, scale_block_stride, scale_head_stride, fp8 != 0);
   else
     write(static_cast<const float*>(src), num_tokens, heads, dim, slot_blocks, slot_offsets, data, block_stride,
-          token_stride, head_stride, scales, scale_block_stride, fp8 != 0);
+          token_stride, head_stride, scales, scale_block_stride, scale_head_stride, fp8 != 0);
 }

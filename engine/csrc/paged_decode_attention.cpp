@@ -7,7 +7,7 @@
 // 64-1024 tokens) that was ~150 ms of a ~260 ms step, this is ~60 ms.
 //
 // Layout (see engine/kv_cache.py): key/value caches [num_blocks, block_size, kv_heads,
-// head_dim] with any block stride; q and out [n, kv_heads, group, head_dim] float32,
+// head_dim] with any block, token and head strides; q and out [n, kv_heads, group, head_dim] float32,
 // contiguous; tables [n, width] int64; lens [n] int64 (tokens to attend, the new one
 // included); window: under a sliding window, how many of the latest keys a query attends
 // (0: all). Built per machine with -march=native by engine/cpu_attention.py and called
@@ -174,12 +174,12 @@ extern "C" int pdserve_paged_decode(const float* q, const void* key_cache, const
                                     int64_t block_size, int64_t block_stride_k, int64_t block_stride_v,
                                     int64_t token_stride_k, int64_t token_stride_v, int64_t head_stride_k,
                                     int64_t head_stride_v, const float* key_scales, const float* value_scales,
-                                    int64_t scale_stride_k, int64_t scale_stride_v, const int64_t* tables,
+                                    int64_t scale_stride_k, int64_t scale_stride_v, int64_t scale_head_stride, const int64_t* tables,
                                     int64_t table_width, const int64_t* lens, float* out, float scale, int num_threads,
                                     int64_t window) {
   const Call call{q, key_cache, value_cache,
                   Geometry{block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k,
-                           head_stride_v, block_size, key_scales, value_scales, scale_stride_k, scale_stride_v},
+                           head_stride_v, block_size, key_scales, value_scales, scale_stride_k, scale_stride_v, scale_head_stride},
                   n, num_kv_heads, table_width, tables, lens, out, scale, num_threads, window};
   if (head_dim % Vec::W != 0) return -1;
   bool done = false;

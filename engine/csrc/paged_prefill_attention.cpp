@@ -20,7 +20,7 @@
 // the softmax and every sum stay float32. SmolLM2-135M shape, 2 threads, 512 queries over
 // 512 + 512 keys: 6.2 ms on widened float32 tiles, 3.5 ms on bfloat16 pairs.
 //
-// Layout: key/value caches [num_blocks, block_size, kv_heads, head_dim] with any block stride;
+// Layout: key/value caches [num_blocks, block_size, kv_heads, head_dim] with any block, token and head strides;
 // q and out [tokens, kv_heads, group, head_dim] float32, contiguous, each chunk's rows together;
 // tables [chunks, width] int64. The chunk's own keys and values are in the cache already.
 // window: under a sliding window, how many of the latest keys a query attends (0: all).
@@ -478,12 +478,12 @@ extern "C" int pdserve_paged_prefill(const float* q, const void* key_cache, cons
                                      int64_t block_stride_k, int64_t block_stride_v, int64_t token_stride_k,
                                      int64_t token_stride_v, int64_t head_stride_k, int64_t head_stride_v,
                                      const float* key_scales, const float* value_scales, int64_t scale_stride_k,
-                                     int64_t scale_stride_v, float* out, float scale, int num_threads, int64_t window,
+                                     int64_t scale_stride_v, int64_t scale_head_stride, float* out, float scale, int num_threads, int64_t window,
                                      int bf16_model) {
   if (head_dim % Vec::W != 0 || group < 1) return -1;
   const Call call{q, key_cache, value_cache,
                   Geometry{block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k,
-                           head_stride_v, block_size, key_scales, value_scales, scale_stride_k, scale_stride_v},
+                           head_stride_v, block_size, key_scales, value_scales, scale_stride_k, scale_stride_v, scale_head_stride},
                   num_kv_heads, group, out, scale, num_threads, window};
   std::vector<Span> spans;
   for (int64_t c = 0; c < num_chunks; ++c)

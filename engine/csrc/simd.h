@@ -146,19 +146,19 @@ static inline void prefetch_row(const T* row) {
 
 struct Geometry {
   int64_t block_stride_k, block_stride_v, token_stride_k, token_stride_v, head_stride_k, head_stride_v, block_size;
-  // Quantized caches: each block's per-KV-head scales (floats), block strides in floats.
+  // Quantized caches: each block's per-KV-head scales (floats), block and head strides in floats.
   const float* key_scales = nullptr;
   const float* value_scales = nullptr;
-  int64_t scale_stride_k = 0, scale_stride_v = 0;
+  int64_t scale_stride_k = 0, scale_stride_v = 0, scale_head_stride = 1;
 
   template <typename T>
   float key_scale(int64_t block, int64_t head) const {
-    if constexpr (Quant<T>::scaled) return key_scales[block * scale_stride_k + head] * Quant<T>::unit;
+    if constexpr (Quant<T>::scaled) return key_scales[block * scale_stride_k + head * scale_head_stride] * Quant<T>::unit;
     return 1.f;
   }
   template <typename T>
   float value_scale(int64_t block, int64_t head) const {
-    if constexpr (Quant<T>::scaled) return value_scales[block * scale_stride_v + head] * Quant<T>::unit;
+    if constexpr (Quant<T>::scaled) return value_scales[block * scale_stride_v + head * scale_head_stride] * Quant<T>::unit;
     return 1.f;
   }
 };

@@ -1,0 +1,81 @@
+"""How an engine runs its model: in this process, or over the ranks of a tensor-parallel group.
+
+The engine (one scheduler, one block manager, one sampler) hands each scheduled batch to its
+executor and gets logits back; it never knows how many ranks computed them.
+
+- ``LocalExecutor``: the whole model in this process (tensor_parallel_size 1).
+- ``MultiRankExecutor``: this process is rank 0 of a group; each step's inputs are broadcast
+  to the other ranks (``engine.parallel.rank``), every rank runs its shard (all-reduces inside
+  the layers), and rank 0 gathers the logits. Each rank holds its shard of the weights and of
+  the KV cache, with the same block ids: the block manager's decisions hold for all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.parallel.group import RankFailedError, TPGroup
+from engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+STOP = None  # what rank 0 broadcasts to end the other ranks' loops
+
+
+class Executor(ABC):
+    """Runs a scheduled batch through the model; ``runner`` is this process's (rank 0's)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    @property
+    def tp_size(self) -> int:
+        return 1
+
+    @abstractmethod
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits [rows sampled this step, vocab] in slice order."""
+
+    def close(self) -> None:
+        """Release the ranks (if any)."""
+
+
+class LocalExecutor(Executor):
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        return self.runner.execute(batch)
+
+
+class MultiRankExecutor(Executor):
+    """Rank 0 of ``group``: broadcasts each step, computes its shard, returns the gathered logits.
+
+    A failed collective means another rank is gone: ``RankFailedError`` propagates and the
+    engine marks itself broken (``LLMEngine.broken``), never failing a request for it.
+    """
+
+    def __init__(self, runner: ModelRunner, group: TPGroup):
+        super().__init__(runner)
+        self.group = group
+        self._closed = False
+
+    @property
+    def tp_size(self) -> int:
+        return self.group.world_size
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        step = self.runner.prepare(batch)
+        self.group.broadcast_from_first(step)
+        return self.runner.run(step)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.group.broadcast_from_first(STOP)
+        except RankFailedError:
+            logger.info("ranks already gone at close")
+        self.group.close()

@@ -1,0 +1,119 @@
+"""The collectives a tensor-parallel model needs, over one torch.distributed process group.
+
+One group per worker: its ranks are that worker's processes (gloo on CPU, NCCL on CUDA).
+Rank 0 is the worker itself, where the scheduler and the sampler run; it broadcasts each
+step's inputs, every rank computes its shard, and rank 0 gathers the logits. A group of one
+(``SINGLE``) makes every collective a no-op, so the model code has one path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# A rank waits in a broadcast for the next step however long the worker idles: the group's
+# timeout bounds idleness, not work, so it is long. A rank that dies is seen at once (its
+# sockets close); a hung one by the worker's own hang check.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
+
+
+class RankFailedError(RuntimeError):
+    """A collective failed: another rank of this worker died or its group broke.
+
+    Never a request's fault: the worker as a whole is lost (every rank is replaced).
+    """
+
+
+@dataclass(slots=True, frozen=True)
+class GroupAddress:
+    """Where the ranks of one worker meet: rank 0's node, a free port there."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str  # "gloo" or "nccl"
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+def free_address(world_size: int, device: str, host: str = "127.0.0.1") -> GroupAddress:
+    """A meeting place on this node for ``world_size`` ranks (a worker's ranks share a node)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    return GroupAddress(host, port, world_size, backend)
+
+
+class TPGroup:
+    """A worker's ranks as one torch.distributed group; ``rank`` is this process's."""
+
+    def __init__(self, rank: int, world_size: int, group: Any = None):
+        self.rank = rank
+        self.world_size = world_size
+        self._group = group
+
+    @classmethod
+    def join(cls, address: GroupAddress, rank: int) -> "TPGroup":
+        """Join (blocking until every rank has) the group at ``address`` as ``rank``."""
+        dist.init_process_group(
+            address.backend, init_method=address.init_method, world_size=address.world_size, rank=rank, timeout=IDLE_TIMEOUT
+        )
+        logger.info("rank %d of %d joined %s (%s)", rank, address.world_size, address.init_method, address.backend)
+        return cls(rank, address.world_size, dist.group.WORLD)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place; returns it."""
+        if self.world_size > 1:
+            try:
+                dist.all_reduce(tensor, group=self._group)
+            except RuntimeError as exc:
+                raise RankFailedError(f"all-reduce failed on rank {self.rank}: {exc}") from exc
+        return tensor
+
+    def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``tensor`` concatenated along the last dimension on rank 0 (None elsewhere)."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.is_first else None
+        try:
+            dist.gather(tensor, parts, dst=0, group=self._group)
+        except RuntimeError as exc:
+            raise RankFailedError(f"gather failed on rank {self.rank}: {exc}") from exc
+        return torch.cat(parts, dim=-1) if self.is_first else None
+
+    def broadcast_from_first(self, message: Any = None) -> Any:
+        """Rank 0's ``message`` on every rank (pickled; the others pass nothing)."""
+        if self.world_size == 1:
+            return message
+        box = [message]
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._group)
+        except RuntimeError as exc:
+            raise RankFailedError(f"broadcast failed on rank {self.rank}: {exc}") from exc
+        return box[0]
+
+    def close(self) -> None:
+        if self.world_size > 1 and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group cannot always be torn down cleanly
+                logger.debug("destroying the process group failed", exc_info=True)
+
+
+SINGLE = TPGroup(0, 1)

@@ -1,0 +1,66 @@
+"""A tensor-parallel rank other than 0: its shard of the model and of the KV cache, and its loop.
+
+A rank's life: it joins its worker's group (``TPGroup.join``), loads only its slices of the
+checkpoint, allocates its shard of the KV cache (the same block count as rank 0, its own KV
+heads), then waits for rank 0's broadcasts: each ``StepInput`` it runs through its shard (the
+layers' all-reduces and the logits' gather meet rank 0's), until ``STOP``. Where it runs (a Ray
+actor, a subprocess) is the launcher's business; it knows nothing of either.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine import cpu_attention
+from engine.config import EngineConfig
+from engine.executor import STOP
+from engine.kv_cache import KVCache
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.parallel.group import GroupAddress, RankFailedError, TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+class ShardRank:
+    """Rank ``rank`` (> 0) of a worker whose rank 0 is an ``LLMEngine`` with a ``MultiRankExecutor``."""
+
+    def __init__(self, model_path: str | Path, config: EngineConfig, address: GroupAddress, rank: int):
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if config.num_kv_blocks is None:
+            raise ValueError("num_kv_blocks: rank 0 decides the block count and hands it to every rank")
+        self.rank = rank
+        self.group = TPGroup.join(address, rank)
+        loaded = load_model(
+            model_path, dtype=config.dtype, device=config.device, max_positions=config.max_model_len,
+            prepack_linear=config.prepack_linear, tp_size=address.world_size, group=self.group,
+        )
+        shard = loaded.model.shard
+        self.kv_cache = KVCache(loaded.config, config, loaded.dtype, num_kv_heads=shard.num_kv_heads)
+        native = config.native_attention and cpu_attention.prepare(
+            config.device, loaded.dtype, loaded.config.head_dim, shard.num_heads // shard.num_kv_heads
+        )
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.device, native)
+        self.num_steps = 0
+
+    def serve(self) -> None:
+        """Run rank 0's steps until it says stop (or the group breaks: RankFailedError)."""
+        while True:
+            step = self.group.broadcast_from_first()
+            if step is STOP:
+                break
+            try:
+                self.runner.run(step)
+            except RankFailedError:
+                raise
+            except Exception:
+                # Rank 0 meets the same error with the same inputs, and runs the batch's
+                # sequences again one at a time; this rank follows its broadcasts.
+                logger.exception("rank %d: a step failed", self.rank)
+            self.num_steps += 1
+        self.group.close()
+        logger.info("rank %d: stopped after %d steps", self.rank, self.num_steps)
