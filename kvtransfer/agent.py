@@ -13,6 +13,11 @@ Abort: P's ``cancel(req)`` returns a ``QuiesceReport``; once ``quiesced`` the wo
 it to D, whose ``abort(req)`` + ``confirm_quiesced(req)`` free the blocks (or D frees them
 when the lease runs out). A push to a (peer, epoch) not handshaken raises
 ``HandshakeRequiredError``: fetch the peer's current offer, ``connect`` it, push again.
+
+Tensor parallelism: the agent lives with rank 0 and holds rank 0's KV shard; ``open_ranks``
+(from the worker) opens the other ranks' transports under the names it is given, and the
+agent drives them all as one ``ShardedTransport``: a push writes every rank's heads straight
+from that rank into the peer rank(s) holding them.
 """
 
 from __future__ import annotations
@@ -21,17 +26,23 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtransfer.backends import BackendOptions, make_transport
+from kvtransfer.descriptors import merge_runs
 from kvtransfer.handshake import PROTOCOL_VERSION, HandshakeOffer, check_offer, new_epoch, transport_agent_name
 from kvtransfer.layout import KVCompat, KVRegion
 from kvtransfer.leases import Clock, LeasePolicy
 from kvtransfer.messages import KVDestination, PeerRef, QuiesceReport, ReceiveEvents, SendEvent
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
-from kvtransfer.transport import make_transport
+from kvtransfer.sharded_transport import RankTransport, ShardedTransport, rank_transport_name
+from kvtransfer.sharding import KVShard, whole_shards
+
+# Opens ranks 1..n-1's transports, each named rank_transport_name(base, rank): (base name) -> them.
+OpenRanks = Callable[[str], list[RankTransport]]
 
 if TYPE_CHECKING:
     import torch
@@ -78,16 +89,19 @@ class KVAgent:
         compat: KVCompat,
         config: KVTransferConfig | None = None,
         wall_clock: Clock = time.time,
+        shard: KVShard | None = None,
+        open_ranks: OpenRanks | None = None,
     ) -> None:
-        compat.check_tensor(kv_cache)
+        shard = shard or whole_shards(compat.num_kv_heads)[0]
+        compat.check_tensor(kv_cache, shard.num_heads)
         self.config = config or KVTransferConfig()
         self.compat = compat
         self.region = KVRegion.from_tensor(kv_cache)
         self.ref = PeerRef(name, new_epoch())
         self._lock = threading.RLock()
-        self._transport = make_transport(
-            self.config.backend,
-            transport_agent_name(self.ref),
+        base_name = transport_agent_name(self.ref)
+        options = BackendOptions(
+            rank_transport_name(base_name, 0),
             kv_cache,
             self.region,
             nixl_mode=self.config.nixl_mode,
@@ -95,6 +109,11 @@ class KVAgent:
             progress_thread=self.config.progress_thread,
             network_devices=self.config.network_devices,
         )
+        local = RankTransport(shard, self.region, make_transport(self.config.backend, options), options.transport_name)
+        others = open_ranks(base_name) if open_ranks is not None else []
+        if len(others) + 1 != shard.tp_size:
+            raise ValueError(f"open_ranks: {len(others)} ranks opened beside rank 0, the worker has {shard.tp_size}")
+        self._transport = ShardedTransport(base_name, [local, *others], compat.num_kv_heads, compat.bytes_per_head)
         policy = self.config.lease
         self.sender = KVSender(
             self.ref, self._transport, self.region, policy, self.config.merge_descriptors, wall_clock
@@ -115,6 +134,8 @@ class KVAgent:
             compat=self.compat,
             compat_hash=self.compat.compat_hash(),
             region=self.region,
+            shards=self._transport.shards,
+            regions=self._transport.regions,
         )
 
     @_locked
@@ -124,9 +145,20 @@ class KVAgent:
         Connecting a newer epoch of a known peer fails that peer's old requests and
         replaces it; an older epoch is refused; the same epoch is a no-op.
         """
-        check_offer(self.compat, self.config.backend, offer)
+        check_offer(self.compat, self.config.backend, offer, self._transport.shards)
         self.sender.add_peer(offer)
         return offer.peer
+
+    @property
+    def tp_size(self) -> int:
+        return len(self._transport.shards)
+
+    @_locked
+    def write_cost(self, dest: KVDestination, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> tuple[int, int]:
+        """(bytes, descriptors) a push of these blocks into ``dest`` moves: every rank's heads."""
+        runs = merge_runs(src_block_ids, dst_block_ids, self.config.merge_descriptors)
+        transport_name = transport_agent_name(dest.peer)
+        return runs.num_blocks * self.compat.bytes_per_block, self._transport.num_descriptors(transport_name, runs)
 
     @_locked
     def is_connected(self, peer: PeerRef) -> bool:

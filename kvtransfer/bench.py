@@ -52,7 +52,7 @@ class BenchPeer:
 
     def setup(self, compat: KVCompat, num_blocks: int, variants: list[str]) -> dict:
         """(Re)build the KV tensor and one agent per variant over it; return the offers."""
-        from kvtransfer import nixl_api
+        from kvtransfer.backends.nixl import api as nixl_api
 
         api = nixl_api.load()
         nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config

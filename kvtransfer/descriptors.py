@@ -66,8 +66,17 @@ class BlockRuns:
         dst = np.repeat(self.dst, self.count) + offsets
         return src.astype(np.int32), dst.astype(np.int32)
 
-    def byte_descs(self, region: KVRegion, side: str) -> np.ndarray:
-        """An Nx3 (address, length, device id) uint64 array: one descriptor per run."""
+    def byte_descs(self, region: KVRegion, side: str, offset: int = 0, num_bytes: int | None = None) -> np.ndarray:
+        """An Nx3 (address, length, device id) uint64 array: one descriptor per run, or, for
+        ``num_bytes`` of each block from ``offset`` (a piece), one per block."""
+        if num_bytes is not None and num_bytes != region.bytes_per_block:
+            src, dst = self.expand()
+            blocks = (src if side == "src" else dst).astype(np.uint64)
+            descs = np.empty((len(blocks), 3), dtype=np.uint64)
+            descs[:, 0] = np.uint64(region.base_addr + offset) + blocks * np.uint64(region.bytes_per_block)
+            descs[:, 1] = num_bytes
+            descs[:, 2] = region.device_id
+            return descs
         starts = self.src if side == "src" else self.dst
         descs = np.empty((len(self), 3), dtype=np.uint64)
         descs[:, 0] = np.uint64(region.base_addr) + starts.astype(np.uint64) * np.uint64(region.bytes_per_block)
@@ -143,11 +152,12 @@ def spans_to_ids(spans: Sequence[tuple[int, int]]) -> list[range]:
     return [range(start, start + count) for start, count in spans]
 
 
-def block_byte_descs(region: KVRegion) -> np.ndarray:
-    """One descriptor per block of the region, index = block id (for prepared lists)."""
+def block_byte_descs(region: KVRegion, offset: int = 0, num_bytes: int | None = None) -> np.ndarray:
+    """One descriptor per block of the region, index = block id (for prepared lists): each
+    whole block, or ``num_bytes`` of it from ``offset`` (one piece of every block)."""
     ids = np.arange(region.num_blocks, dtype=np.uint64)
     descs = np.empty((region.num_blocks, 3), dtype=np.uint64)
-    descs[:, 0] = np.uint64(region.base_addr) + ids * np.uint64(region.bytes_per_block)
-    descs[:, 1] = region.bytes_per_block
+    descs[:, 0] = np.uint64(region.base_addr + offset) + ids * np.uint64(region.bytes_per_block)
+    descs[:, 1] = region.bytes_per_block if num_bytes is None else num_bytes
     descs[:, 2] = region.device_id
     return descs

@@ -6,6 +6,11 @@ and metadata, its KV region and the compatibility descriptor with its hash. A wr
 lists each field that differs. The epoch is fresh on every agent start and ordered by
 start time, so a writer can tell a restarted peer (newer epoch: re-handshake) from a
 destination handed out by a dead incarnation (older epoch: refuse, never write).
+
+The offer also carries the peer's tensor-parallel shape: its TP size, and each rank's KV head
+range and region. Workers of different TP sizes connect when every head the reader holds can
+be written by a rank of the writer holding it (``kvtransfer.sharding``); a pair that cannot be
+mapped is refused naming both shapes.
 """
 
 from __future__ import annotations
@@ -14,11 +19,12 @@ import os
 import time
 from dataclasses import dataclass
 
-from kvtransfer.errors import IncompatiblePeerError
+from kvtransfer.errors import IncompatiblePeerError, LayoutError
 from kvtransfer.layout import KVCompat, KVRegion
 from kvtransfer.messages import PeerRef
+from kvtransfer.sharding import KVShard, describe, plan_legs
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: heads-outermost blocks, per-rank legs
 
 
 def new_epoch() -> str:
@@ -42,11 +48,18 @@ class HandshakeOffer:
     transport_metadata: bytes
     compat: KVCompat
     compat_hash: str
-    region: KVRegion
+    region: KVRegion  # rank 0's
+    shards: list[KVShard]  # every rank's KV heads
+    regions: list[KVRegion]  # every rank's memory
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.shards)
 
 
-def check_offer(local_compat: KVCompat, local_transport: str, offer: HandshakeOffer) -> None:
-    """Raise IncompatiblePeerError listing every difference; return if the peer is usable."""
+def check_offer(local_compat: KVCompat, local_transport: str, offer: HandshakeOffer, local_shards: list[KVShard]) -> None:
+    """Raise IncompatiblePeerError listing every difference; return if the peer is usable
+    (by a writer whose ranks hold ``local_shards``)."""
     problems: list[str] = []
     if offer.protocol_version != PROTOCOL_VERSION:
         problems.append(f"protocol_version: {PROTOCOL_VERSION} != {offer.protocol_version}")
@@ -55,7 +68,14 @@ def check_offer(local_compat: KVCompat, local_transport: str, offer: HandshakeOf
     if offer.compat_hash != local_compat.compat_hash():
         differences = local_compat.differences(offer.compat)
         problems.extend(differences or [f"compat_hash: {local_compat.compat_hash()} != {offer.compat_hash}"])
-    if offer.region.bytes_per_block != local_compat.bytes_per_block:
-        problems.append(f"bytes_per_block: {local_compat.bytes_per_block} != {offer.region.bytes_per_block}")
+    if not problems:
+        for shard, region in zip(offer.shards, offer.regions):
+            expected = shard.num_heads * local_compat.bytes_per_head
+            if region.bytes_per_block != expected:
+                problems.append(f"bytes_per_block of rank {shard.rank}: {expected} for {shard.num_heads} heads != {region.bytes_per_block}")
+        try:
+            plan_legs(local_shards, offer.shards, local_compat.num_kv_heads, local_compat.bytes_per_head)
+        except LayoutError as exc:
+            problems.append(f"tensor parallel shapes: writer {describe(local_shards)}, reader {describe(offer.shards)}: {exc}")
     if problems:
         raise IncompatiblePeerError(str(offer.peer), problems)

@@ -1,14 +1,10 @@
-"""The interface every transfer backend implements, and how to pick one.
+"""The interface every transfer backend implements (the backends are ``kvtransfer.backends``).
 
 A transport moves runs of blocks from this worker's KV region into a peer's and carries
 one notification per write. The sender and receiver logic (leases, ordering, ownership)
-lives above it and is the same for every backend. Backends:
-
-- ``nixl`` (default): one-sided UCX writes straight into the peer's registered memory;
-  the notification arrives after the bytes.
-- ``ray``: the writer puts the bytes in Ray's object store and the receiver copies them
-  in when it polls, so it can drop writes for blocks it no longer owns. For platforms
-  without NIXL, and the benchmark's baseline.
+lives above it and is the same for every backend. A write may move a ``BlockPiece`` of each
+block instead of the whole block: the same byte range of every block (one KV head range of a
+heads-outermost block, ``kvtransfer.sharding``), at its own offset on each side.
 """
 
 from __future__ import annotations
@@ -20,19 +16,26 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtransfer.descriptors import BlockRuns
-from kvtransfer.errors import BackendUnavailableError
 from kvtransfer.layout import KVRegion
 
 if TYPE_CHECKING:
     import torch
-
-BACKENDS = ("nixl", "ray")
 
 
 class XferState(enum.Enum):
     IN_PROGRESS = "PROC"
     DONE = "DONE"
     FAILED = "ERR"
+
+
+@dataclass(slots=True, frozen=True)
+class BlockPiece:
+    """Bytes [src_offset, src_offset + num_bytes) of each source block into bytes
+    [dst_offset, dst_offset + num_bytes) of its destination block."""
+
+    src_offset: int
+    dst_offset: int
+    num_bytes: int
 
 
 @dataclass(slots=True)
@@ -64,8 +67,9 @@ class Transport(ABC):
         """Forget a peer; later writes to it are impossible. Idempotent."""
 
     @abstractmethod
-    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes) -> Any:
-        """Start writing ``runs`` to the peer; return a handle. Raise TransportError on failure."""
+    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes, piece: BlockPiece | None = None) -> Any:
+        """Start writing ``runs`` (whole blocks, or ``piece`` of each) to the peer; return a
+        handle. Raise TransportError on failure."""
 
     @abstractmethod
     def check(self, handle: Any) -> XferState:
@@ -79,38 +83,9 @@ class Transport(ABC):
     def get_incoming(self) -> list[Incoming]:
         """Notifications that arrived since the last call, in arrival order."""
 
-    def land(self, incoming: Incoming, dst_spans: Sequence[tuple[int, int]]) -> None:
-        """Copy an incoming payload into (start, count) block spans (``receiver_lands`` only)."""
+    def land(self, incoming: Incoming, dst_spans: Sequence[tuple[int, int]], piece: BlockPiece | None = None) -> None:
+        """Copy an incoming payload into (start, count) block spans, whole blocks or ``piece``
+        of each (``receiver_lands`` only)."""
 
     def close(self) -> None:
         """Release everything the transport registered or created."""
-
-
-def make_transport(
-    backend: str,
-    transport_name: str,
-    kv_cache: torch.Tensor,
-    region: KVRegion,
-    nixl_mode: str = "prepped",
-    merge_descriptors: bool = True,
-    progress_thread: bool = False,
-    network_devices: str | None = None,
-) -> Transport:
-    """Create the named backend; its module (and nixl or ray) is imported only here."""
-    if backend == "nixl":
-        from kvtransfer.nixl_backend import NixlTransport
-
-        return NixlTransport(
-            transport_name,
-            kv_cache,
-            region,
-            mode=nixl_mode,
-            merge=merge_descriptors,
-            progress_thread=progress_thread,
-            network_devices=network_devices,
-        )
-    if backend == "ray":
-        from kvtransfer.ray_backend import RayTransport
-
-        return RayTransport(transport_name, kv_cache, region)
-    raise BackendUnavailableError(f"backend: unknown {backend!r}; choose one of {BACKENDS}")

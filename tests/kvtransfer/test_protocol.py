@@ -22,6 +22,7 @@ from kvtransfer.leases import LeasePolicy
 from kvtransfer.messages import KVDestination, PeerRef, TransferNotif
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
+from kvtransfer.sharding import whole_shards
 from kvtransfer.transport import Incoming, Transport, XferState
 
 COMPAT = KVCompat("m", "bfloat16", 1, 1, 8, 2)
@@ -48,7 +49,7 @@ class ScriptedTransport(Transport):
     def remove_peer(self, transport_name) -> None:
         pass
 
-    def post_write(self, transport_name, runs, notif):
+    def post_write(self, transport_name, runs, notif, piece=None):
         self.posts.append((transport_name, runs.as_list(), notif))
         self.states[len(self.posts) - 1] = XferState.IN_PROGRESS
         return len(self.posts) - 1
@@ -75,7 +76,7 @@ class FakeClock:
 def offer(name: str, epoch: str) -> HandshakeOffer:
     peer = PeerRef(name, epoch)
     return HandshakeOffer(PROTOCOL_VERSION, peer, "scripted", transport_agent_name(peer), b"md", COMPAT,
-                          COMPAT.compat_hash(), REGION)
+                          COMPAT.compat_hash(), REGION, whole_shards(COMPAT.num_kv_heads), [REGION])
 
 
 def make_sender(policy=None, clock=time.time):

@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from kvtransfer import KVCompat
+from kvtransfer.handshake import PROTOCOL_VERSION
 from kvtransfer.errors import (
     HandshakeRequiredError,
     IncompatiblePeerError,
@@ -138,7 +139,7 @@ def test_incompatible_peer_is_refused_naming_the_differences(nixl_pair):
 
     offer = dataclasses.replace(ray.get(d.offer.remote()), protocol_version=99)
     error = _raised(p.connect.remote(offer))
-    assert isinstance(error, IncompatiblePeerError) and "protocol_version: 1 != 99" in str(error)
+    assert isinstance(error, IncompatiblePeerError) and f"protocol_version: {PROTOCOL_VERSION} != 99" in str(error)
     assert SMALL_COMPAT.compat_hash() != other.compat_hash()
 
 

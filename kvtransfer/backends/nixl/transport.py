@@ -7,6 +7,10 @@ the default ``prepped`` mode, prepares a per-block descriptor list for itself an
 one descriptor per run. The ``dynamic`` mode builds one descriptor per merged run and
 calls ``initialize_xfer`` on every push instead; the benchmark compares the two.
 
+A write of one piece of each block (a KV head range, between workers of different tensor-
+parallel sizes) uses lists prepared for that piece, once per (offset, length) on each side:
+one descriptor per block, since pieces of adjacent blocks are not adjacent.
+
 The UCX progress thread is off by default: it busy-polls a whole core per agent, and
 on CPU the write is driven by post and by our polls anyway. Turn it on for GPUs/RDMA
 where the writer computes for long stretches without polling.
@@ -16,14 +20,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtransfer import nixl_api
+from kvtransfer.backends.nixl import api as nixl_api
 from kvtransfer.descriptors import BlockRuns, block_byte_descs
 from kvtransfer.errors import BackendUnavailableError, TransportError
 from kvtransfer.layout import KVRegion
-from kvtransfer.transport import Incoming, Transport, XferState
+from kvtransfer.transport import BlockPiece, Incoming, Transport, XferState
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +47,7 @@ def _as_transport_error(what: str, peer: str, exc: Exception) -> TransportError:
 class _NixlPeer:
     region: KVRegion
     prepped: Any  # nixl_prepped_dlist_handle, or None in dynamic mode
+    pieces: dict = field(default_factory=dict)  # (offset, num_bytes) -> prepped list of that piece of every block
 
 
 class NixlTransport(Transport):
@@ -80,6 +85,7 @@ class NixlTransport(Transport):
             raise BackendUnavailableError("nixl: the UCX backend could not be created")
         self._reg = self._agent.register_memory(kv_cache)
         self._local_prepped = None
+        self._local_pieces: dict[tuple[int, int], Any] = {}
         if mode == "prepped":
             self._local_prepped = self._agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT", block_byte_descs(region), region.nixl_mem_type
@@ -114,26 +120,46 @@ class NixlTransport(Transport):
         if peer is None:
             return
         try:
+            for handle in peer.pieces.values():
+                handle.release()
             if peer.prepped is not None:
                 peer.prepped.release()
             self._agent.remove_remote_agent(transport_name)
         except Exception:
             logger.warning("removing nixl peer %s failed", transport_name, exc_info=True)
 
-    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes) -> Any:
+    def _prepped_lists(self, transport_name: str, peer: _NixlPeer, piece: BlockPiece | None) -> tuple[Any, Any]:
+        """The (local, remote) prepared lists a write of ``piece`` (None: whole blocks) indexes."""
+        if piece is None:
+            return self._local_prepped, peer.prepped
+        local_key = (piece.src_offset, piece.num_bytes)
+        if local_key not in self._local_pieces:
+            descs = block_byte_descs(self._region, piece.src_offset, piece.num_bytes)
+            self._local_pieces[local_key] = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._region.nixl_mem_type)
+        remote_key = (piece.dst_offset, piece.num_bytes)
+        if remote_key not in peer.pieces:
+            descs = block_byte_descs(peer.region, piece.dst_offset, piece.num_bytes)
+            peer.pieces[remote_key] = self._agent.prep_xfer_dlist(transport_name, descs, peer.region.nixl_mem_type)
+        return self._local_pieces[local_key], peer.pieces[remote_key]
+
+    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes, piece: BlockPiece | None = None) -> Any:
         peer = self._peers.get(transport_name)
         if peer is None:
             raise TransportError(f"no nixl peer {transport_name}", peer_lost=True)
+        if piece is not None and piece.num_bytes == self._region.bytes_per_block == peer.region.bytes_per_block:
+            piece = None  # the whole block on both sides: runs of adjacent blocks merge
         try:
             if self._mode == "prepped":
                 src, dst = runs.expand()
+                local, remote = self._prepped_lists(transport_name, peer, piece)
                 handle = self._agent.make_prepped_xfer(
-                    "WRITE", self._local_prepped, src, peer.prepped, dst, notif, skip_desc_merge=not self._merge
+                    "WRITE", local, src, remote, dst, notif, skip_desc_merge=not self._merge
                 )
             else:
                 mem = self._region.nixl_mem_type
-                src_descs = self._agent.get_xfer_descs(runs.byte_descs(self._region, "src"), mem)
-                dst_descs = self._agent.get_xfer_descs(runs.byte_descs(peer.region, "dst"), peer.region.nixl_mem_type)
+                src_off, dst_off, num = (0, 0, None) if piece is None else (piece.src_offset, piece.dst_offset, piece.num_bytes)
+                src_descs = self._agent.get_xfer_descs(runs.byte_descs(self._region, "src", src_off, num), mem)
+                dst_descs = self._agent.get_xfer_descs(runs.byte_descs(peer.region, "dst", dst_off, num), peer.region.nixl_mem_type)
                 handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, transport_name, notif)
         except Exception as e:
             raise _as_transport_error("preparing a write", transport_name, e) from e
@@ -175,8 +201,24 @@ class NixlTransport(Transport):
         for name in list(self._peers):
             self.remove_peer(name)
         try:
+            for handle in self._local_pieces.values():
+                handle.release()
+            self._local_pieces.clear()
             if self._local_prepped is not None:
                 self._local_prepped.release()
             self._agent.deregister_memory(self._reg)
         except Exception:
             logger.warning("closing nixl agent %s failed", self.name, exc_info=True)
+
+
+def create(options) -> NixlTransport:
+    """The registry's constructor (``kvtransfer.backends.make_transport``)."""
+    return NixlTransport(
+        options.transport_name,
+        options.kv_cache,
+        options.region,
+        mode=options.nixl_mode,
+        merge=options.merge_descriptors,
+        progress_thread=options.progress_thread,
+        network_devices=options.network_devices,
+    )

@@ -7,7 +7,8 @@ bytes into its blocks itself, after checking that the reservation is still live,
 late write for freed blocks is simply dropped. The writer's "done" means "delivered to
 the mailbox"; the bytes land on the receiver's next poll.
 
-This is the only kvtransfer module that imports ray.
+This is the only kvtransfer module that imports ray. A write of one piece of each block (a
+KV head range) carries just those bytes, and lands them at the piece's offset.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import ray
 from kvtransfer.descriptors import BlockRuns
 from kvtransfer.errors import BackendUnavailableError, TransportError
 from kvtransfer.layout import KVRegion
-from kvtransfer.transport import Incoming, Transport, XferState
+from kvtransfer.transport import BlockPiece, Incoming, Transport, XferState
 
 if TYPE_CHECKING:
     import torch
@@ -84,18 +85,19 @@ class RayTransport(Transport):
     def remove_peer(self, transport_name: str) -> None:
         self._peers.pop(transport_name, None)
 
-    def _gather(self, runs: BlockRuns) -> list[np.ndarray]:
+    def _gather(self, runs: BlockRuns, piece: BlockPiece | None) -> list[np.ndarray]:
         spans = zip(runs.src.tolist(), runs.count.tolist())
+        columns = slice(None) if piece is None else slice(piece.src_offset, piece.src_offset + piece.num_bytes)
         if self._blocks_np is not None:
-            return [self._blocks_np[start : start + count] for start, count in spans]
-        return [self._blocks[start : start + count].cpu().numpy() for start, count in spans]
+            return [np.ascontiguousarray(self._blocks_np[start : start + count, columns]) for start, count in spans]
+        return [self._blocks[start : start + count, columns].cpu().numpy() for start, count in spans]
 
-    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes) -> Any:
+    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes, piece: BlockPiece | None = None) -> Any:
         mailbox = self._peers.get(transport_name)
         if mailbox is None:
             raise TransportError(f"no ray peer {transport_name}", peer_lost=True)
         try:
-            payload = ray.put(self._gather(runs))
+            payload = ray.put(self._gather(runs, piece))
             return mailbox.deliver.remote(self.name, notif, [payload])
         except Exception as e:
             raise TransportError(f"posting a write to {transport_name} failed: {e}", peer_lost=True) from e
@@ -127,7 +129,7 @@ class RayTransport(Transport):
         self._draining = self._mailbox.drain.remote()
         return [Incoming(sender=sender, message=message, payload=ref) for sender, message, ref in items]
 
-    def land(self, incoming: Incoming, dst_spans: Sequence[tuple[int, int]]) -> None:
+    def land(self, incoming: Incoming, dst_spans: Sequence[tuple[int, int]], piece: BlockPiece | None = None) -> None:
         import torch
 
         chunks = ray.get(incoming.payload)
@@ -135,13 +137,19 @@ class RayTransport(Transport):
             raise TransportError(
                 f"payload from {incoming.sender} has {len(chunks)} runs, its notification {len(dst_spans)}"
             )
+        columns = slice(None) if piece is None else slice(piece.dst_offset, piece.dst_offset + piece.num_bytes)
         for (start, count), chunk in zip(dst_spans, chunks):
             if self._blocks_np is not None:
-                self._blocks_np[start : start + count] = chunk
+                self._blocks_np[start : start + count, columns] = chunk
             else:
-                self._blocks[start : start + count].copy_(torch.from_numpy(np.array(chunk)))
+                self._blocks[start : start + count, columns].copy_(torch.from_numpy(np.array(chunk)))
 
     def close(self) -> None:
         if self._mailbox is not None:
             ray.kill(self._mailbox)
             self._mailbox = None
+
+
+def create(options) -> RayTransport:
+    """The registry's constructor (``kvtransfer.backends.make_transport``)."""
+    return RayTransport(options.transport_name, options.kv_cache, options.region)
