@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", help="model directory, or a Hugging Face id in the local cache (default: the built-in model)")
     up.add_argument("--prefill", type=int, help="prefill actors")
     up.add_argument("--decode", type=int, help="decode actors")
+    up.add_argument("--prefill-tp", type=int, help="tensor-parallel ranks per prefill worker (prefill.tensor_parallel_size)")
+    up.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (decode.tensor_parallel_size)")
     up.add_argument("--prefill-gpus", type=float, help="GPUs per prefill actor")
     up.add_argument("--decode-gpus", type=float, help="GPUs per decode actor")
     up.add_argument("--prefill-cpus", type=float, help="CPUs per prefill actor")
@@ -165,6 +167,7 @@ def _up(args: argparse.Namespace) -> int:
     overrides = {
         "model": args.model, "dtype": args.dtype, "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
         "prefill.replicas": args.prefill, "decode.replicas": args.decode,
+        "prefill.tensor_parallel_size": args.prefill_tp, "decode.tensor_parallel_size": args.decode_tp,
         "prefill.num_gpus": args.prefill_gpus, "decode.num_gpus": args.decode_gpus,
         "prefill.num_cpus": args.prefill_cpus, "decode.num_cpus": args.decode_cpus,
         "prefill.token_budget": args.token_budget, "decode.token_budget": args.token_budget,
@@ -391,7 +394,7 @@ def _status(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"pdserve status: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    rows = [("WORKER", "ROLE", "STATE", "QUEUE", "KV USED", "RUNNING", "EPOCH", "NODE")]
+    rows = [("WORKER", "ROLE", "STATE", "QUEUE", "KV USED", "RUNNING", "EPOCH", "NODE", "RANKS")]
     for w in workers:
         rows.append((
             w.worker_id,
@@ -402,11 +405,19 @@ def _status(args: argparse.Namespace) -> int:
             str(w.num_running_seqs),
             w.epoch,
             w.node,
+            _ranks_cell(w.node, list(w.rank_nodes)),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return 0
+
+
+def _ranks_cell(node: str, rank_nodes: list[str]) -> str:
+    """'1' for a worker of one rank; '2: r0@nodeA r1@nodeA' for a tensor-parallel one."""
+    if len(rank_nodes) <= 1:
+        return "1"
+    return f"{len(rank_nodes)}: " + " ".join(f"r{rank}@{where}" for rank, where in enumerate(rank_nodes))
 
 
 def _scale(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cluster.kv_memory import KVMemoryPolicy
 from cluster.pools import DeploymentSpec, PoolSpec
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.errors import ModelLoadError
 from engine.model_source import resolve_model
@@ -33,9 +33,12 @@ class ConfigError(ValueError):
 class PoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    replicas: int = Field(1, ge=0, le=256, description="Number of actors in the pool")
-    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each actor")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor; 1 places each actor and its KV cache on its own GPU")
+    replicas: int = Field(1, ge=0, le=256, description="Number of workers in the pool")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="Ranks (processes, one GPU each on GPUs) a worker's model is split over; they share a node"
+    )
+    num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each actor (each rank of a tensor-parallel worker)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (per rank); 1 places each rank and its KV shard on its own GPU")
     resources: dict[str, float] = Field(default_factory=dict, description="Extra Ray resources per actor, e.g. to pin a pool to nodes")
     threads: int | None = Field(None, ge=1, description="torch threads per actor on CPU (default: num_cpus, at least 1)")
     token_budget: int = Field(512, ge=1, description="Tokens per engine step (decode tokens plus prefill chunks)")
@@ -47,7 +50,7 @@ class PoolConfig(BaseModel):
     )
     enable_prefix_caching: bool = Field(True, description="Keep full prompt blocks cached for later prompts with the same prefix")
     kv_cache_mb: int | None = Field(
-        None, ge=1, description="KV cache size per actor in MiB (default: sized from the actor's machine, see cluster/kv_memory.py)"
+        None, ge=1, description="KV cache size per actor (per rank) in MiB (default: sized from the actor's machine, see cluster/kv_memory.py)"
     )
 
 
@@ -255,6 +258,19 @@ class ClusterConfig(BaseModel):
             raise ValueError("decode.replicas: at least one decode actor is needed (prefill-only cannot serve)")
         return self
 
+    @model_validator(mode="after")
+    def _model_splits_over_each_pool(self) -> "ClusterConfig":
+        """A model whose heads do not divide by a pool's TP size is refused before any actor starts."""
+        from engine.parallel.shard import check_tensor_parallel
+
+        model = ModelConfig.from_model_dir(Path(self.model))
+        for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            try:
+                check_tensor_parallel(model, pool.tensor_parallel_size)
+            except ValueError as exc:
+                raise ValueError(f"{name}.tensor_parallel_size: {exc}") from None
+        return self
+
     def to_spec(self) -> DeploymentSpec:
         return DeploymentSpec(
             model_path=self.model,
@@ -298,6 +314,7 @@ class ClusterConfig(BaseModel):
             num_threads=pool.threads or max(1, int(pool.num_cpus)),
             enable_prefix_caching=pool.enable_prefix_caching,
             speculative=speculative.to_engine() if speculative is not None else None,
+            tensor_parallel_size=pool.tensor_parallel_size,
         )
         kv_memory = None
         if pool.kv_cache_mb is not None:

@@ -76,8 +76,12 @@ def default_kv_cache_bytes(policy: KVMemoryPolicy, figures: MemoryFigures) -> in
 
 
 def measure(engine_config: EngineConfig, model_path: str | Path) -> MemoryFigures:
-    """Measure this process's machine and estimate the engine's own needs (no weight is loaded)."""
+    """Measure this process's machine and estimate the engine's own needs (no weight is loaded),
+    per tensor-parallel rank: its shard of the weights, a KV cache of its KV heads."""
+    from engine.parallel.shard import TPShard
+
     model = ModelConfig.from_model_dir(Path(model_path))
+    shard = TPShard.of(model, engine_config.tensor_parallel_size)  # a rank's share: its weights, its KV heads
     elem = _element_size(engine_config.dtype, model, engine_config.device)
     checkpoint_elem = model.checkpoint_dtype.itemsize
     checkpoint_bytes = sum(p.stat().st_size for p in Path(model_path).iterdir() if p.suffix in (".safetensors", ".bin"))
@@ -85,12 +89,12 @@ def measure(engine_config: EngineConfig, model_path: str | Path) -> MemoryFigure
     # Logits in float32 for a whole budget, plus a few hidden-wide and MLP-wide buffers.
     activation = tokens * (4 * model.vocab_size + 4 * elem * max(model.hidden_size, model.intermediate_size))
     max_model_len = engine_config.max_model_len or model.max_position_embeddings
-    bytes_per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim * elem
+    bytes_per_token = model.num_layers * 2 * shard.num_kv_heads * model.head_dim * elem
     block_size = engine_config.block_size
     max_useful = engine_config.max_num_seqs * math.ceil(max_model_len / block_size) * block_size * bytes_per_token
     figures = dict(
         device="cuda" if str(engine_config.device).startswith("cuda") else "cpu",
-        weight_bytes=checkpoint_bytes * elem // checkpoint_elem,
+        weight_bytes=checkpoint_bytes * elem // checkpoint_elem // shard.tp_size,
         activation_bytes=activation,
         max_useful_bytes=max_useful,
     )

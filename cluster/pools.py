@@ -33,6 +33,8 @@ from typing import Any
 from pathlib import Path
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.kv_memory import KVMemoryPolicy, KVSizedDecodeWorker, KVSizedPrefillWorker
 from decode_workers.worker import DecodeWorker
@@ -113,6 +115,8 @@ class PoolManager:
         self.router = router
         self.metrics = metrics
         self.handles: dict[str, object] = {}
+        # Tensor-parallel workers: the placement group packing each one's ranks onto one node.
+        self.placement_groups: dict[str, object] = {}
         self._next_index = {Role.PREFILL: 0, Role.DECODE: 0}
         self._scale_locks = {Role.PREFILL: asyncio.Lock(), Role.DECODE: asyncio.Lock()}
         self._retiring: set[str] = set()
@@ -167,6 +171,8 @@ class PoolManager:
         if self.manage:
             for handle in self.handles.values():
                 ray.kill(handle)
+            for worker_id in list(self.placement_groups):
+                self._release_placement(worker_id)
         self.handles.clear()
 
     # -- adopting -------------------------------------------------------------------------
@@ -219,7 +225,12 @@ class PoolManager:
     # -- creating -------------------------------------------------------------------------
 
     async def _launch(self, role: Role, num_starting: int = 1) -> WorkerRecord:
-        """Create one actor; ``num_starting`` actors (this one included) start at the same time."""
+        """Create one actor; ``num_starting`` actors (this one included) start at the same time.
+
+        A tensor-parallel worker first gets a placement group of one bundle per rank, packed
+        on one node (STRICT_PACK: its ranks meet on loopback and share the node's memory); the
+        worker actor takes bundle 0 and starts its other ranks in the rest (``workers.ranks``).
+        """
         pool = self.spec.pool(role)
         worker_id = f"{role.value}-{self._next_index[role]}"
         self._next_index[role] += 1
@@ -230,13 +241,23 @@ class PoolManager:
             options["resources"] = dict(pool.resources)
         elif pool.spread:
             options["scheduling_strategy"] = "SPREAD"  # one pool's actors on as many nodes as possible
+        tp_size = pool.engine.tensor_parallel_size
+        if tp_size > 1:
+            group = await self._place(worker_id, pool, tp_size)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         args = [worker_id, str(self.spec.model_path), pool.engine, self.spec.transfer]
         if pool.kv_memory is not None:
             cls = KVSizedPrefillWorker if role is Role.PREFILL else KVSizedDecodeWorker
-            args.append(replace(pool.kv_memory, num_sharing=_num_sharing(pool, num_starting)))
+            # On CPU every rank's cache shares the node's memory.
+            sharing = _num_sharing(pool, num_starting) * (tp_size if pool.num_gpus == 0 else 1)
+            args.append(replace(pool.kv_memory, num_sharing=sharing))
         else:
             cls = PrefillWorker if role is Role.PREFILL else DecodeWorker
-        handle = ray.remote(cls).options(**options).remote(*args)
+        try:
+            handle = ray.remote(cls).options(**options).remote(*args)
+        except BaseException:
+            self._release_placement(worker_id)
+            raise
         self.handles[worker_id] = handle
         try:
             await within(handle.ping.remote(), self.spec.startup_timeout_s)
@@ -244,10 +265,39 @@ class PoolManager:
         except BaseException:
             self.handles.pop(worker_id, None)
             ray.kill(handle)
+            self._release_placement(worker_id)
             raise
         logger.info("%s is up", worker_id)
         await self.refresh_readiness()
         return record
+
+    async def _place(self, worker_id: str, pool: PoolSpec, tp_size: int):
+        """A ready placement group of ``tp_size`` bundles on one node for ``worker_id``."""
+        # Ray refuses empty bundles: a pool of CPU-less actors still asks a sliver of a CPU.
+        bundle = {"CPU": pool.num_cpus or 0.01, **({"GPU": pool.num_gpus} if pool.num_gpus else {}), **pool.resources}
+        lifetime = "detached" if self.spec.durable_workers else None
+        group = placement_group([dict(bundle) for _ in range(tp_size)], strategy="STRICT_PACK",
+                                name=f"{self._name_prefix()}{worker_id}", lifetime=lifetime)
+        self.placement_groups[worker_id] = group
+        try:
+            await within(group.ready(), self.spec.startup_timeout_s)
+        except BaseException:
+            self._release_placement(worker_id)
+            raise
+        return group
+
+    def _release_placement(self, worker_id: str) -> None:
+        group = self.placement_groups.pop(worker_id, None)
+        if group is None and self.spec.durable_workers:
+            try:  # an adopted worker's: its group is named after it
+                group = ray.util.get_placement_group(f"{self._name_prefix()}{worker_id}")
+            except ValueError:
+                group = None
+        if group is not None:
+            try:
+                remove_placement_group(group)
+            except Exception:
+                logger.warning("removing the placement group of %s failed", worker_id, exc_info=True)
 
     # -- scaling --------------------------------------------------------------------------
 
@@ -258,7 +308,8 @@ class PoolManager:
         if adding <= 0:
             return
         pool = self.spec.pool(role)
-        per_actor = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+        ranks = pool.engine.tensor_parallel_size
+        per_actor = {name: amount * ranks for name, amount in {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}.items()}
         available = await asyncio.to_thread(ray.available_resources)
         for resource, amount in per_actor.items():
             needed = amount * adding
@@ -320,7 +371,9 @@ class PoolManager:
         self.router.pool.remove(record.worker_id)
         handle = self.handles.pop(record.worker_id, None)
         if handle is not None:
-            ray.kill(handle)
+            ray.kill(handle)  # its other ranks die with it (Ray ends the actors an actor owns)
+        if self.manage:
+            self._release_placement(record.worker_id)
         if record.role is Role.DECODE:
             # Every prefill agent forgets it as a NIXL peer: a replaced decode actor comes back
             # under a new name, and the old peer's agent and descriptors would stay forever.

@@ -72,3 +72,4 @@ class DecodeStatus:
     num_awaiting_kv: int  # reservations whose KV is still arriving
     num_active_requests: int  # everything the router may still hear about
     num_orphans_aborted: int = 0  # requests dropped because their router fell silent (died)
+    rank_nodes: list[str] = field(default_factory=list)  # each tensor-parallel rank's node, rank 0 first

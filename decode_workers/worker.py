@@ -388,6 +388,7 @@ class DecodeWorker(EngineWorker):
             state=self.state,
             epoch=self.agent.ref.epoch,
             node=self.node,
+            rank_nodes=self.rank_nodes,
             engine=engine_stats(self.engine),
             num_awaiting_kv=len(self.scheduler.awaiting_kv),
             num_active_requests=len(self._tracked),

@@ -55,7 +55,7 @@ def write_random_checkpoint(directory: Path, config: dict, dtype: torch.dtype, s
     """A Hugging Face style checkpoint with random weights of ``config``'s shape."""
     generator = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = hidden // config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size, kv_size = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
 
     def rand(*shape: int) -> torch.Tensor:
@@ -88,7 +88,7 @@ def _decode_engine(model_dir: Path, dtype: str, batch: int, context: int, steps:
     return LLMEngine(model_dir, config)
 
 
-def _seat_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int) -> None:
+def seat_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int) -> None:
     """Put ``batch`` sequences straight into decode, their ``context`` tokens' KV taken as cached.
 
     A decode step costs the same whatever the cache holds; skipping the prompts' prefill
@@ -107,7 +107,7 @@ def _seat_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int)
 
 def bench_scheduled_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> float:
     """Decode tokens/s through step(), once every sequence is past its prompt."""
-    _seat_decoding(engine, batch, context, steps + 8)
+    seat_decoding(engine, batch, context, steps + 8)
     engine.step()  # warm-up decode step
     start = time.perf_counter()
     for _ in range(steps):

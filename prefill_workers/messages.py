@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
@@ -51,3 +51,4 @@ class PrefillStatus:
     node: str
     engine: EngineStats
     num_transfers_in_flight: int
+    rank_nodes: list[str] = field(default_factory=list)  # each tensor-parallel rank's node, rank 0 first

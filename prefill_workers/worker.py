@@ -33,7 +33,6 @@ from engine.sequence import Sequence, sampled_token_to_json
 from engine.step_profile import TransferRecord
 from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVTransferConfig
-from kvtransfer.descriptors import merge_runs
 from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import KVDestination, QuiesceReport
@@ -240,8 +239,8 @@ class PrefillWorker(EngineWorker):
             self._finish_job(job, exc)
             return
         self.pump.kick()
-        num_bytes = (num_ready - start) * self.engine.kv_cache.bytes_per_block
-        num_descriptors = len(merge_runs(seq.block_table[start:num_ready], dest.block_ids[start - held : num_ready - held]))
+        # Every rank's heads of the blocks (tensor parallelism), in the descriptors that moved them.
+        num_bytes, num_descriptors = self.agent.write_cost(dest, seq.block_table[start:num_ready], dest.block_ids[start - held : num_ready - held])
         job.write_shapes[write] = (time.perf_counter(), num_bytes, num_descriptors)
         job.writes_in_flight.add(write)
         job.num_pushed_blocks = num_ready
@@ -295,6 +294,7 @@ class PrefillWorker(EngineWorker):
             state=self.state,
             epoch=self.agent.ref.epoch,
             node=self.node,
+            rank_nodes=self.rank_nodes,
             engine=engine_stats(self.engine),
             num_transfers_in_flight=self.agent.num_in_flight(),
         )

@@ -340,6 +340,7 @@ class Router:
                 status.num_running_seqs = engine.num_running
                 status.epoch = result.epoch
                 status.node = result.node
+                status.rank_nodes.extend(result.rank_nodes)
             statuses.append(status)
         return statuses
 

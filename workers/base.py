@@ -8,12 +8,19 @@ progress, is the pump alive), ``drain``, ``set_step_delay`` (fault injection for
 drills), ``cache_events`` (what its prefix cache stored and evicted, for a router's index)
 and ``shutdown``. ``PrefillWorker`` and ``DecodeWorker`` add their own request lifecycles and
 their ``_iterate`` (one turn of the engine thread).
+
+With ``tensor_parallel_size`` > 1 this actor is rank 0 of the worker's ranks
+(``workers.ranks``): its engine drives the others, its KV agent writes and reads through every
+rank's transport, and the worker lives and dies as one: a collective that fails (another rank
+died) ends this process at once, so the router retries or migrates its requests as for any
+dead worker, and the pool replaces all of it (a new epoch for every rank).
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
+import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -23,12 +30,19 @@ import ray
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
+from engine.parallel.group import RankFailedError
 from engine.step_profile import StepLog, TransferRecord
 from engine.stats import WorkerState
 from kvtransfer.agent import KVAgent, KVTransferConfig
 from kvtransfer.layout import KVCompat
 from kvtransfer.pump import TransferPump
+from kvtransfer.sharding import KVShard
 from workers.cache_events import CacheEventLog, CacheUpdate
+from workers.ranks import RayRankLauncher, node_name
+
+logger = logging.getLogger(__name__)
+
+RANK_LOST_EXIT_CODE = 70  # the process ends with this when another rank of its worker is gone
 
 
 class TransferSignal:
@@ -78,12 +92,20 @@ class EngineWorker:
         self.worker_id = worker_id
         self._thread = EngineThread(f"{self.role}-{worker_id}")
         self._thread.start()
-        self.engine = self._thread.run(LLMEngine, model_path, engine_config, scheduler_class)
+        self.ranks = RayRankLauncher() if engine_config.tensor_parallel_size > 1 else None
+        self.engine = self._thread.run(LLMEngine, model_path, engine_config, scheduler_class, self.ranks)
         self.scheduler = self.engine.scheduler
-        self.agent = KVAgent(worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config)
+        shard = self.engine.shard
+        transfer_config = transfer_config or KVTransferConfig()
+        self.agent = KVAgent(
+            worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config,
+            shard=KVShard(shard.tp_size, 0, shard.kv_head_start, shard.num_kv_heads),
+            open_ranks=(lambda base: self.ranks.open_transports(base, transfer_config)) if self.ranks is not None else None,
+        )
         self.state = WorkerState.READY
-        # Host plus Ray node: two raylets on one host are still two nodes.
-        self.node = f"{socket.gethostname()}:{ray.get_runtime_context().get_node_id()[:8]}" if ray.is_initialized() else socket.gethostname()
+        self.node = node_name()
+        # Rank 0's node, then each other rank's (one node: the placement group packs them).
+        self.rank_nodes = [self.node, *(self.ranks.nodes() if self.ranks is not None else [])]
         self._step_delay_s = 0.0
         self._cache_log = CacheEventLog(worker_id)
         self.step_log = StepLog()  # what each step computed and how long the turn took (cluster/planning)
@@ -103,7 +125,14 @@ class EngineWorker:
         self._thread.attach(self._turn)
 
     def _turn(self) -> bool:
-        busy = self._iterate()
+        try:
+            busy = self._iterate()
+        except RankFailedError:
+            # Another rank is gone and every step needs it: end this process now, so that Ray
+            # reports the worker dead at once (its requests retried or migrated, the pool
+            # replacing it) instead of failing requests one by one.
+            logger.critical("%s %s: a tensor-parallel rank is lost; ending the worker", self.role, self.worker_id, exc_info=True)
+            os._exit(RANK_LOST_EXIT_CODE)
         self._publish_cache_events()
         return busy
 
@@ -125,9 +154,15 @@ class EngineWorker:
     async def ping(self, hang_timeout_s: float = 120.0) -> str:
         """The epoch, if the engine thread is alive and making progress (else RuntimeError)."""
         self._thread.check_healthy(hang_timeout_s)
+        if self.ranks is not None:
+            self.ranks.check_alive()
         if not self.pump.alive or self.pump.last_error is not None:
             raise RuntimeError(f"{self.role} worker {self.worker_id}: transfer pump failed: {self.pump.last_error!r}")
         return self.agent.ref.epoch
+
+    async def rank_handles(self) -> list:
+        """The actors of ranks 1..tp-1 (empty with one rank): for operations and fault drills."""
+        return list(self.ranks.actors) if self.ranks is not None else []
 
     async def drain(self) -> None:
         """Take no new requests; the pool manager removes this worker once it is idle."""
@@ -172,3 +207,5 @@ class EngineWorker:
         self._thread.stop()
         self.pump.stop()
         self.agent.close()
+        if self.ranks is not None:
+            self.engine.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,16 @@ def free_address(world_size: int, device: str, host: str = "127.0.0.1") -> Group
     return GroupAddress(host, port, world_size, backend)
 
 
+@dataclass(slots=True)
+class CollectiveTimes:
+    """Seconds this rank spent in each kind of collective (waiting for the others included)."""
+
+    all_reduce_s: float = 0.0
+    gather_s: float = 0.0
+    broadcast_s: float = 0.0
+    num_all_reduces: int = 0
+
+
 class TPGroup:
     """A worker's ranks as one torch.distributed group; ``rank`` is this process's."""
 
@@ -62,6 +73,7 @@ class TPGroup:
         self.rank = rank
         self.world_size = world_size
         self._group = group
+        self.times = CollectiveTimes()  # for the benchmarks: what the collectives cost a step
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int) -> "TPGroup":
@@ -79,10 +91,13 @@ class TPGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it."""
         if self.world_size > 1:
+            started = time.perf_counter()
             try:
                 dist.all_reduce(tensor, group=self._group)
             except RuntimeError as exc:
                 raise RankFailedError(f"all-reduce failed on rank {self.rank}: {exc}") from exc
+            self.times.all_reduce_s += time.perf_counter() - started
+            self.times.num_all_reduces += 1
         return tensor
 
     def gather_to_first(self, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -91,10 +106,12 @@ class TPGroup:
             return tensor
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.is_first else None
+        started = time.perf_counter()
         try:
             dist.gather(tensor, parts, dst=0, group=self._group)
         except RuntimeError as exc:
             raise RankFailedError(f"gather failed on rank {self.rank}: {exc}") from exc
+        self.times.gather_s += time.perf_counter() - started
         return torch.cat(parts, dim=-1) if self.is_first else None
 
     def broadcast_from_first(self, message: Any = None) -> Any:
@@ -102,10 +119,13 @@ class TPGroup:
         if self.world_size == 1:
             return message
         box = [message]
+        started = time.perf_counter()
         try:
             dist.broadcast_object_list(box, src=0, group=self._group)
         except RuntimeError as exc:
             raise RankFailedError(f"broadcast failed on rank {self.rank}: {exc}") from exc
+        if self.is_first:  # the other ranks wait here between steps: idle, not cost
+            self.times.broadcast_s += time.perf_counter() - started
         return box[0]
 
     def close(self) -> None:

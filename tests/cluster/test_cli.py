@@ -58,15 +58,16 @@ def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_m
             assert json.loads(response.read())["choices"][0]["text"] == expected
 
         table = _run("status", state_file=state).stdout.splitlines()
-        assert table[0].split() == ["WORKER", "ROLE", "STATE", "QUEUE", "KV", "USED", "RUNNING", "EPOCH", "NODE"]
+        assert table[0].split() == ["WORKER", "ROLE", "STATE", "QUEUE", "KV", "USED", "RUNNING", "EPOCH", "NODE", "RANKS"]
         rows = {line.split()[0]: line.split() for line in table[1:]}
         assert set(rows) == {"prefill-0", "decode-0"}
         assert rows["prefill-0"][1:3] == ["prefill", "ready"] and rows["decode-0"][1:3] == ["decode", "ready"]
+        assert rows["prefill-0"][-1] == rows["decode-0"][-1] == "1"  # one tensor-parallel rank each
 
         assert _run("scale", "--decode", "2", state_file=state).stdout.strip() == "decode: 1 -> 2"
         rows = [line.split() for line in _run("status", state_file=state).stdout.splitlines()[1:]]
         assert sorted(r[0] for r in rows) == ["decode-0", "decode-1", "prefill-0"]
-        epochs = {r[0]: r[-2] for r in rows}
+        epochs = {r[0]: r[6] for r in rows}
 
         # The controller's process dies: Ray restarts it, the new one adopts every worker.
         (controller,) = _processes_named("ray::Controller", session=recorded["ray_head_pid"])
@@ -79,7 +80,7 @@ def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_m
             assert time.monotonic() < deadline, status.stderr
             time.sleep(0.5)
         rows = [line.split() for line in status.stdout.splitlines()[1:]]
-        assert {r[0]: r[-2] for r in rows} == epochs, "the same workers (same epochs), none launched anew"
+        assert {r[0]: r[6] for r in rows} == epochs, "the same workers (same epochs), none launched anew"
         assert _run("generate", prompt, "--max-tokens", "10", "--ignore-eos", state_file=state).stdout == prompt + expected + "\n"
     finally:
         down = _run("down", state_file=state, check=False)
@@ -186,7 +187,7 @@ def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, 
         up = _run("up", "--detach", "--config", str(config), "--address", f"127.0.0.1:{head_port}", state_file=state, check=False)
         assert up.returncode == 0, up.stderr
         rows = {line.split()[0]: line.split() for line in _run("status", state_file=state).stdout.splitlines()[1:]}
-        assert rows["prefill-0"][-1] != rows["decode-0"][-1], "prefill and decode run on different Ray nodes"
+        assert rows["prefill-0"][7] != rows["decode-0"][7], "prefill and decode run on different Ray nodes"
         generated = _run("generate", "The quick brown fox", "--max-tokens", "8", "--ignore-eos", state_file=state)
         tokenizer = AutoTokenizer.from_pretrained(e2e_model.path)
         ids = tokenizer("The quick brown fox")["input_ids"]

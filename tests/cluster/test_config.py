@@ -57,3 +57,19 @@ def test_the_kv_cache_dtype_reaches_both_pools_since_their_blocks_travel_between
     assert spec.prefill.engine.kv_cache_dtype == spec.decode.engine.kv_cache_dtype == "int8"
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         load_config(None, {"kv_cache_dtype": "int4"})
+
+
+def test_tensor_parallel_size_per_pool_from_flags_and_yaml(tmp_path):
+    args = build_parser().parse_args(["up", "--prefill-tp", "1", "--decode-tp", "2"])
+    spec = load_config(None, {"prefill.tensor_parallel_size": args.prefill_tp, "decode.tensor_parallel_size": args.decode_tp}).to_spec()
+    assert (spec.prefill.engine.tensor_parallel_size, spec.decode.engine.tensor_parallel_size) == (1, 2)
+    config = tmp_path / "pdserve.yaml"
+    config.write_text("prefill: {tensor_parallel_size: 2}\n")
+    spec = load_config(config, {}).to_spec()
+    assert (spec.prefill.engine.tensor_parallel_size, spec.decode.engine.tensor_parallel_size) == (2, 1)
+
+
+def test_a_tp_size_that_does_not_divide_the_heads_is_refused_naming_both_numbers():
+    # The built-in model has 8 attention heads.
+    with pytest.raises(ConfigError, match=r"decode.tensor_parallel_size: tensor_parallel_size 3 does not divide the model's 8 attention heads"):
+        load_config(None, {"decode.tensor_parallel_size": 3})

@@ -110,13 +110,22 @@ def test_client_cancel_mid_stream_frees_every_block(client, e2e_model):
     client.wait_until_idle()
 
 
-def test_cancel_during_prefill_frees_blocks_on_both_actors(client, e2e_model):
+def test_cancel_during_prefill_frees_blocks_on_both_actors(deployment, client, e2e_model):
+    import ray
+
     (prompt,) = random_prompts([1200], e2e_model.vocab_size, seed=9)
-    call = client.stub.Generate(make_request(prompt_token_ids=prompt, max_tokens=50, temperature=0.0, ignore_eos=True))
-    threading.Timer(0.15, call.cancel).start()
-    with pytest.raises(grpc.RpcError) as info:
-        for _ in call:
-            pass
+    # 10 ms after each prefill step: the 38 chunks take over 0.4 s, so the cancel at 0.15 s
+    # lands mid-prefill on any machine (a fast one prefilled and decoded it all before).
+    prefill = deployment.pools.handles["prefill-0"]
+    ray.get(prefill.set_step_delay.remote(0.01))
+    try:
+        call = client.stub.Generate(make_request(prompt_token_ids=prompt, max_tokens=50, temperature=0.0, ignore_eos=True))
+        threading.Timer(0.15, call.cancel).start()
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in call:
+                pass
+    finally:
+        ray.get(prefill.set_step_delay.remote(0.0))
     assert info.value.code() == grpc.StatusCode.CANCELLED
     client.wait_until_idle()
 

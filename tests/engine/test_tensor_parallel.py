@@ -86,9 +86,11 @@ def test_quantized_cache_prefix_hits_and_speculation_under_two_ranks(tp_checkpoi
     path, model = tp_checkpoints["llama"]
     base = random_prompts([24], model.config.vocab_size, seed=5)[0]
     prompts = [base + [7, 8, 9] * 3, base + [11, 12]]  # a shared 24-token prefix: a cache hit
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    # The draft model runs whole on rank 0 (here the target's own checkpoint: every guess right).
+    draft = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, draft_model=str(path))
     plain = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    for kwargs in (dict(kv_cache_dtype="int8"), dict(speculative=spec)):
+    for kwargs in (dict(kv_cache_dtype="int8"), dict(speculative=ngram), dict(speculative=draft)):
         one = _engine(path, 1, **kwargs)
         expected = [one.generate([p], plain)[0].token_ids for p in prompts]
         engine = _engine(path, 2, **kwargs)

@@ -1,13 +1,18 @@
 """KV transfer between workers of different tensor-parallel sizes: every writer rank's heads
 land straight in the reader rank(s) holding them, byte for byte, over real NIXL (and the Ray
-fallback), for (P, D) in {1, 2} x {1, 2}, split and replicated heads, plain and quantized caches."""
+fallback), for (P, D) in {1, 2} x {1, 2}, split and replicated heads, plain and quantized caches.
+
+Each case runs in a Ray worker process, as the real workers do: NIXL's libraries are never
+loaded into the test process (beside grpc_tools' protobuf they crash its later imports)."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import pytest
+import ray
 import torch
 
 from kvtransfer import KVAgent, KVCompat, KVTransferConfig
@@ -95,11 +100,11 @@ def _transfer(writer: Worker, reader: Worker, src: list[int], dst: list[int], re
 CASES = [(p, d) for p in (1, 2) for d in (1, 2)]
 
 
-@pytest.mark.parametrize("backend", ["nixl", "ray"])
-@pytest.mark.parametrize("num_kv_heads,block_scales", [(4, False), (1, False), (2, True)])
-def test_every_tp_pair_moves_each_head_into_the_rank_that_holds_it(ray_session, backend, num_kv_heads, block_scales):
-    dtype = "int8" if block_scales else "bfloat16"
-    compat = KVCompat("tp/model", dtype, num_layers=2, num_kv_heads=num_kv_heads, head_dim=8, block_size=4, block_scales=block_scales)
+@ray.remote(num_cpus=1)
+def _every_pair(backend: str, compat: KVCompat) -> list[str]:
+    """Each (P, D) pair's transfer; the problems found (none: every head where it belongs)."""
+    torch.set_num_threads(1)
+    problems = []
     for p, d in CASES:
         writer = Worker(f"P{p}{d}", compat, p, backend)
         reader = Worker(f"D{p}{d}", compat, d, backend)
@@ -108,13 +113,24 @@ def test_every_tp_pair_moves_each_head_into_the_rank_that_holds_it(ray_session, 
             writer.fill(seed=p * 10 + d)
             src, dst = [3, 4, 5, 9, 10, 17], [0, 1, 2, 20, 21, 7]
             _transfer(writer, reader, src, dst, f"req-{p}{d}")
-            assert torch.equal(reader.heads_bytes(dst), writer.heads_bytes(src)), (p, d)
+            if not torch.equal(reader.heads_bytes(dst), writer.heads_bytes(src)):
+                problems.append(f"({p},{d}): heads differ from the writer's")
             for shard, tensor in zip(reader.shards, reader.tensors):
                 untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
-                assert not tensor.view(NUM_BLOCKS, -1)[untouched].any(), f"({p},{d}) rank {shard.rank} got bytes outside the reservation"
+                if tensor.view(NUM_BLOCKS, -1)[untouched].any():
+                    problems.append(f"({p},{d}) rank {shard.rank} got bytes outside the reservation")
         finally:
             writer.close()
             reader.close()
+    return problems
+
+
+@pytest.mark.parametrize("backend", ["nixl", "ray"])
+@pytest.mark.parametrize("num_kv_heads,block_scales", [(4, False), (1, False), (2, True)])
+def test_every_tp_pair_moves_each_head_into_the_rank_that_holds_it(ray_session, backend, num_kv_heads, block_scales):
+    dtype = "int8" if block_scales else "bfloat16"
+    compat = KVCompat("tp/model", dtype, num_layers=2, num_kv_heads=num_kv_heads, head_dim=8, block_size=4, block_scales=block_scales)
+    assert ray.get(_every_pair.remote(backend, compat)) == []
 
 
 def test_descriptors_per_block_for_each_tp_pair():
@@ -128,31 +144,49 @@ def test_descriptors_per_block_for_each_tp_pair():
     assert per_block == {(1, 1): (1, 1, 1 / 8), (1, 2): (2, 2, 2), (2, 1): (2, 2, 2), (2, 2): (2, 2, 2 / 8)}
 
 
-def test_write_cost_counts_every_rank_and_each_piece(ray_session):
+@ray.remote(num_cpus=1)
+def _write_costs() -> list[tuple[int, int]]:
     compat = KVCompat("tp/model", "bfloat16", num_layers=2, num_kv_heads=4, head_dim=8, block_size=4)
     writer, whole, split = Worker("Pc", compat, 1, "nixl"), Worker("Dc1", compat, 1, "nixl"), Worker("Dc2", compat, 2, "nixl")
     try:
-        for reader in (whole, split):
+        costs = []
+        for reader, req_id in ((whole, "a"), (split, "b")):
             writer.agent.connect(reader.agent.handshake_offer())
-        dest = whole.agent.reserve("a", [0, 1, 2, 3])
-        assert writer.agent.write_cost(dest, [4, 5, 6, 7], [0, 1, 2, 3]) == (4 * compat.bytes_per_block, 1)
-        dest = split.agent.reserve("b", [0, 1, 2, 3])
-        assert writer.agent.write_cost(dest, [4, 5, 6, 7], [0, 1, 2, 3]) == (4 * compat.bytes_per_block, 8)
+            dest = reader.agent.reserve(req_id, [0, 1, 2, 3])
+            costs.append(writer.agent.write_cost(dest, [4, 5, 6, 7], [0, 1, 2, 3]))
+        return costs
     finally:
         for worker in (writer, whole, split):
             worker.close()
 
 
-def test_a_pair_that_cannot_be_mapped_is_refused_naming_both_shapes(ray_session):
+def test_write_cost_counts_every_rank_and_each_piece(ray_session):
+    compat = KVCompat("tp/model", "bfloat16", num_layers=2, num_kv_heads=4, head_dim=8, block_size=4)
+    # Four adjacent blocks into one reader rank: one run; into two ranks: one piece per block per rank.
+    assert ray.get(_write_costs.remote()) == [(4 * compat.bytes_per_block, 1), (4 * compat.bytes_per_block, 8)]
+
+
+@ray.remote(num_cpus=1)
+def _refusal() -> str:
     compat = KVCompat("tp/model", "bfloat16", num_layers=2, num_kv_heads=4, head_dim=8, block_size=4)
     writer, reader = Worker("Pbad", compat, 2, "nixl"), Worker("Dbad", compat, 2, "nixl")
     try:
         offer = reader.agent.handshake_offer()
         # A reader whose ranks leave heads 2 and 3 to nobody (a broken or foreign peer).
         broken = dataclasses.replace(offer, shards=[KVShard(2, 0, 0, 2), KVShard(2, 1, 0, 2)])
-        with pytest.raises(IncompatiblePeerError, match=r"writer TP 2 \(rank 0: heads \[0, 2\), rank 1: heads \[2, 4\)\).*reader TP 2 .*heads \[2, 3\] are held by no rank"):
+        try:
             writer.agent.connect(broken)
+        except IncompatiblePeerError as exc:
+            refusal = str(exc)
+        else:
+            refusal = ""
         writer.agent.connect(offer)  # the real one still connects
+        return refusal
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_pair_that_cannot_be_mapped_is_refused_naming_both_shapes(ray_session):
+    refusal = ray.get(_refusal.remote())
+    assert re.search(r"writer TP 2 \(rank 0: heads \[0, 2\), rank 1: heads \[2, 4\)\).*reader TP 2 .*heads \[2, 3\] are held by no rank", refusal), refusal

@@ -215,7 +215,7 @@ class GetClusterStatusResponse(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "state", "queue_depth", "num_queued_prefill_tokens", "num_kv_blocks_used", "num_kv_blocks_free", "num_running_seqs", "epoch", "node")
+    __slots__ = ("worker_id", "role", "state", "queue_depth", "num_queued_prefill_tokens", "num_kv_blocks_used", "num_kv_blocks_free", "num_running_seqs", "epoch", "node", "rank_nodes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +226,7 @@ class WorkerStatus(_message.Message):
     NUM_RUNNING_SEQS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     state: WorkerState
@@ -236,7 +237,8 @@ class WorkerStatus(_message.Message):
     num_running_seqs: int
     epoch: str
     node: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., queue_depth: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., epoch: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+    rank_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., state: _Optional[_Union[WorkerState, str]] = ..., queue_depth: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., num_kv_blocks_used: _Optional[int] = ..., num_kv_blocks_free: _Optional[int] = ..., num_running_seqs: _Optional[int] = ..., epoch: _Optional[str] = ..., node: _Optional[str] = ..., rank_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScalePoolRequest(_message.Message):
     __slots__ = ("role", "replicas", "force")
