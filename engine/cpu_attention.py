@@ -16,8 +16,9 @@ bfloat16 cache with avx512_bf16 the tiles stay bfloat16 and the products run on 
 ~3.5 ms for the first case, and the engine's bfloat16 prefill went from 943 to 1,117 tok/s.
 
 The same library carries the bfloat16 linear layers of ``engine.cpu_linear``
-(``csrc/bf16_linear.cpp``, built only where the CPU has avx512_bf16) and the fused
-elementwise ops of ``engine.fused_ops`` (``csrc/elementwise.cpp``).
+(``csrc/bf16_linear.cpp``, built only where the CPU has avx512_bf16), the fused
+elementwise ops of ``engine.fused_ops`` (``csrc/elementwise.cpp``) and the tensor-parallel
+ranks' shared-memory all-reduce (``csrc/shm_allreduce.cpp``, ``engine.parallel.shm``).
 
 All are plain C++ with AVX2 or AVX-512 intrinsics, compiled with the system's ``g++`` on
 first use (seconds, once per machine) into one library in ``~/.cache/pdserve/kernels`` under
@@ -46,7 +47,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).with_name("csrc")
-_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "bf16_linear.cpp", "elementwise.cpp", "kv_quant.cpp")
+_SOURCES = ("paged_decode_attention.cpp", "paged_prefill_attention.cpp", "bf16_linear.cpp", "elementwise.cpp", "kv_quant.cpp", "shm_allreduce.cpp")
 _HEADERS = ("simd.h",)
 _MAX_GROUP = 8  # query heads per KV head the kernel was instantiated for
 _HEAD_VECTORS = (1, 2, 4, 8, 16)  # head_dim as this many vectors of the machine's width
@@ -144,6 +145,10 @@ def _build() -> ctypes.CDLL:
     library.pdserve_silu_mul.argtypes = [pointer, pointer, int64, int64, ctypes.c_int, ctypes.c_int]  # gate_up, out, rows, inter, bf16, threads
     library.pdserve_rotary.restype = None
     library.pdserve_rotary.argtypes = [pointer, int64, int64, int64, int64, pointer, pointer, ctypes.c_int, ctypes.c_int]  # qkv, rows, row stride, heads, head_dim, cos, sin, bf16, threads
+    library.pdserve_shm_header_bytes.restype = int64
+    library.pdserve_shm_header_bytes.argtypes = [int64]
+    library.pdserve_shm_allreduce.restype = ctypes.c_int
+    library.pdserve_shm_allreduce.argtypes = [pointer, int64, int64, int64, pointer, int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_double]  # region, rank, world, slot bytes, data, n, bf16, seq, timeout
     library.pdserve_vector_width.restype = ctypes.c_int
     if library.pdserve_vector_width() != _vector_width():
         raise RuntimeError("kernel vector width does not match the CPU flags")

@@ -3,7 +3,8 @@
 One group per worker: its ranks are that worker's processes (gloo on CPU, NCCL on CUDA).
 Rank 0 is the worker itself, where the scheduler and the sampler run; it broadcasts each
 step's inputs, every rank computes its shard, and rank 0 gathers the logits. A group of one
-(``SINGLE``) makes every collective a no-op, so the model code has one path.
+(``SINGLE``) makes every collective a no-op, so the model code has one path. On a CPU the
+layers' all-reduces go through shared memory (``engine.parallel.shm``): the ranks share a node.
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ class CollectiveTimes:
 class TPGroup:
     """A worker's ranks as one torch.distributed group; ``rank`` is this process's."""
 
-    def __init__(self, rank: int, world_size: int, group: Any = None):
+    def __init__(self, rank: int, world_size: int, group: Any = None, shared_memory: Any = None):
         self.rank = rank
         self.world_size = world_size
         self._group = group
+        self._shm = shared_memory  # engine.parallel.shm.SharedMemoryAllReduce, on CPU
         self.times = CollectiveTimes()  # for the benchmarks: what the collectives cost a step
 
     @classmethod
@@ -81,8 +83,13 @@ class TPGroup:
         dist.init_process_group(
             address.backend, init_method=address.init_method, world_size=address.world_size, rank=rank, timeout=IDLE_TIMEOUT
         )
+        shared_memory = None
+        if address.backend == "gloo":
+            from engine.parallel.shm import SharedMemoryAllReduce
+
+            shared_memory = SharedMemoryAllReduce(rank, address.world_size, f"{address.host}-{address.port}")
         logger.info("rank %d of %d joined %s (%s)", rank, address.world_size, address.init_method, address.backend)
-        return cls(rank, address.world_size, dist.group.WORLD)
+        return cls(rank, address.world_size, dist.group.WORLD, shared_memory)
 
     @property
     def is_first(self) -> bool:
@@ -93,7 +100,8 @@ class TPGroup:
         if self.world_size > 1:
             started = time.perf_counter()
             try:
-                dist.all_reduce(tensor, group=self._group)
+                if self._shm is None or not self._shm.all_reduce(tensor):
+                    dist.all_reduce(tensor, group=self._group)
             except RuntimeError as exc:
                 raise RankFailedError(f"all-reduce failed on rank {self.rank}: {exc}") from exc
             self.times.all_reduce_s += time.perf_counter() - started
@@ -129,6 +137,9 @@ class TPGroup:
         return box[0]
 
     def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         if self.world_size > 1 and dist.is_initialized():
             try:
                 dist.destroy_process_group()
