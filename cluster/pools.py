@@ -291,7 +291,7 @@ class PoolManager:
         if group is None and self.spec.durable_workers:
             try:  # an adopted worker's: its group is named after it
                 group = ray.util.get_placement_group(f"{self._name_prefix()}{worker_id}")
-            except ValueError:
+            except Exception:  # no such group: a worker of one rank, or already removed
                 group = None
         if group is not None:
             try:

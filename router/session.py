@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+PREFILL_REPORT_WAIT_S = 2.0  # how long a finished request's last chunk waits for its prefill's answer
+
 
 class GenerationSession:
     """Admitted at construction (``open``); ``chunks`` streams it; ``close`` always runs."""
@@ -60,6 +62,8 @@ class GenerationSession:
             while True:
                 item = await active.outputs.get()
                 if isinstance(item, SeqOutput):
+                    if item.finished:
+                        await self._await_prefill_report()
                     chunk = active.assembler.on_output(item)
                     self._observe(chunk)
                     yield chunk
@@ -90,6 +94,19 @@ class GenerationSession:
         except Exception as exc:
             logger.warning("req %s: ended with %r", active.req_id, remote_cause(exc))
             raise
+
+    async def _await_prefill_report(self) -> None:
+        """A short request can finish decoding before the prefill actor's answer (sent once it
+        saw its last write complete) reaches the router: the last chunk waits for it briefly,
+        so that its timing carries the prefill and the KV bytes moved (seen: a 6-token request
+        ended with no prefill timing on a loaded host)."""
+        task = self.active.prefill_task
+        if task is None or task.done():
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), PREFILL_REPORT_WAIT_S)
+        except Exception:  # late, failed or cancelled: the chunk goes without it
+            logger.debug("req %s: finished before its prefill report arrived", self.active.req_id)
 
     async def close(self) -> None:
         """Release what the request holds on every worker (shielded: a cancelled caller still frees its blocks)."""

@@ -34,6 +34,7 @@ class ShardRank:
         if config.num_kv_blocks is None:
             raise ValueError("num_kv_blocks: rank 0 decides the block count and hands it to every rank")
         self.rank = rank
+        config = _own_device(config, rank)
         self.group = TPGroup.join(address, rank)
         loaded = load_model(
             model_path, dtype=config.dtype, device=config.device, max_positions=config.max_model_len,
@@ -64,3 +65,15 @@ class ShardRank:
             self.num_steps += 1
         self.group.close()
         logger.info("rank %d: stopped after %d steps", self.rank, self.num_steps)
+
+
+def _own_device(config: EngineConfig, rank: int) -> EngineConfig:
+    """On CUDA each rank needs its own GPU: a Ray actor sees only its own (cuda:0 is it); ranks
+    started as plain processes on one machine see them all and take cuda:<rank>."""
+    if config.device != "cuda" or not torch.cuda.is_available() or torch.cuda.device_count() <= rank:
+        return config
+    import dataclasses
+
+    device = f"cuda:{rank}"
+    torch.cuda.set_device(device)
+    return dataclasses.replace(config, device=device)
