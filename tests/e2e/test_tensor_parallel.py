@@ -3,6 +3,7 @@ between ranks of pools with different TP sizes, and a gRPC client; outputs equal
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import pytest
@@ -78,5 +79,36 @@ def test_a_rank_killed_mid_stream_loses_no_request(ray_cluster, e2e_model):
             raise AssertionError("decode-0 was not replaced")
         assert len(fresh[0].rank_nodes) == 2
         survivors = [w for w in client.wait_until_idle() if w.worker_id != "decode-0"]
+        assert all(w.num_kv_blocks_used == 0 for w in survivors)
+        client.close()
+
+
+def test_a_prefill_rank_killed_during_a_burst_loses_no_request(ray_cluster, e2e_model):
+    """Rank 1 of prefill-0 dies while prefill-0 has prompts in progress: prefill-0 goes whole, its
+    prompts are prefilled again on prefill-1 (also of two ranks), every output is transformers'."""
+    prompts = random_prompts([700, 650, 600, 550, 500, 450], e2e_model.vocab_size, seed=61)
+    expected = [hf_greedy(e2e_model.hf_model, p, 6) for p in prompts]
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    # Small chunks keep every prompt in prefill long enough for the kill to land mid-request.
+    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8, tensor_parallel_size=2)
+    with running_deployment(e2e_model, 2, 1, router, prefill_engine=slow_prefill) as deployment:
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [
+                pool.submit(client.generate, prompt_token_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts
+            ]
+            victim = deployment.router.pool.workers["prefill-0"]
+            deadline = time.monotonic() + 30
+            while victim.num_assigned_prompt_tokens < 1000 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            in_progress = victim.num_assigned_prompt_tokens
+            (rank_1,) = ray.get(deployment.pools.handles["prefill-0"].rank_handles.remote())
+            ray.kill(rank_1, no_restart=True)
+            streams = [f.result(timeout=180) for f in futures]
+        assert in_progress >= 1000, "the prefill worker whose rank died had prompts in progress"
+        for stream, want in zip(streams, expected):
+            assert stream.token_ids == want
+        assert all(s.last.prefill_worker_id != "prefill-0" for s in streams), "retried on a live worker"
+        survivors = [w for w in client.wait_until_idle() if w.worker_id != "prefill-0"]
         assert all(w.num_kv_blocks_used == 0 for w in survivors)
         client.close()
