@@ -25,7 +25,7 @@ from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import Executor, LocalExecutor, MultiRankExecutor
 from engine.kv_cache import KVCache
-from engine.loader import load_model
+from engine.loader import load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.parallel.group import SINGLE, RankFailedError, TPGroup, free_address
 from engine.parallel.launch import RankLauncher, SubprocessRanks
@@ -99,12 +99,18 @@ class LLMEngine:
             self.rank_launcher = rank_launcher or SubprocessRanks()
             address = free_address(tp_size, self.config.device)
             self.rank_launcher.start(self.model_path, dataclasses.replace(cache_config, speculative=None), address)
-            group = TPGroup.join(address, 0)
-        # The rotary tables cover the engine's context (dynamic and LongRoPE schedules depend on it).
-        loaded = load_model(
-            self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,
-            prepack_linear=self.config.prepack_linear, tp_size=tp_size, group=group,
-        )
+        try:
+            if tp_size > 1:
+                group = TPGroup.join(address, 0)
+            # The rotary tables cover the engine's context (dynamic and LongRoPE schedules depend on it).
+            loaded = load_model(
+                self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,
+                prepack_linear=self.config.prepack_linear, tp_size=tp_size, group=group,
+            )
+        except BaseException:
+            if self.rank_launcher is not None:
+                self.rank_launcher.stop()  # the ranks it started would wait for rank 0 forever
+            raise
         self.model_config = loaded.config
         self.dtype = loaded.dtype
         self.eos_token_ids = loaded.eos_token_ids
@@ -134,15 +140,11 @@ class LLMEngine:
         if self.config.num_kv_blocks is not None:
             return self.config
         config = self.config
-        per_block = KVCache.bytes_per_block_of(model_config, config.block_size, self._cache_dtype(model_config), config.kv_cache_dtype, self.shard.num_kv_heads)
+        dtype = resolve_dtype(model_config, config.dtype, config.device)
+        per_block = KVCache.bytes_per_block_of(model_config, config.block_size, dtype, config.kv_cache_dtype, self.shard.num_kv_heads)
         if config.speculative is not None and config.speculative.method == "draft_model":
-            per_block += draft_bytes_per_block(config.speculative.draft_model, config, self._cache_dtype(model_config))
+            per_block += draft_bytes_per_block(config.speculative.draft_model, config, dtype)
         return dataclasses.replace(config, num_kv_blocks=max(1, config.kv_cache_bytes // per_block))
-
-    def _cache_dtype(self, model_config: ModelConfig) -> torch.dtype:
-        from engine.loader import resolve_dtype
-
-        return resolve_dtype(model_config, self.config.dtype, self.config.device)
 
     def _proposer(self, dtype: torch.dtype) -> Proposer | None:
         """Where a decoding sequence's drafts come from (None: no speculation)."""

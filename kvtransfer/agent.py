@@ -149,10 +149,6 @@ class KVAgent:
         self.sender.add_peer(offer)
         return offer.peer
 
-    @property
-    def tp_size(self) -> int:
-        return len(self._transport.shards)
-
     @_locked
     def write_cost(self, dest: KVDestination, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> tuple[int, int]:
         """(bytes, descriptors) a push of these blocks into ``dest`` moves: every rank's heads."""
