@@ -96,6 +96,21 @@ class KVCache:
             raise ValueError(f"block_size: layers x block_size x head_dim must be even for a quantized cache's float32 scales, got {block_size}")
         return heads * (per_head + model_config.num_layers * 2 * 4)
 
+    def layer_runs(self, layers: range) -> list[tuple[int, int]]:
+        """(byte offset, length) inside a block of layers ``layers``' keys and values: one run per
+        KV head (heads are outermost, each head's layers in order), with its scales where the
+        cache is quantized. What a pipeline stage computing those layers owns of each block."""
+        per_layer = 2 * self.block_size * self.key_views[0].shape[-1] * torch.empty((), dtype=self.dtype).element_size()
+        per_head = self.bytes_per_block // self.num_kv_heads
+        runs = []
+        for head in range(self.num_kv_heads):
+            start = head * per_head
+            runs.append((start + layers.start * per_layer, len(layers) * per_layer))
+            if self.quantized is not None:  # the head's scales follow its elements: 2 floats per layer
+                scales = start + self.num_layers * per_layer
+                runs.append((scales + layers.start * 8, len(layers) * 8))
+        return runs
+
     def layout(self) -> KVLayout:
         return KVLayout(
             base_address=self.tensor.data_ptr(),

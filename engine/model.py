@@ -12,6 +12,8 @@ With one rank every collective is a no-op and the model is the whole checkpoint.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -102,8 +104,20 @@ class DecoderLayer(nn.Module):
         return self.group.all_reduce(self.down_proj(fused_ops.silu_mul(self.gate_up_proj(normed)))), residual
 
 
+@dataclass(slots=True)
+class StageActivations:
+    """What a pipeline stage hands the next for one step's tokens: the output of its last layer
+    and the residual stream before it (both [tokens, hidden])."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor | None
+
+
 class CausalLM(nn.Module):
-    """Embedding, decoder layers, final norm and LM head of one checkpoint (or of one rank's shard)."""
+    """Embedding, decoder layers, final norm and LM head of one checkpoint (or of one rank's shard).
+
+    ``run_stage`` runs a contiguous range of the layers (a pipeline stage: the first embeds, the
+    last scores); ``forward`` is the stage of every layer."""
 
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, shard: TPShard | None = None, group: TPGroup = SINGLE):
         super().__init__()
@@ -129,11 +143,31 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor | None:
         """Run the packed batch; return float32 logits only at ``logits_indices`` (on rank 0 of a
         tensor-parallel group; None on the others)."""
-        hidden = self._embed(input_ids)
-        residual = None
+        return self.run_stage(input_ids, positions, kv_cache, meta, logits_indices, range(len(self.layers)))
+
+    @torch.inference_mode()
+    def run_stage(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        layers: range,
+        incoming: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations | None:
+        """Layers ``layers`` of the packed batch, writing their KV: a stage from layer 0 embeds
+        ``input_ids``, a later one starts from the previous stage's ``incoming``; a stage through
+        the last layer returns the logits (as ``forward``), an earlier one its activations."""
+        if layers.start == 0:
+            hidden, residual = self._embed(input_ids), None
+        else:
+            hidden, residual = incoming.hidden, incoming.residual
         rope_tables = self.rotary.tables(positions)
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, rope_tables, kv_cache, meta)
+        for index in layers:
+            hidden, residual = self.layers[index](hidden, residual, rope_tables, kv_cache, meta)
+        if layers.stop < len(self.layers):
+            return StageActivations(hidden, residual)
         # Only the rows that need logits: the last add and the final norm are per row.
         hidden, _ = self.norm.add_and_norm(hidden[logits_indices], residual[logits_indices])
         logits = self.lm_head(hidden)

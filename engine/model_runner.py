@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import SeqSlice, build_metadata
 from engine.kv_cache import KVCache
-from engine.model import CausalLM
+from engine.model import CausalLM, StageActivations
 from engine.scheduler import ScheduledBatch
 
 
@@ -55,11 +55,17 @@ class ModelRunner:
 
     def run(self, step: StepInput) -> torch.Tensor | None:
         """This rank's part of the step; the logits on rank 0 (None on the others)."""
+        return self.run_stage(step, range(self.model.config.num_layers))
+
+    def run_stage(self, step: StepInput, layers: range, incoming: StageActivations | None = None) -> torch.Tensor | StageActivations | None:
+        """Layers ``layers`` of the step (a pipeline stage, ``CausalLM.run_stage``)."""
         meta = build_metadata(step.slices, self.kv_cache.block_size, self.device, self.native_attention)
-        return self.model(
+        return self.model.run_stage(
             torch.tensor(step.input_ids, dtype=torch.long, device=self.device),
             torch.tensor(step.positions, dtype=torch.long, device=self.device),
             self.kv_cache,
             meta,
             torch.tensor(step.logits_indices, dtype=torch.long, device=self.device),
+            layers,
+            incoming,
         )
