@@ -228,11 +228,12 @@ class KVAgent:
 
     @_locked
     def reserve(
-        self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None, num_cached_blocks: int = 0
+        self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None, num_cached_blocks: int = 0, num_writers: int = 1
     ) -> KVDestination:
         """Own ``block_ids`` for ``req_id`` (exactly the blocks the writer will fill; the
-        request's first ``num_cached_blocks`` are held here already and not written)."""
-        return self.receiver.reserve(req_id, block_ids, lease_s, num_cached_blocks)
+        request's first ``num_cached_blocks`` are held here already and not written); with
+        ``num_writers`` > 1, ready once that many writers (pipeline stages) each wrote them all."""
+        return self.receiver.reserve(req_id, block_ids, lease_s, num_cached_blocks, num_writers)
 
     @_locked
     def renew_lease(self, req_id: str, lease_s: float) -> KVDestination:

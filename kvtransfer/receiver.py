@@ -10,6 +10,10 @@ A request's life here:
    every reserved block has landed and the writer said all are valid, the request is
    ready, once.
 3. ``complete(req_id)`` hands the blocks over to the engine's running sequence.
+A reservation may expect several writers (``num_writers``: the stages of a pipelined prefill,
+each writing its own layers of every block): each writer's writes are ordered by its own
+sequence numbers, and the request is ready once every writer has landed every block and said
+all are valid; progress reports the fewest blocks any expected writer has made valid.
 Abort: ``abort(req_id)`` frees at once what no write can still reach (a ready request,
 or any request on a backend where the receiver lands bytes itself); otherwise the blocks
 wait for ``confirm_quiesced`` (the writer said nothing is in flight, or it is dead) or
@@ -52,6 +56,19 @@ class _State(enum.Enum):
 
 
 @dataclass(slots=True)
+class _WriterProgress:
+    """One writer's writes into a reservation."""
+
+    landed: set[int] = field(default_factory=set)
+    num_valid: int = 0
+    next_seq: int = 0
+    pending: dict[int, tuple[Incoming, TransferNotif]] = field(default_factory=dict)
+
+    def complete(self, num_blocks: int) -> bool:
+        return self.num_valid == num_blocks and len(self.landed) == num_blocks
+
+
+@dataclass(slots=True)
 class _Reservation:
     req_id: str
     token: int
@@ -59,13 +76,21 @@ class _Reservation:
     block_set: frozenset[int]
     deadline: float
     num_cached_blocks: int  # the request's leading blocks the reserver holds; not written
+    num_writers: int = 1  # writers expected (pipeline stages), each writing every block
     state: _State = _State.RECEIVING
-    landed: set[int] = field(default_factory=set)
-    num_valid: int = 0
-    next_seq: int = 0
-    pending: dict[int, tuple[Incoming, TransferNotif]] = field(default_factory=dict)
-    writer: str | None = None
+    writers: dict[str, _WriterProgress] = field(default_factory=dict)
+    num_valid: int = 0  # the fewest blocks any expected writer made valid
     payload: str = ""  # the latest non-empty payload a landed write carried
+
+    @property
+    def writer(self) -> str | None:
+        return ", ".join(self.writers) or None
+
+    def num_landed(self) -> int:
+        """Blocks every expected writer has landed."""
+        if len(self.writers) < self.num_writers:
+            return 0
+        return min(len(w.landed) for w in self.writers.values())
 
 
 class KVReceiver:
@@ -91,9 +116,10 @@ class KVReceiver:
         self.num_late_writes = 0  # writes seen for blocks freed without the writer's word: must stay 0
 
     def reserve(
-        self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None, num_cached_blocks: int = 0
+        self, req_id: str, block_ids: Sequence[int], lease_s: float | None = None, num_cached_blocks: int = 0, num_writers: int = 1
     ) -> KVDestination:
-        """Take ownership of ``block_ids`` for ``req_id`` under a lease; return the destination."""
+        """Take ownership of ``block_ids`` for ``req_id`` under a lease; return the destination.
+        ``num_writers``: how many writers (pipeline stages) each write every block."""
         if req_id in self._by_req:
             raise InvalidBlocksError("req_id", f"{req_id} already holds a reservation")
         ids = check_block_ids(block_ids, self._region.num_blocks, "block_ids").tolist()
@@ -108,7 +134,9 @@ class KVReceiver:
         if lease_s <= self._policy.write_timeout_s:
             timeout = self._policy.write_timeout_s
             raise InvalidBlocksError("lease_s", f"{lease_s} must exceed the write timeout {timeout}s")
-        res = _Reservation(req_id, self._next_token, ids, frozenset(ids), self._wall() + lease_s, num_cached_blocks)
+        if num_writers < 1:
+            raise InvalidBlocksError("num_writers", f"must be >= 1, got {num_writers}")
+        res = _Reservation(req_id, self._next_token, ids, frozenset(ids), self._wall() + lease_s, num_cached_blocks, num_writers)
         self._next_token += 1
         self._by_req[req_id] = self._by_token[res.token] = res
         for b in ids:
@@ -160,7 +188,7 @@ class KVReceiver:
         now = self._wall()
         for res in list(self._by_req.values()):
             if res.state is _State.RECEIVING and now > res.deadline:
-                landed = f"{len(res.landed)}/{len(res.block_ids)}"
+                landed = f"{res.num_landed()}/{len(res.block_ids)}"
                 self._fail(res, LeaseExpiredError(
                     res.req_id, res.writer or "-", f"lease ran out with {landed} blocks landed"
                 ), events)
@@ -186,23 +214,24 @@ class KVReceiver:
                 logger.error("req %s: write %d landed after its blocks were freed (from %s)",
                              notif.req_id, notif.seq, incoming.sender)
             return
-        if res.writer is None:
-            res.writer = incoming.sender
-        elif res.writer != incoming.sender:
-            logger.error("req %s: ignoring a second writer %s (first was %s)", res.req_id, incoming.sender, res.writer)
-            return
+        progress = res.writers.get(incoming.sender)
+        if progress is None:
+            if len(res.writers) >= res.num_writers:
+                logger.error("req %s: ignoring writer %s beyond the %d expected (%s)", res.req_id, incoming.sender, res.num_writers, res.writer)
+                return
+            progress = res.writers[incoming.sender] = _WriterProgress()
         if res.state is not _State.RECEIVING:
             logger.debug("req %s: write %d arrived while %s; ignored", res.req_id, notif.seq, res.state.value)
             return
-        if notif.seq < res.next_seq or notif.seq in res.pending:
-            logger.error("req %s: duplicate write %d ignored", res.req_id, notif.seq)
+        if notif.seq < progress.next_seq or notif.seq in progress.pending:
+            logger.error("req %s: duplicate write %d from %s ignored", res.req_id, notif.seq, incoming.sender)
             return
-        res.pending[notif.seq] = (incoming, notif)
-        while res.state is _State.RECEIVING and res.next_seq in res.pending:
-            self._apply(res, *res.pending.pop(res.next_seq), events)
-            res.next_seq += 1
+        progress.pending[notif.seq] = (incoming, notif)
+        while res.state is _State.RECEIVING and progress.next_seq in progress.pending:
+            self._apply(res, progress, *progress.pending.pop(progress.next_seq), events)
+            progress.next_seq += 1
 
-    def _apply(self, res: _Reservation, incoming: Incoming, notif: TransferNotif, events: ReceiveEvents) -> None:
+    def _apply(self, res: _Reservation, progress: _WriterProgress, incoming: Incoming, notif: TransferNotif, events: ReceiveEvents) -> None:
         spans = spans_to_ids(notif.dst_spans)
         if not all(res.block_set.issuperset(span) for span in spans):
             outside = sorted(set().union(*spans) - res.block_set)[:8]
@@ -216,20 +245,24 @@ class KVReceiver:
                 error = TransferFailedError(res.req_id, incoming.sender, f"landing write {notif.seq}: {e}")
                 self._fail(res, error, events)
                 return
-        res.landed.update(*spans)
+        progress.landed.update(*spans)
         if notif.payload:
             res.payload = notif.payload
-        if notif.num_valid_blocks > res.num_valid:
-            res.num_valid = notif.num_valid_blocks
+        progress.num_valid = max(progress.num_valid, notif.num_valid_blocks)
+        num_valid = min(w.num_valid for w in res.writers.values()) if len(res.writers) == res.num_writers else 0
+        if num_valid > res.num_valid:
+            res.num_valid = num_valid
             events.progress.append((res.req_id, res.num_valid))
-        if res.num_valid == len(res.block_ids) and len(res.landed) == len(res.block_ids):
+        num_blocks = len(res.block_ids)
+        if len(res.writers) == res.num_writers and all(w.complete(num_blocks) for w in res.writers.values()):
             res.state = _State.READY
             events.ready.append(res.req_id)
-            logger.info("req %s: all %d blocks landed", res.req_id, len(res.block_ids))
+            logger.info("req %s: all %d blocks landed from %d writer(s)", res.req_id, num_blocks, res.num_writers)
 
     def _fail(self, res: _Reservation, error: RequestTransferError, events: ReceiveEvents) -> None:
         res.state = _State.FAILED
-        res.pending.clear()
+        for progress in res.writers.values():
+            progress.pending.clear()
         events.failed.append(error)
         logger.warning("req %s: receive failed: %s", res.req_id, error)
 
@@ -270,7 +303,8 @@ class KVReceiver:
             return self._free(res)
         if res.state is _State.RECEIVING:
             res.state = _State.ABORTING
-            res.pending.clear()
+            for progress in res.writers.values():
+                progress.pending.clear()
         logger.info("req %s: aborted, blocks held until the writer confirms or the lease ends", req_id)
         return []
 

@@ -241,3 +241,35 @@ def test_a_renewed_lease_lets_a_slow_prefill_keep_writing():
     assert len(transport.posts) == 2
     clock.now = d.lease_deadline + 2  # the old deadline and grace passed: still reserved
     assert not receiver.poll().failed and receiver.num_reserved_blocks() == 2
+
+
+def test_a_reservation_for_two_writers_is_ready_only_when_both_wrote_every_block():
+    """Pipeline stages each write their own layers of every block: the request is ready once
+    both have landed all blocks, progress is the slower writer's, a third writer is ignored."""
+    receiver, transport, _ = make_receiver()
+    d = receiver.reserve("r", [0, 1, 2, 3], num_writers=2)
+
+    def write(sender, seq, valid, spans):
+        return Incoming(sender, TransferNotif("r", d.token, seq, valid, spans).encode())
+
+    transport.inbox = [write("S0@e1", 0, 2, [(0, 2)]), write("S0@e1", 1, 4, [(2, 2)])]
+    events = receiver.poll()
+    assert events.progress == [] and not receiver.ready("r"), "one stage alone makes nothing valid"
+    transport.inbox = [write("S1@e1", 1, 4, [(2, 2)]), write("S1@e1", 0, 2, [(0, 2)])]  # out of order
+    events = receiver.poll()
+    assert events.progress == [("r", 2), ("r", 4)] and events.ready == ["r"]
+    transport.inbox = [write("S2@e1", 0, 4, [(0, 4)])]
+    assert not receiver.poll(), "a writer beyond the expected two changes nothing"
+    assert receiver.complete("r") == [0, 1, 2, 3]
+
+
+def test_a_two_writer_reservation_whose_lease_runs_out_with_one_writer_done_fails():
+    receiver, transport, clock = make_receiver(LeasePolicy(lease_s=10.0, grace_s=1.0, write_timeout_s=2.0))
+    d = receiver.reserve("r", [5, 6], num_writers=2)
+    transport.inbox = [Incoming("S0@e1", TransferNotif("r", d.token, 0, 2, [(5, 2)]).encode())]
+    assert not receiver.poll().ready
+    clock.now += 10.5  # past the lease, within its grace
+    events = receiver.poll()
+    assert [e.req_id for e in events.failed] == ["r"] and "0/2 blocks landed" in str(events.failed[0])
+    clock.now += 1
+    assert [f.block_ids for f in receiver.poll().freed] == [[5, 6]]
