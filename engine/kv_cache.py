@@ -100,7 +100,7 @@ class KVCache:
         """(byte offset, length) inside a block of layers ``layers``' keys and values: one run per
         KV head (heads are outermost, each head's layers in order), with its scales where the
         cache is quantized. What a pipeline stage computing those layers owns of each block."""
-        per_layer = 2 * self.block_size * self.key_views[0].shape[-1] * torch.empty((), dtype=self.dtype).element_size()
+        per_layer = _numel(self.head_shape) // self.num_layers * self.key_views[0].element_size()
         per_head = self.bytes_per_block // self.num_kv_heads
         runs = []
         for head in range(self.num_kv_heads):

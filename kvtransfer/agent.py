@@ -63,6 +63,13 @@ class KVTransferConfig:
     network_devices: str | None = None
     lease: LeasePolicy = field(default_factory=LeasePolicy)
 
+    def backend_options(self, transport_name: str, kv_cache: torch.Tensor, region: KVRegion) -> BackendOptions:
+        """What this config's backend is built from, over ``kv_cache`` (one rank's)."""
+        return BackendOptions(
+            transport_name, kv_cache, region, nixl_mode=self.nixl_mode, merge_descriptors=self.merge_descriptors,
+            progress_thread=self.progress_thread, network_devices=self.network_devices,
+        )
+
 
 def _locked(method):
     """Run an agent method under the agent's lock: the engine thread and the pump share it."""
@@ -100,15 +107,7 @@ class KVAgent:
         self.ref = PeerRef(name, new_epoch())
         self._lock = threading.RLock()
         base_name = transport_agent_name(self.ref)
-        options = BackendOptions(
-            rank_transport_name(base_name, 0),
-            kv_cache,
-            self.region,
-            nixl_mode=self.config.nixl_mode,
-            merge_descriptors=self.config.merge_descriptors,
-            progress_thread=self.config.progress_thread,
-            network_devices=self.config.network_devices,
-        )
+        options = self.config.backend_options(rank_transport_name(base_name, 0), kv_cache, self.region)
         local = RankTransport(shard, self.region, make_transport(self.config.backend, options), options.transport_name)
         others = open_ranks(base_name) if open_ranks is not None else []
         if len(others) + 1 != shard.tp_size:

@@ -95,6 +95,15 @@ class Client:
             self.admin_channel.close()
 
 
+def wait_for_assigned_prompt_tokens(record, at_least: int, timeout_s: float = 30.0) -> int:
+    """Wait until the router has given worker ``record`` that many prompt tokens still in
+    progress (or the time is up); return how many it has."""
+    deadline = time.monotonic() + timeout_s
+    while record.num_assigned_prompt_tokens < at_least and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return record.num_assigned_prompt_tokens
+
+
 def make_request(prompt_token_ids=None, prompt_text=None, request_id: str = "", **sampling) -> pb.GenerateRequest:
     request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
     if prompt_token_ids is not None:

@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import EngineConfig
 from engine.parallel.group import GroupAddress
 from kvtransfer.agent import KVTransferConfig
-from kvtransfer.backends import BackendOptions, make_transport
+from kvtransfer.backends import make_transport
 from kvtransfer.descriptors import BlockRuns
 from kvtransfer.layout import KVRegion
 from kvtransfer.sharded_transport import RankTransport, rank_transport_name
@@ -99,10 +99,7 @@ class RankActor:
         shard = self.shard_rank.runner.model.shard
         tensor = self.shard_rank.kv_cache.tensor
         region = KVRegion.from_tensor(tensor)
-        options = BackendOptions(
-            rank_transport_name(base_name, self.rank), tensor, region, nixl_mode=config.nixl_mode,
-            merge_descriptors=config.merge_descriptors, progress_thread=config.progress_thread, network_devices=config.network_devices,
-        )
+        options = config.backend_options(rank_transport_name(base_name, self.rank), tensor, region)
         self._transport = make_transport(config.backend, options)
         kv_shard = KVShard(shard.tp_size, self.rank, shard.kv_head_start, shard.num_kv_heads)
         return kv_shard, region, self._transport.metadata(), self._transport.kind, self._transport.receiver_lands

@@ -14,7 +14,7 @@ from router.config import Disaggregation, RouterConfig
 from engine.stats import WorkerState
 from router.pool import Role, RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.serving import Client, engine_config, make_request, running_deployment
+from tests.serving import Client, engine_config, make_request, running_deployment, wait_for_assigned_prompt_tokens
 
 
 def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2e_model):
@@ -29,11 +29,7 @@ def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2
             futures = [
                 pool.submit(client.generate, prompt_token_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts
             ]
-            victim = deployment.router.pool.workers["prefill-0"]
-            deadline = time.monotonic() + 30
-            while victim.num_assigned_prompt_tokens < 1000 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            in_progress = victim.num_assigned_prompt_tokens
+            in_progress = wait_for_assigned_prompt_tokens(deployment.router.pool.workers["prefill-0"], 1000)
             deployment.kill_worker("prefill-0")
             streams = [f.result(timeout=120) for f in futures]
         assert in_progress >= 1000, "the killed prefill actor had prompts in progress"

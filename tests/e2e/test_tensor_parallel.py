@@ -14,7 +14,7 @@ from router.config import Disaggregation, RouterConfig
 from router.pool import RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
 from tests.e2e.test_failures import ParallelStreams, _wait_until_every_stream_sent_tokens
-from tests.serving import Client, engine_config, running_deployment
+from tests.serving import Client, engine_config, running_deployment, wait_for_assigned_prompt_tokens
 
 pytestmark = pytest.mark.e2e
 
@@ -97,11 +97,7 @@ def test_a_prefill_rank_killed_during_a_burst_loses_no_request(ray_cluster, e2e_
             futures = [
                 pool.submit(client.generate, prompt_token_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts
             ]
-            victim = deployment.router.pool.workers["prefill-0"]
-            deadline = time.monotonic() + 30
-            while victim.num_assigned_prompt_tokens < 1000 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            in_progress = victim.num_assigned_prompt_tokens
+            in_progress = wait_for_assigned_prompt_tokens(deployment.router.pool.workers["prefill-0"], 1000)
             (rank_1,) = ray.get(deployment.pools.handles["prefill-0"].rank_handles.remote())
             ray.kill(rank_1, no_restart=True)
             streams = [f.result(timeout=180) for f in futures]

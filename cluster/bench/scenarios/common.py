@@ -71,8 +71,9 @@ def engine_config(dtype: str, token_budget: int, chunk: int | None, kv_cache_byt
 
 
 @contextlib.contextmanager
-def scenario_model(model: Path | None, dtype: str, seed: int = 0) -> Iterator[Path]:
-    """``model`` if given, else a random SmolLM2-135M-shaped checkpoint in a temporary directory."""
+def scenario_model(model: Path | None, dtype: str, seed: int = 0, shape: dict | None = None) -> Iterator[Path]:
+    """``model`` if given, else a random checkpoint of ``shape`` (SmolLM2-135M's by default) in a
+    temporary directory."""
     if model is not None:
         if not (Path(model) / "config.json").is_file():
             raise ValueError(f"model: {model} is not a model directory (no config.json)")
@@ -84,7 +85,7 @@ def scenario_model(model: Path | None, dtype: str, seed: int = 0) -> Iterator[Pa
     from engine.bench import SMOLLM2_135M_SHAPE, write_random_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
-        model_dir = write_random_checkpoint(Path(tmp) / "smollm2-135m-shape-random", SMOLLM2_135M_SHAPE, getattr(torch, dtype), seed=seed)
+        model_dir = write_random_checkpoint(Path(tmp) / "random-checkpoint", shape or SMOLLM2_135M_SHAPE, getattr(torch, dtype), seed=seed)
         _write_byte_tokenizer(model_dir)
         yield model_dir
 

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,9 +35,9 @@ from cluster.bench.client import BenchClient
 from cluster.bench.metrics import SLO
 from cluster.bench.report import result_document, run_to_dict, write_json
 from cluster.bench.runner import BenchSpec, run_load
-from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, flags_of, fmt, local_cluster, ratio, ray_running
+from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, flags_of, fmt, local_cluster, ratio, ray_running, scenario_model
 from cluster.bench.workloads import BenchRequest, random_token_ids
-from engine.bench import SMOLLM2_135M_SHAPE, seat_decoding, write_random_checkpoint
+from engine.bench import SMOLLM2_135M_SHAPE, seat_decoding
 from engine.bench_reference import TransformersReference
 from engine.config import DTYPES, EngineConfig
 from engine.llm_engine import LLMEngine
@@ -75,8 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> ScenarioOutcome:
     skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     results: dict = {}
-    with tempfile.TemporaryDirectory(prefix="pdserve-tp-") as tmp:
-        model_dir = _model(args.model, Path(tmp), args.dtype, args.seed)
+    with scenario_model(args.model, args.dtype, args.seed, shape=TP_SHAPE) as model_dir:
         if "steps" not in skip:
             results["steps"] = _step_times(model_dir, args)
         if not {"burst", "pairs"} <= skip:
@@ -88,18 +86,6 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     lines, ratios = _report(results, args)
     json_path = write_json(args.out / "scenario.json", result_document(f"scenario:{NAME}", {"scenario": NAME, **flags_of(args)}, {"ratios": ratios, **results}))
     return ScenarioOutcome(NAME, lines, json_path, ratios)
-
-
-def _model(model: Path | None, scratch: Path, dtype: str, seed: int) -> Path:
-    if model is not None:
-        if not (Path(model) / "config.json").is_file():
-            raise ValueError(f"model: {model} is not a model directory (no config.json)")
-        return Path(model)
-    from cluster.serving_bench import _write_byte_tokenizer
-
-    model_dir = write_random_checkpoint(scratch / "smollm2-135m-shape-8-heads", TP_SHAPE, getattr(torch, dtype), seed=seed)
-    _write_byte_tokenizer(model_dir)
-    return model_dir
 
 
 # -- 1. step times ------------------------------------------------------------------------
