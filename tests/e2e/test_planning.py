@@ -65,9 +65,11 @@ def test_profile_sweep_fits_a_model_that_predicts_a_lone_request(ray_cluster, e2
     assert loaded.samples["prefill"] and loaded.samples["decode"] and loaded.samples["transfers"]
     assert loaded.facts.token_budget == {"prefill": 128, "decode": 128} and loaded.facts.decode_num_blocks == 256
     step = loaded.step
-    # Longer prompts and bigger batches cost more (on this tiny model per-step costs dominate).
+    # Longer prompts cost more (four chunks against one). Bigger decode batches are not asserted to:
+    # on this tiny model a decode row costs less than the steps' scatter, and the fit may rightly
+    # put that term at zero (CI saw it); tests/cluster/test_planning.py checks the fit recovers
+    # per-row and per-token terms where they exist.
     assert predicted_prefill_s(400, False, step, loaded.transfer, loaded.facts) > predicted_prefill_s(20, False, step, loaded.transfer, loaded.facts)
-    assert step.step_s("decode", decode_rows=12, decode_kv_tokens=1200) > step.step_s("decode", decode_rows=1, decode_kv_tokens=50)
     measured = sorted(ttfts)[2]
     predicted = predicted_prefill_s(150, False, step, loaded.transfer, loaded.facts) + loaded.ttft_overhead_s["remote"]
     # Generous: steps of a few ms on a shared 2-core machine, where per-step Python costs and
