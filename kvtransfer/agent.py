@@ -112,7 +112,7 @@ class KVAgent:
         others = open_ranks(base_name) if open_ranks is not None else []
         if len(others) + 1 != shard.tp_size:
             raise ValueError(f"open_ranks: {len(others)} ranks opened beside rank 0, the worker has {shard.tp_size}")
-        self._transport = ShardedTransport(base_name, [local, *others], compat.num_kv_heads, compat.bytes_per_head)
+        self._transport = ShardedTransport(base_name, [local, *others], compat)
         policy = self.config.lease
         self.sender = KVSender(
             self.ref, self._transport, self.region, policy, self.config.merge_descriptors, wall_clock
@@ -149,11 +149,15 @@ class KVAgent:
         return offer.peer
 
     @_locked
-    def write_cost(self, dest: KVDestination, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]) -> tuple[int, int]:
-        """(bytes, descriptors) a push of these blocks into ``dest`` moves: every rank's heads."""
+    def write_cost(
+        self, dest: KVDestination, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], layers: range | None = None
+    ) -> tuple[int, int]:
+        """(bytes, descriptors) a push of these blocks (of ``layers`` only, if given) into
+        ``dest`` moves: every rank's heads."""
         runs = merge_runs(src_block_ids, dst_block_ids, self.config.merge_descriptors)
         transport_name = transport_agent_name(dest.peer)
-        return runs.num_blocks * self.compat.bytes_per_block, self._transport.num_descriptors(transport_name, runs)
+        per_head = self.compat.bytes_per_head if layers is None else sum(n for _, n in self.compat.layer_runs_in_head(layers))
+        return runs.num_blocks * self.compat.num_kv_heads * per_head, self._transport.num_descriptors(transport_name, runs, layers)
 
     @_locked
     def is_connected(self, peer: PeerRef) -> bool:
@@ -180,15 +184,18 @@ class KVAgent:
         dst_block_ids: Sequence[int],
         num_valid_blocks: int,
         payload: str = "",
+        layers: range | None = None,
     ) -> int:
         """Write local blocks into ``dest``'s blocks without waiting; return the write's seq.
 
         ``num_valid_blocks`` is how many of the reservation's blocks are valid once this
         write lands; the push that makes it equal to the reservation size seals the request.
+        ``layers``: only those layers of each block (a pipeline stage's; the reservation then
+        expects one writer per stage).
         Raises RequestTransferError if the request failed or was cancelled (reported once
         by ``poll_sends`` as well), HandshakeRequiredError, InvalidBlocksError.
         """
-        return self.sender.push(req_id, dest, src_block_ids, dst_block_ids, num_valid_blocks, payload)
+        return self.sender.push(req_id, dest, src_block_ids, dst_block_ids, num_valid_blocks, payload, layers)
 
     @_locked
     def poll_sends(self) -> list[SendEvent]:

@@ -72,6 +72,19 @@ class KVCompat:
         elements = self.num_layers * 2 * self.block_size * self.head_dim * DTYPE_SIZES[self.dtype]
         return elements + (self.num_layers * 2 * 4 if self.block_scales else 0)
 
+    def layer_runs_in_head(self, layers: range) -> list[tuple[int, int]]:
+        """(byte offset, length) inside one head's share of a block holding layers ``layers``:
+        its elements, then its scales where the cache has them. What a pipeline stage computing
+        those layers writes of each head of each block."""
+        if not (0 <= layers.start < layers.stop <= self.num_layers and layers.step == 1):
+            raise LayoutError(f"layers: {layers} is not a contiguous range inside the model's {self.num_layers} layers")
+        per_layer = 2 * self.block_size * self.head_dim * DTYPE_SIZES[self.dtype]
+        runs = [(layers.start * per_layer, len(layers) * per_layer)]
+        if self.block_scales:  # two float32 scales (key, value) per layer, after every layer's elements
+            scales = self.num_layers * per_layer
+            runs.append((scales + layers.start * 8, len(layers) * 8))
+        return runs
+
     @property
     def bytes_per_block(self) -> int:
         """A block holding every KV head of the model (a rank's holds its heads only)."""

@@ -67,6 +67,7 @@ class _Write:
     runs: BlockRuns
     dst_blocks: frozenset[int]
     notif: bytes
+    layers: range | None = None  # only these layers of each block (a pipeline stage's)
     handle: Any = None
     posted_at: float = 0.0
     timed_out: bool = False
@@ -161,8 +162,10 @@ class KVSender:
         dst_block_ids: Sequence[int],
         num_valid_blocks: int,
         payload: str = "",
+        layers: range | None = None,
     ) -> int:
-        """Start writing src blocks into dst blocks of ``dest``; return the write's seq number.
+        """Start writing src blocks (only ``layers`` of each, if given) into dst blocks of
+        ``dest``; return the write's seq number.
 
         ``payload`` rides in this write's notification and reaches the reader when it lands.
         """
@@ -200,6 +203,7 @@ class KVSender:
             runs=runs,
             dst_blocks=dst_blocks,
             notif=TransferNotif(req_id, dest.token, state.next_seq, num_valid_blocks, runs.dst_spans(), payload).encode(),
+            layers=layers,
         )
         state.next_seq += 1
         state.sealed = num_valid_blocks == len(reserved)
@@ -242,7 +246,10 @@ class KVSender:
             ))
             return
         try:
-            write.handle = self._transport.post_write(peer.transport_name, write.runs, write.notif)
+            if write.layers is None:
+                write.handle = self._transport.post_write(peer.transport_name, write.runs, write.notif)
+            else:  # the agent's transport (kvtransfer.sharded_transport) splits a write by layers
+                write.handle = self._transport.post_write(peer.transport_name, write.runs, write.notif, layers=write.layers)
         except TransportError as e:
             cls = PeerLostError if e.peer_lost else TransferFailedError
             self._fail(state, cls(state.req_id, str(peer.ref), str(e)))

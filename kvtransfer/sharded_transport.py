@@ -11,6 +11,10 @@ collects a write's legs from all its ranks and reports the write once every leg 
 the sender and receiver logic above (sequence order, leases, quiesce) sees one write as
 before. With one rank on each side this is one leg of whole blocks: today's transfer.
 
+A pipeline stage writes only its layers of each block (``layers``): within every head of a leg,
+that range of layers is one run (and one more for its scales in a quantized cache), so the write
+becomes one leg per (rank pair, head, run), each a piece of every block, reassembled the same way.
+
 Ranks other than 0 live in other processes; the worker hands their transports in as proxies
 (any ``Transport``), so this module never knows how they are reached.
 """
@@ -26,7 +30,7 @@ from typing import Any
 
 from kvtransfer.descriptors import BlockRuns
 from kvtransfer.errors import LayoutError, TransportError
-from kvtransfer.layout import KVRegion
+from kvtransfer.layout import KVCompat, KVRegion
 from kvtransfer.sharding import KVShard, Leg, plan_legs
 from kvtransfer.transport import BlockPiece, Incoming, Transport, XferState
 
@@ -74,8 +78,9 @@ class _PartialWrite:
     legs: dict[int, tuple[int, Incoming, BlockPiece | None]] = field(default_factory=dict)
 
 
-def _encode_leg(index: int, num_legs: int, leg: Leg, notif: bytes) -> bytes:
-    return LEG_MAGIC + f"{index},{num_legs},{leg.dst_offset},{leg.num_bytes}:".encode() + notif
+def _encode_leg(index: int, num_legs: int, part: Leg | BlockPiece, notif: bytes) -> bytes:
+    """The notification of one leg: which of how many, and the bytes of each block it lands."""
+    return LEG_MAGIC + f"{index},{num_legs},{part.dst_offset},{part.num_bytes}:".encode() + notif
 
 
 def _decode_leg(message: bytes) -> tuple[int, int, int, int, bytes]:
@@ -87,15 +92,16 @@ def _decode_leg(message: bytes) -> tuple[int, int, int, int, bytes]:
 
 
 class ShardedTransport(Transport):
-    def __init__(self, name: str, ranks: Sequence[RankTransport], num_kv_heads: int, bytes_per_head: int):
+    def __init__(self, name: str, ranks: Sequence[RankTransport], compat: KVCompat):
         if [r.shard.rank for r in ranks] != list(range(len(ranks))):
             raise LayoutError(f"ranks: expected 0..{len(ranks) - 1} in order, got {[r.shard.rank for r in ranks]}")
         self.name = name
         self._ranks = list(ranks)
         self.kind = ranks[0].transport.kind
         self.receiver_lands = ranks[0].transport.receiver_lands
-        self._num_kv_heads = num_kv_heads
-        self._bytes_per_head = bytes_per_head
+        self._compat = compat
+        self._num_kv_heads = compat.num_kv_heads
+        self._bytes_per_head = compat.bytes_per_head
         self._peers: dict[str, _Peer] = {}
         self._partial: dict[tuple[str, bytes], _PartialWrite] = {}
 
@@ -149,21 +155,36 @@ class ShardedTransport(Transport):
         for src, dst in sorted({(leg.src_rank, leg.dst_rank) for leg in peer.legs}):
             self._ranks[src].transport.remove_peer(peer.endpoints[dst].transport_name)
 
-    def num_descriptors(self, transport_name: str, runs: BlockRuns) -> int:
-        """Descriptors a write of ``runs`` to the peer costs: a run per whole-block leg, a block per piece."""
-        peer = self._peers.get(transport_name)
-        legs = peer.legs if peer is not None else []
-        return sum(len(runs) if leg.whole else runs.num_blocks for leg in legs)
+    def _pieces(self, legs: Sequence[Leg], layers: range | None) -> list[tuple[Leg, BlockPiece | None]]:
+        """What a write posts, one per leg: each leg (None: whole blocks), or with ``layers``,
+        the runs of those layers in every head of each leg."""
+        if layers is None:
+            return [(leg, None if leg.whole else BlockPiece(leg.src_offset, leg.dst_offset, leg.num_bytes)) for leg in legs]
+        in_head = self._compat.layer_runs_in_head(layers)
+        pieces = []
+        for leg in legs:
+            for head in range(leg.num_bytes // self._bytes_per_head):
+                at = head * self._bytes_per_head
+                pieces.extend((leg, BlockPiece(leg.src_offset + at + off, leg.dst_offset + at + off, length)) for off, length in in_head)
+        return pieces
 
-    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes, piece: BlockPiece | None = None) -> Any:
+    def num_descriptors(self, transport_name: str, runs: BlockRuns, layers: range | None = None) -> int:
+        """Descriptors a write of ``runs`` (of ``layers`` only, if given) to the peer costs: a run
+        per whole-block leg, a block per piece."""
+        peer = self._peers.get(transport_name)
+        pieces = self._pieces(peer.legs, layers) if peer is not None else []
+        return sum(len(runs) if piece is None else runs.num_blocks for _, piece in pieces)
+
+    def post_write(self, transport_name: str, runs: BlockRuns, notif: bytes, piece: BlockPiece | None = None, layers: range | None = None) -> Any:
+        """Post every leg of the write (``layers``: only those layers of each block)."""
         peer = self._peers.get(transport_name)
         if peer is None:
             raise TransportError(f"no peer {transport_name}", peer_lost=True)
+        pieces = self._pieces(peer.legs, layers)
         handles: list[tuple[int, Any]] = []
         try:
-            for index, leg in enumerate(peer.legs):
-                leg_piece = None if leg.whole else BlockPiece(leg.src_offset, leg.dst_offset, leg.num_bytes)
-                message = _encode_leg(index, len(peer.legs), leg, notif)
+            for index, (leg, leg_piece) in enumerate(pieces):
+                message = _encode_leg(index, len(pieces), leg_piece or leg, notif)
                 handle = self._ranks[leg.src_rank].transport.post_write(peer.endpoints[leg.dst_rank].transport_name, runs, message, leg_piece)
                 handles.append((leg.src_rank, handle))
         except TransportError:
