@@ -22,6 +22,7 @@ from engine.model_source import resolve_model
 from engine.speculation import SpeculativeConfig
 from kvtransfer.agent import KVTransferConfig
 from router.config import Disaggregation, RouterConfig
+from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 from router.security import AUTH_TOKEN_ENV, is_loopback
 
@@ -184,6 +185,20 @@ class RouterSection(BaseModel):
         return os.environ.get(AUTH_TOKEN_ENV) or None
 
 
+class PrefillPoolConfig(PoolConfig):
+    """The prefill pool: a pool, and how it splits one long prompt over several of its actors."""
+
+    pipeline: Literal["auto", "always", "off"] = Field(
+        "auto",
+        description="Distributed split-fuse: a long prompt prefilled by a pipeline of prefill actors, each a range of layers; "
+        "auto: prompts of at least 2 x pipeline_tokens_per_stage tokens over the idle actors; always: every prompt a prefill "
+        "actor takes (tests); off: one actor per prompt",
+    )
+    max_pipeline_stages: int | None = Field(None, ge=1, description="Most actors in one prompt's pipeline (default: the pool size)")
+    pipeline_tokens_per_stage: int = Field(1024, ge=1, description="auto: one stage per this many prompt tokens")
+    pipeline_chunk_tokens: int = Field(512, ge=1, description="Tokens per chunk flowing through a pipeline's stages")
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -215,7 +230,7 @@ class ClusterConfig(BaseModel):
     host_memory_fraction: float = Field(
         0.5, gt=0, le=1, description="Default KV sizing on CPUs: share of a node's available memory for its actors' KV caches"
     )
-    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    prefill: PrefillPoolConfig = Field(default_factory=PrefillPoolConfig)
     decode: PoolConfig = Field(default_factory=PoolConfig)
     router: RouterSection = Field(default_factory=RouterSection)
     speculative: SpeculativeSection | None = Field(None, description="Speculative decoding on the decode pool (null: off)")
@@ -283,6 +298,10 @@ class ClusterConfig(BaseModel):
                 kv_overlap_weight=self.router.kv_overlap_weight,
                 disaggregation=self.router.disaggregation,
                 local_prefill_max_tokens=self.router.local_prefill_max_tokens,
+                prefill_pipeline=PipelineMode(self.prefill.pipeline),
+                max_pipeline_stages=self.prefill.max_pipeline_stages,
+                pipeline_tokens_per_stage=self.prefill.pipeline_tokens_per_stage,
+                pipeline_chunk_tokens=self.prefill.pipeline_chunk_tokens,
                 max_queued_requests=self.router.max_queued_requests,
                 ready_wait_s=self.router.ready_wait_s,
                 admin_host=self.router.admin_host,

@@ -23,6 +23,7 @@ class DecodeRequest:
     # that router is not heard from for ``router_lease_s`` (it died) the request is dropped.
     router_id: str = ""
     router_lease_s: float | None = None
+    num_writers: int = 1  # remote only: the prefill actors writing the KV (a pipeline's stages, each its layers)
 
 
 @dataclass(slots=True)

@@ -228,7 +228,7 @@ class DecodeWorker(EngineWorker):
                 f"new requests, request {request.req_id} needs {self.scheduler.blocks_for_remote(seq)}"
             )
         try:
-            dest = self.agent.reserve(request.req_id, remote.block_ids, request.lease_s, remote.num_cached_blocks)
+            dest = self.agent.reserve(request.req_id, remote.block_ids, request.lease_s, remote.num_cached_blocks, request.num_writers)
         except Exception:
             self.scheduler.abort(request.req_id)  # nothing can write into blocks never handed out
             raise

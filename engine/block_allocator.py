@@ -41,11 +41,11 @@ def chained_block_hashes(token_ids: Sequence[int], block_size: int, parent: byte
     return hashes
 
 
-def prefix_lookup_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def prefix_lookup_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
     """Hashes of the full blocks a prefix-cache hit may cover: all but the last token, which
     must be computed to give the logits of the next one. The engine and the router's prefix
-    index both look prompts up with these."""
-    return chained_block_hashes(token_ids[: len(token_ids) - 1], block_size)
+    index both look prompts up with these (``salt``: a pipeline stage's, ``Sequence.hash_salt``)."""
+    return chained_block_hashes(token_ids[: len(token_ids) - 1], block_size, salt)
 
 
 @dataclass(slots=True, frozen=True)

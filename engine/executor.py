@@ -14,16 +14,28 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ModelRunner
+from engine.model import StageActivations
+from engine.model_runner import ModelRunner, StepInput
 from engine.parallel.group import RankFailedError, TPGroup
 from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 STOP = None  # what rank 0 broadcasts to end the other ranks' loops
+
+
+@dataclass(slots=True)
+class StageStep:
+    """What rank 0 broadcasts for a pipeline stage's step: its inputs, the layers it computes
+    and the previous stage's activations (every rank holds them whole)."""
+
+    step: StepInput
+    layers: range
+    incoming: StageActivations | None
 
 
 class Executor(ABC):
@@ -40,6 +52,11 @@ class Executor(ABC):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits [rows sampled this step, vocab] in slice order."""
 
+    @abstractmethod
+    def execute_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations:
+        """Layers ``layers`` of the batch (a pipeline stage): its activations, or through the
+        last layer, its logits."""
+
     def close(self) -> None:
         """Release the ranks (if any)."""
 
@@ -47,6 +64,9 @@ class Executor(ABC):
 class LocalExecutor(Executor):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         return self.runner.execute(batch)
+
+    def execute_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations:
+        return self.runner.run_stage(self.runner.prepare(batch), layers, incoming)
 
 
 class MultiRankExecutor(Executor):
@@ -69,6 +89,11 @@ class MultiRankExecutor(Executor):
         step = self.runner.prepare(batch)
         self.group.broadcast_from_first(step)
         return self.runner.run(step)
+
+    def execute_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations:
+        stage = StageStep(self.runner.prepare(batch), layers, incoming)
+        self.group.broadcast_from_first(stage)
+        return self.runner.run_stage(stage.step, layers, incoming)
 
     def close(self) -> None:
         if self._closed:

@@ -26,6 +26,7 @@ from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import Executor, LocalExecutor, MultiRankExecutor
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype
+from engine.model import StageActivations
 from engine.model_runner import ModelRunner
 from engine.parallel.group import SINGLE, RankFailedError, TPGroup, free_address
 from engine.parallel.launch import RankLauncher, SubprocessRanks
@@ -303,8 +304,26 @@ class LLMEngine:
             error=f"computing this request failed: {type(exc).__name__}: {exc}",
         )
 
+    def run_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> StageActivations | list[RequestOutput]:
+        """A pipeline stage's step over a batch of stage sequences (``PrefillScheduler.add_stage``):
+        layers ``layers`` only, from the previous stage's ``incoming`` (None: this stage embeds).
+        A stage before the last returns its activations for the next; the last samples and
+        returns the outputs, as ``run_batch`` does. Their KV is written for those layers only."""
+        self.num_steps += 1
+        self.num_scheduled_tokens += batch.num_tokens
+        self.last_shape = shape_of(batch)
+        out = self.executor.execute_stage(batch, layers, incoming)
+        if layers.stop < self.model_config.num_layers:
+            for piece in batch.slices:
+                self.scheduler.advance_stage(piece.seq, piece.num_tokens)
+            return out
+        return self._outputs(out, batch)
+
     def _compute(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        logits = self.executor.execute(batch)
+        return self._outputs(self.executor.execute(batch), batch)
+
+    def _outputs(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Sample the batch's logits and advance its sequences."""
         samples = self._sample(logits, batch)
         outputs = []
         for seq, new_tokens in self.scheduler.update(batch, samples):

@@ -352,7 +352,7 @@ class Scheduler:
         """Start a sequence with the longest prefix the cache holds, computed already."""
         if seq.block_table or not self.allocator.enable_prefix_caching:
             return
-        hashes = prefix_lookup_hashes(seq.token_ids, self.block_size)
+        hashes = prefix_lookup_hashes(seq.token_ids, self.block_size, seq.hash_salt)
         block_ids = self.allocator.take_cached(hashes)
         seq.block_table = block_ids
         seq.block_hashes = hashes[: len(block_ids)]
@@ -488,7 +488,7 @@ class Scheduler:
         if num_full <= len(seq.block_hashes):
             return
         start = len(seq.block_hashes)
-        parent = seq.block_hashes[-1] if seq.block_hashes else b""
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.hash_salt
         tokens = seq.token_ids[start * self.block_size : num_full * self.block_size]
         for offset, block_hash in enumerate(chained_block_hashes(tokens, self.block_size, parent)):
             seq.block_hashes.append(block_hash)

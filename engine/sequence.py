@@ -80,6 +80,9 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     num_cached_tokens: int | None = None  # prompt tokens whose KV came from a prefix cache
+    # Seeds the chain of its blocks' prefix-cache hashes: b"" for blocks holding every layer; a
+    # pipeline stage's name for blocks holding only that stage's layers (never found by others).
+    hash_salt: bytes = b""
     first_token_time: float | None = None
     # Speculative decoding (engine.speculation): the proposer's state for this sequence, and
     # what its decode steps proposed and accepted.

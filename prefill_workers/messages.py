@@ -3,12 +3,56 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from engine.stats import EngineStats, WorkerState
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.messages import KVDestination
+
+
+@dataclass(slots=True)
+class PipelineStage:
+    """This prefill actor's part of a pipelined prefill (distributed split-fuse): layers
+    [layer_start, layer_stop) of every chunk, from the previous stage's activations (stage 0
+    embeds the tokens), handing its own to ``next_stage`` (None: the last stage, which samples)."""
+
+    index: int
+    num_stages: int
+    layer_start: int
+    layer_stop: int
+    next_stage: Any = None  # the next stage's prefill actor handle
+    chunk_tokens: int = 512  # stage 0 cuts the prompt into chunks of this many tokens
+
+    @property
+    def layers(self) -> range:
+        return range(self.layer_start, self.layer_stop)
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    @property
+    def salt(self) -> bytes:
+        """What this stage's prefix-cache entries are salted with (they hold only its layers)."""
+        return f"layers:{self.layer_start}-{self.layer_stop}".encode()
+
+
+@dataclass(slots=True)
+class StageChunk:
+    """One chunk's activations from a stage to the next: tokens [start, start + num_tokens)."""
+
+    req_id: str
+    token: int  # the decode reservation's: which attempt of the request
+    start: int
+    num_tokens: int
+    hidden: Any  # torch.Tensor [num_tokens, hidden]
+    residual: Any  # torch.Tensor [num_tokens, hidden], or None
 
 
 @dataclass(slots=True)
@@ -21,6 +65,7 @@ class PrefillRequest:
     destination: KVDestination
     decode_offer: HandshakeOffer  # connected if this (peer, epoch) is new to the prefill actor
     priority: int = 0
+    stage: PipelineStage | None = None  # set: one stage of a pipelined prefill (``open_stage``)
 
 
 @dataclass(slots=True)
@@ -38,7 +83,7 @@ class PrefillTiming:
 @dataclass(slots=True)
 class PrefillResult:
     req_id: str
-    first_token_id: int
+    first_token_id: int | None  # None from a pipeline stage before the last
     first_logprob: TokenLogprob | None
     timing: PrefillTiming
 

@@ -6,10 +6,18 @@ has run the engine samples its first token. The sequence then leaves the running
 but keeps its blocks: the worker is still pushing them to the decode actor. ``release``
 frees them once every write has completed (or the request was aborted and no write is
 in flight any more).
+
+A pipeline stage's prompt (``add_stage``) never enters the queues: the worker runs its chunks
+itself (``LLMEngine.run_stage``) as the previous stage's activations arrive. It takes all its
+blocks at once, its prefix-cache entries are salted with the stage's layers (a block holding
+some layers must never serve a prompt that needs them all), ``start_stage_at`` gives back any
+cached prefix beyond where the whole pipeline starts, and once its last chunk ran it is held
+like any prefilled prompt until its writes are done.
 """
 
 from __future__ import annotations
 
+from engine.block_allocator import OutOfBlocksError
 from engine.errors import UnknownRequestError
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -19,6 +27,47 @@ class PrefillScheduler(Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.held: dict[str, Sequence] = {}
+        self.staged: dict[str, Sequence] = {}  # pipeline stages' prompts being computed
+
+    def add_stage(self, seq: Sequence, salt: bytes) -> None:
+        """Take a pipeline stage's prompt: its cached prefix of this stage's layers and blocks for
+        the rest, at once (OutOfBlocksError if they are not free: nothing is kept then)."""
+        seq.hash_salt = salt
+        self._take_cached_prefix(seq)
+        needed = -(-seq.num_prompt_tokens // self.block_size) - len(seq.block_table)
+        if not self.allocator.can_allocate(needed):
+            self._return_cached_prefix(seq)
+            raise OutOfBlocksError(f"req {seq.req_id}: a pipeline stage needs {needed} free KV blocks, {self.allocator.num_free} are")
+        seq.block_table.extend(self.allocator.allocate(needed))
+        seq.status = SequenceStatus.RUNNING
+        seq.arrival_order = next(self._arrivals)
+        self.requests[seq.req_id] = seq
+        self.staged[seq.req_id] = seq
+
+    def start_stage_at(self, seq: Sequence, num_tokens: int) -> None:
+        """The pipeline computes from token ``num_tokens`` (a block boundary no later than what any
+        stage holds cached): cached blocks beyond it are given back for fresh ones."""
+        keep = num_tokens // self.block_size
+        assert keep * self.block_size == num_tokens <= seq.num_computed_tokens, (num_tokens, seq.num_computed_tokens)
+        extra = len(seq.block_hashes) - keep
+        if extra > 0:
+            self.allocator.free(seq.block_table[keep : keep + extra])
+            seq.block_table[keep : keep + extra] = self.allocator.allocate(extra)
+            del seq.block_hashes[keep:]
+        seq.num_computed_tokens = num_tokens
+        self._count_prefix_hit(seq, num_tokens)
+
+    def advance_stage(self, seq: Sequence, num_tokens: int) -> None:
+        """A stage before the last computed ``num_tokens`` more of the prompt (its layers)."""
+        seq.num_computed_tokens += num_tokens
+        self._record_full_block_hashes(seq)
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self._hold(seq)
+
+    def _hold(self, seq: Sequence) -> None:
+        self.staged.pop(seq.req_id, None)
+        seq.status = SequenceStatus.FINISHED
+        self.held[seq.req_id] = seq
 
     def _try_grow_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         # The whole prompt's blocks are taken at admission, so a running prompt never needs
@@ -32,10 +81,10 @@ class PrefillScheduler(Scheduler):
         return True
 
     def _after_token(self, seq: Sequence, token_id: int) -> None:
-        self.running.remove(seq)
-        seq.status = SequenceStatus.FINISHED
+        if seq.req_id not in self.staged:
+            self.running.remove(seq)
         seq.finish_reason = self.stop_reason(seq, token_id)
-        self.held[seq.req_id] = seq
+        self._hold(seq)
 
     def release(self, req_id: str) -> None:
         """Free a prefilled sequence's blocks: nothing reads them any more."""
@@ -51,4 +100,5 @@ class PrefillScheduler(Scheduler):
             seq = self.held[req_id]
             self.release(req_id)
             return seq
+        self.staged.pop(req_id, None)
         return super().abort(req_id, reason)

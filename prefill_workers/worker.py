@@ -15,6 +15,17 @@ A request's life here:
    returns the first token and the timing.
 4. ``cancel`` stops a request wherever it is and reports whether writes are still in
    flight; the router relays the quiesced report to the decode actor.
+
+A pipelined prompt (distributed split-fuse) is prefilled by several of these actors at once,
+each a contiguous range of layers (``PipelineStage``). ``open_stage`` takes the prompt's blocks
+and says how much of it this stage's prefix cache holds; ``start_stage`` (once the router knows
+where the whole pipeline starts) lets its chunks run: stage 0 cuts the prompt into chunks, every
+later stage computes a chunk when the previous stage's activations for it arrive
+(``stage_activations``), and hands its own to the next. Stage steps alternate with the actor's
+ordinary batches, so a pipeline never holds other prompts back beyond its own steps. After each
+chunk a stage pushes its layers of the blocks the chunk completed into the decode actor's
+reservation (which expects one writer per stage); the last stage samples the first token and
+its last write carries it.
 """
 
 from __future__ import annotations
@@ -27,8 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_allocator import OutOfBlocksError
 from engine.config import EngineConfig
 from engine.errors import RequestFailedError
+from engine.model import StageActivations
+from engine.parallel.group import RankFailedError
+from engine.scheduler import ScheduledBatch, ScheduledSlice
 from engine.sequence import Sequence, sampled_token_to_json
 from engine.step_profile import TransferRecord
 from engine.stats import WorkerState, engine_stats
@@ -36,7 +51,7 @@ from kvtransfer.agent import KVTransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import KVDestination, QuiesceReport
-from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming
+from prefill_workers.messages import PipelineStage, PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming, StageChunk
 from prefill_workers.scheduler import PrefillScheduler
 from workers.base import EngineWorker
 
@@ -64,10 +79,23 @@ class _Job:
     writes_in_flight: set[int] = field(default_factory=set)
     # Per write in flight: when it was pushed, its bytes and descriptors (the step profile's transfer records).
     write_shapes: dict[int, tuple[float, int, int]] = field(default_factory=dict)
+    # A pipeline stage's: started once the router said where the pipeline starts; the previous
+    # stage's activations by the first token they cover.
+    started: bool = False
+    inbox: dict[int, StageChunk] = field(default_factory=dict)
+
+    @property
+    def stage(self) -> PipelineStage | None:
+        return self.request.stage
 
     @property
     def all_pushed(self) -> bool:
         return self.num_pushed_blocks == self.request.destination.num_blocks
+
+    @property
+    def samples(self) -> bool:
+        """Whether this actor samples the request's first token (not a stage before the last)."""
+        return self.stage is None or self.stage.is_last
 
 
 class PrefillWorker(EngineWorker):
@@ -83,6 +111,7 @@ class PrefillWorker(EngineWorker):
         # Reservation tokens cancelled before their request arrived (an async actor may run a
         # cancel ahead of the submit it follows): that submit is refused.
         self._cancelled_tokens = RecentKeys()
+        self._stage_turn = False  # whether a pipeline stage's chunk goes before the next ordinary batch
         self._run_engine()
 
     # -- calls from the router ----------------------------------------------------------
@@ -91,6 +120,27 @@ class PrefillWorker(EngineWorker):
         """Prefill the prompt, push its KV, return the first token once every write landed."""
         done: Future = await asyncio.wrap_future(self._thread.call(self._enqueue, request))
         return await asyncio.wrap_future(done)
+
+    async def open_stage(self, request: PrefillRequest) -> int:
+        """Take one stage (``request.stage``) of a pipelined prefill: the prompt's blocks, now.
+        Returns how many prompt tokens this stage's prefix cache holds (the pipeline starts at
+        the fewest any stage holds); nothing runs before ``start_stage``."""
+        return await self._call(self._open_stage, request)
+
+    async def start_stage(self, req_id: str, token: int, start: int) -> PrefillResult:
+        """Run this stage of the prompt from token ``start``; returns once its writes all landed
+        (with the first token from the last stage)."""
+        done: Future = await self._call(self._start_stage, req_id, token, start)
+        return await asyncio.wrap_future(done)
+
+    async def stage_activations(self, chunk: StageChunk) -> None:
+        """The previous stage's activations for one chunk. Kept without waiting for the engine
+        thread (a step may be running): a dict store is atomic, and the thread is woken."""
+        job = self._jobs.get(chunk.req_id)
+        if job is None or job.request.destination.token != chunk.token:
+            return  # cancelled or failed meanwhile: the router knows
+        job.inbox[chunk.start] = chunk
+        self._thread.wake()
 
     async def cancel(self, req_id: str, token: int | None = None) -> QuiesceReport:
         """Stop the request (its attempt into reservation ``token``, if given) and report writes in flight."""
@@ -152,13 +202,19 @@ class PrefillWorker(EngineWorker):
     # -- engine-thread side -------------------------------------------------------------
 
     def _enqueue(self, request: PrefillRequest) -> Future:
+        self._check_accepting(request)
+        seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
+        return self._add_job(request, seq).done
+
+    def _check_accepting(self, request: PrefillRequest) -> None:
         if self.state is not WorkerState.READY:
             raise PrefillUnavailableError(f"prefill worker {self.worker_id} is {self.state.value}")
         if request.destination.token in self._cancelled_tokens:
             raise PrefillCancelledError(f"req {request.req_id}: cancelled before it arrived on {self.worker_id}")
         if not self.agent.is_connected(request.destination.peer):
             self.agent.connect(request.decode_offer)
-        seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
+
+    def _add_job(self, request: PrefillRequest, seq: Sequence) -> _Job:
         expected = -(-seq.num_prompt_tokens // self.block_size)
         dest = request.destination
         if expected != dest.num_blocks or not dest.block_ids:
@@ -171,6 +227,23 @@ class PrefillWorker(EngineWorker):
         # compute them: the rest of the prompt attends to them).
         job = _Job(request, seq, Future(), time.monotonic(), num_pushed_blocks=dest.num_cached_blocks)
         self._jobs[request.req_id] = job
+        return job
+
+    def _open_stage(self, request: PrefillRequest) -> int:
+        self._check_accepting(request)
+        seq = self.engine.make_sequence(request.req_id, request.prompt_token_ids, request.params, request.priority)
+        try:
+            self.scheduler.add_stage(seq, request.stage.salt)
+        except OutOfBlocksError as exc:
+            raise PrefillUnavailableError(f"prefill worker {self.worker_id}: {exc}") from None
+        return self._add_job(request, seq).seq.num_computed_tokens
+
+    def _start_stage(self, req_id: str, token: int, start: int) -> Future:
+        job = self._jobs.get(req_id)
+        if job is None or job.request.destination.token != token or job.stage is None:
+            raise PrefillCancelledError(f"req {req_id}: its stage on {self.worker_id} was cancelled")
+        self.scheduler.start_stage_at(job.seq, start)
+        job.started = True
         return job.done
 
     def _cancel(self, req_id: str, token: int | None) -> QuiesceReport:
@@ -189,16 +262,33 @@ class PrefillWorker(EngineWorker):
 
     def _iterate(self) -> bool:
         busy = self._poll_sends()
+        # Pipeline stages' chunks and ordinary batches take turns.
+        if self._stage_turn and self._run_stage_chunk():
+            self._stage_turn = False
+            return True
+        if self._run_batch():
+            self._stage_turn = True
+            return True
+        return self._run_stage_chunk() or busy
+
+    def _run_batch(self) -> bool:
+        """One ordinary step: chunks of queued prompts under the token budget (split-fuse)."""
         if not self.engine.has_unfinished_requests():
-            return busy
+            return False
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.slices:
-            return busy
+            return False
         for out in self.engine.run_batch(batch):
             if out.error is not None and (job := self._jobs.get(out.req_id)) is not None:
                 self._finish_job(job, RequestFailedError(out.error))  # that request alone; its blocks are free
         computed = time.perf_counter()
+        self._after_step(computed, started, [self._jobs.get(piece.seq.req_id) for piece in batch.slices])
+        return True
+
+    def _after_step(self, computed: float, started: float, jobs: list[_Job | None], log_step: bool = True) -> None:
+        """Pause (fault injection), then push what the step completed of each job, and log the
+        step (not a stage's: the step-time model fits steps of every layer)."""
         self._pause_after_step()
         paused = time.perf_counter() - computed
         if self.engine.kv_cache.tensor.is_cuda:
@@ -206,12 +296,54 @@ class PrefillWorker(EngineWorker):
             done = torch.cuda.Event()
             done.record()
             done.synchronize()
-        for piece in batch.slices:
-            job = self._jobs.get(piece.seq.req_id)
+        for job in jobs:
             if job is not None:
                 job.num_chunks += 1
                 self._push_completed_blocks(job)
-        self.step_log.record(self.engine.last_shape, time.perf_counter() - started - paused)
+        if log_step:
+            self.step_log.record(self.engine.last_shape, time.perf_counter() - started - paused)
+
+    def _run_stage_chunk(self) -> bool:
+        """One chunk of the oldest pipeline stage that has one ready: stage 0's next chunk, or a
+        later stage's whose activations arrived. Its activations go on to the next stage."""
+        for job in list(self._jobs.values()):
+            stage, seq = job.stage, job.seq
+            if stage is None or seq.req_id not in self.scheduler.staged:
+                continue
+            if not job.started:
+                if time.time() > job.request.destination.lease_deadline:
+                    # Opened by a router that never started it (it died): nothing will.
+                    self._finish_job(job, PrefillCancelledError(f"req {seq.req_id}: its stage was never started"))
+                continue
+            start = seq.num_computed_tokens
+            incoming = None
+            if stage.is_first:
+                num_tokens = min(stage.chunk_tokens, seq.num_prompt_tokens - start)
+            else:
+                chunk = job.inbox.pop(start, None)
+                if chunk is None:
+                    continue
+                num_tokens, incoming = chunk.num_tokens, StageActivations(chunk.hidden, chunk.residual)
+            return self._compute_stage_chunk(job, start, num_tokens, incoming)
+        return False
+
+    def _compute_stage_chunk(self, job: _Job, start: int, num_tokens: int, incoming: StageActivations | None) -> bool:
+        stage, seq = job.stage, job.seq
+        started = time.perf_counter()
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        try:
+            out = self.engine.run_stage(ScheduledBatch([ScheduledSlice(seq, num_tokens)]), stage.layers, incoming)
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            logger.error("req %s: stage %d on %s failed", seq.req_id, stage.index, self.worker_id, exc_info=True)
+            self._finish_job(job, RequestFailedError(f"computing this request failed: {type(exc).__name__}: {exc}"))
+            return True
+        if not stage.is_last:
+            activations = StageChunk(seq.req_id, job.request.destination.token, start, num_tokens, out.hidden, out.residual)
+            stage.next_stage.stage_activations.remote(activations)  # the router hears if that actor is gone
+        self._after_step(time.perf_counter(), started, [job], log_step=False)
         return True
 
     def _push_completed_blocks(self, job: _Job) -> None:
@@ -225,22 +357,21 @@ class PrefillWorker(EngineWorker):
         start, dest = job.num_pushed_blocks, job.request.destination
         held = dest.num_cached_blocks  # prompt block i lands in dest.block_ids[i - held]
         payload = ""
-        if prompt_done and num_ready == dest.num_blocks:
+        if prompt_done and num_ready == dest.num_blocks and job.samples:
             # The last write carries the first token: the decode actor can start the moment
             # the blocks land, without waiting for a message through the router.
             first_logprob = seq.output_logprobs[0] if seq.output_logprobs else None
             payload = sampled_token_to_json(seq.token_ids[seq.num_prompt_tokens], first_logprob)
+        layers = job.stage.layers if job.stage is not None else None  # a stage writes its layers only
+        src_blocks, dst_blocks = seq.block_table[start:num_ready], dest.block_ids[start - held : num_ready - held]
         try:
-            write = self.agent.push(
-                seq.req_id, dest, seq.block_table[start:num_ready], dest.block_ids[start - held : num_ready - held],
-                num_ready - held, payload,
-            )
+            write = self.agent.push(seq.req_id, dest, src_blocks, dst_blocks, num_ready - held, payload, layers)
         except KVTransferError as exc:
             self._finish_job(job, exc)
             return
         self.pump.kick()
         # Every rank's heads of the blocks (tensor parallelism), in the descriptors that moved them.
-        num_bytes, num_descriptors = self.agent.write_cost(dest, seq.block_table[start:num_ready], dest.block_ids[start - held : num_ready - held])
+        num_bytes, num_descriptors = self.agent.write_cost(dest, src_blocks, dst_blocks, layers)
         job.write_shapes[write] = (time.perf_counter(), num_bytes, num_descriptors)
         job.writes_in_flight.add(write)
         job.num_pushed_blocks = num_ready
@@ -285,6 +416,9 @@ class PrefillWorker(EngineWorker):
             num_bytes=job.num_bytes,
             num_cached_tokens=seq.num_cached_tokens or 0,
         )
+        if not job.samples:
+            job.done.set_result(PrefillResult(req_id, None, None, timing))
+            return
         first_logprob = seq.output_logprobs[0] if seq.output_logprobs else None
         job.done.set_result(PrefillResult(req_id, seq.token_ids[seq.num_prompt_tokens], first_logprob, timing))
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 
 
@@ -50,6 +51,13 @@ class RouterConfig:
     # ``busy_local_prefill_max_tokens`` are prefilled locally instead of waiting behind them.
     prefill_busy_tokens: int = 8192
     busy_local_prefill_max_tokens: int = 512
+    # Distributed split-fuse (router.pipeline): a long prompt prefilled by a pipeline of prefill
+    # actors, each a range of layers. AUTO: prompts of at least 2 x ``pipeline_tokens_per_stage``
+    # tokens over the idle ones (one stage per that many tokens); ALWAYS: every remote prompt.
+    prefill_pipeline: PipelineMode = PipelineMode.AUTO
+    max_pipeline_stages: int | None = None  # None: as many as the prefill pool has
+    pipeline_tokens_per_stage: int = 1024
+    pipeline_chunk_tokens: int = 512  # the chunks that flow through the stages
     max_queued_requests: int = 256  # requests admitted but without a first token; beyond: RESOURCE_EXHAUSTED
     max_prefill_retries: int = 2  # another prefill actor after one died mid-request
     max_decode_restarts: int = 2  # restart elsewhere when a decode actor died before the first token
@@ -80,6 +88,11 @@ class RouterConfig:
         for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "max_queued_requests", "max_prefill_retries", "max_decode_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("pipeline_tokens_per_stage", "pipeline_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.max_pipeline_stages is not None and self.max_pipeline_stages < 1:
+            raise ValueError(f"max_pipeline_stages: must be >= 1 or unset, got {self.max_pipeline_stages}")
         if not self.kv_overlap_weight >= 0:
             raise ValueError(f"kv_overlap_weight: must be >= 0, got {self.kv_overlap_weight}")
         if self.max_worker_deaths_per_request < 1:

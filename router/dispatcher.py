@@ -21,6 +21,12 @@ A request's life here (disaggregated path):
 4. ``finish`` runs when the stream ends for any reason. If the request did not end on D by
    itself, it is aborted on D and cancelled on P, and D frees its reserved blocks only after
    P's report that no write is still in flight.
+
+A long prompt may be prefilled by a pipeline of prefill actors (``router.pipeline``): D's
+reservation then expects one writer per stage; every stage is opened (each says how much of the
+prompt its own prefix cache holds), then started from the fewest, and the last one's first token
+goes to D. Every stage is a P above: cancelled and quiesced before D frees a block, and if any
+stage dies or fails, the others are stopped and the prompt is prefilled again.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from decode_workers.messages import DecodeReport, DecodeRequest
 from decode_workers.worker import DecodeCapacityError
 from kvtransfer.messages import KVDestination
 from engine.stats import WorkerState
-from prefill_workers.messages import PrefillRequest
+from prefill_workers.messages import PipelineStage, PrefillRequest, PrefillResult, PrefillTiming
 from prefill_workers.worker import PrefillUnavailableError
 from router.admission import WaitEstimate, WindowRate, estimate_wait
 from router.capacity import DecodeCapacity
@@ -55,6 +61,7 @@ from router.errors import (
     remote_cause,
 )
 from router.output_stream import OutputAssembler
+from router.pipeline import PipelinePlan, plan_pipeline
 from router.pool import Role, WorkerPool, WorkerRecord, within
 from router.prefix_index import PrefixFeed
 from router.routing import RouteQuery
@@ -81,6 +88,7 @@ class Restart:
     attempt: int  # the dispatch attempt it ends: stale once the request was dispatched again
     prefill_failed: bool = False  # the prefill actor died (else the decode actor did)
     dead_worker_id: str | None = None  # the worker whose death this is (None: none was available)
+    pipeline_refused: bool = False  # a stage could not be opened: prefill on one actor, not counted as a retry
 
 
 @dataclass(slots=True)
@@ -97,6 +105,8 @@ class ActiveRequest:
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     decode: WorkerRecord | None = None
     prefill: WorkerRecord | None = None
+    stages: list[WorkerRecord] = field(default_factory=list)  # a pipelined prefill's actors, stage order
+    no_pipeline: bool = False  # a pipeline was refused: this request goes through one prefill actor
     prefill_task: asyncio.Task | None = None
     destination: KVDestination | None = None  # the decode reservation the current prefill writes into
     decode_finished: bool = False
@@ -122,6 +132,13 @@ class ActiveRequest:
     @property
     def req_id(self) -> str:
         return self.request.req_id
+
+    @property
+    def prefill_workers(self) -> list[WorkerRecord]:
+        """Every prefill actor writing into the current reservation (a pipeline's stages, or one)."""
+        if self.stages:
+            return list(self.stages)
+        return [self.prefill] if self.prefill is not None else []
 
     def resume_point(self) -> ValidatedRequest:
         """The request as it stands now: its prompt plus every token its client was sent.
@@ -151,8 +168,10 @@ class Dispatcher:
         decode_ready: Callable[[], Awaitable[None]] | None = None,
         router_id: str | None = None,
         prefix_feed: PrefixFeed | None = None,
+        num_layers: int = 0,
     ):
         self.pool = pool
+        self.num_layers = num_layers  # the model's decoder layers, which a pipeline's stages split
         self.prefix_feed = prefix_feed  # keeps the KV-aware selector's index current
         # Names this router's requests on the workers (``ActiveRequest.key``) and its outputs.
         self.router_id = router_id or f"r{secrets.token_hex(4)}"
@@ -271,10 +290,11 @@ class Dispatcher:
             else:
                 decode = await self._wait_for_room(request, order, query)
             active.attempt = next(self._attempts)
+            plan = None if local else self._pipeline_plan(active, request)
             decode_request = DecodeRequest(
                 request.req_id, request.prompt_token_ids, request.sampling_params, request.priority,
                 self.config.kv_lease_s, attempt=active.attempt, router_id=self.router_id,
-                router_lease_s=self.config.router_lease_s,
+                router_lease_s=self.config.router_lease_s, num_writers=plan.num_stages if plan is not None else 1,
             )
             # Bound before the call: the collector may see this request's first output before
             # the call returns (a short local prefill), and must route it here.
@@ -308,8 +328,19 @@ class Dispatcher:
         active.assembler.timing.dispatched = time.monotonic()
         if destination is not None:
             active.destination = destination
-            active.prefill_task = asyncio.create_task(self._prefill(active, destination, query))
+            prefill = self._prefill(active, destination, query) if plan is None else self._prefill_pipeline(active, destination, plan)
+            active.prefill_task = asyncio.create_task(prefill)
             self.lease_keeper.ensure_running()
+
+    def _pipeline_plan(self, active: ActiveRequest, request: ValidatedRequest) -> PipelinePlan | None:
+        """The stages that prefill this prompt together (None: one prefill actor does)."""
+        if active.no_pipeline or not self.num_layers:
+            return None
+        config = self.config
+        return plan_pipeline(
+            config.prefill_pipeline, len(request.prompt_token_ids), self.pool.routable(Role.PREFILL),
+            config.max_pipeline_stages, config.pipeline_tokens_per_stage, [1.0] * self.num_layers,
+        )
 
     async def _wait_for_decode_pool(self) -> None:
         """Return once a decode actor is routable, waiting (bounded) for a replacement if need be."""
@@ -359,6 +390,7 @@ class Dispatcher:
                 active.outputs.put_nowait(Restart("no prefill worker is available", active.attempt, prefill_failed=True))
                 return
             active.prefill = prefill
+            active.stages = []
             active.destination = destination
             active.assembler.prefill_worker_id = prefill.worker_id
             if prefill.num_assigned_prompt_tokens == 0:
@@ -412,6 +444,79 @@ class Dispatcher:
         except WORKER_GONE:
             pass  # the collector reports the decode actor's death
 
+    async def _prefill_pipeline(self, active: ActiveRequest, destination: KVDestination, plan: PipelinePlan) -> None:
+        """Prefill the prompt over the plan's stages: open each, start all from the shortest
+        cached prefix, relay the last stage's first token to the decode actor."""
+        request, decode = active.work, active.decode
+        num_tokens = len(request.prompt_token_ids)
+        active.prefill, active.stages, active.destination = plan.workers[0], list(plan.workers), destination
+        active.assembler.prefill_worker_id = ",".join(w.worker_id for w in plan.workers)
+        handles = [w.handle for w in plan.workers]
+        for worker in plan.workers:
+            if worker.num_assigned_prompt_tokens == 0:
+                worker.busy_since = time.monotonic()
+            self.pool.assign(worker, request.req_id, num_tokens // plan.num_stages)
+        try:
+            opens = [
+                handle.open_stage.remote(PrefillRequest(
+                    request.req_id, request.prompt_token_ids, request.sampling_params, destination, decode.handshake_offer, request.priority,
+                    PipelineStage(index, plan.num_stages, layers.start, layers.stop, handles[index + 1] if index + 1 < len(handles) else None,
+                                  self.config.pipeline_chunk_tokens),
+                ))
+                for index, (handle, layers) in enumerate(zip(handles, plan.layers))
+            ]
+            outcome = await _first_failure_or_all(opens)
+            if not isinstance(outcome, _StageFailure):
+                start = min(outcome)  # every stage computes from where the least cached one must
+                outcome = await _first_failure_or_all([h.start_stage.remote(request.req_id, destination.token, start) for h in handles])
+        finally:
+            for worker in plan.workers:
+                self.pool.release(worker, request.req_id)
+        if isinstance(outcome, _StageFailure):
+            await self._pipeline_failed(active, plan, outcome)
+            return
+        results: list[PrefillResult] = outcome
+        last = results[-1]
+        for worker in plan.workers:
+            worker.prefill_rate.done((num_tokens - start) // plan.num_stages, worker.busy_since or time.monotonic())
+        timing = dataclasses.replace(last.timing, num_bytes=sum(r.timing.num_bytes for r in results),
+                                     num_chunks=max(r.timing.num_chunks for r in results), num_cached_tokens=start)
+        active.assembler.timing.prefill = timing
+        if self.metrics is not None:
+            self.metrics.observe_prefill(timing.num_bytes, timing.transfer_ms)
+        try:
+            await decode.handle.start.remote(request.req_id, last.first_token_id, last.first_logprob)
+        except WORKER_GONE:
+            pass  # the collector reports the decode actor's death
+
+    async def _pipeline_failed(self, active: ActiveRequest, plan: PipelinePlan, failure: "_StageFailure") -> None:
+        """A stage died, refused or failed: stop every stage (no write may land after D frees the
+        blocks), then place the request again, or fail it where the engine refused it."""
+        request, decode = active.work, active.decode
+        worker, exc = plan.workers[failure.index], failure.error
+        await self._quiesce_prefills(active.key, plan.workers, active.destination.token)
+        if isinstance(exc, PrefillUnavailableError):
+            logger.info("req %s: stage %d on %s refused (%s); prefilling on one actor", request.req_id, failure.index, worker.worker_id, _reason(exc))
+            active.no_pipeline = True
+            active.attempt = next(self._attempts)
+            active.outputs.put_nowait(Restart(f"prefill worker {worker.worker_id} refused a stage", active.attempt, prefill_failed=True, pipeline_refused=True))
+            return
+        if isinstance(exc, WORKER_GONE):
+            logger.warning("req %s: stage %d's prefill worker %s died", request.req_id, failure.index, worker.worker_id)
+            self.on_worker_died(worker)
+            active.attempt = next(self._attempts)
+            active.outputs.put_nowait(Restart(f"prefill worker {worker.worker_id} died", active.attempt, prefill_failed=True, dead_worker_id=worker.worker_id))
+            return
+        logger.warning("req %s: stage %d on %s failed: %s", request.req_id, failure.index, worker.worker_id, _reason(exc))
+        if getattr(getattr(exc, "cause", None), "peer_lost", False):
+            await self._on_decode_unreachable(active, decode)
+            return
+        cause = remote_cause(exc)
+        if cause is not exc:
+            active.outputs.put_nowait(Failure(cause))
+        else:
+            active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {worker.worker_id}: {_reason(exc)}")))
+
     async def _on_decode_unreachable(self, active: ActiveRequest, decode: WorkerRecord) -> None:
         """A prefill actor lost its connection to ``decode``: restart the request, as its death
         would (if it is dead, ``on_worker_died`` does; if not, its reservation is given up)."""
@@ -447,7 +552,9 @@ class Dispatcher:
                     f"({', '.join(active.dead_workers)}); it is not retried on another, in case it is what "
                     f"kills them (router.max_worker_deaths_per_request = {limit})"
                 )
-        if reason.prefill_failed:
+        if reason.pipeline_refused:
+            pass  # not a failure: it goes to one prefill actor instead
+        elif reason.prefill_failed:
             active.num_prefill_retries += 1
             if active.num_prefill_retries > self.config.max_prefill_retries:
                 raise UnavailableError(f"{reason.reason}; gave up after {self.config.max_prefill_retries} retries")
@@ -478,13 +585,15 @@ class Dispatcher:
         """Stop a prefill whose decode actor is gone (before the request is dispatched again)."""
         if active.prefill_task is not None and not active.prefill_task.done():
             active.prefill_task.cancel()
-        prefill, active.prefill, active.prefill_task = active.prefill, None, None
-        if prefill is None or prefill.state is WorkerState.DEAD:
-            return
-        try:
-            await prefill.handle.cancel.remote(active.key, active.destination.token)
-        except WORKER_GONE:
-            pass
+        prefills = active.prefill_workers
+        active.prefill, active.stages, active.prefill_task = None, [], None
+        for prefill in prefills:
+            if prefill.state is WorkerState.DEAD:
+                continue
+            try:
+                await prefill.handle.cancel.remote(active.key, active.destination.token)
+            except WORKER_GONE:
+                pass
 
     # -- outputs --------------------------------------------------------------------------
 
@@ -559,14 +668,14 @@ class Dispatcher:
                 del self._releasing[active.req_id]
 
     async def _abort_on_workers(self, active: ActiveRequest) -> None:
-        key, decode, prefill = active.key, active.decode, active.prefill
+        key, decode, prefills = active.key, active.decode, active.prefill_workers
         try:
             # With the attempt: an abort that overtakes its own reserve call (an async actor may
             # run calls out of order) leaves a mark, and that reserve is refused.
             await decode.handle.abort.remote(key, active.attempt)
         except WORKER_GONE:
             return
-        if prefill is None:
+        if not prefills:
             # Ended before any prefill actor was given a reservation (the prefill task sets
             # ``prefill`` before it submits), possibly while the reserve call itself was in
             # flight: nothing can write into those blocks, so they are free now, not when the
@@ -576,25 +685,59 @@ class Dispatcher:
             except WORKER_GONE:
                 pass
             return
-        try:
-            report = await prefill.handle.cancel.remote(key, active.destination.token)
-            if not report.quiesced:
-                # Bounded: the lease frees the blocks if the writer never confirms.
-                report = await prefill.handle.wait_quiesced.remote(key, active.destination.token, QUIESCE_WAIT_S)
-            if not report.quiesced:
-                logger.warning("req %s: %s never quiesced; the lease will free the blocks", active.req_id, prefill.worker_id)
-                return
-        except WORKER_GONE:
-            pass  # a dead writer has nothing in flight
+        if not await self._quiesce_prefills(key, prefills, active.destination.token):
+            return
         try:
             await decode.handle.confirm_quiesced.remote(key)
         except WORKER_GONE:
             pass
 
+    async def _quiesce_prefills(self, key: str, prefills: list[WorkerRecord], token: int) -> bool:
+        """Cancel the request's attempt ``token`` on every prefill actor writing into it; True once
+        none has a write in flight (a dead one has none), False if one never said so."""
+
+        async def quiesce(prefill: WorkerRecord) -> bool:
+            try:
+                report = await prefill.handle.cancel.remote(key, token)
+                if not report.quiesced:
+                    # Bounded: the lease frees the blocks if the writer never confirms.
+                    report = await prefill.handle.wait_quiesced.remote(key, token, QUIESCE_WAIT_S)
+                if not report.quiesced:
+                    logger.warning("req %s: %s never quiesced; the lease will free the blocks", key, prefill.worker_id)
+                return report.quiesced
+            except WORKER_GONE:
+                return True  # a dead writer has nothing in flight
+
+        return all(await asyncio.gather(*(quiesce(p) for p in prefills)))
+
     async def close(self) -> None:
         for task in self._collectors.values():
             task.cancel()
         await self.lease_keeper.close()
+
+
+@dataclass(slots=True)
+class _StageFailure:
+    index: int  # which stage's call raised
+    error: BaseException
+
+
+async def _first_failure_or_all(refs: list) -> list | _StageFailure:
+    """Every call's result in order, or the first failure as soon as it happens (a stage waiting
+    for a dead stage's activations would wait forever: the caller stops them all)."""
+    tasks = [asyncio.ensure_future(ref) for ref in refs]
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    return _StageFailure(tasks.index(task), task.exception())
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
 
 
 def _capacity_error(request: ValidatedRequest) -> Exception:

@@ -71,8 +71,8 @@ class LeaseKeeper:
                 if active.destination is not None and active.destination.token == dest.token:
                     # A prefill retry elsewhere must carry the renewed deadline, not the first one.
                     active.destination.lease_deadline = max(active.destination.lease_deadline, dest.lease_deadline)
-                if active.prefill is not None:
-                    by_prefill.setdefault(active.prefill.worker_id, (active.prefill, []))[1].append(dest)
+                for prefill in active.prefill_workers:  # every stage of a pipelined prefill
+                    by_prefill.setdefault(prefill.worker_id, (prefill, []))[1].append(dest)
         await asyncio.gather(
             *(self._extend_on_prefill(record, dests) for record, dests in by_prefill.values()), return_exceptions=True
         )

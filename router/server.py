@@ -68,6 +68,7 @@ class ModelInfo:
     eos_token_ids: list[int]
     block_size: int
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    num_layers: int = 0  # decoder layers (a pipelined prefill cuts them into stages; 0: never)
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, block_size: int, max_model_len: int | None, eos_token_ids: list[int]) -> "ModelInfo":
@@ -77,7 +78,7 @@ class ModelInfo:
             limit = min(limit, max_model_len)
         return cls(
             Path(model_dir).name, config.architecture, limit, config.vocab_size, eos_token_ids or config.eos_token_ids,
-            block_size, SamplingDefaults.from_model_dir(model_dir),
+            block_size, SamplingDefaults.from_model_dir(model_dir), config.num_layers,
         )
 
 
@@ -189,7 +190,8 @@ class Router:
         # The one reader of worker status (GetClusterStatus, metrics, the pool manager).
         self.status_monitor = StatusMonitor(self.pool, self.config.status_timeout_s)
         self.dispatcher = Dispatcher(
-            self.pool, self.config, metrics, block_size=model_info.block_size, decode_ready=self.wait_ready, prefix_feed=self.prefix_feed
+            self.pool, self.config, metrics, block_size=model_info.block_size, decode_ready=self.wait_ready, prefix_feed=self.prefix_feed,
+            num_layers=model_info.num_layers,
         )
         self.pool_manager: PoolControl | None = pool_manager  # set by whoever runs the pools
         self.metrics = metrics

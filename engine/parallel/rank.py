@@ -2,7 +2,7 @@
 
 A rank's life: it joins its worker's group (``TPGroup.join``), loads only its slices of the
 checkpoint, allocates its shard of the KV cache (the same block count as rank 0, its own KV
-heads), then waits for rank 0's broadcasts: each ``StepInput`` it runs through its shard (the
+heads), then waits for rank 0's broadcasts: each ``StepInput`` (or a pipeline stage's ``StageStep``) it runs through its shard (the
 layers' all-reduces and the logits' gather meet rank 0's), until ``STOP``. Where it runs (a Ray
 actor, a subprocess) is the launcher's business; it knows nothing of either.
 """
@@ -16,7 +16,7 @@ import torch
 
 from engine import cpu_attention
 from engine.config import EngineConfig
-from engine.executor import STOP
+from engine.executor import STOP, StageStep
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -55,7 +55,10 @@ class ShardRank:
             if step is STOP:
                 break
             try:
-                self.runner.run(step)
+                if isinstance(step, StageStep):  # a pipeline stage's step: only its layers
+                    self.runner.run_stage(step.step, step.layers, step.incoming)
+                else:
+                    self.runner.run(step)
             except RankFailedError:
                 raise
             except Exception:

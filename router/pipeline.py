@@ -1,0 +1,103 @@
+"""Distributed split-fuse: whether a prompt is prefilled by a pipeline of prefill actors, and how.
+
+Every prefill actor holds the whole model, so any of them can compute any range of layers. For
+each prompt the router decides here how many stages to use (one: the ordinary path) from its
+length, the prefill actors that are idle and the configuration, and cuts the layers into
+contiguous ranges of balanced cost. A pipeline pays for itself only when the prompt is long
+enough that its chunks keep every stage busy: with ``k`` stages and ``c`` chunks, its compute
+takes about ``(c + k - 1) / (k c)`` of one actor's, so short prompts stay on one actor.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.pool import WorkerRecord
+
+
+class PipelineMode(str, enum.Enum):
+    AUTO = "auto"  # long prompts over the idle prefill actors
+    ALWAYS = "always"  # every remote prompt over every routable prefill actor (for tests)
+    OFF = "off"  # one prefill actor per prompt
+
+
+@dataclass(slots=True)
+class PipelinePlan:
+    """The prefill actors of each stage, in order, and the layers each computes."""
+
+    workers: list[WorkerRecord]
+    layers: list[range]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.workers)
+
+
+def num_stages(
+    mode: PipelineMode, num_tokens: int, num_idle: int, num_routable: int, max_stages: int | None, tokens_per_stage: int, num_layers: int
+) -> int:
+    """How many stages a prompt of ``num_tokens`` (to compute) gets; 1: no pipeline."""
+    if mode is PipelineMode.OFF or num_layers < 2:
+        return 1
+    if mode is PipelineMode.ALWAYS:
+        available = num_routable
+    else:
+        # Only actors with nothing queued: a busy one would hold the pipeline behind its queue,
+        # and a long prompt on one idle actor already has that actor to itself.
+        available = min(num_idle, num_tokens // tokens_per_stage)
+    limit = num_layers if max_stages is None else min(max_stages, num_layers)
+    return max(1, min(available, limit))
+
+
+def balanced_layers(layer_costs: Sequence[float], num_stages: int) -> list[range]:
+    """Cut the layers into ``num_stages`` contiguous ranges whose largest cost is the smallest
+    possible (a stage's step time is the pipeline's beat): a binary search over the bound, each
+    tested by filling stages greedily."""
+    num_layers = len(layer_costs)
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"num_stages: {num_stages} is outside [1, {num_layers}] (the model's layers)")
+
+    def cuts_within(bound: float) -> list[int] | None:
+        cuts, total = [], 0.0
+        for index, cost in enumerate(layer_costs):
+            # Leave at least one layer for each stage still to come.
+            must_cut = num_layers - index == num_stages - 1 - len(cuts)
+            if index > 0 and (total + cost > bound or must_cut) and len(cuts) < num_stages - 1:
+                cuts.append(index)
+                total = 0.0
+            total += cost
+            if total > bound:
+                return None
+        return cuts if len(cuts) == num_stages - 1 else None
+
+    low, high = max(layer_costs), sum(layer_costs)
+    best = cuts_within(high)
+    for _ in range(60):
+        middle = (low + high) / 2
+        found = cuts_within(middle)
+        if found is not None:
+            best, high = found, middle
+        else:
+            low = middle
+    bounds = [0, *best, num_layers]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def plan_pipeline(
+    mode: PipelineMode,
+    num_tokens: int,
+    candidates: Sequence[WorkerRecord],
+    max_stages: int | None,
+    tokens_per_stage: int,
+    layer_costs: Sequence[float],
+) -> PipelinePlan | None:
+    """The pipeline for a prompt of ``num_tokens`` over ``candidates`` (routable prefill actors),
+    or None for the ordinary path. Idle actors first, then the least loaded."""
+    idle = [w for w in candidates if w.num_assigned_prompt_tokens == 0]
+    stages = num_stages(mode, num_tokens, len(idle), len(candidates), max_stages, tokens_per_stage, len(layer_costs))
+    if stages < 2:
+        return None
+    ordered = sorted(candidates, key=lambda w: (w.num_assigned_prompt_tokens, w.worker_id))
+    return PipelinePlan(ordered[:stages], balanced_layers(layer_costs, stages))

@@ -1,0 +1,113 @@
+"""Distributed split-fuse through a real deployment: one prompt prefilled by a pipeline of
+prefill actors (each a range of layers, activations passed stage to stage, each stage pushing its
+layers of every block into the decode actor's reservation) gives exactly transformers' greedy
+output, for two and three stages, chunk sizes that do and do not divide the prompt, prefix-cache
+hits on every stage, and a stage killed mid-prompt."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import pytest
+import ray
+
+from router.config import Disaggregation, RouterConfig
+from router.pipeline import PipelineMode
+from tests.checkpoints import build_checkpoint, hf_greedy, random_prompts
+from tests.serving import Client, engine_config, running_deployment
+
+pytestmark = pytest.mark.e2e
+
+NUM_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def four_layer_model(tmp_path_factory):
+    """The e2e model's tokenizer over a 4-layer llama (stages of 1, 2 or 3 layers)."""
+    from tests.conftest import E2EModel
+    from tests.router.tokenizer_builders import BASE_CONFIG, save_model_dir, train_byte_level_bpe
+
+    path = tmp_path_factory.mktemp("pipeline_model")
+    tokenizer = train_byte_level_bpe(400)
+    model = build_checkpoint("llama", path, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=2048, num_hidden_layers=NUM_LAYERS)
+    save_model_dir(path, tokenizer, BASE_CONFIG)
+    return E2EModel(path, model, tokenizer.get_vocab_size())
+
+
+def _router(chunk_tokens: int, **overrides) -> RouterConfig:
+    fields = dict(disaggregation=Disaggregation.ALWAYS, prefill_pipeline=PipelineMode.ALWAYS, pipeline_chunk_tokens=chunk_tokens)
+    fields.update(overrides)
+    return RouterConfig(**fields)
+
+
+def _stage_workers(stream) -> list[str]:
+    return stream.last.prefill_worker_id.split(",")
+
+
+@pytest.mark.parametrize("num_prefill,chunk_tokens", [(2, 16), (3, 23)])
+def test_a_pipelined_prompt_decodes_what_transformers_does(ray_cluster, four_layer_model, num_prefill, chunk_tokens):
+    prompts = random_prompts([40, 97, 200], four_layer_model.vocab_size, seed=num_prefill)
+    expected = [hf_greedy(four_layer_model.hf_model, p, 8) for p in prompts]
+    with running_deployment(four_layer_model, num_prefill, 1, _router(chunk_tokens)) as deployment:
+        client = Client(deployment.address)
+        streams = [client.generate(prompt_token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True) for p in prompts]
+        for stream, want in zip(streams, expected):
+            assert stream.token_ids == want
+            assert len(_stage_workers(stream)) == num_prefill, stream.last.prefill_worker_id
+            # Every stage pushed its layers of every block: the bytes of the whole prompt's KV.
+            assert stream.last.timing.kv_bytes_transferred > 0
+        # The same prompts again: each stage's own prefix cache (of its layers) holds them.
+        again = [client.generate(prompt_token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True) for p in prompts]
+        for stream, want, prompt in zip(again, expected, prompts):
+            assert stream.token_ids == want
+            assert stream.last.timing.prompt_tokens_computed < len(prompt)
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
+        client.close()
+
+
+def test_a_seeded_sample_repeats_and_concurrent_pipelines_share_the_actors(ray_cluster, four_layer_model):
+    prompts = random_prompts([150, 120, 90, 60], four_layer_model.vocab_size, seed=5)
+    expected = [hf_greedy(four_layer_model.hf_model, p, 6) for p in prompts]
+    with running_deployment(four_layer_model, 2, 1, _router(32)) as deployment:
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(client.generate, prompt_token_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts]
+            streams = [f.result(timeout=120) for f in futures]
+        assert [s.token_ids for s in streams] == expected
+        sampled = [
+            client.generate(prompt_token_ids=prompts[0] + [i], max_tokens=10, temperature=0.9, seed=1234, ignore_eos=True).token_ids
+            for i in (1, 1)
+        ]
+        assert sampled[0] == sampled[1] and len(sampled[0]) == 10
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
+        client.close()
+
+
+def test_a_stage_killed_mid_prompt_loses_nothing(ray_cluster, four_layer_model):
+    """The second stage dies while a long prompt flows through the pipeline: every stage is
+    stopped, the prompt is prefilled again (by the survivors), the output is transformers'."""
+    prompt = random_prompts([600], four_layer_model.vocab_size, seed=17)[0]
+    expected = hf_greedy(four_layer_model.hf_model, prompt, 6)
+    # Small chunks, and a pause after each step, keep the prompt in the pipeline long enough.
+    with running_deployment(four_layer_model, 3, 1, _router(8, max_pipeline_stages=2)) as deployment:
+        for handle in deployment.pools.handles.values():
+            ray.get(handle.set_step_delay.remote(0.02))
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.generate, prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+            records = deployment.router.pool.workers
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and sum(1 for r in records.values() if r.num_assigned_prompt_tokens > 0 and r.role.value == "prefill") < 2:
+                time.sleep(0.005)
+            stages = sorted(r.worker_id for r in records.values() if r.role.value == "prefill" and r.num_assigned_prompt_tokens > 0)
+            assert len(stages) == 2, "a two-stage pipeline was running"
+            time.sleep(0.3)  # some chunks through both stages
+            victim = stages[1]
+            ray.kill(deployment.pools.handles[victim], no_restart=True)
+            stream = future.result(timeout=180)
+        assert stream.token_ids == expected
+        assert victim not in _stage_workers(stream)
+        survivors = [w for w in client.wait_until_idle(timeout_s=60) if w.worker_id != victim]
+        assert all(w.num_kv_blocks_used == 0 for w in survivors)
+        client.close()
