@@ -343,8 +343,12 @@ class KVSender:
         return True
 
     def has_work(self) -> bool:
-        """Whether a write is in flight or waiting: someone must keep polling."""
-        return bool(self._reqs)
+        """Whether a write is in flight or waiting, or a request is to be finished or failed:
+        someone must keep polling. (A request between two pushes needs nothing: a prefill
+        computing its next chunk does not keep the pump polling.)"""
+        return bool(self._events) or any(
+            state.in_flight or state.deferred or state.sealed or state.error is not None for state in self._reqs.values()
+        )
 
     # -- failure and abort ---------------------------------------------------------------
 

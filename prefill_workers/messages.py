@@ -29,6 +29,19 @@ class PipelineStage:
     def layers(self) -> range:
         return range(self.layer_start, self.layer_stop)
 
+    def chunk_size(self, index: int, num_left: int) -> int:
+        """Tokens in chunk ``index`` when ``num_left`` are still to cut (stage 0 cuts them).
+
+        The pipeline waits for its first chunk before a later stage starts, and for its last
+        after the first stage is done: both are smaller. The first is a quarter of the chunk and
+        they double back to full size (a 512-token chunk: 128, 256, 512, ...); the last two
+        chunks' worth halve down to a quarter (..., 512, 500, 250, 128, 122)."""
+        smallest = max(16, self.chunk_tokens // 4)
+        size = min(self.chunk_tokens, smallest << index)
+        if num_left <= 2 * self.chunk_tokens:
+            size = min(size, max(smallest, -(-num_left // 2)))
+        return min(size, num_left)
+
     @property
     def is_first(self) -> bool:
         return self.index == 0
@@ -51,8 +64,41 @@ class StageChunk:
     token: int  # the decode reservation's: which attempt of the request
     start: int
     num_tokens: int
-    hidden: Any  # torch.Tensor [num_tokens, hidden]
-    residual: Any  # torch.Tensor [num_tokens, hidden], or None
+    hidden: Any  # numpy array [num_tokens, hidden] (of the raw bits, for dtypes numpy lacks)
+    residual: Any  # numpy array [num_tokens, hidden], or None
+    dtype: str = "float32"  # the tensors' torch dtype
+
+    @classmethod
+    def of(cls, req_id: str, token: int, start: int, activations: Any) -> StageChunk:
+        """From ``engine.model.StageActivations``, as numpy arrays: Ray moves those through its
+        object store without pickling their bytes."""
+        hidden, residual = activations.hidden, activations.residual
+        return cls(req_id, token, start, hidden.shape[0], _as_array(hidden), _as_array(residual) if residual is not None else None,
+                   str(hidden.dtype).removeprefix("torch."))
+
+    def activations(self) -> Any:
+        """As the engine takes them (``engine.model.StageActivations``), in writable memory: the
+        arrays may be read-only views of Ray's object store, and the layers update the residual
+        in place."""
+        from engine.model import StageActivations
+
+        residual = _as_tensor(self.residual, self.dtype) if self.residual is not None else None
+        return StageActivations(_as_tensor(self.hidden, self.dtype), residual)
+
+
+def _as_array(tensor: Any) -> Any:
+    import torch
+
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        return tensor.contiguous().view(torch.int16).numpy()
+    return tensor.contiguous().numpy()
+
+
+def _as_tensor(array: Any, dtype: str) -> Any:
+    import torch
+
+    tensor = torch.tensor(array)  # a copy
+    return tensor.view(getattr(torch, dtype)) if dtype in ("bfloat16", "float16") else tensor
 
 
 @dataclass(slots=True)

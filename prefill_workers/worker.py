@@ -83,6 +83,7 @@ class _Job:
     # stage's activations by the first token they cover.
     started: bool = False
     inbox: dict[int, StageChunk] = field(default_factory=dict)
+    compute_s: float = 0.0  # a stage's time in its own steps (the rest it waited for activations or shared the actor)
 
     @property
     def stage(self) -> PipelineStage | None:
@@ -318,12 +319,12 @@ class PrefillWorker(EngineWorker):
             start = seq.num_computed_tokens
             incoming = None
             if stage.is_first:
-                num_tokens = min(stage.chunk_tokens, seq.num_prompt_tokens - start)
+                num_tokens = stage.chunk_size(job.num_chunks, seq.num_prompt_tokens - start)
             else:
                 chunk = job.inbox.pop(start, None)
                 if chunk is None:
                     continue
-                num_tokens, incoming = chunk.num_tokens, StageActivations(chunk.hidden, chunk.residual)
+                num_tokens, incoming = chunk.num_tokens, chunk.activations()
             return self._compute_stage_chunk(job, start, num_tokens, incoming)
         return False
 
@@ -341,9 +342,14 @@ class PrefillWorker(EngineWorker):
             self._finish_job(job, RequestFailedError(f"computing this request failed: {type(exc).__name__}: {exc}"))
             return True
         if not stage.is_last:
-            activations = StageChunk(seq.req_id, job.request.destination.token, start, num_tokens, out.hidden, out.residual)
+            activations = StageChunk.of(seq.req_id, job.request.destination.token, start, out)
             stage.next_stage.stage_activations.remote(activations)  # the router hears if that actor is gone
+        job.compute_s += time.perf_counter() - started
         self._after_step(time.perf_counter(), started, [job], log_step=False)
+        if seq.num_computed_tokens >= seq.num_prompt_tokens:
+            logger.info("req %s: stage %d of %d (layers %s) on %s computed its %d chunks in %.2fs of %.2fs since its first",
+                        seq.req_id, stage.index, stage.num_stages, stage.layers, self.worker_id, job.num_chunks, job.compute_s,
+                        time.monotonic() - seq.first_scheduled_time)
         return True
 
     def _push_completed_blocks(self, job: _Job) -> None:

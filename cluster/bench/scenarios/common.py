@@ -47,6 +47,7 @@ class ClusterShape:
     decode_engine: EngineConfig
     routing_policy: RoutingPolicy | None = None  # None: the router's default
     kv_overlap_weight: float | None = None  # kv_aware: None, the router's default
+    router_overrides: dict[str, Any] = field(default_factory=dict)  # other RouterConfig fields
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -61,6 +62,7 @@ class ClusterShape:
             "prefix_caching": [self.prefill_engine.enable_prefix_caching, self.decode_engine.enable_prefix_caching],
             "routing_policy": (self.routing_policy or RouterConfig().routing_policy).value,
             "kv_overlap_weight": self.kv_overlap_weight if self.kv_overlap_weight is not None else RouterConfig().kv_overlap_weight,
+            "router": {k: getattr(v, "value", v) for k, v in self.router_overrides.items()},
         }
 
 
@@ -120,7 +122,7 @@ def local_cluster(model_dir: Path, shape: ClusterShape, actor_num_cpus: float = 
         model_path=model_dir,
         prefill=PoolSpec(shape.num_prefill, shape.prefill_engine, num_cpus=actor_num_cpus),
         decode=PoolSpec(shape.num_decode, shape.decode_engine, num_cpus=actor_num_cpus),
-        router=RouterConfig(disaggregation=shape.disaggregation),
+        router=RouterConfig(disaggregation=shape.disaggregation, **shape.router_overrides),
     )
     if shape.routing_policy is not None:
         spec.router.routing_policy = shape.routing_policy
