@@ -113,6 +113,9 @@ class PrefillWorker(EngineWorker):
         # cancel ahead of the submit it follows): that submit is refused.
         self._cancelled_tokens = RecentKeys()
         self._stage_turn = False  # whether a pipeline stage's chunk goes before the next ordinary batch
+        # Renewals for requests whose submit is still waiting for the engine thread (a long step
+        # runs): applied when the request arrives, or its lease would run out in that wait.
+        self._early_renewals: dict[str, KVDestination] = {}
         self._run_engine()
 
     # -- calls from the router ----------------------------------------------------------
@@ -171,10 +174,17 @@ class PrefillWorker(EngineWorker):
         long step to end. Returns how many of them belong to requests held here.
         """
         num_held = 0
+        now = time.time()
+        for key, early in list(self._early_renewals.items()):  # a snapshot: the engine thread pops too
+            if early.lease_deadline < now:
+                self._early_renewals.pop(key, None)
         for renewed in destinations:
             job = self._jobs.get(renewed.req_id)
             dest = job.request.destination if job is not None else None
-            if dest is None or dest.token != renewed.token:
+            if job is None:
+                self._early_renewals[renewed.req_id] = renewed  # its submit may be on its way
+                continue
+            if dest.token != renewed.token:
                 continue
             # A float store is atomic; the engine thread only ever reads this deadline.
             dest.lease_deadline = max(dest.lease_deadline, renewed.lease_deadline)
@@ -224,6 +234,9 @@ class PrefillWorker(EngineWorker):
                 f"req {request.req_id}: destination covers {dest.num_blocks} blocks ({dest.num_cached_blocks} held "
                 f"there), the prompt fills {expected} and its last one must be written"
             )
+        renewed = self._early_renewals.pop(request.req_id, None)
+        if renewed is not None and renewed.token == dest.token:
+            dest.lease_deadline = max(dest.lease_deadline, renewed.lease_deadline)
         # Blocks the decode actor holds already are never pushed (this actor may still have to
         # compute them: the rest of the prompt attends to them).
         job = _Job(request, seq, Future(), time.monotonic(), num_pushed_blocks=dest.num_cached_blocks)
@@ -319,7 +332,7 @@ class PrefillWorker(EngineWorker):
             start = seq.num_computed_tokens
             incoming = None
             if stage.is_first:
-                num_tokens = stage.chunk_size(job.num_chunks, seq.num_prompt_tokens - start)
+                num_tokens = min(stage.chunk_tokens, seq.num_prompt_tokens - start)
             else:
                 chunk = job.inbox.pop(start, None)
                 if chunk is None:

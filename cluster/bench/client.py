@@ -163,6 +163,10 @@ class BenchClient:
         records = await asyncio.gather(*(one(i, r, o) for i, (r, o) in enumerate(zip(requests, offsets))))
         return RunResult(list(records), self.now_s())
 
+    async def send(self, request: BenchRequest, req_id: str) -> RequestRecord:
+        """Send one request now under ``req_id`` (beside whatever ``run`` is sending)."""
+        return await self._send(0, request, self.now_s(), req_id)
+
     async def _send(self, index: int, request: BenchRequest, scheduled_s: float, req_id: str | None = None) -> RequestRecord:
         req_id = req_id or f"{self.config.request_id_prefix}-{index}"
         record = RequestRecord(index=index, req_id=req_id, tag=request.tag, prompt_len=request.prompt_len, max_tokens=request.max_tokens, scheduled_s=scheduled_s)

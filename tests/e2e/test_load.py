@@ -60,3 +60,33 @@ def test_a_burst_that_waits_longer_than_the_lease_loses_no_request(ray_cluster, 
         workers = client.wait_until_idle()
         assert all(w.num_kv_blocks_used == 0 for w in workers)
         client.close()
+
+
+def test_a_prompt_that_waits_behind_one_long_step_keeps_its_lease(ray_cluster, e2e_model):
+    """The prefill actor's engine thread is in one step for longer than a lease: a prompt whose
+    submit waits for that step to end (not yet queued in the engine) must not lose its
+    reservation meanwhile. The router's renewals reach the actor before the prompt does; they
+    are kept and applied when it arrives."""
+    prompts = random_prompts([120, 90], e2e_model.vocab_size, seed=43)
+    expected = [hf_greedy(e2e_model.hf_model, p, 3) for p in prompts]
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, kv_lease_s=LEASE_S, admission_ttft_budget_s=None)
+    transfer = KVTransferConfig(lease=LeasePolicy(lease_s=LEASE_S, write_timeout_s=WRITE_TIMEOUT_S, grace_s=0.2))
+    prefill = engine_config(max_num_batched_tokens=256, long_prefill_chunk=256)
+    with running_deployment(e2e_model, 1, 1, router, prefill_engine=prefill, transfer=transfer) as deployment:
+        # One step of the first prompt, then a pause four leases long on the engine thread; the
+        # second prompt arrives during it, and its own step (no pause) pushes at once after it.
+        prefill_actor = deployment.handles["prefill-0"]
+        ray.get(prefill_actor.set_step_delay.remote(4 * LEASE_S))
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(client.generate, timeout=60, prompt_token_ids=prompts[0], max_tokens=3, temperature=0.0, ignore_eos=True)
+            time.sleep(0.5)  # the first prompt's step has run; the pause has begun
+            second = pool.submit(client.generate, timeout=60, prompt_token_ids=prompts[1], max_tokens=3, temperature=0.0, ignore_eos=True)
+            time.sleep(0.5)
+            ray.get(prefill_actor.set_step_delay.remote(0.0))  # answered by the event loop during the pause
+            streams = [first.result(timeout=90), second.result(timeout=90)]
+        assert [s.token_ids for s in streams] == expected
+        waited_ms = streams[1].last.timing.time_to_first_token_ms
+        assert waited_ms > 2000 * LEASE_S, f"the second prompt waited behind the long step: {waited_ms} ms"
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
+        client.close()

@@ -2,7 +2,8 @@
 prefill actors (each a range of layers, activations passed stage to stage, each stage pushing its
 layers of every block into the decode actor's reservation) gives exactly transformers' greedy
 output, for two and three stages, chunk sizes that do and do not divide the prompt, prefix-cache
-hits on every stage, and a stage killed mid-prompt."""
+hits on every stage, a quantized cache, stages that are tensor-parallel groups, and a stage killed
+mid-prompt."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 import pytest
 import ray
 
+from engine import LLMEngine, SamplingParams
 from router.config import Disaggregation, RouterConfig
 from router.pipeline import PipelineMode
 from tests.checkpoints import build_checkpoint, hf_greedy, random_prompts
@@ -110,4 +112,38 @@ def test_a_stage_killed_mid_prompt_loses_nothing(ray_cluster, four_layer_model):
         assert victim not in _stage_workers(stream)
         survivors = [w for w in client.wait_until_idle(timeout_s=60) if w.worker_id != victim]
         assert all(w.num_kv_blocks_used == 0 for w in survivors)
+        client.close()
+
+
+def test_quantized_stages_write_their_layers_and_scales(ray_cluster, four_layer_model):
+    """int8 cache: each stage moves its layers' elements and scales; the decode actor carries on
+    exactly as one engine with the same chunking does, and the stages' bytes add up to the blocks."""
+    prompts = random_prompts([45, 130], four_layer_model.vocab_size, seed=23)
+    config = engine_config(kv_cache_dtype="int8")
+    local = LLMEngine(four_layer_model.path, engine_config(kv_cache_dtype="int8"))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [local.generate([p], params)[0].token_ids for p in prompts]
+    block_bytes, block_size = local.kv_cache.bytes_per_block, local.kv_cache.block_size
+    with running_deployment(four_layer_model, 2, 1, _router(32), prefill_engine=config, decode_engine=config) as deployment:
+        client = Client(deployment.address)
+        for prompt, want in zip(prompts, expected):
+            stream = client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+            assert stream.token_ids == want
+            assert len(_stage_workers(stream)) == 2
+            assert stream.last.timing.kv_bytes_transferred == -(-len(prompt) // block_size) * block_bytes
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
+        client.close()
+
+
+def test_stages_that_are_tensor_parallel_groups(ray_cluster, four_layer_model):
+    prompts = random_prompts([70, 150], four_layer_model.vocab_size, seed=29)
+    expected = [hf_greedy(four_layer_model.hf_model, p, 6) for p in prompts]
+    prefill = engine_config(tensor_parallel_size=2)
+    with running_deployment(four_layer_model, 2, 1, _router(32), prefill_engine=prefill) as deployment:
+        client = Client(deployment.address)
+        for prompt, want in zip(prompts, expected):
+            stream = client.generate(prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+            assert stream.token_ids == want
+            assert len(_stage_workers(stream)) == 2
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
         client.close()

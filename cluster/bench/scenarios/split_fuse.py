@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import random
 import statistics
 
@@ -137,9 +138,9 @@ async def _background_load(client: BenchClient, limits, args: argparse.Namespace
     sent: list[asyncio.Task] = []
 
     async def send_forever() -> None:
-        while True:
+        for index in itertools.count():
             request = BenchRequest(args.output_len, random_token_ids(rng, limits, 64), tag="background", prompt_len=64)
-            sent.append(asyncio.ensure_future(client.run([request], [0.0])))
+            sent.append(asyncio.ensure_future(client.send(request, f"{client.config.request_id_prefix}-{index}")))
             await asyncio.sleep(1 / args.background_rate)
 
     task = asyncio.create_task(send_forever())

@@ -1,0 +1,75 @@
+"""The router's per-prompt pipeline decision (distributed split-fuse): how many stages a prompt
+gets from its length, the idle prefill actors and the configuration, and where the layers are cut."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.config import RouterConfig
+from router.pipeline import PipelineMode, balanced_layers, plan_pipeline
+from router.pool import Role, WorkerRecord
+
+UNIFORM = [1.0] * 30
+
+
+def _workers(*queued: int) -> list[WorkerRecord]:
+    return [WorkerRecord(f"prefill-{i}", Role.PREFILL, handle=None, num_assigned_prompt_tokens=n) for i, n in enumerate(queued)]
+
+
+def _stages(mode: PipelineMode, num_tokens: int, workers: list[WorkerRecord], max_stages: int | None = None) -> list[str]:
+    plan = plan_pipeline(mode, num_tokens, workers, max_stages, 1024, UNIFORM)
+    return [] if plan is None else [w.worker_id for w in plan.workers]
+
+
+def test_auto_pipelines_long_prompts_over_idle_actors_only():
+    idle = _workers(0, 0, 0)
+    assert _stages(PipelineMode.AUTO, 8000, idle) == ["prefill-0", "prefill-1", "prefill-2"]
+    assert _stages(PipelineMode.AUTO, 8000, idle, max_stages=2) == ["prefill-0", "prefill-1"]
+    # One stage per 1024 tokens: a 2,500-token prompt takes two; short prompts stay on one actor.
+    assert _stages(PipelineMode.AUTO, 2500, idle) == ["prefill-0", "prefill-1"]
+    assert _stages(PipelineMode.AUTO, 2000, idle) == []
+    assert _stages(PipelineMode.AUTO, 64, idle) == []
+    # An actor with queued work would hold the pipeline behind its queue: only the idle ones count.
+    assert _stages(PipelineMode.AUTO, 8000, _workers(500, 0, 0)) == ["prefill-1", "prefill-2"]
+    assert _stages(PipelineMode.AUTO, 8000, _workers(500, 0)) == []
+
+
+def test_always_and_off():
+    busy = _workers(300, 0)
+    assert _stages(PipelineMode.ALWAYS, 40, busy) == ["prefill-1", "prefill-0"]  # least loaded first
+    assert _stages(PipelineMode.ALWAYS, 40, _workers(0)) == []  # one actor: no pipeline
+    assert _stages(PipelineMode.OFF, 8000, _workers(0, 0)) == []
+    # Never more stages than layers.
+    plan = plan_pipeline(PipelineMode.ALWAYS, 40, _workers(0, 0, 0), None, 1024, [1.0, 1.0])
+    assert [len(r) for r in plan.layers] == [1, 1]
+
+
+@pytest.mark.parametrize("costs,num_stages", [(UNIFORM, 2), (UNIFORM, 3), ([1.0] * 12, 5), ([5, 1, 1, 1, 1, 1], 2), ([1, 1, 1, 1, 9], 3), ([2.0] * 4, 4)])
+def test_layers_are_cut_into_contiguous_ranges_of_the_least_largest_cost(costs, num_stages):
+    ranges = balanced_layers(costs, num_stages)
+    assert len(ranges) == num_stages and all(len(r) >= 1 for r in ranges)
+    assert [i for r in ranges for i in r] == list(range(len(costs)))  # every layer once, in order
+    largest = max(sum(costs[i] for i in r) for r in ranges)
+    # Brute force over every way to cut: none has a smaller largest stage.
+    import itertools
+
+    best = min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+        for cuts in itertools.combinations(range(1, len(costs)), num_stages - 1)
+    )
+    assert largest == pytest.approx(best)
+
+
+def test_stage_count_is_refused_beyond_the_layers():
+    with pytest.raises(ValueError, match="num_stages: 5 is outside \\[1, 4\\]"):
+        balanced_layers([1.0] * 4, 5)
+
+
+def test_config_names_a_bad_pipeline_field():
+    for field, value, message in [
+        ("max_pipeline_stages", 0, "max_pipeline_stages: must be >= 1 or unset, got 0"),
+        ("pipeline_tokens_per_stage", 0, "pipeline_tokens_per_stage: must be >= 1, got 0"),
+        ("pipeline_chunk_tokens", -5, "pipeline_chunk_tokens: must be >= 1, got -5"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RouterConfig(**{field: value}).validate()
