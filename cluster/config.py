@@ -191,12 +191,12 @@ class PrefillPoolConfig(PoolConfig):
     pipeline: Literal["auto", "always", "off"] = Field(
         "auto",
         description="Distributed split-fuse: a long prompt prefilled by a pipeline of prefill actors, each a range of layers; "
-        "auto: prompts of at least 2 x pipeline_tokens_per_stage tokens over the idle actors; always: every prompt a prefill "
+        "auto: prompts of at least 2 x pipeline_tokens_per_stage tokens over the actors with less than that queued; always: every prompt a prefill "
         "actor takes (tests); off: one actor per prompt",
     )
     max_pipeline_stages: int | None = Field(None, ge=1, description="Most actors in one prompt's pipeline (default: the pool size)")
-    pipeline_tokens_per_stage: int = Field(1024, ge=1, description="auto: one stage per this many prompt tokens")
-    pipeline_chunk_tokens: int = Field(512, ge=1, description="Tokens per chunk flowing through a pipeline's stages")
+    pipeline_tokens_per_stage: int = Field(512, ge=1, description="auto: one stage per this many prompt tokens")
+    pipeline_chunk_tokens: int = Field(512, ge=1, description="Most tokens per chunk flowing through a pipeline's stages (about two chunks per stage)")
 
 
 class ClusterConfig(BaseModel):

@@ -53,11 +53,12 @@ class RouterConfig:
     busy_local_prefill_max_tokens: int = 512
     # Distributed split-fuse (router.pipeline): a long prompt prefilled by a pipeline of prefill
     # actors, each a range of layers. AUTO: prompts of at least 2 x ``pipeline_tokens_per_stage``
-    # tokens over the idle ones (one stage per that many tokens); ALWAYS: every remote prompt.
+    # tokens over the actors with less than that queued (one stage per that many tokens);
+    # ALWAYS: every remote prompt.
     prefill_pipeline: PipelineMode = PipelineMode.AUTO
     max_pipeline_stages: int | None = None  # None: as many as the prefill pool has
-    pipeline_tokens_per_stage: int = 1024
-    pipeline_chunk_tokens: int = 512  # the chunks that flow through the stages
+    pipeline_tokens_per_stage: int = 512
+    pipeline_chunk_tokens: int = 512  # the largest chunks that flow through the stages (router.pipeline.chunk_tokens)
     max_queued_requests: int = 256  # requests admitted but without a first token; beyond: RESOURCE_EXHAUSTED
     max_prefill_retries: int = 2  # another prefill actor after one died mid-request
     max_decode_restarts: int = 2  # restart elsewhere when a decode actor died before the first token

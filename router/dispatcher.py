@@ -340,6 +340,7 @@ class Dispatcher:
         return plan_pipeline(
             config.prefill_pipeline, len(request.prompt_token_ids), self.pool.routable(Role.PREFILL),
             config.max_pipeline_stages, config.pipeline_tokens_per_stage, [1.0] * self.num_layers,
+            config.pipeline_chunk_tokens, self.block_size,
         )
 
     async def _wait_for_decode_pool(self) -> None:
@@ -461,7 +462,7 @@ class Dispatcher:
                 handle.open_stage.remote(PrefillRequest(
                     request.req_id, request.prompt_token_ids, request.sampling_params, destination, decode.handshake_offer, request.priority,
                     PipelineStage(index, plan.num_stages, layers.start, layers.stop, handles[index + 1] if index + 1 < len(handles) else None,
-                                  self.config.pipeline_chunk_tokens),
+                                  plan.chunk_tokens),
                 ))
                 for index, (handle, layers) in enumerate(zip(handles, plan.layers))
             ]

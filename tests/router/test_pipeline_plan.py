@@ -21,7 +21,7 @@ def _stages(mode: PipelineMode, num_tokens: int, workers: list[WorkerRecord], ma
     return [] if plan is None else [w.worker_id for w in plan.workers]
 
 
-def test_auto_pipelines_long_prompts_over_idle_actors_only():
+def test_auto_pipelines_long_prompts_over_free_actors_only():
     idle = _workers(0, 0, 0)
     assert _stages(PipelineMode.AUTO, 8000, idle) == ["prefill-0", "prefill-1", "prefill-2"]
     assert _stages(PipelineMode.AUTO, 8000, idle, max_stages=2) == ["prefill-0", "prefill-1"]
@@ -29,9 +29,18 @@ def test_auto_pipelines_long_prompts_over_idle_actors_only():
     assert _stages(PipelineMode.AUTO, 2500, idle) == ["prefill-0", "prefill-1"]
     assert _stages(PipelineMode.AUTO, 2000, idle) == []
     assert _stages(PipelineMode.AUTO, 64, idle) == []
-    # An actor with queued work would hold the pipeline behind its queue: only the idle ones count.
-    assert _stages(PipelineMode.AUTO, 8000, _workers(500, 0, 0)) == ["prefill-1", "prefill-2"]
-    assert _stages(PipelineMode.AUTO, 8000, _workers(500, 0)) == []
+    # A short prompt queued ahead delays a pipeline little; a stage's worth or more would hold it.
+    assert _stages(PipelineMode.AUTO, 8000, _workers(64, 0)) == ["prefill-1", "prefill-0"]
+    assert _stages(PipelineMode.AUTO, 8000, _workers(1024, 0, 0)) == ["prefill-1", "prefill-2"]
+    assert _stages(PipelineMode.AUTO, 8000, _workers(1500, 0)) == []
+
+
+def test_chunks_are_about_two_per_stage_in_whole_blocks():
+    plan = lambda n, workers=2: plan_pipeline(PipelineMode.ALWAYS, n, _workers(*[0] * workers), None, 1024, UNIFORM, 512, 16)
+    assert plan(8000).chunk_tokens == 512  # at most the configured chunk
+    assert plan(1024).chunk_tokens == 256
+    assert plan(1000, workers=3).chunk_tokens == 176  # 167 rounded up to whole blocks
+    assert plan(40).chunk_tokens == 16  # at least a block
 
 
 def test_always_and_off():
