@@ -421,18 +421,7 @@ class Dispatcher:
                 return
             except Exception as exc:
                 logger.warning("req %s: prefill on %s failed: %s", request.req_id, prefill.worker_id, _reason(exc))
-                if getattr(getattr(exc, "cause", None), "peer_lost", False):
-                    # The decode actor it was writing into is unreachable: not this request's
-                    # fault. It is placed again, like any request whose decode actor died.
-                    await self._on_decode_unreachable(active, decode)
-                    return
-                cause = remote_cause(exc)
-                if cause is not exc:
-                    # The engine's own verdict on this request (bad input, its computation
-                    # raised): the client gets it as it is, and it is not tried elsewhere.
-                    active.outputs.put_nowait(Failure(cause))
-                else:
-                    active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
+                await self._prefill_raised(active, decode, prefill, exc)
                 return
             finally:
                 self.pool.release(prefill, request.req_id)
@@ -509,14 +498,22 @@ class Dispatcher:
             active.outputs.put_nowait(Restart(f"prefill worker {worker.worker_id} died", active.attempt, prefill_failed=True, dead_worker_id=worker.worker_id))
             return
         logger.warning("req %s: stage %d on %s failed: %s", request.req_id, failure.index, worker.worker_id, _reason(exc))
+        await self._prefill_raised(active, decode, worker, exc)
+
+    async def _prefill_raised(self, active: ActiveRequest, decode: WorkerRecord, prefill: WorkerRecord, exc: Exception) -> None:
+        """A live prefill actor's call raised ``exc``: place the request again or fail it."""
         if getattr(getattr(exc, "cause", None), "peer_lost", False):
+            # The decode actor it was writing into is unreachable: not this request's fault. It
+            # is placed again, like any request whose decode actor died.
             await self._on_decode_unreachable(active, decode)
             return
         cause = remote_cause(exc)
         if cause is not exc:
+            # The engine's own verdict on this request (bad input, its computation raised): the
+            # client gets it as it is, and it is not tried elsewhere.
             active.outputs.put_nowait(Failure(cause))
         else:
-            active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {worker.worker_id}: {_reason(exc)}")))
+            active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
 
     async def _on_decode_unreachable(self, active: ActiveRequest, decode: WorkerRecord) -> None:
         """A prefill actor lost its connection to ``decode``: restart the request, as its death

@@ -137,6 +137,16 @@ def local_cluster(model_dir: Path, shape: ClusterShape, actor_num_cpus: float = 
         deployment.stop()
 
 
+def int_list(text: str) -> list[int]:
+    """A flag's comma-separated integers, each >= 1 (argparse ``type``)."""
+    import argparse
+
+    values = [int(part) for part in text.split(",") if part.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of integers >= 1, got {text!r}")
+    return values
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator == 0:
         return None

@@ -28,7 +28,7 @@ from cluster.bench.client import BenchClient
 from cluster.bench.metrics import SLO, ttft_ms
 from cluster.bench.report import result_document, write_json
 from cluster.bench.runner import BenchSpec
-from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, engine_config, flags_of, fmt, local_cluster, ratio, ray_running, scenario_model
+from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, engine_config, flags_of, fmt, int_list, local_cluster, ratio, ray_running, scenario_model
 from cluster.bench.workloads import BenchRequest, random_token_ids
 from router.config import Disaggregation
 from router.pipeline import PipelineMode
@@ -38,15 +38,8 @@ SUMMARY = "one prompt over several prefill actors (distributed split-fuse): TTFT
 DEFAULT_DTYPE = "float32"
 
 
-def _ints(text: str) -> list[int]:
-    values = [int(part) for part in text.split(",") if part.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of integers >= 1, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--lengths", type=_ints, default=[64, 1024, 8000], help="prompt lengths measured")
+    parser.add_argument("--lengths", type=int_list, default=[64, 1024, 8000], help="prompt lengths measured")
     parser.add_argument("--reps", type=int, default=3, help="timed prompts per length and cluster (after one warm-up)")
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--chunk", type=int, default=512, help="prefill chunk and pipeline chunk")

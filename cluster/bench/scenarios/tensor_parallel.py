@@ -35,7 +35,7 @@ from cluster.bench.client import BenchClient
 from cluster.bench.metrics import SLO
 from cluster.bench.report import result_document, run_to_dict, write_json
 from cluster.bench.runner import BenchSpec, run_load
-from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, flags_of, fmt, local_cluster, ratio, ray_running, scenario_model
+from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, flags_of, fmt, int_list, local_cluster, ratio, ray_running, scenario_model
 from cluster.bench.workloads import BenchRequest, random_token_ids
 from engine.bench import SMOLLM2_135M_SHAPE, seat_decoding
 from engine.bench_reference import TransformersReference
@@ -51,15 +51,8 @@ DEFAULT_DTYPE = "float32"
 TP_SHAPE = {**SMOLLM2_135M_SHAPE, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
 
 
-def _ints(text: str) -> list[int]:
-    values = [int(part) for part in text.split(",") if part.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of integers >= 1, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=_ints, default=[1, 8, 32], help="decode batch sizes")
+    parser.add_argument("--batches", type=int_list, default=[1, 8, 32], help="decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="tokens each decoding sequence holds")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     parser.add_argument("--prefill-len", type=int, default=512, help="prompt length of the prefill measurement")
