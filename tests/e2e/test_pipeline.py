@@ -8,8 +8,10 @@ mid-prompt."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 
+import grpc
 import pytest
 import ray
 
@@ -17,7 +19,7 @@ from engine import LLMEngine, SamplingParams
 from router.config import Disaggregation, RouterConfig
 from router.pipeline import PipelineMode
 from tests.checkpoints import build_checkpoint, hf_greedy, random_prompts
-from tests.serving import Client, engine_config, running_deployment
+from tests.serving import Client, engine_config, make_request, running_deployment
 
 pytestmark = pytest.mark.e2e
 
@@ -146,4 +148,27 @@ def test_stages_that_are_tensor_parallel_groups(ray_cluster, four_layer_model):
             assert stream.token_ids == want
             assert len(_stage_workers(stream)) == 2
         assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
+        client.close()
+
+
+def test_a_pipelined_prompt_cancelled_mid_prefill_leaves_nothing_behind(ray_cluster, four_layer_model):
+    """The client cancels while the prompt is in both stages: every stage stops and quiesces, the
+    decode actor frees its reservation, and the next prompt through the same actors is exact."""
+    prompt, after = random_prompts([600, 90], four_layer_model.vocab_size, seed=31)
+    expected = hf_greedy(four_layer_model.hf_model, after, 6)
+    with running_deployment(four_layer_model, 2, 1, _router(16)) as deployment:
+        for handle in deployment.pools.handles.values():
+            ray.get(handle.set_step_delay.remote(0.03))  # 38 chunks of 16 per stage: over 1 s, the cancel comes at 0.4 s
+        client = Client(deployment.address)
+        call = client.stub.Generate(make_request(prompt_token_ids=prompt, max_tokens=20, temperature=0.0, ignore_eos=True))
+        threading.Timer(0.4, call.cancel).start()
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in call:
+                pass
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
+        for handle in deployment.pools.handles.values():
+            ray.get(handle.set_step_delay.remote(0.0))
+        stream = client.generate(prompt_token_ids=after, max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert stream.token_ids == expected and len(_stage_workers(stream)) == 2
         client.close()
