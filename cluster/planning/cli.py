@@ -78,6 +78,7 @@ def run_profile(args: argparse.Namespace) -> int:
     from cluster.planning.profiler import SweepPlan, run_sweep
     from engine.default_model_path import DEFAULT_MODEL_PATH
     from router.config import Disaggregation, RouterConfig
+    from router.pipeline import PipelineMode
 
     if args.decode < 1 or args.prefill < 0:
         print("error: --decode must be >= 1 and --prefill >= 0", file=sys.stderr)
@@ -85,7 +86,8 @@ def run_profile(args: argparse.Namespace) -> int:
     model = args.model or DEFAULT_MODEL_PATH
     engine = engine_config(args.dtype, args.token_budget, args.chunk, kv_cache_bytes=args.kv_cache_mb * 2**20, seed=args.seed)
     mode = Disaggregation.AUTO if args.prefill else Disaggregation.NEVER
-    shape = ClusterShape("profile", args.prefill, args.decode, mode, engine, engine)
+    # Step costs of one actor computing whole prompts: no pipelined prefill (its stage steps are not logged).
+    shape = ClusterShape("profile", args.prefill, args.decode, mode, engine, engine, router_overrides={"prefill_pipeline": PipelineMode.OFF})
     plan = SweepPlan.quick() if args.quick else SweepPlan()
     plan.seed = args.seed
     source = {"model": str(model), "dtype": args.dtype, "num_prefill": args.prefill, "num_decode": args.decode, "threads_per_actor": 1}

@@ -39,6 +39,7 @@ from cluster.planning.profiler import SweepPlan, log_positions, run_sweep, step_
 from cluster.planning.simulator import SimResult, Simulation
 from cluster.planning.workload import WorkloadModel
 from router.config import Disaggregation, RouterConfig
+from router.pipeline import PipelineMode
 
 NAME = "simulator"
 SUMMARY = "simulated vs measured TTFT/TPOT/ITL p50 and p99 and throughput, two workloads on two pool shapes, same requests"
@@ -105,7 +106,8 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         for num_prefill, num_decode in shapes:
             label = f"{num_prefill}P+{num_decode}D"
             mode = Disaggregation.AUTO if num_prefill else Disaggregation.NEVER
-            shape = ClusterShape(label, num_prefill, num_decode, mode, engine, engine)
+            # The simulator models one prefill actor per prompt: the clusters it predicts do not pipeline.
+            shape = ClusterShape(label, num_prefill, num_decode, mode, engine, engine, router_overrides={"prefill_pipeline": PipelineMode.OFF})
             with local_cluster(model_dir, shape) as deployment:
                 profile = (aggregated if not num_prefill else given) or _profile_now(deployment, label, model_dir, args)
                 profiles[label] = {"source": profile.source, "step": asdict(profile.step)}
