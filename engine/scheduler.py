@@ -152,6 +152,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def computing(self) -> list[Sequence]:
+        """The sequences being computed (the running batch; a prefill actor adds its pipeline stages)."""
+        return self.running
+
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.queue_key)

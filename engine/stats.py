@@ -40,13 +40,12 @@ class EngineStats:
 def engine_stats(engine) -> EngineStats:
     """Read the load of an ``LLMEngine`` (call on the engine's own thread)."""
     scheduler = engine.scheduler
-    # A prefill actor's pipeline stages (prefill_workers.scheduler) run outside the queues: they count as running.
-    staged = list(getattr(scheduler, "staged", {}).values())
+    computing = scheduler.computing()
     queued = sum(s.num_uncomputed_tokens for s in scheduler.waiting)
-    queued += sum(s.num_uncomputed_tokens for s in (*scheduler.running, *staged) if s.num_computed_tokens < s.num_prompt_tokens)
+    queued += sum(s.num_uncomputed_tokens for s in computing if s.num_computed_tokens < s.num_prompt_tokens)
     return EngineStats(
         num_waiting=len(scheduler.waiting),
-        num_running=len(scheduler.running) + len(staged),
+        num_running=len(computing),
         num_queued_prefill_tokens=queued,
         num_free_blocks=engine.allocator.num_free,
         num_total_blocks=engine.allocator.num_blocks,

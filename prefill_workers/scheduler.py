@@ -44,6 +44,9 @@ class PrefillScheduler(Scheduler):
         self.requests[seq.req_id] = seq
         self.staged[seq.req_id] = seq
 
+    def computing(self) -> list[Sequence]:
+        return [*self.running, *self.staged.values()]  # stages run outside the queues
+
     def start_stage_at(self, seq: Sequence, num_tokens: int) -> None:
         """The pipeline computes from token ``num_tokens`` (a block boundary no later than what any
         stage holds cached): cached blocks beyond it are given back for fresh ones."""

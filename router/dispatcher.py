@@ -32,6 +32,7 @@ stage dies or fails, the others are stopped and the prompt is prefilled again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -426,13 +427,7 @@ class Dispatcher:
             finally:
                 self.pool.release(prefill, request.req_id)
         prefill.prefill_rate.done(num_tokens - result.timing.num_cached_tokens, prefill.busy_since or time.monotonic())
-        active.assembler.timing.prefill = result.timing
-        if self.metrics is not None:
-            self.metrics.observe_prefill(result.timing.num_bytes, result.timing.transfer_ms)
-        try:
-            await decode.handle.start.remote(request.req_id, result.first_token_id, result.first_logprob)
-        except WORKER_GONE:
-            pass  # the collector reports the decode actor's death
+        await self._relay_first_token(active, decode, result, result.timing)
 
     async def _prefill_pipeline(self, active: ActiveRequest, destination: KVDestination, plan: PipelinePlan) -> None:
         """Prefill the prompt over the plan's stages: open each, start all from the shortest
@@ -471,13 +466,16 @@ class Dispatcher:
             worker.prefill_rate.done((num_tokens - start) // plan.num_stages, worker.busy_since or time.monotonic())
         timing = dataclasses.replace(last.timing, num_bytes=sum(r.timing.num_bytes for r in results),
                                      num_chunks=max(r.timing.num_chunks for r in results), num_cached_tokens=start)
+        await self._relay_first_token(active, decode, last, timing)
+
+    async def _relay_first_token(self, active: ActiveRequest, decode: WorkerRecord, result: PrefillResult, timing: PrefillTiming) -> None:
+        """The prompt is prefilled: record its timing, hand the first token to the decode actor
+        (a dead one is the collector's to report; its requests restart from there)."""
         active.assembler.timing.prefill = timing
         if self.metrics is not None:
             self.metrics.observe_prefill(timing.num_bytes, timing.transfer_ms)
-        try:
-            await decode.handle.start.remote(request.req_id, last.first_token_id, last.first_logprob)
-        except WORKER_GONE:
-            pass  # the collector reports the decode actor's death
+        with contextlib.suppress(*WORKER_GONE):
+            await decode.handle.start.remote(active.work.req_id, result.first_token_id, result.first_logprob)
 
     async def _pipeline_failed(self, active: ActiveRequest, plan: PipelinePlan, failure: "_StageFailure") -> None:
         """A stage died, refused or failed: stop every stage (no write may land after D frees the
@@ -550,13 +548,12 @@ class Dispatcher:
                     f"({', '.join(active.dead_workers)}); it is not retried on another, in case it is what "
                     f"kills them (router.max_worker_deaths_per_request = {limit})"
                 )
-        if reason.pipeline_refused:
-            pass  # not a failure: it goes to one prefill actor instead
-        elif reason.prefill_failed:
+        # A refused pipeline is not a failure: the prompt goes to one prefill actor instead.
+        if reason.prefill_failed and not reason.pipeline_refused:
             active.num_prefill_retries += 1
             if active.num_prefill_retries > self.config.max_prefill_retries:
                 raise UnavailableError(f"{reason.reason}; gave up after {self.config.max_prefill_retries} retries")
-        else:
+        elif not reason.prefill_failed:
             active.num_restarts += 1
             if active.num_restarts > self.config.max_decode_restarts:
                 raise UnavailableError(f"{reason.reason}; gave up after {self.config.max_decode_restarts} restarts")

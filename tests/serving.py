@@ -104,6 +104,18 @@ def wait_for_assigned_prompt_tokens(record, at_least: int, timeout_s: float = 30
     return record.num_assigned_prompt_tokens
 
 
+def kill_during_greedy_burst(client: "Client", deployment, prompts: list[list[int]], kill, max_tokens: int = 6, timeout_s: float = 180) -> tuple[list["Stream"], int]:
+    """Send every prompt at once (greedy), call ``kill()`` once prefill-0 holds 1,000 prompt tokens
+    in progress, and return the streams and how many prompt tokens prefill-0 held then."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(client.generate, prompt_token_ids=p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for p in prompts]
+        in_progress = wait_for_assigned_prompt_tokens(deployment.router.pool.workers["prefill-0"], 1000)
+        kill()
+        return [f.result(timeout=timeout_s) for f in futures], in_progress
+
+
 def make_request(prompt_token_ids=None, prompt_text=None, request_id: str = "", **sampling) -> pb.GenerateRequest:
     request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
     if prompt_token_ids is not None:

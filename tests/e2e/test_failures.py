@@ -14,7 +14,7 @@ from router.config import Disaggregation, RouterConfig
 from engine.stats import WorkerState
 from router.pool import Role, RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.serving import Client, engine_config, make_request, running_deployment, wait_for_assigned_prompt_tokens
+from tests.serving import Client, engine_config, kill_during_greedy_burst, make_request, running_deployment
 
 
 def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2e_model):
@@ -25,13 +25,7 @@ def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2
     slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)
     with running_deployment(e2e_model, 2, 1, router, prefill_engine=slow_prefill) as deployment:
         client = Client(deployment.address)
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [
-                pool.submit(client.generate, prompt_token_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts
-            ]
-            in_progress = wait_for_assigned_prompt_tokens(deployment.router.pool.workers["prefill-0"], 1000)
-            deployment.kill_worker("prefill-0")
-            streams = [f.result(timeout=120) for f in futures]
+        streams, in_progress = kill_during_greedy_burst(client, deployment, prompts, lambda: deployment.kill_worker("prefill-0"), timeout_s=120)
         assert in_progress >= 1000, "the killed prefill actor had prompts in progress"
         for stream, want in zip(streams, expected):
             assert stream.token_ids == want

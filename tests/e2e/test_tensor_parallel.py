@@ -3,7 +3,6 @@ between ranks of pools with different TP sizes, and a gRPC client; outputs equal
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from router.config import Disaggregation, RouterConfig
 from router.pool import RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
 from tests.e2e.test_failures import ParallelStreams, _wait_until_every_stream_sent_tokens
-from tests.serving import Client, engine_config, running_deployment, wait_for_assigned_prompt_tokens
+from tests.serving import Client, engine_config, kill_during_greedy_burst, running_deployment
 
 pytestmark = pytest.mark.e2e
 
@@ -93,14 +92,12 @@ def test_a_prefill_rank_killed_during_a_burst_loses_no_request(ray_cluster, e2e_
     slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8, tensor_parallel_size=2)
     with running_deployment(e2e_model, 2, 1, router, prefill_engine=slow_prefill) as deployment:
         client = Client(deployment.address)
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            futures = [
-                pool.submit(client.generate, prompt_token_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts
-            ]
-            in_progress = wait_for_assigned_prompt_tokens(deployment.router.pool.workers["prefill-0"], 1000)
+
+        def kill_rank_1() -> None:
             (rank_1,) = ray.get(deployment.pools.handles["prefill-0"].rank_handles.remote())
             ray.kill(rank_1, no_restart=True)
-            streams = [f.result(timeout=180) for f in futures]
+
+        streams, in_progress = kill_during_greedy_burst(client, deployment, prompts, kill_rank_1)
         assert in_progress >= 1000, "the prefill worker whose rank died had prompts in progress"
         for stream, want in zip(streams, expected):
             assert stream.token_ids == want
