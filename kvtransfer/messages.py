@@ -108,6 +108,9 @@ class SendEvent:
     num_valid_blocks: int
     error: RequestTransferError | None = None
     finished: bool = False  # the request's last write completed; its send state is gone
+    # The reservation written into: an event of an earlier attempt of the same request (its
+    # decode actor died, and the request was placed again) must not touch the new attempt.
+    token: int | None = None
     seen_at: float = 0.0  # time.perf_counter() when the transfer pump saw it (0: not through a pump)
 
 

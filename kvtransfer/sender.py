@@ -277,7 +277,7 @@ class KVSender:
             if status is XferState.DONE:
                 self._transport.release(w.handle)
                 if state.error is None:
-                    done.append(SendEvent(state.req_id, peer, w.seq, w.num_valid_blocks))
+                    done.append(SendEvent(state.req_id, peer, w.seq, w.num_valid_blocks, token=state.dest.token))
             elif status is XferState.FAILED:
                 self._transport.release(w.handle)
                 if not self._retry(state, w, "failed in the transport", still):
@@ -358,7 +358,7 @@ class KVSender:
         state.error = error
         state.deferred.clear()
         self._tombstones.bury(state.req_id, state.dest.token, error)
-        self._events.append(SendEvent(state.req_id, error.peer, state.next_seq - 1, 0, error=error))
+        self._events.append(SendEvent(state.req_id, error.peer, state.next_seq - 1, 0, error=error, token=state.dest.token))
         logger.warning("req %s: transfer failed: %s", state.req_id, error)
 
     def _fail_unstarted(self, req_id: str, dest: KVDestination, error: RequestTransferError) -> None:

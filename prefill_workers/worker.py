@@ -400,8 +400,8 @@ class PrefillWorker(EngineWorker):
         events = self.pump.take_send_events()
         for event in events:
             job = self._jobs.get(event.req_id)
-            if job is None:
-                continue
+            if job is None or event.token not in (None, job.request.destination.token):
+                continue  # gone, or an event of an earlier attempt (into a reservation given up)
             if event.error is not None:
                 self._finish_job(job, event.error)
                 continue

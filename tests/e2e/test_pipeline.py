@@ -18,6 +18,7 @@ import ray
 from engine import LLMEngine, SamplingParams
 from router.config import Disaggregation, RouterConfig
 from router.pipeline import PipelineMode
+from router.pool import RoutingPolicy
 from tests.checkpoints import build_checkpoint, hf_greedy, random_prompts
 from tests.serving import Client, engine_config, make_request, running_deployment
 
@@ -171,4 +172,33 @@ def test_a_pipelined_prompt_cancelled_mid_prefill_leaves_nothing_behind(ray_clus
             ray.get(handle.set_step_delay.remote(0.0))
         stream = client.generate(prompt_token_ids=after, max_tokens=6, temperature=0.0, ignore_eos=True)
         assert stream.token_ids == expected and len(_stage_workers(stream)) == 2
+        client.close()
+
+
+def test_the_decode_actor_killed_while_stages_push_into_it_loses_nothing(ray_cluster, four_layer_model):
+    """The decode actor holding the reservation dies while both stages push their layers into it:
+    the stages are stopped, the request is placed on the other decode actor and pipelined again,
+    its output is transformers', and no stage keeps a block."""
+    prompt = random_prompts([600], four_layer_model.vocab_size, seed=41)[0]
+    expected = hf_greedy(four_layer_model.hf_model, prompt, 6)
+    with running_deployment(four_layer_model, 2, 2, _router(8, routing_policy=RoutingPolicy.ROUND_ROBIN)) as deployment:
+        for handle in deployment.pools.handles.values():
+            ray.get(handle.set_step_delay.remote(0.02))  # 75 chunks of 8: over 1.5 s in the pipeline
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.generate, prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(len(a.stages) == 2 for a in deployment.router.dispatcher.active.values()):
+                time.sleep(0.005)
+            (active,) = deployment.router.dispatcher.active.values()
+            assert len(active.stages) == 2, "a two-stage pipeline was running"
+            time.sleep(0.3)  # some chunks' layers landed from both stages
+            assert not active.assembler.has_sent_tokens
+            holder = active.decode.worker_id
+            deployment.kill_worker(holder)
+            stream = future.result(timeout=180)
+        assert stream.token_ids == expected
+        assert stream.last.decode_worker_id != holder and len(_stage_workers(stream)) == 2
+        survivors = [w for w in client.wait_until_idle(timeout_s=60) if w.worker_id != holder]
+        assert all(w.num_kv_blocks_used == 0 for w in survivors)
         client.close()
