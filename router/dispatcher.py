@@ -193,6 +193,10 @@ class Dispatcher:
         pool.on_change = self.capacity.on_report
         self.lease_keeper = LeaseKeeper(config.kv_lease_s, config.status_timeout_s, self._awaiting_kv)
         self.kv_freed = WindowRate()  # KV blocks finished requests give back, per second
+        # Prompt tokens of requests bound for a prefill actor that none holds yet (their decode
+        # reservation is in flight): a burst decides for all its prompts within that wait, and
+        # without them every prompt would see the prefill actors idle.
+        self._prefill_tokens_on_the_way: dict[str, int] = {}
 
     @property
     def num_queued(self) -> int:
@@ -292,6 +296,8 @@ class Dispatcher:
                 decode = await self._wait_for_room(request, order, query)
             active.attempt = next(self._attempts)
             plan = None if local else self._pipeline_plan(active, request)
+            if not local:
+                self._prefill_tokens_on_the_way[request.req_id] = len(request.prompt_token_ids)
             decode_request = DecodeRequest(
                 request.req_id, request.prompt_token_ids, request.sampling_params, request.priority,
                 self.config.kv_lease_s, attempt=active.attempt, router_id=self.router_id,
@@ -313,15 +319,18 @@ class Dispatcher:
                 # Draining, or its room went to someone else since its last report: the next
                 # report tells the truth; the request keeps its place in the queue.
                 self.pool.release(decode, request.req_id)
+                self._prefill_tokens_on_the_way.pop(request.req_id, None)
                 if local:
                     refused_local.add(decode.worker_id)
                 decode.num_reservable_blocks = 0
                 self._ensure_collector(decode)
             except WORKER_GONE:
                 self.pool.release(decode, request.req_id)
+                self._prefill_tokens_on_the_way.pop(request.req_id, None)
                 self.on_worker_died(decode)
             except BaseException:
                 self.pool.release(decode, request.req_id)
+                self._prefill_tokens_on_the_way.pop(request.req_id, None)
                 raise
         active.assembler.decode_worker_id = decode.worker_id
         active.assembler.prefill_worker_id = ""
@@ -379,11 +388,16 @@ class Dispatcher:
         num_tokens = len(request.prompt_token_ids) - cached
         if num_tokens <= self.config.local_prefill_max_tokens:
             return True
-        backlog = self.pool.min_prefill_backlog() or 0
+        backlog = (self.pool.min_prefill_backlog() or 0) + self._prefill_tokens_on_the_way_per_actor()
         return backlog >= self.config.prefill_busy_tokens and num_tokens <= self.config.busy_local_prefill_max_tokens
+
+    def _prefill_tokens_on_the_way_per_actor(self) -> int:
+        num_prefill = len(self.pool.routable(Role.PREFILL))
+        return sum(self._prefill_tokens_on_the_way.values()) // num_prefill if num_prefill else 0
 
     async def _prefill(self, active: ActiveRequest, destination: KVDestination, query: RouteQuery | None = None) -> None:
         request, decode = active.work, active.decode
+        self._prefill_tokens_on_the_way.pop(request.req_id, None)
         num_tokens = len(request.prompt_token_ids)
         draining: set[str] = set()
         while True:
@@ -433,6 +447,7 @@ class Dispatcher:
         """Prefill the prompt over the plan's stages: open each, start all from the shortest
         cached prefix, relay the last stage's first token to the decode actor."""
         request, decode = active.work, active.decode
+        self._prefill_tokens_on_the_way.pop(request.req_id, None)
         num_tokens = len(request.prompt_token_ids)
         active.prefill, active.stages, active.destination = plan.workers[0], list(plan.workers), destination
         active.assembler.prefill_worker_id = ",".join(w.worker_id for w in plan.workers)
@@ -648,6 +663,7 @@ class Dispatcher:
             del self.active[active.req_id]
         if self._by_key.get(active.key) is active:
             del self._by_key[active.key]
+        self._prefill_tokens_on_the_way.pop(active.key, None)
         self._releasing[active.req_id] = active
         try:
             decode = active.decode
