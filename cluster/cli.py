@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (decode.tensor_parallel_size)")
     up.add_argument("--prefill-pipeline", choices=["auto", "always", "off"], help="one long prompt over several prefill actors (prefill.pipeline)")
     up.add_argument("--max-pipeline-stages", type=int, help="most prefill actors in one prompt's pipeline (prefill.max_pipeline_stages)")
+    up.add_argument("--pipeline-decode-stage", choices=["auto", "always", "off"],
+                    help="the decode actor computes a pipeline's last stage (prefill.pipeline_decode_stage)")
     up.add_argument("--prefill-gpus", type=float, help="GPUs per prefill actor")
     up.add_argument("--decode-gpus", type=float, help="GPUs per decode actor")
     up.add_argument("--prefill-cpus", type=float, help="CPUs per prefill actor")
@@ -171,6 +173,7 @@ def _up(args: argparse.Namespace) -> int:
         "prefill.replicas": args.prefill, "decode.replicas": args.decode,
         "prefill.tensor_parallel_size": args.prefill_tp, "decode.tensor_parallel_size": args.decode_tp,
         "prefill.pipeline": args.prefill_pipeline, "prefill.max_pipeline_stages": args.max_pipeline_stages,
+        "prefill.pipeline_decode_stage": args.pipeline_decode_stage,
         "prefill.num_gpus": args.prefill_gpus, "decode.num_gpus": args.decode_gpus,
         "prefill.num_cpus": args.prefill_cpus, "decode.num_cpus": args.decode_cpus,
         "prefill.token_budget": args.token_budget, "decode.token_budget": args.token_budget,

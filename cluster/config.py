@@ -195,6 +195,11 @@ class PrefillPoolConfig(PoolConfig):
         "actor takes (tests); off: one actor per prompt",
     )
     max_pipeline_stages: int | None = Field(None, ge=1, description="Most actors in one prompt's pipeline (default: the pool size)")
+    pipeline_decode_stage: Literal["auto", "always", "off"] = Field(
+        "auto",
+        description="Whether the request's decode actor computes the last stage of a pipeline (its layers straight into its reservation): "
+        "auto: while it has no other request (its core is idle); always: every pipeline (tests); off: prefill actors only",
+    )
     pipeline_tokens_per_stage: int = Field(512, ge=1, description="auto: one stage per this many prompt tokens")
     pipeline_chunk_tokens: int = Field(512, ge=1, description="Most tokens per chunk flowing through a pipeline's stages (about two chunks per stage)")
 
@@ -300,6 +305,7 @@ class ClusterConfig(BaseModel):
                 local_prefill_max_tokens=self.router.local_prefill_max_tokens,
                 prefill_pipeline=PipelineMode(self.prefill.pipeline),
                 max_pipeline_stages=self.prefill.max_pipeline_stages,
+                pipeline_decode_stage=PipelineMode(self.prefill.pipeline_decode_stage),
                 pipeline_tokens_per_stage=self.prefill.pipeline_tokens_per_stage,
                 pipeline_chunk_tokens=self.prefill.pipeline_chunk_tokens,
                 max_queued_requests=self.router.max_queued_requests,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from engine.stats import EngineStats, WorkerState
+from workers.pipeline import PipelineStage
 
 
 @dataclass(slots=True)
@@ -24,6 +25,10 @@ class DecodeRequest:
     router_id: str = ""
     router_lease_s: float | None = None
     num_writers: int = 1  # remote only: the prefill actors writing the KV (a pipeline's stages, each its layers)
+    # Remote only: this actor computes the last stage of a pipelined prefill (its layers of the
+    # prompt, from the previous stage's activations, straight into the reservation) and samples
+    # the first token; ``num_writers`` counts the prefill stages before it.
+    stage: PipelineStage | None = None
 
 
 @dataclass(slots=True)

@@ -31,7 +31,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decode_workers.messages import DecodeReport, DecodeRequest, DecodeStatus, DecodeTiming, SeqOutput
 from decode_workers.scheduler import DecodeScheduler
@@ -41,8 +41,10 @@ from engine.stats import WorkerState, engine_stats
 from kvtransfer.agent import KVTransferConfig
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.leases import RecentKeys
+from engine.parallel.group import RankFailedError
 from kvtransfer.messages import KVDestination
 from workers.base import EngineWorker
+from workers.pipeline import PipelineStage, StageChunk
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,12 @@ class _Tracked:
     last_token_at: float | None = None
     attempt: int = 0
     router_id: str = ""
+    # The last stage of a pipelined prefill, computed here (``DecodeRequest.stage``): the
+    # reservation's token, and the previous stage's activations by the first token they cover.
+    stage: PipelineStage | None = None
+    token: int = 0
+    stage_inbox: dict[int, StageChunk] = field(default_factory=dict)
+    stage_compute_s: float = 0.0
 
 
 class OutputBox:
@@ -125,6 +133,7 @@ class DecodeWorker(EngineWorker):
         self._router_lease_s: dict[str, float] = {}
         self._router_watch: asyncio.Task | None = None
         self._num_orphans_aborted = 0
+        self._stage_turn = False  # whether a pipeline stage's chunk goes before the next decode step
         self._run_engine()
 
     # -- calls from the router (each runs on the engine thread) -------------------------
@@ -144,6 +153,16 @@ class DecodeWorker(EngineWorker):
     async def is_admitted(self, req_id: str) -> bool:
         """Whether the request's KV and first token arrived and it is decoding (or done)."""
         return await self._call(self._is_admitted, req_id)
+
+    async def stage_activations(self, chunk: StageChunk) -> None:
+        """The previous stage's activations for one chunk of a prompt whose last stage runs here.
+        Kept without waiting for the engine thread (a step may be running): a dict store is
+        atomic, and the thread is woken."""
+        tracked = self._tracked.get(chunk.req_id)
+        if tracked is None or tracked.stage is None or tracked.token != chunk.token:
+            return  # aborted or failed meanwhile: the router knows
+        tracked.stage_inbox[chunk.start] = chunk
+        self._thread.wake()
 
     async def add_local(self, request: DecodeRequest) -> None:
         """Prefill and decode here (conditional disaggregation, aggregated mode)."""
@@ -233,8 +252,13 @@ class DecodeWorker(EngineWorker):
             self.scheduler.abort(request.req_id)  # nothing can write into blocks never handed out
             raise
         self._tracked[request.req_id] = _Tracked(
-            seq, time.monotonic(), remote=True, dest_block_ids=remote.block_ids, attempt=request.attempt, router_id=request.router_id
+            seq, time.monotonic(), remote=True, dest_block_ids=remote.block_ids, attempt=request.attempt, router_id=request.router_id,
+            stage=request.stage, token=dest.token,
         )
+        if request.stage is not None:
+            # The last stage computes from the end of the prefix this cache holds (every layer of
+            # it is here); the stages before it from no later, and they write the rest.
+            seq.num_computed_tokens = remote.num_cached_blocks * self.engine.kv_cache.block_size
         self.pump.kick()
         logger.debug("req %s: reserved %d blocks, %d held already", request.req_id, len(remote.block_ids), remote.num_cached_blocks)
         return dest
@@ -301,12 +325,55 @@ class DecodeWorker(EngineWorker):
 
     def _iterate(self) -> bool:
         busy = self._poll_transfers()
+        # Pipeline stages' chunks and decode steps take turns.
+        if self._stage_turn and self._run_stage_chunk():
+            self._stage_turn = False
+            return True
+        if self._run_step():
+            self._stage_turn = True
+            return True
+        return self._run_stage_chunk() or busy
+
+    def _run_stage_chunk(self) -> bool:
+        """One chunk of the oldest prompt whose last pipeline stage runs here and whose next
+        activations arrived: its layers into the reservation; the chunk that ends the prompt
+        samples the first token, and the sequence is admitted once every stage's writes landed."""
+        for req_id, tracked in list(self._tracked.items()):
+            seq = tracked.seq
+            if tracked.stage is None or tracked.first_token is not None or req_id not in self.scheduler.awaiting_kv:
+                continue
+            chunk = tracked.stage_inbox.pop(seq.num_computed_tokens, None)
+            if chunk is None:
+                continue
+            started = time.perf_counter()
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            try:
+                sample = self.engine.run_reserved_stage(seq, chunk.num_tokens, tracked.stage.layers, chunk.activations())
+            except RankFailedError:
+                raise
+            except Exception as exc:
+                logger.error("req %s: stage %d on %s failed", req_id, tracked.stage.index, self.worker_id, exc_info=True)
+                self._fail(req_id, f"computing this request failed: {type(exc).__name__}: {exc}")
+                return True
+            tracked.stage_compute_s += time.perf_counter() - started
+            self._pause_after_step()
+            if sample is not None:
+                logger.info("req %s: last stage (layers %s) on %s computed in %.2fs of %.2fs since its first chunk", req_id,
+                            tracked.stage.layers, self.worker_id, tracked.stage_compute_s, time.monotonic() - seq.first_scheduled_time)
+                tracked.first_token = sample
+                self._admit_if_ready(req_id, tracked)
+            return True
+        return False
+
+    def _run_step(self) -> bool:
+        """One decode step of the running batch (and chunks of locally prefilled prompts)."""
         if not self.engine.has_unfinished_requests():
-            return busy
+            return False
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.slices:
-            return busy
+            return False
         outputs: dict[str, list[SeqOutput]] = {}
         for out in self.engine.run_batch(batch):
             tracked = self._tracked.get(out.req_id)

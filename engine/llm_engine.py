@@ -33,7 +33,7 @@ from engine.parallel.launch import RankLauncher, SubprocessRanks
 from engine.parallel.shard import TPShard
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
+from engine.scheduler import ScheduledBatch, ScheduledSlice, Scheduler
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from engine.draft_model import DraftModelProposer, draft_bytes_per_block
 from engine.speculation import DraftRow, NgramProposer, Proposer
@@ -318,6 +318,25 @@ class LLMEngine:
                 self.scheduler.advance_stage(piece.seq, piece.num_tokens)
             return out
         return self._outputs(out, batch)
+
+    def run_reserved_stage(
+        self, seq: Sequence, num_tokens: int, layers: range, incoming: StageActivations
+    ) -> tuple[int, TokenLogprob | None] | None:
+        """The last stage of a pipelined prompt, computed where its KV is reserved (a decode
+        actor whose reservation the earlier stages write their layers into): layers ``layers``
+        of the prompt's next ``num_tokens`` from the previous stage's ``incoming``, their KV into
+        the reservation's blocks. The sequence stays outside the batch and its blocks' hashes
+        unpublished: until the other stages' layers landed, no other prompt may take them from
+        the prefix cache (``Scheduler.admit_remote`` publishes them and admits the sequence).
+        The chunk that ends the prompt returns the first token, which it does not append."""
+        batch = ScheduledBatch([ScheduledSlice(seq, num_tokens)])
+        self.num_steps += 1
+        self.num_scheduled_tokens += num_tokens
+        self.last_shape = shape_of(batch)
+        logits = self.executor.execute_stage(batch, layers, incoming)
+        sample = self._sample(logits, batch)[0][0] if batch.slices[0].completes_sequence else None
+        seq.num_computed_tokens += num_tokens
+        return sample
 
     def _compute(self, batch: ScheduledBatch) -> list[RequestOutput]:
         return self._outputs(self.executor.execute(batch), batch)

@@ -51,7 +51,8 @@ from kvtransfer.agent import KVTransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import KVDestination, QuiesceReport
-from prefill_workers.messages import PipelineStage, PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming, StageChunk
+from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming
+from workers.pipeline import PipelineStage, StageChunk
 from prefill_workers.scheduler import PrefillScheduler
 from workers.base import EngineWorker
 
@@ -82,6 +83,9 @@ class _Job:
     # A pipeline stage's: started once the router said where the pipeline starts; the previous
     # stage's activations by the first token they cover.
     started: bool = False
+    # Where the next stage computes from (its own cached prefix may reach further than this
+    # stage's): no activations go to it for tokens before that.
+    next_start: int = 0
     inbox: dict[int, StageChunk] = field(default_factory=dict)
     compute_s: float = 0.0  # a stage's time in its own steps (the rest it waited for activations or shared the actor)
 
@@ -131,10 +135,11 @@ class PrefillWorker(EngineWorker):
         the fewest any stage holds); nothing runs before ``start_stage``."""
         return await self._call(self._open_stage, request)
 
-    async def start_stage(self, req_id: str, token: int, start: int) -> PrefillResult:
-        """Run this stage of the prompt from token ``start``; returns once its writes all landed
-        (with the first token from the last stage)."""
-        done: Future = await self._call(self._start_stage, req_id, token, start)
+    async def start_stage(self, req_id: str, token: int, start: int, next_start: int | None = None) -> PrefillResult:
+        """Run this stage of the prompt from token ``start``, handing the next stage activations
+        from token ``next_start`` (default ``start``) on; returns once its writes all landed (with
+        the first token from the last stage)."""
+        done: Future = await self._call(self._start_stage, req_id, token, start, start if next_start is None else next_start)
         return await asyncio.wrap_future(done)
 
     async def stage_activations(self, chunk: StageChunk) -> None:
@@ -252,12 +257,14 @@ class PrefillWorker(EngineWorker):
             raise PrefillUnavailableError(f"prefill worker {self.worker_id}: {exc}") from None
         return self._add_job(request, seq).seq.num_computed_tokens
 
-    def _start_stage(self, req_id: str, token: int, start: int) -> Future:
+    def _start_stage(self, req_id: str, token: int, start: int, next_start: int) -> Future:
         job = self._jobs.get(req_id)
         if job is None or job.request.destination.token != token or job.stage is None:
             raise PrefillCancelledError(f"req {req_id}: its stage on {self.worker_id} was cancelled")
+        if next_start < start:
+            raise ValueError(f"next_start: {next_start} is before this stage's start {start} (the next stage would wait for tokens never computed)")
         self.scheduler.start_stage_at(job.seq, start)
-        job.started = True
+        job.started, job.next_start = True, next_start
         return job.done
 
     def _cancel(self, req_id: str, token: int | None) -> QuiesceReport:
@@ -354,8 +361,9 @@ class PrefillWorker(EngineWorker):
             logger.error("req %s: stage %d on %s failed", seq.req_id, stage.index, self.worker_id, exc_info=True)
             self._finish_job(job, RequestFailedError(f"computing this request failed: {type(exc).__name__}: {exc}"))
             return True
-        if not stage.is_last:
-            activations = StageChunk.of(seq.req_id, job.request.destination.token, start, out)
+        skip = job.next_start - start  # tokens of this chunk the next stage holds cached
+        if not stage.is_last and skip < num_tokens:
+            activations = StageChunk.of(seq.req_id, job.request.destination.token, start, out, skip=max(0, skip))
             stage.next_stage.stage_activations.remote(activations)  # the router hears if that actor is gone
         job.compute_s += time.perf_counter() - started
         self._after_step(time.perf_counter(), started, [job], log_step=False)

@@ -57,6 +57,9 @@ class RouterConfig:
     # ALWAYS: every remote prompt.
     prefill_pipeline: PipelineMode = PipelineMode.AUTO
     max_pipeline_stages: int | None = None  # None: as many as the prefill pool has
+    # Whether the request's decode actor computes the last stage of a pipeline (its layers
+    # straight into its reservation). AUTO: while it has no other request; ALWAYS: every pipeline.
+    pipeline_decode_stage: PipelineMode = PipelineMode.AUTO
     pipeline_tokens_per_stage: int = 512
     pipeline_chunk_tokens: int = 512  # the largest chunks that flow through the stages (router.pipeline.chunk_tokens)
     max_queued_requests: int = 256  # requests admitted but without a first token; beyond: RESOURCE_EXHAUSTED

@@ -47,7 +47,8 @@ from decode_workers.messages import DecodeReport, DecodeRequest
 from decode_workers.worker import DecodeCapacityError
 from kvtransfer.messages import KVDestination
 from engine.stats import WorkerState
-from prefill_workers.messages import PipelineStage, PrefillRequest, PrefillResult, PrefillTiming
+from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillTiming
+from workers.pipeline import PipelineStage
 from prefill_workers.worker import PrefillUnavailableError
 from router.admission import WaitEstimate, WindowRate, estimate_wait
 from router.capacity import DecodeCapacity
@@ -62,7 +63,7 @@ from router.errors import (
     remote_cause,
 )
 from router.output_stream import OutputAssembler
-from router.pipeline import PipelinePlan, plan_pipeline
+from router.pipeline import PipelinePlan, decode_may_be_a_stage, plan_pipeline, stage_starts
 from router.pool import Role, WorkerPool, WorkerRecord, within
 from router.prefix_index import PrefixFeed
 from router.routing import RouteQuery
@@ -295,13 +296,14 @@ class Dispatcher:
             else:
                 decode = await self._wait_for_room(request, order, query)
             active.attempt = next(self._attempts)
-            plan = None if local else self._pipeline_plan(active, request)
+            plan = None if local else self._pipeline_plan(active, request, decode)
             if not local:
                 self._prefill_tokens_on_the_way[request.req_id] = len(request.prompt_token_ids)
             decode_request = DecodeRequest(
                 request.req_id, request.prompt_token_ids, request.sampling_params, request.priority,
                 self.config.kv_lease_s, attempt=active.attempt, router_id=self.router_id,
-                router_lease_s=self.config.router_lease_s, num_writers=plan.num_stages if plan is not None else 1,
+                router_lease_s=self.config.router_lease_s, num_writers=len(plan.workers) if plan is not None else 1,
+                stage=_decode_stage(plan),
             )
             # Bound before the call: the collector may see this request's first output before
             # the call returns (a short local prefill), and must route it here.
@@ -342,7 +344,7 @@ class Dispatcher:
             active.prefill_task = asyncio.create_task(prefill)
             self.lease_keeper.ensure_running()
 
-    def _pipeline_plan(self, active: ActiveRequest, request: ValidatedRequest) -> PipelinePlan | None:
+    def _pipeline_plan(self, active: ActiveRequest, request: ValidatedRequest, decode: WorkerRecord) -> PipelinePlan | None:
         """The stages that prefill this prompt together (None: one prefill actor does)."""
         if active.no_pipeline or not self.num_layers:
             return None
@@ -351,6 +353,7 @@ class Dispatcher:
             config.prefill_pipeline, len(request.prompt_token_ids), self.pool.routable(Role.PREFILL),
             config.max_pipeline_stages, config.pipeline_tokens_per_stage, [1.0] * self.num_layers,
             config.pipeline_chunk_tokens, self.block_size,
+            decode=decode if decode_may_be_a_stage(config.pipeline_decode_stage, decode) else None,
         )
 
     async def _wait_for_decode_pool(self) -> None:
@@ -444,14 +447,18 @@ class Dispatcher:
         await self._relay_first_token(active, decode, result, result.timing)
 
     async def _prefill_pipeline(self, active: ActiveRequest, destination: KVDestination, plan: PipelinePlan) -> None:
-        """Prefill the prompt over the plan's stages: open each, start all from the shortest
-        cached prefix, relay the last stage's first token to the decode actor."""
+        """Prefill the prompt over the plan's stages: open each, start each from the fewest
+        tokens it and the stages after it hold cached, relay the last stage's first token to the
+        decode actor (unless the decode actor computed the last stage itself)."""
         request, decode = active.work, active.decode
         self._prefill_tokens_on_the_way.pop(request.req_id, None)
         num_tokens = len(request.prompt_token_ids)
         active.prefill, active.stages, active.destination = plan.workers[0], list(plan.workers), destination
-        active.assembler.prefill_worker_id = ",".join(w.worker_id for w in plan.workers)
+        stage_workers = [*plan.workers, decode] if plan.decode_stage else plan.workers
+        active.assembler.prefill_worker_id = ",".join(w.worker_id for w in stage_workers)
+        # The last prefill stage hands its activations to the decode actor where that computes the last stage.
         handles = [w.handle for w in plan.workers]
+        next_handles = [*handles[1:], decode.handle if plan.decode_stage else None]
         for worker in plan.workers:
             if worker.num_assigned_prompt_tokens == 0:
                 worker.busy_since = time.monotonic()
@@ -460,15 +467,21 @@ class Dispatcher:
             opens = [
                 handle.open_stage.remote(PrefillRequest(
                     request.req_id, request.prompt_token_ids, request.sampling_params, destination, decode.handshake_offer, request.priority,
-                    PipelineStage(index, plan.num_stages, layers.start, layers.stop, handles[index + 1] if index + 1 < len(handles) else None,
-                                  plan.chunk_tokens),
+                    PipelineStage(index, plan.num_stages, layers.start, layers.stop, next_handles[index], plan.chunk_tokens),
                 ))
                 for index, (handle, layers) in enumerate(zip(handles, plan.layers))
             ]
             outcome = await _first_failure_or_all(opens)
             if not isinstance(outcome, _StageFailure):
-                start = min(outcome)  # every stage computes from where the least cached one must
-                outcome = await _first_failure_or_all([h.start_stage.remote(request.req_id, destination.token, start) for h in handles])
+                cached = list(outcome)
+                if plan.decode_stage:
+                    cached.append(destination.num_cached_blocks * self.block_size)  # every layer of those blocks is there
+                starts = stage_starts(cached)
+                start = starts[0]
+                outcome = await _first_failure_or_all([
+                    h.start_stage.remote(request.req_id, destination.token, starts[i], starts[i + 1] if i + 1 < len(starts) else None)
+                    for i, h in enumerate(handles)
+                ])
         finally:
             for worker in plan.workers:
                 self.pool.release(worker, request.req_id)
@@ -485,10 +498,13 @@ class Dispatcher:
 
     async def _relay_first_token(self, active: ActiveRequest, decode: WorkerRecord, result: PrefillResult, timing: PrefillTiming) -> None:
         """The prompt is prefilled: record its timing, hand the first token to the decode actor
-        (a dead one is the collector's to report; its requests restart from there)."""
+        (a dead one is the collector's to report; its requests restart from there). Where the
+        decode actor computed the last stage, it sampled the token itself."""
         active.assembler.timing.prefill = timing
         if self.metrics is not None:
             self.metrics.observe_prefill(timing.num_bytes, timing.transfer_ms)
+        if result.first_token_id is None:
+            return
         with contextlib.suppress(*WORKER_GONE):
             await decode.handle.start.remote(active.work.req_id, result.first_token_id, result.first_logprob)
 
@@ -667,9 +683,16 @@ class Dispatcher:
         self._releasing[active.req_id] = active
         try:
             decode = active.decode
-            if active.prefill_task is not None and not active.prefill_task.done():
+            prefilling = active.prefill_task is not None and not active.prefill_task.done()
+            if prefilling:
                 active.prefill_task.cancel()
-            if decode is None or active.decode_finished:
+            if decode is None:
+                return
+            if active.decode_finished:
+                if prefilling:
+                    # The decode actor ended it (failed) while prefill actors still write into
+                    # its reservation: they stop, and it frees the blocks once they did.
+                    await self._quiesce_then_free(active)
                 return
             self.pool.release(decode, active.key)
             await self._abort_on_workers(active)
@@ -696,10 +719,15 @@ class Dispatcher:
             except WORKER_GONE:
                 pass
             return
-        if not await self._quiesce_prefills(key, prefills, active.destination.token):
+        await self._quiesce_then_free(active)
+
+    async def _quiesce_then_free(self, active: ActiveRequest) -> None:
+        """Stop the prefill actors writing into the request's reservation; once none has a
+        write in flight, the decode actor frees the blocks (else its lease does)."""
+        if not await self._quiesce_prefills(active.key, active.prefill_workers, active.destination.token):
             return
         try:
-            await decode.handle.confirm_quiesced.remote(key)
+            await active.decode.handle.confirm_quiesced.remote(active.key)
         except WORKER_GONE:
             pass
 
@@ -725,6 +753,14 @@ class Dispatcher:
         for task in self._collectors.values():
             task.cancel()
         await self.lease_keeper.close()
+
+
+def _decode_stage(plan: PipelinePlan | None) -> PipelineStage | None:
+    """The decode actor's stage of ``plan``: the last, where it computes one."""
+    if plan is None or not plan.decode_stage:
+        return None
+    last = plan.layers[-1]
+    return PipelineStage(plan.num_stages - 1, plan.num_stages, last.start, last.stop, None, plan.chunk_tokens)
 
 
 @dataclass(slots=True)

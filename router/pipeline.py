@@ -30,15 +30,28 @@ class PipelineMode(str, enum.Enum):
 
 @dataclass(slots=True)
 class PipelinePlan:
-    """The prefill actors of each stage, in order, the layers each computes, and the chunks."""
+    """The prefill actors of the stages, in order, the layers each stage computes, and the
+    chunks. With ``decode_stage`` the request's decode actor computes the last stage (the last
+    range of ``layers``), straight into its reservation."""
 
     workers: list[WorkerRecord]
     layers: list[range]
     chunk_tokens: int
+    decode_stage: bool = False
 
     @property
     def num_stages(self) -> int:
-        return len(self.workers)
+        return len(self.layers)
+
+
+def decode_may_be_a_stage(mode: PipelineMode, decode: WorkerRecord) -> bool:
+    """Whether ``decode`` (the request's decode actor) may compute the last stage of its prompt:
+    ``auto`` while it has no other request (its core idle: the start of a burst, a lone long
+    prompt), ``always`` whenever (for tests), ``off`` never. Its stage's chunks take turns with
+    its decode steps, so a busy decode actor would slow every stream it decodes."""
+    if mode is PipelineMode.OFF:
+        return False
+    return mode is PipelineMode.ALWAYS or decode.num_assigned == 0
 
 
 def num_stages(
@@ -110,16 +123,34 @@ def plan_pipeline(
     layer_costs: Sequence[float],
     max_chunk_tokens: int = 512,
     block_size: int = 16,
+    decode: WorkerRecord | None = None,
 ) -> PipelinePlan | None:
-    """The pipeline for a prompt of ``num_tokens`` over ``candidates`` (routable prefill actors),
-    or None for the ordinary path. The least loaded first.
+    """The pipeline for a prompt of ``num_tokens`` over ``candidates`` (routable prefill actors)
+    and ``decode`` (the request's decode actor, if it may compute the last stage: it counts as
+    one more idle stage), or None for the ordinary path. The least loaded first; a pipeline has
+    at least one prefill stage.
 
     ``auto`` counts an actor as free when less than a stage's worth of tokens is queued there (a
     short prompt ahead of the pipeline's first chunk delays it little; a long queue would hold
     the whole pipeline behind it)."""
     free = [w for w in candidates if w.num_assigned_prompt_tokens < tokens_per_stage]
-    stages = num_stages(mode, num_tokens, len(free), len(candidates), max_stages, tokens_per_stage, len(layer_costs))
-    if stages < 2:
+    extra = 1 if decode is not None else 0
+    stages = num_stages(mode, num_tokens, len(free) + extra, len(candidates) + extra, max_stages, tokens_per_stage, len(layer_costs))
+    if stages < 2 or not candidates:
         return None
     ordered = sorted(candidates, key=lambda w: (w.num_assigned_prompt_tokens, w.worker_id))
-    return PipelinePlan(ordered[:stages], balanced_layers(layer_costs, stages), chunk_tokens(num_tokens, stages, max_chunk_tokens, block_size))
+    return PipelinePlan(
+        ordered[: stages - extra], balanced_layers(layer_costs, stages), chunk_tokens(num_tokens, stages, max_chunk_tokens, block_size),
+        decode_stage=decode is not None,
+    )
+
+
+def stage_starts(cached_tokens: Sequence[int]) -> list[int]:
+    """Where each stage computes from, given how many prompt tokens each stage's cache holds (of
+    its layers; the decode stage's: every layer). A stage needs the previous one's activations
+    from its own start on, so no stage may start after a later one: each starts at the fewest
+    any stage from it on holds (a later stage holding more skips the activations it has)."""
+    starts = list(cached_tokens)
+    for index in range(len(starts) - 2, -1, -1):
+        starts[index] = min(starts[index], starts[index + 1])
+    return starts

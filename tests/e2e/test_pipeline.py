@@ -41,7 +41,11 @@ def four_layer_model(tmp_path_factory):
 
 
 def _router(chunk_tokens: int, **overrides) -> RouterConfig:
-    fields = dict(disaggregation=Disaggregation.ALWAYS, prefill_pipeline=PipelineMode.ALWAYS, pipeline_chunk_tokens=chunk_tokens)
+    """Every prompt pipelined over prefill actors only (``pipeline_decode_stage``: ALWAYS adds the decode actor as the last stage)."""
+    fields = dict(
+        disaggregation=Disaggregation.ALWAYS, prefill_pipeline=PipelineMode.ALWAYS, pipeline_chunk_tokens=chunk_tokens,
+        pipeline_decode_stage=PipelineMode.OFF,
+    )
     fields.update(overrides)
     return RouterConfig(**fields)
 
@@ -118,22 +122,28 @@ def test_a_stage_killed_mid_prompt_loses_nothing(ray_cluster, four_layer_model):
         client.close()
 
 
-def test_quantized_stages_write_their_layers_and_scales(ray_cluster, four_layer_model):
+@pytest.mark.parametrize("decode_stage", [False, True])
+def test_quantized_stages_write_their_layers_and_scales(ray_cluster, four_layer_model, decode_stage):
     """int8 cache: each stage moves its layers' elements and scales; the decode actor carries on
-    exactly as one engine with the same chunking does, and the stages' bytes add up to the blocks."""
+    exactly as one engine with the same chunking does, and the stages' bytes add up to the blocks
+    (a decode actor computing the last stage quantizes its own layers into the reservation)."""
     prompts = random_prompts([45, 130], four_layer_model.vocab_size, seed=23)
     config = engine_config(kv_cache_dtype="int8")
     local = LLMEngine(four_layer_model.path, engine_config(kv_cache_dtype="int8"))
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     expected = [local.generate([p], params)[0].token_ids for p in prompts]
     block_bytes, block_size = local.kv_cache.bytes_per_block, local.kv_cache.block_size
-    with running_deployment(four_layer_model, 2, 1, _router(32), prefill_engine=config, decode_engine=config) as deployment:
+    router = _router(32, pipeline_decode_stage=PipelineMode.ALWAYS if decode_stage else PipelineMode.OFF)
+    num_prefill = 1 if decode_stage else 2
+    with running_deployment(four_layer_model, num_prefill, 1, router, prefill_engine=config, decode_engine=config) as deployment:
         client = Client(deployment.address)
         for prompt, want in zip(prompts, expected):
             stream = client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
             assert stream.token_ids == want
             assert len(_stage_workers(stream)) == 2
-            assert stream.last.timing.kv_bytes_transferred == -(-len(prompt) // block_size) * block_bytes
+            # Two stages of two layers each: with the decode actor as the second, half the bytes move.
+            moved = -(-len(prompt) // block_size) * block_bytes
+            assert stream.last.timing.kv_bytes_transferred == (moved // 2 if decode_stage else moved)
         assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
         client.close()
 
@@ -200,5 +210,62 @@ def test_the_decode_actor_killed_while_stages_push_into_it_loses_nothing(ray_clu
         assert stream.token_ids == expected
         assert stream.last.decode_worker_id != holder and len(_stage_workers(stream)) == 2
         survivors = [w for w in client.wait_until_idle(timeout_s=60) if w.worker_id != holder]
+        assert all(w.num_kv_blocks_used == 0 for w in survivors)
+        client.close()
+
+
+@pytest.mark.parametrize("num_prefill,chunk_tokens", [(1, 16), (2, 23)])
+def test_the_decode_actor_as_the_last_stage_decodes_what_transformers_does(ray_cluster, four_layer_model, num_prefill, chunk_tokens):
+    """The decode actor computes the last layers of every chunk straight into its reservation and
+    samples the first token itself: exact for one and two prefill stages before it, again with
+    every stage's prefix cache holding the prompts (the decode actor's with every layer, so the
+    prefill stages hand it only the activations after that), and a seeded sample repeats."""
+    prompts = random_prompts([40, 97, 200], four_layer_model.vocab_size, seed=10 + num_prefill)
+    longer = prompts[2] + random_prompts([50], four_layer_model.vocab_size, seed=3)[0]
+    expected = [hf_greedy(four_layer_model.hf_model, p, 8) for p in [*prompts, longer]]
+    router = _router(chunk_tokens, pipeline_decode_stage=PipelineMode.ALWAYS)
+    with running_deployment(four_layer_model, num_prefill, 1, router) as deployment:
+        client = Client(deployment.address)
+        for prompt, want in zip(prompts, expected):
+            stream = client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+            assert stream.token_ids == want
+            assert _stage_workers(stream) == [f"prefill-{i}" for i in range(num_prefill)] + ["decode-0"]
+        for prompt, want in zip([*prompts, longer], expected):
+            stream = client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+            assert stream.token_ids == want
+            assert stream.last.timing.prompt_tokens_computed < len(prompt)
+        sampled = [
+            client.generate(prompt_token_ids=prompts[1] + [7], max_tokens=10, temperature=0.9, seed=99, ignore_eos=True).token_ids
+            for _ in range(2)
+        ]
+        assert sampled[0] == sampled[1] and len(sampled[0]) == 10
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
+        client.close()
+
+
+def test_a_prefill_stage_killed_before_the_decode_stage_loses_nothing(ray_cluster, four_layer_model):
+    """The prefill stage feeding the decode actor's stage dies mid-prompt: the decode actor drops
+    the half-computed reservation, the prompt is pipelined again through the other prefill actor,
+    and the output is transformers'."""
+    prompt = random_prompts([600], four_layer_model.vocab_size, seed=43)[0]
+    expected = hf_greedy(four_layer_model.hf_model, prompt, 6)
+    router = _router(8, pipeline_decode_stage=PipelineMode.ALWAYS, max_pipeline_stages=2)
+    with running_deployment(four_layer_model, 2, 1, router) as deployment:
+        for handle in deployment.pools.handles.values():
+            ray.get(handle.set_step_delay.remote(0.02))
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.generate, prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any(a.stages for a in deployment.router.dispatcher.active.values()):
+                time.sleep(0.005)
+            (active,) = deployment.router.dispatcher.active.values()
+            (victim,) = [w.worker_id for w in active.stages]
+            time.sleep(0.3)  # some chunks through both stages
+            ray.kill(deployment.pools.handles[victim], no_restart=True)
+            stream = future.result(timeout=180)
+        assert stream.token_ids == expected
+        assert victim not in _stage_workers(stream) and _stage_workers(stream)[-1] == "decode-0"
+        survivors = [w for w in client.wait_until_idle(timeout_s=60) if w.worker_id != victim]
         assert all(w.num_kv_blocks_used == 0 for w in survivors)
         client.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from router.config import RouterConfig
-from router.pipeline import PipelineMode, balanced_layers, plan_pipeline
+from router.pipeline import PipelineMode, balanced_layers, decode_may_be_a_stage, plan_pipeline, stage_starts
 from router.pool import Role, WorkerRecord
 
 UNIFORM = [1.0] * 30
@@ -82,3 +82,32 @@ def test_config_names_a_bad_pipeline_field():
     ]:
         with pytest.raises(ValueError, match=message):
             RouterConfig(**{field: value}).validate()
+
+
+def test_an_idle_decode_actor_is_the_last_stage():
+    decode = WorkerRecord("decode-0", Role.DECODE, handle=None)
+    # It counts as one more idle stage: with one prefill actor an 8k prompt gets two stages.
+    plan = plan_pipeline(PipelineMode.AUTO, 8000, _workers(0), None, 1024, UNIFORM, decode=decode)
+    assert [w.worker_id for w in plan.workers] == ["prefill-0"] and plan.decode_stage
+    assert plan.num_stages == 2 and plan.layers == [range(0, 15), range(15, 30)]
+    # The length still decides: one stage's worth of tokens is no pipeline.
+    assert plan_pipeline(PipelineMode.AUTO, 1500, _workers(0), None, 1024, UNIFORM, decode=decode) is None
+    # A pipeline keeps at least one prefill stage, and the stage limit counts the decode actor.
+    assert plan_pipeline(PipelineMode.ALWAYS, 8000, [], None, 1024, UNIFORM, decode=decode) is None
+    plan = plan_pipeline(PipelineMode.AUTO, 8000, _workers(0, 0, 0), 2, 1024, UNIFORM, decode=decode)
+    assert [w.worker_id for w in plan.workers] == ["prefill-0"] and plan.decode_stage
+    # Auto: only while it has no other request (its stage's chunks would slow its streams).
+    assert decode_may_be_a_stage(PipelineMode.AUTO, decode)
+    decode.num_assigned = 1
+    assert not decode_may_be_a_stage(PipelineMode.AUTO, decode)
+    assert decode_may_be_a_stage(PipelineMode.ALWAYS, decode) and not decode_may_be_a_stage(PipelineMode.OFF, decode)
+
+
+def test_each_stage_starts_where_it_and_every_later_stage_hold_the_prompt():
+    assert stage_starts([0, 0]) == [0, 0]
+    # The decode actor holds 96 tokens of every layer: the prefill stage computes from 32 (what
+    # it holds), and hands over activations only from 96.
+    assert stage_starts([32, 96]) == [32, 96]
+    # A later stage holding less pulls the earlier ones back (it needs their activations).
+    assert stage_starts([96, 32]) == [32, 32]
+    assert stage_starts([64, 128, 16, 48]) == [16, 16, 16, 48]
