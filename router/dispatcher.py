@@ -198,6 +198,8 @@ class Dispatcher:
         # reservation is in flight): a burst decides for all its prompts within that wait, and
         # without them every prompt would see the prefill actors idle.
         self._prefill_tokens_on_the_way: dict[str, int] = {}
+        # Requests sent to a decode actor to be prefilled there, by key, until their first output.
+        self._local_prefills: dict[str, tuple[WorkerRecord, int]] = {}
 
     @property
     def num_queued(self) -> int:
@@ -312,6 +314,7 @@ class Dispatcher:
             self.pool.assign(decode, request.req_id, len(request.prompt_token_ids))
             try:
                 if local:
+                    self._local_prefill_started(request.req_id, decode, len(request.prompt_token_ids))
                     await decode.handle.add_local.remote(decode_request)
                     destination = None
                 else:
@@ -322,6 +325,7 @@ class Dispatcher:
                 # report tells the truth; the request keeps its place in the queue.
                 self.pool.release(decode, request.req_id)
                 self._prefill_tokens_on_the_way.pop(request.req_id, None)
+                self._local_prefill_done(request.req_id)
                 if local:
                     refused_local.add(decode.worker_id)
                 decode.num_reservable_blocks = 0
@@ -329,10 +333,12 @@ class Dispatcher:
             except WORKER_GONE:
                 self.pool.release(decode, request.req_id)
                 self._prefill_tokens_on_the_way.pop(request.req_id, None)
+                self._local_prefill_done(request.req_id)
                 self.on_worker_died(decode)
             except BaseException:
                 self.pool.release(decode, request.req_id)
                 self._prefill_tokens_on_the_way.pop(request.req_id, None)
+                self._local_prefill_done(request.req_id)
                 raise
         active.assembler.decode_worker_id = decode.worker_id
         active.assembler.prefill_worker_id = ""
@@ -392,7 +398,35 @@ class Dispatcher:
         if num_tokens <= self.config.local_prefill_max_tokens:
             return True
         backlog = (self.pool.min_prefill_backlog() or 0) + self._prefill_tokens_on_the_way_per_actor()
-        return backlog >= self.config.prefill_busy_tokens and num_tokens <= self.config.busy_local_prefill_max_tokens
+        if backlog < self.config.prefill_busy_tokens or num_tokens > self.config.busy_local_prefill_max_tokens:
+            return False
+        # The queue that computes it sooner, at each side's measured rate (the decode actor's
+        # slower while it decodes): in a burst both cores prefill and both queues drain together.
+        decode = min(self.pool.routable(Role.DECODE), key=lambda d: d.num_local_prefill_tokens, default=None)
+        if decode is None:
+            return False
+        prefill_rate = max((p.prefill_rate.per_second or 0.0 for p in self.pool.routable(Role.PREFILL)), default=0.0)
+        local_rate = decode.local_prefill_rate.per_second
+        if not prefill_rate or not local_rate:
+            return decode.num_local_prefill_tokens + num_tokens <= backlog  # no measurements yet: the shorter queue
+        return (decode.num_local_prefill_tokens + num_tokens) / local_rate <= (backlog + num_tokens) / prefill_rate
+
+    def _local_prefill_started(self, key: str, decode: WorkerRecord, num_tokens: int) -> None:
+        self._local_prefill_done(key, computed=False)
+        if decode.num_local_prefill_tokens == 0:
+            decode.local_busy_since = time.monotonic()
+        self._local_prefills[key] = (decode, num_tokens)
+        decode.num_local_prefill_tokens += num_tokens
+
+    def _local_prefill_done(self, key: str, computed: bool = False) -> None:
+        """The request's local prefill ended: ``computed`` (its first output came), or it ended or moved."""
+        entry = self._local_prefills.pop(key, None)
+        if entry is None:
+            return
+        decode, num_tokens = entry
+        decode.num_local_prefill_tokens -= num_tokens
+        if computed:
+            decode.local_prefill_rate.done(num_tokens, decode.local_busy_since or time.monotonic())
 
     def _prefill_tokens_on_the_way_per_actor(self) -> int:
         num_prefill = len(self.pool.routable(Role.PREFILL))
@@ -648,6 +682,7 @@ class Dispatcher:
                         self.pool.release(decode, out.req_id)
                         num_tokens = len(active.request.prompt_token_ids) + active.assembler.num_completion_tokens
                         self.kv_freed.add(self._blocks_for(num_tokens + len(out.token_ids)))
+                    self._local_prefill_done(out.req_id, computed=True)
                     active.outputs.put_nowait(out)
             decode.num_reservable_blocks = report.num_reservable_blocks
             self.capacity.on_report()
@@ -663,6 +698,7 @@ class Dispatcher:
             return
         for key in list(record.req_ids):
             self.pool.release(record, key)
+            self._local_prefill_done(key)
             active = self._by_key.get(key)
             if active is None or active.decode is not record:
                 continue
@@ -680,6 +716,7 @@ class Dispatcher:
         if self._by_key.get(active.key) is active:
             del self._by_key[active.key]
         self._prefill_tokens_on_the_way.pop(active.key, None)
+        self._local_prefill_done(active.key)
         self._releasing[active.req_id] = active
         try:
             decode = active.decode

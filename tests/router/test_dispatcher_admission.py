@@ -92,3 +92,64 @@ def test_a_prompt_refused_for_room_then_prefilled_locally_is_not_failed_as_unava
     asyncio.run(scenario())
     assert added_locally == [active.key]
     assert active.decode.worker_id == "decode-0"
+
+
+def test_a_burst_shares_its_prompts_between_the_prefill_actor_and_the_decode_actor():
+    """32 prompts dispatched at once: every decision is made while the first reservations are
+    still in flight, so the prompts on their way to the prefill actor must count as its backlog;
+    past ``prefill_busy_tokens`` short prompts go to the decode actor, but only while its own
+    queue of prompts is the shorter one (not all of them: then the decode actor is the bottleneck)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from decode_workers.messages import DecodeReport
+    from kvtransfer.messages import KVDestination
+    from router.config import Disaggregation
+    from router.pool import Role, WorkerRecord
+
+    pool = WorkerPool()
+    added_locally, reserved = [], []
+
+    async def reserve(request):
+        await asyncio.sleep(0.01)  # a Ray call: every other dispatch decides meanwhile
+        reserved.append(request.req_id)
+        return SimpleNamespace(token=len(reserved), num_cached_blocks=0)
+
+    async def add_local(request):
+        await asyncio.sleep(0.01)
+        added_locally.append(request.req_id)
+
+    async def submit(request):
+        await asyncio.sleep(3600)  # the prefill actor never finishes within the test
+
+    async def poll_outputs(timeout_s, router_id):
+        await asyncio.sleep(timeout_s)
+        return DecodeReport([], 100_000)
+
+    pool.add(WorkerRecord("prefill-0", Role.PREFILL, handle=SimpleNamespace(submit=_Call(submit))))
+    decode_handle = SimpleNamespace(reserve=_Call(reserve), add_local=_Call(add_local), poll_outputs=_Call(poll_outputs))
+    decode = WorkerRecord("decode-0", Role.DECODE, handle=decode_handle, num_reservable_blocks=100_000)
+    pool.add(decode)
+    config = RouterConfig(disaggregation=Disaggregation.AUTO, prefill_busy_tokens=2000, busy_local_prefill_max_tokens=512)
+    actives = [_active(f"r{i}") for i in range(32)]
+    for active in actives:
+        active.assembler.timing = SimpleNamespace(dispatched=None, prefill=None)
+        active.assembler.decode_worker_id = active.assembler.prefill_worker_id = ""
+        active.request.prompt_token_ids[:] = list(range(400))
+
+    async def scenario():
+        dispatcher = Dispatcher(pool, config)
+        for active in actives:
+            dispatcher.admit(active)
+        await asyncio.wait_for(asyncio.gather(*(dispatcher.dispatch(a) for a in actives)), 10)
+        await asyncio.sleep(0.05)  # the prefill tasks took their prompts
+        for task in [*dispatcher._collectors.values(), *(a.prefill_task for a in actives if a.prefill_task)]:
+            task.cancel()
+        return dispatcher
+
+    asyncio.run(scenario())
+    assert len(added_locally) + len(reserved) == 32
+    # The first prompts go to the idle prefill actor; once 2,000 tokens are on their way, short
+    # prompts go to the decode actor while its queue (400 tokens each) is the shorter one.
+    assert 6 <= len(added_locally) <= 16, len(added_locally)
+    assert decode.num_local_prefill_tokens == 400 * len(added_locally)  # none has come back yet
