@@ -44,7 +44,9 @@ from kvtransfer.leases import RecentKeys
 from engine.parallel.group import RankFailedError
 from kvtransfer.messages import KVDestination
 from workers.base import EngineWorker
-from workers.pipeline import PipelineStage, StageChunk
+from kvtransfer.activations import ArrivedChunk
+from kvtransfer.messages import ActivationSlots
+from workers.pipeline import PipelineStage, StageChunk, inbox_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ class _Tracked:
     # reservation's token, and the previous stage's activations by the first token they cover.
     stage: PipelineStage | None = None
     token: int = 0
-    stage_inbox: dict[int, StageChunk] = field(default_factory=dict)
+    stage_inbox: dict[int, StageChunk | ArrivedChunk] = field(default_factory=dict)
     stage_compute_s: float = 0.0
 
 
@@ -163,6 +165,18 @@ class DecodeWorker(EngineWorker):
             return  # aborted or failed meanwhile: the router knows
         tracked.stage_inbox[chunk.start] = chunk
         self._thread.wake()
+
+    async def open_stage_inbox(self, req_id: str) -> ActivationSlots | None:
+        """Where the previous stage writes the activations of a prompt whose last stage runs
+        here, over NIXL (None: over Ray)."""
+        return await self._call(self._open_stage_inbox, req_id)
+
+    def _open_stage_inbox(self, req_id: str) -> ActivationSlots | None:
+        tracked = self._tracked.get(req_id)
+        if tracked is None or tracked.stage is None or self.activations is None:
+            return None
+        num_chunks = inbox_chunks(tracked.seq.num_prompt_tokens, tracked.stage.chunk_tokens)
+        return self.activations.open_inbox(req_id, tracked.token, num_chunks)
 
     async def add_local(self, request: DecodeRequest) -> None:
         """Prefill and decode here (conditional disaggregation, aggregated mode)."""
@@ -292,6 +306,8 @@ class DecodeWorker(EngineWorker):
                 self._aborted_attempts.add((req_id, attempt))
             return False
         del self._tracked[req_id]
+        if self.activations is not None:
+            self.activations.close_inbox(req_id)
         if req_id in self.scheduler.awaiting_kv:
             self._drop_reservation(req_id, tracked)
         else:
@@ -338,6 +354,11 @@ class DecodeWorker(EngineWorker):
         """One chunk of the oldest prompt whose last pipeline stage runs here and whose next
         activations arrived: its layers into the reservation; the chunk that ends the prompt
         samples the first token, and the sequence is admitted once every stage's writes landed."""
+        if self.activations is not None:
+            for arrived in self.activations.take_arrivals():
+                tracked = self._tracked.get(arrived.req_id)
+                if tracked is not None and tracked.stage is not None and tracked.token == arrived.token:
+                    tracked.stage_inbox[arrived.start] = arrived
         for req_id, tracked in list(self._tracked.items()):
             seq = tracked.seq
             if tracked.stage is None or tracked.first_token is not None or req_id not in self.scheduler.awaiting_kv:
@@ -359,6 +380,8 @@ class DecodeWorker(EngineWorker):
             tracked.stage_compute_s += time.perf_counter() - started
             self._pause_after_step()
             if sample is not None:
+                if self.activations is not None:
+                    self.activations.close_inbox(req_id)
                 logger.info("req %s: last stage (layers %s) on %s computed in %.2fs of %.2fs since its first chunk", req_id,
                             tracked.stage.layers, self.worker_id, tracked.stage_compute_s, time.monotonic() - seq.first_scheduled_time)
                 tracked.first_token = sample
@@ -415,6 +438,8 @@ class DecodeWorker(EngineWorker):
         if tracked is None:
             return
         logger.warning("req %s: failed on %s: %s", req_id, self.worker_id, message)
+        if self.activations is not None:
+            self.activations.close_inbox(req_id)
         if req_id in self.scheduler.awaiting_kv:
             self._drop_reservation(req_id, tracked)
         self._outputs.put(tracked.router_id, [SeqOutput(

@@ -62,6 +62,10 @@ class KVTransferConfig:
     # single-machine deployment's transfers on loopback; None: every device UCX finds.
     network_devices: str | None = None
     lease: LeasePolicy = field(default_factory=LeasePolicy)
+    # Activations of pipelined prefills (kvtransfer.activations), with the nixl backend: inbox
+    # slots of this many tokens each (a longer chunk goes over Ray), and how many (0: all over Ray).
+    stage_slot_tokens: int = 512
+    stage_inbox_slots: int = 16
 
     def backend_options(self, transport_name: str, kv_cache: torch.Tensor, region: KVRegion) -> BackendOptions:
         """What this config's backend is built from, over ``kv_cache`` (one rank's)."""

@@ -134,3 +134,18 @@ class ReceiveEvents:
 
     def __bool__(self) -> bool:
         return bool(self.progress or self.ready or self.failed or self.freed)
+
+
+@dataclass(slots=True)
+class ActivationSlots:
+    """Where one request's previous stage writes its chunks: the n-th chunk it sends goes into
+    ``addresses[n]`` of agent ``agent_name`` (hidden rows at the address, residual rows
+    ``slot_tokens`` rows after)."""
+
+    agent_name: str
+    metadata: bytes  # the agent's NIXL metadata: the sender loads it once
+    addresses: list[int]
+    slot_tokens: int
+    row_bytes: int  # one token's hidden vector
+    device_id: int
+    mem_type: str  # "DRAM" or "VRAM"

@@ -54,3 +54,7 @@ class PrefillStatus:
     engine: EngineStats
     num_transfers_in_flight: int
     rank_nodes: list[str] = field(default_factory=list)  # each tensor-parallel rank's node, rank 0 first
+    # Pipeline stages' chunks of activations this actor handed on, since it started: written over
+    # NIXL into the next stage's inbox, or sent over Ray (no inbox, or none free).
+    num_stage_chunks_over_nixl: int = 0
+    num_stage_chunks_over_ray: int = 0

@@ -52,7 +52,9 @@ from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import KVDestination, QuiesceReport
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming
-from workers.pipeline import PipelineStage, StageChunk
+from kvtransfer.activations import ArrivedChunk
+from kvtransfer.messages import ActivationSlots
+from workers.pipeline import PipelineStage, StageChunk, StageOpened, inbox_chunks
 from prefill_workers.scheduler import PrefillScheduler
 from workers.base import EngineWorker
 
@@ -86,7 +88,10 @@ class _Job:
     # Where the next stage computes from (its own cached prefix may reach further than this
     # stage's): no activations go to it for tokens before that.
     next_start: int = 0
-    inbox: dict[int, StageChunk] = field(default_factory=dict)
+    next_inbox: ActivationSlots | None = None  # where the next stage takes activations over NIXL (None: Ray)
+    num_chunks_sent: int = 0  # each chunk's slot in that inbox is its number
+    num_chunks_over_ray: int = 0
+    inbox: dict[int, StageChunk | ArrivedChunk] = field(default_factory=dict)
     compute_s: float = 0.0  # a stage's time in its own steps (the rest it waited for activations or shared the actor)
 
     @property
@@ -120,6 +125,8 @@ class PrefillWorker(EngineWorker):
         # Renewals for requests whose submit is still waiting for the engine thread (a long step
         # runs): applied when the request arrives, or its lease would run out in that wait.
         self._early_renewals: dict[str, KVDestination] = {}
+        self._num_stage_chunks_over_nixl = 0
+        self._num_stage_chunks_over_ray = 0
         self._run_engine()
 
     # -- calls from the router ----------------------------------------------------------
@@ -129,17 +136,20 @@ class PrefillWorker(EngineWorker):
         done: Future = await asyncio.wrap_future(self._thread.call(self._enqueue, request))
         return await asyncio.wrap_future(done)
 
-    async def open_stage(self, request: PrefillRequest) -> int:
+    async def open_stage(self, request: PrefillRequest) -> StageOpened:
         """Take one stage (``request.stage``) of a pipelined prefill: the prompt's blocks, now.
-        Returns how many prompt tokens this stage's prefix cache holds (the pipeline starts at
-        the fewest any stage holds); nothing runs before ``start_stage``."""
+        Says how many prompt tokens this stage's prefix cache holds (the pipeline starts at the
+        fewest any stage holds) and, after the first stage, where the previous one writes its
+        activations; nothing runs before ``start_stage``."""
         return await self._call(self._open_stage, request)
 
-    async def start_stage(self, req_id: str, token: int, start: int, next_start: int | None = None) -> PrefillResult:
+    async def start_stage(
+        self, req_id: str, token: int, start: int, next_start: int | None = None, next_inbox: ActivationSlots | None = None
+    ) -> PrefillResult:
         """Run this stage of the prompt from token ``start``, handing the next stage activations
-        from token ``next_start`` (default ``start``) on; returns once its writes all landed (with
-        the first token from the last stage)."""
-        done: Future = await self._call(self._start_stage, req_id, token, start, start if next_start is None else next_start)
+        from token ``next_start`` (default ``start``) on, into ``next_inbox`` over NIXL where
+        given; returns once its writes all landed (with the first token from the last stage)."""
+        done: Future = await self._call(self._start_stage, req_id, token, start, start if next_start is None else next_start, next_inbox)
         return await asyncio.wrap_future(done)
 
     async def stage_activations(self, chunk: StageChunk) -> None:
@@ -248,23 +258,28 @@ class PrefillWorker(EngineWorker):
         self._jobs[request.req_id] = job
         return job
 
-    def _open_stage(self, request: PrefillRequest) -> int:
+    def _open_stage(self, request: PrefillRequest) -> StageOpened:
         self._check_accepting(request)
         seq = self.engine.make_sequence(request.req_id, request.prompt_token_ids, request.params, request.priority)
         try:
             self.scheduler.add_stage(seq, request.stage.salt)
         except OutOfBlocksError as exc:
             raise PrefillUnavailableError(f"prefill worker {self.worker_id}: {exc}") from None
-        return self._add_job(request, seq).seq.num_computed_tokens
+        job = self._add_job(request, seq)
+        inbox = None
+        if not request.stage.is_first and self.activations is not None:
+            num_chunks = inbox_chunks(seq.num_prompt_tokens, request.stage.chunk_tokens)
+            inbox = self.activations.open_inbox(request.req_id, request.destination.token, num_chunks)
+        return StageOpened(seq.num_computed_tokens, inbox)
 
-    def _start_stage(self, req_id: str, token: int, start: int, next_start: int) -> Future:
+    def _start_stage(self, req_id: str, token: int, start: int, next_start: int, next_inbox: ActivationSlots | None) -> Future:
         job = self._jobs.get(req_id)
         if job is None or job.request.destination.token != token or job.stage is None:
             raise PrefillCancelledError(f"req {req_id}: its stage on {self.worker_id} was cancelled")
         if next_start < start:
             raise ValueError(f"next_start: {next_start} is before this stage's start {start} (the next stage would wait for tokens never computed)")
         self.scheduler.start_stage_at(job.seq, start)
-        job.started, job.next_start = True, next_start
+        job.started, job.next_start, job.next_inbox = True, next_start, next_inbox
         return job.done
 
     def _cancel(self, req_id: str, token: int | None) -> QuiesceReport:
@@ -275,6 +290,8 @@ class PrefillWorker(EngineWorker):
         if job is not None and token is not None and job.request.destination.token != token:
             return report  # a newer attempt of the same request: leave it alone
         self._jobs.pop(req_id, None)
+        if self.activations is not None:
+            self.activations.close_inbox(req_id)
         if job is not None:
             self.engine.abort_request(req_id)
             job.done.set_exception(PrefillCancelledError(f"req {req_id}: cancelled on {self.worker_id}"))
@@ -327,6 +344,11 @@ class PrefillWorker(EngineWorker):
     def _run_stage_chunk(self) -> bool:
         """One chunk of the oldest pipeline stage that has one ready: stage 0's next chunk, or a
         later stage's whose activations arrived. Its activations go on to the next stage."""
+        if self.activations is not None:
+            for arrived in self.activations.take_arrivals():
+                job = self._jobs.get(arrived.req_id)
+                if job is not None and job.request.destination.token == arrived.token:
+                    job.inbox[arrived.start] = arrived
         for job in list(self._jobs.values()):
             stage, seq = job.stage, job.seq
             if stage is None or seq.req_id not in self.scheduler.staged:
@@ -363,15 +385,30 @@ class PrefillWorker(EngineWorker):
             return True
         skip = job.next_start - start  # tokens of this chunk the next stage holds cached
         if not stage.is_last and skip < num_tokens:
-            activations = StageChunk.of(seq.req_id, job.request.destination.token, start, out, skip=max(0, skip))
-            stage.next_stage.stage_activations.remote(activations)  # the router hears if that actor is gone
+            self._hand_on(job, start, out, max(0, skip))
         job.compute_s += time.perf_counter() - started
         self._after_step(time.perf_counter(), started, [job], log_step=False)
         if seq.num_computed_tokens >= seq.num_prompt_tokens:
-            logger.info("req %s: stage %d of %d (layers %s) on %s computed its %d chunks in %.2fs of %.2fs since its first",
-                        seq.req_id, stage.index, stage.num_stages, stage.layers, self.worker_id, job.num_chunks, job.compute_s,
-                        time.monotonic() - seq.first_scheduled_time)
+            logger.info("req %s: stage %d of %d (layers %s) on %s computed its %d chunks in %.2fs of %.2fs since its first; "
+                        "%d of %d handed on over Ray", seq.req_id, stage.index, stage.num_stages, stage.layers, self.worker_id, job.num_chunks,
+                        job.compute_s, time.monotonic() - seq.first_scheduled_time, job.num_chunks_over_ray, job.num_chunks_sent)
         return True
+
+    def _hand_on(self, job: _Job, start: int, out: StageActivations, skip: int) -> None:
+        """The chunk's activations (less the ``skip`` tokens the next stage holds) to the next
+        stage: written into its inbox over NIXL, or over Ray where it has none or it is full."""
+        index, token = job.num_chunks_sent, job.request.destination.token
+        job.num_chunks_sent += 1
+        if skip:
+            out = StageActivations(out.hidden[skip:], out.residual[skip:] if out.residual is not None else None)
+        if job.next_inbox is not None and self.activations is not None:
+            if self.activations.send(job.next_inbox, index, job.seq.req_id, token, start + skip, out):
+                self._num_stage_chunks_over_nixl += 1
+                return
+        job.num_chunks_over_ray += 1
+        self._num_stage_chunks_over_ray += 1
+        # The router hears if that actor is gone.
+        job.stage.next_stage.stage_activations.remote(StageChunk.of(job.seq.req_id, token, start + skip, out))
 
     def _push_completed_blocks(self, job: _Job) -> None:
         seq = job.seq
@@ -425,6 +462,8 @@ class PrefillWorker(EngineWorker):
     def _finish_job(self, job: _Job, error: Exception | None) -> None:
         req_id = job.request.req_id
         self._jobs.pop(req_id, None)
+        if self.activations is not None:
+            self.activations.close_inbox(req_id)
         if error is not None:
             self.agent.cancel(req_id, job.request.destination.token)
             self.engine.abort_request(req_id)
@@ -458,5 +497,7 @@ class PrefillWorker(EngineWorker):
             rank_nodes=self.rank_nodes,
             engine=engine_stats(self.engine),
             num_transfers_in_flight=self.agent.num_in_flight(),
+            num_stage_chunks_over_nixl=self._num_stage_chunks_over_nixl,
+            num_stage_chunks_over_ray=self._num_stage_chunks_over_ray,
         )
 

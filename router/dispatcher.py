@@ -48,7 +48,7 @@ from decode_workers.worker import DecodeCapacityError
 from kvtransfer.messages import KVDestination
 from engine.stats import WorkerState
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillTiming
-from workers.pipeline import PipelineStage
+from workers.pipeline import PipelineStage, StageOpened
 from prefill_workers.worker import PrefillUnavailableError
 from router.admission import WaitEstimate, WindowRate, estimate_wait
 from router.capacity import DecodeCapacity
@@ -507,13 +507,18 @@ class Dispatcher:
             ]
             outcome = await _first_failure_or_all(opens)
             if not isinstance(outcome, _StageFailure):
-                cached = list(outcome)
+                opened: list[StageOpened] = outcome
+                cached = [o.num_cached_tokens for o in opened]
+                inboxes = [o.inbox for o in opened[1:]]  # where each stage after the first takes activations over NIXL
                 if plan.decode_stage:
                     cached.append(destination.num_cached_blocks * self.block_size)  # every layer of those blocks is there
+                    with contextlib.suppress(*WORKER_GONE):  # a dead decode actor is the collector's to report
+                        inboxes.append(await decode.handle.open_stage_inbox.remote(request.req_id))
+                inboxes.append(None)  # the last stage hands nothing on
                 starts = stage_starts(cached)
                 start = starts[0]
                 outcome = await _first_failure_or_all([
-                    h.start_stage.remote(request.req_id, destination.token, starts[i], starts[i + 1] if i + 1 < len(starts) else None)
+                    h.start_stage.remote(request.req_id, destination.token, starts[i], starts[i + 1] if i + 1 < len(starts) else None, inboxes[i])
                     for i, h in enumerate(handles)
                 ])
         finally:

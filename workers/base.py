@@ -33,7 +33,9 @@ from engine.llm_engine import LLMEngine
 from engine.parallel.group import RankFailedError
 from engine.step_profile import StepLog, TransferRecord
 from engine.stats import WorkerState
+from kvtransfer.activations import ActivationChannel
 from kvtransfer.agent import KVAgent, KVTransferConfig
+from kvtransfer.errors import BackendUnavailableError
 from kvtransfer.layout import KVCompat
 from kvtransfer.pump import TransferPump
 from kvtransfer.sharding import KVShard
@@ -112,6 +114,20 @@ class EngineWorker:
         self.transfer_events = TransferSignal()
         self.pump = TransferPump(self.agent, on_events=self._on_transfer_events)
         self.pump.start()
+        self.activations = self._activation_channel(transfer_config)
+
+    def _activation_channel(self, transfer_config: KVTransferConfig) -> ActivationChannel | None:
+        """Where pipeline stages' activations go over NIXL (beside the KV); None: over Ray."""
+        if transfer_config.backend != "nixl" or transfer_config.stage_inbox_slots < 1:
+            return None
+        try:
+            return ActivationChannel(
+                f"{self.agent.ref}/activations", self.engine.model_config.hidden_size, self.engine.dtype, self.engine.kv_cache.tensor.device,
+                transfer_config.stage_slot_tokens, transfer_config.stage_inbox_slots, on_arrival=self._thread.wake,
+            )
+        except BackendUnavailableError as exc:
+            logger.warning("%s: pipeline activations go over Ray (%s)", self.worker_id, exc)
+            return None
 
     def _on_transfer_events(self) -> None:
         """The pump saw transfers complete, fail or arrive (its thread): wake whoever waits."""
@@ -207,5 +223,7 @@ class EngineWorker:
         self._thread.stop()
         self.pump.stop()
         self.agent.close()
+        if self.activations is not None:
+            self.activations.close()
         if self.ranks is not None:
             self.engine.close()

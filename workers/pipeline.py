@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvtransfer.messages import ActivationSlots
+
 
 @dataclass(slots=True)
 class PipelineStage:
@@ -86,3 +88,18 @@ def _as_tensor(array: Any, dtype: str) -> Any:
 
     tensor = torch.tensor(array)  # a copy
     return tensor.view(getattr(torch, dtype)) if dtype in ("bfloat16", "float16") else tensor
+
+
+@dataclass(slots=True)
+class StageOpened:
+    """What opening a stage says: how much of the prompt its prefix cache holds (of its layers),
+    and where the previous stage writes its activations over NIXL (None: over Ray)."""
+
+    num_cached_tokens: int
+    inbox: ActivationSlots | None = None
+
+
+def inbox_chunks(num_tokens: int, chunk_tokens: int) -> int:
+    """Chunks a stage may receive for a prompt of ``num_tokens``: one per chunk, and one more
+    where a later stage's cached prefix splits a chunk."""
+    return -(-num_tokens // chunk_tokens) + 1

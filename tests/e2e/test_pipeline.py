@@ -16,6 +16,7 @@ import pytest
 import ray
 
 from engine import LLMEngine, SamplingParams
+from kvtransfer.agent import KVTransferConfig
 from router.config import Disaggregation, RouterConfig
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
@@ -66,6 +67,9 @@ def test_a_pipelined_prompt_decodes_what_transformers_does(ray_cluster, four_lay
             assert len(_stage_workers(stream)) == num_prefill, stream.last.prefill_worker_id
             # Every stage pushed its layers of every block: the bytes of the whole prompt's KV.
             assert stream.last.timing.kv_bytes_transferred > 0
+        # Every chunk's activations went into the next stage's memory over NIXL, none over Ray.
+        statuses = [ray.get(deployment.pools.handles[f"prefill-{i}"].status.remote()) for i in range(num_prefill - 1)]
+        assert all(s.num_stage_chunks_over_nixl > 0 and s.num_stage_chunks_over_ray == 0 for s in statuses)
         # The same prompts again: each stage's own prefix cache (of its layers) holds them.
         again = [client.generate(prompt_token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True) for p in prompts]
         for stream, want, prompt in zip(again, expected, prompts):
@@ -76,14 +80,22 @@ def test_a_pipelined_prompt_decodes_what_transformers_does(ray_cluster, four_lay
 
 
 def test_a_seeded_sample_repeats_and_concurrent_pipelines_share_the_actors(ray_cluster, four_layer_model):
+    """Four pipelines at once over the same two actors. The second stage's inbox has room for one
+    prompt's chunks at a time (8 slots; the 150-token prompt takes 6), so the others' activations
+    go over Ray: both ways give transformers' output."""
     prompts = random_prompts([150, 120, 90, 60], four_layer_model.vocab_size, seed=5)
     expected = [hf_greedy(four_layer_model.hf_model, p, 6) for p in prompts]
-    with running_deployment(four_layer_model, 2, 1, _router(32)) as deployment:
+    transfer = KVTransferConfig(stage_inbox_slots=8)
+    with running_deployment(four_layer_model, 2, 1, _router(32), transfer=transfer) as deployment:
         client = Client(deployment.address)
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(client.generate, prompt_token_ids=p, max_tokens=6, temperature=0.0, ignore_eos=True) for p in prompts]
             streams = [f.result(timeout=120) for f in futures]
         assert [s.token_ids for s in streams] == expected
+        first = ray.get(deployment.pools.handles[_stage_workers(streams[0])[0]].status.remote())
+        second = ray.get(deployment.pools.handles[_stage_workers(streams[0])[1]].status.remote())
+        handed_on = [(w.num_stage_chunks_over_nixl, w.num_stage_chunks_over_ray) for w in (first, second)]
+        assert sum(n for n, _ in handed_on) > 0 and sum(r for _, r in handed_on) > 0, handed_on
         sampled = [
             client.generate(prompt_token_ids=prompts[0] + [i], max_tokens=10, temperature=0.9, seed=1234, ignore_eos=True).token_ids
             for i in (1, 1)
@@ -230,6 +242,9 @@ def test_the_decode_actor_as_the_last_stage_decodes_what_transformers_does(ray_c
             stream = client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
             assert stream.token_ids == want
             assert _stage_workers(stream) == [f"prefill-{i}" for i in range(num_prefill)] + ["decode-0"]
+        # The last prefill stage wrote its activations into the decode actor's inbox over NIXL.
+        last = ray.get(deployment.pools.handles[f"prefill-{num_prefill - 1}"].status.remote())
+        assert last.num_stage_chunks_over_nixl > 0 and last.num_stage_chunks_over_ray == 0
         for prompt, want in zip([*prompts, longer], expected):
             stream = client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
             assert stream.token_ids == want

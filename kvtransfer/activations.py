@@ -1,0 +1,258 @@
+"""Activations between the stages of a pipelined prefill, over NIXL.
+
+A stage hands the next one, for every chunk, its last layer's output and the residual stream
+([tokens, hidden] each). Over Ray that is a call carrying numpy arrays through the object store
+(a copy in, a copy out, and on a GPU two trips through host memory); here the previous stage
+writes them straight into the next stage's memory with one NIXL write, as the KV blocks go.
+
+Each stage actor owns one ``ActivationChannel``: its own NIXL agent (beside the KV agent), an
+inbox of slots that previous stages write into, and a few staging slots its own outgoing chunks
+are written from (NIXL writes only from registered memory). A slot holds one chunk: [2,
+slot_tokens, hidden], the hidden rows then the residual rows.
+
+- ``open_inbox`` gives a request's receiving stage one slot per chunk it will receive, for the
+  request's whole prefill (no flow control to get wrong: a slot is written once), and returns
+  where they are (``ActivationSlots``), which the router hands the previous stage. With too few
+  free slots it returns None, and that request's activations go over Ray.
+- ``send`` copies a chunk into a free staging slot and posts one write of its two row ranges into
+  the chunk's inbox slot, with a notification naming the request, the attempt and the tokens;
+  False (no staging slot free, or the write failed to post) tells the caller to use Ray for it.
+- A poller thread, running while an inbox is open or a write is in flight, turns notifications
+  into ``ArrivedChunk``s and wakes the engine thread; ``take_arrivals`` hands them over. An
+  arrived chunk is read (copied out of its slot) when the stage computes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtransfer.backends.nixl import api as nixl_api
+from kvtransfer.errors import BackendUnavailableError
+from kvtransfer.messages import ActivationSlots
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ArrivedChunk:
+    """A chunk's activations that landed in an inbox slot; read when the stage computes it."""
+
+    req_id: str
+    token: int
+    start: int
+    num_tokens: int
+    has_residual: bool
+    slot: torch.Tensor  # [2, slot_tokens, hidden], a view of the inbox
+
+    def activations(self) -> Any:
+        from engine.model import StageActivations
+
+        hidden = self.slot[0, : self.num_tokens].clone()
+        residual = self.slot[1, : self.num_tokens].clone() if self.has_residual else None
+        return StageActivations(hidden, residual)
+
+
+@dataclass(slots=True)
+class _Send:
+    handle: Any
+    staging: int
+
+
+@dataclass(slots=True)
+class _Inbox:
+    slots: list[int]
+    token: int
+
+
+class ActivationChannel:
+    def __init__(
+        self,
+        name: str,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        slot_tokens: int,
+        num_inbox_slots: int = 16,
+        num_staging_slots: int = 4,
+        on_arrival: Callable[[], None] = lambda: None,
+    ) -> None:
+        try:
+            api = nixl_api.load()
+        except ImportError as exc:
+            raise BackendUnavailableError(f"nixl is not importable here: {exc}") from exc
+        self.name = name
+        self.slot_tokens = slot_tokens
+        self._on_arrival = on_arrival
+        self._inbox = torch.zeros(num_inbox_slots, 2, slot_tokens, hidden_size, dtype=dtype, device=device)
+        self._staging = torch.zeros(num_staging_slots, 2, slot_tokens, hidden_size, dtype=dtype, device=device)
+        self._row_bytes = hidden_size * self._inbox.element_size()
+        self._mem_type = "VRAM" if self._inbox.is_cuda else "DRAM"
+        self._device_id = self._inbox.device.index or 0
+        self._agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]))
+        if "UCX" not in self._agent.backends:
+            raise BackendUnavailableError("nixl: the UCX backend could not be created")
+        self._registrations = [self._agent.register_memory(self._inbox), self._agent.register_memory(self._staging)]
+        self._lock = threading.Lock()
+        self._free_inbox = list(range(num_inbox_slots))
+        self._free_staging = list(range(num_staging_slots))
+        self._inboxes: dict[str, _Inbox] = {}
+        self._sends: list[_Send] = []
+        self._peers: set[str] = set()
+        self._arrivals: list[ArrivedChunk] = []
+        self._work = threading.Event()
+        self._stopping = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name=f"activations-{name}", daemon=True)
+        self._poller.start()
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def open_inbox(self, req_id: str, token: int, num_chunks: int) -> ActivationSlots | None:
+        """Slots for the ``num_chunks`` chunks request ``req_id`` (attempt ``token``) will receive,
+        or None if that many are not free (its activations then go over Ray)."""
+        with self._lock:
+            self._close(req_id)
+            if num_chunks > len(self._free_inbox) or num_chunks < 1:
+                return None
+            slots = [self._free_inbox.pop() for _ in range(num_chunks)]
+            self._inboxes[req_id] = _Inbox(slots, token)
+        self._work.set()
+        base, stride = self._inbox.data_ptr(), self._inbox[0].numel() * self._inbox.element_size()
+        with self._lock:
+            metadata = self._agent.get_agent_metadata()
+        return ActivationSlots(self.name, metadata, [base + s * stride for s in slots], self.slot_tokens, self._row_bytes, self._device_id, self._mem_type)
+
+    def close_inbox(self, req_id: str) -> None:
+        """The request's prefill ended here: its slots are free (a late write lands in nothing read)."""
+        with self._lock:
+            self._close(req_id)
+
+    def _close(self, req_id: str) -> None:
+        inbox = self._inboxes.pop(req_id, None)
+        if inbox is not None:
+            self._free_inbox.extend(inbox.slots)
+            self._arrivals = [a for a in self._arrivals if a.req_id != req_id]
+
+    def take_arrivals(self) -> list[ArrivedChunk]:
+        with self._lock:
+            arrivals, self._arrivals = self._arrivals, []
+        return arrivals
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(self, slots: ActivationSlots, index: int, req_id: str, token: int, start: int, activations: Any) -> bool:
+        """Write chunk ``index`` of a request (tokens from ``start``) into the next stage's slot;
+        False if it could not be posted (the caller sends it over Ray)."""
+        hidden, residual = activations.hidden, activations.residual
+        num_tokens = hidden.shape[0]
+        if index >= len(slots.addresses) or num_tokens > slots.slot_tokens or hidden.shape[1] * hidden.element_size() != slots.row_bytes:
+            return False
+        with self._lock:
+            self._reap_sends()
+            if not self._free_staging:
+                return False
+            staging = self._free_staging.pop()
+        slot = self._staging[staging]
+        slot[0, :num_tokens].copy_(hidden)
+        if residual is not None:
+            slot[1, :num_tokens].copy_(residual)
+        if slot.is_cuda:
+            torch.cuda.current_stream().synchronize()  # NIXL reads the staging slot once posted
+        notif = json.dumps({"r": req_id, "t": token, "s": start, "n": num_tokens, "i": index, "res": residual is not None}).encode()
+        length = num_tokens * slots.row_bytes
+        target = slots.addresses[index]
+        row_stride = slots.slot_tokens * slots.row_bytes
+        local = np.array([[slot[0].data_ptr(), length, self._device_id], [slot[1].data_ptr(), length, self._device_id]], dtype=np.uint64)
+        remote = np.array([[target, length, slots.device_id], [target + row_stride, length, slots.device_id]], dtype=np.uint64)
+        with self._lock:  # the agent is not thread-safe: the poller uses it too
+            try:
+                if slots.agent_name not in self._peers:
+                    self._agent.add_remote_agent(slots.metadata)
+                    self._peers.add(slots.agent_name)
+                handle = self._agent.initialize_xfer(
+                    "WRITE", self._agent.get_xfer_descs(local, self._mem_type), self._agent.get_xfer_descs(remote, slots.mem_type),
+                    slots.agent_name, notif,
+                )
+                if self._agent.transfer(handle) == "ERR":
+                    handle.release()
+                    raise RuntimeError("transfer returned ERR")
+            except Exception as exc:
+                logger.warning("activations for req %s to %s: posting a write failed (%s); sending over Ray", req_id, slots.agent_name, exc)
+                self._free_staging.append(staging)
+                return False
+            self._sends.append(_Send(handle, staging))
+        self._work.set()
+        return True
+
+    def _reap_sends(self) -> None:
+        """Free the staging slots of writes that completed (under the lock)."""
+        still = []
+        for send in self._sends:
+            state = self._agent.check_xfer_state(send.handle)
+            if state == "PROC":
+                still.append(send)
+                continue
+            if state != "DONE":
+                logger.warning("an activation write from %s failed (%s); the next stage hears nothing of that chunk", self.name, state)
+            send.handle.release()
+            self._free_staging.append(send.staging)
+        self._sends = still
+
+    # -- the poller ------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        interval = 0.001
+        while not self._stopping.is_set():
+            self._work.clear()
+            with self._lock:
+                idle = not self._inboxes and not self._sends
+            if idle:
+                self._work.wait()
+                interval = 0.001
+                continue
+            found = self._poll_once()
+            interval = 0.001 if found else min(2 * interval, 0.004)
+            if self._work.wait(interval):
+                interval = 0.001
+
+    def _poll_once(self) -> bool:
+        arrived = []
+        with self._lock:
+            try:
+                notifs = self._agent.get_new_notifs()
+            except Exception:
+                logger.warning("activations poller of %s failed", self.name, exc_info=True)
+                return False
+            self._reap_sends()
+            for messages in notifs.values():
+                for message in messages:
+                    meta = json.loads(bytes(message))
+                    inbox = self._inboxes.get(meta["r"])
+                    if inbox is None or inbox.token != meta["t"] or meta["i"] >= len(inbox.slots):
+                        continue  # an attempt that ended here
+                    arrived.append(ArrivedChunk(meta["r"], meta["t"], meta["s"], meta["n"], meta["res"], self._inbox[inbox.slots[meta["i"]]]))
+            self._arrivals.extend(arrived)
+        if arrived:
+            self._on_arrival()
+        return bool(arrived)
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._work.set()
+        self._poller.join(2.0)
+        try:
+            with self._lock:
+                for send in self._sends:
+                    send.handle.release()
+                self._sends = []
+            for registration in self._registrations:
+                self._agent.deregister_memory(registration)
+        except Exception:
+            logger.warning("closing the activation channel %s failed", self.name, exc_info=True)
