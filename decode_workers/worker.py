@@ -365,6 +365,8 @@ class DecodeWorker(EngineWorker):
                 continue
             chunk = tracked.stage_inbox.pop(seq.num_computed_tokens, None)
             if chunk is None:
+                if self.activations is not None:
+                    self.activations.expect()
                 continue
             started = time.perf_counter()
             if seq.first_scheduled_time is None:

@@ -19,7 +19,11 @@ slot_tokens, hidden], the hidden rows then the residual rows.
   False (no staging slot free, or the write failed to post) tells the caller to use Ray for it.
 - A poller thread, running while an inbox is open or a write is in flight, turns notifications
   into ``ArrivedChunk``s and wakes the engine thread; ``take_arrivals`` hands them over. An
-  arrived chunk is read (copied out of its slot) when the stage computes it.
+  arrived chunk is read (copied out of its slot) when the stage computes it. Polls that find
+  nothing back off from 1 to 16 ms; while the engine thread waits for a chunk (``expect``) they
+  start again at 1 ms and back off to 4 ms: a stage computing its own chunk needs no quick look,
+  and polling as often for a whole 8k prompt cost more CPU on a 2-core host than the Ray calls
+  it replaces (the prompt pipelined over 2 took 4.7% longer than with Ray).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ from kvtransfer.errors import BackendUnavailableError
 from kvtransfer.messages import ActivationSlots
 
 logger = logging.getLogger(__name__)
+
+# The poller's back-off between polls that find nothing: to 4 ms while the engine thread waits
+# for a chunk, to 16 ms while it computes.
+FIRST_POLL_S, EXPECTING_POLL_S, LAST_POLL_S = 0.001, 0.004, 0.016
 
 
 @dataclass(slots=True)
@@ -108,6 +116,7 @@ class ActivationChannel:
         self._peers: set[str] = set()
         self._arrivals: list[ArrivedChunk] = []
         self._work = threading.Event()
+        self._expecting = False
         self._stopping = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"activations-{name}", daemon=True)
         self._poller.start()
@@ -139,6 +148,11 @@ class ActivationChannel:
         if inbox is not None:
             self._free_inbox.extend(inbox.slots)
             self._arrivals = [a for a in self._arrivals if a.req_id != req_id]
+
+    def expect(self) -> None:
+        """The engine thread waits for a chunk: look for it every millisecond again."""
+        self._expecting = True
+        self._work.set()
 
     def take_arrivals(self) -> list[ArrivedChunk]:
         with self._lock:
@@ -208,19 +222,22 @@ class ActivationChannel:
     # -- the poller ------------------------------------------------------------------------
 
     def _poll(self) -> None:
-        interval = 0.001
+        interval = FIRST_POLL_S
         while not self._stopping.is_set():
             self._work.clear()
             with self._lock:
                 idle = not self._inboxes and not self._sends
             if idle:
                 self._work.wait()
-                interval = 0.001
+                interval = FIRST_POLL_S
                 continue
             found = self._poll_once()
-            interval = 0.001 if found else min(2 * interval, 0.004)
-            if self._work.wait(interval):
-                interval = 0.001
+            if found:
+                self._expecting = False
+            # While the engine thread waits for a chunk, as the KV pump does; else slowly.
+            interval = FIRST_POLL_S if found else min(2 * interval, EXPECTING_POLL_S if self._expecting else LAST_POLL_S)
+            if self._work.wait(interval) and self._expecting:
+                interval = FIRST_POLL_S
 
     def _poll_once(self) -> bool:
         arrived = []

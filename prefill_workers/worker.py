@@ -365,6 +365,8 @@ class PrefillWorker(EngineWorker):
             else:
                 chunk = job.inbox.pop(start, None)
                 if chunk is None:
+                    if self.activations is not None and job.stage.index > 0:
+                        self.activations.expect()
                     continue
                 num_tokens, incoming = chunk.num_tokens, chunk.activations()
             return self._compute_stage_chunk(job, start, num_tokens, incoming)

@@ -48,6 +48,7 @@ class ClusterShape:
     routing_policy: RoutingPolicy | None = None  # None: the router's default
     kv_overlap_weight: float | None = None  # kv_aware: None, the router's default
     router_overrides: dict[str, Any] = field(default_factory=dict)  # other RouterConfig fields
+    transfer: Any = None  # a kvtransfer.agent.KVTransferConfig (None: the default)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -124,6 +125,8 @@ def local_cluster(model_dir: Path, shape: ClusterShape, actor_num_cpus: float = 
         decode=PoolSpec(shape.num_decode, shape.decode_engine, num_cpus=actor_num_cpus),
         router=RouterConfig(disaggregation=shape.disaggregation, **shape.router_overrides),
     )
+    if shape.transfer is not None:
+        spec.transfer = shape.transfer
     if shape.routing_policy is not None:
         spec.router.routing_policy = shape.routing_policy
     if shape.kv_overlap_weight is not None:

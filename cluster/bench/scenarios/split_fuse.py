@@ -7,6 +7,7 @@ but for a light background load of short requests, on five clusters:
 - split-fuse: one prefill actor, the prompt in chunks (the ordinary path);
 - pipelined: two prefill actors, every remote prompt pipelined over both (``prefill.pipeline:
   always``), each a half of the layers, chunks flowing from one to the other;
+- pipelined-ray: the same with every chunk's activations over Ray instead of NIXL (no inbox);
 - pipelined-decode: one prefill actor and the decode actor as the second stage (``prefill.
   pipeline_decode_stage: always``): the decode actor computes the last half of the layers straight
   into its reservation;
@@ -33,6 +34,7 @@ from cluster.bench.report import result_document, write_json
 from cluster.bench.runner import BenchSpec
 from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, engine_config, flags_of, fmt, int_list, local_cluster, ratio, ray_running, scenario_model
 from cluster.bench.workloads import BenchRequest, random_token_ids
+from kvtransfer.agent import KVTransferConfig
 from router.config import Disaggregation
 from router.pipeline import PipelineMode
 
@@ -57,14 +59,15 @@ def _shapes(args: argparse.Namespace) -> list[ClusterShape]:
     pipeline = {"pipeline_chunk_tokens": args.chunk, "max_pipeline_stages": 2}  # two stages: this host has two cores
     off, always, auto = PipelineMode.OFF, PipelineMode.ALWAYS, PipelineMode.AUTO
 
-    def shape(label: str, num_prefill: int, prefill_engine, mode: PipelineMode, decode_stage: PipelineMode) -> ClusterShape:
+    def shape(label: str, num_prefill: int, prefill_engine, mode: PipelineMode, decode_stage: PipelineMode, transfer=None) -> ClusterShape:
         overrides = {"prefill_pipeline": mode, "pipeline_decode_stage": decode_stage, **pipeline}
-        return ClusterShape(label, num_prefill, 1, Disaggregation.ALWAYS, prefill_engine, chunked, router_overrides=overrides)
+        return ClusterShape(label, num_prefill, 1, Disaggregation.ALWAYS, prefill_engine, chunked, router_overrides=overrides, transfer=transfer)
 
     shapes = {
         "whole": shape("whole", 1, whole, off, off),
         "split-fuse": shape("split-fuse", 1, chunked, off, off),
         "pipelined": shape("pipelined", 2, chunked, always, off),
+        "pipelined-ray": shape("pipelined-ray", 2, chunked, always, off, KVTransferConfig(stage_inbox_slots=0)),
         "pipelined-decode": shape("pipelined-decode", 1, chunked, always, always),
         "dynamic": shape("dynamic", 2, chunked, auto, auto),
     }
