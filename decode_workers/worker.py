@@ -135,7 +135,6 @@ class DecodeWorker(EngineWorker):
         self._router_lease_s: dict[str, float] = {}
         self._router_watch: asyncio.Task | None = None
         self._num_orphans_aborted = 0
-        self._stage_turn = False  # whether a pipeline stage's chunk goes before the next decode step
         self._run_engine()
 
     # -- calls from the router (each runs on the engine thread) -------------------------
@@ -341,14 +340,7 @@ class DecodeWorker(EngineWorker):
 
     def _iterate(self) -> bool:
         busy = self._poll_transfers()
-        # Pipeline stages' chunks and decode steps take turns.
-        if self._stage_turn and self._run_stage_chunk():
-            self._stage_turn = False
-            return True
-        if self._run_step():
-            self._stage_turn = True
-            return True
-        return self._run_stage_chunk() or busy
+        return self._take_turns(self._run_step) or busy
 
     def _run_stage_chunk(self) -> bool:
         """One chunk of the oldest prompt whose last pipeline stage runs here and whose next

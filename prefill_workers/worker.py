@@ -121,7 +121,6 @@ class PrefillWorker(EngineWorker):
         # Reservation tokens cancelled before their request arrived (an async actor may run a
         # cancel ahead of the submit it follows): that submit is refused.
         self._cancelled_tokens = RecentKeys()
-        self._stage_turn = False  # whether a pipeline stage's chunk goes before the next ordinary batch
         # Renewals for requests whose submit is still waiting for the engine thread (a long step
         # runs): applied when the request arrives, or its lease would run out in that wait.
         self._early_renewals: dict[str, KVDestination] = {}
@@ -300,14 +299,7 @@ class PrefillWorker(EngineWorker):
 
     def _iterate(self) -> bool:
         busy = self._poll_sends()
-        # Pipeline stages' chunks and ordinary batches take turns.
-        if self._stage_turn and self._run_stage_chunk():
-            self._stage_turn = False
-            return True
-        if self._run_batch():
-            self._stage_turn = True
-            return True
-        return self._run_stage_chunk() or busy
+        return self._take_turns(self._run_batch) or busy
 
     def _run_batch(self) -> bool:
         """One ordinary step: chunks of queued prompts under the token budget (split-fuse)."""

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -109,6 +110,7 @@ class EngineWorker:
         # Rank 0's node, then each other rank's (one node: the placement group packs them).
         self.rank_nodes = [self.node, *(self.ranks.nodes() if self.ranks is not None else [])]
         self._step_delay_s = 0.0
+        self._stage_turn = False  # whether a pipeline stage's chunk goes before the worker's next step
         self._cache_log = CacheEventLog(worker_id)
         self.step_log = StepLog()  # what each step computed and how long the turn took (cluster/planning)
         self.transfer_events = TransferSignal()
@@ -139,6 +141,21 @@ class EngineWorker:
         True if it did something (else the thread sleeps until woken). A subclass calls this
         last in its constructor, once its own state exists."""
         self._thread.attach(self._turn)
+
+    def _take_turns(self, run_step: Callable[[], bool]) -> bool:
+        """Run a pipeline stage's chunk (``_run_stage_chunk``) or the worker's own step
+        (``run_step``), taking turns: neither holds the other back by more than one step."""
+        if self._stage_turn and self._run_stage_chunk():
+            self._stage_turn = False
+            return True
+        if run_step():
+            self._stage_turn = True
+            return True
+        return self._run_stage_chunk()
+
+    def _run_stage_chunk(self) -> bool:
+        """One chunk of a pipeline stage computed here, if one is ready (the roles' own)."""
+        return False
 
     def _turn(self) -> bool:
         try:
