@@ -36,16 +36,15 @@ from dataclasses import dataclass, field
 from decode_workers.messages import DecodeReport, DecodeRequest, DecodeStatus, DecodeTiming, SeqOutput
 from decode_workers.scheduler import DecodeScheduler
 from engine.config import EngineConfig
+from engine.parallel.group import RankFailedError
 from engine.sequence import FinishReason, Sequence, TokenLogprob, sampled_token_from_json
 from engine.stats import WorkerState, engine_stats
+from kvtransfer.activations import ArrivedChunk
 from kvtransfer.agent import KVTransferConfig
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.leases import RecentKeys
-from engine.parallel.group import RankFailedError
-from kvtransfer.messages import KVDestination
+from kvtransfer.messages import ActivationSlots, KVDestination
 from workers.base import EngineWorker
-from kvtransfer.activations import ArrivedChunk
-from kvtransfer.messages import ActivationSlots
 from workers.pipeline import PipelineStage, StageChunk, inbox_chunks
 
 logger = logging.getLogger(__name__)

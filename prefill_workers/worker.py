@@ -47,16 +47,15 @@ from engine.scheduler import ScheduledBatch, ScheduledSlice
 from engine.sequence import Sequence, sampled_token_to_json
 from engine.step_profile import TransferRecord
 from engine.stats import WorkerState, engine_stats
+from kvtransfer.activations import ArrivedChunk
 from kvtransfer.agent import KVTransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import RecentKeys
-from kvtransfer.messages import KVDestination, QuiesceReport
+from kvtransfer.messages import ActivationSlots, KVDestination, QuiesceReport
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming
-from kvtransfer.activations import ArrivedChunk
-from kvtransfer.messages import ActivationSlots
-from workers.pipeline import PipelineStage, StageChunk, StageOpened, inbox_chunks
 from prefill_workers.scheduler import PrefillScheduler
 from workers.base import EngineWorker
+from workers.pipeline import PipelineStage, StageChunk, StageOpened, inbox_chunks
 
 logger = logging.getLogger(__name__)
 

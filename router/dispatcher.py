@@ -48,7 +48,6 @@ from decode_workers.worker import DecodeCapacityError
 from kvtransfer.messages import KVDestination
 from engine.stats import WorkerState
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillTiming
-from workers.pipeline import PipelineStage, StageOpened
 from prefill_workers.worker import PrefillUnavailableError
 from router.admission import WaitEstimate, WindowRate, estimate_wait
 from router.capacity import DecodeCapacity
@@ -68,6 +67,7 @@ from router.pool import Role, WorkerPool, WorkerRecord, within
 from router.prefix_index import PrefixFeed
 from router.routing import RouteQuery
 from router.validation import ValidatedRequest
+from workers.pipeline import PipelineStage, StageOpened
 
 logger = logging.getLogger(__name__)
 
