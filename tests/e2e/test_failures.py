@@ -262,3 +262,30 @@ def test_a_request_present_at_two_worker_deaths_is_refused_not_carried_on(ray_cl
         assert error.code() is grpc.StatusCode.INTERNAL
         assert "2 workers that died" in error.details() and all(w in error.details() for w in killed)
         client.close()
+
+
+def test_a_prefill_whose_only_decode_actor_dies_mid_push_is_redirected_to_the_replacement(ray_cluster, e2e_model):
+    """One prefill and one decode actor; the decode actor is killed while the prefill actor pushes
+    a long prompt's KV into it. The request is not failed (it was: UNAVAILABLE, "posting a write
+    to decode-0 failed", from the old attempt's write errors): it waits for the replacement decode
+    actor and is prefilled again into it, exactly."""
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    (prompt,) = random_prompts([1800], e2e_model.vocab_size, seed=29)
+    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)  # 225 chunks, each pushed
+    with running_deployment(e2e_model, 1, 1, router, prefill_engine=slow_prefill, health_interval_s=0.3) as deployment:
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.generate, timeout=120, prompt_token_ids=prompt, max_tokens=5, temperature=0.0, ignore_eos=True)
+            prefill = deployment.router.pool.workers["prefill-0"]
+            deadline = time.monotonic() + 30
+            while prefill.num_assigned_prompt_tokens == 0 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            time.sleep(0.1)  # some chunks pushed into the reservation
+            (active,) = deployment.router.dispatcher.active.values()
+            assert not active.assembler.has_sent_tokens and active.decode.worker_id == "decode-0"
+            deployment.kill_worker("decode-0")
+            stream = future.result(timeout=150)
+        assert stream.token_ids == hf_greedy(e2e_model.hf_model, prompt, 5)
+        assert stream.last.decode_worker_id == "decode-1"
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle(timeout_s=60))
+        client.close()
