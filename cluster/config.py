@@ -42,6 +42,9 @@ class PoolConfig(BaseModel):
     num_gpus: float = Field(0.0, ge=0, description="GPUs per actor (per rank); 1 places each rank and its KV shard on its own GPU")
     resources: dict[str, float] = Field(default_factory=dict, description="Extra Ray resources per actor, e.g. to pin a pool to nodes")
     threads: int | None = Field(None, ge=1, description="torch threads per actor on CPU (default: num_cpus, at least 1)")
+    max_threads: int | None = Field(
+        None, ge=1, description="CPU: up to this many threads while the host's other processes leave whole cores idle (elastic; default: threads)"
+    )
     token_budget: int = Field(512, ge=1, description="Tokens per engine step (decode tokens plus prefill chunks)")
     chunk_size: int | None = Field(None, ge=1, description="Most tokens of one prompt per step (default: the token budget)")
     max_num_seqs: int = Field(64, ge=1, description="Most sequences in one batch")
@@ -337,6 +340,7 @@ class ClusterConfig(BaseModel):
             max_num_seqs=pool.max_num_seqs,
             target_step_ms=pool.target_step_ms,
             num_threads=pool.threads or max(1, int(pool.num_cpus)),
+            max_num_threads=pool.max_threads,
             enable_prefix_caching=pool.enable_prefix_caching,
             speculative=speculative.to_engine() if speculative is not None else None,
             tensor_parallel_size=pool.tensor_parallel_size,

@@ -260,6 +260,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None
+    # CPU: up to this many intra-op threads while the host's other processes leave whole cores
+    # idle (engine.elastic_threads; e.g. a decode actor taking its prefill neighbour's core in the
+    # tail of a burst). None: ``num_threads`` always.
+    max_num_threads: int | None = None
     seed: int = 0
     # CPU: run linears with weights repacked at load (engine.cpu_linear: pdserve's bfloat16
     # pair kernel where the CPU has avx512_bf16, else oneDNN); False keeps torch's matmul.
@@ -297,6 +301,8 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {sorted([*DTYPES, 'auto'])}, got {self.dtype!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.max_num_threads is not None and self.max_num_threads < (self.num_threads or 1):
+            raise ValueError(f"max_num_threads: must be >= num_threads ({self.num_threads or 1}), got {self.max_num_threads}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks: must be >= 1, got {self.num_kv_blocks}")
         if self.max_num_batched_tokens < 1:

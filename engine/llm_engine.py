@@ -22,6 +22,7 @@ from engine import cpu_attention
 from engine.block_allocator import BlockAllocator
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
+from engine.elastic_threads import ElasticThreads
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import Executor, LocalExecutor, MultiRankExecutor
 from engine.kv_cache import KVCache
@@ -83,6 +84,9 @@ class LLMEngine:
         self.config.validate()
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
+        self.elastic_threads: ElasticThreads | None = None
+        if self.config.max_num_threads is not None and self.config.device == "cpu" and self.config.tensor_parallel_size == 1:
+            self.elastic_threads = ElasticThreads(self.config.num_threads or torch.get_num_threads(), self.config.max_num_threads, torch.set_num_threads)
         self.model_path = Path(model_path) if model_path is not None else DEFAULT_MODEL_PATH
         tp_size = self.config.tensor_parallel_size
         if not self.model_path.is_dir():
@@ -260,6 +264,8 @@ class LLMEngine:
         self.num_steps += 1
         self.num_scheduled_tokens += batch.num_tokens
         self.last_shape = shape_of(batch)  # what this step computes: the workers' step log, the chunk sizer
+        if self.elastic_threads is not None:
+            self.elastic_threads.before_step()
         sizer = self.scheduler.chunk_sizer
         try:
             if sizer is None:

@@ -62,6 +62,15 @@ def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
     # Token budgets and chunks are `pdserve up`'s defaults (DeploymentSpec) unless given.
     if name == "disagg":
         return ClusterShape("pdserve disagg (1P+1D)", 1, 1, defaults.disaggregation, engine(1, 512, 512), engine(1, 512, 256))
+    if name == "disagg-elastic":
+        # The decode actor takes the prefill actor's core while that has nothing queued (the tail
+        # of a burst), and takes prompts up to 1,024 tokens once 2,048 wait for the prefill actor.
+        decode = engine(1, 512, 256)
+        decode.max_num_threads = 2
+        return ClusterShape(
+            "pdserve disagg (1P+1D, elastic decode threads)", 1, 1, defaults.disaggregation, engine(1, 512, 512), decode,
+            router_overrides={"prefill_busy_tokens": 2048, "busy_local_prefill_max_tokens": 1024},
+        )
     if name == "disagg-d2":
         # Every prompt through the prefill actor (none prefilled between decode steps), and the
         # decode actor's two threads take the core the prefill actor leaves idle between bursts.
@@ -81,7 +90,7 @@ def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
     raise ValueError(f"pdserve_configs: unknown configuration {name!r} (known: {', '.join(PDSERVE_CONFIGS)})")
 
 
-PDSERVE_CONFIGS = ("disagg", "disagg-d2", "agg", "agg-c512", "agg2")
+PDSERVE_CONFIGS = ("disagg", "disagg-elastic", "disagg-d2", "agg", "agg-c512", "agg2")
 
 
 def _names(text: str) -> list[str]:
@@ -123,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of vLLM and of each pdserve actor")
     pd = parser.add_argument_group("pdserve")
     pd.add_argument("--pdserve-api", choices=["grpc", "openai"], default="grpc", help="measure pdserve through its gRPC API (default) or its OpenAI HTTP API, with the client that measures vLLM")
-    pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; disagg-d2: the same with 2 decode threads and every prompt through the prefill actor; agg: 1 decode actor with 2 threads prefilling itself in 256-token chunks; agg-c512: the same in 512-token chunks; agg2: 2 such actors with 1 thread")
+    pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; disagg-elastic: the same, the decode actor growing to 2 threads while the prefill actor idles and taking prompts up to 1,024 tokens past a 2,048-token prefill backlog; disagg-d2: the same with 2 decode threads and every prompt through the prefill actor; agg: 1 decode actor with 2 threads prefilling itself in 256-token chunks; agg-c512: the same in 512-token chunks; agg2: 2 such actors with 1 thread")
     pd.add_argument("--skip-pdserve", action="store_true")
     pd.add_argument("--token-budget", type=int, help="tokens per engine step (default: pdserve up's)")
     pd.add_argument("--chunk", type=int, help="prefill chunk (default: pdserve up's)")
