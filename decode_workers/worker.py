@@ -350,10 +350,11 @@ class DecodeWorker(EngineWorker):
                 tracked = self._tracked.get(arrived.req_id)
                 if tracked is not None and tracked.stage is not None and tracked.token == arrived.token:
                     tracked.stage_inbox[arrived.start] = arrived
-        for req_id, tracked in list(self._tracked.items()):
-            seq = tracked.seq
-            if tracked.stage is None or tracked.first_token is not None or req_id not in self.scheduler.awaiting_kv:
+        for req_id in list(self.scheduler.awaiting_kv):  # not every request: this runs between decode steps
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.stage is None or tracked.first_token is not None:
                 continue
+            seq = tracked.seq
             chunk = tracked.stage_inbox.pop(seq.num_computed_tokens, None)
             if chunk is None:
                 if self.activations is not None:

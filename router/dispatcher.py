@@ -323,22 +323,16 @@ class Dispatcher:
             except DecodeCapacityError:
                 # Draining, or its room went to someone else since its last report: the next
                 # report tells the truth; the request keeps its place in the queue.
-                self.pool.release(decode, request.req_id)
-                self._prefill_tokens_on_the_way.pop(request.req_id, None)
-                self._local_prefill_done(request.req_id)
+                self._unplace(decode, request.req_id)
                 if local:
                     refused_local.add(decode.worker_id)
                 decode.num_reservable_blocks = 0
                 self._ensure_collector(decode)
             except WORKER_GONE:
-                self.pool.release(decode, request.req_id)
-                self._prefill_tokens_on_the_way.pop(request.req_id, None)
-                self._local_prefill_done(request.req_id)
+                self._unplace(decode, request.req_id)
                 self.on_worker_died(decode)
             except BaseException:
-                self.pool.release(decode, request.req_id)
-                self._prefill_tokens_on_the_way.pop(request.req_id, None)
-                self._local_prefill_done(request.req_id)
+                self._unplace(decode, request.req_id)
                 raise
         active.assembler.decode_worker_id = decode.worker_id
         active.assembler.prefill_worker_id = ""
@@ -349,6 +343,13 @@ class Dispatcher:
             prefill = self._prefill(active, destination, query) if plan is None else self._prefill_pipeline(active, destination, plan)
             active.prefill_task = asyncio.create_task(prefill)
             self.lease_keeper.ensure_running()
+
+    def _unplace(self, decode: WorkerRecord, key: str) -> None:
+        """The decode actor did not take the request (refused, died, the call raised): undo what
+        placing it there counted."""
+        self.pool.release(decode, key)
+        self._prefill_tokens_on_the_way.pop(key, None)
+        self._local_prefill_done(key)
 
     def _pipeline_plan(self, active: ActiveRequest, request: ValidatedRequest, decode: WorkerRecord) -> PipelinePlan | None:
         """The stages that prefill this prompt together (None: one prefill actor does)."""
@@ -406,7 +407,7 @@ class Dispatcher:
         if decode is None:
             return False
         prefill_rate = max((p.prefill_rate.per_second or 0.0 for p in self.pool.routable(Role.PREFILL)), default=0.0)
-        local_rate = decode.local_prefill_rate.per_second
+        local_rate = decode.prefill_rate.per_second
         if not prefill_rate or not local_rate:
             return decode.num_local_prefill_tokens + num_tokens <= backlog  # no measurements yet: the shorter queue
         return (decode.num_local_prefill_tokens + num_tokens) / local_rate <= (backlog + num_tokens) / prefill_rate
@@ -414,7 +415,7 @@ class Dispatcher:
     def _local_prefill_started(self, key: str, decode: WorkerRecord, num_tokens: int) -> None:
         self._local_prefill_done(key, computed=False)
         if decode.num_local_prefill_tokens == 0:
-            decode.local_busy_since = time.monotonic()
+            decode.busy_since = time.monotonic()
         self._local_prefills[key] = (decode, num_tokens)
         decode.num_local_prefill_tokens += num_tokens
 
@@ -426,7 +427,7 @@ class Dispatcher:
         decode, num_tokens = entry
         decode.num_local_prefill_tokens -= num_tokens
         if computed:
-            decode.local_prefill_rate.done(num_tokens, decode.local_busy_since or time.monotonic())
+            decode.prefill_rate.done(num_tokens, decode.busy_since or time.monotonic())
 
     def _prefill_tokens_on_the_way_per_actor(self) -> int:
         num_prefill = len(self.pool.routable(Role.PREFILL))

@@ -55,11 +55,8 @@ class WorkerRecord:
     # Decode workers: prompt tokens of requests sent to be prefilled there (conditional
     # disaggregation) whose first token has not come back yet: its own queue of prompts.
     num_local_prefill_tokens: int = 0
-    # ...and the prompt tokens per second it prefills them at while they queue (its decode steps
-    # share the time), since when it has had any.
-    local_prefill_rate: BusyRate = field(default_factory=BusyRate)
-    local_busy_since: float | None = None
-    # Prefill workers: measured prompt tokens per second of busy time, and since when busy.
+    # Measured prompt tokens per second of busy time, and since when busy: a prefill worker's,
+    # or a decode worker's for its own queue of prompts (its decode steps share that time).
     prefill_rate: BusyRate = field(default_factory=BusyRate)
     busy_since: float | None = None
 
