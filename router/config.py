@@ -86,13 +86,18 @@ class RouterConfig:
     # output_poll_s while it has requests there) takes it for dead and frees its requests.
     router_lease_s: float = 30.0
     output_poll_s: float = 0.05  # long-poll window of the per-decode-actor output collector
+    # Tokens per streamed message after the first (vLLM's and SGLang's --stream-interval): 1 sends
+    # every decode step's token at once; more cuts the router's cost per token (a message costs
+    # about as much as its tokens) at the price of burstier text. Outputs already queued behind
+    # a stream's next message always go with it, whatever this is.
+    stream_interval: int = 1
     status_timeout_s: float = 5.0
 
     def validate(self) -> None:
         for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "max_queued_requests", "max_prefill_retries", "max_decode_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        for name in ("pipeline_tokens_per_stage", "pipeline_chunk_tokens"):
+        for name in ("pipeline_tokens_per_stage", "pipeline_chunk_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.max_pipeline_stages is not None and self.max_pipeline_stages < 1:

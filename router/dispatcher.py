@@ -61,6 +61,7 @@ from router.errors import (
     UnavailableError,
     remote_cause,
 )
+from router.output_inbox import OutputInbox
 from router.output_stream import OutputAssembler
 from router.pipeline import PipelinePlan, decode_may_be_a_stage, plan_pipeline, stage_starts
 from router.pool import Role, WorkerPool, WorkerRecord, within
@@ -104,7 +105,7 @@ class Failure:
 class ActiveRequest:
     request: ValidatedRequest
     assembler: OutputAssembler
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    outputs: OutputInbox = field(default_factory=OutputInbox)
     decode: WorkerRecord | None = None
     prefill: WorkerRecord | None = None
     stages: list[WorkerRecord] = field(default_factory=list)  # a pipelined prefill's actors, stage order

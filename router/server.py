@@ -101,9 +101,10 @@ _FINISH_REASONS = {
 def generate_response(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
     """One session chunk as the GenerateResponse message that carries it."""
     response = pb.GenerateResponse(request_id=req_id, token_ids=chunk.token_ids, text=chunk.text)
-    response.logprobs.extend(
-        pb.TokenLogprobs(logprob=e.logprob, top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top]) for e in chunk.logprobs
-    )
+    if chunk.logprobs:
+        response.logprobs.extend(
+            pb.TokenLogprobs(logprob=e.logprob, top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top]) for e in chunk.logprobs
+        )
     end = chunk.end
     if end is not None:
         response.finish_reason = _FINISH_REASONS[end.reason]

@@ -60,7 +60,7 @@ class GenerationSession:
             await router.wait_ready()
             await router.dispatcher.dispatch(active)
             while True:
-                item = await active.outputs.get()
+                item = await self._next_item()
                 if isinstance(item, SeqOutput):
                     if item.finished:
                         await self._await_prefill_report()
@@ -94,6 +94,13 @@ class GenerationSession:
         except Exception as exc:
             logger.warning("req %s: ended with %r", active.req_id, remote_cause(exc))
             raise
+
+    async def _next_item(self):
+        """The next output, restart or failure. Outputs queued behind one another arrive merged
+        (router/output_inbox.py); after the first token, an output waits for
+        ``stream_interval`` tokens, unless the stream ends first."""
+        interval = self.router.config.stream_interval if self.active.assembler.has_sent_tokens else 1
+        return await self.active.outputs.get(interval)
 
     async def _await_prefill_report(self) -> None:
         """A short request can finish decoding before the prefill actor's answer (sent once it
@@ -140,3 +147,4 @@ class GenerationSession:
     def _observe_failure(self, reason: str) -> None:
         if self.router.metrics is not None:
             self.router.metrics.requests(reason).inc()
+

@@ -112,7 +112,8 @@ def test_chat_completion_equals_transformers_greedy_whole_and_streamed(client, c
     assert all(c.usage is None for c in chunks[:-1])
     # The same messages again: their full blocks (16 tokens each) came from the prefix cache.
     assert len(ids) > 16 and chunks[-1].usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 16 * 16
-    assert len(chunks) > 3, "tokens stream as they come, not in one piece"
+    # Steps the tiny model decodes faster than the router sends arrive merged (router/output_inbox.py).
+    assert len(chunks) > 2, "tokens stream as they come, not in one piece"
 
 
 def test_text_completion_of_token_ids_and_of_text_equals_transformers(client, chat_model, hf_tokenizer):
