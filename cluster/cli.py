@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto (default): the fastest exact dtype for each actor's device")
     up.add_argument("--host", help="address the router binds")
     up.add_argument("--port", type=int, help="router gRPC port")
+    up.add_argument("--router-replicas", type=int, help="routers serving the deployment, on the same ports (default 1)")
+    up.add_argument("--stream-interval", type=int, help="tokens per streamed message after the first (default 1)")
     up.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port (default 8000)")
     up.add_argument("--admin-port", type=int, help="Admin service port, loopback by default (default 50052; 0: any free port)")
     up.add_argument("--served-model-name", nargs="+", help="names the OpenAI API answers to (default: the model directory's name)")
@@ -179,6 +181,7 @@ def _up(args: argparse.Namespace) -> int:
         "prefill.token_budget": args.token_budget, "decode.token_budget": args.token_budget,
         "prefill.kv_cache_mb": args.kv_cache_mb, "decode.kv_cache_mb": args.kv_cache_mb,
         "router.host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
+        "router.replicas": args.router_replicas, "router.stream_interval": args.stream_interval,
         "router.http_port": args.http_port, "router.admin_port": args.admin_port, "router.served_model_names": args.served_model_name,
         "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
         "prefill.enable_prefix_caching": args.enable_prefix_caching, "decode.enable_prefix_caching": args.enable_prefix_caching,
@@ -244,6 +247,8 @@ def _up(args: argparse.Namespace) -> int:
              "metrics_address": info.metrics_address,
              "ray_address": ray_address, "ray_head_pid": head}
     print(f"pdserve serving on {info.router_address} ({info.prefill_replicas} prefill, {info.decode_replicas} decode actors)")
+    if info.router_replicas:
+        print(f"router replicas on {', '.join(info.router_replicas)} (the same ports)")
     if info.http_address:
         scheme = "https" if config.router.tls_cert_file else "http"
         print(f"OpenAI API on {scheme}://{info.http_address}/v1")
@@ -291,6 +296,11 @@ def _down(args: argparse.Namespace) -> int:
             ray.get(controller.stop.remote(), timeout=60)
         finally:
             ray.kill(controller)
+    from cluster.pools import DeploymentSpec
+    from cluster.router_replica import find_replicas
+
+    for replica in find_replicas(DeploymentSpec().name):  # left by a controller that did not stop them
+        ray.kill(replica, no_restart=True)
     ray.shutdown()
     if state.get("ray_head_pid"):
         _stop_pid(state["ray_head_pid"])

@@ -91,7 +91,7 @@ class SpeculativeSection(BaseModel):
 
 
 class AutoscalerSection(BaseModel):
-    """The SLA autoscaler (cluster/planning/autoscaler.py); absent or enabled: false: off."""
+    """The SLA autoscaler (cluster/autoscaler.py); absent or enabled: false: off."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -121,7 +121,7 @@ class AutoscalerSection(BaseModel):
         return self
 
     def to_spec(self):
-        from cluster.planning.autoscaler import AutoscalerConfig
+        from cluster.autoscaler import AutoscalerConfig
 
         if not self.enabled:
             return None
@@ -136,6 +136,13 @@ class RouterSection(BaseModel):
 
     host: str = Field("127.0.0.1", description="Address the gRPC server binds")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
+    replicas: int = Field(
+        1, ge=1, le=64, description="Routers serving the deployment: the managing one plus replicas spread over the nodes, each on the same "
+        "gRPC and HTTP ports (SO_REUSEPORT on a shared host), each with its own leases with the workers",
+    )
+    stream_interval: int = Field(
+        1, ge=1, description="Tokens per streamed message after the first (1: every decode step at once; more: less router CPU per token)"
+    )
     routing_policy: RoutingPolicy = Field(
         RoutingPolicy.KV_AWARE, description="How a worker is picked: kv_aware (cached prefix against load), least_loaded, round_robin"
     )
@@ -321,7 +328,9 @@ class ClusterConfig(BaseModel):
                 auth_token=self.router.auth_token(),
                 tls_cert_file=self.router.tls_cert_file,
                 tls_key_file=self.router.tls_key_file,
+                stream_interval=self.router.stream_interval,
             ),
+            router_replicas=self.router.replicas,
             transfer=KVTransferConfig(backend=self.transfer_backend, network_devices=self.transfer_network_devices),
             health_interval_s=self.health_interval_s,
             health_timeout_s=self.health_timeout_s,

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.deployment import build_router
+from cluster.deployment import build_router, start_router_replicas
 from cluster.pools import DeploymentSpec, PoolManager
+from cluster.router_replica import stop_replicas
+from router.front_ends import FrontEnds
 from router.metrics import Metrics
 from router.pool import Role
 
@@ -38,6 +40,7 @@ class ControllerInfo:
     metrics_address: str | None
     prefill_replicas: int
     decode_replicas: int
+    router_replicas: list[str] = field(default_factory=list)  # "node:port" of each router replica beside this one
 
 
 class Controller:
@@ -47,7 +50,10 @@ class Controller:
         self.metrics_port = metrics_port
         self.metrics_host = metrics_host
         self.router = None
+        self.front_ends: FrontEnds | None = None
         self.pools: PoolManager | None = None
+        self.replicas: list = []  # router replica actors (spec.router_replicas - 1)
+        self.replica_infos: list = []
         self.metrics = Metrics(spec.served_model_name)
         self.metrics_address: str | None = None
         self._starting: asyncio.Task | None = None
@@ -71,22 +77,34 @@ class Controller:
         self.router = build_router(self.spec, self.metrics)
         self.pools = PoolManager(self.spec, self.router, self.metrics)
         self.router.pool_manager = self.pools
-        await self.router.start()
+        self.front_ends = FrontEnds(self.router, reuse_port=self.spec.router_replicas > 1)
+        await self.front_ends.start()
         await self.pools.start()
+        if self.spec.router_replicas > 1:
+            # Detached with the workers: a restarted controller finds the same replicas by name.
+            metrics_host = self.metrics_host if self.metrics_port is not None else None
+            self.replicas, self.replica_infos = await start_router_replicas(
+                self.spec, self.router, self.front_ends, metrics_host, detached=self.spec.durable_workers
+            )
 
     async def info(self) -> ControllerInfo:
         return ControllerInfo(
-            router_address=f"{_advertised(self.spec.router.host)}:{self.router.port}",
-            admin_address=None if self.router.admin_port is None else f"{_advertised(self.spec.router.admin_host)}:{self.router.admin_port}",
-            http_address=None if self.router.http_port is None else f"{_advertised(self.spec.router.http_host)}:{self.router.http_port}",
+            router_address=f"{_advertised(self.spec.router.host)}:{self.front_ends.port}",
+            admin_address=None if self.front_ends.admin_port is None else f"{_advertised(self.spec.router.admin_host)}:{self.front_ends.admin_port}",
+            http_address=None if self.front_ends.http_port is None else f"{_advertised(self.spec.router.http_host)}:{self.front_ends.http_port}",
             metrics_address=self.metrics_address,
             prefill_replicas=self.pools.size(Role.PREFILL),
             decode_replicas=self.pools.size(Role.DECODE),
+            router_replicas=[f"{info.node_ip}:{info.grpc_port}" for info in self.replica_infos],
         )
 
     async def stop(self) -> None:
+        await stop_replicas(self.replicas)
+        self.replicas = []
         if self.router is not None:
             await self.router.stop()
+        if self.front_ends is not None:
+            await self.front_ends.stop()
         if self.pools is not None:
             await self.pools.stop()
 

@@ -8,30 +8,69 @@ code on the actor's loop), by the benchmarks and by the tests, which reach into
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 import ray
 
 from cluster.pools import DeploymentSpec, PoolManager, PoolSpec
+from engine.config import ModelConfig
 from engine.loader import _generation_eos_ids
+from engine.sampling_params import SamplingDefaults
+from cluster.router_replica import ReplicaInfo, ReplicaSpec, start_replicas, stop_replicas, wait_started
+from router.core import ModelInfo, Router
+from router.front_ends import FrontEnds, ListenPorts
 from router.pool import Role
 from router.runner import LoopThread
-from router.server import ModelInfo, Router
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Deployment", "DeploymentSpec", "PoolSpec", "build_router"]
+__all__ = ["Deployment", "DeploymentSpec", "PoolSpec", "build_router", "model_info"]
 
 
-def build_router(spec: DeploymentSpec, metrics=None) -> Router:
-    """The router for ``spec``'s model (call on the loop that will serve it)."""
+def model_info(spec: DeploymentSpec) -> ModelInfo:
+    """What the router needs to know of ``spec``'s model, read from its directory here, so that
+    the router itself never loads the engine's model code."""
     block_size = spec.decode.engine.block_size
     if spec.prefill.engine.block_size != block_size:
         raise ValueError(f"prefill.block_size: {spec.prefill.engine.block_size} differs from decode's {block_size}")
     model_dir = Path(spec.model_path)
-    info = ModelInfo.from_model_dir(model_dir, block_size, spec.decode.engine.max_model_len, _generation_eos_ids(model_dir))
-    return Router(model_dir, info, spec.router, metrics=metrics)
+    config = ModelConfig.from_model_dir(model_dir)
+    limit = config.max_position_embeddings
+    if spec.decode.engine.max_model_len is not None:
+        limit = min(limit, spec.decode.engine.max_model_len)
+    return ModelInfo(
+        model_dir.name, config.architecture, limit, config.vocab_size, _generation_eos_ids(model_dir) or config.eos_token_ids,
+        block_size, SamplingDefaults.from_model_dir(model_dir), config.num_layers,
+    )
+
+
+def build_router(spec: DeploymentSpec, metrics=None, info: ModelInfo | None = None) -> Router:
+    """The router core for ``spec``'s model (call on the loop that will serve it)."""
+    return Router(Path(spec.model_path), info or model_info(spec), spec.router, metrics=metrics)
+
+
+async def start_router_replicas(spec: DeploymentSpec, router: Router, front_ends: FrontEnds, metrics_host: str | None, detached: bool):
+    """Start ``spec.router_replicas - 1`` replicas of ``router`` on its ports; return their
+    handles and, once each serves, their infos."""
+    ports = ListenPorts(grpc=front_ends.port, http=front_ends.http_port)
+    specs = [
+        ReplicaSpec(
+            index, spec.name, str(spec.model_path), router.model_info, dataclasses.replace(spec.router), ports,
+            spec.health_interval_s, spec.health_timeout_s, metrics_host,
+        )
+        for index in range(1, spec.router_replicas)
+    ]
+    handles = start_replicas(specs, detached)
+    try:
+        infos = await wait_started(handles)
+    except BaseException:
+        await stop_replicas(handles)
+        raise
+    for info in infos:
+        logger.info("router replica %d serving on %s:%d", info.index, info.node_ip, info.grpc_port)
+    return handles, infos
 
 
 class Deployment:
@@ -40,15 +79,22 @@ class Deployment:
         self.metrics = metrics
         self._loop: LoopThread | None = None
         self.router: Router | None = None
+        self.front_ends: FrontEnds | None = None
         self.pools: PoolManager | None = None
+        self.replicas: list = []  # router replicas' actor handles (spec.router_replicas - 1)
+        self.replica_infos: list[ReplicaInfo] = []
 
     @property
     def address(self) -> str:
-        return f"{self.spec.router.host}:{self.router.port}"
+        return f"{self.spec.router.host}:{self.front_ends.port}"
 
     @property
     def admin_address(self) -> str | None:
-        return None if self.router.admin_port is None else f"{self.spec.router.admin_host}:{self.router.admin_port}"
+        return None if self.front_ends.admin_port is None else f"{self.spec.router.admin_host}:{self.front_ends.admin_port}"
+
+    @property
+    def http_port(self) -> int | None:
+        return self.front_ends.http_port
 
     @property
     def handles(self) -> dict[str, object]:
@@ -65,8 +111,11 @@ class Deployment:
         self.router = build_router(self.spec, self.metrics)
         self.pools = PoolManager(self.spec, self.router, self.metrics)
         self.router.pool_manager = self.pools
-        await self.router.start()
+        self.front_ends = FrontEnds(self.router, reuse_port=self.spec.router_replicas > 1)
+        await self.front_ends.start()
         await self.pools.start()
+        if self.spec.router_replicas > 1:
+            self.replicas, self.replica_infos = await start_router_replicas(self.spec, self.router, self.front_ends, None, detached=False)
 
     def crash(self) -> None:
         """Stop the router's event loop where it stands, as if its process died: no stream is
@@ -83,7 +132,11 @@ class Deployment:
         self._loop = None
 
     async def _stop(self) -> None:
+        await stop_replicas(self.replicas)
+        self.replicas = []
         await self.router.stop()
+        if self.front_ends is not None:
+            await self.front_ends.stop()
         if self.pools is not None:
             await self.pools.stop()
 

@@ -16,9 +16,9 @@ named actors ("<deployment name>/<worker id>" in Ray namespace "pdserve"): they 
 controller. A pool manager starting under the same deployment name adopts the live ones
 instead of launching new ones, so a restarted controller or router keeps every worker; the
 requests the old router had on them are dropped by the workers once that router falls silent
-(``RouterConfig.router_lease_s``). A pool manager with ``manage=False`` only follows the pools
-another one manages: a second router beside the first (it adopts, routes and health-checks,
-and never launches, drains or kills).
+(``RouterConfig.router_lease_s``). A router that does not manage the pools follows them
+(``cluster/pool_follower.py``): it adopts, routes and health-checks, and never launches,
+drains or kills.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from kvtransfer.agent import KVTransferConfig
 from prefill_workers.worker import PrefillWorker
 from router.config import RouterConfig
 from router.errors import FailedPreconditionError
+from cluster.pool_follower import WORKER_NAMESPACE, PoolFollower
 from router.pool import Role, WorkerRecord, within
 from router.pool_control import PoolHost
 
@@ -79,7 +80,10 @@ class DeploymentSpec:
     drain_timeout_s: float = 600.0
     name: str = "pdserve"  # names durable workers; one deployment per name in a Ray cluster
     durable_workers: bool = False
-    autoscaler: Any = None  # cluster.planning.autoscaler.AutoscalerConfig; None: the pools keep the sizes they are given
+    # Routers serving the deployment: the managing one plus replicas following the pools
+    # (cluster/router_replica.py; they find the workers by name, so they need durable ones).
+    router_replicas: int = 1
+    autoscaler: Any = None  # cluster.autoscaler.AutoscalerConfig; None: the pools keep the sizes they are given
 
     def pool(self, role: Role) -> PoolSpec:
         return self.prefill if role is Role.PREFILL else self.decode
@@ -92,6 +96,10 @@ class DeploymentSpec:
     def validate(self) -> None:
         """Raise ValueError, naming the field, for settings that cannot work together."""
         self.router.validate()
+        if self.router_replicas < 1:
+            raise ValueError(f"router.replicas: must be >= 1, got {self.router_replicas}")
+        if self.router_replicas > 1 and not self.durable_workers:
+            raise ValueError("router.replicas: replicas find the workers by name: durable_workers must be on (pdserve up turns it on)")
         write_timeout_s = self.transfer.lease.write_timeout_s
         if self.router.kv_lease_s <= write_timeout_s:
             raise ValueError(
@@ -102,29 +110,22 @@ class DeploymentSpec:
 
 # After a failed launch, how long the health loop waits before it launches for that pool again.
 LAUNCH_RETRY_PAUSE_S = 5.0
-WORKER_NAMESPACE = "pdserve"  # Ray namespace of durable workers
-
-
-class PoolManager:
+class PoolManager(PoolFollower):
     """Owns the actors of both pools; runs on the router's event loop."""
 
-    def __init__(self, spec: DeploymentSpec, router: PoolHost, metrics=None, manage: bool = True):
+    manage = True
+
+    def __init__(self, spec: DeploymentSpec, router: PoolHost, metrics=None):
         spec.validate()
+        super().__init__(spec.name, router, spec.health_interval_s, spec.health_timeout_s, metrics)
         self.spec = spec
-        self.manage = manage  # False: follow pools another manager runs (adopt, never launch or kill)
-        self.router = router
-        self.metrics = metrics
-        self.handles: dict[str, object] = {}
         # Tensor-parallel workers: the placement group packing each one's ranks onto one node.
         self.placement_groups: dict[str, object] = {}
-        self._next_index = {Role.PREFILL: 0, Role.DECODE: 0}
         self._scale_locks = {Role.PREFILL: asyncio.Lock(), Role.DECODE: asyncio.Lock()}
         self._retiring: set[str] = set()
-        self._health_task: asyncio.Task | None = None
         self._replacements: set[asyncio.Task] = set()
-        self._started = False
         self.num_replaced = 0
-        self.autoscaler = None  # cluster.planning.autoscaler.Autoscaler, when the spec enables one
+        self.autoscaler = None  # cluster.autoscaler.Autoscaler, when the spec enables one
         # Reconciliation: the health loop launches what each pool lacks of its desired size
         # (a dead worker's replacement, or one whose launch failed, retried after a pause).
         self.desired = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
@@ -133,11 +134,10 @@ class PoolManager:
 
     async def start(self) -> None:
         roles = (Role.PREFILL, Role.DECODE)
-        adopted = await self._adopt() if self.spec.durable_workers or not self.manage else dict.fromkeys(roles, 0)
+        adopted = await self._adopt() if self.spec.durable_workers else dict.fromkeys(roles, 0)
         for role in roles:
             self.desired[role] = max(self.desired[role], adopted[role])  # keep what an earlier manager scaled to
-        # A following manager launches nothing; a managing one what adoption left missing.
-        missing = {role: self.desired[role] - adopted[role] if self.manage else 0 for role in roles}
+        missing = {role: self.desired[role] - adopted[role] for role in roles}
         # CPU actors share their node's host memory; each GPU actor has its own GPU.
         num_starting = sum(missing[r] for r in missing if self.spec.pool(r).num_gpus == 0) or 1
         launches = [self._launch(role, num_starting) for role in roles for _ in range(missing[role])]
@@ -145,82 +145,24 @@ class PoolManager:
         self._started = True
         await self.refresh_readiness()
         self._health_task = asyncio.create_task(self._health_loop())
-        if self.spec.autoscaler is not None and self.manage:
-            from cluster.planning.autoscaler import Autoscaler, apply_sizes, observed_sizes
+        if self.spec.autoscaler is not None:
+            from cluster.autoscaler import Autoscaler, apply_sizes, observed_sizes
 
             self.autoscaler = Autoscaler.from_config(
                 self.spec.autoscaler, self.router.traffic.snapshot, lambda: observed_sizes(self), lambda p, d: apply_sizes(self, p, d)
             )
             self.autoscaler.start()
 
-    async def refresh_readiness(self) -> None:
-        """Ready once start-up is done and while a decode actor takes requests."""
-        if not self._started:
-            return  # still starting: every requested worker must be up first
-        if self.router.pool.routable(Role.DECODE):
-            await self.router.readiness.set_ready()
-        else:
-            await self.router.readiness.set_not_ready("no decode worker is ready (a replacement is starting, or the pool was drained)")
-
     async def stop(self) -> None:
         if self.autoscaler is not None:
             await self.autoscaler.stop()
-        for task in [self._health_task, *self._replacements]:
-            if task is not None:
-                task.cancel()
-        if self.manage:
-            for handle in self.handles.values():
-                ray.kill(handle)
-            for worker_id in list(self.placement_groups):
-                self._release_placement(worker_id)
-        self.handles.clear()
-
-    # -- adopting -------------------------------------------------------------------------
-
-    def _name_prefix(self) -> str:
-        return f"{self.spec.name}/"
-
-    async def _adopt(self) -> dict[Role, int]:
-        """Route to the live durable workers of this deployment; return how many per role."""
-        prefix = self._name_prefix()
-        named = await asyncio.to_thread(ray.util.list_named_actors, True)
-        names = sorted(a["name"] for a in named if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(prefix))
-        adopted = {Role.PREFILL: 0, Role.DECODE: 0}
-        for name in names:
-            worker_id = name[len(prefix):]
-            if worker_id in self.router.pool.workers:
-                adopted[self.router.pool.workers[worker_id].role] += 1
-                continue
-            role = Role.PREFILL if worker_id.startswith(f"{Role.PREFILL.value}-") else Role.DECODE
-            try:
-                handle = ray.get_actor(name, namespace=WORKER_NAMESPACE)
-            except ValueError:
-                continue  # gone since it was listed
-            try:
-                await within(handle.ping.remote(), self.spec.health_timeout_s)
-                await self.router.add_worker(role, worker_id, handle)
-            except Exception as exc:
-                logger.warning("%s does not answer (%r); not adopted", name, exc)
-                if self.manage:
-                    ray.kill(handle)  # a hung worker: the pool launches a replacement
-                continue
-            self.handles[worker_id] = handle
-            adopted[role] += 1
-            self._skip_ids_up_to(role, worker_id)
-            logger.info("adopted %s", worker_id)
-        return adopted
-
-    def _skip_ids_up_to(self, role: Role, worker_id: str) -> None:
-        """New workers of ``role`` get ids after ``worker_id``'s (ids are never reused)."""
-        try:
-            index = int(worker_id.rsplit("-", 1)[1])
-        except (IndexError, ValueError):
-            return
-        self._next_index[role] = max(self._next_index[role], index + 1)
-
-    def size(self, role: Role) -> int:
-        """Workers of ``role`` that take requests (starting or ready, not draining)."""
-        return sum(1 for w in self.router.pool.of_role(role) if w.state is WorkerState.READY)
+        for task in self._replacements:
+            task.cancel()
+        for handle in self.handles.values():
+            ray.kill(handle)
+        for worker_id in list(self.placement_groups):
+            self._release_placement(worker_id)
+        await super().stop()
 
     # -- creating -------------------------------------------------------------------------
 
@@ -372,8 +314,7 @@ class PoolManager:
         handle = self.handles.pop(record.worker_id, None)
         if handle is not None:
             ray.kill(handle)  # its other ranks die with it (Ray ends the actors an actor owns)
-        if self.manage:
-            self._release_placement(record.worker_id)
+        self._release_placement(record.worker_id)
         if record.role is Role.DECODE:
             # Every prefill agent forgets it as a NIXL peer: a replaced decode actor comes back
             # under a new name, and the old peer's agent and descriptors would stay forever.
@@ -383,35 +324,11 @@ class PoolManager:
 
     # -- health ---------------------------------------------------------------------------
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.spec.health_interval_s)
-            records = [w for w in list(self.router.pool.workers.values()) if w.state is not WorkerState.STARTING]
-            results = await asyncio.gather(*(self._check(w) for w in records), return_exceptions=True)
-            for record, healthy in zip(records, results):
-                if healthy is not True:
-                    self._on_unhealthy(record, healthy)
-            if self.manage:
-                self._reconcile()
-            else:
-                await self._adopt()  # what the managing pool manager launched since
-            await self.refresh_readiness()
-            if self.metrics is not None:
-                await self.metrics.refresh(self.router, max_age_s=self.spec.health_interval_s)
-
-    async def _check(self, record: WorkerRecord) -> bool:
-        if record.state is WorkerState.DEAD:
-            return False
-        await within(record.handle.ping.remote(), self.spec.health_timeout_s)
-        return True
+    async def _after_health_checks(self) -> None:
+        self._reconcile()
 
     def _on_unhealthy(self, record: WorkerRecord, reason) -> None:
         self.router.worker_died(record)
-        if not self.manage:
-            logger.warning("%s failed its health check (%r): no longer routed to", record.worker_id, reason)
-            self.router.pool.remove(record.worker_id)
-            self.handles.pop(record.worker_id, None)
-            return  # the managing pool manager replaces it
         logger.warning("%s failed its health check (%r): replacing it", record.worker_id, reason)
         self._remove(record)
         if record.worker_id in self._retiring:

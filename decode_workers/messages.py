@@ -5,9 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.stats import EngineStats, WorkerState
 from workers.pipeline import PipelineStage
+
+
+# Errors a worker raises that the router catches (raised across Ray as the cause of a RayTaskError).
+
+
+class DecodeCapacityError(RuntimeError):
+    """The decode actor cannot take this request now (no free blocks, or draining)."""
+
+
+class DecodeAbortedError(RuntimeError):
+    """This attempt of the request was aborted before it arrived here (calls ran out of order)."""
 
 
 @dataclass(slots=True)

@@ -33,7 +33,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from decode_workers.messages import DecodeReport, DecodeRequest, DecodeStatus, DecodeTiming, SeqOutput
+from decode_workers.messages import (
+    DecodeAbortedError,
+    DecodeCapacityError,
+    DecodeReport,
+    DecodeRequest,
+    DecodeStatus,
+    DecodeTiming,
+    SeqOutput,
+)
 from decode_workers.scheduler import DecodeScheduler
 from engine.config import EngineConfig
 from engine.parallel.group import RankFailedError
@@ -48,14 +56,6 @@ from workers.base import EngineWorker
 from workers.pipeline import PipelineStage, StageChunk, inbox_chunks
 
 logger = logging.getLogger(__name__)
-
-
-class DecodeCapacityError(RuntimeError):
-    """The decode actor cannot take this request now (no free blocks, or draining)."""
-
-
-class DecodeAbortedError(RuntimeError):
-    """This attempt of the request was aborted before it arrived here (calls ran out of order)."""
 
 
 @dataclass(slots=True)

@@ -149,46 +149,6 @@ class ModelConfig:
         }
 
 
-@dataclass(slots=True, frozen=True)
-class SamplingDefaults:
-    """What ``generation_config.json`` sets for fields a request leaves unset (as vLLM takes
-    them): None where the file is silent."""
-
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    max_tokens: int | None = None  # its max_new_tokens
-
-    @classmethod
-    def from_model_dir(cls, model_dir: Path) -> "SamplingDefaults":
-        path = Path(model_dir) / "generation_config.json"
-        if not path.is_file():
-            return cls()
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
-
-        def number(key: str, kind: type):
-            value = raw.get(key)
-            if value is None:
-                return None
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ModelLoadError(f"{path}: {key} must be a number, got {value!r}")
-            return kind(value)
-
-        return cls(
-            temperature=number("temperature", float),
-            top_p=number("top_p", float),
-            top_k=number("top_k", int),
-            min_p=number("min_p", float),
-            repetition_penalty=number("repetition_penalty", float),
-            max_tokens=number("max_new_tokens", int),
-        )
-
-
 def _parse_rope(raw: dict, source: str) -> RopeConfig:
     # transformers 5 writes "rope_parameters" (theta inside); 4.x wrote rope_theta + rope_scaling.
     params = dict(raw.get("rope_parameters") or {})

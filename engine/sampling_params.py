@@ -1,11 +1,15 @@
-"""Per-request sampling parameters, validated where they enter the engine."""
+"""Per-request sampling parameters, validated where they enter the engine; the model's
+defaults for them; the log-probabilities a request may ask for. Plain data, no torch: the
+router imports this module."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, ModelLoadError
 
 
 @dataclass(slots=True)
@@ -84,3 +88,53 @@ class SamplingParams:
 
 def _is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Log-probability of a sampled token and the top alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingDefaults:
+    """What ``generation_config.json`` sets for fields a request leaves unset (as vLLM takes
+    them): None where the file is silent."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None  # its max_new_tokens
+
+    @classmethod
+    def from_model_dir(cls, model_dir: Path) -> "SamplingDefaults":
+        path = Path(model_dir) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+
+        def number(key: str, kind: type):
+            value = raw.get(key)
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ModelLoadError(f"{path}: {key} must be a number, got {value!r}")
+            return kind(value)
+
+        return cls(
+            temperature=number("temperature", float),
+            top_p=number("top_p", float),
+            top_k=number("top_k", int),
+            min_p=number("min_p", float),
+            repetition_penalty=number("repetition_penalty", float),
+            max_tokens=number("max_new_tokens", int),
+        )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprob
 
 
 class SequenceStatus(enum.Enum):
@@ -25,16 +25,6 @@ class FinishReason(str, enum.Enum):
     EOS = "eos"
     ABORT = "abort"
     ERROR = "error"
-
-
-@dataclass(slots=True)
-class TokenLogprob:
-    """Log-probability of a sampled token and the top alternatives at its position."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 def sampled_token_to_json(token_id: int, logprob: TokenLogprob | None) -> str:

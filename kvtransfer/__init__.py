@@ -1,25 +1,35 @@
 """Moving KV blocks between prefill and decode actors (NIXL by default, Ray as fallback).
 
 Workers hold one ``KVAgent`` each; see ``kvtransfer.agent`` for the calls and their order.
+The names below load on first use: the router imports ``kvtransfer.messages`` only.
 """
 
-from kvtransfer.agent import KVAgent, KVTransferConfig
-from kvtransfer.handshake import HandshakeOffer
-from kvtransfer.layout import KVCompat, KVRegion
-from kvtransfer.leases import LeasePolicy
-from kvtransfer.messages import FreedBlocks, KVDestination, PeerRef, QuiesceReport, ReceiveEvents, SendEvent
+from __future__ import annotations
 
-__all__ = [
-    "FreedBlocks",
-    "HandshakeOffer",
-    "KVAgent",
-    "KVCompat",
-    "KVDestination",
-    "KVRegion",
-    "KVTransferConfig",
-    "LeasePolicy",
-    "PeerRef",
-    "QuiesceReport",
-    "ReceiveEvents",
-    "SendEvent",
-]
+import importlib
+
+_EXPORTS = {
+    "FreedBlocks": "kvtransfer.messages",
+    "HandshakeOffer": "kvtransfer.handshake",
+    "KVAgent": "kvtransfer.agent",
+    "KVCompat": "kvtransfer.layout",
+    "KVDestination": "kvtransfer.messages",
+    "KVRegion": "kvtransfer.layout",
+    "KVTransferConfig": "kvtransfer.agent",
+    "LeasePolicy": "kvtransfer.leases",
+    "PeerRef": "kvtransfer.messages",
+    "QuiesceReport": "kvtransfer.messages",
+    "ReceiveEvents": "kvtransfer.messages",
+    "SendEvent": "kvtransfer.messages",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtransfer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

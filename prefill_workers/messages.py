@@ -5,11 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.stats import EngineStats, WorkerState
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.messages import KVDestination
 from workers.pipeline import PipelineStage
+
+
+# Errors a worker raises that the router catches (raised across Ray as the cause of a RayTaskError).
+
+
+class PrefillUnavailableError(RuntimeError):
+    """The prefill actor takes no new requests (draining or stopping)."""
 
 
 @dataclass(slots=True)

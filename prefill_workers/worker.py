@@ -52,7 +52,7 @@ from kvtransfer.agent import KVTransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import RecentKeys
 from kvtransfer.messages import ActivationSlots, KVDestination, QuiesceReport
-from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming
+from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillStatus, PrefillTiming, PrefillUnavailableError
 from prefill_workers.scheduler import PrefillScheduler
 from workers.base import EngineWorker
 from workers.pipeline import PipelineStage, StageChunk, StageOpened, inbox_chunks
@@ -62,10 +62,6 @@ logger = logging.getLogger(__name__)
 
 class PrefillCancelledError(RuntimeError):
     """The request was cancelled before its prefill finished."""
-
-
-class PrefillUnavailableError(RuntimeError):
-    """The prefill actor takes no new requests (draining or stopping)."""
 
 
 @dataclass(slots=True)

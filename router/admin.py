@@ -18,7 +18,7 @@ from router.pool import Role
 from router.validation import validate_drain_worker_request, validate_scale_pool_request
 
 if TYPE_CHECKING:
-    from router.server import Router
+    from router.core import Router
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 _STATES = {

@@ -43,12 +43,10 @@ from dataclasses import dataclass, field
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from decode_workers.messages import DecodeReport, DecodeRequest
-from decode_workers.worker import DecodeCapacityError
-from kvtransfer.messages import KVDestination
+from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest
 from engine.stats import WorkerState
-from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillTiming
-from prefill_workers.worker import PrefillUnavailableError
+from kvtransfer.messages import KVDestination
+from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillTiming, PrefillUnavailableError
 from router.admission import WaitEstimate, WindowRate, estimate_wait
 from router.capacity import DecodeCapacity
 from router.config import Disaggregation, RouterConfig

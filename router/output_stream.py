@@ -3,7 +3,7 @@
 Token ids go through the incremental detokenizer, the text through the stop-string matcher;
 the last chunk carries how the request ended: the finish reason, usage and the timing
 breakdown that the router, the prefill actor and the decode actor measured. The chunks are
-plain data: the gRPC servicer (router/server.py) and the OpenAI HTTP server
+plain data: the gRPC servicer (router/grpc_api.py) and the OpenAI HTTP server
 (router/openai_api/) each render them in their own format.
 """
 
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from decode_workers.messages import DecodeTiming, SeqOutput
-from engine.sequence import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from prefill_workers.messages import PrefillTiming
 from router.detokenizer import IncrementalDetokenizer
 from router.stop_strings import StopStringMatcher

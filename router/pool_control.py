@@ -2,7 +2,7 @@
 
 The router does not hold the pool manager's internals, nor the pool manager the router's:
 each sees the other through one of these. ``cluster.pools.PoolManager`` implements
-``PoolControl``; ``router.server.Router`` implements ``PoolHost``.
+``PoolControl``; ``router.core.Router`` implements ``PoolHost``.
 """
 
 from __future__ import annotations

@@ -3,18 +3,17 @@
 The router starts NOT_SERVING. The pool manager says ``set_ready`` once every worker it was
 asked to start is up (at least one decode actor among them), and ``set_not_ready`` when no
 decode actor is left to route to; losing prefill actors does not flip it (decode actors
-prefill locally). While not ready, the gRPC health service answers NOT_SERVING for the
-overall service ("") and for each named one, and a Generate call waits here, bounded, instead
-of failing with "no decode worker is available".
+prefill locally). While not ready, a Generate call waits here, bounded, instead of failing
+with "no decode worker is available", and the front ends that listen here say so: the gRPC
+health service answers NOT_SERVING for the overall service ("") and each named one
+(router/grpc_api.py), the HTTP /health 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
-
-from grpc_health.v1 import health_pb2
+from collections.abc import Awaitable, Callable
 
 from router.errors import UnavailableError
 
@@ -22,16 +21,12 @@ logger = logging.getLogger(__name__)
 
 STARTING = "the deployment is still starting (its workers are loading the model)"
 
-_SERVING = health_pb2.HealthCheckResponse.SERVING
-_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
 
 class Readiness:
-    """An event plus the health statuses that mirror it; lives on the router's event loop."""
+    """An event plus the listeners that mirror it; lives on the router's event loop."""
 
-    def __init__(self, health_servicer, services: Iterable[str] = ("",)):
-        self._health = health_servicer
-        self._services = list(services)
+    def __init__(self):
+        self._listeners: list[Callable[[bool], Awaitable[None]]] = []
         self._ready = asyncio.Event()
         self.reason = STARTING
 
@@ -39,17 +34,18 @@ class Readiness:
     def is_ready(self) -> bool:
         return self._ready.is_set()
 
-    def add_services(self, services: Iterable[str]) -> None:
-        """Services whose health follows readiness from now on (the server knows them at start)."""
-        self._services += [s for s in services if s not in self._services]
+    async def add_listener(self, listener: Callable[[bool], Awaitable[None]]) -> None:
+        """Tell ``listener`` the current state now and every change from now on."""
+        self._listeners.append(listener)
+        await listener(self.is_ready)
+
+    def remove_listener(self, listener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
 
     async def publish(self) -> None:
-        """Write the current status for every service (the server calls this once it is up)."""
-        status = _SERVING if self.is_ready else _NOT_SERVING
-        for service in self._services:
-            result = self._health.set(service, status)
-            if asyncio.iscoroutine(result):  # grpc.aio's servicer is async, the sync one is not
-                await result
+        for listener in list(self._listeners):
+            await listener(self.is_ready)
 
     async def set_ready(self) -> None:
         if self.is_ready:

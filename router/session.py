@@ -24,7 +24,7 @@ from router.output_stream import OutputAssembler, OutputChunk
 from router.validation import ValidatedRequest
 
 if TYPE_CHECKING:
-    from router.server import Router
+    from router.core import Router
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,12 @@ class GenerationSession:
             return
         if chunk.token_ids:
             if active.last_message_at is not None:
-                metrics.itl.observe(now - active.last_message_at)
+                # Per token: a message carrying several (merged outputs, a stream interval)
+                # counts each at its share of the gap.
+                num_tokens = len(chunk.token_ids)
+                gap = (now - active.last_message_at) / num_tokens
+                for _ in range(num_tokens):
+                    metrics.itl.observe(gap)
             active.last_message_at = now
         if chunk.end is not None:
             timing = active.assembler.timing

@@ -1,6 +1,6 @@
 """What the router has seen lately: arrivals, request sizes and per-stage queue times.
 
-The autoscaler (``cluster/planning/autoscaler.py``) reads a snapshot of the last minutes:
+The autoscaler (``cluster/autoscaler.py``) reads a snapshot of the last minutes:
 the arrival rate it plans for, the request mix it plans with, and the queue times that say
 whether the pools keep up (time in the router's queue waiting for decode capacity, in the
 prefill workers' queues, and between the KV landing and the decode batch taking it).
@@ -36,14 +36,18 @@ class TrafficWindow:
         # (when, prompt tokens, output tokens, router queue ms, prefill queue ms, decode queue ms)
         self._finished: deque[tuple[float, int, int, float, float, float]] = deque()
         self.started = clock()
+        self.total_arrivals = 0  # since start (a router replica reports what it carried)
+        self.total_output_tokens = 0
 
     def on_arrival(self) -> None:
         now = self._clock()
+        self.total_arrivals += 1
         self._arrivals.append(now)
         self._forget(now)
 
     def on_finished(self, prompt_tokens: int, output_tokens: int, router_queue_ms: float, prefill_queue_ms: float, decode_queue_ms: float) -> None:
         now = self._clock()
+        self.total_output_tokens += output_tokens
         self._finished.append((now, prompt_tokens, output_tokens, router_queue_ms, prefill_queue_ms, decode_queue_ms))
         self._forget(now)
 

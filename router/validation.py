@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.config import SamplingDefaults
+from engine.sampling_params import SamplingDefaults
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from router.api.pdserve.v1 import generation_pb2 as pb

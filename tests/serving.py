@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from cluster.deployment import Deployment, DeploymentSpec, PoolSpec, build_router
+from cluster.pool_follower import PoolFollower
 from cluster.pools import PoolManager
+from router.front_ends import FrontEnds
 from router.runner import LoopThread
 from engine import EngineConfig
 from router.api.pdserve.v1 import generation_pb2 as pb
@@ -59,8 +61,10 @@ class Stream:
 
 
 class Client:
-    def __init__(self, address: str, admin_address: str | None = None):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, admin_address: str | None = None, own_connection: bool = False):
+        # own_connection: a TCP connection of its own (grpc shares one per address by default),
+        # as separate client machines would have.
+        self.channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)] if own_connection else None)
         self.stub = pb_grpc.GenerationStub(self.channel)
         # Admin listens on its own port.
         self.admin_channel = grpc.insecure_channel(admin_address) if admin_address else None
@@ -132,20 +136,30 @@ class HostedRouter:
         self.spec = spec
         self.loop = LoopThread()
         self.router = self.loop.run(self._build())
-        self.address = f"127.0.0.1:{self.loop.run(self.router.start())}"
-        self.admin_address = None if self.router.admin_port is None else f"127.0.0.1:{self.router.admin_port}"
+        self.front_ends = FrontEnds(self.router)
+        self.address = f"127.0.0.1:{self.loop.run(self.front_ends.start())}"
+        self.admin_address = None if self.front_ends.admin_port is None else f"127.0.0.1:{self.front_ends.admin_port}"
         self.pools: PoolManager | None = None
+
+    @property
+    def http_port(self) -> int | None:
+        return self.front_ends.http_port
 
     async def _build(self):
         return build_router(self.spec)
 
     def start_pools(self, manage: bool = True) -> None:
-        self.pools = PoolManager(self.spec, self.router, manage=manage)
+        """Run the pools (``manage``), or follow those another router runs."""
+        if manage:
+            self.pools = PoolManager(self.spec, self.router)
+        else:
+            self.pools = PoolFollower(self.spec.name, self.router, self.spec.health_interval_s, self.spec.health_timeout_s)
         self.router.pool_manager = self.pools
         self.loop.run(self.pools.start(), timeout_s=120)
 
     def close(self) -> None:
         self.loop.run(self.router.stop(), timeout_s=30)
+        self.loop.run(self.front_ends.stop(), timeout_s=30)
         if self.pools is not None:
             self.loop.run(self.pools.stop(), timeout_s=30)
         self.loop.stop()

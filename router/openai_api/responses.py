@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sequence import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from router.output_stream import OutputChunk, StreamEnd
 from router.tokenizer import Tokenizer
 

@@ -35,7 +35,7 @@ from router.output_stream import OutputChunk, StreamEnd
 from router.session import GenerationSession
 
 if TYPE_CHECKING:
-    from router.server import Router
+    from router.core import Router
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,12 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 class OpenAIServer:
-    def __init__(self, router: "Router", host: str, port: int, model_names: list[str], auth_token: str | None = None, ssl_context: ssl.SSLContext | None = None):
+    def __init__(
+        self, router: "Router", host: str, port: int, model_names: list[str], auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False,
+    ):
         self.router = router
+        self.reuse_port = reuse_port  # replicas of the router share one port (SO_REUSEPORT)
         self.host = host
         self.requested_port = port
         self.model_names = list(model_names)
@@ -76,7 +80,7 @@ class OpenAIServer:
         # handler_cancellation: a client that goes away cancels its handler, which aborts its requests.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.host, self.requested_port, ssl_context=self.ssl_context, reuse_port=False)
+        site = web.TCPSite(self.runner, self.host, self.requested_port, ssl_context=self.ssl_context, reuse_port=self.reuse_port)
         await site.start()
         self.port = self.runner.addresses[0][1]
         logger.info("OpenAI API listening on %s://%s:%d (model %s)", "https" if self.ssl_context else "http", self.host, self.port, ", ".join(self.model_names))

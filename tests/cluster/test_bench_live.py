@@ -113,7 +113,7 @@ def test_vllm_flag_names_and_the_openai_backend_write_vllms_keys(deployment, e2e
     code measures it, and the JSON carries vLLM's keys, equal to pdserve's own figures."""
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
-    base_url = f"http://127.0.0.1:{deployment.router.http_port}"
+    base_url = f"http://127.0.0.1:{deployment.http_port}"
     args = parser.parse_args([
         "bench", "--backend", "openai", "--base-url", base_url, "--model-dir", str(e2e_model.path), "--out", str(tmp_path),
         "--no-progress", "--dataset-name", "random", "--num-prompts", "6", "--random-input-len", "12",

@@ -73,3 +73,16 @@ def test_a_tp_size_that_does_not_divide_the_heads_is_refused_naming_both_numbers
     # The built-in model has 8 attention heads.
     with pytest.raises(ConfigError, match=r"decode.tensor_parallel_size: tensor_parallel_size 3 does not divide the model's 8 attention heads"):
         load_config(None, {"decode.tensor_parallel_size": 3})
+
+
+def test_router_replicas_and_stream_interval_from_yaml_and_flags(tmp_path):
+    config = tmp_path / "pdserve.yaml"
+    config.write_text("router: {replicas: 3, stream_interval: 4}\n")
+    spec = load_config(config, {}).to_spec()
+    assert (spec.router_replicas, spec.router.stream_interval) == (3, 4)
+    args = build_parser().parse_args(["up", "--router-replicas", "2", "--stream-interval", "1"])
+    spec = load_config(config, {"router.replicas": args.router_replicas, "router.stream_interval": args.stream_interval}).to_spec()
+    assert (spec.router_replicas, spec.router.stream_interval) == (2, 1)
+    for bad in ({"router.replicas": 0}, {"router.stream_interval": 0}):
+        with pytest.raises(ConfigError, match=list(bad)[0]):
+            load_config(None, bad)

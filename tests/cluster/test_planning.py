@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cluster.planning.autoscaler import Autoscaler, AutoscalerConfig
+from cluster.autoscaler import Autoscaler, AutoscalerConfig
 from cluster.planning.planner import SLO, Planner
 from cluster.planning.profile import DeploymentFacts, Profile, StepTimeModel, TransferModel, fit_step_model, fit_transfer_model
 from cluster.planning.profiler import step_model_check

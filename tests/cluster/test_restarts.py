@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import os
+import signal
 import threading
 import time
 
@@ -116,3 +118,44 @@ def test_a_router_that_dies_loses_only_its_streams_and_a_new_one_adopts_its_work
     finally:
         second.stop()  # kills the workers it adopted
     client.close()
+
+
+def test_router_replicas_share_one_port_and_a_dead_replica_loses_only_its_own_streams(ray_cluster, e2e_model):
+    """router.replicas: 2 — a replica actor beside the managing router, listening on the same
+    gRPC and HTTP ports (SO_REUSEPORT). Connections spread over both; every stream equals
+    transformers; a replica whose process dies is restarted by Ray on the same port, and the
+    streams of the other router are untouched."""
+    spec = _durable_spec(e2e_model, "replicas")
+    spec.router_replicas = 2
+    deployment = Deployment(spec)
+    deployment.start()
+    try:
+        (info,) = deployment.replica_infos
+        assert info.grpc_port == deployment.front_ends.port and info.http_port == deployment.http_port
+        prompts = random_prompts([30, 50, 20, 70, 40, 60, 25, 35], e2e_model.vocab_size, seed=43)
+        expected = [hf_greedy(e2e_model.hf_model, p, 12) for p in prompts]
+        # One connection per request: the kernel picks a router for each new connection.
+        streams = []
+        for prompt in prompts:
+            client = Client(deployment.address, own_connection=True)
+            streams.append(client.generate(prompt_token_ids=prompt, max_tokens=12, temperature=0.0, ignore_eos=True))
+            client.close()
+        assert [s.token_ids for s in streams] == expected
+        taken_by_replica, _ = ray.get(deployment.replicas[0].served.remote())
+        assert 0 < taken_by_replica < len(prompts), f"the replica took {taken_by_replica} of {len(prompts)} connections"
+
+        os.kill(info.pid, signal.SIGKILL)  # its process dies; Ray restarts it, and it starts itself
+        deadline = time.monotonic() + 120
+        while (restarted := ray.get(deployment.replicas[0].start.remote(), timeout=120)).pid == info.pid:
+            assert time.monotonic() < deadline, "the replica was not restarted"
+            time.sleep(0.2)
+        assert restarted.grpc_port == info.grpc_port
+        again = []
+        for prompt in prompts[:4]:
+            client = Client(deployment.address, own_connection=True)
+            again.append(client.generate(prompt_token_ids=prompt, max_tokens=12, temperature=0.0, ignore_eos=True).token_ids)
+            client.close()
+        assert again == expected[:4]
+        assert all(w.num_kv_blocks_used == 0 for w in Client(deployment.address).wait_until_idle())
+    finally:
+        deployment.stop()

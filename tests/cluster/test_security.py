@@ -83,7 +83,7 @@ def test_admin_listens_on_its_own_port_only_and_can_be_turned_off(e2e_model):
         hosted.close()
     off = _hosted(e2e_model, admin_port=None)
     try:
-        assert off.admin_address is None and off.router.admin_server is None
+        assert off.admin_address is None and off.front_ends.admin_server is None
     finally:
         off.close()
 

@@ -62,7 +62,7 @@ def deployment(ray_cluster, chat_model):
 
 @pytest.fixture(scope="module")
 def base_url(deployment):
-    return f"http://127.0.0.1:{deployment.router.http_port}/v1"
+    return f"http://127.0.0.1:{deployment.http_port}/v1"
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from cluster.planning.autoscaler import AutoscalerConfig
+from cluster.autoscaler import AutoscalerConfig
 from cluster.planning.profile import Profile
 from cluster.planning.profiler import SweepPlan, predicted_prefill_s, run_sweep
 from router.config import Disaggregation, RouterConfig

@@ -62,7 +62,7 @@ def test_speculating_decode_actor_serves_transformers_output_and_reports_accepta
         assert any(len(m.token_ids) > 1 for s in streams for m in s.messages)
 
         # The OpenAI API reports the same drafts as OpenAI's predicted-output token counts.
-        base_url = f"http://127.0.0.1:{deployment.router.http_port}/v1"
+        base_url = f"http://127.0.0.1:{deployment.http_port}/v1"
         with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as api:
             completion = api.completions.create(
                 model=e2e_model.path.name, prompt=prompts[3], max_tokens=MAX_TOKENS, temperature=0.0, extra_body={"ignore_eos": True}

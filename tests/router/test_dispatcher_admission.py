@@ -55,7 +55,7 @@ def test_a_prompt_refused_for_room_then_prefilled_locally_is_not_failed_as_unava
     from types import SimpleNamespace
 
     from decode_workers.messages import DecodeReport
-    from decode_workers.worker import DecodeCapacityError
+    from decode_workers.messages import DecodeCapacityError
     from router.config import Disaggregation
     from router.pool import Role, WorkerRecord
 

@@ -181,7 +181,7 @@ def _hosted_router(model_path, **router_fields):
 @pytest.fixture
 def hosted(e2e_model):
     router = _hosted_router(e2e_model.path, auth_token="s3cret", served_model_names=["alias", "other"], ready_wait_s=0.5)
-    yield f"http://127.0.0.1:{router.router.http_port}"
+    yield f"http://127.0.0.1:{router.http_port}"
     router.close()
 
 
@@ -219,7 +219,7 @@ def test_a_request_before_any_worker_waits_then_gets_503(hosted):
 def test_overload_is_a_429_in_openais_shape(e2e_model):
     router = _hosted_router(e2e_model.path, max_queued_requests=0)
     try:
-        status, body = _call(f"http://127.0.0.1:{router.router.http_port}/v1/completions", body={"prompt": "hi", "max_tokens": 2})
+        status, body = _call(f"http://127.0.0.1:{router.http_port}/v1/completions", body={"prompt": "hi", "max_tokens": 2})
     finally:
         router.close()
     assert status == 429 and body["error"]["type"] == "rate_limit_error" and "retry later" in body["error"]["message"]

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from decode_workers.messages import DecodeTiming, SeqOutput
-from engine.sequence import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from router.dispatcher import Failure, Restart
 from router.output_inbox import OutputInbox
 

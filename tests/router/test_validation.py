@@ -8,7 +8,7 @@ import math
 import grpc
 import pytest
 
-from engine.config import SamplingDefaults
+from engine.sampling_params import SamplingDefaults
 from engine.sampling_params import SamplingParams
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.errors import DeadlineExceededError, InvalidArgumentError, grpc_status

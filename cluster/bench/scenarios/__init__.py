@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cluster.bench.scenarios import disaggregation, faults, hol_blocking, kv_transfer, prefix_cache, scaling, simulator, speculation, split_fuse, tensor_parallel, vllm_compare
+from cluster.bench.scenarios import disaggregation, faults, hol_blocking, kv_transfer, prefix_cache, router_cost, scaling, simulator, speculation, split_fuse, tensor_parallel, vllm_compare
 from cluster.bench.scenarios.common import ScenarioOutcome
 
 
@@ -25,5 +25,5 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     module.NAME: Scenario(module.NAME, module.SUMMARY, module.add_arguments, module.run, getattr(module, "DEFAULT_DTYPE", "bfloat16"))
-    for module in (disaggregation, hol_blocking, scaling, kv_transfer, vllm_compare, faults, prefix_cache, speculation, simulator, tensor_parallel, split_fuse)
+    for module in (disaggregation, hol_blocking, scaling, kv_transfer, vllm_compare, faults, prefix_cache, speculation, simulator, tensor_parallel, split_fuse, router_cost)
 }

@@ -49,6 +49,7 @@ class ClusterShape:
     kv_overlap_weight: float | None = None  # kv_aware: None, the router's default
     router_overrides: dict[str, Any] = field(default_factory=dict)  # other RouterConfig fields
     transfer: Any = None  # a kvtransfer.agent.KVTransferConfig (None: the default)
+    router_replicas: int = 1  # routers serving the cluster (more than one: durable workers, replicas following them)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -127,6 +128,9 @@ def local_cluster(model_dir: Path, shape: ClusterShape, actor_num_cpus: float = 
     )
     if shape.transfer is not None:
         spec.transfer = shape.transfer
+    if shape.router_replicas > 1:
+        spec.router_replicas = shape.router_replicas
+        spec.durable_workers = True  # replicas find the workers by name
     if shape.routing_policy is not None:
         spec.router.routing_policy = shape.routing_policy
     if shape.kv_overlap_weight is not None:

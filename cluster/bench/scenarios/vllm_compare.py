@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
                             with local_cluster(model_dir, shape) as deployment:
                                 if args.pdserve_api == "openai":
                                     # The very client that measures vLLM, over pdserve's own OpenAI API.
-                                    url = f"http://127.0.0.1:{deployment.router.http_port}"
+                                    url = f"http://127.0.0.1:{deployment.http_port}"
                                     client = OpenAIClient(_client_config(url, args, shape.label), seed=args.seed, model_dir=model_dir)
                                 else:
                                     client = BenchClient(_client_config(deployment.address, args, shape.label))

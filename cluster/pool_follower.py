@@ -1,0 +1,139 @@
+"""Following pools: route to the live workers of a deployment and health-check them.
+
+A router that does not manage the pools (a replica of the router, or a second router started
+beside the first) adopts the deployment's durable workers by name ("<deployment name>/<worker
+id>" in Ray namespace "pdserve"), health-checks them, stops routing to one that dies, and
+every health interval adopts what the managing pool manager launched since; it never launches,
+drains or kills. The managing ``PoolManager`` (cluster/pools.py) is this plus launching,
+scaling and replacing. This module imports no worker or engine code: a router replica loads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+
+from engine.stats import WorkerState
+from router.pool import Role, WorkerRecord, within
+from router.pool_control import PoolHost
+
+logger = logging.getLogger(__name__)
+
+WORKER_NAMESPACE = "pdserve"  # Ray namespace of durable workers
+
+
+class PoolFollower:
+    """Routes to the pools another manager runs; runs on the router's event loop."""
+
+    manage = False  # Admin refuses to scale or drain through a router that only follows
+
+    def __init__(self, deployment_name: str, router: PoolHost, health_interval_s: float = 1.0, health_timeout_s: float = 10.0, metrics=None):
+        self.deployment_name = deployment_name
+        self.router = router
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.metrics = metrics
+        self.handles: dict[str, object] = {}
+        self._next_index = {Role.PREFILL: 0, Role.DECODE: 0}
+        self._health_task: asyncio.Task | None = None
+        self._started = False
+
+    async def start(self) -> None:
+        await self._adopt()
+        self._started = True
+        await self.refresh_readiness()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def refresh_readiness(self) -> None:
+        """Ready once start-up is done and while a decode actor takes requests."""
+        if not self._started:
+            return  # still starting: every requested worker must be up first
+        if self.router.pool.routable(Role.DECODE):
+            await self.router.readiness.set_ready()
+        else:
+            await self.router.readiness.set_not_ready("no decode worker is ready (a replacement is starting, or the pool was drained)")
+
+    async def stop(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        self.handles.clear()
+
+    def size(self, role: Role) -> int:
+        """Workers of ``role`` that take requests (starting or ready, not draining)."""
+        return sum(1 for w in self.router.pool.of_role(role) if w.state is WorkerState.READY)
+
+    # -- adopting -------------------------------------------------------------------------
+
+    def _name_prefix(self) -> str:
+        return f"{self.deployment_name}/"
+
+    async def _adopt(self) -> dict[Role, int]:
+        """Route to the live durable workers of this deployment; return how many per role."""
+        prefix = self._name_prefix()
+        named = await asyncio.to_thread(ray.util.list_named_actors, True)
+        workers = tuple(f"{prefix}{role.value}-" for role in Role)  # not the deployment's other actors (router replicas)
+        names = sorted(a["name"] for a in named if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(workers))
+        adopted = {Role.PREFILL: 0, Role.DECODE: 0}
+        for name in names:
+            worker_id = name[len(prefix):]
+            if worker_id in self.router.pool.workers:
+                adopted[self.router.pool.workers[worker_id].role] += 1
+                continue
+            role = Role.PREFILL if worker_id.startswith(f"{Role.PREFILL.value}-") else Role.DECODE
+            try:
+                handle = ray.get_actor(name, namespace=WORKER_NAMESPACE)
+            except ValueError:
+                continue  # gone since it was listed
+            try:
+                await within(handle.ping.remote(), self.health_timeout_s)
+                await self.router.add_worker(role, worker_id, handle)
+            except Exception as exc:
+                logger.warning("%s does not answer (%r); not adopted", name, exc)
+                if self.manage:
+                    ray.kill(handle)  # a hung worker: the pool launches a replacement
+                continue
+            self.handles[worker_id] = handle
+            adopted[role] += 1
+            self._skip_ids_up_to(role, worker_id)
+            logger.info("adopted %s", worker_id)
+        return adopted
+
+    def _skip_ids_up_to(self, role: Role, worker_id: str) -> None:
+        """New workers of ``role`` get ids after ``worker_id``'s (ids are never reused)."""
+        try:
+            index = int(worker_id.rsplit("-", 1)[1])
+        except (IndexError, ValueError):
+            return
+        self._next_index[role] = max(self._next_index[role], index + 1)
+
+    # -- health ---------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            records = [w for w in list(self.router.pool.workers.values()) if w.state is not WorkerState.STARTING]
+            results = await asyncio.gather(*(self._check(w) for w in records), return_exceptions=True)
+            for record, healthy in zip(records, results):
+                if healthy is not True:
+                    self._on_unhealthy(record, healthy)
+            await self._after_health_checks()
+            await self.refresh_readiness()
+            if self.metrics is not None:
+                await self.metrics.refresh(self.router, max_age_s=self.health_interval_s)
+
+    async def _after_health_checks(self) -> None:
+        await self._adopt()  # what the managing pool manager launched since
+
+    async def _check(self, record: WorkerRecord) -> bool:
+        if record.state is WorkerState.DEAD:
+            return False
+        await within(record.handle.ping.remote(), self.health_timeout_s)
+        return True
+
+    def _on_unhealthy(self, record: WorkerRecord, reason) -> None:
+        self.router.worker_died(record)
+        logger.warning("%s failed its health check (%r): no longer routed to", record.worker_id, reason)
+        self.router.pool.remove(record.worker_id)
+        self.handles.pop(record.worker_id, None)  # the managing pool manager replaces it

@@ -1,0 +1,132 @@
+"""The router's core for one deployment, with no wire format: the worker pool, the
+dispatcher, admission, readiness, validation and tokenization.
+
+A request's life through the core: an API edge (router/grpc_api.py, router/openai_api/)
+reads its message into a ``GenerateInput``; ``validate_input`` checks and tokenizes it (long
+text off the event loop); a ``GenerationSession`` (router/session.py) admits it, waits for a
+ready deployment (``wait_ready``), dispatches it and yields its output chunks, which the edge
+renders. The front ends (router/front_ends.py) are started beside the core by whoever hosts
+it (cluster/deployment.py, the controller, a router replica). This module, like every module
+the router process loads, imports no torch and no model code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.sampling_params import SamplingDefaults
+from engine.stats import WorkerState
+from router.config import RouterConfig
+from router.dispatcher import WORKER_GONE, Dispatcher
+from router.pool import Role, RoutingPolicy, WorkerPool, WorkerRecord
+from router.pool_control import PoolControl
+from router.prefix_index import PrefixFeed, PrefixIndex
+from router.readiness import Readiness
+from router.routing import make_selector
+from router.status_monitor import StatusMonitor
+from router.tokenizer import Tokenizer
+from router.traffic import TrafficWindow
+from router.validation import GenerateInput, RequestLimits, ValidatedRequest, validate_input
+
+logger = logging.getLogger(__name__)
+
+# Text prompts longer than this are tokenized on a thread (about 1 ms of tokenizing inline).
+INLINE_TOKENIZE_CHARS = 4096
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the router knows of the model (read from its directory by the deployment)."""
+
+    name: str
+    architecture: str
+    max_context_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    block_size: int
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    num_layers: int = 0  # decoder layers (a pipelined prefill cuts them into stages; 0: never)
+
+
+class Router:
+    """Owns the pool, the dispatcher and the readiness of one deployment's router."""
+
+    def __init__(self, model_dir: Path, model_info: ModelInfo, config: RouterConfig | None = None, pool_manager: PoolControl | None = None, max_replicas: int = 64, metrics=None):
+        self.config = config or RouterConfig()
+        self.config.validate()
+        self.model_info = model_info
+        self.tokenizer = Tokenizer.from_model_dir(model_dir)
+        defaults = model_info.sampling_defaults if self.config.model_sampling_defaults else SamplingDefaults()
+        if defaults != SamplingDefaults():
+            logger.info("sampling defaults from the model's generation_config.json, for fields a request leaves unset: %s", defaults)
+        self.limits = RequestLimits(vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len, defaults=defaults)
+        # One thread: long prompts are tokenized one at a time, off the event loop.
+        self._tokenize_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # KV-aware routing: an index of every worker's prefix cache, fed by their own events.
+        self.prefix_index = PrefixIndex(model_info.block_size) if self.config.routing_policy is RoutingPolicy.KV_AWARE else None
+        self.pool = WorkerPool(make_selector(self.config.routing_policy, self.prefix_index, self.config.kv_overlap_weight))
+        self.prefix_feed = None if self.prefix_index is None else PrefixFeed(self.pool, self.prefix_index, self.config.status_timeout_s)
+        # The one reader of worker status (GetClusterStatus, metrics, the pool manager).
+        self.status_monitor = StatusMonitor(self.pool, self.config.status_timeout_s)
+        self.dispatcher = Dispatcher(
+            self.pool, self.config, metrics, block_size=model_info.block_size, decode_ready=self.wait_ready, prefix_feed=self.prefix_feed,
+            num_layers=model_info.num_layers,
+        )
+        self.pool_manager: PoolControl | None = pool_manager  # set by whoever runs the pools
+        self.metrics = metrics
+        self.traffic = TrafficWindow()  # recent arrivals, sizes and queue times (the autoscaler's input)
+        self.background_tasks: set[asyncio.Task] = set()
+        self.max_replicas = max_replicas
+        # Not ready until the pool manager says the pools can serve; the front ends mirror it
+        # (gRPC health NOT_SERVING, HTTP /health 503).
+        self.readiness = Readiness()
+
+    async def validate_input(self, request: GenerateInput, timeout_s: float | None = None) -> ValidatedRequest:
+        """Validate and tokenize; a long text prompt is tokenized off the event loop.
+
+        Tokenizing megabytes of text takes seconds, during which every other stream on this
+        loop would stall. Short prompts stay inline: a thread hop costs more than they do.
+        """
+        validate = functools.partial(validate_input, request, self.limits, self.tokenizer.encode, timeout_s=timeout_s)
+        if request.prompt_text is not None and len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)
+        return validate()
+
+    async def wait_ready(self) -> None:
+        """Wait, at most ``ready_wait_s``, until the pools can serve; else UnavailableError."""
+        if self.readiness.is_ready and not self.pool.routable(Role.DECODE):
+            # A decode death the pool manager has not seen yet: wait for it to bring one back.
+            await self.readiness.set_not_ready("no decode worker is ready")
+        await self.readiness.wait(self.config.ready_wait_s)
+
+    async def stop(self) -> None:
+        """Stop dispatching (the front ends are stopped by whoever started them)."""
+        await self.dispatcher.close()
+        if self.prefix_feed is not None:
+            await self.prefix_feed.stop()
+        self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def add_worker(self, role: Role, worker_id: str, handle) -> WorkerRecord:
+        """Route to a started worker from now on (its handshake offer is fetched once)."""
+        epoch = await handle.ping.remote()
+        record = WorkerRecord(worker_id, role, handle, epoch=epoch)
+        if role is Role.DECODE:
+            record.handshake_offer = await handle.handshake_offer.remote()
+        self.pool.add(record)
+        return record
+
+    def worker_died(self, record: WorkerRecord) -> None:
+        self.dispatcher.on_worker_died(record)
+
+    async def drain(self, record: WorkerRecord) -> None:
+        """No new requests for this worker; it finishes what it has."""
+        record.state = WorkerState.DRAINING
+        try:
+            await record.handle.drain.remote()
+        except WORKER_GONE:
+            self.dispatcher.on_worker_died(record)

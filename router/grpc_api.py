@@ -1,0 +1,241 @@
+"""The router's gRPC front end (grpc.aio): Generation, health and reflection on one listener;
+Admin (``router/admin.py``) on its own.
+
+A Generate call's life here: the request is read into the core's neutral input and validated
+(INVALID_ARGUMENT naming the field on any problem), a ``GenerationSession`` (router/session.py)
+admits it (RESOURCE_EXHAUSTED beyond the queue limit), waits until the deployment is ready
+(UNAVAILABLE past ``ready_wait_s``), dispatches it and relays its output chunks, which this
+module renders as GenerateResponse messages. However the call ends (finished, stop string,
+client cancel, deadline, error) the session releases what it holds on every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from router.admin import SERVICE as ADMIN_SERVICE
+from router.admin import AdminOperations, AdminService, worker_state_to_proto
+from router.api.pdserve.v1 import generation_pb2 as pb
+from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from engine.stats import WorkerState
+from router.core import Router
+from router.errors import abort_with
+from router.output_stream import OutputChunk, TimingBreakdown
+from router.pool import Role
+from router.request_bytes import tolerant
+from router.security import BearerTokenInterceptor, server_credentials
+from router.session import GenerationSession
+from router.validation import input_from_proto
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {Role.PREFILL: pb.WORKER_ROLE_PREFILL, Role.DECODE: pb.WORKER_ROLE_DECODE}
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# GetClusterStatus answers from status reports at most this old (callers at the same moment
+# share one round of status calls).
+CLUSTER_STATUS_MAX_AGE_S = 0.05
+
+
+_FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "eos": pb.FINISH_REASON_EOS,
+    "abort": pb.FINISH_REASON_ABORT,
+    "error": pb.FINISH_REASON_ERROR,
+}
+
+
+def generate_response(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
+    """One session chunk as the GenerateResponse message that carries it."""
+    response = pb.GenerateResponse(request_id=req_id, token_ids=chunk.token_ids, text=chunk.text)
+    if chunk.logprobs:
+        response.logprobs.extend(
+            pb.TokenLogprobs(logprob=e.logprob, top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top]) for e in chunk.logprobs
+        )
+    end = chunk.end
+    if end is not None:
+        response.finish_reason = _FINISH_REASONS[end.reason]
+        response.matched_stop_string = end.matched_stop
+        if end.matched_stop_token_id is not None:
+            response.matched_stop_token_id = end.matched_stop_token_id
+        response.finish_detail = end.detail
+        response.usage.prompt_tokens = end.prompt_tokens
+        response.usage.completion_tokens = end.completion_tokens
+        response.usage.cached_prompt_tokens = end.cached_prompt_tokens
+        response.prefill_worker_id = end.prefill_worker_id
+        response.decode_worker_id = end.decode_worker_id
+        _fill_timing(response.timing, end.timing)
+        if end.speculation is not None:
+            spec = end.speculation
+            response.speculation.decode_steps = spec.decode_steps
+            response.speculation.draft_tokens = spec.draft_tokens
+            response.speculation.accepted_draft_tokens = spec.accepted_draft_tokens
+            response.speculation.acceptance_rate = spec.acceptance_rate
+            response.speculation.tokens_per_step = spec.tokens_per_step
+    return response
+
+
+def _fill_timing(out: pb.Timing, timing: TimingBreakdown) -> None:
+    for name in TimingBreakdown.__slots__:
+        setattr(out, name, getattr(timing, name))
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, router: "Router"):
+        self.router = router
+
+    async def Generate(self, request, context):
+        router = self.router
+        try:
+            validated = await router.validate_input(input_from_proto(request), context.time_remaining())
+            session = await GenerationSession.open(router, validated, client_gone=context.cancelled)
+        except Exception as exc:
+            await abort_with(context, exc)
+        try:
+            async with contextlib.aclosing(session.chunks()) as chunks:
+                async for chunk in chunks:
+                    yield generate_response(validated.req_id, chunk)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+        finally:
+            await session.close()
+
+    async def GetModelInfo(self, request, context):
+        info = self.router.model_info
+        return pb.GetModelInfoResponse(
+            model_name=info.name,
+            architecture=info.architecture,
+            max_context_len=info.max_context_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            block_size=info.block_size,
+        )
+
+    async def GetClusterStatus(self, request, context):
+        return pb.GetClusterStatusResponse(workers=await worker_statuses(self.router))
+
+
+class HealthPublisher:
+    """Mirrors the core's readiness into the gRPC health servicer, for the overall service
+    ("") and each named one."""
+
+    def __init__(self, health_servicer, services: Iterable[str]):
+        self._health = health_servicer
+        self._services = ["", *services]
+
+    async def __call__(self, ready: bool) -> None:
+        status = _SERVING if ready else _NOT_SERVING
+        for service in self._services:
+            result = self._health.set(service, status)
+            if asyncio.iscoroutine(result):  # grpc.aio's servicer is async, the sync one is not
+                await result
+
+
+class GrpcFrontEnd:
+    """The Generation listener (with health and reflection) and, unless off, Admin's own."""
+
+    def __init__(self, router: Router, reuse_port: bool = False, admin: bool = True):
+        self.router = router
+        self.config = router.config
+        self.reuse_port = reuse_port  # replicas of the router share one port (SO_REUSEPORT)
+        self.admin = admin and self.config.admin_port is not None
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self._health_publisher: HealthPublisher | None = None
+        self.server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        self.admin_server: grpc.aio.Server | None = None
+        self.admin_port: int | None = None
+
+    async def start(self, port: int | None = None) -> int:
+        """Start listening (on ``port``, else the configured one); return the Generation port."""
+        generation = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+        self.server = self._new_server(self.reuse_port)
+        # Through ``tolerant``: malformed request bytes get INVALID_ARGUMENT and one log line.
+        pb_grpc.add_GenerationServicer_to_server(GenerationService(self.router), tolerant(self.server))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([generation, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self._listen(self.server, "port", self.config.host, self.config.port if port is None else port)
+        self._health_publisher = HealthPublisher(self.health, [generation])
+        await self.router.readiness.add_listener(self._health_publisher)
+        await self.server.start()
+        if self.admin:
+            self.admin_server = self._new_server(reuse_port=False)
+            pb_grpc.add_AdminServicer_to_server(AdminService(AdminOperations(self.router)), tolerant(self.admin_server))
+            reflection.enable_server_reflection([ADMIN_SERVICE, reflection.SERVICE_NAME], self.admin_server)
+            self.admin_port = self._listen(self.admin_server, "admin_port", self.config.admin_host, self.config.admin_port)
+            await self.admin_server.start()
+            logger.info("admin listening on %s:%d", self.config.admin_host, self.admin_port)
+        return self.port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        if self._health_publisher is not None:
+            self.router.readiness.remove_listener(self._health_publisher)
+        if self.admin_server is not None:
+            await self.admin_server.stop(grace_s)
+        if self.server is not None:
+            await self.server.stop(grace_s)
+
+    def _new_server(self, reuse_port: bool) -> grpc.aio.Server:
+        interceptors = [BearerTokenInterceptor(self.config.auth_token)] if self.config.auth_token else []
+        # SO_REUSEPORT only among the router's own replicas: otherwise another process binding
+        # the same port would silently receive part of the calls.
+        return grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
+
+    def _credentials(self) -> grpc.ServerCredentials | None:
+        if self.config.tls_cert_file is None:
+            return None
+        return server_credentials(self.config.tls_cert_file, self.config.tls_key_file)
+
+    def _listen(self, server: grpc.aio.Server, field: str, host: str, port: int) -> int:
+        """Bind ``host:port``; a failure names the config field, since grpc's own message names neither
+        the field nor the cause (newer grpc raises RuntimeError, older returns port 0)."""
+        address = f"{host}:{port}"
+        credentials = self._credentials()
+        try:
+            bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise OSError(f"router.{field}: cannot listen on {address} (the port is in use, or the host is not "
+                          f"an address of this machine); give another port, or 0 for any free one")
+        return bound
+
+
+async def worker_statuses(router: Router) -> list[pb.WorkerStatus]:
+    """Every worker's status for GetClusterStatus, from status reports at most CLUSTER_STATUS_MAX_AGE_S old."""
+    reports = await router.status_monitor.reports(max_age_s=CLUSTER_STATUS_MAX_AGE_S)
+    statuses = []
+    for record in list(router.pool.workers.values()):
+        report = reports.get(record.worker_id)
+        if report is None:
+            continue  # joined after the round: in the next answer
+        status = pb.WorkerStatus(worker_id=record.worker_id, role=_ROLES[record.role], epoch=record.epoch)
+        result = report.status
+        if result is None:
+            status.state = pb.WORKER_STATE_DEAD if report.gone else pb.WORKER_STATE_UNHEALTHY
+        else:
+            engine = result.engine
+            # The router's view wins for draining/dead; the worker's for everything else.
+            status.state = worker_state_to_proto(record.state if record.state is not WorkerState.READY else result.state)
+            status.queue_depth = engine.num_waiting + getattr(result, "num_awaiting_kv", 0)
+            status.num_queued_prefill_tokens = engine.num_queued_prefill_tokens
+            status.num_kv_blocks_used = engine.num_used_blocks
+            status.num_kv_blocks_free = engine.num_free_blocks
+            status.num_running_seqs = engine.num_running
+            status.epoch = result.epoch
+            status.node = result.node
+            status.rank_nodes.extend(result.rank_nodes)
+        statuses.append(status)
+    return statuses
+
