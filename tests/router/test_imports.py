@@ -18,7 +18,7 @@ ROUTER_MODULES = [
     "cluster.router_replica",
 ]
 
-HEAVY = ("torch", "transformers", "nixl", "nixl_cu12", "numpy.linalg")
+HEAVY = ("torch", "transformers", "nixl", "nixl_cu12")
 ENGINE_CODE = ("engine.llm_engine", "engine.model", "engine.model_runner", "engine.loader", "engine.config", "engine.sequence", "engine.executor")
 WORKER_CODE = ("prefill_workers.worker", "decode_workers.worker", "kvtransfer.agent", "workers.base")
 
