@@ -239,6 +239,11 @@ class ClusterConfig(BaseModel):
         description="UCX network devices NIXL uses (UCX_NET_DEVICES), e.g. mlx5_0:1; default: 'lo' for a "
         "local deployment (loopback only, cluster/local_ray.py), every device when joining a Ray cluster",
     )
+    transfer_transports: str | None = Field(
+        None,
+        description="UCX transports NIXL may use (UCX_TLS), e.g. rc,sm,self for RDMA or tcp to keep KV off shared memory; default: every "
+        "one UCX finds. Which one each prefill->decode pair uses is logged at handshake and exported as pdserve:kv_transfer_path_*",
+    )
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Default KV sizing on GPUs: share of each GPU's memory for weights, activations and KV"
     )
@@ -331,7 +336,9 @@ class ClusterConfig(BaseModel):
                 stream_interval=self.router.stream_interval,
             ),
             router_replicas=self.router.replicas,
-            transfer=KVTransferConfig(backend=self.transfer_backend, network_devices=self.transfer_network_devices),
+            transfer=KVTransferConfig(
+                backend=self.transfer_backend, network_devices=self.transfer_network_devices, transports=self.transfer_transports
+            ),
             health_interval_s=self.health_interval_s,
             health_timeout_s=self.health_timeout_s,
             autoscaler=self.autoscaler.to_spec(),

@@ -36,6 +36,7 @@ from kvtransfer.handshake import PROTOCOL_VERSION, HandshakeOffer, check_offer, 
 from kvtransfer.layout import KVCompat, KVRegion
 from kvtransfer.leases import Clock, LeasePolicy
 from kvtransfer.messages import KVDestination, PeerRef, QuiesceReport, ReceiveEvents, SendEvent
+from kvtransfer.path import PathStats, describe_path, host_id
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
 from kvtransfer.sharded_transport import RankTransport, ShardedTransport, rank_transport_name
@@ -61,6 +62,8 @@ class KVTransferConfig:
     # UCX network devices (UCX_NET_DEVICES) NIXL may listen and send on: "lo" keeps a
     # single-machine deployment's transfers on loopback; None: every device UCX finds.
     network_devices: str | None = None
+    # UCX transports (UCX_TLS) NIXL may use, e.g. "rc,sm,self" or "tcp"; None: every one UCX finds.
+    transports: str | None = None
     lease: LeasePolicy = field(default_factory=LeasePolicy)
     # Activations of pipelined prefills (kvtransfer.activations), with the nixl backend: inbox
     # slots of this many tokens each (a longer chunk goes over Ray), and how many (0: all over Ray).
@@ -71,7 +74,7 @@ class KVTransferConfig:
         """What this config's backend is built from, over ``kv_cache`` (one rank's)."""
         return BackendOptions(
             transport_name, kv_cache, region, nixl_mode=self.nixl_mode, merge_descriptors=self.merge_descriptors,
-            progress_thread=self.progress_thread, network_devices=self.network_devices,
+            progress_thread=self.progress_thread, network_devices=self.network_devices, transports=self.transports,
         )
 
 
@@ -102,8 +105,11 @@ class KVAgent:
         wall_clock: Clock = time.time,
         shard: KVShard | None = None,
         open_ranks: OpenRanks | None = None,
+        address: str = "",
     ) -> None:
+        """``address``: where this agent's node is reached (its peers find their route to it)."""
         shard = shard or whole_shards(compat.num_kv_heads)[0]
+        self.address = address
         compat.check_tensor(kv_cache, shard.num_heads)
         self.config = config or KVTransferConfig()
         self.compat = compat
@@ -119,7 +125,7 @@ class KVAgent:
         self._transport = ShardedTransport(base_name, [local, *others], compat)
         policy = self.config.lease
         self.sender = KVSender(
-            self.ref, self._transport, self.region, policy, self.config.merge_descriptors, wall_clock
+            self.ref, self._transport, self.region, policy, self.config.merge_descriptors, wall_clock, write_bytes=self._write_bytes
         )
         self.receiver = KVReceiver(self.ref, self._transport, self.region, policy, wall_clock)
         logger.info("kv agent %s up: backend %s, compat %s", self.ref, self.config.backend, compat.compat_hash())
@@ -139,6 +145,8 @@ class KVAgent:
             region=self.region,
             shards=self._transport.shards,
             regions=self._transport.regions,
+            host_id=host_id(),
+            address=self.address,
         )
 
     @_locked
@@ -149,8 +157,17 @@ class KVAgent:
         replaces it; an older epoch is refused; the same epoch is a no-op.
         """
         check_offer(self.compat, self.config.backend, offer, self._transport.shards)
-        self.sender.add_peer(offer)
+        self.sender.add_peer(offer, describe_path(self.config.backend, offer.host_id, offer.address))
         return offer.peer
+
+    @_locked
+    def path_stats(self) -> list[PathStats]:
+        """Per peer: which way its KV goes, and what went (bytes, writes, failures, write time)."""
+        return self.sender.path_stats()
+
+    def _write_bytes(self, num_blocks: int, layers: range | None) -> int:
+        per_head = self.compat.bytes_per_head if layers is None else sum(n for _, n in self.compat.layer_runs_in_head(layers))
+        return num_blocks * self.compat.num_kv_heads * per_head
 
     @_locked
     def write_cost(
@@ -160,8 +177,7 @@ class KVAgent:
         ``dest`` moves: every rank's heads."""
         runs = merge_runs(src_block_ids, dst_block_ids, self.config.merge_descriptors)
         transport_name = transport_agent_name(dest.peer)
-        per_head = self.compat.bytes_per_head if layers is None else sum(n for _, n in self.compat.layer_runs_in_head(layers))
-        return runs.num_blocks * self.compat.num_kv_heads * per_head, self._transport.num_descriptors(transport_name, runs, layers)
+        return self._write_bytes(runs.num_blocks, layers), self._transport.num_descriptors(transport_name, runs, layers)
 
     @_locked
     def is_connected(self, peer: PeerRef) -> bool:

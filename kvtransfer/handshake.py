@@ -51,6 +51,9 @@ class HandshakeOffer:
     region: KVRegion  # rank 0's
     shards: list[KVShard]  # every rank's KV heads
     regions: list[KVRegion]  # every rank's memory
+    # Where the peer is (kvtransfer.path): its host, and the address its node is reached at.
+    host_id: str = ""
+    address: str = ""
 
     @property
     def tp_size(self) -> int:

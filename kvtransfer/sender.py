@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.layout import KVRegion
 from kvtransfer.leases import Clock, LeasePolicy, Tombstones
 from kvtransfer.messages import KVDestination, PeerRef, QuiesceReport, SendEvent, TransferNotif
+from kvtransfer.path import PathStats, TransferPath, log_path
 from kvtransfer.transport import Transport, XferState
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,12 @@ class KVSender:
         policy: LeasePolicy,
         merge: bool = True,
         wall_clock: Clock = time.time,
+        write_bytes: Callable[[int, range | None], int] | None = None,
     ) -> None:
         self._local = local
+        # Bytes a write of N blocks (of some layers) moves; None: not counted (unit tests).
+        self._write_bytes = write_bytes or (lambda num_blocks, layers: 0)
+        self._paths: dict[str, PathStats] = {}  # per peer name: its path and what went there
         self._transport = transport
         self._region = region
         self._policy = policy
@@ -112,8 +117,9 @@ class KVSender:
 
     # -- peers ---------------------------------------------------------------------------
 
-    def add_peer(self, offer: HandshakeOffer) -> None:
-        """Make a (validated) peer writable; a newer epoch replaces the old incarnation."""
+    def add_peer(self, offer: HandshakeOffer, path: TransferPath | None = None) -> None:
+        """Make a (validated) peer writable; a newer epoch replaces the old incarnation.
+        ``path``: which way its KV goes (logged once, counted per write)."""
         current = self._peers.get(offer.peer.name)
         if current is not None and current.ref.epoch == offer.peer.epoch:
             return
@@ -127,6 +133,24 @@ class KVSender:
         self._peers[offer.peer.name] = _Peer(ref=offer.peer, transport_name=offer.transport_name)
         logger.info("connected to peer %s (%d blocks x %d bytes)", offer.peer, offer.region.num_blocks,
                     offer.region.bytes_per_block)
+        if path is not None:
+            log_path(str(offer.peer), path)
+            stats = self._paths.setdefault(offer.peer.name, PathStats(offer.peer.name, path.transport, path.device))
+            stats.transport, stats.device = path.transport, path.device
+
+    def path_stats(self) -> list[PathStats]:
+        return [dataclasses.replace(stats) for stats in self._paths.values()]
+
+    def _count(self, state: _SendState, write: _Write | None = None, failed: bool = False) -> None:
+        stats = self._paths.get(state.dest.peer.name)
+        if stats is None:
+            return
+        if failed:
+            stats.num_failures += 1
+            return
+        stats.num_writes += 1
+        stats.num_bytes += self._write_bytes(write.runs.num_blocks, write.layers)
+        stats.write_seconds += time.monotonic() - write.posted_at
 
     def drop_peer(self, name: str, reason: str) -> list[str]:
         """Fail every request writing to peer ``name`` and forget the peer; return their ids."""
@@ -251,6 +275,7 @@ class KVSender:
             else:  # the agent's transport (kvtransfer.sharded_transport) splits a write by layers
                 write.handle = self._transport.post_write(peer.transport_name, write.runs, write.notif, layers=write.layers)
         except TransportError as e:
+            self._count(state, failed=True)
             cls = PeerLostError if e.peer_lost else TransferFailedError
             self._fail(state, cls(state.req_id, str(peer.ref), str(e)))
             return
@@ -276,15 +301,19 @@ class KVSender:
             status = self._transport.check(w.handle)
             if status is XferState.DONE:
                 self._transport.release(w.handle)
+                self._count(state, w)
                 if state.error is None:
                     done.append(SendEvent(state.req_id, peer, w.seq, w.num_valid_blocks, token=state.dest.token))
             elif status is XferState.FAILED:
                 self._transport.release(w.handle)
+                self._count(state, failed=True)
                 if not self._retry(state, w, "failed in the transport", still):
                     self._fail(state, TransferFailedError(
                         state.req_id, peer, f"write {w.seq} failed in the transport ({w.num_retries} retries)"
                     ))
             elif now - w.posted_at > self._policy.write_timeout_s:
+                if not w.timed_out:
+                    self._count(state, failed=True)
                 if not self._transport.release(w.handle):
                     # Could not cancel: it still counts as in flight, and it may yet land, so
                     # posting it again could race it. The request fails.

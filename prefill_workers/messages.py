@@ -9,6 +9,7 @@ from engine.sampling_params import TokenLogprob
 from engine.stats import EngineStats, WorkerState
 from kvtransfer.handshake import HandshakeOffer
 from kvtransfer.messages import KVDestination
+from kvtransfer.path import PathStats
 from workers.pipeline import PipelineStage
 
 
@@ -65,3 +66,5 @@ class PrefillStatus:
     # NIXL into the next stage's inbox, or sent over Ray (no inbox, or none free).
     num_stage_chunks_over_nixl: int = 0
     num_stage_chunks_over_ray: int = 0
+    # Per decode peer: which way its KV goes (shm, rdma, tcp; the device) and what went there.
+    transfer_paths: list[PathStats] = field(default_factory=list)

@@ -488,5 +488,6 @@ class PrefillWorker(EngineWorker):
             num_transfers_in_flight=self.agent.num_in_flight(),
             num_stage_chunks_over_nixl=self._num_stage_chunks_over_nixl,
             num_stage_chunks_over_ray=self._num_stage_chunks_over_ray,
+            transfer_paths=self.agent.path_stats(),
         )
 

@@ -45,6 +45,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest
 from engine.stats import WorkerState
+from kvtransfer.errors import LeaseExpiredError, PeerLostError, TransferFailedError, TransferTimeoutError
 from kvtransfer.messages import KVDestination
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillTiming, PrefillUnavailableError
 from router.admission import WaitEstimate, WindowRate, estimate_wait
@@ -71,6 +72,8 @@ from workers.pipeline import PipelineStage, StageOpened
 logger = logging.getLogger(__name__)
 
 WORKER_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
+# A prefill's writes into its decode reservation failed for a reason outside the request.
+_WRITE_FAILURES = (PeerLostError, TransferFailedError, TransferTimeoutError, LeaseExpiredError)
 # How long a request waits for the previous request of its id to be released on its workers
 # (bounded: that release's own waits are, and it may have lost a worker meanwhile).
 RELEASE_WAIT_S = 10.0
@@ -570,9 +573,11 @@ class Dispatcher:
 
     async def _prefill_raised(self, active: ActiveRequest, decode: WorkerRecord, prefill: WorkerRecord, exc: Exception) -> None:
         """A live prefill actor's call raised ``exc``: place the request again or fail it."""
-        if getattr(getattr(exc, "cause", None), "peer_lost", False):
-            # The decode actor it was writing into is unreachable: not this request's fault. It
-            # is placed again, like any request whose decode actor died.
+        cause = getattr(exc, "cause", None)
+        if getattr(cause, "peer_lost", False) or isinstance(cause, _WRITE_FAILURES):
+            # Writing into the decode actor failed (it died, its node went, the link broke, its
+            # lease ran out): not this request's fault. It is placed again, like any request
+            # whose decode actor died; a live decode actor gives its reservation up.
             await self._on_decode_unreachable(active, decode)
             return
         cause = remote_cause(exc)

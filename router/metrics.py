@@ -81,6 +81,19 @@ class Metrics:
         self.spec_tokens_per_step = metric(Histogram, "spec_decode_tokens_per_step", "Per request: tokens a decode step emitted",
                                            buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0))
         self.workers_replaced = metric(Counter, "workers_replaced", "Workers replaced after failing health checks", ("role",))
+        # Per prefill->decode pair, by the way its KV goes (kvtransfer.path): shm, rdma or tcp,
+        # and the local device; from the prefill workers' running totals.
+        pair = ("prefill_worker_id", "decode_worker_id", "transport", "device")
+        self.kv_path_bytes = metric(Counter, "kv_transfer_path_bytes", "KV bytes written from a prefill to a decode worker, per transport", pair)
+        self.kv_path_writes = metric(Counter, "kv_transfer_path_writes", "KV writes completed, per pair and transport", pair)
+        self.kv_path_failures = metric(Counter, "kv_transfer_path_failures", "KV writes failed or timed out (each retry counts)", pair)
+        self.kv_path_seconds = metric(
+            Counter, "kv_transfer_path_write_seconds", "Post-to-completion time of completed KV writes, summed (mean: / writes)", pair
+        )
+        self._path_counters = {
+            "num_bytes": self.kv_path_bytes, "num_writes": self.kv_path_writes,
+            "num_failures": self.kv_path_failures, "write_seconds": self.kv_path_seconds,
+        }
         self._last_steps: dict[str, tuple[int, int]] = {}
         self._last_totals: dict[tuple[str, str], int] = {}  # (worker, EngineStats field) -> last total
         self._known_workers: set[str] = set()
@@ -140,6 +153,13 @@ class Metrics:
                 self._last_totals[(worker, field_name)] = total
             if engine.num_prefix_query_tokens:
                 self.prefix_hit_rate(worker, role).set(engine.num_prefix_hit_tokens / engine.num_prefix_query_tokens)
+            for path in getattr(status, "transfer_paths", ()):
+                labels = (worker, path.peer, path.transport, path.device)
+                for field_name, counter in self._path_counters.items():
+                    key = (f"{worker}>{path.peer}>{status.epoch}", field_name)  # a restarted writer counts from 0
+                    total = getattr(path, field_name)
+                    counter(*labels).inc(max(0, total - self._last_totals.get(key, 0)))
+                    self._last_totals[key] = total
             if role == "prefill":
                 steps, tokens = self._last_steps.get(worker, (0, 0))
                 if engine.num_steps > steps:

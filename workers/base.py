@@ -104,6 +104,7 @@ class EngineWorker:
             worker_id, self.engine.kv_cache.tensor, KVCompat(**self.engine.kv_compat_fields()), transfer_config,
             shard=KVShard(shard.tp_size, 0, shard.kv_head_start, shard.num_kv_heads),
             open_ranks=(lambda base: self.ranks.open_transports(base, transfer_config)) if self.ranks is not None else None,
+            address=ray.util.get_node_ip_address(),
         )
         self.state = WorkerState.READY
         self.node = node_name()

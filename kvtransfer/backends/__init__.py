@@ -38,6 +38,7 @@ class BackendOptions:
     merge_descriptors: bool = True
     progress_thread: bool = False
     network_devices: str | None = None
+    transports: str | None = None  # UCX_TLS
 
 
 def make_transport(backend: str, options: BackendOptions) -> "Transport":

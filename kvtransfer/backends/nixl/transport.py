@@ -63,6 +63,7 @@ class NixlTransport(Transport):
         merge: bool = True,
         progress_thread: bool = False,
         network_devices: str | None = None,
+        transports: str | None = None,
     ) -> None:
         try:
             api = nixl_api.load()
@@ -79,6 +80,8 @@ class NixlTransport(Transport):
         if network_devices is not None:
             # UCX reads it when the agent creates its context: the one agent of this process.
             os.environ["UCX_NET_DEVICES"] = network_devices
+        if transports is not None:
+            os.environ["UCX_TLS"] = transports
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False, backends=["UCX"])
         self._agent = nixl_agent(transport_name, config)
         if "UCX" not in self._agent.backends:
@@ -221,4 +224,5 @@ def create(options) -> NixlTransport:
         merge=options.merge_descriptors,
         progress_thread=options.progress_thread,
         network_devices=options.network_devices,
+        transports=options.transports,
     )
