@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto (default): the fastest exact dtype for each actor's device")
     up.add_argument("--host", help="address the router binds")
     up.add_argument("--port", type=int, help="router gRPC port")
+    up.add_argument("--no-ship-code", dest="ship_code", action="store_false", default=True,
+                    help="joining a cluster (--address): rely on pdserve installed on every node instead of shipping this checkout's code")
     up.add_argument("--router-replicas", type=int, help="routers serving the deployment, on the same ports (default 1)")
     up.add_argument("--stream-interval", type=int, help="tokens per streamed message after the first (default 1)")
     up.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port (default 8000)")
@@ -207,7 +209,7 @@ def _up(args: argparse.Namespace) -> int:
     if ray_address is None and args.detach:
         head, ray_address = _start_ray_head()
     try:
-        _connect_ray(ray_address, log_to_driver=not args.detach)
+        _connect_ray(ray_address, log_to_driver=not args.detach, ship_code=args.address is not None and args.ship_code)
     except Exception as exc:
         print(f"pdserve up: cannot reach Ray at {ray_address}: {exc}", file=sys.stderr)
         if head is not None:
@@ -328,10 +330,16 @@ def _wait_until_serving(address: str, timeout_s: float, ca_file: Path | None = N
     return False
 
 
-def _connect_ray(address: str | None, log_to_driver: bool) -> None:
+def _connect_ray(address: str | None, log_to_driver: bool, ship_code: bool = False) -> None:
+    """Join Ray at ``address`` (None: a local instance of this process); ``ship_code``: every
+    node gets this checkout's packages through the job's runtime environment."""
     import ray
 
     kwargs = {"include_dashboard": False} if address is None else {}
+    if ship_code and address is not None:
+        from cluster.node_check import code_runtime_env
+
+        kwargs["runtime_env"] = code_runtime_env()
     if address is None:
         confine_to_loopback()  # a Ray started here serves this machine only
     ray.init(address=address or "local", log_to_driver=log_to_driver, configure_logging=False, namespace="pdserve", **kwargs)

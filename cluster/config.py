@@ -221,6 +221,9 @@ class ClusterConfig(BaseModel):
         DEFAULT_MODEL_PATH,
         description="Model directory, or a Hugging Face id (org/name[@revision]) already in the local Hugging Face cache (default: the built-in model)",
     )
+    model_source: str | None = Field(
+        None, description="Set from model when it is a Hugging Face id: the id each node's workers resolve in their own cache"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         "auto",
         description="Weights and KV dtype; auto: the fastest exact one for each actor's device "
@@ -257,6 +260,12 @@ class ClusterConfig(BaseModel):
     autoscaler: AutoscalerSection = Field(default_factory=AutoscalerSection)
     health_interval_s: float = Field(1.0, gt=0, description="Seconds between health checks")
     health_timeout_s: float = Field(10.0, gt=0, description="A worker that does not answer a ping within this is replaced")
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="How long a worker may take to start (placement, loading the model) before its launch counts as failed"
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest sequence (prompt plus output) served, at most the model's context (default: the model's context)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -270,6 +279,8 @@ class ClusterConfig(BaseModel):
             raise ValueError(f"model: {exc}") from None
         data = {**data, "model": resolved.path}
         if resolved.from_hub:
+            # Each node's workers resolve the id in their own cache (its path may differ there).
+            data["model_source"] = resolved.name
             router = dict(data.get("router") or {})
             if router.get("served_model_names") is None:
                 router["served_model_names"] = [resolved.name]  # as vLLM names it
@@ -304,11 +315,14 @@ class ClusterConfig(BaseModel):
                 check_tensor_parallel(model, pool.tensor_parallel_size)
             except ValueError as exc:
                 raise ValueError(f"{name}.tensor_parallel_size: {exc}") from None
+        if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
+            raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's context of {model.max_position_embeddings} tokens")
         return self
 
     def to_spec(self) -> DeploymentSpec:
         return DeploymentSpec(
             model_path=self.model,
+            model_source=self.model_source,
             prefill=self._pool(self.prefill),
             decode=self._pool(self.decode, speculative=self.speculative),
             router=RouterConfig(
@@ -341,6 +355,7 @@ class ClusterConfig(BaseModel):
             ),
             health_interval_s=self.health_interval_s,
             health_timeout_s=self.health_timeout_s,
+            startup_timeout_s=self.startup_timeout_s,
             autoscaler=self.autoscaler.to_spec(),
         )
 
@@ -360,6 +375,7 @@ class ClusterConfig(BaseModel):
             enable_prefix_caching=pool.enable_prefix_caching,
             speculative=speculative.to_engine() if speculative is not None else None,
             tensor_parallel_size=pool.tensor_parallel_size,
+            max_model_len=self.max_model_len,
         )
         kv_memory = None
         if pool.kv_cache_mb is not None:

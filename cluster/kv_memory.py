@@ -16,6 +16,7 @@ from pathlib import Path
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig, ModelConfig
 from engine.device_caps import resolve_dtype
+from engine.model_source import resolve_model
 from prefill_workers.worker import PrefillWorker
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def host_available_bytes() -> int:
 
 def sized_engine_config(engine_config: EngineConfig, model_path: str, policy: KVMemoryPolicy, worker_id: str) -> EngineConfig:
     """``engine_config`` with ``kv_cache_bytes`` chosen for this machine (logged)."""
-    figures = measure(engine_config, model_path)
+    figures = measure(engine_config, resolve_model(model_path).path)  # a Hugging Face id: this node's cache
     kv_bytes = default_kv_cache_bytes(policy, figures)
     logger.info(
         "%s: KV cache %.1f MiB (device %s, host available %.0f MiB, GPU free/total %.0f/%.0f MiB, "

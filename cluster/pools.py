@@ -45,6 +45,7 @@ from kvtransfer.agent import KVTransferConfig
 from prefill_workers.worker import PrefillWorker
 from router.config import RouterConfig
 from router.errors import FailedPreconditionError
+from cluster.node_check import check_nodes
 from cluster.pool_follower import WORKER_NAMESPACE, PoolFollower
 from router.pool import Role, WorkerRecord, within
 from router.pool_control import PoolHost
@@ -70,6 +71,9 @@ class PoolSpec:
 @dataclass(slots=True)
 class DeploymentSpec:
     model_path: Path = DEFAULT_MODEL_PATH
+    # A Hugging Face id (org/name[@revision]) the model came from: each worker resolves it in
+    # its own node's cache, where the snapshot's path may differ from this node's model_path.
+    model_source: str | None = None
     prefill: PoolSpec = field(default_factory=lambda: PoolSpec(engine=EngineConfig(max_num_batched_tokens=512, long_prefill_chunk=512)))
     decode: PoolSpec = field(default_factory=lambda: PoolSpec(engine=EngineConfig(max_num_batched_tokens=512, long_prefill_chunk=256)))
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -138,6 +142,10 @@ class PoolManager(PoolFollower):
         for role in roles:
             self.desired[role] = max(self.desired[role], adopted[role])  # keep what an earlier manager scaled to
         missing = {role: self.desired[role] - adopted[role] for role in roles}
+        if any(missing.values()):
+            # On a cluster of several nodes, a node that lacks the code, a library or the model
+            # is named now rather than found through a worker that died there.
+            await check_nodes(self.spec.model_source or str(self.spec.model_path), self.spec.transfer.backend, self.spec.startup_timeout_s)
         # CPU actors share their node's host memory; each GPU actor has its own GPU.
         num_starting = sum(missing[r] for r in missing if self.spec.pool(r).num_gpus == 0) or 1
         launches = [self._launch(role, num_starting) for role in roles for _ in range(missing[role])]
@@ -187,7 +195,7 @@ class PoolManager(PoolFollower):
         if tp_size > 1:
             group = await self._place(worker_id, pool, tp_size)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-        args = [worker_id, str(self.spec.model_path), pool.engine, self.spec.transfer]
+        args = [worker_id, self.spec.model_source or str(self.spec.model_path), pool.engine, self.spec.transfer]
         if pool.kv_memory is not None:
             cls = KVSizedPrefillWorker if role is Role.PREFILL else KVSizedDecodeWorker
             # On CPU every rank's cache shares the node's memory.

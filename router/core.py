@@ -117,6 +117,7 @@ class Router:
         record = WorkerRecord(worker_id, role, handle, epoch=epoch)
         if role is Role.DECODE:
             record.handshake_offer = await handle.handshake_offer.remote()
+        record.node = (await handle.status.remote()).node  # prefill and decode pair on one node where they can
         self.pool.add(record)
         return record
 

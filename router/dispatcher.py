@@ -66,6 +66,7 @@ from router.pipeline import PipelinePlan, decode_may_be_a_stage, plan_pipeline, 
 from router.pool import Role, WorkerPool, WorkerRecord, within
 from router.prefix_index import PrefixFeed
 from router.routing import RouteQuery
+from router.transfer_costs import TransferCosts
 from router.validation import ValidatedRequest
 from workers.pipeline import PipelineStage, StageOpened
 
@@ -179,6 +180,7 @@ class Dispatcher:
         self.prefix_feed = prefix_feed  # keeps the KV-aware selector's index current
         # Names this router's requests on the workers (``ActiveRequest.key``) and its outputs.
         self.router_id = router_id or f"r{secrets.token_hex(4)}"
+        self.transfer_costs = TransferCosts()  # what a prefill on another node than its decode actor costs
         self._by_key: dict[str, ActiveRequest] = {}  # admitted requests by their key
         # Awaited when no decode actor is routable: returns once one is (a replacement is up),
         # raises UnavailableError past its bound. None: no decode actor means UNAVAILABLE now.
@@ -441,7 +443,7 @@ class Dispatcher:
         num_tokens = len(request.prompt_token_ids)
         draining: set[str] = set()
         while True:
-            prefill = self.pool.pick(Role.PREFILL, exclude=draining, query=query)
+            prefill = self.pool.pick(Role.PREFILL, exclude=draining, query=self._near(query, num_tokens, decode))
             if prefill is None:
                 active.outputs.put_nowait(Restart("no prefill worker is available", active.attempt, prefill_failed=True))
                 return
@@ -481,7 +483,15 @@ class Dispatcher:
             finally:
                 self.pool.release(prefill, request.req_id)
         prefill.prefill_rate.done(num_tokens - result.timing.num_cached_tokens, prefill.busy_since or time.monotonic())
+        if prefill.node and decode.node and result.timing.num_bytes:
+            self.transfer_costs.observe(prefill.node == decode.node, result.timing.transfer_ms)
         await self._relay_first_token(active, decode, result, result.timing)
+
+    def _near(self, query: RouteQuery | None, num_tokens: int, decode: WorkerRecord) -> RouteQuery:
+        """``query`` for a prefill actor whose KV goes to ``decode``: its node preferred, the
+        measured cost of crossing nodes charged to the others."""
+        base = query if query is not None else RouteQuery(num_tokens)
+        return dataclasses.replace(base, near_node=decode.node, cross_node_s=self.transfer_costs.cross_node_extra_s())
 
     async def _prefill_pipeline(self, active: ActiveRequest, destination: KVDestination, plan: PipelinePlan) -> None:
         """Prefill the prompt over the plan's stages: open each, start each from the fewest

@@ -59,6 +59,7 @@ class WorkerRecord:
     # or a decode worker's for its own queue of prompts (its decode steps share that time).
     prefill_rate: BusyRate = field(default_factory=BusyRate)
     busy_since: float | None = None
+    node: str = ""  # the Ray node it runs on (its rank 0's), as the worker names it
 
     @property
     def routable(self) -> bool:

@@ -8,7 +8,10 @@ uncached prompt tokens, on top of the work the worker already has:
     cost(w) = assigned tokens(w) + prompt tokens - weight * cached tokens(w)
 
 so a worker holding a long prefix wins unless it is busier by more than that prefix is worth
-(``weight`` 1: a cached token saves as much as a queued one costs; 0: least loaded).
+(``weight`` 1: a cached token saves as much as a queued one costs; 0: least loaded). A prefill
+actor on another node than the request's decode actor also pays what crossing nodes costs
+(measured, ``router/transfer_costs.py``) and loses ties: prefill and decode pair on one node
+when that is as good.
 """
 
 from __future__ import annotations
@@ -28,6 +31,20 @@ class RouteQuery:
 
     num_prompt_tokens: int
     prompt_hashes: list[bytes] = field(default_factory=list)  # empty unless routing by prefix
+    # Prefill only: the node of the decode actor its KV goes to, and what a prefill actor on
+    # another node costs on top (router/transfer_costs.py): its rate turns it into tokens.
+    near_node: str = ""
+    cross_node_s: float = 0.0
+
+
+def node_penalty(record: WorkerRecord, query: RouteQuery | None) -> tuple[float, bool]:
+    """(prompt tokens of queue a worker off the query's node is worth less, whether it is off it)."""
+    if query is None or not query.near_node or not record.node:
+        return 0.0, False
+    if record.node == query.near_node:
+        return 0.0, False
+    rate = record.prefill_rate.per_second or 0.0
+    return query.cross_node_s * rate, True
 
 
 class Selector(Protocol):
@@ -43,17 +60,22 @@ class Selector(Protocol):
         ...
 
 
-def _least_loaded_key(role: Role):
+def _least_loaded_key(role: Role, query: RouteQuery | None = None):
     if role is Role.PREFILL:
-        return lambda w: (w.num_assigned_prompt_tokens, w.num_assigned)
+        def key(w: WorkerRecord):
+            extra, off_node = node_penalty(w, query)
+            return (w.num_assigned_prompt_tokens + extra, off_node, w.num_assigned)
+
+        return key
     return lambda w: w.num_assigned
 
 
 class LeastLoaded:
-    """Prefill: fewest prompt tokens waiting; decode: fewest requests."""
+    """Prefill: fewest prompt tokens waiting (a worker off the decode actor's node pays what
+    crossing costs, and loses ties); decode: fewest requests."""
 
     def choose(self, role: Role, candidates: Sequence[WorkerRecord], query: RouteQuery | None) -> WorkerRecord:
-        return min(candidates, key=_least_loaded_key(role))
+        return min(candidates, key=_least_loaded_key(role, query))
 
     def num_cached_tokens(self, record: WorkerRecord, query: RouteQuery | None) -> int:
         return 0
@@ -86,13 +108,14 @@ class KVAware:
         return self.index.num_cached_tokens(record.worker_id, query.prompt_hashes)
 
     def choose(self, role: Role, candidates: Sequence[WorkerRecord], query: RouteQuery | None) -> WorkerRecord:
-        tie_break = _least_loaded_key(role)
+        tie_break = _least_loaded_key(role, query)
         if query is None:
             return min(candidates, key=tie_break)
 
         def cost(record: WorkerRecord):
             added = query.num_prompt_tokens - self.weight * self.num_cached_tokens(record, query)
-            return (record.num_assigned_prompt_tokens + added, tie_break(record))
+            extra, off_node = node_penalty(record, query) if role is Role.PREFILL else (0.0, False)
+            return (record.num_assigned_prompt_tokens + added + extra, off_node, tie_break(record))
 
         return min(candidates, key=cost)
 

@@ -31,6 +31,7 @@ import ray
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
+from engine.model_source import resolve_model
 from engine.parallel.group import RankFailedError
 from engine.step_profile import StepLog, TransferRecord
 from engine.stats import WorkerState
@@ -96,6 +97,8 @@ class EngineWorker:
         self._thread = EngineThread(f"{self.role}-{worker_id}")
         self._thread.start()
         self.ranks = RayRankLauncher() if engine_config.tensor_parallel_size > 1 else None
+        # A Hugging Face id is looked up in this node's own cache; a directory is used as is.
+        model_path = str(resolve_model(model_path).path)
         self.engine = self._thread.run(LLMEngine, model_path, engine_config, scheduler_class, self.ranks)
         self.scheduler = self.engine.scheduler
         shard = self.engine.shard

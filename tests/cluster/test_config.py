@@ -86,3 +86,21 @@ def test_router_replicas_and_stream_interval_from_yaml_and_flags(tmp_path):
     for bad in ({"router.replicas": 0}, {"router.stream_interval": 0}):
         with pytest.raises(ConfigError, match=list(bad)[0]):
             load_config(None, bad)
+
+
+def test_startup_timeout_and_max_model_len_reach_the_deployment_and_a_too_long_one_is_refused(tmp_path, e2e_model):
+    config = tmp_path / "pdserve.yaml"
+    config.write_text(f"model: {e2e_model.path}\nstartup_timeout_s: 45\nmax_model_len: 300\n")
+    spec = load_config(config, {}).to_spec()
+    assert spec.startup_timeout_s == 45
+    assert spec.prefill.engine.max_model_len == spec.decode.engine.max_model_len == 300
+    config.write_text(f"model: {e2e_model.path}\nmax_model_len: 100000\n")
+    with pytest.raises(ConfigError, match="max_model_len: 100000 exceeds the model's context"):
+        load_config(config, {})
+
+
+def test_the_node_probe_names_what_a_node_lacks(tmp_path):
+    from cluster.node_check import _probe
+
+    problems = _probe(str(tmp_path / "no-model-here"), "ray")
+    assert len(problems) == 1 and problems[0].startswith(f"model {tmp_path / 'no-model-here'}: ")

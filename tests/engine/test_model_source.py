@@ -50,3 +50,16 @@ def test_pdserve_up_config_takes_an_id_and_answers_to_it(hub_cache):
     assert config.to_spec().router.served_model_names == ["org/tiny-model"]
     named = load_config(None, {"model": "org/tiny-model", "router.served_model_names": ["tiny"]})
     assert named.to_spec().router.served_model_names == ["tiny"]
+
+
+def test_each_node_resolves_the_id_in_its_own_cache(hub_cache, tmp_path, monkeypatch):
+    """The deployment carries the id, not this node's snapshot path: a node whose cache lives
+    elsewhere finds the model there."""
+    from cluster.config import load_config
+
+    spec = load_config(None, {"model": "org/tiny-model"}).to_spec()
+    assert spec.model_source == "org/tiny-model"
+    other_node_cache = tmp_path / "other-node-hub"
+    shutil.copytree(hub_cache.parents[2], other_node_cache)
+    monkeypatch.setenv("HF_HUB_CACHE", str(other_node_cache))
+    assert resolve_model(spec.model_source).path == other_node_cache / "models--org--tiny-model" / "snapshots" / REVISION
