@@ -34,7 +34,7 @@ from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from cluster.kv_memory import KVMemoryPolicy, KVSizedDecodeWorker, KVSizedPrefillWorker
 from decode_workers.worker import DecodeWorker
@@ -129,6 +129,8 @@ class PoolManager(PoolFollower):
         self._retiring: set[str] = set()
         self._replacements: set[asyncio.Task] = set()
         self.num_replaced = 0
+        # Workers being launched: their role and the node each was sent to (counted when placing the next).
+        self._placing: dict[str, tuple[Role, str]] = {}
         self.autoscaler = None  # cluster.autoscaler.Autoscaler, when the spec enables one
         # Reconciliation: the health loop launches what each pool lacks of its desired size
         # (a dead worker's replacement, or one whose launch failed, retried after a pause).
@@ -189,9 +191,14 @@ class PoolManager(PoolFollower):
             options.update(name=f"{self._name_prefix()}{worker_id}", namespace=WORKER_NAMESPACE, lifetime="detached")
         if pool.resources:
             options["resources"] = dict(pool.resources)
-        elif pool.spread:
-            options["scheduling_strategy"] = "SPREAD"  # one pool's actors on as many nodes as possible
         tp_size = pool.engine.tensor_parallel_size
+        node_id = await self._pick_node(role, pool) if pool.spread and tp_size == 1 else None
+        if node_id is not None:
+            # Soft: where that node has no room left, Ray places it elsewhere.
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=True)
+            self._placing[worker_id] = (role, node_id)
+        elif pool.spread and not pool.resources:
+            options["scheduling_strategy"] = "SPREAD"
         if tp_size > 1:
             group = await self._place(worker_id, pool, tp_size)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
@@ -217,9 +224,30 @@ class PoolManager(PoolFollower):
             ray.kill(handle)
             self._release_placement(worker_id)
             raise
+        finally:
+            self._placing.pop(worker_id, None)
         logger.info("%s is up", worker_id)
         await self.refresh_readiness()
         return record
+
+    async def _pick_node(self, role: Role, pool: PoolSpec) -> str | None:
+        """The node for a new worker of ``role``, on a cluster of several: among the live nodes
+        whose resources fit it, the one with the fewest workers of its pool (a node that dies
+        takes as few of a pool's workers as can be), then the most of the other pool (prefill
+        and decode pair on one node), then the fewest workers. None: one node, or none fits."""
+        nodes = [n for n in await asyncio.to_thread(ray.nodes) if n.get("Alive") and _fits(n.get("Resources", {}), pool)]
+        if len(nodes) < 2:
+            return None
+        where = [(w.role, w.node.rsplit(":", 1)[-1]) for w in self.router.pool.workers.values() if w.state is not WorkerState.DEAD]
+        where += [(r, n[:8]) for r, n in self._placing.values()]
+
+        def load(node) -> tuple[int, int, int]:
+            short = node["NodeID"][:8]
+            mine = sum(1 for r, n in where if n == short and r is role)
+            theirs = sum(1 for r, n in where if n == short and r is not role)
+            return mine, -theirs, mine + theirs
+
+        return min(nodes, key=lambda n: (load(n), n["NodeID"]))["NodeID"]
 
     async def _place(self, worker_id: str, pool: PoolSpec, tp_size: int):
         """A ready placement group of ``tp_size`` bundles on one node for ``worker_id``."""
@@ -368,6 +396,12 @@ class PoolManager(PoolFollower):
             # Retried by the health loop after a pause, until the pool is back at its size.
             self._launch_retry_at[role] = time.monotonic() + LAUNCH_RETRY_PAUSE_S
             logger.warning("launching a %s worker failed (retrying in %.0fs): %r", role.value, LAUNCH_RETRY_PAUSE_S, task.exception())
+
+
+def _fits(resources: dict[str, float], pool: PoolSpec) -> bool:
+    """Whether a node with these resources (totals) can hold one of ``pool``'s actors."""
+    wanted = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+    return all(resources.get(name, 0.0) + 1e-9 >= amount for name, amount in wanted.items() if amount > 0)
 
 
 def _num_sharing(pool: PoolSpec, num_starting: int) -> int:

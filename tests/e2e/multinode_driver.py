@@ -28,7 +28,7 @@ from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
 from router.metrics import PREFIX, Metrics
 from router.pool import Role
-from tests.netns import DEVICE
+from cluster.netns import DEVICE
 from tests.serving import Client, engine_config
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from tests.checkpoints import hf_greedy, random_prompts
 from tests.e2e.multinode_driver import MARK
-from tests.netns import NetnsCluster, missing_requirement
+from cluster.netns import NetnsCluster, missing_requirement
 
 pytestmark = pytest.mark.e2e
 

@@ -8,6 +8,14 @@ to listen again instead of failing at connect). Every request is greedy on one o
 prompts, whose uninterrupted outputs are taken first, so every stream can be checked token
 by token.
 
+With ``--node-kill`` the cluster is three Ray nodes in network namespaces on this machine
+(``cluster/netns.py``: their own addresses, joined by veth pairs, KV over UCX's TCP transport
+on their interfaces): the controller on the head node, 1 prefill and 2 decode actors spread
+over the two worker nodes, and at ``--kill-node-at`` the worker node holding the busiest decode
+actor dies whole (its raylet and every worker on it). Recovery: until both pools are back at
+their sizes, on the surviving node. The run itself happens inside the head node's namespace
+(``run_inside``, in a process started there); the KV bytes each node's interface carried are read from outside.
+
 Reported, per fault: when it happened, what was killed, the recovery time (until the pool
 is back at its size with every worker ready, or for the controller, until the new router
 answers with every worker adopted), and the TTFT and end-to-end p99 of requests sent in the
@@ -56,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--num-prompts", type=int, default=12, help="distinct prompts (each has a reference output)")
+    parser.add_argument("--node-kill", action="store_true", help="instead: three namespaced nodes, and a whole worker node killed (needs root and ip)")
+    parser.add_argument("--kill-node-at", type=float, default=40.0, help="--node-kill: seconds into the traffic")
 
 
 @dataclass(slots=True)
@@ -67,6 +77,8 @@ class Fault:
 
 
 def run(args: argparse.Namespace) -> ScenarioOutcome:
+    if args.node_kill:
+        return _run_node_kill(args)
     import ray
 
     from cluster.controller import create_controller
@@ -90,7 +102,7 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         controller = create_controller(spec, None, "127.0.0.1", detached=False)
         try:
             info = ray.get(controller.start.remote())
-            records, faults, references, leaked = asyncio.run(_drive(info.router_address, controller, spec, args))
+            records, faults, references, leaked = asyncio.run(_drive(info.router_address, controller, spec, args, _inject))
         finally:
             try:
                 ray.get(controller.stop.remote(), timeout=60)
@@ -99,7 +111,7 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     return _report(args, records, faults, references, leaked)
 
 
-async def _drive(address: str, controller, spec, args: argparse.Namespace):
+async def _drive(address: str, controller, spec, args: argparse.Namespace, inject):
     config = ClientConfig(address=address, timeout_s=300.0, request_id_prefix="faults", wait_for_ready=True)
     async with BenchClient(config) as client:
         limits = await client.model_limits()
@@ -116,7 +128,7 @@ async def _drive(address: str, controller, spec, args: argparse.Namespace):
         client.config.request_id_prefix = "faults-load"
         load = asyncio.create_task(run_load(client, requests, offsets, SLO(), NAME, not args.no_progress))
         await asyncio.sleep(0)  # the run starts its clock first: fault times count from the traffic's start
-        faults = await _inject(client, controller, spec, args)
+        faults = await inject(client, controller, spec, args)
         output = await load
         leaked = await _blocks_left(client, settle_s=ROUTER_LEASE_S + KV_LEASE_S + 10)
     return output.records, faults, references, leaked
@@ -150,13 +162,15 @@ async def _inject(client: BenchClient, controller, spec, args: argparse.Namespac
     return faults
 
 
-async def _wait_recovered(client: BenchClient, spec, fault: Fault) -> float | None:
-    """Seconds from the kill until every pool is back at its size with every worker ready."""
+async def _wait_recovered(client: BenchClient, spec, fault: Fault, gone=None) -> float | None:
+    """Seconds from the kill until every pool is back at its size with every worker ready
+    (and, with ``gone``, none of the workers it names is left)."""
     want = {pb.WORKER_ROLE_PREFILL: spec.prefill.replicas, pb.WORKER_ROLE_DECODE: spec.decode.replicas}
+    gone = gone or {fault.victim}
     deadline = time.monotonic() + RECOVERY_LIMIT_S
     while time.monotonic() < deadline:
         workers = await _status(client)
-        if workers is not None and fault.victim not in {w.worker_id for w in workers}:
+        if workers is not None and not gone & {w.worker_id for w in workers if w.state != pb.WORKER_STATE_DEAD}:
             ready = {role: sum(1 for w in workers if w.role == role and w.state == pb.WORKER_STATE_READY) for role in want}
             if all(ready[role] >= count for role, count in want.items()):
                 return client.now_s() - fault.at_s
@@ -257,3 +271,125 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# -- a whole node dies (--node-kill) ----------------------------------------------------------
+
+
+def _run_node_kill(args: argparse.Namespace) -> ScenarioOutcome:
+    """Build the namespaced nodes, run the scenario inside the head node's namespace, and add
+    what each node's interface carried."""
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from cluster.netns import NetnsCluster, missing_requirement
+
+    missing = missing_requirement()
+    if missing is not None:
+        raise ValueError(f"--node-kill: {missing}")
+    with scenario_model(args.model, args.dtype, args.seed) as model_dir, tempfile.TemporaryDirectory() as tmp:
+        with NetnsCluster(3, resources=[{}, {"pd_worker": 4}, {"pd_worker": 4}]) as cluster:
+            plan = {
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if not callable(v)},
+                "model": str(model_dir), "ray_address": cluster.head_address, "router_host": cluster.addresses[0],
+                "namespaces": cluster.names, "addresses": cluster.addresses, "result": str(Path(tmp) / "outcome.json"),
+            }
+            plan_path = Path(tmp) / "plan.json"
+            plan_path.write_text(json.dumps(plan))
+            before = {i: cluster.device_bytes(i) for i in (1, 2)}
+            repo = Path(__file__).resolve().parents[3]
+            run_inside = "import sys; from cluster.bench.scenarios.faults import run_inside; run_inside(sys.argv[1])"
+            inside = cluster.popen(0, [sys.executable, "-c", run_inside, str(plan_path)], cwd=str(repo))
+            inside.wait()
+            after = {i: cluster.device_bytes(i) for i in (1, 2)}
+        if inside.returncode != 0 or not Path(plan["result"]).is_file():
+            raise RuntimeError("the node-kill run inside the head node's namespace failed (its output is above)")
+        outcome = json.loads(Path(plan["result"]).read_text())
+    interface = {cluster.addresses[i]: {"sent_bytes": after[i][0] - before[i][0], "received_bytes": after[i][1] - before[i][1]} for i in (1, 2)}
+    doc = json.loads(Path(outcome["json_path"]).read_text())
+    doc["interface_bytes"] = interface
+    Path(outcome["json_path"]).write_text(json.dumps(doc, indent=2))
+    carried = ", ".join(f"{ip} sent {v['sent_bytes'] / 2**20:.1f} MiB, received {v['received_bytes'] / 2**20:.1f} MiB" for ip, v in interface.items())
+    lines = [*outcome["lines"], f"bytes through each worker node's interface: {carried}"]
+    return ScenarioOutcome(NAME, lines, Path(outcome["json_path"]), outcome["ratios"], ok=outcome["ok"])
+
+
+def run_inside(plan_path: str) -> None:
+    """The node-kill run, in the head node's namespace: a controller with its pools on the worker
+    nodes, Poisson traffic, one worker node killed."""
+    import json
+    from pathlib import Path
+
+    import ray
+
+    from cluster.controller import create_controller
+    from cluster.netns import DEVICE
+    from cluster.pools import DeploymentSpec, PoolSpec
+    from kvtransfer.agent import KVTransferConfig
+
+    plan = json.loads(Path(plan_path).read_text())
+    args = argparse.Namespace(**plan["args"])
+    args.out = Path(args.out)
+    args.model = plan["model"]
+    ray.init(address=plan["ray_address"], log_to_driver=False)
+    engine = engine_config(args.dtype, 512, 256, seed=args.seed)
+    on_workers = {"pd_worker": 1}
+    spec = DeploymentSpec(
+        model_path=Path(plan["model"]),
+        prefill=PoolSpec(1, engine, num_cpus=0, resources=on_workers),
+        decode=PoolSpec(2, engine, num_cpus=0, resources=on_workers),
+        router=RouterConfig(
+            host=plan["router_host"], port=_free_port(), admin_port=None, http_port=None, disaggregation=Disaggregation.ALWAYS,
+            router_lease_s=ROUTER_LEASE_S, kv_lease_s=KV_LEASE_S,
+        ),
+        transfer=KVTransferConfig(network_devices=DEVICE, transports="tcp"),
+        name=f"faults-node-{int(time.time())}",
+        durable_workers=True,
+        health_interval_s=0.5,
+        health_timeout_s=3.0,
+    )
+    controller = create_controller(spec, None, "127.0.0.1", detached=False)
+    try:
+        info = ray.get(controller.start.remote())
+
+        async def kill_node(client, controller, spec, args):
+            return await _inject_node_kill(client, spec, args, plan)
+
+        records, faults, references, leaked = asyncio.run(_drive(info.router_address, controller, spec, args, kill_node))
+    finally:
+        try:
+            ray.get(controller.stop.remote(), timeout=60)
+        finally:
+            ray.kill(controller)
+    outcome = _report(args, records, faults, references, leaked)
+    Path(plan["result"]).write_text(json.dumps({"lines": outcome.lines, "json_path": str(outcome.json_path), "ratios": outcome.ratios, "ok": outcome.ok}))
+
+
+async def _inject_node_kill(client: BenchClient, spec, args: argparse.Namespace, plan: dict) -> list[Fault]:
+    import os
+    import signal
+    import subprocess
+
+    import ray
+
+    await asyncio.sleep(max(0.0, args.kill_node_at - client.now_s()))
+    workers = await _status(client) or []
+    ips = {n["NodeID"][:8]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    where = {w.worker_id: ips.get(w.node.rsplit(":", 1)[-1], "") for w in workers}
+    decodes = [w for w in workers if w.role == pb.WORKER_ROLE_DECODE and w.state == pb.WORKER_STATE_READY]
+    busiest = max(decodes, key=lambda w: w.num_running_seqs)
+    target = where[busiest.worker_id]
+    doomed = {w for w, ip in where.items() if ip == target}
+    namespace = plan["namespaces"][plan["addresses"].index(target)]
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    fault = Fault("node", f"node {target} ({', '.join(sorted(doomed))}; {len(pids)} processes)", client.now_s())
+    fault.recovered_s = await _wait_recovered(client, spec, fault, gone=doomed)
+    return [fault]
+

@@ -1,5 +1,6 @@
-"""Hosts on one machine for multi-node tests: network namespaces with their own addresses,
-joined through veth pairs to a bridge, each running its own Ray node.
+"""Hosts on one machine, for the multi-node tests and the node-kill benchmark: network
+namespaces with their own addresses, joined through veth pairs to a bridge, each running its
+own Ray node.
 
 Everything crosses a real interface ("eth-pd" inside each namespace), never loopback: Ray's
 control traffic, gRPC, and the KV bytes UCX sends over TCP. ``NetnsCluster`` creates the
