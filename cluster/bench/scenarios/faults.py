@@ -79,36 +79,50 @@ class Fault:
 def run(args: argparse.Namespace) -> ScenarioOutcome:
     if args.node_kill:
         return _run_node_kill(args)
-    import ray
+    with scenario_model(args.model, args.dtype, args.seed) as model_dir, ray_running():
+        # A fixed port: the restarted controller's router listens where the old one did.
+        spec = _spec(model_dir, args, RouterConfig(port=_free_port()))
+        records, faults, references, leaked = _under_controller(spec, args, _inject)
+    return _report(args, records, faults, references, leaked)
 
-    from cluster.controller import create_controller
+
+def _spec(model_dir, args: argparse.Namespace, router: RouterConfig, pool_resources: dict | None = None, transfer=None):
+    """The deployment every variant runs: durable workers (1 prefill, 2 decode), Admin off, every
+    prompt through a prefill actor, short leases so that a dead router's requests go soon."""
     from cluster.pools import DeploymentSpec, PoolSpec
 
     engine = engine_config(args.dtype, 512, 256, seed=args.seed)
-    with scenario_model(args.model, args.dtype, args.seed) as model_dir, ray_running():
-        spec = DeploymentSpec(
-            model_path=model_dir,
-            prefill=PoolSpec(1, engine, num_cpus=0),
-            decode=PoolSpec(2, engine, num_cpus=0),
-            # A fixed port: the restarted controller's router listens where the old one did.
-            router=RouterConfig(
-                port=_free_port(), admin_port=None, disaggregation=Disaggregation.ALWAYS,
-                router_lease_s=ROUTER_LEASE_S, kv_lease_s=KV_LEASE_S,
-            ),
-            name=f"faults-bench-{int(time.time())}",
-            durable_workers=True,
-            health_interval_s=0.5,
-        )
-        controller = create_controller(spec, None, "127.0.0.1", detached=False)
+    router.admin_port, router.disaggregation = None, Disaggregation.ALWAYS
+    router.router_lease_s, router.kv_lease_s = ROUTER_LEASE_S, KV_LEASE_S
+    spec = DeploymentSpec(
+        model_path=model_dir,
+        prefill=PoolSpec(1, engine, num_cpus=0, resources=dict(pool_resources or {})),
+        decode=PoolSpec(2, engine, num_cpus=0, resources=dict(pool_resources or {})),
+        router=router,
+        name=f"faults-bench-{int(time.time())}",
+        durable_workers=True,
+        health_interval_s=0.5,
+    )
+    if transfer is not None:
+        spec.transfer = transfer
+    return spec
+
+
+def _under_controller(spec, args: argparse.Namespace, inject):
+    """Host ``spec`` as ``pdserve up`` does (a controller actor), drive it while ``inject`` kills."""
+    import ray
+
+    from cluster.controller import create_controller
+
+    controller = create_controller(spec, None, "127.0.0.1", detached=False)
+    try:
+        info = ray.get(controller.start.remote())
+        return asyncio.run(_drive(info.router_address, controller, spec, args, inject))
+    finally:
         try:
-            info = ray.get(controller.start.remote())
-            records, faults, references, leaked = asyncio.run(_drive(info.router_address, controller, spec, args, _inject))
+            ray.get(controller.stop.remote(), timeout=60)
         finally:
-            try:
-                ray.get(controller.stop.remote(), timeout=60)
-            finally:
-                ray.kill(controller)
-    return _report(args, records, faults, references, leaked)
+            ray.kill(controller)
 
 
 async def _drive(address: str, controller, spec, args: argparse.Namespace, inject):
@@ -324,9 +338,7 @@ def run_inside(plan_path: str) -> None:
 
     import ray
 
-    from cluster.controller import create_controller
     from cluster.netns import DEVICE
-    from cluster.pools import DeploymentSpec, PoolSpec
     from kvtransfer.agent import KVTransferConfig
 
     plan = json.loads(Path(plan_path).read_text())
@@ -334,35 +346,15 @@ def run_inside(plan_path: str) -> None:
     args.out = Path(args.out)
     args.model = plan["model"]
     ray.init(address=plan["ray_address"], log_to_driver=False)
-    engine = engine_config(args.dtype, 512, 256, seed=args.seed)
-    on_workers = {"pd_worker": 1}
-    spec = DeploymentSpec(
-        model_path=Path(plan["model"]),
-        prefill=PoolSpec(1, engine, num_cpus=0, resources=on_workers),
-        decode=PoolSpec(2, engine, num_cpus=0, resources=on_workers),
-        router=RouterConfig(
-            host=plan["router_host"], port=_free_port(), admin_port=None, http_port=None, disaggregation=Disaggregation.ALWAYS,
-            router_lease_s=ROUTER_LEASE_S, kv_lease_s=KV_LEASE_S,
-        ),
-        transfer=KVTransferConfig(network_devices=DEVICE, transports="tcp"),
-        name=f"faults-node-{int(time.time())}",
-        durable_workers=True,
-        health_interval_s=0.5,
-        health_timeout_s=3.0,
-    )
-    controller = create_controller(spec, None, "127.0.0.1", detached=False)
-    try:
-        info = ray.get(controller.start.remote())
+    router = RouterConfig(host=plan["router_host"], port=_free_port(), http_port=None)
+    spec = _spec(Path(plan["model"]), args, router, pool_resources={"pd_worker": 1},
+                 transfer=KVTransferConfig(network_devices=DEVICE, transports="tcp"))
+    spec.health_timeout_s = 3.0
 
-        async def kill_node(client, controller, spec, args):
-            return await _inject_node_kill(client, spec, args, plan)
+    async def kill_node(client, controller, spec, args):
+        return await _inject_node_kill(client, spec, args, plan)
 
-        records, faults, references, leaked = asyncio.run(_drive(info.router_address, controller, spec, args, kill_node))
-    finally:
-        try:
-            ray.get(controller.stop.remote(), timeout=60)
-        finally:
-            ray.kill(controller)
+    records, faults, references, leaked = _under_controller(spec, args, kill_node)
     outcome = _report(args, records, faults, references, leaked)
     Path(plan["result"]).write_text(json.dumps({"lines": outcome.lines, "json_path": str(outcome.json_path), "ratios": outcome.ratios, "ok": outcome.ok}))
 
