@@ -131,10 +131,12 @@ def test_cancel_during_prefill_frees_blocks_on_both_actors(deployment, client, e
     import ray
 
     (prompt,) = random_prompts([1200], e2e_model.vocab_size, seed=9)
-    # 10 ms after each prefill step: the 38 chunks take over 0.4 s, so the cancel at 0.15 s
-    # lands mid-prefill on any machine (a fast one prefilled and decoded it all before).
+    # 100 ms after each prefill step: however the prompt is cut (chunks of one actor, or the
+    # few larger chunks of a pipeline with the decode actor as its last stage), its prefill
+    # takes over 0.3 s, so the cancel at 0.15 s lands mid-prefill on any machine (with 10 ms,
+    # a fast one prefilled and decoded it all before).
     prefill = deployment.pools.handles["prefill-0"]
-    ray.get(prefill.set_step_delay.remote(0.01))
+    ray.get(prefill.set_step_delay.remote(0.1))
     try:
         call = client.stub.Generate(make_request(prompt_token_ids=prompt, max_tokens=50, temperature=0.0, ignore_eos=True))
         threading.Timer(0.15, call.cancel).start()
