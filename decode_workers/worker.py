@@ -57,6 +57,10 @@ from workers.pipeline import PipelineStage, StageChunk, inbox_chunks
 
 logger = logging.getLogger(__name__)
 
+# Gathering several steps' outputs into one answer (a router's stream_interval) waits at most
+# this long beyond the first output: slow steps never hold tokens for long.
+GATHER_LIMIT_S = 0.25
+
 
 @dataclass(slots=True)
 class _Tracked:
@@ -80,42 +84,79 @@ class _Tracked:
 
 
 class OutputBox:
-    """Outputs from the engine thread, per router, collected by an async ``take`` on the actor's loop."""
+    """Outputs from the engine thread, per router, collected by an async ``take`` on the actor's loop.
+
+    A router streaming several tokens per message (``RouterConfig.stream_interval``) asks
+    ``take`` to gather that many steps' outputs into one answer: each answer costs both sides a
+    Ray call, which at one call per step was most of what a streamed token cost the router.
+    A request's first output and its last are never held: they answer at once.
+    """
 
     def __init__(self) -> None:
         self._items: dict[str, list[SeqOutput]] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: dict[str, asyncio.Event] = {}
+        self._streaming: dict[str, set[str]] = {}  # per router: requests that already had an output
+        self._urgent: set[str] = set()  # routers with a first or last output waiting
 
     def put(self, router_id: str, items: list[SeqOutput]) -> None:
         if not items:
             return
         with self._lock:
             self._items.setdefault(router_id, []).extend(items)
+            streaming = self._streaming.setdefault(router_id, set())
+            for item in items:
+                if item.finished:
+                    streaming.discard(item.req_id)
+                    self._urgent.add(router_id)
+                elif item.req_id not in streaming:
+                    streaming.add(item.req_id)
+                    self._urgent.add(router_id)
             loop, event = self._loop, self._events.get(router_id)
         if loop is not None and event is not None:
             loop.call_soon_threadsafe(event.set)
 
-    async def take(self, router_id: str, timeout_s: float) -> list[SeqOutput]:
+    async def take(self, router_id: str, timeout_s: float, gather_steps: int = 1, gather_limit_s: float = GATHER_LIMIT_S) -> list[SeqOutput]:
+        """This router's outputs, waiting up to ``timeout_s`` for the first; then, unless a
+        first or last output is among them, up to ``gather_steps`` - 1 more steps' worth (at
+        most ``gather_limit_s`` more)."""
         with self._lock:
             self._loop = asyncio.get_running_loop()
             event = self._events.setdefault(router_id, asyncio.Event())
             waiting = not self._items.get(router_id)
         if waiting:
-            try:
-                await asyncio.wait_for(event.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                pass
+            await self._wait(event, timeout_s)
+        if gather_steps > 1:
+            deadline = time.monotonic() + gather_limit_s
+            for _ in range(gather_steps - 1):
+                with self._lock:
+                    if router_id in self._urgent or not self._items.get(router_id):
+                        break
+                event.clear()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not await self._wait(event, remaining):
+                    break
         event.clear()
         with self._lock:
+            self._urgent.discard(router_id)
             return self._items.pop(router_id, [])
+
+    @staticmethod
+    async def _wait(event: asyncio.Event, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(event.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def forget(self, router_id: str) -> None:
         """Drop a router that is gone, with whatever it did not collect."""
         with self._lock:
             self._items.pop(router_id, None)
             self._events.pop(router_id, None)
+            self._streaming.pop(router_id, None)
+            self._urgent.discard(router_id)
 
 
 class DecodeWorker(EngineWorker):
@@ -195,11 +236,11 @@ class DecodeWorker(EngineWorker):
         # The agent is thread-safe: no need to wait for the engine thread to finish a step.
         return self.agent.renew_leases(req_ids, lease_s)
 
-    async def poll_outputs(self, timeout_s: float = 0.05, router_id: str = "") -> DecodeReport:
+    async def poll_outputs(self, timeout_s: float = 0.05, router_id: str = "", gather_steps: int = 1) -> DecodeReport:
         """This router's outputs since its last call (waiting up to ``timeout_s`` for the first
-        one), and capacity."""
+        one; with ``gather_steps`` > 1, gathering that many steps' worth, see ``OutputBox``), and capacity."""
         self._heard_from(router_id)
-        outputs = await self._outputs.take(router_id, timeout_s)
+        outputs = await self._outputs.take(router_id, timeout_s, gather_steps)
         return DecodeReport(outputs, self.scheduler.num_reservable_blocks())
 
     def _heard_from(self, router_id: str, lease_s: float | None = None) -> None:

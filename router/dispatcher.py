@@ -686,7 +686,11 @@ class Dispatcher:
         # Runs while the actor has requests, or while anyone waits for room (its reports wake them).
         while decode.req_ids or (self.capacity.num_waiting and decode.routable):
             try:
-                report: DecodeReport = await decode.handle.poll_outputs.remote(self.config.output_poll_s, self.router_id)
+                # With stream_interval N, the actor answers with N steps' outputs (first and last
+                # outputs at once): one Ray call per N steps instead of one per step.
+                report: DecodeReport = await decode.handle.poll_outputs.remote(
+                    self.config.output_poll_s, self.router_id, self.config.stream_interval
+                )
             except WORKER_GONE:
                 self.on_worker_died(decode)
                 return

@@ -1,0 +1,59 @@
+"""A decode actor's answer to a router that streams several tokens per message gathers that
+many steps' outputs, but never holds a request's first output or its last."""
+
+from __future__ import annotations
+
+import asyncio
+
+from decode_workers.messages import SeqOutput
+from decode_workers.worker import OutputBox
+
+
+async def _step(box: OutputBox, *outputs: SeqOutput) -> None:
+    box.put("router", list(outputs))
+    await asyncio.sleep(0)  # the engine thread's next step comes later
+
+
+def test_one_answer_carries_n_steps_of_a_running_stream():
+    async def scenario():
+        box = OutputBox()
+        await _step(box, SeqOutput("a", [1]))
+        assert [o.token_ids for o in await box.take("router", 1.0, gather_steps=3)] == [[1]], "a first output goes at once"
+        taking = asyncio.create_task(box.take("router", 1.0, gather_steps=3))
+        for token in (2, 3):
+            await _step(box, SeqOutput("a", [token]))
+            assert not taking.done()
+        await _step(box, SeqOutput("a", [4]))
+        assert [o.token_ids for o in await asyncio.wait_for(taking, 1.0)] == [[2], [3], [4]]
+
+    asyncio.run(scenario())
+
+
+def test_a_new_request_or_a_finished_one_ends_the_gathering_at_once():
+    async def scenario():
+        box = OutputBox()
+        await _step(box, SeqOutput("a", [1]))
+        await box.take("router", 1.0, gather_steps=8)
+        for urgent in (SeqOutput("b", [7]), SeqOutput("a", [3], finished=True, finish_reason="length")):
+            taking = asyncio.create_task(box.take("router", 1.0, gather_steps=8))
+            await _step(box, SeqOutput("a", [2]))
+            assert not taking.done()
+            await _step(box, urgent)
+            got = await asyncio.wait_for(taking, 1.0)
+            assert got[-1] is urgent
+
+    asyncio.run(scenario())
+
+
+def test_slow_steps_hold_tokens_no_longer_than_the_limit():
+    async def scenario():
+        box = OutputBox()
+        await _step(box, SeqOutput("a", [1]))
+        await box.take("router", 1.0, gather_steps=8)
+        await _step(box, SeqOutput("a", [2]))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        got = await box.take("router", 1.0, gather_steps=8, gather_limit_s=0.05)
+        assert [o.token_ids for o in got] == [[2]] and loop.time() - started < 0.5
+
+    asyncio.run(scenario())
