@@ -23,11 +23,17 @@ DEVICE = "eth-pd"  # the interface inside every namespace
 
 
 def missing_requirement() -> str | None:
-    """Why namespaces cannot be made here, or None."""
+    """Why namespaces cannot be made here, or None (it makes and removes one to find out: root in
+    a container without CAP_NET_ADMIN cannot)."""
     if shutil.which("ip") is None:
         return "the `ip` tool (iproute2) is not installed"
     if os.geteuid() != 0:
         return "creating network namespaces needs root"
+    probe = f"pd-probe-{secrets.token_hex(3)}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip() or made.returncode}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 
