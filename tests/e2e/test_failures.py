@@ -12,6 +12,7 @@ import ray
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
 from engine.stats import WorkerState
+from router.pipeline import PipelineMode
 from router.pool import Role, RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
 from tests.serving import Client, engine_config, kill_during_greedy_burst, make_request, running_deployment
@@ -146,7 +147,8 @@ def test_when_the_only_decode_actor_dies_its_stream_and_new_requests_wait_for_th
 
 
 def test_request_that_sent_no_token_is_restarted_on_another_decode_actor(ray_cluster, e2e_model):
-    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN)
+    # One actor prefills in chunks of 8 (not a pipeline with an idle decode actor as its last stage).
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN, prefill_pipeline=PipelineMode.OFF)
     (prompt,) = random_prompts([1500], e2e_model.vocab_size, seed=23)
     slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)
     with running_deployment(e2e_model, 1, 2, router, prefill_engine=slow_prefill) as deployment:
@@ -269,7 +271,9 @@ def test_a_prefill_whose_only_decode_actor_dies_mid_push_is_redirected_to_the_re
     a long prompt's KV into it. The request is not failed (it was: UNAVAILABLE, "posting a write
     to decode-0 failed", from the old attempt's write errors): it waits for the replacement decode
     actor and is prefilled again into it, exactly."""
-    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    # One actor pushes every chunk: not a pipeline with the (idle) decode actor as its last stage,
+    # whose few large chunks could finish before the kill.
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, prefill_pipeline=PipelineMode.OFF)
     (prompt,) = random_prompts([1800], e2e_model.vocab_size, seed=29)
     slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)  # 225 chunks, each pushed
     with running_deployment(e2e_model, 1, 1, router, prefill_engine=slow_prefill, health_interval_s=0.3) as deployment:
