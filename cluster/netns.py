@@ -37,6 +37,14 @@ def missing_requirement() -> str | None:
     return None
 
 
+def _namespace_env(**extra: str) -> dict[str, str]:
+    """The environment of a process started in a namespace: Ray's token auth (its default for
+    local clusters), without the test session's loopback confinement of UCX."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token", **extra}
+    env.pop("UCX_NET_DEVICES", None)
+    return env
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
@@ -87,14 +95,8 @@ class NetnsCluster:
             _ip("-n", name, "link", "set", "lo", "up")
 
     def _start_ray(self) -> None:
-        env = {
-            **os.environ,
-            "RAY_AUTH_MODE": "token",
-            # A dead node is noticed within about 3 s (Ray's default is about 15 s).
-            "RAY_health_check_period_ms": "1000",
-            "RAY_health_check_failure_threshold": "3",
-        }
-        env.pop("UCX_NET_DEVICES", None)  # the test session's loopback confinement is not theirs
+        # A dead node is noticed within about 3 s (Ray's default is about 15 s).
+        env = _namespace_env(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
         ray_cli = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats", f"--num-cpus={self.num_cpus}"]
         for index, (name, address) in enumerate(zip(self.names, self.addresses)):
             role = ["--head", f"--port={self.head_port}", "--include-dashboard=false"] if index == 0 else [f"--address={self.head_address}"]
@@ -138,14 +140,11 @@ class NetnsCluster:
         raise AssertionError(f"fewer than {count} Ray nodes came up")
 
     def run(self, node: int, command: list[str], check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-        env = {**os.environ, "RAY_AUTH_MODE": "token", **kwargs.pop("env", {})}
-        env.pop("UCX_NET_DEVICES", None)
+        env = _namespace_env(**kwargs.pop("env", {}))
         return subprocess.run(["ip", "netns", "exec", self.names[node], *command], check=check, capture_output=True, text=True, env=env, **kwargs)
 
     def popen(self, node: int, command: list[str], **kwargs) -> subprocess.Popen:
-        env = {**os.environ, "RAY_AUTH_MODE": "token"}
-        env.pop("UCX_NET_DEVICES", None)
-        return subprocess.Popen(["ip", "netns", "exec", self.names[node], *command], env=env, **kwargs)
+        return subprocess.Popen(["ip", "netns", "exec", self.names[node], *command], env=_namespace_env(), **kwargs)
 
     def device_bytes(self, node: int) -> tuple[int, int]:
         """(sent, received) bytes of the node's interface so far."""

@@ -73,7 +73,7 @@ async def check_nodes(model: str, backend: str, timeout_s: float = PROBE_TIMEOUT
         probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(model, backend)
         for n in nodes
     ]
-    results = await asyncio.gather(*(asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s) for ref in refs), return_exceptions=True)
+    results = await asyncio.gather(*(asyncio.wait_for(ref, timeout_s) for ref in refs), return_exceptions=True)
     failures = []
     for node, result in zip(nodes, results):
         where = node.get("NodeManagerAddress", node["NodeID"][:8])

@@ -36,7 +36,6 @@ class PoolFollower:
         self.health_timeout_s = health_timeout_s
         self.metrics = metrics
         self.handles: dict[str, object] = {}
-        self._next_index = {Role.PREFILL: 0, Role.DECODE: 0}
         self._health_task: asyncio.Task | None = None
         self._started = False
 
@@ -96,17 +95,12 @@ class PoolFollower:
                 continue
             self.handles[worker_id] = handle
             adopted[role] += 1
-            self._skip_ids_up_to(role, worker_id)
+            self._adopted(role, worker_id)
             logger.info("adopted %s", worker_id)
         return adopted
 
-    def _skip_ids_up_to(self, role: Role, worker_id: str) -> None:
-        """New workers of ``role`` get ids after ``worker_id``'s (ids are never reused)."""
-        try:
-            index = int(worker_id.rsplit("-", 1)[1])
-        except (IndexError, ValueError):
-            return
-        self._next_index[role] = max(self._next_index[role], index + 1)
+    def _adopted(self, role: Role, worker_id: str) -> None:
+        """A worker was adopted (a manager that launches takes note of its id)."""
 
     # -- health ---------------------------------------------------------------------------
 

@@ -125,6 +125,7 @@ class PoolManager(PoolFollower):
         self.spec = spec
         # Tensor-parallel workers: the placement group packing each one's ranks onto one node.
         self.placement_groups: dict[str, object] = {}
+        self._next_index = {Role.PREFILL: 0, Role.DECODE: 0}
         self._scale_locks = {Role.PREFILL: asyncio.Lock(), Role.DECODE: asyncio.Lock()}
         self._retiring: set[str] = set()
         self._replacements: set[asyncio.Task] = set()
@@ -173,6 +174,14 @@ class PoolManager(PoolFollower):
         for worker_id in list(self.placement_groups):
             self._release_placement(worker_id)
         await super().stop()
+
+    def _adopted(self, role: Role, worker_id: str) -> None:
+        """New workers of ``role`` get ids after an adopted one's (ids are never reused)."""
+        try:
+            index = int(worker_id.rsplit("-", 1)[1])
+        except (IndexError, ValueError):
+            return
+        self._next_index[role] = max(self._next_index[role], index + 1)
 
     # -- creating -------------------------------------------------------------------------
 

@@ -125,10 +125,10 @@ def _ipv4_of(device: str) -> str | None:
 
 
 def _names(setting: str | None) -> list[str] | None:
-    """A UCX list setting's names; None for unset or "all"."""
-    if setting is None or setting.strip() in ("", "all"):
+    """A UCX list setting's names; None for unset, "all", or an exclusion ("^name,...": taken as all)."""
+    if setting is None or setting.strip() in ("", "all") or setting.startswith("^"):
         return None
-    return [name.strip() for name in setting.lstrip("^").split(",") if name.strip()] if not setting.startswith("^") else None
+    return [name.strip() for name in setting.split(",") if name.strip()]
 
 
 def _allows(tls: list[str] | None, family: tuple[str, ...]) -> bool:

@@ -141,16 +141,17 @@ class KVSender:
     def path_stats(self) -> list[PathStats]:
         return [dataclasses.replace(stats) for stats in self._paths.values()]
 
-    def _count(self, state: _SendState, write: _Write | None = None, failed: bool = False) -> None:
+    def _count_done(self, state: _SendState, write: _Write) -> None:
         stats = self._paths.get(state.dest.peer.name)
-        if stats is None:
-            return
-        if failed:
+        if stats is not None:
+            stats.num_writes += 1
+            stats.num_bytes += self._write_bytes(write.runs.num_blocks, write.layers)
+            stats.write_seconds += time.monotonic() - write.posted_at
+
+    def _count_failure(self, state: _SendState) -> None:
+        stats = self._paths.get(state.dest.peer.name)
+        if stats is not None:
             stats.num_failures += 1
-            return
-        stats.num_writes += 1
-        stats.num_bytes += self._write_bytes(write.runs.num_blocks, write.layers)
-        stats.write_seconds += time.monotonic() - write.posted_at
 
     def drop_peer(self, name: str, reason: str) -> list[str]:
         """Fail every request writing to peer ``name`` and forget the peer; return their ids."""
@@ -275,7 +276,7 @@ class KVSender:
             else:  # the agent's transport (kvtransfer.sharded_transport) splits a write by layers
                 write.handle = self._transport.post_write(peer.transport_name, write.runs, write.notif, layers=write.layers)
         except TransportError as e:
-            self._count(state, failed=True)
+            self._count_failure(state)
             cls = PeerLostError if e.peer_lost else TransferFailedError
             self._fail(state, cls(state.req_id, str(peer.ref), str(e)))
             return
@@ -301,19 +302,19 @@ class KVSender:
             status = self._transport.check(w.handle)
             if status is XferState.DONE:
                 self._transport.release(w.handle)
-                self._count(state, w)
+                self._count_done(state, w)
                 if state.error is None:
                     done.append(SendEvent(state.req_id, peer, w.seq, w.num_valid_blocks, token=state.dest.token))
             elif status is XferState.FAILED:
                 self._transport.release(w.handle)
-                self._count(state, failed=True)
+                self._count_failure(state)
                 if not self._retry(state, w, "failed in the transport", still):
                     self._fail(state, TransferFailedError(
                         state.req_id, peer, f"write {w.seq} failed in the transport ({w.num_retries} retries)"
                     ))
             elif now - w.posted_at > self._policy.write_timeout_s:
                 if not w.timed_out:
-                    self._count(state, failed=True)
+                    self._count_failure(state)
                 if not self._transport.release(w.handle):
                     # Could not cancel: it still counts as in flight, and it may yet land, so
                     # posting it again could race it. The request fails.

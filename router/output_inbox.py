@@ -48,15 +48,8 @@ class OutputInbox:
                 self._waiter = None
         return self._items.popleft()
 
-    def get_nowait(self):
-        """The next item, whatever its size; IndexError when there is none."""
-        return self._items.popleft()
-
     def empty(self) -> bool:
         return not self._items
-
-    def qsize(self) -> int:
-        return len(self._items)
 
     def _ready(self) -> bool:
         if not self._items:
