@@ -6,7 +6,9 @@ is still busy with the previous message (a router falling behind) merge into one
 session that asks for at least N tokens is woken only once they are there (or the stream
 ended, or something else arrived behind them): a message and a wake-up cost the router
 about as much per stream as the tokens they carry, so fewer, fuller ones are what lets one
-router carry more streams.
+router carry more streams. The stream's first output never takes later ones in: the client
+sees its first token on its own, however far behind the router is (a CI run on a loaded
+host once sent the first three tokens as one message).
 """
 
 from __future__ import annotations
@@ -20,19 +22,22 @@ from decode_workers.messages import SeqOutput
 class OutputInbox:
     """FIFO of a stream's outputs, restarts and failures; consecutive outputs merge."""
 
-    __slots__ = ("_items", "_waiter", "_min_tokens")
+    __slots__ = ("_items", "_waiter", "_min_tokens", "_first_output")
 
     def __init__(self) -> None:
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
         self._min_tokens = 1
+        self._first_output: SeqOutput | None = None
 
     def put_nowait(self, item) -> None:
         last = self._items[-1] if self._items else None
-        if isinstance(item, SeqOutput) and isinstance(last, SeqOutput) and not last.finished:
+        if isinstance(item, SeqOutput) and isinstance(last, SeqOutput) and not last.finished and last is not self._first_output:
             _append(last, item)
         else:
             self._items.append(item)
+            if self._first_output is None and isinstance(item, SeqOutput):
+                self._first_output = item
         if self._waiter is not None and not self._waiter.done() and self._ready():
             self._waiter.set_result(None)
 

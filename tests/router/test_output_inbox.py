@@ -20,10 +20,12 @@ def _run(coro):
 def test_outputs_queued_while_the_session_is_busy_arrive_as_one():
     async def scenario():
         inbox = OutputInbox()
+        inbox.put_nowait(SeqOutput("r", [0], [TokenLogprob(1, -0.9, 1)]))
         inbox.put_nowait(SeqOutput("r", [1], [TokenLogprob(1, -0.5, 1)]))
         inbox.put_nowait(SeqOutput("r", [2, 3], [TokenLogprob(1, -0.1, 1), TokenLogprob(1, -0.2, 1)]))
         timing = DecodeTiming(decode_ms=7.0)
         inbox.put_nowait(SeqOutput("r", [4], [TokenLogprob(1, -0.3, 1)], finished=True, finish_reason="length", timing=timing))
+        assert (await inbox.get()).token_ids == [0], "the first token goes on its own"
         merged = await inbox.get()
         assert merged.token_ids == [1, 2, 3, 4]
         assert [e.logprob for e in merged.logprobs] == [-0.5, -0.1, -0.2, -0.3]
@@ -36,6 +38,8 @@ def test_outputs_queued_while_the_session_is_busy_arrive_as_one():
 def test_a_session_asking_for_n_tokens_is_woken_once_they_are_there():
     async def scenario():
         inbox = OutputInbox()
+        inbox.put_nowait(SeqOutput("r", [0]))
+        assert (await inbox.get()).token_ids == [0]
         waiting = asyncio.create_task(inbox.get(min_tokens=3))
         for token in (1, 2):
             inbox.put_nowait(SeqOutput("r", [token]))
@@ -51,6 +55,8 @@ def test_a_session_asking_for_n_tokens_is_woken_once_they_are_there():
 def test_a_held_output_goes_at_once_when_the_stream_ends_or_restarts(end):
     async def scenario():
         inbox = OutputInbox()
+        inbox.put_nowait(SeqOutput("r", [0]))
+        assert (await inbox.get()).token_ids == [0]
         waiting = asyncio.create_task(inbox.get(min_tokens=8))
         inbox.put_nowait(SeqOutput("r", [1]))
         await asyncio.sleep(0)
