@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.elastic_threads import ElasticThreads
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import Executor, LocalExecutor, MultiRankExecutor
+from engine.grammar import Grammars, apply_masks
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype
 from engine.model import StageActivations
@@ -125,6 +127,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, self._native_attention())
         self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
+        self.grammars = Grammars(self.model_path, self.model_config.vocab_size, self.eos_token_ids)
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids, proposer=self._proposer(loaded.dtype))
         self.num_steps = 0
         self.num_scheduled_tokens = 0
@@ -201,6 +204,11 @@ class LLMEngine:
                 f"prompt plus max_tokens needs {self.kv_cache.blocks_needed(most_tokens)} KV blocks, "
                 f"the cache has {self.kv_cache.num_blocks}",
             )
+        grammar = None
+        if params.structured is not None:
+            # A resumed stream's prompt ends with the output it already produced.
+            produced = prompt_token_ids[len(prompt_token_ids) - params.num_resumed_tokens :] if params.num_resumed_tokens else []
+            grammar = self.grammars.for_sequence(params.structured, produced)
         return Sequence(
             req_id=req_id,
             token_ids=list(prompt_token_ids),
@@ -208,6 +216,7 @@ class LLMEngine:
             params=params,
             priority=priority,
             generator=Sampler.make_generator(params.seed),
+            grammar=grammar,
         )
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, priority: int = 0) -> Sequence:
@@ -292,6 +301,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel engine (nothing to do with one rank)."""
+        self.grammars.close()
         self.executor.close()
         if self.rank_launcher is not None:
             self.rank_launcher.stop()
@@ -345,11 +355,12 @@ class LLMEngine:
         return sample
 
     def _compute(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        return self._outputs(self.executor.execute(batch), batch)
+        masks = self.grammars.start_masks(_grammar_rows(batch))  # beside the forward
+        return self._outputs(self.executor.execute(batch), batch, masks)
 
-    def _outputs(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[RequestOutput]:
+    def _outputs(self, logits: torch.Tensor, batch: ScheduledBatch, masks: Future | None = None) -> list[RequestOutput]:
         """Sample the batch's logits and advance its sequences."""
-        samples = self._sample(logits, batch)
+        samples = self._sample(logits, batch, masks)
         outputs = []
         for seq, new_tokens in self.scheduler.update(batch, samples):
             outputs.append(
@@ -365,13 +376,17 @@ class LLMEngine:
             )
         return outputs
 
-    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch) -> list[list[tuple[int, TokenLogprob | None]]]:
+    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch, masks: Future | None = None) -> list[list[tuple[int, TokenLogprob | None]]]:
         """Per completing slice, the tokens it emits: its one sampled token, or with drafts, the
         row-by-row tokens while each equals the draft it verifies, and the first that does not
-        (or the token after the last draft)."""
+        (or the token after the last draft). Constrained rows are drawn under their grammar's
+        mask (``masks``: computed while the forward ran; None: computed here if any is needed)."""
         completing = [piece for piece in batch.slices if piece.num_sampled_rows]
         if not completing:
             return []
+        row_masks = masks.result() if masks is not None else self.grammars.masks(_grammar_rows(batch))
+        if row_masks is not None:
+            logits = apply_masks(logits, row_masks)
         if not any(piece.draft_token_ids for piece in completing):
             return [[sample] for sample in self.sampler.sample(logits, [piece.seq for piece in completing])]
         rows: list[Sequence | DraftRow] = []
@@ -414,6 +429,19 @@ class LLMEngine:
             Completion(s.req_id, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.finish_reason, s.output_logprobs)
             for s in seqs
         ]
+
+
+def _grammar_rows(batch: ScheduledBatch) -> list:
+    """Per row ``_sample`` draws, the sequence's grammar (None: unconstrained) and the drafts
+    before that row."""
+    rows = []
+    for piece in batch.slices:
+        if not piece.num_sampled_rows:
+            continue
+        grammar = piece.seq.grammar
+        drafts = piece.draft_token_ids or []
+        rows.extend((grammar, drafts[:i]) for i in range(len(drafts) + 1))
+    return rows
 
 
 def _fields(params: SamplingParams) -> dict:

@@ -1,9 +1,11 @@
 """Pick each sequence's next token from its logits, as its SamplingParams say.
 
-Order of operations (the same as transformers' logits processors): repetition penalty,
-then temperature, then top-k, top-p and min-p filters, then one draw from the sequence's
-own generator. Greedy rows take the argmax after the penalty. Reported log-probabilities
-are those of the model's raw distribution, before any of these transforms.
+Order of operations (vLLM's): a grammar's mask (applied by the engine before this), then the
+request's logit adjustments (allowed_token_ids, bad words, logit_bias), then the penalties
+(repetition over prompt and output, frequency and presence over the output), then
+temperature, then top-k, top-p and min-p filters, then one draw from the sequence's own
+generator. Greedy rows take the argmax after the penalties. Reported log-probabilities are
+those of the distribution the grammar allows, before any of the request's own transforms.
 """
 
 from __future__ import annotations
@@ -47,13 +49,12 @@ class Sampler:
         min(1, p/q) of it and otherwise draws from max(p - q, 0) renormalized: whichever way,
         the row's token is distributed as the target's p (rejection sampling). ``seqs[i]`` may
         be a ``speculation.DraftRow``, the sequence as it stands at that row."""
-        if logits.device.type != "cpu" and any(not s.params.greedy or s.params.logprobs is not None or s.params.repetition_penalty != 1.0 for s in seqs):
+        if logits.device.type != "cpu" and any(not s.params.greedy or s.params.logprobs is not None or _adjusts(s.params) for s in seqs):
             # Per-row work (penalties, filters, seeded draws) runs on the CPU, where the
             # per-request generators live; all-greedy batches stay on the device.
             logits = logits.cpu()
         raw_logits = logits
-        logits = self._apply_repetition_penalty(logits, seqs)
-        logits = self._suppress_early_stops(logits, seqs)
+        logits = self._adjust(logits, seqs)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         token_ids = [0] * len(seqs)
@@ -80,7 +81,7 @@ class Sampler:
     def probabilities(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Each row's sampling distribution over the vocabulary, as ``sample`` would draw from it
         (sampled rows only: greedy ones are argmax, no distribution)."""
-        logits = self._suppress_early_stops(self._apply_repetition_penalty(logits, seqs), seqs)
+        logits = self._adjust(logits, seqs)
         probs, order = self._sorted_probabilities(logits, [s.params for s in seqs])
         return probs if order is None else torch.zeros_like(probs).scatter_(1, order, probs)
 
@@ -94,6 +95,13 @@ class Sampler:
         key = (seq.params.seed, position) if salt == 0 else (seq.params.seed, position, salt)
         seq.generator.manual_seed(hash(key) & _SEED_MASK)
         return seq.generator
+
+    def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Every per-request change to the logits before temperature, in vLLM's order."""
+        logits = _apply_logit_adjustments(logits, seqs)
+        logits = self._apply_repetition_penalty(logits, seqs)
+        logits = _apply_output_penalties(logits, seqs)
+        return self._suppress_early_stops(logits, seqs)
 
     def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """No EOS or stop token id for a request short of its ``min_tokens``."""
@@ -169,6 +177,67 @@ class Sampler:
             choice = int(torch.multinomial(row_probs, 1, generator=generator))
             tokens.append(int(order[local, choice]) if order is not None else choice)
         return tokens
+
+
+def _adjusts(params) -> bool:
+    """Whether the request changes its logits before temperature (beyond a grammar's mask)."""
+    return (
+        params.repetition_penalty != 1.0
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or bool(params.logit_bias)
+        or params.allowed_token_ids is not None
+        or bool(params.bad_words_token_ids)
+        or params.min_tokens > 0
+    )
+
+
+def _apply_logit_adjustments(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """allowed_token_ids, then bad words, then logit_bias (vLLM applies them in this order)."""
+    rows = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids is not None or s.params.bad_words_token_ids or s.params.logit_bias]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        params = seqs[row].params
+        if params.allowed_token_ids is not None:
+            keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            keep[torch.tensor(params.allowed_token_ids, device=logits.device)] = True
+            logits[row] = logits[row].masked_fill(~keep, float("-inf"))
+        if params.bad_words_token_ids:
+            output = _output_ids(seqs[row])
+            for word in params.bad_words_token_ids:
+                # The word's last token is banned where the output already ends with the rest.
+                prefix = word[:-1]
+                if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :] == prefix):
+                    logits[row, word[-1]] = float("-inf")
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=logits.device)
+            logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
+
+
+def _apply_output_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """vLLM's frequency and presence penalties: minus frequency x the count of each token in the
+    output, minus presence for each token the output holds at all."""
+    rows = [i for i, s in enumerate(seqs) if s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0]
+    rows = [i for i in rows if _output_ids(seqs[i])]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        seq = seqs[row]
+        output = torch.tensor(_output_ids(seq), dtype=torch.long, device=logits.device)
+        counts = torch.bincount(output, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        logits[row] -= seq.params.frequency_penalty * counts + seq.params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _output_ids(seq: Sequence) -> list[int]:
+    """The request's output so far, including what it produced before it was resumed here (the
+    tail of its prompt on this worker): penalties see the same output wherever it runs."""
+    num_output = seq.num_output_tokens + seq.params.num_resumed_tokens
+    return seq.token_ids[len(seq.token_ids) - num_output :] if num_output else []
 
 
 def _filter_sorted(sorted_logits: torch.Tensor, params: list) -> torch.Tensor:

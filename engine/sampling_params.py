@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.structured_output import StructuredOutput
 
 
 @dataclass(slots=True)
@@ -22,6 +23,13 @@ class SamplingParams:
     sampled token plus the top-``logprobs`` alternatives (0 = sampled token only,
     None = none). ``min_tokens``: until this many tokens are out, EOS and ``stop_token_ids``
     cannot be drawn (their logits are masked) and do not end the request.
+
+    The logit adjustments are vLLM's (engine.sampler applies them in vLLM's order):
+    ``logit_bias`` adds to a token's logit; ``allowed_token_ids`` forbids every other token;
+    ``bad_words_token_ids`` forbids each sequence's last token where the output ends with the
+    rest of it; ``presence_penalty`` subtracts from the logit of every token the output holds,
+    ``frequency_penalty`` that many times per occurrence. ``structured``: the grammar the
+    output must match (engine.grammar).
     """
 
     max_tokens: int = 16
@@ -39,8 +47,16 @@ class SamplingParams:
     # migrated after its decode actor died): they end the prompt it is given here, and seeded
     # draws go on at their own positions. Set by the router, never by a client.
     num_resumed_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    structured: StructuredOutput | None = None
 
     MAX_LOGPROBS = 20
+    MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
+    MAX_LOGIT_BIAS = 100.0
 
     def resumed(self, num_generated: int) -> "SamplingParams":
         """These parameters for the rest of a request that already produced ``num_generated`` tokens."""
@@ -77,13 +93,37 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.num_resumed_tokens, int) or self.num_resumed_tokens < 0:
             raise InvalidRequestError("num_resumed_tokens", f"must be an integer >= 0, got {self.num_resumed_tokens!r}")
-        for token_id in self.stop_token_ids:
-            if not isinstance(token_id, int) or token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
-                raise InvalidRequestError("stop_token_ids", f"contains {token_id!r}, not a token id of this model")
+        _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_finite_number(value) or abs(value) > self.MAX_PENALTY:
+                raise InvalidRequestError(name, f"must be a number in [-{self.MAX_PENALTY}, {self.MAX_PENALTY}], got {value!r}")
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequestError("logit_bias", "must map token ids to numbers")
+        _check_token_ids("logit_bias", list(self.logit_bias), vocab_size)
+        for token_id, bias in self.logit_bias.items():
+            if not _is_finite_number(bias) or abs(bias) > self.MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias.{token_id}", f"must be a number in [-100, 100], got {bias!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidRequestError("allowed_token_ids", "must not be empty (leave it unset to allow every token)")
+            _check_token_ids("allowed_token_ids", self.allowed_token_ids, vocab_size)
+        for index, word in enumerate(self.bad_words_token_ids):
+            if not isinstance(word, list) or not word:
+                raise InvalidRequestError(f"bad_words_token_ids[{index}]", "must be a non-empty list of token ids")
+            _check_token_ids(f"bad_words_token_ids[{index}]", word, vocab_size)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _check_token_ids(name: str, token_ids: list, vocab_size: int | None) -> None:
+    for token_id in token_ids:
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+            raise InvalidRequestError(name, f"contains {token_id!r}, not a token id of this model")
 
 
 def _is_finite_number(value: object) -> bool:

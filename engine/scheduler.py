@@ -319,9 +319,7 @@ class Scheduler:
             raise UnknownRequestError(req_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
         self._record_full_block_hashes(seq)
-        seq.token_ids.append(first_token)
-        if logprob is not None:
-            seq.output_logprobs.append(logprob)
+        seq.append_token(first_token, logprob)
         reason = self.stop_reason(seq, first_token)
         if reason is not None:
             self._finish(seq, reason)
@@ -462,9 +460,7 @@ class Scheduler:
         """Append a slice's sampled tokens, up to the first that ends the request."""
         emitted = []
         for token_id, logprob in samples:
-            seq.token_ids.append(token_id)
-            if logprob is not None:
-                seq.output_logprobs.append(logprob)
+            seq.append_token(token_id, logprob)
             emitted.append(token_id)
             if self.stop_reason(seq, token_id) is not None:
                 break
@@ -477,6 +473,8 @@ class Scheduler:
             self._finish(seq, reason)
 
     def stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        if seq.grammar is not None and seq.grammar.done:
+            return FinishReason.EOS  # the answer its grammar describes is complete: nothing may follow
         if seq.num_output_tokens < seq.params.min_tokens:
             return FinishReason.LENGTH if seq.num_tokens >= self.max_model_len else None
         if token_id in seq.params.stop_token_ids:

@@ -81,6 +81,16 @@ class Sequence:
     num_decode_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # Structured outputs (engine.grammar.SequenceGrammar): what the next token may be.
+    grammar: object | None = None
+
+    def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
+        """Add a sampled token (its grammar, if any, consumes it)."""
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     @property
     def num_tokens(self) -> int:

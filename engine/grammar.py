@@ -1,0 +1,173 @@
+"""Structured outputs inside an engine: each constrained sequence's grammar state, and the
+token masks its sampled rows are drawn under.
+
+A sequence with ``params.structured`` gets a ``SequenceGrammar`` when it is made
+(``Grammars.for_sequence``); it has consumed every output token the sequence holds, including
+those a request brings with it: the decode actor's copy starts from the first token the
+prefill actor sampled (appended by ``admit_remote``), a stream resumed elsewhere replays the
+tokens it already produced (the tail of its prompt, ``num_resumed_tokens``), and a preempted
+sequence keeps its state, as it keeps its tokens. ``Sequence.append_token`` advances it.
+
+Masks for a step are computed on a thread of their own while the forward runs
+(``Grammars.start_masks``, called before the executor): a decode step knows every row's
+state before its forward starts, and llguidance drops the GIL while it computes. A sequence
+verifying speculative drafts gets one mask per row, each after the drafts before it (consumed,
+then rolled back), so a draft the grammar forbids is rejected like any the target disagrees with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.structured_output import StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+
+class SequenceGrammar:
+    """One sequence's grammar matcher: what its next token may be."""
+
+    __slots__ = ("matcher", "failed")
+
+    def __init__(self, matcher) -> None:
+        self.matcher = matcher
+        self.failed = False
+
+    def accept(self, token_id: int) -> None:
+        if not self.failed and not self.matcher.consume_token(token_id):
+            # Only a token drawn without this grammar's mask gets here (a bug, or a prompt
+            # tail replayed that the grammar never produced): the sequence may only end now.
+            self.failed = True
+            logger.warning("a token the grammar forbids was appended: %s", self.matcher.get_error())
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and takes nothing more (its answer ended)."""
+        return self.matcher.is_stopped()
+
+    def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: list[int]) -> None:
+        """Row ``row`` of ``bitmask``: one bit per token id, set where the token is allowed."""
+        target = bitmask[row]
+        if not self.failed and not self.matcher.is_error():
+            self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+            if bool(target.any()):
+                return
+        # Nothing allowed (an error state): only the end, never a row of -inf (no distribution).
+        target.zero_()
+        for token_id in eos_token_ids:
+            target[token_id // 32] |= _bit(token_id % 32)
+
+
+class Grammars:
+    """An engine's grammar side: the model's tokenizer as llguidance reads it (built on the first
+    constrained request, about a second for a 49k vocabulary), matchers for sequences, and the
+    thread that computes masks beside the forward."""
+
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.model_dir = Path(model_dir)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()
+        self._mask_thread: ThreadPoolExecutor | None = None
+
+    def for_sequence(self, structured: StructuredOutput, output_so_far: list[int]) -> SequenceGrammar:
+        """A matcher for ``structured`` that has consumed ``output_so_far``; InvalidRequestError
+        (naming the request's field) if the grammar does not compile or refuses those tokens."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), structured.to_llguidance(), log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(structured.field, f"cannot be compiled: {matcher.get_error()}")
+        if output_so_far and not matcher.consume_tokens(list(output_so_far)):
+            raise InvalidRequestError(structured.field, f"the output so far does not match it: {matcher.get_error()}")
+        return SequenceGrammar(matcher)
+
+    def start_masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> Future | None:
+        """Compute the masks of a step's sampled rows on the mask thread: per row, the sequence's
+        grammar (None: unconstrained) and the drafts before that row. The future's result is
+        ``(bitmask, constrained row indices)``; None when no row is constrained."""
+        if not any(grammar is not None for grammar, _ in rows):
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._mask_thread.submit(self._masks, rows)
+
+    def masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> tuple[torch.Tensor, list[int]] | None:
+        """``start_masks``, computed here and now."""
+        if not any(grammar is not None for grammar, _ in rows):
+            return None
+        return self._masks(rows)
+
+    def _masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+        bitmask = torch.zeros(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)
+        constrained = []
+        for index, (grammar, drafts) in enumerate(rows):
+            if grammar is None:
+                continue
+            constrained.append(index)
+            if not drafts:
+                grammar.fill(bitmask, index, self.eos_token_ids)
+                continue
+            # A draft row: the state after the drafts before it. Drafts past the first the
+            # grammar forbids are never emitted (that one is rejected): their rows copy the
+            # last reachable mask, which keeps a distribution to sample from.
+            matcher = grammar.matcher
+            reachable = 0 if grammar.failed else matcher.validate_tokens(drafts)
+            if reachable:
+                matcher.consume_tokens(drafts[:reachable])
+            try:
+                if reachable < len(drafts) or matcher.is_stopped():
+                    bitmask[index] = bitmask[index - 1]
+                else:
+                    grammar.fill(bitmask, index, self.eos_token_ids)
+            finally:
+                if reachable:
+                    matcher.rollback(reachable)
+        return bitmask, constrained
+
+    def close(self) -> None:
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=False)
+
+    def _llg_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance
+                import tokenizers
+
+                path = self.model_dir / "tokenizer.json"
+                if not path.is_file():
+                    raise InvalidRequestError("structured_outputs", f"this model has no tokenizer.json ({self.model_dir}) to constrain its output with")
+                backend = tokenizers.Tokenizer.from_file(str(path))
+                backend.no_padding()
+                backend.no_truncation()
+                eos = self.eos_token_ids or None
+                self._tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+            return self._tokenizer
+
+
+def apply_masks(logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
+    """``logits`` with every token a row's mask forbids at -inf (constrained rows only)."""
+    bitmask, rows = masks
+    vocab = logits.shape[-1]
+    words = bitmask[rows].to(logits.device)
+    # One bit per token: word i holds tokens 32i..32i+31, lowest bit first.
+    allowed = ((words.unsqueeze(-1) >> _BIT_POSITIONS.to(logits.device)) & 1).flatten(1)[:, :vocab].bool()
+    forbidden = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    forbidden[torch.tensor(rows, device=logits.device)] = ~allowed
+    return logits.masked_fill(forbidden, float("-inf"))
+
+
+_BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
+
+
+def _bit(position: int) -> int:
+    """The int32 value with only bit ``position`` set (bit 31 is the sign bit)."""
+    return -(1 << 31) if position == 31 else 1 << position

@@ -1,0 +1,167 @@
+"""Structured outputs in the engine: sampled answers match their grammar, greedy ones are the
+model's own constrained argmax (a transformers loop masked by an llguidance matcher of its
+own), and speculation, a resumed stream and the logit adjustments keep both true."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import llguidance
+import pytest
+import tokenizers
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.speculation import SpeculativeConfig
+from engine.structured_output import StructuredOutput
+from tests.checkpoints import random_prompts
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(e2e_model):
+    return LLMEngine(e2e_model.path, EngineConfig(num_kv_blocks=256, num_threads=1))
+
+
+@pytest.fixture(scope="module")
+def decode(e2e_model):
+    tokenizer = tokenizers.Tokenizer.from_file(str(e2e_model.path / "tokenizer.json"))
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _generate(engine, prompt, **fields):
+    (completion,) = engine.generate([prompt], SamplingParams(**fields))
+    return completion
+
+
+CASES = [
+    (StructuredOutput("json_schema", json.dumps(SCHEMA)), lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+    (StructuredOutput("json_object"), lambda text: isinstance(json.loads(text), dict)),
+    (StructuredOutput("regex", r"[a-c]{2,4}-[0-9]{3}"), lambda text: re.fullmatch(r"[a-c]{2,4}-[0-9]{3}", text) is not None),
+    (StructuredOutput("choice", json.dumps(["red pill", "blue pill", "café (au lait)"])), lambda text: text in {"red pill", "blue pill", "café (au lait)"}),
+    (StructuredOutput("grammar", 'root ::= "x=" [0-9]+ ";"'), lambda text: re.fullmatch(r"x=[0-9]+;", text) is not None),
+]
+
+
+@pytest.mark.parametrize("structured,valid", CASES, ids=[case[0].kind for case in CASES])
+def test_every_sampled_answer_matches_its_grammar_and_ends_there(engine, e2e_model, decode, structured, valid):
+    prompts = random_prompts([12, 30, 5, 21], e2e_model.vocab_size, seed=3)
+    for seed in range(6):
+        prompt = prompts[seed % len(prompts)]
+        # json_object has no bound on its length: a random model may still be writing at max_tokens.
+        completion = _generate(engine, prompt, temperature=1.0, seed=seed, max_tokens=120, structured=structured)
+        text = decode(completion.token_ids)
+        if structured.kind == "json_object" and completion.finish_reason.value == "length":
+            continue
+        assert completion.finish_reason.value == "eos", (completion.finish_reason, text)
+        assert valid(text), text
+
+
+def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int, eos: int, structured, prompt, max_tokens, adjust=None):
+    """transformers' logits, masked by a fresh llguidance matcher, argmax; ``adjust(logits,
+    output)`` changes the logits first (the request's adjustments, written from vLLM's formulas)."""
+    tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+    matcher = None if structured is None else llguidance.LLMatcher(tokenizer, structured.to_llguidance())
+    output: list[int] = []
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + output])).logits[0, -1].float()
+        if adjust is not None:
+            logits = adjust(logits, output)
+        if matcher is not None:
+            mask = matcher.compute_logit_bias()  # one byte per token: 0 forbidden, 200 allowed
+            allowed = torch.tensor(list(mask[:vocab_size]), dtype=torch.uint8) > 0
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        token = int(logits.argmax())
+        output.append(token)
+        if matcher is not None:
+            assert matcher.consume_token(token)
+            if matcher.is_stopped():
+                break
+    return output
+
+
+@pytest.fixture(scope="module")
+def reference(e2e_model):
+    text = (e2e_model.path / "tokenizer.json").read_text()
+    config = json.loads((e2e_model.path / "config.json").read_text())
+    eos = config["eos_token_id"]
+
+    def run(structured, prompt, max_tokens, adjust=None):
+        return _reference_constrained_greedy(e2e_model.hf_model, text, e2e_model.vocab_size, eos, structured, prompt, max_tokens, adjust)
+
+    return run
+
+
+def test_greedy_constrained_output_is_the_masked_argmax_with_and_without_speculation(e2e_model, engine, reference):
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    speculating = LLMEngine(
+        e2e_model.path, EngineConfig(num_kv_blocks=256, num_threads=1, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    )
+    for prompt in random_prompts([9, 25], e2e_model.vocab_size, seed=8):
+        expected = reference(structured, prompt, 80)
+        assert _generate(engine, prompt, temperature=0.0, max_tokens=80, structured=structured).token_ids == expected
+        assert _generate(speculating, prompt, temperature=0.0, max_tokens=80, structured=structured).token_ids == expected
+    assert speculating.scheduler.num_draft_tokens > 0, "drafts were proposed and checked against the grammar"
+
+
+def test_a_resumed_stream_continues_its_grammar_from_the_tokens_it_produced(e2e_model, engine, reference):
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    (prompt,) = random_prompts([14], e2e_model.vocab_size, seed=4)
+    whole = reference(structured, prompt, 80)
+    produced = whole[:7]
+    params = SamplingParams(temperature=0.0, max_tokens=80, structured=structured).resumed(len(produced))
+    rest = _generate(engine, prompt + produced, **{name: getattr(params, name) for name in ("temperature", "max_tokens", "structured", "num_resumed_tokens")})
+    assert produced + rest.token_ids == whole
+
+
+def test_a_grammar_that_does_not_compile_names_the_field(engine, e2e_model):
+    (prompt,) = random_prompts([5], e2e_model.vocab_size, seed=1)
+    with pytest.raises(InvalidRequestError, match="response_format"):
+        engine.add_request("bad", prompt, SamplingParams(structured=StructuredOutput("regex", "(unclosed", field="response_format")))
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_logit_adjustments_and_penalties_are_vllms_formulas(e2e_model, engine, reference):
+    (prompt,) = random_prompts([10], e2e_model.vocab_size, seed=12)
+    plain = reference(None, prompt, 12)
+    bias = {plain[0]: -30.0, plain[3]: 2.5, 17: 4.0}
+    bad_words = [[plain[1]], [plain[2], plain[4]]]
+    presence, frequency = 0.7, 0.45
+
+    def adjust(logits, output):
+        logits = logits.clone()
+        for word in bad_words:
+            if output[len(output) - len(word) + 1 :] == word[:-1] or len(word) == 1:
+                logits[word[-1]] = float("-inf")
+        for token, value in bias.items():
+            logits[token] += value
+        for token in set(output):
+            logits[token] -= presence + frequency * output.count(token)
+        return logits
+
+    expected = reference(None, prompt, 12, adjust)
+    got = _generate(
+        engine, prompt, temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias=bias, bad_words_token_ids=bad_words,
+        presence_penalty=presence, frequency_penalty=frequency,
+    )
+    assert got.token_ids == expected[: len(got.token_ids)] and len(got.token_ids) == 12
+    assert expected != plain, "the adjustments changed the answer"
+
+    allowed = sorted({plain[5], 3, 99, 250})
+    constrained = _generate(engine, prompt, temperature=1.0, seed=2, max_tokens=30, ignore_eos=True, allowed_token_ids=allowed)
+    assert set(constrained.token_ids) <= set(allowed)
