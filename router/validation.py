@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingDefaults
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingDefaults, SamplingParams
+from engine.structured_output import StructuredOutput, check_grammar
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.errors import DeadlineExceededError, InvalidArgumentError
 from router.proto_checks import check_known_fields
@@ -90,6 +90,12 @@ class GenerateInput:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     priority: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    structured: StructuredOutput | None = None
     sampling_prefix: str = "sampling."
     text_field: str = "prompt_text"
     ids_field: str = "prompt_token_ids"
@@ -157,7 +163,7 @@ def validate_input(
             "priority", f"must be in [{limits.min_priority}, {limits.max_priority}], got {request.priority}"
         )
     stop = _stop_strings(request.stop, limits, request.sampling_prefix)
-    params = _sampling_params(request, limits)
+    params = _sampling_params(request, limits, encode)
     prompt_text, prompt_token_ids = _prompt(request, limits, encode)
     _fit_context(params, len(prompt_token_ids), request.max_tokens is not None, limits, request.sampling_prefix)
     return ValidatedRequest(
@@ -225,7 +231,7 @@ def _stop_strings(stop: list[str], limits: RequestLimits, prefix: str) -> list[s
     return list(dict.fromkeys(stop))
 
 
-def _sampling_params(request: GenerateInput, limits: RequestLimits) -> SamplingParams:
+def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Callable[..., list[int]]) -> SamplingParams:
     prefix = request.sampling_prefix
     if request.max_tokens is not None and request.max_tokens < 1:
         raise InvalidArgumentError(f"{prefix}max_tokens", "must be >= 1 (leave it unset for the default)")
@@ -253,12 +259,34 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits) -> SamplingP
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs,
         min_tokens=request.min_tokens,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=dict(request.logit_bias),
+        allowed_token_ids=None if request.allowed_token_ids is None else list(dict.fromkeys(request.allowed_token_ids)),
+        bad_words_token_ids=_bad_words_token_ids(request.bad_words, encode),
+        structured=request.structured,
     )
     try:
         params.validate(limits.vocab_size)
+        if params.structured is not None:
+            check_grammar(params.structured)
     except InvalidRequestError as exc:
         raise InvalidArgumentError(f"{prefix}{exc.field}", exc.problem) from exc
     return params
+
+
+def _bad_words_token_ids(words: list[str], encode: Callable[..., list[int]]) -> list[list[int]]:
+    """vLLM's reading of bad words: each word's tokens as it stands, and with a leading space
+    (the word in mid-text) where that tokenizes to as many tokens with a different first."""
+    sequences: list[list[int]] = []
+    for word in words:
+        alone = encode(word.lstrip(), add_special_tokens=False)
+        if alone:
+            sequences.append(alone)
+        spaced = encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return sequences
 
 
 def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[..., list[int]]) -> tuple[str | None, list[int]]:

@@ -3,12 +3,17 @@
 Each field is checked for its JSON type and range here, and any problem raises
 ``InvalidArgumentError`` naming the field as the client wrote it (``temperature``,
 ``messages[2].content``, ``stream_options.include_usage``). A field the API defines but
-pdserve does not implement (penalties other than 0, ``logit_bias``, ``tools``, ...) and a field
-the API does not define are refused with 400 too, never ignored: nothing a client sent is
-dropped silently. vLLM's extensions are accepted under vLLM's names (``top_k``, ``min_p``,
+pdserve does not implement (``suffix``, ``echo`` with ``logprobs``, ...) and a field the API
+does not define are refused with 400 too, never ignored: nothing a client sent is dropped
+silently. vLLM's extensions are accepted under vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
 ``skip_special_tokens``, ``priority`` where lower is served first, ``add_generation_prompt``,
-``chat_template_kwargs``).
+``chat_template_kwargs``, ``allowed_token_ids``, ``bad_words``, ``structured_outputs`` and its
+older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``).
+
+An output constraint (``response_format`` json_object or json_schema, ``structured_outputs``,
+``guided_*``) becomes the request's ``StructuredOutput``, its grammar checked by the router
+before any worker sees it (router/validation.py); one per request.
 
 ``n`` choices (and, for completions, a batch of prompts) become one neutral request each; a
 seeded request's choice i draws with seed + i, so choices differ and each repeats exactly.
@@ -16,10 +21,12 @@ seeded request's choice i draws with seed + i, so choices differ and each repeat
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.validation import GenerateInput
@@ -30,13 +37,14 @@ MAX_LOGPROBS = 20
 # Fields both endpoints take, with what they do here.
 _COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-    "presence_penalty", "frequency_penalty", "logit_bias", "user", "best_of",
+    "presence_penalty", "frequency_penalty", "logit_bias", "user", "best_of", "response_format",
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
+    "allowed_token_ids", "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
-    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format", "tools", "tool_choice",
+    "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs", "metadata", "store",
 }
 
@@ -50,6 +58,7 @@ class ApiRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     logprobs: int | None  # top alternatives per token (completions' logprobs, chat's top_logprobs); None: none
+    echo: bool = False  # completions: each choice's text starts with its prompt
     choices: list[GenerateInput] = field(default_factory=list)  # in choice-index order: prompt by prompt, n each
     choices_per_prompt: int = 1
 
@@ -57,14 +66,16 @@ class ApiRequest:
 def read_completion(body: Any) -> ApiRequest:
     body = _object(body, "body")
     _refuse_unknown(body, _COMPLETION_FIELDS)
-    if _bool(body, "echo", False):
-        raise InvalidArgumentError("echo", "is not supported")
+    echo = _bool(body, "echo", False)
     if body.get("suffix") is not None:
         raise InvalidArgumentError("suffix", "is not supported")
     logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if echo and logprobs is not None:
+        raise InvalidArgumentError("echo", "with logprobs would need the prompt's log-probabilities, which pdserve does not compute; ask for one of them")
     prompts = _prompts(body)
     base = _common(body, logprobs)
     request = _api_request(body, logprobs)
+    request.echo = echo
     count = request.choices_per_prompt = _num_choices(body, len(prompts))
     for prompt_field, prompt in prompts:
         for i in range(count):
@@ -86,9 +97,6 @@ def read_chat(body: Any, template: ChatTemplate | None) -> ApiRequest:
     for name in ("tools", "tool_choice", "parallel_tool_calls"):
         if body.get(name) not in (None, "none", [], False):
             raise InvalidArgumentError(name, "tool calling is not supported")
-    response_format = body.get("response_format")
-    if response_format is not None and _object(response_format, "response_format").get("type") != "text":
-        raise InvalidArgumentError("response_format.type", "only \"text\" is supported")
     if body.get("store") not in (None, False):
         raise InvalidArgumentError("store", "is not supported")
     if "metadata" in body and body["metadata"] is not None:
@@ -132,12 +140,6 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
 
 
 def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_tokens") -> GenerateInput:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _number(body, name, 0.0)
-        if value != 0.0:
-            raise InvalidArgumentError(name, "is not supported (only 0); repetition_penalty is")
-    if body.get("logit_bias"):
-        raise InvalidArgumentError("logit_bias", "is not supported")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise InvalidArgumentError("user", f"must be a string, got {_type(body['user'])}")
     top_k = _int(body, "top_k", None, -1, None)
@@ -159,7 +161,100 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
         # vLLM's priority: lower is served first; the router's: higher is.
         priority=-priority,
         sampling_prefix="",
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        logit_bias=_logit_bias(body),
+        allowed_token_ids=_int_list(body, "allowed_token_ids") if body.get("allowed_token_ids") is not None else None,
+        bad_words=_string_list(body, "bad_words"),
+        structured=_structured_output(body),
     )
+
+
+def _logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (JSON keys, so strings) to a bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    bias = {}
+    for key, amount in _object(value, "logit_bias").items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidArgumentError(f"logit_bias.{key}", "keys must be token ids (integers)") from None
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount):
+            raise InvalidArgumentError(f"logit_bias.{key}", f"must be a number, got {_type(amount)}")
+        bias[token_id] = float(amount)
+    return bias
+
+
+# vLLM's structured_outputs keys, and the older top-level guided_* fields, to our kinds.
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+
+
+def _structured_output(body: dict) -> StructuredOutput | None:
+    """The request's one output constraint, if it has one."""
+    found: list[StructuredOutput] = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        response_format = _object(response_format, "response_format")
+        kind = response_format.get("type")
+        if kind == "json_object":
+            found.append(StructuredOutput("json_object", field="response_format"))
+        elif kind == "json_schema":
+            spec = _object(response_format.get("json_schema"), "response_format.json_schema")
+            _refuse_unknown(spec, {"name", "description", "schema", "strict"}, prefix="response_format.json_schema.")
+            if spec.get("schema") is None:
+                raise InvalidArgumentError("response_format.json_schema.schema", "is required")
+            schema = _object(spec["schema"], "response_format.json_schema.schema")
+            found.append(StructuredOutput("json_schema", json.dumps(schema), field="response_format"))
+        elif kind != "text":
+            raise InvalidArgumentError("response_format.type", f"must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
+    options = body.get("structured_outputs")
+    if options is not None:
+        options = _object(options, "structured_outputs")
+        _refuse_unknown(options, set(_STRUCTURED_KEYS), prefix="structured_outputs.")
+        for key, value in options.items():
+            if value is not None and value is not False:
+                found.append(_structured(_STRUCTURED_KEYS[key], value, f"structured_outputs.{key}"))
+    for key in ("json", "regex", "choice", "grammar"):
+        value = body.get(f"guided_{key}")
+        if value is not None:
+            found.append(_structured(_STRUCTURED_KEYS[key], value, f"guided_{key}"))
+    if len(found) > 1:
+        raise InvalidArgumentError(found[1].field, f"a request takes one output constraint; {found[0].field} already gives one")
+    return found[0] if found else None
+
+
+def _structured(kind: str, value: Any, name: str) -> StructuredOutput:
+    if kind == "json_object":
+        if value is not True:
+            raise InvalidArgumentError(name, "must be true")
+        return StructuredOutput("json_object", field=name)
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidArgumentError(name, f"is not valid JSON: {exc}") from None
+        return StructuredOutput("json_schema", json.dumps(_object(value, name)), field=name)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidArgumentError(name, "must be a non-empty list of non-empty strings")
+        return StructuredOutput("choice", json.dumps(value), field=name)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(name, f"must be a non-empty string, got {_type(value)}")
+    return StructuredOutput(kind, value, field=name)
+
+
+def _string_list(body: dict, name: str) -> list[str]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+        raise InvalidArgumentError(name, "must be a list of non-empty strings")
+    return list(value)
 
 
 def _choice(base: GenerateInput, index: int) -> GenerateInput:

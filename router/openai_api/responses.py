@@ -44,9 +44,12 @@ class ChoiceState:
     completion_logprobs: dict[str, list] = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
     chat_logprobs: list[dict[str, Any]] = field(default_factory=list)
     end: StreamEnd | None = None
+    echo: str = ""  # completions' echo: the prompt, sent before the first chunk's text
 
     def add(self, chunk: OutputChunk, tokenizer: Tokenizer) -> dict[str, Any] | None:
         """Take a chunk; return its rendered logprobs (None when not asked for)."""
+        if self.echo:
+            chunk.text, self.echo = self.echo + chunk.text, ""
         logprobs = None
         if self.num_logprobs is not None and chunk.logprobs:
             if self.chat:

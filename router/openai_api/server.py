@@ -155,7 +155,7 @@ class OpenAIServer:
         try:
             for one in validated:
                 sessions.append(await GenerationSession.open(self.router, one, client_gone))
-            states = [ChoiceState(index, chat, api.logprobs, len(one.prompt_token_ids)) for index, one in enumerate(validated)]
+            states = [ChoiceState(index, chat, api.logprobs, len(one.prompt_token_ids), echo=self._echo(api, one)) for index, one in enumerate(validated)]
             chunks = _merged(sessions)
             async with contextlib.aclosing(chunks):
                 if api.stream:
@@ -163,6 +163,14 @@ class OpenAIServer:
                 return await self._whole(api, response_id, model, chat, states, chunks)
         finally:
             await asyncio.gather(*(session.close() for session in sessions))
+
+    def _echo(self, api: ApiRequest, request) -> str:
+        """The prompt as a completions choice echoes it (its text, or its token ids decoded)."""
+        if not api.echo:
+            return ""
+        if request.prompt_text is not None:
+            return request.prompt_text
+        return self.router.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=request.skip_special_tokens)
 
     def _model(self, requested: str | None) -> str:
         if requested is None:

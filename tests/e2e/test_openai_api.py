@@ -7,12 +7,16 @@ tokenizer's decode for text, the model's log-softmax for log-probabilities.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 import urllib.error
 import urllib.request
+from typing import Literal
 
+import jsonschema
 import openai
+import pydantic
 import pytest
 import ray
 import torch
@@ -192,7 +196,9 @@ def test_min_tokens_holds_off_a_stop_token(client, chat_model):
     [
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"extra_body": {"guided_regex": "(unclosed"}}, "guided_regex"),
+        ({"extra_body": {"logit_bias": {"100000": 1}}}, "logit_bias"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 0}, "n"),
         ({"extra_body": {"not_a_field": 1}}, "not_a_field"),
@@ -244,3 +250,74 @@ def test_a_disconnect_mid_stream_aborts_the_request_and_frees_every_block(client
     finally:
         ray.get(decode.set_step_delay.remote(0.0))
         grpc_client.close()
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=120)
+    role: Literal["admin", "user", "guest"]
+    verified: bool
+
+
+def test_parse_with_a_pydantic_model_returns_valid_objects_from_both_pools(client, chat_model):
+    """Short chats are prefilled on the decode actor, long ones (past local_prefill_max_tokens)
+    on the prefill actor, whose sampled first token must already obey the schema."""
+    long_chat = [{"role": "user", "content": "Describe a person as JSON. " * 12}]
+    for seed, messages in enumerate([MESSAGES, long_chat] * 3):
+        completion = client.chat.completions.parse(
+            model="tiny-chat", messages=messages, response_format=Person, temperature=1.0, seed=seed, max_completion_tokens=150
+        )
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, Person), choice.message.content
+
+
+def test_every_sampled_answer_obeys_its_constraint(client, chat_model):
+    # Strict, as OpenAI's strict mode requires: without additionalProperties false, JSON Schema
+    # lets a sampled object go on with keys of its own until max_tokens.
+    schema = {**Person.model_json_schema(), "additionalProperties": False}
+    prompts = random_prompts([10, 70], chat_model.vocab_size, seed=21)  # decode-local and prefill-actor prefills
+    constraints = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}},
+         lambda text: jsonschema.validate(json.loads(text), schema) is None),
+        ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2,5}"}}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2,5}", text) is not None),
+        ({"guided_choice": ["positive", "negative", "neutral"]}, lambda text: text in ("positive", "negative", "neutral")),
+        ({"structured_outputs": {"grammar": 'root ::= "(" [a-z]+ ("," [a-z]+)* ")"'}}, lambda text: re.fullmatch(r"\([a-z]+(,[a-z]+)*\)", text) is not None),
+    ]
+    for extra, valid in constraints:
+        for prompt in prompts:
+            completion = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=150, temperature=1.0, seed=5, n=8, extra_body=extra)
+            for choice in completion.choices:
+                assert choice.finish_reason == "stop" and valid(choice.text), (extra, choice.text)
+
+
+def test_penalties_and_logit_bias_change_exactly_what_vllms_formulas_say(client, chat_model):
+    (prompt,) = random_prompts([40], chat_model.vocab_size, seed=23)
+    plain = hf_greedy(chat_model.hf_model, prompt, 10)
+    bias = {plain[0]: -100.0, plain[2]: 3.0}
+    presence, frequency = 0.8, 0.6
+    output: list[int] = []
+    for _ in range(10):  # the reference: transformers' logits, adjusted as the formulas say
+        with torch.no_grad():
+            logits = chat_model.hf_model(torch.tensor([prompt + output])).logits[0, -1].float()
+        for token, value in bias.items():
+            logits[token] += value
+        for token in set(output):
+            logits[token] -= presence + frequency * output.count(token)
+        output.append(int(logits.argmax()))
+    completion = client.completions.create(
+        model="tiny-chat", prompt=prompt, max_tokens=10, temperature=0.0, presence_penalty=presence, frequency_penalty=frequency,
+        logit_bias={str(k): v for k, v in bias.items()}, extra_body={"ignore_eos": True},
+    )
+    expected_text = AutoTokenizer.from_pretrained(chat_model.path).decode(output, skip_special_tokens=True)
+    assert completion.choices[0].text == expected_text
+    assert output != plain, "the adjustments changed the answer"
+
+
+def test_echo_puts_the_prompt_before_the_completion(client, chat_model, hf_tokenizer):
+    text = "def fibonacci(n):"
+    expected = hf_tokenizer.decode(hf_greedy(chat_model.hf_model, hf_tokenizer(text)["input_ids"], 6), skip_special_tokens=True)
+    whole = client.completions.create(model="tiny-chat", prompt=text, max_tokens=6, echo=True, **GREEDY)
+    assert whole.choices[0].text == text + expected
+    streamed = client.completions.create(model="tiny-chat", prompt=text, max_tokens=6, echo=True, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == text + expected
