@@ -131,6 +131,25 @@ class AutoscalerSection(BaseModel):
         )
 
 
+# RouterConfig fields the YAML's router section sets under the same name, as they are.
+ROUTER_PASS_THROUGH = (
+    "host", "port", "routing_policy", "kv_overlap_weight", "disaggregation", "local_prefill_max_tokens", "max_queued_requests",
+    "ready_wait_s", "admin_host", "admin_port", "http_host", "http_port", "served_model_names", "tls_cert_file", "tls_key_file",
+    "stream_interval", "model_sampling_defaults", "prefill_busy_tokens", "busy_local_prefill_max_tokens", "max_prefill_retries",
+    "max_decode_restarts", "max_worker_deaths_per_request", "kv_lease_s", "capacity_wait_s", "admission_ttft_budget_s",
+    "priority_max_wait_s", "router_lease_s", "output_poll_s", "status_timeout_s",
+)
+# RouterConfig fields the YAML sets some other way.
+ROUTER_SET_ELSEWHERE = {
+    "auth_token": "router.auth_token_file or $PDSERVE_AUTH_TOKEN",
+    "prefill_pipeline": "prefill.pipeline",
+    "max_pipeline_stages": "prefill.max_pipeline_stages",
+    "pipeline_decode_stage": "prefill.pipeline_decode_stage",
+    "pipeline_tokens_per_stage": "prefill.pipeline_tokens_per_stage",
+    "pipeline_chunk_tokens": "prefill.pipeline_chunk_tokens",
+}
+
+
 class RouterSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -168,6 +187,40 @@ class RouterSection(BaseModel):
     allow_unauthenticated: bool = Field(
         False, description="Let host, admin_host or http_host be a non-loopback address without a bearer token (not recommended)"
     )
+    # Tuning the router takes as it is (ROUTER_PASS_THROUGH); defaults are RouterConfig's.
+    model_sampling_defaults: bool = Field(
+        RouterConfig.model_sampling_defaults, description="Fields a request leaves unset take the model's generation_config.json values"
+    )
+    prefill_busy_tokens: int = Field(
+        RouterConfig.prefill_busy_tokens, ge=0, description="auto mode: with this many prompt tokens queued at the least busy prefill actor, "
+        "prompts up to busy_local_prefill_max_tokens may prefill on the decode actor instead"
+    )
+    busy_local_prefill_max_tokens: int = Field(RouterConfig.busy_local_prefill_max_tokens, ge=0, description="See prefill_busy_tokens")
+    max_prefill_retries: int = Field(RouterConfig.max_prefill_retries, ge=0, description="Other prefill actors tried after one died mid-request")
+    max_decode_restarts: int = Field(
+        RouterConfig.max_decode_restarts, ge=0, description="Restarts elsewhere of a request whose decode actor died (then migration or failure)"
+    )
+    max_worker_deaths_per_request: int = Field(
+        RouterConfig.max_worker_deaths_per_request, ge=1, description="Poison detection: a request present at this many worker deaths is refused"
+    )
+    kv_lease_s: float = Field(
+        RouterConfig.kv_lease_s, gt=0, description="Lease of a decode reservation, renewed every quarter of it while its KV is coming"
+    )
+    capacity_wait_s: float | None = Field(
+        RouterConfig.capacity_wait_s, gt=0, description="Longest wait at the router for decode KV room (null: until the request's deadline)"
+    )
+    admission_ttft_budget_s: float | None = Field(
+        RouterConfig.admission_ttft_budget_s, gt=0,
+        description="Refuse at admission a request whose estimated wait for its first token exceeds this (null: never by estimate)",
+    )
+    priority_max_wait_s: float | None = Field(
+        RouterConfig.priority_max_wait_s, gt=0, description="A request queued this long goes ahead of every priority (null: strict priority)"
+    )
+    router_lease_s: float = Field(
+        RouterConfig.router_lease_s, gt=0, description="A decode actor that has not heard from a router this long frees its requests"
+    )
+    output_poll_s: float = Field(RouterConfig.output_poll_s, gt=0, description="Long-poll window of the router's per-decode-actor output collector")
+    status_timeout_s: float = Field(RouterConfig.status_timeout_s, gt=0, description="How long a worker's status call may take")
 
     @model_validator(mode="after")
     def _exposed_only_with_a_token(self) -> "RouterSection":
@@ -326,28 +379,13 @@ class ClusterConfig(BaseModel):
             prefill=self._pool(self.prefill),
             decode=self._pool(self.decode, speculative=self.speculative),
             router=RouterConfig(
-                host=self.router.host,
-                port=self.router.port,
-                routing_policy=self.router.routing_policy,
-                kv_overlap_weight=self.router.kv_overlap_weight,
-                disaggregation=self.router.disaggregation,
-                local_prefill_max_tokens=self.router.local_prefill_max_tokens,
+                **{name: getattr(self.router, name) for name in ROUTER_PASS_THROUGH},
                 prefill_pipeline=PipelineMode(self.prefill.pipeline),
                 max_pipeline_stages=self.prefill.max_pipeline_stages,
                 pipeline_decode_stage=PipelineMode(self.prefill.pipeline_decode_stage),
                 pipeline_tokens_per_stage=self.prefill.pipeline_tokens_per_stage,
                 pipeline_chunk_tokens=self.prefill.pipeline_chunk_tokens,
-                max_queued_requests=self.router.max_queued_requests,
-                ready_wait_s=self.router.ready_wait_s,
-                admin_host=self.router.admin_host,
-                admin_port=self.router.admin_port,
-                http_host=self.router.http_host,
-                http_port=self.router.http_port,
-                served_model_names=self.router.served_model_names,
                 auth_token=self.router.auth_token(),
-                tls_cert_file=self.router.tls_cert_file,
-                tls_key_file=self.router.tls_key_file,
-                stream_interval=self.router.stream_interval,
             ),
             router_replicas=self.router.replicas,
             transfer=KVTransferConfig(
