@@ -6,6 +6,7 @@ Validated with pydantic before anything starts; every error names the field's pa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Literal
@@ -131,6 +132,7 @@ class AutoscalerSection(BaseModel):
         )
 
 
+_ROUTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
 # RouterConfig fields the YAML's router section sets under the same name, as they are.
 ROUTER_PASS_THROUGH = (
     "host", "port", "routing_policy", "kv_overlap_weight", "disaggregation", "local_prefill_max_tokens", "max_queued_requests",
@@ -189,38 +191,38 @@ class RouterSection(BaseModel):
     )
     # Tuning the router takes as it is (ROUTER_PASS_THROUGH); defaults are RouterConfig's.
     model_sampling_defaults: bool = Field(
-        RouterConfig.model_sampling_defaults, description="Fields a request leaves unset take the model's generation_config.json values"
+        _ROUTER_DEFAULTS["model_sampling_defaults"], description="Fields a request leaves unset take the model's generation_config.json values"
     )
     prefill_busy_tokens: int = Field(
-        RouterConfig.prefill_busy_tokens, ge=0, description="auto mode: with this many prompt tokens queued at the least busy prefill actor, "
+        _ROUTER_DEFAULTS["prefill_busy_tokens"], ge=0, description="auto mode: with this many prompt tokens queued at the least busy prefill actor, "
         "prompts up to busy_local_prefill_max_tokens may prefill on the decode actor instead"
     )
-    busy_local_prefill_max_tokens: int = Field(RouterConfig.busy_local_prefill_max_tokens, ge=0, description="See prefill_busy_tokens")
-    max_prefill_retries: int = Field(RouterConfig.max_prefill_retries, ge=0, description="Other prefill actors tried after one died mid-request")
+    busy_local_prefill_max_tokens: int = Field(_ROUTER_DEFAULTS["busy_local_prefill_max_tokens"], ge=0, description="See prefill_busy_tokens")
+    max_prefill_retries: int = Field(_ROUTER_DEFAULTS["max_prefill_retries"], ge=0, description="Other prefill actors tried after one died mid-request")
     max_decode_restarts: int = Field(
-        RouterConfig.max_decode_restarts, ge=0, description="Restarts elsewhere of a request whose decode actor died (then migration or failure)"
+        _ROUTER_DEFAULTS["max_decode_restarts"], ge=0, description="Restarts elsewhere of a request whose decode actor died (then migration or failure)"
     )
     max_worker_deaths_per_request: int = Field(
-        RouterConfig.max_worker_deaths_per_request, ge=1, description="Poison detection: a request present at this many worker deaths is refused"
+        _ROUTER_DEFAULTS["max_worker_deaths_per_request"], ge=1, description="Poison detection: a request present at this many worker deaths is refused"
     )
     kv_lease_s: float = Field(
-        RouterConfig.kv_lease_s, gt=0, description="Lease of a decode reservation, renewed every quarter of it while its KV is coming"
+        _ROUTER_DEFAULTS["kv_lease_s"], gt=0, description="Lease of a decode reservation, renewed every quarter of it while its KV is coming"
     )
     capacity_wait_s: float | None = Field(
-        RouterConfig.capacity_wait_s, gt=0, description="Longest wait at the router for decode KV room (null: until the request's deadline)"
+        _ROUTER_DEFAULTS["capacity_wait_s"], gt=0, description="Longest wait at the router for decode KV room (null: until the request's deadline)"
     )
     admission_ttft_budget_s: float | None = Field(
-        RouterConfig.admission_ttft_budget_s, gt=0,
+        _ROUTER_DEFAULTS["admission_ttft_budget_s"], gt=0,
         description="Refuse at admission a request whose estimated wait for its first token exceeds this (null: never by estimate)",
     )
     priority_max_wait_s: float | None = Field(
-        RouterConfig.priority_max_wait_s, gt=0, description="A request queued this long goes ahead of every priority (null: strict priority)"
+        _ROUTER_DEFAULTS["priority_max_wait_s"], gt=0, description="A request queued this long goes ahead of every priority (null: strict priority)"
     )
     router_lease_s: float = Field(
-        RouterConfig.router_lease_s, gt=0, description="A decode actor that has not heard from a router this long frees its requests"
+        _ROUTER_DEFAULTS["router_lease_s"], gt=0, description="A decode actor that has not heard from a router this long frees its requests"
     )
-    output_poll_s: float = Field(RouterConfig.output_poll_s, gt=0, description="Long-poll window of the router's per-decode-actor output collector")
-    status_timeout_s: float = Field(RouterConfig.status_timeout_s, gt=0, description="How long a worker's status call may take")
+    output_poll_s: float = Field(_ROUTER_DEFAULTS["output_poll_s"], gt=0, description="Long-poll window of the router's per-decode-actor output collector")
+    status_timeout_s: float = Field(_ROUTER_DEFAULTS["status_timeout_s"], gt=0, description="How long a worker's status call may take")
 
     @model_validator(mode="after")
     def _exposed_only_with_a_token(self) -> "RouterSection":

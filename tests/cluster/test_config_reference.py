@@ -35,6 +35,11 @@ def test_every_router_setting_is_set_from_the_yaml_under_its_own_name_or_named_e
     spec = load_config(None, {"router.kv_lease_s": 7.5, "router.max_decode_restarts": 4, "router.router_lease_s": 11.0,
                                "router.model_sampling_defaults": False}).to_spec()
     assert (spec.router.kv_lease_s, spec.router.max_decode_restarts, spec.router.router_lease_s, spec.router.model_sampling_defaults) == (7.5, 4, 11.0, False)
+    spec.router.validate()
+    defaults = load_config(None, {}).to_spec().router
+    for name in ROUTER_PASS_THROUGH:
+        if name not in ("port", "admin_port", "http_port"):  # pdserve up listens on fixed ports; a bare RouterConfig on free ones
+            assert getattr(defaults, name) == getattr(RouterConfig(), name), name
 
 
 @pytest.mark.parametrize("dotted", sorted(set(re.findall(r"`((?:router|prefill|decode|autoscaler|speculative)\.[a-z_]+)", README))))
