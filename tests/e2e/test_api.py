@@ -56,8 +56,10 @@ def test_stream_interval_sends_fuller_messages_with_the_same_tokens_and_text(cli
         deployment.router.config.stream_interval = 1
     sizes = [len(m.token_ids) for m in grouped.messages if m.token_ids]
     assert sizes[0] == 1, "the first token is never held back"
+    # Every message between the first and the last holds at least 4 tokens. (Not compared with
+    # the every-step run's count: on a loaded host the router falls behind and merges those too.)
     assert all(size >= 4 for size in sizes[1:-1]), sizes
-    assert len(sizes) < len([m for m in every_step.messages if m.token_ids])
+    assert len(sizes) <= 1 + -(-22 // 4)
     assert grouped.token_ids == every_step.token_ids == hf_greedy(e2e_model.hf_model, prompt, 23)
     assert grouped.text == every_step.text == hf_tokenizer.decode(grouped.token_ids, skip_special_tokens=True)
     assert grouped.last.usage.completion_tokens == 23
