@@ -150,10 +150,11 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], drafts: list[int | None], proposals: list[torch.Tensor | None]
     ) -> list[int]:
         probs, order = self._sorted_probabilities(logits[torch.tensor(rows)], [seqs[r].params for r in rows])
+        block_cdf = _block_cdf(probs)
         tokens: list[int] = []
         for local, row in enumerate(rows):
             generator = self.draw_generator(seqs[row])
-            row_probs = probs[local]
+            row_probs, row_cdf = probs[local], block_cdf[local]
             draft = drafts[local]
             if draft is not None:
                 slot = int((order[local] == draft).nonzero()[0]) if order is not None else draft
@@ -166,17 +167,49 @@ class Sampler:
                 if proposal is None:
                     row_probs = row_probs.clone()
                     row_probs[slot] = 0.0  # rejected: the rest of the distribution, renormalized
+                    row_cdf = _block_cdf(row_probs.unsqueeze(0))[0]
                 else:
                     # Rejected: draw from what p has beyond q, in vocabulary order.
                     full = row_probs if order is None else torch.zeros_like(row_probs).scatter_(0, order[local], row_probs)
                     residual = (full - proposal).clamp_(min=0.0)
                     if float(residual.sum()) <= 0.0:  # p <= q everywhere only if p == q: never rejected
                         residual = full
-                    tokens.append(int(torch.multinomial(residual, 1, generator=generator)))
+                    tokens.append(_draw_from_blocks(residual, _block_cdf(residual.unsqueeze(0))[0], generator))
                     continue
-            choice = int(torch.multinomial(row_probs, 1, generator=generator))
+            choice = _draw_from_blocks(row_probs, row_cdf, generator)
             tokens.append(int(order[local, choice]) if order is not None else choice)
         return tokens
+
+
+# Inverse-CDF draws in two levels: a row's probabilities in blocks of this many, the block found
+# on the blocks' cumulative sums, then the token inside it. torch.multinomial took 0.77 ms per
+# row of a 49k vocabulary here (37% of a batch-32 decode step of the 135M model); this ~20 us.
+_DRAW_BLOCK = 64
+
+
+def _block_cdf(probs: torch.Tensor) -> torch.Tensor:
+    """Per row, the cumulative sums (float64) of its probabilities in blocks of _DRAW_BLOCK."""
+    rows, vocab = probs.shape
+    pad = (-vocab) % _DRAW_BLOCK
+    padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    return padded.view(rows, -1, _DRAW_BLOCK).sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+
+
+def _draw_from_blocks(row_probs: torch.Tensor, block_cdf: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn from ``row_probs`` (need not sum to 1): u ~ U[0, total), the first token
+    whose cumulative probability exceeds it. A token of probability 0 is never drawn."""
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * block_cdf[-1]
+    block = min(int(torch.searchsorted(block_cdf, u, right=True)), block_cdf.numel() - 1)
+    start = block * _DRAW_BLOCK
+    inside = row_probs[start : start + _DRAW_BLOCK].double().cumsum(0)
+    if block:
+        inside += block_cdf[block - 1]
+    token = start + min(int(torch.searchsorted(inside, u, right=True)), inside.numel() - 1)
+    if row_probs[token] <= 0:  # u at a rounding edge: the nearest token that can be drawn
+        positive = row_probs.nonzero().flatten()
+        before = positive[positive < token]
+        token = int(before[-1]) if before.numel() else int(positive[0])
+    return token
 
 
 def _adjusts(params) -> bool:

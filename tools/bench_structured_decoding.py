@@ -6,7 +6,9 @@ decoding, same engine, same batch, same number of tokens.
 Each run decodes ``--tokens`` tokens per sequence (ignore_eos, so plain and constrained runs
 produce as many) at temperature 1 with a seed per sequence, after a warm-up; the constrained
 runs use a schema whose answers are long enough (an array of strings up to ``--tokens``).
-TPOT: decode time per output token per sequence, from the engine's own steps.
+TPOT: per sequence, the time from the first timed step to the step that finished it, over
+its tokens after the first; averaged over the batch (a sequence whose answer ends early does not
+make the others' look slower).
 """
 
 from __future__ import annotations
@@ -38,13 +40,15 @@ def run(engine: LLMEngine, batch: int, tokens: int, structured: StructuredOutput
     while any(s.num_output_tokens == 0 for s in seqs):  # prefill and first tokens: not timed
         engine.step()
     start = time.perf_counter()
-    steps = 0
+    tpots: dict[str, float] = {}
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
-    elapsed = time.perf_counter() - start
-    produced = sum(s.num_output_tokens - 1 for s in seqs)
-    return elapsed / max(1, produced / batch), produced / batch
+        now = time.perf_counter()
+        for seq in seqs:
+            if seq.is_finished and seq.req_id not in tpots:
+                tpots[seq.req_id] = (now - start) / max(1, seq.num_output_tokens - 1)
+    produced = sum(s.num_output_tokens for s in seqs) / batch
+    return sum(tpots.values()) / len(tpots), produced
 
 
 def main() -> None:

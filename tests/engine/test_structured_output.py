@@ -165,3 +165,17 @@ def test_logit_adjustments_and_penalties_are_vllms_formulas(e2e_model, engine, r
     allowed = sorted({plain[5], 3, 99, 250})
     constrained = _generate(engine, prompt, temperature=1.0, seed=2, max_tokens=30, ignore_eos=True, allowed_token_ids=allowed)
     assert set(constrained.token_ids) <= set(allowed)
+
+
+def test_masks_forbid_exactly_the_tokens_whose_bit_is_clear_on_constrained_rows_only():
+    from engine.grammar import apply_masks
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 70  # no multiple of 32: the last word is partly past the vocabulary
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 3), dtype=torch.int32, generator=generator)
+    logits = torch.randn(3, vocab, generator=generator)
+    masked = apply_masks(logits, (bitmask, [0, 2]))
+    for row in range(3):
+        for token in range(vocab):
+            allowed = row == 1 or (int(bitmask[row, token // 32]) >> (token % 32)) & 1
+            assert masked[row, token] == (logits[row, token] if allowed else float("-inf")), (row, token)
