@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="joining a cluster (--address): rely on pdserve installed on every node instead of shipping this checkout's code")
     up.add_argument("--router-replicas", type=int, help="routers serving the deployment, on the same ports (default 1)")
     up.add_argument("--stream-interval", type=int, help="tokens per streamed message after the first (default 1)")
+    up.add_argument(
+        "--tool-call-parser", choices=["hermes", "llama3_json"],
+        help='how chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)',
+    )
     up.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port (default 8000)")
     up.add_argument("--admin-port", type=int, help="Admin service port, loopback by default (default 50052; 0: any free port)")
     up.add_argument("--served-model-name", nargs="+", help="names the OpenAI API answers to (default: the model directory's name)")
@@ -184,6 +188,7 @@ def _up(args: argparse.Namespace) -> int:
         "prefill.kv_cache_mb": args.kv_cache_mb, "decode.kv_cache_mb": args.kv_cache_mb,
         "router.host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
         "router.replicas": args.router_replicas, "router.stream_interval": args.stream_interval,
+        "router.tool_call_parser": args.tool_call_parser,
         "router.http_port": args.http_port, "router.admin_port": args.admin_port, "router.served_model_names": args.served_model_name,
         "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
         "prefill.enable_prefix_caching": args.enable_prefix_caching, "decode.enable_prefix_caching": args.enable_prefix_caching,

@@ -139,7 +139,7 @@ ROUTER_PASS_THROUGH = (
     "ready_wait_s", "admin_host", "admin_port", "http_host", "http_port", "served_model_names", "tls_cert_file", "tls_key_file",
     "stream_interval", "model_sampling_defaults", "prefill_busy_tokens", "busy_local_prefill_max_tokens", "max_prefill_retries",
     "max_decode_restarts", "max_worker_deaths_per_request", "kv_lease_s", "capacity_wait_s", "admission_ttft_budget_s",
-    "priority_max_wait_s", "router_lease_s", "output_poll_s", "status_timeout_s",
+    "priority_max_wait_s", "router_lease_s", "output_poll_s", "status_timeout_s", "tool_call_parser",
 )
 # RouterConfig fields the YAML sets some other way.
 ROUTER_SET_ELSEWHERE = {
@@ -223,6 +223,9 @@ class RouterSection(BaseModel):
     )
     output_poll_s: float = Field(_ROUTER_DEFAULTS["output_poll_s"], gt=0, description="Long-poll window of the router's per-decode-actor output collector")
     status_timeout_s: float = Field(_ROUTER_DEFAULTS["status_timeout_s"], gt=0, description="How long a worker's status call may take")
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        None, description='How chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)'
+    )
 
     @model_validator(mode="after")
     def _exposed_only_with_a_token(self) -> "RouterSection":

@@ -92,6 +92,9 @@ class RouterConfig:
     # a stream's next message always go with it, whatever this is.
     stream_interval: int = 1
     status_timeout_s: float = 5.0
+    # How chat answers with tool_choice "auto" are read for tool calls: "hermes" or
+    # "llama3_json" (router/openai_api/tool_calls.py); None: recognised in the chat template.
+    tool_call_parser: str | None = None
 
     def validate(self) -> None:
         for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "max_queued_requests", "max_prefill_retries", "max_decode_restarts"):
@@ -108,6 +111,8 @@ class RouterConfig:
             raise ValueError(f"max_worker_deaths_per_request: must be >= 1, got {self.max_worker_deaths_per_request}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file: give both or neither")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ValueError(f"tool_call_parser: one of hermes, llama3_json (or unset), got {self.tool_call_parser!r}")
         if self.served_model_names is not None and (not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names)):
             raise ValueError(f"served_model_names: must be non-empty names, got {self.served_model_names!r}")
         if self.auth_token is not None and not self.auth_token.strip():

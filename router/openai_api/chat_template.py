@@ -50,6 +50,7 @@ def _compile(template: str) -> jinja2.Template:
 
 class ChatTemplate:
     def __init__(self, template: str, special_tokens: dict[str, str]):
+        self.text = template  # what a tool-call parser is recognised from
         self.special_tokens = dict(special_tokens)
         try:
             self._compiled = _compile(template)

@@ -12,8 +12,9 @@ silently. vLLM's extensions are accepted under vLLM's names (``top_k``, ``min_p`
 older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``).
 
 An output constraint (``response_format`` json_object or json_schema, ``structured_outputs``,
-``guided_*``) becomes the request's ``StructuredOutput``, its grammar checked by the router
-before any worker sees it (router/validation.py); one per request.
+``guided_*``, or a ``required`` or named ``tool_choice``) becomes the request's
+``StructuredOutput``, its grammar checked by the router before any worker sees it
+(router/validation.py); one per request. Tools: router/openai_api/tool_calls.py.
 
 ``n`` choices (and, for completions, a batch of prompts) become one neutral request each; a
 seeded request's choice i draws with seed + i, so choices differ and each repeats exactly.
@@ -29,6 +30,7 @@ from typing import Any
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
+from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
 MAX_CHOICES = 16  # n, and n times the prompts of a completions batch
@@ -59,6 +61,7 @@ class ApiRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     logprobs: int | None  # top alternatives per token (completions' logprobs, chat's top_logprobs); None: none
     echo: bool = False  # completions: each choice's text starts with its prompt
+    tool_calling: ToolCalling | None = None  # chat with tools: how its answers are read
     choices: list[GenerateInput] = field(default_factory=list)  # in choice-index order: prompt by prompt, n each
     choices_per_prompt: int = 1
 
@@ -89,14 +92,13 @@ def read_completion(body: Any) -> ApiRequest:
     return request
 
 
-def read_chat(body: Any, template: ChatTemplate | None) -> ApiRequest:
+def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | None = None) -> ApiRequest:
+    """``tool_call_parser``: the deployment's (router.tool_call_parser); None: recognised from the template."""
     body = _object(body, "body")
     _refuse_unknown(body, _CHAT_FIELDS)
     if template is None:
         raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja); use /v1/completions")
-    for name in ("tools", "tool_choice", "parallel_tool_calls"):
-        if body.get(name) not in (None, "none", [], False):
-            raise InvalidArgumentError(name, "tool calling is not supported")
+    calling = read_tool_calling(body, template.text, tool_call_parser)
     if body.get("store") not in (None, False):
         raise InvalidArgumentError("store", "is not supported")
     if "metadata" in body and body["metadata"] is not None:
@@ -111,12 +113,21 @@ def read_chat(body: Any, template: ChatTemplate | None) -> ApiRequest:
     messages = _messages(body)
     extra = body.get("chat_template_kwargs")
     extra = dict(_object(extra, "chat_template_kwargs")) if extra is not None else None
-    prompt = template.render(messages, add_generation_prompt=_bool(body, "add_generation_prompt", True), extra=extra)
+    prompt = template.render(
+        template_messages(messages), add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        tools=calling.tools if calling is not None else None, extra=extra,
+    )
     base = _common(body, logprobs, max_tokens_field="max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+    constraint = calling.constraint() if calling is not None else None
+    if constraint is not None:
+        if base.structured is not None:
+            raise InvalidArgumentError("tool_choice", f"{calling.choice} constrains the answer, and {base.structured.field} already does; give one")
+        base.structured = constraint
     base.prompt_text = prompt
     base.add_special_tokens = False  # the template wrote them
     base.text_field = base.ids_field = "messages"
     request = _api_request(body, logprobs)
+    request.tool_calling = calling
     request.choices_per_prompt = _num_choices(body, 1)
     request.choices = [_choice(base, i) for i in range(request.choices_per_prompt)]
     return request
@@ -320,7 +331,9 @@ def _messages(body: dict) -> list[dict[str, Any]]:
                 if not isinstance(value, str):
                     raise InvalidArgumentError(f"{name}.name", f"must be a string, got {_type(value)}")
                 plain["name"] = value
-            elif key in ("tool_calls", "tool_call_id", "function_call") and value in (None, []):
+            elif key in ("tool_calls", "tool_call_id"):
+                plain.update(check_message_tool_fields({key: value}, name))
+            elif key == "function_call" and value is None:
                 continue
             else:
                 raise InvalidArgumentError(f"{name}.{key}", "is not supported")

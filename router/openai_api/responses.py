@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import TokenLogprob
+from router.openai_api.tool_calls import ToolCallDelta, ToolCallOutput
 from router.output_stream import OutputChunk, StreamEnd
 from router.tokenizer import Tokenizer
 
@@ -45,11 +46,20 @@ class ChoiceState:
     chat_logprobs: list[dict[str, Any]] = field(default_factory=list)
     end: StreamEnd | None = None
     echo: str = ""  # completions' echo: the prompt, sent before the first chunk's text
+    tools: ToolCallOutput | None = None  # chat with tools: reads the calls out of the text
+    tool_deltas: list[ToolCallDelta] = field(default_factory=list)  # the latest chunk's
 
     def add(self, chunk: OutputChunk, tokenizer: Tokenizer) -> dict[str, Any] | None:
-        """Take a chunk; return its rendered logprobs (None when not asked for)."""
+        """Take a chunk; return its rendered logprobs (None when not asked for). With tools the
+        chunk's text becomes the content the client sees, its calls ``tool_deltas``."""
         if self.echo:
             chunk.text, self.echo = self.echo + chunk.text, ""
+        if self.tools is not None:
+            chunk.text, self.tool_deltas = self.tools.feed(chunk.text)
+            if chunk.end is not None:
+                more, deltas = self.tools.finish()
+                chunk.text += more
+                self.tool_deltas += deltas
         logprobs = None
         if self.num_logprobs is not None and chunk.logprobs:
             if self.chat:
@@ -86,13 +96,21 @@ class ChoiceState:
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.tools is not None and self.tools.calls:
+                choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": self.tools.calls}
             choice["logprobs"] = {"content": self.chat_logprobs} if self.num_logprobs is not None else None
         else:
             choice["text"] = text
             choice["logprobs"] = self.completion_logprobs if self.num_logprobs is not None else None
-        choice["finish_reason"] = finish_reason(self.end)
+        choice["finish_reason"] = self._finish_reason(self.end)
         choice["stop_reason"] = stop_reason(self.end)
         return choice
+
+    def _finish_reason(self, end: StreamEnd) -> str:
+        reason = finish_reason(end)
+        if reason == "stop" and self.tools is not None and self.tools.finish_reason:
+            return self.tools.finish_reason
+        return reason
 
     def delta(self, chunk: OutputChunk, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         """This choice's entry in a streamed chunk."""
@@ -102,13 +120,15 @@ class ChoiceState:
             if not self.role_sent:
                 delta["role"] = "assistant"
                 self.role_sent = True
-            if chunk.text or "role" in delta:
+            if chunk.text or ("role" in delta and not self.tool_deltas):
                 delta["content"] = chunk.text
+            if self.tool_deltas:
+                delta["tool_calls"] = [d.to_json() for d in self.tool_deltas]
             choice["delta"] = delta
         else:
             choice["text"] = chunk.text
         choice["logprobs"] = logprobs
-        choice["finish_reason"] = None if chunk.end is None else finish_reason(chunk.end)
+        choice["finish_reason"] = None if chunk.end is None else self._finish_reason(chunk.end)
         if chunk.end is not None:
             choice["stop_reason"] = stop_reason(chunk.end)
         return choice

@@ -31,6 +31,7 @@ from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
 from router.openai_api.protocol import ApiRequest, read_chat, read_completion
 from router.openai_api.responses import ChoiceState, envelope, usage
+from router.openai_api.tool_calls import ToolCallOutput
 from router.output_stream import OutputChunk, StreamEnd
 from router.session import GenerationSession
 
@@ -135,7 +136,8 @@ class OpenAIServer:
         return await self._generate(request, read_completion(await _json(request)), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, read_chat(await _json(request), self.chat_template), chat=True)
+        api = read_chat(await _json(request), self.chat_template, self.router.config.tool_call_parser)
+        return await self._generate(request, api, chat=True)
 
     # -- generation ----------------------------------------------------------------------
 
@@ -155,7 +157,13 @@ class OpenAIServer:
         try:
             for one in validated:
                 sessions.append(await GenerationSession.open(self.router, one, client_gone))
-            states = [ChoiceState(index, chat, api.logprobs, len(one.prompt_token_ids), echo=self._echo(api, one)) for index, one in enumerate(validated)]
+            states = [
+                ChoiceState(
+                    index, chat, api.logprobs, len(one.prompt_token_ids), echo=self._echo(api, one),
+                    tools=ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None,
+                )
+                for index, one in enumerate(validated)
+            ]
             chunks = _merged(sessions)
             async with contextlib.aclosing(chunks):
                 if api.stream:
@@ -208,7 +216,7 @@ class OpenAIServer:
                     started = True
                 state = states[index]
                 logprobs = state.add(item, self.router.tokenizer)
-                if item.end is None and not item.text and logprobs is None and (state.role_sent or not chat):
+                if item.end is None and not item.text and not state.tool_deltas and logprobs is None and (state.role_sent or not chat):
                     continue  # nothing new to say (text held back at a possible stop string)
                 payload = envelope(response_id, model, chat, stream=True, created=created)
                 payload["choices"] = [state.delta(item, logprobs)]

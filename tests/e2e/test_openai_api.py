@@ -27,14 +27,25 @@ from tests.checkpoints import hf_greedy, random_prompts
 from tests.serving import Client, running_deployment
 
 # A chat template with the features transformers' rendering has: special-token variables,
-# trim_blocks/lstrip_blocks whitespace, filters, raise_exception, add_generation_prompt.
+# trim_blocks/lstrip_blocks whitespace, filters, raise_exception, add_generation_prompt, and
+# tools, assistant tool calls and tool results in the Hermes format (<tool_call>).
 CHAT_TEMPLATE = """{{ bos_token }}
+{%- if tools %}
+<|system|>
+Functions you may call:
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call>{{ eos_token }}
+{% endif %}
 {%- for message in messages %}
-    {%- if message['role'] not in ['system', 'user', 'assistant'] %}
+    {%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}
         {{- raise_exception('unknown role ' + message['role']) }}
     {%- endif %}
 <|{{ message['role'] }}|>
+{% if message.tool_calls %}
+{%- for call in message.tool_calls %}<tool_call>{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}</tool_call>{% endfor %}{{ eos_token }}
+{% else %}
 {{ message['content'] | trim }}{{ eos_token }}
+{% endif %}
 {% endfor %}
 {%- if add_generation_prompt %}
 <|assistant|>
@@ -321,3 +332,95 @@ def test_echo_puts_the_prompt_before_the_completion(client, chat_model, hf_token
     assert whole.choices[0].text == text + expected
     streamed = client.completions.create(model="tiny-chat", prompt=text, max_tokens=6, echo=True, stream=True, **GREEDY)
     assert "".join(c.choices[0].text for c in streamed) == text + expected
+
+
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "get_forecast",
+        "description": "The weather for the next days",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def test_tools_and_tool_messages_render_as_transformers_renders_them(client, chat_model, hf_tokenizer):
+    arguments = {"city": "Oslo", "days": 2}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_forecast", "arguments": json.dumps(arguments)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 4 C"},
+    ]
+    # transformers gets the arguments as an object, as vLLM hands them to templates.
+    reference = [dict(m) for m in messages]
+    reference[1] = {**messages[1], "tool_calls": [{**messages[1]["tool_calls"][0], "function": {"name": "get_forecast", "arguments": arguments}}]}
+    ids = hf_tokenizer.apply_chat_template(reference, tools=[FORECAST, CLOCK], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    completion = client.chat.completions.create(
+        model="tiny-chat", messages=messages, tools=[FORECAST, CLOCK], tool_choice="none", max_completion_tokens=8, **GREEDY
+    )
+    assert completion.usage.prompt_tokens == len(ids)
+    assert completion.choices[0].message.content == hf_tokenizer.decode(hf_greedy(chat_model.hf_model, ids, 8), skip_special_tokens=True)
+    assert completion.choices[0].message.tool_calls is None
+
+
+def test_required_and_named_tool_calls_always_parse_against_their_parameters(client):
+    schema = FORECAST["function"]["parameters"]
+    long_question = [{"role": "user", "content": "Plan a trip and check the weather first. " * 6}]  # prefilled on the prefill actor
+    for messages in ([{"role": "user", "content": "Weather?"}], long_question):
+        # One call each (a random model would append calls to a parallel list until max_tokens).
+        required = client.chat.completions.create(
+            model="tiny-chat", messages=messages, tools=[FORECAST, CLOCK], tool_choice="required", parallel_tool_calls=False,
+            temperature=1.0, seed=3, n=4, max_completion_tokens=120,
+        )
+        for choice in required.choices:
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice.message
+            for call in choice.message.tool_calls:
+                assert call.function.name in ("get_forecast", "get_time") and call.id.startswith("call_")
+                arguments = json.loads(call.function.arguments)
+                if call.function.name == "get_forecast":
+                    jsonschema.validate(arguments, schema)
+                else:
+                    assert arguments == {}
+        named = client.chat.completions.create(
+            model="tiny-chat", messages=messages, tools=[FORECAST, CLOCK], tool_choice={"type": "function", "function": {"name": "get_forecast"}},
+            temperature=1.0, seed=4, n=4, max_completion_tokens=120,
+        )
+        for choice in named.choices:
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "get_forecast" and choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_streamed_tool_call_deltas_assemble_into_the_same_call(client):
+    """tool_choice auto: the model's own Hermes text is parsed (made to write one by a regex)."""
+    hermes = r'Checking\. <tool_call>\{"name": "get_forecast", "arguments": \{"city": "[a-z]{2,8}", "days": [1-7]\}\}</tool_call>'
+    request = dict(
+        model="tiny-chat", messages=[{"role": "user", "content": "Weather in two days?"}], tools=[FORECAST, CLOCK], temperature=1.0,
+        seed=9, max_completion_tokens=120, extra_body={"structured_outputs": {"regex": hermes}},
+    )
+    whole = client.chat.completions.create(**request)
+    message = whole.choices[0].message
+    assert whole.choices[0].finish_reason == "tool_calls" and message.content == "Checking. "
+    (call,) = message.tool_calls
+    assert call.function.name == "get_forecast"
+    jsonschema.validate(json.loads(call.function.arguments), FORECAST["function"]["parameters"])
+
+    chunks = list(client.chat.completions.create(stream=True, **request))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assembled: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = assembled.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            if delta.id:
+                entry["id"], entry["name"] = delta.id, delta.function.name
+            entry["arguments"] += delta.function.arguments or ""
+    assert content == "Checking. "
+    assert [(e["name"], e["arguments"]) for e in assembled.values()] == [(call.function.name, call.function.arguments)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"

@@ -1,0 +1,113 @@
+"""Tool calls read from a model's text, whole and streamed in pieces of every size: the deltas
+assemble into the same calls, and the content around them is what the client sees."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from router.errors import InvalidArgumentError
+from router.openai_api.tool_calls import ToolCallOutput, ToolCalling, detect_parser, read_tool_calling
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _run(calling: ToolCalling, text: str, piece: int):
+    """Feed ``text`` in pieces of ``piece`` characters: (content, calls from the deltas, calls)."""
+    output = ToolCallOutput(calling)
+    content, deltas = "", []
+    for start in range(0, len(text), piece):
+        more, new = output.feed(text[start : start + piece])
+        content += more
+        deltas += new
+    more, new = output.finish()
+    content += more
+    deltas += new
+    assembled: dict[int, dict] = {}
+    for delta in deltas:
+        body = delta.to_json()
+        call = assembled.setdefault(body["index"], {"id": None, "name": None, "arguments": ""})
+        if "id" in body:
+            call["id"], call["name"] = body["id"], body["function"]["name"]
+        call["arguments"] += body["function"]["arguments"]
+    whole = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in output.calls]
+    return content, [assembled[i] for i in sorted(assembled)], whole, output.finish_reason
+
+
+HERMES = ToolCalling([WEATHER, TIME], "auto", parser="hermes")
+LLAMA = ToolCalling([WEATHER, TIME], "auto", parser="llama3_json")
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_hermes_calls_after_content_stream_into_the_same_calls(piece):
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    content, streamed, whole, reason = _run(HERMES, text, piece)
+    assert content == "Let me check.\n"
+    assert streamed == whole
+    assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]
+    assert reason == "tool_calls"
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_text_without_a_call_is_content_even_where_it_looks_like_a_marker(piece):
+    text = "a < b and <tool_ use x"
+    assert _run(HERMES, text, piece)[:2] == (text, [])
+    assert _run(LLAMA, "Sure: {not a call", piece)[:2] == ("Sure: {not a call", [])
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_llama3_json_calls_with_and_without_the_python_tag(piece):
+    for text in ('{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}',
+                 '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'):
+        content, streamed, whole, reason = _run(LLAMA, text, piece)
+        assert content == "" and streamed == whole and reason == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    # Not a call after all: the text comes back as content.
+    assert _run(LLAMA, '{"city": 3}', piece)[:2] == ('{"city": 3}', [])
+
+
+def test_required_and_named_choices_have_grammars_and_parse_their_json():
+    required = ToolCalling([WEATHER, TIME], "required", parallel=False)
+    schema = json.loads(required.constraint().value)
+    jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Rome"}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_time", "parameters": {}}] * 2, schema)  # parallel_tool_calls false
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "parameters": {"unit": "c"}}], schema)  # city is required
+    content, streamed, whole, reason = _run(required, '[{"name": "get_weather", "parameters": {"city": "Rome"}}]', 4)
+    assert content == "" and streamed == whole and json.loads(whole[0]["arguments"]) == {"city": "Rome"} and reason == "tool_calls"
+
+    named = ToolCalling([WEATHER, TIME], "named", name="get_weather")
+    assert json.loads(named.constraint().value) == WEATHER["function"]["parameters"]
+    content, streamed, whole, reason = _run(named, '{"city": "Lima"}', 3)
+    assert content == "" and streamed == whole and whole[0]["name"] == "get_weather" and reason is None
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ],
+)
+def test_bad_tools_name_the_field(body, field):
+    with pytest.raises(InvalidArgumentError) as raised:
+        read_tool_calling(body, "<tool_call>", None)
+    assert raised.value.field == field
+
+
+def test_auto_needs_a_parser_the_template_shows_or_the_config_names():
+    assert detect_parser("... <tool_call> ...") == "hermes" and detect_parser("<|python_tag|>") == "llama3_json"
+    with pytest.raises(InvalidArgumentError, match="tool_call_parser"):
+        read_tool_calling({"tools": [WEATHER]}, "plain template", None)
+    assert read_tool_calling({"tools": [WEATHER]}, "plain template", "llama3_json").parser == "llama3_json"
+    assert read_tool_calling({"tools": [WEATHER], "tool_choice": "required"}, "plain template", None).choice == "required"
