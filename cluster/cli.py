@@ -173,10 +173,9 @@ def _router_address(args: argparse.Namespace) -> str | None:
 # -- up / down ----------------------------------------------------------------------------
 
 
-def _up(args: argparse.Namespace) -> int:
-    from cluster.config import ConfigError, load_config
-
-    overrides = {
+def up_overrides(args: argparse.Namespace) -> dict:
+    """``pdserve up``'s flags as the config fields they set (dotted; None: not given)."""
+    return {
         "model": args.model, "dtype": args.dtype, "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
         "prefill.replicas": args.prefill, "decode.replicas": args.decode,
         "prefill.tensor_parallel_size": args.prefill_tp, "decode.tensor_parallel_size": args.decode_tp,
@@ -195,8 +194,13 @@ def _up(args: argparse.Namespace) -> int:
         "speculative.method": args.speculative_method, "speculative.num_speculative_tokens": args.num_speculative_tokens,
         "speculative.draft_model": args.draft_model,
     }
+
+
+def _up(args: argparse.Namespace) -> int:
+    from cluster.config import ConfigError, load_config
+
     try:
-        config = load_config(args.config, overrides)
+        config = load_config(args.config, up_overrides(args))
     except ConfigError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2

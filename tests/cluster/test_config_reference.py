@@ -62,3 +62,15 @@ def test_every_yaml_block_in_the_readme_loads(tmp_path):
         config = load_config(path, {})
         assert isinstance(config, ClusterConfig)
         config.to_spec()
+
+
+def test_every_flag_of_pdserve_up_sets_a_field_the_configuration_has():
+    from cluster.cli import build_parser, up_overrides
+
+    args = build_parser().parse_args(["up"])
+    for dotted in up_overrides(args):
+        model = ClusterConfig
+        *sections, name = dotted.split(".")
+        for section in sections:
+            model = SECTIONS[section]
+        assert name in model.model_fields, f"a pdserve up flag sets {dotted}, which the configuration does not have"
