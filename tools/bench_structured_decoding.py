@@ -51,6 +51,42 @@ def run(engine: LLMEngine, batch: int, tokens: int, structured: StructuredOutput
     return sum(tpots.values()) / len(tpots), produced
 
 
+# Answers of bounded length, for counting how many validate.
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "tags"],
+    "additionalProperties": False,
+}
+
+
+def count_valid(engine: LLMEngine, seeds: int, batch: int = 16) -> tuple[int, int, int]:
+    """(valid, ended by the grammar, answers) over ``seeds`` sampled answers to BOUNDED."""
+    import jsonschema
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer.from_file(str(engine.model_path / "tokenizer.json"))
+    structured = StructuredOutput("json_schema", json.dumps(BOUNDED))
+    valid = ended = 0
+    for first in range(0, seeds, batch):
+        count = min(batch, seeds - first)
+        prompts = [[(11 * s + 3 * j) % 5000 + 5 for j in range(16 + s % 48)] for s in range(first, first + count)]
+        params = [SamplingParams(max_tokens=256, temperature=1.0, seed=s, structured=structured) for s in range(first, first + count)]
+        for completion in engine.generate(prompts, params):
+            ended += completion.finish_reason.value == "eos"
+            try:
+                jsonschema.validate(json.loads(tokenizer.decode(completion.token_ids, skip_special_tokens=True)), BOUNDED)
+                valid += 1
+            except (ValueError, jsonschema.ValidationError):
+                pass
+    return valid, ended, seeds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -58,6 +94,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--validity", type=int, default=0, help="also count valid answers over this many seeds")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = LLMEngine(args.model, EngineConfig(num_threads=args.threads, dtype="float32"))
@@ -75,6 +112,9 @@ def main() -> None:
             f"batch {batch:2d}: TPOT plain {best_plain * 1e3:6.2f} ms, json_schema {best_constrained * 1e3:6.2f} ms "
             f"({best_constrained / best_plain:.3f}x; constrained runs produced >= {tokens:.0f} tokens per sequence)"
         )
+    if args.validity:
+        valid, ended, total = count_valid(engine, args.validity)
+        print(f"validity: {valid}/{total} sampled answers validate against their schema; {ended}/{total} ended where the grammar did")
 
 
 if __name__ == "__main__":
