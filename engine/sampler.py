@@ -81,9 +81,7 @@ class Sampler:
     def probabilities(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Each row's sampling distribution over the vocabulary, as ``sample`` would draw from it
         (sampled rows only: greedy ones are argmax, no distribution)."""
-        logits = self._adjust(logits, seqs)
-        probs, order = self._sorted_probabilities(logits, [s.params for s in seqs])
-        return probs if order is None else torch.zeros_like(probs).scatter_(1, order, probs)
+        return self._probabilities(self._adjust(logits, seqs), [s.params for s in seqs])
 
     def draw_generator(self, seq: Sequence, salt: int = 0) -> torch.Generator:
         """The generator a row draws from: a seeded request's is re-seeded for the row's position
@@ -132,24 +130,30 @@ class Sampler:
             logits[row, seen] = penalised_values.clamp(-limit, limit)
         return logits
 
-    def _sorted_probabilities(self, logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Temperature, then the filters: probabilities, sorted descending with their token ids
-        (``order``) when a filter applies, else in vocabulary order (``order`` None)."""
+    def _probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Temperature, then the filters: each row's probabilities, in vocabulary order.
+
+        Only the rows with a filter are sorted to apply it, decided by their own parameters: a
+        row's distribution (and so its seeded draw) never depends on what shares its batch. (It
+        did: a top_p request in the batch sorted every row, and the same uniform draw then
+        picked another token from a sampled request's sorted row than from its unsorted one.)"""
         # Shifted so each row's largest logit is 0 before dividing: a temperature as small as
         # 1e-40 then sends the others to -inf (greedy, in effect) instead of overflowing to
         # inf - inf = nan in the softmax.
         shifted = logits - logits.max(dim=-1, keepdim=True).values
         scaled = shifted / torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
-        order = None
-        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            scaled, order = scaled.sort(dim=-1, descending=True)
-            scaled = _filter_sorted(scaled, params)
-        return torch.softmax(scaled, dim=-1), order
+        filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+        if filtered:
+            index = torch.tensor(filtered)
+            in_order, order = scaled[index].sort(dim=-1, descending=True)
+            in_order = _filter_sorted(in_order, [params[i] for i in filtered])
+            scaled[index] = torch.empty_like(in_order).scatter_(1, order, in_order)
+        return torch.softmax(scaled, dim=-1)
 
     def _draw(
         self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], drafts: list[int | None], proposals: list[torch.Tensor | None]
     ) -> list[int]:
-        probs, order = self._sorted_probabilities(logits[torch.tensor(rows)], [seqs[r].params for r in rows])
+        probs = self._probabilities(logits[torch.tensor(rows)], [seqs[r].params for r in rows])
         block_cdf = _block_cdf(probs)
         tokens: list[int] = []
         for local, row in enumerate(rows):
@@ -157,27 +161,24 @@ class Sampler:
             row_probs, row_cdf = probs[local], block_cdf[local]
             draft = drafts[local]
             if draft is not None:
-                slot = int((order[local] == draft).nonzero()[0]) if order is not None else draft
                 proposal = proposals[local]
                 # Accept with min(1, p/q); q = 1 for a draft proposed with certainty.
-                threshold = float(row_probs[slot]) if proposal is None else float(row_probs[slot]) / float(proposal[draft])
+                threshold = float(row_probs[draft]) if proposal is None else float(row_probs[draft]) / float(proposal[draft])
                 if float(torch.rand((), generator=generator)) < threshold:
                     tokens.append(draft)
                     continue
                 if proposal is None:
                     row_probs = row_probs.clone()
-                    row_probs[slot] = 0.0  # rejected: the rest of the distribution, renormalized
+                    row_probs[draft] = 0.0  # rejected: the rest of the distribution, renormalized
                     row_cdf = _block_cdf(row_probs.unsqueeze(0))[0]
                 else:
-                    # Rejected: draw from what p has beyond q, in vocabulary order.
-                    full = row_probs if order is None else torch.zeros_like(row_probs).scatter_(0, order[local], row_probs)
-                    residual = (full - proposal).clamp_(min=0.0)
+                    # Rejected: draw from what p has beyond q.
+                    residual = (row_probs - proposal).clamp_(min=0.0)
                     if float(residual.sum()) <= 0.0:  # p <= q everywhere only if p == q: never rejected
-                        residual = full
+                        residual = row_probs
                     tokens.append(_draw_from_blocks(residual, _block_cdf(residual.unsqueeze(0))[0], generator))
                     continue
-            choice = _draw_from_blocks(row_probs, row_cdf, generator)
-            tokens.append(int(order[local, choice]) if order is not None else choice)
+            tokens.append(_draw_from_blocks(row_probs, row_cdf, generator))
         return tokens
 
 

@@ -26,6 +26,9 @@ def check_known_fields(message: Message, path: str = "") -> None:
         )
     for field, value in message.ListFields():
         field_path = f"{path}.{field.name}" if path else field.name
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            _check_map(field, value, field_path)
+            continue
         values = list(value) if field.is_repeated else [value]
         if field.enum_type is not None:
             for item in values:
@@ -33,6 +36,16 @@ def check_known_fields(message: Message, path: str = "") -> None:
         elif field.message_type is not None:
             for index, item in enumerate(values):
                 check_known_fields(item, f"{field_path}[{index}]" if field.is_repeated else field_path)
+
+
+def _check_map(field, entries, field_path: str) -> None:
+    """A map field: its values checked like any field's (its keys are scalars)."""
+    value_field = field.message_type.fields_by_name["value"]
+    for key, item in entries.items():
+        if value_field.enum_type is not None:
+            check_enum_value(f"{field_path}[{key}]", value_field.enum_type, item)
+        elif value_field.message_type is not None:
+            check_known_fields(item, f"{field_path}[{key}]")
 
 
 def check_enum_value(field_path: str, enum_type: EnumDescriptor, value: int) -> None:

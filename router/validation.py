@@ -9,6 +9,7 @@ vLLM does) when max_tokens was given; an unset max_tokens defaults to what fits.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -143,7 +144,43 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         min_tokens=sampling.min_tokens,
         skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
         priority=request.priority,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        logit_bias={int(token): float(bias) for token, bias in sampling.logit_bias.items()},
+        allowed_token_ids=list(sampling.allowed_token_ids) or None,
+        bad_words=list(sampling.bad_words),
+        structured=_structured_from_proto(sampling),
     )
+
+
+def _structured_from_proto(sampling: pb.SamplingParams) -> StructuredOutput | None:
+    if not sampling.HasField("structured_output"):
+        return None
+    message = sampling.structured_output
+    kind = message.WhichOneof("kind")
+    name = f"sampling.structured_output.{kind or 'kind'}"
+    if kind is None:
+        raise InvalidArgumentError(name, "set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_object":
+        if not message.json_object:
+            raise InvalidArgumentError(name, "must be true when set")
+        return StructuredOutput("json_object", field=name)
+    if kind == "choice":
+        choices = list(message.choice.values)
+        if not choices or not all(choices):
+            raise InvalidArgumentError(name, "must be a non-empty list of non-empty strings")
+        return StructuredOutput("choice", json.dumps(choices), field=name)
+    value = getattr(message, kind)
+    if not value:
+        raise InvalidArgumentError(name, "must not be empty")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgumentError(name, f"is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise InvalidArgumentError(name, "must be a JSON object")
+    return StructuredOutput(kind, value, field=name)
 
 
 def validate_input(

@@ -176,6 +176,9 @@ def test_expired_deadline_frees_every_block(client, e2e_model):
         (dict(prompt_token_ids=[5], logprobs=1000), "logprobs"),
         (dict(prompt_token_ids=[5], stop=[""]), "stop"),
         (dict(prompt_token_ids=[5], stop_token_ids=[99999]), "stop_token_ids"),
+        (dict(prompt_token_ids=[5], presence_penalty=3.0), "presence_penalty"),
+        (dict(prompt_token_ids=[5], structured_output=pb.StructuredOutput(json_schema="{nope")), "sampling.structured_output.json_schema"),
+        (dict(prompt_token_ids=[5], structured_output=pb.StructuredOutput(regex="(open")), "sampling.structured_output.regex"),
     ],
 )
 def test_bad_input_is_invalid_argument_naming_the_field(client, request_fields, field):
@@ -183,6 +186,19 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, request_fields, 
         client.generate(**request_fields)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in info.value.details()
+
+
+def test_structured_output_and_logit_bias_over_grpc(client, e2e_model, hf_tokenizer):
+    (prompt,) = random_prompts([40], e2e_model.vocab_size, seed=31)  # prefilled on the prefill actor
+    for seed in range(3):
+        stream = client.generate(
+            prompt_token_ids=prompt, max_tokens=60, temperature=1.0, seed=seed,
+            structured_output=pb.StructuredOutput(choice=pb.StringList(values=["alpha beta", "gamma", "delta!"])),
+        )
+        assert stream.text in ("alpha beta", "gamma", "delta!") and stream.last.finish_reason == pb.FINISH_REASON_EOS
+    greedy = hf_greedy(e2e_model.hf_model, prompt, 1)[0]
+    banned = client.generate(prompt_token_ids=prompt, max_tokens=1, temperature=0.0, logit_bias={greedy: -100.0})
+    assert banned.token_ids != [greedy]
 
 
 def test_unknown_enum_value_and_bad_request_id_are_refused(client):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import threading
 import time
 
@@ -68,18 +69,24 @@ def _wait_until_every_stream_sent_tokens(deployment, num_streams: int, at_least:
 def test_a_stream_whose_decode_actor_dies_migrates_with_no_gap_and_no_repeat(ray_cluster, e2e_model):
     """Killed mid-decode, decode-0's streams are re-prefilled (prompt plus the tokens sent) on
     decode-1 through the prefill actor and go on: greedy output equals transformers' for the
-    whole run, and a seeded sampled stream equals its own uninterrupted run."""
+    whole run, and a seeded sampled stream equals its own uninterrupted run, a constrained one
+    too (its grammar rebuilt from the tokens it had sent)."""
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN)
     prompts = random_prompts([40, 60, 80, 100], e2e_model.vocab_size, seed=22)
     num_tokens = 600
     expected = [hf_greedy(e2e_model.hf_model, p, num_tokens) for p in prompts]
     seeded = dict(prompt_token_ids=prompts[0], max_tokens=num_tokens, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    constrained = dict(
+        prompt_token_ids=prompts[1], max_tokens=num_tokens, temperature=1.0, seed=5, structured_output=pb.StructuredOutput(regex="[a-z ]{5000}")  # no end in sight
+    )
     with running_deployment(e2e_model, 1, 2, router) as deployment:
         client = Client(deployment.address)
         seeded_reference = client.generate(**seeded).token_ids
+        constrained_reference = client.generate(**constrained)
+        assert re.fullmatch("[a-z ]+", constrained_reference.text) and len(constrained_reference.token_ids) == num_tokens
         requests = [dict(prompt_token_ids=p, max_tokens=num_tokens, temperature=0.0, ignore_eos=True) for p in prompts]
-        streams = ParallelStreams(client, [*requests, seeded])
-        _wait_until_every_stream_sent_tokens(deployment, len(requests) + 1)
+        streams = ParallelStreams(client, [*requests, seeded, constrained])
+        _wait_until_every_stream_sent_tokens(deployment, len(requests) + 2)
         on_victim = {a.req_id for a in deployment.router.dispatcher.active.values() if a.decode.worker_id == "decode-0"}
         deployment.kill_worker("decode-0")
         results = streams.join()
@@ -90,7 +97,8 @@ def test_a_stream_whose_decode_actor_dies_migrates_with_no_gap_and_no_repeat(ray
             assert stream.last.finish_reason == pb.FINISH_REASON_LENGTH
             assert stream.last.usage.completion_tokens == num_tokens
             assert stream.last.usage.prompt_tokens == len(prompt)
-        assert results[-1].token_ids == seeded_reference
+        assert results[-2].token_ids == seeded_reference
+        assert results[-1].token_ids == constrained_reference.token_ids
         migrated = [s for s in results if s.messages[0].request_id in on_victim]
         assert migrated and all(s.last.decode_worker_id == "decode-1" for s in migrated)
         survivors = [w for w in client.wait_until_idle() if w.worker_id != "decode-0"]

@@ -176,3 +176,22 @@ def test_draws_over_a_large_vocabulary_follow_it_and_never_take_a_zero():
     counts = torch.bincount(torch.tensor([_draw_from_blocks(probs, cdf, generator) for _ in range(DRAWS)]), minlength=1000).float()
     assert counts.sum() == counts[support].sum(), "a token of probability 0 was drawn"
     _assert_frequencies(counts[support], probs[support])
+
+
+def test_a_seeded_draw_does_not_depend_on_a_filtered_row_beside_it():
+    """A top_p row in the batch once sorted every row, and the same uniform then picked another
+    token from the sorted row: a migrated stream diverged from its own uninterrupted run."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 300, generator=generator)
+    plain = SamplingParams(temperature=1.0, seed=7)
+    nucleus = SamplingParams(temperature=0.9, top_p=0.8, seed=8)
+
+    def draw(rows):
+        seqs = [Sequence(req_id=str(i), token_ids=[0], num_prompt_tokens=1, params=p) for i, p in enumerate(rows)]
+        for seq in seqs:
+            seq.generator = Sampler.make_generator(seq.params.seed)
+        return [token for token, _ in Sampler().sample(logits[: len(rows)], seqs)]
+
+    for _ in range(20):
+        logits = torch.randn(2, 300, generator=generator)
+        assert draw([plain])[0] == draw([plain, nucleus])[0]
