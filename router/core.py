@@ -87,13 +87,16 @@ class Router:
         self.readiness = Readiness()
 
     async def validate_input(self, request: GenerateInput, timeout_s: float | None = None) -> ValidatedRequest:
-        """Validate and tokenize; a long text prompt is tokenized off the event loop.
+        """Validate and tokenize; a long text prompt is tokenized, and an output constraint's
+        grammar compiled, off the event loop.
 
-        Tokenizing megabytes of text takes seconds, during which every other stream on this
-        loop would stall. Short prompts stay inline: a thread hop costs more than they do.
+        Tokenizing megabytes of text takes seconds, and a large schema's grammar can take
+        hundreds of milliseconds, during which every other stream on this loop would stall.
+        Short prompts stay inline: a thread hop costs more than they do.
         """
         validate = functools.partial(validate_input, request, self.limits, self.tokenizer.encode, timeout_s=timeout_s)
-        if request.prompt_text is not None and len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
+        long_text = request.prompt_text is not None and len(request.prompt_text) > INLINE_TOKENIZE_CHARS
+        if long_text or request.structured is not None:
             return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)
         return validate()
 
