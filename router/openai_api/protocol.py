@@ -22,14 +22,13 @@ seeded request's choice i draws with seed + i, so choices differ and each repeat
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
+from router.openai_api.constraints import logit_bias, structured_output
+from router.openai_api.fields import boolean, int_list, integer, is_int, json_object, number, refuse_unknown, string_list, type_name
 from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
@@ -67,12 +66,12 @@ class ApiRequest:
 
 
 def read_completion(body: Any) -> ApiRequest:
-    body = _object(body, "body")
-    _refuse_unknown(body, _COMPLETION_FIELDS)
-    echo = _bool(body, "echo", False)
+    body = json_object(body, "body")
+    refuse_unknown(body, _COMPLETION_FIELDS)
+    echo = boolean(body, "echo", False)
     if body.get("suffix") is not None:
         raise InvalidArgumentError("suffix", "is not supported")
-    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = integer(body, "logprobs", None, 0, MAX_LOGPROBS)
     if echo and logprobs is not None:
         raise InvalidArgumentError("echo", "with logprobs would need the prompt's log-probabilities, which pdserve does not compute; ask for one of them")
     prompts = _prompts(body)
@@ -94,27 +93,27 @@ def read_completion(body: Any) -> ApiRequest:
 
 def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | None = None) -> ApiRequest:
     """``tool_call_parser``: the deployment's (router.tool_call_parser); None: recognised from the template."""
-    body = _object(body, "body")
-    _refuse_unknown(body, _CHAT_FIELDS)
+    body = json_object(body, "body")
+    refuse_unknown(body, _CHAT_FIELDS)
     if template is None:
         raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja); use /v1/completions")
     calling = read_tool_calling(body, template.text, tool_call_parser)
     if body.get("store") not in (None, False):
         raise InvalidArgumentError("store", "is not supported")
     if "metadata" in body and body["metadata"] is not None:
-        _object(body["metadata"], "metadata")
+        json_object(body["metadata"], "metadata")
     if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] != body["max_completion_tokens"]:
         raise InvalidArgumentError("max_completion_tokens", "differs from max_tokens (its deprecated name); give one")
-    wants_logprobs = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    wants_logprobs = boolean(body, "logprobs", False)
+    top = integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not wants_logprobs:
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
     logprobs = (top or 0) if wants_logprobs else None
     messages = _messages(body)
     extra = body.get("chat_template_kwargs")
-    extra = dict(_object(extra, "chat_template_kwargs")) if extra is not None else None
+    extra = dict(json_object(extra, "chat_template_kwargs")) if extra is not None else None
     prompt = template.render(
-        template_messages(messages), add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        template_messages(messages), add_generation_prompt=boolean(body, "add_generation_prompt", True),
         tools=calling.tools if calling is not None else None, extra=extra,
     )
     base = _common(body, logprobs, max_tokens_field="max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
@@ -134,138 +133,51 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
 
 
 def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
-    stream = _bool(body, "stream", False)
+    stream = boolean(body, "stream", False)
     options = body.get("stream_options")
     include_usage = continuous = False
     if options is not None:
         if not stream:
             raise InvalidArgumentError("stream_options", "is only allowed with stream: true")
-        options = _object(options, "stream_options")
-        _refuse_unknown(options, {"include_usage", "continuous_usage_stats"}, prefix="stream_options.")
-        include_usage = _bool(options, "include_usage", False, prefix="stream_options.")
-        continuous = _bool(options, "continuous_usage_stats", False, prefix="stream_options.")
+        options = json_object(options, "stream_options")
+        refuse_unknown(options, {"include_usage", "continuous_usage_stats"}, prefix="stream_options.")
+        include_usage = boolean(options, "include_usage", False, prefix="stream_options.")
+        continuous = boolean(options, "continuous_usage_stats", False, prefix="stream_options.")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise InvalidArgumentError("model", f"must be a string, got {_type(model)}")
+        raise InvalidArgumentError("model", f"must be a string, got {type_name(model)}")
     return ApiRequest(model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs)
 
 
 def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_tokens") -> GenerateInput:
     if body.get("user") is not None and not isinstance(body["user"], str):
-        raise InvalidArgumentError("user", f"must be a string, got {_type(body['user'])}")
-    top_k = _int(body, "top_k", None, -1, None)
-    priority = _int(body, "priority", 0, -100, 100)
+        raise InvalidArgumentError("user", f"must be a string, got {type_name(body['user'])}")
+    top_k = integer(body, "top_k", None, -1, None)
+    priority = integer(body, "priority", 0, -100, 100)
     return GenerateInput(
-        max_tokens=_int(body, max_tokens_field, None, None, None),
-        temperature=_number(body, "temperature", None),
+        max_tokens=integer(body, max_tokens_field, None, None, None),
+        temperature=number(body, "temperature", None),
         top_k=top_k,
-        top_p=_number(body, "top_p", None),
-        min_p=_number(body, "min_p", None),
-        seed=_int(body, "seed", None, None, None),
-        repetition_penalty=_number(body, "repetition_penalty", None),
+        top_p=number(body, "top_p", None),
+        min_p=number(body, "min_p", None),
+        seed=integer(body, "seed", None, None, None),
+        repetition_penalty=number(body, "repetition_penalty", None),
         stop=_stop(body),
-        stop_token_ids=_int_list(body, "stop_token_ids"),
-        ignore_eos=_bool(body, "ignore_eos", False),
+        stop_token_ids=int_list(body, "stop_token_ids"),
+        ignore_eos=boolean(body, "ignore_eos", False),
         logprobs=logprobs,
-        min_tokens=_int(body, "min_tokens", 0, 0, None),
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        min_tokens=integer(body, "min_tokens", 0, 0, None),
+        skip_special_tokens=boolean(body, "skip_special_tokens", True),
         # vLLM's priority: lower is served first; the router's: higher is.
         priority=-priority,
         sampling_prefix="",
-        presence_penalty=_number(body, "presence_penalty", 0.0),
-        frequency_penalty=_number(body, "frequency_penalty", 0.0),
-        logit_bias=_logit_bias(body),
-        allowed_token_ids=_int_list(body, "allowed_token_ids") if body.get("allowed_token_ids") is not None else None,
-        bad_words=_string_list(body, "bad_words"),
-        structured=_structured_output(body),
+        presence_penalty=number(body, "presence_penalty", 0.0),
+        frequency_penalty=number(body, "frequency_penalty", 0.0),
+        logit_bias=logit_bias(body),
+        allowed_token_ids=int_list(body, "allowed_token_ids") if body.get("allowed_token_ids") is not None else None,
+        bad_words=string_list(body, "bad_words"),
+        structured=structured_output(body),
     )
-
-
-def _logit_bias(body: dict) -> dict[int, float]:
-    """OpenAI's logit_bias: token ids (JSON keys, so strings) to a bias in [-100, 100]."""
-    value = body.get("logit_bias")
-    if value is None:
-        return {}
-    bias = {}
-    for key, amount in _object(value, "logit_bias").items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise InvalidArgumentError(f"logit_bias.{key}", "keys must be token ids (integers)") from None
-        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount):
-            raise InvalidArgumentError(f"logit_bias.{key}", f"must be a number, got {_type(amount)}")
-        bias[token_id] = float(amount)
-    return bias
-
-
-# vLLM's structured_outputs keys, and the older top-level guided_* fields, to our kinds.
-_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
-
-
-def _structured_output(body: dict) -> StructuredOutput | None:
-    """The request's one output constraint, if it has one."""
-    found: list[StructuredOutput] = []
-    response_format = body.get("response_format")
-    if response_format is not None:
-        response_format = _object(response_format, "response_format")
-        kind = response_format.get("type")
-        if kind == "json_object":
-            found.append(StructuredOutput("json_object", field="response_format"))
-        elif kind == "json_schema":
-            spec = _object(response_format.get("json_schema"), "response_format.json_schema")
-            _refuse_unknown(spec, {"name", "description", "schema", "strict"}, prefix="response_format.json_schema.")
-            if spec.get("schema") is None:
-                raise InvalidArgumentError("response_format.json_schema.schema", "is required")
-            schema = _object(spec["schema"], "response_format.json_schema.schema")
-            found.append(StructuredOutput("json_schema", json.dumps(schema), field="response_format"))
-        elif kind != "text":
-            raise InvalidArgumentError("response_format.type", f"must be \"text\", \"json_object\" or \"json_schema\", got {kind!r}")
-    options = body.get("structured_outputs")
-    if options is not None:
-        options = _object(options, "structured_outputs")
-        _refuse_unknown(options, set(_STRUCTURED_KEYS), prefix="structured_outputs.")
-        for key, value in options.items():
-            if value is not None and value is not False:
-                found.append(_structured(_STRUCTURED_KEYS[key], value, f"structured_outputs.{key}"))
-    for key in ("json", "regex", "choice", "grammar"):
-        value = body.get(f"guided_{key}")
-        if value is not None:
-            found.append(_structured(_STRUCTURED_KEYS[key], value, f"guided_{key}"))
-    if len(found) > 1:
-        raise InvalidArgumentError(found[1].field, f"a request takes one output constraint; {found[0].field} already gives one")
-    return found[0] if found else None
-
-
-def _structured(kind: str, value: Any, name: str) -> StructuredOutput:
-    if kind == "json_object":
-        if value is not True:
-            raise InvalidArgumentError(name, "must be true")
-        return StructuredOutput("json_object", field=name)
-    if kind == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidArgumentError(name, f"is not valid JSON: {exc}") from None
-        return StructuredOutput("json_schema", json.dumps(_object(value, name)), field=name)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise InvalidArgumentError(name, "must be a non-empty list of non-empty strings")
-        return StructuredOutput("choice", json.dumps(value), field=name)
-    if not isinstance(value, str) or not value:
-        raise InvalidArgumentError(name, f"must be a non-empty string, got {_type(value)}")
-    return StructuredOutput(kind, value, field=name)
-
-
-def _string_list(body: dict, name: str) -> list[str]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
-        raise InvalidArgumentError(name, "must be a list of non-empty strings")
-    return list(value)
 
 
 def _choice(base: GenerateInput, index: int) -> GenerateInput:
@@ -278,8 +190,8 @@ def _choice(base: GenerateInput, index: int) -> GenerateInput:
 
 
 def _num_choices(body: dict, num_prompts: int) -> int:
-    n = _int(body, "n", 1, 1, MAX_CHOICES)
-    best_of = _int(body, "best_of", None, 1, None)
+    n = integer(body, "n", 1, 1, MAX_CHOICES)
+    best_of = integer(body, "best_of", None, 1, None)
     if best_of is not None and best_of != n:
         raise InvalidArgumentError("best_of", f"is not supported other than equal to n ({n})")
     if n * num_prompts > MAX_CHOICES:
@@ -296,14 +208,14 @@ def _prompts(body: dict) -> list[tuple[str, str | list[int]]]:
         return [("prompt", prompt)]
     if not isinstance(prompt, list) or not prompt:
         raise InvalidArgumentError("prompt", "must be a string, a list of token ids, or a non-empty list of either")
-    if all(_is_int(x) for x in prompt):
+    if all(is_int(x) for x in prompt):
         return [("prompt", list(prompt))]
     prompts: list[tuple[str, str | list[int]]] = []
     for index, item in enumerate(prompt):
         name = f"prompt[{index}]"
         if isinstance(item, str):
             prompts.append((name, item))
-        elif isinstance(item, list) and item and all(_is_int(x) for x in item):
+        elif isinstance(item, list) and item and all(is_int(x) for x in item):
             prompts.append((name, list(item)))
         else:
             raise InvalidArgumentError(name, "must be a string or a non-empty list of token ids")
@@ -317,7 +229,7 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     out = []
     for index, message in enumerate(messages):
         name = f"messages[{index}]"
-        message = _object(message, name)
+        message = json_object(message, name)
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise InvalidArgumentError(f"{name}.role", "must be a non-empty string")
@@ -329,7 +241,7 @@ def _messages(body: dict) -> list[dict[str, Any]]:
                 plain["content"] = _content(value, f"{name}.content")
             elif key == "name":
                 if not isinstance(value, str):
-                    raise InvalidArgumentError(f"{name}.name", f"must be a string, got {_type(value)}")
+                    raise InvalidArgumentError(f"{name}.name", f"must be a string, got {type_name(value)}")
                 plain["name"] = value
             elif key in ("tool_calls", "tool_call_id"):
                 plain.update(check_message_tool_fields({key: value}, name))
@@ -346,15 +258,15 @@ def _content(value: Any, name: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise InvalidArgumentError(name, f"must be a string or a list of text parts, got {_type(value)}")
+        raise InvalidArgumentError(name, f"must be a string or a list of text parts, got {type_name(value)}")
     texts = []
     for index, part in enumerate(value):
-        part = _object(part, f"{name}[{index}]")
+        part = json_object(part, f"{name}[{index}]")
         if part.get("type") != "text":
             raise InvalidArgumentError(f"{name}[{index}].type", f"only \"text\" parts are supported, got {part.get('type')!r}")
         text = part.get("text")
         if not isinstance(text, str):
-            raise InvalidArgumentError(f"{name}[{index}].text", f"must be a string, got {_type(text)}")
+            raise InvalidArgumentError(f"{name}[{index}].text", f"must be a string, got {type_name(text)}")
         texts.append(text)
     return "\n".join(texts)
 
@@ -368,62 +280,3 @@ def _stop(body: dict) -> list[str]:
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return list(stop)
     raise InvalidArgumentError("stop", "must be a string or a list of strings")
-
-
-def _int_list(body: dict, name: str) -> list[int]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(_is_int(x) for x in value):
-        raise InvalidArgumentError(name, "must be a list of integers")
-    return list(value)
-
-
-def _refuse_unknown(body: dict, known: set[str], prefix: str = "") -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise InvalidArgumentError(f"{prefix}{unknown[0]}", "is not a field of this API (unrecognized request argument)")
-
-
-def _object(value: Any, name: str) -> dict:
-    if not isinstance(value, dict):
-        raise InvalidArgumentError(name, f"must be a JSON object, got {_type(value)}")
-    return value
-
-
-def _bool(body: dict, name: str, default: bool, prefix: str = "") -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidArgumentError(f"{prefix}{name}", f"must be true or false, got {_type(value)}")
-    return value
-
-
-def _int(body: dict, name: str, default: int | None, low: int | None, high: int | None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value):
-        raise InvalidArgumentError(name, f"must be an integer, got {_type(value)}")
-    if low is not None and value < low or high is not None and value > high:
-        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-        raise InvalidArgumentError(name, f"must be in {bounds}, got {value}")
-    return value
-
-
-def _number(body: dict, name: str, default: float | None) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise InvalidArgumentError(name, f"must be a finite number, got {_type(value)}")
-    return float(value)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _type(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), repr(value))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import TokenLogprob
-from router.openai_api.tool_calls import ToolCallDelta, ToolCallOutput
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput
 from router.output_stream import OutputChunk, StreamEnd
 from router.tokenizer import Tokenizer
 

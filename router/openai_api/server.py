@@ -31,7 +31,7 @@ from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
 from router.openai_api.protocol import ApiRequest, read_chat, read_completion
 from router.openai_api.responses import ChoiceState, envelope, usage
-from router.openai_api.tool_calls import ToolCallOutput
+from router.openai_api.tool_parsers import ToolCallOutput
 from router.output_stream import OutputChunk, StreamEnd
 from router.session import GenerationSession
 

@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 from router.errors import InvalidArgumentError
-from router.openai_api.tool_calls import ToolCallOutput, ToolCalling, detect_parser, read_tool_calling
+from router.openai_api.tool_calls import ToolCalling, detect_parser, read_tool_calling
+from router.openai_api.tool_parsers import ToolCallOutput
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}

@@ -1,0 +1,79 @@
+"""Readers of one JSON field of an OpenAI request body: its type and range checked, any problem an
+``InvalidArgumentError`` naming the field as the client wrote it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from router.errors import InvalidArgumentError
+
+
+def int_list(body: dict, name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(is_int(x) for x in value):
+        raise InvalidArgumentError(name, "must be a list of integers")
+    return list(value)
+
+
+def refuse_unknown(body: dict, known: set[str], prefix: str = "") -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise InvalidArgumentError(f"{prefix}{unknown[0]}", "is not a field of this API (unrecognized request argument)")
+
+
+def json_object(value: Any, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(name, f"must be a JSON object, got {type_name(value)}")
+    return value
+
+
+def boolean(body: dict, name: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{prefix}{name}", f"must be true or false, got {type_name(value)}")
+    return value
+
+
+def integer(body: dict, name: str, default: int | None, low: int | None, high: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_int(value):
+        raise InvalidArgumentError(name, f"must be an integer, got {type_name(value)}")
+    if low is not None and value < low or high is not None and value > high:
+        bounds = f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+        raise InvalidArgumentError(name, f"must be in {bounds}, got {value}")
+    return value
+
+
+def number(body: dict, name: str, default: float | None) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidArgumentError(name, f"must be a finite number, got {type_name(value)}")
+    return float(value)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def type_name(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), repr(value))
+
+
+def string_list(body: dict, name: str) -> list[str]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+        raise InvalidArgumentError(name, "must be a list of non-empty strings")
+    return list(value)

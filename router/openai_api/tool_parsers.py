@@ -1,0 +1,173 @@
+"""A chat answer read for tool calls as it streams: the content the client sees and the calls,
+whole (OpenAI ``tool_calls``) and as streamed deltas, in the model's format (``hermes``,
+``llama3_json``) for ``tool_choice`` auto, or as the JSON a ``required`` or named choice's grammar
+made (router/openai_api/tool_calls.py says which is which)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.openai_api.tool_calls import HERMES_OPEN, PYTHON_TAG, ToolCalling, json_or
+
+_HERMES_CLOSE = "</tool_call>"
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """One streamed piece of a tool call (OpenAI's ``delta.tool_calls[i]``)."""
+
+    index: int
+    arguments: str
+    id: str | None = None  # on a call's first delta only, with its name
+    name: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"arguments": self.arguments}
+        body: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            body.update(id=self.id, type="function")
+            function["name"] = self.name
+        body["function"] = function
+        return body
+
+
+@dataclass(slots=True)
+class ToolCallOutput:
+    """Reads one choice's text as it streams: the content the client sees, and its tool calls."""
+
+    calling: ToolCalling
+    calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls so far, OpenAI's shape
+    _buffer: str = ""
+    _content_done: bool = False  # the rest is tool calls (hermes after a marker, llama3_json)
+    _decided: bool = False  # llama3_json: whether the answer is a call was settled
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's: "tool_calls" when calls were made (a named choice keeps "stop")."""
+        return "tool_calls" if self.calls and self.calling.choice != "named" else None
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """Content to send now, and tool-call deltas, for the next piece of the answer."""
+        choice = self.calling.choice
+        if choice == "none":
+            return text, []
+        if choice == "named":
+            first = not self.calls
+            if first:
+                self.calls.append(_call(self.calling.name, ""))
+            self.calls[0]["function"]["arguments"] += text
+            if not text and not first:
+                return "", []
+            return "", [ToolCallDelta(0, text, self.calls[0]["id"], self.calling.name) if first else ToolCallDelta(0, text)]
+        self._buffer += text
+        if choice == "required":
+            return "", []
+        if self.calling.parser == "hermes":
+            return self._feed_hermes()
+        return self._feed_llama3()
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """What is left once the answer ended."""
+        choice = self.calling.choice
+        if choice in ("none", "named"):
+            return "", []
+        rest, self._buffer = self._buffer, ""
+        if choice == "required":
+            return "", self._add([(item["name"], item["parameters"]) for item in json_or(rest, [])])
+        if self.calling.parser == "hermes":
+            if self._content_done:  # a call the answer did not close
+                found = _hermes_call(rest)
+                return ("", self._add([found])) if found else (HERMES_OPEN + rest, [])
+            return ("" if self.calls and not rest.strip() else rest), []
+        calls = _llama3_calls(rest) if self._content_done else None
+        if calls is None:
+            return rest, []
+        return "", self._add(calls)
+
+    def _feed_hermes(self) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = "", []
+        while True:
+            if not self._content_done:
+                at = self._buffer.find(HERMES_OPEN)
+                if at < 0:
+                    # Hold back what could be the start of a marker.
+                    keep = _marker_prefix_len(self._buffer, HERMES_OPEN)
+                    return content + self._content(self._buffer[: len(self._buffer) - keep]), deltas
+                content += self._content(self._buffer[:at])  # the buffer now starts with the marker
+                self._buffer = self._buffer[len(HERMES_OPEN) :]
+                self._content_done = True
+            end = self._buffer.find(_HERMES_CLOSE)
+            if end < 0:
+                return content, deltas
+            found = _hermes_call(self._buffer[:end])
+            self._buffer = self._buffer[end + len(_HERMES_CLOSE) :]
+            if found:
+                deltas += self._add([found])
+            self._content_done = False
+
+    def _content(self, text: str) -> str:
+        """Hermes text outside the calls: taken from the buffer; whitespace between calls dropped."""
+        self._buffer = self._buffer[len(text) :]
+        return "" if self.calls and not text.strip() else text
+
+    def _feed_llama3(self) -> tuple[str, list[ToolCallDelta]]:
+        if not self._decided:
+            stripped = self._buffer.lstrip()
+            if not stripped or PYTHON_TAG.startswith(stripped):
+                return "", []
+            self._decided = True
+            self._content_done = stripped.startswith("{") or stripped.startswith(PYTHON_TAG)
+        if self._content_done:
+            return "", []
+        text, self._buffer = self._buffer, ""
+        return text, []
+
+    def _add(self, found: list[tuple[str, Any]]) -> list[ToolCallDelta]:
+        deltas = []
+        for name, arguments in found:
+            call = _call(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+            deltas.append(ToolCallDelta(len(self.calls), call["function"]["arguments"], call["id"], name))
+            self.calls.append(call)
+        return deltas
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _hermes_call(text: str) -> tuple[str, Any] | None:
+    body = json_or(text.strip(), None)
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        return None
+    return body["name"], body.get("arguments", {})
+
+
+def _llama3_calls(text: str) -> list[tuple[str, Any]] | None:
+    """Every call of a Llama 3 JSON answer, or None if it is not one."""
+    text = text.strip().removeprefix(PYTHON_TAG).strip()
+    calls = []
+    decoder = json.JSONDecoder()
+    position = 0
+    while position < len(text):
+        try:
+            body, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            return None
+        calls.append((body["name"], body.get("parameters", body.get("arguments", {}))))
+        position = end
+        while position < len(text) and text[position] in " \n\t;":
+            position += 1
+    return calls or None
+
+
+def _marker_prefix_len(text: str, marker: str) -> int:
+    """How many of ``text``'s last characters are a proper start of ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
