@@ -195,3 +195,41 @@ def test_a_seeded_draw_does_not_depend_on_a_filtered_row_beside_it():
     for _ in range(20):
         logits = torch.randn(2, 300, generator=generator)
         assert draw([plain])[0] == draw([plain, nucleus])[0]
+
+
+def _reference_filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """top-k, then top-p and min-p on the renormalized rest, over the whole sorted row."""
+    values, order = (logits / params.temperature).sort(descending=True)
+    probs = torch.softmax(values, dim=-1)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[params.top_k :] = False
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    keep &= (probs.cumsum(0) - probs) < params.top_p
+    keep &= probs >= params.min_p * probs[0]
+    keep[0] = True
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return torch.zeros_like(kept).scatter_(0, order, kept / kept.sum())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.8),
+        SamplingParams(temperature=1.3, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=7),
+    ],
+)
+def test_filters_over_a_large_vocabulary_give_the_full_sorts_distribution(params):
+    """Filtered rows look for their survivors among their largest logits and sort the whole row
+    only when they are not all there: a peaked row (inside) and a flat one (the full sort)."""
+    generator = torch.Generator().manual_seed(5)
+    peaked = torch.randn(20000, generator=generator) * 4
+    flat = torch.randn(20000, generator=generator) * 0.01
+    logits = torch.stack([peaked, flat])
+    seqs = [Sequence(req_id=str(i), token_ids=[0], num_prompt_tokens=1, params=params) for i in range(2)]
+    got = Sampler().probabilities(logits, seqs)
+    for row in range(2):
+        assert torch.allclose(got[row], _reference_filtered(logits[row], params), atol=1e-6), row
