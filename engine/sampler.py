@@ -99,8 +99,7 @@ class Sampler:
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Every per-request change to the logits before temperature, in vLLM's order."""
         logits = _apply_logit_adjustments(logits, seqs)
-        logits = self._apply_repetition_penalty(logits, seqs)
-        logits = _apply_output_penalties(logits, seqs)
+        logits = _apply_penalties(logits, seqs)
         return self._suppress_early_stops(logits, seqs)
 
     def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -114,22 +113,6 @@ class Sampler:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             if stops:
                 logits[row, sorted(stops)] = float("-inf")
-        return logits
-
-    def _apply_repetition_penalty(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        penalised = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
-        if not penalised:
-            return logits
-        logits = logits.clone()
-        for row in penalised:
-            seen = torch.tensor(sorted(set(seqs[row].token_ids)), dtype=torch.long)
-            penalty = seqs[row].params.repetition_penalty
-            values = logits[row, seen]
-            penalised_values = torch.where(values > 0, values / penalty, values * penalty)
-            # A tiny or huge penalty overflows to +-inf; keep the logits finite so nothing
-            # downstream computes inf - inf (it ties the overflowed tokens at the extreme).
-            limit = torch.finfo(logits.dtype).max
-            logits[row, seen] = penalised_values.clamp(-limit, limit)
         return logits
 
     def _probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
@@ -261,20 +244,44 @@ def _apply_logit_adjustments(logits: torch.Tensor, seqs: list[Sequence]) -> torc
     return logits
 
 
-def _apply_output_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """vLLM's frequency and presence penalties: minus frequency x the count of each token in the
-    output, minus presence for each token the output holds at all."""
-    rows = [i for i, s in enumerate(seqs) if s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0]
-    rows = [i for i in rows if _output_ids(seqs[i])]
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """vLLM's penalties, as batched tensor ops over the rows that have any: repetition over the
+    prompt and output (a positive logit divided by it, a negative one multiplied), then minus
+    frequency x each token's count in the output, minus presence for each token it holds."""
+    rows = [
+        i for i, s in enumerate(seqs)
+        if s.params.repetition_penalty != 1.0 or ((s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0) and _output_ids(s))
+    ]
     if not rows:
         return logits
+    vocab, device = logits.shape[-1], logits.device
+    index = torch.tensor(rows, device=device)
+    values = logits[index]
+    seen = _token_counts([seqs[i].token_ids for i in rows], vocab, device) > 0
+    repetition = torch.tensor([seqs[i].params.repetition_penalty for i in rows], dtype=values.dtype, device=device).unsqueeze(1)
+    penalised = torch.where(values > 0, values / repetition, values * repetition)
+    # A tiny or huge penalty overflows to +-inf; keep the logits finite so nothing downstream
+    # computes inf - inf (it ties the overflowed tokens at the extreme).
+    limit = torch.finfo(values.dtype).max
+    values = torch.where(seen & (repetition != 1.0), penalised.clamp(-limit, limit), values)
+    counts = _token_counts([_output_ids(seqs[i]) for i in rows], vocab, device).to(values.dtype)
+    frequency = torch.tensor([seqs[i].params.frequency_penalty for i in rows], dtype=values.dtype, device=device).unsqueeze(1)
+    presence = torch.tensor([seqs[i].params.presence_penalty for i in rows], dtype=values.dtype, device=device).unsqueeze(1)
+    values = values - frequency * counts - presence * (counts > 0).to(values.dtype)
     logits = logits.clone()
-    for row in rows:
-        seq = seqs[row]
-        output = torch.tensor(_output_ids(seq), dtype=torch.long, device=logits.device)
-        counts = torch.bincount(output, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
-        logits[row] -= seq.params.frequency_penalty * counts + seq.params.presence_penalty * (counts > 0).to(logits.dtype)
+    logits[index] = values
     return logits
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[rows, vocab]: how many times each token occurs in each row's list (one scatter)."""
+    width = max(1, max(len(tokens) for tokens in token_lists))
+    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # the extra column takes the padding
+    for row, tokens in enumerate(token_lists):
+        padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=torch.int32, device=device))
+    return counts[:, :vocab]
 
 
 def _output_ids(seq: Sequence) -> list[int]:
