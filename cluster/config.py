@@ -133,14 +133,6 @@ class AutoscalerSection(BaseModel):
 
 
 _ROUTER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
-# RouterConfig fields the YAML's router section sets under the same name, as they are.
-ROUTER_PASS_THROUGH = (
-    "host", "port", "routing_policy", "kv_overlap_weight", "disaggregation", "local_prefill_max_tokens", "max_queued_requests",
-    "ready_wait_s", "admin_host", "admin_port", "http_host", "http_port", "served_model_names", "tls_cert_file", "tls_key_file",
-    "stream_interval", "model_sampling_defaults", "prefill_busy_tokens", "busy_local_prefill_max_tokens", "max_prefill_retries",
-    "max_decode_restarts", "max_worker_deaths_per_request", "kv_lease_s", "capacity_wait_s", "admission_ttft_budget_s",
-    "priority_max_wait_s", "router_lease_s", "output_poll_s", "status_timeout_s", "tool_call_parser",
-)
 # RouterConfig fields the YAML sets some other way.
 ROUTER_SET_ELSEWHERE = {
     "auth_token": "router.auth_token_file or $PDSERVE_AUTH_TOKEN",
@@ -251,6 +243,11 @@ class RouterSection(BaseModel):
                 raise ValueError(f"router.auth_token_file: {self.auth_token_file} is empty")
             return token
         return os.environ.get(AUTH_TOKEN_ENV) or None
+
+
+
+# RouterConfig fields the YAML's router section sets under the same name, as they are.
+ROUTER_PASS_THROUGH = tuple(name for name in RouterSection.model_fields if name in _ROUTER_DEFAULTS)
 
 
 class PrefillPoolConfig(PoolConfig):

@@ -92,18 +92,12 @@ class Grammars:
     def start_masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> Future | None:
         """Compute the masks of a step's sampled rows on the mask thread: per row, the sequence's
         grammar (None: unconstrained) and the drafts before that row. The future's result is
-        ``(bitmask, constrained row indices)``; None when no row is constrained."""
-        if not any(grammar is not None for grammar, _ in rows):
+        ``(bitmask, constrained row indices)``; None when there are no rows (none constrained)."""
+        if not rows:
             return None
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return self._mask_thread.submit(self._masks, rows)
-
-    def masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> tuple[torch.Tensor, list[int]] | None:
-        """``start_masks``, computed here and now."""
-        if not any(grammar is not None for grammar, _ in rows):
-            return None
-        return self._masks(rows)
 
     def _masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> tuple[torch.Tensor, list[int]]:
         bitmask = torch.zeros(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)

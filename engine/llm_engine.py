@@ -328,12 +328,14 @@ class LLMEngine:
         self.num_steps += 1
         self.num_scheduled_tokens += batch.num_tokens
         self.last_shape = shape_of(batch)
+        last = layers.stop == self.model_config.num_layers
+        masks = self.grammars.start_masks(_grammar_rows(batch)) if last else None
         out = self.executor.execute_stage(batch, layers, incoming)
-        if layers.stop < self.model_config.num_layers:
+        if not last:
             for piece in batch.slices:
                 self.scheduler.advance_stage(piece.seq, piece.num_tokens)
             return out
-        return self._outputs(out, batch)
+        return self._outputs(out, batch, masks)
 
     def run_reserved_stage(
         self, seq: Sequence, num_tokens: int, layers: range, incoming: StageActivations
@@ -349,8 +351,9 @@ class LLMEngine:
         self.num_steps += 1
         self.num_scheduled_tokens += num_tokens
         self.last_shape = shape_of(batch)
+        masks = self.grammars.start_masks(_grammar_rows(batch))
         logits = self.executor.execute_stage(batch, layers, incoming)
-        sample = self._sample(logits, batch)[0][0] if batch.slices[0].completes_sequence else None
+        sample = self._sample(logits, batch, masks)[0][0] if batch.slices[0].completes_sequence else None
         seq.num_computed_tokens += num_tokens
         return sample
 
@@ -358,7 +361,7 @@ class LLMEngine:
         masks = self.grammars.start_masks(_grammar_rows(batch))  # beside the forward
         return self._outputs(self.executor.execute(batch), batch, masks)
 
-    def _outputs(self, logits: torch.Tensor, batch: ScheduledBatch, masks: Future | None = None) -> list[RequestOutput]:
+    def _outputs(self, logits: torch.Tensor, batch: ScheduledBatch, masks: Future | None) -> list[RequestOutput]:
         """Sample the batch's logits and advance its sequences."""
         samples = self._sample(logits, batch, masks)
         outputs = []
@@ -376,17 +379,16 @@ class LLMEngine:
             )
         return outputs
 
-    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch, masks: Future | None = None) -> list[list[tuple[int, TokenLogprob | None]]]:
+    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch, masks: Future | None) -> list[list[tuple[int, TokenLogprob | None]]]:
         """Per completing slice, the tokens it emits: its one sampled token, or with drafts, the
         row-by-row tokens while each equals the draft it verifies, and the first that does not
         (or the token after the last draft). Constrained rows are drawn under their grammar's
-        mask (``masks``: computed while the forward ran; None: computed here if any is needed)."""
+        mask (``masks``: computed while the forward ran; None: no row is constrained)."""
         completing = [piece for piece in batch.slices if piece.num_sampled_rows]
         if not completing:
             return []
-        row_masks = masks.result() if masks is not None else self.grammars.masks(_grammar_rows(batch))
-        if row_masks is not None:
-            logits = apply_masks(logits, row_masks)
+        if masks is not None:
+            logits = apply_masks(logits, masks.result())
         if not any(piece.draft_token_ids for piece in completing):
             return [[sample] for sample in self.sampler.sample(logits, [piece.seq for piece in completing])]
         rows: list[Sequence | DraftRow] = []
@@ -433,14 +435,14 @@ class LLMEngine:
 
 def _grammar_rows(batch: ScheduledBatch) -> list:
     """Per row ``_sample`` draws, the sequence's grammar (None: unconstrained) and the drafts
-    before that row."""
+    before that row; empty when no row is constrained (most steps)."""
+    completing = [piece for piece in batch.slices if piece.num_sampled_rows]
+    if all(piece.seq.grammar is None for piece in completing):
+        return []
     rows = []
-    for piece in batch.slices:
-        if not piece.num_sampled_rows:
-            continue
-        grammar = piece.seq.grammar
+    for piece in completing:
         drafts = piece.draft_token_ids or []
-        rows.extend((grammar, drafts[:i]) for i in range(len(drafts) + 1))
+        rows.extend((piece.seq.grammar, drafts[:i]) for i in range(len(drafts) + 1))
     return rows
 
 

@@ -132,11 +132,10 @@ class Sampler:
         if all(draft is None for draft in drafts):
             return self._draw_plain(logits, seqs, rows)
         probs = self._probabilities(logits[torch.tensor(rows)], [seqs[r].params for r in rows])
-        block_cdf = _block_cdf(probs)
         tokens: list[int] = []
         for local, row in enumerate(rows):
             generator = self.draw_generator(seqs[row])
-            row_probs, row_cdf = probs[local], block_cdf[local]
+            row_probs = probs[local]
             draft = drafts[local]
             if draft is not None:
                 proposal = proposals[local]
@@ -148,17 +147,14 @@ class Sampler:
                 if proposal is None:
                     row_probs = row_probs.clone()
                     row_probs[draft] = 0.0  # rejected: the rest of the distribution, renormalized
-                    row_cdf = _block_cdf(row_probs.unsqueeze(0))[0]
                 else:
                     # Rejected: draw from what p has beyond q.
                     residual = (row_probs - proposal).clamp_(min=0.0)
-                    if float(residual.sum()) <= 0.0:  # p <= q everywhere only if p == q: never rejected
-                        residual = row_probs
-                    tokens.append(_draw_from_blocks(residual, _block_cdf(residual.unsqueeze(0))[0], generator))
-                    continue
-            tokens.append(_draw_from_blocks(row_probs, row_cdf, generator))
+                    # p <= q everywhere only if p == q: never rejected.
+                    row_probs = residual if float(residual.sum()) > 0.0 else row_probs
+            uniform = torch.rand(1, generator=generator, dtype=torch.float64)
+            tokens.append(int(_inverse_cdf(row_probs.unsqueeze(0), uniform.to(row_probs.device))[0]))
         return tokens
-
 
     def _draw_plain(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[int]:
         """One draw per row, batched: each row's uniform from its own generator, the inverse CDF
@@ -175,35 +171,10 @@ class Sampler:
         return tokens
 
 
-# Inverse-CDF draws in two levels: a row's probabilities in blocks of this many, the block found
-# on the blocks' cumulative sums, then the token inside it. torch.multinomial took 0.77 ms per
-# row of a 49k vocabulary here (37% of a batch-32 decode step of the 135M model); this ~20 us.
+# Inverse-CDF draws in two levels (_inverse_cdf): a row's probabilities in blocks of this many,
+# the block found on the blocks' cumulative sums, then the token inside it. torch.multinomial took
+# 0.77 ms per row of a 49k vocabulary here (37% of a batch-32 decode step of the 135M model).
 _DRAW_BLOCK = 64
-
-
-def _block_cdf(probs: torch.Tensor) -> torch.Tensor:
-    """Per row, the cumulative sums (float64) of its probabilities in blocks of _DRAW_BLOCK."""
-    rows, vocab = probs.shape
-    pad = (-vocab) % _DRAW_BLOCK
-    padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
-    return padded.view(rows, -1, _DRAW_BLOCK).sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
-
-
-def _draw_from_blocks(row_probs: torch.Tensor, block_cdf: torch.Tensor, generator: torch.Generator) -> int:
-    """One token drawn from ``row_probs`` (need not sum to 1): u ~ U[0, total), the first token
-    whose cumulative probability exceeds it. A token of probability 0 is never drawn."""
-    u = torch.rand(1, generator=generator, dtype=torch.float64) * block_cdf[-1]
-    block = min(int(torch.searchsorted(block_cdf, u, right=True)), block_cdf.numel() - 1)
-    start = block * _DRAW_BLOCK
-    inside = row_probs[start : start + _DRAW_BLOCK].double().cumsum(0)
-    if block:
-        inside += block_cdf[block - 1]
-    token = start + min(int(torch.searchsorted(inside, u, right=True)), inside.numel() - 1)
-    if row_probs[token] <= 0:  # u at a rounding edge: the nearest token that can be drawn
-        positive = row_probs.nonzero().flatten()
-        before = positive[positive < token]
-        token = int(before[-1]) if before.numel() else int(positive[0])
-    return token
 
 
 def _adjusts(params) -> bool:
@@ -250,7 +221,7 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
     frequency x each token's count in the output, minus presence for each token it holds."""
     rows = [
         i for i, s in enumerate(seqs)
-        if s.params.repetition_penalty != 1.0 or ((s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0) and _output_ids(s))
+        if s.params.repetition_penalty != 1.0 or ((s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0) and _num_output(s))
     ]
     if not rows:
         return logits
@@ -284,10 +255,15 @@ def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Ten
     return counts[:, :vocab]
 
 
+def _num_output(seq: Sequence) -> int:
+    """How many tokens the request has produced, including those before it was resumed here
+    (the tail of its prompt on this worker): penalties see the same output wherever it runs."""
+    return seq.num_output_tokens + seq.params.num_resumed_tokens
+
+
 def _output_ids(seq: Sequence) -> list[int]:
-    """The request's output so far, including what it produced before it was resumed here (the
-    tail of its prompt on this worker): penalties see the same output wherever it runs."""
-    num_output = seq.num_output_tokens + seq.params.num_resumed_tokens
+    """The request's output so far (``_num_output`` tokens)."""
+    num_output = _num_output(seq)
     return seq.token_ids[len(seq.token_ids) - num_output :] if num_output else []
 
 
@@ -362,7 +338,7 @@ def _survivors_inside(values: torch.Tensor, log_norm: torch.Tensor, params) -> b
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row, the index where its cumulative probability first exceeds ``uniforms`` x its
-    total (rows need not sum to 1): the two-level draw of _draw_from_blocks, batched."""
+    total (rows need not sum to 1); a token of probability 0 is never drawn."""
     rows, width = probs.shape
     pad = (-width) % _DRAW_BLOCK
     padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs

@@ -37,6 +37,33 @@ class StructuredOutput:
     value: str = ""
     field: str = "structured_outputs"
 
+    @classmethod
+    def build(cls, kind: str, value: object, field: str) -> "StructuredOutput":
+        """From an API field's value: a schema (an object or its JSON text), true for
+        json_object, a list of choices, or a regex or grammar; InvalidRequestError naming ``field``."""
+        if kind == "json_object":
+            if value is not True:
+                raise InvalidRequestError(field, "must be true")
+            return cls("json_object", field=field)
+        if kind == "json_schema":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise InvalidRequestError(field, f"is not valid JSON: {exc}") from None
+            if not isinstance(value, dict):
+                raise InvalidRequestError(field, f"must be a JSON schema object, got {type(value).__name__}")
+            return cls("json_schema", json.dumps(value), field)
+        if kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise InvalidRequestError(field, "must be a non-empty list of non-empty strings")
+            return cls("choice", json.dumps(value), field)
+        if kind not in KINDS:
+            raise InvalidRequestError(field, f"unknown kind {kind!r}; one of {list(KINDS)}")
+        if not isinstance(value, str) or not value:
+            raise InvalidRequestError(field, "must be a non-empty string")
+        return cls(kind, value, field)
+
     def to_llguidance(self) -> str:
         """The grammar text llguidance's matcher takes; InvalidRequestError if it cannot be made."""
         import llguidance  # the Rust core only: no torch
@@ -68,12 +95,6 @@ def check_grammar(structured: StructuredOutput) -> None:
     """InvalidRequestError naming ``structured.field`` unless llguidance compiles its grammar."""
     import llguidance
 
-    if structured.kind not in KINDS:
-        raise InvalidRequestError(structured.field, f"unknown kind {structured.kind!r}; one of {list(KINDS)}")
-    if structured.kind == "choice":
-        choices = json.loads(structured.value)
-        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-            raise InvalidRequestError(structured.field, "must be a non-empty list of non-empty strings")
     error = llguidance.LLMatcher.validate_grammar(structured.to_llguidance())
     if error:
         raise InvalidRequestError(structured.field, f"cannot be compiled: {error.strip()}")

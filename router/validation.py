@@ -9,7 +9,6 @@ vLLM does) when max_tokens was given; an unset max_tokens defaults to what fits.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import uuid
@@ -158,29 +157,13 @@ def _structured_from_proto(sampling: pb.SamplingParams) -> StructuredOutput | No
         return None
     message = sampling.structured_output
     kind = message.WhichOneof("kind")
-    name = f"sampling.structured_output.{kind or 'kind'}"
     if kind is None:
-        raise InvalidArgumentError(name, "set one of json_schema, json_object, regex, choice, grammar")
-    if kind == "json_object":
-        if not message.json_object:
-            raise InvalidArgumentError(name, "must be true when set")
-        return StructuredOutput("json_object", field=name)
-    if kind == "choice":
-        choices = list(message.choice.values)
-        if not choices or not all(choices):
-            raise InvalidArgumentError(name, "must be a non-empty list of non-empty strings")
-        return StructuredOutput("choice", json.dumps(choices), field=name)
-    value = getattr(message, kind)
-    if not value:
-        raise InvalidArgumentError(name, "must not be empty")
-    if kind == "json_schema":
-        try:
-            schema = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgumentError(name, f"is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict):
-            raise InvalidArgumentError(name, "must be a JSON object")
-    return StructuredOutput(kind, value, field=name)
+        raise InvalidArgumentError("sampling.structured_output", "set one of json_schema, json_object, regex, choice, grammar")
+    value = list(message.choice.values) if kind == "choice" else getattr(message, kind)
+    try:
+        return StructuredOutput.build(kind, value, f"sampling.structured_output.{kind}")
+    except InvalidRequestError as exc:
+        raise InvalidArgumentError(exc.field, exc.problem) from None
 
 
 def validate_input(
@@ -305,10 +288,13 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
     )
     try:
         params.validate(limits.vocab_size)
-        if params.structured is not None:
-            check_grammar(params.structured)
     except InvalidRequestError as exc:
         raise InvalidArgumentError(f"{prefix}{exc.field}", exc.problem) from exc
+    if params.structured is not None:
+        try:
+            check_grammar(params.structured)
+        except InvalidRequestError as exc:  # its field is already the API's full name
+            raise InvalidArgumentError(exc.field, exc.problem) from exc
     return params
 
 

@@ -9,6 +9,7 @@ import json
 import math
 from typing import Any
 
+from engine.errors import InvalidRequestError
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.fields import json_object, refuse_unknown, type_name
@@ -70,21 +71,7 @@ def structured_output(body: dict) -> StructuredOutput | None:
 
 
 def _structured(kind: str, value: Any, name: str) -> StructuredOutput:
-    if kind == "json_object":
-        if value is not True:
-            raise InvalidArgumentError(name, "must be true")
-        return StructuredOutput("json_object", field=name)
-    if kind == "json_schema":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidArgumentError(name, f"is not valid JSON: {exc}") from None
-        return StructuredOutput("json_schema", json.dumps(json_object(value, name)), field=name)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise InvalidArgumentError(name, "must be a non-empty list of non-empty strings")
-        return StructuredOutput("choice", json.dumps(value), field=name)
-    if not isinstance(value, str) or not value:
-        raise InvalidArgumentError(name, f"must be a non-empty string, got {type_name(value)}")
-    return StructuredOutput(kind, value, field=name)
+    try:
+        return StructuredOutput.build(kind, value, name)
+    except InvalidRequestError as exc:
+        raise InvalidArgumentError(exc.field, exc.problem) from None

@@ -95,9 +95,10 @@ class ChoiceState:
         text = "".join(self.text)
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.tools is not None and self.tools.calls:
-                choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": self.tools.calls}
+                message.update(content=text or None, tool_calls=self.tools.calls)
+            choice["message"] = message
             choice["logprobs"] = {"content": self.chat_logprobs} if self.num_logprobs is not None else None
         else:
             choice["text"] = text

@@ -166,14 +166,14 @@ def test_min_tokens_above_max_tokens_is_refused():
 def test_draws_over_a_large_vocabulary_follow_it_and_never_take_a_zero():
     """The two-level inverse-CDF draw (blocks of 64) over a vocabulary that is no multiple of 64,
     with mass in a few scattered tokens and exact zeros around them."""
-    from engine.sampler import _block_cdf, _draw_from_blocks
+    from engine.sampler import _inverse_cdf
 
     probs = torch.zeros(1000)
     support = torch.tensor([0, 63, 64, 500, 977, 999])
     probs[support] = torch.tensor([0.05, 0.3, 0.15, 0.2, 0.1, 0.2])
-    cdf = _block_cdf(probs.unsqueeze(0))[0]
     generator = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.tensor([_draw_from_blocks(probs, cdf, generator) for _ in range(DRAWS)]), minlength=1000).float()
+    uniforms = torch.rand(DRAWS, generator=generator, dtype=torch.float64)
+    counts = torch.bincount(_inverse_cdf(probs.expand(DRAWS, -1), uniforms), minlength=1000).float()
     assert counts.sum() == counts[support].sum(), "a token of probability 0 was drawn"
     _assert_frequencies(counts[support], probs[support])
 
