@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.attention import AttentionMetadata
+from engine.attention.sdpa import SdpaMetadata
 from engine.bench_reference import TransformersReference
 from engine.config import DTYPES, EngineConfig
 from engine.llm_engine import LLMEngine
@@ -131,7 +131,7 @@ def bench_raw_decode(engine: LLMEngine, batch: int, context: int, steps: int) ->
 
     def one_step() -> None:
         nonlocal tokens
-        meta = AttentionMetadata(
+        meta = SdpaMetadata(
             slot_blocks=block_tables[rows, positions // block_size],
             slot_offsets=positions % block_size,
             num_single=batch,

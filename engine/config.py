@@ -29,6 +29,10 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
+# engine.attention.registry's names (kept here so the config imports no backend).
+ATTENTION_BACKEND_NAMES = ("auto", "cpu", "sdpa", "flashinfer")
+
+
 @dataclass(slots=True)
 class RopeConfig:
     """Rotary embedding parameters; ``scaling_type`` is one of ROPE_TYPES (engine/rope.py)."""
@@ -228,10 +232,14 @@ class EngineConfig:
     # CPU: run linears with weights repacked at load (engine.cpu_linear: pdserve's bfloat16
     # pair kernel where the CPU has avx512_bf16, else oneDNN); False keeps torch's matmul.
     prepack_linear: bool = True
-    # CPU: decode and prefill attention read the paged cache through kernels built for this
-    # machine on first use (engine.cpu_attention); False, or where they cannot be built,
-    # gathers the blocks for SDPA.
-    native_attention: bool = True
+    # Which attention backend reads the paged cache (engine.attention.registry): auto (the CPU
+    # kernels built for this machine on a CPU, FlashInfer on CUDA where installed and the cache
+    # is float16/bfloat16, else SDPA), cpu, sdpa or flashinfer.
+    attention_backend: str = "auto"
+    # CUDA: replay decode steps of up to this many rows from captured CUDA graphs (one per batch
+    # bucket, captured on first use), where the attention backend can (flashinfer) and the
+    # engine is one rank. 0: every step runs eagerly.
+    cuda_graph_max_batch: int = 256
     # Priority aging: a request waiting this long since it arrived is served ahead of every
     # priority, oldest first, so a low priority bounds a wait instead of starving it. None:
     # strict priority.
@@ -277,3 +285,7 @@ class EngineConfig:
             raise ValueError(f"target_step_ms: must be > 0 or None, got {self.target_step_ms}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise ValueError(f"attention_backend: must be one of {list(ATTENTION_BACKEND_NAMES)}, got {self.attention_backend!r}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch: must be >= 0, got {self.cuda_graph_max_batch}")

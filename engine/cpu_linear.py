@@ -23,7 +23,7 @@ import logging
 import torch
 from torch import nn
 
-from engine import cpu_attention
+from engine import native_kernels
 from engine.device_caps import native_bf16
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Bf16PairLinear(nn.Module):
 
 
 def _kernel():
-    library = cpu_attention.kernel()
+    library = native_kernels.kernel()
     if library is None:
         raise RuntimeError("the CPU kernels are not built")
     return library
@@ -113,7 +113,7 @@ def _kernel():
 
 def bf16_pair_kernel_available() -> bool:
     """Whether this machine's kernel library was built with the bfloat16 pair linears."""
-    library = cpu_attention.kernel()
+    library = native_kernels.kernel()
     return library is not None and library.pdserve_bf16_linear_available() == 1
 
 

@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_attention
-from engine.attention import SeqSlice, build_metadata
+from engine.attention import CacheGeometry, SeqSlice, select_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
@@ -71,8 +70,8 @@ class DraftModelProposer(Proposer):
         self.device = engine_config.device
         self.kv_cache = KVCache(loaded.config, dataclasses.replace(engine_config, num_kv_blocks=num_blocks), loaded.dtype)
         self.block_size = self.kv_cache.block_size
-        self.native_attention = engine_config.native_attention and cpu_attention.prepare(
-            engine_config.device, loaded.dtype, loaded.config.head_dim, loaded.config.num_heads // loaded.config.num_kv_heads
+        self.attention = select_backend(
+            engine_config.attention_backend, CacheGeometry.of(loaded.config, self.kv_cache, loaded.dtype, engine_config.device)
         )
         self.sampler = Sampler(engine_config.seed)
 
@@ -121,7 +120,7 @@ class DraftModelProposer(Proposer):
             positions.extend(range(context, context + len(tokens)))
             last_rows.append(len(input_ids) - 1)
             slices.append(SeqSlice(seqs[i].block_table, context, len(tokens), decode=len(tokens) == 1))
-        meta = build_metadata(slices, self.block_size, self.device, self.native_attention)
+        meta = self.attention.build(slices)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

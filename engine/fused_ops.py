@@ -1,7 +1,7 @@
 """The decoder layer's elementwise work as one call each: residual add + RMSNorm, the rotary
 embedding of q and k, SiLU(gate) * up.
 
-On a CPU with the kernel library (``engine.cpu_attention``, ``csrc/elementwise.cpp``) each is
+On a CPU with the kernel library (``engine.native_kernels``, ``csrc/elementwise.cpp``) each is
 one pass in C++ with the GIL released; elsewhere (another device, float16, no compiler) the same
 formulas run as torch ops. Both round as transformers does, op by op (see the C++ source), so
 switching paths moves logits by float32 summation order only. ``ENABLED`` turns the kernels
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_attention
+from engine import native_kernels
 
 ENABLED = True
 _KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -31,7 +31,7 @@ def _library(*tensors: torch.Tensor):
         return None
     if any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
         return None
-    return cpu_attention.kernel()
+    return native_kernels.kernel()
 
 
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,9 +45,13 @@ class KVCache:
     """Owns the KV tensor and its per-layer key/value views (and scale views, when quantized).
 
     ``num_kv_heads``: the heads this cache holds (a tensor-parallel rank's); the model's by default.
+    ``scratch_block``: one more block after the ``num_blocks`` the allocator hands out, never
+    allocated or transferred, where CUDA graphs' padding rows write and attend.
     """
 
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype, num_kv_heads: int | None = None):
+    def __init__(
+        self, model_config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype, num_kv_heads: int | None = None, scratch_block: bool = False
+    ):
         self.block_size = engine_config.block_size
         self.num_layers = model_config.num_layers
         self.num_kv_heads = num_kv_heads = num_kv_heads or model_config.num_kv_heads
@@ -62,18 +66,20 @@ class KVCache:
             self.num_blocks = engine_config.num_kv_blocks
         else:
             self.num_blocks = max(1, engine_config.kv_cache_bytes // self.bytes_per_block)
+        self.scratch_block = self.num_blocks if scratch_block else None
+        rows = self.num_blocks + int(scratch_block)
         self.key_scales: list[torch.Tensor | None] = [None] * self.num_layers
         self.value_scales: list[torch.Tensor | None] = [None] * self.num_layers
         if quantized is None:
-            self.tensor = torch.zeros((self.num_blocks, *self.block_shape), dtype=dtype, device=engine_config.device)
+            self.tensor = torch.zeros((rows, *self.block_shape), dtype=dtype, device=engine_config.device)
             elements = self.tensor
         else:
             # Per block and head one run of bytes: the head's elements, then its scales.
-            self.tensor = torch.zeros((self.num_blocks, self.bytes_per_block), dtype=torch.uint8, device=engine_config.device)
-            per_head = self.tensor.view(self.num_blocks, num_kv_heads, self.bytes_per_block // num_kv_heads)
+            self.tensor = torch.zeros((rows, self.bytes_per_block), dtype=torch.uint8, device=engine_config.device)
+            per_head = self.tensor.view(rows, num_kv_heads, self.bytes_per_block // num_kv_heads)
             data_bytes = _numel(self.head_shape)
-            elements = per_head[..., :data_bytes].view(self.num_blocks, num_kv_heads, *self.head_shape).view(self.dtype)
-            scales = per_head[..., data_bytes:].view(torch.float32).view(self.num_blocks, num_kv_heads, layers, 2)
+            elements = per_head[..., :data_bytes].view(rows, num_kv_heads, *self.head_shape).view(self.dtype)
+            scales = per_head[..., data_bytes:].view(torch.float32).view(rows, num_kv_heads, layers, 2)
             # [num_blocks, kv_heads] per layer (strided)
             self.key_scales = [scales[:, :, layer, 0] for layer in range(self.num_layers)]
             self.value_scales = [scales[:, :, layer, 1] for layer in range(self.num_layers)]

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_attention
+from engine.attention import CacheGeometry, select_backend
 from engine.block_allocator import BlockAllocator
+from engine.cuda_graphs import DecodeGraphs
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.elastic_threads import ElasticThreads
@@ -122,9 +123,19 @@ class LLMEngine:
         self.dtype = loaded.dtype
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len = self._max_model_len()
-        self.kv_cache = KVCache(loaded.config, cache_config, loaded.dtype, num_kv_heads=self.shard.num_kv_heads)
+        graphs_wanted = torch.device(self.config.device).type == "cuda" and self.config.cuda_graph_max_batch > 0 and tp_size == 1
+        self.kv_cache = KVCache(loaded.config, cache_config, loaded.dtype, num_kv_heads=self.shard.num_kv_heads, scratch_block=graphs_wanted)
         self.allocator = BlockAllocator(self.kv_cache.num_blocks, self.config.enable_prefix_caching)
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, self._native_attention())
+        attention = select_backend(
+            self.config.attention_backend, CacheGeometry.of(loaded.config, self.kv_cache, loaded.dtype, self.config.device, self.shard.num_heads)
+        )
+        graphs = None
+        if graphs_wanted and attention.supports_cuda_graphs:
+            graphs = DecodeGraphs(
+                loaded.model, self.kv_cache, attention, min(self.config.cuda_graph_max_batch, self.config.max_num_seqs),
+                -(-self.max_model_len // self.kv_cache.block_size) + 1,
+            )
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs)
         self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
         self.grammars = Grammars(self.model_path, self.model_config.vocab_size, self.eos_token_ids)
@@ -162,15 +173,6 @@ class LLMEngine:
         if spec.method == "ngram":
             return NgramProposer(spec)
         return DraftModelProposer(spec.draft_model, self.config, self.kv_cache.num_blocks, self.model_config.vocab_size, dtype)
-
-    def _native_attention(self) -> bool:
-        """Whether attention runs on the CPU kernels (built here, not on the first step)."""
-        if not self.config.native_attention:
-            return False
-        config = self.model_config
-        return cpu_attention.prepare(
-            self.config.device, self.dtype, config.head_dim, config.num_heads // config.num_kv_heads
-        )
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

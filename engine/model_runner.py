@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import SeqSlice, build_metadata
+from engine.attention import AttentionBackend, SeqSlice
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, StageActivations
 from engine.scheduler import ScheduledBatch
@@ -28,11 +29,15 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: str = "cpu", native_attention: bool = False):
+    """``attention``: the backend that builds each step's attention metadata (engine.attention);
+    ``graphs``: decode steps replayed from CUDA graphs (None: every step eager)."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: str, attention: AttentionBackend, graphs: DecodeGraphs | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
-        self.native_attention = native_attention  # attention through engine.cpu_attention
+        self.attention = attention
+        self.graphs = graphs
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward the batch; logits [rows sampled this step, vocab] in slice order: one row per
@@ -55,11 +60,15 @@ class ModelRunner:
 
     def run(self, step: StepInput) -> torch.Tensor | None:
         """This rank's part of the step; the logits on rank 0 (None on the others)."""
+        if self.graphs is not None:
+            logits = self.graphs.run(step)
+            if logits is not None:
+                return logits
         return self.run_stage(step, range(self.model.config.num_layers))
 
     def run_stage(self, step: StepInput, layers: range, incoming: StageActivations | None = None) -> torch.Tensor | StageActivations | None:
         """Layers ``layers`` of the step (a pipeline stage, ``CausalLM.run_stage``)."""
-        meta = build_metadata(step.slices, self.kv_cache.block_size, self.device, self.native_attention)
+        meta = self.attention.build(step.slices)
         return self.model.run_stage(
             torch.tensor(step.input_ids, dtype=torch.long, device=self.device),
             torch.tensor(step.positions, dtype=torch.long, device=self.device),

@@ -51,9 +51,11 @@ class Sampler:
         min(1, p/q) of it and otherwise draws from max(p - q, 0) renormalized: whichever way,
         the row's token is distributed as the target's p (rejection sampling). ``seqs[i]`` may
         be a ``speculation.DraftRow``, the sequence as it stands at that row."""
-        if logits.device.type != "cpu" and any(not s.params.greedy or s.params.logprobs is not None or _adjusts(s.params) for s in seqs):
-            # Per-row work (penalties, filters, seeded draws) runs on the CPU, where the
-            # per-request generators live; all-greedy batches stay on the device.
+        if logits.device.type != "cpu" and draft_token_ids is not None and any(d is not None for d in draft_token_ids):
+            # Verifying drafts is per row (an accept test, then maybe a residual draw), each a few
+            # scalar reads: on the CPU. Everything else stays on the logits' device: penalties,
+            # filters and draws are batched tensor ops, and only each row's uniform (from its
+            # request's generator, on the CPU) travels there and its token back.
             logits = logits.cpu()
         raw_logits = logits
         logits = self._adjust(logits, seqs)
@@ -74,8 +76,8 @@ class Sampler:
         logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if logprob_rows:
-            rows = torch.tensor(logprob_rows)
-            log_probs = torch.log_softmax(raw_logits[rows], dim=-1)
+            rows = torch.tensor(logprob_rows, device=raw_logits.device)
+            log_probs = torch.log_softmax(raw_logits[rows], dim=-1).cpu()
             for local, row in enumerate(logprob_rows):
                 logprobs[row] = _token_logprob(log_probs[local], token_ids[row], seqs[row].params.logprobs)
         return list(zip(token_ids, logprobs))

@@ -16,9 +16,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_sessionstart(session):
     """Build the CPU attention kernels once, before any engine or actor wants it (a fresh
     machine compiles it in about 25 s; every later process loads the cached build)."""
-    from engine import cpu_attention
+    from engine import native_kernels
 
-    cpu_attention.kernel()
+    native_kernels.kernel()
 
 
 @pytest.fixture(scope="session")

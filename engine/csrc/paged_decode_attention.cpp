@@ -10,7 +10,7 @@
 // head_dim] with any block, token and head strides; q and out [n, kv_heads, group, head_dim] float32,
 // contiguous; tables [n, width] int64; lens [n] int64 (tokens to attend, the new one
 // included); window: under a sliding window, how many of the latest keys a query attends
-// (0: all). Built per machine with -march=native by engine/cpu_attention.py and called
+// (0: all). Built per machine with -march=native by engine/native_kernels.py and called
 // through ctypes: plain C, no torch headers, so the build takes seconds, not a minute.
 #include "simd.h"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_attention
+from engine.attention import CacheGeometry, select_backend
 from engine.config import EngineConfig
 from engine.executor import STOP, StageStep
 from engine.kv_cache import KVCache
@@ -42,10 +42,8 @@ class ShardRank:
         )
         shard = loaded.model.shard
         self.kv_cache = KVCache(loaded.config, config, loaded.dtype, num_kv_heads=shard.num_kv_heads)
-        native = config.native_attention and cpu_attention.prepare(
-            config.device, loaded.dtype, loaded.config.head_dim, shard.num_heads // shard.num_kv_heads
-        )
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.device, native)
+        attention = select_backend(config.attention_backend, CacheGeometry.of(loaded.config, self.kv_cache, loaded.dtype, config.device, shard.num_heads))
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.device, attention)
         self.num_steps = 0
 
     def serve(self) -> None:

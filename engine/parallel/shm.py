@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from engine import cpu_attention
+from engine import native_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class SharedMemoryAllReduce:
     """Rank ``rank``'s handle on its group's region; build it on every rank at once (collective)."""
 
     def __init__(self, rank: int, world_size: int, tag: str, group=None):
-        library = cpu_attention.kernel()
+        library = native_kernels.kernel()
         self._library = library
         self.rank = rank
         self.world_size = world_size

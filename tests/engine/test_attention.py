@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-import engine.attention
-from engine.attention import single_groups
+import engine.attention.sdpa
+from engine.attention.sdpa import single_groups
 
 
 def _mask(lengths: list[int], width: int, block_size: int) -> torch.Tensor:
@@ -15,7 +15,7 @@ def _mask(lengths: list[int], width: int, block_size: int) -> torch.Tensor:
 
 def test_groups_take_like_lengths_together_within_the_byte_budget(monkeypatch):
     block_size, block_bytes = 16, 1000
-    monkeypatch.setattr(engine.attention, "GROUP_GATHER_BYTES", 4 * block_bytes)
+    monkeypatch.setattr(engine.attention.sdpa, "GROUP_GATHER_BYTES", 4 * block_bytes)
     lengths = [16, 64, 17, 3]  # 1, 4, 2 and 1 blocks
     tables = torch.arange(4 * 4).view(4, 4)
     groups = single_groups(tables, _mask(lengths, 4, block_size), block_bytes, "cpu")

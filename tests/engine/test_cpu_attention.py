@@ -8,12 +8,13 @@ import random
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
-from engine.cpu_attention import PrefillChunks
+from engine import EngineConfig, LLMEngine, SamplingParams, native_kernels
+from engine.attention import cpu as cpu_attention
+from engine.attention.cpu import PrefillChunks
 from tests.checkpoints import build_checkpoint, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(
-    "avx2" not in cpu_attention._cpu_flags().split(), reason="the kernel is built for x86 CPUs with AVX2"
+    "avx2" not in native_kernels._cpu_flags().split(), reason="the kernel is built for x86 CPUs with AVX2"
 )
 
 BLOCK_SIZE = 16
@@ -58,11 +59,11 @@ def _random_case(num_kv_heads, group, head_dim, dtype, lengths, seed=0):
 
 
 def _width() -> int:
-    return cpu_attention._vector_width()
+    return native_kernels.vector_width()
 
 
 def test_the_kernel_builds_on_this_machine():
-    assert cpu_attention.kernel() is not None
+    assert native_kernels.kernel() is not None
 
 
 @pytest.mark.parametrize("vectors", [1, 2, 4, 8])
@@ -121,7 +122,7 @@ def test_engine_greedy_output_matches_transformers_through_the_kernel(tmp_path, 
     prompts = random_prompts([1, 16, 17, 90], model.config.vocab_size)
     expected = [hf_greedy(model, p, 10) for p in prompts]
     engine = LLMEngine(path, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=64, long_prefill_chunk=32))
-    assert engine.runner.native_attention
+    assert engine.runner.attention.name == "cpu"
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     assert [c.token_ids for c in engine.generate(prompts, greedy)] == expected
     assert engine.allocator.num_free == engine.kv_cache.num_blocks
@@ -130,7 +131,7 @@ def test_engine_greedy_output_matches_transformers_through_the_kernel(tmp_path, 
 def test_loading_the_kernel_leaves_the_process_floating_point_mode_alone():
     """Linked with -ffast-math, the library switched the process to flush-to-zero on load, and a
     request's temperature of 1e-40 then divided to nan in the sampler."""
-    assert cpu_attention.kernel() is not None
+    assert native_kernels.kernel() is not None
     tiny = torch.tensor([1e-40])
     assert tiny.item() > 0
     assert (torch.tensor([0.0]) / tiny).item() == 0.0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.attention import SeqSlice, build_metadata
+from engine.attention import SeqSlice
 from tests.checkpoints import hf_greedy, random_prompts
 
 PROMPT_LENGTHS = [1, 5, 17, 64, 150]
@@ -73,7 +73,7 @@ def test_float32_logits_match_transformers_for_every_chunk_position(arch_checkpo
     got = []
     for start in range(0, len(prompt), 7):
         end = min(start + 7, len(prompt))
-        meta = build_metadata([SeqSlice(block_table, start, end - start)], engine.kv_cache.block_size, "cpu")
+        meta = engine.runner.attention.build([SeqSlice(block_table, start, end - start)])
         logits = engine.runner.model(
             torch.tensor(prompt[start:end]),
             torch.arange(start, end),
@@ -98,7 +98,7 @@ def test_low_precision_checkpoints_load_and_track_transformers(tmp_path, dtype):
     with torch.no_grad():
         want = model.to(dtype)(torch.tensor([prompt])).logits[0, -1].float()
     block_table = engine.allocator.allocate(engine.kv_cache.blocks_needed(len(prompt)))
-    meta = build_metadata([SeqSlice(block_table, 0, len(prompt))], engine.kv_cache.block_size, "cpu")
+    meta = engine.runner.attention.build([SeqSlice(block_table, 0, len(prompt))])
     got = engine.runner.model(torch.tensor(prompt), torch.arange(len(prompt)), engine.kv_cache, meta, torch.tensor([len(prompt) - 1]))[0]
     assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
     assert got.argmax() == want.argmax()
@@ -122,9 +122,9 @@ def test_float32_override_of_a_bf16_checkpoint_matches_float32_transformers(tmp_
 
 def test_decode_gathered_in_small_groups_matches_transformers(checkpoints, references, monkeypatch):
     """Decode attention gathered a sequence at a time (as a long context does on a CPU) is unchanged."""
-    import engine.attention
+    import engine.attention.sdpa
 
-    monkeypatch.setattr(engine.attention, "GROUP_GATHER_BYTES", 1)
+    monkeypatch.setattr(engine.attention.sdpa, "GROUP_GATHER_BYTES", 1)
     path, _ = checkpoints["llama"]
     prompts, expected = references["llama"]
     batched = _engine(path, 16).generate(prompts, GREEDY)
@@ -145,10 +145,10 @@ def test_both_linear_kernels_match_transformers(checkpoints, references, prepack
 def test_both_attention_paths_match_transformers(checkpoints, references, native):
     """The CPU kernels (where this machine builds them) and the portable gather + SDPA path,
     through chunks with cached context."""
-    from engine import cpu_attention
+    from engine import native_kernels
 
     path, _ = checkpoints["llama"]
     prompts, expected = references["llama"]
-    engine = _engine(path, 16, native_attention=native)
-    assert engine.runner.native_attention == (native and cpu_attention.kernel() is not None)
+    engine = _engine(path, 16, attention_backend="auto" if native else "sdpa")
+    assert (engine.runner.attention.name == "cpu") == (native and native_kernels.kernel() is not None)
     assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == expected

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention, fused_ops
+from engine import EngineConfig, LLMEngine, SamplingParams, fused_ops, native_kernels
 from engine.rope import RotaryEmbedding
 from tests.checkpoints import hf_greedy, random_prompts
 
-pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="the CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(native_kernels.kernel() is None, reason="the CPU kernels cannot be built here")
 
 DTYPES = [torch.float32, torch.bfloat16]
 

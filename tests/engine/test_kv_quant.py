@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine import EngineConfig, LLMEngine, SamplingParams, cpu_attention
-from engine.attention import write_quantized_torch
+from engine import EngineConfig, LLMEngine, SamplingParams, native_kernels
+from engine.attention import cpu as cpu_attention
+from engine.attention.kv_write import write_quantized_native, write_quantized_torch
 from engine.config import ModelConfig
 from engine.cpu_linear import bf16_pair_kernel_available
 from engine.default_model_path import DEFAULT_MODEL_PATH
@@ -15,7 +16,7 @@ from engine.kv_accuracy import held_out_windows, perplexity
 from engine.kv_cache import KVCache
 
 KINDS = ["int8", "fp8_e4m3"]
-pytestmark = pytest.mark.skipif(cpu_attention.kernel() is None, reason="no CPU kernels here")
+pytestmark = pytest.mark.skipif(native_kernels.kernel() is None, reason="no CPU kernels here")
 
 
 def _cache(kind: str, num_blocks: int = 6) -> KVCache:
@@ -44,7 +45,7 @@ def test_the_write_kernel_follows_the_torch_rules_and_stays_within_a_step(kind):
     native, reference = _cache(kind), _cache(kind)
     written: dict[tuple[int, int], torch.Tensor] = {}
     for x, blocks, offsets in _steps():
-        assert cpu_attention.write_quantized(x, native.key_views[0], native.key_scales[0], blocks, offsets)
+        assert write_quantized_native(x, native.key_views[0], native.key_scales[0], blocks, offsets)
         write_quantized_torch(x, reference.key_views[0], reference.key_scales[0], blocks, offsets)
         for row, (b, o) in enumerate(zip(blocks.tolist(), offsets.tolist())):
             written[(b, o)] = x[row]
@@ -72,7 +73,7 @@ def test_fp8_elements_are_torchs_e4m3():
     cache = _cache("fp8_e4m3")
     x = torch.randn(8, 8, 32) * torch.logspace(-4, 2, 8)[:, None, None]  # spans subnormals to the top
     blocks, offsets = torch.full((8,), 3), torch.arange(8)
-    assert cpu_attention.write_quantized(x, cache.key_views[0], cache.key_scales[0], blocks, offsets)
+    assert write_quantized_native(x, cache.key_views[0], cache.key_scales[0], blocks, offsets)
     scale = cache.key_scales[0][3]
     expected = (x / scale[None, :, None]).to(torch.float8_e4m3fn)
     assert torch.equal(cache.key_views[0][3].view(torch.uint8), expected.view(torch.uint8))
@@ -86,7 +87,7 @@ def test_attention_kernels_read_what_the_cache_holds(kind):
     quantized = _cache(kind)
     for x, blocks, offsets in _steps()[:4]:
         for layer_views, layer_scales in ((quantized.key_views, quantized.key_scales), (quantized.value_views, quantized.value_scales)):
-            assert cpu_attention.write_quantized(x, layer_views[0], layer_scales[0], blocks, offsets)
+            assert write_quantized_native(x, layer_views[0], layer_scales[0], blocks, offsets)
     keys = quantized.key_views[0].float() * quantized.key_scales[0][:, None, :, None]
     values = quantized.value_views[0].float() * quantized.value_scales[0][:, None, :, None]
     g = torch.Generator().manual_seed(1)
@@ -141,7 +142,7 @@ def test_int8_greedy_output_mostly_agrees_and_both_attention_paths_agree(native)
     prompts = [tokenizer(p)["input_ids"] for p in ("def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n")]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     plain = LLMEngine(None, EngineConfig(dtype="float32", num_threads=1)).generate(prompts, params)
-    engine = LLMEngine(None, EngineConfig(dtype="float32", num_threads=1, kv_cache_dtype="int8", native_attention=native, long_prefill_chunk=8))
+    engine = LLMEngine(None, EngineConfig(dtype="float32", num_threads=1, kv_cache_dtype="int8", attention_backend="auto" if native else "sdpa", long_prefill_chunk=8))
     quantized = engine.generate(prompts, params)
     agree = sum(a == b for p, q in zip(plain, quantized) for a, b in zip(p.token_ids, q.token_ids))
     assert agree >= 0.9 * 48 * len(prompts)

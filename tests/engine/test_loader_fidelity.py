@@ -141,15 +141,15 @@ def test_partial_rotary_and_unknown_rope_types_are_refused():
 def test_sliding_window_attention_matches_transformers_past_the_window(tmp_path, arch, overrides, native):
     """Prompts and generations longer than the window, chunked across it: the window is
     applied (it used to cap the context instead), on the CPU kernels and on gather + SDPA."""
-    from engine import cpu_attention
+    from engine import native_kernels
 
     model = build_checkpoint(arch, tmp_path, **overrides)
     config = ModelConfig.from_model_dir(tmp_path)
     windows = {"mistral": [12, 12], "qwen2": [None, 12] if overrides.get("use_sliding_window") else [None, None]}[arch]
     assert config.layer_windows == windows
     prompts = random_prompts([7, 30, 45], model.config.vocab_size, seed=4)
-    engine = LLMEngine(tmp_path, EngineConfig(num_kv_blocks=64, long_prefill_chunk=16, max_num_batched_tokens=64, native_attention=native))
+    engine = LLMEngine(tmp_path, EngineConfig(num_kv_blocks=64, long_prefill_chunk=16, max_num_batched_tokens=64, attention_backend="auto" if native else "sdpa"))
     assert engine.max_model_len == model.config.max_position_embeddings
-    assert engine.runner.native_attention == (native and cpu_attention.kernel() is not None)
+    assert (engine.runner.attention.name == "cpu") == (native and native_kernels.kernel() is not None)
     got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     assert got == [hf_greedy(model, p, 10) for p in prompts]

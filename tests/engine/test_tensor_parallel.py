@@ -126,10 +126,10 @@ _MEASURE = textwrap.dedent(
 
     path, tp, rank = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     # What loading touches besides the weights (the kernel library, dtype probes), before the base.
-    from engine import cpu_attention
+    from engine import native_kernels
     from engine.config import ModelConfig
     from engine.loader import resolve_dtype
-    cpu_attention.kernel()
+    native_kernels.kernel()
     resolve_dtype(ModelConfig.from_model_dir(path), "float32")
     base = peak = rss_kb()
     done = False

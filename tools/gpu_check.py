@@ -1,0 +1,365 @@
+"""Check and measure the engine's CUDA path against transformers on a GPU machine (no Ray or NIXL needed).
+
+    python tools/gpu_check.py [--json out.json] [--sections decode,sampling,agreement,exactness,features,push,prefill]
+
+1. Exactness: for each test architecture, random-weight checkpoints run through the engine on
+   CUDA (float32, chunk sizes 7 and 64, several prompts batched) and through transformers'
+   ``generate`` on CUDA; greedy tokens must be equal. bfloat16 reports the agreement rate.
+2. Checkpoint features, float32, greedy against transformers on CUDA: attention and MLP
+   biases, sliding windows (gather + SDPA on the GPU, prompts past the window), the yarn,
+   dynamic and LongRoPE schedules, and min_tokens holding off a stop token.
+3. The prefill actor's push rule: a step's KV, read right after an event recorded behind the
+   step and synchronized (what ``PrefillWorker`` does before a NIXL push), equals the KV after a
+   full device synchronization.
+4. Decode: a decode step (engine.step(): scheduler, forward, greedy sampling) at context 600 on
+   the SmolLM2-135M shape and a 1.5B-class shape (Qwen2-1.5B's dimensions on the Llama
+   architecture), random bfloat16 weights, against transformers' eager forward with a static
+   cache, both on the GPU: the engine as configured (FlashInfer and CUDA graphs where
+   installed), FlashInfer without graphs, and SDPA without graphs. The fraction of HBM
+   bandwidth a step reaches (weights plus the KV it reads, over the step time), against the
+   bandwidth of a device-to-device copy measured in the same run and the card's nominal figure.
+5. Sampling: the engine's sampler (temperature 0.8, top-p 0.95, top-k 50) on a batch of 64 rows
+   of the 1.5B shape's vocabulary, as a fraction of that shape's decode step at batch 64.
+6. Agreement: bfloat16 greedy tokens of the FlashInfer engine (with graphs) against the SDPA
+   engine and transformers, on the 135M shape.
+7. Prefill: tokens/s of 8 prompts of 1024 tokens, the engine against transformers' SDPA forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from tests.checkpoints import ARCHITECTURES, build_checkpoint, random_prompts  # noqa: E402
+
+
+def _hf_greedy_cuda(model, prompt, max_new_tokens):
+    ids = torch.tensor([prompt], device="cuda")
+    model.generation_config.eos_token_id = None
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def check_exactness(workdir: Path) -> dict:
+    results = {}
+    for arch in ARCHITECTURES:
+        path = workdir / arch
+        model = build_checkpoint(arch, path).to("cuda")
+        prompts = random_prompts([5, 40, 130, 257], model.config.vocab_size, seed=3)
+        want = [_hf_greedy_cuda(model, p, 12) for p in prompts]
+        for dtype in ("float32", "bfloat16"):
+            for chunk in (7, 64):
+                config = EngineConfig(device="cuda", dtype=dtype, num_kv_blocks=256, max_num_batched_tokens=96, long_prefill_chunk=chunk)
+                engine = LLMEngine(path, config)
+                got = [c.token_ids for c in engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+                agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
+                results[f"{arch}/{dtype}/chunk{chunk}"] = {"exact": got == want, "token_agreement": agree}
+                assert engine.num_free_blocks == engine.kv_cache.num_blocks, "blocks leaked"
+    return results
+
+
+_HALF_HEAD = 8  # rotation pairs of the test checkpoints' head (64 / 4 / 2)
+FEATURES = {
+    "llama/attention_bias+mlp_bias": ("llama", {"attention_bias": True, "mlp_bias": True}, None),
+    "qwen3/attention_bias": ("qwen3", {"attention_bias": True}, None),
+    "mistral/sliding_window": ("mistral", {"sliding_window": 12}, None),
+    "qwen2/sliding_window_from_layer_1": ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}, None),
+    "llama/yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, "max_position_embeddings": 256}, None),
+    "llama/dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": 256}, None),
+    "llama/longrope": ("llama", {"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 64,
+                                                  "short_factor": [1.0 + 0.1 * i for i in range(_HALF_HEAD)],
+                                                  "long_factor": [1.5 + 0.4 * i for i in range(_HALF_HEAD)]},
+                                 "max_position_embeddings": 256}, 64),
+}
+
+
+def check_features(workdir: Path) -> dict:
+    results = {}
+    for name, (arch, overrides, max_model_len) in FEATURES.items():
+        path = workdir / name.replace("/", "_")
+        model = build_checkpoint(arch, path, **overrides).to("cuda")
+        prompts = random_prompts([5, 30, 45], model.config.vocab_size, seed=4)
+        want = [_hf_greedy_cuda(model, p, 12) for p in prompts]
+        config = EngineConfig(device="cuda", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, long_prefill_chunk=16, max_model_len=max_model_len)
+        got = [c.token_ids for c in LLMEngine(path, config).generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+        results[name] = got == want
+    # min_tokens: a stop token id that would end the request early is held off on the device.
+    path = workdir / "llama"
+    model = build_checkpoint("llama", path / "min_tokens").to("cuda")
+    (prompt,) = random_prompts([9], model.config.vocab_size, seed=21)
+    greedy = _hf_greedy_cuda(model, prompt, 10)
+    at = next(i for i in range(1, 10) if greedy[i] not in greedy[:i])
+    engine = LLMEngine(path / "min_tokens", EngineConfig(device="cuda", dtype="float32", num_kv_blocks=64))
+    (early,) = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[greedy[at]]))
+    (held,) = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[greedy[at]], min_tokens=at + 3))
+    results["min_tokens"] = early.token_ids == greedy[: at + 1] and len(held.token_ids) >= at + 3 and held.token_ids[:at] == greedy[:at]
+    return results
+
+
+def check_event_before_push(workdir: Path) -> bool:
+    path = workdir / "llama"
+    engine = LLMEngine(path, EngineConfig(device="cuda", num_kv_blocks=64, max_num_batched_tokens=512))
+    engine.add_request("r", random_prompts([400], 384, seed=4)[0], SamplingParams(max_tokens=1))
+    batch = engine.scheduler.schedule()
+    engine.runner.execute(batch)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    seen = engine.kv_cache.tensor.clone()
+    torch.cuda.synchronize()
+    return bool(torch.equal(seen, engine.kv_cache.tensor)) and bool(seen.abs().sum() > 0)
+
+SHAPES = {
+    "135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, max_position_embeddings=4096, rope_theta=100000.0, tie_word_embeddings=True),
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True),
+}
+NOMINAL_HBM_BYTES_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def random_hf_model(shape: str, directory: Path):
+    """transformers' Llama with ``shape``'s dimensions and random weights, saved as a bfloat16 checkpoint."""
+    import transformers
+
+    config = transformers.LlamaConfig(**SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), the practical HBM ceiling."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - start)
+
+
+def engine_decode_ms(path: Path, batch: int, context: int, steps: int, **overrides) -> float:
+    """Mean ms of an engine.step() at ``batch`` sequences decoding from ``context`` (KV taken as cached)."""
+    from engine.bench import seat_decoding
+
+    blocks = batch * (-(-(context + steps + 16) // 16)) + 16
+    engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=blocks, max_num_seqs=batch,
+                                          max_num_batched_tokens=max(2048, batch), max_model_len=context + steps + 64, **overrides))
+    seat_decoding(engine, batch, context, steps + 16)
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / steps * 1e3
+    engine.runner.graphs = None
+    del engine
+    torch.cuda.empty_cache()
+    return elapsed
+
+
+def transformers_decode_ms(model, batch: int, context: int, steps: int) -> float:
+    """Mean ms of transformers' eager forward of one token per row with a static cache."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_batch_size=batch, max_cache_len=context + steps + 8, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), device="cuda")
+    with torch.inference_mode():
+        out = model(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(context, device="cuda"))
+        token = out.logits[:, -1:].argmax(-1)
+        for step in range(3 + steps):
+            if step == 3:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+            out = model(token, past_key_values=cache, use_cache=True, cache_position=torch.tensor([context + step], device="cuda"))
+            token = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / steps * 1e3
+    del cache, out
+    torch.cuda.empty_cache()
+    return elapsed
+
+
+def decode_bytes(model, batch: int, context: int) -> int:
+    """What a decode step must read: every weight once (the tied head counted once) and each row's KV."""
+    config = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv = batch * context * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    return weights + kv
+
+
+def bench_decode(workdir: Path, shape: str, batches: list[int], variants: dict[str, dict], context: int = 600, steps: int = 20) -> list[dict]:
+    path = workdir / shape
+    model = random_hf_model(shape, path)
+    rows = []
+    for batch in batches:
+        row = {"shape": shape, "batch": batch, "context": context, "transformers_ms": transformers_decode_ms(model, batch, context, steps)}
+        for name, overrides in variants.items():
+            try:
+                row[f"{name}_ms"] = engine_decode_ms(path, batch, context, steps, **overrides)
+                row[f"{name}_vs_transformers"] = row["transformers_ms"] / row[f"{name}_ms"]
+            except Exception as exc:  # one variant failing still reports the others
+                row[f"{name}_error"] = repr(exc)[-500:]
+        best = min((row[k] for k in row if k.endswith("_ms") and k != "transformers_ms"), default=None)
+        if best:
+            row["hbm_bytes_s"] = decode_bytes(model, batch, context) / (best / 1e3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_sampling(batch: int = 64) -> dict:
+    """The sampler's cost for ``batch`` top-p/top-k rows of the 1.5B shape's vocabulary, on the GPU."""
+    from engine.sampler import Sampler
+    from engine.sequence import Sequence
+
+    vocab = SHAPES["1.5b"]["vocab_size"]
+    sampler = Sampler(seed=0)
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=100)
+    seqs = [Sequence(f"s{i}", [1, 2, 3], 3, params) for i in range(batch)]
+    logits = torch.randn(batch, vocab, device="cuda") * 4
+    for _ in range(3):
+        sampler.sample(logits, seqs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        sampler.sample(logits, seqs)
+    torch.cuda.synchronize()
+    plain = SamplingParams(temperature=0.8, max_tokens=100)
+    plain_seqs = [Sequence(f"p{i}", [1, 2, 3], 3, plain) for i in range(batch)]
+    ms = (time.perf_counter() - start) / 20 * 1e3
+    start = time.perf_counter()
+    for _ in range(20):
+        sampler.sample(logits, plain_seqs)
+    torch.cuda.synchronize()
+    return {"batch": batch, "vocab": vocab, "top_p_top_k_ms": ms, "temperature_only_ms": (time.perf_counter() - start) / 20 * 1e3}
+
+
+def check_agreement(workdir: Path) -> dict:
+    """bfloat16 greedy tokens: FlashInfer (graphs on) against SDPA, and each against transformers."""
+    path = workdir / "agreement"
+    model = random_hf_model("135m", path)
+    prompts = random_prompts([17, 100, 300, 640, 5, 64, 250, 33], SHAPES["135m"]["vocab_size"], seed=9)
+    want = [_hf_greedy_cuda(model, p, 24) for p in prompts]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = {}
+    for name, overrides in {"flashinfer": {"attention_backend": "flashinfer"}, "sdpa": {"attention_backend": "sdpa", "cuda_graph_max_batch": 0}}.items():
+        engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=512, max_num_batched_tokens=256, long_prefill_chunk=96, **overrides))
+        got[name] = [c.token_ids for c in engine.generate(prompts, params)]
+        assert engine.num_free_blocks == engine.kv_cache.num_blocks, "blocks leaked"
+        got[name + "_graphs_captured"] = sorted(engine.runner.graphs.graphs) if engine.runner.graphs else []
+
+    def agree(a, b):
+        return sum(x == y for p, q in zip(a, b) for x, y in zip(p, q)) / sum(len(p) for p in b)
+
+    return {"flashinfer_vs_sdpa": agree(got["flashinfer"], got["sdpa"]), "flashinfer_vs_transformers": agree(got["flashinfer"], want),
+            "sdpa_vs_transformers": agree(got["sdpa"], want), "graphs_captured": got["flashinfer_graphs_captured"]}
+
+
+def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: int = 1024) -> dict:
+    path = workdir / shape
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    ids = torch.randint(3, model.config.vocab_size, (prompts, length), device="cuda")
+    with torch.inference_mode():
+        for _ in range(2):
+            model(ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            model(ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize()
+    theirs = prompts * length * 3 / (time.perf_counter() - start)
+    del model
+    torch.cuda.empty_cache()
+    engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=prompts * length // 16 + 64, max_num_batched_tokens=prompts * length,
+                                          long_prefill_chunk=length, max_num_seqs=prompts, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    token_lists = ids.tolist()
+    engine.generate(token_lists, params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        engine.generate(token_lists, params)
+    torch.cuda.synchronize()
+    ours = prompts * length * 3 / (time.perf_counter() - start)
+    return {"shape": shape, "prompts": prompts, "length": length, "pdserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
+
+
+SECTIONS = ("decode", "sampling", "agreement", "prefill", "exactness", "features", "push")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--batches-135m", default="1,8,32,128")
+    parser.add_argument("--batches-1.5b", dest="batches_15b", default="1,32,64")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    sections = args.sections.split(",")
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def save(name, value):
+        report[name] = value
+        print(name, json.dumps(value), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+
+    def section(name, fn, *a):
+        if name not in sections:
+            return
+        start = time.perf_counter()
+        try:
+            save(name, fn(*a))
+        except Exception:
+            import traceback
+
+            save(name + "_error", traceback.format_exc()[-3000:])
+        save(name + "_seconds", round(time.perf_counter() - start, 1))
+
+    variants = {"pdserve": {}, "flashinfer_eager": {"attention_backend": "flashinfer", "cuda_graph_max_batch": 0},
+                "sdpa_eager": {"attention_backend": "sdpa", "cuda_graph_max_batch": 0}}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        if "decode" in sections:
+            save("copy_bandwidth_bytes_s", copy_bandwidth())
+            nominal = next((v for k, v in NOMINAL_HBM_BYTES_S.items() if k in report["device"]), None)
+            save("nominal_hbm_bytes_s", nominal)
+        section("decode", lambda: bench_decode(workdir, "135m", [int(b) for b in args.batches_135m.split(",")], variants)
+                + bench_decode(workdir, "1.5b", [int(b) for b in args.batches_15b.split(",")], {"pdserve": {}, "sdpa_eager": variants["sdpa_eager"]}))
+        section("sampling", bench_sampling)
+        section("agreement", check_agreement, workdir)
+        section("prefill", bench_prefill, workdir)
+        section("exactness", check_exactness, workdir)
+        section("features", check_features, workdir)
+        section("push", check_event_before_push, workdir)
+    float32_exact = all(v["exact"] for k, v in report.get("exactness", {}).items() if "/float32/" in k)
+    return 0 if float32_exact and all(report.get("features", {}).values()) and report.get("push", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
