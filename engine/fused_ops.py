@@ -13,6 +13,8 @@ of a 21 ms decode step at 3 sequences.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -34,10 +36,37 @@ def _library(*tensors: torch.Tensor):
     return native_kernels.kernel()
 
 
+def _flashinfer(*tensors: torch.Tensor):
+    """FlashInfer, if these tensors are ones its fused kernels take (CUDA, 16-bit, 2-D, dense)."""
+    if not ENABLED:
+        return None
+    first = tensors[0]
+    if first.device.type != "cuda" or first.dtype not in (torch.float16, torch.bfloat16) or first.dim() != 2:
+        return None
+    if any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
+        return None
+    return _flashinfer_module()
+
+
+@functools.cache
+def _flashinfer_module():
+    try:
+        import flashinfer
+    except Exception:
+        return None
+    return flashinfer
+
+
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual + x`` (the new residual; written into ``residual`` on the kernel path) and its
+    """``residual + x`` (the new residual; written into ``residual`` on the kernel paths) and its
     RMSNorm times ``weight``. ``x`` None: the norm of ``residual`` alone."""
     cols = residual.shape[-1]
+    flashinfer = _flashinfer(residual, *([] if x is None else [x]))
+    if flashinfer is not None and weight.dtype == residual.dtype:
+        if x is None:
+            return flashinfer.norm.rmsnorm(residual, weight, eps), residual
+        flashinfer.norm.fused_add_rmsnorm(x, residual, weight, eps)  # residual += x, then x = its norm
+        return x, residual
     library = _library(residual, weight, *([] if x is None else [x]))
     if library is None:
         if x is not None:
@@ -68,6 +97,9 @@ def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``gate_up`` [..., 2 * inter] (gate | up) -> SiLU(gate) * up [..., inter]."""
     inter = gate_up.shape[-1] // 2
+    flashinfer = _flashinfer(gate_up)
+    if flashinfer is not None:
+        return flashinfer.activation.silu_and_mul(gate_up)
     library = _library(gate_up)
     if library is None:
         gate, up = gate_up.split(inter, dim=-1)

@@ -155,6 +155,17 @@ def copy_bandwidth() -> float:
 
 def engine_decode_ms(path: Path, batch: int, context: int, steps: int, **overrides) -> float:
     """Mean ms of an engine.step() at ``batch`` sequences decoding from ``context`` (KV taken as cached)."""
+    from engine import fused_ops
+
+    fused = overrides.pop("fused_ops", True)
+    fused_ops.ENABLED = fused
+    try:
+        return _engine_decode_ms(path, batch, context, steps, **overrides)
+    finally:
+        fused_ops.ENABLED = True
+
+
+def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile: Path | None = None, **overrides) -> float:
     from engine.bench import seat_decoding
 
     blocks = batch * (-(-(context + steps + 16) // 16)) + 16
@@ -169,6 +180,16 @@ def engine_decode_ms(path: Path, batch: int, context: int, steps: int, **overrid
         engine.step()
     torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / steps * 1e3
+    if profile is not None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        profile.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=25) + "\n" + averages.table(sort_by="self_cuda_time_total", row_limit=25))
     engine.runner.graphs = None
     del engine
     torch.cuda.empty_cache()
@@ -229,30 +250,33 @@ def bench_decode(workdir: Path, shape: str, batches: list[int], variants: dict[s
 
 
 def bench_sampling(batch: int = 64) -> dict:
-    """The sampler's cost for ``batch`` top-p/top-k rows of the 1.5B shape's vocabulary, on the GPU."""
+    """The sampler's cost for ``batch`` rows of the 1.5B shape's vocabulary on the GPU: top-p/top-k
+    rows without a seed (FlashInfer's kernel where installed) and with one (per-row generators),
+    and temperature alone."""
     from engine.sampler import Sampler
     from engine.sequence import Sequence
 
     vocab = SHAPES["1.5b"]["vocab_size"]
     sampler = Sampler(seed=0)
-    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=100)
-    seqs = [Sequence(f"s{i}", [1, 2, 3], 3, params) for i in range(batch)]
-    logits = torch.randn(batch, vocab, device="cuda") * 4
-    for _ in range(3):
-        sampler.sample(logits, seqs)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        sampler.sample(logits, seqs)
-    torch.cuda.synchronize()
+    filtered = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=100)
     plain = SamplingParams(temperature=0.8, max_tokens=100)
-    plain_seqs = [Sequence(f"p{i}", [1, 2, 3], 3, plain) for i in range(batch)]
-    ms = (time.perf_counter() - start) / 20 * 1e3
-    start = time.perf_counter()
-    for _ in range(20):
-        sampler.sample(logits, plain_seqs)
-    torch.cuda.synchronize()
-    return {"batch": batch, "vocab": vocab, "top_p_top_k_ms": ms, "temperature_only_ms": (time.perf_counter() - start) / 20 * 1e3}
+    logits = torch.randn(batch, vocab, device="cuda") * 4
+    cases = {
+        "top_p_top_k_ms": [Sequence(f"s{i}", [1, 2, 3], 3, filtered) for i in range(batch)],
+        "top_p_top_k_seeded_ms": [Sequence(f"z{i}", [1, 2, 3], 3, filtered, generator=Sampler.make_generator(i)) for i in range(batch)],
+        "temperature_only_ms": [Sequence(f"p{i}", [1, 2, 3], 3, plain) for i in range(batch)],
+    }
+    result = {"batch": batch, "vocab": vocab}
+    for name, seqs in cases.items():
+        for _ in range(3):
+            sampler.sample(logits, seqs)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            sampler.sample(logits, seqs)
+        torch.cuda.synchronize()
+        result[name] = (time.perf_counter() - start) / 20 * 1e3
+    return result
 
 
 def check_agreement(workdir: Path) -> dict:
@@ -307,7 +331,7 @@ def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: 
     return {"shape": shape, "prompts": prompts, "length": length, "pdserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
 
 
-SECTIONS = ("decode", "sampling", "agreement", "prefill", "exactness", "features", "push")
+SECTIONS = ("decode", "sampling", "profile", "agreement", "prefill", "exactness", "features", "push")
 
 
 def main() -> int:
@@ -316,6 +340,7 @@ def main() -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--batches-135m", default="1,8,32,128")
     parser.add_argument("--batches-1.5b", dest="batches_15b", default="1,32,64")
+    parser.add_argument("--variants", default="pdserve,unfused,flashinfer_eager,sdpa_eager", help="engine configurations the decode section times")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -341,8 +366,9 @@ def main() -> int:
             save(name + "_error", traceback.format_exc()[-3000:])
         save(name + "_seconds", round(time.perf_counter() - start, 1))
 
-    variants = {"pdserve": {}, "flashinfer_eager": {"attention_backend": "flashinfer", "cuda_graph_max_batch": 0},
+    variants = {"pdserve": {}, "unfused": {"fused_ops": False}, "flashinfer_eager": {"attention_backend": "flashinfer", "cuda_graph_max_batch": 0},
                 "sdpa_eager": {"attention_backend": "sdpa", "cuda_graph_max_batch": 0}}
+    variants = {name: overrides for name, overrides in variants.items() if name in args.variants.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         if "decode" in sections:
@@ -350,8 +376,10 @@ def main() -> int:
             nominal = next((v for k, v in NOMINAL_HBM_BYTES_S.items() if k in report["device"]), None)
             save("nominal_hbm_bytes_s", nominal)
         section("decode", lambda: bench_decode(workdir, "135m", [int(b) for b in args.batches_135m.split(",")], variants)
-                + bench_decode(workdir, "1.5b", [int(b) for b in args.batches_15b.split(",")], {"pdserve": {}, "sdpa_eager": variants["sdpa_eager"]}))
+                + bench_decode(workdir, "1.5b", [int(b) for b in args.batches_15b.split(",")], {k: v for k, v in variants.items() if k != "flashinfer_eager"}))
         section("sampling", bench_sampling)
+        if "profile" in sections and args.json:
+            section("profile", lambda: _engine_decode_ms(workdir / "1.5b", 64, 600, 10, profile=args.json.with_name("profile_1.5b_b64.txt")))
         section("agreement", check_agreement, workdir)
         section("prefill", bench_prefill, workdir)
         section("exactness", check_exactness, workdir)
