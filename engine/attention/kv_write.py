@@ -56,7 +56,12 @@ def write_quantized_native(
 
 
 def write_quantized_torch(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:
-    """``write_quantized`` in torch ops, a block at a time (devices without the CPU kernel)."""
+    """``write_quantized`` in batched torch ops (devices without the CPU kernel): every touched
+    block at once, one host synchronisation (the count of touched blocks) however many there are.
+
+    Per touched block and head: the scale grows to cover the new rows (a block written from
+    offset 0 this step starts afresh); where it grew, the block's earlier entries are requantized
+    to it; then the new rows are quantized with it."""
     fp8 = cache.dtype == torch.float8_e4m3fn
     qmax = 448.0 if fp8 else 127.0
 
@@ -64,14 +69,22 @@ def write_quantized_torch(x: torch.Tensor, cache: torch.Tensor, scales: torch.Te
         scaled = torch.where(scale > 0, values / torch.where(scale > 0, scale, 1.0), 0.0)
         return scaled.clamp(-qmax, qmax).to(cache.dtype) if fp8 else scaled.round().clamp(-qmax, qmax).to(cache.dtype)
 
-    for block in slot_blocks.unique().tolist():
-        chosen = slot_blocks == block
-        offsets, rows = slot_offsets[chosen], x[chosen].float()
-        first = int(offsets.min())
-        old = scales[block].clone() if first > 0 else torch.zeros_like(scales[block])
-        new = torch.maximum(old, rows.abs().amax(dim=(0, 2)) / qmax)
-        if first > 0 and bool((new > old).any()):
-            earlier = cache[block, :first].float() * old[None, :, None]
-            cache[block, :first] = quantize(earlier, new[None, :, None])
-        scales[block] = new
-        cache[block, offsets] = quantize(rows, new[None, :, None])
+    blocks, which = torch.unique(slot_blocks, return_inverse=True)  # which: each row's index among the touched blocks
+    touched, heads = blocks.numel(), x.shape[1]
+    rows = x.float()
+    first = torch.full((touched,), cache.shape[1], dtype=slot_offsets.dtype, device=x.device).scatter_reduce(0, which, slot_offsets, "amin")
+    row_max = rows.abs().amax(dim=2)  # [rows, heads]
+    block_max = torch.zeros((touched, heads), dtype=torch.float32, device=x.device).scatter_reduce(
+        0, which.unsqueeze(1).expand(-1, heads), row_max, "amax"
+    )
+    continuing = (first > 0).unsqueeze(1)  # [touched, 1]: the block already holds entries this step keeps
+    old = torch.where(continuing, scales[blocks].float(), 0.0)
+    new = torch.maximum(old, block_max / qmax)
+    # Earlier entries (offsets before this step's first) of blocks whose scale grew: requantized.
+    earlier = torch.arange(cache.shape[1], device=x.device).unsqueeze(0) < first.unsqueeze(1)  # [touched, block_size]
+    redo = earlier.unsqueeze(2) & (continuing & (new > old)).unsqueeze(1)  # [touched, block_size, heads]
+    held = cache[blocks].float() * old[:, None, :, None]
+    requantized = quantize(held, new[:, None, :, None])
+    cache[blocks] = torch.where(redo.unsqueeze(3), requantized, cache[blocks])
+    scales[blocks] = new.to(scales.dtype)
+    cache[slot_blocks, slot_offsets] = quantize(rows, new[which].unsqueeze(2))

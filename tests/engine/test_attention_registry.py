@@ -1,0 +1,58 @@
+"""Which attention backend serves a cache, and the errors for one that cannot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, native_kernels
+from engine.attention import CacheGeometry, select_backend
+from engine.cuda_graphs import batch_buckets
+
+
+def _geometry(device="cpu", dtype=torch.bfloat16, head_dim=64, quantized=False):
+    return CacheGeometry(device=device, dtype=dtype, block_size=16, num_heads=9, num_kv_heads=3, head_dim=head_dim, quantized=quantized)
+
+
+def test_auto_on_a_cpu_takes_the_kernels_where_they_build_and_sdpa_is_always_there():
+    backend = select_backend("auto", _geometry(dtype=torch.float32))
+    assert backend.name == ("cpu" if native_kernels.kernel() is not None else "sdpa")
+    assert select_backend("sdpa", _geometry()).name == "sdpa"
+
+
+def test_auto_on_cuda_keeps_sdpa_where_flashinfer_cannot_serve_the_cache():
+    # Decided from the geometry alone: no GPU is touched.
+    assert select_backend("auto", _geometry("cuda", torch.float32)).name == "sdpa"
+    assert select_backend("auto", _geometry("cuda", quantized=True)).name == "sdpa"
+    assert select_backend("auto", _geometry("cuda", head_dim=16)).name == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("requested", "geometry", "problem"),
+    [
+        ("flashinfer", _geometry("cpu"), "runs on a CUDA device"),
+        ("flashinfer", _geometry("cuda", torch.float32), "float32"),
+        ("flashinfer", _geometry("cuda", head_dim=16), "head_dim 16"),
+        ("flashinfer", _geometry("cuda", quantized=True), "quantized"),
+        ("cpu", _geometry("cuda"), "runs on a CPU device"),
+        ("triton", _geometry(), "must be one of"),
+    ],
+)
+def test_a_backend_that_cannot_serve_the_cache_is_an_error_naming_the_field(requested, geometry, problem):
+    with pytest.raises(ValueError, match="attention_backend") as error:
+        select_backend(requested, geometry)
+    assert problem in str(error.value)
+
+
+def test_the_engine_config_refuses_an_unknown_backend_and_a_negative_graph_batch():
+    with pytest.raises(ValueError, match="attention_backend: must be one of"):
+        LLMEngine(None, EngineConfig(num_kv_blocks=16, attention_backend="flash"))
+    with pytest.raises(ValueError, match="cuda_graph_max_batch"):
+        LLMEngine(None, EngineConfig(num_kv_blocks=16, cuda_graph_max_batch=-1))
+
+
+def test_graph_buckets_cover_every_batch_up_to_the_largest():
+    buckets = batch_buckets(100)
+    assert buckets[:4] == [1, 2, 4, 8] and buckets[-1] == 100
+    assert all(any(b >= n for b in buckets) for n in range(1, 101))
+    assert batch_buckets(1) == [1]
