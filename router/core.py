@@ -60,6 +60,7 @@ class Router:
         self.config = config or RouterConfig()
         self.config.validate()
         self.model_info = model_info
+        self.model_dir = Path(model_dir)
         self.tokenizer = Tokenizer.from_model_dir(model_dir)
         defaults = model_info.sampling_defaults if self.config.model_sampling_defaults else SamplingDefaults()
         if defaults != SamplingDefaults():

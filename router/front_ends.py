@@ -62,7 +62,11 @@ class FrontEnds:
             if config.tls_cert_file is not None:
                 ssl_context = server_ssl_context(config.tls_cert_file, config.tls_key_file)
             port = config.http_port if ports.http is None else ports.http
-            self.http = OpenAIServer(self.router, config.http_host, port, names, config.auth_token, ssl_context, reuse_port=self.reuse_port)
+            # vLLM answers to the model as it was started (its path); so does pdserve, beside its names.
+            aliases = [str(self.router.model_dir), str(self.router.model_dir.resolve())]
+            self.http = OpenAIServer(
+                self.router, config.http_host, port, names, config.auth_token, ssl_context, reuse_port=self.reuse_port, model_aliases=aliases
+            )
             await self.http.start()
         logger.info(
             "router listening on %s:%d (%s; %s, %s)", config.host, self.port,

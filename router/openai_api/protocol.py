@@ -46,7 +46,7 @@ _COMMON_FIELDS = {
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "add_generation_prompt", "chat_template_kwargs", "metadata", "store",
+    "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "metadata", "store",
 }
 
 
@@ -109,13 +109,7 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     if top is not None and not wants_logprobs:
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
     logprobs = (top or 0) if wants_logprobs else None
-    messages = _messages(body)
-    extra = body.get("chat_template_kwargs")
-    extra = dict(json_object(extra, "chat_template_kwargs")) if extra is not None else None
-    prompt = template.render(
-        template_messages(messages), add_generation_prompt=boolean(body, "add_generation_prompt", True),
-        tools=calling.tools if calling is not None else None, extra=extra,
-    )
+    prompt = render_conversation(body, template, calling.tools if calling is not None else None)
     base = _common(body, logprobs, max_tokens_field="max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
     constraint = calling.constraint() if calling is not None else None
     if constraint is not None:
@@ -130,6 +124,26 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     request.choices_per_prompt = _num_choices(body, 1)
     request.choices = [_choice(base, i) for i in range(request.choices_per_prompt)]
     return request
+
+
+def render_conversation(body: dict, template: ChatTemplate, tools: list[dict[str, Any]] | None) -> str:
+    """The prompt text of a chat body's ``messages`` through the model's template, with its
+    ``add_generation_prompt``, ``continue_final_message`` (vLLM's: the last message is left open
+    for the model to go on with) and ``chat_template_kwargs``."""
+    messages = _messages(body)
+    extra = body.get("chat_template_kwargs")
+    extra = dict(json_object(extra, "chat_template_kwargs")) if extra is not None else None
+    continue_final = boolean(body, "continue_final_message", False)
+    add_generation_prompt = boolean(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise InvalidArgumentError("continue_final_message", "cannot be combined with add_generation_prompt: true")
+    prompt = template.render(template_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools, extra=extra)
+    if continue_final:
+        final = messages[-1].get("content")
+        if not isinstance(final, str) or not final.strip() or final.strip() not in prompt:
+            raise InvalidArgumentError("messages", "continue_final_message needs a last message with text the template keeps")
+        prompt = prompt[: prompt.rindex(final.strip()) + len(final.strip())]
+    return prompt
 
 
 def _api_request(body: dict, logprobs: int | None) -> ApiRequest:

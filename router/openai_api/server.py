@@ -1,14 +1,17 @@
 """The router's OpenAI-compatible HTTP server (aiohttp), beside its gRPC listeners.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and
-``GET /health`` (200 once the pools can serve, 503 before; no token needed, like gRPC health).
+``GET /health`` (200 once the pools can serve, 503 before; no token needed, like gRPC health),
+and vLLM's auxiliary endpoints (router/openai_api/vllm_endpoints.py). A request names the model
+by a served name or, as vLLM answers to it, by the path (or hub id) the deployment was started
+with.
 A generation call reads its body (router/openai_api/protocol.py), validates and tokenizes each
 choice like a gRPC request, opens one ``GenerationSession`` per choice, and renders their
 chunks (router/openai_api/responses.py): one JSON response, or server-sent events ending in
 ``data: [DONE]``. The response starts with the first token, so a request refused or failed
 before it gets a real HTTP status (429 with Retry-After, 503, ...). A client that disconnects
 cancels the handler (``handler_cancellation``); its sessions close and free their blocks.
-With ``auth_token`` set every route but /health needs ``Authorization: Bearer <token>``.
+With ``auth_token`` set every ``/v1/`` route needs ``Authorization: Bearer <token>`` (vLLM's rule).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from aiohttp import web
 from router.errors import ErrorKind, InternalError, InvalidArgumentError, UnavailableError, classify
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
-from router.openai_api.protocol import ApiRequest, read_chat, read_completion
+from router.openai_api import vllm_endpoints
+from router.openai_api.protocol import ApiRequest, read_chat, read_completion, render_conversation
+from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
 from router.openai_api.tool_parsers import ToolCallOutput
 from router.output_stream import OutputChunk, StreamEnd
@@ -48,13 +53,15 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 class OpenAIServer:
     def __init__(
         self, router: "Router", host: str, port: int, model_names: list[str], auth_token: str | None = None,
-        ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False,
+        ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False, model_aliases: list[str] | None = None,
     ):
         self.router = router
         self.reuse_port = reuse_port  # replicas of the router share one port (SO_REUSEPORT)
         self.host = host
         self.requested_port = port
         self.model_names = list(model_names)
+        # Also answered to, not listed: the model as the deployment was started with it.
+        self.model_aliases = [alias for alias in (model_aliases or []) if alias not in self.model_names]
         self.auth_token = auth_token
         self.ssl_context = ssl_context
         self.created = int(time.time())
@@ -78,6 +85,7 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        vllm_endpoints.add_routes(app, self)
         # handler_cancellation: a client that goes away cancels its handler, which aborts its requests.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
@@ -97,7 +105,7 @@ class OpenAIServer:
     @web.middleware
     async def _edge(self, request: web.Request, handler) -> web.StreamResponse:
         try:
-            if request.path != "/health":
+            if request.path.startswith("/v1/"):
                 self._authenticate(request)
             return await handler(request)
         except web.HTTPException as exc:  # unknown route, wrong method
@@ -106,7 +114,7 @@ class OpenAIServer:
             body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}", "type": "invalid_request_error", "param": None, "code": None}}
             return web.json_response(body, status=exc.status)
         except Exception as exc:
-            if classify(exc)[0] is ErrorKind.INTERNAL:
+            if classify(exc)[0] is ErrorKind.INTERNAL and not isinstance(exc, (ModelNotFoundError, UnauthenticatedError)):
                 logger.exception("%s %s failed", request.method, request.path)
             return error_response(exc)
 
@@ -138,6 +146,25 @@ class OpenAIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         api = read_chat(await _json(request), self.chat_template, self.router.config.tool_call_parser)
         return await self._generate(request, api, chat=True)
+
+    # -- what the other front ends on this server share --------------------------------
+
+    async def read_json(self, request: web.Request) -> Any:
+        return await _json(request)
+
+    def model_name(self, requested: Any) -> str:
+        """The served name a request's ``model`` field names (the first served name when absent)."""
+        if requested is not None and not isinstance(requested, str):
+            raise InvalidArgumentError("model", f"must be a string, got {type(requested).__name__}")
+        return self._model(requested)
+
+    def render_chat(self, body: dict) -> str:
+        """A chat body's prompt text (messages, tools, template options) through the model's template."""
+        if self.chat_template is None:
+            raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
+        calling = read_tool_calling(body, self.chat_template.text, self.router.config.tool_call_parser) if body.get("tools") else None
+        return render_conversation(body, self.chat_template, calling.tools if calling is not None else None)
+
 
     # -- generation ----------------------------------------------------------------------
 
@@ -182,6 +209,8 @@ class OpenAIServer:
 
     def _model(self, requested: str | None) -> str:
         if requested is None:
+            return self.model_names[0]
+        if requested in self.model_aliases:
             return self.model_names[0]
         if requested not in self.model_names:
             raise ModelNotFoundError(f"model {requested!r} is not served here; /v1/models lists {self.model_names}")

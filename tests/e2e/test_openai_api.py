@@ -23,6 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from router.config import RouterConfig
+from router.metrics import Metrics
 from tests.checkpoints import hf_greedy, random_prompts
 from tests.serving import Client, running_deployment
 
@@ -71,7 +72,7 @@ def chat_model(e2e_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, chat_model):
-    with running_deployment(chat_model, 1, 1, RouterConfig(http_port=0)) as running:
+    with running_deployment(chat_model, 1, 1, RouterConfig(http_port=0), metrics=Metrics("tiny-chat")) as running:
         yield running
 
 
@@ -424,3 +425,57 @@ def test_streamed_tool_call_deltas_assemble_into_the_same_call(client):
     assert content == "Checking. "
     assert [(e["name"], e["arguments"]) for e in assembled.values()] == [(call.function.name, call.function.arguments)]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def _http(base_url: str, path: str, body: dict | None = None, method: str | None = None) -> tuple[int, bytes, dict]:
+    """(status, body, headers) of a request to the HTTP port (a 4xx/5xx too)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(base_url.removesuffix("/v1") + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, response.read(), dict(response.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, error.read(), dict(error.headers)
+
+
+def test_vllms_tokenize_and_detokenize_match_the_models_tokenizer_and_template(base_url, chat_model, hf_tokenizer):
+    status, raw, _ = _http(base_url, "/tokenize", {"prompt": "Hello café world", "return_token_strs": True})
+    answer = json.loads(raw)
+    assert status == 200 and answer["tokens"] == hf_tokenizer("Hello café world")["input_ids"]
+    assert answer["count"] == len(answer["tokens"]) and answer["max_model_len"] > 0
+    assert "".join(answer["token_strs"]) == hf_tokenizer.decode(answer["tokens"])
+    status, raw, _ = _http(base_url, "/tokenize", {"model": "tiny-chat", "messages": MESSAGES})
+    assert status == 200 and json.loads(raw)["tokens"] == _chat_ids(hf_tokenizer, MESSAGES)
+    status, raw, _ = _http(base_url, "/detokenize", {"tokens": answer["tokens"]})
+    assert status == 200 and json.loads(raw)["prompt"] == hf_tokenizer.decode(answer["tokens"])
+    # Bad bodies: a 400 naming the field, in OpenAI's shape.
+    for path, body, param in [
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
+        ("/detokenize", {"tokens": [1, "a"]}, "tokens"),
+        ("/detokenize", {"tokens": [chat_model.vocab_size]}, "tokens"),
+        ("/tokenize", {"model": "other", "prompt": "x"}, "model"),
+    ]:
+        status, raw, _ = _http(base_url, path, body)
+        error = json.loads(raw)["error"]
+        assert status == (404 if body.get("model") == "other" else 400) and error["param"] == param, (path, body, error)
+
+
+def test_vllms_version_ping_load_and_metrics_on_the_api_port(base_url, client):
+    status, raw, _ = _http(base_url, "/version")
+    assert status == 200 and json.loads(raw)["version"]
+    assert _http(base_url, "/ping")[0] == 200 and _http(base_url, "/ping", {}, method="POST")[0] == 200
+    status, raw, _ = _http(base_url, "/load")
+    assert status == 200 and json.loads(raw)["server_load"] == 0
+    client.completions.create(model="tiny-chat", prompt="count", max_tokens=2, **GREEDY)
+    status, raw, headers = _http(base_url, "/metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    finished = re.search(r'^pdserve:request_success_total\{[^}]*finished_reason="length"[^}]*\} (\S+)', raw.decode(), re.M)
+    assert finished and float(finished.group(1)) >= 1
+
+
+def test_the_model_answers_to_the_path_it_was_started_with(client, chat_model):
+    completion = client.completions.create(model=str(chat_model.path), prompt="count", max_tokens=3, **GREEDY)
+    assert completion.model == "tiny-chat" and completion.usage.completion_tokens == 3
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=str(chat_model.path) + "-other", prompt="count", max_tokens=3)

@@ -1,0 +1,103 @@
+"""vLLM's auxiliary HTTP endpoints, as operators script against them on vLLM's API port.
+
+``POST /tokenize`` (a ``prompt``, or chat ``messages`` rendered with the model's template) and
+``POST /detokenize``; ``GET /version``; ``GET|POST /ping`` (200 once the deployment can serve,
+503 before, as ``/health``); ``GET /load`` (requests in flight at this router: vLLM's
+``server_load``); ``GET /metrics`` (the deployment's Prometheus registry, the same series as
+``router.metrics_port`` serves). Bodies and answers have vLLM's fields; an unknown field is a 400
+naming it, as on the other endpoints. As in vLLM, only ``/v1/`` routes need the bearer token.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.errors import InvalidArgumentError, UnavailableError
+from router.openai_api.errors import error_response
+from router.openai_api.fields import boolean, is_int, json_object, refuse_unknown, type_name
+
+if TYPE_CHECKING:
+    from router.openai_api.server import OpenAIServer
+
+_TOKENIZE_PROMPT_FIELDS = {"model", "prompt", "add_special_tokens", "return_token_strs"}
+_TOKENIZE_CHAT_FIELDS = {
+    "model", "messages", "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template_kwargs",
+    "tools", "return_token_strs",
+}
+
+
+def add_routes(app: web.Application, server: "OpenAIServer") -> None:
+    endpoints = VllmEndpoints(server)
+    app.router.add_post("/tokenize", endpoints.tokenize)
+    app.router.add_post("/detokenize", endpoints.detokenize)
+    app.router.add_get("/version", endpoints.version)
+    app.router.add_get("/ping", endpoints.ping)
+    app.router.add_post("/ping", endpoints.ping)
+    app.router.add_get("/load", endpoints.load)
+    app.router.add_get("/metrics", endpoints.metrics)
+
+
+def pdserve_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class VllmEndpoints:
+    def __init__(self, server: "OpenAIServer"):
+        self.server = server
+        self.router = server.router
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = json_object(await self.server.read_json(request), "body")
+        self.server.model_name(body.get("model"))
+        tokenizer = self.router.tokenizer
+        if "messages" in body:
+            refuse_unknown(body, _TOKENIZE_CHAT_FIELDS)
+            prompt = self.server.render_chat(body)
+            add_special = boolean(body, "add_special_tokens", False)  # the template wrote them
+        else:
+            refuse_unknown(body, _TOKENIZE_PROMPT_FIELDS)
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise InvalidArgumentError("prompt", f"must be a string (or give messages), got {type_name(prompt)}")
+            add_special = boolean(body, "add_special_tokens", True)
+        tokens = tokenizer.encode(prompt, add_special_tokens=add_special)
+        strings = [tokenizer.decode_raw([token], skip_special_tokens=False) for token in tokens] if boolean(body, "return_token_strs", False) else None
+        return web.json_response(
+            {"count": len(tokens), "max_model_len": self.router.model_info.max_context_len, "tokens": tokens, "token_strs": strings}
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = json_object(await self.server.read_json(request), "body")
+        refuse_unknown(body, {"model", "tokens"})
+        self.server.model_name(body.get("model"))
+        tokens = body.get("tokens")
+        vocab = self.router.model_info.vocab_size
+        if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
+            raise InvalidArgumentError("tokens", "must be a list of token ids")
+        if any(not 0 <= t < vocab for t in tokens):
+            raise InvalidArgumentError("tokens", f"token ids must be in [0, {vocab})")
+        return web.json_response({"prompt": self.router.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": pdserve_version()})
+
+    async def ping(self, request: web.Request) -> web.Response:
+        if not self.router.readiness.is_ready:
+            return error_response(UnavailableError("the deployment is not ready yet"))
+        return web.Response(status=200)
+
+    async def load(self, request: web.Request) -> web.Response:
+        return web.json_response({"server_load": len(self.router.dispatcher.active)})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        metrics = self.router.metrics
+        text = b"" if metrics is None else generate_latest(metrics.registry)
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
