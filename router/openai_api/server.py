@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router.anthropic_api import messages
 from router.errors import ErrorKind, InternalError, InvalidArgumentError, UnavailableError, classify
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
@@ -86,6 +87,7 @@ class OpenAIServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         vllm_endpoints.add_routes(app, self)
+        messages.add_routes(app, self)
         # handler_cancellation: a client that goes away cancels its handler, which aborts its requests.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
@@ -116,14 +118,20 @@ class OpenAIServer:
         except Exception as exc:
             if classify(exc)[0] is ErrorKind.INTERNAL and not isinstance(exc, (ModelNotFoundError, UnauthenticatedError)):
                 logger.exception("%s %s failed", request.method, request.path)
+            if request.path.startswith(messages.PATH_PREFIX):
+                return messages.error_response(exc)  # Anthropic's shape for its clients
             return error_response(exc)
 
     def _authenticate(self, request: web.Request) -> None:
         if self.auth_token is None:
             return
         offered = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(offered.encode(), f"Bearer {self.auth_token}".encode()):
-            raise UnauthenticatedError("missing or wrong bearer token (Authorization: Bearer <token>)")
+        if hmac.compare_digest(offered.encode(), f"Bearer {self.auth_token}".encode()):
+            return
+        # Anthropic's clients send the key as x-api-key.
+        if hmac.compare_digest(request.headers.get("x-api-key", "").encode(), self.auth_token.encode()):
+            return
+        raise UnauthenticatedError("missing or wrong token (Authorization: Bearer <token>, or x-api-key: <token>)")
 
     # -- routes --------------------------------------------------------------------------
 

@@ -1,0 +1,265 @@
+"""The Anthropic Messages front end: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``
+on the router's HTTP server, as the official ``anthropic`` client speaks them.
+
+A call is read (router/anthropic_api/protocol.py), validated and admitted like any other
+(``Router.validate_input``, ``GenerationSession``: admission, migration, cancellation when the
+client goes away, metrics), and its chunks rendered as a ``message`` or as Anthropic's stream:
+``message_start``, per content block ``content_block_start`` / ``content_block_delta`` (``text_delta``,
+``input_json_delta`` for a tool call's input) / ``content_block_stop``, then ``message_delta``
+(stop reason, output tokens) and ``message_stop``. Errors have Anthropic's shape
+(``{"type": "error", "error": {"type", "message"}}``), also mid-stream as an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from router.anthropic_api.protocol import read_count_tokens, read_messages
+from router.errors import ErrorKind, InternalError, classify
+from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput
+from router.output_stream import OutputChunk, StreamEnd
+from router.session import GenerationSession
+
+if TYPE_CHECKING:
+    from router.openai_api.server import OpenAIServer
+
+PATH_PREFIX = "/v1/messages"
+
+# kind -> (HTTP status, Anthropic error type)
+_ERRORS = {
+    ErrorKind.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    ErrorKind.NOT_FOUND: (404, "not_found_error"),
+    ErrorKind.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    ErrorKind.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    ErrorKind.UNAVAILABLE: (529, "overloaded_error"),
+    ErrorKind.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    ErrorKind.INTERNAL: (500, "api_error"),
+}
+
+
+def add_routes(app: web.Application, server: "OpenAIServer") -> None:
+    front_end = MessagesFrontEnd(server)
+    app.router.add_post(PATH_PREFIX, front_end.messages)
+    app.router.add_post(PATH_PREFIX + "/count_tokens", front_end.count_tokens)
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """(status, Anthropic error JSON) for ``exc``; a field's name leads the message."""
+    if isinstance(exc, UnauthenticatedError):
+        return 401, _error("authentication_error", str(exc))
+    if isinstance(exc, ModelNotFoundError):
+        return 404, _error("not_found_error", str(exc))
+    kind, message = classify(exc)
+    status, error_type = _ERRORS[kind]
+    return status, _error(error_type, message)
+
+
+def error_response(exc: BaseException) -> web.Response:
+    status, body = error_body(exc)
+    return web.json_response(body, status=status)
+
+
+def _error(error_type: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def stop_reason(end: StreamEnd, tool_calls: bool) -> str | None:
+    """Anthropic's stop_reason for how a message ended."""
+    if tool_calls:
+        return "tool_use"
+    if end.reason == "length":
+        return "max_tokens"
+    if end.reason == "stop" and end.matched_stop:
+        return "stop_sequence"
+    if end.reason in ("stop", "eos"):
+        return "end_turn"
+    return None  # abort / error: reported as an error
+
+
+def usage(end: StreamEnd | None, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+    cached = end.cached_prompt_tokens if end is not None else 0
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+@dataclass(slots=True)
+class MessageState:
+    """One message's content blocks as they are built: text, then tool calls."""
+
+    tools: ToolCallOutput | None
+    blocks: list[dict[str, Any]] = field(default_factory=list)  # whole blocks, Anthropic's shape
+    open_index: int | None = None  # the block a stream is writing into
+    open_kind: str = ""
+    calls_seen: int = 0
+    num_tokens: int = 0
+    end: StreamEnd | None = None
+
+    def take(self, chunk: OutputChunk) -> list[dict[str, Any]]:
+        """The stream events for a chunk (content block starts, deltas, stops); the whole blocks grow too."""
+        self.num_tokens += len(chunk.token_ids)
+        text, deltas = chunk.text, []
+        if self.tools is not None:
+            text, deltas = self.tools.feed(text)
+            if chunk.end is not None:
+                more, last = self.tools.finish()
+                text, deltas = text + more, deltas + last
+        events: list[dict[str, Any]] = []
+        if text:
+            if self.open_kind != "text":
+                events += self._open({"type": "text", "text": ""}, "text")
+            self.blocks[-1]["text"] += text
+            events.append(self._delta({"type": "text_delta", "text": text}))
+        for delta in deltas:
+            events += self._tool_delta(delta)
+        if chunk.end is not None:
+            self.end = chunk.end
+            if self.open_index is not None:
+                events.append({"type": "content_block_stop", "index": self.open_index})
+                self.open_index, self.open_kind = None, ""
+        return events
+
+    def _tool_delta(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if delta.id is not None:  # a new call
+            block = {"type": "tool_use", "id": "toolu_" + delta.id.removeprefix("call_"), "name": delta.name, "input": {}}
+            events += self._open(block, "tool_use")
+            self.blocks[-1]["partial"] = ""
+            self.calls_seen += 1
+        if delta.arguments:
+            self.blocks[-1]["partial"] += delta.arguments
+            events.append(self._delta({"type": "input_json_delta", "partial_json": delta.arguments}))
+        return events
+
+    def _open(self, block: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+        events = []
+        if self.open_index is not None:
+            events.append({"type": "content_block_stop", "index": self.open_index})
+        self.blocks.append(block)
+        self.open_index, self.open_kind = len(self.blocks) - 1, kind
+        start = {key: value for key, value in block.items() if key != "partial"}
+        events.append({"type": "content_block_start", "index": self.open_index, "content_block": start})
+        return events
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self.open_index, "delta": delta}
+
+    def content(self) -> list[dict[str, Any]]:
+        """The whole message's content blocks (a tool call's input parsed from its JSON)."""
+        out = []
+        for block in self.blocks:
+            block = dict(block)
+            if block["type"] == "tool_use":
+                partial = block.pop("partial")
+                try:
+                    block["input"] = json.loads(partial) if partial else {}
+                except json.JSONDecodeError:
+                    block["input"] = {}
+            out.append(block)
+        return out
+
+
+class MessagesFrontEnd:
+    def __init__(self, server: "OpenAIServer"):
+        self.server = server
+        self.router = server.router
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            model, prompt = read_count_tokens(await self.server.read_json(request), self.server.chat_template, self.router.config.tool_call_parser)
+            self.server.model_name(model)
+            return web.json_response({"input_tokens": len(self.router.tokenizer.encode(prompt, add_special_tokens=False))})
+        except Exception as exc:
+            return error_response(exc)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        try:
+            api = read_messages(await self.server.read_json(request), self.server.chat_template, self.router.config.tool_call_parser)
+            model = self.server.model_name(api.model)
+            message_id = f"msg_{uuid.uuid4().hex}"
+            api.generate.request_id = message_id
+            validated = await self.router.validate_input(api.generate)
+        except Exception as exc:
+            return error_response(exc)
+
+        def client_gone() -> bool:
+            return request.transport is None or request.transport.is_closing()
+
+        try:
+            session = await GenerationSession.open(self.router, validated, client_gone)
+        except Exception as exc:
+            return error_response(exc)
+        state = MessageState(ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None)
+        prompt_tokens = len(validated.prompt_token_ids)
+        try:
+            chunks = session.chunks()
+            async with contextlib.aclosing(chunks):
+                if api.stream:
+                    return await self._stream(request, message_id, model, state, prompt_tokens, chunks)
+                return await self._whole(message_id, model, state, prompt_tokens, chunks)
+        except Exception as exc:
+            return error_response(exc)
+        finally:
+            await session.close()
+
+    def _message(self, message_id: str, model: str, content: list, end: StreamEnd | None, state: MessageState, prompt_tokens: int) -> dict[str, Any]:
+        return {
+            "id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": None if end is None else stop_reason(end, state.calls_seen > 0),
+            "stop_sequence": (end.matched_stop or None) if end is not None else None,
+            "usage": usage(end, prompt_tokens, state.num_tokens),
+        }
+
+    async def _whole(self, message_id: str, model: str, state: MessageState, prompt_tokens: int, chunks) -> web.Response:
+        async for chunk in chunks:
+            state.take(chunk)
+            if chunk.end is not None:
+                break
+        end = state.end
+        if end is None or end.reason in ("error", "abort"):
+            raise InternalError(f"generation failed after {state.num_tokens} tokens: {end.detail if end else 'no last chunk'}")
+        return web.json_response(self._message(message_id, model, state.content(), end, state, prompt_tokens))
+
+    async def _stream(self, request: web.Request, message_id: str, model: str, state: MessageState, prompt_tokens: int, chunks) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        started = False
+        try:
+            async for chunk in chunks:
+                if not started:
+                    await response.prepare(request)
+                    started = True
+                    start = self._message(message_id, model, [], None, state, prompt_tokens)
+                    start["usage"]["output_tokens"] = 0
+                    await _event(response, {"type": "message_start", "message": start})
+                for event in state.take(chunk):
+                    await _event(response, event)
+                end = chunk.end
+                if end is None:
+                    continue
+                if end.reason in ("error", "abort"):
+                    await _event(response, error_body(InternalError(f"generation failed after {state.num_tokens} tokens: {end.detail}"))[1])
+                    break
+                await _event(response, {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason(end, state.calls_seen > 0), "stop_sequence": end.matched_stop or None},
+                    "usage": usage(end, prompt_tokens, state.num_tokens),
+                })
+                await _event(response, {"type": "message_stop"})
+                break
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+        except Exception as exc:
+            if not started:
+                raise  # nothing sent yet: a real status
+            await _event(response, error_body(exc)[1])
+        return response
+
+
+async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())

@@ -1,0 +1,285 @@
+"""Anthropic Messages request bodies (``/v1/messages``, ``/v1/messages/count_tokens``) read into
+the router's neutral request.
+
+The conversation becomes the chat template's messages the way OpenAI's does (so a Messages call
+and a chat completion of the same conversation render the same prompt): ``system`` as a system
+message, text blocks joined, an assistant's ``tool_use`` blocks as its ``tool_calls``, a user's
+``tool_result`` blocks as ``tool`` messages. ``tools`` (``input_schema``) and ``tool_choice``
+(``auto``, ``any``, ``tool`` by name, ``none``) go through the same tool calling as chat
+completions (router/openai_api/tool_calls.py). Every field is checked here; a problem raises
+``InvalidArgumentError`` naming it as the client wrote it (``messages[1].content[0].input``),
+and a field the API defines that pdserve does not serve (images, extended thinking, ...) is
+refused, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from engine.structured_output import StructuredOutput
+from router.errors import InvalidArgumentError
+from router.openai_api.chat_template import ChatTemplate
+from router.openai_api.fields import boolean, integer, json_object, number, refuse_unknown, type_name
+from router.openai_api.tool_calls import ToolCalling, read_tool_calling, template_messages
+from router.validation import GenerateInput
+
+_MESSAGES_FIELDS = {
+    "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
+    "tools", "tool_choice", "metadata", "thinking", "service_tier", "output_config",
+    "ignore_eos", "seed",  # vLLM's extensions
+}
+_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
+_BLOCK_FIELDS = {
+    "text": {"type", "text", "cache_control", "citations"},
+    "tool_use": {"type", "id", "name", "input", "cache_control"},
+    "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
+}
+
+
+@dataclass(slots=True)
+class MessagesRequest:
+    """One Messages call, read and checked."""
+
+    model: str
+    stream: bool
+    generate: GenerateInput
+    tool_calling: ToolCalling | None
+
+
+def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: str | None) -> MessagesRequest:
+    body = json_object(body, "body")
+    refuse_unknown(body, _MESSAGES_FIELDS)
+    model = _model(body)
+    if "max_tokens" not in body:
+        raise InvalidArgumentError("max_tokens", "is required")
+    max_tokens = integer(body, "max_tokens", None, 1, None)
+    _no_thinking(body)
+    if body.get("service_tier") not in (None, "auto", "standard_only"):
+        raise InvalidArgumentError("service_tier", "must be auto or standard_only")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        metadata = json_object(metadata, "metadata")
+        refuse_unknown(metadata, {"user_id"}, prefix="metadata.")
+    prompt, calling = render_prompt(body, template, tool_call_parser)
+    stop = body.get("stop_sequences")
+    if stop is None:
+        stop = []
+    elif not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidArgumentError("stop_sequences", "must be a list of non-empty strings")
+    generate = GenerateInput(
+        prompt_text=prompt,
+        add_special_tokens=False,  # the template wrote them
+        text_field="messages",
+        ids_field="messages",
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", None),
+        top_p=number(body, "top_p", None),
+        top_k=integer(body, "top_k", None, -1, None),
+        stop=list(stop),
+        ignore_eos=boolean(body, "ignore_eos", False),
+        seed=integer(body, "seed", None, None, None),
+        sampling_prefix="",
+        structured=_constraint(body, calling),
+    )
+    return MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
+
+
+def read_count_tokens(body: Any, template: ChatTemplate | None, tool_call_parser: str | None) -> tuple[str, str]:
+    """(model, prompt text) of a count_tokens call."""
+    body = json_object(body, "body")
+    refuse_unknown(body, _COUNT_FIELDS)
+    model = _model(body)
+    _no_thinking(body)
+    prompt, _ = render_prompt(body, template, tool_call_parser)
+    return model, prompt
+
+
+def render_prompt(body: dict, template: ChatTemplate | None, tool_call_parser: str | None) -> tuple[str, ToolCalling | None]:
+    """The prompt text of a Messages body through the model's chat template, and its tool calling."""
+    if template is None:
+        raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
+    calling = read_tool_calling(_openai_tools(body), template.text, tool_call_parser)
+    messages = _system(body) + _conversation(body)
+    prompt = template.render(template_messages(messages), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
+    return prompt, calling
+
+
+def _constraint(body: dict, calling: ToolCalling | None) -> StructuredOutput | None:
+    """The grammar the answer decodes under: ``output_config.format`` (a JSON schema) or a forced tool."""
+    tools = calling.constraint() if calling is not None else None
+    config = body.get("output_config")
+    if config is None:
+        return tools
+    config = json_object(config, "output_config")
+    refuse_unknown(config, {"format", "effort"}, prefix="output_config.")
+    if config.get("effort") is not None:
+        raise InvalidArgumentError("output_config.effort", "is not supported (it steers extended thinking, which pdserve does not serve)")
+    if config.get("format") is None:
+        return tools
+    fmt = json_object(config["format"], "output_config.format")
+    refuse_unknown(fmt, {"type", "schema"}, prefix="output_config.format.")
+    if fmt.get("type") != "json_schema":
+        raise InvalidArgumentError("output_config.format.type", f"must be \"json_schema\", got {fmt.get('type')!r}")
+    schema = json_object(fmt.get("schema"), "output_config.format.schema")
+    if tools is not None:
+        raise InvalidArgumentError("output_config.format", "and a forced tool_choice both constrain the answer; give one")
+    return StructuredOutput.build("json_schema", json.dumps(schema), "output_config.format.schema")
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidArgumentError("model", "is required: a non-empty string")
+    return model
+
+
+def _no_thinking(body: dict) -> None:
+    thinking = body.get("thinking")
+    if thinking is None:
+        return
+    thinking = json_object(thinking, "thinking")
+    if thinking.get("type") != "disabled":
+        raise InvalidArgumentError("thinking", "extended thinking is not supported; omit it or give {\"type\": \"disabled\"}")
+
+
+def _system(body: dict) -> list[dict[str, Any]]:
+    system = body.get("system")
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    if not isinstance(system, list):
+        raise InvalidArgumentError("system", f"must be a string or a list of text blocks, got {type_name(system)}")
+    return [{"role": "system", "content": "\n".join(_text_block(block, f"system[{i}]") for i, block in enumerate(system))}]
+
+
+def _conversation(body: dict) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgumentError("messages", "must be a non-empty list of messages")
+    out: list[dict[str, Any]] = []
+    for index, message in enumerate(messages):
+        name = f"messages[{index}]"
+        message = json_object(message, name)
+        refuse_unknown(message, {"role", "content"}, prefix=f"{name}.")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise InvalidArgumentError(f"{name}.role", f"must be \"user\" or \"assistant\", got {role!r}")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise InvalidArgumentError(f"{name}.content", f"must be a string or a list of content blocks, got {type_name(content)}")
+        out.extend(_blocks(role, content, f"{name}.content"))
+    return out
+
+
+def _blocks(role: str, blocks: list, name: str) -> list[dict[str, Any]]:
+    """One message's content blocks as template messages: its text (and an assistant's calls),
+    then a ``tool`` message per tool result."""
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for index, block in enumerate(blocks):
+        where = f"{name}[{index}]"
+        block = json_object(block, where)
+        kind = block.get("type")
+        if kind not in _BLOCK_FIELDS:
+            raise InvalidArgumentError(f"{where}.type", f"must be one of {sorted(_BLOCK_FIELDS)} (pdserve serves text models), got {kind!r}")
+        refuse_unknown(block, _BLOCK_FIELDS[kind], prefix=f"{where}.")
+        if kind == "text":
+            texts.append(_text_block(block, where))
+        elif kind == "tool_use":
+            if role != "assistant":
+                raise InvalidArgumentError(f"{where}.type", "tool_use blocks belong to assistant messages")
+            for key in ("id", "name"):
+                if not isinstance(block.get(key), str) or not block[key]:
+                    raise InvalidArgumentError(f"{where}.{key}", "must be a non-empty string")
+            arguments = json_object(block.get("input"), f"{where}.input")
+            calls.append({"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        else:
+            if role != "user":
+                raise InvalidArgumentError(f"{where}.type", "tool_result blocks belong to user messages")
+            if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
+                raise InvalidArgumentError(f"{where}.tool_use_id", "must be a non-empty string")
+            if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
+                raise InvalidArgumentError(f"{where}.is_error", f"must be a boolean, got {type_name(block['is_error'])}")
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _result_content(block.get("content"), f"{where}.content")})
+    out: list[dict[str, Any]] = []
+    if texts or calls:
+        message: dict[str, Any] = {"role": role, "content": "\n".join(texts) if texts else None}
+        if calls:
+            message["tool_calls"] = calls
+        out.append(message)
+    return results + out if role == "user" else out + results
+
+
+def _text_block(block: Any, where: str) -> str:
+    block = json_object(block, where)
+    if block.get("type") != "text":
+        raise InvalidArgumentError(f"{where}.type", f"must be \"text\", got {block.get('type')!r}")
+    refuse_unknown(block, _BLOCK_FIELDS["text"], prefix=f"{where}.")
+    if block.get("citations") is not None:
+        raise InvalidArgumentError(f"{where}.citations", "is not supported")
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{where}.text", f"must be a string, got {type_name(text)}")
+    return text
+
+
+def _result_content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidArgumentError(where, f"must be a string or a list of text blocks, got {type_name(content)}")
+    return "\n".join(_text_block(block, f"{where}[{i}]") for i, block in enumerate(content))
+
+
+def _openai_tools(body: dict) -> dict[str, Any]:
+    """``tools`` and ``tool_choice`` in OpenAI's shape (what the shared tool calling reads)."""
+    tools = body.get("tools")
+    if tools is None:
+        if body.get("tool_choice") is not None:
+            raise InvalidArgumentError("tool_choice", "needs tools")
+        return {}
+    if not isinstance(tools, list):
+        raise InvalidArgumentError("tools", f"must be a list, got {type_name(tools)}")
+    converted = []
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        tool = json_object(tool, where)
+        if tool.get("type") not in (None, "custom"):
+            raise InvalidArgumentError(f"{where}.type", f"server tools ({tool.get('type')!r}) are not supported; give client tools with input_schema")
+        refuse_unknown(tool, {"type", "name", "description", "input_schema", "cache_control"}, prefix=f"{where}.")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise InvalidArgumentError(f"{where}.name", "must be a non-empty string")
+        # OpenAI's key order (name, description, parameters): templates render the tool as JSON.
+        function: dict[str, Any] = {"name": tool["name"]}
+        if tool.get("description") is not None:
+            if not isinstance(tool["description"], str):
+                raise InvalidArgumentError(f"{where}.description", f"must be a string, got {type_name(tool['description'])}")
+            function["description"] = tool["description"]
+        function["parameters"] = json_object(tool.get("input_schema"), f"{where}.input_schema")
+        converted.append({"type": "function", "function": function})
+    out: dict[str, Any] = {"tools": converted}
+    choice = body.get("tool_choice")
+    if choice is not None:
+        choice = json_object(choice, "tool_choice")
+        kind = choice.get("type")
+        refuse_unknown(choice, {"type", "name", "disable_parallel_tool_use"}, prefix="tool_choice.")
+        if kind == "tool":
+            if not isinstance(choice.get("name"), str):
+                raise InvalidArgumentError("tool_choice.name", "must name one of the tools")
+            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        elif kind in ("auto", "any", "none"):
+            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[kind]
+        else:
+            raise InvalidArgumentError("tool_choice.type", f"must be auto, any, tool or none, got {kind!r}")
+        if choice.get("disable_parallel_tool_use") is not None:
+            out["parallel_tool_calls"] = not boolean(choice, "disable_parallel_tool_use", False, prefix="tool_choice.")
+    return out
