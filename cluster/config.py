@@ -215,6 +215,11 @@ class RouterSection(BaseModel):
     )
     output_poll_s: float = Field(_ROUTER_DEFAULTS["output_poll_s"], gt=0, description="Long-poll window of the router's per-decode-actor output collector")
     status_timeout_s: float = Field(_ROUTER_DEFAULTS["status_timeout_s"], gt=0, description="How long a worker's status call may take")
+    responses_store_size: int = Field(_ROUTER_DEFAULTS["responses_store_size"], ge=1, description="/v1/responses: stored responses kept (oldest go first)")
+    responses_store_ttl_s: float = Field(_ROUTER_DEFAULTS["responses_store_ttl_s"], gt=0, description="/v1/responses: how long a stored response is kept")
+    responses_store_path: Path | None = Field(
+        None, description="/v1/responses: a JSON-lines file keeping stored responses across router restarts (null: memory only)"
+    )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description='How chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)'
     )

@@ -30,6 +30,11 @@ class RouterConfig:
     # Names a request's "model" may give (the first is what responses say); None: the model
     # directory's name.
     served_model_names: list[str] | None = None
+    # /v1/responses with store (router/responses_api/store.py): how many stored responses are
+    # kept, for how long, and the JSON-lines file that keeps them across restarts (None: memory only).
+    responses_store_size: int = 10_000
+    responses_store_ttl_s: float = 3600.0
+    responses_store_path: Path | None = None
     # Fields a request leaves unset take the model's generation_config.json values
     # (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM does.
     model_sampling_defaults: bool = True

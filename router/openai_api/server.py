@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router.anthropic_api import messages
+from router.responses_api import front_end as responses_front_end
 from router.errors import ErrorKind, InternalError, InvalidArgumentError, UnavailableError, classify
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
@@ -88,6 +89,7 @@ class OpenAIServer:
         app.router.add_get("/health", self.health)
         vllm_endpoints.add_routes(app, self)
         messages.add_routes(app, self)
+        self.responses = responses_front_end.add_routes(app, self)
         # handler_cancellation: a client that goes away cancels its handler, which aborts its requests.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()

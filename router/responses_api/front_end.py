@@ -1,0 +1,344 @@
+"""The OpenAI Responses front end: ``/v1/responses`` on the router's HTTP server, as the official
+``openai`` client's ``client.responses`` speaks it.
+
+``POST /v1/responses`` reads a call (router/responses_api/protocol.py), renders its conversation
+(a stored ``previous_response_id``'s conversation, then this call's input; ``instructions`` first)
+with the model's chat template, and runs it as any other request (``Router.validate_input``,
+``GenerationSession``: admission, migration, cancellation when the client goes away, metrics).
+Whole, it answers a ``response`` object; streamed, the events the client accumulates:
+``response.created``, ``response.in_progress``, per output item ``response.output_item.added`` /
+``.done`` around its text (``response.content_part.added``, ``response.output_text.delta``,
+``.done``, ``response.content_part.done``) or a function call's arguments
+(``response.function_call_arguments.delta`` / ``.done``), then ``response.completed`` (status
+``incomplete`` when ``max_output_tokens`` ran out, as vLLM sends it). ``background: true``
+answers at once with the response in progress; ``GET /v1/responses/{id}`` polls it and
+``POST .../cancel`` stops it. ``store`` (the default) keeps the response and its conversation
+(router/responses_api/store.py) for ``GET``, ``DELETE`` and follow-up turns; a follow-up's
+prompt starts with the previous turn's, so KV-aware routing sends it to the actor whose prefix
+cache holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from router.errors import InternalError, InvalidArgumentError, NotFoundError
+from router.openai_api.tool_calls import read_tool_calling, template_messages
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput
+from router.output_stream import OutputChunk, StreamEnd
+from router.responses_api.protocol import ResponsesRequest, read_responses
+from router.responses_api.store import ResponseStore, StoredResponse
+from router.session import GenerationSession
+
+if TYPE_CHECKING:
+    from router.openai_api.server import OpenAIServer
+
+logger = logging.getLogger(__name__)
+
+PATH = "/v1/responses"
+
+
+def add_routes(app: web.Application, server: "OpenAIServer") -> "ResponsesFrontEnd":
+    front_end = ResponsesFrontEnd(server)
+    app.router.add_post(PATH, front_end.create)
+    app.router.add_get(PATH + "/{response_id}", front_end.retrieve)
+    app.router.add_delete(PATH + "/{response_id}", front_end.delete)
+    app.router.add_post(PATH + "/{response_id}/cancel", front_end.cancel)
+    return front_end
+
+
+class ResponseNotFoundError(NotFoundError):
+    def __init__(self, response_id: str, field: str | None = None):
+        super().__init__(f"response {response_id!r} not found (never stored, expired or deleted)")
+        self.field = field
+
+
+def usage(end: StreamEnd | None, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+    cached = end.cached_prompt_tokens if end is not None else 0
+    return {
+        "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+@dataclass(slots=True)
+class ResponseState:
+    """One response as it is built: its output items, and the stream events that build them."""
+
+    response_id: str
+    model: str
+    echo: dict[str, Any]
+    prompt_tokens: int
+    tools: ToolCallOutput | None
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "in_progress"
+    output: list[dict[str, Any]] = field(default_factory=list)
+    open_index: int | None = None  # the output item text or arguments are streaming into
+    num_tokens: int = 0
+    end: StreamEnd | None = None
+    error: dict[str, Any] | None = None
+    sequence: int = 0
+
+    def event(self, kind: str, **body: Any) -> dict[str, Any]:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **body}
+
+    def obj(self) -> dict[str, Any]:
+        """The response object as it stands."""
+        incomplete = {"reason": "max_output_tokens"} if self.status == "incomplete" else None
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": self.status, "model": self.model,
+            "output": [dict(item) for item in self.output], "error": self.error, "incomplete_details": incomplete,
+            "usage": usage(self.end, self.prompt_tokens, self.num_tokens) if self.end is not None else None,
+            "reasoning": {"effort": None, "summary": None}, "service_tier": "default", **self.echo,
+        }
+
+    def take(self, chunk: OutputChunk) -> list[dict[str, Any]]:
+        """The stream events for a chunk; the output items grow with it."""
+        self.num_tokens += len(chunk.token_ids)
+        text, deltas = chunk.text, []
+        if self.tools is not None:
+            text, deltas = self.tools.feed(text)
+            if chunk.end is not None:
+                more, last = self.tools.finish()
+                text, deltas = text + more, deltas + last
+        events: list[dict[str, Any]] = []
+        if text:
+            if self.open_index is None or self.output[self.open_index]["type"] != "message":
+                events += self._close()
+                events += self._open({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress", "role": "assistant", "content": []})
+                item = self.output[self.open_index]
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                item["content"].append(part)
+                events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open_index, content_index=0, part=dict(part)))
+            item = self.output[self.open_index]
+            item["content"][0]["text"] += text
+            events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.open_index, content_index=0, delta=text, logprobs=[]))
+        for delta in deltas:
+            events += self._tool_delta(delta)
+        if chunk.end is not None:
+            self.end = chunk.end
+            events += self._close()
+            self.status = {"length": "incomplete", "error": "failed", "abort": "cancelled"}.get(chunk.end.reason, "completed")
+            if self.status == "failed":
+                self.error = {"code": "server_error", "message": f"generation failed after {self.num_tokens} tokens: {chunk.end.detail}"}
+        return events
+
+    def _tool_delta(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if delta.id is not None:
+            events += self._close()
+            events += self._open({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": delta.id, "name": delta.name, "arguments": "", "status": "in_progress"})
+        item = self.output[self.open_index]
+        if delta.arguments:
+            item["arguments"] += delta.arguments
+            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=self.open_index, delta=delta.arguments))
+        return events
+
+    def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.output.append(item)
+        self.open_index = len(self.output) - 1
+        added = {**item, "content": []} if item["type"] == "message" else dict(item)
+        return [self.event("response.output_item.added", output_index=self.open_index, item=added)]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self.open_index is None:
+            return []
+        index, item = self.open_index, self.output[self.open_index]
+        self.open_index = None
+        item["status"] = "completed"
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[]))
+            events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)))
+        else:
+            events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"], name=item["name"]))
+        events.append(self.event("response.output_item.done", output_index=index, item=json.loads(json.dumps(item))))
+        return events
+
+    def assistant_messages(self) -> list[dict[str, Any]]:
+        """The output as chat-template messages (what a follow-up turn's prompt renders)."""
+        text = "".join(part["text"] for item in self.output if item["type"] == "message" for part in item["content"])
+        calls = [
+            {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+            for item in self.output if item["type"] == "function_call"
+        ]
+        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        return [message]
+
+
+@dataclass(slots=True)
+class _Background:
+    state: ResponseState
+    task: asyncio.Task
+
+
+class ResponsesFrontEnd:
+    def __init__(self, server: "OpenAIServer"):
+        self.server = server
+        self.router = server.router
+        config = self.router.config
+        self.store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s, config.responses_store_path)
+        self.background: dict[str, _Background] = {}
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        api = read_responses(await self.server.read_json(request))
+        model = self.server.model_name(api.model)
+        response_id = f"resp_{uuid.uuid4().hex}"
+        prior = self._prior(api)
+        conversation = prior + api.messages
+        prompt, calling = self._render(api, conversation)
+        api.generate.prompt_text = prompt
+        api.generate.request_id = response_id
+        validated = await self.router.validate_input(api.generate)
+        state = ResponseState(response_id, model, api.echo, len(validated.prompt_token_ids), ToolCallOutput(calling) if calling is not None else None)
+
+        if api.background:
+            # The session outlives this call: it ends when generation does, or on cancel.
+            session = await GenerationSession.open(self.router, validated, lambda: False)
+            state.status = "queued"
+            task = asyncio.create_task(self._run_background(api, session, state, conversation))
+            self.background[response_id] = _Background(state, task)
+            return web.json_response(state.obj())
+
+        def client_gone() -> bool:
+            return request.transport is None or request.transport.is_closing()
+
+        session = await GenerationSession.open(self.router, validated, client_gone)
+        try:
+            chunks = session.chunks()
+            async with contextlib.aclosing(chunks):
+                if api.stream:
+                    return await self._stream(request, api, state, chunks, conversation)
+                async for chunk in chunks:
+                    state.take(chunk)
+                    if chunk.end is not None:
+                        break
+                if state.end is None or state.status in ("failed", "cancelled"):
+                    raise InternalError(state.error["message"] if state.error else f"{response_id}: the stream ended without a last chunk")
+                self._keep(api, state, conversation)
+                return web.json_response(state.obj())
+        finally:
+            await session.close()
+
+    def _prior(self, api: ResponsesRequest) -> list[dict[str, Any]]:
+        if api.previous_response_id is None:
+            return []
+        entry = self.store.get(api.previous_response_id)
+        if entry is None:
+            raise ResponseNotFoundError(api.previous_response_id, "previous_response_id")
+        return [dict(message) for message in entry.conversation]
+
+    def _render(self, api: ResponsesRequest, conversation: list[dict[str, Any]]):
+        template = self.server.chat_template
+        if template is None:
+            raise InvalidArgumentError("input", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
+        calling = read_tool_calling(api.chat_tools, template.text, self.router.config.tool_call_parser) if api.chat_tools else None
+        constraint = calling.constraint() if calling is not None else None
+        if constraint is not None:
+            if api.generate.structured is not None:
+                raise InvalidArgumentError("tool_choice", "and text.format both constrain the answer; give one")
+            api.generate.structured = constraint
+        system = [{"role": "system", "content": api.instructions}] if api.instructions else []
+        prompt = template.render(template_messages(system + conversation), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
+        return prompt, calling
+
+    def _keep(self, api: ResponsesRequest, state: ResponseState, conversation: list[dict[str, Any]]) -> None:
+        if api.store:
+            self.store.put(state.response_id, StoredResponse(state.obj(), conversation + state.assistant_messages()))
+
+    async def _stream(self, request: web.Request, api: ResponsesRequest, state: ResponseState, chunks, conversation) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        started = False
+        try:
+            async for chunk in chunks:
+                if not started:
+                    await response.prepare(request)
+                    started = True
+                    await _send(response, state.event("response.created", response=state.obj()))
+                    await _send(response, state.event("response.in_progress", response=state.obj()))
+                for event in state.take(chunk):
+                    await _send(response, event)
+                if chunk.end is not None:
+                    break
+            if state.status == "failed":
+                await _send(response, state.event("response.failed", response=state.obj()))
+            else:
+                self._keep(api, state, conversation)
+                await _send(response, state.event("response.completed", response=state.obj()))
+            await response.write_eof()
+        except ConnectionResetError:
+            logger.info("%s: the client went away mid-stream", state.response_id)
+        except Exception as exc:
+            if not started:
+                raise  # nothing sent yet: a real status
+            await _send(response, state.event("error", code="server_error", message=str(exc), param=None))
+        return response
+
+    async def _run_background(self, api: ResponsesRequest, session: GenerationSession, state: ResponseState, conversation) -> None:
+        try:
+            async with contextlib.aclosing(session.chunks()) as chunks:
+                async for chunk in chunks:
+                    state.status = "in_progress"
+                    state.take(chunk)
+                    if chunk.end is not None:
+                        break
+        except asyncio.CancelledError:
+            state.status = "cancelled"
+        except Exception as exc:
+            state.status, state.error = "failed", {"code": "server_error", "message": str(exc)}
+        finally:
+            await session.close()
+            self._keep(api, state, conversation)
+            self.background.pop(state.response_id, None)
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        running = self.background.get(response_id)
+        if running is not None:
+            return web.json_response(running.state.obj())
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise ResponseNotFoundError(response_id)
+        return web.json_response(entry.response)
+
+    async def delete(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        running = self.background.get(response_id)
+        if running is not None:
+            running.task.cancel()
+            await asyncio.gather(running.task, return_exceptions=True)
+        if not self.store.delete(response_id):
+            raise ResponseNotFoundError(response_id)
+        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        running = self.background.get(response_id)
+        if running is None:
+            entry = self.store.get(response_id)
+            if entry is None:
+                raise ResponseNotFoundError(response_id)
+            if entry.response.get("background"):
+                return web.json_response(entry.response)  # already finished: cancelling changes nothing
+            raise InvalidArgumentError("response_id", "only a response created with background: true can be cancelled")
+        running.task.cancel()
+        await asyncio.gather(running.task, return_exceptions=True)
+        return web.json_response(running.state.obj())
+
+
+async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
+    await response.write(f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode())

@@ -1,0 +1,277 @@
+"""OpenAI Responses request bodies (``POST /v1/responses``) read and checked.
+
+``input`` (a string, or items: messages with text parts, ``function_call`` and
+``function_call_output``) becomes chat-template messages as chat completions renders them: a
+``developer`` message is a system message, a function call is an assistant message's
+``tool_calls``, its output a ``tool`` message. ``instructions`` go first as a system message
+(and, as in OpenAI's API, are not carried to a follow-up turn). ``tools`` (function tools,
+flat as the Responses API writes them) and ``tool_choice`` go through chat completions' tool
+calling (router/openai_api/tool_calls.py); ``text.format`` (json_schema, json_object) is the
+answer's grammar. Every problem raises ``InvalidArgumentError`` naming the field as written
+(``input[2].call_id``); a field the API defines that pdserve does not serve is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.structured_output import StructuredOutput
+from router.errors import InvalidArgumentError
+from router.openai_api.fields import boolean, integer, int_list, json_object, number, refuse_unknown, type_name
+from router.validation import GenerateInput
+
+_FIELDS = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls",
+    "text", "stream", "store", "previous_response_id", "metadata", "user", "truncation", "background", "service_tier",
+    "reasoning", "include", "prompt_cache_key", "safety_identifier", "stream_options", "top_logprobs",
+    # vLLM's extensions
+    "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos", "min_tokens", "stop", "stop_token_ids", "priority",
+}
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    """One Responses call, read and checked (its prompt is rendered once the conversation it
+    continues is known)."""
+
+    model: str | None
+    stream: bool
+    store: bool
+    background: bool
+    previous_response_id: str | None
+    instructions: str | None
+    messages: list[dict[str, Any]]  # this call's input, as chat-template messages
+    generate: GenerateInput  # everything but the prompt
+    chat_tools: dict[str, Any]  # tools / tool_choice / parallel_tool_calls in chat completions' shape
+    echo: dict[str, Any] = field(default_factory=dict)  # the request's settings a response object repeats
+
+
+def read_responses(body: Any) -> ResponsesRequest:
+    body = json_object(body, "body")
+    refuse_unknown(body, _FIELDS)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidArgumentError("model", f"must be a string, got {type_name(model)}")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidArgumentError("instructions", f"must be a string, got {type_name(instructions)}")
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise InvalidArgumentError("previous_response_id", "must be a response id")
+    if body.get("truncation") not in (None, "disabled"):
+        raise InvalidArgumentError("truncation", "only \"disabled\" is supported (a conversation longer than the context is refused)")
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise InvalidArgumentError("service_tier", "must be auto or default")
+    _no_reasoning(body)
+    include = body.get("include")
+    if include not in (None, []):
+        raise InvalidArgumentError("include", "extra output data (logprobs, reasoning, tool results) is not supported")
+    if body.get("top_logprobs") not in (None, 0):
+        raise InvalidArgumentError("top_logprobs", "is not supported on /v1/responses; use /v1/chat/completions")
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise InvalidArgumentError(name, f"must be a string, got {type_name(body[name])}")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        metadata = json_object(metadata, "metadata")
+        if len(metadata) > 16 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise InvalidArgumentError("metadata", "must map at most 16 string keys to strings")
+    stream = boolean(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise InvalidArgumentError("stream_options", "is only allowed with stream: true")
+        refuse_unknown(json_object(options, "stream_options"), {"include_obfuscation"}, prefix="stream_options.")
+    background = boolean(body, "background", False)
+    store = boolean(body, "store", True)
+    if background and not store:
+        raise InvalidArgumentError("background", "needs store: true (a background response is fetched by its id)")
+    text_format, structured = _text_format(body)
+    chat_tools = _chat_tools(body)
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise InvalidArgumentError("stop", "must be a string or a list of strings")
+    priority = integer(body, "priority", 0, -100, 100)
+    generate = GenerateInput(
+        add_special_tokens=False,  # the template writes them
+        text_field="input",
+        ids_field="input",
+        max_tokens=integer(body, "max_output_tokens", None, 1, None),
+        temperature=number(body, "temperature", None),
+        top_p=number(body, "top_p", None),
+        top_k=integer(body, "top_k", None, -1, None),
+        min_p=number(body, "min_p", None),
+        repetition_penalty=number(body, "repetition_penalty", None),
+        seed=integer(body, "seed", None, None, None),
+        ignore_eos=boolean(body, "ignore_eos", False),
+        min_tokens=integer(body, "min_tokens", 0, 0, None),
+        stop=list(stop or []),
+        stop_token_ids=int_list(body, "stop_token_ids"),
+        priority=-priority,  # vLLM's: lower first; the router's: higher first
+        sampling_prefix="",
+        structured=structured,
+    )
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": generate.max_tokens,
+        "temperature": generate.temperature,
+        "top_p": generate.top_p,
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice", "auto"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "text": {"format": text_format},
+        "metadata": metadata or {},
+        "user": body.get("user"),
+        "truncation": "disabled",
+        "store": store,
+        "background": background,
+        "previous_response_id": previous,
+    }
+    return ResponsesRequest(
+        model=model, stream=stream, store=store, background=background, previous_response_id=previous, instructions=instructions,
+        messages=_input(body), generate=generate, chat_tools=chat_tools, echo=echo,
+    )
+
+
+def _no_reasoning(body: dict) -> None:
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return
+    reasoning = json_object(reasoning, "reasoning")
+    if any(value is not None for value in reasoning.values()):
+        raise InvalidArgumentError("reasoning", "reasoning settings are not supported (the models served do not reason in a separate channel)")
+
+
+def _text_format(body: dict) -> tuple[dict[str, Any], StructuredOutput | None]:
+    text = body.get("text")
+    if text is None:
+        return {"type": "text"}, None
+    text = json_object(text, "text")
+    refuse_unknown(text, {"format", "verbosity"}, prefix="text.")
+    if text.get("verbosity") not in (None, "medium"):
+        raise InvalidArgumentError("text.verbosity", "only medium is supported")
+    fmt = text.get("format")
+    if fmt is None:
+        return {"type": "text"}, None
+    fmt = json_object(fmt, "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        refuse_unknown(fmt, {"type"}, prefix="text.format.")
+        return {"type": "text"}, None
+    if kind == "json_object":
+        refuse_unknown(fmt, {"type"}, prefix="text.format.")
+        return {"type": "json_object"}, StructuredOutput.build("json_object", True, "text.format")
+    if kind == "json_schema":
+        refuse_unknown(fmt, {"type", "name", "schema", "strict", "description"}, prefix="text.format.")
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise InvalidArgumentError("text.format.name", "is required: a non-empty string")
+        schema = json_object(fmt.get("schema"), "text.format.schema")
+        return dict(fmt), StructuredOutput.build("json_schema", schema, "text.format.schema")
+    raise InvalidArgumentError("text.format.type", f"must be text, json_object or json_schema, got {kind!r}")
+
+
+def _chat_tools(body: dict) -> dict[str, Any]:
+    """The request's tools in chat completions' shape (what the shared tool calling reads)."""
+    tools = body.get("tools")
+    out: dict[str, Any] = {}
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise InvalidArgumentError("tools", f"must be a list, got {type_name(tools)}")
+        converted = []
+        for index, tool in enumerate(tools):
+            where = f"tools[{index}]"
+            tool = json_object(tool, where)
+            if tool.get("type") != "function":
+                raise InvalidArgumentError(f"{where}.type", f"only function tools are supported, got {tool.get('type')!r}")
+            refuse_unknown(tool, {"type", "name", "description", "parameters", "strict"}, prefix=f"{where}.")
+            if not isinstance(tool.get("name"), str) or not tool["name"]:
+                raise InvalidArgumentError(f"{where}.name", "must be a non-empty string")
+            function: dict[str, Any] = {"name": tool["name"]}
+            if tool.get("description") is not None:
+                if not isinstance(tool["description"], str):
+                    raise InvalidArgumentError(f"{where}.description", f"must be a string, got {type_name(tool['description'])}")
+                function["description"] = tool["description"]
+            function["parameters"] = json_object(tool.get("parameters") or {"type": "object", "properties": {}}, f"{where}.parameters")
+            if tool.get("strict") is not None:
+                function["strict"] = boolean(tool, "strict", False, prefix=f"{where}.")
+            converted.append({"type": "function", "function": function})
+        out["tools"] = converted
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if isinstance(choice, str):
+            out["tool_choice"] = choice
+        else:
+            choice = json_object(choice, "tool_choice")
+            refuse_unknown(choice, {"type", "name"}, prefix="tool_choice.")
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise InvalidArgumentError("tool_choice", "must be none, auto, required or {\"type\": \"function\", \"name\": ...}")
+            out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    if body.get("parallel_tool_calls") is not None:
+        out["parallel_tool_calls"] = body["parallel_tool_calls"]
+    return out
+
+
+def _input(body: dict) -> list[dict[str, Any]]:
+    value = body.get("input")
+    if value is None:
+        raise InvalidArgumentError("input", "is required: a string or a list of input items")
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidArgumentError("input", f"must be a string or a non-empty list of input items, got {type_name(value)}")
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(value):
+        where = f"input[{index}]"
+        item = json_object(item, where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            refuse_unknown(item, {"type", "role", "content", "id", "status"}, prefix=f"{where}.")
+            role = item.get("role")
+            if role not in _ROLES:
+                raise InvalidArgumentError(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {role!r}")
+            messages.append({"role": _ROLES[role], "content": _content(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            refuse_unknown(item, {"type", "call_id", "name", "arguments", "id", "status"}, prefix=f"{where}.")
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+                    raise InvalidArgumentError(f"{where}.{key}", "must be a non-empty string" if key != "arguments" else "must be a JSON string")
+            try:
+                json.loads(item["arguments"] or "{}")
+            except json.JSONDecodeError as exc:
+                raise InvalidArgumentError(f"{where}.arguments", f"is not valid JSON: {exc}") from None
+            call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
+                messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            elif messages and messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1]:
+                messages[-1]["tool_calls"] = [call]
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            refuse_unknown(item, {"type", "call_id", "output", "id", "status"}, prefix=f"{where}.")
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise InvalidArgumentError(f"{where}.call_id", "must be a non-empty string")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _content(item.get("output"), f"{where}.output")})
+        else:
+            raise InvalidArgumentError(f"{where}.type", f"must be message, function_call or function_call_output (text models), got {kind!r}")
+    return messages
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidArgumentError(where, f"must be a string or a list of text parts, got {type_name(value)}")
+    texts = []
+    for index, part in enumerate(value):
+        part = json_object(part, f"{where}[{index}]")
+        if part.get("type") not in ("input_text", "output_text", "text"):
+            raise InvalidArgumentError(f"{where}[{index}].type", f"only text parts are supported (input_text, output_text), got {part.get('type')!r}")
+        refuse_unknown(part, {"type", "text", "annotations", "logprobs"}, prefix=f"{where}[{index}].")
+        if not isinstance(part.get("text"), str):
+            raise InvalidArgumentError(f"{where}[{index}].text", f"must be a string, got {type_name(part.get('text'))}")
+        texts.append(part["text"])
+    return "\n".join(texts)

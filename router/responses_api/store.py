@@ -1,0 +1,110 @@
+"""Stored responses: what ``GET /v1/responses/{id}`` returns and what ``previous_response_id``
+continues.
+
+Bounded (the oldest go first past ``max_entries``) and timed (an entry older than ``ttl_s`` is
+gone). With a ``path``, every change is appended to a JSON-lines file and the file is read back
+at start, so stored conversations survive a router restart; the file is rewritten with the live
+entries when it holds more than twice as many records as there are entries.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StoredResponse:
+    response: dict[str, Any]  # the response object, as GET returns it
+    conversation: list[dict[str, Any]] = field(default_factory=list)  # chat-template messages through this response's output
+    stored_at: float = field(default_factory=time.time)  # wall clock: survives restarts
+
+
+class ResponseStore:
+    def __init__(self, max_entries: int = 10_000, ttl_s: float = 3600.0, path: Path | None = None):
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self.path = Path(path) if path is not None else None
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._records = 0  # lines in the file
+        if self.path is not None:
+            self._load()
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._entries)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        self._expire()
+        entry = self._entries.get(response_id)
+        if entry is not None and entry.stored_at < time.time() - self.ttl_s:
+            return None  # entries expire in insertion order; one put with an old time is caught here
+        return entry
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        self._entries.pop(response_id, None)
+        self._entries[response_id] = entry
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        self._append({"id": response_id, "entry": asdict(entry)})
+
+    def delete(self, response_id: str) -> bool:
+        if self._entries.pop(response_id, None) is None:
+            return False
+        self._append({"id": response_id, "deleted": True})
+        return True
+
+    def _expire(self) -> None:
+        oldest = time.time() - self.ttl_s
+        while self._entries:
+            response_id, entry = next(iter(self._entries.items()))
+            if entry.stored_at >= oldest:
+                break
+            del self._entries[response_id]
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        if self._records > 2 * max(len(self._entries), 64):
+            self._rewrite()
+            return
+        with self.path.open("a", encoding="utf-8") as file:
+            file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._records += 1
+
+    def _rewrite(self) -> None:
+        scratch = self.path.with_suffix(self.path.suffix + ".tmp")
+        with scratch.open("w", encoding="utf-8") as file:
+            for response_id, entry in self._entries.items():
+                file.write(json.dumps({"id": response_id, "entry": asdict(entry)}, ensure_ascii=False) + "\n")
+        os.replace(scratch, self.path)
+        self._records = len(self._entries)
+
+    def _load(self) -> None:
+        if not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return
+        with self.path.open(encoding="utf-8") as file:
+            for number, line in enumerate(file, 1):
+                self._records += 1
+                try:
+                    record = json.loads(line)
+                    if record.get("deleted"):
+                        self._entries.pop(record["id"], None)
+                    else:
+                        self._entries.pop(record["id"], None)
+                        self._entries[record["id"]] = StoredResponse(**record["entry"])
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:  # a torn last line after a crash
+                    logger.warning("%s:%d: skipped a stored response that does not read back: %s", self.path, number, exc)
+        self._expire()
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        logger.info("read %d stored responses from %s", len(self._entries), self.path)

@@ -1,0 +1,228 @@
+"""The OpenAI Responses API as the official ``openai`` client sees it, against a live deployment
+(1 prefill + 2 decode actors, KV-aware routing): short inputs are prefilled on a decode actor,
+long ones on the prefill actor. References: the same conversation through chat completions, and
+transformers' ``apply_chat_template`` + ``generate``."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import openai
+import pytest
+import ray
+
+from router.config import RouterConfig
+from router.openai_api.server import OpenAIServer
+from tests.checkpoints import hf_greedy
+from tests.e2e.test_openai_api import FORECAST, _chat_ids, _http
+from tests.e2e.test_openai_api import chat_model as chat_model  # noqa: F401  (module fixture)
+from tests.e2e.test_openai_api import hf_tokenizer as hf_tokenizer  # noqa: F401  (module fixture)
+from tests.serving import Client, running_deployment
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+TOOL = {"type": "function", "name": "get_forecast", "description": FORECAST["function"]["description"], "parameters": FORECAST["function"]["parameters"]}
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, chat_model, tmp_path_factory):  # noqa: F811
+    store = tmp_path_factory.mktemp("responses") / "store.jsonl"
+    with running_deployment(chat_model, 1, 2, RouterConfig(http_port=0, responses_store_path=store)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def base_url(deployment):
+    return f"http://127.0.0.1:{deployment.http_port}/v1"
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def _chat_text(client, messages, max_tokens):
+    return client.chat.completions.create(model="tiny-chat", messages=messages, max_completion_tokens=max_tokens, **GREEDY).choices[0].message.content
+
+
+@pytest.mark.parametrize("repeat", [1, 12])  # 12: prefilled on the prefill actor
+def test_a_response_equals_the_chat_completion_and_transformers_whole_and_streamed(client, chat_model, hf_tokenizer, repeat):  # noqa: F811
+    question = "Name a prime number, café! " * repeat
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": question}]
+    ids = _chat_ids(hf_tokenizer, messages)
+    want = hf_tokenizer.decode(hf_greedy(chat_model.hf_model, ids, 12), skip_special_tokens=True)
+    assert _chat_text(client, messages, 12) == want
+
+    response = client.responses.create(model="tiny-chat", instructions="You are terse.", input=question, max_output_tokens=12, **GREEDY)
+    assert response.object == "response" and response.model == "tiny-chat" and response.output_text == want
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.input_tokens == len(ids) and response.usage.output_tokens == 12
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "completed"
+
+    items = [{"role": "user", "content": [{"type": "input_text", "text": question}]}]
+    events = []
+    with client.responses.stream(model="tiny-chat", instructions="You are terse.", input=items, max_output_tokens=12, **GREEDY) as stream:
+        for event in stream:
+            events.append(event.type)
+        final = stream.get_final_response()
+    assert final.output_text == want and final.usage.output_tokens == 12
+    assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "response.completed"
+    assert events[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert events[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def test_a_follow_up_turn_continues_the_stored_conversation_from_the_prefix_cache(client, deployment):
+    first_input = "Tell me about the weather in Oslo, and keep it short please. " * 3
+    first = client.responses.create(model="tiny-chat", input=first_input, max_output_tokens=8, **GREEDY)
+    follow_up = client.responses.create(model="tiny-chat", previous_response_id=first.id, input="And tomorrow?", max_output_tokens=8, **GREEDY)
+    messages = [{"role": "user", "content": first_input}, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And tomorrow?"}]
+    assert follow_up.output_text == _chat_text(client, messages, 8)
+    assert follow_up.previous_response_id == first.id
+    # The follow-up's prompt starts with the first turn's: routed to the actor holding it.
+    assert follow_up.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16 > 0
+
+    fetched = client.responses.retrieve(first.id)
+    assert fetched.id == first.id and fetched.output_text == first.output_text
+    deleted = client.responses.delete(first.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.create(model="tiny-chat", previous_response_id=first.id, input="again", max_output_tokens=4)
+    assert raised.value.body["param"] == "previous_response_id"
+    # A response with store: false is not kept.
+    unstored = client.responses.create(model="tiny-chat", input="hi", store=False, max_output_tokens=4, **GREEDY)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_stored_responses_survive_a_restart_of_the_http_front_end(client, deployment):
+    first = client.responses.create(model="tiny-chat", input="Remember the number seven.", max_output_tokens=6, **GREEDY)
+
+    async def restart():
+        old = deployment.front_ends.http
+        await old.stop()
+        new = OpenAIServer(deployment.router, "127.0.0.1", old.port, old.model_names, model_aliases=old.model_aliases)
+        await new.start()
+        deployment.front_ends.http = new
+
+    deployment._loop.run(restart())
+    fetched = client.responses.retrieve(first.id)
+    assert fetched.output_text == first.output_text
+    follow_up = client.responses.create(model="tiny-chat", previous_response_id=first.id, input="Which number?", max_output_tokens=6, **GREEDY)
+    messages = [{"role": "user", "content": "Remember the number seven."}, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Which number?"}]
+    assert follow_up.output_text == _chat_text(client, messages, 6)
+
+
+def test_function_calls_their_outputs_and_a_json_schema_answer(client):
+    schema = TOOL["parameters"]
+    for question in ("Weather?", "Plan a trip and check the weather first. " * 6):
+        response = client.responses.create(
+            model="tiny-chat", input=question, tools=[TOOL], tool_choice={"type": "function", "name": "get_forecast"},
+            max_output_tokens=120, temperature=1.0, extra_body={"seed": 3},
+        )
+        (call,) = [item for item in response.output if item.type == "function_call"]
+        assert call.name == "get_forecast" and call.call_id.startswith("call_") and call.status == "completed"
+        jsonschema.validate(json.loads(call.arguments), schema)
+    # The call and its output go back as input items; the chat equivalent renders the same prompt.
+    follow_up = client.responses.create(
+        model="tiny-chat", previous_response_id=response.id, input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        tools=[TOOL], tool_choice="none", max_output_tokens=6, **GREEDY,
+    )
+    messages = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]
+    chat = openai.OpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0)
+    want = chat.chat.completions.create(model="tiny-chat", messages=messages, tools=[FORECAST], tool_choice="none", max_completion_tokens=6, **GREEDY)
+    assert follow_up.output_text == want.choices[0].message.content
+    assert follow_up.usage.input_tokens == want.usage.prompt_tokens
+
+    streamed_calls = []
+    with client.responses.stream(
+        model="tiny-chat", input="Weather?", tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
+        max_output_tokens=120, temperature=1.0, extra_body={"seed": 4},
+    ) as stream:
+        for event in stream:
+            if event.type == "response.function_call_arguments.done":
+                streamed_calls.append(event.arguments)
+        final = stream.get_final_response()
+    (call,) = [item for item in final.output if item.type == "function_call"]
+    assert streamed_calls == [call.arguments]
+    jsonschema.validate(json.loads(call.arguments), schema)
+
+    answer = client.responses.create(
+        model="tiny-chat", input="Weather?", max_output_tokens=120, temperature=1.0, extra_body={"seed": 5},
+        text={"format": {"type": "json_schema", "name": "forecast", "schema": schema, "strict": True}},
+    )
+    assert answer.status == "completed"
+    jsonschema.validate(json.loads(answer.output_text), schema)
+
+
+def test_a_background_response_is_polled_and_cancelled_and_frees_its_blocks(client, deployment):
+    grpc_client = Client(deployment.address)
+    decodes = [h for name, h in deployment.handles.items() if name.startswith("decode")]
+    ray.get([d.set_step_delay.remote(0.05) for d in decodes])
+    try:
+        started = client.responses.create(model="tiny-chat", input="Count.", background=True, max_output_tokens=1500, **GREEDY)
+        assert started.status in ("queued", "in_progress") and started.background
+        deadline = time.monotonic() + 10
+        while client.responses.retrieve(started.id).usage is None and not client.responses.retrieve(started.id).output and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.responses.retrieve(started.id).status == "in_progress"
+        cancelled = client.responses.cancel(started.id)
+        assert cancelled.status == "cancelled"
+        assert client.responses.retrieve(started.id).status == "cancelled"
+        workers = grpc_client.wait_until_idle(timeout_s=15)
+        assert all(w.num_kv_blocks_used == 0 for w in workers)
+        assert not deployment.router.dispatcher.active
+        # Finished in the background: fetched whole.
+        done = client.responses.create(model="tiny-chat", input="hi", background=True, max_output_tokens=3, **GREEDY)
+        deadline = time.monotonic() + 20
+        while client.responses.retrieve(done.id).status in ("queued", "in_progress") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert client.responses.retrieve(done.id).usage.output_tokens == 3
+        with pytest.raises(openai.BadRequestError):
+            client.responses.cancel(client.responses.create(model="tiny-chat", input="hi", max_output_tokens=2, **GREEDY).id)
+    finally:
+        ray.get([d.set_step_delay.remote(0.0) for d in decodes])
+        grpc_client.close()
+
+
+def test_a_disconnect_mid_stream_frees_every_block(client, deployment):
+    grpc_client = Client(deployment.address)
+    decodes = [h for name, h in deployment.handles.items() if name.startswith("decode")]
+    ray.get([d.set_step_delay.remote(0.05) for d in decodes])
+    try:
+        with client.responses.stream(model="tiny-chat", input="Count.", max_output_tokens=1500, **GREEDY) as stream:
+            for _, _event in zip(range(6), stream):
+                pass
+        workers = grpc_client.wait_until_idle(timeout_s=15)
+        assert all(w.num_kv_blocks_used == 0 for w in workers)
+        assert not deployment.router.dispatcher.active
+    finally:
+        ray.get([d.set_step_delay.remote(0.0) for d in decodes])
+        grpc_client.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
+        ({"input": "hi", "bogus": 1}, "bogus"),
+    ],
+)
+def test_bad_requests_get_a_400_naming_the_field(base_url, body, param):
+    status, raw, _ = _http(base_url, "/v1/responses", {"model": "tiny-chat", **body})
+    assert status == 400 and json.loads(raw)["error"]["param"] == param, raw

@@ -1,0 +1,46 @@
+"""The Responses API's store: bounded, timed, and read back from its file after a restart."""
+
+from __future__ import annotations
+
+import time
+
+from router.responses_api.store import ResponseStore, StoredResponse
+
+
+def _entry(text: str, stored_at: float | None = None) -> StoredResponse:
+    entry = StoredResponse({"id": text, "output_text": text}, [{"role": "user", "content": text}])
+    if stored_at is not None:
+        entry.stored_at = stored_at
+    return entry
+
+
+def test_a_restarted_store_reads_back_what_was_kept_and_forgets_what_was_deleted(tmp_path):
+    path = tmp_path / "store.jsonl"
+    store = ResponseStore(max_entries=10, ttl_s=60, path=path)
+    for i in range(3):
+        store.put(f"resp_{i}", _entry(f"answer {i}"))
+    assert store.delete("resp_1") and not store.delete("resp_9")
+    with path.open("a") as file:
+        file.write('{"id": "resp_torn", "entry": {"respo')  # a crash mid-write
+    again = ResponseStore(max_entries=10, ttl_s=60, path=path)
+    assert len(again) == 2 and again.get("resp_1") is None
+    assert again.get("resp_2").conversation == [{"role": "user", "content": "answer 2"}]
+
+
+def test_the_oldest_go_first_past_the_bound_and_expired_ones_are_gone(tmp_path):
+    store = ResponseStore(max_entries=3, ttl_s=60)
+    for i in range(5):
+        store.put(f"resp_{i}", _entry(str(i)))
+    assert [store.get(f"resp_{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    store.put("old", _entry("old", stored_at=time.time() - 120))
+    assert store.get("old") is None
+
+
+def test_the_file_is_compacted_instead_of_growing_without_bound(tmp_path):
+    path = tmp_path / "store.jsonl"
+    store = ResponseStore(max_entries=4, ttl_s=60, path=path)
+    for i in range(1000):
+        store.put(f"resp_{i % 8}", _entry(str(i)))
+    assert len(path.read_text().splitlines()) <= 2 * 64 + 1
+    again = ResponseStore(max_entries=4, ttl_s=60, path=path)
+    assert len(again) == 4 and again.get("resp_7").response["output_text"] == "999"
