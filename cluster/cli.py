@@ -209,6 +209,7 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     if args.address is None:
         confine_to_loopback()  # before ray is imported, and inherited by a head started here
+        config.share_local_cores(os.cpu_count() or 1)  # one machine: the pools share its cores
     import ray
 
     from cluster.controller import create_controller, find_controller
