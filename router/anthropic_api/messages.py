@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from router.openai_api.server import OpenAIServer
 
 PATH_PREFIX = "/v1/messages"
+ERROR_SHAPE_PREFIX = PATH_PREFIX  # errors on these paths take Anthropic's shape (router/openai_api/server.py)
 
 # kind -> (HTTP status, Anthropic error type)
 _ERRORS = {
@@ -44,10 +45,11 @@ _ERRORS = {
 }
 
 
-def add_routes(app: web.Application, server: "OpenAIServer") -> None:
+def add_routes(app: web.Application, server: "OpenAIServer") -> "MessagesFrontEnd":
     front_end = MessagesFrontEnd(server)
     app.router.add_post(PATH_PREFIX, front_end.messages)
     app.router.add_post(PATH_PREFIX + "/count_tokens", front_end.count_tokens)
+    return front_end
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:

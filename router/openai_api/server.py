@@ -50,6 +50,8 @@ logger = logging.getLogger(__name__)
 # A request body may hold the longest prompt the router takes (64 characters per token of
 # context, up to 4 bytes each), and JSON's escapes on top.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# Front ends served beside completions and chat completions.
+FRONT_END_MODULES = (vllm_endpoints, messages, responses_front_end)
 
 
 class OpenAIServer:
@@ -87,9 +89,9 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
-        vllm_endpoints.add_routes(app, self)
-        messages.add_routes(app, self)
-        self.responses = responses_front_end.add_routes(app, self)
+        # The other front ends on this port, one module each (each adds its routes; one whose
+        # clients expect another error shape names its path prefix and its error_response).
+        self.front_ends = {module.__name__: module.add_routes(app, self) for module in FRONT_END_MODULES}
         # handler_cancellation: a client that goes away cancels its handler, which aborts its requests.
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
@@ -120,8 +122,10 @@ class OpenAIServer:
         except Exception as exc:
             if classify(exc)[0] is ErrorKind.INTERNAL and not isinstance(exc, (ModelNotFoundError, UnauthenticatedError)):
                 logger.exception("%s %s failed", request.method, request.path)
-            if request.path.startswith(messages.PATH_PREFIX):
-                return messages.error_response(exc)  # Anthropic's shape for its clients
+            for module in FRONT_END_MODULES:
+                prefix = getattr(module, "ERROR_SHAPE_PREFIX", None)
+                if prefix is not None and request.path.startswith(prefix):
+                    return module.error_response(exc)
             return error_response(exc)
 
     def _authenticate(self, request: web.Request) -> None:

