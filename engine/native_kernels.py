@@ -26,8 +26,6 @@ import tempfile
 import threading
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).with_name("csrc")

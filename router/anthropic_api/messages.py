@@ -23,7 +23,7 @@ from aiohttp import web
 from router.anthropic_api.protocol import read_count_tokens, read_messages
 from router.errors import ErrorKind, InternalError, classify
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError
-from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd
 from router.session import GenerationSession
 
@@ -105,12 +105,7 @@ class MessageState:
     def take(self, chunk: OutputChunk) -> list[dict[str, Any]]:
         """The stream events for a chunk (content block starts, deltas, stops); the whole blocks grow too."""
         self.num_tokens += len(chunk.token_ids)
-        text, deltas = chunk.text, []
-        if self.tools is not None:
-            text, deltas = self.tools.feed(text)
-            if chunk.end is not None:
-                more, last = self.tools.finish()
-                text, deltas = text + more, deltas + last
+        text, deltas = split_text(self.tools, chunk.text, chunk.end is not None)
         events: list[dict[str, Any]] = []
         if text:
             if self.open_kind != "text":

@@ -22,7 +22,7 @@ from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.fields import boolean, integer, json_object, number, refuse_unknown, type_name
-from router.openai_api.tool_calls import ToolCalling, read_tool_calling, template_messages
+from router.openai_api.tool_calls import ToolCalling, flat_function_tool, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
 _MESSAGES_FIELDS = {
@@ -256,16 +256,7 @@ def _openai_tools(body: dict) -> dict[str, Any]:
         if tool.get("type") not in (None, "custom"):
             raise InvalidArgumentError(f"{where}.type", f"server tools ({tool.get('type')!r}) are not supported; give client tools with input_schema")
         refuse_unknown(tool, {"type", "name", "description", "input_schema", "cache_control"}, prefix=f"{where}.")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise InvalidArgumentError(f"{where}.name", "must be a non-empty string")
-        # OpenAI's key order (name, description, parameters): templates render the tool as JSON.
-        function: dict[str, Any] = {"name": tool["name"]}
-        if tool.get("description") is not None:
-            if not isinstance(tool["description"], str):
-                raise InvalidArgumentError(f"{where}.description", f"must be a string, got {type_name(tool['description'])}")
-            function["description"] = tool["description"]
-        function["parameters"] = json_object(tool.get("input_schema"), f"{where}.input_schema")
-        converted.append({"type": "function", "function": function})
+        converted.append(flat_function_tool(tool, where, "input_schema"))
     out: dict[str, Any] = {"tools": converted}
     choice = body.get("tool_choice")
     if choice is not None:

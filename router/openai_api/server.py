@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` and
 ``GET /health`` (200 once the pools can serve, 503 before; no token needed, like gRPC health),
-and vLLM's auxiliary endpoints (router/openai_api/vllm_endpoints.py). A request names the model
+and the other front ends on the same port, one module each (``FRONT_END_MODULES``): vLLM's
+auxiliary endpoints (router/openai_api/vllm_endpoints.py), OpenAI's Responses API
+(router/responses_api/) and Anthropic's Messages API (router/anthropic_api/). A request names the model
 by a served name or, as vLLM answers to it, by the path (or hub id) the deployment was started
 with.
 A generation call reads its body (router/openai_api/protocol.py), validates and tokenizes each

@@ -186,3 +186,23 @@ def json_or(text: str, default: Any) -> Any:
         return json.loads(text)
     except (json.JSONDecodeError, TypeError):
         return default
+
+
+def flat_function_tool(tool: dict[str, Any], where: str, schema_key: str) -> dict[str, Any]:
+    """A tool written flat (``name``, ``description``, its schema under ``schema_key``: the
+    Responses API's ``parameters``, Anthropic's ``input_schema``) in chat completions' shape,
+    with OpenAI's key order (name, description, parameters), since templates render it as JSON."""
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise InvalidArgumentError(f"{where}.name", "must be a non-empty string")
+    function: dict[str, Any] = {"name": tool["name"]}
+    if tool.get("description") is not None:
+        if not isinstance(tool["description"], str):
+            raise InvalidArgumentError(f"{where}.description", f"must be a string, got {type(tool['description']).__name__}")
+        function["description"] = tool["description"]
+    schema = tool.get(schema_key)
+    if schema is None and schema_key == "parameters":
+        schema = {"type": "object", "properties": {}}  # the Responses API allows a tool without parameters
+    if not isinstance(schema, dict):
+        raise InvalidArgumentError(f"{where}.{schema_key}", f"must be a JSON object, got {type(schema).__name__}")
+    function["parameters"] = schema
+    return {"type": "function", "function": function}

@@ -171,3 +171,15 @@ def _marker_prefix_len(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+def split_text(tools: ToolCallOutput | None, text: str, last: bool) -> tuple[str, list[ToolCallDelta]]:
+    """A chunk's text as (content the client sees, tool-call deltas): all content without tools;
+    ``last``: the answer's final chunk, after which what the reader held back is flushed."""
+    if tools is None:
+        return text, []
+    content, deltas = tools.feed(text)
+    if last:
+        more, rest = tools.finish()
+        content, deltas = content + more, deltas + rest
+    return content, deltas

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from router.errors import InternalError, InvalidArgumentError, NotFoundError
 from router.openai_api.tool_calls import read_tool_calling, template_messages
-from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd
 from router.responses_api.protocol import ResponsesRequest, read_responses
 from router.responses_api.store import ResponseStore, StoredResponse
@@ -106,12 +106,7 @@ class ResponseState:
     def take(self, chunk: OutputChunk) -> list[dict[str, Any]]:
         """The stream events for a chunk; the output items grow with it."""
         self.num_tokens += len(chunk.token_ids)
-        text, deltas = chunk.text, []
-        if self.tools is not None:
-            text, deltas = self.tools.feed(text)
-            if chunk.end is not None:
-                more, last = self.tools.finish()
-                text, deltas = text + more, deltas + last
+        text, deltas = split_text(self.tools, chunk.text, chunk.end is not None)
         events: list[dict[str, Any]] = []
         if text:
             if self.open_index is None or self.output[self.open_index]["type"] != "message":

@@ -20,6 +20,7 @@ from typing import Any
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.fields import boolean, integer, int_list, json_object, number, refuse_unknown, type_name
+from router.openai_api.tool_calls import flat_function_tool
 from router.validation import GenerateInput
 
 _FIELDS = {
@@ -188,17 +189,10 @@ def _chat_tools(body: dict) -> dict[str, Any]:
             if tool.get("type") != "function":
                 raise InvalidArgumentError(f"{where}.type", f"only function tools are supported, got {tool.get('type')!r}")
             refuse_unknown(tool, {"type", "name", "description", "parameters", "strict"}, prefix=f"{where}.")
-            if not isinstance(tool.get("name"), str) or not tool["name"]:
-                raise InvalidArgumentError(f"{where}.name", "must be a non-empty string")
-            function: dict[str, Any] = {"name": tool["name"]}
-            if tool.get("description") is not None:
-                if not isinstance(tool["description"], str):
-                    raise InvalidArgumentError(f"{where}.description", f"must be a string, got {type_name(tool['description'])}")
-                function["description"] = tool["description"]
-            function["parameters"] = json_object(tool.get("parameters") or {"type": "object", "properties": {}}, f"{where}.parameters")
+            chat_tool = flat_function_tool(tool, where, "parameters")
             if tool.get("strict") is not None:
-                function["strict"] = boolean(tool, "strict", False, prefix=f"{where}.")
-            converted.append({"type": "function", "function": function})
+                chat_tool["function"]["strict"] = boolean(tool, "strict", False, prefix=f"{where}.")
+            converted.append(chat_tool)
         out["tools"] = converted
     choice = body.get("tool_choice")
     if choice is not None:

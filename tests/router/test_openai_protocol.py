@@ -234,3 +234,17 @@ def test_overload_is_a_429_in_openais_shape(e2e_model):
     finally:
         router.close()
     assert status == 429 and body["error"]["type"] == "rate_limit_error" and "retry later" in body["error"]["message"]
+
+
+def test_the_token_is_accepted_as_a_bearer_token_or_as_anthropics_x_api_key():
+    from types import SimpleNamespace
+
+    from router.openai_api.errors import UnauthenticatedError
+    from router.openai_api.server import OpenAIServer
+
+    server = SimpleNamespace(auth_token="s3cret")
+    for headers in ({"Authorization": "Bearer s3cret"}, {"x-api-key": "s3cret"}):
+        OpenAIServer._authenticate(server, SimpleNamespace(headers=headers))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"Authorization": "s3cret"}):
+        with pytest.raises(UnauthenticatedError):
+            OpenAIServer._authenticate(server, SimpleNamespace(headers=headers))
