@@ -209,7 +209,8 @@ def _up(args: argparse.Namespace) -> int:
         return 2
     if args.address is None:
         confine_to_loopback()  # before ray is imported, and inherited by a head started here
-        config.share_local_cores(os.cpu_count() or 1)  # one machine: the pools share its cores
+        if not config.autoscaler.enabled:  # an autoscaler needs free CPUs to place the actors it adds
+            config.share_local_cores(len(os.sched_getaffinity(0)))  # one machine: the pools share the cores this process may use
     import ray
 
     from cluster.controller import create_controller, find_controller

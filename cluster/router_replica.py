@@ -93,6 +93,9 @@ class RouterReplica:
             self.metrics_port = self.metrics.serve(0, spec.metrics_host)
         config = spec.router
         config.admin_port = None  # Admin stays with the managing router
+        if config.responses_store_path is not None:
+            # Stored responses are per router process: a replica keeps its own file (one writer each).
+            config.responses_store_path = Path(f"{config.responses_store_path}.replica-{spec.index}")
         self.router = Router(Path(spec.model_dir), spec.model_info, config, metrics=self.metrics)
         self.pools = PoolFollower(spec.deployment_name, self.router, spec.health_interval_s, spec.health_timeout_s, self.metrics)
         self.router.pool_manager = self.pools

@@ -217,7 +217,10 @@ def _fused_draw(logits: torch.Tensor, params: list, generator: torch.Generator) 
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int32, device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
     seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    picks = _flashinfer_sampling().top_k_top_p_sampling_from_logits(logits / temperature, top_k, top_p, seed=seed, offset=0)
+    # Shifted by each row's maximum first (as the plain path does): a temperature of 1e-40 then
+    # scales finite gaps, never inf - inf.
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    picks = _flashinfer_sampling().top_k_top_p_sampling_from_logits(shifted / temperature, top_k, top_p, seed=seed, offset=0)
     return picks.tolist()
 
 

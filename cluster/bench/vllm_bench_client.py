@@ -42,7 +42,7 @@ class VllmBenchSpec:
             str(self.python), str(self.cli), "bench", "serve", "--backend", self.backend, "--base-url", base_url, "--endpoint", endpoint,
             "--model", str(self.model_dir), "--dataset-name", "random", "--random-input-len", str(self.input_len),
             "--random-output-len", str(self.output_len), "--num-prompts", str(self.num_prompts),
-            "--request-rate", "inf" if math.isinf(rate) else str(rate), "--seed", str(self.seed),
+            "--request-rate", "inf" if math.isinf(rate) else str(rate), "--seed", str(self.seed), "--ignore-eos",
             "--goodput", f"ttft:{self.slo_ttft_ms:g}", f"tpot:{self.slo_tpot_ms:g}",
             "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
         ]

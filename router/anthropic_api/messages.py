@@ -74,10 +74,10 @@ def _error(error_type: str, message: str) -> dict[str, Any]:
 
 def stop_reason(end: StreamEnd, tool_calls: bool) -> str | None:
     """Anthropic's stop_reason for how a message ended."""
+    if end.reason == "length":
+        return "max_tokens"  # first: a tool call cut off here is not a finished tool_use
     if tool_calls:
         return "tool_use"
-    if end.reason == "length":
-        return "max_tokens"
     if end.reason == "stop" and end.matched_stop:
         return "stop_sequence"
     if end.reason in ("stop", "eos"):

@@ -296,9 +296,10 @@ class ResponsesFrontEnd:
         except Exception as exc:
             state.status, state.error = "failed", {"code": "server_error", "message": str(exc)}
         finally:
-            await session.close()
+            # Kept before the await: a cancel arriving during close must not lose the response.
             self._keep(api, state, conversation)
             self.background.pop(state.response_id, None)
+            await session.close()  # shielded inside: the blocks are freed even if cancelled here
 
     async def retrieve(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
@@ -314,7 +315,8 @@ class ResponsesFrontEnd:
         response_id = request.match_info["response_id"]
         running = self.background.get(response_id)
         if running is not None:
-            running.task.cancel()
+            if running.state.end is None:
+                running.task.cancel()
             await asyncio.gather(running.task, return_exceptions=True)
         if not self.store.delete(response_id):
             raise ResponseNotFoundError(response_id)
@@ -330,7 +332,8 @@ class ResponsesFrontEnd:
             if entry.response.get("background"):
                 return web.json_response(entry.response)  # already finished: cancelling changes nothing
             raise InvalidArgumentError("response_id", "only a response created with background: true can be cancelled")
-        running.task.cancel()
+        if running.state.end is None:  # still generating (a finished one is only storing itself)
+            running.task.cancel()
         await asyncio.gather(running.task, return_exceptions=True)
         return web.json_response(running.state.obj())
 

@@ -90,6 +90,8 @@ def read_responses(body: Any) -> ResponsesRequest:
     store = boolean(body, "store", True)
     if background and not store:
         raise InvalidArgumentError("background", "needs store: true (a background response is fetched by its id)")
+    if background and stream:
+        raise InvalidArgumentError("background", "with stream: true is not supported; poll GET /v1/responses/{id} instead")
     text_format, structured = _text_format(body)
     chat_tools = _chat_tools(body)
     stop = body.get("stop")

@@ -107,4 +107,5 @@ class ResponseStore:
         self._expire()
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+        self._rewrite()  # compacted, and never ending in a torn line the next append would extend
         logger.info("read %d stored responses from %s", len(self._entries), self.path)

@@ -221,6 +221,7 @@ def test_a_disconnect_mid_stream_frees_every_block(client, deployment):
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
         ({"input": "hi", "bogus": 1}, "bogus"),
+        ({"input": "hi", "background": True, "stream": True}, "background"),
     ],
 )
 def test_bad_requests_get_a_400_naming_the_field(base_url, body, param):

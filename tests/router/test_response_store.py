@@ -25,6 +25,8 @@ def test_a_restarted_store_reads_back_what_was_kept_and_forgets_what_was_deleted
     again = ResponseStore(max_entries=10, ttl_s=60, path=path)
     assert len(again) == 2 and again.get("resp_1") is None
     assert again.get("resp_2").conversation == [{"role": "user", "content": "answer 2"}]
+    again.put("resp_3", _entry("after the crash"))  # not glued onto the torn line
+    assert ResponseStore(max_entries=10, ttl_s=60, path=path).get("resp_3").response["output_text"] == "after the crash"
 
 
 def test_the_oldest_go_first_past_the_bound_and_expired_ones_are_gone(tmp_path):

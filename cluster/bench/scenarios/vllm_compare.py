@@ -273,8 +273,7 @@ def _run_with_vllm_bench(args, shapes: list[ClusterShape], python: Path | None, 
             output_len=args.output_len, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed,
         )
 
-        def measure(system: str, base_url: str) -> None:
-            slug = system.split(" (")[0].replace(" ", "-")
+        def measure(system: str, base_url: str, slug: str) -> None:
             for rate in args.rates:
                 label = rate_label(rate)
                 name = f"vllm-bench-{slug}-{'burst' if math.isinf(rate) else f'{rate:g}rps'}"
@@ -291,15 +290,15 @@ def _run_with_vllm_bench(args, shapes: list[ClusterShape], python: Path | None, 
             )
             try:
                 with VllmServer(server_spec, out / "vllm-server.log", args.vllm_start_timeout):
-                    measure(VLLM_LABEL, server_spec.url)
+                    measure(VLLM_LABEL, server_spec.url, "vllm")
             except VllmStartError as exc:
                 errors[VLLM_LABEL] = f"{type(exc).__name__}: {exc}"
         if shapes:
             with ray_running():
-                for shape in shapes:
+                for name, shape in zip(args.pdserve_configs, shapes):
                     try:
                         with local_cluster(model_dir, shape) as deployment:
-                            measure(shape.label, f"http://127.0.0.1:{deployment.http_port}")
+                            measure(shape.label, f"http://127.0.0.1:{deployment.http_port}", f"pdserve-{name}")
                     except Exception as exc:
                         errors[shape.label] = f"{type(exc).__name__}: {exc}"
                         logger.exception("pdserve configuration %s failed", shape.label)
