@@ -173,20 +173,18 @@ class Sampler:
             picks = _fused_draw(logits[torch.tensor([rows[i] for i in fused], device=logits.device)], [seqs[rows[i]].params for i in fused], self.default_generator)
             for local, token in zip(fused, picks):
                 tokens[local] = token
-            if len(fused) == len(rows):
-                return tokens
-            rest = [i for i in range(len(rows)) if i not in set(fused)]
-            for local, token in zip(rest, self._draw_plain(logits, seqs, [rows[i] for i in rest])):
-                tokens[local] = token
+        taken = set(fused)
+        rest = [i for i in range(len(rows)) if i not in taken]
+        if not rest:
             return tokens
-        params = [seqs[r].params for r in rows]
-        for group in _sampling_groups(logits[torch.tensor(rows, device=logits.device)], params):
-            uniforms = torch.cat([torch.rand(1, generator=self.draw_generator(seqs[rows[i]]), dtype=torch.float64) for i in group.rows])
+        params = [seqs[rows[i]].params for i in rest]
+        for group in _sampling_groups(logits[torch.tensor([rows[i] for i in rest], device=logits.device)], params):
+            uniforms = torch.cat([torch.rand(1, generator=self.draw_generator(seqs[rows[rest[i]]]), dtype=torch.float64) for i in group.rows])
             picks = _inverse_cdf(group.probs, uniforms.to(group.probs.device))
             if group.token_ids is not None:
                 picks = group.token_ids.gather(1, picks.unsqueeze(1)).squeeze(1)
             for local, token in zip(group.rows, picks.tolist()):
-                tokens[local] = token
+                tokens[rest[local]] = token
         return tokens
 
 

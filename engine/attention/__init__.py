@@ -7,6 +7,6 @@ Backends, one module each: ``cpu`` (the native kernels, reading the cache in pla
 """
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSlice, paged_attention
-from engine.attention.registry import ATTENTION_BACKENDS, CacheGeometry, select_backend
+from engine.attention.registry import CacheGeometry, select_backend
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "CacheGeometry", "SeqSlice", "paged_attention", "select_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "CacheGeometry", "SeqSlice", "paged_attention", "select_backend"]

@@ -9,6 +9,7 @@ reads it, so a chunk sees itself and everything cached before it.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ def pack_slices(slices: list[SeqSlice], block_size: int) -> PackedSlices:
 
 
 @dataclass(slots=True)
-class AttentionMetadata:
+class AttentionMetadata(abc.ABC):
     """One step's attention, built once per step by a backend; ``forward`` runs it for a layer.
 
     Subclasses hold what their kernels read and implement ``attend``."""
@@ -88,6 +89,7 @@ class AttentionMetadata:
         write_kv(k, v, key_cache, value_cache, self.slot_blocks, self.slot_offsets, key_scales, value_scales)
         return self.attend(q, k, v, key_cache, value_cache, window, key_scales, value_scales)
 
+    @abc.abstractmethod
     def attend(
         self,
         q: torch.Tensor,
@@ -99,10 +101,10 @@ class AttentionMetadata:
         key_scales: torch.Tensor | None,
         value_scales: torch.Tensor | None,
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """This layer's attention of q [T, H, D] over the cache (its new keys and values already written)."""
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     """Builds each step's ``AttentionMetadata`` for one model's cache (chosen by
     ``engine.attention.registry``)."""
 
@@ -113,8 +115,9 @@ class AttentionBackend:
         self.device = device
         self.block_size = block_size
 
+    @abc.abstractmethod
     def build(self, slices: list[SeqSlice]) -> AttentionMetadata:
-        raise NotImplementedError
+        """The step's metadata for ``slices`` (decode slices first)."""
 
     def slot_tensors(self, packed: PackedSlices) -> tuple[torch.Tensor, torch.Tensor]:
         return (

@@ -20,7 +20,6 @@ from engine.config import ATTENTION_BACKEND_NAMES
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,8 +57,8 @@ class CacheGeometry:
 
 def select_backend(requested: str, geometry: CacheGeometry) -> AttentionBackend:
     """The backend for ``geometry`` (built: the CPU kernels compile here, not on the first step)."""
-    if requested not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend: must be one of {list(ATTENTION_BACKENDS)}, got {requested!r}")
+    if requested not in ATTENTION_BACKEND_NAMES:
+        raise ValueError(f"attention_backend: must be one of {list(ATTENTION_BACKEND_NAMES)}, got {requested!r}")
     kind = torch.device(geometry.device).type
     if requested in ("auto", "cpu") and kind == "cpu":
         if cpu.prepare(geometry.device, geometry.dtype, geometry.head_dim, geometry.group):

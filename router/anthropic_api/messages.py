@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router import sse
 from router.anthropic_api.protocol import read_count_tokens, read_messages
 from router.errors import ErrorKind, InternalError, classify
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError
@@ -223,7 +224,7 @@ class MessagesFrontEnd:
         return web.json_response(self._message(message_id, model, state.content(), end, state, prompt_tokens))
 
     async def _stream(self, request: web.Request, message_id: str, model: str, state: MessageState, prompt_tokens: int, chunks) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = sse.event_stream()
         started = False
         try:
             async for chunk in chunks:
@@ -232,21 +233,18 @@ class MessagesFrontEnd:
                     started = True
                     start = self._message(message_id, model, [], None, state, prompt_tokens)
                     start["usage"]["output_tokens"] = 0
-                    await _event(response, {"type": "message_start", "message": start})
+                    await sse.send(response, {"type": "message_start", "message": start}, named=True)
                 for event in state.take(chunk):
-                    await _event(response, event)
+                    await sse.send(response, event, named=True)
                 end = chunk.end
                 if end is None:
                     continue
                 if end.reason in ("error", "abort"):
-                    await _event(response, error_body(InternalError(f"generation failed after {state.num_tokens} tokens: {end.detail}"))[1])
+                    await sse.send(response, error_body(InternalError(f"generation failed after {state.num_tokens} tokens: {end.detail}"))[1], named=True)
                     break
-                await _event(response, {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": stop_reason(end, state.calls_seen > 0), "stop_sequence": end.matched_stop or None},
-                    "usage": usage(end, prompt_tokens, state.num_tokens),
-                })
-                await _event(response, {"type": "message_stop"})
+                delta = {"stop_reason": stop_reason(end, state.calls_seen > 0), "stop_sequence": end.matched_stop or None}
+                await sse.send(response, {"type": "message_delta", "delta": delta, "usage": usage(end, prompt_tokens, state.num_tokens)}, named=True)
+                await sse.send(response, {"type": "message_stop"}, named=True)
                 break
             await response.write_eof()
         except ConnectionResetError:
@@ -254,9 +252,5 @@ class MessagesFrontEnd:
         except Exception as exc:
             if not started:
                 raise  # nothing sent yet: a real status
-            await _event(response, error_body(exc)[1])
+            await sse.send(response, error_body(exc)[1], named=True)
         return response
-
-
-async def _event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())

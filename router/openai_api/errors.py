@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.errors import ErrorKind, RouterError, classify, remote_cause
+from router.errors import ErrorKind, NotFoundError, RouterError, classify, remote_cause
 
 # kind -> (HTTP status, OpenAI error type)
 _HTTP = {
@@ -31,7 +31,7 @@ class UnauthenticatedError(RouterError):
     """No bearer token, or the wrong one."""
 
 
-class ModelNotFoundError(RouterError):
+class ModelNotFoundError(NotFoundError):
     """The request names a model this server does not serve."""
 
 

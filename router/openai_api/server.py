@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router import sse
 from router.anthropic_api import messages
 from router.responses_api import front_end as responses_front_end
 from router.errors import ErrorKind, InternalError, InvalidArgumentError, UnavailableError, classify
@@ -122,7 +123,7 @@ class OpenAIServer:
             body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}", "type": "invalid_request_error", "param": None, "code": None}}
             return web.json_response(body, status=exc.status)
         except Exception as exc:
-            if classify(exc)[0] is ErrorKind.INTERNAL and not isinstance(exc, (ModelNotFoundError, UnauthenticatedError)):
+            if classify(exc)[0] is ErrorKind.INTERNAL and not isinstance(exc, UnauthenticatedError):
                 logger.exception("%s %s failed", request.method, request.path)
             for module in FRONT_END_MODULES:
                 prefix = getattr(module, "ERROR_SHAPE_PREFIX", None)
@@ -246,7 +247,7 @@ class OpenAIServer:
         return web.json_response(body)
 
     async def _stream(self, request: web.Request, api: ApiRequest, response_id: str, model: str, chat: bool, states: list[ChoiceState], chunks) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = sse.event_stream()
         created = int(time.time())
         started = False
         try:
@@ -254,7 +255,7 @@ class OpenAIServer:
                 if isinstance(item, BaseException):
                     if not started:
                         raise item  # nothing sent yet: a real status
-                    await _send(response, error_body(item)[1])
+                    await sse.send(response, error_body(item)[1])
                     break
                 if not started:
                     await response.prepare(request)
@@ -267,14 +268,14 @@ class OpenAIServer:
                 payload["choices"] = [state.delta(item, logprobs)]
                 if api.include_usage or api.continuous_usage:
                     payload["usage"] = _usage(api, states) if api.continuous_usage else None
-                await _send(response, payload)
+                await sse.send(response, payload)
                 if item.end is not None and item.end.reason == "error":
-                    await _send(response, error_body(_failed(item.end))[1])
+                    await sse.send(response, error_body(_failed(item.end))[1])
             if api.include_usage:
                 payload = envelope(response_id, model, chat, stream=True, created=created)
                 payload["choices"] = []
                 payload["usage"] = _usage(api, states)
-                await _send(response, payload)
+                await sse.send(response, payload)
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:
@@ -337,7 +338,3 @@ async def _json(request: web.Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgumentError("body", f"is not valid JSON: {exc}") from exc
-
-
-async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode())

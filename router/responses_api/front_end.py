@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from router import sse
 from router.errors import InternalError, InvalidArgumentError, NotFoundError
 from router.openai_api.tool_calls import read_tool_calling, template_messages
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
@@ -256,31 +257,31 @@ class ResponsesFrontEnd:
             self.store.put(state.response_id, StoredResponse(state.obj(), conversation + state.assistant_messages()))
 
     async def _stream(self, request: web.Request, api: ResponsesRequest, state: ResponseState, chunks, conversation) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = sse.event_stream()
         started = False
         try:
             async for chunk in chunks:
                 if not started:
                     await response.prepare(request)
                     started = True
-                    await _send(response, state.event("response.created", response=state.obj()))
-                    await _send(response, state.event("response.in_progress", response=state.obj()))
+                    await sse.send(response, state.event("response.created", response=state.obj()), named=True)
+                    await sse.send(response, state.event("response.in_progress", response=state.obj()), named=True)
                 for event in state.take(chunk):
-                    await _send(response, event)
+                    await sse.send(response, event, named=True)
                 if chunk.end is not None:
                     break
             if state.status == "failed":
-                await _send(response, state.event("response.failed", response=state.obj()))
+                await sse.send(response, state.event("response.failed", response=state.obj()), named=True)
             else:
                 self._keep(api, state, conversation)
-                await _send(response, state.event("response.completed", response=state.obj()))
+                await sse.send(response, state.event("response.completed", response=state.obj()), named=True)
             await response.write_eof()
         except ConnectionResetError:
             logger.info("%s: the client went away mid-stream", state.response_id)
         except Exception as exc:
             if not started:
                 raise  # nothing sent yet: a real status
-            await _send(response, state.event("error", code="server_error", message=str(exc), param=None))
+            await sse.send(response, state.event("error", code="server_error", message=str(exc), param=None), named=True)
         return response
 
     async def _run_background(self, api: ResponsesRequest, session: GenerationSession, state: ResponseState, conversation) -> None:
@@ -336,7 +337,3 @@ class ResponsesFrontEnd:
             running.task.cancel()
         await asyncio.gather(running.task, return_exceptions=True)
         return web.json_response(running.state.obj())
-
-
-async def _send(response: web.StreamResponse, event: dict[str, Any]) -> None:
-    await response.write(f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode())

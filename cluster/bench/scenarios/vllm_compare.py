@@ -284,10 +284,7 @@ def _run_with_vllm_bench(args, shapes: list[ClusterShape], python: Path | None, 
                     logger.exception("vllm bench serve against %s at %s failed", system, label)
 
         if not args.skip_vllm:
-            server_spec = VllmServerSpec(
-                model_dir=model_dir, python=python, cli=cli, port=args.vllm_port, dtype=args.dtype, max_model_len=args.max_model_len,
-                seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)),
-            )
+            server_spec = _vllm_server_spec(model_dir, args, python, cli)
             try:
                 with VllmServer(server_spec, out / "vllm-server.log", args.vllm_start_timeout):
                     measure(VLLM_LABEL, server_spec.url, "vllm")
@@ -334,12 +331,19 @@ def _num(value, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _vllm_server_spec(model_dir: Path, args, python: Path, cli: Path) -> VllmServerSpec:
+    return VllmServerSpec(
+        model_dir=model_dir, python=python, cli=cli, port=args.vllm_port, dtype=args.dtype, max_model_len=args.max_model_len,
+        seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)),
+    )
+
+
 def _run_vllm(model_dir: Path, args, python, cli, requests, warmup, schedule) -> tuple[dict[str, RunOutput], dict]:
     if args.vllm_url:
         waited = wait_healthy(args.vllm_url.rstrip("/"), args.vllm_start_timeout)
         client = OpenAIClient(_client_config(args.vllm_url, args, "vllm"), seed=args.seed, model_dir=model_dir)
         return asyncio.run(_measure(client, requests, warmup, schedule, VLLM_LABEL, args)), {"url": args.vllm_url, "started_here": False, "health_wait_s": waited}
-    spec = VllmServerSpec(model_dir=model_dir, python=python, cli=cli, port=args.vllm_port, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)))
+    spec = _vllm_server_spec(model_dir, args, python, cli)
     log_path = args.out / "vllm-server.log"
     with VllmServer(spec, log_path, args.vllm_start_timeout) as server:
         client = OpenAIClient(_client_config(spec.url, args, "vllm"), seed=args.seed, model_dir=model_dir)
