@@ -18,9 +18,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.attention.base import pack_slices
+from engine.attention.base import lay_out
 from engine.attention.flashinfer_paged import FlashInferBackend, FlashInferMetadata, PagedTables
 
 logger = logging.getLogger(__name__)
@@ -64,16 +65,17 @@ class DecodeGraphs:
     def bucket(self, rows: int) -> int | None:
         return next((size for size in self.buckets if size >= rows), None)
 
-    def run(self, step) -> torch.Tensor | None:
-        """The logits of a decode-only step (an engine.model_runner.StepInput), replayed; None when
-        the step is not one it replays."""
+    def run(self, step, tables: np.ndarray) -> torch.Tensor | None:
+        """The logits of a decode-only step (an engine.model_runner.StepInput over the block
+        ``tables``), replayed; None when the step is not one it replays."""
         input_ids, positions = step.input_ids, step.positions
         rows = len(input_ids)
         bucket = self.bucket(rows)
         if bucket is None or not all(s.decode for s in step.slices) or step.logits_indices != list(range(rows)):
             return None
-        packed = pack_slices(step.slices, self.kv_cache.block_size)
-        if any(len(t) > self.max_blocks_per_seq for t in packed.single_tables):
+        layout = lay_out(step.slices, tables, self.kv_cache.block_size)
+        decode_tables = layout.decode_tables()
+        if decode_tables.shape[1] > self.max_blocks_per_seq:
             return None
         graph = self.graphs.get(bucket) or self._capture(bucket)
         pad = bucket - rows
@@ -81,8 +83,8 @@ class DecodeGraphs:
         staging = self.staging
         staging[0, :rows] = torch.tensor(input_ids)
         staging[1, :rows] = torch.tensor(positions)
-        staging[2, :rows] = torch.tensor(packed.slot_blocks)
-        staging[3, :rows] = torch.tensor(packed.slot_offsets)
+        staging[2, :rows] = torch.from_numpy(layout.slot_blocks)
+        staging[3, :rows] = torch.from_numpy(layout.slot_offsets)
         staging[:, rows:bucket] = 0
         staging[2, rows:bucket] = scratch
         on_device = staging[:, :bucket].to(self.backend.device, non_blocking=True)
@@ -91,9 +93,13 @@ class DecodeGraphs:
         self.slot_blocks[:bucket].copy_(on_device[2])
         self.slot_offsets[:bucket].copy_(on_device[3])
         # Padding rows attend the scratch block's first token (written by themselves).
-        tables = PagedTables.of(packed.single_tables + [[scratch]] * pad, packed.single_lens + [1] * pad, self.kv_cache.block_size)
+        padded = np.full((bucket, decode_tables.shape[1]), scratch, dtype=np.int64)
+        padded[:rows] = decode_tables
+        lens = np.ones(bucket, dtype=np.int64)
+        lens[:rows] = layout.decode_lens
+        paged = PagedTables.of(padded, lens, self.kv_cache.block_size)
         for window, wrapper in graph.wrappers.items():
-            self.backend.plan_decode(wrapper, tables, window)
+            self.backend.plan_decode(wrapper, paged, window)
         graph.graph.replay()
         return graph.logits[:rows].clone()
 
@@ -101,7 +107,7 @@ class DecodeGraphs:
         wrappers = self.backend.graph_wrappers(bucket, bucket * self.max_blocks_per_seq)
         scratch = self.kv_cache.scratch_block
         # Plan every padding row on the scratch block so the warm-up and capture read valid pages.
-        tables = PagedTables.of([[scratch]] * bucket, [1] * bucket, self.kv_cache.block_size)
+        tables = PagedTables.of(np.full((bucket, 1), scratch, dtype=np.int64), np.ones(bucket, dtype=np.int64), self.kv_cache.block_size)
         for window, wrapper in wrappers.items():
             self.backend.plan_decode(wrapper, tables, window)
         self.slot_blocks[:bucket].fill_(scratch)

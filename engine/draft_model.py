@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import CacheGeometry, SeqSlice, select_backend
+from engine.attention.block_tables import BlockTables
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
@@ -73,6 +74,7 @@ class DraftModelProposer(Proposer):
         self.attention = select_backend(
             engine_config.attention_backend, CacheGeometry.of(loaded.config, self.kv_cache, loaded.dtype, engine_config.device)
         )
+        self.block_tables = BlockTables()
         self.sampler = Sampler(engine_config.seed)
 
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
@@ -88,7 +90,7 @@ class DraftModelProposer(Proposer):
                 progress = seq.draft_state = DraftProgress(0, seq.num_preemptions)
             inputs.append((i, seq.token_ids[progress.num_computed_tokens :], progress.num_computed_tokens))
         for step in range(max(rooms)):
-            logits = self._forward(seqs, inputs)
+            logits = self._forward(seqs, inputs, first=step == 0)
             for (i, tokens, context), row in zip(inputs, logits):
                 seqs[i].draft_state.num_computed_tokens = context + len(tokens)
                 self._choose(seqs[i], proposals[i], row)
@@ -106,21 +108,24 @@ class DraftModelProposer(Proposer):
             # is still the sequence's (tokens emitted past a rejection differ from the guesses).
             progress.num_computed_tokens = min(progress.num_computed_tokens, seq.num_tokens - 1)
 
-    def _forward(self, seqs: list[Sequence], inputs: list[tuple[int, list[int], int]]) -> torch.Tensor:
-        """One batched draft forward; logits at each input's last token, in input order."""
+    def _forward(self, seqs: list[Sequence], inputs: list[tuple[int, list[int], int]], first: bool) -> torch.Tensor:
+        """One batched draft forward; logits at each input's last token, in input order (``first``:
+        the step's first, over every speculating sequence)."""
         # Single tokens first: the decode kernel's rows come before prefill chunks.
         ordered = sorted(range(len(inputs)), key=lambda k: len(inputs[k][1]) != 1)
+        rows, updates = self.block_tables.sync([(seqs[inputs[k][0]], seqs[inputs[k][0]].block_table) for k in ordered], release_absent=first)
+        self.block_tables.apply(updates)
         input_ids: list[int] = []
         positions: list[int] = []
         last_rows: list[int] = []
         slices: list[SeqSlice] = []
-        for k in ordered:
-            i, tokens, context = inputs[k]
+        for k, row in zip(ordered, rows):
+            _, tokens, context = inputs[k]
             input_ids.extend(tokens)
             positions.extend(range(context, context + len(tokens)))
             last_rows.append(len(input_ids) - 1)
-            slices.append(SeqSlice(seqs[i].block_table, context, len(tokens), decode=len(tokens) == 1))
-        meta = self.attention.build(slices)
+            slices.append(SeqSlice(row, context, len(tokens), decode=len(tokens) == 1))
+        meta = self.attention.build(slices, self.block_tables.array)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

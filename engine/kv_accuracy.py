@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import SeqSlice
+from engine.attention.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.llm_engine import LLMEngine
@@ -74,7 +75,7 @@ def perplexity(engine: LLMEngine, texts: list[list[int]], chunk: int = 32) -> Pe
         try:
             for start in range(0, len(ids) - 1, chunk):
                 end = min(start + chunk, len(ids) - 1)
-                meta = engine.runner.attention.build([SeqSlice(block_table, start, end - start)])
+                meta = engine.runner.attention.build([SeqSlice(0, start, end - start)], BlockTables.holding([block_table]).array)
                 logits = engine.runner.model(
                     torch.tensor(ids[start:end]), torch.arange(start, end), engine.kv_cache, meta, torch.arange(end - start)
                 )

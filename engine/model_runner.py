@@ -1,8 +1,9 @@
 """Turn a scheduled batch into packed step inputs, run the model, return next-token logits.
 
 ``prepare`` (on the worker, where the scheduler is) reduces a batch to a ``StepInput``: plain
-lists a tensor-parallel worker broadcasts to its other ranks; ``run`` (on every rank) packs it
-into tensors and runs that rank's shard.
+lists a tensor-parallel worker broadcasts to its other ranks, with only the changes to the
+sequences' block tables (engine.attention.block_tables); ``run`` (on every rank) applies those
+to its copy of the tables, packs the step into tensors and runs that rank's shard.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, SeqSlice
+from engine.attention.block_tables import BlockTables, TableUpdate
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, StageActivations
@@ -26,6 +28,7 @@ class StepInput:
     positions: list[int]
     logits_indices: list[int]  # rows that get logits: one per completing sequence, one per draft
     slices: list[SeqSlice]
+    table_updates: list[TableUpdate]  # what changed in the slices' block tables since the last step
 
 
 class ModelRunner:
@@ -38,16 +41,18 @@ class ModelRunner:
         self.device = device
         self.attention = attention
         self.graphs = graphs
+        self.block_tables = BlockTables()
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward the batch; logits [rows sampled this step, vocab] in slice order: one row per
         sequence completing this step, plus one per draft token."""
         return self.run(self.prepare(batch))
 
-    @staticmethod
-    def prepare(batch: ScheduledBatch) -> StepInput:
-        step = StepInput([], [], [], [])
-        for piece in batch.slices:
+    def prepare(self, batch: ScheduledBatch) -> StepInput:
+        """The step's inputs (on rank 0, where the scheduler is)."""
+        rows, updates = self.block_tables.sync([(piece.seq, piece.seq.block_table) for piece in batch.slices])
+        step = StepInput([], [], [], [], updates)
+        for piece, row in zip(batch.slices, rows):
             seq = piece.seq
             start = seq.num_computed_tokens
             end = start + piece.num_tokens
@@ -55,20 +60,25 @@ class ModelRunner:
             step.input_ids.extend(piece.draft_token_ids)
             step.positions.extend(range(start, end))
             step.logits_indices.extend(range(len(step.input_ids) - piece.num_sampled_rows, len(step.input_ids)))
-            step.slices.append(SeqSlice(seq.block_table, start, piece.num_tokens, decode=piece.is_decode))
+            step.slices.append(SeqSlice(row, start, piece.num_tokens, decode=piece.is_decode))
         return step
 
     def run(self, step: StepInput) -> torch.Tensor | None:
         """This rank's part of the step; the logits on rank 0 (None on the others)."""
+        self.block_tables.apply(step.table_updates)
         if self.graphs is not None:
-            logits = self.graphs.run(step)
+            logits = self.graphs.run(step, self.block_tables.array)
             if logits is not None:
                 return logits
-        return self.run_stage(step, range(self.model.config.num_layers))
+        return self._forward(step, range(self.model.config.num_layers), None)
 
     def run_stage(self, step: StepInput, layers: range, incoming: StageActivations | None = None) -> torch.Tensor | StageActivations | None:
         """Layers ``layers`` of the step (a pipeline stage, ``CausalLM.run_stage``)."""
-        meta = self.attention.build(step.slices)
+        self.block_tables.apply(step.table_updates)
+        return self._forward(step, layers, incoming)
+
+    def _forward(self, step: StepInput, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations | None:
+        meta = self.attention.build(step.slices, self.block_tables.array)
         return self.model.run_stage(
             torch.tensor(step.input_ids, dtype=torch.long, device=self.device),
             torch.tensor(step.positions, dtype=torch.long, device=self.device),

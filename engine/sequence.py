@@ -62,6 +62,8 @@ class Sequence:
     arrival_order: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    # Grows in place (extend) only; any other change assigns a new list: the model runner's
+    # copy of it (engine.attention.block_tables) sees changes by the list's identity and length.
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -55,7 +55,8 @@ class PrefillScheduler(Scheduler):
         extra = len(seq.block_hashes) - keep
         if extra > 0:
             self.allocator.free(seq.block_table[keep : keep + extra])
-            seq.block_table[keep : keep + extra] = self.allocator.allocate(extra)
+            # A new list, not a slice assignment: a table changes in place only by growing.
+            seq.block_table = [*seq.block_table[:keep], *self.allocator.allocate(extra), *seq.block_table[keep + extra :]]
             del seq.block_hashes[keep:]
         seq.num_computed_tokens = num_tokens
         self._count_prefix_hit(seq, num_tokens)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention.kv_write import write_kv
@@ -21,43 +22,77 @@ from engine.attention.kv_write import write_kv
 class SeqSlice:
     """A sequence's part of a step, as the model runner describes it."""
 
-    block_table: list[int]
+    row: int  # the sequence's row in the step's block tables (engine.attention.block_tables)
     context_len: int
     num_tokens: int
     decode: bool = False  # generated tokens (decode attention, a row each); else a prompt chunk, of any size
 
 
 @dataclass(slots=True)
-class PackedSlices:
-    """A step's slices as plain lists, the part of the metadata every backend needs."""
+class StepLayout:
+    """A step's slices as arrays: what every backend builds its metadata from.
 
-    slot_blocks: list[int]  # per token: the block its KV goes into
-    slot_offsets: list[int]  # and the offset inside that block
-    single_tables: list[list[int]]  # per decode row: the blocks it attends
-    single_lens: list[int]  # per decode row: the tokens it attends, its own included
-    chunks: list[tuple[int, SeqSlice]]  # (first row, slice) of each multi-token chunk, in step order
+    Built with a handful of numpy operations whatever the step's tokens and contexts: the
+    Python work is one pass over the slices."""
+
+    tables: np.ndarray  # [rows, width] int64 block ids (engine.attention.block_tables.BlockTables.array)
+    slot_blocks: np.ndarray  # [num_tokens] int64: the block each new token's KV goes into
+    slot_offsets: np.ndarray  # [num_tokens] int64: and the offset inside it
+    decode_rows: np.ndarray  # [num_single] int64: each decode row's table row
+    decode_lens: np.ndarray  # [num_single] int64: tokens it attends, its own included
+    chunk_first_rows: np.ndarray  # [chunks] int64: each multi-token chunk's first row in the step
+    chunk_rows: np.ndarray  # [chunks] int64: its table row
+    chunk_context_lens: np.ndarray  # [chunks] int64: tokens of its sequence cached before it
+    chunk_num_tokens: np.ndarray  # [chunks] int64
+    block_size: int
+
+    @property
+    def num_single(self) -> int:
+        return len(self.decode_rows)
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunk_rows)
+
+    def decode_tables(self) -> np.ndarray:
+        """[num_single, widest] the decode rows' block tables (past a row's length: stale ids)."""
+        return _table_prefixes(self.tables, self.decode_rows, self.decode_lens, self.block_size)
+
+    def chunk_tables(self) -> np.ndarray:
+        """[chunks, widest] the blocks covering each chunk's context and itself."""
+        return _table_prefixes(self.tables, self.chunk_rows, self.chunk_context_lens + self.chunk_num_tokens, self.block_size)
 
 
-def pack_slices(slices: list[SeqSlice], block_size: int) -> PackedSlices:
-    """Slot mapping, decode rows and chunks of a step (decode slices must come first)."""
-    packed = PackedSlices([], [], [], [], [])
-    row = 0
-    for seq in slices:
-        total = seq.context_len + seq.num_tokens
-        for pos in range(seq.context_len, total):
-            packed.slot_blocks.append(seq.block_table[pos // block_size])
-            packed.slot_offsets.append(pos % block_size)
-        if seq.decode:
-            assert not packed.chunks, "decode slices come before every chunk"
-            # One decode row per token (more than one: speculative drafts), each attending up to
-            # itself: the same computation as decoding those tokens one step at a time.
-            for length in range(seq.context_len + 1, total + 1):
-                packed.single_tables.append(seq.block_table[: -(-length // block_size)])
-                packed.single_lens.append(length)
-        else:
-            packed.chunks.append((row, seq))
-        row += seq.num_tokens
-    return packed
+def _table_prefixes(tables: np.ndarray, rows: np.ndarray, lens: np.ndarray, block_size: int) -> np.ndarray:
+    width = int(-(-lens.max() // block_size)) if len(lens) else 0
+    return tables[rows, :width]
+
+
+def lay_out(slices: list[SeqSlice], tables: np.ndarray, block_size: int) -> StepLayout:
+    """A step's layout from its slices (decode slices first) over ``tables``."""
+    columns = np.array([(s.row, s.context_len, s.num_tokens, s.decode) for s in slices], dtype=np.int64).reshape(-1, 4)
+    rows, context_lens, num_tokens, decode = np.ascontiguousarray(columns.T)
+    num_decode = int(decode.sum())
+    assert decode[:num_decode].all(), "decode slices come before every chunk"
+    # Per token: its sequence's row and its position.
+    first_rows = np.cumsum(num_tokens) - num_tokens
+    token_rows = np.repeat(rows, num_tokens)
+    positions = np.arange(int(num_tokens.sum()), dtype=np.int64) + np.repeat(context_lens - first_rows, num_tokens)
+    # One decode row per token of a decode slice (more than one: speculative drafts), each
+    # attending up to itself: the same computation as decoding those tokens one step at a time.
+    num_single = int(num_tokens[:num_decode].sum())
+    return StepLayout(
+        tables=tables,
+        slot_blocks=tables[token_rows, positions // block_size],
+        slot_offsets=positions % block_size,
+        decode_rows=token_rows[:num_single],
+        decode_lens=positions[:num_single] + 1,
+        chunk_first_rows=first_rows[num_decode:],
+        chunk_rows=rows[num_decode:],
+        chunk_context_lens=context_lens[num_decode:],
+        chunk_num_tokens=num_tokens[num_decode:],
+        block_size=block_size,
+    )
 
 
 @dataclass(slots=True)
@@ -115,15 +150,22 @@ class AttentionBackend(abc.ABC):
         self.device = device
         self.block_size = block_size
 
-    @abc.abstractmethod
-    def build(self, slices: list[SeqSlice]) -> AttentionMetadata:
-        """The step's metadata for ``slices`` (decode slices first)."""
+    def build(self, slices: list[SeqSlice], tables: np.ndarray) -> AttentionMetadata:
+        """The step's metadata for ``slices`` (decode slices first) over the block ``tables``
+        (engine.attention.block_tables)."""
+        return self.build_layout(lay_out(slices, tables, self.block_size))
 
-    def slot_tensors(self, packed: PackedSlices) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            torch.tensor(packed.slot_blocks, dtype=torch.long, device=self.device),
-            torch.tensor(packed.slot_offsets, dtype=torch.long, device=self.device),
-        )
+    @abc.abstractmethod
+    def build_layout(self, layout: StepLayout) -> AttentionMetadata:
+        """The step's metadata from its layout."""
+
+    def slot_tensors(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.to_device(layout.slot_blocks), self.to_device(layout.slot_offsets)
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array as a tensor on this backend's device (no copy on a CPU)."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        return tensor if torch.device(self.device).type == "cpu" else tensor.to(self.device)
 
 
 def paged_attention(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import native_kernels
-from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSlice, pack_slices
+from engine.attention.base import AttentionBackend, AttentionMetadata, StepLayout
 
 _MAX_GROUP = 8  # query heads per KV head the kernel was instantiated for
 _HEAD_VECTORS = (1, 2, 4, 8, 16)  # head_dim as this many vectors of the machine's width
@@ -210,25 +210,16 @@ class CpuKernelBackend(AttentionBackend):
 
     name = "cpu"
 
-    def build(self, slices: list[SeqSlice]) -> CpuKernelMetadata:
-        packed = pack_slices(slices, self.block_size)
-        meta = CpuKernelMetadata(*self.slot_tensors(packed), num_single=len(packed.single_tables))
-        if packed.single_tables:
-            meta.single_block_tables = padded_tables(packed.single_tables)
-            meta.single_lens = torch.tensor(packed.single_lens, dtype=torch.long)
-        if packed.chunks:
-            tables = [seq.block_table[: -(-(seq.context_len + seq.num_tokens) // self.block_size)] for _, seq in packed.chunks]
+    def build_layout(self, layout: StepLayout) -> CpuKernelMetadata:
+        meta = CpuKernelMetadata(*self.slot_tensors(layout), num_single=layout.num_single)
+        if layout.num_single:
+            meta.single_block_tables = torch.from_numpy(layout.decode_tables())
+            meta.single_lens = torch.from_numpy(layout.decode_lens)
+        if layout.num_chunks:
             meta.prefill = PrefillChunks(
-                first_rows=torch.tensor([row - meta.num_single for row, _ in packed.chunks], dtype=torch.long),
-                num_tokens=torch.tensor([seq.num_tokens for _, seq in packed.chunks], dtype=torch.long),
-                context_lens=torch.tensor([seq.context_len for _, seq in packed.chunks], dtype=torch.long),
-                tables=padded_tables(tables),
+                first_rows=torch.from_numpy(layout.chunk_first_rows - layout.num_single),
+                num_tokens=torch.from_numpy(layout.chunk_num_tokens),
+                context_lens=torch.from_numpy(layout.chunk_context_lens),
+                tables=torch.from_numpy(layout.chunk_tables()),
             )
         return meta
-
-
-def padded_tables(tables: list[list[int]], device: str = "cpu") -> torch.Tensor:
-    """Block tables as one [n, widest] int64 tensor; a short table is padded with its own first
-    block (lengths and masks keep the padding from being attended)."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long, device=device)

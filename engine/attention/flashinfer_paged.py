@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, PackedSlices, SeqSlice, pack_slices
+from engine.attention.base import AttentionBackend, AttentionMetadata, StepLayout
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's split-KV scratch, shared by its wrappers (they run one after another)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -52,15 +53,17 @@ class PagedTables:
     last_page_len: torch.Tensor  # [n] int32: tokens in each entry's last page
 
     @classmethod
-    def of(cls, tables: list[list[int]], lengths: list[int], block_size: int) -> "PagedTables":
-        counts = [len(t) for t in tables]
-        indptr = [0]
-        for count in counts:
-            indptr.append(indptr[-1] + count)
+    def of(cls, tables: np.ndarray, lengths: np.ndarray, block_size: int) -> "PagedTables":
+        """From padded tables [n, width] and the tokens each entry covers [n] (numpy, int64)."""
+        counts = -(-lengths // block_size)
+        indptr = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(counts, out=indptr[1:])
+        # Row-major: each entry's first ``counts[i]`` columns, entry after entry.
+        indices = tables[np.arange(tables.shape[1]) < counts[:, None]]
         return cls(
-            torch.tensor(indptr, dtype=torch.int32),
-            torch.tensor([block for table in tables for block in table], dtype=torch.int32),
-            torch.tensor([length - (count - 1) * block_size for length, count in zip(lengths, counts)], dtype=torch.int32),
+            torch.from_numpy(indptr),
+            torch.from_numpy(indices.astype(np.int32)),
+            torch.from_numpy((lengths - (counts - 1) * block_size).astype(np.int32)),
         )
 
 
@@ -100,16 +103,15 @@ class FlashInferBackend(AttentionBackend):
         self.decode = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND") for w in self.windows}
         self.prefill = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend="fa2") for w in self.windows}
 
-    def build(self, slices: list[SeqSlice]) -> FlashInferMetadata:
-        packed = pack_slices(slices, self.block_size)
-        meta = FlashInferMetadata(*self.slot_tensors(packed), num_single=len(packed.single_tables))
-        if packed.single_tables:
-            tables = PagedTables.of(packed.single_tables, packed.single_lens, self.block_size)
+    def build_layout(self, layout: StepLayout) -> FlashInferMetadata:
+        meta = FlashInferMetadata(*self.slot_tensors(layout), num_single=layout.num_single)
+        if layout.num_single:
+            tables = PagedTables.of(layout.decode_tables(), layout.decode_lens, self.block_size)
             for window, wrapper in self.decode.items():
                 self.plan_decode(wrapper, tables, window)
             meta.decode = self.decode
-        if packed.chunks:
-            self._plan_prefill(packed)
+        if layout.num_chunks:
+            self._plan_prefill(layout)
             meta.prefill = self.prefill
         return meta
 
@@ -119,18 +121,13 @@ class FlashInferBackend(AttentionBackend):
             window_left=_window_left(window), q_data_type=self.dtype, kv_data_type=self.dtype,
         )
 
-    def _plan_prefill(self, packed: PackedSlices) -> None:
-        query_indptr = [0]
-        tables, lengths = [], []
-        for _, seq in packed.chunks:
-            total = seq.context_len + seq.num_tokens
-            query_indptr.append(query_indptr[-1] + seq.num_tokens)
-            tables.append(seq.block_table[: -(-total // self.block_size)])
-            lengths.append(total)
-        paged = PagedTables.of(tables, lengths, self.block_size)
+    def _plan_prefill(self, layout: StepLayout) -> None:
+        query_indptr = np.zeros(layout.num_chunks + 1, dtype=np.int32)
+        np.cumsum(layout.chunk_num_tokens, out=query_indptr[1:])
+        paged = PagedTables.of(layout.chunk_tables(), layout.chunk_context_lens + layout.chunk_num_tokens, self.block_size)
         for window, wrapper in self.prefill.items():
             wrapper.plan(
-                torch.tensor(query_indptr, dtype=torch.int32), paged.indptr, paged.indices, paged.last_page_len,
+                torch.from_numpy(query_indptr), paged.indptr, paged.indices, paged.last_page_len,
                 self.num_heads, self.num_kv_heads, self.head_dim, self.block_size, causal=True,
                 window_left=_window_left(window), q_data_type=self.dtype, kv_data_type=self.dtype,
             )

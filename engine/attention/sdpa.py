@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, SeqSlice, pack_slices
-from engine.attention.cpu import padded_tables
+from engine.attention.base import AttentionBackend, AttentionMetadata, StepLayout
 
 
 @dataclass(slots=True)
@@ -91,29 +90,32 @@ class SdpaBackend(AttentionBackend):
 
     name = "sdpa"
 
-    def build(self, slices: list[SeqSlice]) -> SdpaMetadata:
-        packed = pack_slices(slices, self.block_size)
+    def build_layout(self, layout: StepLayout) -> SdpaMetadata:
         device, block_size = self.device, self.block_size
-        meta = SdpaMetadata(*self.slot_tensors(packed), num_single=len(packed.single_tables))
-        for row, seq in packed.chunks:
-            total = seq.context_len + seq.num_tokens
-            mask = None
-            if seq.context_len > 0:
-                query_pos = torch.arange(seq.context_len, total, device=device).unsqueeze(1)
-                key_pos = torch.arange(total, device=device).unsqueeze(0)
-                mask = key_pos <= query_pos
-            meta.chunks.append(
-                ChunkSpan(
-                    token_start=row,
-                    token_end=row + seq.num_tokens,
-                    context_len=seq.context_len,
-                    block_ids=torch.tensor(seq.block_table[: -(-total // block_size)], dtype=torch.long, device=device),
-                    mask=mask,
+        meta = SdpaMetadata(*self.slot_tensors(layout), num_single=layout.num_single)
+        if layout.num_chunks:
+            chunk_tables = layout.chunk_tables()
+            for first_row, context_len, num_tokens, table in zip(
+                layout.chunk_first_rows.tolist(), layout.chunk_context_lens.tolist(), layout.chunk_num_tokens.tolist(), chunk_tables
+            ):
+                total = context_len + num_tokens
+                mask = None
+                if context_len > 0:
+                    query_pos = torch.arange(context_len, total, device=device).unsqueeze(1)
+                    key_pos = torch.arange(total, device=device).unsqueeze(0)
+                    mask = key_pos <= query_pos
+                meta.chunks.append(
+                    ChunkSpan(
+                        token_start=first_row,
+                        token_end=first_row + num_tokens,
+                        context_len=context_len,
+                        block_ids=self.to_device(table[: -(-total // block_size)]),
+                        mask=mask,
+                    )
                 )
-            )
-        if packed.single_tables:
-            meta.single_block_tables = padded_tables(packed.single_tables, device)
-            meta.single_lens = torch.tensor(packed.single_lens, dtype=torch.long, device=device)
+        if layout.num_single:
+            meta.single_block_tables = self.to_device(layout.decode_tables())
+            meta.single_lens = self.to_device(layout.decode_lens)
             key_pos = torch.arange(meta.single_block_tables.shape[1] * block_size, device=device)
             meta.single_mask = (key_pos.unsqueeze(0) < meta.single_lens.unsqueeze(1)).view(meta.num_single, 1, 1, -1)
         return meta

@@ -10,6 +10,7 @@ from torch import nn
 
 from engine import EngineConfig, LLMEngine
 from engine.attention import SeqSlice
+from engine.attention.block_tables import BlockTables
 from engine.cpu_linear import Bf16PairLinear, PackedLinear, bf16_pair_kernel_available, prepack_linears
 from tests.checkpoints import build_checkpoint, random_prompts
 
@@ -68,7 +69,7 @@ def test_a_bfloat16_model_on_pair_linears_tracks_transformers(tmp_path):
     with torch.no_grad():
         want = model.to(torch.bfloat16)(torch.tensor([prompt])).logits[0, -1].float()
     block_table = engine.allocator.allocate(engine.kv_cache.blocks_needed(len(prompt)))
-    meta = engine.runner.attention.build([SeqSlice(block_table, 0, len(prompt))])
+    meta = engine.runner.attention.build([SeqSlice(0, 0, len(prompt))], BlockTables.holding([block_table]).array)
     got = engine.runner.model(torch.tensor(prompt), torch.arange(len(prompt)), engine.kv_cache, meta, torch.tensor([len(prompt) - 1]))[0]
     assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
     assert got.argmax() == want.argmax()

@@ -7,6 +7,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import SeqSlice
+from engine.attention.block_tables import BlockTables
 from tests.checkpoints import hf_greedy, random_prompts
 
 PROMPT_LENGTHS = [1, 5, 17, 64, 150]
@@ -73,7 +74,7 @@ def test_float32_logits_match_transformers_for_every_chunk_position(arch_checkpo
     got = []
     for start in range(0, len(prompt), 7):
         end = min(start + 7, len(prompt))
-        meta = engine.runner.attention.build([SeqSlice(block_table, start, end - start)])
+        meta = engine.runner.attention.build([SeqSlice(0, start, end - start)], BlockTables.holding([block_table]).array)
         logits = engine.runner.model(
             torch.tensor(prompt[start:end]),
             torch.arange(start, end),
@@ -98,7 +99,7 @@ def test_low_precision_checkpoints_load_and_track_transformers(tmp_path, dtype):
     with torch.no_grad():
         want = model.to(dtype)(torch.tensor([prompt])).logits[0, -1].float()
     block_table = engine.allocator.allocate(engine.kv_cache.blocks_needed(len(prompt)))
-    meta = engine.runner.attention.build([SeqSlice(block_table, 0, len(prompt))])
+    meta = engine.runner.attention.build([SeqSlice(0, 0, len(prompt))], BlockTables.holding([block_table]).array)
     got = engine.runner.model(torch.tensor(prompt), torch.arange(len(prompt)), engine.kv_cache, meta, torch.tensor([len(prompt) - 1]))[0]
     assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.999
     assert got.argmax() == want.argmax()

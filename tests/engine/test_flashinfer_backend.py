@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import SeqSlice
+from engine.attention.block_tables import BlockTables
 from engine.attention.sdpa import SdpaBackend
 
 
@@ -83,15 +84,16 @@ def test_planned_pages_lengths_and_windows_attend_what_sdpa_attends(fake_flashin
     cache = torch.randn(40, kv_heads, layers, 2, block_size, head_dim)
     key_view, value_view = (cache[:, :, 1, kind].transpose(1, 2) for kind in (0, 1))  # the layer's [blocks, bs, KVH, D]
     blocks = torch.randperm(40).tolist()
+    tables = BlockTables.holding([blocks[0:5], blocks[5:9], blocks[9:12], blocks[12:20]]).array
     slices = [
-        SeqSlice(blocks[0:5], 17, 1, decode=True),  # a decode row at a block's edge (18 tokens)
-        SeqSlice(blocks[5:9], 12, 3, decode=True),  # speculative: three rows, 13-15 tokens
-        SeqSlice(blocks[9:12], 0, 9),  # a chunk from zero
-        SeqSlice(blocks[12:20], 20, 11),  # a chunk over cached context, ending mid-block
+        SeqSlice(0, 17, 1, decode=True),  # a decode row at a block's edge (18 tokens)
+        SeqSlice(1, 12, 3, decode=True),  # speculative: three rows, 13-15 tokens
+        SeqSlice(2, 0, 9),  # a chunk from zero
+        SeqSlice(3, 20, 11),  # a chunk over cached context, ending mid-block
     ]
     rows = sum(s.num_tokens for s in slices)
     q, k, v = torch.randn(rows, heads, head_dim), torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
     backend = FlashInferBackend("cpu", block_size, heads, kv_heads, head_dim, torch.float32, {window})
-    got = backend.build(slices).forward(q, k, v, key_view, value_view, window)
-    want = SdpaBackend("cpu", block_size).build(slices).forward(q, k, v, key_view.clone(), value_view.clone(), window)
+    got = backend.build(slices, tables).forward(q, k, v, key_view, value_view, window)
+    want = SdpaBackend("cpu", block_size).build(slices, tables).forward(q, k, v, key_view.clone(), value_view.clone(), window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ import torch
 from decode_workers.scheduler import DecodeScheduler
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.attention import SeqSlice
+from engine.attention.block_tables import TableUpdate
 from engine.model import StageActivations
 from engine.model_runner import StepInput
 from tests.checkpoints import build_checkpoint, hf_greedy, random_prompts
@@ -38,7 +39,7 @@ def _prefill_through_stages(stages: list[tuple[LLMEngine, range]], prompt: list[
     for start in range(0, len(prompt), chunk):
         end = min(start + chunk, len(prompt))
         last = end == len(prompt)
-        step = StepInput(prompt[start:end], list(range(start, end)), [end - start - 1] if last else [], [SeqSlice(block_table, start, end - start)])
+        step = StepInput(prompt[start:end], list(range(start, end)), [end - start - 1] if last else [], [SeqSlice(0, start, end - start)], [TableUpdate(0, 0, block_table)])
         activations = None
         for engine, layers in stages:
             out = engine.runner.run_stage(step, layers, activations)
