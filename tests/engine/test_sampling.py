@@ -233,3 +233,23 @@ def test_filters_over_a_large_vocabulary_give_the_full_sorts_distribution(params
     got = Sampler().probabilities(logits, seqs)
     for row in range(2):
         assert torch.allclose(got[row], _reference_filtered(logits[row], params), atol=1e-6), row
+
+
+@pytest.mark.parametrize("rounds", [8, 1])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.3, min_p=0.02), SamplingParams(temperature=1.3, min_p=0.1)],
+)
+def test_top_p_and_min_p_draws_without_a_sort_follow_the_sorted_filters(params, rounds, monkeypatch):
+    """Rows without top-k draw by rejection (no sort of the vocabulary); a row still undecided
+    after the last round draws through the sorted path (one round: most of them): either way,
+    the draws follow the full sort's distribution, peaked or flat, and never leave it."""
+    import engine.sampler
+
+    monkeypatch.setattr(engine.sampler, "_MAX_REJECTION_ROUNDS", rounds)
+    generator = torch.Generator().manual_seed(11)
+    for logits in (torch.randn(3000, generator=generator) * 4, torch.randn(3000, generator=generator) * 0.3):
+        want = _reference_filtered(logits, params)
+        counts = _sample_many(logits, params, seed=rounds)
+        assert counts[want == 0].sum() == 0, "a token the filters remove was drawn"
+        _assert_frequencies(counts, want)
