@@ -2,7 +2,8 @@
 embedding of q and k, SiLU(gate) * up.
 
 On a CPU with the kernel library (``engine.native_kernels``, ``csrc/elementwise.cpp``) each is
-one pass in C++ with the GIL released; elsewhere (another device, float16, no compiler) the same
+one pass in C++ with the GIL released; on CUDA with FlashInfer installed, FlashInfer's fused
+kernels (16-bit); elsewhere (float32 on CUDA, float16 on a CPU, no compiler) the same
 formulas run as torch ops. Both round as transformers does, op by op (see the C++ source), so
 switching paths moves logits by float32 summation order only. ``ENABLED`` turns the kernels
 off (tests compare the two paths).
@@ -119,4 +120,19 @@ def rotate_heads_(qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.T
     library.pdserve_rotary(
         qkv.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, head_dim, cos.data_ptr(), sin.data_ptr(), _KERNEL_DTYPES[qkv.dtype], torch.get_num_threads()
     )
+    return True
+
+
+def rotate_qk_(q: torch.Tensor, k: torch.Tensor, tables) -> bool:
+    """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] (views; rows may be strided)
+    in place by ``tables`` (engine.rope.RopeTables) through FlashInfer's kernel: one launch
+    where the torch formula takes about a dozen per layer. False: not done; the caller rotates
+    with torch. FlashInfer rotates in float32 from float32 tables and rounds once (transformers
+    rounds the tables and each product to the model's dtype): bfloat16 results move by a rounding."""
+    if not ENABLED or tables.cos_sin_cache is None or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
+        return False
+    flashinfer = _flashinfer_module()
+    if flashinfer is None:
+        return False
+    flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(tables.positions, q, k, q.shape[-1], tables.cos_sin_cache, is_neox=True)
     return True

@@ -23,7 +23,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TPShard
-from engine.rope import RotaryEmbedding
+from engine.rope import RopeTables, RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -64,7 +64,7 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        rope_tables: tuple[torch.Tensor, torch.Tensor],
+        rope_tables: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,15 +78,15 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_norm.add_and_norm(hidden, residual)
         qkv = self.qkv_proj(normed)
         # Rotated in place in qkv where the kernel takes it (no per-head norm to apply first).
-        rotated = self.q_norm is None and fused_ops.rotate_heads_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, *rope_tables)
+        rotated = self.q_norm is None and fused_ops.rotate_heads_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope_tables.cos, rope_tables.sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not rotated:
-            q, k = RotaryEmbedding.rotate(q, k, *rope_tables)
+        if not rotated and not fused_ops.rotate_qk_(q, k, rope_tables):
+            q, k = RotaryEmbedding.rotate(q, k, rope_tables.cos, rope_tables.sin)
         attended = paged_attention(
             q,
             k,

@@ -15,6 +15,7 @@ and for a long sequence when the engine's context is long.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -107,25 +108,40 @@ def _longrope(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[torc
     return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents), float(attention)
 
 
+@dataclass(slots=True)
+class RopeTables:
+    """One step's rotation, looked up once and used by every layer."""
+
+    cos: torch.Tensor  # [tokens, 1, dim / 2] in the model's dtype
+    sin: torch.Tensor
+    positions: torch.Tensor  # [tokens] int64
+    cos_sin_cache: torch.Tensor | None  # [max_positions, dim] float32, cos | sin: FlashInfer's kernel reads it (CUDA)
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables for every position up to ``max_positions``."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: str):
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: str, fused_cache: bool | None = None):
         inv_freq, scale = inverse_frequencies(rope, head_dim, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         # Computed in float32 and cast once, as transformers does, so low-precision runs agree.
         self.cos = (freqs.cos() * scale).to(dtype=dtype, device=device)
         self.sin = (freqs.sin() * scale).to(dtype=dtype, device=device)
+        # FlashInfer's fused rotation (engine.fused_ops.rotate_qk_) takes the tables in float32,
+        # whole (``fused_cache``: made; by default on CUDA only).
+        self.cos_sin_cache = None
+        if fused_cache or (fused_cache is None and torch.device(device).type == "cuda"):
+            self.cos_sin_cache = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(device)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [tokens, 1, dim / 2] of ``positions``: looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> RopeTables:
+        """The step's tables for ``positions``."""
+        return RopeTables(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), positions, self.cos_sin_cache)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] by their positions."""
-        cos, sin = self.tables(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        tables = self.tables(positions)
+        return _rotate(q, tables.cos, tables.sin), _rotate(k, tables.cos, tables.sin)
 
     @staticmethod
     def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

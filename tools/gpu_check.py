@@ -23,6 +23,8 @@
 6. Agreement: bfloat16 greedy tokens of the FlashInfer engine (with graphs) against the SDPA
    engine and transformers, on the 135M shape.
 7. Prefill: tokens/s of 8 prompts of 1024 tokens, the engine against transformers' SDPA forward.
+8. Rotation: FlashInfer's fused in-place rotary embedding on strided q/k views against the
+   float32 formula (section ``rope``, first: seconds).
 """
 
 from __future__ import annotations
@@ -125,6 +127,26 @@ SHAPES = {
                  num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1000000.0, tie_word_embeddings=True),
 }
 NOMINAL_HBM_BYTES_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def check_fused_rotation() -> dict:
+    """FlashInfer's in-place rotation of strided q/k views of a qkv row (engine.fused_ops.rotate_qk_)
+    against the rotation in float32, bfloat16 inputs; v untouched."""
+    from engine import fused_ops
+    from engine.config import RopeConfig
+    from engine.rope import RotaryEmbedding
+
+    heads, kv_heads, head_dim, tokens = 12, 2, 128, 64
+    rotary = RotaryEmbedding(RopeConfig(theta=1000000.0), head_dim, 4096, torch.bfloat16, "cuda")
+    tables = rotary.tables(torch.randint(0, 4096, (tokens,), device="cuda"))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    cos, sin = rotary.cos_sin_cache[tables.positions].chunk(2, dim=-1)
+    want_q, want_k = RotaryEmbedding.rotate(q.float(), k.float(), cos.unsqueeze(1), sin.unsqueeze(1))
+    want_v = v.clone()
+    fused = fused_ops.rotate_qk_(q, k, tables)
+    error = max(float((q.float() - want_q).abs().max()), float((k.float() - want_k).abs().max()))
+    return {"fused": fused, "max_abs_error": error, "ok": fused and error < 0.05 and bool(torch.equal(v, want_v))}
 
 
 def random_hf_model(shape: str, directory: Path):
@@ -331,7 +353,7 @@ def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: 
     return {"shape": shape, "prompts": prompts, "length": length, "pdserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
 
 
-SECTIONS = ("sampling", "profile", "decode", "agreement", "prefill", "exactness", "features", "push")
+SECTIONS = ("rope", "sampling", "profile", "decode", "agreement", "prefill", "exactness", "features", "push")
 
 
 def main() -> int:
@@ -376,6 +398,7 @@ def main() -> int:
             nominal = next((v for k, v in NOMINAL_HBM_BYTES_S.items() if k in report["device"]), None)
             save("nominal_hbm_bytes_s", nominal)
         # The quick sections and the figures still open first: a lent machine's time runs out.
+        section("rope", check_fused_rotation)
         section("sampling", bench_sampling)
         if "profile" in sections and args.json:
             def profile():
@@ -393,7 +416,8 @@ def main() -> int:
         section("features", check_features, workdir)
         section("push", check_event_before_push, workdir)
     float32_exact = all(v["exact"] for k, v in report.get("exactness", {}).items() if "/float32/" in k)
-    return 0 if float32_exact and all(report.get("features", {}).values()) and report.get("push", True) else 1
+    rope_ok = report.get("rope", {}).get("ok", True)
+    return 0 if float32_exact and rope_ok and all(report.get("features", {}).values()) and report.get("push", True) else 1
 
 
 if __name__ == "__main__":

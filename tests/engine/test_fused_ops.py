@@ -73,7 +73,8 @@ def test_rotary_turns_q_and_k_heads_in_place_and_leaves_v(dtype):
     heads, kv_heads, head_dim, tokens = 9, 3, 64, 11
     rotary = RotaryEmbedding(RopeConfig(theta=100000.0), head_dim, 2048, dtype, "cpu")
     positions = torch.tensor([0, 1, 2, 3, 100, 101, 500, 501, 502, 1000, 2047])
-    cos, sin = rotary.tables(positions)
+    tables = rotary.tables(positions)
+    cos, sin = tables.cos, tables.sin
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     want_q, want_k = RotaryEmbedding.rotate(q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim), cos, sin)
@@ -100,3 +101,38 @@ def test_both_paths_generate_what_transformers_does(arch_checkpoint, torch_path,
     engine = LLMEngine(path, EngineConfig(num_kv_blocks=128, long_prefill_chunk=16, num_threads=1))
     got = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [c.token_ids for c in got] == expected
+
+
+def test_flashinfers_rotation_gets_the_tables_and_views_it_needs(monkeypatch):
+    """``rotate_qk_`` hands FlashInfer strided q/k views of qkv, the positions and the float32
+    cos|sin cache; a stand-in doing what FlashInfer documents (neox halves, float32, one
+    rounding, in place) must then give the torch rotation. The kernel itself is checked against
+    it on a GPU (tools/gpu_check.py, section rope)."""
+    import types
+
+    from engine.config import RopeConfig
+
+    def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_sin_cache, is_neox=True):
+        assert is_neox and cos_sin_cache.dtype == torch.float32
+        for x in (query, key):
+            heads = x.view(x.shape[0], -1, head_size)
+            half = head_size // 2
+            cos, sin = cos_sin_cache[positions, :half].unsqueeze(1), cos_sin_cache[positions, half:].unsqueeze(1)
+            x1, x2 = heads[..., :half].float(), heads[..., half:].float()
+            heads.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
+
+    fake = types.SimpleNamespace(rope=types.SimpleNamespace(apply_rope_with_cos_sin_cache_inplace=apply_rope_with_cos_sin_cache_inplace))
+    monkeypatch.setattr(fused_ops, "_flashinfer_module", lambda: fake)
+    heads, kv_heads, head_dim, tokens = 9, 3, 64, 6
+    rotary = RotaryEmbedding(RopeConfig(theta=100000.0), head_dim, 2048, torch.bfloat16, "cpu", fused_cache=True)
+    tables = rotary.tables(torch.tensor([0, 1, 7, 300, 1500, 2047]))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    want_q, want_k = RotaryEmbedding.rotate(q.float(), k.float(), tables.cos.float(), tables.sin.float())
+    want_v = v.clone()
+    assert fused_ops.rotate_qk_(q, k, tables)
+    # Rotated in qkv itself; within bfloat16's rounding of the tables transformers uses.
+    torch.testing.assert_close(q.float(), want_q, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(k.float(), want_k, rtol=2e-2, atol=2e-2)
+    assert torch.equal(v, want_v)
+    assert not fused_ops.rotate_qk_(q.float(), k.float(), tables), "float32 stays on the torch formula"
