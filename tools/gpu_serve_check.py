@@ -1,0 +1,111 @@
+"""One prefill actor and one decode actor sharing one GPU, serving a bounded workload end to end.
+
+    python tools/gpu_serve_check.py [--gpus-per-actor 0.5] [--num-requests 64] [--json out.json]
+
+What a GPU user runs first: ``pdserve up`` (Ray started locally, the router's gRPC and HTTP
+APIs on 127.0.0.1) with one prefill and one decode actor, each given half the GPU, the KV cache
+pushed from the prefill actor's VRAM into the decode actor's over NIXL after every chunk, on a
+random-weight model of SmolLM2-135M's shape in bfloat16 (the built-in model's tokenizer); then
+``pdserve bench``'s mixed workload (long prompts among short ones, streamed) against it. Reports
+the benchmark's summary (TTFT, TPOT, throughput, errors) and exits non-zero if a request failed.
+
+``--gpus-per-actor 0`` runs the same deployment on the CPU (a dry run of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PDSERVE = [sys.executable, "-m", "cluster.cli"]
+
+
+def make_checkpoint(directory: Path) -> Path:
+    """Random bfloat16 weights of SmolLM2-135M's shape, with the built-in model's tokenizer."""
+    import torch
+
+    from engine.bench import SMOLLM2_135M_SHAPE, write_random_checkpoint
+    from engine.default_model_path import DEFAULT_MODEL_PATH
+
+    write_random_checkpoint(directory, SMOLLM2_135M_SHAPE, torch.bfloat16)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(DEFAULT_MODEL_PATH) / name, directory / name)
+    return directory
+
+
+def serve(model: Path, gpus: float, state: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """``pdserve up`` in the foreground (in a child process); its router's address once it serves."""
+    placement = ["--prefill-gpus", str(gpus), "--decode-gpus", str(gpus)] if gpus else ["--prefill-cpus", "0.5", "--decode-cpus", "0.5"]
+    process = subprocess.Popen(
+        [*PDSERVE, "--state-file", str(state), "up", "--model", str(model), "--prefill", "1", "--decode", "1", *placement,
+         "--disaggregation", "always", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", "0", "--admin-port", "0"],
+        stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT,
+    )
+    line = ""
+    while not line.startswith("pdserve serving on "):  # Ray relays the actors' logs to stdout too
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            raise RuntimeError(f"pdserve up exited with {process.returncode}: {log.read_text()[-3000:]}")
+    return process, line.split()[3]
+
+
+def bench(address: str, num_requests: int, out: Path) -> dict:
+    """``pdserve bench``'s mixed workload against ``address``; its summary."""
+    subprocess.run(
+        [*PDSERVE, "bench", "--address", address, "--workload", "mixed", "--num-requests", str(num_requests), "--input-len", "256",
+         "--long-input-len", "2048", "--long-fraction", "0.125", "--output-len", "64", "--request-rate", "8", "--ignore-eos",
+         "--timeout", "300", "--out", str(out), "--no-plots", "--no-progress"],
+        check=True, cwd=ROOT, timeout=900,
+    )
+    result = json.loads((out / "bench.json").read_text())
+    return {key: value for key, value in result.items() if not isinstance(value, (dict, list))}  # the summary, not each record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus-per-actor", type=float, default=0.5)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    report: dict = {"gpus_per_actor": args.gpus_per_actor}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = make_checkpoint(work / "smollm2-135m-shape")
+        process, address = serve(model, args.gpus_per_actor, work / "state.json", work / "up.log")
+        report["startup_s"] = round(time.monotonic() - started, 1)
+        try:
+            report["bench"] = bench(address, args.num_requests, work / "bench")
+        except Exception as exc:  # still stop the deployment and report what it logged
+            report["error"] = repr(exc)[-2000:]
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            report["up_log_tail"] = (work / "up.log").read_text()[-4000:]
+            report["up_returncode"] = process.returncode
+    report["seconds"] = round(time.monotonic() - started, 1)
+    text = json.dumps(report, indent=2)
+    print(text, flush=True)
+    if args.json:
+        args.json.write_text(text)
+    served = "error" not in report and report["bench"]["failed"] == 0 and report["bench"]["completed"] == args.num_requests
+    return 0 if served and report["up_returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
