@@ -30,7 +30,7 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
 # engine.attention.registry's names (kept here so the config imports no backend).
-ATTENTION_BACKEND_NAMES = ("auto", "cpu", "sdpa", "flashinfer")
+ATTENTION_BACKEND_NAMES = ("auto", "cpu", "sdpa", "flashinfer", "triton")
 
 
 @dataclass(slots=True)

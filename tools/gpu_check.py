@@ -25,6 +25,9 @@
 7. Prefill: tokens/s of 8 prompts of 1024 tokens, the engine against transformers' SDPA forward.
 8. Rotation: FlashInfer's fused in-place rotary embedding on strided q/k views against the
    float32 formula (section ``rope``, first: seconds).
+9. Quantized caches: the Triton write and decode kernels (int8, fp8) against the torch write
+   and dequantize + SDPA, and the 1.5B shape's batch-64 decode step with an fp8 cache through
+   Triton and through SDPA (section ``quantized``).
 """
 
 from __future__ import annotations
@@ -147,6 +150,51 @@ def check_fused_rotation() -> dict:
     fused = fused_ops.rotate_qk_(q, k, tables)
     error = max(float((q.float() - want_q).abs().max()), float((k.float() - want_k).abs().max()))
     return {"fused": fused, "max_abs_error": error, "ok": fused and error < 0.05 and bool(torch.equal(v, want_v))}
+
+
+def check_quantized_kernels(workdir: Path) -> dict:
+    """The Triton kernels for an int8/fp8 cache (engine.attention.triton_quantized) on the GPU:
+    the write against the torch rules, decode attention against dequantize + SDPA, and a decode
+    step of the 1.5B shape with an fp8 cache through each."""
+    from engine.attention.base import SeqSlice
+    from engine.attention.block_tables import BlockTables
+    from engine.attention.kv_write import write_quantized_torch
+    from engine.attention.sdpa import SdpaBackend
+    from engine.attention.triton_quantized import TritonQuantizedBackend
+    from engine.config import ModelConfig
+    from engine.kv_cache import KVCache
+
+    if not (workdir / "1.5b" / "config.json").exists():
+        random_hf_model("1.5b", workdir / "1.5b")
+        torch.cuda.empty_cache()
+    model_config = ModelConfig.from_model_dir(workdir / "1.5b")
+    result = {}
+    for kind in ("int8", "fp8_e4m3"):
+        caches = {name: KVCache(model_config, EngineConfig(device="cuda", kv_cache_dtype=kind, num_kv_blocks=64), torch.bfloat16) for name in ("triton", "sdpa")}
+        sample = caches["sdpa"]
+        heads, dim = sample.key_views[0].shape[2:]
+        tables = BlockTables.holding([list(range(i * 8, i * 8 + 8)) for i in range(4)]).array
+        slices = [SeqSlice(0, 100, 1, decode=True), SeqSlice(1, 60, 3, decode=True), SeqSlice(2, 0, 120), SeqSlice(3, 40, 50)]
+        rows = sum(s.num_tokens for s in slices)
+        generator = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(rows, model_config.num_heads, dim, device="cuda", generator=generator, dtype=torch.bfloat16)
+        k, v = (torch.randn(rows, heads, dim, device="cuda", generator=generator, dtype=torch.bfloat16) * 3 for _ in range(2))
+        context = torch.randn(64 * 16, heads, dim, device="cuda", generator=generator)
+        for cache in caches.values():  # the same earlier context, written the torch way
+            for view, scales in ((cache.key_views[0], cache.key_scales[0]), (cache.value_views[0], cache.value_scales[0])):
+                write_quantized_torch(context, view, scales, torch.arange(64, device="cuda").repeat_interleave(16), torch.arange(16, device="cuda").repeat(64))
+        out = {}
+        for name, backend in (("triton", TritonQuantizedBackend("cuda", 16)), ("sdpa", SdpaBackend("cuda", 16))):
+            cache = caches[name]
+            meta = backend.build(slices, tables)
+            out[name] = meta.forward(q, k, v, cache.key_views[0], cache.value_views[0], None, cache.key_scales[0], cache.value_scales[0]).float()
+        differ = (caches["triton"].tensor != caches["sdpa"].tensor).float().mean().item()
+        error = (out["triton"] - out["sdpa"]).abs().max().item()
+        result[kind] = {"write_bytes_differing": differ, "attention_max_abs_error": error, "ok": differ < 1e-3 and error < 0.05}
+    for name in ("triton", "sdpa"):
+        result[f"fp8_decode_b64_{name}_ms"] = engine_decode_ms(workdir / "1.5b", 64, 600, 10, kv_cache_dtype="fp8_e4m3", attention_backend=name, cuda_graph_max_batch=0)
+    result["ok"] = result["int8"]["ok"] and result["fp8_e4m3"]["ok"]
+    return result
 
 
 def random_hf_model(shape: str, directory: Path):
@@ -353,7 +401,7 @@ def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: 
     return {"shape": shape, "prompts": prompts, "length": length, "pdserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
 
 
-SECTIONS = ("rope", "sampling", "profile", "decode", "agreement", "prefill", "exactness", "features", "push")
+SECTIONS = ("rope", "quantized", "sampling", "profile", "decode", "agreement", "prefill", "exactness", "features", "push")
 
 
 def main() -> int:
@@ -399,6 +447,7 @@ def main() -> int:
             save("nominal_hbm_bytes_s", nominal)
         # The quick sections and the figures still open first: a lent machine's time runs out.
         section("rope", check_fused_rotation)
+        section("quantized", check_quantized_kernels, workdir)
         section("sampling", bench_sampling)
         if "profile" in sections and args.json:
             def profile():
@@ -416,7 +465,7 @@ def main() -> int:
         section("features", check_features, workdir)
         section("push", check_event_before_push, workdir)
     float32_exact = all(v["exact"] for k, v in report.get("exactness", {}).items() if "/float32/" in k)
-    rope_ok = report.get("rope", {}).get("ok", True)
+    rope_ok = report.get("rope", {}).get("ok", True) and report.get("quantized", {}).get("ok", True)
     return 0 if float32_exact and rope_ok and all(report.get("features", {}).values()) and report.get("push", True) else 1
 
 

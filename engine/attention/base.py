@@ -121,8 +121,20 @@ class AttentionMetadata(abc.ABC):
         ``key_cache``/``value_cache``: the layer's views [num_blocks, block_size, KVH, D];
         ``window``: this layer's sliding window (each query attends its latest ``window`` keys);
         ``key_scales``/``value_scales`` [num_blocks, KVH]: a quantized cache's (engine.kv_cache)."""
-        write_kv(k, v, key_cache, value_cache, self.slot_blocks, self.slot_offsets, key_scales, value_scales)
+        self.write(k, v, key_cache, value_cache, key_scales, value_scales)
         return self.attend(q, k, v, key_cache, value_cache, window, key_scales, value_scales)
+
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        key_scales: torch.Tensor | None,
+        value_scales: torch.Tensor | None,
+    ) -> None:
+        """The step's new keys and values into the layer's cache (engine.attention.kv_write)."""
+        write_kv(k, v, key_cache, value_cache, self.slot_blocks, self.slot_offsets, key_scales, value_scales)
 
     @abc.abstractmethod
     def attend(

@@ -2,8 +2,9 @@
 what the device, dtype and cache can take.
 
 ``auto``: on a CPU the native kernels where they build and apply (engine.attention.cpu), on CUDA
-FlashInfer where it is installed and the cache is float16/bfloat16 and not quantized; SDPA
-otherwise. A backend named explicitly that cannot serve the cache is an error naming the field.
+FlashInfer where it is installed and the cache is float16/bfloat16 and not quantized, and the
+Triton kernels for a quantized cache (engine.attention.triton_quantized); SDPA otherwise. A
+backend named explicitly that cannot serve the cache is an error naming the field.
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ def select_backend(requested: str, geometry: CacheGeometry) -> AttentionBackend:
             )
     elif requested == "cpu":
         raise ValueError(f"attention_backend: cpu runs on a CPU device, not {geometry.device}")
+    if requested in ("auto", "triton") and kind == "cuda":
+        problem = _triton_problem(geometry)
+        if problem is None:
+            from engine.attention.triton_quantized import TritonQuantizedBackend
+
+            return TritonQuantizedBackend(geometry.device, geometry.block_size)
+        if requested == "triton":
+            raise ValueError(f"attention_backend: triton cannot serve this cache: {problem}")
+    elif requested == "triton":
+        raise ValueError(f"attention_backend: triton runs on a CUDA device, not {geometry.device}")
     if requested in ("auto", "flashinfer") and kind == "cuda":
         problem = _flashinfer_problem(geometry)
         if problem is None:
@@ -94,4 +105,17 @@ def _flashinfer_problem(geometry: CacheGeometry) -> str | None:
         return "a quantized cache's per-block scales are read by the SDPA backend"
     if not flashinfer_paged.available():
         return "the flashinfer package is not installed (pip install 'pdserve[cuda]')"
+    return None
+
+
+def _triton_problem(geometry: CacheGeometry) -> str | None:
+    """Why the Triton kernels cannot serve ``geometry`` (None: they can)."""
+    if not geometry.quantized:
+        return "its kernels read a quantized (int8, fp8) cache; a plain one is FlashInfer's or SDPA's"
+    try:
+        from engine.attention import triton_quantized
+    except Exception as exc:  # no triton in this environment
+        return f"triton cannot be imported ({exc})"
+    if not triton_quantized.applies(geometry.head_dim, geometry.block_size):
+        return f"head_dim {geometry.head_dim} and block_size {geometry.block_size} must be powers of two"
     return None

@@ -48,10 +48,19 @@ class SdpaMetadata(AttentionMetadata):
     gather_values: torch.Tensor | None = None
 
     def attend(self, q, k, v, key_cache, value_cache, window, key_scales, value_scales) -> torch.Tensor:
-        group = q.shape[1] // key_cache.shape[2]
         out = torch.empty_like(q)
         if self.num_single:
-            _attend_single(q, key_cache, value_cache, self, out, window, key_scales, value_scales)
+            self.attend_single(q, key_cache, value_cache, out, window, key_scales, value_scales)
+        self.attend_chunks(q, k, v, key_cache, value_cache, out, window, key_scales, value_scales)
+        return out
+
+    def attend_single(self, q, key_cache, value_cache, out, window, key_scales, value_scales) -> None:
+        """The decode rows' attention into ``out[:num_single]``."""
+        _attend_single(q, key_cache, value_cache, self, out, window, key_scales, value_scales)
+
+    def attend_chunks(self, q, k, v, key_cache, value_cache, out, window, key_scales, value_scales) -> None:
+        """Each prompt chunk's attention into its rows of ``out``."""
+        group = q.shape[1] // key_cache.shape[2]
         for chunk in self.chunks:
             queries = q[chunk.token_start : chunk.token_end].transpose(0, 1)
             if chunk.mask is not None:
@@ -82,17 +91,17 @@ class SdpaMetadata(AttentionMetadata):
                 enable_gqa=group > 1,
             )
             out[chunk.token_start : chunk.token_end] = attended[0].transpose(0, 1)
-        return out
 
 
 class SdpaBackend(AttentionBackend):
     """Gather + SDPA: any device, any dtype, plain or quantized caches."""
 
     name = "sdpa"
+    metadata_class = SdpaMetadata
 
     def build_layout(self, layout: StepLayout) -> SdpaMetadata:
         device, block_size = self.device, self.block_size
-        meta = SdpaMetadata(*self.slot_tensors(layout), num_single=layout.num_single)
+        meta = self.metadata_class(*self.slot_tensors(layout), num_single=layout.num_single)
         if layout.num_chunks:
             chunk_tables = layout.chunk_tables()
             for first_row, context_len, num_tokens, table in zip(

@@ -23,8 +23,14 @@ def test_auto_on_a_cpu_takes_the_kernels_where_they_build_and_sdpa_is_always_the
 def test_auto_on_cuda_keeps_sdpa_where_flashinfer_cannot_serve_the_cache():
     # Decided from the geometry alone: no GPU is touched.
     assert select_backend("auto", _geometry("cuda", torch.float32)).name == "sdpa"
-    assert select_backend("auto", _geometry("cuda", quantized=True)).name == "sdpa"
     assert select_backend("auto", _geometry("cuda", head_dim=16)).name == "sdpa"
+
+
+def test_auto_on_cuda_reads_a_quantized_cache_through_the_triton_kernels():
+    assert select_backend("auto", _geometry("cuda", quantized=True)).name == "triton"
+    assert select_backend("triton", _geometry("cuda", torch.float32, quantized=True)).name == "triton"
+    # Triton's blocks are powers of two: another head size keeps gather + SDPA.
+    assert select_backend("auto", _geometry("cuda", head_dim=80, quantized=True)).name == "sdpa"
 
 
 @pytest.mark.parametrize(
@@ -35,7 +41,10 @@ def test_auto_on_cuda_keeps_sdpa_where_flashinfer_cannot_serve_the_cache():
         ("flashinfer", _geometry("cuda", head_dim=16), "head_dim 16"),
         ("flashinfer", _geometry("cuda", quantized=True), "quantized"),
         ("cpu", _geometry("cuda"), "runs on a CPU device"),
-        ("triton", _geometry(), "must be one of"),
+        ("triton", _geometry(), "runs on a CUDA device"),
+        ("triton", _geometry("cuda"), "quantized"),
+        ("triton", _geometry("cuda", head_dim=80, quantized=True), "powers of two"),
+        ("tilelang", _geometry(), "must be one of"),
     ],
 )
 def test_a_backend_that_cannot_serve_the_cache_is_an_error_naming_the_field(requested, geometry, problem):

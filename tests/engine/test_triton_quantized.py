@@ -1,0 +1,117 @@
+"""The Triton kernels for a quantized cache on CUDA, run here under Triton's interpreter: the
+write follows the torch rules (scales that only grow, earlier rows requantized where they grew),
+and decode attention over int8 blocks equals the portable backend's dequantize + SDPA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig
+from engine.attention.base import SeqSlice
+from engine.attention.block_tables import BlockTables
+from engine.attention.kv_write import write_quantized_torch
+from engine.attention.sdpa import SdpaBackend
+from engine.config import ModelConfig
+from engine.default_model_path import DEFAULT_MODEL_PATH
+from engine.kv_cache import KVCache
+
+# Triton's interpreter cannot load or store fp8 elements: fp8 runs on a GPU (tools/gpu_check.py,
+# section quantized), which checks both kinds against the same references.
+KINDS = ["int8"]
+BLOCK_SIZE = 8
+
+
+# Triton decides between compiling and interpreting when it is imported (its own library's
+# functions too): the kernel tests run in a process of their own that imports it interpreted.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+under_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the interpreted process (test_kernels_under_the_interpreter)")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is that process")
+def test_kernels_under_the_interpreter():
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
+        env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "3 passed" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.fixture(scope="module")
+def triton_quantized():
+    import engine.attention.triton_quantized as module
+
+    return module
+
+
+def _cache(kind: str, num_blocks: int = 12) -> KVCache:
+    config = EngineConfig(kv_cache_dtype=kind, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE)
+    return KVCache(ModelConfig.from_model_dir(DEFAULT_MODEL_PATH), config, torch.float32)
+
+
+def _runs(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    change = (torch.nonzero(blocks[1:] != blocks[:-1]).flatten() + 1).tolist()
+    return torch.tensor([0, *change]), torch.tensor([*change, len(blocks)])
+
+
+def _writes(heads: int, dim: int, seed: int = 0):
+    """Writes as an engine makes them: prompts in chunks across blocks, then a token per step
+    (larger ones later, so scales grow and earlier rows are requantized), and a block taken
+    again from offset 0 (a fresh start)."""
+    g = torch.Generator().manual_seed(seed)
+    for step, (positions, blocks) in enumerate([
+        ([0, 1, 2, 3, 4], [1, 1, 1, 1, 1]),
+        ([5, 6, 7, 8, 9, 0, 1], [1, 1, 1, 2, 2, 4, 4]),
+        ([10, 2], [2, 4]),
+        ([11, 3], [2, 4]),
+        ([0, 1], [1, 1]),
+    ]):
+        x = torch.randn(len(positions), heads, dim, generator=g) * (1 + step)
+        yield x, torch.tensor(blocks), torch.tensor([p % BLOCK_SIZE for p in positions])
+
+
+@under_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_write_kernel_follows_the_torch_rules(triton_quantized, kind):
+    ours, reference = _cache(kind), _cache(kind)
+    heads, dim = ours.key_views[0].shape[2:]
+    for x, blocks, offsets in _writes(heads, dim):
+        triton_quantized.write_quantized(x, ours.key_views[0], ours.key_scales[0], blocks, offsets, *_runs(blocks))
+        write_quantized_torch(x, reference.key_views[0], reference.key_scales[0], blocks, offsets)
+    assert torch.equal(ours.key_scales[0], reference.key_scales[0])
+    assert torch.equal(ours.tensor, reference.tensor), "every element, scale and untouched byte alike"
+
+
+@under_interpreter
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [None, 11])
+def test_decode_attention_over_quantized_blocks_is_the_portable_backends(triton_quantized, kind, window):
+    """Decode rows (one at a block's edge, three speculative ones) and a prompt chunk with
+    context, GQA, written and attended by each backend in turn on its own copy of the cache."""
+    caches = {name: _cache(kind) for name in ("triton", "sdpa")}
+    heads = caches["sdpa"].key_views[0].shape[2]
+    num_q_heads = 3 * heads
+    dim = caches["sdpa"].key_views[0].shape[3]
+    g = torch.Generator().manual_seed(3)
+    for cache in caches.values():  # the same earlier context in both
+        for layer_view, scales in ((cache.key_views[0], cache.key_scales[0]), (cache.value_views[0], cache.value_scales[0])):
+            for block in range(cache.num_blocks):
+                x = torch.randn(BLOCK_SIZE, heads, dim, generator=torch.Generator().manual_seed(block)) * (1 + block % 3)
+                write_quantized_torch(x, layer_view, scales, torch.full((BLOCK_SIZE,), block), torch.arange(BLOCK_SIZE))
+    tables = BlockTables.holding([[3, 5, 1], [7, 0, 9, 2], [4, 11, 6]]).array
+    slices = [SeqSlice(0, 23, 1, decode=True), SeqSlice(1, 26, 3, decode=True), SeqSlice(2, 9, 7)]
+    rows = sum(s.num_tokens for s in slices)
+    q, k, v = torch.randn(rows, num_q_heads, dim, generator=g), torch.randn(rows, heads, dim, generator=g), torch.randn(rows, heads, dim, generator=g)
+    got = {}
+    for name, backend in (("triton", triton_quantized.TritonQuantizedBackend("cpu", BLOCK_SIZE)), ("sdpa", SdpaBackend("cpu", BLOCK_SIZE))):
+        cache = caches[name]
+        meta = backend.build(slices, tables)
+        got[name] = meta.forward(q, k, v, cache.key_views[0], cache.value_views[0], window, cache.key_scales[0], cache.value_scales[0])
+    assert torch.equal(caches["triton"].tensor, caches["sdpa"].tensor), "the same writes"
+    torch.testing.assert_close(got["triton"], got["sdpa"], rtol=1e-4, atol=1e-5)
