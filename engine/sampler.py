@@ -28,6 +28,7 @@ class Sampler:
         self.default_generator = torch.Generator()
         self.default_generator.manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids or [])
+        self._buffers: dict[str, torch.Tensor] = {}  # scratch kept between steps (_scratch)
 
     @staticmethod
     def make_generator(seed: int | None) -> torch.Generator | None:
@@ -170,25 +171,32 @@ class Sampler:
             # the same distribution as the groups below, one seed from the engine's generator.
             # Seeded rows stay below: FlashInfer's stream depends on the row's batch slot, and a
             # seeded draw must depend only on (seed, position).
-            picks = _fused_draw(logits[torch.tensor([rows[i] for i in fused], device=logits.device)], [seqs[rows[i]].params for i in fused], self.default_generator)
+            picks = _fused_draw(_rows_of(logits, [rows[i] for i in fused]), [seqs[rows[i]].params for i in fused], self.default_generator)
             for local, token in zip(fused, picks):
                 tokens[local] = token
         taken = set(fused)
-        nucleus = [i for i in range(len(rows)) if i not in taken and _rejection_draw_applies(seqs[rows[i]].params)]
-        if nucleus:
-            chosen = [rows[i] for i in nucleus]
-            # Every row of the batch (the common case): no copy of the logits.
-            nucleus_logits = logits if chosen == list(range(logits.shape[0])) else logits[torch.tensor(chosen, device=logits.device)]
-            generators = [self.draw_generator(seqs[row]) for row in chosen]
-            picks, undecided = _draw_by_rejection(nucleus_logits, [seqs[row].params for row in chosen], generators)
+        # Rows with no filter draw from their whole distribution; rows with top-p or min-p and no
+        # top-k by rejection (_draw_by_rejection); neither sorts anything.
+        for kind, applies in (("unfiltered", lambda p: not _is_filtered(p)), ("nucleus", _rejection_draw_applies)):
+            chosen = [i for i in range(len(rows)) if i not in taken and applies(seqs[rows[i]].params)]
+            if not chosen:
+                continue
+            weights = self._scratch(kind, len(chosen), logits)
+            _exp_scaled(_rows_of(logits, [rows[i] for i in chosen]), [seqs[rows[i]].params for i in chosen], out=weights)
+            generators = [self.draw_generator(seqs[rows[i]]) for i in chosen]
+            if kind == "unfiltered":
+                uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+                picks, undecided = _inverse_cdf(weights, uniforms.to(weights.device)).tolist(), set()
+            else:
+                picks, undecided = _draw_by_rejection(weights, [seqs[rows[i]].params for i in chosen], generators)
             for local, token in enumerate(picks):
-                tokens[nucleus[local]] = token
-            taken.update(nucleus[local] for local in range(len(nucleus)) if local not in undecided)
+                tokens[chosen[local]] = token
+            taken.update(chosen[local] for local in range(len(chosen)) if local not in undecided)
         rest = [i for i in range(len(rows)) if i not in taken]
         if not rest:
             return tokens
         params = [seqs[rows[i]].params for i in rest]
-        for group in _sampling_groups(logits[torch.tensor([rows[i] for i in rest], device=logits.device)], params):
+        for group in _sampling_groups(_rows_of(logits, [rows[i] for i in rest]), params):
             uniforms = torch.cat([torch.rand(1, generator=self.draw_generator(seqs[rows[rest[i]]]), dtype=torch.float64) for i in group.rows])
             picks = _inverse_cdf(group.probs, uniforms.to(group.probs.device))
             if group.token_ids is not None:
@@ -196,6 +204,32 @@ class Sampler:
             for local, token in zip(group.rows, picks.tolist()):
                 tokens[rest[local]] = token
         return tokens
+
+    def _scratch(self, name: str, rows: int, logits: torch.Tensor) -> torch.Tensor:
+        """A float32 [rows, vocab] buffer kept between steps: a fresh 12 MB tensor a step (64 rows
+        of a 49k vocabulary) is fresh pages for the kernel to fault in, which took longer than the
+        arithmetic (a temperature-only draw: 29 ms fresh, 7 ms reused, one thread)."""
+        vocab = logits.shape[-1]
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.device != logits.device or buffer.shape[1] != vocab or buffer.shape[0] < rows:
+            buffer = self._buffers[name] = torch.empty((max(rows, 1), vocab), dtype=torch.float32, device=logits.device)
+        return buffer[:rows]
+
+
+def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``, without a copy when they are every row in order (the common case)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits[torch.tensor(rows, device=logits.device)]
+
+
+def _exp_scaled(logits: torch.Tensor, params: list, out: torch.Tensor) -> torch.Tensor:
+    """exp((logits - the row's largest) / temperature) into ``out``: each row's distribution up to
+    its normalizer, with its most likely token's weight exactly 1. Shifted before dividing (as
+    _sampling_groups): a temperature of 1e-40 then sends the others to 0, never inf - inf."""
+    torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=out)
+    out.div_(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=out.device).unsqueeze(1))
+    return out.exp_()
 
 
 # Inverse-CDF draws in two levels (_inverse_cdf): a row's probabilities in blocks of this many,
@@ -243,41 +277,43 @@ def _rejection_draw_applies(params) -> bool:
     return params.top_k <= 0 and (params.top_p < 1.0 or params.min_p > 0.0)
 
 
-def _draw_by_rejection(logits: torch.Tensor, params: list, generators: list[torch.Generator]) -> tuple[list[int], set[int]]:
-    """Top-p and min-p draws without a sort (FlashInfer's method, in batched tensor ops).
+def _draw_by_rejection(weights: torch.Tensor, params: list, generators: list[torch.Generator]) -> tuple[list[int], set[int]]:
+    """Top-p and min-p draws without a sort (FlashInfer's method, in batched tensor ops), from each
+    row's ``weights`` (``_exp_scaled``: its distribution p up to a normalizer, largest 1; changed).
 
-    A row draws a token t from its distribution p over its support (at first the tokens min-p
-    keeps: min-p is a threshold on p). t is in the top-p nucleus if the tokens more probable than t
-    hold less than top_p of the mass; then it is the row's token. If not, every token of the
-    nucleus is more probable than t, so the support shrinks to those and the row draws again.
-    The accepted token is distributed as p restricted to the survivors, renormalized: the
-    distribution the sorted filters give (``_filter_sorted``), ties aside. A full sort of 64 rows
-    of a 49k vocabulary took 200 ms on one core; a round here reads each row a few times.
+    A row draws a token t from p over its support (at first the tokens min-p keeps: min-p is a
+    threshold on p). t is in the top-p nucleus if the tokens more probable than t hold less than
+    top_p of the mass; then it is the row's token. If not, every token of the nucleus is more
+    probable than t, so the support shrinks to those and the row draws again. The accepted token
+    is distributed as p restricted to the survivors, renormalized: the distribution the sorted
+    filters give (``_filter_sorted``), ties aside. A full sort of 64 rows of a 49k vocabulary took
+    200 ms on one core; a round here reads each row a few times.
 
     Returns each row's token, and the rows still undecided after ``_MAX_REJECTION_ROUNDS``
     (for the sorted path: a fresh exact draw, so the mixture is still exact)."""
-    device = logits.device
-    # Shifted so each row's largest logit is 0 before dividing (as _sampling_groups).
-    scaled = logits.float() - logits.amax(dim=-1, keepdim=True).float()
-    scaled.div_(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device).unsqueeze(1))
-    probs = torch.softmax(scaled, dim=-1)
+    device = weights.device
+    total = weights.sum(dim=-1)  # each row's normalizer, over the whole vocabulary (top-p's mass)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    no_top_p = top_p >= 1.0  # a sum of the others can round up to 1: never test those rows
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device).unsqueeze(1)
-    support = probs
+    no_top_p = top_p >= 1.0  # a sum of the others can round up to the whole: never test those rows
+    needed = top_p * total
     if any(p.min_p > 0.0 for p in params):
-        support = torch.where(probs >= min_p * probs.amax(dim=-1, keepdim=True), probs, 0.0)
+        # A row's largest weight is 1, so min-p's threshold is min_p itself.
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+        weights.masked_fill_(weights < min_p, 0.0)
     picks = [0] * len(params)
     active = list(range(len(params)))
     index = None  # the active rows' indices (None: every row)
+    support = weights  # what each row may still draw; rejected rows' rows are narrowed below
     for _ in range(_MAX_REJECTION_ROUNDS):
-        weights, row_probs = (support, probs) if index is None else (support[index], probs[index])
+        rows = support if index is None else support[index]
         uniforms = torch.cat([torch.rand(1, generator=generators[row], dtype=torch.float64) for row in active])
-        drawn = _inverse_cdf(weights, uniforms.to(device))
-        drawn_probs = row_probs.gather(1, drawn.unsqueeze(1))
-        mass_above = torch.where(row_probs > drawn_probs, row_probs, 0.0).sum(dim=-1)
-        row_top_p, row_no_top_p = (top_p, no_top_p) if index is None else (top_p[index], no_top_p[index])
-        accepted = ((mass_above < row_top_p) | row_no_top_p).tolist()
+        drawn = _inverse_cdf(rows, uniforms.to(device))
+        drawn_weights = rows.gather(1, drawn.unsqueeze(1))
+        # Narrowing keeps every token above the drawn one, so "more probable than t" is still
+        # counted on the narrowed support, against the whole row's normalizer.
+        mass_above = torch.where(rows > drawn_weights, rows, 0.0).sum(dim=-1)
+        row_needed, row_no_top_p = (needed, no_top_p) if index is None else (needed[index], no_top_p[index])
+        accepted = ((mass_above < row_needed) | row_no_top_p).tolist()
         rejected = [local for local, ok in enumerate(accepted) if not ok]
         for local, token in enumerate(drawn.tolist()):
             picks[active[local]] = token
@@ -285,12 +321,10 @@ def _draw_by_rejection(logits: torch.Tensor, params: list, generators: list[torc
             return picks, set()
         # Each rejected row keeps only what is more probable than the token it drew.
         local_index = torch.tensor(rejected, device=device)
-        kept = weights.index_select(0, local_index)
-        kept = torch.where(kept > drawn_probs.index_select(0, local_index), kept, 0.0)
+        kept = rows.index_select(0, local_index)
+        kept = torch.where(kept > drawn_weights.index_select(0, local_index), kept, 0.0)
         active = [active[local] for local in rejected]
         index = torch.tensor(active, device=device)
-        if support is probs:
-            support = probs.clone()
         support.index_copy_(0, index, kept)
     return picks, set(active)
 
