@@ -28,7 +28,7 @@ class Sampler:
         self.default_generator = torch.Generator()
         self.default_generator.manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids or [])
-        self._buffers: dict[str, torch.Tensor] = {}  # scratch kept between steps (_scratch)
+        self._buffer: torch.Tensor | None = None  # scratch kept between steps (_scratch)
 
     @staticmethod
     def make_generator(seed: int | None) -> torch.Generator | None:
@@ -175,20 +175,13 @@ class Sampler:
             for local, token in zip(fused, picks):
                 tokens[local] = token
         taken = set(fused)
-        # Rows with no filter draw from their whole distribution; rows with top-p or min-p and no
-        # top-k by rejection (_draw_by_rejection); neither sorts anything.
-        for kind, applies in (("unfiltered", lambda p: not _is_filtered(p)), ("nucleus", _rejection_draw_applies)):
-            chosen = [i for i in range(len(rows)) if i not in taken and applies(seqs[rows[i]].params)]
-            if not chosen:
-                continue
-            weights = self._scratch(kind, len(chosen), logits)
+        # Rows without top-k (no filter, top-p, min-p) draw by rejection (_draw_by_rejection): no sort.
+        chosen = [i for i in range(len(rows)) if i not in taken and _rejection_draw_applies(seqs[rows[i]].params)]
+        if chosen:
+            weights = self._scratch(len(chosen), logits)
             _exp_scaled(_rows_of(logits, [rows[i] for i in chosen]), [seqs[rows[i]].params for i in chosen], out=weights)
             generators = [self.draw_generator(seqs[rows[i]]) for i in chosen]
-            if kind == "unfiltered":
-                uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
-                picks, undecided = _inverse_cdf(weights, uniforms.to(weights.device)).tolist(), set()
-            else:
-                picks, undecided = _draw_by_rejection(weights, [seqs[rows[i]].params for i in chosen], generators)
+            picks, undecided = _draw_by_rejection(weights, [seqs[rows[i]].params for i in chosen], generators)
             for local, token in enumerate(picks):
                 tokens[chosen[local]] = token
             taken.update(chosen[local] for local in range(len(chosen)) if local not in undecided)
@@ -205,14 +198,14 @@ class Sampler:
                 tokens[rest[local]] = token
         return tokens
 
-    def _scratch(self, name: str, rows: int, logits: torch.Tensor) -> torch.Tensor:
+    def _scratch(self, rows: int, logits: torch.Tensor) -> torch.Tensor:
         """A float32 [rows, vocab] buffer kept between steps: a fresh 12 MB tensor a step (64 rows
         of a 49k vocabulary) is fresh pages for the kernel to fault in, which took longer than the
         arithmetic (a temperature-only draw: 29 ms fresh, 7 ms reused, one thread)."""
         vocab = logits.shape[-1]
-        buffer = self._buffers.get(name)
+        buffer = self._buffer
         if buffer is None or buffer.device != logits.device or buffer.shape[1] != vocab or buffer.shape[0] < rows:
-            buffer = self._buffers[name] = torch.empty((max(rows, 1), vocab), dtype=torch.float32, device=logits.device)
+            buffer = self._buffer = torch.empty((max(rows, 1), vocab), dtype=torch.float32, device=logits.device)
         return buffer[:rows]
 
 
@@ -273,12 +266,12 @@ _MAX_REJECTION_ROUNDS = 8
 
 
 def _rejection_draw_applies(params) -> bool:
-    """Rows with top-p or min-p and no top-k: drawn without sorting their vocabulary."""
-    return params.top_k <= 0 and (params.top_p < 1.0 or params.min_p > 0.0)
+    """Rows without top-k (no filter, top-p, min-p): drawn without sorting their vocabulary."""
+    return params.top_k <= 0
 
 
 def _draw_by_rejection(weights: torch.Tensor, params: list, generators: list[torch.Generator]) -> tuple[list[int], set[int]]:
-    """Top-p and min-p draws without a sort (FlashInfer's method, in batched tensor ops), from each
+    """Draws of rows without top-k (no filter, top-p, min-p) without a sort (FlashInfer's method, in batched tensor ops), from each
     row's ``weights`` (``_exp_scaled``: its distribution p up to a normalizer, largest 1; changed).
 
     A row draws a token t from p over its support (at first the tokens min-p keeps: min-p is a
@@ -292,14 +285,19 @@ def _draw_by_rejection(weights: torch.Tensor, params: list, generators: list[tor
     Returns each row's token, and the rows still undecided after ``_MAX_REJECTION_ROUNDS``
     (for the sorted path: a fresh exact draw, so the mixture is still exact)."""
     device = weights.device
-    total = weights.sum(dim=-1)  # each row's normalizer, over the whole vocabulary (top-p's mass)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    no_top_p = top_p >= 1.0  # a sum of the others can round up to the whole: never test those rows
-    needed = top_p * total
+    testing = any(p.top_p < 1.0 for p in params)
+    # Top-p's mass is the whole row's (as _filter_sorted measures it): summed before min-p.
+    total = weights.sum(dim=-1) if testing else None
     if any(p.min_p > 0.0 for p in params):
         # A row's largest weight is 1, so min-p's threshold is min_p itself.
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device).unsqueeze(1)
         weights.masked_fill_(weights < min_p, 0.0)
+    if not testing:  # no nucleus to test (no filter, or min-p alone): one draw from the support
+        uniforms = torch.cat([torch.rand(1, generator=generator, dtype=torch.float64) for generator in generators])
+        return _inverse_cdf(weights, uniforms.to(device)).tolist(), set()
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    no_top_p = top_p >= 1.0  # a sum of the others can round up to the whole: never test those rows
+    needed = top_p * total
     picks = [0] * len(params)
     active = list(range(len(params)))
     index = None  # the active rows' indices (None: every row)

@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import tempfile
@@ -209,18 +210,23 @@ def random_hf_model(shape: str, directory: Path):
     return model
 
 
+def cuda_seconds(fn, warmup: int, repeats: int) -> float:
+    """Seconds per call of ``fn`` on the GPU, after ``warmup`` calls, the device synchronized around."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
 def copy_bandwidth() -> float:
     """Bytes/s of a device-to-device copy (read + write counted), the practical HBM ceiling."""
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (time.perf_counter() - start)
+    return 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src), 3, 10)
 
 
 def engine_decode_ms(path: Path, batch: int, context: int, steps: int, **overrides) -> float:
@@ -338,14 +344,7 @@ def bench_sampling(batch: int = 64) -> dict:
     }
     result = {"batch": batch, "vocab": vocab}
     for name, seqs in cases.items():
-        for _ in range(3):
-            sampler.sample(logits, seqs)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(20):
-            sampler.sample(logits, seqs)
-        torch.cuda.synchronize()
-        result[name] = (time.perf_counter() - start) / 20 * 1e3
+        result[name] = cuda_seconds(lambda seqs=seqs: sampler.sample(logits, seqs), 3, 20) * 1e3
     return result
 
 
@@ -377,27 +376,14 @@ def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
     ids = torch.randint(3, model.config.vocab_size, (prompts, length), device="cuda")
     with torch.inference_mode():
-        for _ in range(2):
-            model(ids, use_cache=False, logits_to_keep=1)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(3):
-            model(ids, use_cache=False, logits_to_keep=1)
-        torch.cuda.synchronize()
-    theirs = prompts * length * 3 / (time.perf_counter() - start)
+        theirs = prompts * length / cuda_seconds(functools.partial(model, ids, use_cache=False, logits_to_keep=1), 2, 3)
     del model
     torch.cuda.empty_cache()
     engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=prompts * length // 16 + 64, max_num_batched_tokens=prompts * length,
                                           long_prefill_chunk=length, max_num_seqs=prompts, enable_prefix_caching=False))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     token_lists = ids.tolist()
-    engine.generate(token_lists, params)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
-        engine.generate(token_lists, params)
-    torch.cuda.synchronize()
-    ours = prompts * length * 3 / (time.perf_counter() - start)
+    ours = prompts * length / cuda_seconds(lambda: engine.generate(token_lists, params), 1, 3)
     return {"shape": shape, "prompts": prompts, "length": length, "pdserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
 
 

@@ -98,7 +98,10 @@ class BlockTables:
     def _last_synced_matches(self, tracked: _Tracked) -> bool:
         """A cheap check of the invariant (a table changes in place only by growing)."""
         last = tracked.num_synced - 1
-        return last < 0 or last >= self.array.shape[1] or tracked.table[last] == self.array[tracked.row, last]
+        if last < 0:
+            return True
+        # Not in the array (a step prepared but never run): resent whole, as for any mismatch.
+        return last < self.array.shape[1] and tracked.table[last] == self.array[tracked.row, last]
 
     def _take_row(self) -> int:
         if not self._free_rows:

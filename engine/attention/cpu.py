@@ -153,7 +153,7 @@ def attend_prefill(
 ) -> torch.Tensor:
     """Causal attention of packed chunks q [T, H, D] over their context and themselves -> [T, H, D];
     under a sliding ``window`` each query attends its latest ``window`` keys only."""
-    rows, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     _check_layout(q, key_cache, value_cache)
     queries = q.float().contiguous()

@@ -41,7 +41,7 @@ class SdpaMetadata(AttentionMetadata):
 
     single_block_tables: torch.Tensor | None = None  # [num_single, max_blocks]
     single_lens: torch.Tensor | None = None  # [num_single] tokens each attends, its new one included
-    single_mask: torch.Tensor | None = None  # [num_single, 1, 1, max_blocks * block_size]
+    single_mask: torch.Tensor | None = None  # [num_single, 1, 1, max_blocks * block_size], from the lengths at the first layer
     chunks: list[ChunkSpan] = field(default_factory=list)
     single_groups: list["GatherGroup"] | None = None  # derived at the first layer of a step
     gather_keys: torch.Tensor | None = None  # reused per layer: [rows, block_size, kv_heads, head_dim]
@@ -125,8 +125,6 @@ class SdpaBackend(AttentionBackend):
         if layout.num_single:
             meta.single_block_tables = self.to_device(layout.decode_tables())
             meta.single_lens = self.to_device(layout.decode_lens)
-            key_pos = torch.arange(meta.single_block_tables.shape[1] * block_size, device=device)
-            meta.single_mask = (key_pos.unsqueeze(0) < meta.single_lens.unsqueeze(1)).view(meta.num_single, 1, 1, -1)
         return meta
 
 def _gather(
@@ -180,6 +178,9 @@ def _attend_single(
     if meta.single_groups is None:
         # Once per step, at the first layer: the grouping, with each group's mask made additive
         # (SDPA would convert a boolean mask again in every layer).
+        if meta.single_mask is None:
+            key_pos = torch.arange(meta.single_block_tables.shape[1] * block_size, device=q.device)
+            meta.single_mask = (key_pos.unsqueeze(0) < meta.single_lens.unsqueeze(1)).view(meta.num_single, 1, 1, -1)
         meta.single_groups = single_groups(meta.single_block_tables, meta.single_mask, key_cache[0].nbytes * 2, q.device.type)
         for gathered in meta.single_groups:
             width = gathered.num_blocks * block_size

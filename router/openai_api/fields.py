@@ -24,6 +24,28 @@ def refuse_unknown(body: dict, known: set[str], prefix: str = "") -> None:
         raise InvalidArgumentError(f"{prefix}{unknown[0]}", "is not a field of this API (unrecognized request argument)")
 
 
+def text_parts(value: Any, name: str, part_types: tuple[str, ...], part_fields: set[str] | None = None) -> str:
+    """A string, or a list of text parts (``{"type": one of part_types, "text": ...}``, no other
+    field than ``part_fields`` where given) joined with newlines, as vLLM does for text models."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidArgumentError(name, f"must be a string or a list of text parts, got {type_name(value)}")
+    texts = []
+    for index, part in enumerate(value):
+        where = f"{name}[{index}]"
+        part = json_object(part, where)
+        if part.get("type") not in part_types:
+            raise InvalidArgumentError(f"{where}.type", f"only text parts are supported ({', '.join(part_types)}), got {part.get('type')!r}")
+        if part_fields is not None:
+            refuse_unknown(part, part_fields, prefix=f"{where}.")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"{where}.text", f"must be a string, got {type_name(text)}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
 def json_object(value: Any, name: str) -> dict:
     if not isinstance(value, dict):
         raise InvalidArgumentError(name, f"must be a JSON object, got {type_name(value)}")

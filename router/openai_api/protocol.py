@@ -28,7 +28,7 @@ from typing import Any
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.constraints import logit_bias, structured_output
-from router.openai_api.fields import boolean, int_list, integer, is_int, json_object, number, refuse_unknown, string_list, type_name
+from router.openai_api.fields import boolean, int_list, integer, is_int, json_object, number, refuse_unknown, string_list, text_parts, type_name
 from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
@@ -268,21 +268,8 @@ def _messages(body: dict) -> list[dict[str, Any]]:
 
 
 def _content(value: Any, name: str) -> str | None:
-    """Text content; a list of text parts is joined with newlines (as vLLM does for text models)."""
-    if value is None or isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise InvalidArgumentError(name, f"must be a string or a list of text parts, got {type_name(value)}")
-    texts = []
-    for index, part in enumerate(value):
-        part = json_object(part, f"{name}[{index}]")
-        if part.get("type") != "text":
-            raise InvalidArgumentError(f"{name}[{index}].type", f"only \"text\" parts are supported, got {part.get('type')!r}")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise InvalidArgumentError(f"{name}[{index}].text", f"must be a string, got {type_name(text)}")
-        texts.append(text)
-    return "\n".join(texts)
+    """Text content (None stays None)."""
+    return None if value is None else text_parts(value, name, ("text",))
 
 
 def _stop(body: dict) -> list[str]:

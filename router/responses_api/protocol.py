@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
-from router.openai_api.fields import boolean, integer, int_list, json_object, number, refuse_unknown, type_name
+from router.openai_api.fields import boolean, integer, int_list, json_object, number, refuse_unknown, text_parts, type_name
 from router.openai_api.tool_calls import flat_function_tool
 from router.validation import GenerateInput
 
@@ -257,17 +257,4 @@ def _input(body: dict) -> list[dict[str, Any]]:
 
 
 def _content(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise InvalidArgumentError(where, f"must be a string or a list of text parts, got {type_name(value)}")
-    texts = []
-    for index, part in enumerate(value):
-        part = json_object(part, f"{where}[{index}]")
-        if part.get("type") not in ("input_text", "output_text", "text"):
-            raise InvalidArgumentError(f"{where}[{index}].type", f"only text parts are supported (input_text, output_text), got {part.get('type')!r}")
-        refuse_unknown(part, {"type", "text", "annotations", "logprobs"}, prefix=f"{where}[{index}].")
-        if not isinstance(part.get("text"), str):
-            raise InvalidArgumentError(f"{where}[{index}].text", f"must be a string, got {type_name(part.get('text'))}")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    return text_parts(value, where, ("input_text", "output_text", "text"), {"type", "text", "annotations", "logprobs"})

@@ -10,7 +10,6 @@ import time
 
 import anthropic
 import jsonschema
-import openai
 import pytest
 import ray
 
@@ -51,29 +50,18 @@ def deployment(ray_cluster, chat_model):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def base_url(deployment):
-    return f"http://127.0.0.1:{deployment.http_port}/v1"
-
-
-@pytest.fixture(scope="module")
 def claude(deployment):
     with anthropic.Anthropic(base_url=f"http://127.0.0.1:{deployment.http_port}", api_key="unused", max_retries=0, timeout=60) as client:
         yield client
 
 
-@pytest.fixture(scope="module")
-def chat(base_url):
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
-
-
 @pytest.mark.parametrize("repeat", [1, 12])  # 12: long enough to be prefilled on the prefill actor
-def test_a_message_equals_the_chat_completion_and_transformers_whole_and_streamed(claude, chat, chat_model, hf_tokenizer, repeat):  # noqa: F811
+def test_a_message_equals_the_chat_completion_and_transformers_whole_and_streamed(claude, client, chat_model, hf_tokenizer, repeat):  # noqa: F811
     conversation = [*CONVERSATION[:-1], {"role": "user", "content": "Another one? " * repeat}]
     messages = [*CHAT[:-1], {"role": "user", "content": "Another one? " * repeat}]
     ids = _chat_ids(hf_tokenizer, messages)
     want = hf_tokenizer.decode(hf_greedy(chat_model.hf_model, ids, 12), skip_special_tokens=True)
-    completion = chat.chat.completions.create(model="tiny-chat", messages=messages, max_completion_tokens=12, **GREEDY)
+    completion = client.chat.completions.create(model="tiny-chat", messages=messages, max_completion_tokens=12, **GREEDY)
     assert completion.choices[0].message.content == want
 
     message = claude.messages.create(model="tiny-chat", system=SYSTEM, messages=conversation, max_tokens=12, **GREEDY)

@@ -77,17 +77,6 @@ def deployment(ray_cluster, chat_model):
 
 
 @pytest.fixture(scope="module")
-def base_url(deployment):
-    return f"http://127.0.0.1:{deployment.http_port}/v1"
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def hf_tokenizer(chat_model):
     return AutoTokenizer.from_pretrained(chat_model.path)
 

@@ -32,17 +32,6 @@ def deployment(ray_cluster, chat_model, tmp_path_factory):  # noqa: F811
         yield running
 
 
-@pytest.fixture(scope="module")
-def base_url(deployment):
-    return f"http://127.0.0.1:{deployment.http_port}/v1"
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60) as client:
-        yield client
-
-
 def _chat_text(client, messages, max_tokens):
     return client.chat.completions.create(model="tiny-chat", messages=messages, max_completion_tokens=max_tokens, **GREEDY).choices[0].message.content
 
