@@ -1,11 +1,15 @@
 """Writing a step's new keys and values into the paged cache, plain or quantized.
 
-A plain cache takes them with one indexed store per tensor. A quantized cache (int8, fp8) keeps
-per (block, KV head) scales that only grow: on a CPU ``csrc/kv_quant.cpp`` does it in one pass;
-elsewhere the same rules run as torch ops, a block at a time.
+A plain cache takes them with one indexed store per tensor, or on CUDA one Triton launch for
+both (``engine.attention.triton_kv_write``, where Triton is installed). A quantized cache (int8,
+fp8) keeps per (block, KV head) scales that only grow: on a CPU ``csrc/kv_quant.cpp`` does it in
+one pass; elsewhere the same rules run as torch ops, a block at a time (the Triton backend writes
+it in one launch).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -24,11 +28,25 @@ def write_kv(
 ) -> None:
     """k/v [T, KVH, D] into the layer's cache views at their slots (quantized where scales are given)."""
     if key_scales is None:
+        triton_write = _triton_kv_write() if key_cache.is_cuda else None
+        if triton_write is not None:
+            triton_write.write_pair(k, v, key_cache, value_cache, slot_blocks, slot_offsets)
+            return
         key_cache[slot_blocks, slot_offsets] = k
         value_cache[slot_blocks, slot_offsets] = v
     else:
         write_quantized(k, key_cache, key_scales, slot_blocks, slot_offsets)
         write_quantized(v, value_cache, value_scales, slot_blocks, slot_offsets)
+
+
+@functools.cache
+def _triton_kv_write():
+    """The Triton write module, or None where Triton cannot be imported (it comes with CUDA torch)."""
+    try:
+        from engine.attention import triton_kv_write
+    except Exception:
+        return None
+    return triton_kv_write
 
 
 def write_quantized(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:

@@ -8,10 +8,9 @@ and the write ran as a dozen torch ops per layer with a host synchronisation.
 
 Here decode attention reads each row's blocks in place (one program per decode row and KV
 head: the group's query heads against the block's keys, dequantized in registers, online
-softmax), and the write is one kernel per layer (one program per run of a step's rows that land
-in one block, and KV head: the block's scale grows to cover the new rows, earlier rows are
-requantized where it grew, the new rows are quantized), the same rules as the CPU kernel and the
-torch path. Prompt chunks keep the portable backend's gather + SDPA (compute-bound there).
+softmax), and the write is one kernel per layer for keys and values together
+(``engine.attention.triton_kv_write``), the same rules as the CPU kernel and the torch path.
+Prompt chunks keep the portable backend's gather + SDPA (compute-bound there).
 
 The kernels run on a CPU too under Triton's interpreter (``TRITON_INTERPRET=1``): the tests
 check them against the portable backend that way.
@@ -28,56 +27,9 @@ import triton.language as tl
 
 from engine.attention.base import StepLayout
 from engine.attention.sdpa import SdpaBackend, SdpaMetadata
+from engine.attention.triton_kv_write import write_quantized_pair
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
-
-
-@triton.jit
-def _round_half_even(x):
-    rounded = tl.floor(x + 0.5)
-    odd = (rounded - 2.0 * tl.floor(rounded * 0.5)) != 0.0
-    return tl.where((rounded - x) == 0.5, tl.where(odd, rounded - 1.0, rounded), rounded)  # a tie goes to the even one
-
-
-@triton.jit
-def _quantize(values, scale, QMAX: tl.constexpr, IS_FP8: tl.constexpr):
-    scaled = tl.where(scale > 0.0, values / tl.where(scale > 0.0, scale, 1.0), 0.0)
-    if not IS_FP8:
-        scaled = _round_half_even(scaled)
-    return tl.minimum(tl.maximum(scaled, -QMAX), QMAX)
-
-
-@triton.jit
-def _write_kernel(
-    x_ptr, x_stride_t, x_stride_h,
-    run_starts_ptr, run_ends_ptr, slot_blocks_ptr, slot_offsets_ptr,
-    cache_ptr, cache_stride_block, cache_stride_token, cache_stride_head,
-    scales_ptr, scales_stride_block, scales_stride_head,
-    QMAX: tl.constexpr, IS_FP8: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-):
-    run = tl.program_id(0)
-    head = tl.program_id(1)
-    first_row = tl.load(run_starts_ptr + run)
-    end_row = tl.load(run_ends_ptr + run)
-    t = tl.arange(0, BLOCK_SIZE)
-    d = tl.arange(0, HEAD_DIM)
-    rows = first_row + t
-    in_run = rows < end_row
-    block = tl.load(slot_blocks_ptr + first_row)
-    first = tl.load(slot_offsets_ptr + first_row)  # a run's offsets rise: its first is its smallest
-    offsets = tl.load(slot_offsets_ptr + rows, mask=in_run, other=0)
-    x = tl.load(x_ptr + rows[:, None] * x_stride_t + head * x_stride_h + d[None, :], mask=in_run[:, None], other=0.0).to(tl.float32)
-    scale_ptr = scales_ptr + block * scales_stride_block + head * scales_stride_head
-    old = tl.where(first > 0, tl.load(scale_ptr), 0.0)  # a block written from offset 0 starts afresh
-    new = tl.maximum(old, tl.max(tl.max(tl.abs(x), axis=1), axis=0) / QMAX)
-    head_base = cache_ptr + block * cache_stride_block + head * cache_stride_head
-    earlier = t < tl.where(new > old, first, 0)  # entries before this step's, where the scale grew
-    held_ptrs = head_base + t[:, None] * cache_stride_token + d[None, :]
-    held = tl.load(held_ptrs, mask=earlier[:, None], other=0).to(tl.float32) * old
-    tl.store(held_ptrs, _quantize(held, new, QMAX, IS_FP8).to(cache_ptr.dtype.element_ty), mask=earlier[:, None])
-    tl.store(scale_ptr, new)
-    new_ptrs = head_base + offsets[:, None] * cache_stride_token + d[None, :]
-    tl.store(new_ptrs, _quantize(x, new, QMAX, IS_FP8).to(cache_ptr.dtype.element_ty), mask=in_run[:, None])
 
 
 @triton.jit
@@ -123,22 +75,6 @@ def _decode_kernel(
     tl.store(out_ptr + row * out_stride_t + heads[:, None] * out_stride_h + d[None, :], out, mask=(g < GROUP)[:, None])
 
 
-def write_quantized(
-    x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
-    run_starts: torch.Tensor, run_ends: torch.Tensor,
-) -> None:
-    """x [T, KVH, D] into the layer's quantized view ``cache`` [blocks, block_size, KVH, D] with
-    ``scales`` [blocks, KVH]; ``run_starts``/``run_ends``: the step's runs of rows in one block."""
-    fp8 = cache.dtype == torch.float8_e4m3fn
-    _write_kernel[(run_starts.numel(), x.shape[1])](
-        x, x.stride(0), x.stride(1),
-        run_starts, run_ends, slot_blocks, slot_offsets,
-        cache, cache.stride(0), cache.stride(1), cache.stride(2),
-        scales, scales.stride(0), scales.stride(1),
-        QMAX=448.0 if fp8 else 127.0, IS_FP8=fp8, HEAD_DIM=x.shape[2], BLOCK_SIZE=cache.shape[1],
-    )
-
-
 def attend_decode(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
     tables: torch.Tensor, lens: torch.Tensor, window: int | None,
@@ -174,8 +110,9 @@ class TritonQuantizedMetadata(SdpaMetadata):
     run_ends: torch.Tensor | None = None
 
     def write(self, k, v, key_cache, value_cache, key_scales, value_scales) -> None:
-        write_quantized(k, key_cache, key_scales, self.slot_blocks, self.slot_offsets, self.run_starts, self.run_ends)
-        write_quantized(v, value_cache, value_scales, self.slot_blocks, self.slot_offsets, self.run_starts, self.run_ends)
+        write_quantized_pair(
+            k, v, key_cache, value_cache, key_scales, value_scales, self.slot_blocks, self.slot_offsets, self.run_starts, self.run_ends
+        )
 
     def attend_single(self, q, key_cache, value_cache, out, window, key_scales, value_scales) -> None:
         out[: self.num_single] = attend_decode(

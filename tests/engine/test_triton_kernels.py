@@ -1,6 +1,7 @@
-"""The Triton kernels for a quantized cache on CUDA, run here under Triton's interpreter: the
-write follows the torch rules (scales that only grow, earlier rows requantized where they grew),
-and decode attention over int8 blocks equals the portable backend's dequantize + SDPA."""
+"""The Triton kernels for CUDA, run here under Triton's interpreter: the one-launch KV write puts
+keys and values where the indexed stores do; for a quantized cache it follows the torch rules
+(scales that only grow, earlier rows requantized where they grew); decode attention over int8
+blocks equals the portable backend's dequantize + SDPA."""
 
 from __future__ import annotations
 
@@ -40,12 +41,19 @@ def test_kernels_under_the_interpreter():
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "3 passed" in result.stdout, result.stdout[-2000:]
+    assert "7 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
 def triton_quantized():
     import engine.attention.triton_quantized as module
+
+    return module
+
+
+@pytest.fixture(scope="module")
+def triton_kv_write():
+    import engine.attention.triton_kv_write as module
 
     return module
 
@@ -78,14 +86,39 @@ def _writes(heads: int, dim: int, seed: int = 0):
 
 @under_interpreter
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_write_kernel_follows_the_torch_rules(triton_quantized, kind):
+def test_the_quantized_write_follows_the_torch_rules(triton_kv_write, kind):
     ours, reference = _cache(kind), _cache(kind)
     heads, dim = ours.key_views[0].shape[2:]
-    for x, blocks, offsets in _writes(heads, dim):
-        triton_quantized.write_quantized(x, ours.key_views[0], ours.key_scales[0], blocks, offsets, *_runs(blocks))
-        write_quantized_torch(x, reference.key_views[0], reference.key_scales[0], blocks, offsets)
-    assert torch.equal(ours.key_scales[0], reference.key_scales[0])
+    for (k, blocks, offsets), (v, _, _) in zip(_writes(heads, dim), _writes(heads, dim, seed=1)):
+        triton_kv_write.write_quantized_pair(
+            k, v, ours.key_views[1], ours.value_views[1], ours.key_scales[1], ours.value_scales[1], blocks, offsets, *_runs(blocks)
+        )
+        write_quantized_torch(k, reference.key_views[1], reference.key_scales[1], blocks, offsets)
+        write_quantized_torch(v, reference.value_views[1], reference.value_scales[1], blocks, offsets)
+    assert torch.equal(ours.key_scales[1], reference.key_scales[1]) and torch.equal(ours.value_scales[1], reference.value_scales[1])
     assert torch.equal(ours.tensor, reference.tensor), "every element, scale and untouched byte alike"
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, dim", [(2, 64), (3, 80)])
+def test_the_plain_write_puts_keys_and_values_where_the_indexed_stores_do(triton_kv_write, dtype, heads, dim):
+    """Several layers' views of one cache (the layer's slice of each block), keys as their own
+    tensor and values as a slice of a wider one (q|k|v), head counts and sizes not powers of two."""
+    num_blocks, layers = 6, 3
+    ours = torch.zeros(num_blocks, layers, 2, BLOCK_SIZE, heads, dim, dtype=dtype)
+    reference = ours.clone()
+    g = torch.Generator().manual_seed(5)
+    for layer in range(layers):
+        for _, blocks, offsets in _writes(heads, dim, seed=layer):
+            rows = len(blocks)
+            k = torch.randn(rows, heads, dim, generator=g).to(dtype)
+            qkv = torch.randn(rows, 4 * heads * dim, generator=g).to(dtype)
+            v = qkv[:, 3 * heads * dim :].view(rows, heads, dim)
+            triton_kv_write.write_pair(k, v, ours[:, layer, 0], ours[:, layer, 1], blocks, offsets)
+            reference[blocks, layer, 0, offsets] = k
+            reference[blocks, layer, 1, offsets] = v
+    assert torch.equal(ours, reference)
 
 
 @under_interpreter
