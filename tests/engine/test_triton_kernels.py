@@ -101,23 +101,32 @@ def test_the_quantized_write_follows_the_torch_rules(triton_kv_write, kind):
 
 @under_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, dim", [(2, 64), (3, 80)])
-def test_the_plain_write_puts_keys_and_values_where_the_indexed_stores_do(triton_kv_write, dtype, heads, dim):
-    """Several layers' views of one cache (the layer's slice of each block), keys as their own
-    tensor and values as a slice of a wider one (q|k|v), head counts and sizes not powers of two."""
-    num_blocks, layers = 6, 3
-    ours = torch.zeros(num_blocks, layers, 2, BLOCK_SIZE, heads, dim, dtype=dtype)
+@pytest.mark.parametrize("views", ["engine", "odd"])
+def test_the_plain_write_puts_keys_and_values_where_the_indexed_stores_do(triton_kv_write, dtype, views):
+    """Into every layer's views of one cache: the engine's own (``KVCache``), and views with
+    head counts and sizes not powers of two; keys as their own tensor and values as a slice of
+    a wider one (q|k|v), as the model hands them over."""
+    if views == "engine":
+        cache = KVCache(ModelConfig.from_model_dir(DEFAULT_MODEL_PATH), EngineConfig(num_kv_blocks=6, block_size=BLOCK_SIZE), dtype)
+        ours, key_views, value_views = cache.tensor, cache.key_views, cache.value_views
+    else:
+        ours = torch.zeros(6, 3, 2, BLOCK_SIZE, 3, 80, dtype=dtype)
+        key_views, value_views = [ours[:, i, 0] for i in range(3)], [ours[:, i, 1] for i in range(3)]
     reference = ours.clone()
+    heads, dim = key_views[0].shape[2:]
     g = torch.Generator().manual_seed(5)
-    for layer in range(layers):
+    for layer in range(len(key_views)):
         for _, blocks, offsets in _writes(heads, dim, seed=layer):
             rows = len(blocks)
             k = torch.randn(rows, heads, dim, generator=g).to(dtype)
             qkv = torch.randn(rows, 4 * heads * dim, generator=g).to(dtype)
             v = qkv[:, 3 * heads * dim :].view(rows, heads, dim)
-            triton_kv_write.write_pair(k, v, ours[:, layer, 0], ours[:, layer, 1], blocks, offsets)
-            reference[blocks, layer, 0, offsets] = k
-            reference[blocks, layer, 1, offsets] = v
+            triton_kv_write.write_pair(k, v, key_views[layer], value_views[layer], blocks, offsets)
+            # The indexed stores, on the same views of the reference's storage.
+            reference_keys = reference.as_strided(key_views[layer].shape, key_views[layer].stride(), key_views[layer].storage_offset())
+            reference_values = reference.as_strided(value_views[layer].shape, value_views[layer].stride(), value_views[layer].storage_offset())
+            reference_keys[blocks, offsets] = k
+            reference_values[blocks, offsets] = v
     assert torch.equal(ours, reference)
 
 
