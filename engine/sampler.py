@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import penalties
+from engine.penalties import PenaltyHistory
 from engine.sequence import Sequence, TokenLogprob
 
 
@@ -29,6 +31,7 @@ class Sampler:
         self.default_generator.manual_seed(seed)
         self.eos_token_ids = list(eos_token_ids or [])
         self._buffer: torch.Tensor | None = None  # scratch kept between steps (_scratch)
+        self.penalties = PenaltyHistory()  # the penalised requests' token counts, kept between steps
 
     @staticmethod
     def make_generator(seed: int | None) -> torch.Generator | None:
@@ -104,7 +107,7 @@ class Sampler:
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Every per-request change to the logits before temperature, in vLLM's order."""
         logits = _apply_logit_adjustments(logits, seqs)
-        logits = _apply_penalties(logits, seqs)
+        logits = self.penalties.apply(logits, seqs)
         return self._suppress_early_stops(logits, seqs)
 
     def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -365,55 +368,9 @@ def _apply_logit_adjustments(logits: torch.Tensor, seqs: list[Sequence]) -> torc
     return logits
 
 
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """vLLM's penalties, as batched tensor ops over the rows that have any: repetition over the
-    prompt and output (a positive logit divided by it, a negative one multiplied), then minus
-    frequency x each token's count in the output, minus presence for each token it holds."""
-    rows = [
-        i for i, s in enumerate(seqs)
-        if s.params.repetition_penalty != 1.0 or ((s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0) and _num_output(s))
-    ]
-    if not rows:
-        return logits
-    vocab, device = logits.shape[-1], logits.device
-    index = torch.tensor(rows, device=device)
-    values = logits[index]
-    seen = _token_counts([seqs[i].token_ids for i in rows], vocab, device) > 0
-    repetition = torch.tensor([seqs[i].params.repetition_penalty for i in rows], dtype=values.dtype, device=device).unsqueeze(1)
-    penalised = torch.where(values > 0, values / repetition, values * repetition)
-    # A tiny or huge penalty overflows to +-inf; keep the logits finite so nothing downstream
-    # computes inf - inf (it ties the overflowed tokens at the extreme).
-    limit = torch.finfo(values.dtype).max
-    values = torch.where(seen & (repetition != 1.0), penalised.clamp(-limit, limit), values)
-    counts = _token_counts([_output_ids(seqs[i]) for i in rows], vocab, device).to(values.dtype)
-    frequency = torch.tensor([seqs[i].params.frequency_penalty for i in rows], dtype=values.dtype, device=device).unsqueeze(1)
-    presence = torch.tensor([seqs[i].params.presence_penalty for i in rows], dtype=values.dtype, device=device).unsqueeze(1)
-    values = values - frequency * counts - presence * (counts > 0).to(values.dtype)
-    logits = logits.clone()
-    logits[index] = values
-    return logits
-
-
-def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """[rows, vocab]: how many times each token occurs in each row's list (one scatter)."""
-    width = max(1, max(len(tokens) for tokens in token_lists))
-    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)  # the extra column takes the padding
-    for row, tokens in enumerate(token_lists):
-        padded[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.int32, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones_like(padded, dtype=torch.int32, device=device))
-    return counts[:, :vocab]
-
-
-def _num_output(seq: Sequence) -> int:
-    """How many tokens the request has produced, including those before it was resumed here
-    (the tail of its prompt on this worker): penalties see the same output wherever it runs."""
-    return seq.num_output_tokens + seq.params.num_resumed_tokens
-
-
 def _output_ids(seq: Sequence) -> list[int]:
-    """The request's output so far (``_num_output`` tokens)."""
-    num_output = _num_output(seq)
+    """The request's output so far (resumed tokens included: ``penalties.num_output``)."""
+    num_output = penalties.num_output(seq)
     return seq.token_ids[len(seq.token_ids) - num_output :] if num_output else []
 
 

