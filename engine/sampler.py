@@ -400,34 +400,54 @@ def _sampling_groups(logits: torch.Tensor, params: list) -> list[_SamplingGroup]
     Which group a row falls in depends only on its own parameters and logits: a row's
     distribution, and so its seeded draw, never depends on what shares its batch. (It did: a
     top-p request sorted every row of the batch, and the same uniform then picked another token
-    from a sampled request's sorted row.)"""
-    # Shifted so each row's largest logit is 0 before dividing: a temperature as small as 1e-40
-    # then sends the others to -inf (greedy, in effect) instead of overflowing to inf - inf.
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    scaled = shifted / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device).unsqueeze(1)
-    vocab = scaled.shape[-1]
+    from a sampled request's sorted row.)
+
+    Each row is shifted so its largest logit is 0 before dividing by its temperature: a
+    temperature as small as 1e-40 then sends the others to -inf (greedy, in effect) instead of
+    overflowing to inf - inf. Filtered rows take their candidates from the raw logits (the order
+    is the same) and scale only those: a row with top-k never touches its whole vocabulary again
+    (scaling, shifting and normalising 64 rows of a 49k vocabulary took 25 of a 33 ms step here)."""
+    device = logits.device
+    vocab = logits.shape[-1]
+
+    def temperatures(rows: list[int]) -> torch.Tensor:
+        return torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=device).unsqueeze(1)
+
+    def scaled(rows: list[int]) -> torch.Tensor:
+        """The rows' whole scaled logits, float32."""
+        row_logits = _rows_of(logits, rows)
+        return ((row_logits - row_logits.amax(dim=-1, keepdim=True)) / temperatures(rows)).float()
+
     plain = [i for i, p in enumerate(params) if not _is_filtered(p)]
     filtered = [i for i, p in enumerate(params) if _is_filtered(p)]
     groups = []
     if plain:
-        groups.append(_SamplingGroup(plain, torch.softmax(scaled[torch.tensor(plain, device=logits.device)].float(), dim=-1), None))
+        groups.append(_SamplingGroup(plain, torch.softmax(scaled(plain), dim=-1), None))
     if not filtered:
         return groups
-    rows = scaled[torch.tensor(filtered, device=logits.device)].float()
     row_params = [params[i] for i in filtered]
     num_candidates = min(vocab, max(p.top_k if p.top_k > 0 else _NUM_CANDIDATES for p in row_params))
-    values, token_ids = rows.topk(num_candidates, dim=-1)
-    log_norm = torch.logsumexp(rows, dim=-1, keepdim=True)
+    top, token_ids = _rows_of(logits, filtered).topk(num_candidates, dim=-1)
+    values = ((top - top[:, :1]) / temperatures(filtered)).float()  # the row's largest is its first
+    # Top-p without top-k measures mass against the whole row: its log-normalizer (top-k rows
+    # renormalize over what they keep and need none).
+    log_norm = torch.zeros((len(filtered), 1), dtype=torch.float32, device=device)
+    unbounded = [j for j, p in enumerate(row_params) if p.top_k == 0]
+    whole = {}
+    if unbounded:
+        whole_rows = scaled([filtered[j] for j in unbounded])
+        log_norm[torch.tensor(unbounded, device=device)] = torch.logsumexp(whole_rows, dim=-1, keepdim=True)
+        whole = {j: local for local, j in enumerate(unbounded)}
     complete = [num_candidates == vocab or p.top_k > 0 or _survivors_inside(values[j], log_norm[j], p) for j, p in enumerate(row_params)]
     inside = [j for j, ok in enumerate(complete) if ok]
-    outside = [j for j, ok in enumerate(complete) if not ok]
+    outside = [j for j, ok in enumerate(complete) if not ok]  # top-p/min-p rows only
     if inside:
-        index = torch.tensor(inside, device=logits.device)
+        index = torch.tensor(inside, device=device)
         kept = _filter_sorted(values[index], [row_params[j] for j in inside], log_norm[index])
         groups.append(_SamplingGroup([filtered[j] for j in inside], torch.softmax(kept, dim=-1), token_ids[index]))
     if outside:
-        index = torch.tensor(outside, device=logits.device)
-        in_order, order = rows[index].sort(dim=-1, descending=True)
+        index = torch.tensor(outside, device=device)
+        in_order, order = whole_rows[torch.tensor([whole[j] for j in outside], device=device)].sort(dim=-1, descending=True)
         kept = _filter_sorted(in_order, [row_params[j] for j in outside], log_norm[index])
         groups.append(_SamplingGroup([filtered[j] for j in outside], torch.softmax(kept, dim=-1), order))
     return groups
