@@ -52,14 +52,19 @@ class ModelRunner:
         """The step's inputs (on rank 0, where the scheduler is)."""
         rows, updates = self.block_tables.sync([(piece.seq, piece.seq.block_table) for piece in batch.slices])
         step = StepInput([], [], [], [], updates)
+        input_ids, positions, logits_indices = step.input_ids, step.positions, step.logits_indices
         for piece, row in zip(batch.slices, rows):
             seq = piece.seq
             start = seq.num_computed_tokens
-            end = start + piece.num_tokens
-            step.input_ids.extend(seq.token_ids[start : start + piece.num_own_tokens])
-            step.input_ids.extend(piece.draft_token_ids)
-            step.positions.extend(range(start, end))
-            step.logits_indices.extend(range(len(step.input_ids) - piece.num_sampled_rows, len(step.input_ids)))
+            if piece.num_tokens == 1 and piece.completes_sequence:  # a decode row (most of a step's slices)
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                logits_indices.append(len(input_ids) - 1)
+            else:
+                input_ids.extend(seq.token_ids[start : start + piece.num_own_tokens])
+                input_ids.extend(piece.draft_token_ids)
+                positions.extend(range(start, start + piece.num_tokens))
+                logits_indices.extend(range(len(input_ids) - piece.num_sampled_rows, len(input_ids)))
             step.slices.append(SeqSlice(row, start, piece.num_tokens, decode=piece.is_decode))
         return step
 

@@ -106,6 +106,8 @@ class Sampler:
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Every per-request change to the logits before temperature, in vLLM's order."""
+        if not any(_adjusts(s.params) for s in seqs):  # the common case: one look per row
+            return logits
         logits = _apply_logit_adjustments(logits, seqs)
         logits = self.penalties.apply(logits, seqs)
         return self._suppress_early_stops(logits, seqs)

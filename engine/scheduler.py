@@ -45,7 +45,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ScheduledSlice:
-    """``num_tokens`` of ``seq`` (from its ``num_computed_tokens``) are computed this step."""
+    """``num_tokens`` of ``seq`` (from its ``num_computed_tokens``) are computed this step.
+
+    What the slice is (its own tokens, whether it completes the sequence, whether it is a decode
+    row) is fixed when it is made, from the sequence as it stands before the step: every reader
+    (the runner, the sampler, the update after the step) asks about the step, not about the
+    sequence it has since become, and a step reads them a dozen times per slice (as properties
+    they were a fifth of a 256-row decode step's host work)."""
 
     seq: Sequence
     num_tokens: int  # drafts included
@@ -53,21 +59,23 @@ class ScheduledSlice:
     # row is verified by the sampler.
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: list | None = None  # per draft, the proposer's distribution (None: proposed with certainty)
+    num_own_tokens: int = field(init=False)  # the sequence's own tokens in the slice (drafts excluded)
+    completes_sequence: bool = field(init=False)  # its last token is the sequence's newest: the step samples after it
+    # One token past the prompt (and its drafts): the decode kernel's. A one-token piece of a
+    # prompt is a prefill chunk like any other, so a prompt's bits never depend on where it was cut.
+    is_decode: bool = field(init=False)
 
-    @property
-    def num_own_tokens(self) -> int:
-        """The sequence's own tokens in the slice (drafts excluded)."""
-        return self.num_tokens - len(self.draft_token_ids)
+    def __post_init__(self) -> None:
+        seq = self.seq
+        self.num_own_tokens = self.num_tokens - len(self.draft_token_ids)
+        self.completes_sequence = seq.num_computed_tokens + self.num_own_tokens == len(seq.token_ids)
+        self.is_decode = self.num_own_tokens == 1 and seq.is_decoding
 
-    @property
-    def completes_sequence(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_own_tokens == self.seq.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        """One token past the prompt (and its drafts): the decode kernel's. A one-token piece of a
-        prompt is a prefill chunk like any other, so a prompt's bits never depend on where it was cut."""
-        return self.num_own_tokens == 1 and self.seq.is_decoding
+    def add_drafts(self, token_ids: list[int], probs: list | None) -> None:
+        """Speculative tokens to verify after the slice's own."""
+        self.draft_token_ids = token_ids
+        self.draft_probs = probs
+        self.num_tokens = self.num_own_tokens + len(token_ids)
 
     @property
     def num_sampled_rows(self) -> int:
@@ -196,7 +204,8 @@ class Scheduler:
         self._make_room_for(decoding, batch)
         for seq in decoding:
             if seq.status is SequenceStatus.RUNNING:
-                self._grow_blocks(seq, 1)
+                if self._at_block_edge(seq):
+                    self._grow_blocks(seq, 1)
                 batch.slices.append(ScheduledSlice(seq, 1))
                 budget -= 1
         if self.proposer is not None:
@@ -267,9 +276,7 @@ class Scheduler:
         taken = 0
         for piece, proposal in zip(pieces, proposals):
             if proposal.token_ids:
-                piece.draft_token_ids = proposal.token_ids
-                piece.draft_probs = proposal.probs
-                piece.num_tokens += len(proposal.token_ids)
+                piece.add_drafts(proposal.token_ids, proposal.probs)
                 taken += len(proposal.token_ids)
         return taken
 
@@ -385,7 +392,7 @@ class Scheduler:
     def _make_room_for(self, decoding: list[Sequence], batch: ScheduledBatch) -> None:
         """Preempt the least important running sequences until every decode fits."""
         while True:
-            needed = sum(self._new_blocks_needed(s, 1) for s in decoding if s.status is SequenceStatus.RUNNING)
+            needed = sum(1 for s in decoding if self._at_block_edge(s) and s.status is SequenceStatus.RUNNING)
             if needed <= self.allocator.num_free or not self.running:
                 return
             self._preempt(self.running[-1], batch)
@@ -401,6 +408,10 @@ class Scheduler:
         self.num_preemptions += 1
         batch.preempted_req_ids.append(seq.req_id)
         self._push_waiting(seq)
+
+    def _at_block_edge(self, seq: Sequence) -> bool:
+        """Whether a decode row's token needs a new block (its blocks are full)."""
+        return seq.num_computed_tokens >= len(seq.block_table) * self.block_size
 
     def _new_blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_tokens) // self.block_size)
@@ -437,7 +448,7 @@ class Scheduler:
                 continue
             if piece.is_decode:  # asked before the new tokens change what the sequence is
                 seq.num_decode_steps += 1
-            emitted = self._emit(seq, next(sample_iter))
+            emitted, reason = self._emit(seq, next(sample_iter))
             if piece.draft_token_ids:
                 accepted = len(emitted) - 1  # each emitted token before the last matched its draft
                 seq.num_draft_tokens += len(piece.draft_token_ids)
@@ -448,26 +459,29 @@ class Scheduler:
                 if seq.draft_window is not None:
                     seq.draft_window.update(len(piece.draft_token_ids), accepted)
             # Every token but the newest has its KV now: the slice's own and the accepted drafts'.
-            seq.num_computed_tokens = seq.num_tokens - 1
-            self._record_full_block_hashes(seq)
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+            if seq.num_computed_tokens // self.block_size > len(seq.block_hashes):
+                self._record_full_block_hashes(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self._after_token(seq, emitted[-1])
+            self._after_token(seq, reason)
             results.append((seq, emitted))
         return results
 
-    def _emit(self, seq: Sequence, samples: list[tuple[int, TokenLogprob | None]]) -> list[int]:
-        """Append a slice's sampled tokens, up to the first that ends the request."""
+    def _emit(self, seq: Sequence, samples: list[tuple[int, TokenLogprob | None]]) -> tuple[list[int], FinishReason | None]:
+        """Append a slice's sampled tokens, up to the first that ends the request (and why it ends)."""
         emitted = []
+        reason = None
         for token_id, logprob in samples:
             seq.append_token(token_id, logprob)
             emitted.append(token_id)
-            if self.stop_reason(seq, token_id) is not None:
+            reason = self.stop_reason(seq, token_id)
+            if reason is not None:
                 break
-        return emitted
+        return emitted, reason
 
-    def _after_token(self, seq: Sequence, token_id: int) -> None:
-        reason = self.stop_reason(seq, token_id)
+    def _after_token(self, seq: Sequence, reason: FinishReason | None) -> None:
+        """A sequence got its tokens; ``reason``: why its last one ends it (None: it goes on)."""
         if reason is not None:
             self.running.remove(seq)
             self._finish(seq, reason)

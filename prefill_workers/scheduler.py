@@ -84,10 +84,10 @@ class PrefillScheduler(Scheduler):
         seq.block_table.extend(self.allocator.allocate(needed))
         return True
 
-    def _after_token(self, seq: Sequence, token_id: int) -> None:
+    def _after_token(self, seq: Sequence, reason: FinishReason | None) -> None:
         if seq.req_id not in self.staged:
             self.running.remove(seq)
-        seq.finish_reason = self.stop_reason(seq, token_id)
+        seq.finish_reason = reason
         self._hold(seq)
 
     def release(self, req_id: str) -> None:
