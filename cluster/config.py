@@ -59,6 +59,9 @@ class PoolConfig(BaseModel):
         "allows within this many ms (null: fixed chunk_size)"
     )
     enable_prefix_caching: bool = Field(True, description="Keep full prompt blocks cached for later prompts with the same prefix")
+    async_scheduling: bool = Field(
+        False, description="Decode: schedule the next step while the device computes this one (CUDA; engine.overlap)"
+    )
     kv_cache_mb: int | None = Field(
         None, ge=1, description="KV cache size per actor (per rank) in MiB (default: sized from the actor's machine, see cluster/kv_memory.py)"
     )
@@ -446,6 +449,7 @@ class ClusterConfig(BaseModel):
             num_threads=pool.threads or max(1, int(pool.num_cpus)),
             max_num_threads=pool.max_threads,
             enable_prefix_caching=pool.enable_prefix_caching,
+            async_scheduling=pool.async_scheduling,
             speculative=speculative.to_engine() if speculative is not None else None,
             tensor_parallel_size=pool.tensor_parallel_size,
             max_model_len=self.max_model_len,

@@ -429,11 +429,14 @@ class DecodeWorker(EngineWorker):
         if not self.engine.has_unfinished_requests():
             return False
         started = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch.slices:
+        steps_before = self.engine.num_steps
+        # With overlapped steps (EngineConfig.async_scheduling) the outputs are the step before's.
+        engine_outputs = self.engine.step()
+        ran = self.engine.num_steps > steps_before
+        if not ran and not engine_outputs:
             return False
         outputs: dict[str, list[SeqOutput]] = {}
-        for out in self.engine.run_batch(batch):
+        for out in engine_outputs:
             tracked = self._tracked.get(out.req_id)
             if tracked is None:
                 continue
@@ -445,8 +448,9 @@ class DecodeWorker(EngineWorker):
                 del self._tracked[out.req_id]
         for router_id, items in outputs.items():
             self._outputs.put(router_id, items)
-        self.step_log.record(self.engine.last_shape, time.perf_counter() - started)
-        self._pause_after_step()
+        if ran:
+            self.step_log.record(self.engine.last_shape, time.perf_counter() - started)
+            self._pause_after_step()
         return True
 
     def _poll_transfers(self) -> bool:

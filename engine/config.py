@@ -240,6 +240,11 @@ class EngineConfig:
     # bucket, captured on first use), where the attention backend can (flashinfer) and the
     # engine is one rank. 0: every step runs eagerly.
     cuda_graph_max_batch: int = 256
+    # Overlapped steps (engine.overlap): the host schedules and prepares the next step while the
+    # device computes this one, which samples on the device; a step whose rows need the host
+    # between steps (grammars, logprobs, penalties, seeded draws, drafts, several ranks) runs
+    # after the one in flight instead. Worth it where the device computes asynchronously (CUDA).
+    async_scheduling: bool = False
     # Priority aging: a request waiting this long since it arrived is served ahead of every
     # priority, oldest first, so a low priority bounds a wait instead of starving it. None:
     # strict priority.

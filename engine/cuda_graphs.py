@@ -58,16 +58,24 @@ class DecodeGraphs:
         self.slot_blocks = torch.full((max_batch,), kv_cache.scratch_block, dtype=torch.long, device=device)
         self.slot_offsets = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.rows = torch.arange(max_batch, device=device)
-        self.staging = torch.zeros((4, max_batch), dtype=torch.long).pin_memory()  # one host-to-device copy per step
+        # One host-to-device copy per step: input ids, positions, slot blocks and offsets, and the
+        # rows whose input the step in flight samples with their rows in its samples (engine.overlap).
+        # Row-major, so a bucket's rows are one contiguous block of pinned memory.
+        self.staging = torch.zeros((max_batch, 6), dtype=torch.long).pin_memory()
+        # A step's block ids for FlashInfer's plan, handed over on the device: from the host its
+        # plan copies them with a stream synchronization (the host would wait for the step in flight).
+        self.indices_staging = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32).pin_memory()
+        self.indices = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None  # the graphs' shared memory pool
 
     def bucket(self, rows: int) -> int | None:
         return next((size for size in self.buckets if size >= rows), None)
 
-    def run(self, step, tables: np.ndarray) -> torch.Tensor | None:
+    def run(self, step, tables: np.ndarray, pending: torch.Tensor | None = None) -> torch.Tensor | None:
         """The logits of a decode-only step (an engine.model_runner.StepInput over the block
-        ``tables``), replayed; None when the step is not one it replays."""
+        ``tables``), replayed; None when the step is not one it replays. ``pending``: the step in
+        flight's samples, where some rows read their input (``step.pending_rows``)."""
         input_ids, positions = step.input_ids, step.positions
         rows = len(input_ids)
         bucket = self.bucket(rows)
@@ -78,28 +86,38 @@ class DecodeGraphs:
         if decode_tables.shape[1] > self.max_blocks_per_seq:
             return None
         graph = self.graphs.get(bucket) or self._capture(bucket)
-        pad = bucket - rows
         scratch = self.kv_cache.scratch_block
-        staging = self.staging
-        staging[0, :rows] = torch.tensor(input_ids)
-        staging[1, :rows] = torch.tensor(positions)
-        staging[2, :rows] = torch.from_numpy(layout.slot_blocks)
-        staging[3, :rows] = torch.from_numpy(layout.slot_offsets)
-        staging[:, rows:bucket] = 0
-        staging[2, rows:bucket] = scratch
-        on_device = staging[:, :bucket].to(self.backend.device, non_blocking=True)
-        self.input_ids[:bucket].copy_(on_device[0])
-        self.positions[:bucket].copy_(on_device[1])
-        self.slot_blocks[:bucket].copy_(on_device[2])
-        self.slot_offsets[:bucket].copy_(on_device[3])
         # Padding rows attend the scratch block's first token (written by themselves).
         padded = np.full((bucket, decode_tables.shape[1]), scratch, dtype=np.int64)
         padded[:rows] = decode_tables
         lens = np.ones(bucket, dtype=np.int64)
         lens[:rows] = layout.decode_lens
         paged = PagedTables.of(padded, lens, self.kv_cache.block_size)
-        for window, wrapper in graph.wrappers.items():
-            self.backend.plan_decode(wrapper, paged, window)
+        num_pending = len(step.pending_rows)
+        with self.backend.planning():  # the pinned buffers below are free again once it returns
+            staging = self.staging
+            staging[:rows, 0] = torch.tensor(input_ids)
+            staging[:rows, 1] = torch.tensor(positions)
+            staging[:rows, 2] = torch.from_numpy(layout.slot_blocks)
+            staging[:rows, 3] = torch.from_numpy(layout.slot_offsets)
+            staging[rows:bucket, :4] = 0
+            staging[rows:bucket, 2] = scratch
+            if num_pending:
+                staging[:num_pending, 4] = torch.tensor(step.pending_rows)
+                staging[:num_pending, 5] = torch.tensor(step.pending_sources)
+            on_device = staging[:bucket].to(self.backend.device, non_blocking=True)
+            self.input_ids[:bucket].copy_(on_device[:, 0])
+            if num_pending:
+                self.input_ids[on_device[:num_pending, 4]] = pending[on_device[:num_pending, 5]]
+            self.positions[:bucket].copy_(on_device[:, 1])
+            self.slot_blocks[:bucket].copy_(on_device[:, 2])
+            self.slot_offsets[:bucket].copy_(on_device[:, 3])
+            num_pages = paged.indices.numel()
+            self.indices_staging[:num_pages].copy_(paged.indices)
+            self.indices[:num_pages].copy_(self.indices_staging[:num_pages], non_blocking=True)
+            on_device_tables = PagedTables(paged.indptr, self.indices[:num_pages], paged.last_page_len)
+            for window, wrapper in graph.wrappers.items():
+                self.backend.plan_decode(wrapper, on_device_tables, window)
         graph.graph.replay()
         return graph.logits[:rows].clone()
 

@@ -37,7 +37,8 @@ from engine.parallel.launch import RankLauncher, SubprocessRanks
 from engine.parallel.shard import TPShard
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, ScheduledSlice, Scheduler
+from engine.overlap import InFlightStep
+from engine.scheduler import DrainFirst, ScheduledBatch, ScheduledSlice, Scheduler
 from engine.sequence import FinishReason, Sequence, TokenLogprob
 from engine.draft_model import DraftModelProposer, draft_bytes_per_block
 from engine.speculation import DraftRow, NgramProposer, Proposer
@@ -143,6 +144,14 @@ class LLMEngine:
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         self.last_shape: StepShape | None = None  # of the latest batch run_batch was given
+        # Overlapped steps (engine.overlap): the step whose tokens are not read yet, and outputs
+        # read outside a step (to abort, say), which the next step() returns.
+        self._in_flight: InFlightStep | None = None
+        self._undelivered: list[RequestOutput] = []
+        self._may_overlap = (
+            self.config.async_scheduling and self.scheduler.overlaps_steps and self.scheduler.proposer is None
+            and self.scheduler.chunk_sizer is None and isinstance(self.executor, LocalExecutor)
+        )
         logger.info(
             "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB per rank), max_model_len %d, tensor parallel %d",
             self.model_config.architecture,
@@ -230,12 +239,13 @@ class LLMEngine:
         """Stop a request and free its blocks now; False if it was not here."""
         if req_id not in self.scheduler.requests:
             return False
+        self._settle()
         self.scheduler.abort(req_id)
         logger.info("req %s: aborted", req_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._undelivered)
 
     @property
     def num_free_blocks(self) -> int:
@@ -257,12 +267,82 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        """Schedule and run a step; the outputs of the requests that got tokens or finished (with
+        overlapped steps, those of the step before, read while this one computes)."""
+        outputs, self._undelivered = self._undelivered, []
+        try:
+            batch = self.scheduler.schedule()
+        except DrainFirst:
+            outputs += self.resolve_in_flight()
+            batch = self.scheduler.schedule()
         if not batch.slices:
-            return []
-        return self.run_batch(batch)
+            return outputs + self.resolve_in_flight()
+        return outputs + self.run_batch(batch)
 
     def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Run one scheduled batch: overlapped where it can be (engine.overlap), else at once,
+        after the step in flight (if any) has been read."""
+        if self._may_overlap and self._overlaps(batch):
+            return self._run_overlapped(batch)
+        outputs = []
+        if self._in_flight is not None:
+            outputs = self.resolve_in_flight()
+            # A sequence the step in flight ended (a stop token) leaves the batch.
+            batch = ScheduledBatch([piece for piece in batch.slices if not piece.seq.is_finished], batch.preempted_req_ids)
+            if not batch.slices:
+                return outputs
+        return outputs + self._run_now(batch)
+
+    def resolve_in_flight(self) -> list[RequestOutput]:
+        """Read the step in flight, if any, and advance its sequences: nothing stays in flight."""
+        step, self._in_flight = self._in_flight, None
+        self.scheduler.in_flight = set()
+        return [] if step is None else self._resolve(step)
+
+    def _overlaps(self, batch: ScheduledBatch) -> bool:
+        device = torch.device(self.config.device)
+        return all(self.sampler.draws_on_device(piece.seq, device) for piece in batch.slices if piece.completes_sequence)
+
+    def _run_overlapped(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Launch ``batch`` with its tokens sampled on the device, then read the step before."""
+        previous = self._in_flight
+        self.runner.pending = previous.samples if previous is not None else None
+        sampled = [piece.seq for piece in batch.slices if piece.completes_sequence]
+        try:
+            if self.elastic_threads is not None:
+                self.elastic_threads.before_step()
+            token_ids = self.sampler.sample_on_device(self.executor.execute(batch), sampled)
+        except RankFailedError:
+            raise
+        except Exception:
+            # Never launched: run it at once instead, which isolates a request that fails it.
+            logger.exception("an overlapped step of %d sequences failed; running it at once", len(batch.slices))
+            self.runner.pending = None
+            outputs = self.resolve_in_flight()
+            batch = ScheduledBatch([piece for piece in batch.slices if not piece.seq.is_finished], batch.preempted_req_ids)
+            return outputs + (self._run_now(batch) if batch.slices else [])
+        finally:
+            self.runner.pending = None
+        self.num_steps += 1
+        self.num_scheduled_tokens += batch.num_tokens
+        self.last_shape = shape_of(batch)  # computed before launched() advances the sequences
+        done = self.scheduler.launched(batch)
+        self._in_flight = InFlightStep.launch(batch, done, token_ids, sampled)
+        self.scheduler.in_flight = self._in_flight.sequence_ids  # what ends now is freed after it
+        return [] if previous is None else self._resolve(previous)
+
+    def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
+        tokens = step.read()
+        self.scheduler.release_deferred()  # what ended while this step was in flight: it is done
+        return self._request_outputs(self.scheduler.resolve(step.batch, step.done, tokens))
+
+    def _settle(self) -> None:
+        """Read the step in flight before touching sequences outside a step; its outputs go out
+        with the next ``step()``."""
+        if self._in_flight is not None:
+            self._undelivered += self.resolve_in_flight()
+
+    def _run_now(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Forward, sample and advance one scheduled batch.
 
         If computing the batch raises, each of its sequences is run again on its own, and only
@@ -327,6 +407,7 @@ class LLMEngine:
         layers ``layers`` only, from the previous stage's ``incoming`` (None: this stage embeds).
         A stage before the last returns its activations for the next; the last samples and
         returns the outputs, as ``run_batch`` does. Their KV is written for those layers only."""
+        self._settle()
         self.num_steps += 1
         self.num_scheduled_tokens += batch.num_tokens
         self.last_shape = shape_of(batch)
@@ -349,6 +430,7 @@ class LLMEngine:
         unpublished: until the other stages' layers landed, no other prompt may take them from
         the prefix cache (``Scheduler.admit_remote`` publishes them and admits the sequence).
         The chunk that ends the prompt returns the first token, which it does not append."""
+        self._settle()
         batch = ScheduledBatch([ScheduledSlice(seq, num_tokens)])
         self.num_steps += 1
         self.num_scheduled_tokens += num_tokens
@@ -366,20 +448,22 @@ class LLMEngine:
     def _outputs(self, logits: torch.Tensor, batch: ScheduledBatch, masks: Future | None) -> list[RequestOutput]:
         """Sample the batch's logits and advance its sequences."""
         samples = self._sample(logits, batch, masks)
-        outputs = []
-        for seq, new_tokens in self.scheduler.update(batch, samples):
-            outputs.append(
-                RequestOutput(
-                    req_id=seq.req_id,
-                    new_token_ids=new_tokens,
-                    new_logprobs=seq.output_logprobs[-len(new_tokens) :] if seq.params.logprobs is not None else [],
-                    finished=seq.is_finished,
-                    finish_reason=seq.finish_reason,
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    num_output_tokens=seq.num_output_tokens,
-                )
+        return self._request_outputs(self.scheduler.update(batch, samples))
+
+    @staticmethod
+    def _request_outputs(results: list[tuple[Sequence, list[int]]]) -> list[RequestOutput]:
+        return [
+            RequestOutput(
+                req_id=seq.req_id,
+                new_token_ids=new_tokens,
+                new_logprobs=seq.output_logprobs[-len(new_tokens) :] if seq.params.logprobs is not None else [],
+                finished=seq.is_finished,
+                finish_reason=seq.finish_reason,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_output_tokens=seq.num_output_tokens,
             )
-        return outputs
+            for seq, new_tokens in results
+        ]
 
     def _sample(self, logits: torch.Tensor, batch: ScheduledBatch, masks: Future | None) -> list[list[tuple[int, TokenLogprob | None]]]:
         """Per completing slice, the tokens it emits: its one sampled token, or with drafts, the

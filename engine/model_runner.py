@@ -8,16 +8,25 @@ to its copy of the tables, packs the step into tensors and runs that rank's shar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention import AttentionBackend, SeqSlice
 from engine.attention.block_tables import BlockTables, TableUpdate
 from engine.cuda_graphs import DecodeGraphs
+from engine.host_to_device import to_device
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, StageActivations
 from engine.scheduler import ScheduledBatch
+
+
+@dataclass(slots=True)
+class PendingSamples:
+    """The tokens a step in flight samples on the device, and each sampled sequence's row in them."""
+
+    token_ids: torch.Tensor
+    row_of: dict[int, int]  # id(sequence) -> row
 
 
 @dataclass(slots=True)
@@ -29,6 +38,10 @@ class StepInput:
     logits_indices: list[int]  # rows that get logits: one per completing sequence, one per draft
     slices: list[SeqSlice]
     table_updates: list[TableUpdate]  # what changed in the slices' block tables since the last step
+    # Overlapped steps (engine.overlap): rows of ``input_ids`` whose token the step in flight is
+    # sampling on the device (a placeholder here), and each one's row in that step's samples.
+    pending_rows: list[int] = field(default_factory=list)
+    pending_sources: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -42,6 +55,9 @@ class ModelRunner:
         self.attention = attention
         self.graphs = graphs
         self.block_tables = BlockTables()
+        # The step in flight's sampled tokens on the device, and each sequence's row in them
+        # (engine.overlap; None: no step in flight).
+        self.pending: PendingSamples | None = None
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Forward the batch; logits [rows sampled this step, vocab] in slice order: one row per
@@ -57,7 +73,12 @@ class ModelRunner:
             seq = piece.seq
             start = seq.num_computed_tokens
             if piece.num_tokens == 1 and piece.completes_sequence:  # a decode row (most of a step's slices)
-                input_ids.append(seq.token_ids[start])
+                if start < len(seq.token_ids):
+                    input_ids.append(seq.token_ids[start])
+                else:  # its token is still being sampled by the step in flight
+                    step.pending_rows.append(len(input_ids))
+                    step.pending_sources.append(self.pending.row_of[id(seq)])
+                    input_ids.append(0)
                 positions.append(start)
                 logits_indices.append(len(input_ids) - 1)
             else:
@@ -72,7 +93,7 @@ class ModelRunner:
         """This rank's part of the step; the logits on rank 0 (None on the others)."""
         self.block_tables.apply(step.table_updates)
         if self.graphs is not None:
-            logits = self.graphs.run(step, self.block_tables.array)
+            logits = self.graphs.run(step, self.block_tables.array, self.pending.token_ids if self.pending is not None else None)
             if logits is not None:
                 return logits
         return self._forward(step, range(self.model.config.num_layers), None)
@@ -82,14 +103,23 @@ class ModelRunner:
         self.block_tables.apply(step.table_updates)
         return self._forward(step, layers, incoming)
 
+    def fill_pending_inputs(self, step: StepInput, input_ids: torch.Tensor) -> None:
+        """Fill in the rows whose tokens the step in flight sampled, from its samples on the device."""
+        if step.pending_rows:
+            rows = to_device(step.pending_rows, torch.long, input_ids.device)
+            sources = to_device(step.pending_sources, torch.long, input_ids.device)
+            input_ids[rows] = self.pending.token_ids[sources]
+
     def _forward(self, step: StepInput, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations | None:
         meta = self.attention.build(step.slices, self.block_tables.array)
+        input_ids = to_device(step.input_ids, torch.long, self.device)
+        self.fill_pending_inputs(step, input_ids)
         return self.model.run_stage(
-            torch.tensor(step.input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(step.positions, dtype=torch.long, device=self.device),
+            input_ids,
+            to_device(step.positions, torch.long, self.device),
             self.kv_cache,
             meta,
-            torch.tensor(step.logits_indices, dtype=torch.long, device=self.device),
+            to_device(step.logits_indices, torch.long, self.device),
             layers,
             incoming,
         )

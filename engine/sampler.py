@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import penalties
+from engine.host_to_device import to_device
 from engine.penalties import PenaltyHistory
 from engine.sequence import Sequence, TokenLogprob
 
@@ -87,6 +88,31 @@ class Sampler:
             for local, row in enumerate(logprob_rows):
                 logprobs[row] = _token_logprob(log_probs[local], token_ids[row], seqs[row].params.logprobs)
         return list(zip(token_ids, logprobs))
+
+    @staticmethod
+    def draws_on_device(seq: Sequence, device: torch.device) -> bool:
+        """Whether ``sample_on_device`` can draw the row's token: greedy, or on CUDA an unseeded
+        row FlashInfer's kernel draws (temperature, top-k, top-p); and nothing the host must
+        apply or report (adjustments, penalties, logprobs, a grammar's mask)."""
+        params = seq.params
+        if seq.grammar is not None or params.logprobs is not None or _adjusts(params):
+            return False
+        return params.greedy or (device.type == "cuda" and seq.generator is None and params.min_p == 0.0 and _flashinfer_sampling() is not None)
+
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's token as a tensor on the logits' device, never read by the host here (rows
+        ``draws_on_device`` accepts): the same draws ``sample`` makes for them."""
+        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
+        if len(greedy) == len(seqs):
+            return logits.argmax(dim=-1)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        if greedy:
+            index = to_device(greedy, torch.long, logits.device)
+            tokens[index] = logits[index].argmax(dim=-1)
+        drawn = [i for i in range(len(seqs)) if not seqs[i].params.greedy]
+        index = to_device(drawn, torch.long, logits.device)
+        tokens[index] = _fused_draw_tensor(logits[index], [seqs[i].params for i in drawn], self.default_generator).long()
+        return tokens
 
     def probabilities(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Each row's sampling distribution over the vocabulary, as ``sample`` would draw from it
@@ -251,17 +277,23 @@ def _flashinfer_sampling():
 
 def _fused_draw(logits: torch.Tensor, params: list, generator: torch.Generator) -> list[int]:
     """One draw per row through FlashInfer: temperature, then top-k, then top-p (vLLM's order)."""
+    return _fused_draw_tensor(logits, params, generator).tolist()
+
+
+def _fused_draw_tensor(logits: torch.Tensor, params: list, generator: torch.Generator) -> torch.Tensor:
+    """``_fused_draw``'s tokens, left on the device."""
     device = logits.device
     vocab = logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device).unsqueeze(1)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.int32, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    # Copied without waiting for the stream (engine.host_to_device): an overlapped step samples
+    # while the one before still computes.
+    temperature = to_device([p.temperature for p in params], logits.dtype, device).unsqueeze(1)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int32, device)
+    top_p = to_device([p.top_p for p in params], torch.float32, device)
     seed = int(torch.randint(0, 2**62, (1,), generator=generator))
     # Shifted by each row's maximum first (as the plain path does): a temperature of 1e-40 then
     # scales finite gaps, never inf - inf.
     shifted = logits - logits.amax(dim=-1, keepdim=True)
-    picks = _flashinfer_sampling().top_k_top_p_sampling_from_logits(shifted / temperature, top_k, top_p, seed=seed, offset=0)
-    return picks.tolist()
+    return _flashinfer_sampling().top_k_top_p_sampling_from_logits(shifted / temperature, top_k, top_p, seed=seed, offset=0)
 
 
 # Rounds of the rejection draw (_draw_by_rejection) before a row still undecided is drawn by

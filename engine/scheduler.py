@@ -68,7 +68,7 @@ class ScheduledSlice:
     def __post_init__(self) -> None:
         seq = self.seq
         self.num_own_tokens = self.num_tokens - len(self.draft_token_ids)
-        self.completes_sequence = seq.num_computed_tokens + self.num_own_tokens == len(seq.token_ids)
+        self.completes_sequence = seq.num_computed_tokens + self.num_own_tokens == seq.num_tokens
         self.is_decode = self.num_own_tokens == 1 and seq.is_decoding
 
     def add_drafts(self, token_ids: list[int], probs: list | None) -> None:
@@ -102,8 +102,15 @@ class ScheduledBatch:
         return sum(s.num_tokens for s in self.slices)
 
 
+class DrainFirst(Exception):
+    """Scheduling would preempt a sequence the step in flight computes (engine.overlap): read
+    that step's tokens first, then schedule again."""
+
+
 class Scheduler:
     """Owns the waiting queue, the running set and the block allocator of one engine."""
+
+    overlaps_steps = True  # whether its engine may keep a step in flight between calls (engine.overlap)
 
     def __init__(
         self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int, eos_token_ids: list[int], proposer: Proposer | None = None
@@ -123,6 +130,10 @@ class Scheduler:
         self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by request
         self.detached_blocks: set[int] = set()  # of ended requests, still a write's target
         self.proposer = proposer  # speculative drafts for decoding sequences (None: none)
+        # Overlapped steps (engine.overlap): the sequences the step in flight computes (by id),
+        # and the blocks of those that ended meanwhile, freed once that step is done.
+        self.in_flight: set[int] = set()
+        self._deferred_frees: list[list[int]] = []
         self.chunk_sizer: AdaptiveChunkSizer | None = None
         if config.target_step_ms is not None:
             self.chunk_sizer = AdaptiveChunkSizer(
@@ -199,7 +210,7 @@ class Scheduler:
         key = self._order_key()
         self.running.sort(key=key)
         self.waiting.sort(key=key)  # aging moves old ones forward; nearly sorted, so cheap
-        decoding = [s for s in self.running if s.is_decoding]
+        decoding = [s for s in self.running if s.is_decoding and self._may_compute(s)]
         decoding = decoding[:budget]
         self._make_room_for(decoding, batch)
         for seq in decoding:
@@ -283,7 +294,7 @@ class Scheduler:
     def _prefill_candidates(self, batch: ScheduledBatch, key) -> list[Sequence]:
         """Running prompts still prefilling and waiting prompts, most important first."""
         scheduled = {id(s.seq) for s in batch.slices}
-        partial = [s for s in self.running if id(s) not in scheduled and s.num_uncomputed_tokens > 0]
+        partial = [s for s in self.running if id(s) not in scheduled and s.num_uncomputed_tokens > 0 and self._may_compute(s)]
         room = max(self.config.max_num_seqs - len(self.running), 0)
         return sorted(partial + self.waiting[:room], key=key)
 
@@ -397,7 +408,16 @@ class Scheduler:
                 return
             self._preempt(self.running[-1], batch)
 
+    def _may_compute(self, seq: Sequence) -> bool:
+        """False for a sequence whose pending tokens already end it by length (engine.overlap):
+        it waits for them to be read and finish it, instead of computing a token past its end."""
+        if not seq.num_pending_tokens:
+            return True
+        return seq.num_output_tokens + seq.num_pending_tokens < seq.params.max_tokens and seq.num_tokens < self.max_model_len
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        if id(seq) in self.in_flight:
+            raise DrainFirst(seq.req_id)  # before changing anything: schedule() starts again after
         logger.info("req %s: preempted (recompute), %d blocks freed", seq.req_id, len(seq.block_table))
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
@@ -468,6 +488,51 @@ class Scheduler:
             results.append((seq, emitted))
         return results
 
+    def launched(self, batch: ScheduledBatch) -> list[int]:
+        """The batch is being computed, its tokens sampled on the device (engine.overlap): each
+        sequence counts its slice as computed and a completing one gains a pending token. Returns
+        per slice the position its KV reaches once the step is done."""
+        done = []
+        for piece in batch.slices:
+            seq = piece.seq
+            seq.num_computed_tokens += piece.num_tokens
+            done.append(seq.num_computed_tokens)
+            if piece.completes_sequence:
+                seq.num_pending_tokens += 1
+        return done
+
+    def resolve(self, batch: ScheduledBatch, done: list[int], token_ids: list[int]) -> list[tuple[Sequence, list[int]]]:
+        """A launched batch's sampled tokens were read (one per completing slice, in order):
+        what ``update`` does for a step run at once. A sequence that ended meanwhile (a token
+        of the step before stopped it) drops its token."""
+        results: list[tuple[Sequence, list[int]]] = []
+        tokens = iter(token_ids)
+        now = time.monotonic()
+        for piece, upto in zip(batch.slices, done):
+            seq = piece.seq
+            token = next(tokens) if piece.completes_sequence else None
+            if seq.is_finished:
+                continue
+            if token is None:
+                self._record_full_block_hashes(seq, upto)
+                continue
+            seq.num_pending_tokens -= 1
+            if piece.is_decode:
+                seq.num_decode_steps += 1
+            emitted, reason = self._emit(seq, [(token, None)])
+            self._record_full_block_hashes(seq, upto)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self._after_token(seq, reason)
+            results.append((seq, emitted))
+        return results
+
+    def release_deferred(self) -> None:
+        """Free the blocks of sequences that ended while a step still wrote them (it is done)."""
+        for blocks in self._deferred_frees:
+            self.allocator.free(blocks)
+        self._deferred_frees = []
+
     def _emit(self, seq: Sequence, samples: list[tuple[int, TokenLogprob | None]]) -> tuple[list[int], FinishReason | None]:
         """Append a slice's sampled tokens, up to the first that ends the request (and why it ends)."""
         emitted = []
@@ -487,20 +552,24 @@ class Scheduler:
             self._finish(seq, reason)
 
     def stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        """Why ``token_id``, just appended, ends ``seq`` (None: it goes on). Counts what the host
+        has read: a token still pending behind it does not count."""
+        length = len(seq.token_ids)
         if seq.grammar is not None and seq.grammar.done:
             return FinishReason.EOS  # the answer its grammar describes is complete: nothing may follow
         if seq.num_output_tokens < seq.params.min_tokens:
-            return FinishReason.LENGTH if seq.num_tokens >= self.max_model_len else None
+            return FinishReason.LENGTH if length >= self.max_model_len else None
         if token_id in seq.params.stop_token_ids:
             return FinishReason.STOP
         if not seq.params.ignore_eos and token_id in self.eos_token_ids:
             return FinishReason.EOS
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= seq.params.max_tokens or length >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
-    def _record_full_block_hashes(self, seq: Sequence) -> None:
-        num_full = seq.num_computed_tokens // self.block_size
+    def _record_full_block_hashes(self, seq: Sequence, upto: int | None = None) -> None:
+        """Hash the blocks full of computed KV (below position ``upto``; default all computed)."""
+        num_full = min(seq.num_computed_tokens if upto is None else upto, len(seq.token_ids)) // self.block_size
         if num_full <= len(seq.block_hashes):
             return
         start = len(seq.block_hashes)
@@ -514,6 +583,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if seq.block_table:
-            self.allocator.free(seq.block_table)
+            if id(seq) in self.in_flight:  # a step in flight still writes them
+                self._deferred_frees.append(seq.block_table)
+            else:
+                self.allocator.free(seq.block_table)
             seq.block_table = []
         self.requests.pop(seq.req_id, None)

@@ -85,6 +85,9 @@ class Sequence:
     num_accepted_draft_tokens: int = 0
     # Structured outputs (engine.grammar.SequenceGrammar): what the next token may be.
     grammar: object | None = None
+    # Tokens sampled on the device whose ids the host has not read yet (overlapped steps,
+    # engine.overlap): they come after ``token_ids``, and a step may already compute them.
+    num_pending_tokens: int = 0
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
         """Add a sampled token (its grammar, if any, consumes it)."""
@@ -96,10 +99,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Every token the sequence has, the pending ones included."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens the host has read (pending ones excluded)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -108,7 +113,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_decoding(self) -> bool:

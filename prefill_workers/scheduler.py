@@ -24,6 +24,9 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 class PrefillScheduler(Scheduler):
+    # A prefilled sequence is held for its KV push the moment its first token is read.
+    overlaps_steps = False
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.held: dict[str, Sequence] = {}

@@ -30,6 +30,8 @@
    Triton and through SDPA (section ``quantized``).
 10. The KV write: the one-launch Triton write of keys and values against two indexed stores,
    equal bytes and microseconds per layer, eager and from a graph (section ``kv_write``).
+11. Overlapped steps (``async_scheduling``): greedy and FlashInfer-drawn tokens equal to steps
+   run one at a time (section ``overlap``); the decode section times the variant ``overlapped``.
 """
 
 from __future__ import annotations
@@ -406,6 +408,38 @@ def check_agreement(workdir: Path) -> dict:
             "sdpa_vs_transformers": agree(got["sdpa"], want), "graphs_captured": got["flashinfer_graphs_captured"]}
 
 
+def check_overlap(workdir: Path) -> dict:
+    """Overlapped steps (async_scheduling, engine.overlap) against steps run one at a time, both
+    FlashInfer with graphs, bfloat16, the 135M shape: the same greedy tokens and the same
+    FlashInfer-drawn tokens (unseeded top-k/top-p: the engine's generator seeds each step's draw
+    alike), every block back, and steps launched before the last one's tokens were read."""
+    path = workdir / "overlap"
+    if not (path / "config.json").exists():
+        random_hf_model("135m", path)
+        torch.cuda.empty_cache()
+    prompts = random_prompts([17, 100, 300, 640, 5, 64, 250, 33], SHAPES["135m"]["vocab_size"], seed=11)
+    result = {}
+    for kind, params in (("greedy", SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)),
+                         ("sampled", SamplingParams(max_tokens=48, temperature=0.8, top_k=50, top_p=0.9, ignore_eos=True))):
+        tokens = {}
+        for overlap in (False, True):
+            engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=512, max_num_batched_tokens=256,
+                                                  long_prefill_chunk=96, async_scheduling=overlap, seed=5))
+            launched = []
+            if overlap:
+                run = engine._run_overlapped
+                engine._run_overlapped = lambda batch: launched.append(1) or run(batch)
+            tokens[overlap] = [c.token_ids for c in engine.generate(prompts, params)]
+            assert engine.num_free_blocks == engine.kv_cache.num_blocks, "blocks leaked"
+            if overlap:
+                result[f"{kind}_steps_overlapped"] = len(launched)
+            del engine
+            torch.cuda.empty_cache()
+        result[f"{kind}_equal"] = tokens[True] == tokens[False]
+    result["ok"] = result["greedy_equal"] and result["sampled_equal"] and min(result["greedy_steps_overlapped"], result["sampled_steps_overlapped"]) > 40
+    return result
+
+
 def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: int = 1024) -> dict:
     path = workdir / shape
     import transformers
@@ -424,7 +458,7 @@ def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: 
     return {"shape": shape, "prompts": prompts, "length": length, "pdserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
 
 
-SECTIONS = ("rope", "kv_write", "quantized", "sampling", "profile", "decode", "agreement", "prefill", "exactness", "features", "push")
+SECTIONS = ("rope", "kv_write", "overlap", "quantized", "sampling", "profile", "decode", "agreement", "prefill", "exactness", "features", "push")
 
 
 def main() -> int:
@@ -433,7 +467,7 @@ def main() -> int:
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--batches-135m", default="1,8,32,128")
     parser.add_argument("--batches-1.5b", dest="batches_15b", default="1,32,64")
-    parser.add_argument("--variants", default="pdserve,unfused,flashinfer_eager,sdpa_eager", help="engine configurations the decode section times")
+    parser.add_argument("--variants", default="pdserve,overlapped,unfused,flashinfer_eager,sdpa_eager", help="engine configurations the decode section times")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -459,7 +493,7 @@ def main() -> int:
             save(name + "_error", traceback.format_exc()[-3000:])
         save(name + "_seconds", round(time.perf_counter() - start, 1))
 
-    variants = {"pdserve": {}, "unfused": {"fused_ops": False}, "flashinfer_eager": {"attention_backend": "flashinfer", "cuda_graph_max_batch": 0},
+    variants = {"pdserve": {}, "overlapped": {"async_scheduling": True}, "unfused": {"fused_ops": False}, "flashinfer_eager": {"attention_backend": "flashinfer", "cuda_graph_max_batch": 0},
                 "sdpa_eager": {"attention_backend": "sdpa", "cuda_graph_max_batch": 0}}
     variants = {name: overrides for name, overrides in variants.items() if name in args.variants.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -471,6 +505,7 @@ def main() -> int:
         # The quick sections and the figures still open first: a lent machine's time runs out.
         section("rope", check_fused_rotation)
         section("kv_write", check_kv_write)
+        section("overlap", check_overlap, workdir)
         section("quantized", check_quantized_kernels, workdir)
         section("sampling", bench_sampling)
         if "profile" in sections and args.json:
@@ -489,7 +524,7 @@ def main() -> int:
         section("features", check_features, workdir)
         section("push", check_event_before_push, workdir)
     float32_exact = all(v["exact"] for k, v in report.get("exactness", {}).items() if "/float32/" in k)
-    rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "kv_write", "quantized"))
+    rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "kv_write", "overlap", "quantized"))
     return 0 if float32_exact and rope_ok and all(report.get("features", {}).values()) and report.get("push", True) else 1
 
 

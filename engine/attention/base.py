@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from engine.attention.kv_write import write_kv
+from engine.host_to_device import to_device
 
 
 @dataclass(slots=True)
@@ -175,9 +176,10 @@ class AttentionBackend(abc.ABC):
         return self.to_device(layout.slot_blocks), self.to_device(layout.slot_offsets)
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array as a tensor on this backend's device (no copy on a CPU)."""
+        """A host array as a tensor on this backend's device (no copy on a CPU; on CUDA one that
+        does not wait for the stream: engine.host_to_device)."""
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        return tensor if torch.device(self.device).type == "cpu" else tensor.to(self.device)
+        return tensor if torch.device(self.device).type == "cpu" else to_device(tensor, tensor.dtype, self.device)
 
 
 def paged_attention(

@@ -23,6 +23,7 @@ its own wrappers over fixed buffers, planned before each replay.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +47,8 @@ def available() -> bool:
 
 @dataclass(slots=True)
 class PagedTables:
-    """Block tables in FlashInfer's CSR form, on the host (what ``plan`` reads)."""
+    """Block tables in FlashInfer's CSR form (what ``plan`` reads): on the host, but for the
+    block ids of a graph's plan, which ``DecodeGraphs`` hands over on the device."""
 
     indptr: torch.Tensor  # [n + 1] int32: entry i's pages are indices[indptr[i]:indptr[i + 1]]
     indices: torch.Tensor  # [pages] int32 block ids
@@ -102,17 +104,33 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.decode = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND") for w in self.windows}
         self.prefill = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend="fa2") for w in self.windows}
+        self._plans_copied: torch.cuda.Event | None = None
+
+    @contextlib.contextmanager
+    def planning(self):
+        """Around a step's plans. FlashInfer writes a plan into one page-locked host buffer and
+        copies it to the device asynchronously; a step planned while the step before's copy
+        still waits in the stream (overlapped steps, engine.overlap) would overwrite what that
+        copy reads. So a step first waits for the last one's copies (by then the stream has
+        reached them: what it waits for is the step before that, already read), and marks its own."""
+        if self._plans_copied is not None:
+            self._plans_copied.synchronize()
+        yield
+        if torch.device(self.device).type == "cuda":
+            self._plans_copied = torch.cuda.Event()
+            self._plans_copied.record()
 
     def build_layout(self, layout: StepLayout) -> FlashInferMetadata:
         meta = FlashInferMetadata(*self.slot_tensors(layout), num_single=layout.num_single)
-        if layout.num_single:
-            tables = PagedTables.of(layout.decode_tables(), layout.decode_lens, self.block_size)
-            for window, wrapper in self.decode.items():
-                self.plan_decode(wrapper, tables, window)
-            meta.decode = self.decode
-        if layout.num_chunks:
-            self._plan_prefill(layout)
-            meta.prefill = self.prefill
+        with self.planning():
+            if layout.num_single:
+                tables = PagedTables.of(layout.decode_tables(), layout.decode_lens, self.block_size)
+                for window, wrapper in self.decode.items():
+                    self.plan_decode(wrapper, tables, window)
+                meta.decode = self.decode
+            if layout.num_chunks:
+                self._plan_prefill(layout)
+                meta.prefill = self.prefill
         return meta
 
     def plan_decode(self, wrapper, tables: PagedTables, window: int | None) -> None:

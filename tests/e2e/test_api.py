@@ -14,13 +14,16 @@ from transformers import AutoTokenizer
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.serving import Client, make_request, running_deployment
+from tests.serving import Client, engine_config, make_request, running_deployment
 
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, e2e_model):
+    """1P+1D, the decode actor overlapping its steps (async_scheduling, engine.overlap): every
+    test here (streams equal to transformers, stops, cancels, deadlines, logprobs, grammars
+    beside greedy rows) holds for the overlapped path; the other modules serve step by step."""
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
-    with running_deployment(e2e_model, 1, 1, router) as running:
+    with running_deployment(e2e_model, 1, 1, router, decode_engine=engine_config(async_scheduling=True)) as running:
         yield running
 
 

@@ -1,0 +1,137 @@
+"""Overlapped steps (async scheduling) give the tokens steps run one at a time give, token for
+token, and account for every block: prompts in chunks, stop tokens that land while the next
+step is in flight, lengths, preemption under block pressure, aborts mid-flight, and rows that
+need the host (logprobs) forcing a step to run at once. On a CPU the overlap changes nothing
+but the order of work, which is exactly what these tests hold fixed."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.default_model_path import DEFAULT_MODEL_PATH
+from tests.checkpoints import random_prompts
+
+VOCAB = 4096
+LENGTHS = [5, 37, 70, 12, 100, 3, 64, 17]
+MAX_TOKENS = [10, 30, 5, 40, 25, 50, 8, 33]
+
+
+def _engine(overlap: bool, **config) -> LLMEngine:
+    config = {"num_kv_blocks": 96, "max_num_batched_tokens": 64, **config}
+    return LLMEngine(DEFAULT_MODEL_PATH, EngineConfig(async_scheduling=overlap, **config))
+
+
+def _streams(engine: LLMEngine, prompts, params, abort_at: dict[int, str] | None = None) -> dict[str, tuple[list[int], str | None, int]]:
+    """Each request's streamed tokens, finish reason and how many outputs said it finished,
+    stepping until done (aborting request ``abort_at[step]`` before that step)."""
+    streams = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+        streams[f"r{i}"] = ([], None, 0)
+    step = 0
+    while engine.has_unfinished_requests():
+        if abort_at and step in abort_at:
+            engine.abort_request(abort_at[step])
+        for out in engine.step():
+            tokens, reason, finished = streams[out.req_id]
+            assert finished == 0, f"{out.req_id}: an output after the one that finished it"
+            streams[out.req_id] = (tokens + out.new_token_ids, out.finish_reason.value if out.finish_reason else reason, finished + out.finished)
+        step += 1
+        assert step < 2000
+    return streams
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {overlap: _engine(overlap) for overlap in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(LENGTHS, VOCAB, seed=3)
+
+
+def _counting_overlap(engine: LLMEngine) -> dict:
+    """Counts the steps launched overlapped and the rows that read their input on the device."""
+    counts = {"overlapped": 0, "pending_rows": 0}
+    launch, fill = engine._run_overlapped, engine.runner.fill_pending_inputs
+
+    def run_overlapped(batch):
+        counts["overlapped"] += 1
+        return launch(batch)
+
+    def fill_pending(step, input_ids):
+        counts["pending_rows"] += len(step.pending_rows)
+        return fill(step, input_ids)
+
+    engine._run_overlapped, engine.runner.fill_pending_inputs = run_overlapped, fill_pending
+    return counts
+
+
+def test_greedy_streams_equal_steps_run_one_at_a_time_and_every_block_comes_back(engines, prompts):
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    plain = _streams(engines[False], prompts, params)
+    # Stop tokens taken from the plain run, so requests stop mid-stream on a token while the
+    # next step is already in flight.
+    stopped = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, stop_token_ids=[plain[f"r{i}"][0][m // 2]] if i % 3 == 0 else [])
+        for i, m in enumerate(MAX_TOKENS)
+    ]
+    counts = _counting_overlap(engines[True])
+    for run in (params, stopped):
+        want = _streams(engines[False], prompts, run)
+        got = _streams(engines[True], prompts, run)
+        assert got == want
+        assert all(finished == 1 for _, _, finished in got.values())
+        assert engines[True].num_free_blocks == engines[True].kv_cache.num_blocks
+    assert any(reason == "stop" for _, reason, _ in want.values()), "a stop token ended a request early"
+    assert counts["overlapped"] > 50 and counts["pending_rows"] > 200, counts
+
+
+def test_preemption_under_block_pressure_reads_the_step_in_flight_first(prompts):
+    params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True) for _ in prompts]
+    small = {"num_kv_blocks": 24, "enable_prefix_caching": False}
+    want = _streams(_engine(False, **small), prompts, params)
+    engine = _engine(True, **small)
+    got = _streams(engine, prompts, params)
+    assert got == want
+    assert engine.scheduler.num_preemptions > 0, "the cache was small enough to preempt"
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_an_abort_while_its_step_is_in_flight_frees_its_blocks_and_ends_its_stream(engines, prompts):
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True) for _ in prompts]
+    want = _streams(engines[False], prompts, params, abort_at={12: "r1", 20: "r4"})
+    got = _streams(engines[True], prompts, params, abort_at={12: "r1", 20: "r4"})
+    assert got["r1"][0] == want["r1"][0][: len(got["r1"][0])] and got["r4"][0] == want["r4"][0][: len(got["r4"][0])]
+    assert {k: v for k, v in got.items() if k not in ("r1", "r4")} == {k: v for k, v in want.items() if k not in ("r1", "r4")}
+    assert engines[True].num_free_blocks == engines[True].kv_cache.num_blocks
+
+
+def test_rows_that_need_the_host_run_at_once_among_overlapped_ones(engines, prompts):
+    """Logprobs on some requests: their steps are read before the next is scheduled, the others
+    overlap; every token and log-probability is the same."""
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2 if i in (2, 6) else None) for i, m in enumerate(MAX_TOKENS)]
+    got_engine, want_engine = engines[True], engines[False]
+    counts = _counting_overlap(got_engine)
+    got = got_engine.generate(prompts, params)
+    want = want_engine.generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [[(lp.token_id, lp.logprob) for lp in c.logprobs] for c in got] == [[(lp.token_id, lp.logprob) for lp in c.logprobs] for c in want]
+    assert counts["overlapped"] > 10, "the steps after the logprob requests ended overlapped"
+    assert got_engine.num_free_blocks == got_engine.kv_cache.num_blocks
+
+
+def test_the_context_limit_ends_a_request_without_computing_past_it(prompts):
+    """Lengths are known ahead: no row is computed for a token past a request's end (the same
+    tokens computed as steps run one at a time), whether max_model_len or max_tokens ends it."""
+    params = [SamplingParams(max_tokens=500 if i < 2 else 20, temperature=0.0, ignore_eos=True) for i in range(3)]
+    engines = {overlap: _engine(overlap, max_model_len=128) for overlap in (False, True)}
+    want = _streams(engines[False], prompts[:3], params)
+    got = _streams(engines[True], prompts[:3], params)
+    assert got == want
+    assert [(reason, len(prompts[i]) + len(tokens)) for i, (tokens, reason, _) in enumerate(got.values())] == [
+        ("length", 128), ("length", 128), ("length", len(prompts[2]) + 20)
+    ]
+    assert engines[True].num_scheduled_tokens == engines[False].num_scheduled_tokens
