@@ -44,11 +44,17 @@ def make_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def serve(model: Path, gpus: float, state: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """``pdserve up`` in the foreground (in a child process); its router's address once it serves."""
+def serve(model: Path, gpus: float, state: Path, log: Path, async_scheduling: bool = False) -> tuple[subprocess.Popen, str]:
+    """``pdserve up`` in the foreground (in a child process); its router's address once it serves.
+    ``async_scheduling``: the decode actor overlaps its steps (engine.overlap)."""
     placement = ["--prefill-gpus", str(gpus), "--decode-gpus", str(gpus)] if gpus else ["--prefill-cpus", "0.5", "--decode-cpus", "0.5"]
+    config = []
+    if async_scheduling:
+        path = state.with_name("deployment.yaml")
+        path.write_text("decode: {async_scheduling: true}\n")
+        config = ["--config", str(path)]
     process = subprocess.Popen(
-        [*PDSERVE, "--state-file", str(state), "up", "--model", str(model), "--prefill", "1", "--decode", "1", *placement,
+        [*PDSERVE, "--state-file", str(state), "up", *config, "--model", str(model), "--prefill", "1", "--decode", "1", *placement,
          "--disaggregation", "always", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", "0", "--admin-port", "0"],
         stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT,
     )
@@ -77,13 +83,14 @@ def main() -> int:
     parser.add_argument("--gpus-per-actor", type=float, default=0.5)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--async-scheduling", action="store_true", help="the decode actor overlaps its steps (engine.overlap)")
     args = parser.parse_args()
-    report: dict = {"gpus_per_actor": args.gpus_per_actor}
+    report: dict = {"gpus_per_actor": args.gpus_per_actor, "async_scheduling": args.async_scheduling}
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = make_checkpoint(work / "smollm2-135m-shape")
-        process, address = serve(model, args.gpus_per_actor, work / "state.json", work / "up.log")
+        process, address = serve(model, args.gpus_per_actor, work / "state.json", work / "up.log", args.async_scheduling)
         report["startup_s"] = round(time.monotonic() - started, 1)
         try:
             report["bench"] = bench(address, args.num_requests, work / "bench")
