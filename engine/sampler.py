@@ -142,12 +142,16 @@ class Sampler:
         early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         if not early:
             return logits
-        logits = logits.clone()
+        pairs = []  # (row, token) of every stop a row may not take yet
         for row in early:
             params = seqs[row].params
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if stops:
-                logits[row, sorted(stops)] = float("-inf")
+            pairs.extend((row, token) for token in sorted(stops))
+        if not pairs:
+            return logits
+        logits = logits.clone()
+        device = logits.device
+        logits[to_device([r for r, _ in pairs], torch.long, device), to_device([t for _, t in pairs], torch.long, device)] = float("-inf")
         return logits
 
     def _probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
@@ -377,27 +381,37 @@ def _adjusts(params) -> bool:
 
 
 def _apply_logit_adjustments(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """allowed_token_ids, then bad words, then logit_bias (vLLM applies them in this order)."""
+    """allowed_token_ids, then bad words, then logit_bias (vLLM applies them in this order), each
+    one scatter over every row that has it: the (row, token) pairs are gathered on the host."""
     rows = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids is not None or s.params.bad_words_token_ids or s.params.logit_bias]
     if not rows:
         return logits
     logits = logits.clone()
-    for row in rows:
-        params = seqs[row].params
-        if params.allowed_token_ids is not None:
-            keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            keep[torch.tensor(params.allowed_token_ids, device=logits.device)] = True
-            logits[row] = logits[row].masked_fill(~keep, float("-inf"))
-        if params.bad_words_token_ids:
-            output = _output_ids(seqs[row])
-            for word in params.bad_words_token_ids:
-                # The word's last token is banned where the output already ends with the rest.
-                prefix = word[:-1]
-                if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :] == prefix):
-                    logits[row, word[-1]] = float("-inf")
-        if params.logit_bias:
-            ids = torch.tensor(list(params.logit_bias), device=logits.device)
-            logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    device = logits.device
+    allowed = [i for i in rows if seqs[i].params.allowed_token_ids is not None]
+    if allowed:
+        local = [j for j, i in enumerate(allowed) for _ in seqs[i].params.allowed_token_ids]
+        ids = [token for i in allowed for token in seqs[i].params.allowed_token_ids]
+        keep = torch.zeros((len(allowed), logits.shape[-1]), dtype=torch.bool, device=device)
+        keep[to_device(local, torch.long, device), to_device(ids, torch.long, device)] = True
+        index = to_device(allowed, torch.long, device)
+        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    banned = []  # (row, token): a bad word's last token where the output already ends with the rest
+    for i in rows:
+        words = seqs[i].params.bad_words_token_ids
+        if not words:
+            continue
+        output = _output_ids(seqs[i])
+        for word in words:
+            prefix = word[:-1]
+            if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :] == prefix):
+                banned.append((i, word[-1]))
+    if banned:
+        logits[to_device([r for r, _ in banned], torch.long, device), to_device([t for _, t in banned], torch.long, device)] = float("-inf")
+    biased = [(i, token, value) for i in rows for token, value in (seqs[i].params.logit_bias or {}).items()]
+    if biased:
+        index = (to_device([r for r, _, _ in biased], torch.long, device), to_device([t for _, t, _ in biased], torch.long, device))
+        logits.index_put_(index, to_device([v for _, _, v in biased], logits.dtype, device), accumulate=True)
     return logits
 
 
