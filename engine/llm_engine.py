@@ -311,7 +311,7 @@ class LLMEngine:
         try:
             if self.elastic_threads is not None:
                 self.elastic_threads.before_step()
-            token_ids = self.sampler.sample_on_device(self.executor.execute(batch), sampled)
+            token_ids, logprobs = self.sampler.sample_on_device(self.executor.execute(batch), sampled)
         except RankFailedError:
             raise
         except Exception:
@@ -327,14 +327,14 @@ class LLMEngine:
         self.num_scheduled_tokens += batch.num_tokens
         self.last_shape = shape_of(batch)  # computed before launched() advances the sequences
         done = self.scheduler.launched(batch)
-        self._in_flight = InFlightStep.launch(batch, done, token_ids, sampled)
+        self._in_flight = InFlightStep.launch(batch, done, token_ids, logprobs, sampled)
         self.scheduler.in_flight = self._in_flight.sequence_ids  # what ends now is freed after it
         return [] if previous is None else self._resolve(previous)
 
     def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
-        tokens = step.read()
+        samples = step.read()
         self.scheduler.release_deferred()  # what ended while this step was in flight: it is done
-        return self._request_outputs(self.scheduler.resolve(step.batch, step.done, tokens))
+        return self._request_outputs(self.scheduler.resolve(step.batch, step.done, samples))
 
     def _settle(self) -> None:
         """Read the step in flight before touching sequences outside a step; its outputs go out

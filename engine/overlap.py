@@ -22,9 +22,10 @@ What the overlap changes, and what keeps it exact:
   reads that step first, then schedules again.
 - Anything else that touches sequences between steps (aborts, pipeline stages) reads the step in
   flight first; its outputs are returned by the next ``step()``.
-- A step with a row whose sampling needs the host between steps (a grammar's mask, logprobs,
-  penalties and logit adjustments, seeded or min-p draws, speculative drafts) or an engine over
-  several ranks runs the classic way, after the step in flight has been read.
+- A step with a row whose sampling needs the host between steps (a grammar's mask, penalties
+  and logit adjustments, seeded or min-p draws, speculative drafts) or an engine over several
+  ranks runs the classic way, after the step in flight has been read. Logprobs are computed on
+  the device with the tokens and travel with them.
 
 Greedy tokens are the same as without overlap, token for token (the tests compare them).
 """
@@ -36,7 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.model_runner import PendingSamples
+from engine.sampler import LogprobTensors
 from engine.scheduler import ScheduledBatch
+from engine.sequence import TokenLogprob
 
 
 @dataclass(slots=True)
@@ -47,26 +50,35 @@ class InFlightStep:
     done: list[int]  # per slice, the position its KV reaches (Scheduler.launched)
     samples: PendingSamples  # its tokens on the device, by sequence
     host_tokens: torch.Tensor  # their copy in host memory (pinned on CUDA), valid once ``ready``
-    ready: torch.cuda.Event | None  # recorded behind the copy (None: the copy is already done)
+    host_logprobs: LogprobTensors | None  # what the rows that ask report, likewise
+    ready: torch.cuda.Event | None  # recorded behind the copies (None: they are already done)
 
     @classmethod
-    def launch(cls, batch: ScheduledBatch, done: list[int], token_ids: torch.Tensor, sampled_seqs: list) -> "InFlightStep":
-        """Start copying ``token_ids`` (one per sampled sequence, in order) to the host."""
+    def launch(cls, batch: ScheduledBatch, done: list[int], token_ids: torch.Tensor, logprobs: LogprobTensors | None, sampled_seqs: list) -> "InFlightStep":
+        """Start copying ``token_ids`` (one per sampled sequence, in order) and ``logprobs`` to the host."""
         ready = None
         if token_ids.device.type == "cuda":
             host_tokens = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
             host_tokens.copy_(token_ids, non_blocking=True)
+            logprobs = logprobs.to_host() if logprobs is not None else None
             ready = torch.cuda.Event()
             ready.record()
         else:
             host_tokens = token_ids
-        return cls(batch, done, PendingSamples(token_ids, {id(seq): row for row, seq in enumerate(sampled_seqs)}), host_tokens, ready)
+        samples = PendingSamples(token_ids, {id(seq): row for row, seq in enumerate(sampled_seqs)})
+        return cls(batch, done, samples, host_tokens, logprobs, ready)
 
-    def read(self) -> list[int]:
-        """The sampled tokens (waits for the step to be done)."""
+    def read(self) -> list[tuple[int, TokenLogprob | None]]:
+        """Each sampled sequence's token and what it reports (waits for the step to be done)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host_tokens.tolist()
+        tokens = self.host_tokens.tolist()
+        reported: list[TokenLogprob | None] = [None] * len(tokens)
+        if self.host_logprobs is not None:
+            rows = self.host_logprobs.rows
+            for row, entry in zip(rows, self.host_logprobs.entries([tokens[r] for r in rows])):
+                reported[row] = entry
+        return list(zip(tokens, reported))
 
     @property
     def sequence_ids(self) -> set[int]:

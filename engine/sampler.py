@@ -92,15 +92,25 @@ class Sampler:
     def draws_on_device(seq: Sequence, device: torch.device) -> bool:
         """Whether ``sample_on_device`` can draw the row's token: greedy, or on CUDA an unseeded
         row FlashInfer's kernel draws (temperature, top-k, top-p); and nothing the host must
-        apply or report (adjustments, penalties, logprobs, a grammar's mask)."""
+        apply between steps (adjustments, penalties, a grammar's mask)."""
         params = seq.params
-        if seq.grammar is not None or params.logprobs is not None or _adjusts(params):
+        if seq.grammar is not None or _adjusts(params):
             return False
         return params.greedy or (device.type == "cuda" and seq.generator is None and params.min_p == 0.0 and _flashinfer_sampling() is not None)
 
-    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Each row's token as a tensor on the logits' device, never read by the host here (rows
-        ``draws_on_device`` accepts): the same draws ``sample`` makes for them."""
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, "LogprobTensors | None"]:
+        """Each row's token as a tensor on the logits' device, and the log-probabilities the rows
+        that ask for them report, never read by the host here (rows ``draws_on_device`` accepts):
+        the same draws and numbers ``sample`` gives them."""
+        tokens = self._tokens_on_device(logits, seqs)
+        reporting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not reporting:
+            return tokens, None
+        return tokens, LogprobTensors.compute(
+            logits, reporting, tokens[to_device(reporting, torch.long, logits.device)], [seqs[i].params.logprobs for i in reporting]
+        )
+
+    def _tokens_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if len(greedy) == len(seqs):
             return logits.argmax(dim=-1)
@@ -557,17 +567,48 @@ def _filter_sorted(sorted_logits: torch.Tensor, params: list, log_norm: torch.Te
 
 def _token_logprobs(logits: torch.Tensor, rows: list[int], token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
     """Each row's chosen token's log-probability, its rank and the row's ``num_top`` most likely
-    tokens, computed where the logits are: only those numbers travel to the host, not the rows
-    (a row of a 152k vocabulary is 600 KB)."""
-    device = logits.device
-    log_probs = torch.log_softmax(logits[to_device(rows, torch.long, device)], dim=-1)
-    chosen = log_probs.gather(1, to_device(token_ids, torch.long, device).unsqueeze(1))
-    ranks = (log_probs > chosen).sum(dim=-1) + 1
-    most = max(num_top)
-    top_values, top_ids = log_probs.topk(most, dim=-1) if most > 0 else (None, None)
-    chosen, ranks = chosen.squeeze(1).tolist(), ranks.tolist()
-    top_values, top_ids = (top_values.tolist(), top_ids.tolist()) if most > 0 else ([], [])
-    return [
-        TokenLogprob(token_id=token, logprob=chosen[i], rank=ranks[i], top=list(zip(top_ids[i][: num_top[i]], top_values[i][: num_top[i]])) if num_top[i] > 0 else [])
-        for i, token in enumerate(token_ids)
-    ]
+    tokens (``LogprobTensors``), read at once."""
+    return LogprobTensors.compute(logits, rows, to_device(token_ids, torch.long, logits.device), num_top).entries(token_ids)
+
+
+@dataclass(slots=True)
+class LogprobTensors:
+    """What some rows report of their log-probabilities, computed where the logits are: only these
+    numbers travel to the host, not the rows (a row of a 152k vocabulary is 600 KB)."""
+
+    rows: list[int]  # the rows (of a step's sampled rows) that report
+    num_top: list[int]  # how many most likely tokens each reports
+    chosen: torch.Tensor  # [n] the chosen token's log-probability
+    ranks: torch.Tensor  # [n] its rank (1: the most likely)
+    top_values: torch.Tensor | None  # [n, max(num_top)] (None: no row asks for any)
+    top_ids: torch.Tensor | None
+
+    @classmethod
+    def compute(cls, logits: torch.Tensor, rows: list[int], token_ids: torch.Tensor, num_top: list[int]) -> "LogprobTensors":
+        """For ``rows`` of ``logits``, whose chosen tokens are ``token_ids`` (on the logits' device)."""
+        log_probs = torch.log_softmax(logits[to_device(rows, torch.long, logits.device)], dim=-1)
+        chosen = log_probs.gather(1, token_ids.unsqueeze(1))
+        ranks = (log_probs > chosen).sum(dim=-1) + 1
+        most = max(num_top)
+        top_values, top_ids = log_probs.topk(most, dim=-1) if most > 0 else (None, None)
+        return cls(rows, num_top, chosen.squeeze(1), ranks, top_values, top_ids)
+
+    def to_host(self) -> "LogprobTensors":
+        """A copy on the host, started without waiting (pinned memory; valid once the stream has
+        reached it) where the tensors are on CUDA."""
+        def copy(tensor):
+            if tensor is None or tensor.device.type != "cuda":
+                return tensor
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+
+        return LogprobTensors(self.rows, self.num_top, copy(self.chosen), copy(self.ranks), copy(self.top_values), copy(self.top_ids))
+
+    def entries(self, token_ids: list[int]) -> list[TokenLogprob]:
+        """One entry per reporting row, ``token_ids`` their chosen tokens (reads the tensors)."""
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        top_values, top_ids = (self.top_values.tolist(), self.top_ids.tolist()) if self.top_values is not None else ([], [])
+        return [
+            TokenLogprob(token_id=token, logprob=chosen[i], rank=ranks[i], top=list(zip(top_ids[i][:top], top_values[i][:top])) if top > 0 else [])
+            for i, (token, top) in enumerate(zip(token_ids, self.num_top))
+        ]

@@ -501,12 +501,12 @@ class Scheduler:
                 seq.num_pending_tokens += 1
         return done
 
-    def resolve(self, batch: ScheduledBatch, done: list[int], token_ids: list[int]) -> list[tuple[Sequence, list[int]]]:
-        """A launched batch's sampled tokens were read (one per completing slice, in order):
-        what ``update`` does for a step run at once. A sequence that ended meanwhile (a token
-        of the step before stopped it) drops its token."""
+    def resolve(self, batch: ScheduledBatch, done: list[int], samples: list[tuple[int, TokenLogprob | None]]) -> list[tuple[Sequence, list[int]]]:
+        """A launched batch's sampled tokens were read (one, with what it reports, per completing
+        slice, in order): what ``update`` does for a step run at once. A sequence that ended
+        meanwhile (a token of the step before stopped it) drops its token."""
         results: list[tuple[Sequence, list[int]]] = []
-        tokens = iter(token_ids)
+        tokens = iter(samples)
         now = time.monotonic()
         for piece, upto in zip(batch.slices, done):
             seq = piece.seq
@@ -519,7 +519,7 @@ class Scheduler:
             seq.num_pending_tokens -= 1
             if piece.is_decode:
                 seq.num_decode_steps += 1
-            emitted, reason = self._emit(seq, [(token, None)])
+            emitted, reason = self._emit(seq, [token])
             self._record_full_block_hashes(seq, upto)
             if seq.first_token_time is None:
                 seq.first_token_time = now

@@ -410,7 +410,7 @@ def check_agreement(workdir: Path) -> dict:
 
 def check_overlap(workdir: Path) -> dict:
     """Overlapped steps (async_scheduling, engine.overlap) against steps run one at a time, both
-    FlashInfer with graphs, bfloat16, the 135M shape: the same greedy tokens and the same
+    FlashInfer with graphs, bfloat16, the 135M shape: the same greedy tokens (and logprobs) and the same
     FlashInfer-drawn tokens (unseeded top-k/top-p: the engine's generator seeds each step's draw
     alike), every block back, and steps launched before the last one's tokens were read."""
     path = workdir / "overlap"
@@ -419,7 +419,7 @@ def check_overlap(workdir: Path) -> dict:
         torch.cuda.empty_cache()
     prompts = random_prompts([17, 100, 300, 640, 5, 64, 250, 33], SHAPES["135m"]["vocab_size"], seed=11)
     result = {}
-    for kind, params in (("greedy", SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)),
+    for kind, params in (("greedy", SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=2)),
                          ("sampled", SamplingParams(max_tokens=48, temperature=0.8, top_k=50, top_p=0.9, ignore_eos=True))):
         tokens = {}
         for overlap in (False, True):
@@ -429,7 +429,7 @@ def check_overlap(workdir: Path) -> dict:
             if overlap:
                 run = engine._run_overlapped
                 engine._run_overlapped = lambda batch: launched.append(1) or run(batch)
-            tokens[overlap] = [c.token_ids for c in engine.generate(prompts, params)]
+            tokens[overlap] = [(c.token_ids, [(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in c.logprobs]) for c in engine.generate(prompts, params)]
             assert engine.num_free_blocks == engine.kv_cache.num_blocks, "blocks leaked"
             if overlap:
                 result[f"{kind}_steps_overlapped"] = len(launched)

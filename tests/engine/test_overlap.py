@@ -1,7 +1,7 @@
 """Overlapped steps (async scheduling) give the tokens steps run one at a time give, token for
 token, and account for every block: prompts in chunks, stop tokens that land while the next
-step is in flight, lengths, preemption under block pressure, aborts mid-flight, and rows that
-need the host (logprobs) forcing a step to run at once. On a CPU the overlap changes nothing
+step is in flight, lengths, preemption under block pressure, aborts mid-flight, logprobs read
+with the tokens, and rows that need the host (penalties) forcing a step to run at once. On a CPU the overlap changes nothing
 but the order of work, which is exactly what these tests hold fixed."""
 
 from __future__ import annotations
@@ -109,17 +109,32 @@ def test_an_abort_while_its_step_is_in_flight_frees_its_blocks_and_ends_its_stre
     assert engines[True].num_free_blocks == engines[True].kv_cache.num_blocks
 
 
+def test_logprobs_travel_with_the_overlapped_tokens(engines, prompts):
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=3 if i % 2 else 0) for i, m in enumerate(MAX_TOKENS)]
+    counts = _counting_overlap(engines[True])
+    got = engines[True].generate(prompts, params)
+    want = engines[False].generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert [[(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in c.logprobs] for c in got] == [
+        [(lp.token_id, lp.logprob, lp.rank, lp.top) for lp in c.logprobs] for c in want
+    ]
+    assert all(len(c.logprobs) == len(c.token_ids) for c in got) and len(got[1].logprobs[0].top) == 3
+    assert counts["overlapped"] > 40
+
+
 def test_rows_that_need_the_host_run_at_once_among_overlapped_ones(engines, prompts):
-    """Logprobs on some requests: their steps are read before the next is scheduled, the others
-    overlap; every token and log-probability is the same."""
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2 if i in (2, 6) else None) for i, m in enumerate(MAX_TOKENS)]
+    """A repetition penalty on two short requests: their steps are read before the next is
+    scheduled (the penalty needs each token), the others' overlap once they end; every token is
+    the same."""
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, repetition_penalty=1.5 if i in (2, 6) else 1.0) for i, m in enumerate(MAX_TOKENS)]
     got_engine, want_engine = engines[True], engines[False]
     counts = _counting_overlap(got_engine)
+    steps_before = got_engine.num_steps
     got = got_engine.generate(prompts, params)
     want = want_engine.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    assert [[(lp.token_id, lp.logprob) for lp in c.logprobs] for c in got] == [[(lp.token_id, lp.logprob) for lp in c.logprobs] for c in want]
-    assert counts["overlapped"] > 10, "the steps after the logprob requests ended overlapped"
+    assert counts["overlapped"] > 10, "the steps after the penalised requests ended overlapped"
+    assert got_engine.num_steps - steps_before - counts["overlapped"] >= max(MAX_TOKENS[2], MAX_TOKENS[6]), "theirs ran at once"
     assert got_engine.num_free_blocks == got_engine.kv_cache.num_blocks
 
 
