@@ -311,7 +311,7 @@ class LLMEngine:
         try:
             if self.elastic_threads is not None:
                 self.elastic_threads.before_step()
-            token_ids, logprobs = self.sampler.sample_on_device(self.executor.execute(batch), sampled)
+            token_ids, logprobs = self.sampler.sample_on_device(self.executor.execute(batch), sampled, self.runner.pending)
         except RankFailedError:
             raise
         except Exception:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_to_device import to_device
+from engine.model_runner import PendingSamples
 from engine.sequence import Sequence
 from engine.speculation import DraftRow
 
@@ -49,78 +51,94 @@ class _Counted:
 class PenaltyHistory:
     """Every penalised sequence's tokens as the penalties read them, on one device."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole_rows: bool | None = None) -> None:
+        # Formulas over whole rows (True) or over the pairs a history holds (False); None: whole
+        # rows on a GPU, pairs elsewhere (``apply``).
+        self.whole_rows = whole_rows
         self.seen: torch.Tensor | None = None  # [capacity, vocab] bool: in the prompt or the output
         self.output_counts: torch.Tensor | None = None  # [capacity, vocab] float32: occurrences in the output
         self._counted: dict[int, _Counted] = {}  # by id(sequence), dropped when it is collected
         self._free_rows: list[int] = []
 
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence | DraftRow]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence | DraftRow], pending: PendingSamples | None = None) -> torch.Tensor:
         """``logits`` with each row's penalties applied (a new tensor where any row has one).
 
-        Only the (row, token) pairs a row's history holds change, so the formulas run on those
-        pairs alone (a row holds at most its length of the vocabulary's tokens): the same values,
-        element for element, as over whole rows, without a dozen [rows, vocab] temporaries."""
-        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0 or (penalised(s.params) and num_output(s))]
+        ``pending``: the samples of a step in flight (engine.overlap), holding each sequence's
+        newest token, not read by the host yet: folded into the history on the device.
+
+        On a CPU only the (row, token) pairs a row's history holds change, so the formulas run on
+        those pairs alone (a row holds at most its length of the vocabulary's tokens): the same
+        values, element for element, as over whole rows, without a dozen [rows, vocab]
+        temporaries. Finding the pairs reads their count on the host, so on a GPU (where whole
+        rows cost microseconds and an overlapped step must not wait) the formulas run on whole rows."""
+        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0 or (penalised(s.params) and num_output(s) + _unread(s, pending))]
         if not rows:
             return logits
         vocab, device = logits.shape[-1], logits.device
         base = [seqs[i].seq if isinstance(seqs[i], DraftRow) else seqs[i] for i in rows]
-        slab_index = torch.tensor(self._bring_up_to_date(base, vocab, device), device=self.seen.device)
+        slab_index = to_device(self._bring_up_to_date(base, vocab, device, pending), torch.long, self.seen.device)
         seen = self.seen.index_select(0, slab_index)
         drafts = _draft_tokens([seqs[i] for i in rows], self.seen.device)
         if drafts is not None:
             seen.index_put_(drafts, torch.tensor(True, device=seen.device))
-        local, tokens = seen.nonzero(as_tuple=True)  # every (row, token) its prompt or output holds
-        counts = self.output_counts[slab_index[local], tokens]
-        if drafts is not None:  # a draft's row sees the drafts before it as output
-            extra = torch.zeros(seen.shape, device=seen.device).index_put_(drafts, torch.ones(drafts[0].numel(), device=seen.device), accumulate=True)
-            counts = counts + extra[local, tokens]
-        local, tokens, counts = local.to(device), tokens.to(device), counts.to(device)
-        batch_rows = torch.tensor(rows, device=device)[local]
-        values = logits[batch_rows, tokens]
         params = [seqs[i].params for i in rows]
-        repetition = torch.tensor([p.repetition_penalty for p in params], dtype=values.dtype, device=device)[local]
-        # A tiny or huge penalty overflows to +-inf; keep the logits finite so nothing downstream
-        # computes inf - inf (it ties the overflowed tokens at the extreme).
-        limit = torch.finfo(values.dtype).max
-        repeated = torch.where(values > 0, values / repetition, values * repetition).clamp_(-limit, limit)
-        values = torch.where(repetition != 1.0, repeated, values)
-        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=values.dtype, device=device)[local]
-        presence = torch.tensor([p.presence_penalty for p in params], dtype=values.dtype, device=device)[local]
-        values = values - frequency * counts - presence * (counts > 0).to(values.dtype)
+        if self.whole_rows if self.whole_rows is not None else device.type == "cuda":
+            counts = self.output_counts.index_select(0, slab_index)
+            if drafts is not None:  # a draft's row sees the drafts before it as output
+                counts.index_put_(drafts, torch.ones(drafts[0].numel(), device=counts.device), accumulate=True)
+            batch_rows = to_device(rows, torch.long, device)
+            values = _penalised(logits[batch_rows], seen.to(device), counts.to(device), params, lambda column: column.unsqueeze(1))
+        else:
+            local, tokens = seen.nonzero(as_tuple=True)  # every (row, token) its prompt or output holds
+            counts = self.output_counts[slab_index[local], tokens]
+            if drafts is not None:  # a draft's row sees the drafts before it as output
+                extra = torch.zeros(seen.shape, device=seen.device).index_put_(drafts, torch.ones(drafts[0].numel(), device=seen.device), accumulate=True)
+                counts = counts + extra[local, tokens]
+            local, tokens, counts = local.to(device), tokens.to(device), counts.to(device)
+            batch_rows = (to_device(rows, torch.long, device)[local], tokens)
+            values = _penalised(logits[batch_rows], None, counts, params, lambda column: column[local])
         logits = logits.clone()
-        logits[batch_rows, tokens] = values
+        logits[batch_rows] = values
         return logits
 
-    def _bring_up_to_date(self, seqs: list[Sequence], vocab: int, device: torch.device) -> list[int]:
+    def _bring_up_to_date(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: PendingSamples | None) -> list[int]:
         """Each sequence's slab row, holding its whole history: the tokens appended since the last
-        step folded in (a new sequence's whole history), for every sequence in one scatter. The
-        slabs stay on the device of the first logits they served."""
+        step folded in (a new sequence's whole history), for every sequence in one scatter, and
+        the tokens ``pending`` holds for them in another (on the device, unread). The slabs stay
+        on the device of the first logits they served."""
         if self.seen is None or self.seen.shape[1] != vocab:
             self._reset(vocab, device)
         device = self.seen.device
         entries = [self._entry(seq) for seq in seqs]
         self._grow_to(max(entry.row for entry in entries) + 1)
         seen_rows, seen_ids, output_rows, output_ids = [], [], [], []
+        unread_rows, unread_sources = [], []
         for seq, entry in zip(seqs, entries):
             tokens = seq.token_ids
-            if entry.num_counted == len(tokens):
-                continue
-            new = tokens[entry.num_counted :]
-            seen_rows.extend([entry.row] * len(new))
-            seen_ids.extend(new)
-            first_output = max(entry.num_counted, entry.output_start)
-            output_rows.extend([entry.row] * (len(tokens) - first_output))
-            output_ids.extend(tokens[first_output:])
-            entry.num_counted = len(tokens)
+            if entry.num_counted < len(tokens):
+                new = tokens[entry.num_counted :]
+                seen_rows.extend([entry.row] * len(new))
+                seen_ids.extend(new)
+                first_output = max(entry.num_counted, entry.output_start)
+                output_rows.extend([entry.row] * (len(tokens) - first_output))
+                output_ids.extend(tokens[first_output:])
+                entry.num_counted = len(tokens)
+            if _unread(seq, pending) and entry.num_counted == len(tokens):
+                # Its newest token, sampled by the step in flight (an output token): folded in from
+                # there; counted, so the host does not fold it again once it reads it.
+                unread_rows.append(entry.row)
+                unread_sources.append(pending.row_of[id(seq)])
+                entry.num_counted = len(tokens) + 1
         if seen_ids:
-            self.seen.index_put_((torch.tensor(seen_rows, device=device), torch.tensor(seen_ids, device=device)), torch.tensor(True, device=device))
+            index = (to_device(seen_rows, torch.long, device), to_device(seen_ids, torch.long, device))
+            self.seen.index_put_(index, torch.tensor(True, device=device))
         if output_ids:
-            self.output_counts.index_put_(
-                (torch.tensor(output_rows, device=device), torch.tensor(output_ids, device=device)),
-                torch.ones(len(output_ids), device=device), accumulate=True,
-            )
+            index = (to_device(output_rows, torch.long, device), to_device(output_ids, torch.long, device))
+            self.output_counts.index_put_(index, torch.ones(len(output_ids), device=device), accumulate=True)
+        if unread_rows:
+            index = (to_device(unread_rows, torch.long, device), pending.token_ids[to_device(unread_sources, torch.long, pending.token_ids.device)].to(device))
+            self.seen.index_put_(index, torch.tensor(True, device=device))
+            self.output_counts.index_put_(index, torch.ones(len(unread_rows), device=device), accumulate=True)
         return [entry.row for entry in entries]
 
     def _entry(self, seq: Sequence) -> _Counted:
@@ -155,6 +173,28 @@ class PenaltyHistory:
         self.output_counts = torch.zeros((0, vocab), dtype=torch.float32, device=device)
         for entry in list(self._counted.values()):  # a finalizer may drop one meanwhile
             entry.num_counted = 0
+
+
+def _unread(seq: Sequence | DraftRow, pending: PendingSamples | None) -> int:
+    """Tokens of ``seq`` that ``pending`` holds (sampled by the step in flight, not read yet)."""
+    return 1 if pending is not None and isinstance(seq, Sequence) and seq.num_pending_tokens and id(seq) in pending.row_of else 0
+
+
+def _penalised(values: torch.Tensor, seen: torch.Tensor | None, counts: torch.Tensor, params: list, per_value) -> torch.Tensor:
+    """vLLM's formulas on ``values`` (whole rows with ``seen``, or pairs a history holds, all
+    seen): ``per_value`` spreads a per-row column over them."""
+    device = values.device
+    repetition = per_value(to_device([p.repetition_penalty for p in params], values.dtype, device))
+    # A tiny or huge penalty overflows to +-inf; keep the logits finite so nothing downstream
+    # computes inf - inf (it ties the overflowed tokens at the extreme).
+    limit = torch.finfo(values.dtype).max
+    repeated = torch.where(values > 0, values / repetition, values * repetition).clamp_(-limit, limit)
+    applies = repetition != 1.0 if seen is None else seen & (repetition != 1.0)
+    values = torch.where(applies, repeated, values)
+    frequency = per_value(to_device([p.frequency_penalty for p in params], values.dtype, device))
+    presence = per_value(to_device([p.presence_penalty for p in params], values.dtype, device))
+    counts = counts.to(values.dtype)
+    return values - frequency * counts - presence * (counts > 0).to(values.dtype)
 
 
 def _draft_tokens(rows: list[Sequence | DraftRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -92,17 +92,23 @@ class Sampler:
     def draws_on_device(seq: Sequence, device: torch.device) -> bool:
         """Whether ``sample_on_device`` can draw the row's token: greedy, or on CUDA an unseeded
         row FlashInfer's kernel draws (temperature, top-k, top-p); and nothing the host must
-        apply between steps (adjustments, penalties, a grammar's mask)."""
+        decide from the sequence's latest tokens (a grammar's mask, bad words, min_tokens).
+        Penalties, logit_bias and allowed_token_ids are applied on the device."""
         params = seq.params
-        if seq.grammar is not None or _adjusts(params):
+        if seq.grammar is not None or params.bad_words_token_ids or params.min_tokens > 0:
             return False
         return params.greedy or (device.type == "cuda" and seq.generator is None and params.min_p == 0.0 and _flashinfer_sampling() is not None)
 
-    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, "LogprobTensors | None"]:
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> tuple[torch.Tensor, "LogprobTensors | None"]:
         """Each row's token as a tensor on the logits' device, and the log-probabilities the rows
         that ask for them report, never read by the host here (rows ``draws_on_device`` accepts):
-        the same draws and numbers ``sample`` gives them."""
-        tokens = self._tokens_on_device(logits, seqs)
+        the same draws and numbers ``sample`` gives them. ``pending``: the step in flight's
+        samples (engine.model_runner.PendingSamples), each sequence's newest token, which the
+        penalties count."""
+        adjusted = logits
+        if any(_adjusts(s.params) for s in seqs):
+            adjusted = self.penalties.apply(_apply_logit_adjustments(logits, seqs), seqs, pending)
+        tokens = self._tokens_on_device(adjusted, seqs)
         reporting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not reporting:
             return tokens, None

@@ -420,7 +420,9 @@ def check_overlap(workdir: Path) -> dict:
     prompts = random_prompts([17, 100, 300, 640, 5, 64, 250, 33], SHAPES["135m"]["vocab_size"], seed=11)
     result = {}
     for kind, params in (("greedy", SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=2)),
-                         ("sampled", SamplingParams(max_tokens=48, temperature=0.8, top_k=50, top_p=0.9, ignore_eos=True))):
+                         ("sampled", SamplingParams(max_tokens=48, temperature=0.8, top_k=50, top_p=0.9, ignore_eos=True)),
+                         # Qwen2.5-Instruct's generation_config: penalties counted on the device.
+                         ("qwen_defaults", SamplingParams(max_tokens=48, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, ignore_eos=True))):
         tokens = {}
         for overlap in (False, True):
             engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=512, max_num_batched_tokens=256,
@@ -436,7 +438,8 @@ def check_overlap(workdir: Path) -> dict:
             del engine
             torch.cuda.empty_cache()
         result[f"{kind}_equal"] = tokens[True] == tokens[False]
-    result["ok"] = result["greedy_equal"] and result["sampled_equal"] and min(result["greedy_steps_overlapped"], result["sampled_steps_overlapped"]) > 40
+    kinds = ("greedy", "sampled", "qwen_defaults")
+    result["ok"] = all(result[f"{kind}_equal"] and result[f"{kind}_steps_overlapped"] > 40 for kind in kinds)
     return result
 
 

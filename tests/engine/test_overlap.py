@@ -1,7 +1,8 @@
 """Overlapped steps (async scheduling) give the tokens steps run one at a time give, token for
 token, and account for every block: prompts in chunks, stop tokens that land while the next
 step is in flight, lengths, preemption under block pressure, aborts mid-flight, logprobs read
-with the tokens, and rows that need the host (penalties) forcing a step to run at once. On a CPU the overlap changes nothing
+with the tokens, penalties counting tokens the host has not read yet, and rows that need the
+host (min_tokens) forcing a step to run at once. On a CPU the overlap changes nothing
 but the order of work, which is exactly what these tests hold fixed."""
 
 from __future__ import annotations
@@ -122,18 +123,38 @@ def test_logprobs_travel_with_the_overlapped_tokens(engines, prompts):
     assert counts["overlapped"] > 40
 
 
+def test_penalties_bias_and_allowed_tokens_apply_on_the_device_and_count_the_unread_token(engines, prompts):
+    """Repetition, frequency and presence penalties count each sequence's newest token while
+    the host has not read it yet (folded in from the step in flight's samples); logit_bias and
+    allowed_token_ids on the device too: every token equals the classic run's."""
+    allowed = list(range(3, 900))
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0,
+                       frequency_penalty=0.4 if i % 3 == 0 else 0.0, presence_penalty=0.6 if i % 4 == 1 else 0.0,
+                       logit_bias={5: 3.0, 17: -2.0} if i == 5 else {}, allowed_token_ids=allowed if i == 7 else None)
+        for i, m in enumerate(MAX_TOKENS)
+    ]
+    counts = _counting_overlap(engines[True])
+    got = engines[True].generate(prompts, params)
+    want = engines[False].generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    plain = engines[False].generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS])
+    assert sum(a.token_ids != b.token_ids for a, b in zip(want, plain)) >= 4, "the penalties changed the answers"
+    assert counts["overlapped"] > 40
+
+
 def test_rows_that_need_the_host_run_at_once_among_overlapped_ones(engines, prompts):
-    """A repetition penalty on two short requests: their steps are read before the next is
-    scheduled (the penalty needs each token), the others' overlap once they end; every token is
-    the same."""
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, repetition_penalty=1.5 if i in (2, 6) else 1.0) for i, m in enumerate(MAX_TOKENS)]
+    """min_tokens on two short requests (whether a stop may come depends on the count of tokens
+    read): their steps are read before the next is scheduled, the others' overlap once they end;
+    every token is the same."""
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, min_tokens=3 if i in (2, 6) else 0) for i, m in enumerate(MAX_TOKENS)]
     got_engine, want_engine = engines[True], engines[False]
     counts = _counting_overlap(got_engine)
     steps_before = got_engine.num_steps
     got = got_engine.generate(prompts, params)
     want = want_engine.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    assert counts["overlapped"] > 10, "the steps after the penalised requests ended overlapped"
+    assert counts["overlapped"] > 10, "the steps after those requests ended overlapped"
     assert got_engine.num_steps - steps_before - counts["overlapped"] >= max(MAX_TOKENS[2], MAX_TOKENS[6]), "theirs ran at once"
     assert got_engine.num_free_blocks == got_engine.kv_cache.num_blocks
 

@@ -8,6 +8,7 @@ import gc
 import random
 from collections import Counter
 
+import pytest
 import torch
 
 from engine import SamplingParams
@@ -44,9 +45,10 @@ def _sequence(name: str, rng: random.Random, prompt_len: int, resumed: int = 0, 
     return Sequence(name, [rng.randrange(VOCAB) for _ in range(prompt_len)], prompt_len, params)
 
 
-def test_kept_counts_equal_a_recount_of_every_rows_history_step_after_step():
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["pairs", "whole rows"])
+def test_kept_counts_equal_a_recount_of_every_rows_history_step_after_step(whole_rows):
     rng = random.Random(0)
-    history = PenaltyHistory()
+    history = PenaltyHistory(whole_rows=whole_rows)
     running = [
         _sequence("rep", rng, 40, repetition_penalty=1.3),
         _sequence("freq", rng, 25, frequency_penalty=0.5),
