@@ -80,7 +80,7 @@ class PenaltyHistory:
         seen = self.seen.index_select(0, slab_index)
         drafts = _draft_tokens([seqs[i] for i in rows], self.seen.device)
         if drafts is not None:
-            seen.index_put_(drafts, torch.tensor(True, device=seen.device))
+            seen[drafts] = True
         params = [seqs[i].params for i in rows]
         if self.whole_rows if self.whole_rows is not None else device.type == "cuda":
             counts = self.output_counts.index_select(0, slab_index)
@@ -130,14 +130,14 @@ class PenaltyHistory:
                 unread_sources.append(pending.row_of[id(seq)])
                 entry.num_counted = len(tokens) + 1
         if seen_ids:
-            index = (to_device(seen_rows, torch.long, device), to_device(seen_ids, torch.long, device))
-            self.seen.index_put_(index, torch.tensor(True, device=device))
+            # A Python scalar, not a tensor made on the device (that copy would wait for the stream).
+            self.seen[to_device(seen_rows, torch.long, device), to_device(seen_ids, torch.long, device)] = True
         if output_ids:
             index = (to_device(output_rows, torch.long, device), to_device(output_ids, torch.long, device))
             self.output_counts.index_put_(index, torch.ones(len(output_ids), device=device), accumulate=True)
         if unread_rows:
             index = (to_device(unread_rows, torch.long, device), pending.token_ids[to_device(unread_sources, torch.long, pending.token_ids.device)].to(device))
-            self.seen.index_put_(index, torch.tensor(True, device=device))
+            self.seen[index] = True
             self.output_counts.index_put_(index, torch.ones(len(unread_rows), device=device), accumulate=True)
         return [entry.row for entry in entries]
 
