@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--routing-policy", choices=["kv_aware", "least_loaded", "round_robin"])
     up.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                     help="compute every prompt in full (prefix caching is on by default)")
+    up.add_argument("--async-scheduling", action="store_true", default=None,
+                    help="decode actors schedule the next step while the device computes this one (CUDA; off by default)")
     up.add_argument("--disaggregation", choices=["auto", "always", "never"])
     up.add_argument("--speculative-method", choices=["ngram", "draft_model"], help="speculative decoding on the decode pool (default: off)")
     up.add_argument("--draft-model", help="the draft's model directory (--speculative-method draft_model)")
@@ -191,6 +193,7 @@ def up_overrides(args: argparse.Namespace) -> dict:
         "router.http_port": args.http_port, "router.admin_port": args.admin_port, "router.served_model_names": args.served_model_name,
         "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
         "prefill.enable_prefix_caching": args.enable_prefix_caching, "decode.enable_prefix_caching": args.enable_prefix_caching,
+        "decode.async_scheduling": args.async_scheduling,
         "speculative.method": args.speculative_method, "speculative.num_speculative_tokens": args.num_speculative_tokens,
         "speculative.draft_model": args.draft_model,
     }

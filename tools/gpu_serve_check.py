@@ -48,13 +48,9 @@ def serve(model: Path, gpus: float, state: Path, log: Path, async_scheduling: bo
     """``pdserve up`` in the foreground (in a child process); its router's address once it serves.
     ``async_scheduling``: the decode actor overlaps its steps (engine.overlap)."""
     placement = ["--prefill-gpus", str(gpus), "--decode-gpus", str(gpus)] if gpus else ["--prefill-cpus", "0.5", "--decode-cpus", "0.5"]
-    config = []
-    if async_scheduling:
-        path = state.with_name("deployment.yaml")
-        path.write_text("decode: {async_scheduling: true}\n")
-        config = ["--config", str(path)]
+    overlap = ["--async-scheduling"] if async_scheduling else []
     process = subprocess.Popen(
-        [*PDSERVE, "--state-file", str(state), "up", *config, "--model", str(model), "--prefill", "1", "--decode", "1", *placement,
+        [*PDSERVE, "--state-file", str(state), "up", *overlap, "--model", str(model), "--prefill", "1", "--decode", "1", *placement,
          "--disaggregation", "always", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", "0", "--admin-port", "0"],
         stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT,
     )
