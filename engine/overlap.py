@@ -23,11 +23,11 @@ What the overlap changes, and what keeps it exact:
 - Anything else that touches sequences between steps (aborts, pipeline stages) reads the step in
   flight first; its outputs are returned by the next ``step()``.
 - Penalties count each sequence's newest token from the step in flight's samples, on the
-  device (engine.penalties); logit_bias and allowed_token_ids apply there too; logprobs are
-  computed on the device with the tokens and travel with them.
+  device (engine.penalties), and min_tokens counts it too; logit_bias and allowed_token_ids
+  apply there as well; logprobs are computed on the device with the tokens and travel with them.
 - A step with a row whose sampling needs the host between steps (a grammar's mask, bad words,
-  min_tokens, seeded or min-p draws, speculative drafts) or an engine over several ranks runs
-  the classic way, after the step in flight has been read.
+  seeded or min-p draws, speculative drafts) or an engine over several ranks runs the classic
+  way, after the step in flight has been read.
 
 Greedy tokens are the same as without overlap, token for token (the tests compare them).
 """

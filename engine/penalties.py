@@ -71,7 +71,7 @@ class PenaltyHistory:
         values, element for element, as over whole rows, without a dozen [rows, vocab]
         temporaries. Finding the pairs reads their count on the host, so on a GPU (where whole
         rows cost microseconds and an overlapped step must not wait) the formulas run on whole rows."""
-        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0 or (penalised(s.params) and num_output(s) + _unread(s, pending))]
+        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0 or (penalised(s.params) and num_output(s) + num_unread(s, pending))]
         if not rows:
             return logits
         vocab, device = logits.shape[-1], logits.device
@@ -123,7 +123,7 @@ class PenaltyHistory:
                 output_rows.extend([entry.row] * (len(tokens) - first_output))
                 output_ids.extend(tokens[first_output:])
                 entry.num_counted = len(tokens)
-            if _unread(seq, pending) and entry.num_counted == len(tokens):
+            if num_unread(seq, pending) and entry.num_counted == len(tokens):
                 # Its newest token, sampled by the step in flight (an output token): folded in from
                 # there; counted, so the host does not fold it again once it reads it.
                 unread_rows.append(entry.row)
@@ -175,7 +175,7 @@ class PenaltyHistory:
             entry.num_counted = 0
 
 
-def _unread(seq: Sequence | DraftRow, pending: PendingSamples | None) -> int:
+def num_unread(seq: Sequence | DraftRow, pending: PendingSamples | None) -> int:
     """Tokens of ``seq`` that ``pending`` holds (sampled by the step in flight, not read yet)."""
     return 1 if pending is not None and isinstance(seq, Sequence) and seq.num_pending_tokens and id(seq) in pending.row_of else 0
 

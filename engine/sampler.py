@@ -92,10 +92,10 @@ class Sampler:
     def draws_on_device(seq: Sequence, device: torch.device) -> bool:
         """Whether ``sample_on_device`` can draw the row's token: greedy, or on CUDA an unseeded
         row FlashInfer's kernel draws (temperature, top-k, top-p); and nothing the host must
-        decide from the sequence's latest tokens (a grammar's mask, bad words, min_tokens).
-        Penalties, logit_bias and allowed_token_ids are applied on the device."""
+        decide from the sequence's latest tokens (a grammar's mask, bad words). Penalties,
+        logit_bias, allowed_token_ids and min_tokens are applied on the device."""
         params = seq.params
-        if seq.grammar is not None or params.bad_words_token_ids or params.min_tokens > 0:
+        if seq.grammar is not None or params.bad_words_token_ids:
             return False
         return params.greedy or (device.type == "cuda" and seq.generator is None and params.min_p == 0.0 and _flashinfer_sampling() is not None)
 
@@ -108,6 +108,7 @@ class Sampler:
         adjusted = logits
         if any(_adjusts(s.params) for s in seqs):
             adjusted = self.penalties.apply(_apply_logit_adjustments(logits, seqs), seqs, pending)
+            adjusted = self._suppress_early_stops(adjusted, seqs, pending)
         tokens = self._tokens_on_device(adjusted, seqs)
         reporting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not reporting:
@@ -153,9 +154,10 @@ class Sampler:
         logits = self.penalties.apply(logits, seqs)
         return self._suppress_early_stops(logits, seqs)
 
-    def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """No EOS or stop token id for a request short of its ``min_tokens``."""
-        early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+    def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> torch.Tensor:
+        """No EOS or stop token id for a request short of its ``min_tokens`` (its tokens counted
+        with one the step in flight sampled, ``pending``, and the host has not read)."""
+        early = [i for i, s in enumerate(seqs) if s.num_output_tokens + penalties.num_unread(s, pending) < s.params.min_tokens]
         if not early:
             return logits
         pairs = []  # (row, token) of every stop a row may not take yet

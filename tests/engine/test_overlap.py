@@ -1,8 +1,8 @@
 """Overlapped steps (async scheduling) give the tokens steps run one at a time give, token for
 token, and account for every block: prompts in chunks, stop tokens that land while the next
 step is in flight, lengths, preemption under block pressure, aborts mid-flight, logprobs read
-with the tokens, penalties counting tokens the host has not read yet, and rows that need the
-host (min_tokens) forcing a step to run at once. On a CPU the overlap changes nothing
+with the tokens, penalties and min_tokens counting tokens the host has not read yet, and rows
+that need the host (bad words) forcing a step to run at once. On a CPU the overlap changes nothing
 but the order of work, which is exactly what these tests hold fixed."""
 
 from __future__ import annotations
@@ -123,37 +123,48 @@ def test_logprobs_travel_with_the_overlapped_tokens(engines, prompts):
     assert counts["overlapped"] > 40
 
 
-def test_penalties_bias_and_allowed_tokens_apply_on_the_device_and_count_the_unread_token(engines, prompts):
+def test_penalties_bias_allowed_tokens_and_min_tokens_apply_on_the_device_and_count_the_unread_token(engines, prompts):
     """Repetition, frequency and presence penalties count each sequence's newest token while
-    the host has not read it yet (folded in from the step in flight's samples); logit_bias and
-    allowed_token_ids on the device too: every token equals the classic run's."""
+    the host has not read it yet (folded in from the step in flight's samples), and so does
+    min_tokens (a stop token allowed from the seventh token on ends the request right there);
+    logit_bias and allowed_token_ids apply on the device too: every token equals the classic run's."""
+    plain = engines[False].generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS])
     allowed = list(range(3, 900))
     params = [
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, repetition_penalty=1.3 if i % 2 else 1.0,
                        frequency_penalty=0.4 if i % 3 == 0 else 0.0, presence_penalty=0.6 if i % 4 == 1 else 0.0,
-                       logit_bias={5: 3.0, 17: -2.0} if i == 5 else {}, allowed_token_ids=allowed if i == 7 else None)
+                       logit_bias={5: 3.0, 17: -2.0} if i == 5 else {}, allowed_token_ids=allowed if i == 7 else None,
+                       min_tokens=6 if i == 4 else 0, stop_token_ids=[plain[4].token_ids[6]] if i == 4 else [])
         for i, m in enumerate(MAX_TOKENS)
     ]
     counts = _counting_overlap(engines[True])
     got = engines[True].generate(prompts, params)
     want = engines[False].generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
-    plain = engines[False].generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS])
     assert sum(a.token_ids != b.token_ids for a, b in zip(want, plain)) >= 4, "the penalties changed the answers"
+    # The stop comes exactly when min_tokens lets it (the seventh token): counting one token
+    # short would hold it off one step more and change the answer.
+    assert plain[4].token_ids[6] not in plain[4].token_ids[:6]
+    assert want[4].token_ids == plain[4].token_ids[:7]
     assert counts["overlapped"] > 40
 
 
 def test_rows_that_need_the_host_run_at_once_among_overlapped_ones(engines, prompts):
-    """min_tokens on two short requests (whether a stop may come depends on the count of tokens
-    read): their steps are read before the next is scheduled, the others' overlap once they end;
-    every token is the same."""
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, min_tokens=3 if i in (2, 6) else 0) for i, m in enumerate(MAX_TOKENS)]
+    """Bad words on two short requests (whether a word's last token is banned depends on the
+    tokens read): their steps are read before the next is scheduled, the others' overlap once
+    they end; every token is the same."""
+    plain = engines[False].generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS])
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, bad_words_token_ids=[plain[i].token_ids[1:3]] if i in (2, 6) else [])
+        for i, m in enumerate(MAX_TOKENS)
+    ]
     got_engine, want_engine = engines[True], engines[False]
     counts = _counting_overlap(got_engine)
     steps_before = got_engine.num_steps
     got = got_engine.generate(prompts, params)
     want = want_engine.generate(prompts, params)
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert want[2].token_ids != plain[2].token_ids, "the bad word changed the answer"
     assert counts["overlapped"] > 10, "the steps after those requests ended overlapped"
     assert got_engine.num_steps - steps_before - counts["overlapped"] >= max(MAX_TOKENS[2], MAX_TOKENS[6]), "theirs ran at once"
     assert got_engine.num_free_blocks == got_engine.kv_cache.num_blocks
