@@ -1,4 +1,4 @@
-"""Host values to a device without waiting for it.
+"""Host values to a device, and device values to the host, without waiting for the stream.
 
 ``torch.tensor(values, device="cuda")`` and ``tensor.to("cuda")`` copy from pageable memory and
 then synchronize the stream: the host waits for every kernel queued before the copy. Run one step
@@ -25,3 +25,12 @@ def to_device(values: list | np.ndarray | torch.Tensor, dtype: torch.dtype, devi
     if torch.device(device).type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A host copy of a CUDA ``tensor`` into pinned memory, started without waiting: valid once the
+    stream has reached it (an event recorded after it says when). Anything else is returned as is."""
+    if tensor is None or tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)

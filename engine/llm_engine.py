@@ -284,14 +284,16 @@ class LLMEngine:
         after the step in flight (if any) has been read."""
         if self._may_overlap and self._overlaps(batch):
             return self._run_overlapped(batch)
-        outputs = []
-        if self._in_flight is not None:
-            outputs = self.resolve_in_flight()
-            # A sequence the step in flight ended (a stop token) leaves the batch.
-            batch = ScheduledBatch([piece for piece in batch.slices if not piece.seq.is_finished], batch.preempted_req_ids)
-            if not batch.slices:
-                return outputs
-        return outputs + self._run_now(batch)
+        return self._run_after_in_flight(batch)
+
+    def _run_after_in_flight(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Read the step in flight (if any), then run ``batch`` at once."""
+        if self._in_flight is None:
+            return self._run_now(batch)
+        outputs = self.resolve_in_flight()
+        # A sequence the step in flight ended (a stop token) leaves the batch.
+        batch = ScheduledBatch([piece for piece in batch.slices if not piece.seq.is_finished], batch.preempted_req_ids)
+        return outputs + (self._run_now(batch) if batch.slices else [])
 
     def resolve_in_flight(self) -> list[RequestOutput]:
         """Read the step in flight, if any, and advance its sequences: nothing stays in flight."""
@@ -318,9 +320,7 @@ class LLMEngine:
             # Never launched: run it at once instead, which isolates a request that fails it.
             logger.exception("an overlapped step of %d sequences failed; running it at once", len(batch.slices))
             self.runner.pending = None
-            outputs = self.resolve_in_flight()
-            batch = ScheduledBatch([piece for piece in batch.slices if not piece.seq.is_finished], batch.preempted_req_ids)
-            return outputs + (self._run_now(batch) if batch.slices else [])
+            return self._run_after_in_flight(batch)
         finally:
             self.runner.pending = None
         self.num_steps += 1

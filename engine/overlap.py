@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.host_to_device import to_host
 from engine.model_runner import PendingSamples
 from engine.sampler import LogprobTensors
 from engine.scheduler import ScheduledBatch
@@ -58,15 +59,12 @@ class InFlightStep:
     @classmethod
     def launch(cls, batch: ScheduledBatch, done: list[int], token_ids: torch.Tensor, logprobs: LogprobTensors | None, sampled_seqs: list) -> "InFlightStep":
         """Start copying ``token_ids`` (one per sampled sequence, in order) and ``logprobs`` to the host."""
+        host_tokens = to_host(token_ids)
+        logprobs = logprobs.to_host() if logprobs is not None else None
         ready = None
         if token_ids.device.type == "cuda":
-            host_tokens = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            host_tokens.copy_(token_ids, non_blocking=True)
-            logprobs = logprobs.to_host() if logprobs is not None else None
             ready = torch.cuda.Event()
             ready.record()
-        else:
-            host_tokens = token_ids
         samples = PendingSamples(token_ids, {id(seq): row for row, seq in enumerate(sampled_seqs)})
         return cls(batch, done, samples, host_tokens, logprobs, ready)
 

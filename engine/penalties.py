@@ -9,23 +9,26 @@ tensor persists between steps) took 25 ms.
 
 Here each request with a penalty holds a row of two slabs on the logits' device, kept between
 steps: which tokens its prompt or output holds, and how often each occurs in its output. A step
-folds in only the tokens appended since the last (one scatter for every row together), finds the
-(row, token) pairs its rows hold and applies the formulas to those, as batched tensor ops. A row is given back when its sequence
-is collected (whichever way it ended: finished, aborted, preempted away, migrated), and reset
-when another takes it.
+folds in only the tokens appended since the last (one scatter for every row together) and applies
+the formulas as batched tensor ops (``PenaltyHistory.apply``). A row is given back when its
+sequence is collected (whichever way it ended: finished, aborted, preempted away, migrated), and
+reset when another takes it.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.host_to_device import to_device
-from engine.model_runner import PendingSamples
 from engine.sequence import Sequence
 from engine.speculation import DraftRow
+
+if TYPE_CHECKING:
+    from engine.model_runner import PendingSamples
 
 
 def penalised(params) -> bool:
@@ -82,12 +85,13 @@ class PenaltyHistory:
         if drafts is not None:
             seen[drafts] = True
         params = [seqs[i].params for i in rows]
-        if self.whole_rows if self.whole_rows is not None else device.type == "cuda":
+        whole_rows = self.whole_rows if self.whole_rows is not None else device.type == "cuda"
+        if whole_rows:
             counts = self.output_counts.index_select(0, slab_index)
             if drafts is not None:  # a draft's row sees the drafts before it as output
                 counts.index_put_(drafts, torch.ones(drafts[0].numel(), device=counts.device), accumulate=True)
             batch_rows = to_device(rows, torch.long, device)
-            values = _penalised(logits[batch_rows], seen.to(device), counts.to(device), params, lambda column: column.unsqueeze(1))
+            values = _apply_formulas(logits[batch_rows], seen.to(device), counts.to(device), params, lambda column: column.unsqueeze(1))
         else:
             local, tokens = seen.nonzero(as_tuple=True)  # every (row, token) its prompt or output holds
             counts = self.output_counts[slab_index[local], tokens]
@@ -96,7 +100,7 @@ class PenaltyHistory:
                 counts = counts + extra[local, tokens]
             local, tokens, counts = local.to(device), tokens.to(device), counts.to(device)
             batch_rows = (to_device(rows, torch.long, device)[local], tokens)
-            values = _penalised(logits[batch_rows], None, counts, params, lambda column: column[local])
+            values = _apply_formulas(logits[batch_rows], None, counts, params, lambda column: column[local])
         logits = logits.clone()
         logits[batch_rows] = values
         return logits
@@ -180,7 +184,7 @@ def num_unread(seq: Sequence | DraftRow, pending: PendingSamples | None) -> int:
     return 1 if pending is not None and isinstance(seq, Sequence) and seq.num_pending_tokens and id(seq) in pending.row_of else 0
 
 
-def _penalised(values: torch.Tensor, seen: torch.Tensor | None, counts: torch.Tensor, params: list, per_value) -> torch.Tensor:
+def _apply_formulas(values: torch.Tensor, seen: torch.Tensor | None, counts: torch.Tensor, params: list, per_value) -> torch.Tensor:
     """vLLM's formulas on ``values`` (whole rows with ``seen``, or pairs a history holds, all
     seen): ``per_value`` spreads a per-row column over them."""
     device = values.device

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import penalties
-from engine.host_to_device import to_device
+from engine.host_to_device import to_device, to_host
 from engine.penalties import PenaltyHistory
 from engine.sequence import Sequence, TokenLogprob
 
@@ -105,11 +105,7 @@ class Sampler:
         the same draws and numbers ``sample`` gives them. ``pending``: the step in flight's
         samples (engine.model_runner.PendingSamples), each sequence's newest token, which the
         penalties count."""
-        adjusted = logits
-        if any(_adjusts(s.params) for s in seqs):
-            adjusted = self.penalties.apply(_apply_logit_adjustments(logits, seqs), seqs, pending)
-            adjusted = self._suppress_early_stops(adjusted, seqs, pending)
-        tokens = self._tokens_on_device(adjusted, seqs)
+        tokens = self._tokens_on_device(self._adjust(logits, seqs, pending), seqs)
         reporting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not reporting:
             return tokens, None
@@ -146,13 +142,14 @@ class Sampler:
         seq.generator.manual_seed(hash(key) & _SEED_MASK)
         return seq.generator
 
-    def _adjust(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Every per-request change to the logits before temperature, in vLLM's order."""
+    def _adjust(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> torch.Tensor:
+        """Every per-request change to the logits before temperature, in vLLM's order
+        (``pending``: as ``sample_on_device`` takes it)."""
         if not any(_adjusts(s.params) for s in seqs):  # the common case: one look per row
             return logits
         logits = _apply_logit_adjustments(logits, seqs)
-        logits = self.penalties.apply(logits, seqs)
-        return self._suppress_early_stops(logits, seqs)
+        logits = self.penalties.apply(logits, seqs, pending)
+        return self._suppress_early_stops(logits, seqs, pending)
 
     def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> torch.Tensor:
         """No EOS or stop token id for a request short of its ``min_tokens`` (its tokens counted
@@ -168,8 +165,7 @@ class Sampler:
         if not pairs:
             return logits
         logits = logits.clone()
-        device = logits.device
-        logits[to_device([r for r, _ in pairs], torch.long, device), to_device([t for _, t in pairs], torch.long, device)] = float("-inf")
+        logits[_pair_index(pairs, logits.device)] = float("-inf")
         return logits
 
     def _probabilities(self, logits: torch.Tensor, params: list) -> torch.Tensor:
@@ -408,10 +404,8 @@ def _apply_logit_adjustments(logits: torch.Tensor, seqs: list[Sequence]) -> torc
     device = logits.device
     allowed = [i for i in rows if seqs[i].params.allowed_token_ids is not None]
     if allowed:
-        local = [j for j, i in enumerate(allowed) for _ in seqs[i].params.allowed_token_ids]
-        ids = [token for i in allowed for token in seqs[i].params.allowed_token_ids]
         keep = torch.zeros((len(allowed), logits.shape[-1]), dtype=torch.bool, device=device)
-        keep[to_device(local, torch.long, device), to_device(ids, torch.long, device)] = True
+        keep[_pair_index([(j, token) for j, i in enumerate(allowed) for token in seqs[i].params.allowed_token_ids], device)] = True
         index = to_device(allowed, torch.long, device)
         logits[index] = logits[index].masked_fill(~keep, float("-inf"))
     banned = []  # (row, token): a bad word's last token where the output already ends with the rest
@@ -425,12 +419,16 @@ def _apply_logit_adjustments(logits: torch.Tensor, seqs: list[Sequence]) -> torc
             if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :] == prefix):
                 banned.append((i, word[-1]))
     if banned:
-        logits[to_device([r for r, _ in banned], torch.long, device), to_device([t for _, t in banned], torch.long, device)] = float("-inf")
-    biased = [(i, token, value) for i in rows for token, value in (seqs[i].params.logit_bias or {}).items()]
+        logits[_pair_index(banned, device)] = float("-inf")
+    biased = [((i, token), value) for i in rows for token, value in (seqs[i].params.logit_bias or {}).items()]
     if biased:
-        index = (to_device([r for r, _, _ in biased], torch.long, device), to_device([t for _, t, _ in biased], torch.long, device))
-        logits.index_put_(index, to_device([v for _, _, v in biased], logits.dtype, device), accumulate=True)
+        logits.index_put_(_pair_index([pair for pair, _ in biased], device), to_device([v for _, v in biased], logits.dtype, device), accumulate=True)
     return logits
+
+
+def _pair_index(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs as the index of one scatter over [rows, vocab]."""
+    return to_device([row for row, _ in pairs], torch.long, device), to_device([token for _, token in pairs], torch.long, device)
 
 
 def _output_ids(seq: Sequence) -> list[int]:
@@ -602,15 +600,8 @@ class LogprobTensors:
         return cls(rows, num_top, chosen.squeeze(1), ranks, top_values, top_ids)
 
     def to_host(self) -> "LogprobTensors":
-        """A copy on the host, started without waiting (pinned memory; valid once the stream has
-        reached it) where the tensors are on CUDA."""
-        def copy(tensor):
-            if tensor is None or tensor.device.type != "cuda":
-                return tensor
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            return host.copy_(tensor, non_blocking=True)
-
-        return LogprobTensors(self.rows, self.num_top, copy(self.chosen), copy(self.ranks), copy(self.top_values), copy(self.top_ids))
+        """A copy on the host, started without waiting where the tensors are on CUDA (``to_host``)."""
+        return LogprobTensors(self.rows, self.num_top, to_host(self.chosen), to_host(self.ranks), to_host(self.top_values), to_host(self.top_ids))
 
     def entries(self, token_ids: list[int]) -> list[TokenLogprob]:
         """One entry per reporting row, ``token_ids`` their chosen tokens (reads the tensors)."""

@@ -466,26 +466,7 @@ class Scheduler:
                 seq.num_computed_tokens += piece.num_tokens
                 self._record_full_block_hashes(seq)
                 continue
-            if piece.is_decode:  # asked before the new tokens change what the sequence is
-                seq.num_decode_steps += 1
-            emitted, reason = self._emit(seq, next(sample_iter))
-            if piece.draft_token_ids:
-                accepted = len(emitted) - 1  # each emitted token before the last matched its draft
-                seq.num_draft_tokens += len(piece.draft_token_ids)
-                seq.num_accepted_draft_tokens += accepted
-                self.num_draft_tokens += len(piece.draft_token_ids)
-                self.num_accepted_draft_tokens += accepted
-                self.proposer.after_verify(seq)
-                if seq.draft_window is not None:
-                    seq.draft_window.update(len(piece.draft_token_ids), accepted)
-            # Every token but the newest has its KV now: the slice's own and the accepted drafts'.
-            seq.num_computed_tokens = len(seq.token_ids) - 1
-            if seq.num_computed_tokens // self.block_size > len(seq.block_hashes):
-                self._record_full_block_hashes(seq)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self._after_token(seq, reason)
-            results.append((seq, emitted))
+            results.append((seq, self._take_tokens(piece, next(sample_iter), now, kv_upto=None)))
         return results
 
     def launched(self, batch: ScheduledBatch) -> list[int]:
@@ -510,22 +491,41 @@ class Scheduler:
         now = time.monotonic()
         for piece, upto in zip(batch.slices, done):
             seq = piece.seq
-            token = next(tokens) if piece.completes_sequence else None
+            sample = next(tokens) if piece.completes_sequence else None
             if seq.is_finished:
                 continue
-            if token is None:
+            if sample is None:
                 self._record_full_block_hashes(seq, upto)
                 continue
             seq.num_pending_tokens -= 1
-            if piece.is_decode:
-                seq.num_decode_steps += 1
-            emitted, reason = self._emit(seq, [token])
-            self._record_full_block_hashes(seq, upto)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            self._after_token(seq, reason)
-            results.append((seq, emitted))
+            results.append((seq, self._take_tokens(piece, [sample], now, kv_upto=upto)))
         return results
+
+    def _take_tokens(self, piece: ScheduledSlice, samples: list[tuple[int, TokenLogprob | None]], now: float, kv_upto: int | None) -> list[int]:
+        """Append a completing slice's sampled tokens (up to the first that ends the request) and
+        advance its sequence; ``kv_upto``: the position its KV reaches (None: a step run at once,
+        every token but the newest). Returns the tokens emitted."""
+        seq = piece.seq
+        if piece.is_decode:  # fixed before the new tokens changed what the sequence is
+            seq.num_decode_steps += 1
+        emitted, reason = self._emit(seq, samples)
+        if piece.draft_token_ids:
+            accepted = len(emitted) - 1  # each emitted token before the last matched its draft
+            seq.num_draft_tokens += len(piece.draft_token_ids)
+            seq.num_accepted_draft_tokens += accepted
+            self.num_draft_tokens += len(piece.draft_token_ids)
+            self.num_accepted_draft_tokens += accepted
+            self.proposer.after_verify(seq)
+            if seq.draft_window is not None:
+                seq.draft_window.update(len(piece.draft_token_ids), accepted)
+        if kv_upto is None:  # the slice's own tokens and the accepted drafts' have their KV now
+            seq.num_computed_tokens = kv_upto = len(seq.token_ids) - 1
+        if kv_upto // self.block_size > len(seq.block_hashes):  # most steps fill no block
+            self._record_full_block_hashes(seq, kv_upto)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self._after_token(seq, reason)
+        return emitted
 
     def release_deferred(self) -> None:
         """Free the blocks of sequences that ended while a step still wrote them (it is done)."""
