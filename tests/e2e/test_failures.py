@@ -106,6 +106,33 @@ def test_a_stream_whose_decode_actor_dies_migrates_with_no_gap_and_no_repeat(ray
         client.close()
 
 
+def test_a_decode_actor_killed_with_a_step_in_flight_loses_no_token(ray_cluster, e2e_model):
+    """Decode actors overlapping their steps (async_scheduling): decode-0 dies with a step in
+    flight and sampled tokens not yet read; its greedy streams migrate to decode-1 with no gap and
+    no repeat, equal to transformers', and the survivor frees every block."""
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN)
+    prompts = random_prompts([40, 60, 80, 100], e2e_model.vocab_size, seed=31)
+    num_tokens = 400
+    expected = [hf_greedy(e2e_model.hf_model, p, num_tokens) for p in prompts]
+    with running_deployment(e2e_model, 1, 2, router, decode_engine=engine_config(async_scheduling=True)) as deployment:
+        client = Client(deployment.address)
+        streams = ParallelStreams(client, [dict(prompt_token_ids=p, max_tokens=num_tokens, temperature=0.0, ignore_eos=True) for p in prompts])
+        _wait_until_every_stream_sent_tokens(deployment, len(prompts))
+        on_victim = {a.req_id for a in deployment.router.dispatcher.active.values() if a.decode.worker_id == "decode-0"}
+        deployment.kill_worker("decode-0")
+        results = streams.join()
+        assert not [r for r in results if isinstance(r, grpc.RpcError)], "no stream failed"
+        assert on_victim, "round robin put streams on decode-0"
+        for stream, want in zip(results, expected):
+            assert stream.token_ids == want, "no token lost, repeated or changed"
+            assert stream.last.usage.completion_tokens == num_tokens
+        migrated = [s for s in results if s.messages[0].request_id in on_victim]
+        assert migrated and all(s.last.decode_worker_id == "decode-1" for s in migrated)
+        survivors = [w for w in client.wait_until_idle() if w.worker_id != "decode-0"]
+        assert all(w.num_kv_blocks_used == 0 for w in survivors)
+        client.close()
+
+
 def test_where_migration_is_not_allowed_the_stream_ends_with_an_error_message_and_its_usage(ray_cluster, e2e_model):
     router = RouterConfig(disaggregation=Disaggregation.NEVER, routing_policy=RoutingPolicy.ROUND_ROBIN, max_decode_restarts=0)
     prompts = random_prompts([10, 12, 14, 16], e2e_model.vocab_size, seed=23)
