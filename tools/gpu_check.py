@@ -18,8 +18,10 @@
    installed), FlashInfer without graphs, and SDPA without graphs. The fraction of HBM
    bandwidth a step reaches (weights plus the KV it reads, over the step time), against the
    bandwidth of a device-to-device copy measured in the same run and the card's nominal figure.
-5. Sampling: the engine's sampler (temperature 0.8, top-p 0.95, top-k 50) on a batch of 64 rows
-   of the 1.5B shape's vocabulary, as a fraction of that shape's decode step at batch 64.
+5. Sampling: the engine's sampler on a batch of 64 rows of the 1.5B shape's vocabulary (Qwen's
+   defaults, top-k with top-p, top-p alone, temperature alone), tokens left on the device as an
+   overlapped step leaves them and read after each call; and the device draws' distribution
+   against the filters' exact one (section ``sampling``).
 6. Agreement: bfloat16 greedy tokens of the FlashInfer engine (with graphs) against the SDPA
    engine and transformers, on the 135M shape.
 7. Prefill: tokens/s of 8 prompts of 1024 tokens, the engine against transformers' SDPA forward.
@@ -365,25 +367,63 @@ def bench_decode(workdir: Path, shape: str, batches: list[int], variants: dict[s
 
 
 def bench_sampling(batch: int = 64) -> dict:
-    """The sampler's cost for ``batch`` rows of the 1.5B shape's vocabulary on the GPU: top-p/top-k
-    rows without a seed (FlashInfer's kernel where installed) and with one (per-row generators),
-    and temperature alone."""
+    """The sampler's cost for ``batch`` rows of the 1.5B shape's vocabulary on the GPU, per set of
+    parameters: ``_ms``, what an overlapped step pays (``sample_on_device``: tokens left on the
+    device, calls queued back to back), and ``_read_ms``, a step run one at a time (``sample``:
+    the tokens read by the host after each call); a seeded row draws on the host's schedule
+    (per-row generators). Then the draws' distribution (``check_device_draws``)."""
     from engine.sampler import Sampler
     from engine.sequence import Sequence
 
     vocab = SHAPES["1.5b"]["vocab_size"]
     sampler = Sampler(seed=0)
-    filtered = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=100)
-    plain = SamplingParams(temperature=0.8, max_tokens=100)
     logits = torch.randn(batch, vocab, device="cuda") * 4
     cases = {
-        "top_p_top_k_ms": [Sequence(f"s{i}", [1, 2, 3], 3, filtered) for i in range(batch)],
-        "top_p_top_k_seeded_ms": [Sequence(f"z{i}", [1, 2, 3], 3, filtered, generator=Sampler.make_generator(i)) for i in range(batch)],
-        "temperature_only_ms": [Sequence(f"p{i}", [1, 2, 3], 3, plain) for i in range(batch)],
+        "qwen_defaults": SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=100),
+        "top_p_top_k": SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=100),
+        "top_p": SamplingParams(temperature=0.8, top_p=0.95, max_tokens=100),
+        "temperature_only": SamplingParams(temperature=0.8, max_tokens=100),
     }
     result = {"batch": batch, "vocab": vocab}
-    for name, seqs in cases.items():
-        result[name] = cuda_seconds(lambda seqs=seqs: sampler.sample(logits, seqs), 3, 20) * 1e3
+    for name, params in cases.items():
+        seqs = [Sequence(f"{name}{i}", [1, 2, 3], 3, params) for i in range(batch)]
+        result[name + "_ms"] = cuda_seconds(lambda seqs=seqs: sampler.sample_on_device(logits, seqs), 3, 20) * 1e3
+        result[name + "_read_ms"] = cuda_seconds(lambda seqs=seqs: sampler.sample(logits, seqs), 3, 20) * 1e3
+    seeded = [Sequence(f"z{i}", [1, 2, 3], 3, cases["top_p_top_k"], generator=Sampler.make_generator(i)) for i in range(batch)]
+    result["top_p_top_k_seeded_read_ms"] = cuda_seconds(lambda: sampler.sample(logits, seeded), 3, 20) * 1e3
+    result["draws"] = check_device_draws()
+    result["ok"] = result["draws"]["ok"]
+    return result
+
+
+def check_device_draws(draws: int = 100_000) -> dict:
+    """Unseeded rows drawn on the GPU (Sampler._draw_unseeded: top-k rows among their candidates,
+    the others through FlashInfer's softmax and top-p kernels) against the filters' exact
+    distribution (the tests' reference: a full sort), ``draws`` rows at once: no token outside it,
+    each token's frequency within 5 standard errors (+ 0.001)."""
+    from engine.sampler import Sampler
+    from tests.sampling_reference import reference_filtered
+
+    generator = torch.Generator().manual_seed(21)
+    logits = torch.randn(256, generator=generator, dtype=torch.float64) * 3
+    cases = {
+        "qwen_defaults": SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
+        "top_k_min_p": SamplingParams(temperature=1.3, top_k=40, min_p=0.05),
+        "top_p": SamplingParams(temperature=0.9, top_p=0.9),
+        "temperature_only": SamplingParams(temperature=1.2),
+    }
+    result = {}
+    for name, params in cases.items():
+        want = reference_filtered(logits, params)
+        tokens = Sampler(seed=1)._draw_unseeded(logits.float().cuda().repeat(draws, 1), [params] * draws)
+        counts = torch.bincount(tokens.cpu(), minlength=256).double()
+        freq = counts / draws
+        error = (freq - want).abs() / torch.sqrt(want * (1 - want) / draws).clamp_min(1e-12)
+        inside = bool(counts[want == 0].sum() == 0)
+        close = bool(torch.all((freq - want).abs() <= 5 * torch.sqrt(want * (1 - want) / draws) + 1e-3))
+        result[name] = {"outside_support": not inside, "max_standard_errors": float(error[want > 0].max()),
+                        "total_variation": float(0.5 * (freq - want).abs().sum()), "ok": inside and close}
+    result["ok"] = all(v["ok"] for v in result.values())
     return result
 
 
@@ -523,15 +563,16 @@ def main() -> int:
                 }
 
             section("profile", profile)
-        section("decode", lambda: bench_decode(workdir, "1.5b", [int(b) for b in args.batches_15b.split(",")], {k: v for k, v in variants.items() if k != "flashinfer_eager"})
-                + bench_decode(workdir, "135m", [int(b) for b in args.batches_135m.split(",")], variants))
+        batches = {"1.5b": [int(b) for b in args.batches_15b.split(",") if b], "135m": [int(b) for b in args.batches_135m.split(",") if b]}
+        section("decode", lambda: (bench_decode(workdir, "1.5b", batches["1.5b"], {k: v for k, v in variants.items() if k != "flashinfer_eager"}) if batches["1.5b"] else [])
+                + (bench_decode(workdir, "135m", batches["135m"], variants) if batches["135m"] else []))
         section("agreement", check_agreement, workdir)
         section("prefill", bench_prefill, workdir)
         section("exactness", check_exactness, workdir)
         section("features", check_features, workdir)
         section("push", check_event_before_push, workdir)
     float32_exact = all(v["exact"] for k, v in report.get("exactness", {}).items() if "/float32/" in k)
-    rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "kv_write", "overlap", "quantized"))
+    rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "kv_write", "overlap", "quantized", "sampling"))
     return 0 if float32_exact and rope_ok and all(report.get("features", {}).values()) and report.get("push", True) else 1
 
 

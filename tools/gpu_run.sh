@@ -5,6 +5,8 @@
 #
 #   carry .gpu/fi_full.tar.xz and .gpu/apache_tvm_ffi-*.whl:
 #     bash tools/gpu_run.sh check --sections rope,kv_write,overlap,quantized,sampling,profile,decode --batches-1.5b 64
+#   carry .gpu/fi_jit.tar.xz too where an earlier machine exported it (bash tools/gpu_run.sh jit --export $OUT):
+#   FlashInfer's kernels then need no compiling.
 #   carry .gpu/serve_deps.tar.xz and .gpu/nixl13.tar.xz:
 #     bash tools/gpu_run.sh nixl && bash tools/gpu_run.sh serve --async-scheduling
 set -euo pipefail
@@ -12,18 +14,27 @@ cd "$(dirname "$0")/.."
 site=/tmp/site
 out=${OUT:-/tmp/out}
 mkdir -p "$site" "$out"
+export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+# Each bundle once per machine (several checks chained in one command share the unpacking).
 for wheel in .gpu/*.whl; do
-  [ -e "$wheel" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheel"
+  [ -e "$wheel" ] && [ ! -e "$site/.done-$(basename "$wheel")" ] || continue
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheel" && touch "$site/.done-$(basename "$wheel")"
 done
 for bundle in .gpu/*.tar.xz; do
-  [ -e "$bundle" ] && tar -xJf "$bundle" -C "$site"
+  [ -e "$bundle" ] && [ ! -e "$site/.done-$(basename "$bundle")" ] || continue
+  case "$bundle" in
+    */fi_jit.tar.xz) tar -xJf "$bundle" -C "$FLASHINFER_WORKSPACE_BASE" ;;  # FlashInfer's compiled kernels (gpu_warm_jit.py --export)
+    *) tar -xJf "$bundle" -C "$site" ;;
+  esac
+  touch "$site/.done-$(basename "$bundle")"
 done
-export PYTHONPATH="$site:$PWD" PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 what=$1
 shift
 case "$what" in
   check) exec python3 tools/gpu_check.py --json "$out/gpu_check.json" "$@" ;;
   nixl) exec python3 tools/nixl_vram_check.py --json "$out/nixl.json" "$@" ;;
   serve) exec python3 tools/gpu_serve_check.py --json "$out/serve.json" "$@" ;;
-  *) echo "usage: bash tools/gpu_run.sh check|nixl|serve [args]" >&2; exit 2 ;;
+  jit) exec python3 tools/gpu_warm_jit.py "$@" ;;
+  *) echo "usage: bash tools/gpu_run.sh check|nixl|serve|jit [args]" >&2; exit 2 ;;
 esac

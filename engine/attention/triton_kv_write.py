@@ -79,7 +79,8 @@ def _quantized_run(
     head_base = cache_ptr + block * cache_stride_block + head * cache_stride_head
     earlier = t < tl.where(new > old, first, 0)  # entries before this step's, where the scale grew
     held_ptrs = head_base + t[:, None] * cache_stride_token + d[None, :]
-    held = tl.load(held_ptrs, mask=earlier[:, None], other=0).to(tl.float32) * old
+    # other=0.0, not 0: Triton casts an int32 fill to the cache's type, and has no int32 -> fp8 cast.
+    held = tl.load(held_ptrs, mask=earlier[:, None], other=0.0).to(tl.float32) * old
     tl.store(held_ptrs, _quantize(held, new, QMAX, IS_FP8).to(cache_ptr.dtype.element_ty), mask=earlier[:, None])
     tl.store(scale_ptr, new)
     new_ptrs = head_base + offsets[:, None] * cache_stride_token + d[None, :]

@@ -12,6 +12,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from tests.checkpoints import hf_greedy, random_prompts
+from tests.sampling_reference import reference_filtered as _reference_filtered
 
 DRAWS = 6000
 
@@ -197,22 +198,6 @@ def test_a_seeded_draw_does_not_depend_on_a_filtered_row_beside_it():
         assert draw([plain])[0] == draw([plain, nucleus])[0]
 
 
-def _reference_filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """top-k, then top-p and min-p on the renormalized rest, over the whole sorted row."""
-    values, order = (logits / params.temperature).sort(descending=True)
-    probs = torch.softmax(values, dim=-1)
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    if params.top_k > 0:
-        keep[params.top_k :] = False
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    keep &= (probs.cumsum(0) - probs) < params.top_p
-    keep &= probs >= params.min_p * probs[0]
-    keep[0] = True
-    kept = torch.where(keep, probs, torch.zeros_like(probs))
-    return torch.zeros_like(kept).scatter_(0, order, kept / kept.sum())
-
-
 @pytest.mark.parametrize(
     "params",
     [
@@ -253,3 +238,43 @@ def test_top_p_and_min_p_draws_without_a_sort_follow_the_sorted_filters(params, 
         counts = _sample_many(logits, params, seed=rounds)
         assert counts[want == 0].sum() == 0, "a token the filters remove was drawn"
         _assert_frequencies(counts, want)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.8),  # Qwen's generation config
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.95),
+        SamplingParams(temperature=1.3, top_k=9, min_p=0.05),
+        SamplingParams(temperature=1e-40, top_k=5),  # the largest logit, always
+    ],
+)
+def test_unseeded_top_k_rows_drawn_without_the_host_follow_the_sorted_filters(params):
+    """What an overlapped CUDA step draws for unseeded top-k rows (Sampler._draw_unseeded: topk
+    candidates, the filters, an inverse CDF over them, uniforms from a generator on the logits'
+    device, nothing read by the host), here on the CPU: it follows the full sort's distribution,
+    peaked or flat, and never leaves it; and a row beside it with other parameters changes nothing."""
+    generator = torch.Generator().manual_seed(13)
+    for logits in (torch.randn(3000, generator=generator) * 4, torch.randn(3000, generator=generator) * 0.3):
+        if params.temperature < 1e-30:  # the reference's logits / temperature overflows: its limit
+            want = torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+        else:
+            want = _reference_filtered(logits, params)
+        other = SamplingParams(temperature=2.0, top_k=3)
+        batch = logits.repeat(DRAWS, 1)
+        tokens = Sampler(seed=3)._draw_unseeded(torch.cat([batch, logits.unsqueeze(0)]), [params] * DRAWS + [other])
+        counts = torch.bincount(tokens[:DRAWS], minlength=logits.shape[-1]).float()
+        assert counts[want == 0].sum() == 0, "a token the filters remove was drawn"
+        _assert_frequencies(counts, want)
+        assert int(tokens[-1]) in logits.topk(3).indices.tolist()
+
+
+def test_the_host_free_inverse_cdf_never_lands_past_a_rows_last_drawable_token():
+    """A uniform at the very top (or a sum rounded short of its total) lands on the row's last
+    token of positive probability, never on a filtered one after it."""
+    from engine.sampler import _inverse_cdf_no_sync
+
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.2, 0.0, 0.8, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    assert _inverse_cdf_no_sync(probs, torch.ones(3, dtype=torch.float64)).tolist() == [1, 2, 0]
+    assert _inverse_cdf_no_sync(probs, torch.tensor([0.0, 0.1, 0.99], dtype=torch.float64)).tolist() == [0, 0, 0]
+    assert _inverse_cdf_no_sync(probs, torch.tensor([0.6, 0.3, 0.5], dtype=torch.float64)).tolist() == [1, 2, 0]

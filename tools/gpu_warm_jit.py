@@ -1,0 +1,133 @@
+"""Build FlashInfer's JIT kernels the engine uses, in parallel, before a GPU check runs.
+
+FlashInfer compiles each kernel module on its first use, one after another: on an H200 the
+first check of a session spent about 150 s there (rope 49 s, norm 43 s, prefill 27 s, decode
+15 s, ...), a sixth of a lent machine's 15 minutes. Here each module is built in its own process
+(the machine has 16 cores; FlashInfer locks each module's build, so a check started meanwhile
+waits only for the modules it needs), through the engine's own code paths, so the builds are
+exactly the specializations a check will ask for: the fused norms, SiLU*mul and rotation, the
+sampling kernels, and the attention backend's decode and prefill kernels for the test shapes'
+head sizes (64: the 135M shape, 9 query / 3 KV heads; 128: the 1.5B shape, 12 / 2).
+
+    python tools/gpu_warm_jit.py [--export DIR]
+
+``--export DIR`` then packs the compiled modules (the .so files of FlashInfer's cache) into
+DIR/fi_jit.tar.xz: carried to a later machine and unpacked where FLASHINFER_WORKSPACE_BASE points
+(tools/gpu_run.sh does), they spare it the builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _fused_ops() -> None:
+    import torch
+
+    from engine import fused_ops
+
+    x = torch.randn(4, 576, device="cuda", dtype=torch.bfloat16)
+    weight = torch.ones(576, device="cuda", dtype=torch.bfloat16)
+    fused_ops.add_rms_norm(None, x.clone(), weight, 1e-5)
+    fused_ops.add_rms_norm(x.clone(), x.clone(), weight, 1e-5)
+    fused_ops.silu_mul(torch.randn(4, 2 * 1536, device="cuda", dtype=torch.bfloat16))
+
+
+def _rotation() -> None:
+    import flashinfer
+    import torch
+
+    q = torch.randn(4, 9, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4, 3, 64, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(32, 64, device="cuda", dtype=torch.float32)
+    flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(torch.arange(4, device="cuda"), q, k, 64, cache, is_neox=True)
+
+
+def _sampling() -> None:
+    import torch
+
+    from engine.sampler import Sampler
+    from engine.sampling_params import SamplingParams
+
+    logits = torch.randn(4, 1000, device="cuda")
+    Sampler()._draw_unseeded(logits, [SamplingParams(temperature=0.8, top_p=0.9)] * 4)
+
+
+def _attention(heads: int, kv_heads: int, head_dim: int) -> None:
+    import torch
+
+    from engine.attention.base import SeqSlice
+    from engine.attention.block_tables import BlockTables
+    from engine.attention.flashinfer_paged import FlashInferBackend
+
+    block_size = 16
+    backend = FlashInferBackend("cuda", block_size, heads, kv_heads, head_dim, torch.bfloat16, {None})
+    cache = torch.zeros(8, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    tables = BlockTables.holding([[0, 1], [2, 3]]).array
+    slices = [SeqSlice(0, 20, 1, decode=True), SeqSlice(1, 0, 9)]
+    q = torch.randn(10, heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(10, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    backend.build(slices, tables).forward(q, k, v, cache, cache.clone(), None)
+
+
+BUILDS = {
+    "fused_ops": (_fused_ops, ()),
+    "rotation": (_rotation, ()),
+    "sampling": (_sampling, ()),
+    "attention_64": (_attention, (9, 3, 64)),
+    "attention_128": (_attention, (12, 2, 128)),
+}
+
+
+def _run(name: str) -> tuple[str, float, str | None]:
+    fn, args = BUILDS[name]
+    start = time.perf_counter()
+    try:
+        fn(*args)
+        import torch
+
+        torch.cuda.synchronize()
+        return name, time.perf_counter() - start, None
+    except Exception as exc:  # one build failing still leaves the others built
+        return name, time.perf_counter() - start, repr(exc)[-400:]
+
+
+def export(directory: Path) -> Path:
+    """The compiled modules of FlashInfer's cache as one archive (the sources and objects stay)."""
+    base = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home()))
+    libraries = sorted(str(p.relative_to(base)) for p in base.rglob("*.so"))
+    archive = directory / "fi_jit.tar.xz"
+    subprocess.run(["tar", "-I", "xz -T0", "-cf", str(archive), "-C", str(base), *libraries], check=True)
+    return archive
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--export", type=Path)
+    parser.add_argument("--export-only", action="store_true", help="pack what is built, build nothing")
+    args = parser.parse_args()
+    if args.export_only:
+        archive = export(args.export)
+        print(f"jit: exported {archive} ({archive.stat().st_size / 2**20:.1f} MiB)", flush=True)
+        return 0
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(len(BUILDS)) as pool:
+        for name, seconds, error in pool.imap_unordered(_run, BUILDS):
+            print(f"jit {name}: {seconds:.1f} s" + (f" FAILED {error}" if error else ""), flush=True)
+    print(f"jit: all built in {time.perf_counter() - start:.1f} s", flush=True)
+    if args.export:
+        archive = export(args.export)
+        print(f"jit: exported {archive} ({archive.stat().st_size / 2**20:.1f} MiB)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
