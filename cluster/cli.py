@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--routing-policy", choices=["kv_aware", "least_loaded", "round_robin"])
     up.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                     help="compute every prompt in full (prefix caching is on by default)")
-    up.add_argument("--async-scheduling", action="store_true", default=None,
-                    help="decode actors schedule the next step while the device computes this one (CUDA; off by default)")
+    up.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode actors schedule the next step while the device computes this one (default: on for GPUs, off for CPUs)")
     up.add_argument("--disaggregation", choices=["auto", "always", "never"])
     up.add_argument("--speculative-method", choices=["ngram", "draft_model"], help="speculative decoding on the decode pool (default: off)")
     up.add_argument("--draft-model", help="the draft's model directory (--speculative-method draft_model)")

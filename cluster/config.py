@@ -59,8 +59,8 @@ class PoolConfig(BaseModel):
         "allows within this many ms (null: fixed chunk_size)"
     )
     enable_prefix_caching: bool = Field(True, description="Keep full prompt blocks cached for later prompts with the same prefix")
-    async_scheduling: bool = Field(
-        False, description="Decode: schedule the next step while the device computes this one (CUDA; engine.overlap)"
+    async_scheduling: bool | None = Field(
+        None, description="Decode: schedule the next step while the device computes this one (engine.overlap; null: on for GPUs, off for CPUs)"
     )
     kv_cache_mb: int | None = Field(
         None, ge=1, description="KV cache size per actor (per rank) in MiB (default: sized from the actor's machine, see cluster/kv_memory.py)"

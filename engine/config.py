@@ -237,14 +237,17 @@ class EngineConfig:
     # is float16/bfloat16, else SDPA), cpu, sdpa or flashinfer.
     attention_backend: str = "auto"
     # CUDA: replay decode steps of up to this many rows from captured CUDA graphs (one per batch
-    # bucket, captured on first use), where the attention backend can (flashinfer) and the
+    # bucket, captured when the engine starts), where the attention backend can (flashinfer) and the
     # engine is one rank. 0: every step runs eagerly.
     cuda_graph_max_batch: int = 256
     # Overlapped steps (engine.overlap): the host schedules and prepares the next step while the
     # device computes this one, which samples on the device; a step whose rows need the host
     # between steps (grammars, logprobs, penalties, seeded draws, drafts, several ranks) runs
-    # after the one in flight instead. Worth it where the device computes asynchronously (CUDA).
-    async_scheduling: bool = False
+    # after the one in flight instead. Worth it where the device computes asynchronously: None
+    # (the default) turns it on for CUDA, where an H200 ran the 1.5B shape's batch-64 decode step
+    # in 3.08 ms overlapped against 4.22 ms one at a time (the 135M shape's batch 32: 1.48 / 2.38),
+    # and off on a CPU, whose cores compute the step the host would prepare beside.
+    async_scheduling: bool | None = None
     # Priority aging: a request waiting this long since it arrived is served ahead of every
     # priority, oldest first, so a low priority bounds a wait instead of starving it. None:
     # strict priority.

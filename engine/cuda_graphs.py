@@ -9,13 +9,16 @@ slots) and its attention from wrappers planned over fixed buffers before each re
 attend and write only the cache's scratch block, so no sequence's KV is touched.
 
 Only whole-model, one-rank, decode-only steps are replayed (every row sampled); anything else
-(prompt chunks, pipeline stages, tensor-parallel collectives) runs eagerly. A bucket is
-captured the first time a batch of its size runs.
+(prompt chunks, pipeline stages, tensor-parallel collectives) runs eagerly. Every bucket is
+captured when the engine starts (``capture_all``, largest first, as vLLM does): captured on first
+use instead, a serving decode actor stalled every request it held for a capture (two warm-up
+forwards and the recording) each time the batch grew past a bucket it had not seen.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +71,15 @@ class DecodeGraphs:
         self.indices = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None  # the graphs' shared memory pool
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, the largest first: the smaller graphs then take their
+        working memory from what the largest one's pool already holds."""
+        started = time.perf_counter()
+        for bucket in sorted(self.buckets, reverse=True):
+            if bucket not in self.graphs:
+                self._capture(bucket)
+        logger.info("captured %d CUDA graphs (decode batches up to %d) in %.1f s", len(self.buckets), self.buckets[-1], time.perf_counter() - started)
 
     def bucket(self, rows: int) -> int | None:
         return next((size for size in self.buckets if size >= rows), None)
@@ -146,6 +158,6 @@ class DecodeGraphs:
             logits = forward()
         self.pool = graph.pool()
         captured = self.graphs[bucket] = _Graph(graph, wrappers, logits)
-        logger.info("captured a CUDA graph for decode batches of %d", bucket)
+        logger.debug("captured a CUDA graph for decode batches of %d", bucket)
         return captured
 

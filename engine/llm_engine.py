@@ -136,6 +136,7 @@ class LLMEngine:
                 loaded.model, self.kv_cache, attention, min(self.config.cuda_graph_max_batch, self.config.max_num_seqs),
                 -(-self.max_model_len // self.kv_cache.block_size) + 1,
             )
+            graphs.capture_all()
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs)
         self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
@@ -149,7 +150,7 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self._undelivered: list[RequestOutput] = []
         self._may_overlap = (
-            self.config.async_scheduling and self.scheduler.overlaps_steps and self.scheduler.proposer is None
+            self.overlaps_steps_by_config() and self.scheduler.overlaps_steps and self.scheduler.proposer is None
             and self.scheduler.chunk_sizer is None and isinstance(self.executor, LocalExecutor)
         )
         logger.info(
@@ -161,6 +162,12 @@ class LLMEngine:
             self.max_model_len,
             tp_size,
         )
+
+    def overlaps_steps_by_config(self) -> bool:
+        """``async_scheduling`` as configured, None settled by the device (on for CUDA)."""
+        if self.config.async_scheduling is None:
+            return torch.device(self.config.device).type == "cuda"
+        return self.config.async_scheduling
 
     def _sized_cache_config(self, model_config: ModelConfig) -> EngineConfig:
         """The config with ``num_kv_blocks`` settled: from ``kv_cache_bytes`` per rank (the bytes a
