@@ -9,6 +9,7 @@ frees the request's blocks immediately.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -144,6 +145,10 @@ class LLMEngine:
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids, proposer=self._proposer(loaded.dtype))
         self.num_steps = 0
         self.num_scheduled_tokens = 0
+        # Wall time inside step(): against a worker's wall time, whether its steps or the time
+        # between them (its loop, its calls) set the pace of its tokens (router.metrics).
+        self.step_seconds = 0.0
+        self._timing_step = False
         self.last_shape: StepShape | None = None  # of the latest batch run_batch was given
         # Overlapped steps (engine.overlap): the step whose tokens are not read yet, and outputs
         # read outside a step (to abort, say), which the next step() returns.
@@ -276,6 +281,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run a step; the outputs of the requests that got tokens or finished (with
         overlapped steps, those of the step before, read while this one computes)."""
+        with self._timed_step():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._undelivered = self._undelivered, []
         try:
             batch = self.scheduler.schedule()
@@ -289,9 +298,24 @@ class LLMEngine:
     def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Run one scheduled batch: overlapped where it can be (engine.overlap), else at once,
         after the step in flight (if any) has been read."""
-        if self._may_overlap and self._overlaps(batch):
-            return self._run_overlapped(batch)
-        return self._run_after_in_flight(batch)
+        with self._timed_step():
+            if self._may_overlap and self._overlaps(batch):
+                return self._run_overlapped(batch)
+            return self._run_after_in_flight(batch)
+
+    @contextlib.contextmanager
+    def _timed_step(self):
+        """Count the time inside into ``step_seconds``, once (``step`` runs ``run_batch``, which
+        a prefill worker also calls on its own)."""
+        if self._timing_step:
+            yield
+            return
+        self._timing_step, started = True, time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timing_step = False
+            self.step_seconds += time.perf_counter() - started
 
     def _run_after_in_flight(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Read the step in flight (if any), then run ``batch`` at once."""

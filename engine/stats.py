@@ -31,6 +31,7 @@ class EngineStats:
     num_cached_free_blocks: int = 0  # free blocks still holding a cached prefix block
     num_draft_tokens: int = 0  # speculative tokens proposed, since the start
     num_accepted_draft_tokens: int = 0  # of those, tokens the model confirmed
+    step_seconds: float = 0.0  # wall time inside steps (schedule, run, read the tokens), since the start
 
     @property
     def num_used_blocks(self) -> int:
@@ -57,4 +58,5 @@ def engine_stats(engine) -> EngineStats:
         num_cached_free_blocks=engine.allocator.num_cached_free,
         num_draft_tokens=scheduler.num_draft_tokens,
         num_accepted_draft_tokens=scheduler.num_accepted_draft_tokens,
+        step_seconds=engine.step_seconds,
     )

@@ -25,7 +25,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 PREFIX = "pdserve:"
 # Series of one worker, dropped when it leaves the pool.
 _PER_WORKER = (
-    "num_requests_running", "kv_cache_usage_perc", "kv_blocks_used", "kv_blocks_free", "num_preemptions",
+    "num_requests_running", "kv_cache_usage_perc", "kv_blocks_used", "kv_blocks_free", "num_preemptions", "engine_steps", "engine_step_seconds",
     "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
 )
@@ -67,7 +67,14 @@ class Metrics:
         self.prefix_queries = metric(Counter, "prefix_cache_queries", "Prompt tokens looked up in a worker's prefix cache", ("worker_id", "role"))
         self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens a worker's prefix cache held", ("worker_id", "role"))
         self.prefix_hit_rate = metric(Gauge, "prefix_cache_hit_rate", "Prefix cache hits / queries since the worker started", ("worker_id", "role"))
+        self.engine_steps = metric(Counter, "engine_steps", "Engine steps a worker ran", ("worker_id", "role"))
+        self.engine_step_seconds = metric(
+            Counter, "engine_step_seconds", "Wall time a worker spent inside engine steps (per step: / engine_steps; busy share: its rate)",
+            ("worker_id", "role"),
+        )
         self._worker_counters = {
+            "num_steps": self.engine_steps,
+            "step_seconds": self.engine_step_seconds,
             "num_preemptions": self.preemptions,
             "num_prefix_query_tokens": self.prefix_queries,
             "num_prefix_hit_tokens": self.prefix_hits,
@@ -95,7 +102,7 @@ class Metrics:
             "num_failures": self.kv_path_failures, "write_seconds": self.kv_path_seconds,
         }
         self._last_steps: dict[str, tuple[int, int]] = {}
-        self._last_totals: dict[tuple[str, str], int] = {}  # (worker, EngineStats field) -> last total
+        self._last_totals: dict[tuple[str, str], float] = {}  # (worker, EngineStats field) -> last total
         self._known_workers: set[str] = set()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

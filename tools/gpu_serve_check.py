@@ -7,7 +7,11 @@ APIs on 127.0.0.1) with one prefill and one decode actor, each given half the GP
 pushed from the prefill actor's VRAM into the decode actor's over NIXL after every chunk, on a
 random-weight model of SmolLM2-135M's shape in bfloat16 (the built-in model's tokenizer); then
 ``pdserve bench``'s mixed workload (long prompts among short ones, streamed) against it. Reports
-the benchmark's summary (TTFT, TPOT, throughput, errors) and exits non-zero if a request failed.
+the benchmark's summary (TTFT, TPOT, throughput, errors) and, from the router's Prometheus
+metrics before and after it, each worker's steps during the benchmark: how many, their mean
+time and the share of the benchmark spent inside them (a decode actor whose steps take little of
+its time while its TPOT is long is paced by what happens between them). Exits non-zero if a
+request failed.
 
 ``--gpus-per-actor 0`` runs the same deployment on the CPU (a dry run of this script).
 """
@@ -15,6 +19,7 @@ the benchmark's summary (TTFT, TPOT, throughput, errors) and exits non-zero if a
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -22,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,22 +50,27 @@ def make_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def serve(model: Path, gpus: float, state: Path, log: Path, async_scheduling: bool = False) -> tuple[subprocess.Popen, str]:
-    """``pdserve up`` in the foreground (in a child process); its router's address once it serves.
-    ``async_scheduling``: the decode actor overlaps its steps (engine.overlap)."""
+def serve(model: Path, gpus: float, state: Path, log: Path, async_scheduling: bool | None = None) -> tuple[subprocess.Popen, str, str]:
+    """``pdserve up`` in the foreground (in a child process); its router's and its metrics' addresses once it serves.
+    ``async_scheduling``: whether the decode actor overlaps its steps (engine.overlap; None: pdserve's default, on for GPUs)."""
     placement = ["--prefill-gpus", str(gpus), "--decode-gpus", str(gpus)] if gpus else ["--prefill-cpus", "0.5", "--decode-cpus", "0.5"]
-    overlap = ["--async-scheduling"] if async_scheduling else []
+    overlap = [] if async_scheduling is None else ["--async-scheduling" if async_scheduling else "--no-async-scheduling"]
     process = subprocess.Popen(
         [*PDSERVE, "--state-file", str(state), "up", *overlap, "--model", str(model), "--prefill", "1", "--decode", "1", *placement,
          "--disaggregation", "always", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", "0", "--admin-port", "0"],
         stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT,
     )
-    line = ""
-    while not line.startswith("pdserve serving on "):  # Ray relays the actors' logs to stdout too
+    printed: dict[str, str] = {}
+    while "metrics on" not in printed:  # Ray relays the actors' logs to stdout too
         line = process.stdout.readline()
         if not line and process.poll() is not None:
             raise RuntimeError(f"pdserve up exited with {process.returncode}: {log.read_text()[-3000:]}")
-    return process, line.split()[3]
+        for start in ("pdserve serving on", "metrics on"):
+            if line.startswith(start + " "):
+                printed[start] = line.split()[len(start.split())]
+    # Keep reading what it prints: a full pipe would block its logging, and so the deployment.
+    threading.Thread(target=lambda: collections.deque(process.stdout, maxlen=0), daemon=True).start()
+    return process, printed["pdserve serving on"], printed["metrics on"].removeprefix("http://").removesuffix("/metrics")
 
 
 def bench(address: str, num_requests: int, out: Path) -> dict:
@@ -74,22 +85,48 @@ def bench(address: str, num_requests: int, out: Path) -> dict:
     return {key: value for key, value in result.items() if not isinstance(value, (dict, list))}  # the summary, not each record
 
 
+def scrape_steps(metrics_address: str) -> dict[str, dict[str, float]]:
+    """Per worker, its ``pdserve:engine_steps`` and ``pdserve:engine_step_seconds`` totals (router.metrics)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30).read().decode()
+    totals: dict[str, dict[str, float]] = {}
+    for name, labels, value in re.findall(r"^pdserve:(engine_steps_total|engine_step_seconds_total)\{([^}]*)\} (\S+)$", text, re.MULTILINE):
+        worker = re.search(r'worker_id="([^"]*)"', labels).group(1)
+        totals.setdefault(worker, {})[name.removesuffix("_total")] = float(value)
+    return totals
+
+
+def step_report(before: dict, after: dict, seconds: float) -> dict[str, dict[str, float]]:
+    """Each worker's steps between two scrapes: count, mean ms, and busy share of ``seconds``."""
+    report = {}
+    for worker, totals in after.items():
+        steps = totals.get("engine_steps", 0.0) - before.get(worker, {}).get("engine_steps", 0.0)
+        busy = totals.get("engine_step_seconds", 0.0) - before.get(worker, {}).get("engine_step_seconds", 0.0)
+        report[worker] = {"steps": steps, "mean_step_ms": busy / steps * 1e3 if steps else 0.0, "busy_share": busy / seconds if seconds else 0.0}
+    return report
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus-per-actor", type=float, default=0.5)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--async-scheduling", action="store_true", help="the decode actor overlaps its steps (engine.overlap)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, help="whether the decode actor overlaps its steps (engine.overlap; default: pdserve's, on for GPUs)")
     args = parser.parse_args()
     report: dict = {"gpus_per_actor": args.gpus_per_actor, "async_scheduling": args.async_scheduling}
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = make_checkpoint(work / "smollm2-135m-shape")
-        process, address = serve(model, args.gpus_per_actor, work / "state.json", work / "up.log", args.async_scheduling)
+        process, address, metrics_address = serve(model, args.gpus_per_actor, work / "state.json", work / "up.log", args.async_scheduling)
         report["startup_s"] = round(time.monotonic() - started, 1)
         try:
+            before, bench_started = scrape_steps(metrics_address), time.monotonic()
             report["bench"] = bench(address, args.num_requests, work / "bench")
+            time.sleep(1.5)  # the router reads the workers' reports when scraped, none older than 1 s
+            report["worker_steps"] = step_report(before, scrape_steps(metrics_address), time.monotonic() - bench_started)
         except Exception as exc:  # still stop the deployment and report what it logged
             report["error"] = repr(exc)[-2000:]
         finally:

@@ -148,6 +148,13 @@ def test_metrics_scrape_reports_sensible_values_after_traffic(ray_cluster, e2e_m
     assert series("num_requests_waiting") == 0
     assert series("prefill_tokens_per_step", worker_id="prefill-0") > 1
     assert series("num_preemptions_total", role="decode", worker_id="decode-0") == 0
+    # Steps: the requests ran one after another, so the decode actor ran one per token after the
+    # prefilled first (7 for each 8-token request, 3 for the stopped one), the prefill actor one
+    # per prompt at least; their time inside is real and within the test's wall time.
+    assert series("engine_steps_total", role="decode", worker_id="decode-0") >= 5 * 7 + 3
+    assert series("engine_steps_total", role="prefill", worker_id="prefill-0") >= 6
+    for role in ("decode", "prefill"):
+        assert 0 < series("engine_step_seconds_total", role=role, worker_id=f"{role}-0") < 60
     assert values.get('pdserve:request_retries_total{kind="prefill",model_name="tiny"}', 0) == 0
 
 
