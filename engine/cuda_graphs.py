@@ -41,7 +41,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     wrappers: dict  # window -> FlashInfer decode wrapper over this bucket's fixed buffers
-    logits: torch.Tensor  # [bucket, vocab] float32, written by each replay
+    logits: torch.Tensor  # [bucket, vocab] float32, written by each replay (a view of DecodeGraphs.logits)
 
 
 class DecodeGraphs:
@@ -69,6 +69,10 @@ class DecodeGraphs:
         # plan copies them with a stream synchronization (the host would wait for the step in flight).
         self.indices_staging = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32).pin_memory()
         self.indices = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32, device=device)
+        # Every graph writes its logits here: as each graph's own output they stayed allocated,
+        # one [bucket, vocab] float32 tensor per bucket (1.3 GB for the buckets up to 256 rows of
+        # a 152k vocabulary); the graphs replay one at a time, so one buffer serves them all.
+        self.logits = torch.empty((max_batch, model.lm_head.out_features), dtype=torch.float32, device=device)
         self.graphs: dict[int, _Graph] = {}
         self.pool = None  # the graphs' shared memory pool
 
@@ -145,7 +149,7 @@ class DecodeGraphs:
         meta = FlashInferMetadata(self.slot_blocks[:bucket], self.slot_offsets[:bucket], num_single=bucket, decode=wrappers)
 
         def forward() -> torch.Tensor:
-            return self.model.forward(self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, meta, self.rows[:bucket])
+            return self.model.forward(self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, meta, self.rows[:bucket], logits_out=self.logits[:bucket])
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

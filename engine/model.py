@@ -140,10 +140,12 @@ class CausalLM(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Run the packed batch; return float32 logits only at ``logits_indices`` (on rank 0 of a
-        tensor-parallel group; None on the others)."""
-        return self.run_stage(input_ids, positions, kv_cache, meta, logits_indices, range(len(self.layers)))
+        tensor-parallel group; None on the others), written into ``logits_out`` where given (one
+        model rank: the CUDA graphs' shared output, engine.cuda_graphs)."""
+        return self.run_stage(input_ids, positions, kv_cache, meta, logits_indices, range(len(self.layers)), logits_out=logits_out)
 
     @torch.inference_mode()
     def run_stage(
@@ -155,6 +157,7 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor,
         layers: range,
         incoming: StageActivations | None = None,
+        logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor | StageActivations | None:
         """Layers ``layers`` of the packed batch, writing their KV: a stage from layer 0 embeds
         ``input_ids``, a later one starts from the previous stage's ``incoming``; a stage through
@@ -172,7 +175,7 @@ class CausalLM(nn.Module):
         hidden, _ = self.norm.add_and_norm(hidden[logits_indices], residual[logits_indices])
         logits = self.lm_head(hidden)
         if self.shard.is_whole:
-            return logits.float()
+            return logits.float() if logits_out is None else logits_out.copy_(logits)  # one conversion either way
         # Vocabulary-parallel: each rank scored its rows; rank 0 (the sampler's) joins them.
         gathered = self.group.gather_to_first(logits)
         return None if gathered is None else gathered[:, : self.config.vocab_size].float()
