@@ -8,6 +8,7 @@ code on the actor's loop), by the benchmarks and by the tests, which reach into
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from pathlib import Path
@@ -27,6 +28,9 @@ from router.runner import LoopThread
 logger = logging.getLogger(__name__)
 
 __all__ = ["Deployment", "DeploymentSpec", "PoolSpec", "build_router", "model_info"]
+
+STOP_PART_TIMEOUT_S = 25.0  # each part of a stop (router replicas, router, front ends, pools)
+STOP_TIMEOUT_S = 60.0  # the whole stop
 
 
 def model_info(spec: DeploymentSpec) -> ModelInfo:
@@ -127,18 +131,24 @@ class Deployment:
         if self._loop is None:
             return
         if self.router is not None:
-            self._loop.run(self._stop(), timeout_s=30)
+            self._loop.run(self._stop(), timeout_s=STOP_TIMEOUT_S)
         self._loop.stop()
         self._loop = None
 
     async def _stop(self) -> None:
-        await stop_replicas(self.replicas)
-        self.replicas = []
-        await self.router.stop()
+        # Each part in turn, so that one that hangs is named (CI once saw the whole stop run
+        # past its 30 s, once in many runs, with nothing to say which part held it).
+        parts = [("router replicas", lambda: stop_replicas(self.replicas)), ("router", self.router.stop)]
         if self.front_ends is not None:
-            await self.front_ends.stop()
+            parts.append(("front ends", self.front_ends.stop))
         if self.pools is not None:
-            await self.pools.stop()
+            parts.append(("pools", self.pools.stop))
+        for name, stop in parts:
+            try:
+                await asyncio.wait_for(stop(), STOP_PART_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"stopping the deployment: the {name} did not stop within {STOP_PART_TIMEOUT_S:.0f} s") from None
+        self.replicas = []
 
     def scale(self, role: Role, replicas: int) -> int:
         return self._loop.run(self.pools.scale(role, replicas))
