@@ -6,7 +6,7 @@
 #   carry .gpu/fi_full.tar.xz and .gpu/apache_tvm_ffi-*.whl:
 #     bash tools/gpu_run.sh check --sections rope,kv_write,overlap,quantized,sampling,profile,decode --batches-1.5b 64
 #   carry .gpu/fi_jit.tar.xz too where an earlier machine exported it (bash tools/gpu_run.sh jit --export $OUT):
-#   FlashInfer's kernels then need no compiling.
+#   the kernels in it then need no compiling (bash tools/gpu_run.sh jit builds the others, in parallel).
 #   carry .gpu/serve_deps.tar.xz and .gpu/nixl13.tar.xz:
 #     bash tools/gpu_run.sh nixl && bash tools/gpu_run.sh serve --async-scheduling
 set -euo pipefail
@@ -24,11 +24,25 @@ done
 for bundle in .gpu/*.tar.xz; do
   [ -e "$bundle" ] && [ ! -e "$site/.done-$(basename "$bundle")" ] || continue
   case "$bundle" in
-    */fi_jit.tar.xz) tar -xJf "$bundle" -C "$FLASHINFER_WORKSPACE_BASE" ;;  # FlashInfer's compiled kernels (gpu_warm_jit.py --export)
+    */fi_jit.tar.xz) continue ;;  # below, once FlashInfer itself is unpacked
     *) tar -xJf "$bundle" -C "$site" ;;
   esac
   touch "$site/.done-$(basename "$bundle")"
 done
+# FlashInfer's compiled kernels from an earlier machine (gpu_warm_jit.py --export), placed where
+# FlashInfer loads ahead-of-time modules (flashinfer/data/aot/NAME/NAME.so) with no build: in its
+# JIT cache ninja would rebuild a library that came without its objects and build log.
+jit=.gpu/fi_jit.tar.xz
+if [ -e "$jit" ] && [ -d "$site/flashinfer" ] && [ ! -e "$site/.done-fi_jit" ]; then
+  unpacked=$(mktemp -d)
+  tar -xJf "$jit" -C "$unpacked"
+  for library in $(find "$unpacked" -name '*.so'); do
+    name=$(basename "$library" .so)
+    mkdir -p "$site/flashinfer/data/aot/$name" && mv "$library" "$site/flashinfer/data/aot/$name/"
+  done
+  rm -rf "$unpacked"
+  touch "$site/.done-fi_jit"
+fi
 what=$1
 shift
 case "$what" in

@@ -12,8 +12,9 @@ head sizes (64: the 135M shape, 9 query / 3 KV heads; 128: the 1.5B shape, 12 / 
     python tools/gpu_warm_jit.py [--export DIR]
 
 ``--export DIR`` then packs the compiled modules (the .so files of FlashInfer's cache) into
-DIR/fi_jit.tar.xz: carried to a later machine and unpacked where FLASHINFER_WORKSPACE_BASE points
-(tools/gpu_run.sh does), they spare it the builds.
+DIR/fi_jit.tar.xz: carried to a later machine, tools/gpu_run.sh places them where FlashInfer
+loads ahead-of-time modules (flashinfer/data/aot/NAME/NAME.so), which it loads without building;
+left in its JIT cache without their objects and ninja's log, ninja would build them again.
 """
 
 from __future__ import annotations
