@@ -278,3 +278,47 @@ def test_the_host_free_inverse_cdf_never_lands_past_a_rows_last_drawable_token()
     assert _inverse_cdf_no_sync(probs, torch.ones(3, dtype=torch.float64)).tolist() == [1, 2, 0]
     assert _inverse_cdf_no_sync(probs, torch.tensor([0.0, 0.1, 0.99], dtype=torch.float64)).tolist() == [0, 0, 0]
     assert _inverse_cdf_no_sync(probs, torch.tensor([0.6, 0.3, 0.5], dtype=torch.float64)).tolist() == [1, 2, 0]
+
+
+class _ExactFlashInferSampling:
+    """A stand-in for FlashInfer's ``softmax`` and ``top_p_sampling_from_probs`` (CUDA only), exact
+    in torch on the CPU, recording what it was given: for the rows of a mixed batch that
+    ``_draw_unseeded`` hands to FlashInfer (tools/gpu_check.py draws through the real kernels)."""
+
+    def __init__(self) -> None:
+        self.temperatures: list[float] = []
+
+    def softmax(self, logits, temperature):
+        self.temperatures += temperature.tolist()
+        return torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+
+    def top_p_sampling_from_probs(self, probs, top_p, seed, offset):
+        ordered, order = probs.sort(dim=-1, descending=True)
+        kept = ordered * ((ordered.cumsum(dim=-1) - ordered) < top_p.unsqueeze(1))
+        picks = torch.multinomial(kept, 1, generator=torch.Generator().manual_seed(seed % 2**63)).squeeze(1)
+        return order.gather(1, picks.unsqueeze(1)).squeeze(1).int()
+
+
+def test_a_mixed_batch_drawn_without_the_host_gives_each_row_its_own_distribution(monkeypatch):
+    """Rows with top-k (drawn among their candidates) interleaved with rows without (handed to
+    FlashInfer's kernels): every row gets a draw from its own parameters' distribution, in its own
+    place, and FlashInfer gets only the rows without top-k, their temperatures floored at 1e-30."""
+    import engine.sampler
+
+    flashinfer = _ExactFlashInferSampling()
+    monkeypatch.setattr(engine.sampler, "_flashinfer_sampling", lambda: flashinfer)
+    generator = torch.Generator().manual_seed(17)
+    logits = torch.randn(2, 400, generator=generator, dtype=torch.float64) * 3
+    with_top_k = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
+    without = SamplingParams(temperature=0.9, top_p=0.9)
+    pair = [with_top_k, without]
+    rows = DRAWS // 2
+    tokens = Sampler(seed=5)._draw_unseeded(logits.float().repeat(rows, 1), pair * rows)
+    for index, params in enumerate(pair):
+        want = _reference_filtered(logits[index], params)
+        counts = torch.bincount(tokens[index::2], minlength=400).double()
+        assert counts[want == 0].sum() == 0, f"row kind {index}: a token its filters remove was drawn"
+        _assert_frequencies(counts, want)
+    assert flashinfer.temperatures == pytest.approx([0.9] * rows)
+    tiny = Sampler(seed=5)._draw_unseeded(logits[:1].float(), [SamplingParams(temperature=1e-40, top_p=0.5)])
+    assert flashinfer.temperatures[-1] == pytest.approx(1e-30) and int(tiny) == int(logits[0].argmax())
