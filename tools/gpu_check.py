@@ -391,6 +391,17 @@ def bench_sampling(batch: int = 64) -> dict:
         result[name + "_read_ms"] = cuda_seconds(lambda seqs=seqs: sampler.sample(logits, seqs), 3, 20) * 1e3
     seeded = [Sequence(f"z{i}", [1, 2, 3], 3, cases["top_p_top_k"], generator=Sampler.make_generator(i)) for i in range(batch)]
     result["top_p_top_k_seeded_read_ms"] = cuda_seconds(lambda: sampler.sample(logits, seeded), 3, 20) * 1e3
+    # The top-k rows' candidates: torch's topk against FlashInfer's radix top-k (engine.sampler._largest).
+    for k in (20, 50):
+        result[f"torch_topk_{k}_ms"] = cuda_seconds(lambda k=k: logits.topk(k, dim=-1), 3, 20) * 1e3
+        try:
+            import flashinfer
+
+            result[f"flashinfer_top_k_{k}_ms"] = cuda_seconds(lambda k=k: flashinfer.top_k(logits, k, sorted=True), 3, 20) * 1e3
+            mine, theirs = flashinfer.top_k(logits, k, sorted=True)[0], logits.topk(k, dim=-1).values
+            result[f"flashinfer_top_k_{k}_equal_values"] = bool(torch.equal(mine, theirs))
+        except Exception as exc:  # the torch figure still stands
+            result[f"flashinfer_top_k_{k}_error"] = repr(exc)[-300:]
     result["draws"] = check_device_draws()
     result["ok"] = result["draws"]["ok"]
     return result

@@ -6,7 +6,7 @@ first check of a session spent about 150 s there (rope 49 s, norm 43 s, prefill 
 (the machine has 16 cores; FlashInfer locks each module's build, so a check started meanwhile
 waits only for the modules it needs), through the engine's own code paths, so the builds are
 exactly the specializations a check will ask for: the fused norms, SiLU*mul and rotation, the
-sampling kernels, and the attention backend's decode and prefill kernels for the test shapes'
+sampling kernels and radix top-k, and the attention backend's decode and prefill kernels for the test shapes'
 head sizes (64: the 135M shape, 9 query / 3 KV heads; 128: the 1.5B shape, 12 / 2).
 
     python tools/gpu_warm_jit.py [--export DIR]
@@ -62,6 +62,16 @@ def _sampling() -> None:
     Sampler()._draw_unseeded(logits, [SamplingParams(temperature=0.8, top_p=0.9)] * 4)
 
 
+def _top_k() -> None:
+    import torch
+
+    from engine.sampler import Sampler
+    from engine.sampling_params import SamplingParams
+
+    logits = torch.randn(4, 20000, device="cuda")
+    Sampler()._draw_unseeded(logits, [SamplingParams(temperature=0.8, top_k=20, top_p=0.9)] * 4)
+
+
 def _attention(heads: int, kv_heads: int, head_dim: int) -> None:
     import torch
 
@@ -83,6 +93,7 @@ BUILDS = {
     "fused_ops": (_fused_ops, ()),
     "rotation": (_rotation, ()),
     "sampling": (_sampling, ()),
+    "top_k": (_top_k, ()),
     "attention_64": (_attention, (9, 3, 64)),
     "attention_128": (_attention, (12, 2, 128)),
 }
