@@ -113,12 +113,22 @@ def _run(name: str) -> tuple[str, float, str | None]:
 
 
 def export(directory: Path) -> Path:
-    """The compiled modules of FlashInfer's cache as one archive (the sources and objects stay)."""
-    base = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home()))
-    libraries = sorted(str(p.relative_to(base)) for p in base.rglob("*.so"))
-    archive = directory / "fi_jit.tar.xz"
-    subprocess.run(["tar", "-I", "xz -T0", "-cf", str(archive), "-C", str(base), *libraries], check=True)
-    return archive
+    """The compiled modules of FlashInfer's JIT cache, and those a carried archive placed among its
+    ahead-of-time modules, as one archive (the sources and objects stay): every module this
+    machine had, for the next."""
+    import importlib.util
+
+    roots = [Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home()))]
+    spec = importlib.util.find_spec("flashinfer")
+    if spec is not None and spec.submodule_search_locations:
+        roots.append(Path(spec.submodule_search_locations[0]) / "data" / "aot")
+    command = ["tar", "-I", "xz -T0", "-cf", str(directory / "fi_jit.tar.xz")]
+    for root in roots:
+        libraries = sorted(str(p.relative_to(root)) for p in root.rglob("*.so")) if root.is_dir() else []
+        if libraries:
+            command += ["-C", str(root), *libraries]
+    subprocess.run(command, check=True)
+    return directory / "fi_jit.tar.xz"
 
 
 def main() -> int:
