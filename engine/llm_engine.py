@@ -9,7 +9,6 @@ frees the request's blocks immediately.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -148,14 +147,15 @@ class LLMEngine:
         # Wall time inside step(): against a worker's wall time, whether its steps or the time
         # between them (its loop, its calls) set the pace of its tokens (router.metrics).
         self.step_seconds = 0.0
-        self._timing_step = False
         self.last_shape: StepShape | None = None  # of the latest batch run_batch was given
         # Overlapped steps (engine.overlap): the step whose tokens are not read yet, and outputs
         # read outside a step (to abort, say), which the next step() returns.
         self._in_flight: InFlightStep | None = None
         self._undelivered: list[RequestOutput] = []
+        # async_scheduling None: on where the device computes asynchronously (CUDA).
+        overlap = self.config.async_scheduling if self.config.async_scheduling is not None else torch.device(self.config.device).type == "cuda"
         self._may_overlap = (
-            self.overlaps_steps_by_config() and self.scheduler.overlaps_steps and self.scheduler.proposer is None
+            overlap and self.scheduler.overlaps_steps and self.scheduler.proposer is None
             and self.scheduler.chunk_sizer is None and isinstance(self.executor, LocalExecutor)
         )
         logger.info(
@@ -167,12 +167,6 @@ class LLMEngine:
             self.max_model_len,
             tp_size,
         )
-
-    def overlaps_steps_by_config(self) -> bool:
-        """``async_scheduling`` as configured, None settled by the device (on for CUDA)."""
-        if self.config.async_scheduling is None:
-            return torch.device(self.config.device).type == "cuda"
-        return self.config.async_scheduling
 
     def _sized_cache_config(self, model_config: ModelConfig) -> EngineConfig:
         """The config with ``num_kv_blocks`` settled: from ``kv_cache_bytes`` per rank (the bytes a
@@ -281,8 +275,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run a step; the outputs of the requests that got tokens or finished (with
         overlapped steps, those of the step before, read while this one computes)."""
-        with self._timed_step():
+        started = time.perf_counter()
+        try:
             return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - started
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._undelivered = self._undelivered, []
@@ -293,29 +290,22 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         if not batch.slices:
             return outputs + self.resolve_in_flight()
-        return outputs + self.run_batch(batch)
+        return outputs + self._run_batch(batch)
 
     def run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Run one scheduled batch: overlapped where it can be (engine.overlap), else at once,
-        after the step in flight (if any) has been read."""
-        with self._timed_step():
-            if self._may_overlap and self._overlaps(batch):
-                return self._run_overlapped(batch)
-            return self._run_after_in_flight(batch)
-
-    @contextlib.contextmanager
-    def _timed_step(self):
-        """Count the time inside into ``step_seconds``, once (``step`` runs ``run_batch``, which
-        a prefill worker also calls on its own)."""
-        if self._timing_step:
-            yield
-            return
-        self._timing_step, started = True, time.perf_counter()
+        after the step in flight (if any) has been read. Counted in ``step_seconds`` (a prefill
+        worker runs its batches here, not through ``step``)."""
+        started = time.perf_counter()
         try:
-            yield
+            return self._run_batch(batch)
         finally:
-            self._timing_step = False
             self.step_seconds += time.perf_counter() - started
+
+    def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        if self._may_overlap and self._overlaps(batch):
+            return self._run_overlapped(batch)
+        return self._run_after_in_flight(batch)
 
     def _run_after_in_flight(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Read the step in flight (if any), then run ``batch`` at once."""

@@ -73,12 +73,7 @@ class InFlightStep:
         if self.ready is not None:
             self.ready.synchronize()
         tokens = self.host_tokens.tolist()
-        reported: list[TokenLogprob | None] = [None] * len(tokens)
-        if self.host_logprobs is not None:
-            rows = self.host_logprobs.rows
-            for row, entry in zip(rows, self.host_logprobs.entries([tokens[r] for r in rows])):
-                reported[row] = entry
-        return list(zip(tokens, reported))
+        return list(zip(tokens, LogprobTensors.by_row(self.host_logprobs, tokens)))
 
     @property
     def sequence_ids(self) -> set[int]:

@@ -81,13 +81,8 @@ class Sampler:
             proposals = [None] * len(sampled_rows) if draft_probs is None else [draft_probs[r] for r in sampled_rows]
             for row, token in zip(sampled_rows, self._draw(logits, seqs, sampled_rows, drafts, proposals)):
                 token_ids[row] = token
-        logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if logprob_rows:
-            reported = _token_logprobs(raw_logits, logprob_rows, [token_ids[r] for r in logprob_rows], [seqs[r].params.logprobs for r in logprob_rows])
-            for row, entry in zip(logprob_rows, reported):
-                logprobs[row] = entry
-        return list(zip(token_ids, logprobs))
+        reported = LogprobTensors.of(raw_logits, seqs, to_device(token_ids, torch.long, raw_logits.device))
+        return list(zip(token_ids, LogprobTensors.by_row(reported, token_ids)))
 
     @staticmethod
     def draws_on_device(seq: Sequence, device: torch.device) -> bool:
@@ -98,7 +93,7 @@ class Sampler:
         params = seq.params
         if seq.grammar is not None or params.bad_words_token_ids:
             return False
-        return params.greedy or (seq.generator is None and _draws_unseeded_on_device(params, device))
+        return params.greedy or _drawn_unseeded_on_device(seq, device)
 
     def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> tuple[torch.Tensor, "LogprobTensors | None"]:
         """Each row's token as a tensor on the logits' device, and the log-probabilities the rows
@@ -106,63 +101,43 @@ class Sampler:
         the same draws and numbers ``sample`` gives them. ``pending``: the step in flight's
         samples (engine.model_runner.PendingSamples), each sequence's newest token, which the
         penalties count."""
-        tokens = self._tokens_on_device(self._adjust(logits, seqs, pending), seqs)
-        reporting = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if not reporting:
-            return tokens, None
-        return tokens, LogprobTensors.compute(
-            logits, reporting, tokens[to_device(reporting, torch.long, logits.device)], [seqs[i].params.logprobs for i in reporting]
-        )
-
-    def _tokens_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        if len(greedy) == len(seqs):
-            return logits.argmax(dim=-1)
-        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        if greedy:
-            index = to_device(greedy, torch.long, logits.device)
-            tokens[index] = logits[index].argmax(dim=-1)
-        drawn = [i for i in range(len(seqs)) if not seqs[i].params.greedy]
-        index = to_device(drawn, torch.long, logits.device)
-        tokens[index] = self._draw_unseeded(logits[index], [seqs[i].params for i in drawn])
-        return tokens
+        tokens = _rows_in_parts(self._adjust(logits, seqs, pending), [
+            ([i for i, s in enumerate(seqs) if s.params.greedy], lambda rows, _: rows.argmax(dim=-1)),
+            ([i for i, s in enumerate(seqs) if not s.params.greedy], lambda rows, index: self._draw_unseeded(rows, [seqs[i].params for i in index])),
+        ])
+        return tokens, LogprobTensors.of(logits, seqs, tokens)
 
     def _draw_unseeded(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """One draw per row of unseeded requests on CUDA, left there (nothing the host reads, so an
         overlapped step never waits): temperature, then top-k, top-p and min-p (vLLM's order).
+        Rows with top-k draw among their top-k candidates (``_draw_among_top_k``), the others
+        over their whole row (``_draw_whole_rows``)."""
+        return _rows_in_parts(logits, [
+            ([i for i, p in enumerate(params) if p.top_k > 0], lambda rows, index: self._draw_among_top_k(rows, [params[i] for i in index])),
+            ([i for i, p in enumerate(params) if p.top_k <= 0], lambda rows, index: self._draw_whole_rows(rows, [params[i] for i in index])),
+        ])
 
-        Rows with top-k (chat models' generation configs set it) draw among their top-k logits
-        only: ``topk`` once over the vocabulary, then the filters and an inverse-CDF draw over a
-        few dozen candidates, each step's uniforms from a CUDA generator seeded from the engine's.
-        (FlashInfer's top-k/top-p kernel with per-row k masked the whole vocabulary, took its
-        softmax and sampled it: on an H200, 0.79 ms for 64 rows of a 152k vocabulary, 19% of the
-        1.5B shape's decode step.) Rows without top-k need the whole row: FlashInfer's softmax
-        with the rows' temperatures, then its top-p kernel (rejection, no sort; top_p = 1 is a
-        plain draw)."""
-        device = logits.device
-        tokens = torch.empty(len(params), dtype=torch.long, device=device)
-        with_top_k = [i for i, p in enumerate(params) if p.top_k > 0]
-        if with_top_k:
-            chosen = [params[i] for i in with_top_k]
-            probs, token_ids = _top_k_candidates(_rows_of(logits, with_top_k), chosen)
-            uniforms = torch.rand(len(with_top_k), dtype=torch.float64, device=device, generator=self._device_generator(device))
-            picks = token_ids.gather(1, _inverse_cdf_no_sync(probs, uniforms).unsqueeze(1)).squeeze(1)
-            if len(with_top_k) == len(params):
-                return picks
-            tokens[to_device(with_top_k, torch.long, device)] = picks
-        rest = [i for i, p in enumerate(params) if p.top_k <= 0]
+    def _draw_among_top_k(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Rows with top-k (chat models' generation configs set it): ``topk`` once over the
+        vocabulary, then the filters and an inverse-CDF draw over a few dozen candidates, the
+        uniforms from a CUDA generator seeded from the engine's. (FlashInfer's top-k/top-p kernel
+        with per-row k masked the whole vocabulary, took its softmax and sampled it: on an H200,
+        0.79 ms for 64 rows of a 152k vocabulary, 19% of the 1.5B shape's decode step.)"""
+        probs, token_ids = _top_k_candidates(logits, params)
+        uniforms = torch.rand(len(params), dtype=torch.float64, device=logits.device, generator=self._device_generator(logits.device))
+        return token_ids.gather(1, _inverse_cdf_no_sync(probs, uniforms).unsqueeze(1)).squeeze(1)
+
+    def _draw_whole_rows(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Rows without top-k need the whole row: FlashInfer's softmax with the rows'
+        temperatures, then its top-p kernel (rejection, no sort; top_p = 1 is a plain draw)."""
         sampling = _flashinfer_sampling()
         # The floor keeps logits / temperature finite (FlashInfer divides before its running
         # maximum); below it every token but the largest already has probability exactly 0.
-        temperatures = to_device([max(params[i].temperature, _MIN_DEVICE_TEMPERATURE) for i in rest], torch.float32, device)
-        probs = sampling.softmax(_rows_of(logits, rest), temperature=temperatures)
-        top_p = to_device([params[i].top_p for i in rest], torch.float32, device)
+        temperatures = to_device([max(p.temperature, _MIN_DEVICE_TEMPERATURE) for p in params], torch.float32, logits.device)
+        probs = sampling.softmax(logits, temperature=temperatures)
+        top_p = to_device([p.top_p for p in params], torch.float32, logits.device)
         seed = int(torch.randint(0, 2**62, (1,), generator=self.default_generator))
-        picks = sampling.top_p_sampling_from_probs(probs, top_p, seed=seed, offset=0).long()
-        if not with_top_k:
-            return picks
-        tokens[to_device(rest, torch.long, device)] = picks
-        return tokens
+        return sampling.top_p_sampling_from_probs(probs, top_p, seed=seed, offset=0).long()
 
     def _device_generator(self, device: torch.device) -> torch.Generator:
         """A generator on ``device``, re-seeded from the engine's generator for each use: the
@@ -260,7 +235,7 @@ class Sampler:
         """One draw per row, batched: each row's uniform from its own generator, the inverse CDF
         over its distribution (in vocabulary order, or over its filtered candidates)."""
         tokens = [0] * len(rows)
-        fused = [i for i, r in enumerate(rows) if seqs[r].generator is None and _draws_unseeded_on_device(seqs[r].params, logits.device)]
+        fused = [i for i, r in enumerate(rows) if _drawn_unseeded_on_device(seqs[r], logits.device)]
         if fused:
             # Unseeded rows on CUDA: drawn there (_draw_unseeded), the same distribution as the
             # groups below. Seeded rows stay below: a device stream depends on the row's batch
@@ -310,6 +285,20 @@ def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits[torch.tensor(rows, device=logits.device)]
 
 
+def _rows_in_parts(logits: torch.Tensor, parts: list) -> torch.Tensor:
+    """One token per row of ``logits``: ``parts`` split the rows, each ``(rows, fn)`` with ``fn``
+    given those rows' logits and their indices; each result lands in its rows' places (a part
+    holding every row gives its result as is)."""
+    parts = [(rows, fn) for rows, fn in parts if rows]
+    if len(parts) == 1:
+        rows, fn = parts[0]
+        return fn(logits, rows)
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    for rows, fn in parts:
+        tokens[to_device(rows, torch.long, logits.device)] = fn(_rows_of(logits, rows), rows)
+    return tokens
+
+
 def _exp_scaled(logits: torch.Tensor, params: list, out: torch.Tensor) -> torch.Tensor:
     """exp((logits - the row's largest) / temperature) into ``out``: each row's distribution up to
     its normalizer, with its most likely token's weight exactly 1. Shifted before dividing (as
@@ -325,10 +314,11 @@ def _exp_scaled(logits: torch.Tensor, params: list, out: torch.Tensor) -> torch.
 _DRAW_BLOCK = 64
 
 
-def _draws_unseeded_on_device(params, device: torch.device) -> bool:
-    """Whether ``Sampler._draw_unseeded`` draws an unseeded row of these parameters on ``device``:
-    on CUDA, a row with top-k (torch alone), or one without min-p where FlashInfer is installed."""
-    return device.type == "cuda" and (params.top_k > 0 or (params.min_p == 0.0 and _flashinfer_sampling() is not None))
+def _drawn_unseeded_on_device(seq: Sequence, device: torch.device) -> bool:
+    """Whether ``Sampler._draw_unseeded`` draws the row on ``device``: an unseeded request on CUDA
+    with top-k (torch alone), or without min-p where FlashInfer is installed."""
+    params = seq.params
+    return device.type == "cuda" and seq.generator is None and (params.top_k > 0 or (params.min_p == 0.0 and _flashinfer_sampling() is not None))
 
 
 # Temperatures below this are raised to it where FlashInfer divides the logits (_draw_unseeded):
@@ -644,12 +634,6 @@ def _filter_sorted(sorted_logits: torch.Tensor, params: list, log_norm: torch.Te
     return sorted_logits.masked_fill(removed, float("-inf"))
 
 
-def _token_logprobs(logits: torch.Tensor, rows: list[int], token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
-    """Each row's chosen token's log-probability, its rank and the row's ``num_top`` most likely
-    tokens (``LogprobTensors``), read at once."""
-    return LogprobTensors.compute(logits, rows, to_device(token_ids, torch.long, logits.device), num_top).entries(token_ids)
-
-
 @dataclass(slots=True)
 class LogprobTensors:
     """What some rows report of their log-probabilities, computed where the logits are: only these
@@ -663,11 +647,17 @@ class LogprobTensors:
     top_ids: torch.Tensor | None
 
     @classmethod
-    def compute(cls, logits: torch.Tensor, rows: list[int], token_ids: torch.Tensor, num_top: list[int]) -> "LogprobTensors":
-        """For ``rows`` of ``logits``, whose chosen tokens are ``token_ids`` (on the logits' device)."""
-        log_probs = torch.log_softmax(logits[to_device(rows, torch.long, logits.device)], dim=-1)
-        chosen = log_probs.gather(1, token_ids.unsqueeze(1))
+    def of(cls, logits: torch.Tensor, seqs: list, token_ids: torch.Tensor) -> "LogprobTensors | None":
+        """What the rows of ``logits`` whose requests ask for log-probabilities report, their
+        chosen tokens among ``token_ids`` (one per row, on the logits' device); None: no row asks."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not rows:
+            return None
+        index = to_device(rows, torch.long, logits.device)
+        log_probs = torch.log_softmax(logits[index], dim=-1)
+        chosen = log_probs.gather(1, token_ids[index].unsqueeze(1))
         ranks = (log_probs > chosen).sum(dim=-1) + 1
+        num_top = [seqs[i].params.logprobs for i in rows]
         most = max(num_top)
         top_values, top_ids = log_probs.topk(most, dim=-1) if most > 0 else (None, None)
         return cls(rows, num_top, chosen.squeeze(1), ranks, top_values, top_ids)
@@ -676,11 +666,16 @@ class LogprobTensors:
         """A copy on the host, started without waiting where the tensors are on CUDA (``to_host``)."""
         return LogprobTensors(self.rows, self.num_top, to_host(self.chosen), to_host(self.ranks), to_host(self.top_values), to_host(self.top_ids))
 
-    def entries(self, token_ids: list[int]) -> list[TokenLogprob]:
-        """One entry per reporting row, ``token_ids`` their chosen tokens (reads the tensors)."""
-        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
-        top_values, top_ids = (self.top_values.tolist(), self.top_ids.tolist()) if self.top_values is not None else ([], [])
-        return [
-            TokenLogprob(token_id=token, logprob=chosen[i], rank=ranks[i], top=list(zip(top_ids[i][:top], top_values[i][:top])) if top > 0 else [])
-            for i, (token, top) in enumerate(zip(token_ids, self.num_top))
-        ]
+    @staticmethod
+    def by_row(reported: "LogprobTensors | None", token_ids: list[int]) -> list[TokenLogprob | None]:
+        """Per row (``token_ids``: every row's chosen token), what it reports, None for a row that
+        asks nothing (reads the tensors)."""
+        entries: list[TokenLogprob | None] = [None] * len(token_ids)
+        if reported is None:
+            return entries
+        chosen, ranks = reported.chosen.tolist(), reported.ranks.tolist()
+        top_values, top_ids = (reported.top_values.tolist(), reported.top_ids.tolist()) if reported.top_values is not None else ([], [])
+        for i, (row, top) in enumerate(zip(reported.rows, reported.num_top)):
+            pairs = list(zip(top_ids[i][:top], top_values[i][:top])) if top > 0 else []
+            entries[row] = TokenLogprob(token_id=token_ids[row], logprob=chosen[i], rank=ranks[i], top=pairs)
+        return entries

@@ -52,24 +52,25 @@ def _rotation() -> None:
     flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(torch.arange(4, device="cuda"), q, k, 64, cache, is_neox=True)
 
 
-def _sampling() -> None:
+def _draw(vocab: int, params) -> None:
+    """Draw rows of ``params`` through the sampler's device path (engine.sampler._draw_unseeded)."""
     import torch
 
     from engine.sampler import Sampler
+
+    Sampler()._draw_unseeded(torch.randn(4, vocab, device="cuda"), [params] * 4)
+
+
+def _sampling() -> None:
     from engine.sampling_params import SamplingParams
 
-    logits = torch.randn(4, 1000, device="cuda")
-    Sampler()._draw_unseeded(logits, [SamplingParams(temperature=0.8, top_p=0.9)] * 4)
+    _draw(1000, SamplingParams(temperature=0.8, top_p=0.9))  # FlashInfer's softmax and top-p
 
 
 def _top_k() -> None:
-    import torch
-
-    from engine.sampler import Sampler
     from engine.sampling_params import SamplingParams
 
-    logits = torch.randn(4, 20000, device="cuda")
-    Sampler()._draw_unseeded(logits, [SamplingParams(temperature=0.8, top_k=20, top_p=0.9)] * 4)
+    _draw(20000, SamplingParams(temperature=0.8, top_k=20, top_p=0.9))  # FlashInfer's radix top-k
 
 
 def _attention(heads: int, kv_heads: int, head_dim: int) -> None:
