@@ -50,14 +50,14 @@ def make_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def serve(model: Path, gpus: float, state: Path, log: Path, async_scheduling: bool | None = None) -> tuple[subprocess.Popen, str, str]:
+def serve(model: Path, gpus: float, state: Path, log: Path, async_scheduling: bool | None = None, dtype: str = "bfloat16") -> tuple[subprocess.Popen, str, str]:
     """``pdserve up`` in the foreground (in a child process); its router's and its metrics' addresses once it serves.
     ``async_scheduling``: whether the decode actor overlaps its steps (engine.overlap; None: pdserve's default, on for GPUs)."""
     placement = ["--prefill-gpus", str(gpus), "--decode-gpus", str(gpus)] if gpus else ["--prefill-cpus", "0.5", "--decode-cpus", "0.5"]
     overlap = [] if async_scheduling is None else ["--async-scheduling" if async_scheduling else "--no-async-scheduling"]
     process = subprocess.Popen(
         [*PDSERVE, "--state-file", str(state), "up", *overlap, "--model", str(model), "--prefill", "1", "--decode", "1", *placement,
-         "--disaggregation", "always", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", "0", "--admin-port", "0"],
+         "--disaggregation", "always", "--dtype", dtype, "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", "0", "--admin-port", "0"],
         stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT,
     )
     printed: dict[str, str] = {}
@@ -73,11 +73,11 @@ def serve(model: Path, gpus: float, state: Path, log: Path, async_scheduling: bo
     return process, printed["pdserve serving on"], printed["metrics on"].removeprefix("http://").removesuffix("/metrics")
 
 
-def bench(address: str, num_requests: int, out: Path) -> dict:
+def bench(address: str, num_requests: int, out: Path, long_input_len: int = 2048) -> dict:
     """``pdserve bench``'s mixed workload against ``address``; its summary."""
     subprocess.run(
         [*PDSERVE, "bench", "--address", address, "--workload", "mixed", "--num-requests", str(num_requests), "--input-len", "256",
-         "--long-input-len", "2048", "--long-fraction", "0.125", "--output-len", "64", "--request-rate", "8", "--ignore-eos",
+         "--long-input-len", str(long_input_len), "--long-fraction", "0.125", "--output-len", "64", "--request-rate", "8", "--ignore-eos",
          "--timeout", "300", "--out", str(out), "--no-plots", "--no-progress"],
         check=True, cwd=ROOT, timeout=900,
     )
@@ -113,18 +113,22 @@ def main() -> int:
     parser.add_argument("--gpus-per-actor", type=float, default=0.5)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--model", type=Path, help="serve this checkpoint instead of a random one of SmolLM2-135M's shape "
+                        "(e.g. engine/default_model: steps of a millisecond or two on a CPU show what paces tokens beside the step)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--long-input-len", type=int, default=2048, help="the mixed workload's long prompts (the built-in model's context is 2048 in all)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, help="whether the decode actor overlaps its steps (engine.overlap; default: pdserve's, on for GPUs)")
     args = parser.parse_args()
-    report: dict = {"gpus_per_actor": args.gpus_per_actor, "async_scheduling": args.async_scheduling}
+    report: dict = {"gpus_per_actor": args.gpus_per_actor, "async_scheduling": args.async_scheduling, "model": str(args.model or "smollm2-135m-shape"), "dtype": args.dtype}
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = make_checkpoint(work / "smollm2-135m-shape")
-        process, address, metrics_address = serve(model, args.gpus_per_actor, work / "state.json", work / "up.log", args.async_scheduling)
+        model = args.model or make_checkpoint(work / "smollm2-135m-shape")
+        process, address, metrics_address = serve(model, args.gpus_per_actor, work / "state.json", work / "up.log", args.async_scheduling, args.dtype)
         report["startup_s"] = round(time.monotonic() - started, 1)
         try:
             before, bench_started = scrape_steps(metrics_address), time.monotonic()
-            report["bench"] = bench(address, args.num_requests, work / "bench")
+            report["bench"] = bench(address, args.num_requests, work / "bench", args.long_input_len)
             time.sleep(1.5)  # the router reads the workers' reports when scraped, none older than 1 s
             report["worker_steps"] = step_report(before, scrape_steps(metrics_address), time.monotonic() - bench_started)
         except Exception as exc:  # still stop the deployment and report what it logged
