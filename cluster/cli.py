@@ -207,6 +207,10 @@ def _up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
+    taken = _port_taken(config)
+    if taken is not None:
+        print(f"pdserve up: {taken}", file=sys.stderr)
+        return 1
     if _read_state(args.state_file).get("router_address") and args.detach:
         print(f"pdserve up: a deployment is already recorded in {args.state_file}; run `pdserve down` first", file=sys.stderr)
         return 2
@@ -405,6 +409,29 @@ def process_alive(pid: int) -> bool:
         except ProcessLookupError:
             return False
         return True
+
+
+def _port_taken(config) -> str | None:
+    """Which fixed port of the router (gRPC, Admin, HTTP, metrics) cannot be listened on here, as
+    the router would word it; None if every one can. The router runs on this machine (the
+    controller is pinned to the driver's node), so a taken port fails ``up`` in a moment instead
+    of after a Ray head, the controller and the workers started and were stopped again. A port
+    taken between this look and the router's bind still fails there, with the same message."""
+    router = config.router
+    listeners = [("port", router.host, router.port), ("admin_port", router.admin_host, router.admin_port),
+                 ("http_port", router.http_host, router.http_port), ("metrics_port", router.metrics_host, router.metrics_port)]
+    for field, host, port in listeners:
+        if not port:  # None: off; 0: any free port
+            continue
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC, aiohttp and prometheus_client bind
+                sock.bind((host, port))
+        except OSError:
+            return (f"router.{field}: cannot listen on {host}:{port} (the port is in use, or the host is not "
+                    "an address of this machine); give another port, or 0 for any free one")
+    return None
 
 
 def _free_port() -> int:

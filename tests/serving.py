@@ -137,9 +137,13 @@ class HostedRouter:
         self.loop = LoopThread()
         self.router = self.loop.run(self._build())
         self.front_ends = FrontEnds(self.router)
-        self.address = f"127.0.0.1:{self.loop.run(self.front_ends.start())}"
-        self.admin_address = None if self.front_ends.admin_port is None else f"127.0.0.1:{self.front_ends.admin_port}"
         self.pools: PoolManager | None = None
+        try:
+            self.address = f"127.0.0.1:{self.loop.run(self.front_ends.start())}"
+        except BaseException:
+            self.close()  # a listener that did start, the router and the loop: nothing left behind
+            raise
+        self.admin_address = None if self.front_ends.admin_port is None else f"127.0.0.1:{self.front_ends.admin_port}"
 
     @property
     def http_port(self) -> int | None:

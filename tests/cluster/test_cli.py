@@ -148,15 +148,35 @@ def test_a_taken_port_fails_up_with_the_field_named_and_leaves_nothing_running(e
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        started = time.monotonic()
         result = _run("up", "--detach", "--model", str(e2e_model.path), "--port", "0", "--admin-port", str(port),
                       "--metrics-port", "0", "--http-port", "0", "--prefill", "0", "--decode-cpus", "0.5",
                       state_file=state, check=False)
+        elapsed = time.monotonic() - started
     assert result.returncode == 1
     message = result.stderr.strip().splitlines()
-    assert message[0].startswith(f"pdserve up: the deployment failed to start: router.admin_port: cannot listen on 127.0.0.1:{port}")
-    assert len(message) == 1, "the cause alone, not the actor's traceback"
+    assert message == [f"pdserve up: router.admin_port: cannot listen on 127.0.0.1:{port} (the port is in use, or the host is not "
+                       "an address of this machine); give another port, or 0 for any free one"]
+    assert elapsed < 20, "refused before a Ray head, the controller or a worker started"
     assert not state.exists()
-    assert set(_processes_named("gcs_server")) <= heads_before, "the Ray head that `up` started is gone"
+    assert set(_processes_named("gcs_server")) <= heads_before, "no Ray head left behind"
+
+
+def test_a_port_taken_after_up_looked_fails_the_router_with_the_field_named(e2e_model):
+    """The router's own bind (a port taken between ``up``'s look and the router's start) names
+    the field the same way."""
+    from cluster.deployment import DeploymentSpec, PoolSpec
+    from router.config import RouterConfig
+    from tests.serving import HostedRouter, engine_config
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spec = DeploymentSpec(model_path=e2e_model.path, prefill=PoolSpec(0, engine_config()), decode=PoolSpec(1, engine_config()),
+                              router=RouterConfig(port=0, http_port=None, admin_port=port))
+        with pytest.raises(OSError, match=rf"^router\.admin_port: cannot listen on 127\.0\.0\.1:{port} \(the port is in use"):
+            HostedRouter(spec)
 
 
 def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, tmp_path):
