@@ -89,31 +89,6 @@ def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_m
     assert not process_alive(recorded["ray_head_pid"]), "the Ray head that `up --detach` started is gone too"
 
 
-def test_up_in_the_foreground_serves_until_interrupted(e2e_model, tmp_path):
-    state = tmp_path / "state.json"
-    process = subprocess.Popen(
-        [*PDSERVE, "--state-file", str(state), "up", "--model", str(e2e_model.path), "--port", "0", "--metrics-port", "0", "--http-port", "0",
-         "--admin-port", "0", "--prefill", "0", "--decode-cpus", "0.5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        line = ""
-        while not line.startswith("pdserve serving on "):  # Ray relays worker logs to stdout too
-            line = process.stdout.readline()
-            assert line or process.poll() is None, process.stderr.read()
-        address = line.split()[3]
-        with grpc.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING, "the address is printed only once the router serves"
-        generated = _run("generate", "hello", "--address", address, "--max-tokens", "4", "--ignore-eos", state_file=state)
-        assert generated.stdout.startswith("hello")
-    finally:
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=60)
-        assert process.returncode == 0, stderr[-3000:]
-    assert not state.exists()
-
-
 def test_version():
     from importlib.metadata import version
 

@@ -189,29 +189,40 @@ def _address(hex_ip: str, width: int) -> str:
     return ":".join(flat[i : i + 2].hex() for i in range(0, 16, 2))
 
 
-def test_a_local_deployment_listens_on_loopback_only(e2e_model, tmp_path):
-    """`pdserve up` without a Ray address: Ray's GCS, raylet, workers and agents, the router, Admin,
-    metrics and NIXL's UCX in the actors all bind loopback; nothing listens on another interface."""
-    from tests.cluster.test_cli import PDSERVE
+def test_up_in_the_foreground_listens_on_loopback_only_serves_and_stops_when_interrupted(e2e_model, tmp_path):
+    """`pdserve up` without a Ray address, in the foreground: Ray's GCS, raylet, workers and agents,
+    the router, Admin, metrics and NIXL's UCX in the actors all bind loopback (nothing listens on
+    another interface); the address is printed once the router serves, it generates, and an
+    interrupt stops everything and removes the state file. (One deployment for both: a start is
+    the slow part.)"""
+    from tests.cluster.test_cli import PDSERVE, _run
 
+    state = tmp_path / "state.json"
     env = {k: v for k, v in os.environ.items() if k not in ("UCX_NET_DEVICES", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     process = subprocess.Popen(
-        [*PDSERVE, "--state-file", str(tmp_path / "state.json"), "up", "--model", str(e2e_model.path), "--port", "0",
+        [*PDSERVE, "--state-file", str(state), "up", "--model", str(e2e_model.path), "--port", "0",
          "--metrics-port", "0", "--http-port", "0", "--admin-port", "0", "--prefill", "1", "--decode-cpus", "0.5",
          "--prefill-cpus", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )
     try:
         line = ""
-        while not line.startswith("pdserve serving on "):
+        while not line.startswith("pdserve serving on "):  # Ray relays worker logs to stdout too
             line = process.stdout.readline()
             assert line or process.poll() is None, process.stderr.read()
-        time.sleep(1.0)  # agents started alongside the workers
-        listeners = _listening_sockets(process.pid)
+        address = line.split()[3]
+        with grpc.insecure_channel(address) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING, "the address is printed only once the router serves"
+        generated = _run("generate", "hello", "--address", address, "--max-tokens", "4", "--ignore-eos", state_file=state)
+        assert generated.stdout.startswith("hello")
+        listeners = _listening_sockets(process.pid)  # the agents started alongside the workers long before
         names = {name for _, name in listeners}
         assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::KVSized") for n in names), listeners
         exposed = [(a, n) for a, n in listeners if not (a.startswith("127.") or a == "0000:0000:0000:0000:0000:0000:0000:0001")]
         assert not exposed, f"listening beyond loopback: {exposed}"
     finally:
         os.killpg(process.pid, signal.SIGINT)
-        process.communicate(timeout=60)
+        _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr[-3000:]
+    assert not state.exists()
