@@ -34,6 +34,7 @@ class Sampler:
         self._buffer: torch.Tensor | None = None  # scratch kept between steps (_scratch)
         self.penalties = PenaltyHistory()  # the penalised requests' token counts, kept between steps
         self._generators: dict[torch.device, torch.Generator] = {}  # _device_generator's
+        self._keyed = torch.Generator()  # re-seeded with a seeded row's draw key (_keyed_uniforms)
 
     @staticmethod
     def make_generator(seed: int | None) -> torch.Generator | None:
@@ -86,14 +87,14 @@ class Sampler:
 
     @staticmethod
     def draws_on_device(seq: Sequence, device: torch.device) -> bool:
-        """Whether ``sample_on_device`` can draw the row's token: greedy, or on CUDA an unseeded
-        row FlashInfer's kernel draws (temperature, top-k, top-p); and nothing the host must
-        decide from the sequence's latest tokens (a grammar's mask, bad words). Penalties,
-        logit_bias, allowed_token_ids and min_tokens are applied on the device."""
+        """Whether ``sample_on_device`` can draw the row's token: greedy, or on CUDA a row
+        ``_draw_on_device`` draws (temperature, top-k, top-p, min-p with top-k; seeded or not);
+        and nothing the host must decide from the sequence's latest tokens (a grammar's mask, bad
+        words). Penalties, logit_bias, allowed_token_ids and min_tokens are applied on the device."""
         params = seq.params
         if seq.grammar is not None or params.bad_words_token_ids:
             return False
-        return params.greedy or _drawn_unseeded_on_device(seq, device)
+        return params.greedy or _drawn_on_device(seq, device)
 
     def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> tuple[torch.Tensor, "LogprobTensors | None"]:
         """Each row's token as a tensor on the logits' device, and the log-probabilities the rows
@@ -103,41 +104,70 @@ class Sampler:
         penalties count."""
         tokens = _rows_in_parts(self._adjust(logits, seqs, pending), [
             ([i for i, s in enumerate(seqs) if s.params.greedy], lambda rows, _: rows.argmax(dim=-1)),
-            ([i for i, s in enumerate(seqs) if not s.params.greedy], lambda rows, index: self._draw_unseeded(rows, [seqs[i].params for i in index])),
+            ([i for i, s in enumerate(seqs) if not s.params.greedy],
+             lambda rows, index: self._draw_on_device(rows, [seqs[i].params for i in index], [self.draw_key(seqs[i]) for i in index])),
         ])
         return tokens, LogprobTensors.of(logits, seqs, tokens)
 
-    def _draw_unseeded(self, logits: torch.Tensor, params: list) -> torch.Tensor:
-        """One draw per row of unseeded requests on CUDA, left there (nothing the host reads, so an
-        overlapped step never waits): temperature, then top-k, top-p and min-p (vLLM's order).
-        Rows with top-k draw among their top-k candidates (``_draw_among_top_k``), the others
-        over their whole row (``_draw_whole_rows``)."""
+    def _draw_on_device(self, logits: torch.Tensor, params: list, keys: list[int | None] | None = None) -> torch.Tensor:
+        """One draw per sampled row on CUDA, left there (nothing the host reads, so an overlapped
+        step never waits): temperature, then top-k, top-p and min-p (vLLM's order). Rows with
+        top-k draw among their top-k candidates (``_draw_among_top_k``), the others over their
+        whole row (``_draw_whole_rows``). ``keys``: per row, a seeded request's draw key
+        (``draw_key``: its seed and the token's position), None for an unseeded row: a keyed row's
+        draw depends only on its logits and its key, never on the rows beside it, so a seeded
+        request repeats whatever shares its steps and whether they overlap."""
+        keys = keys or [None] * len(params)
         return _rows_in_parts(logits, [
-            ([i for i, p in enumerate(params) if p.top_k > 0], lambda rows, index: self._draw_among_top_k(rows, [params[i] for i in index])),
-            ([i for i, p in enumerate(params) if p.top_k <= 0], lambda rows, index: self._draw_whole_rows(rows, [params[i] for i in index])),
+            ([i for i, p in enumerate(params) if p.top_k > 0],
+             lambda rows, index: self._draw_among_top_k(rows, [params[i] for i in index], [keys[i] for i in index])),
+            ([i for i, p in enumerate(params) if p.top_k <= 0],
+             lambda rows, index: self._draw_whole_rows(rows, [params[i] for i in index], [keys[i] for i in index])),
         ])
 
-    def _draw_among_top_k(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+    def _draw_among_top_k(self, logits: torch.Tensor, params: list, keys: list[int | None]) -> torch.Tensor:
         """Rows with top-k (chat models' generation configs set it): ``topk`` once over the
-        vocabulary, then the filters and an inverse-CDF draw over a few dozen candidates, the
-        uniforms from a CUDA generator seeded from the engine's. (FlashInfer's top-k/top-p kernel
-        with per-row k masked the whole vocabulary, took its softmax and sampled it: on an H200,
-        0.79 ms for 64 rows of a 152k vocabulary, 19% of the 1.5B shape's decode step.)"""
+        vocabulary, then the filters and an inverse-CDF draw over a few dozen candidates; the
+        uniforms from a CUDA generator seeded from the engine's, a keyed row's from its key (made
+        on the host, which knows the key before the step: a copy in, no read back). (FlashInfer's
+        top-k/top-p kernel with per-row k masked the whole vocabulary, took its softmax and
+        sampled it: on an H200, 0.79 ms for 64 rows of a 152k vocabulary, 19% of the 1.5B
+        shape's decode step.)"""
         probs, token_ids = _top_k_candidates(logits, params)
         uniforms = torch.rand(len(params), dtype=torch.float64, device=logits.device, generator=self._device_generator(logits.device))
+        keyed = [i for i, key in enumerate(keys) if key is not None]
+        if keyed:
+            uniforms[to_device(keyed, torch.long, logits.device)] = to_device(self._keyed_uniforms([keys[i] for i in keyed]), torch.float64, logits.device)
         return token_ids.gather(1, _inverse_cdf_no_sync(probs, uniforms).unsqueeze(1)).squeeze(1)
 
-    def _draw_whole_rows(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+    def _keyed_uniforms(self, keys: list[int]) -> torch.Tensor:
+        """One uniform in [0, 1) per draw key, a function of the key alone."""
+        uniforms = torch.empty(len(keys), dtype=torch.float64)
+        for i, key in enumerate(keys):
+            self._keyed.manual_seed(key)
+            uniforms[i] = torch.rand((), generator=self._keyed, dtype=torch.float64)
+        return uniforms
+
+    def _draw_whole_rows(self, logits: torch.Tensor, params: list, keys: list[int | None]) -> torch.Tensor:
         """Rows without top-k need the whole row: FlashInfer's softmax with the rows'
-        temperatures, then its top-p kernel (rejection, no sort; top_p = 1 is a plain draw)."""
+        temperatures, then its top-p kernel (rejection, no sort; top_p = 1 is a plain draw). The
+        kernel's randomness is one seed for its whole batch, each row's stream picked by its
+        place in it: the unkeyed rows share one call, seeded from the engine's generator, and a
+        keyed row gets a call of its own, seeded with its key."""
         sampling = _flashinfer_sampling()
         # The floor keeps logits / temperature finite (FlashInfer divides before its running
         # maximum); below it every token but the largest already has probability exactly 0.
         temperatures = to_device([max(p.temperature, _MIN_DEVICE_TEMPERATURE) for p in params], torch.float32, logits.device)
         probs = sampling.softmax(logits, temperature=temperatures)
         top_p = to_device([p.top_p for p in params], torch.float32, logits.device)
-        seed = int(torch.randint(0, 2**62, (1,), generator=self.default_generator))
-        return sampling.top_p_sampling_from_probs(probs, top_p, seed=seed, offset=0).long()
+
+        def draw(seed: int):
+            return lambda rows, index: sampling.top_p_sampling_from_probs(rows, top_p[_index_of(index, len(params), logits.device)], seed=seed, offset=0).long()
+
+        unkeyed = [i for i, key in enumerate(keys) if key is None]
+        parts = [(unkeyed, draw(int(torch.randint(0, 2**62, (1,), generator=self.default_generator))))] if unkeyed else []
+        parts += [([i], draw(key)) for i, key in enumerate(keys) if key is not None]
+        return _rows_in_parts(probs, parts)
 
     def _device_generator(self, device: torch.device) -> torch.Generator:
         """A generator on ``device``, re-seeded from the engine's generator for each use: the
@@ -154,15 +184,26 @@ class Sampler:
         return self._probabilities(self._adjust(logits, seqs), [s.params for s in seqs])
 
     def draw_generator(self, seq: Sequence, salt: int = 0) -> torch.Generator:
-        """The generator a row draws from: a seeded request's is re-seeded for the row's position
-        (and ``salt``), so the draw for token i depends only on (seed, i, salt); a request resumed on
-        another worker (or recomputed) draws exactly the same."""
-        if seq.generator is None:
+        """The generator a row draws from: a seeded request's is re-seeded with its ``draw_key``,
+        so the draw for token i depends only on (seed, i, salt); a request resumed on another
+        worker (or recomputed) draws exactly the same."""
+        key = self.draw_key(seq, salt)
+        if key is None:
             return self.default_generator
-        position = seq.params.num_resumed_tokens + seq.num_output_tokens
-        key = (seq.params.seed, position) if salt == 0 else (seq.params.seed, position, salt)
-        seq.generator.manual_seed(hash(key) & _SEED_MASK)
+        seq.generator.manual_seed(key)
         return seq.generator
+
+    @staticmethod
+    def draw_key(seq: Sequence, salt: int = 0) -> int | None:
+        """A seeded request's key for the token it draws now (None: unseeded), from its seed and
+        that token's position in its output, which counts a token the step in flight sampled and
+        the host has not read (engine.overlap): an overlapped step draws position i as a step run
+        at once does."""
+        if seq.generator is None:
+            return None
+        position = seq.params.num_resumed_tokens + seq.num_output_tokens + seq.num_pending_tokens
+        key = (seq.params.seed, position) if salt == 0 else (seq.params.seed, position, salt)
+        return hash(key) & _SEED_MASK
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> torch.Tensor:
         """Every per-request change to the logits before temperature, in vLLM's order
@@ -235,12 +276,13 @@ class Sampler:
         """One draw per row, batched: each row's uniform from its own generator, the inverse CDF
         over its distribution (in vocabulary order, or over its filtered candidates)."""
         tokens = [0] * len(rows)
-        fused = [i for i, r in enumerate(rows) if _drawn_unseeded_on_device(seqs[r], logits.device)]
+        fused = [i for i, r in enumerate(rows) if _drawn_on_device(seqs[r], logits.device)]
         if fused:
-            # Unseeded rows on CUDA: drawn there (_draw_unseeded), the same distribution as the
-            # groups below. Seeded rows stay below: a device stream depends on the row's batch
-            # slot, and a seeded draw must depend only on (seed, position).
-            picks = self._draw_unseeded(_rows_of(logits, [rows[i] for i in fused]), [seqs[rows[i]].params for i in fused]).tolist()
+            # On CUDA: drawn there (_draw_on_device), the same distribution as the groups below,
+            # and the same draws an overlapped step makes (a seeded row's keyed alike).
+            picks = self._draw_on_device(
+                _rows_of(logits, [rows[i] for i in fused]), [seqs[rows[i]].params for i in fused], [self.draw_key(seqs[rows[i]]) for i in fused]
+            ).tolist()
             for local, token in zip(fused, picks):
                 tokens[local] = token
         taken = set(fused)
@@ -314,14 +356,20 @@ def _exp_scaled(logits: torch.Tensor, params: list, out: torch.Tensor) -> torch.
 _DRAW_BLOCK = 64
 
 
-def _drawn_unseeded_on_device(seq: Sequence, device: torch.device) -> bool:
-    """Whether ``Sampler._draw_unseeded`` draws the row on ``device``: an unseeded request on CUDA
-    with top-k (torch alone), or without min-p where FlashInfer is installed."""
+def _drawn_on_device(seq: Sequence, device: torch.device) -> bool:
+    """Whether ``Sampler._draw_on_device`` draws the row on ``device``: a sampled row on CUDA with
+    top-k (torch alone), or without min-p where FlashInfer is installed."""
     params = seq.params
-    return device.type == "cuda" and seq.generator is None and (params.top_k > 0 or (params.min_p == 0.0 and _flashinfer_sampling() is not None))
+    return device.type == "cuda" and (params.top_k > 0 or (params.min_p == 0.0 and _flashinfer_sampling() is not None))
 
 
-# Temperatures below this are raised to it where FlashInfer divides the logits (_draw_unseeded):
+def _index_of(rows: list[int], num_rows: int, device: torch.device) -> slice | torch.Tensor:
+    """``rows`` as an index into a tensor of ``num_rows`` rows: a slice where they are all of
+    them in order (no copy), else a tensor on ``device``."""
+    return slice(None) if rows == list(range(num_rows)) else to_device(rows, torch.long, device)
+
+
+# Temperatures below this are raised to it where FlashInfer divides the logits (_draw_on_device):
 # float32 logits (|x| < 1e4) over 1e-30 stay finite, and a gap of one float32 step between two
 # logits over it is already a factor exp(-1e20) = 0 in probability, as with any smaller temperature.
 _MIN_DEVICE_TEMPERATURE = 1e-30

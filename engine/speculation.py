@@ -193,3 +193,7 @@ class DraftRow:
     @property
     def num_output_tokens(self) -> int:
         return self.seq.num_output_tokens + len(self.drafts_before)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.seq.num_pending_tokens

@@ -1,5 +1,6 @@
 """The sampling filters' exact distribution, by a full sort of the row: the reference the sampler's
-draws are held to (tests/engine/test_sampling.py, and tools/gpu_check.py on a GPU)."""
+draws are held to (tests/engine/test_sampling.py, and tools/gpu_check.py on a GPU), and an exact
+stand-in for FlashInfer's sampling kernels on the CPU."""
 
 from __future__ import annotations
 
@@ -22,3 +23,22 @@ def reference_filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     keep[0] = True
     kept = torch.where(keep, probs, torch.zeros_like(probs))
     return torch.zeros_like(kept).scatter_(0, order, kept / kept.sum())
+
+
+class ExactFlashInferSampling:
+    """A stand-in for FlashInfer's ``softmax`` and ``top_p_sampling_from_probs`` (CUDA only), exact
+    in torch on the CPU, recording what it was given: for the rows of a mixed batch that
+    ``_draw_on_device`` hands to FlashInfer (tools/gpu_check.py draws through the real kernels)."""
+
+    def __init__(self) -> None:
+        self.temperatures: list[float] = []
+
+    def softmax(self, logits, temperature):
+        self.temperatures += temperature.tolist()
+        return torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+
+    def top_p_sampling_from_probs(self, probs, top_p, seed, offset):
+        ordered, order = probs.sort(dim=-1, descending=True)
+        kept = ordered * ((ordered.cumsum(dim=-1) - ordered) < top_p.unsqueeze(1))
+        picks = torch.multinomial(kept, 1, generator=torch.Generator().manual_seed(seed % 2**63)).squeeze(1)
+        return order.gather(1, picks.unsqueeze(1)).squeeze(1).int()

@@ -370,8 +370,9 @@ def bench_sampling(batch: int = 64) -> dict:
     """The sampler's cost for ``batch`` rows of the 1.5B shape's vocabulary on the GPU, per set of
     parameters: ``_ms``, what an overlapped step pays (``sample_on_device``: tokens left on the
     device, calls queued back to back), and ``_read_ms``, a step run one at a time (``sample``:
-    the tokens read by the host after each call); a seeded row draws on the host's schedule
-    (per-row generators). Then the draws' distribution (``check_device_draws``)."""
+    the tokens read by the host after each call); seeded rows draw on the device too, keyed by
+    seed and position (a top-k row's uniform made on the host, a whole row's FlashInfer call of
+    its own). Then the draws' distribution (``check_device_draws``)."""
     from engine.sampler import Sampler
     from engine.sequence import Sequence
 
@@ -389,8 +390,10 @@ def bench_sampling(batch: int = 64) -> dict:
         seqs = [Sequence(f"{name}{i}", [1, 2, 3], 3, params) for i in range(batch)]
         result[name + "_ms"] = cuda_seconds(lambda seqs=seqs: sampler.sample_on_device(logits, seqs), 3, 20) * 1e3
         result[name + "_read_ms"] = cuda_seconds(lambda seqs=seqs: sampler.sample(logits, seqs), 3, 20) * 1e3
-    seeded = [Sequence(f"z{i}", [1, 2, 3], 3, cases["top_p_top_k"], generator=Sampler.make_generator(i)) for i in range(batch)]
-    result["top_p_top_k_seeded_read_ms"] = cuda_seconds(lambda: sampler.sample(logits, seeded), 3, 20) * 1e3
+    for name in ("top_p_top_k", "top_p"):
+        seeded = [Sequence(f"z{i}", [1, 2, 3], 3, cases[name], generator=Sampler.make_generator(i)) for i in range(batch)]
+        result[f"{name}_seeded_ms"] = cuda_seconds(lambda seeded=seeded: sampler.sample_on_device(logits, seeded), 3, 20) * 1e3
+        result[f"{name}_seeded_read_ms"] = cuda_seconds(lambda seeded=seeded: sampler.sample(logits, seeded), 3, 20) * 1e3
     # The top-k rows' candidates: torch's topk against FlashInfer's radix top-k (engine.sampler._largest).
     for k in (20, 50):
         result[f"torch_topk_{k}_ms"] = cuda_seconds(lambda k=k: logits.topk(k, dim=-1), 3, 20) * 1e3
@@ -408,7 +411,7 @@ def bench_sampling(batch: int = 64) -> dict:
 
 
 def check_device_draws(draws: int = 100_000) -> dict:
-    """Unseeded rows drawn on the GPU (Sampler._draw_unseeded: top-k rows among their candidates,
+    """Unseeded rows drawn on the GPU (Sampler._draw_on_device: top-k rows among their candidates,
     the others through FlashInfer's softmax and top-p kernels) against the filters' exact
     distribution (the tests' reference: a full sort), ``draws`` rows at once: no token outside it,
     each token's frequency within 5 standard errors (+ 0.001)."""
@@ -426,7 +429,7 @@ def check_device_draws(draws: int = 100_000) -> dict:
     result = {}
     for name, params in cases.items():
         want = reference_filtered(logits, params)
-        tokens = Sampler(seed=1)._draw_unseeded(logits.float().cuda().repeat(draws, 1), [params] * draws)
+        tokens = Sampler(seed=1)._draw_on_device(logits.float().cuda().repeat(draws, 1), [params] * draws)
         counts = torch.bincount(tokens.cpu(), minlength=256).double()
         freq = counts / draws
         error = (freq - want).abs() / torch.sqrt(want * (1 - want) / draws).clamp_min(1e-12)
@@ -463,7 +466,7 @@ def check_overlap(workdir: Path) -> dict:
     """Overlapped steps (async_scheduling, engine.overlap) against steps run one at a time, both
     FlashInfer with graphs, bfloat16, the 135M shape: the same greedy tokens (and logprobs) and the same
     FlashInfer-drawn tokens (unseeded top-k/top-p: the engine's generator seeds each step's draw
-    alike), every block back, and steps launched before the last one's tokens were read."""
+    alike; seeded top-p: keyed by seed and position), every block back, and steps launched before the last one's tokens were read."""
     path = workdir / "overlap"
     if not (path / "config.json").exists():
         random_hf_model("135m", path)
@@ -472,6 +475,8 @@ def check_overlap(workdir: Path) -> dict:
     result = {}
     for kind, params in (("greedy", SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=2)),
                          ("sampled", SamplingParams(max_tokens=48, temperature=0.8, top_k=50, top_p=0.9, ignore_eos=True)),
+                         # Seeded, without top-k: each row's FlashInfer call keyed by seed and position.
+                         ("seeded", SamplingParams(max_tokens=48, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)),
                          # Qwen2.5-Instruct's generation_config: penalties counted on the device.
                          ("qwen_defaults", SamplingParams(max_tokens=48, temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, ignore_eos=True))):
         tokens = {}
@@ -489,7 +494,7 @@ def check_overlap(workdir: Path) -> dict:
             del engine
             torch.cuda.empty_cache()
         result[f"{kind}_equal"] = tokens[True] == tokens[False]
-    kinds = ("greedy", "sampled", "qwen_defaults")
+    kinds = ("greedy", "sampled", "seeded", "qwen_defaults")
     result["ok"] = all(result[f"{kind}_equal"] and result[f"{kind}_steps_overlapped"] > 40 for kind in kinds)
     return result
 

@@ -53,12 +53,12 @@ def _rotation() -> None:
 
 
 def _draw(vocab: int, params) -> None:
-    """Draw rows of ``params`` through the sampler's device path (engine.sampler._draw_unseeded)."""
+    """Draw rows of ``params`` through the sampler's device path (engine.sampler._draw_on_device)."""
     import torch
 
     from engine.sampler import Sampler
 
-    Sampler()._draw_unseeded(torch.randn(4, vocab, device="cuda"), [params] * 4)
+    Sampler()._draw_on_device(torch.randn(4, vocab, device="cuda"), [params] * 4)
 
 
 def _sampling() -> None:

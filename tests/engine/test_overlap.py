@@ -182,3 +182,24 @@ def test_the_context_limit_ends_a_request_without_computing_past_it(prompts):
         ("length", 128), ("length", 128), ("length", len(prompts[2]) + 20)
     ]
     assert engines[True].num_scheduled_tokens == engines[False].num_scheduled_tokens
+
+
+def test_seeded_sampled_rows_draw_the_same_tokens_overlapped(engines, prompts, monkeypatch):
+    """Seeded sampled rows drawn on the device (what a CUDA step draws: here on the CPU, with an
+    exact stand-in for FlashInfer's kernels), top-k rows and whole rows: an overlapped step keys
+    each draw by the position a step run at once gives it (the token in flight counted), so every
+    seeded request repeats token for token."""
+    import engine.sampler
+    from tests.sampling_reference import ExactFlashInferSampling
+
+    monkeypatch.setattr(engine.sampler, "_drawn_on_device", lambda seq, device: seq.params.top_k > 0 or seq.params.min_p == 0.0)
+    monkeypatch.setattr(engine.sampler, "_flashinfer_sampling", lambda: ExactFlashInferSampling())
+    params = [SamplingParams(max_tokens=m, temperature=0.9, top_k=20 if i % 2 else 0, top_p=0.9, seed=100 + i, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]
+    counts = _counting_overlap(engines[True])
+    got = engines[True].generate(prompts, params)
+    want = engines[False].generate(prompts, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert counts["overlapped"] > 40
+    plain = engines[False].generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS])
+    assert sum(a.token_ids != b.token_ids for a, b in zip(want, plain)) >= 6, "sampled, not greedy"

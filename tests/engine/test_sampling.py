@@ -12,6 +12,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from tests.checkpoints import hf_greedy, random_prompts
+from tests.sampling_reference import ExactFlashInferSampling
 from tests.sampling_reference import reference_filtered as _reference_filtered
 
 DRAWS = 6000
@@ -250,7 +251,7 @@ def test_top_p_and_min_p_draws_without_a_sort_follow_the_sorted_filters(params, 
     ],
 )
 def test_unseeded_top_k_rows_drawn_without_the_host_follow_the_sorted_filters(params):
-    """What an overlapped CUDA step draws for unseeded top-k rows (Sampler._draw_unseeded: topk
+    """What an overlapped CUDA step draws for unseeded top-k rows (Sampler._draw_on_device: topk
     candidates, the filters, an inverse CDF over them, uniforms from a generator on the logits'
     device, nothing read by the host), here on the CPU: it follows the full sort's distribution,
     peaked or flat, and never leaves it; and a row beside it with other parameters changes nothing."""
@@ -262,7 +263,7 @@ def test_unseeded_top_k_rows_drawn_without_the_host_follow_the_sorted_filters(pa
             want = _reference_filtered(logits, params)
         other = SamplingParams(temperature=2.0, top_k=3)
         batch = logits.repeat(DRAWS, 1)
-        tokens = Sampler(seed=3)._draw_unseeded(torch.cat([batch, logits.unsqueeze(0)]), [params] * DRAWS + [other])
+        tokens = Sampler(seed=3)._draw_on_device(torch.cat([batch, logits.unsqueeze(0)]), [params] * DRAWS + [other])
         counts = torch.bincount(tokens[:DRAWS], minlength=logits.shape[-1]).float()
         assert counts[want == 0].sum() == 0, "a token the filters remove was drawn"
         _assert_frequencies(counts, want)
@@ -280,32 +281,13 @@ def test_the_host_free_inverse_cdf_never_lands_past_a_rows_last_drawable_token()
     assert _inverse_cdf_no_sync(probs, torch.tensor([0.6, 0.3, 0.5], dtype=torch.float64)).tolist() == [1, 2, 0]
 
 
-class _ExactFlashInferSampling:
-    """A stand-in for FlashInfer's ``softmax`` and ``top_p_sampling_from_probs`` (CUDA only), exact
-    in torch on the CPU, recording what it was given: for the rows of a mixed batch that
-    ``_draw_unseeded`` hands to FlashInfer (tools/gpu_check.py draws through the real kernels)."""
-
-    def __init__(self) -> None:
-        self.temperatures: list[float] = []
-
-    def softmax(self, logits, temperature):
-        self.temperatures += temperature.tolist()
-        return torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
-
-    def top_p_sampling_from_probs(self, probs, top_p, seed, offset):
-        ordered, order = probs.sort(dim=-1, descending=True)
-        kept = ordered * ((ordered.cumsum(dim=-1) - ordered) < top_p.unsqueeze(1))
-        picks = torch.multinomial(kept, 1, generator=torch.Generator().manual_seed(seed % 2**63)).squeeze(1)
-        return order.gather(1, picks.unsqueeze(1)).squeeze(1).int()
-
-
 def test_a_mixed_batch_drawn_without_the_host_gives_each_row_its_own_distribution(monkeypatch):
     """Rows with top-k (drawn among their candidates) interleaved with rows without (handed to
     FlashInfer's kernels): every row gets a draw from its own parameters' distribution, in its own
     place, and FlashInfer gets only the rows without top-k, their temperatures floored at 1e-30."""
     import engine.sampler
 
-    flashinfer = _ExactFlashInferSampling()
+    flashinfer = ExactFlashInferSampling()
     monkeypatch.setattr(engine.sampler, "_flashinfer_sampling", lambda: flashinfer)
     generator = torch.Generator().manual_seed(17)
     logits = torch.randn(2, 400, generator=generator, dtype=torch.float64) * 3
@@ -313,12 +295,44 @@ def test_a_mixed_batch_drawn_without_the_host_gives_each_row_its_own_distributio
     without = SamplingParams(temperature=0.9, top_p=0.9)
     pair = [with_top_k, without]
     rows = DRAWS // 2
-    tokens = Sampler(seed=5)._draw_unseeded(logits.float().repeat(rows, 1), pair * rows)
+    tokens = Sampler(seed=5)._draw_on_device(logits.float().repeat(rows, 1), pair * rows)
     for index, params in enumerate(pair):
         want = _reference_filtered(logits[index], params)
         counts = torch.bincount(tokens[index::2], minlength=400).double()
         assert counts[want == 0].sum() == 0, f"row kind {index}: a token its filters remove was drawn"
         _assert_frequencies(counts, want)
     assert flashinfer.temperatures == pytest.approx([0.9] * rows)
-    tiny = Sampler(seed=5)._draw_unseeded(logits[:1].float(), [SamplingParams(temperature=1e-40, top_p=0.5)])
+    tiny = Sampler(seed=5)._draw_on_device(logits[:1].float(), [SamplingParams(temperature=1e-40, top_p=0.5)])
     assert flashinfer.temperatures[-1] == pytest.approx(1e-30) and int(tiny) == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1),  # drawn among its top-k candidates
+        SamplingParams(temperature=0.9, top_p=0.9, seed=1),  # a whole row, through FlashInfer's kernels
+    ],
+)
+def test_a_seeded_row_drawn_on_the_device_depends_on_its_key_alone_and_follows_its_filters(params, monkeypatch):
+    """A seeded row drawn without the host (what a CUDA step, overlapped or not, draws for it):
+    its token is a function of its logits and its key (seed and position) only: alone, among
+    unseeded rows, or among other keys in another order, the same; and over many keys it follows
+    its filters' distribution."""
+    import engine.sampler
+
+    monkeypatch.setattr(engine.sampler, "_flashinfer_sampling", lambda: ExactFlashInferSampling())
+    generator = torch.Generator().manual_seed(23)
+    logits = torch.randn(2, 400, generator=generator) * 0.5  # flat enough that the filters keep dozens
+    unseeded = SamplingParams(temperature=1.0, top_p=0.95)
+    sampler = Sampler(seed=7)
+    alone = [int(sampler._draw_on_device(logits[:1], [params], [key])) for key in range(40)]
+    beside = sampler._draw_on_device(logits[[1, 0, 1, 0]], [unseeded, params, params, params], [None, 5, None, 9]).tolist()
+    assert beside[1] == alone[5] and beside[3] == alone[9]
+    reordered = sampler._draw_on_device(logits[[0, 0]], [params, params], [9, 5]).tolist()
+    assert reordered == [alone[9], alone[5]]
+    assert len(set(alone)) > 3, "the keys give different draws"
+    tokens = sampler._draw_on_device(logits[:1].repeat(DRAWS, 1), [params] * DRAWS, list(range(DRAWS)))
+    want = _reference_filtered(logits[0], params)
+    counts = torch.bincount(tokens, minlength=400).float()
+    assert counts[want == 0].sum() == 0, "a token the filters remove was drawn"
+    _assert_frequencies(counts, want)
