@@ -88,7 +88,7 @@ class Sampler:
     @staticmethod
     def draws_on_device(seq: Sequence, device: torch.device) -> bool:
         """Whether ``sample_on_device`` can draw the row's token: greedy, or on CUDA a row
-        ``_draw_on_device`` draws (temperature, top-k, top-p, min-p with top-k; seeded or not);
+        ``_draw_on_device`` draws (temperature, top-k, top-p, min-p; seeded or not);
         and nothing the host must decide from the sequence's latest tokens (a grammar's mask, bad
         words). Penalties, logit_bias, allowed_token_ids and min_tokens are applied on the device."""
         params = seq.params
@@ -150,19 +150,31 @@ class Sampler:
 
     def _draw_whole_rows(self, logits: torch.Tensor, params: list, keys: list[int | None]) -> torch.Tensor:
         """Rows without top-k need the whole row: FlashInfer's softmax with the rows'
-        temperatures, then its top-p kernel (rejection, no sort; top_p = 1 is a plain draw). The
-        kernel's randomness is one seed for its whole batch, each row's stream picked by its
-        place in it: the unkeyed rows share one call, seeded from the engine's generator, and a
-        keyed row gets a call of its own, seeded with its key."""
+        temperatures, then its top-p kernel (rejection, no sort; top_p = 1 is a plain draw); with
+        min-p among the rows, its top-p renormalization, then its min-p kernel: min-p's threshold
+        is relative to the row's largest probability, which the nucleus keeps, so the survivors
+        are those of both filters on the same distribution (``_filter_sorted``'s), and a row
+        without min-p draws from its nucleus there. The kernels' randomness is one seed for their
+        whole batch, each row's stream picked by its place in it: the unkeyed rows share one
+        call, seeded from the engine's generator, and a keyed row gets a call of its own, seeded
+        with its key."""
         sampling = _flashinfer_sampling()
         # The floor keeps logits / temperature finite (FlashInfer divides before its running
         # maximum); below it every token but the largest already has probability exactly 0.
         temperatures = to_device([max(p.temperature, _MIN_DEVICE_TEMPERATURE) for p in params], torch.float32, logits.device)
         probs = sampling.softmax(logits, temperature=temperatures)
         top_p = to_device([p.top_p for p in params], torch.float32, logits.device)
+        min_p = to_device([p.min_p for p in params], torch.float32, logits.device) if any(p.min_p > 0.0 for p in params) else None
 
         def draw(seed: int):
-            return lambda rows, index: sampling.top_p_sampling_from_probs(rows, top_p[_index_of(index, len(params), logits.device)], seed=seed, offset=0).long()
+            def rows_drawn(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
+                at = _index_of(index, len(params), logits.device)
+                if min_p is None or all(params[i].min_p == 0.0 for i in index):
+                    return sampling.top_p_sampling_from_probs(rows, top_p[at], seed=seed, offset=0).long()
+                if any(params[i].top_p < 1.0 for i in index):
+                    rows = sampling.top_p_renorm_probs(rows, top_p[at])
+                return sampling.min_p_sampling_from_probs(rows, min_p[at], seed=seed, offset=0).long()
+            return rows_drawn
 
         unkeyed = [i for i, key in enumerate(keys) if key is None]
         parts = [(unkeyed, draw(int(torch.randint(0, 2**62, (1,), generator=self.default_generator))))] if unkeyed else []
@@ -358,9 +370,8 @@ _DRAW_BLOCK = 64
 
 def _drawn_on_device(seq: Sequence, device: torch.device) -> bool:
     """Whether ``Sampler._draw_on_device`` draws the row on ``device``: a sampled row on CUDA with
-    top-k (torch alone), or without min-p where FlashInfer is installed."""
-    params = seq.params
-    return device.type == "cuda" and (params.top_k > 0 or (params.min_p == 0.0 and _flashinfer_sampling() is not None))
+    top-k (torch alone), or without where FlashInfer is installed."""
+    return device.type == "cuda" and (seq.params.top_k > 0 or _flashinfer_sampling() is not None)
 
 
 def _index_of(rows: list[int], num_rows: int, device: torch.device) -> slice | torch.Tensor:

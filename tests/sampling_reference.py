@@ -26,7 +26,8 @@ def reference_filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Te
 
 
 class ExactFlashInferSampling:
-    """A stand-in for FlashInfer's ``softmax`` and ``top_p_sampling_from_probs`` (CUDA only), exact
+    """A stand-in for FlashInfer's ``softmax``, ``top_p_sampling_from_probs``, ``top_p_renorm_probs``
+    and ``min_p_sampling_from_probs`` (CUDA only), exact
     in torch on the CPU, recording what it was given: for the rows of a mixed batch that
     ``_draw_on_device`` hands to FlashInfer (tools/gpu_check.py draws through the real kernels)."""
 
@@ -38,7 +39,19 @@ class ExactFlashInferSampling:
         return torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
 
     def top_p_sampling_from_probs(self, probs, top_p, seed, offset):
+        return _multinomial(self.top_p_renorm_probs(probs, top_p), seed)
+
+    def top_p_renorm_probs(self, probs, top_p):
         ordered, order = probs.sort(dim=-1, descending=True)
         kept = ordered * ((ordered.cumsum(dim=-1) - ordered) < top_p.unsqueeze(1))
-        picks = torch.multinomial(kept, 1, generator=torch.Generator().manual_seed(seed % 2**63)).squeeze(1)
-        return order.gather(1, picks.unsqueeze(1)).squeeze(1).int()
+        kept = torch.zeros_like(probs).scatter_(1, order, kept)
+        return kept / kept.sum(dim=-1, keepdim=True)
+
+    def min_p_sampling_from_probs(self, probs, min_p, seed, offset):
+        kept = probs * (probs >= min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True))
+        return _multinomial(kept, seed)
+
+
+def _multinomial(weights: torch.Tensor, seed: int) -> torch.Tensor:
+    """One draw per row, proportional to ``weights``, from a generator seeded with ``seed``."""
+    return torch.multinomial(weights, 1, generator=torch.Generator().manual_seed(seed % 2**63)).squeeze(1).int()

@@ -412,7 +412,7 @@ def bench_sampling(batch: int = 64) -> dict:
 
 def check_device_draws(draws: int = 100_000) -> dict:
     """Unseeded rows drawn on the GPU (Sampler._draw_on_device: top-k rows among their candidates,
-    the others through FlashInfer's softmax and top-p kernels) against the filters' exact
+    the others through FlashInfer's softmax and top-p or min-p kernels) against the filters' exact
     distribution (the tests' reference: a full sort), ``draws`` rows at once: no token outside it,
     each token's frequency within 5 standard errors (+ 0.001)."""
     from engine.sampler import Sampler
@@ -424,6 +424,8 @@ def check_device_draws(draws: int = 100_000) -> dict:
         "qwen_defaults": SamplingParams(temperature=0.7, top_p=0.8, top_k=20),
         "top_k_min_p": SamplingParams(temperature=1.3, top_k=40, min_p=0.05),
         "top_p": SamplingParams(temperature=0.9, top_p=0.9),
+        "min_p": SamplingParams(temperature=1.1, min_p=0.1),  # FlashInfer's min-p kernel
+        "top_p_min_p": SamplingParams(temperature=0.8, top_p=0.7, min_p=0.05),  # its top-p renormalization, then min-p
         "temperature_only": SamplingParams(temperature=1.2),
     }
     result = {}

@@ -65,6 +65,7 @@ def _sampling() -> None:
     from engine.sampling_params import SamplingParams
 
     _draw(1000, SamplingParams(temperature=0.8, top_p=0.9))  # FlashInfer's softmax and top-p
+    _draw(1000, SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05))  # its top-p renormalization and min-p (the same module)
 
 
 def _top_k() -> None:

@@ -186,15 +186,16 @@ def test_the_context_limit_ends_a_request_without_computing_past_it(prompts):
 
 def test_seeded_sampled_rows_draw_the_same_tokens_overlapped(engines, prompts, monkeypatch):
     """Seeded sampled rows drawn on the device (what a CUDA step draws: here on the CPU, with an
-    exact stand-in for FlashInfer's kernels), top-k rows and whole rows: an overlapped step keys
+    exact stand-in for FlashInfer's kernels), top-k rows and whole rows, some with min-p: an overlapped step keys
     each draw by the position a step run at once gives it (the token in flight counted), so every
     seeded request repeats token for token."""
     import engine.sampler
     from tests.sampling_reference import ExactFlashInferSampling
 
-    monkeypatch.setattr(engine.sampler, "_drawn_on_device", lambda seq, device: seq.params.top_k > 0 or seq.params.min_p == 0.0)
+    monkeypatch.setattr(engine.sampler, "_drawn_on_device", lambda seq, device: True)
     monkeypatch.setattr(engine.sampler, "_flashinfer_sampling", lambda: ExactFlashInferSampling())
-    params = [SamplingParams(max_tokens=m, temperature=0.9, top_k=20 if i % 2 else 0, top_p=0.9, seed=100 + i, ignore_eos=True)
+    params = [SamplingParams(max_tokens=m, temperature=0.9, top_k=20 if i % 2 else 0, top_p=0.9, min_p=0.02 if i % 3 == 0 else 0.0,
+                             seed=100 + i, ignore_eos=True)
               for i, m in enumerate(MAX_TOKENS)]
     counts = _counting_overlap(engines[True])
     got = engines[True].generate(prompts, params)

@@ -283,25 +283,25 @@ def test_the_host_free_inverse_cdf_never_lands_past_a_rows_last_drawable_token()
 
 def test_a_mixed_batch_drawn_without_the_host_gives_each_row_its_own_distribution(monkeypatch):
     """Rows with top-k (drawn among their candidates) interleaved with rows without (handed to
-    FlashInfer's kernels): every row gets a draw from its own parameters' distribution, in its own
-    place, and FlashInfer gets only the rows without top-k, their temperatures floored at 1e-30."""
+    FlashInfer's kernels: top-p alone, min-p alone, both): every row gets a draw from its own
+    parameters' distribution, in its own place, and FlashInfer gets only the rows without top-k,
+    their temperatures floored at 1e-30."""
     import engine.sampler
 
     flashinfer = ExactFlashInferSampling()
     monkeypatch.setattr(engine.sampler, "_flashinfer_sampling", lambda: flashinfer)
     generator = torch.Generator().manual_seed(17)
-    logits = torch.randn(2, 400, generator=generator, dtype=torch.float64) * 3
-    with_top_k = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
-    without = SamplingParams(temperature=0.9, top_p=0.9)
-    pair = [with_top_k, without]
+    logits = torch.randn(4, 400, generator=generator, dtype=torch.float64) * 2
+    kinds = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8), SamplingParams(temperature=0.9, top_p=0.9),
+             SamplingParams(temperature=1.1, min_p=0.1), SamplingParams(temperature=0.8, top_p=0.7, min_p=0.05)]
     rows = DRAWS // 2
-    tokens = Sampler(seed=5)._draw_on_device(logits.float().repeat(rows, 1), pair * rows)
-    for index, params in enumerate(pair):
+    tokens = Sampler(seed=5)._draw_on_device(logits.float().repeat(rows, 1), kinds * rows)
+    for index, params in enumerate(kinds):
         want = _reference_filtered(logits[index], params)
-        counts = torch.bincount(tokens[index::2], minlength=400).double()
+        counts = torch.bincount(tokens[index :: len(kinds)], minlength=400).double()
         assert counts[want == 0].sum() == 0, f"row kind {index}: a token its filters remove was drawn"
         _assert_frequencies(counts, want)
-    assert flashinfer.temperatures == pytest.approx([0.9] * rows)
+    assert flashinfer.temperatures == pytest.approx([0.9, 1.1, 0.8] * rows)
     tiny = Sampler(seed=5)._draw_on_device(logits[:1].float(), [SamplingParams(temperature=1e-40, top_p=0.5)])
     assert flashinfer.temperatures[-1] == pytest.approx(1e-30) and int(tiny) == int(logits[0].argmax())
 
