@@ -60,12 +60,6 @@ class Sampler:
         min(1, p/q) of it and otherwise draws from max(p - q, 0) renormalized: whichever way,
         the row's token is distributed as the target's p (rejection sampling). ``seqs[i]`` may
         be a ``speculation.DraftRow``, the sequence as it stands at that row."""
-        if logits.device.type != "cpu" and draft_token_ids is not None and any(d is not None for d in draft_token_ids):
-            # Verifying drafts is per row (an accept test, then maybe a residual draw), each a few
-            # scalar reads: on the CPU. Everything else stays on the logits' device: penalties,
-            # filters and draws are batched tensor ops, and only each row's uniform (from its
-            # request's generator, on the CPU) travels there and its token back.
-            logits = logits.cpu()
         raw_logits = logits
         logits = self._adjust(logits, seqs)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
@@ -77,10 +71,19 @@ class Sampler:
             greedy_logits = logits if not sampled_rows else logits[torch.tensor(greedy_rows, device=logits.device)]
             for row, token in zip(greedy_rows, greedy_logits.argmax(dim=-1).tolist()):
                 token_ids[row] = token
-        if sampled_rows:
-            drafts = [None] * len(sampled_rows) if draft_token_ids is None else [draft_token_ids[r] for r in sampled_rows]
-            proposals = [None] * len(sampled_rows) if draft_probs is None else [draft_probs[r] for r in sampled_rows]
-            for row, token in zip(sampled_rows, self._draw(logits, seqs, sampled_rows, drafts, proposals)):
+        # A sampled row without a draft draws as in a step without drafts, whatever its
+        # neighbours propose: a seeded request repeats whether or not they speculate.
+        drafted = [r for r in sampled_rows if draft_token_ids is not None and draft_token_ids[r] is not None]
+        plain = [r for r in sampled_rows if draft_token_ids is None or draft_token_ids[r] is None]
+        if plain:
+            for row, token in zip(plain, self._draw_plain(logits, seqs, plain)):
+                token_ids[row] = token
+        if drafted:
+            # Verifying a draft is per row (an accept test, then maybe a residual draw), each a
+            # few scalar reads: on the CPU, those rows' logits only.
+            proposals = [None if draft_probs is None else draft_probs[r] for r in drafted]
+            verified = self._verify_drafts(_rows_of(logits, drafted).cpu(), [seqs[r] for r in drafted], [draft_token_ids[r] for r in drafted], proposals)
+            for row, token in zip(drafted, verified):
                 token_ids[row] = token
         reported = LogprobTensors.of(raw_logits, seqs, to_device(token_ids, torch.long, raw_logits.device))
         return list(zip(token_ids, LogprobTensors.by_row(reported, token_ids)))
@@ -254,34 +257,31 @@ class Sampler:
                 out[index] = torch.zeros(len(group.rows), logits.shape[-1], device=logits.device).scatter_(1, group.token_ids, group.probs)
         return out
 
-    def _draw(
-        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], drafts: list[int | None], proposals: list[torch.Tensor | None]
-    ) -> list[int]:
-        if all(draft is None for draft in drafts):
-            return self._draw_plain(logits, seqs, rows)
-        probs = self._probabilities(logits[torch.tensor(rows)], [seqs[r].params for r in rows])
+    def _verify_drafts(self, logits: torch.Tensor, seqs: list, drafts: list[int], proposals: list[torch.Tensor | None]) -> list[int]:
+        """Each row's token where it carries a draft (rejection sampling: the token is distributed
+        as the target's p, see ``sample``), on the CPU."""
+        probs = self._probabilities(logits, [s.params for s in seqs])
         tokens: list[int] = []
-        for local, row in enumerate(rows):
-            generator = self.draw_generator(seqs[row])
-            row_probs = probs[local]
-            draft = drafts[local]
-            if draft is not None:
-                proposal = proposals[local]
-                # Accept with min(1, p/q); q = 1 for a draft proposed with certainty.
-                threshold = float(row_probs[draft]) if proposal is None else float(row_probs[draft]) / float(proposal[draft])
-                if float(torch.rand((), generator=generator)) < threshold:
-                    tokens.append(draft)
-                    continue
-                if proposal is None:
-                    row_probs = row_probs.clone()
-                    row_probs[draft] = 0.0  # rejected: the rest of the distribution, renormalized
-                else:
-                    # Rejected: draw from what p has beyond q.
-                    residual = (row_probs - proposal).clamp_(min=0.0)
-                    # p <= q everywhere only if p == q: never rejected.
-                    row_probs = residual if float(residual.sum()) > 0.0 else row_probs
+        for local, seq in enumerate(seqs):
+            generator = self.draw_generator(seq)
+            row_probs, draft, proposal = probs[local], drafts[local], proposals[local]
+            if proposal is not None:
+                proposal = proposal.to(row_probs.device)
+            # Accept with min(1, p/q); q = 1 for a draft proposed with certainty.
+            threshold = float(row_probs[draft]) if proposal is None else float(row_probs[draft]) / float(proposal[draft])
+            if float(torch.rand((), generator=generator)) < threshold:
+                tokens.append(draft)
+                continue
+            if proposal is None:
+                row_probs = row_probs.clone()
+                row_probs[draft] = 0.0  # rejected: the rest of the distribution, renormalized
+            else:
+                # Rejected: draw from what p has beyond q.
+                residual = (row_probs - proposal).clamp_(min=0.0)
+                # p <= q everywhere only if p == q: never rejected.
+                row_probs = residual if float(residual.sum()) > 0.0 else row_probs
             uniform = torch.rand(1, generator=generator, dtype=torch.float64)
-            tokens.append(int(_inverse_cdf(row_probs.unsqueeze(0), uniform.to(row_probs.device))[0]))
+            tokens.append(int(_inverse_cdf(row_probs.unsqueeze(0), uniform)[0]))
         return tokens
 
     def _draw_plain(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[int]:

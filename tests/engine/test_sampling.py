@@ -78,6 +78,23 @@ def test_same_seed_same_output_whatever_shares_the_batch(llama):
     assert other_seed.token_ids != alone.token_ids
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=30, min_p=0.02),
+                                    SamplingParams(temperature=1.2)])
+def test_a_seeded_draw_does_not_depend_on_a_draft_beside_it(params):
+    """A speculating engine verifies a row's draft beside rows that have none: those rows draw as
+    in a step without drafts, so a seeded request repeats whether or not its neighbours speculate."""
+    generator = torch.Generator().manual_seed(31)
+    logits = torch.randn(2, 500, generator=generator) * 0.7
+    seeded = [Sequence(req_id=f"s{i}", token_ids=[0] * (i % 5 + 1), num_prompt_tokens=1, params=dataclasses.replace(params, seed=i),
+                       generator=Sampler.make_generator(i)) for i in range(40)]
+    speculating = Sequence(req_id="d", token_ids=[0], num_prompt_tokens=1, params=SamplingParams(temperature=1.0))
+    sampler = Sampler(seed=3)
+    alone = [sampler.sample(logits[:1], [seq])[0][0] for seq in seeded]
+    beside = [sampler.sample(logits, [seq, speculating], draft_token_ids=[None, 7])[0][0] for seq in seeded]
+    assert beside == alone
+    assert len(set(alone)) > 5, "the seeds give different draws"
+
+
 def test_a_seeded_request_resumed_after_k_tokens_draws_the_rest_unchanged(llama):
     """What a stream migrated to another decode actor relies on: the prompt plus the k tokens
     already sent, with ``resumed(k)``, continues exactly as the uninterrupted request did."""
