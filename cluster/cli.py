@@ -227,7 +227,7 @@ def _up(args: argparse.Namespace) -> int:
     if ray_address is None and args.detach:
         head, ray_address = _start_ray_head()
     try:
-        _connect_ray(ray_address, log_to_driver=not args.detach, ship_code=args.address is not None and args.ship_code)
+        _connect_ray(ray_address, log_to_driver=not args.detach, ship_code=args.address is not None and args.ship_code, worker_log_level=args.log_level)
     except Exception as exc:
         print(f"pdserve up: cannot reach Ray at {ray_address}: {exc}", file=sys.stderr)
         if head is not None:
@@ -348,16 +348,24 @@ def _wait_until_serving(address: str, timeout_s: float, ca_file: Path | None = N
     return False
 
 
-def _connect_ray(address: str | None, log_to_driver: bool, ship_code: bool = False) -> None:
+def _connect_ray(address: str | None, log_to_driver: bool, ship_code: bool = False, worker_log_level: str | None = None) -> None:
     """Join Ray at ``address`` (None: a local instance of this process); ``ship_code``: every
-    node gets this checkout's packages through the job's runtime environment."""
+    node gets this checkout's packages through the job's runtime environment;
+    ``worker_log_level``: the level the worker actors this job starts log at (``--log-level``)."""
     import ray
 
     kwargs = {"include_dashboard": False} if address is None else {}
+    runtime_env: dict = {}
     if ship_code and address is not None:
         from cluster.node_check import code_runtime_env
 
-        kwargs["runtime_env"] = code_runtime_env()
+        runtime_env = code_runtime_env()
+    if worker_log_level is not None:
+        from workers.base import WORKER_LOG_LEVEL_ENV
+
+        runtime_env["env_vars"] = {WORKER_LOG_LEVEL_ENV: worker_log_level.upper()}
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
     if address is None:
         confine_to_loopback()  # a Ray started here serves this machine only
     ray.init(address=address or "local", log_to_driver=log_to_driver, configure_logging=False, namespace="pdserve", **kwargs)

@@ -18,6 +18,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.device_caps import resolve_dtype
 from engine.model_source import resolve_model
 from prefill_workers.worker import PrefillWorker
+from workers.base import configure_worker_logging
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,7 @@ class KVSizedPrefillWorker(PrefillWorker):
     """A prefill actor whose KV cache is sized from the node it runs on."""
 
     def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config=None, kv_memory: KVMemoryPolicy | None = None):
+        configure_worker_logging()  # before the sizing, which logs what it measured
         if kv_memory is not None:
             engine_config = sized_engine_config(engine_config, model_path, kv_memory, worker_id)
         super().__init__(worker_id, model_path, engine_config, transfer_config)
@@ -150,6 +152,7 @@ class KVSizedDecodeWorker(DecodeWorker):
     """A decode actor whose KV cache is sized from the node it runs on."""
 
     def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config=None, kv_memory: KVMemoryPolicy | None = None):
+        configure_worker_logging()  # before the sizing, which logs what it measured
         if kv_memory is not None:
             engine_config = sized_engine_config(engine_config, model_path, kv_memory, worker_id)
         super().__init__(worker_id, model_path, engine_config, transfer_config)

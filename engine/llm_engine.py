@@ -158,14 +158,22 @@ class LLMEngine:
             overlap and self.scheduler.overlaps_steps and self.scheduler.proposer is None
             and self.scheduler.chunk_sizer is None and isinstance(self.executor, LocalExecutor)
         )
+        # What a step runs on, said once: a served actor's pace differs by an order of magnitude
+        # between FlashInfer with graphs and the portable SDPA path.
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens (%.1f MiB per rank), max_model_len %d, tensor parallel %d",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens (%.1f MiB per rank), max_model_len %d, tensor parallel %d, "
+            "attention %s, CUDA graphs %s, overlapped steps %s",
             self.model_config.architecture,
+            self.config.device,
+            loaded.dtype,
             self.kv_cache.num_blocks,
             self.kv_cache.block_size,
             self.kv_cache.num_blocks * self.kv_cache.bytes_per_block / 2**20,
             self.max_model_len,
             tp_size,
+            attention.name,
+            f"up to batch {graphs.buckets[-1]}" if graphs is not None else "off",
+            "on" if self._may_overlap else "off",
         )
 
     def _sized_cache_config(self, model_config: ModelConfig) -> EngineConfig:

@@ -7,7 +7,8 @@ APIs on 127.0.0.1) with one prefill and one decode actor, each given half the GP
 pushed from the prefill actor's VRAM into the decode actor's over NIXL after every chunk, on a
 random-weight model of SmolLM2-135M's shape in bfloat16 (the built-in model's tokenizer); then
 ``pdserve bench``'s mixed workload (long prompts among short ones, streamed) against it. Reports
-the benchmark's summary (TTFT, TPOT, throughput, errors) and, from the router's Prometheus
+the benchmark's summary (TTFT, TPOT, throughput, errors), what each actor's engine runs on (its
+"engine ready" line: attention backend, CUDA graphs, overlapped steps) and, from the router's Prometheus
 metrics before and after it, each worker's steps during the benchmark: how many, their mean
 time and the share of the benchmark spent inside them (a decode actor whose steps take little of
 its time while its TPOT is long is paced by what happens between them). Exits non-zero if a
@@ -56,7 +57,8 @@ def serve(model: Path, gpus: float, state: Path, log: Path, async_scheduling: bo
     placement = ["--prefill-gpus", str(gpus), "--decode-gpus", str(gpus)] if gpus else ["--prefill-cpus", "0.5", "--decode-cpus", "0.5"]
     overlap = [] if async_scheduling is None else ["--async-scheduling" if async_scheduling else "--no-async-scheduling"]
     process = subprocess.Popen(
-        [*PDSERVE, "--state-file", str(state), "up", *overlap, "--model", str(model), "--prefill", "1", "--decode", "1", *placement,
+        # INFO: the workers log what their engines run on (report["engines"]).
+        [*PDSERVE, "--log-level", "info", "--state-file", str(state), "up", *overlap, "--model", str(model), "--prefill", "1", "--decode", "1", *placement,
          "--disaggregation", "always", "--dtype", dtype, "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--metrics-port", "0", "--admin-port", "0"],
         stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT,
     )
@@ -139,7 +141,10 @@ def main() -> int:
                 process.communicate(timeout=120)
             except subprocess.TimeoutExpired:
                 process.kill()
-            report["up_log_tail"] = (work / "up.log").read_text()[-4000:]
+            up_log = (work / "up.log").read_text()
+            # What each actor's engine runs on (attention backend, graphs, overlap) and its KV size.
+            report["engines"] = [line[-400:] for line in up_log.splitlines() if "engine ready:" in line or "attention: SDPA" in line or "KV cache" in line]
+            report["up_log_tail"] = up_log[-4000:]
             report["up_returncode"] = process.returncode
     report["seconds"] = round(time.monotonic() - started, 1)
     text = json.dumps(report, indent=2)

@@ -47,6 +47,10 @@ from workers.ranks import RayRankLauncher, node_name
 logger = logging.getLogger(__name__)
 
 RANK_LOST_EXIT_CODE = 70  # the process ends with this when another rank of its worker is gone
+# The level a worker actor logs at (`pdserve --log-level LEVEL up` sets it for the job's actors):
+# INFO shows what each engine runs on (attention backend, CUDA graphs, KV cache size) and more
+# lines per request; unset, warnings and errors only.
+WORKER_LOG_LEVEL_ENV = "PDSERVE_WORKER_LOG_LEVEL"
 
 
 class TransferSignal:
@@ -74,6 +78,13 @@ class TransferSignal:
             return self._event
 
 
+def configure_worker_logging() -> None:
+    """Log at the level ``WORKER_LOG_LEVEL_ENV`` names, if it names one (first call wins)."""
+    level = os.environ.get(WORKER_LOG_LEVEL_ENV)
+    if level:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 @dataclass(slots=True)
 class StepProfileBatch:
     """A worker's step log from some index on (``engine.step_profile``)."""
@@ -93,6 +104,7 @@ class EngineWorker:
     role = "worker"
 
     def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None, scheduler_class):
+        configure_worker_logging()
         self.worker_id = worker_id
         self._thread = EngineThread(f"{self.role}-{worker_id}")
         self._thread.start()

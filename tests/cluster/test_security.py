@@ -193,14 +193,15 @@ def test_up_in_the_foreground_listens_on_loopback_only_serves_and_stops_when_int
     """`pdserve up` without a Ray address, in the foreground: Ray's GCS, raylet, workers and agents,
     the router, Admin, metrics and NIXL's UCX in the actors all bind loopback (nothing listens on
     another interface); the address is printed once the router serves, it generates, and an
-    interrupt stops everything and removes the state file. (One deployment for both: a start is
+    interrupt stops everything and removes the state file; ``--log-level info`` reaches the
+    workers, whose engines say what they run on. (One deployment for both: a start is
     the slow part.)"""
     from tests.cluster.test_cli import PDSERVE, _run
 
     state = tmp_path / "state.json"
     env = {k: v for k, v in os.environ.items() if k not in ("UCX_NET_DEVICES", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     process = subprocess.Popen(
-        [*PDSERVE, "--state-file", str(state), "up", "--model", str(e2e_model.path), "--port", "0",
+        [*PDSERVE, "--log-level", "info", "--state-file", str(state), "up", "--model", str(e2e_model.path), "--port", "0",
          "--metrics-port", "0", "--http-port", "0", "--admin-port", "0", "--prefill", "1", "--decode-cpus", "0.5",
          "--prefill-cpus", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
@@ -226,3 +227,6 @@ def test_up_in_the_foreground_listens_on_loopback_only_serves_and_stops_when_int
         _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr[-3000:]
     assert not state.exists()
+    # --log-level info reaches the workers: each says what its engine runs on.
+    engines = [line for line in stderr.splitlines() if "engine ready:" in line]
+    assert len(engines) == 2 and all("attention cpu, CUDA graphs off" in line for line in engines), stderr[-3000:]
