@@ -8,7 +8,11 @@
 #   carry .gpu/fi_jit.tar.xz too where an earlier machine exported it (bash tools/gpu_run.sh jit --export $OUT):
 #   the kernels in it then need no compiling (bash tools/gpu_run.sh jit builds the others, in parallel).
 #   carry .gpu/serve_deps.tar.xz and .gpu/nixl13.tar.xz:
-#     bash tools/gpu_run.sh nixl && bash tools/gpu_run.sh serve --async-scheduling
+#     bash tools/gpu_run.sh nixl && bash tools/gpu_run.sh serve
+#   on the same warm machine as a FlashInfer call (its files stay in /tmp/site; all the bundles
+#   together pass the 64 MiB a call carries): without FlashInfer the served actors attend through
+#   SDPA, eagerly (the H200 serve of session 20: TPOT 68 ms; serve.json's "engines" and
+#   "flashinfer" say which).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site=/tmp/site

@@ -87,6 +87,15 @@ def bench(address: str, num_requests: int, out: Path, long_input_len: int = 2048
     return {key: value for key, value in result.items() if not isinstance(value, (dict, list))}  # the summary, not each record
 
 
+def flashinfer_version() -> str:
+    """FlashInfer's version as the actors will import it (they inherit this PYTHONPATH), or why not."""
+    try:
+        import flashinfer
+    except Exception as exc:  # noqa: BLE001 - any failure to import means the same here
+        return f"missing ({exc!r})"[:300]
+    return getattr(flashinfer, "__version__", "unknown version")
+
+
 def scrape_steps(metrics_address: str) -> dict[str, dict[str, float]]:
     """Per worker, its ``pdserve:engine_steps`` and ``pdserve:engine_step_seconds`` totals (router.metrics)."""
     import re
@@ -122,6 +131,10 @@ def main() -> int:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, help="whether the decode actor overlaps its steps (engine.overlap; default: pdserve's, on for GPUs)")
     args = parser.parse_args()
     report: dict = {"gpus_per_actor": args.gpus_per_actor, "async_scheduling": args.async_scheduling, "model": str(args.model or "smollm2-135m-shape"), "dtype": args.dtype}
+    report["flashinfer"] = flashinfer_version()
+    if args.gpus_per_actor and report["flashinfer"].startswith("missing"):
+        # Without it the actors decode on the portable SDPA path, eagerly: not what a GPU user runs.
+        print(f"gpu_serve_check: FlashInfer is {report['flashinfer']}; the actors will attend through SDPA", file=sys.stderr, flush=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
