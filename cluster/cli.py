@@ -52,7 +52,9 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; ``scenarios`` False leaves out each ``bench-scenario``'s own flags
+    (their modules import torch: every other command starts in a fraction of the time)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
@@ -131,13 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.planning.cli import add_planning_parsers
 
     add_bench_parser(commands)
-    add_scenario_parser(commands)
+    add_scenario_parser(commands, scenarios)
     add_planning_parsers(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(scenarios="bench-scenario" in argv).parse_args(argv)
     if (Path.home() / ".ray" / "auth_token").is_file():
         # Ray reads its auth mode from the environment once, at import: a cluster started on
         # this host with a token (Ray's default) needs its clients to present it.

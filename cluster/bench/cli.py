@@ -106,11 +106,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def add_scenario_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``bench-scenario NAME`` to ``subparsers``; its handler is ``run_scenario``."""
+def add_scenario_parser(subparsers, scenarios: bool = True) -> argparse.ArgumentParser:
+    """Add ``bench-scenario NAME`` to ``subparsers``; its handler is ``run_scenario``. Without
+    ``scenarios``, only the command's name and help (for a command line that runs another one)."""
+    parser = subparsers.add_parser("bench-scenario", help="launch local clusters and compare them on one claim", description="Launch the clusters a scenario compares (same hardware, one after the other), run its workload, write JSON and plots, print its ratio.")
+    if not scenarios:
+        return parser
     from cluster.bench.scenarios import SCENARIOS
 
-    parser = subparsers.add_parser("bench-scenario", help="launch local clusters and compare them on one claim", description="Launch the clusters a scenario compares (same hardware, one after the other), run its workload, write JSON and plots, print its ratio.")
     names = parser.add_subparsers(dest="scenario", required=True, metavar="NAME")
     for name, scenario in SCENARIOS.items():
         sub = names.add_parser(name, help=scenario.summary, description=scenario.summary)

@@ -95,6 +95,18 @@ def test_version():
     assert _run("--version", state_file=Path("unused")).stdout.strip() == f"pdserve {version('pdserve')}"
 
 
+def test_commands_that_talk_to_a_deployment_start_without_torch():
+    """`status`, `scale`, `down`, `--version`: parsing their command line imports no torch (the
+    benchmark scenarios' flags did, ~3 s of every call on a 2-core host); `bench-scenario`
+    still gets its scenarios' flags."""
+    probe = ("import sys; from cluster.cli import build_parser; "
+             "build_parser(scenarios=False).parse_args(['status']); print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    from cluster.cli import build_parser
+
+    assert build_parser(scenarios=True).parse_args(["bench-scenario", "disaggregation"]).scenario == "disaggregation"
+
+
 @pytest.mark.parametrize(
     "config_text, flags, message",
     [
