@@ -163,10 +163,14 @@ def test_a_rank_loads_about_half_the_weights_at_tp_2(tmp_path):
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
     weights = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
 
+    # The three loads run at once, each in its own process: each samples its own memory.
+    runs = {(tp, rank): subprocess.Popen([sys.executable, "-c", _MEASURE, str(tmp_path), str(tp), str(rank)], stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True) for tp, rank in ((1, 0), (2, 0), (2, 1))}
+
     def measure(tp: int, rank: int) -> dict:
-        out = subprocess.run([sys.executable, "-c", _MEASURE, str(tmp_path), str(tp), str(rank)], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        stdout, stderr = runs[tp, rank].communicate(timeout=300)
+        assert runs[tp, rank].returncode == 0, stderr[-2000:]
+        return json.loads(stdout.strip().splitlines()[-1])
 
     whole = measure(1, 0)
     assert whole["peak_bytes"] > 0.95 * weights  # the measurement sees a whole model's weights
