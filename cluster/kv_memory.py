@@ -87,9 +87,7 @@ def measure(engine_config: EngineConfig, model_path: str | Path) -> MemoryFigure
     elem = _element_size(engine_config.dtype, model, engine_config.device)
     checkpoint_elem = model.checkpoint_dtype.itemsize
     checkpoint_bytes = sum(p.stat().st_size for p in Path(model_path).iterdir() if p.suffix in (".safetensors", ".bin"))
-    tokens = engine_config.max_num_batched_tokens
-    # Logits in float32 for a whole budget, plus a few hidden-wide and MLP-wide buffers.
-    activation = tokens * (4 * model.vocab_size + 4 * elem * max(model.hidden_size, model.intermediate_size))
+    activation = activation_bytes(engine_config, model, elem)
     max_model_len = engine_config.max_model_len or model.max_position_embeddings
     bytes_per_token = model.num_layers * 2 * shard.num_kv_heads * model.head_dim * elem
     block_size = engine_config.block_size
@@ -106,6 +104,22 @@ def measure(engine_config: EngineConfig, model_path: str | Path) -> MemoryFigure
         free, total = torch.cuda.mem_get_info(torch.device(engine_config.device))
         return MemoryFigures(gpu_total=total, gpu_free=free, **figures)
     return MemoryFigures(host_available=host_available_bytes(), **figures)
+
+
+def activation_bytes(engine_config: EngineConfig, model: ModelConfig, elem: int) -> int:
+    """What a step needs beside weights and KV: float32 logits for a whole token budget plus a
+    few hidden-wide and MLP-wide buffers. On CUDA also FlashInfer's scratch and the decode
+    graphs' memory (engine.cuda_graphs: one float32 logits buffer for the largest bucket, and
+    that bucket's activations in the graphs' pool, which eager steps cannot reuse)."""
+    per_token = 4 * model.vocab_size + 4 * elem * max(model.hidden_size, model.intermediate_size)
+    activation = engine_config.max_num_batched_tokens * per_token
+    if str(engine_config.device).startswith("cuda"):
+        from engine.attention.flashinfer_paged import WORKSPACE_BYTES
+
+        activation += WORKSPACE_BYTES
+        if engine_config.cuda_graph_max_batch > 0 and engine_config.tensor_parallel_size == 1:
+            activation += min(engine_config.cuda_graph_max_batch, engine_config.max_num_seqs) * per_token
+    return activation
 
 
 def host_available_bytes() -> int:

@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from cluster.config import load_config
-from cluster.kv_memory import GiB, MiB, KVMemoryPolicy, MemoryFigures, default_kv_cache_bytes, measure, sized_engine_config
-from engine.config import EngineConfig
+from cluster.kv_memory import GiB, MiB, KVMemoryPolicy, MemoryFigures, activation_bytes, default_kv_cache_bytes, measure, sized_engine_config
+from engine.config import EngineConfig, ModelConfig
 
 
 def cpu(available_gib: float, weights_mib: float = 0, useful_gib: float | None = None) -> MemoryFigures:
@@ -66,6 +66,20 @@ def test_an_actor_measures_its_host_and_estimates_weights_and_useful_size_from_t
     # 3 sequences of 1000 tokens (63 blocks of 16 = 1008 slots), 4 layers x K,V x 2 heads x 32 dims x 2 bytes.
     assert figures.max_useful_bytes == 3 * 1008 * 4 * 2 * 2 * 32 * 2
     assert figures.activation_bytes == 8 * (4 * 1000 + 4 * 2 * 688)
+
+
+def test_on_a_gpu_the_reserve_counts_flashinfers_scratch_and_the_decode_graphs(model_dir):
+    """A GPU engine also holds FlashInfer's 256 MiB scratch and its decode graphs' memory (a float32
+    logits buffer and activations for the largest bucket, min(cuda_graph_max_batch, max_num_seqs)
+    rows): the KV cache is sized without them."""
+    model = ModelConfig.from_model_dir(model_dir)
+    per_token = 4 * 1000 + 4 * 2 * 688
+    fields = dict(max_num_seqs=64, max_num_batched_tokens=8)
+    cpu = activation_bytes(EngineConfig(**fields), model, 2)
+    assert cpu == 8 * per_token
+    assert activation_bytes(EngineConfig(device="cuda", **fields), model, 2) - cpu == 256 * MiB + 64 * per_token
+    assert activation_bytes(EngineConfig(device="cuda", cuda_graph_max_batch=16, **fields), model, 2) - cpu == 256 * MiB + 16 * per_token
+    assert activation_bytes(EngineConfig(device="cuda", cuda_graph_max_batch=0, **fields), model, 2) - cpu == 256 * MiB
 
 
 def test_the_chosen_size_replaces_the_engine_configs_and_is_logged(model_dir, caplog):
