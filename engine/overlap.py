@@ -25,9 +25,11 @@ What the overlap changes, and what keeps it exact:
 - Penalties count each sequence's newest token from the step in flight's samples, on the
   device (engine.penalties), and min_tokens counts it too; logit_bias and allowed_token_ids
   apply there as well; logprobs are computed on the device with the tokens and travel with them.
-- A step with a row whose sampling needs the host between steps (a grammar's mask, bad words,
-  seeded or min-p draws, speculative drafts) or an engine over several ranks runs the classic
-  way, after the step in flight has been read.
+- Sampled rows draw on the device (engine.sampler ``_draw_on_device``), a seeded one keyed by
+  its seed and its token's position counted with the unread token, so it draws what a classic
+  step draws there. A step with a row whose sampling needs the host between steps (a grammar's
+  mask, bad words, speculative drafts) or an engine over several ranks runs the classic way,
+  after the step in flight has been read.
 
 Greedy tokens are the same as without overlap, token for token (the tests compare them).
 """

@@ -118,12 +118,20 @@ class Sampler:
         top-k draw among their top-k candidates (``_draw_among_top_k``), the others over their
         whole row (``_draw_whole_rows``). ``keys``: per row, a seeded request's draw key
         (``draw_key``: its seed and the token's position), None for an unseeded row: a keyed row's
-        draw depends only on its logits and its key, never on the rows beside it, so a seeded
-        request repeats whatever shares its steps and whether they overlap."""
+        draw depends only on its logits, its parameters and its key, never on the rows beside it,
+        so a seeded request repeats whatever shares its steps and whether they overlap. (Keyed
+        top-k rows take their candidates with their own k: with a neighbour's larger k, tied
+        logits could come back in another order, and the same uniform land on another token.)"""
         keys = keys or [None] * len(params)
+
+        def among_top_k(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
+            return self._draw_among_top_k(rows, [params[i] for i in index], [keys[i] for i in index])
+
+        top_k_parts = [([i for i, p in enumerate(params) if p.top_k > 0 and keys[i] is None], among_top_k)]
+        top_k_parts += [([i for i, p in enumerate(params) if p.top_k == k and keys[i] is not None], among_top_k)
+                        for k in sorted({p.top_k for i, p in enumerate(params) if p.top_k > 0 and keys[i] is not None})]
         return _rows_in_parts(logits, [
-            ([i for i, p in enumerate(params) if p.top_k > 0],
-             lambda rows, index: self._draw_among_top_k(rows, [params[i] for i in index], [keys[i] for i in index])),
+            *top_k_parts,
             ([i for i, p in enumerate(params) if p.top_k <= 0],
              lambda rows, index: self._draw_whole_rows(rows, [params[i] for i in index], [keys[i] for i in index])),
         ])
@@ -172,15 +180,17 @@ class Sampler:
         def draw(seed: int):
             def rows_drawn(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
                 at = _index_of(index, len(params), logits.device)
-                if min_p is None or all(params[i].min_p == 0.0 for i in index):
+                if params[index[0]].min_p == 0.0:  # a part's rows all have min-p or all have none
                     return sampling.top_p_sampling_from_probs(rows, top_p[at], seed=seed, offset=0).long()
                 if any(params[i].top_p < 1.0 for i in index):
                     rows = sampling.top_p_renorm_probs(rows, top_p[at])
                 return sampling.min_p_sampling_from_probs(rows, min_p[at], seed=seed, offset=0).long()
             return rows_drawn
 
-        unkeyed = [i for i, key in enumerate(keys) if key is None]
-        parts = [(unkeyed, draw(int(torch.randint(0, 2**62, (1,), generator=self.default_generator))))] if unkeyed else []
+        # Rows without min-p never go through the min-p kernel: at min_p 0 it counts a token of
+        # probability 0 (cut by top-p, or masked by allowed_token_ids or min_tokens) as drawable.
+        unkeyed = [[i for i, key in enumerate(keys) if key is None and (params[i].min_p > 0.0) == with_min_p] for with_min_p in (False, True)]
+        parts = [(rows, draw(int(torch.randint(0, 2**62, (1,), generator=self.default_generator)))) for rows in unkeyed if rows]
         parts += [([i], draw(key)) for i, key in enumerate(keys) if key is not None]
         return _rows_in_parts(probs, parts)
 
@@ -201,7 +211,9 @@ class Sampler:
     def draw_generator(self, seq: Sequence, salt: int = 0) -> torch.Generator:
         """The generator a row draws from: a seeded request's is re-seeded with its ``draw_key``,
         so the draw for token i depends only on (seed, i, salt); a request resumed on another
-        worker (or recomputed) draws exactly the same."""
+        worker of the same kind (or recomputed) draws exactly the same. (A CUDA worker with
+        FlashInfer draws a seeded row without top-k through FlashInfer's random stream, keyed
+        alike, not this generator: the same seed gives another draw on a CPU worker.)"""
         key = self.draw_key(seq, salt)
         if key is None:
             return self.default_generator
@@ -336,7 +348,7 @@ def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``logits[rows]``, without a copy when they are every row in order (the common case)."""
     if rows == list(range(logits.shape[0])):
         return logits
-    return logits[torch.tensor(rows, device=logits.device)]
+    return logits[to_device(rows, torch.long, logits.device)]  # no stream synchronization: a step may be in flight
 
 
 def _rows_in_parts(logits: torch.Tensor, parts: list) -> torch.Tensor:

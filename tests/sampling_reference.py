@@ -48,6 +48,9 @@ class ExactFlashInferSampling:
         return kept / kept.sum(dim=-1, keepdim=True)
 
     def min_p_sampling_from_probs(self, probs, min_p, seed, offset):
+        # At min_p 0 the real kernel counts tokens of probability 0 as drawable (its edge case
+        # can return one): rows without min-p must never come here.
+        assert bool((min_p > 0).all()), "a row without min-p was given to FlashInfer's min-p kernel"
         kept = probs * (probs >= min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True))
         return _multinomial(kept, seed)
 

@@ -328,6 +328,7 @@ def test_a_mixed_batch_drawn_without_the_host_gives_each_row_its_own_distributio
     [
         SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1),  # drawn among its top-k candidates
         SamplingParams(temperature=0.9, top_p=0.9, seed=1),  # a whole row, through FlashInfer's kernels
+        SamplingParams(temperature=1.1, top_p=0.8, min_p=0.05, seed=1),  # a whole row, its top-p renormalization and min-p
     ],
 )
 def test_a_seeded_row_drawn_on_the_device_depends_on_its_key_alone_and_follows_its_filters(params, monkeypatch):
@@ -353,3 +354,18 @@ def test_a_seeded_row_drawn_on_the_device_depends_on_its_key_alone_and_follows_i
     counts = torch.bincount(tokens, minlength=400).float()
     assert counts[want == 0].sum() == 0, "a token the filters remove was drawn"
     _assert_frequencies(counts, want)
+
+
+
+def test_a_seeded_top_k_draw_does_not_depend_on_a_neighbours_larger_k_among_tied_logits():
+    """Tied logits (bfloat16 rounds many together) come back from topk in an order that depends
+    on k: a keyed row takes its candidates with its own k, so a neighbour asking for more leaves
+    its draw unchanged."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randint(0, 6, (1, 500), generator=generator).float()
+    params = SamplingParams(temperature=1.0, top_k=20, seed=1)
+    wider = SamplingParams(temperature=1.0, top_k=50)
+    sampler = Sampler(seed=2)
+    alone = [int(sampler._draw_on_device(logits, [params], [key])) for key in range(30)]
+    beside = [sampler._draw_on_device(logits.repeat(2, 1), [wider, params], [None, key]).tolist()[1] for key in range(30)]
+    assert beside == alone
