@@ -144,7 +144,9 @@ class DraftModelProposer(Proposer):
             proposal.token_ids.append(int(logits.argmax()))
             return
         probs = self.sampler.probabilities(logits.unsqueeze(0), [row])[0]
-        token = int(torch.multinomial(probs, 1, generator=self.sampler.draw_generator(row, _DRAFT_SALT)))
+        # The draw's generator is the request's, on the CPU (keyed by seed and position): on a GPU
+        # torch.multinomial refuses a CPU generator for device probabilities.
+        token = int(torch.multinomial(probs.cpu(), 1, generator=self.sampler.draw_generator(row, _DRAFT_SALT)))
         proposal.token_ids.append(token)
         if proposal.probs is None:
             proposal.probs = []
