@@ -440,8 +440,9 @@ def _port_taken(config) -> str | None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC, aiohttp and prometheus_client bind
                 sock.bind((host, port))
         except OSError:
-            return (f"router.{field}: cannot listen on {host}:{port} (the port is in use, or the host is not "
-                    "an address of this machine); give another port, or 0 for any free one")
+            from router.errors import cannot_listen
+
+            return cannot_listen(field, host, port)
     return None
 
 

@@ -127,11 +127,12 @@ class Sampler:
         def among_top_k(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
             return self._draw_among_top_k(rows, [params[i] for i in index], [keys[i] for i in index])
 
-        top_k_parts = [([i for i, p in enumerate(params) if p.top_k > 0 and keys[i] is None], among_top_k)]
-        top_k_parts += [([i for i, p in enumerate(params) if p.top_k == k and keys[i] is not None], among_top_k)
-                        for k in sorted({p.top_k for i, p in enumerate(params) if p.top_k > 0 and keys[i] is not None})]
+        top_k_groups: dict[int | None, list[int]] = {}  # the unkeyed rows together (None), keyed ones by their k
+        for i, p in enumerate(params):
+            if p.top_k > 0:
+                top_k_groups.setdefault(None if keys[i] is None else p.top_k, []).append(i)
         return _rows_in_parts(logits, [
-            *top_k_parts,
+            *[(rows, among_top_k) for rows in top_k_groups.values()],
             ([i for i, p in enumerate(params) if p.top_k <= 0],
              lambda rows, index: self._draw_whole_rows(rows, [params[i] for i in index], [keys[i] for i in index])),
         ])
@@ -179,12 +180,11 @@ class Sampler:
 
         def draw(seed: int):
             def rows_drawn(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
-                at = _index_of(index, len(params), logits.device)
                 if params[index[0]].min_p == 0.0:  # a part's rows all have min-p or all have none
-                    return sampling.top_p_sampling_from_probs(rows, top_p[at], seed=seed, offset=0).long()
+                    return sampling.top_p_sampling_from_probs(rows, _rows_of(top_p, index), seed=seed, offset=0).long()
                 if any(params[i].top_p < 1.0 for i in index):
-                    rows = sampling.top_p_renorm_probs(rows, top_p[at])
-                return sampling.min_p_sampling_from_probs(rows, min_p[at], seed=seed, offset=0).long()
+                    rows = sampling.top_p_renorm_probs(rows, _rows_of(top_p, index))
+                return sampling.min_p_sampling_from_probs(rows, _rows_of(min_p, index), seed=seed, offset=0).long()
             return rows_drawn
 
         # Rows without min-p never go through the min-p kernel: at min_p 0 it counts a token of
@@ -345,7 +345,7 @@ class Sampler:
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``, without a copy when they are every row in order (the common case)."""
+    """``logits[rows]`` (any tensor's rows), without a copy when they are every row in order (the common case)."""
     if rows == list(range(logits.shape[0])):
         return logits
     return logits[to_device(rows, torch.long, logits.device)]  # no stream synchronization: a step may be in flight
@@ -384,12 +384,6 @@ def _drawn_on_device(seq: Sequence, device: torch.device) -> bool:
     """Whether ``Sampler._draw_on_device`` draws the row on ``device``: a sampled row on CUDA with
     top-k (torch alone), or without where FlashInfer is installed."""
     return device.type == "cuda" and (seq.params.top_k > 0 or _flashinfer_sampling() is not None)
-
-
-def _index_of(rows: list[int], num_rows: int, device: torch.device) -> slice | torch.Tensor:
-    """``rows`` as an index into a tensor of ``num_rows`` rows: a slice where they are all of
-    them in order (no copy), else a tensor on ``device``."""
-    return slice(None) if rows == list(range(num_rows)) else to_device(rows, torch.long, device)
 
 
 # Temperatures below this are raised to it where FlashInfer divides the logits (_draw_on_device):

@@ -142,3 +142,9 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
         context.set_trailing_metadata((("retry-after", str(max(1, math.ceil(retry_after_s)))),))
     await context.abort(code, message)
     raise AssertionError("grpc.aio context.abort returned")  # abort always raises
+
+
+def cannot_listen(field: str, host: str, port: int) -> str:
+    """What a router listener that cannot bind says: the config field, the address, what to do."""
+    return (f"router.{field}: cannot listen on {host}:{port} (the port is in use, or the host is not "
+            "an address of this machine); give another port, or 0 for any free one")

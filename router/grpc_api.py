@@ -26,7 +26,7 @@ from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from engine.stats import WorkerState
 from router.core import Router
-from router.errors import abort_with
+from router.errors import abort_with, cannot_listen
 from router.output_stream import OutputChunk, TimingBreakdown
 from router.pool import Role
 from router.request_bytes import tolerant
@@ -207,8 +207,7 @@ class GrpcFrontEnd:
         except RuntimeError:
             bound = 0
         if bound == 0:
-            raise OSError(f"router.{field}: cannot listen on {address} (the port is in use, or the host is not "
-                          f"an address of this machine); give another port, or 0 for any free one")
+            raise OSError(cannot_listen(field, host, port))
         return bound
 
 
