@@ -394,7 +394,7 @@ _MIN_DEVICE_TEMPERATURE = 1e-30
 
 @functools.cache
 def _flashinfer():
-    """FlashInfer (its sampling kernels and radix top-k), or None where it is not installed."""
+    """FlashInfer (its sampling kernels), or None where it is not installed."""
     try:
         import flashinfer
         import flashinfer.sampling  # noqa: F401
@@ -413,21 +413,13 @@ def _top_k_candidates(logits: torch.Tensor, params: list) -> tuple[torch.Tensor,
     as many columns as the largest top_k, a row's own filters masking the rest to 0) and their
     token ids. The filters are ``_sampling_groups``' for such rows: temperature, top-k, then top-p
     and min-p on what top-k kept."""
-    top, token_ids = _largest(logits, min(logits.shape[-1], max(p.top_k for p in params)))
+    # torch.topk, not FlashInfer's radix top-k: that module's JIT build did not finish in 9 minutes
+    # on 16 cores of an H200 machine (session 22), a first top-k request's wait on a fresh server.
+    top, token_ids = logits.topk(min(logits.shape[-1], max(p.top_k for p in params)), dim=-1)
     temperatures = to_device([p.temperature for p in params], logits.dtype, logits.device).unsqueeze(1)
     values = ((top - top[:, :1]) / temperatures).float()  # shifted first: a tiny temperature never gives inf - inf
     kept = _filter_sorted(values, params, torch.zeros((len(params), 1), dtype=torch.float32, device=logits.device))
     return torch.softmax(kept, dim=-1), token_ids
-
-
-def _largest(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``k`` largest logits, descending, and their token ids (int64): FlashInfer's radix
-    top-k on CUDA where installed (made to replace ``torch.topk`` over vocabularies past 10k;
-    tools/gpu_check.py times both), else ``torch.topk``."""
-    if logits.device.type == "cuda" and (flashinfer := _flashinfer()) is not None:
-        values, token_ids = flashinfer.top_k(logits, k, sorted=True)
-        return values, token_ids.long()
-    return logits.topk(k, dim=-1)
 
 
 def _inverse_cdf_no_sync(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
