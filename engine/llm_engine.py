@@ -28,6 +28,7 @@ from engine.elastic_threads import ElasticThreads
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import Executor, LocalExecutor, MultiRankExecutor
 from engine.grammar import Grammars, apply_masks
+from engine.kernel_warm_up import warm_up_kernels
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype
 from engine.model import StageActivations
@@ -142,6 +143,10 @@ class LLMEngine:
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
         self.grammars = Grammars(self.model_path, self.model_config.vocab_size, self.eos_token_ids)
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids, proposer=self._proposer(loaded.dtype))
+        if torch.device(self.config.device).type == "cuda":
+            # FlashInfer and Triton build kernels on first use, minutes on a fresh machine: now, not in the first requests.
+            seconds = warm_up_kernels(self.executor, self.allocator, self.kv_cache, self.sampler, self.model_config.vocab_size, self.max_model_len)
+            logger.info("kernels warmed up (a prefill, a decode step and each kind of draw) in %.1f s", seconds)
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         # Wall time inside step(): against a worker's wall time, whether its steps or the time
