@@ -330,7 +330,7 @@ class ClusterConfig(BaseModel):
     health_interval_s: float = Field(1.0, gt=0, description="Seconds between health checks")
     health_timeout_s: float = Field(10.0, gt=0, description="A worker that does not answer a ping within this is replaced")
     startup_timeout_s: float = Field(
-        300.0, gt=0, description="How long a worker may take to start (placement, loading the model) before its launch counts as failed"
+        300.0, gt=0, description="How long a worker may take to start (placement, loading the model, on a GPU building its kernels) before its launch counts as failed"
     )
     max_model_len: int | None = Field(
         None, ge=2, description="Longest sequence (prompt plus output) served, at most the model's context (default: the model's context)"
