@@ -7,6 +7,9 @@
 #     bash tools/gpu_run.sh check --sections rope,kv_write,overlap,quantized,sampling,profile,decode --batches-1.5b 64
 #   carry .gpu/fi_jit.tar.xz too where an earlier machine exported it (bash tools/gpu_run.sh jit --export $OUT):
 #   the kernels in it then need no compiling (bash tools/gpu_run.sh jit builds the others, in parallel).
+#   Give every step its own limit (timeout 300 bash tools/gpu_run.sh check ...; jit stops at its
+#   --deadline): in session 22 one FlashInfer build (radix top-k, since dropped) ran past 9 minutes,
+#   and a command with no limit of its own lost the lease's 15 minutes to it.
 #   carry .gpu/serve_deps.tar.xz and .gpu/nixl13.tar.xz:
 #     bash tools/gpu_run.sh nixl && bash tools/gpu_run.sh serve
 #   on the same warm machine as a FlashInfer call (its files stay in /tmp/site; all the bundles
