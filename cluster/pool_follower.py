@@ -38,6 +38,10 @@ class PoolFollower:
         self.handles: dict[str, object] = {}
         self._health_task: asyncio.Task | None = None
         self._started = False
+        # Set once the workers that were running when this manager started are in the pool: a
+        # restarted controller serves its API while it adopts, and a status read before then
+        # would list no worker (tests/cluster/test_cli.py saw an empty table after a restart).
+        self._first_adoption = asyncio.Event()
 
     async def start(self) -> None:
         await self._adopt()
@@ -97,7 +101,12 @@ class PoolFollower:
             adopted[role] += 1
             self._adopted(role, worker_id)
             logger.info("adopted %s", worker_id)
+        self._first_adoption.set()
         return adopted
+
+    async def adopted(self) -> None:
+        """Return once the workers that were running when this manager started are in the pool."""
+        await self._first_adoption.wait()
 
     def _adopted(self, role: Role, worker_id: str) -> None:
         """A worker was adopted (a manager that launches takes note of its id)."""

@@ -141,7 +141,11 @@ class PoolManager(PoolFollower):
 
     async def start(self) -> None:
         roles = (Role.PREFILL, Role.DECODE)
-        adopted = await self._adopt() if self.spec.durable_workers else dict.fromkeys(roles, 0)
+        if self.spec.durable_workers:
+            adopted = await self._adopt()
+        else:
+            adopted = dict.fromkeys(roles, 0)
+            self._first_adoption.set()  # nothing to adopt: no worker outlives its manager
         for role in roles:
             self.desired[role] = max(self.desired[role], adopted[role])  # keep what an earlier manager scaled to
         missing = {role: self.desired[role] - adopted[role] for role in roles}

@@ -43,6 +43,9 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # GetClusterStatus answers from status reports at most this old (callers at the same moment
 # share one round of status calls).
 CLUSTER_STATUS_MAX_AGE_S = 0.05
+# How long GetClusterStatus waits for a restarted controller to adopt the running workers (it
+# pings each, up to a health timeout apiece); past it, it answers with those adopted so far.
+ADOPTION_WAIT_S = 20.0
 
 
 _FINISH_REASONS = {
@@ -212,13 +215,20 @@ class GrpcFrontEnd:
 
 
 async def worker_statuses(router: Router) -> list[pb.WorkerStatus]:
-    """Every worker's status for GetClusterStatus, from status reports at most CLUSTER_STATUS_MAX_AGE_S old."""
+    """Every worker's status for GetClusterStatus, from status reports at most CLUSTER_STATUS_MAX_AGE_S
+    old; a restarted controller answers once it has adopted the running workers (or after
+    ADOPTION_WAIT_S, with those it has)."""
+    if router.pool_manager is not None:
+        try:
+            await asyncio.wait_for(router.pool_manager.adopted(), ADOPTION_WAIT_S)
+        except asyncio.TimeoutError:
+            pass
     reports = await router.status_monitor.reports(max_age_s=CLUSTER_STATUS_MAX_AGE_S)
     statuses = []
     for record in list(router.pool.workers.values()):
         report = reports.get(record.worker_id)
-        if report is None:
-            continue  # joined after the round: in the next answer
+        if report is None:  # joined after the shared round began: its own report
+            report = await router.status_monitor.report(record, CLUSTER_STATUS_MAX_AGE_S)
         status = pb.WorkerStatus(worker_id=record.worker_id, role=_ROLES[record.role], epoch=record.epoch)
         result = report.status
         if result is None:

@@ -29,6 +29,10 @@ class PoolControl(Protocol):
     async def retire(self, record: "WorkerRecord", shrink: bool = True) -> None:
         """Drain ``record`` and remove it once nothing of any request is left on it."""
 
+    async def adopted(self) -> None:
+        """Return once the workers that were running when it started (a restarted controller's
+        durable workers) are in the pool."""
+
 
 class PoolHost(Protocol):
     """What the pools' manager needs from the router it fills with workers."""

@@ -57,7 +57,9 @@ class StatusMonitor:
         """``record``'s report, none older than ``max_age_s`` (its own call if need be)."""
         oldest_usable = time.monotonic() - max_age_s
         if self._stale(record, oldest_usable):
-            self._store(record, await self._fetch(record))
+            report = await self._fetch(record)
+            self._store(record, report)  # unless it left the pool meanwhile
+            return report
         return self._reports[record.worker_id]
 
     def _stale(self, record: WorkerRecord, oldest_usable: float) -> bool:

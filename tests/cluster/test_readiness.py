@@ -103,3 +103,32 @@ def test_losing_the_last_decode_actor_flips_health_and_a_new_one_restores_it(hos
     pool.add(WorkerRecord("decode-1", Role.DECODE, handle=None))
     hosted.loop.run(pools.refresh_readiness())
     assert _health(hosted.address) == {s: "SERVING" for s in SERVICES}
+
+
+def test_cluster_status_read_while_a_restarted_controller_adopts_lists_the_adopted_workers(hosted):
+    """A restarted controller serves its API while it adopts the running workers: a status read
+    then waits for the adoption instead of answering with no worker (checked without Ray: the
+    adoption is finished by hand; a worker without a handle reports as unhealthy)."""
+    from router.api.pdserve.v1 import generation_pb2 as pb
+    from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    pools = PoolManager(hosted.spec, hosted.router)  # its start, which adopts, has not finished
+    hosted.router.pool_manager = pools
+    answer: dict = {}
+
+    def read_status():
+        with grpc.insecure_channel(hosted.address) as channel:
+            answer["workers"] = pb_grpc.GenerationStub(channel).GetClusterStatus(pb.GetClusterStatusRequest(), timeout=30).workers
+
+    reader = threading.Thread(target=read_status)
+    reader.start()
+    time.sleep(1.0)
+    assert reader.is_alive(), "the status was answered before the adoption finished"
+
+    async def adopt():
+        hosted.router.pool.add(WorkerRecord("decode-0", Role.DECODE, handle=None))
+        pools._first_adoption.set()
+
+    hosted.loop.run(adopt())
+    reader.join(15)
+    assert [(w.worker_id, w.state) for w in answer["workers"]] == [("decode-0", pb.WORKER_STATE_UNHEALTHY)]
