@@ -19,7 +19,6 @@ prefix is left behind.
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -28,8 +27,6 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, ScheduledSlice
 from engine.sequence import Sequence
-
-logger = logging.getLogger(__name__)
 
 # The warm-up prompt's length: several tokens, so the prefill kernel (not the decode one) runs.
 _PROMPT_TOKENS = 8
