@@ -193,8 +193,9 @@ class KVWorker:
         self.free.extend(ids)
         return ids
 
-    def dstep(self, reserves=(), aborts=(), confirms=(), completes=(), poll_s: float = 0.01) -> dict:
-        """One decode-side round of the stress test, batched into a single Ray call."""
+    def dstep(self, reserves=(), aborts=(), confirms=(), completes=(), poll_s: float | None = 0.01) -> dict:
+        """One decode-side round of the stress test, batched into a single Ray call; ``poll_s``
+        None: no poll (a call whose answer the caller does not read must not take ready events)."""
         dests = {}
         for req_id, num_blocks, lease_s in reserves:
             dests[req_id] = self.reserve(req_id, num_blocks, lease_s) if len(self.free) >= num_blocks else None
@@ -204,7 +205,7 @@ class KVWorker:
             self.confirm(req_id)
         for req_id in completes:
             self.complete(req_id)
-        ready = self.poll_for(poll_s) if poll_s else self.poll()
+        ready = [] if poll_s is None else self.poll_for(poll_s) if poll_s else self.poll()
         digests = {r: self.digests(self.agent.receiver.block_ids(r)) for r in ready}
         return {"dests": dests, "ready": ready, "digests": digests, "num_free": len(self.free)}
 
