@@ -393,19 +393,13 @@ _MIN_DEVICE_TEMPERATURE = 1e-30
 
 
 @functools.cache
-def _flashinfer():
-    """FlashInfer (its sampling kernels), or None where it is not installed."""
+def _flashinfer_sampling():
+    """FlashInfer's sampling kernels, or None where it is not installed."""
     try:
-        import flashinfer
-        import flashinfer.sampling  # noqa: F401
+        import flashinfer.sampling
     except Exception:
         return None
-    return flashinfer
-
-
-def _flashinfer_sampling():
-    flashinfer = _flashinfer()
-    return None if flashinfer is None else flashinfer.sampling
+    return flashinfer.sampling
 
 
 def _top_k_candidates(logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor]:

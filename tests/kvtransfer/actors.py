@@ -205,7 +205,12 @@ class KVWorker:
             self.confirm(req_id)
         for req_id in completes:
             self.complete(req_id)
-        ready = [] if poll_s is None else self.poll_for(poll_s) if poll_s else self.poll()
+        if poll_s is None:
+            ready = []
+        elif poll_s > 0:
+            ready = self.poll_for(poll_s)
+        else:
+            ready = self.poll()  # once (poll_for(0) would not poll at all)
         digests = {r: self.digests(self.agent.receiver.block_ids(r)) for r in ready}
         return {"dests": dests, "ready": ready, "digests": digests, "num_free": len(self.free)}
 
