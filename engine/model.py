@@ -124,7 +124,10 @@ class CausalLM(nn.Module):
         self.config = config
         self.shard = shard = shard or TPShard.of(config)
         self.group = group
-        self.embed_tokens = nn.Embedding(shard.vocab_size, config.hidden_size)
+        # Handed its (empty) weight, the embedding skips its random init: the loader builds the
+        # model on the meta device, where nn.Embedding's normal_ goes through torch._refs and
+        # imports torch._dynamo (about 2 s of CPU in every worker process) for values it discards.
+        self.embed_tokens = nn.Embedding(shard.vocab_size, config.hidden_size, _weight=torch.empty(shard.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, shard, group) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, shard.vocab_size, bias=False)

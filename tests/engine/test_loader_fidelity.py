@@ -153,3 +153,22 @@ def test_sliding_window_attention_matches_transformers_past_the_window(tmp_path,
     assert (engine.runner.attention.name == "cpu") == (native and native_kernels.kernel() is not None)
     got = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     assert got == [hf_greedy(model, p, 10) for p in prompts]
+
+
+def test_loading_a_model_does_not_import_the_compiler_stack(checkpoints):
+    """Every worker process loads a model as it starts: building it must not pull in
+    torch._dynamo and sympy (about 2 s of CPU each; nn.Embedding's random init on the meta
+    device did). Checked in a fresh interpreter, where nothing else has imported them."""
+    import subprocess
+    import sys
+
+    path, _ = checkpoints["llama"]
+    probe = (
+        "import sys, torch\n"
+        "from engine import EngineConfig, LLMEngine, SamplingParams\n"
+        f"engine = LLMEngine({str(path)!r}, EngineConfig(num_kv_blocks=16, num_threads=1))\n"
+        "engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.8, top_p=0.9, seed=1))\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
