@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -87,6 +88,7 @@ def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_m
     assert down.returncode == 0 and "pdserve stopped" in down.stdout
     assert not state.exists()
     assert not process_alive(recorded["ray_head_pid"]), "the Ray head that `up --detach` started is gone too"
+    assert not _processes_named("gcs_server", session=recorded["ray_head_pid"]), "and every process of it"
 
 
 def test_version():
@@ -202,10 +204,13 @@ def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, 
         assert generated.stdout == "The quick brown fox" + expected + "\n"
     finally:
         _run("down", state_file=state, check=False)
+        # Each `ray start --block` stops its own processes (as `pdserve down` stops its head):
+        # a SIGTERM to the whole group kept the head's GCS server up for about 30 s.
         for node in reversed(nodes):
-            os.killpg(node.pid, signal.SIGTERM)
-        for node in nodes:
+            node.terminate()
             node.wait(timeout=60)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
 
 
 def _processes_named(name: str, session: int | None = None) -> list[int]:
