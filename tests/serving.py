@@ -8,6 +8,7 @@ detokenizes real text and transformers gives the reference outputs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -44,6 +45,19 @@ def running_deployment(model, num_prefill: int, num_decode: int, router: RouterC
         yield deployment
     finally:
         deployment.stop()
+
+
+@contextlib.contextmanager
+def following_router(deployment: Deployment, router: RouterConfig):
+    """A router with its own configuration over ``deployment``'s workers, which must be durable
+    (``durable_workers``): it follows the pools as a router replica does, so tests that differ
+    only in how they route share one set of worker processes (each start is seconds of CPU)."""
+    hosted = HostedRouter(dataclasses.replace(deployment.spec, router=router))
+    try:
+        hosted.start_pools(manage=False)
+        yield hosted
+    finally:
+        hosted.close()
 
 
 @dataclass

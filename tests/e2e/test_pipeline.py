@@ -21,7 +21,7 @@ from router.config import Disaggregation, RouterConfig
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 from tests.checkpoints import build_checkpoint, hf_greedy, random_prompts
-from tests.serving import Client, engine_config, make_request, running_deployment
+from tests.serving import Client, engine_config, following_router, make_request, running_deployment
 
 pytestmark = pytest.mark.e2e
 
@@ -41,6 +41,16 @@ def four_layer_model(tmp_path_factory):
     return E2EModel(path, model, tokenizer.get_vocab_size())
 
 
+@pytest.fixture(scope="module")
+def shared_workers(ray_cluster, four_layer_model):
+    """Three prefill actors and a decode actor, durable, for the tests that kill nothing and need
+    no engine or transfer setting of their own: each routes through a router of its own
+    configuration that follows these workers (``following_router``), the stages it wants picked
+    by ``max_pipeline_stages`` (idle actors in id order)."""
+    with running_deployment(four_layer_model, 3, 1, _router(32), name="pipeline-shared", durable_workers=True) as deployment:
+        yield deployment
+
+
 def _router(chunk_tokens: int, **overrides) -> RouterConfig:
     """Every prompt pipelined over prefill actors only (``pipeline_decode_stage``: ALWAYS adds the decode actor as the last stage)."""
     fields = dict(
@@ -56,10 +66,10 @@ def _stage_workers(stream) -> list[str]:
 
 
 @pytest.mark.parametrize("num_prefill,chunk_tokens", [(2, 16), (3, 23)])
-def test_a_pipelined_prompt_decodes_what_transformers_does(ray_cluster, four_layer_model, num_prefill, chunk_tokens):
+def test_a_pipelined_prompt_decodes_what_transformers_does(shared_workers, four_layer_model, num_prefill, chunk_tokens):
     prompts = random_prompts([40, 97, 200], four_layer_model.vocab_size, seed=num_prefill)
     expected = [hf_greedy(four_layer_model.hf_model, p, 8) for p in prompts]
-    with running_deployment(four_layer_model, num_prefill, 1, _router(chunk_tokens)) as deployment:
+    with following_router(shared_workers, _router(chunk_tokens, max_pipeline_stages=num_prefill)) as deployment:
         client = Client(deployment.address)
         streams = [client.generate(prompt_token_ids=p, max_tokens=8, temperature=0.0, ignore_eos=True) for p in prompts]
         for stream, want in zip(streams, expected):
@@ -175,12 +185,12 @@ def test_stages_that_are_tensor_parallel_groups(ray_cluster, four_layer_model):
         client.close()
 
 
-def test_a_pipelined_prompt_cancelled_mid_prefill_leaves_nothing_behind(ray_cluster, four_layer_model):
+def test_a_pipelined_prompt_cancelled_mid_prefill_leaves_nothing_behind(shared_workers, four_layer_model):
     """The client cancels while the prompt is in both stages: every stage stops and quiesces, the
     decode actor frees its reservation, and the next prompt through the same actors is exact."""
     prompt, after = random_prompts([600, 90], four_layer_model.vocab_size, seed=31)
     expected = hf_greedy(four_layer_model.hf_model, after, 6)
-    with running_deployment(four_layer_model, 2, 1, _router(16)) as deployment:
+    with following_router(shared_workers, _router(16, max_pipeline_stages=2)) as deployment:
         for handle in deployment.pools.handles.values():
             ray.get(handle.set_step_delay.remote(0.03))  # 38 chunks of 16 per stage: over 1 s, the cancel comes at 0.4 s
         client = Client(deployment.address)
@@ -228,7 +238,7 @@ def test_the_decode_actor_killed_while_stages_push_into_it_loses_nothing(ray_clu
 
 
 @pytest.mark.parametrize("num_prefill,chunk_tokens", [(1, 16), (2, 23)])
-def test_the_decode_actor_as_the_last_stage_decodes_what_transformers_does(ray_cluster, four_layer_model, num_prefill, chunk_tokens):
+def test_the_decode_actor_as_the_last_stage_decodes_what_transformers_does(shared_workers, four_layer_model, num_prefill, chunk_tokens):
     """The decode actor computes the last layers of every chunk straight into its reservation and
     samples the first token itself: exact for one and two prefill stages before it, again with
     every stage's prefix cache holding the prompts (the decode actor's with every layer, so the
@@ -236,8 +246,8 @@ def test_the_decode_actor_as_the_last_stage_decodes_what_transformers_does(ray_c
     prompts = random_prompts([40, 97, 200], four_layer_model.vocab_size, seed=10 + num_prefill)
     longer = prompts[2] + random_prompts([50], four_layer_model.vocab_size, seed=3)[0]
     expected = [hf_greedy(four_layer_model.hf_model, p, 8) for p in [*prompts, longer]]
-    router = _router(chunk_tokens, pipeline_decode_stage=PipelineMode.ALWAYS)
-    with running_deployment(four_layer_model, num_prefill, 1, router) as deployment:
+    router = _router(chunk_tokens, pipeline_decode_stage=PipelineMode.ALWAYS, max_pipeline_stages=num_prefill + 1)
+    with following_router(shared_workers, router) as deployment:
         client = Client(deployment.address)
         for prompt, want in zip(prompts, expected):
             stream = client.generate(prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
