@@ -163,6 +163,11 @@ class HostedRouter:
     def http_port(self) -> int | None:
         return self.front_ends.http_port
 
+    @property
+    def handles(self) -> dict[str, object]:
+        """The workers' actor handles (as ``Deployment.handles``), once ``start_pools`` ran."""
+        return self.pools.handles
+
     async def _build(self):
         return build_router(self.spec)
 

@@ -8,6 +8,7 @@ import threading
 import time
 
 import grpc
+import pytest
 import ray
 
 from router.api.pdserve.v1 import generation_pb2 as pb
@@ -16,7 +17,16 @@ from engine.stats import WorkerState
 from router.pipeline import PipelineMode
 from router.pool import Role, RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.serving import Client, engine_config, kill_during_greedy_burst, make_request, running_deployment
+from tests.serving import Client, engine_config, following_router, kill_during_greedy_burst, make_request, running_deployment
+
+
+@pytest.fixture(scope="module")
+def untouched_workers(ray_cluster, e2e_model):
+    """One prefill and one decode actor, durable, for the tests here that kill no worker: each
+    routes through a router of its own configuration that follows them (``following_router``)."""
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    with running_deployment(e2e_model, 1, 1, router, name="failures-shared", durable_workers=True) as deployment:
+        yield deployment
 
 
 def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2e_model):
@@ -206,13 +216,13 @@ def test_request_that_sent_no_token_is_restarted_on_another_decode_actor(ray_clu
         client.close()
 
 
-def test_extreme_sampling_values_crash_no_worker_and_disturb_no_other_request(ray_cluster, e2e_model):
+def test_extreme_sampling_values_crash_no_worker_and_disturb_no_other_request(untouched_workers, e2e_model):
     """temperature 1e-40 and repetition_penalty 1e-40 used to kill the decode actor (and, with a
     long prompt, the prefill actor that samples the first token); retries then carried the request
     from worker to worker. Now each request finishes, and the same workers serve on."""
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
     long_prompt, short_prompt = random_prompts([200, 12], e2e_model.vocab_size, seed=31)
-    with running_deployment(e2e_model, 1, 1, router) as deployment:
+    with following_router(untouched_workers, router) as deployment:
         client = Client(deployment.address)
         epochs = {w.worker_id: w.epoch for w in client.status()}
         cases = [
@@ -229,13 +239,13 @@ def test_extreme_sampling_values_crash_no_worker_and_disturb_no_other_request(ra
         client.close()
 
 
-def test_cancels_at_any_moment_free_their_blocks_at_once_and_free_the_id(ray_cluster, e2e_model):
+def test_cancels_at_any_moment_free_their_blocks_at_once_and_free_the_id(untouched_workers, e2e_model):
     """Cancelled just after the decode reservation (or during the reserve call), a request used
     to keep its blocks until the lease ran out, and its id answered "already holds a
     reservation". With a 300 s lease, every block must come back within seconds."""
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS, kv_lease_s=300.0)
     prompts = random_prompts([300] * 6, e2e_model.vocab_size, seed=41)
-    with running_deployment(e2e_model, 1, 1, router) as deployment:
+    with following_router(untouched_workers, router) as deployment:
         client = Client(deployment.address)
         ray.get(deployment.handles["prefill-0"].set_step_delay.remote(0.05))
         calls = []
