@@ -8,9 +8,8 @@ detokenizes real text and transformers gives the reference outputs.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -52,7 +51,7 @@ def following_router(deployment: Deployment, router: RouterConfig):
     """A router with its own configuration over ``deployment``'s workers, which must be durable
     (``durable_workers``): it follows the pools as a router replica does, so tests that differ
     only in how they route share one set of worker processes (each start is seconds of CPU)."""
-    hosted = HostedRouter(dataclasses.replace(deployment.spec, router=router))
+    hosted = HostedRouter(replace(deployment.spec, router=router))
     try:
         hosted.start_pools(manage=False)
         yield hosted

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
-from cluster.cli import process_alive
+from cluster.cli import _stop_pid, process_alive
 from tests.checkpoints import hf_greedy
 
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
@@ -204,13 +203,9 @@ def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, 
         assert generated.stdout == "The quick brown fox" + expected + "\n"
     finally:
         _run("down", state_file=state, check=False)
-        # Each `ray start --block` stops its own processes (as `pdserve down` stops its head):
-        # a SIGTERM to the whole group kept the head's GCS server up for about 30 s.
-        for node in reversed(nodes):
-            node.terminate()
+        for node in reversed(nodes):  # stopped as `pdserve down` stops the head it started
+            _stop_pid(node.pid)
             node.wait(timeout=60)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(node.pid, signal.SIGKILL)
 
 
 def _processes_named(name: str, session: int | None = None) -> list[int]:

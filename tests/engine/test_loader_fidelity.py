@@ -4,6 +4,8 @@ for what the engine cannot run (quantized weights, unknown dtypes, tensors it ha
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -159,9 +161,6 @@ def test_loading_a_model_does_not_import_the_compiler_stack(checkpoints):
     """Every worker process loads a model as it starts: building it must not pull in
     torch._dynamo and sympy (about 2 s of CPU each; nn.Embedding's random init on the meta
     device did). Checked in a fresh interpreter, where nothing else has imported them."""
-    import subprocess
-    import sys
-
     path, _ = checkpoints["llama"]
     probe = (
         "import sys, torch\n"
