@@ -95,9 +95,17 @@ class NetnsCluster:
             _ip("-n", name, "link", "set", "lo", "up")
 
     def _start_ray(self) -> None:
-        # A dead node is noticed within about 3 s (Ray's default is about 15 s).
-        env = _namespace_env(RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
-        ray_cli = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats", f"--num-cpus={self.num_cpus}"]
+        # A dead node is noticed within about 3 s (Ray's default is about 15 s). No idle workers
+        # started ahead of a driver's first task, and no log monitors: the drivers run with
+        # log_to_driver=False (the logs stay in each node's session directory), and on two
+        # cores these processes cost a node seconds of CPU while its neighbours start.
+        env = _namespace_env(
+            RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3", RAY_prestart_worker_first_driver="0"
+        )
+        ray_cli = [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats", f"--num-cpus={self.num_cpus}",
+            "--include-log-monitor=false",
+        ]
         for index, (name, address) in enumerate(zip(self.names, self.addresses)):
             role = ["--head", f"--port={self.head_port}", "--include-dashboard=false"] if index == 0 else [f"--address={self.head_address}"]
             # Each node its own temporary directory: raylets started together would otherwise
@@ -127,17 +135,16 @@ class NetnsCluster:
         raise AssertionError("the Ray head did not come up")
 
     def wait_for_nodes(self, count: int, timeout_s: float = 90) -> None:
+        # One driver that polls, not one per poll: joining as a driver costs seconds of CPU.
         script = (
-            "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+            "import ray, sys, time; ray.init(address=sys.argv[1], log_to_driver=False); "
+            "deadline = time.monotonic() + float(sys.argv[3])\n"
+            "while sum(1 for n in ray.nodes() if n['Alive']) < int(sys.argv[2]) and time.monotonic() < deadline: time.sleep(0.1)\n"
             "print(sum(1 for n in ray.nodes() if n['Alive']))"
         )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            alive = self.run(0, [sys.executable, "-c", script, self.head_address], check=False).stdout.strip().splitlines()
-            if alive and alive[-1].isdigit() and int(alive[-1]) >= count:
-                return
-            time.sleep(1)
-        raise AssertionError(f"fewer than {count} Ray nodes came up")
+        alive = self.run(0, [sys.executable, "-c", script, self.head_address, str(count), str(timeout_s)], check=False).stdout.strip().splitlines()
+        if not (alive and alive[-1].isdigit() and int(alive[-1]) >= count):
+            raise AssertionError(f"fewer than {count} Ray nodes came up ({alive[-1:] or 'no answer'})")
 
     def run(self, node: int, command: list[str], check: bool = True, **kwargs) -> subprocess.CompletedProcess:
         env = _namespace_env(**kwargs.pop("env", {}))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -62,12 +63,18 @@ def _probe(model: str, backend: str) -> list[str]:
     return problems
 
 
-async def check_nodes(model: str, backend: str, timeout_s: float = PROBE_TIMEOUT_S) -> int:
-    """Probe every live node when there are several; raise NodeNotReadyError naming each node
-    that cannot run workers and what it lacks. Returns how many nodes were probed."""
+async def check_nodes(
+    model: str, backend: str, timeout_s: float = PROBE_TIMEOUT_S, can_host: Callable[[dict[str, float]], bool] | None = None
+) -> int:
+    """Probe every live node that could hold a worker (``can_host`` of its resources; every node
+    when None) when the cluster has several; raise NodeNotReadyError naming each node that cannot
+    run workers and what it lacks. Returns how many nodes were probed."""
     nodes = [n for n in await asyncio.to_thread(ray.nodes) if n.get("Alive")]
     if len(nodes) < 2:
         return 0  # this process is on the only node, and it imported all of it already
+    # A node no pool fits on (a head without the workers' resources) never runs a worker: a
+    # probe there would cost seconds of its CPU (it imports torch and the engine) for nothing.
+    nodes = [n for n in nodes if can_host is None or can_host(n.get("Resources", {}))]
     probe = ray.remote(num_cpus=0, max_retries=0)(_probe)
     refs = [
         probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(model, backend)

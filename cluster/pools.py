@@ -112,8 +112,12 @@ class DeploymentSpec:
             )
 
 
-# After a failed launch, how long the health loop waits before it launches for that pool again.
-LAUNCH_RETRY_PAUSE_S = 5.0
+# After a failed launch, how long the health loop waits before it launches for that pool again:
+# short at first (a replacement sent to a node that died, before Ray has noticed, fails within
+# seconds, and the next one lands elsewhere), doubling with each failure in a row up to the cap
+# (a pool that cannot fit anywhere is not relaunched in a tight loop); a launch that works resets it.
+LAUNCH_RETRY_FIRST_PAUSE_S = 1.0
+LAUNCH_RETRY_MAX_PAUSE_S = 16.0
 class PoolManager(PoolFollower):
     """Owns the actors of both pools; runs on the router's event loop."""
 
@@ -138,6 +142,7 @@ class PoolManager(PoolFollower):
         self.desired = {Role.PREFILL: spec.prefill.replicas, Role.DECODE: spec.decode.replicas}
         self._num_launching = {Role.PREFILL: 0, Role.DECODE: 0}
         self._launch_retry_at = {Role.PREFILL: 0.0, Role.DECODE: 0.0}
+        self._launch_failures_in_a_row = {Role.PREFILL: 0, Role.DECODE: 0}
 
     async def start(self) -> None:
         roles = (Role.PREFILL, Role.DECODE)
@@ -152,7 +157,11 @@ class PoolManager(PoolFollower):
         if any(missing.values()):
             # On a cluster of several nodes, a node that lacks the code, a library or the model
             # is named now rather than found through a worker that died there.
-            await check_nodes(self.spec.model_source or str(self.spec.model_path), self.spec.transfer.backend, self.spec.startup_timeout_s)
+            pools = [self.spec.pool(role) for role in roles if missing[role]]
+            await check_nodes(
+                self.spec.model_source or str(self.spec.model_path), self.spec.transfer.backend, self.spec.startup_timeout_s,
+                can_host=lambda resources: any(_fits(resources, pool) for pool in pools),
+            )
         # CPU actors share their node's host memory; each GPU actor has its own GPU.
         num_starting = sum(missing[r] for r in missing if self.spec.pool(r).num_gpus == 0) or 1
         launches = [self._launch(role, num_starting) for role in roles for _ in range(missing[role])]
@@ -405,10 +414,15 @@ class PoolManager(PoolFollower):
         self._num_launching[role] -= 1
         if task.cancelled():
             return
-        if task.exception() is not None:
-            # Retried by the health loop after a pause, until the pool is back at its size.
-            self._launch_retry_at[role] = time.monotonic() + LAUNCH_RETRY_PAUSE_S
-            logger.warning("launching a %s worker failed (retrying in %.0fs): %r", role.value, LAUNCH_RETRY_PAUSE_S, task.exception())
+        if task.exception() is None:
+            self._launch_failures_in_a_row[role] = 0
+            return
+        # Retried by the health loop after a pause, until the pool is back at its size.
+        failures = self._launch_failures_in_a_row[role]
+        self._launch_failures_in_a_row[role] = failures + 1
+        pause_s = min(LAUNCH_RETRY_MAX_PAUSE_S, LAUNCH_RETRY_FIRST_PAUSE_S * 2**failures)
+        self._launch_retry_at[role] = time.monotonic() + pause_s
+        logger.warning("launching a %s worker failed (retrying in %.0fs): %r", role.value, pause_s, task.exception())
 
 
 def _fits(resources: dict[str, float], pool: PoolSpec) -> bool:

@@ -194,21 +194,23 @@ def test_drain_worker_finishes_its_requests_then_removes_it(ray_cluster, e2e_mod
 
 
 def test_a_failed_replacement_launch_is_retried_until_the_pool_is_back(ray_cluster, e2e_model, traffic_references, monkeypatch):
-    """The first replacement launch fails (as on a node out of resources): the health loop
-    launches again after a pause, and the pool returns to its size and serves."""
+    """The first two replacement launches fail (as on a node out of resources): the health loop
+    launches again after a pause that doubles with each failure, and the pool returns to its
+    size and serves."""
     import cluster.pools
 
     prompts, expected = traffic_references
-    monkeypatch.setattr(cluster.pools, "LAUNCH_RETRY_PAUSE_S", 0.5)
+    first_pause_s = 0.4
+    monkeypatch.setattr(cluster.pools, "LAUNCH_RETRY_FIRST_PAUSE_S", first_pause_s)
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
-    with running_deployment(e2e_model, 1, 1, router, health_interval_s=0.3) as deployment:
+    with running_deployment(e2e_model, 1, 1, router, health_interval_s=0.1) as deployment:
         pools = deployment.pools
         real_launch = pools._launch
-        attempts: list[Role] = []
+        attempts: list[tuple[Role, float]] = []
 
         async def flaky_launch(role, num_starting=1):
-            attempts.append(role)
-            if len(attempts) == 1:
+            attempts.append((role, time.monotonic()))
+            if len(attempts) <= 2:
                 raise RuntimeError("injected: no resources for the replacement")
             return await real_launch(role, num_starting)
 
@@ -218,7 +220,10 @@ def test_a_failed_replacement_launch_is_retried_until_the_pool_is_back(ray_clust
         while pools.size(Role.PREFILL) < 1 or "prefill-0" in deployment.workers(Role.PREFILL):
             assert time.monotonic() < deadline, f"the prefill pool did not return to its size ({attempts})"
             time.sleep(0.1)
-        assert attempts == [Role.PREFILL, Role.PREFILL], "one failed launch, then one that worked"
+        assert [role for role, _ in attempts] == [Role.PREFILL] * 3, "two failed launches, then one that worked"
+        (_, first), (_, second), (_, third) = attempts
+        assert second - first >= first_pause_s and third - second >= 2 * first_pause_s, f"pauses {second - first:.2f}, {third - second:.2f} s"
+        assert third - second < 2 * first_pause_s + 2.0, "relaunched soon after the pause, not much later"
         assert pools.desired == {Role.PREFILL: 1, Role.DECODE: 1}
         client = Client(deployment.address)
         stream = client.generate(prompt_token_ids=prompts[0], max_tokens=8, temperature=0.0, ignore_eos=True)
