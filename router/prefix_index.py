@@ -73,9 +73,12 @@ class PrefixFeed:
         self.index = index
         self.call_timeout_s = call_timeout_s
         self._tasks: dict[str, asyncio.Task] = {}
+        self._stopped = False
 
     def ensure(self) -> None:
         """Start following workers that joined; cheap to call on every dispatch."""
+        if self._stopped:
+            return
         for record in list(self.pool.workers.values()):
             task = self._tasks.get(record.worker_id)
             if task is None or task.done():
@@ -84,7 +87,7 @@ class PrefixFeed:
     async def _follow(self, record: WorkerRecord) -> None:
         cursor = -1
         try:
-            while self.pool.workers.get(record.worker_id) is record:
+            while not self._stopped and self.pool.workers.get(record.worker_id) is record:
                 try:
                     update = await within(record.handle.cache_events.remote(cursor, POLL_S), POLL_S + self.call_timeout_s)
                 except asyncio.TimeoutError:
@@ -99,8 +102,15 @@ class PrefixFeed:
             self.index.forget(record.worker_id)
 
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        """Stop following. A task's cancellation can be lost: Python 3.11's ``wait_for`` drops it
+        when the call it waits on ends at that moment (or turns it into the TimeoutError the loop
+        asks again on), and a router's stop then waited for ever. So the loops also check a flag,
+        and a task still running is cancelled again until every one has ended."""
+        self._stopped = True
+        running = [task for task in self._tasks.values() if not task.done()]
+        while running:
+            for task in running:
+                task.cancel()
+            _, pending = await asyncio.wait(running, timeout=0.1)
+            running = list(pending)
         self._tasks.clear()

@@ -132,3 +132,47 @@ def test_a_waiting_follower_is_woken_by_the_next_append():
         assert timed_out.events == [] and timed_out.cursor == 2
 
     asyncio.run(scenario())
+
+
+def test_stopping_the_feed_ends_even_when_a_follower_loses_its_cancellation(monkeypatch):
+    """Python 3.11's ``wait_for`` drops a cancellation that arrives as the call it waits on ends
+    (it returns the call's result instead). A follower that lost its cancellation so kept polling,
+    and the router's stop waited for it for ever (a 30 s stop timeout in a test). Stopping ends
+    anyway, and nothing starts following after it."""
+    import router.prefix_index as prefix_index
+    from router.prefix_index import PrefixFeed
+
+    lost = []
+
+    async def within_losing_the_first_cancellation(call, timeout_s):
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if lost:
+                raise
+            lost.append(True)
+            return CacheUpdate("decode-0", 0, [])
+
+    class CacheEvents:
+        @staticmethod
+        def remote(cursor, poll_s):
+            return asyncio.sleep(poll_s, result=CacheUpdate("decode-0", cursor + 1, []))
+
+    class Handle:
+        cache_events = CacheEvents
+
+    monkeypatch.setattr(prefix_index, "within", within_losing_the_first_cancellation)
+    pool = WorkerPool()
+    pool.add(WorkerRecord("decode-0", Role.DECODE, handle=Handle()))
+
+    async def scenario():
+        feed = PrefixFeed(pool, PrefixIndex(BLOCK), call_timeout_s=1.0)
+        feed.ensure()
+        await asyncio.sleep(0.05)  # the follower waits in its long-poll
+        await asyncio.wait_for(feed.stop(), timeout=5)
+        feed.ensure()
+        return feed
+
+    feed = asyncio.run(scenario())
+    assert lost == [True], "the first cancellation was lost, as 3.11's wait_for can"
+    assert feed._tasks == {}, "no follower left running or started after the stop"
