@@ -118,6 +118,8 @@ class DeploymentSpec:
 # (a pool that cannot fit anywhere is not relaunched in a tight loop); a launch that works resets it.
 LAUNCH_RETRY_FIRST_PAUSE_S = 1.0
 LAUNCH_RETRY_MAX_PAUSE_S = 16.0
+
+
 class PoolManager(PoolFollower):
     """Owns the actors of both pools; runs on the router's event loop."""
 

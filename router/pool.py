@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -127,7 +128,14 @@ class WorkerPool:
 
 
 async def within(ref, timeout_s: float | None):
-    """The result of a worker call (a Ray ObjectRef); asyncio.TimeoutError after ``timeout_s``."""
+    """The result of a worker call (a Ray ObjectRef); asyncio.TimeoutError after ``timeout_s``.
+
+    On Python 3.11+ through ``asyncio.timeout``: 3.11's ``wait_for`` drops a cancellation of the
+    caller that arrives as the call ends (it returns the result instead), and a loop of such
+    calls then outlived its own stop."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await ref
 
     async def result():
         return await ref
