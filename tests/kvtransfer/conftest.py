@@ -50,3 +50,21 @@ def nixl_pair(ray_session):
     yield p, d
     for actor in (p, d):
         ray.kill(actor)
+
+
+@pytest.fixture(autouse=True)
+def shared_pair_left_without_send_events(request):
+    """The session's pair serves its tests in any order (two test processes pick modules freely).
+
+    A send event a test leaves on the shared prefill actor is read by the next test as one of its
+    own, so each test must take every event its requests caused: this fails the one that does not,
+    where the cause is, and takes the events so that the next test still starts clean.
+    """
+    yield
+    if "nixl_pair" not in request.fixturenames:
+        return
+    import ray
+
+    sender, _ = request.getfixturevalue("nixl_pair")
+    leftover = ray.get(sender.drain_sends.remote())
+    assert not leftover, f"the test left send events on the shared prefill actor: {leftover}"

@@ -109,3 +109,6 @@ def test_killed_decode_fails_only_its_requests_and_the_sender_goes_on(cluster):
     error = ray.get(p2.try_push.remote("kd-z", z, [72], z.block_ids[2:3], 3))
     assert isinstance(error, PeerLostError) and "kd-z" in str(error)
     assert ray.get(p2.ping.remote()) and ray.get(p2.num_in_flight.remote()) == 0
+    # The sender also reported kd-z's loss as a send event, once: the router learns of it there.
+    lost = ray.get(p2.drain_sends.remote())
+    assert [(e.req_id, type(e.error)) for e in lost] == [("kd-z", PeerLostError)], lost
