@@ -69,6 +69,9 @@ class SeqOutput:
     error: str | None = None
     timing: DecodeTiming | None = None
     attempt: int = 0  # the dispatch attempt it belongs to: a restarted request ignores older ones
+    # On the first output of a request this actor prefilled itself, where it asked for them:
+    # prompt token i + 1's log-probability at i (SamplingParams.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)

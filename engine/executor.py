@@ -50,7 +50,8 @@ class Executor(ABC):
 
     @abstractmethod
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [rows sampled this step, vocab] in slice order."""
+        """Logits [rows sampled this step, vocab] in slice order, then the rows that score prompts
+        whose log-probabilities are asked for (``ModelRunner.prepare``)."""
 
     @abstractmethod
     def execute_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations:

@@ -28,6 +28,7 @@ from engine.elastic_threads import ElasticThreads
 from engine.errors import InvalidRequestError, ModelLoadError
 from engine.executor import Executor, LocalExecutor, MultiRankExecutor
 from engine.grammar import Grammars, apply_masks
+from engine.host_to_device import to_device
 from engine.kernel_warm_up import warm_up_kernels
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype
@@ -36,7 +37,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel.group import SINGLE, RankFailedError, TPGroup, free_address
 from engine.parallel.launch import RankLauncher, SubprocessRanks
 from engine.parallel.shard import TPShard
-from engine.sampler import Sampler
+from engine.sampler import LogprobTensors, Sampler
 from engine.sampling_params import SamplingParams
 from engine.overlap import InFlightStep
 from engine.scheduler import DrainFirst, ScheduledBatch, ScheduledSlice, Scheduler
@@ -60,6 +61,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # why a request ended with FinishReason.ERROR
+    # On the output that carries a request's first tokens, where this engine computed its prompt
+    # and the request asked (``SamplingParams.prompt_logprobs``): prompt token i + 1's at i.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -71,6 +75,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: FinishReason
     logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt token i + 1's at i
 
 
 class LLMEngine:
@@ -337,6 +342,8 @@ class LLMEngine:
 
     def _overlaps(self, batch: ScheduledBatch) -> bool:
         device = torch.device(self.config.device)
+        if any(piece.seq.needs_prompt_logprobs for piece in batch.slices):
+            return False  # its prompt rows are read at once (_record_prompt_logprobs)
         return all(self.sampler.draws_on_device(piece.seq, device) for piece in batch.slices if piece.completes_sequence)
 
     def _run_overlapped(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -495,6 +502,7 @@ class LLMEngine:
                 finish_reason=seq.finish_reason,
                 num_prompt_tokens=seq.num_prompt_tokens,
                 num_output_tokens=seq.num_output_tokens,
+                prompt_logprobs=seq.prompt_logprobs if seq.prompt_logprobs and 0 < len(new_tokens) == seq.num_output_tokens else None,
             )
             for seq, new_tokens in results
         ]
@@ -504,6 +512,7 @@ class LLMEngine:
         row-by-row tokens while each equals the draft it verifies, and the first that does not
         (or the token after the last draft). Constrained rows are drawn under their grammar's
         mask (``masks``: computed while the forward ran; None: no row is constrained)."""
+        logits = self._record_prompt_logprobs(logits, batch)
         completing = [piece for piece in batch.slices if piece.num_sampled_rows]
         if not completing:
             return []
@@ -534,6 +543,31 @@ class LLMEngine:
             cursor += piece.num_sampled_rows
         return emitted
 
+    def _record_prompt_logprobs(self, logits: torch.Tensor, batch: ScheduledBatch) -> torch.Tensor:
+        """The batch's sampled rows of ``logits``. The rows after them score the prompt tokens
+        whose log-probabilities are asked for (``ModelRunner.prepare`` put them there): each
+        sequence gets its own (``Sequence.prompt_logprobs``), computed beside the logits."""
+        num_sampled = sum(piece.num_sampled_rows for piece in batch.slices)
+        if logits.shape[0] == num_sampled:
+            return logits
+        owners: list[Sequence] = []
+        targets: list[int] = []
+        num_top: list[int] = []
+        for piece in batch.slices:
+            seq = piece.seq
+            if piece.num_tokens == 1 and piece.completes_sequence:
+                continue  # a decode row: never a prompt position (as ModelRunner.prepare)
+            for position in seq.prompt_logprob_positions(seq.num_computed_tokens, piece.num_own_tokens):
+                owners.append(seq)
+                targets.append(seq.token_ids[position + 1])
+                num_top.append(seq.params.prompt_logprobs)
+        prompt_logits = logits[num_sampled:]
+        assert prompt_logits.shape[0] == len(targets), (prompt_logits.shape, len(targets))
+        reported = LogprobTensors.of_rows(prompt_logits, list(range(len(targets))), num_top, to_device(targets, torch.long, logits.device))
+        for seq, entry in zip(owners, LogprobTensors.by_row(reported, targets)):
+            seq.prompt_logprobs.append(entry)
+        return logits[:num_sampled]
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -548,7 +582,7 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         return [
-            Completion(s.req_id, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.finish_reason, s.output_logprobs)
+            Completion(s.req_id, s.token_ids[: s.num_prompt_tokens], s.output_token_ids, s.finish_reason, s.output_logprobs, s.prompt_logprobs)
             for s in seqs
         ]
 

@@ -65,10 +65,13 @@ class ModelRunner:
         return self.run(self.prepare(batch))
 
     def prepare(self, batch: ScheduledBatch) -> StepInput:
-        """The step's inputs (on rank 0, where the scheduler is)."""
+        """The step's inputs (on rank 0, where the scheduler is). Logits rows: the sampled rows in
+        slice order, then the rows of prompts whose log-probabilities are asked for
+        (``Sequence.prompt_logprob_positions``), likewise."""
         rows, updates = self.block_tables.sync([(piece.seq, piece.seq.block_table) for piece in batch.slices])
         step = StepInput([], [], [], [], updates)
         input_ids, positions, logits_indices = step.input_ids, step.positions, step.logits_indices
+        prompt_rows: list[int] = []
         for piece, row in zip(batch.slices, rows):
             seq = piece.seq
             start = seq.num_computed_tokens
@@ -82,11 +85,14 @@ class ModelRunner:
                 positions.append(start)
                 logits_indices.append(len(input_ids) - 1)
             else:
+                first_row = len(input_ids)
+                prompt_rows.extend(first_row + p - start for p in seq.prompt_logprob_positions(start, piece.num_own_tokens))
                 input_ids.extend(seq.token_ids[start : start + piece.num_own_tokens])
                 input_ids.extend(piece.draft_token_ids)
                 positions.extend(range(start, start + piece.num_tokens))
                 logits_indices.extend(range(len(input_ids) - piece.num_sampled_rows, len(input_ids)))
             step.slices.append(SeqSlice(row, start, piece.num_tokens, decode=piece.is_decode))
+        logits_indices.extend(prompt_rows)
         return step
 
     def run(self, step: StepInput) -> torch.Tensor | None:

@@ -704,11 +704,16 @@ class LogprobTensors:
         rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if not rows:
             return None
+        return cls.of_rows(logits, rows, [seqs[i].params.logprobs for i in rows], token_ids)
+
+    @classmethod
+    def of_rows(cls, logits: torch.Tensor, rows: list[int], num_top: list[int], token_ids: torch.Tensor) -> "LogprobTensors":
+        """What ``rows`` of ``logits`` report: each its token among ``token_ids`` (one per row of
+        ``logits``) and its ``num_top`` most likely."""
         index = to_device(rows, torch.long, logits.device)
         log_probs = torch.log_softmax(logits[index], dim=-1)
         chosen = log_probs.gather(1, token_ids[index].unsqueeze(1))
         ranks = (log_probs > chosen).sum(dim=-1) + 1
-        num_top = [seqs[i].params.logprobs for i in rows]
         most = max(num_top)
         top_values, top_ids = log_probs.topk(most, dim=-1) if most > 0 else (None, None)
         return cls(rows, num_top, chosen.squeeze(1), ranks, top_values, top_ids)

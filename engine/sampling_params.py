@@ -21,7 +21,8 @@ class SamplingParams:
     disable those filters. ``seed`` makes a sampled request reproducible on its own,
     whatever else shares its batch. ``logprobs`` asks for the log-probability of each
     sampled token plus the top-``logprobs`` alternatives (0 = sampled token only,
-    None = none). ``min_tokens``: until this many tokens are out, EOS and ``stop_token_ids``
+    None = none); ``prompt_logprobs`` asks the same of every prompt token after the first (each
+    token's log-probability given those before it, and that many alternatives: vLLM's field). ``min_tokens``: until this many tokens are out, EOS and ``stop_token_ids``
     cannot be drawn (their logits are masked) and do not end the request.
 
     The logit adjustments are vLLM's (engine.sampler applies them in vLLM's order):
@@ -42,6 +43,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     # Output tokens the request produced before it was resumed on this worker (a stream
     # migrated after its decode actor died): they end the prompt it is given here, and seeded
@@ -65,6 +67,7 @@ class SamplingParams:
             max_tokens=self.max_tokens - num_generated,
             min_tokens=max(0, self.min_tokens - num_generated),
             num_resumed_tokens=self.num_resumed_tokens + num_generated,
+            prompt_logprobs=None,  # the client has them: the first part of the request reported them
         )
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -89,6 +92,10 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
         ):
             raise InvalidRequestError("logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or not (0 <= self.prompt_logprobs <= self.MAX_LOGPROBS)
+        ):
+            raise InvalidRequestError("prompt_logprobs", f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.num_resumed_tokens, int) or self.num_resumed_tokens < 0:

@@ -370,8 +370,8 @@ class Scheduler:
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Start a sequence with the longest prefix the cache holds, computed already."""
-        if seq.block_table or not self.allocator.enable_prefix_caching:
-            return
+        if seq.block_table or not self.allocator.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return  # (a prompt whose log-probabilities are asked for needs logits at every position)
         hashes = prefix_lookup_hashes(seq.token_ids, self.block_size, seq.hash_salt)
         block_ids = self.allocator.take_cached(hashes)
         seq.block_table = block_ids

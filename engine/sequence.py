@@ -67,6 +67,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # ``params.prompt_logprobs``: entry i is prompt token i + 1's (the first token has none),
+    # filled as the prompt's chunks are computed.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
@@ -114,6 +117,19 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asks for its prompt's log-probabilities and some are not computed yet: its prompt is
+        computed here in full (no prefix cache), with logits at every position."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    def prompt_logprob_positions(self, start: int, num_tokens: int) -> range:
+        """The positions among ``start .. start + num_tokens`` whose logits give prompt
+        log-probabilities still missing (position p's logits score prompt token p + 1)."""
+        if not self.needs_prompt_logprobs:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(start + num_tokens, self.num_prompt_tokens - 1))
 
     @property
     def is_decoding(self) -> bool:

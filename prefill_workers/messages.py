@@ -51,6 +51,9 @@ class PrefillResult:
     first_token_id: int | None  # None from a pipeline stage before the last
     first_logprob: TokenLogprob | None
     timing: PrefillTiming
+    # Where the request asked (``SamplingParams.prompt_logprobs``) and this actor computed the
+    # prompt's last layers: prompt token i + 1's log-probability at i.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(slots=True)

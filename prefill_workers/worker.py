@@ -475,7 +475,7 @@ class PrefillWorker(EngineWorker):
             job.done.set_result(PrefillResult(req_id, None, None, timing))
             return
         first_logprob = seq.output_logprobs[0] if seq.output_logprobs else None
-        job.done.set_result(PrefillResult(req_id, seq.token_ids[seq.num_prompt_tokens], first_logprob, timing))
+        job.done.set_result(PrefillResult(req_id, seq.token_ids[seq.num_prompt_tokens], first_logprob, timing, seq.prompt_logprobs))
 
     def _status(self) -> PrefillStatus:
         return PrefillStatus(

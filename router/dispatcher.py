@@ -364,7 +364,9 @@ class Dispatcher:
             config.prefill_pipeline, len(request.prompt_token_ids), self.pool.routable(Role.PREFILL),
             config.max_pipeline_stages, config.pipeline_tokens_per_stage, [1.0] * self.num_layers,
             config.pipeline_chunk_tokens, self.block_size,
-            decode=decode if decode_may_be_a_stage(config.pipeline_decode_stage, decode) else None,
+            # A prompt whose log-probabilities are asked for ends on a prefill actor, which
+            # reports them with its result (a decode actor's last stage would not).
+            decode=decode if decode_may_be_a_stage(config.pipeline_decode_stage, decode) and request.sampling_params.prompt_logprobs is None else None,
         )
 
     async def _wait_for_decode_pool(self) -> None:
@@ -553,6 +555,8 @@ class Dispatcher:
         (a dead one is the collector's to report; its requests restart from there). Where the
         decode actor computed the last stage, it sampled the token itself."""
         active.assembler.timing.prefill = timing
+        if result.prompt_logprobs:
+            active.assembler.prompt_logprobs = result.prompt_logprobs
         if self.metrics is not None:
             self.metrics.observe_prefill(timing.num_bytes, timing.transfer_ms)
         if result.first_token_id is None:

@@ -24,6 +24,7 @@ from router.admin import SERVICE as ADMIN_SERVICE
 from router.admin import AdminOperations, AdminService, worker_state_to_proto
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+from engine.sampling_params import TokenLogprob
 from engine.stats import WorkerState
 from router.core import Router
 from router.errors import abort_with, cannot_listen
@@ -57,13 +58,18 @@ _FINISH_REASONS = {
 }
 
 
+def _token_logprobs(entry: TokenLogprob) -> pb.TokenLogprobs:
+    top = [pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.top]
+    return pb.TokenLogprobs(logprob=entry.logprob, top=top, token_id=entry.token_id, rank=entry.rank)
+
+
 def generate_response(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
     """One session chunk as the GenerateResponse message that carries it."""
     response = pb.GenerateResponse(request_id=req_id, token_ids=chunk.token_ids, text=chunk.text)
     if chunk.logprobs:
-        response.logprobs.extend(
-            pb.TokenLogprobs(logprob=e.logprob, top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top]) for e in chunk.logprobs
-        )
+        response.logprobs.extend(_token_logprobs(e) for e in chunk.logprobs)
+    if chunk.prompt_logprobs:
+        response.prompt_logprobs.extend(_token_logprobs(e) for e in chunk.prompt_logprobs)
     end = chunk.end
     if end is not None:
         response.finish_reason = _FINISH_REASONS[end.reason]

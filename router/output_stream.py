@@ -94,6 +94,9 @@ class OutputChunk:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     end: StreamEnd | None = None
+    # The first chunk of a request that asked for its prompt's log-probabilities: prompt token
+    # i + 1's at i (None on every other chunk).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class OutputAssembler:
@@ -106,6 +109,14 @@ class OutputAssembler:
         self.finished = False
         self.prefill_worker_id = ""
         self.decode_worker_id = ""
+        # The prompt's log-probabilities, where asked for: from the prefill actor's result or the
+        # decode actor that prefilled the prompt (its first output); sent on the first chunk.
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def awaits_prompt_logprobs(self) -> bool:
+        """The request asked for its prompt's log-probabilities, and none have come yet."""
+        return self.request.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None and not self.has_sent_tokens
 
     @property
     def num_completion_tokens(self) -> int:
@@ -117,6 +128,9 @@ class OutputAssembler:
 
     def on_output(self, out: SeqOutput) -> OutputChunk:
         """The chunk for one decode output; ``finished`` turns true on a request's end."""
+        if out.prompt_logprobs:
+            self.prompt_logprobs = out.prompt_logprobs
+        first = not self.has_sent_tokens
         self.completion_token_ids += out.token_ids
         text = self.detokenizer.add_tokens(out.token_ids)
         if out.finished:
@@ -124,6 +138,8 @@ class OutputAssembler:
         # Short of min_tokens, stop strings are not matched (as vLLM does); the text passes.
         check = self.stops.feed(text, match=self.num_completion_tokens >= self.request.sampling_params.min_tokens)
         chunk = OutputChunk(token_ids=list(out.token_ids), text=check.text, logprobs=list(out.logprobs))
+        if first and out.token_ids and self.request.sampling_params.prompt_logprobs is not None:
+            chunk.prompt_logprobs = self.prompt_logprobs or []
         if self.timing.first_token_sent is None and out.token_ids:
             self.timing.first_token_sent = time.monotonic()
         if check.matched_stop is not None:

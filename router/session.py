@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from decode_workers.messages import SeqOutput
 from router.dispatcher import ActiveRequest, Failure, Restart
-from router.errors import remote_cause
+from router.errors import UnavailableError, remote_cause
 from router.output_stream import OutputAssembler, OutputChunk
 from router.validation import ValidatedRequest
 
@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PREFILL_REPORT_WAIT_S = 2.0  # how long a finished request's last chunk waits for its prefill's answer
+# How long a first chunk waits for the prompt log-probabilities that answer carries (its decode
+# actor may start from the blocks a moment before the router hears from the prefill actor).
+PROMPT_LOGPROBS_WAIT_S = 30.0
 
 
 class GenerationSession:
@@ -62,8 +65,12 @@ class GenerationSession:
             while True:
                 item = await self._next_item()
                 if isinstance(item, SeqOutput):
+                    if item.token_ids and not item.prompt_logprobs and active.assembler.awaits_prompt_logprobs:
+                        await self._await_prefill_report(PROMPT_LOGPROBS_WAIT_S)
+                        if active.assembler.awaits_prompt_logprobs:
+                            raise UnavailableError("the prompt's log-probabilities did not arrive from its prefill worker; try again")
                     if item.finished:
-                        await self._await_prefill_report()
+                        await self._await_prefill_report(PREFILL_REPORT_WAIT_S)
                     chunk = active.assembler.on_output(item)
                     self._observe(chunk)
                     yield chunk
@@ -102,16 +109,17 @@ class GenerationSession:
         interval = self.router.config.stream_interval if self.active.assembler.has_sent_tokens else 1
         return await self.active.outputs.get(interval)
 
-    async def _await_prefill_report(self) -> None:
+    async def _await_prefill_report(self, wait_s: float) -> None:
         """A short request can finish decoding before the prefill actor's answer (sent once it
         saw its last write complete) reaches the router: the last chunk waits for it briefly,
         so that its timing carries the prefill and the KV bytes moved (seen: a 6-token request
-        ended with no prefill timing on a loaded host)."""
+        ended with no prefill timing on a loaded host). The first chunk of a request that asked
+        for its prompt's log-probabilities waits for them likewise: that answer carries them."""
         task = self.active.prefill_task
         if task is None or task.done():
             return
         try:
-            await asyncio.wait_for(asyncio.shield(task), PREFILL_REPORT_WAIT_S)
+            await asyncio.wait_for(asyncio.shield(task), wait_s)
         except Exception:  # late, failed or cancelled: the chunk goes without it
             logger.debug("req %s: finished before its prefill report arrived", self.active.req_id)
 

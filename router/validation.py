@@ -87,6 +87,7 @@ class GenerateInput:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
     priority: int = 0
@@ -140,6 +141,7 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
         logprobs=given("logprobs"),
+        prompt_logprobs=given("prompt_logprobs"),
         min_tokens=sampling.min_tokens,
         skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
         priority=request.priority,
@@ -259,8 +261,10 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
         raise InvalidArgumentError(
             f"{prefix}stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(request.stop_token_ids)}"
         )
-    if request.logprobs is not None and request.logprobs > limits.max_logprobs:
-        raise InvalidArgumentError(f"{prefix}logprobs", f"must be in [0, {limits.max_logprobs}], got {request.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(request, name)
+        if value is not None and value > limits.max_logprobs:
+            raise InvalidArgumentError(f"{prefix}{name}", f"must be in [0, {limits.max_logprobs}], got {value}")
     defaults = limits.defaults
 
     def pick(given, model_default, default):
@@ -278,6 +282,7 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
         stop_token_ids=list(dict.fromkeys(request.stop_token_ids)),
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs,
+        prompt_logprobs=request.prompt_logprobs,
         min_tokens=request.min_tokens,
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,

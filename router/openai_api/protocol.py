@@ -3,13 +3,19 @@
 Each field is checked for its JSON type and range here, and any problem raises
 ``InvalidArgumentError`` naming the field as the client wrote it (``temperature``,
 ``messages[2].content``, ``stream_options.include_usage``). A field the API defines but
-pdserve does not implement (``suffix``, ``echo`` with ``logprobs``, ...) and a field the API
+pdserve does not implement (``suffix``, ...) and a field the API
 does not define are refused with 400 too, never ignored: nothing a client sent is dropped
 silently. vLLM's extensions are accepted under vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``,
 ``skip_special_tokens``, ``priority`` where lower is served first, ``add_generation_prompt``,
 ``chat_template_kwargs``, ``allowed_token_ids``, ``bad_words``, ``structured_outputs`` and its
-older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``).
+older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``,
+``prompt_logprobs``).
+
+A prompt is scored as the legacy completions API scores it: ``echo`` with ``logprobs`` puts the
+prompt's tokens, with their log-probabilities, before the answer's, and ``max_tokens: 0`` (with
+``echo`` only) returns the scored prompt and generates nothing, as scoring clients (lm-eval's
+loglikelihood, perplexity scripts) ask.
 
 An output constraint (``response_format`` json_object or json_schema, ``structured_outputs``,
 ``guided_*``, or a ``required`` or named ``tool_choice``) becomes the request's
@@ -40,7 +46,7 @@ _COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
     "presence_penalty", "frequency_penalty", "logit_bias", "user", "best_of", "response_format",
     # vLLM's extensions
-    "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
+    "prompt_logprobs", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
     "allowed_token_ids", "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
@@ -60,6 +66,10 @@ class ApiRequest:
     continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
     logprobs: int | None  # top alternatives per token (completions' logprobs, chat's top_logprobs); None: none
     echo: bool = False  # completions: each choice's text starts with its prompt
+    # vLLM's prompt_logprobs: each prompt token's log-probability and this many alternatives, in
+    # the choice's (completions) or the response's (chat) ``prompt_logprobs``. None: not asked.
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt scored, nothing generated
     tool_calling: ToolCalling | None = None  # chat with tools: how its answers are read
     choices: list[GenerateInput] = field(default_factory=list)  # in choice-index order: prompt by prompt, n each
     choices_per_prompt: int = 1
@@ -72,12 +82,19 @@ def read_completion(body: Any) -> ApiRequest:
     if body.get("suffix") is not None:
         raise InvalidArgumentError("suffix", "is not supported")
     logprobs = integer(body, "logprobs", None, 0, MAX_LOGPROBS)
-    if echo and logprobs is not None:
-        raise InvalidArgumentError("echo", "with logprobs would need the prompt's log-probabilities, which pdserve does not compute; ask for one of them")
+    prompt_only = is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    if prompt_only:
+        if not echo:
+            raise InvalidArgumentError("max_tokens", "must be >= 1; 0 only with echo: true (the prompt scored, nothing generated)")
+        # One token is drawn (a prompt's pass ends with one) and left out of the answer.
+        body = {**body, "max_tokens": 1}
     prompts = _prompts(body)
     base = _common(body, logprobs)
     request = _api_request(body, logprobs)
-    request.echo = echo
+    request.echo, request.prompt_only = echo, prompt_only
+    # Echoed with logprobs, the prompt's tokens carry theirs: computed with the vLLM field's.
+    asked = [k for k in (request.prompt_logprobs, logprobs if echo else None) if k is not None]
+    base.prompt_logprobs = max(asked) if asked else None
     count = request.choices_per_prompt = _num_choices(body, len(prompts))
     for prompt_field, prompt in prompts:
         for i in range(count):
@@ -117,6 +134,7 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
             raise InvalidArgumentError("tool_choice", f"{calling.choice} constrains the answer, and {base.structured.field} already does; give one")
         base.structured = constraint
     base.prompt_text = prompt
+    base.prompt_logprobs = integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
     base.add_special_tokens = False  # the template wrote them
     base.text_field = base.ids_field = "messages"
     request = _api_request(body, logprobs)
@@ -160,7 +178,10 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidArgumentError("model", f"must be a string, got {type_name(model)}")
-    return ApiRequest(model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs)
+    return ApiRequest(
+        model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
+        prompt_logprobs=integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
+    )
 
 
 def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_tokens") -> GenerateInput:

@@ -46,12 +46,24 @@ class ChoiceState:
     chat_logprobs: list[dict[str, Any]] = field(default_factory=list)
     end: StreamEnd | None = None
     echo: str = ""  # completions' echo: the prompt, sent before the first chunk's text
+    # The prompt's log-probabilities: the prompt's ids, how many alternatives the vLLM field
+    # shows (None: not asked), whether echo shows them before the answer's (legacy logprobs),
+    # and their rendering once they came (on the first chunk).
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int | None = None
+    echo_logprobs: bool = False
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs_new: bool = False  # came with the latest chunk (a stream sends them with it)
+    prompt_only: bool = False  # max_tokens 0: the one token drawn is no part of the answer
     tools: ToolCallOutput | None = None  # chat with tools: reads the calls out of the text
     tool_deltas: list[ToolCallDelta] = field(default_factory=list)  # the latest chunk's
 
     def add(self, chunk: OutputChunk, tokenizer: Tokenizer) -> dict[str, Any] | None:
         """Take a chunk; return its rendered logprobs (None when not asked for). With tools the
         chunk's text becomes the content the client sees, its calls ``tool_deltas``."""
+        prompt_entries = self._take_prompt_logprobs(chunk, tokenizer)
+        if self.prompt_only:
+            chunk.token_ids, chunk.text, chunk.logprobs = [], "", []
         if self.echo:
             chunk.text, self.echo = self.echo + chunk.text, ""
         if self.tools is not None:
@@ -61,13 +73,13 @@ class ChoiceState:
                 chunk.text += more
                 self.tool_deltas += deltas
         logprobs = None
-        if self.num_logprobs is not None and chunk.logprobs:
+        if self.num_logprobs is not None and (chunk.logprobs or prompt_entries):
             if self.chat:
                 entries = [_chat_entry(t, e, tokenizer) for t, e in zip(chunk.token_ids, chunk.logprobs)]
                 self.chat_logprobs.extend(entries)
                 logprobs = {"content": entries}
             else:
-                logprobs = self._completion_logprobs(chunk, tokenizer)
+                logprobs = self._completion_logprobs(prompt_entries + list(zip(chunk.token_ids, chunk.logprobs)), tokenizer)
         self.num_tokens += len(chunk.token_ids)
         self.text.append(chunk.text)
         self.text_len += len(chunk.text)
@@ -75,14 +87,30 @@ class ChoiceState:
             self.end = chunk.end
         return logprobs
 
-    def _completion_logprobs(self, chunk: OutputChunk, tokenizer: Tokenizer) -> dict[str, list]:
+    def _take_prompt_logprobs(self, chunk: OutputChunk, tokenizer: Tokenizer) -> list[tuple[int, TokenLogprob | None]]:
+        """Render the prompt's log-probabilities where ``chunk`` carries them (the first chunk);
+        return what an echo with logprobs puts before the answer's: each prompt token with its
+        entry (None for the first token, which has none)."""
+        self.prompt_logprobs_new = chunk.prompt_logprobs is not None
+        if chunk.prompt_logprobs is None:
+            return []
+        entries: list[TokenLogprob | None] = [None, *chunk.prompt_logprobs]
+        if self.num_prompt_logprobs is not None:
+            self.prompt_logprobs = [
+                None if entry is None else _prompt_entry(token_id, entry, self.num_prompt_logprobs, tokenizer)
+                for token_id, entry in zip(self.prompt_token_ids, entries)
+            ]
+        return list(zip(self.prompt_token_ids, entries)) if self.echo_logprobs else []
+
+    def _completion_logprobs(self, tokens: list[tuple[int, TokenLogprob | None]], tokenizer: Tokenizer) -> dict[str, list]:
+        """Legacy completions logprobs of ``tokens`` (an echoed prompt's first has no entry: null)."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = self.text_len
-        for token_id, entry in zip(chunk.token_ids, chunk.logprobs):
+        for token_id, entry in tokens:
             token = _token_text(token_id, tokenizer)
             out["tokens"].append(token)
-            out["token_logprobs"].append(_logprob(entry.logprob))
-            out["top_logprobs"].append({_token_text(t, tokenizer): _logprob(lp) for t, lp in entry.top})
+            out["token_logprobs"].append(None if entry is None else _logprob(entry.logprob))
+            out["top_logprobs"].append(None if entry is None else _top_by_text(entry.top[: self.num_logprobs], tokenizer))
             out["text_offset"].append(offset)
             offset += len(token)
         for key, values in out.items():
@@ -103,11 +131,15 @@ class ChoiceState:
         else:
             choice["text"] = text
             choice["logprobs"] = self.completion_logprobs if self.num_logprobs is not None else None
+            if self.num_prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs
         choice["finish_reason"] = self._finish_reason(self.end)
         choice["stop_reason"] = stop_reason(self.end)
         return choice
 
     def _finish_reason(self, end: StreamEnd) -> str:
+        if self.prompt_only and end.reason != "error":
+            return "length"  # the answer was to be 0 tokens long
         reason = finish_reason(end)
         if reason == "stop" and self.tools is not None and self.tools.finish_reason:
             return self.tools.finish_reason
@@ -128,6 +160,8 @@ class ChoiceState:
             choice["delta"] = delta
         else:
             choice["text"] = chunk.text
+            if self.prompt_logprobs_new and self.num_prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self.prompt_logprobs
         choice["logprobs"] = logprobs
         choice["finish_reason"] = None if chunk.end is None else self._finish_reason(chunk.end)
         if chunk.end is not None:
@@ -161,6 +195,27 @@ def _token_text(token_id: int, tokenizer: Tokenizer) -> str:
 
 def _logprob(value: float) -> float:
     return max(value, _LOGPROB_FLOOR)
+
+
+def _top_by_text(top: list[tuple[int, float]], tokenizer: Tokenizer) -> dict[str, float]:
+    """Legacy top_logprobs, keyed by text: where two tokens read the same (bytes of one
+    character, each "\ufffd" alone), the more likely one's stays."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(_token_text(token_id, tokenizer), _logprob(logprob))
+    return out
+
+
+def _prompt_entry(token_id: int, entry: TokenLogprob, num_top: int, tokenizer: Tokenizer) -> dict[str, Any]:
+    """vLLM's prompt_logprobs entry: by token id, the prompt's token and the ``num_top`` most
+    likely there, each with its log-probability, rank and text."""
+    def one(logprob: float, rank: int, token: int) -> dict[str, Any]:
+        return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": _token_text(token, tokenizer)}
+
+    out = {str(token_id): one(entry.logprob, entry.rank, token_id)}
+    for rank, (alt_id, alt_logprob) in enumerate(entry.top[:num_top], start=1):
+        out.setdefault(str(alt_id), one(alt_logprob, rank, alt_id))
+    return out
 
 
 def _chat_entry(token_id: int, entry: TokenLogprob, tokenizer: Tokenizer) -> dict[str, Any]:

@@ -205,6 +205,8 @@ class OpenAIServer:
                 ChoiceState(
                     index, chat, api.logprobs, len(one.prompt_token_ids), echo=self._echo(api, one),
                     tools=ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None,
+                    prompt_token_ids=one.prompt_token_ids, num_prompt_logprobs=api.prompt_logprobs,
+                    echo_logprobs=api.echo and api.logprobs is not None, prompt_only=api.prompt_only,
                 )
                 for index, one in enumerate(validated)
             ]
@@ -243,6 +245,8 @@ class OpenAIServer:
             raise _failed(failed)
         body = envelope(response_id, model, chat, stream=False)
         body["choices"] = [state.whole() for state in states]
+        if chat and api.prompt_logprobs is not None:
+            body["prompt_logprobs"] = states[0].prompt_logprobs  # vLLM's place for them: one prompt
         body["usage"] = _usage(api, states)
         return web.json_response(body)
 
@@ -262,10 +266,13 @@ class OpenAIServer:
                     started = True
                 state = states[index]
                 logprobs = state.add(item, self.router.tokenizer)
-                if item.end is None and not item.text and not state.tool_deltas and logprobs is None and (state.role_sent or not chat):
+                new_prompt_logprobs = state.prompt_logprobs_new and api.prompt_logprobs is not None
+                if item.end is None and not item.text and not state.tool_deltas and logprobs is None and not new_prompt_logprobs and (state.role_sent or not chat):
                     continue  # nothing new to say (text held back at a possible stop string)
                 payload = envelope(response_id, model, chat, stream=True, created=created)
                 payload["choices"] = [state.delta(item, logprobs)]
+                if chat and new_prompt_logprobs and index == 0:
+                    payload["prompt_logprobs"] = state.prompt_logprobs
                 if api.include_usage or api.continuous_usage:
                     payload["usage"] = _usage(api, states) if api.continuous_usage else None
                 await sse.send(response, payload)

@@ -324,6 +324,70 @@ def test_echo_puts_the_prompt_before_the_completion(client, chat_model, hf_token
     assert "".join(c.choices[0].text for c in streamed) == text + expected
 
 
+def _prompt_reference(model, prompt: list[int]) -> torch.Tensor:
+    """transformers' log-softmax at each prompt position (row p scores token p + 1)."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("length", [12, 70], ids=["prefilled-by-decode", "prefilled-by-prefill"])
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, chat_model, hf_tokenizer, length):
+    """A scoring client's call (lm-eval's loglikelihood, a perplexity script): echo, logprobs and
+    max_tokens 0. A 12-token prompt is prefilled by the decode actor (local_prefill_max_tokens 32),
+    a 70-token one by the prefill actor, which reports the scores with its result."""
+    (prompt,) = random_prompts([length], chat_model.vocab_size, seed=length)
+    reference = _prompt_reference(chat_model.hf_model, prompt)
+    scored = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0.0)
+    choice = scored.choices[0]
+    assert choice.text == hf_tokenizer.decode(prompt, skip_special_tokens=True) and choice.finish_reason == "length"
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (length, 0)
+    lp = choice.logprobs
+    assert lp.tokens == [hf_tokenizer.decode([t]) for t in prompt]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [reference[p, prompt[p + 1]].item() for p in range(length - 1)]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-3)
+    for p, top in enumerate(lp.top_logprobs[1:]):
+        assert max(top.values()) == pytest.approx(reference[p].max().item(), abs=1e-3)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+    # With an answer: the prompt's entries, then the answer's (transformers' greedy tokens).
+    answer = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=3, echo=True, logprobs=1, **GREEDY)
+    lp = answer.choices[0].logprobs
+    assert len(lp.tokens) == length + 3 and lp.token_logprobs[1:length] == pytest.approx(want, abs=1e-3)
+    assert lp.tokens[length:] == [hf_tokenizer.decode([t]) for t in hf_greedy(chat_model.hf_model, prompt, 3)]
+    # Streamed, the first chunk carries the prompt's, as the whole response does.
+    chunks = list(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=0, echo=True, logprobs=2, stream=True, temperature=0.0))
+    assert [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs][1:] == pytest.approx(want, abs=1e-3)
+
+    # vLLM's prompt_logprobs: by token id, the prompt's token with its rank, and the top ones.
+    vllm = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=1, temperature=0.0, extra_body={"prompt_logprobs": 1})
+    entries = vllm.choices[0].prompt_logprobs
+    assert len(entries) == length and entries[0] is None
+    for p, entry in enumerate(entries[1:]):
+        row, token = reference[p], prompt[p + 1]
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(row[token].item(), abs=1e-3)
+        assert mine["rank"] == int((row > row[token]).sum()) + 1 and mine["decoded_token"] == hf_tokenizer.decode([token])
+        best = str(int(row.argmax()))
+        assert entry[best]["rank"] == 1 and len(entry) <= 2
+
+
+def test_chat_prompt_logprobs_score_the_templated_prompt(client, chat_model, hf_tokenizer):
+    ids = _chat_ids(hf_tokenizer, MESSAGES)
+    reference = _prompt_reference(chat_model.hf_model, ids)
+    chat = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=2, temperature=0.0, extra_body={"ignore_eos": True, "prompt_logprobs": 0})
+    entries = chat.model_extra["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None
+    got = [entry[str(token)]["logprob"] for entry, token in zip(entries[1:], ids[1:])]
+    assert got == pytest.approx([reference[p, ids[p + 1]].item() for p in range(len(ids) - 1)], abs=1e-3)
+    # Its prompt was computed in full (no prefix cache): the cached blocks of earlier tests did not count.
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 21})
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny-chat", prompt="abc", max_tokens=0)
+
+
 FORECAST = {
     "type": "function",
     "function": {

@@ -14,6 +14,7 @@ import time
 import grpc
 import pytest
 import ray
+import torch
 
 from engine import LLMEngine, SamplingParams
 from kvtransfer.agent import KVTransferConfig
@@ -86,6 +87,31 @@ def test_a_pipelined_prompt_decodes_what_transformers_does(shared_workers, four_
         for stream, want, prompt in zip(again, expected, prompts):
             assert stream.token_ids == want
             assert stream.last.timing.prompt_tokens_computed < len(prompt)
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
+        client.close()
+
+
+def test_prompt_logprobs_of_a_pipelined_prompt_come_from_its_last_stage(shared_workers, four_layer_model):
+    """Over gRPC: the last stage (a prefill actor: a decode actor's last stage would not report
+    them) scores every position of the prompt, whatever chunk each fell in."""
+    (prompt,) = random_prompts([90], four_layer_model.vocab_size, seed=90)
+    with torch.no_grad():
+        reference = torch.log_softmax(four_layer_model.hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    with following_router(shared_workers, _router(16, max_pipeline_stages=2, pipeline_decode_stage=PipelineMode.ALWAYS)) as deployment:
+        client = Client(deployment.address)
+        stream = client.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+        assert stream.token_ids == hf_greedy(four_layer_model.hf_model, prompt, 4)
+        assert len(_stage_workers(stream)) == 2, stream.last.prefill_worker_id
+        first, *rest = stream.messages
+        assert not any(m.prompt_logprobs for m in rest)
+        entries = first.prompt_logprobs
+        assert [e.token_id for e in entries] == prompt[1:]
+        for position, entry in enumerate(entries):
+            row = reference[position]
+            assert entry.logprob == pytest.approx(row[prompt[position + 1]].item(), abs=1e-3)
+            assert entry.rank == int((row > row[prompt[position + 1]]).sum()) + 1
+            assert [t.token_id for t in entry.top] == row.topk(3).indices.tolist()
+        assert stream.last.timing.prompt_tokens_computed == len(prompt)
         assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
         client.close()
 

@@ -3,6 +3,7 @@ one rank (and transformers) computes, for every architecture and its distinctive
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -46,18 +47,20 @@ def _engine(path, tp: int, **kwargs) -> LLMEngine:
 def test_two_ranks_match_one_rank_and_transformers(tp_checkpoints, arch):
     path, model = tp_checkpoints[arch]
     prompts = random_prompts(PROMPT_LENGTHS, model.config.vocab_size, seed=3)
-    single = _engine(path, 1).generate(prompts, GREEDY)
+    params = dataclasses.replace(GREEDY, prompt_logprobs=2)  # the prompt's rows come through the gathered logits too
+    single = _engine(path, 1).generate(prompts, params)
     engine = _engine(path, 2)
     try:
         assert engine.executor.tp_size == 2
-        split = engine.generate(prompts, GREEDY)
+        split = engine.generate(prompts, params)
         assert engine.num_free_blocks == engine.kv_cache.num_blocks
     finally:
         engine.close()
     for prompt, one, two in zip(prompts, single, split):
         assert two.token_ids == hf_greedy(model, prompt, MAX_NEW), f"{arch}: TP 2 greedy differs from transformers"
         assert two.token_ids == one.token_ids
-        for a, b in zip(one.logprobs, two.logprobs):
+        assert len(two.prompt_logprobs) == len(one.prompt_logprobs) == len(prompt) - 1
+        for a, b in zip(one.logprobs + one.prompt_logprobs, two.logprobs + two.prompt_logprobs):
             # The split sums partial products in another order: float32 rounding, no more.
             assert abs(a.logprob - b.logprob) < 1e-4
             assert [t for t, _ in a.top] == [t for t, _ in b.top]

@@ -98,6 +98,16 @@ def test_a_batch_of_prompts_gives_n_choices_each_in_order():
     assert [c.text_field for c in request.choices] == ["prompt[0]", "prompt[0]", "prompt[1]", "prompt[1]"]
 
 
+def test_echo_with_logprobs_asks_for_the_prompts_and_max_tokens_0_only_scores_it():
+    """The prompt's log-probabilities are computed with as many alternatives as the echoed
+    logprobs or vLLM's field ask, the larger; max_tokens 0 (with echo) draws one token to drop."""
+    request = read_completion({"prompt": "x", "echo": True, "logprobs": 3, "prompt_logprobs": 1, "max_tokens": 0})
+    assert request.prompt_only and request.echo and request.prompt_logprobs == 1
+    assert [(c.prompt_logprobs, c.max_tokens, c.logprobs) for c in request.choices] == [(3, 1, 3)]
+    assert read_completion({"prompt": "x", "logprobs": 3}).choices[0].prompt_logprobs is None  # no echo: the answer's only
+    assert read_completion({"prompt": "x", "prompt_logprobs": 0}).choices[0].prompt_logprobs == 0
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
@@ -112,7 +122,9 @@ def test_a_batch_of_prompts_gives_n_choices_each_in_order():
         ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
         ({"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias.five"),
         ({"prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias.5"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "x", "echo": True, "prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type"),
         ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema"),
         ({"prompt": "x", "structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs.choice"),

@@ -104,6 +104,7 @@ BAD_REQUESTS = [
     ("sampling.min_p", dict(sampling=dict(min_p=1.1))),
     ("sampling.repetition_penalty", dict(sampling=dict(repetition_penalty=0.0))),
     ("sampling.logprobs", dict(sampling=dict(logprobs=21))),
+    ("sampling.prompt_logprobs", dict(sampling=dict(prompt_logprobs=21))),
     ("sampling.stop_token_ids", dict(sampling=dict(stop_token_ids=[1000]))),
     ("sampling.stop_token_ids", dict(sampling=dict(stop_token_ids=list(range(65))))),
     ("sampling.stop[1]", dict(sampling=dict(stop=["ok", ""]))),
