@@ -12,7 +12,10 @@ and the median of the repeats and the ratio pdserve / transformers of each:
   and bookkeeping included), through a raw loop over the engine's model with inputs built
   in bulk (its ceiling), and through transformers;
 * prefill tokens/s of one long prompt through ``step()`` in chunks of several sizes, and
-  through one transformers forward over the whole prompt.
+  through one transformers forward over the whole prompt;
+* scoring tokens/s of that prompt (``prompt_logprobs``: every position's log-probability, rank
+  and top alternatives) through ``step()``, and through transformers' forward with every
+  position's logits and the same arithmetic over them.
 """
 
 from __future__ import annotations
@@ -174,6 +177,15 @@ def bench_prefill(engine: LLMEngine, prompt: list[int]) -> float:
     return len(prompt) / (time.perf_counter() - start)
 
 
+def bench_scoring(engine: LLMEngine, prompt: list[int], num_top: int) -> float:
+    """Scoring tokens/s of one prompt (its log-probabilities, ``num_top`` alternatives each)."""
+    engine.add_request("s", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=num_top))
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(prompt) / (time.perf_counter() - start)
+
+
 def _summary(samples: list[float]) -> dict:
     return {"best": max(samples), "median": statistics.median(samples), "samples": samples}
 
@@ -217,6 +229,22 @@ def run_prefill(model_dir: Path, args: argparse.Namespace, reference: Transforme
     return rows
 
 
+def run_scoring(model_dir: Path, args: argparse.Namespace, reference: TransformersReference) -> list[dict]:
+    prompt = [(j * 31) % 1000 + 3 for j in range(args.prefill_len)]
+    rows = []
+    for chunk in [int(c) or None for c in args.chunks.split(",")]:
+        engine = _prefill_engine(model_dir, args.dtype, args.prefill_len, chunk)
+        ours, theirs = [], []
+        for _ in range(args.repeats):
+            theirs.append(reference.score_tok_s(prompt, args.score_top))
+            ours.append(bench_scoring(engine, prompt, args.score_top))
+        row = {"chunk": chunk, "step": _summary(ours), "transformers": _summary(theirs)}
+        row["ratio_vs_transformers"] = _ratio(row["step"], row["transformers"])
+        rows.append(row)
+        del engine
+    return rows
+
+
 def _print_tables(results: dict, args: argparse.Namespace) -> None:
     print(f"decode, context {args.context}, {args.steps} steps x {args.repeats} repeats, {args.dtype}, {args.threads} thread(s); tok/s best/median")
     print(f"{'batch':>5} {'step()':>15} {'raw loop':>15} {'transformers':>15} {'step/tf':>13} {'raw/tf':>13}")
@@ -226,7 +254,15 @@ def _print_tables(results: dict, args: argparse.Namespace) -> None:
         print(f"{row['batch']:>5} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} {ratios[0]:>13} {ratios[1]:>13}")
     print(f"\nprefill of a {args.prefill_len}-token prompt (transformers: one forward, logits of the last token only)")
     print(f"{'chunk':>9} {'step()':>15} {'transformers':>15} {'step/tf':>13}")
-    for row in results["prefill"]:
+    _print_prefill_rows(results["prefill"])
+    if results.get("scoring"):
+        print(f"\nscoring that prompt (prompt_logprobs {args.score_top}; transformers: one forward, every position's logits)")
+        print(f"{'chunk':>9} {'step()':>15} {'transformers':>15} {'step/tf':>13}")
+        _print_prefill_rows(results["scoring"])
+
+
+def _print_prefill_rows(rows: list[dict]) -> None:
+    for row in rows:
         ours, theirs, ratio = row["step"], row["transformers"], row["ratio_vs_transformers"]
         print(
             f"{row['chunk'] or 'whole':>9} {ours['best']:7.1f}/{ours['median']:7.1f} "
@@ -245,6 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="turns each side takes; best and median are reported")
     parser.add_argument("--prefill-len", type=int, default=1536, help="prompt tokens (below the model's context)")
     parser.add_argument("--chunks", default="512,0", help="prefill chunk sizes, 0 = unchunked")
+    parser.add_argument("--score-top", type=int, default=1, help="alternatives per scored prompt token; -1: no scoring run")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -254,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         results: dict = {"dtype": args.dtype, "threads": args.threads, "context": args.context}
         results["decode"] = run_decode(model_dir, args, reference) if args.batches else []
         results["prefill"] = run_prefill(model_dir, args, reference) if args.prefill_len else []
+        results["scoring"] = run_scoring(model_dir, args, reference) if args.prefill_len and args.score_top >= 0 else []
     _print_tables(results, args)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

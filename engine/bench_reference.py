@@ -68,3 +68,17 @@ class TransformersReference:
         start = time.perf_counter()
         self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return len(prompt) / (time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def score_tok_s(self, prompt: list[int], num_top: int) -> float:
+        """Tokens/s of scoring the prompt as a loglikelihood client does with transformers: one
+        forward with every position's logits, their log-softmax, each next token's
+        log-probability and rank, and the ``num_top`` most likely."""
+        input_ids = torch.tensor([prompt], dtype=torch.long)
+        self.model(input_ids=input_ids[:, :64])  # warm-up
+        start = time.perf_counter()
+        log_probs = torch.log_softmax(self.model(input_ids=input_ids).logits[0, :-1].float(), dim=-1)
+        chosen = log_probs.gather(1, input_ids[0, 1:].unsqueeze(1))
+        (log_probs > chosen).sum(dim=-1).tolist()
+        log_probs.topk(num_top, dim=-1).values.tolist()
+        return len(prompt) / (time.perf_counter() - start)

@@ -115,8 +115,11 @@ class OutputAssembler:
 
     @property
     def awaits_prompt_logprobs(self) -> bool:
-        """The request asked for its prompt's log-probabilities, and none have come yet."""
-        return self.request.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None and not self.has_sent_tokens
+        """The request asked for its prompt's log-probabilities, and they have not all come yet."""
+        if self.request.sampling_params.prompt_logprobs is None or self.has_sent_tokens:
+            return False
+        # Every prompt token after the first: a report that covers less is not the answer.
+        return len(self.prompt_logprobs or []) < len(self.request.prompt_token_ids) - 1
 
     @property
     def num_completion_tokens(self) -> int:

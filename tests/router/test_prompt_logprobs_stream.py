@@ -1,0 +1,46 @@
+"""The prompt's log-probabilities reach a client once, on its first chunk, whole or not at all."""
+
+from __future__ import annotations
+
+from decode_workers.messages import SeqOutput
+from engine.sampling_params import SamplingParams, TokenLogprob
+from router.output_stream import OutputAssembler
+from router.validation import ValidatedRequest
+
+
+def _assembler(tokenizer, prompt: list[int], asked: int | None = 1) -> OutputAssembler:
+    request = ValidatedRequest("r", prompt, None, SamplingParams(prompt_logprobs=asked), [], True, 0, 0.0, None)
+    return OutputAssembler(request, tokenizer)
+
+
+def _entries(prompt: list[int]) -> list[TokenLogprob]:
+    return [TokenLogprob(token, -1.0 - i, i + 1) for i, token in enumerate(prompt[1:])]
+
+
+def test_a_first_chunk_waits_for_a_report_that_covers_the_whole_prompt(byte_level_tokenizer):
+    prompt = [72, 105, 33]
+    assembler = _assembler(byte_level_tokenizer, prompt)
+    assert assembler.awaits_prompt_logprobs
+    assembler.prompt_logprobs = _entries(prompt)[:1]  # less than every token after the first
+    assert assembler.awaits_prompt_logprobs
+    assembler.prompt_logprobs = _entries(prompt)  # the prefill actor's report (dispatcher)
+    assert not assembler.awaits_prompt_logprobs
+    first = assembler.on_output(SeqOutput("r", [104]))
+    later = assembler.on_output(SeqOutput("r", [105], finished=True, finish_reason="length"))
+    assert first.prompt_logprobs == _entries(prompt) and later.prompt_logprobs is None
+
+
+def test_a_decode_actor_that_prefilled_the_prompt_sends_them_with_its_first_output(byte_level_tokenizer):
+    prompt = [72, 105, 33, 10]
+    assembler = _assembler(byte_level_tokenizer, prompt, asked=0)
+    chunk = assembler.on_output(SeqOutput("r", [104], prompt_logprobs=_entries(prompt)))
+    assert chunk.prompt_logprobs == _entries(prompt) and not assembler.awaits_prompt_logprobs
+
+
+def test_a_one_token_prompt_has_none_to_wait_for_and_unasked_chunks_carry_none(byte_level_tokenizer):
+    single = _assembler(byte_level_tokenizer, [72])
+    assert not single.awaits_prompt_logprobs
+    assert single.on_output(SeqOutput("r", [104])).prompt_logprobs == []
+    unasked = _assembler(byte_level_tokenizer, [72, 105], asked=None)
+    assert not unasked.awaits_prompt_logprobs
+    assert unasked.on_output(SeqOutput("r", [104])).prompt_logprobs is None
