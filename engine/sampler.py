@@ -710,9 +710,12 @@ class LogprobTensors:
     def of_rows(cls, logits: torch.Tensor, rows: list[int], num_top: list[int], token_ids: torch.Tensor) -> "LogprobTensors":
         """What ``rows`` of ``logits`` report: each its token among ``token_ids`` (one per row of
         ``logits``) and its ``num_top`` most likely."""
-        index = to_device(rows, torch.long, logits.device)
-        log_probs = torch.log_softmax(logits[index], dim=-1)
-        chosen = log_probs.gather(1, token_ids[index].unsqueeze(1))
+        if rows == list(range(logits.shape[0])):  # every row (a prompt's scores): no copy of them first
+            log_probs, targets = torch.log_softmax(logits, dim=-1), token_ids
+        else:
+            index = to_device(rows, torch.long, logits.device)
+            log_probs, targets = torch.log_softmax(logits[index], dim=-1), token_ids[index]
+        chosen = log_probs.gather(1, targets.unsqueeze(1))
         ranks = (log_probs > chosen).sum(dim=-1) + 1
         most = max(num_top)
         top_values, top_ids = log_probs.topk(most, dim=-1) if most > 0 else (None, None)
