@@ -321,9 +321,13 @@ def _down(args: argparse.Namespace) -> int:
             ray.kill(controller)
     from cluster.pools import DeploymentSpec
     from cluster.router_replica import find_replicas
+    from router.responses_api.board import find_shared_board
 
-    for replica in find_replicas(DeploymentSpec().name):  # left by a controller that did not stop them
-        ray.kill(replica, no_restart=True)
+    name = DeploymentSpec().name
+    leftovers = find_replicas(name) + [find_shared_board(name)]  # left by a controller that did not stop them
+    for actor in leftovers:
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
     ray.shutdown()
     if state.get("ray_head_pid"):
         _stop_pid(state["ray_head_pid"])

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.deployment import build_router, start_router_replicas
+from cluster.deployment import build_router, share_responses_board, start_router_replicas, stop_responses_board
 from cluster.pools import DeploymentSpec, PoolManager
 from cluster.router_replica import stop_replicas
 from router.front_ends import FrontEnds
@@ -53,6 +53,7 @@ class Controller:
         self.front_ends: FrontEnds | None = None
         self.pools: PoolManager | None = None
         self.replicas: list = []  # router replica actors (spec.router_replicas - 1)
+        self.responses_board = None  # with replicas: the board actor the routers share
         self.replica_infos: list = []
         self.metrics = Metrics(spec.served_model_name)
         self.metrics_address: str | None = None
@@ -77,6 +78,8 @@ class Controller:
         self.router = build_router(self.spec, self.metrics)
         self.pools = PoolManager(self.spec, self.router, self.metrics)
         self.router.pool_manager = self.pools
+        # Detached with the workers, like the replicas: a restarted controller finds it by name.
+        self.responses_board = share_responses_board(self.spec, self.router, detached=self.spec.durable_workers)
         self.front_ends = FrontEnds(self.router, reuse_port=self.spec.router_replicas > 1)
         await self.front_ends.start()
         await self.pools.start()
@@ -101,6 +104,7 @@ class Controller:
     async def stop(self) -> None:
         await stop_replicas(self.replicas)
         self.replicas = []
+        await stop_responses_board(self.responses_board)
         if self.router is not None:
             await self.router.stop()
         if self.front_ends is not None:

@@ -23,6 +23,7 @@ from cluster.router_replica import ReplicaInfo, ReplicaSpec, start_replicas, sto
 from router.core import ModelInfo, Router
 from router.front_ends import FrontEnds, ListenPorts
 from router.pool import Role
+from router.responses_api.board import SharedBoard, start_shared_board
 from router.runner import LoopThread
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,22 @@ def model_info(spec: DeploymentSpec) -> ModelInfo:
 def build_router(spec: DeploymentSpec, metrics=None, info: ModelInfo | None = None) -> Router:
     """The router core for ``spec``'s model (call on the loop that will serve it)."""
     return Router(Path(spec.model_path), info or model_info(spec), spec.router, metrics=metrics)
+
+
+def share_responses_board(spec: DeploymentSpec, router: Router, detached: bool):
+    """With replicas, the deployment's routers keep /v1/responses on one board actor (so any of
+    them answers for a response another created): start it (or find it, after a restart) and
+    give ``router`` its client. Returns the actor handle; None without replicas."""
+    if spec.router_replicas <= 1:
+        return None
+    handle = start_shared_board(spec.name, spec.router, detached)
+    router.responses_board = SharedBoard(handle)
+    return handle
+
+
+async def stop_responses_board(handle) -> None:
+    if handle is not None:
+        ray.kill(handle, no_restart=True)
 
 
 async def start_router_replicas(spec: DeploymentSpec, router: Router, front_ends: FrontEnds, metrics_host: str | None, detached: bool):
@@ -86,6 +103,7 @@ class Deployment:
         self.front_ends: FrontEnds | None = None
         self.pools: PoolManager | None = None
         self.replicas: list = []  # router replicas' actor handles (spec.router_replicas - 1)
+        self.responses_board = None  # with replicas: the board actor the routers share
         self.replica_infos: list[ReplicaInfo] = []
 
     @property
@@ -115,6 +133,7 @@ class Deployment:
         self.router = build_router(self.spec, self.metrics)
         self.pools = PoolManager(self.spec, self.router, self.metrics)
         self.router.pool_manager = self.pools
+        self.responses_board = share_responses_board(self.spec, self.router, detached=False)
         self.front_ends = FrontEnds(self.router, reuse_port=self.spec.router_replicas > 1)
         await self.front_ends.start()
         await self.pools.start()
@@ -139,6 +158,7 @@ class Deployment:
         # Each part in turn, so that one that hangs is named (CI once saw the whole stop run
         # past its 30 s, once in many runs, with nothing to say which part held it).
         parts = [("router replicas", lambda: stop_replicas(self.replicas)), ("router", self.router.stop)]
+        parts.append(("responses board", lambda: stop_responses_board(self.responses_board)))
         if self.front_ends is not None:
             parts.append(("front ends", self.front_ends.stop))
         if self.pools is not None:

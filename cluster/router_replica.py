@@ -29,6 +29,7 @@ from cluster.pool_follower import PoolFollower
 from router.config import RouterConfig
 from router.core import ModelInfo, Router
 from router.front_ends import FrontEnds, ListenPorts
+from router.responses_api.board import SharedBoard, find_shared_board
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,12 @@ class RouterReplica:
             self.metrics_port = self.metrics.serve(0, spec.metrics_host)
         config = spec.router
         config.admin_port = None  # Admin stays with the managing router
-        if config.responses_store_path is not None:
-            # Stored responses are per router process: a replica keeps its own file (one writer each).
-            config.responses_store_path = Path(f"{config.responses_store_path}.replica-{spec.index}")
         self.router = Router(Path(spec.model_dir), spec.model_info, config, metrics=self.metrics)
+        # /v1/responses: the board every router of the deployment shares (the managing one started it).
+        board = find_shared_board(spec.deployment_name)
+        if board is None:
+            raise RuntimeError(f"{spec.deployment_name}: the routers' responses board is not running")
+        self.router.responses_board = SharedBoard(board)
         self.pools = PoolFollower(spec.deployment_name, self.router, spec.health_interval_s, spec.health_timeout_s, self.metrics)
         self.router.pool_manager = self.pools
         self.front_ends = FrontEnds(self.router, reuse_port=True, admin=False)

@@ -79,6 +79,9 @@ class Router:
             num_layers=model_info.num_layers,
         )
         self.pool_manager: PoolControl | None = pool_manager  # set by whoever runs the pools
+        # /v1/responses' board (router/responses_api/board.py) shared by a deployment's routers,
+        # set before the front ends start by whoever runs replicas; None: the router keeps its own.
+        self.responses_board = None
         self.metrics = metrics
         self.traffic = TrafficWindow()  # recent arrivals, sizes and queue times (the autoscaler's input)
         self.background_tasks: set[asyncio.Task] = set()

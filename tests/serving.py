@@ -47,11 +47,12 @@ def running_deployment(model, num_prefill: int, num_decode: int, router: RouterC
 
 
 @contextlib.contextmanager
-def following_router(deployment: Deployment, router: RouterConfig):
+def following_router(deployment: Deployment, router: RouterConfig, responses_board=None):
     """A router with its own configuration over ``deployment``'s workers, which must be durable
     (``durable_workers``): it follows the pools as a router replica does, so tests that differ
-    only in how they route share one set of worker processes (each start is seconds of CPU)."""
-    hosted = HostedRouter(replace(deployment.spec, router=router))
+    only in how they route share one set of worker processes (each start is seconds of CPU).
+    ``responses_board``: the /v1/responses board it shares with other routers (None: its own)."""
+    hosted = HostedRouter(replace(deployment.spec, router=router), responses_board)
     try:
         hosted.start_pools(manage=False)
         yield hosted
@@ -145,10 +146,11 @@ def make_request(prompt_token_ids=None, prompt_text=None, request_id: str = "", 
 class HostedRouter:
     """A router serving on 127.0.0.1 from a background loop, with no worker yet."""
 
-    def __init__(self, spec: DeploymentSpec):
+    def __init__(self, spec: DeploymentSpec, responses_board=None):
         self.spec = spec
         self.loop = LoopThread()
         self.router = self.loop.run(self._build())
+        self.router.responses_board = responses_board
         self.front_ends = FrontEnds(self.router)
         self.pools: PoolManager | None = None
         try:

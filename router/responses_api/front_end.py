@@ -15,7 +15,8 @@ answers at once with the response in progress; ``GET /v1/responses/{id}`` polls 
 ``POST .../cancel`` stops it. ``store`` (the default) keeps the response and its conversation
 (router/responses_api/store.py) for ``GET``, ``DELETE`` and follow-up turns; a follow-up's
 prompt starts with the previous turn's, so KV-aware routing sends it to the actor whose prefix
-cache holds it.
+cache holds it. They are kept on the router's board (router/responses_api/board.py): its own, or
+the one its replicas share, so that any router of the deployment answers for any response.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from router.openai_api.tool_calls import read_tool_calling, template_messages
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd
 from router.responses_api.protocol import ResponsesRequest, read_responses
-from router.responses_api.store import ResponseStore, StoredResponse
+from router.responses_api.board import ResponseBoard, is_in_progress
+from router.responses_api.store import StoredResponse
 from router.session import GenerationSession
 
 if TYPE_CHECKING:
@@ -176,6 +178,10 @@ class ResponseState:
         return [message]
 
 
+CANCEL_POLL_S = 30.0  # a running background response's long poll for a cancel through another router
+CANCEL_WAIT_S = 30.0  # how long a cancel through another router waits for the response's final state
+
+
 @dataclass(slots=True)
 class _Background:
     state: ResponseState
@@ -187,14 +193,15 @@ class ResponsesFrontEnd:
         self.server = server
         self.router = server.router
         config = self.router.config
-        self.store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s, config.responses_store_path)
-        self.background: dict[str, _Background] = {}
+        # The deployment's shared board where routers have replicas; else one of its own.
+        self.store = self.router.responses_board or ResponseBoard(config)
+        self.background: dict[str, _Background] = {}  # the background responses this router runs
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         api = read_responses(await self.server.read_json(request))
         model = self.server.model_name(api.model)
         response_id = f"resp_{uuid.uuid4().hex}"
-        prior = self._prior(api)
+        prior = await self._prior(api)
         conversation = prior + api.messages
         prompt, calling = self._render(api, conversation)
         api.generate.prompt_text = prompt
@@ -206,6 +213,11 @@ class ResponsesFrontEnd:
             # The session outlives this call: it ends when generation does, or on cancel.
             session = await GenerationSession.open(self.router, validated, lambda: False)
             state.status = "queued"
+            try:
+                await self._keep(api, state, conversation)  # any router answers GET for it from now on
+            except BaseException:
+                await session.close()
+                raise
             task = asyncio.create_task(self._run_background(api, session, state, conversation))
             self.background[response_id] = _Background(state, task)
             return web.json_response(state.obj())
@@ -225,15 +237,15 @@ class ResponsesFrontEnd:
                         break
                 if state.end is None or state.status in ("failed", "cancelled"):
                     raise InternalError(state.error["message"] if state.error else f"{response_id}: the stream ended without a last chunk")
-                self._keep(api, state, conversation)
+                await self._keep(api, state, conversation)
                 return web.json_response(state.obj())
         finally:
             await session.close()
 
-    def _prior(self, api: ResponsesRequest) -> list[dict[str, Any]]:
+    async def _prior(self, api: ResponsesRequest) -> list[dict[str, Any]]:
         if api.previous_response_id is None:
             return []
-        entry = self.store.get(api.previous_response_id)
+        entry = await self.store.get(api.previous_response_id)
         if entry is None:
             raise ResponseNotFoundError(api.previous_response_id, "previous_response_id")
         return [dict(message) for message in entry.conversation]
@@ -252,9 +264,9 @@ class ResponsesFrontEnd:
         prompt = template.render(template_messages(system + conversation), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
         return prompt, calling
 
-    def _keep(self, api: ResponsesRequest, state: ResponseState, conversation: list[dict[str, Any]]) -> None:
+    async def _keep(self, api: ResponsesRequest, state: ResponseState, conversation: list[dict[str, Any]]) -> None:
         if api.store:
-            self.store.put(state.response_id, StoredResponse(state.obj(), conversation + state.assistant_messages()))
+            await self.store.put(state.response_id, StoredResponse(state.obj(), conversation + state.assistant_messages()))
 
     async def _stream(self, request: web.Request, api: ResponsesRequest, state: ResponseState, chunks, conversation) -> web.StreamResponse:
         response = sse.event_stream()
@@ -273,7 +285,7 @@ class ResponsesFrontEnd:
             if state.status == "failed":
                 await sse.send(response, state.event("response.failed", response=state.obj()), named=True)
             else:
-                self._keep(api, state, conversation)
+                await self._keep(api, state, conversation)
                 await sse.send(response, state.event("response.completed", response=state.obj()), named=True)
             await response.write_eof()
         except ConnectionResetError:
@@ -285,10 +297,14 @@ class ResponsesFrontEnd:
         return response
 
     async def _run_background(self, api: ResponsesRequest, session: GenerationSession, state: ResponseState, conversation) -> None:
+        task = asyncio.current_task()
+        watcher = asyncio.create_task(self._cancel_when_asked(state.response_id, task))
         try:
             async with contextlib.aclosing(session.chunks()) as chunks:
                 async for chunk in chunks:
-                    state.status = "in_progress"
+                    if state.status == "queued":
+                        state.status = "in_progress"
+                        await self._keep(api, state, conversation)  # what another router's GET shows
                     state.take(chunk)
                     if chunk.end is not None:
                         break
@@ -297,43 +313,66 @@ class ResponsesFrontEnd:
         except Exception as exc:
             state.status, state.error = "failed", {"code": "server_error", "message": str(exc)}
         finally:
-            # Kept before the await: a cancel arriving during close must not lose the response.
-            self._keep(api, state, conversation)
-            self.background.pop(state.response_id, None)
-            await session.close()  # shielded inside: the blocks are freed even if cancelled here
+            watcher.cancel()
+            # Kept before the session closes: a cancel arriving during close must not lose it.
+            try:
+                await asyncio.shield(self._keep(api, state, conversation))
+            except Exception:
+                logger.exception("%s: keeping the final state failed", state.response_id)
+            finally:
+                self.background.pop(state.response_id, None)
+                await session.close()  # shielded inside: the blocks are freed even if cancelled here
+
+    async def _cancel_when_asked(self, response_id: str, task: asyncio.Task) -> None:
+        """Cancel ``task`` once a cancel for the response is asked through the board (by
+        another router: this one cancels its own task directly)."""
+        while not await self.store.wait_for_cancel(response_id, CANCEL_POLL_S):
+            pass
+        logger.info("%s: cancelled through another router", response_id)
+        task.cancel()
 
     async def retrieve(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
         running = self.background.get(response_id)
         if running is not None:
             return web.json_response(running.state.obj())
-        entry = self.store.get(response_id)
+        entry = await self.store.get(response_id)
         if entry is None:
             raise ResponseNotFoundError(response_id)
         return web.json_response(entry.response)
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
-        running = self.background.get(response_id)
-        if running is not None:
-            if running.state.end is None:
-                running.task.cancel()
-            await asyncio.gather(running.task, return_exceptions=True)
-        if not self.store.delete(response_id):
+        await self._stop_running(response_id)
+        if not await self.store.delete(response_id):
             raise ResponseNotFoundError(response_id)
         return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def cancel(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
         running = self.background.get(response_id)
-        if running is None:
-            entry = self.store.get(response_id)
-            if entry is None:
-                raise ResponseNotFoundError(response_id)
-            if entry.response.get("background"):
-                return web.json_response(entry.response)  # already finished: cancelling changes nothing
+        if running is not None:
+            await self._stop_running(response_id)
+            return web.json_response(running.state.obj())
+        entry = await self.store.get(response_id)
+        if entry is None:
+            raise ResponseNotFoundError(response_id)
+        if not entry.response.get("background"):
             raise InvalidArgumentError("response_id", "only a response created with background: true can be cancelled")
-        if running.state.end is None:  # still generating (a finished one is only storing itself)
-            running.task.cancel()
-        await asyncio.gather(running.task, return_exceptions=True)
-        return web.json_response(running.state.obj())
+        if is_in_progress(entry):  # another router runs it
+            entry = await self._stop_running(response_id) or entry
+        return web.json_response(entry.response)  # a finished one: cancelling changes nothing
+
+    async def _stop_running(self, response_id: str) -> StoredResponse | None:
+        """Stop a background response still generating: this router's own task, or through the
+        board the router that runs it; return its final state (None: this router's, or not stored)."""
+        running = self.background.get(response_id)
+        if running is not None:
+            if running.state.end is None:  # still generating (a finished one is only storing itself)
+                running.task.cancel()
+            await asyncio.gather(running.task, return_exceptions=True)
+            return None
+        if not is_in_progress(await self.store.get(response_id)):
+            return None
+        await self.store.request_cancel(response_id)
+        return await self.store.wait_until_final(response_id, CANCEL_WAIT_S)

@@ -18,6 +18,7 @@ from cluster.deployment import Deployment
 from cluster.pools import DeploymentSpec, PoolSpec
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
+from router.responses_api.board import find_shared_board
 from tests.checkpoints import hf_greedy, random_prompts
 from tests.serving import Client, HostedRouter, engine_config
 
@@ -132,6 +133,7 @@ def test_router_replicas_share_one_port_and_a_dead_replica_loses_only_its_own_st
     try:
         (info,) = deployment.replica_infos
         assert info.grpc_port == deployment.front_ends.port and info.http_port == deployment.http_port
+        assert find_shared_board(spec.name) is not None  # /v1/responses: one board for both routers
         prompts = random_prompts([30, 50, 20, 70, 40, 60, 25, 35], e2e_model.vocab_size, seed=43)
         expected = [hf_greedy(e2e_model.hf_model, p, 12) for p in prompts]
         # One connection per request: the kernel picks a router for each new connection.
@@ -159,3 +161,7 @@ def test_router_replicas_share_one_port_and_a_dead_replica_loses_only_its_own_st
         assert all(w.num_kv_blocks_used == 0 for w in Client(deployment.address).wait_until_idle())
     finally:
         deployment.stop()
+    deadline = time.monotonic() + 10  # ray.kill returns before the name is released
+    while find_shared_board(spec.name) is not None:
+        assert time.monotonic() < deadline, "the deployment's stop ends its responses board"
+        time.sleep(0.1)

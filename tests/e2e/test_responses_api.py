@@ -19,7 +19,8 @@ from tests.checkpoints import hf_greedy
 from tests.e2e.test_openai_api import FORECAST, _chat_ids, _http
 from tests.e2e.test_openai_api import chat_model as chat_model  # noqa: F401  (module fixture)
 from tests.e2e.test_openai_api import hf_tokenizer as hf_tokenizer  # noqa: F401  (module fixture)
-from tests.serving import Client, running_deployment
+from router.responses_api.board import SharedBoard, start_shared_board
+from tests.serving import Client, following_router, running_deployment
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 TOOL = {"type": "function", "name": "get_forecast", "description": FORECAST["function"]["description"], "parameters": FORECAST["function"]["parameters"]}
@@ -28,7 +29,9 @@ TOOL = {"type": "function", "name": "get_forecast", "description": FORECAST["fun
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, chat_model, tmp_path_factory):  # noqa: F811
     store = tmp_path_factory.mktemp("responses") / "store.jsonl"
-    with running_deployment(chat_model, 1, 2, RouterConfig(http_port=0, responses_store_path=store)) as running:
+    # Durable workers: routers of their own follow them (the shared-board test).
+    config = RouterConfig(http_port=0, responses_store_path=store)
+    with running_deployment(chat_model, 1, 2, config, name="responses-api", durable_workers=True) as running:
         yield running
 
 
@@ -180,6 +183,42 @@ def test_a_background_response_is_polled_and_cancelled_and_frees_its_blocks(clie
     finally:
         ray.get([d.set_step_delay.remote(0.0) for d in decodes])
         grpc_client.close()
+
+
+def test_routers_sharing_a_board_answer_for_each_others_responses(client, deployment):
+    """Two routers over the same workers with one board actor (as a deployment's replicas share
+    it): a response created through one is fetched, continued and deleted through the other, and
+    a background response running on one is seen and cancelled through the other."""
+    board = start_shared_board("responses-api-test", RouterConfig(), detached=False)
+    decodes = [h for name, h in deployment.handles.items() if name.startswith("decode")]
+    try:
+        with following_router(deployment, RouterConfig(http_port=0), SharedBoard(board)) as one, \
+                following_router(deployment, RouterConfig(http_port=0), SharedBoard(board)) as other:
+            first_client, other_client = (openai.OpenAI(base_url=f"http://127.0.0.1:{r.http_port}/v1", api_key="none", max_retries=0) for r in (one, other))
+            first = first_client.responses.create(model="tiny-chat", input="Remember the number seven.", max_output_tokens=6, **GREEDY)
+            assert other_client.responses.retrieve(first.id).output_text == first.output_text
+            follow_up = other_client.responses.create(model="tiny-chat", previous_response_id=first.id, input="Which number?", max_output_tokens=6, **GREEDY)
+            messages = [{"role": "user", "content": "Remember the number seven."}, {"role": "assistant", "content": first.output_text},
+                        {"role": "user", "content": "Which number?"}]
+            assert follow_up.output_text == _chat_text(client, messages, 6)
+
+            ray.get([d.set_step_delay.remote(0.05) for d in decodes])
+            started = first_client.responses.create(model="tiny-chat", input="Count.", background=True, max_output_tokens=1500, **GREEDY)
+            deadline = time.monotonic() + 10
+            while other_client.responses.retrieve(started.id).status == "queued" and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert other_client.responses.retrieve(started.id).status == "in_progress"
+            cancelled = other_client.responses.cancel(started.id)
+            assert cancelled.status == "cancelled" and first_client.responses.retrieve(started.id).status == "cancelled"
+            assert not one.router.dispatcher.active  # the running router ended it and released it
+
+            other_client.responses.delete(first.id)
+            with pytest.raises(openai.NotFoundError):
+                first_client.responses.retrieve(first.id)
+            assert all(w.num_kv_blocks_used == 0 for w in Client(deployment.address).wait_until_idle(timeout_s=15))
+    finally:
+        ray.get([d.set_step_delay.remote(0.0) for d in decodes])
+        ray.kill(board, no_restart=True)
 
 
 def test_a_disconnect_mid_stream_frees_every_block(client, deployment):

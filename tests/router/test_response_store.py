@@ -46,3 +46,35 @@ def test_the_file_is_compacted_instead_of_growing_without_bound(tmp_path):
     assert len(path.read_text().splitlines()) <= 2 * 64 + 1
     again = ResponseStore(max_entries=4, ttl_s=60, path=path)
     assert len(again) == 4 and again.get("resp_7").response["output_text"] == "999"
+
+
+def test_the_board_hands_a_cancel_to_the_running_router_and_its_final_state_to_the_asker():
+    """What crosses routers (router/responses_api/board.py): the asker's cancel wakes the running
+    router's wait, and the asker's wait for the final state ends when that router puts it."""
+    import asyncio
+
+    from router.config import RouterConfig
+    from router.responses_api.board import ResponseBoard
+
+    async def scenario():
+        board = ResponseBoard(RouterConfig())
+        running = StoredResponse({"id": "resp_bg", "status": "in_progress", "background": True})
+        await board.put("resp_bg", running)
+        assert not await board.wait_for_cancel("resp_bg", 0.01)  # nobody asked yet
+        heard = asyncio.create_task(board.wait_for_cancel("resp_bg", 5))
+        final = asyncio.create_task(board.wait_until_final("resp_bg", 5))
+        await board.request_cancel("resp_bg")
+        assert await heard and not final.done()
+        await board.put("resp_bg", StoredResponse({"id": "resp_bg", "status": "cancelled", "background": True}))
+        assert (await final).response["status"] == "cancelled"
+        # Finished, or never stored: answered at once.
+        assert (await board.wait_until_final("resp_bg", 5)).response["status"] == "cancelled"
+        assert await board.wait_until_final("resp_none", 5) is None
+        # A waiter on a response that is deleted meanwhile ends too.
+        await board.put("resp_gone", running)
+        gone = asyncio.create_task(board.wait_until_final("resp_gone", 5))
+        await asyncio.sleep(0)
+        assert await board.delete("resp_gone")
+        assert await asyncio.wait_for(gone, 1) is None
+
+    asyncio.run(scenario())
