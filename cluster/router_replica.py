@@ -100,6 +100,7 @@ class RouterReplica:
         if board is None:
             raise RuntimeError(f"{spec.deployment_name}: the routers' responses board is not running")
         self.router.responses_board = SharedBoard(board)
+        self.router.board_name = f"router-{spec.index}"  # restarted by Ray, it takes back what it left in progress
         self.pools = PoolFollower(spec.deployment_name, self.router, spec.health_interval_s, spec.health_timeout_s, self.metrics)
         self.router.pool_manager = self.pools
         self.front_ends = FrontEnds(self.router, reuse_port=True, admin=False)

@@ -82,6 +82,9 @@ class Router:
         # /v1/responses' board (router/responses_api/board.py) shared by a deployment's routers,
         # set before the front ends start by whoever runs replicas; None: the router keeps its own.
         self.responses_board = None
+        # Its name on the board, the same across its restarts (replica i: "router-i"): a router
+        # that starts runs again the background responses its earlier life left in progress.
+        self.board_name = "router-0"
         self.metrics = metrics
         self.traffic = TrafficWindow()  # recent arrivals, sizes and queue times (the autoscaler's input)
         self.background_tasks: set[asyncio.Task] = set()

@@ -68,6 +68,8 @@ class FrontEnds:
                 self.router, config.http_host, port, names, config.auth_token, ssl_context, reuse_port=self.reuse_port, model_aliases=aliases
             )
             await self.http.start()
+            # A router process that starts (again) runs what its earlier life left in progress.
+            await self.http.resume_background_responses()
         logger.info(
             "router listening on %s:%d (%s; %s, %s)", config.host, self.port,
             "ready" if self.router.readiness.is_ready else "not ready yet",

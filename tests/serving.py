@@ -181,6 +181,11 @@ class HostedRouter:
         self.router.pool_manager = self.pools
         self.loop.run(self.pools.start(), timeout_s=120)
 
+    def crash(self) -> None:
+        """Stop the router's event loop where it stands, as if its process died (nothing of it
+        cleans up: its requests are the workers' to drop once it is silent)."""
+        self.loop.stop()
+
     def close(self) -> None:
         self.loop.run(self.router.stop(), timeout_s=30)
         self.loop.run(self.front_ends.stop(), timeout_s=30)

@@ -104,6 +104,11 @@ class OpenAIServer:
         logger.info("OpenAI API listening on %s://%s:%d (model %s)", "https" if self.ssl_context else "http", self.host, self.port, ", ".join(self.model_names))
         return self.port
 
+    async def resume_background_responses(self) -> None:
+        """Run again the background responses this router's earlier life left in progress
+        (router/responses_api/board.py); called once per router process, as it starts."""
+        await self.front_ends[responses_front_end.__name__].resume()
+
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()

@@ -4,7 +4,10 @@ The store (router/responses_api/store.py) holds the responses; the board adds wh
 routers. A background response's router puts its state there as it changes (queued, in
 progress, final), so any router answers ``GET`` with it; ``cancel`` or ``DELETE`` through another
 router asks the board, the running router hears it (it waits on ``wait_for_cancel`` while it
-generates) and stops, and the asker waits for the final state (``wait_until_final``).
+generates) and stops, and the asker waits for the final state (``wait_until_final``). While in
+progress the entry names its router and keeps the request: a router that starts in a dead one's
+place (the same name: Ray's restart of a replica, a restarted controller, a router restarted over
+the same store file) runs what that one left in progress again (``in_progress_of``).
 
 One router alone keeps a ``ResponseBoard`` in its own process. Routers with replicas share one,
 in a Ray actor of the deployment (``start_shared_board``; ``SharedBoard`` is its client), so a
@@ -53,6 +56,10 @@ class ResponseBoard:
     async def delete(self, response_id: str) -> bool:
         self._settle(response_id)
         return self.store.delete(response_id)
+
+    async def in_progress_of(self, owner: str) -> list[tuple[str, StoredResponse]]:
+        """The background responses ``owner`` left in progress (it died while running them)."""
+        return [(response_id, entry) for response_id, entry in self.store.items() if is_in_progress(entry) and entry.owner == owner]
 
     async def request_cancel(self, response_id: str) -> None:
         """Ask the router running a background response to stop it."""
@@ -109,6 +116,9 @@ class SharedBoard:
 
     async def delete(self, response_id: str) -> bool:
         return await self.handle.delete.remote(response_id)
+
+    async def in_progress_of(self, owner: str) -> list[tuple[str, StoredResponse]]:
+        return await self.handle.in_progress_of.remote(owner)
 
     async def request_cancel(self, response_id: str) -> None:
         await self.handle.request_cancel.remote(response_id)

@@ -37,10 +37,11 @@ from router.errors import InternalError, InvalidArgumentError, NotFoundError
 from router.openai_api.tool_calls import read_tool_calling, template_messages
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd
+from router.responses_api.board import IN_PROGRESS, ResponseBoard, is_in_progress
 from router.responses_api.protocol import ResponsesRequest, read_responses
-from router.responses_api.board import ResponseBoard, is_in_progress
 from router.responses_api.store import StoredResponse
 from router.session import GenerationSession
+from router.validation import ValidatedRequest
 
 if TYPE_CHECKING:
     from router.openai_api.server import OpenAIServer
@@ -198,28 +199,11 @@ class ResponsesFrontEnd:
         self.background: dict[str, _Background] = {}  # the background responses this router runs
 
     async def create(self, request: web.Request) -> web.StreamResponse:
-        api = read_responses(await self.server.read_json(request))
-        model = self.server.model_name(api.model)
-        response_id = f"resp_{uuid.uuid4().hex}"
-        prior = await self._prior(api)
-        conversation = prior + api.messages
-        prompt, calling = self._render(api, conversation)
-        api.generate.prompt_text = prompt
-        api.generate.request_id = response_id
-        validated = await self.router.validate_input(api.generate)
-        state = ResponseState(response_id, model, api.echo, len(validated.prompt_token_ids), ToolCallOutput(calling) if calling is not None else None)
-
+        body = await self.server.read_json(request)
+        api = read_responses(body)
+        state, validated, conversation = await self._prepare(api, f"resp_{uuid.uuid4().hex}")
         if api.background:
-            # The session outlives this call: it ends when generation does, or on cancel.
-            session = await GenerationSession.open(self.router, validated, lambda: False)
-            state.status = "queued"
-            try:
-                await self._keep(api, state, conversation)  # any router answers GET for it from now on
-            except BaseException:
-                await session.close()
-                raise
-            task = asyncio.create_task(self._run_background(api, session, state, conversation))
-            self.background[response_id] = _Background(state, task)
+            await self._start_background(api, body, state, validated, conversation)
             return web.json_response(state.obj())
 
         def client_gone() -> bool:
@@ -236,11 +220,58 @@ class ResponsesFrontEnd:
                     if chunk.end is not None:
                         break
                 if state.end is None or state.status in ("failed", "cancelled"):
-                    raise InternalError(state.error["message"] if state.error else f"{response_id}: the stream ended without a last chunk")
+                    raise InternalError(state.error["message"] if state.error else f"{state.response_id}: the stream ended without a last chunk")
                 await self._keep(api, state, conversation)
                 return web.json_response(state.obj())
         finally:
             await session.close()
+
+    async def _prepare(self, api: ResponsesRequest, response_id: str) -> tuple[ResponseState, ValidatedRequest, list[dict[str, Any]]]:
+        """The response's state, its validated request and its conversation (a stored previous
+        turn's, then this call's input)."""
+        model = self.server.model_name(api.model)
+        conversation = await self._prior(api) + api.messages
+        prompt, calling = self._render(api, conversation)
+        api.generate.prompt_text = prompt
+        api.generate.request_id = response_id
+        validated = await self.router.validate_input(api.generate)
+        state = ResponseState(response_id, model, api.echo, len(validated.prompt_token_ids), ToolCallOutput(calling) if calling is not None else None)
+        return state, validated, conversation
+
+    async def _start_background(self, api: ResponsesRequest, body: dict[str, Any], state: ResponseState, validated: ValidatedRequest, conversation) -> None:
+        """Admit the response and run it in the background (it ends when generation does, or on
+        cancel); any router answers GET for it once this returns."""
+        session = await GenerationSession.open(self.router, validated, lambda: False)
+        state.status = "queued"
+        try:
+            await self._keep(api, state, conversation, body)
+        except BaseException:
+            await session.close()
+            raise
+        task = asyncio.create_task(self._run_background(api, body, session, state, conversation))
+        self.background[state.response_id] = _Background(state, task)
+
+    async def resume(self) -> None:
+        """Run again the background responses this router's earlier life left in progress (it
+        died running them: nothing a client asked for is dropped). Each starts over."""
+        for response_id, entry in await self.store.in_progress_of(self.router.board_name):
+            if response_id in self.background or entry.request is None:
+                continue
+            logger.info("%s: left in progress by this router's earlier life; running it again", response_id)
+            task = asyncio.create_task(self._run_again(response_id, entry))
+            self.router.background_tasks.add(task)
+            task.add_done_callback(self.router.background_tasks.discard)
+
+    async def _run_again(self, response_id: str, entry: StoredResponse) -> None:
+        try:
+            api = read_responses(entry.request)
+            state, validated, conversation = await self._prepare(api, response_id)
+            state.created_at = entry.response.get("created_at", state.created_at)
+            await self._start_background(api, entry.request, state, validated, conversation)
+        except Exception as exc:  # e.g. its previous turn expired meanwhile: it fails, saying why
+            logger.warning("%s: running it again failed: %s", response_id, exc)
+            failed = dict(entry.response, status="failed", error={"code": "server_error", "message": f"its router died, and running it again failed: {exc}"})
+            await self.store.put(response_id, StoredResponse(failed, entry.conversation))
 
     async def _prior(self, api: ResponsesRequest) -> list[dict[str, Any]]:
         if api.previous_response_id is None:
@@ -264,9 +295,15 @@ class ResponsesFrontEnd:
         prompt = template.render(template_messages(system + conversation), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
         return prompt, calling
 
-    async def _keep(self, api: ResponsesRequest, state: ResponseState, conversation: list[dict[str, Any]]) -> None:
-        if api.store:
-            await self.store.put(state.response_id, StoredResponse(state.obj(), conversation + state.assistant_messages()))
+    async def _keep(self, api: ResponsesRequest, state: ResponseState, conversation: list[dict[str, Any]], body: dict[str, Any] | None = None) -> None:
+        """Store the response as it stands (``api.store``); in progress, with its router's name
+        and ``body``, the request a router taking that one's place runs again."""
+        if not api.store:
+            return
+        entry = StoredResponse(state.obj(), conversation + state.assistant_messages())
+        if state.status in IN_PROGRESS:
+            entry.owner, entry.request = self.router.board_name, body
+        await self.store.put(state.response_id, entry)
 
     async def _stream(self, request: web.Request, api: ResponsesRequest, state: ResponseState, chunks, conversation) -> web.StreamResponse:
         response = sse.event_stream()
@@ -296,7 +333,7 @@ class ResponsesFrontEnd:
             await sse.send(response, state.event("error", code="server_error", message=str(exc), param=None), named=True)
         return response
 
-    async def _run_background(self, api: ResponsesRequest, session: GenerationSession, state: ResponseState, conversation) -> None:
+    async def _run_background(self, api: ResponsesRequest, body: dict[str, Any], session: GenerationSession, state: ResponseState, conversation) -> None:
         task = asyncio.current_task()
         watcher = asyncio.create_task(self._cancel_when_asked(state.response_id, task))
         try:
@@ -304,7 +341,7 @@ class ResponsesFrontEnd:
                 async for chunk in chunks:
                     if state.status == "queued":
                         state.status = "in_progress"
-                        await self._keep(api, state, conversation)  # what another router's GET shows
+                        await self._keep(api, state, conversation, body)  # what another router's GET shows
                     state.take(chunk)
                     if chunk.end is not None:
                         break

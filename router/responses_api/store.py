@@ -26,6 +26,10 @@ class StoredResponse:
     response: dict[str, Any]  # the response object, as GET returns it
     conversation: list[dict[str, Any]] = field(default_factory=list)  # chat-template messages through this response's output
     stored_at: float = field(default_factory=time.time)  # wall clock: survives restarts
+    # A background response in progress: the router running it (its name on the board) and the
+    # request body, from which a router taking that one's place after its death runs it again.
+    owner: str = ""
+    request: dict[str, Any] | None = None
 
 
 class ResponseStore:
@@ -48,6 +52,11 @@ class ResponseStore:
         if entry is not None and entry.stored_at < time.time() - self.ttl_s:
             return None  # entries expire in insertion order; one put with an old time is caught here
         return entry
+
+    def items(self) -> list[tuple[str, StoredResponse]]:
+        """Every live entry, oldest first."""
+        self._expire()
+        return list(self._entries.items())
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         self._entries.pop(response_id, None)

@@ -5,6 +5,7 @@ transformers' ``apply_chat_template`` + ``generate``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -20,7 +21,7 @@ from tests.e2e.test_openai_api import FORECAST, _chat_ids, _http
 from tests.e2e.test_openai_api import chat_model as chat_model  # noqa: F401  (module fixture)
 from tests.e2e.test_openai_api import hf_tokenizer as hf_tokenizer  # noqa: F401  (module fixture)
 from router.responses_api.board import SharedBoard, start_shared_board
-from tests.serving import Client, following_router, running_deployment
+from tests.serving import Client, HostedRouter, following_router, running_deployment
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 TOOL = {"type": "function", "name": "get_forecast", "description": FORECAST["function"]["description"], "parameters": FORECAST["function"]["parameters"]}
@@ -219,6 +220,37 @@ def test_routers_sharing_a_board_answer_for_each_others_responses(client, deploy
     finally:
         ray.get([d.set_step_delay.remote(0.0) for d in decodes])
         ray.kill(board, no_restart=True)
+
+
+def test_a_background_response_whose_router_dies_is_run_again_by_the_one_that_takes_its_place(client, deployment, tmp_path):
+    """The router running a background response dies (its loop stops where it stands); a router
+    started over the same store file in its place runs the response again, to the answer an
+    uninterrupted run gives, and the dead router's request on the workers is dropped."""
+    config = RouterConfig(http_port=0, responses_store_path=tmp_path / "store.jsonl", router_lease_s=2.0)
+    want = _chat_text(client, [{"role": "user", "content": "Count slowly."}], 40)
+    decodes = [h for name, h in deployment.handles.items() if name.startswith("decode")]
+    first = HostedRouter(dataclasses.replace(deployment.spec, router=config))
+    try:
+        first.start_pools(manage=False)
+        ray.get([d.set_step_delay.remote(0.05) for d in decodes])  # 40 tokens: 2 s or more
+        first_client = openai.OpenAI(base_url=f"http://127.0.0.1:{first.http_port}/v1", api_key="none", max_retries=0)
+        started = first_client.responses.create(model="tiny-chat", input="Count slowly.", background=True, max_output_tokens=40, **GREEDY)
+        deadline = time.monotonic() + 10
+        while first_client.responses.retrieve(started.id).status == "queued" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first_client.responses.retrieve(started.id).status == "in_progress"
+    finally:
+        first.crash()
+    ray.get([d.set_step_delay.remote(0.0) for d in decodes])
+    with following_router(deployment, config) as second:
+        second_client = openai.OpenAI(base_url=f"http://127.0.0.1:{second.http_port}/v1", api_key="none", max_retries=0)
+        deadline = time.monotonic() + 60
+        while (done := second_client.responses.retrieve(started.id)).status in ("queued", "in_progress"):
+            assert time.monotonic() < deadline, "the response was not run again"
+            time.sleep(0.1)
+        assert done.status == "incomplete" and done.output_text == want and done.usage.output_tokens == 40
+        assert done.created_at == started.created_at
+        assert all(w.num_kv_blocks_used == 0 for w in Client(deployment.address).wait_until_idle(timeout_s=30))
 
 
 def test_a_disconnect_mid_stream_frees_every_block(client, deployment):

@@ -58,8 +58,11 @@ def test_the_board_hands_a_cancel_to_the_running_router_and_its_final_state_to_t
 
     async def scenario():
         board = ResponseBoard(RouterConfig())
-        running = StoredResponse({"id": "resp_bg", "status": "in_progress", "background": True})
+        running = StoredResponse({"id": "resp_bg", "status": "in_progress", "background": True}, owner="router-1", request={"input": "x"})
         await board.put("resp_bg", running)
+        # What a router taking router-1's place runs again: its responses in progress only.
+        await board.put("resp_other", StoredResponse({"id": "resp_other", "status": "in_progress"}, owner="router-2"))
+        assert [rid for rid, _ in await board.in_progress_of("router-1")] == ["resp_bg"]
         assert not await board.wait_for_cancel("resp_bg", 0.01)  # nobody asked yet
         heard = asyncio.create_task(board.wait_for_cancel("resp_bg", 5))
         final = asyncio.create_task(board.wait_until_final("resp_bg", 5))
@@ -67,6 +70,7 @@ def test_the_board_hands_a_cancel_to_the_running_router_and_its_final_state_to_t
         assert await heard and not final.done()
         await board.put("resp_bg", StoredResponse({"id": "resp_bg", "status": "cancelled", "background": True}))
         assert (await final).response["status"] == "cancelled"
+        assert await board.in_progress_of("router-1") == []
         # Finished, or never stored: answered at once.
         assert (await board.wait_until_final("resp_bg", 5)).response["status"] == "cancelled"
         assert await board.wait_until_final("resp_none", 5) is None
