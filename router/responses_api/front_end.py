@@ -363,8 +363,12 @@ class ResponsesFrontEnd:
     async def _cancel_when_asked(self, response_id: str, task: asyncio.Task) -> None:
         """Cancel ``task`` once a cancel for the response is asked through the board (by
         another router: this one cancels its own task directly)."""
-        while not await self.store.wait_for_cancel(response_id, CANCEL_POLL_S):
-            pass
+        try:
+            while not await self.store.wait_for_cancel(response_id, CANCEL_POLL_S):
+                pass
+        except Exception:  # the board is gone (the deployment stops): no cancel can come through it
+            logger.info("%s: no longer hearing cancels through the board", response_id, exc_info=True)
+            return
         logger.info("%s: cancelled through another router", response_id)
         task.cancel()
 
