@@ -38,7 +38,11 @@ from router.openai_api.fields import boolean, int_list, integer, is_int, json_ob
 from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
-MAX_CHOICES = 16  # n, and n times the prompts of a completions batch
+MAX_CHOICES = 16  # n
+# n times the prompts of a completions batch: each is a request of its own, admitted together.
+# Scoring clients batch prompts (lm-eval's local-completions sends batch_size of them in one
+# call); the router's default queue (max_queued_requests) admits this many at once.
+MAX_BATCH_CHOICES = 256
 MAX_LOGPROBS = 20
 
 # Fields both endpoints take, with what they do here.
@@ -229,8 +233,8 @@ def _num_choices(body: dict, num_prompts: int) -> int:
     best_of = integer(body, "best_of", None, 1, None)
     if best_of is not None and best_of != n:
         raise InvalidArgumentError("best_of", f"is not supported other than equal to n ({n})")
-    if n * num_prompts > MAX_CHOICES:
-        raise InvalidArgumentError("n", f"n ({n}) x prompts ({num_prompts}) must be at most {MAX_CHOICES}")
+    if n * num_prompts > MAX_BATCH_CHOICES:
+        raise InvalidArgumentError("n", f"n ({n}) x prompts ({num_prompts}) must be at most {MAX_BATCH_CHOICES}")
     return n
 
 

@@ -372,6 +372,24 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, chat_
         assert entry[best]["rank"] == 1 and len(entry) <= 2
 
 
+def test_a_batch_of_prompts_is_scored_in_one_call_as_lm_eval_sends_it(client, chat_model):
+    """lm-eval's local-completions loglikelihood with batch_size 32: 32 token-id prompts, echo,
+    logprobs 1, max_tokens 1; it sums each continuation's token_logprobs[ctxlen:-1] and calls a
+    continuation greedy where each of its tokens' log-probability is the top one's."""
+    prompts = random_prompts([8 + i for i in range(32)], chat_model.vocab_size, seed=32)
+    batch = client.completions.create(model="tiny-chat", prompt=prompts, max_tokens=1, echo=True, logprobs=1, temperature=0.0, seed=1234)
+    assert [c.index for c in batch.choices] == list(range(32))
+    for prompt, choice in zip(prompts, batch.choices):
+        reference = _prompt_reference(chat_model.hf_model, prompt)
+        context = len(prompt) // 2
+        continuation = range(context, len(prompt))
+        want = sum(reference[p - 1, prompt[p]].item() for p in continuation)
+        assert sum(choice.logprobs.token_logprobs[context:-1]) == pytest.approx(want, abs=1e-3)
+        greedy = all(int(reference[p - 1].argmax()) == prompt[p] for p in continuation)
+        tops = zip(choice.logprobs.token_logprobs[context:-1], choice.logprobs.top_logprobs[context:-1])
+        assert all(abs(lp - max(top.values())) < 1e-6 for lp, top in tops) == greedy
+
+
 def test_chat_prompt_logprobs_score_the_templated_prompt(client, chat_model, hf_tokenizer):
     ids = _chat_ids(hf_tokenizer, MESSAGES)
     reference = _prompt_reference(chat_model.hf_model, ids)

@@ -117,7 +117,7 @@ def test_echo_with_logprobs_asks_for_the_prompts_and_max_tokens_0_only_scores_it
         ({"prompt": "x", "temperature": "hot"}, "temperature"),
         ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
         ({"prompt": "x", "n": 17}, "n"),
-        ({"prompt": ["a", "b", "c"], "n": 6}, "n"),
+        ({"prompt": [[1]] * 129, "n": 2}, "n"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
         ({"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias.five"),
