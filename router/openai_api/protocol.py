@@ -10,7 +10,7 @@ silently. vLLM's extensions are accepted under vLLM's names (``top_k``, ``min_p`
 ``skip_special_tokens``, ``priority`` where lower is served first, ``add_generation_prompt``,
 ``chat_template_kwargs``, ``allowed_token_ids``, ``bad_words``, ``structured_outputs`` and its
 older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``,
-``prompt_logprobs``).
+``prompt_logprobs``, ``return_token_ids`` and ``return_tokens_as_token_ids``).
 
 A prompt is scored as the legacy completions API scores it: ``echo`` with ``logprobs`` puts the
 prompt's tokens, with their log-probabilities, before the answer's, and ``max_tokens: 0`` (with
@@ -50,7 +50,7 @@ _COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
     "presence_penalty", "frequency_penalty", "logit_bias", "user", "best_of", "response_format",
     # vLLM's extensions
-    "prompt_logprobs", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
+    "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
     "allowed_token_ids", "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
@@ -74,6 +74,8 @@ class ApiRequest:
     # the choice's (completions) or the response's (chat) ``prompt_logprobs``. None: not asked.
     prompt_logprobs: int | None = None
     prompt_only: bool = False  # completions' max_tokens 0 with echo: the prompt scored, nothing generated
+    return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids beside the text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     tool_calling: ToolCalling | None = None  # chat with tools: how its answers are read
     choices: list[GenerateInput] = field(default_factory=list)  # in choice-index order: prompt by prompt, n each
     choices_per_prompt: int = 1
@@ -185,6 +187,8 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
     return ApiRequest(
         model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
         prompt_logprobs=integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
+        return_token_ids=boolean(body, "return_token_ids", False),
+        tokens_as_ids=boolean(body, "return_tokens_as_token_ids", False),
     )
 
 

@@ -8,6 +8,7 @@ the text and log-probabilities so far.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,12 @@ class ChoiceState:
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_logprobs_new: bool = False  # came with the latest chunk (a stream sends them with it)
     prompt_only: bool = False  # max_tokens 0: the one token drawn is no part of the answer
+    # vLLM's return_token_ids: the prompt's and the answer's token ids beside the text (the answer's
+    # so far in ``token_ids``); return_tokens_as_token_ids: logprobs name tokens "token_id:<id>".
+    return_token_ids: bool = False
+    tokens_as_ids: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    prompt_ids_sent: bool = False
     tools: ToolCallOutput | None = None  # chat with tools: reads the calls out of the text
     tool_deltas: list[ToolCallDelta] = field(default_factory=list)  # the latest chunk's
 
@@ -75,12 +82,13 @@ class ChoiceState:
         logprobs = None
         if self.num_logprobs is not None and (chunk.logprobs or prompt_entries):
             if self.chat:
-                entries = [_chat_entry(t, e, tokenizer) for t, e in zip(chunk.token_ids, chunk.logprobs)]
+                entries = [_chat_entry(t, e, self._namer(tokenizer)) for t, e in zip(chunk.token_ids, chunk.logprobs)]
                 self.chat_logprobs.extend(entries)
                 logprobs = {"content": entries}
             else:
                 logprobs = self._completion_logprobs(prompt_entries + list(zip(chunk.token_ids, chunk.logprobs)), tokenizer)
         self.num_tokens += len(chunk.token_ids)
+        self.token_ids += chunk.token_ids
         self.text.append(chunk.text)
         self.text_len += len(chunk.text)
         if chunk.end is not None:
@@ -97,20 +105,28 @@ class ChoiceState:
         entries: list[TokenLogprob | None] = [None, *chunk.prompt_logprobs]
         if self.num_prompt_logprobs is not None:
             self.prompt_logprobs = [
-                None if entry is None else _prompt_entry(token_id, entry, self.num_prompt_logprobs, tokenizer)
+                None if entry is None else _prompt_entry(token_id, entry, self.num_prompt_logprobs, self._namer(tokenizer))
                 for token_id, entry in zip(self.prompt_token_ids, entries)
             ]
         return list(zip(self.prompt_token_ids, entries)) if self.echo_logprobs else []
+
+    def _namer(self, tokenizer: Tokenizer) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or with return_tokens_as_token_ids "token_id:<id>"
+        (a token that is not a whole character still names itself exactly)."""
+        if self.tokens_as_ids:
+            return lambda token_id: f"token_id:{token_id}"
+        return lambda token_id: _token_text(token_id, tokenizer)
 
     def _completion_logprobs(self, tokens: list[tuple[int, TokenLogprob | None]], tokenizer: Tokenizer) -> dict[str, list]:
         """Legacy completions logprobs of ``tokens`` (an echoed prompt's first has no entry: null)."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         offset = self.text_len
+        name = self._namer(tokenizer)
         for token_id, entry in tokens:
-            token = _token_text(token_id, tokenizer)
+            token = name(token_id)
             out["tokens"].append(token)
             out["token_logprobs"].append(None if entry is None else _logprob(entry.logprob))
-            out["top_logprobs"].append(None if entry is None else _top_by_text(entry.top[: self.num_logprobs], tokenizer))
+            out["top_logprobs"].append(None if entry is None else _top_by_text(entry.top[: self.num_logprobs], name))
             out["text_offset"].append(offset)
             offset += len(token)
         for key, values in out.items():
@@ -133,6 +149,10 @@ class ChoiceState:
             choice["logprobs"] = self.completion_logprobs if self.num_logprobs is not None else None
             if self.num_prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.prompt_logprobs
+            if self.return_token_ids:
+                choice["prompt_token_ids"] = self.prompt_token_ids
+        if self.return_token_ids:
+            choice["token_ids"] = self.token_ids
         choice["finish_reason"] = self._finish_reason(self.end)
         choice["stop_reason"] = stop_reason(self.end)
         return choice
@@ -162,6 +182,10 @@ class ChoiceState:
             choice["text"] = chunk.text
             if self.prompt_logprobs_new and self.num_prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.prompt_logprobs
+            if self.return_token_ids and not self.prompt_ids_sent:  # on the choice's first chunk
+                choice["prompt_token_ids"], self.prompt_ids_sent = self.prompt_token_ids, True
+        if self.return_token_ids:
+            choice["token_ids"] = list(chunk.token_ids)
         choice["logprobs"] = logprobs
         choice["finish_reason"] = None if chunk.end is None else self._finish_reason(chunk.end)
         if chunk.end is not None:
@@ -197,20 +221,20 @@ def _logprob(value: float) -> float:
     return max(value, _LOGPROB_FLOOR)
 
 
-def _top_by_text(top: list[tuple[int, float]], tokenizer: Tokenizer) -> dict[str, float]:
+def _top_by_text(top: list[tuple[int, float]], name: Callable[[int], str]) -> dict[str, float]:
     """Legacy top_logprobs, keyed by text: where two tokens read the same (bytes of one
     character, each "\ufffd" alone), the more likely one's stays."""
     out: dict[str, float] = {}
     for token_id, logprob in top:
-        out.setdefault(_token_text(token_id, tokenizer), _logprob(logprob))
+        out.setdefault(name(token_id), _logprob(logprob))
     return out
 
 
-def _prompt_entry(token_id: int, entry: TokenLogprob, num_top: int, tokenizer: Tokenizer) -> dict[str, Any]:
+def _prompt_entry(token_id: int, entry: TokenLogprob, num_top: int, name: Callable[[int], str]) -> dict[str, Any]:
     """vLLM's prompt_logprobs entry: by token id, the prompt's token and the ``num_top`` most
     likely there, each with its log-probability, rank and text."""
     def one(logprob: float, rank: int, token: int) -> dict[str, Any]:
-        return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": _token_text(token, tokenizer)}
+        return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": name(token)}
 
     out = {str(token_id): one(entry.logprob, entry.rank, token_id)}
     for rank, (alt_id, alt_logprob) in enumerate(entry.top[:num_top], start=1):
@@ -218,10 +242,10 @@ def _prompt_entry(token_id: int, entry: TokenLogprob, num_top: int, tokenizer: T
     return out
 
 
-def _chat_entry(token_id: int, entry: TokenLogprob, tokenizer: Tokenizer) -> dict[str, Any]:
-    token = _token_text(token_id, tokenizer)
+def _chat_entry(token_id: int, entry: TokenLogprob, name: Callable[[int], str]) -> dict[str, Any]:
+    token = name(token_id)
     top = []
     for alt_id, alt_logprob in entry.top:
-        alt = _token_text(alt_id, tokenizer)
+        alt = name(alt_id)
         top.append({"token": alt, "logprob": _logprob(alt_logprob), "bytes": list(alt.encode("utf-8"))})
     return {"token": token, "logprob": _logprob(entry.logprob), "bytes": list(token.encode("utf-8")), "top_logprobs": top}

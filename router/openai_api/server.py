@@ -212,6 +212,7 @@ class OpenAIServer:
                     tools=ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None,
                     prompt_token_ids=one.prompt_token_ids, num_prompt_logprobs=api.prompt_logprobs,
                     echo_logprobs=api.echo and api.logprobs is not None, prompt_only=api.prompt_only,
+                    return_token_ids=api.return_token_ids, tokens_as_ids=api.tokens_as_ids,
                 )
                 for index, one in enumerate(validated)
             ]
@@ -252,6 +253,8 @@ class OpenAIServer:
         body["choices"] = [state.whole() for state in states]
         if chat and api.prompt_logprobs is not None:
             body["prompt_logprobs"] = states[0].prompt_logprobs  # vLLM's place for them: one prompt
+        if chat and api.return_token_ids:
+            body["prompt_token_ids"] = states[0].prompt_token_ids
         body["usage"] = _usage(api, states)
         return web.json_response(body)
 
@@ -272,12 +275,15 @@ class OpenAIServer:
                 state = states[index]
                 logprobs = state.add(item, self.router.tokenizer)
                 new_prompt_logprobs = state.prompt_logprobs_new and api.prompt_logprobs is not None
-                if item.end is None and not item.text and not state.tool_deltas and logprobs is None and not new_prompt_logprobs and (state.role_sent or not chat):
+                new_ids = api.return_token_ids and item.token_ids  # tokens whose text is held back still go out as ids
+                if item.end is None and not item.text and not state.tool_deltas and logprobs is None and not new_prompt_logprobs and not new_ids and (state.role_sent or not chat):
                     continue  # nothing new to say (text held back at a possible stop string)
                 payload = envelope(response_id, model, chat, stream=True, created=created)
                 payload["choices"] = [state.delta(item, logprobs)]
                 if chat and new_prompt_logprobs and index == 0:
                     payload["prompt_logprobs"] = state.prompt_logprobs
+                if chat and api.return_token_ids and not state.prompt_ids_sent:  # the stream's first chunk of this choice
+                    payload["prompt_token_ids"], state.prompt_ids_sent = state.prompt_token_ids, True
                 if api.include_usage or api.continuous_usage:
                     payload["usage"] = _usage(api, states) if api.continuous_usage else None
                 await sse.send(response, payload)

@@ -390,6 +390,32 @@ def test_a_batch_of_prompts_is_scored_in_one_call_as_lm_eval_sends_it(client, ch
         assert all(abs(lp - max(top.values())) < 1e-6 for lp, top in tops) == greedy
 
 
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids_whole_and_streamed(client, chat_model, hf_tokenizer):
+    """vLLM's return_token_ids, as agent RL frameworks read it: the prompt's ids and the answer's
+    (transformers' greedy ids) beside the text; streamed, the prompt's on the first chunk and each
+    chunk's own. return_tokens_as_token_ids names logprobs' tokens "token_id:<id>"."""
+    (prompt,) = random_prompts([15], chat_model.vocab_size, seed=15)
+    want = hf_greedy(chat_model.hf_model, prompt, 8)
+    extra = {"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    whole = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0.0, logprobs=2, extra_body=extra)
+    choice = whole.choices[0]
+    assert choice.model_extra["prompt_token_ids"] == prompt and choice.model_extra["token_ids"] == want
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in want]
+    assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
+    chunks = list(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0.0, stream=True, extra_body=extra))
+    firsts = [c.choices[0].model_extra.get("prompt_token_ids") for c in chunks if c.choices]
+    assert firsts[0] == prompt and not any(firsts[1:])
+    assert [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]] == want
+
+    ids = _chat_ids(hf_tokenizer, MESSAGES)
+    chat_want = hf_greedy(chat_model.hf_model, ids, 6)
+    chat = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=6, temperature=0.0, extra_body=extra)
+    assert chat.model_extra["prompt_token_ids"] == ids and chat.choices[0].model_extra["token_ids"] == chat_want
+    streamed = list(client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=6, temperature=0.0, stream=True, extra_body=extra))
+    assert streamed[0].model_extra["prompt_token_ids"] == ids and not any(c.model_extra.get("prompt_token_ids") for c in streamed[1:])
+    assert [t for c in streamed if c.choices for t in c.choices[0].model_extra["token_ids"]] == chat_want
+
+
 def test_chat_prompt_logprobs_score_the_templated_prompt(client, chat_model, hf_tokenizer):
     ids = _chat_ids(hf_tokenizer, MESSAGES)
     reference = _prompt_reference(chat_model.hf_model, ids)
