@@ -41,7 +41,9 @@ class ChoiceState:
     prompt_tokens: int
     num_tokens: int = 0
     text: list[str] = field(default_factory=list)
-    text_len: int = 0
+    # completions' text_offset of the next token: each token's text after the one before it (an
+    # echoed prompt's first), whatever messages the tokens came in
+    next_offset: int = 0
     role_sent: bool = False
     completion_logprobs: dict[str, list] = field(default_factory=lambda: {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []})
     chat_logprobs: list[dict[str, Any]] = field(default_factory=list)
@@ -90,7 +92,6 @@ class ChoiceState:
         self.num_tokens += len(chunk.token_ids)
         self.token_ids += chunk.token_ids
         self.text.append(chunk.text)
-        self.text_len += len(chunk.text)
         if chunk.end is not None:
             self.end = chunk.end
         return logprobs
@@ -104,8 +105,9 @@ class ChoiceState:
             return []
         entries: list[TokenLogprob | None] = [None, *chunk.prompt_logprobs]
         if self.num_prompt_logprobs is not None:
+            name = self._namer(tokenizer)
             self.prompt_logprobs = [
-                None if entry is None else _prompt_entry(token_id, entry, self.num_prompt_logprobs, self._namer(tokenizer))
+                None if entry is None else _prompt_entry(token_id, entry, self.num_prompt_logprobs, name)
                 for token_id, entry in zip(self.prompt_token_ids, entries)
             ]
         return list(zip(self.prompt_token_ids, entries)) if self.echo_logprobs else []
@@ -120,7 +122,7 @@ class ChoiceState:
     def _completion_logprobs(self, tokens: list[tuple[int, TokenLogprob | None]], tokenizer: Tokenizer) -> dict[str, list]:
         """Legacy completions logprobs of ``tokens`` (an echoed prompt's first has no entry: null)."""
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = self.text_len
+        offset = self.next_offset
         name = self._namer(tokenizer)
         for token_id, entry in tokens:
             token = name(token_id)
@@ -128,7 +130,8 @@ class ChoiceState:
             out["token_logprobs"].append(None if entry is None else _logprob(entry.logprob))
             out["top_logprobs"].append(None if entry is None else _top_by_text(entry.top[: self.num_logprobs], name))
             out["text_offset"].append(offset)
-            offset += len(token)
+            offset += len(token if not self.tokens_as_ids else _token_text(token_id, tokenizer))  # offsets count the text
+        self.next_offset = offset
         for key, values in out.items():
             self.completion_logprobs[key].extend(values)
         return out

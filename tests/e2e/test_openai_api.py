@@ -401,6 +401,9 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids_whole_and_stream
     choice = whole.choices[0]
     assert choice.model_extra["prompt_token_ids"] == prompt and choice.model_extra["token_ids"] == want
     assert choice.logprobs.tokens == [f"token_id:{t}" for t in want]
+    # Offsets still count each token's text, as without the field, not the "token_id:<id>" names.
+    named = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0.0, logprobs=2, extra_body={"ignore_eos": True})
+    assert choice.logprobs.text_offset == named.choices[0].logprobs.text_offset
     assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
     chunks = list(client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0.0, stream=True, extra_body=extra))
     firsts = [c.choices[0].model_extra.get("prompt_token_ids") for c in chunks if c.choices]
