@@ -48,6 +48,8 @@ from engine.step_profile import StepShape, shape_of
 
 logger = logging.getLogger(__name__)
 
+SCORED_LOGITS_BYTES = 256 * 1024 * 1024  # a step's prompt-scoring logits and their log-softmax, at most
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -148,6 +150,9 @@ class LLMEngine:
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
         self.grammars = Grammars(self.model_path, self.model_config.vocab_size, self.eos_token_ids)
         self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids, proposer=self._proposer(loaded.dtype))
+        # A scored prompt's rows of logits are bounded per step: 512 rows of a 152k vocabulary
+        # would be 311 MB of float32 logits, and as much again for their log-softmax.
+        self.scheduler.max_scored_rows = max(self.config.block_size, SCORED_LOGITS_BYTES // (self.model_config.vocab_size * 4 * 2))
         if torch.device(self.config.device).type == "cuda":
             # FlashInfer and Triton build kernels on first use, minutes on a fresh machine: now, not in the first requests.
             seconds = warm_up_kernels(self.executor, self.allocator, self.kv_cache, self.sampler, self.model_config.vocab_size, self.max_model_len)

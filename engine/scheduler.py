@@ -141,6 +141,10 @@ class Scheduler:
             )
         self.num_draft_tokens = 0  # proposed, since the start
         self.num_accepted_draft_tokens = 0
+        # Prompt positions a step may score (SamplingParams.prompt_logprobs): each is a row of
+        # float32 logits over the vocabulary and its log-softmax, beside the step's own (set by
+        # the engine from the vocabulary; None: no limit).
+        self.max_scored_rows: int | None = None
 
     # -- queue management -------------------------------------------------------------
 
@@ -232,6 +236,7 @@ class Scheduler:
                     # so the prompts queued behind it still move every step.
                     half = max(self.block_size, allowed // 2)
                     chunk_cap = half if chunk_cap is None else min(chunk_cap, half)
+        scored_room = self.max_scored_rows
         for seq in candidates:
             if budget <= 0:
                 break
@@ -240,6 +245,11 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if chunk_cap is not None:
                 num_tokens = min(num_tokens, chunk_cap)
+            if scored_room is not None and seq.needs_prompt_logprobs:
+                if scored_room <= 0:
+                    break  # its chunk waits for the next step (strict priority, as below)
+                num_tokens = min(num_tokens, scored_room)
+                scored_room -= num_tokens
             if not self._try_grow_blocks(seq, num_tokens):
                 if seq.status is SequenceStatus.WAITING:
                     self._return_cached_prefix(seq)  # cached again, for it or anyone, next step

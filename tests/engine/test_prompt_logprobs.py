@@ -58,6 +58,27 @@ def test_prompt_logprobs_with_no_alternatives_and_a_one_token_prompt(checkpoints
     assert single.prompt_logprobs == []  # the first token has no log-probability
 
 
+def test_a_scored_prompt_takes_at_most_the_scored_rows_a_step_allows(checkpoints, monkeypatch):
+    """Each scored position is a row of logits over the vocabulary: a step scores at most
+    SCORED_LOGITS_BYTES' worth (here 8 rows), so a 40-token prompt takes 5 steps whatever the
+    token budget, and its scores are still transformers'."""
+    import engine.llm_engine
+
+    path, model = checkpoints["llama"]
+    vocab = model.config.vocab_size
+    monkeypatch.setattr(engine.llm_engine, "SCORED_LOGITS_BYTES", 8 * vocab * 4 * 2)
+    scorer = LLMEngine(path, EngineConfig(num_kv_blocks=32, max_num_batched_tokens=512, block_size=8))
+    (prompt,) = random_prompts([40], vocab, seed=40)
+    scorer.add_request("scored", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+    chunks = []
+    while scorer.has_unfinished_requests():
+        scorer.step()
+        chunks.append(scorer.last_shape.num_prefill_tokens)
+    assert chunks == [8] * 5
+    seq_logprobs = scorer.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))[0].prompt_logprobs
+    _assert_model_scores(seq_logprobs, prompt, _reference(model, prompt), 1)
+
+
 @pytest.mark.parametrize("value", [-1, 21, 2.5])
 def test_prompt_logprobs_out_of_range_is_refused_naming_the_field(value):
     with pytest.raises(InvalidRequestError) as caught:
