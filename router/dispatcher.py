@@ -305,8 +305,13 @@ class Dispatcher:
             plan = None if local else self._pipeline_plan(active, request, decode)
             if not local:
                 self._prefill_tokens_on_the_way[request.req_id] = len(request.prompt_token_ids)
+            params = request.sampling_params
+            if not local and params.prompt_logprobs is not None:
+                # The prefill actor scores the prompt; the decode actor, which never computes it,
+                # must not wait on scores (its steps would never overlap, its cache go unused).
+                params = dataclasses.replace(params, prompt_logprobs=None)
             decode_request = DecodeRequest(
-                request.req_id, request.prompt_token_ids, request.sampling_params, request.priority,
+                request.req_id, request.prompt_token_ids, params, request.priority,
                 self.config.kv_lease_s, attempt=active.attempt, router_id=self.router_id,
                 router_lease_s=self.config.router_lease_s, num_writers=len(plan.workers) if plan is not None else 1,
                 stage=_decode_stage(plan),
@@ -356,17 +361,17 @@ class Dispatcher:
         self._local_prefill_done(key)
 
     def _pipeline_plan(self, active: ActiveRequest, request: ValidatedRequest, decode: WorkerRecord) -> PipelinePlan | None:
-        """The stages that prefill this prompt together (None: one prefill actor does)."""
-        if active.no_pipeline or not self.num_layers:
+        """The stages that prefill this prompt together (None: one prefill actor does). A prompt
+        whose log-probabilities are asked for is prefilled by one actor: a pipeline's chunks
+        (pipeline_chunk_tokens) would bypass the engine's bound on the rows a step scores."""
+        if active.no_pipeline or not self.num_layers or request.sampling_params.prompt_logprobs is not None:
             return None
         config = self.config
         return plan_pipeline(
             config.prefill_pipeline, len(request.prompt_token_ids), self.pool.routable(Role.PREFILL),
             config.max_pipeline_stages, config.pipeline_tokens_per_stage, [1.0] * self.num_layers,
             config.pipeline_chunk_tokens, self.block_size,
-            # A prompt whose log-probabilities are asked for ends on a prefill actor, which
-            # reports them with its result (a decode actor's last stage would not).
-            decode=decode if decode_may_be_a_stage(config.pipeline_decode_stage, decode) and request.sampling_params.prompt_logprobs is None else None,
+            decode=decode if decode_may_be_a_stage(config.pipeline_decode_stage, decode) else None,
         )
 
     async def _wait_for_decode_pool(self) -> None:

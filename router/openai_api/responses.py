@@ -157,7 +157,7 @@ class ChoiceState:
         if self.return_token_ids:
             choice["token_ids"] = self.token_ids
         choice["finish_reason"] = self._finish_reason(self.end)
-        choice["stop_reason"] = stop_reason(self.end)
+        choice["stop_reason"] = None if self.prompt_only else stop_reason(self.end)  # the dropped token's stop is none of the answer's
         return choice
 
     def _finish_reason(self, end: StreamEnd) -> str:
@@ -192,7 +192,7 @@ class ChoiceState:
         choice["logprobs"] = logprobs
         choice["finish_reason"] = None if chunk.end is None else self._finish_reason(chunk.end)
         if chunk.end is not None:
-            choice["stop_reason"] = stop_reason(chunk.end)
+            choice["stop_reason"] = None if self.prompt_only else stop_reason(chunk.end)
         return choice
 
 

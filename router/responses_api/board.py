@@ -22,6 +22,7 @@ import asyncio
 import logging
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from router.config import RouterConfig
 from router.responses_api.store import ResponseStore, StoredResponse
@@ -29,6 +30,7 @@ from router.responses_api.store import ResponseStore, StoredResponse
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"
+MAX_BOARD_CALLS = 100_000
 IN_PROGRESS = ("queued", "in_progress")  # a background response's states before its final one
 
 
@@ -62,8 +64,13 @@ class ResponseBoard:
         return [(response_id, entry) for response_id, entry in self.store.items() if is_in_progress(entry) and entry.owner == owner]
 
     async def request_cancel(self, response_id: str) -> None:
-        """Ask the router running a background response to stop it."""
-        self._event(self._cancels, response_id).set()
+        """Ask the router running a background response to stop it (one still in progress)."""
+        if is_in_progress(self.store.get(response_id)):
+            self._event(self._cancels, response_id).set()
+
+    async def release(self, response_id: str) -> None:
+        """The router running the response stopped (also one not stored): forget its waits."""
+        self._settle(response_id)
 
     async def wait_for_cancel(self, response_id: str, timeout_s: float) -> bool:
         """True once a cancel is asked for the response; False after ``timeout_s`` without one
@@ -123,6 +130,9 @@ class SharedBoard:
     async def request_cancel(self, response_id: str) -> None:
         await self.handle.request_cancel.remote(response_id)
 
+    async def release(self, response_id: str) -> None:
+        await self.handle.release.remote(response_id)
+
     async def wait_for_cancel(self, response_id: str, timeout_s: float) -> bool:
         return await self.handle.wait_for_cancel.remote(response_id, timeout_s)
 
@@ -136,15 +146,19 @@ def board_name(deployment_name: str) -> str:
 
 def start_shared_board(deployment_name: str, config: RouterConfig, detached: bool):
     """The deployment's board actor (the one running already, if any: a restarted controller
-    finds it by name); Ray restarts it if its process dies."""
+    finds it by name), on this node: ``responses_store_path`` is a path here. Ray restarts it if
+    its process dies."""
     options = dict(
         name=board_name(deployment_name),
         namespace=NAMESPACE,
         num_cpus=0,
-        max_concurrency=1000,  # every running background response keeps a wait_for_cancel open
+        # Coroutines, not threads: every running background response on every router keeps a
+        # wait_for_cancel open, and gets and puts must never queue behind those.
+        max_concurrency=MAX_BOARD_CALLS,
         max_restarts=-1,
         max_task_retries=-1,
         get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
     )
     if detached:
         options["lifetime"] = "detached"

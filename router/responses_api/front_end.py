@@ -181,6 +181,7 @@ class ResponseState:
 
 CANCEL_POLL_S = 30.0  # a running background response's long poll for a cancel through another router
 CANCEL_WAIT_S = 30.0  # how long a cancel through another router waits for the response's final state
+RESUME_LOOKUP_S = 30.0  # how long a starting router asks the board for what it left in progress
 
 
 @dataclass(slots=True)
@@ -254,7 +255,12 @@ class ResponsesFrontEnd:
     async def resume(self) -> None:
         """Run again the background responses this router's earlier life left in progress (it
         died running them: nothing a client asked for is dropped). Each starts over."""
-        for response_id, entry in await self.store.in_progress_of(self.router.board_name):
+        try:
+            left = await asyncio.wait_for(self.store.in_progress_of(self.router.board_name), RESUME_LOOKUP_S)
+        except Exception:  # the router serves; what it left stays on the board for its next start
+            logger.exception("%s: could not read the background responses left in progress", self.router.board_name)
+            return
+        for response_id, entry in left:
             if response_id in self.background or entry.request is None:
                 continue
             logger.info("%s: left in progress by this router's earlier life; running it again", response_id)
@@ -354,6 +360,8 @@ class ResponsesFrontEnd:
             # Kept before the session closes: a cancel arriving during close must not lose it.
             try:
                 await asyncio.shield(self._keep(api, state, conversation))
+                if not api.store:
+                    await asyncio.shield(self.store.release(state.response_id))  # a stored one's final put did
             except Exception:
                 logger.exception("%s: keeping the final state failed", state.response_id)
             finally:

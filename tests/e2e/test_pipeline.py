@@ -91,9 +91,10 @@ def test_a_pipelined_prompt_decodes_what_transformers_does(shared_workers, four_
         client.close()
 
 
-def test_prompt_logprobs_of_a_pipelined_prompt_come_from_its_last_stage(shared_workers, four_layer_model):
-    """Over gRPC: the last stage (a prefill actor: a decode actor's last stage would not report
-    them) scores every position of the prompt, whatever chunk each fell in."""
+def test_a_scored_prompt_is_prefilled_by_one_actor_where_every_prompt_is_pipelined(shared_workers, four_layer_model):
+    """Over gRPC, with every remote prompt pipelined: a prompt whose log-probabilities are asked
+    for is prefilled by one prefill actor (whose engine bounds the rows a step scores; a
+    pipeline's chunks would not), which scores every position of it."""
     (prompt,) = random_prompts([90], four_layer_model.vocab_size, seed=90)
     with torch.no_grad():
         reference = torch.log_softmax(four_layer_model.hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
@@ -101,7 +102,8 @@ def test_prompt_logprobs_of_a_pipelined_prompt_come_from_its_last_stage(shared_w
         client = Client(deployment.address)
         stream = client.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
         assert stream.token_ids == hf_greedy(four_layer_model.hf_model, prompt, 4)
-        assert len(_stage_workers(stream)) == 2, stream.last.prefill_worker_id
+        assert len(_stage_workers(stream)) == 1, stream.last.prefill_worker_id
+        assert client.generate(prompt_token_ids=prompt, max_tokens=1, temperature=0.0).last.prefill_worker_id.count(",") == 1  # unscored: 2 stages
         first, *rest = stream.messages
         assert not any(m.prompt_logprobs for m in rest)
         entries = first.prompt_logprobs

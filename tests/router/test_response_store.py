@@ -71,6 +71,8 @@ def test_the_board_hands_a_cancel_to_the_running_router_and_its_final_state_to_t
         await board.put("resp_bg", StoredResponse({"id": "resp_bg", "status": "cancelled", "background": True}))
         assert (await final).response["status"] == "cancelled"
         assert await board.in_progress_of("router-1") == []
+        await board.request_cancel("resp_bg")  # finished: nothing to cancel, nothing kept for it
+        assert "resp_bg" not in board._cancels
         # Finished, or never stored: answered at once.
         assert (await board.wait_until_final("resp_bg", 5)).response["status"] == "cancelled"
         assert await board.wait_until_final("resp_none", 5) is None
@@ -80,5 +82,12 @@ def test_the_board_hands_a_cancel_to_the_running_router_and_its_final_state_to_t
         await asyncio.sleep(0)
         assert await board.delete("resp_gone")
         assert await asyncio.wait_for(gone, 1) is None
+        # One that was never stored (store: false) is released by its router when it stops.
+        await board.put("resp_kept", running)
+        waiting = asyncio.create_task(board.wait_for_cancel("resp_unstored", 5))
+        await asyncio.sleep(0)
+        await board.release("resp_unstored")
+        assert not board._cancels.get("resp_unstored") and not waiting.done()
+        waiting.cancel()
 
     asyncio.run(scenario())
