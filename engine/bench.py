@@ -168,18 +168,10 @@ def _prefill_engine(model_dir: Path, dtype: str, prompt_len: int, chunk: int | N
     return engine
 
 
-def bench_prefill(engine: LLMEngine, prompt: list[int]) -> float:
-    """Prefill tokens/s of one prompt, from add_request to its first token."""
-    engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    return len(prompt) / (time.perf_counter() - start)
-
-
-def bench_scoring(engine: LLMEngine, prompt: list[int], num_top: int) -> float:
-    """Scoring tokens/s of one prompt (its log-probabilities, ``num_top`` alternatives each)."""
-    engine.add_request("s", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=num_top))
+def bench_prefill(engine: LLMEngine, prompt: list[int], prompt_logprobs: int | None = None) -> float:
+    """Prefill tokens/s of one prompt, from add_request to its first token; with
+    ``prompt_logprobs``, scoring it (every position's log-probability and alternatives)."""
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs))
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
@@ -212,36 +204,31 @@ def run_decode(model_dir: Path, args: argparse.Namespace, reference: Transformer
 
 
 def run_prefill(model_dir: Path, args: argparse.Namespace, reference: TransformersReference) -> list[dict]:
+    return _run_prompt(model_dir, args, bench_prefill, reference.prefill_tok_s)
+
+
+def run_scoring(model_dir: Path, args: argparse.Namespace, reference: TransformersReference) -> list[dict]:
+    top = args.score_top
+    return _run_prompt(model_dir, args, lambda engine, prompt: bench_prefill(engine, prompt, top), lambda prompt: reference.score_tok_s(prompt, top))
+
+
+def _run_prompt(model_dir: Path, args: argparse.Namespace, ours, theirs) -> list[dict]:
+    """One long prompt through ``ours(engine, prompt)`` at each chunk size and ``theirs(prompt)``,
+    taking turns ``args.repeats`` times."""
     prompt = [(j * 31) % 1000 + 3 for j in range(args.prefill_len)]
     chunks = [int(c) or None for c in args.chunks.split(",")]
     engines = {chunk: _prefill_engine(model_dir, args.dtype, args.prefill_len, chunk) for chunk in chunks}
     samples: dict = {chunk: [] for chunk in chunks}
-    hf_s = []
+    reference_s = []
     for _ in range(args.repeats):
-        hf_s.append(reference.prefill_tok_s(prompt))
+        reference_s.append(theirs(prompt))
         for chunk, engine in engines.items():
-            samples[chunk].append(bench_prefill(engine, prompt))
-    theirs = _summary(hf_s)
+            samples[chunk].append(ours(engine, prompt))
+    reference_summary = _summary(reference_s)
     rows = []
     for chunk in chunks:
-        ours = _summary(samples[chunk])
-        rows.append({"chunk": chunk, "step": ours, "transformers": theirs, "ratio_vs_transformers": _ratio(ours, theirs)})
-    return rows
-
-
-def run_scoring(model_dir: Path, args: argparse.Namespace, reference: TransformersReference) -> list[dict]:
-    prompt = [(j * 31) % 1000 + 3 for j in range(args.prefill_len)]
-    rows = []
-    for chunk in [int(c) or None for c in args.chunks.split(",")]:
-        engine = _prefill_engine(model_dir, args.dtype, args.prefill_len, chunk)
-        ours, theirs = [], []
-        for _ in range(args.repeats):
-            theirs.append(reference.score_tok_s(prompt, args.score_top))
-            ours.append(bench_scoring(engine, prompt, args.score_top))
-        row = {"chunk": chunk, "step": _summary(ours), "transformers": _summary(theirs)}
-        row["ratio_vs_transformers"] = _ratio(row["step"], row["transformers"])
-        rows.append(row)
-        del engine
+        mine = _summary(samples[chunk])
+        rows.append({"chunk": chunk, "step": mine, "transformers": reference_summary, "ratio_vs_transformers": _ratio(mine, reference_summary)})
     return rows
 
 

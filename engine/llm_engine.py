@@ -347,7 +347,7 @@ class LLMEngine:
 
     def _overlaps(self, batch: ScheduledBatch) -> bool:
         device = torch.device(self.config.device)
-        if any(piece.seq.needs_prompt_logprobs for piece in batch.slices):
+        if batch.scores_prompt:
             return False  # its prompt rows are read at once (_record_prompt_logprobs)
         return all(self.sampler.draws_on_device(piece.seq, device) for piece in batch.slices if piece.completes_sequence)
 
@@ -560,8 +560,6 @@ class LLMEngine:
         num_top: list[int] = []
         for piece in batch.slices:
             seq = piece.seq
-            if piece.num_tokens == 1 and piece.completes_sequence:
-                continue  # a decode row: never a prompt position (as ModelRunner.prepare)
             for position in seq.prompt_logprob_positions(seq.num_computed_tokens, piece.num_own_tokens):
                 owners.append(seq)
                 targets.append(seq.token_ids[position + 1])

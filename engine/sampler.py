@@ -708,9 +708,9 @@ class LogprobTensors:
 
     @classmethod
     def of_rows(cls, logits: torch.Tensor, rows: list[int], num_top: list[int], token_ids: torch.Tensor) -> "LogprobTensors":
-        """What ``rows`` of ``logits`` report: each its token among ``token_ids`` (one per row of
-        ``logits``) and its ``num_top`` most likely."""
-        if rows == list(range(logits.shape[0])):  # every row (a prompt's scores): no copy of them first
+        """What ``rows`` of ``logits`` (distinct, ascending) report: each its token among
+        ``token_ids`` (one per row of ``logits``) and its ``num_top`` most likely."""
+        if len(rows) == logits.shape[0]:  # every row (a prompt's scores): no copy of them first
             log_probs, targets = torch.log_softmax(logits, dim=-1), token_ids
         else:
             index = to_device(rows, torch.long, logits.device)

@@ -96,6 +96,9 @@ class RemoteBlocks:
 class ScheduledBatch:
     slices: list[ScheduledSlice] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    # A prompt chunk of it is scored (SamplingParams.prompt_logprobs): the step runs at once,
+    # not overlapped (engine.llm_engine). Set by the scheduler as it picks the chunks.
+    scores_prompt: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -245,7 +248,7 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if chunk_cap is not None:
                 num_tokens = min(num_tokens, chunk_cap)
-            if scored_room is not None and seq.needs_prompt_logprobs:
+            if seq.needs_prompt_logprobs and scored_room is not None:
                 if scored_room <= 0:
                     break  # its chunk waits for the next step (strict priority, as below)
                 num_tokens = min(num_tokens, scored_room)
@@ -257,6 +260,7 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 self._admit(seq)
             batch.slices.append(ScheduledSlice(seq, num_tokens))
+            batch.scores_prompt = batch.scores_prompt or seq.needs_prompt_logprobs
             budget -= num_tokens
 
     def _adaptive_prefill_tokens(self, batch: ScheduledBatch, first: Sequence) -> int | None:

@@ -70,5 +70,4 @@ def _append(output: SeqOutput, later: SeqOutput) -> None:
     output.token_ids = output.token_ids + later.token_ids
     if later.logprobs:
         output.logprobs = output.logprobs + later.logprobs
-    output.prompt_logprobs = output.prompt_logprobs or later.prompt_logprobs
     output.finished, output.finish_reason, output.error, output.timing = later.finished, later.finish_reason, later.error, later.timing

@@ -39,7 +39,6 @@ class ChoiceState:
     chat: bool
     num_logprobs: int | None
     prompt_tokens: int
-    num_tokens: int = 0
     text: list[str] = field(default_factory=list)
     # completions' text_offset of the next token: each token's text after the one before it (an
     # echoed prompt's first), whatever messages the tokens came in
@@ -63,7 +62,7 @@ class ChoiceState:
     return_token_ids: bool = False
     tokens_as_ids: bool = False
     token_ids: list[int] = field(default_factory=list)
-    prompt_ids_sent: bool = False
+    prompt_ids_sent: bool = False  # streamed: on the choice's first chunk (unsent_prompt_ids)
     tools: ToolCallOutput | None = None  # chat with tools: reads the calls out of the text
     tool_deltas: list[ToolCallDelta] = field(default_factory=list)  # the latest chunk's
 
@@ -89,7 +88,6 @@ class ChoiceState:
                 logprobs = {"content": entries}
             else:
                 logprobs = self._completion_logprobs(prompt_entries + list(zip(chunk.token_ids, chunk.logprobs)), tokenizer)
-        self.num_tokens += len(chunk.token_ids)
         self.token_ids += chunk.token_ids
         self.text.append(chunk.text)
         if chunk.end is not None:
@@ -111,6 +109,19 @@ class ChoiceState:
                 for token_id, entry in zip(self.prompt_token_ids, entries)
             ]
         return list(zip(self.prompt_token_ids, entries)) if self.echo_logprobs else []
+
+    @property
+    def num_tokens(self) -> int:
+        """Answer tokens so far (what usage counts)."""
+        return len(self.token_ids)
+
+    def unsent_prompt_ids(self) -> list[int] | None:
+        """return_token_ids, streamed: the prompt's ids the first time a chunk asks (None after,
+        and without the field); a completions choice carries them, a chat chunk's envelope."""
+        if not self.return_token_ids or self.prompt_ids_sent:
+            return None
+        self.prompt_ids_sent = True
+        return self.prompt_token_ids
 
     def _namer(self, tokenizer: Tokenizer) -> Callable[[int], str]:
         """How logprobs name a token: its text, or with return_tokens_as_token_ids "token_id:<id>"
@@ -185,8 +196,8 @@ class ChoiceState:
             choice["text"] = chunk.text
             if self.prompt_logprobs_new and self.num_prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.prompt_logprobs
-            if self.return_token_ids and not self.prompt_ids_sent:  # on the choice's first chunk
-                choice["prompt_token_ids"], self.prompt_ids_sent = self.prompt_token_ids, True
+            if (ids := self.unsent_prompt_ids()) is not None:
+                choice["prompt_token_ids"] = ids
         if self.return_token_ids:
             choice["token_ids"] = list(chunk.token_ids)
         choice["logprobs"] = logprobs

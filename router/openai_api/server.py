@@ -282,8 +282,8 @@ class OpenAIServer:
                 payload["choices"] = [state.delta(item, logprobs)]
                 if chat and new_prompt_logprobs and index == 0:
                     payload["prompt_logprobs"] = state.prompt_logprobs
-                if chat and api.return_token_ids and not state.prompt_ids_sent:  # the stream's first chunk of this choice
-                    payload["prompt_token_ids"], state.prompt_ids_sent = state.prompt_token_ids, True
+                if chat and (ids := state.unsent_prompt_ids()) is not None:
+                    payload["prompt_token_ids"] = ids
                 if api.include_usage or api.continuous_usage:
                     payload["usage"] = _usage(api, states) if api.continuous_usage else None
                 await sse.send(response, payload)

@@ -222,6 +222,44 @@ def test_routers_sharing_a_board_answer_for_each_others_responses(client, deploy
         ray.kill(board, no_restart=True)
 
 
+def test_a_board_actor_that_dies_is_restarted_with_what_its_file_kept(ray_cluster, tmp_path):
+    """The routers' shared board is a process that can die: Ray restarts it, it reads its file
+    back (stored responses, and what a router left in progress for its successor), and a
+    router's long poll for a cancel, in flight when it died, is served by the new one."""
+    import asyncio
+    import os
+    import signal
+
+    from router.responses_api.store import StoredResponse
+
+    handle = start_shared_board("board-death-test", RouterConfig(responses_store_path=tmp_path / "board.jsonl"), detached=False)
+    board = SharedBoard(handle)
+
+    async def scenario():
+        await board.put("resp_done", StoredResponse({"id": "resp_done", "status": "completed"}, [{"role": "user", "content": "hi"}]))
+        await board.put("resp_bg", StoredResponse({"id": "resp_bg", "status": "in_progress"}, owner="router-1", request={"input": "x"}))
+        polling = asyncio.ensure_future(board.wait_for_cancel("resp_bg", 60))
+        pid = ray.get(handle.__ray_call__.remote(lambda board: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # the restarted actor answers
+            try:
+                done = await board.get("resp_done")
+                break
+            except ray.exceptions.RayActorError:
+                assert time.monotonic() < deadline, "the board was not restarted"
+                await asyncio.sleep(0.2)
+        assert done.conversation == [{"role": "user", "content": "hi"}]
+        assert [rid for rid, _ in await board.in_progress_of("router-1")] == ["resp_bg"]
+        await board.request_cancel("resp_bg")
+        assert await asyncio.wait_for(polling, 30), "the running router hears the cancel through the new board"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        ray.kill(handle, no_restart=True)
+
+
 def test_a_background_response_whose_router_dies_is_run_again_by_the_one_that_takes_its_place(client, deployment, tmp_path):
     """The router running a background response dies (its loop stops where it stands); a router
     started over the same store file in its place runs the response again, to the answer an
