@@ -267,6 +267,9 @@ class EngineConfig:
     # Ranks the model is split over (engine.parallel): this process is rank 0, the others are
     # started by the engine's rank launcher. KV sizes (kv_cache_bytes) are per rank.
     tensor_parallel_size: int = 1
+    # LoRA adapters served beside the model (engine.lora): a request's ``SamplingParams.lora_name``
+    # names one. Name -> PEFT adapter directory; every rank loads each (its slices) at start.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.speculative is not None:
@@ -297,3 +300,6 @@ class EngineConfig:
             raise ValueError(f"attention_backend: must be one of {list(ATTENTION_BACKEND_NAMES)}, got {self.attention_backend!r}")
         if self.cuda_graph_max_batch < 0:
             raise ValueError(f"cuda_graph_max_batch: must be >= 0, got {self.cuda_graph_max_batch}")
+        for name, path in self.lora_adapters.items():
+            if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+                raise ValueError(f"lora_adapters: must map non-empty names to adapter directories, got {name!r}: {path!r}")

@@ -30,6 +30,7 @@ from engine.executor import Executor, LocalExecutor, MultiRankExecutor
 from engine.grammar import Grammars, apply_masks
 from engine.host_to_device import to_device
 from engine.kernel_warm_up import warm_up_kernels
+from engine import lora
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype
 from engine.model import StageActivations
@@ -122,7 +123,7 @@ class LLMEngine:
             # The rotary tables cover the engine's context (dynamic and LongRoPE schedules depend on it).
             loaded = load_model(
                 self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,
-                prepack_linear=self.config.prepack_linear, tp_size=tp_size, group=group,
+                prepack_linear=self.config.prepack_linear, tp_size=tp_size, group=group, lora_adapters=self.config.lora_adapters,
             )
         except BaseException:
             if self.rank_launcher is not None:
@@ -145,7 +146,9 @@ class LLMEngine:
                 -(-self.max_model_len // self.kv_cache.block_size) + 1,
             )
             graphs.capture_all()
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs)
+        # Each LoRA adapter's slot in the model's layers (engine.lora), by name.
+        self.adapter_slots = {name: slot for slot, name in enumerate(self.config.lora_adapters)}
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs, self.adapter_slots)
         self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
         self.grammars = Grammars(self.model_path, self.model_config.vocab_size, self.eos_token_ids)
@@ -237,6 +240,9 @@ class LLMEngine:
                 f"{self.max_model_len} tokens",
             )
         params.validate(vocab)
+        if params.lora_name is not None and params.lora_name not in self.adapter_slots:
+            served = ", ".join(self.adapter_slots) or "none"
+            raise InvalidRequestError("lora_name", f"no LoRA adapter named {params.lora_name!r} here (served: {served})")
         most_tokens = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.kv_cache.blocks_needed(most_tokens) > self.kv_cache.num_blocks:
             raise InvalidRequestError(
@@ -257,6 +263,7 @@ class LLMEngine:
             priority=priority,
             generator=Sampler.make_generator(params.seed),
             grammar=grammar,
+            hash_salt=lora.hash_salt(params.lora_name),
         )
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, priority: int = 0) -> Sequence:
@@ -282,7 +289,8 @@ class LLMEngine:
 
     def kv_compat_fields(self) -> dict[str, object]:
         """What a peer's KV cache must match for blocks to be copied between the two."""
-        config_bytes = (self.model_path / "config.json").read_bytes()
+        # The adapters served count as part of the model: a request's adapter must be on both sides.
+        config_bytes = (self.model_path / "config.json").read_bytes() + "\n".join(self.adapter_slots).encode()
         return {
             "model_id": f"{self.model_config.architecture}:{hashlib.sha256(config_bytes).hexdigest()[:16]}",
             "dtype": str(self.kv_cache.dtype).removeprefix("torch."),  # a quantized cache's element type

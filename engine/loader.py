@@ -25,6 +25,7 @@ from engine.architectures import ARCHITECTURES
 from engine.config import ModelConfig
 from engine.cpu_linear import can_prepack, prepack_linears
 from engine.errors import ModelLoadError
+from engine.lora import attach_adapters
 from engine.model import CausalLM
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TPShard
@@ -61,9 +62,11 @@ def load_model(
     prepack_linear: bool = False,
     tp_size: int = 1,
     group: TPGroup = SINGLE,
+    lora_adapters: dict[str, str] | None = None,
 ) -> LoadedModel:
     """Build the model for ``model_dir`` (rank ``group.rank``'s shard of it when ``tp_size`` > 1)
-    and fill it with the checkpoint's weights."""
+    and fill it with the checkpoint's weights; ``lora_adapters`` (name -> PEFT adapter directory)
+    are loaded beside it, a slot each in that order (engine.lora)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {model_dir} does not exist")
@@ -84,6 +87,7 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device).eval()
     num_packed = prepack_linear and can_prepack(device, torch_dtype) and prepack_linears(model)
+    attach_adapters(model, dict(lora_adapters or {}), torch_dtype, device)
     eos_ids = _generation_eos_ids(model_dir) or config.eos_token_ids
     logger.info(
         "loaded %s from %s: %d layers, hidden %d, dtype %s, rank %d of %d, %d linears prepacked (oneDNN or bfloat16 pairs)",

@@ -21,6 +21,7 @@ from engine import fused_ops
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.lora import AdapterRows, LoraPair
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TPShard
 from engine.rope import RopeTables, RotaryEmbedding
@@ -59,6 +60,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * shard.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.window = config.layer_windows[layer_index] if config.layer_windows else None  # sliding window, or None
+        # LoRA adapters' pairs by projection, a slot per adapter (None: it leaves that one alone);
+        # filled by engine.lora.attach_adapters, empty without adapters.
+        self.lora: dict[str, list[LoraPair | None]] = {}
 
     def forward(
         self,
@@ -67,16 +71,18 @@ class DecoderLayer(nn.Module):
         rope_tables: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        adapters: AdapterRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous layer's output and the residual stream before it (None for the first
         layer, whose input is the residual) -> this layer's output and the stream before it.
-        Each add into the residual is fused with the norm that follows it (vLLM's layout)."""
+        Each add into the residual is fused with the norm that follows it (vLLM's layout).
+        ``adapters``: the step's rows that go through LoRA adapters (None: none do)."""
         num_tokens = hidden.shape[0]
         if residual is None:
             normed, residual = self.input_norm(hidden), hidden
         else:
             normed, residual = self.input_norm.add_and_norm(hidden, residual)
-        qkv = self.qkv_proj(normed)
+        qkv = self._project("qkv_proj", normed, adapters)
         # Rotated in place in qkv where the kernel takes it (no per-head norm to apply first).
         rotated = self.q_norm is None and fused_ops.rotate_heads_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope_tables.cos, rope_tables.sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -99,9 +105,16 @@ class DecoderLayer(nn.Module):
             kv_cache.value_scales[self.layer_index],
         )
         # Row-parallel: each rank's partial product, summed over the ranks (its bias on rank 0 only).
-        attention_out = self.group.all_reduce(self.o_proj(attended.view(num_tokens, self.q_size)))
+        attention_out = self.group.all_reduce(self._project("o_proj", attended.view(num_tokens, self.q_size), adapters))
         normed, residual = self.post_attention_norm.add_and_norm(attention_out, residual)
-        return self.group.all_reduce(self.down_proj(fused_ops.silu_mul(self.gate_up_proj(normed)))), residual
+        activated = fused_ops.silu_mul(self._project("gate_up_proj", normed, adapters))
+        return self.group.all_reduce(self._project("down_proj", activated, adapters)), residual
+
+    def _project(self, name: str, x: torch.Tensor, adapters: AdapterRows | None) -> torch.Tensor:
+        """Projection ``name`` of ``x``, plus its LoRA deltas on the rows that have an adapter (a
+        row-parallel one's partial delta, summed with its partial product by the all-reduce)."""
+        out = getattr(self, name)(x)
+        return out if adapters is None else adapters.add_deltas(out, x, self.lora[name])
 
 
 @dataclass(slots=True)
@@ -144,11 +157,14 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
         logits_out: torch.Tensor | None = None,
+        adapters: AdapterRows | None = None,
     ) -> torch.Tensor | None:
         """Run the packed batch; return float32 logits only at ``logits_indices`` (on rank 0 of a
         tensor-parallel group; None on the others), written into ``logits_out`` where given (one
         model rank: the CUDA graphs' shared output, engine.cuda_graphs)."""
-        return self.run_stage(input_ids, positions, kv_cache, meta, logits_indices, range(len(self.layers)), logits_out=logits_out)
+        return self.run_stage(
+            input_ids, positions, kv_cache, meta, logits_indices, range(len(self.layers)), logits_out=logits_out, adapters=adapters
+        )
 
     @torch.inference_mode()
     def run_stage(
@@ -161,6 +177,7 @@ class CausalLM(nn.Module):
         layers: range,
         incoming: StageActivations | None = None,
         logits_out: torch.Tensor | None = None,
+        adapters: AdapterRows | None = None,
     ) -> torch.Tensor | StageActivations | None:
         """Layers ``layers`` of the packed batch, writing their KV: a stage from layer 0 embeds
         ``input_ids``, a later one starts from the previous stage's ``incoming``; a stage through
@@ -171,7 +188,7 @@ class CausalLM(nn.Module):
             hidden, residual = incoming.hidden, incoming.residual
         rope_tables = self.rotary.tables(positions)
         for index in layers:
-            hidden, residual = self.layers[index](hidden, residual, rope_tables, kv_cache, meta)
+            hidden, residual = self.layers[index](hidden, residual, rope_tables, kv_cache, meta, adapters)
         if layers.stop < len(self.layers):
             return StageActivations(hidden, residual)
         # Only the rows that need logits: the last add and the final norm are per row.

@@ -17,6 +17,7 @@ from engine.attention.block_tables import BlockTables, TableUpdate
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_to_device import to_device
 from engine.kv_cache import KVCache
+from engine.lora import AdapterRows
 from engine.model import CausalLM, StageActivations
 from engine.scheduler import ScheduledBatch
 
@@ -42,14 +43,31 @@ class StepInput:
     # sampling on the device (a placeholder here), and each one's row in that step's samples.
     pending_rows: list[int] = field(default_factory=list)
     pending_sources: list[int] = field(default_factory=list)
+    # With LoRA adapters loaded (engine.lora): each slice's adapter slot, -1 for the base model
+    # (empty when none are loaded).
+    slice_adapters: list[int] = field(default_factory=list)
+
+    @property
+    def uses_adapters(self) -> bool:
+        return any(slot >= 0 for slot in self.slice_adapters)
 
 
 class ModelRunner:
     """``attention``: the backend that builds each step's attention metadata (engine.attention);
-    ``graphs``: decode steps replayed from CUDA graphs (None: every step eager)."""
+    ``graphs``: decode steps replayed from CUDA graphs (None: every step eager); ``adapter_slots``:
+    each LoRA adapter's slot in the model, by name (engine.lora)."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: str, attention: AttentionBackend, graphs: DecodeGraphs | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        device: str,
+        attention: AttentionBackend,
+        graphs: DecodeGraphs | None = None,
+        adapter_slots: dict[str, int] | None = None,
+    ):
         self.model = model
+        self.adapter_slots = adapter_slots or {}
         self.kv_cache = kv_cache
         self.device = device
         self.attention = attention
@@ -92,13 +110,16 @@ class ModelRunner:
                 positions.extend(range(start, start + piece.num_tokens))
                 logits_indices.extend(range(len(input_ids) - piece.num_sampled_rows, len(input_ids)))
             step.slices.append(SeqSlice(row, start, piece.num_tokens, decode=piece.is_decode))
+            if self.adapter_slots:
+                lora_name = seq.params.lora_name
+                step.slice_adapters.append(-1 if lora_name is None else self.adapter_slots[lora_name])
         logits_indices.extend(prompt_rows)
         return step
 
     def run(self, step: StepInput) -> torch.Tensor | None:
         """This rank's part of the step; the logits on rank 0 (None on the others)."""
         self.block_tables.apply(step.table_updates)
-        if self.graphs is not None:
+        if self.graphs is not None and not step.uses_adapters:  # graphs were captured without adapters
             logits = self.graphs.run(step, self.block_tables.array, self.pending.token_ids if self.pending is not None else None)
             if logits is not None:
                 return logits
@@ -120,6 +141,7 @@ class ModelRunner:
         meta = self.attention.build(step.slices, self.block_tables.array)
         input_ids = to_device(step.input_ids, torch.long, self.device)
         self.fill_pending_inputs(step, input_ids)
+        adapters = AdapterRows.of_slices(step.slice_adapters, [piece.num_tokens for piece in step.slices], self.device) if step.slice_adapters else None
         return self.model.run_stage(
             input_ids,
             to_device(step.positions, torch.long, self.device),
@@ -128,4 +150,5 @@ class ModelRunner:
             to_device(step.logits_indices, torch.long, self.device),
             layers,
             incoming,
+            adapters=adapters,
         )

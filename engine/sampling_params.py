@@ -55,6 +55,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     structured: StructuredOutput | None = None
+    # The LoRA adapter (engine.lora) this request runs through, by name; None: the base model.
+    lora_name: str | None = None
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
@@ -119,6 +121,8 @@ class SamplingParams:
             if not isinstance(word, list) or not word:
                 raise InvalidRequestError(f"bad_words_token_ids[{index}]", "must be a non-empty list of token ids")
             _check_token_ids(f"bad_words_token_ids[{index}]", word, vocab_size)
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise InvalidRequestError("lora_name", f"must be a non-empty adapter name or None, got {self.lora_name!r}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequestError("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
 

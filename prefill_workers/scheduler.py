@@ -35,7 +35,7 @@ class PrefillScheduler(Scheduler):
     def add_stage(self, seq: Sequence, salt: bytes) -> None:
         """Take a pipeline stage's prompt: its cached prefix of this stage's layers and blocks for
         the rest, at once (OutOfBlocksError if they are not free: nothing is kept then)."""
-        seq.hash_salt = salt
+        seq.hash_salt = salt + seq.hash_salt  # the stage's layers, of its adapter's KV (engine.lora)
         self._take_cached_prefix(seq)
         needed = -(-seq.num_prompt_tokens // self.block_size) - len(seq.block_table)
         if not self.allocator.can_allocate(needed):

@@ -125,3 +125,24 @@ def assert_drawn_like(outcomes: list[tuple[int, ...]], exact: dict[tuple[int, ..
     for outcome, p in exact.items():
         freq = counts.get(outcome, 0) / draws
         assert abs(freq - p) <= 4 * (p * (1 - p) / draws) ** 0.5 + 2e-3, (outcome, freq, p)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_lora_adapter(base_model, path: Path, seed: int, targets=LORA_TARGETS, rank: int = 8, alpha: float = 16.0, **config_fields):
+    """Save a PEFT LoRA adapter for ``base_model`` (its B matrices random, not PEFT's zeros, so it
+    changes what the model computes) to ``path``; return PEFT's model of base plus adapter (eval)."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False, **config_fields)
+    adapted = peft.get_peft_model(copy.deepcopy(base_model), config).eval()
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.5)  # a delta that moves greedy choices without swamping the base model
+    adapted.save_pretrained(path)
+    return adapted

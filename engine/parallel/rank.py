@@ -38,7 +38,7 @@ class ShardRank:
         self.group = TPGroup.join(address, rank)
         loaded = load_model(
             model_path, dtype=config.dtype, device=config.device, max_positions=config.max_model_len,
-            prepack_linear=config.prepack_linear, tp_size=address.world_size, group=self.group,
+            prepack_linear=config.prepack_linear, tp_size=address.world_size, group=self.group, lora_adapters=config.lora_adapters,
         )
         shard = loaded.model.shard
         self.kv_cache = KVCache(loaded.config, config, loaded.dtype, num_kv_heads=shard.num_kv_heads)

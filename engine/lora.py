@@ -1,0 +1,250 @@
+"""LoRA adapters served beside the base model: each request may name one (multi-LoRA serving,
+as vLLM's ``--lora-modules`` and S-LoRA do it), and a step's rows of different adapters share
+the base model's matmuls.
+
+An adapter is a PEFT LoRA directory (``adapter_config.json``, ``adapter_model.safetensors``)
+for the base checkpoint's attention and MLP projections. At load each targeted projection's
+pair becomes one pair per engine projection: q/k/v (and gate/up) are fused there, so their
+A matrices are stacked and their B matrices placed block-diagonally in the fused output, B
+pre-multiplied by the adapter's scaling (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
+A tensor-parallel rank holds its slices: B's rows of its heads or MLP columns for the
+column-parallel projections, A's columns of its heads or MLP columns for o_proj and
+down_proj, whose partial deltas the layer's all-reduce sums with the base's.
+
+A step adds ``(x[rows] @ A^T) @ B^T`` to each projection's output, one pair of matmuls per
+adapter present in the step (``AdapterRows``): a batch of many adapters costs a few small
+matmuls each, its base matmuls stay shared.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.architectures.base import ShardReader
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+from engine.parallel.shard import TPShard
+
+logger = logging.getLogger(__name__)
+
+# A checkpoint projection -> (the engine projection it is part of, its part's index there).
+_TARGETS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+_TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# adapter_config.json fields that change what the adapter computes, and are refused when set:
+# pdserve would otherwise serve something else than the adapter was trained as.
+_REFUSED_FIELDS = {
+    "use_dora": "DoRA adapters",
+    "modules_to_save": "adapters that replace whole modules (modules_to_save)",
+    "lora_bias": "LoRA B biases",
+    "fan_in_fan_out": "fan_in_fan_out (GPT-2 Conv1D) layouts",
+    "target_parameters": "adapters on parameters (target_parameters)",
+}
+
+
+def hash_salt(name: str | None) -> bytes:
+    """What seeds the prefix-cache hash chain of a request through adapter ``name``: its KV
+    differs from the base model's (and every other adapter's) for the same tokens."""
+    return b"" if name is None else b"lora:" + name.encode()
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterConfig:
+    """The parts of a PEFT ``adapter_config.json`` that decide what a LoRA adapter computes."""
+
+    rank: int
+    alpha: float
+    use_rslora: bool
+    alpha_pattern: dict[str, float]
+
+    @classmethod
+    def from_dir(cls, adapter_dir: Path) -> "AdapterConfig":
+        path = adapter_dir / "adapter_config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{adapter_dir}: no adapter_config.json (not a PEFT LoRA adapter directory)")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+        if raw.get("peft_type", "LORA") != "LORA":
+            raise ModelLoadError(f"{path}: peft_type {raw.get('peft_type')!r} is not supported (only LORA)")
+        for key, what in _REFUSED_FIELDS.items():
+            if raw.get(key):
+                raise ModelLoadError(f"{path}: {key} is set; {what} are not supported")
+        if raw.get("bias", "none") != "none":
+            raise ModelLoadError(f"{path}: bias {raw['bias']!r} is not supported (only 'none': LoRA without trained biases)")
+        rank, alpha = raw.get("r"), raw.get("lora_alpha")
+        if not isinstance(rank, int) or rank < 1:
+            raise ModelLoadError(f"{path}: r must be a positive integer, got {rank!r}")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise ModelLoadError(f"{path}: lora_alpha must be a number, got {alpha!r}")
+        pattern = raw.get("alpha_pattern") or {}
+        if not isinstance(pattern, dict) or not all(isinstance(v, (int, float)) for v in pattern.values()):
+            raise ModelLoadError(f"{path}: alpha_pattern must map module names to numbers")
+        return cls(rank, float(alpha), bool(raw.get("use_rslora", False)), {str(k): float(v) for k, v in pattern.items()})
+
+    def scaling(self, module_name: str, rank: int) -> float:
+        """PEFT's scaling of one module (its own rank, from its tensors; rank_pattern included)."""
+        alpha = next((v for key, v in self.alpha_pattern.items() if re.match(rf"(.*\.)?{key}$", module_name)), self.alpha)
+        return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
+
+
+@dataclass(slots=True)
+class LoraPair:
+    """One adapter's delta on one engine projection: ``x @ a_t @ b_t`` (b_t carries the scaling)."""
+
+    a_t: torch.Tensor  # [in_features (this rank's), rank]
+    b_t: torch.Tensor  # [rank, out_features (this rank's)]
+
+
+def load_adapter(adapter_dir: str | Path, config: ModelConfig, shard: TPShard, dtype: torch.dtype, device: str) -> list[dict[str, LoraPair]]:
+    """Per decoder layer, the adapter's pairs by engine projection (a projection it leaves
+    alone is absent), on ``device`` in ``dtype``, this rank's slices."""
+    from engine.loader import CheckpointReader  # engine.loader imports the model, which imports this
+
+    adapter_dir = Path(adapter_dir)
+    if not adapter_dir.is_dir():
+        raise ModelLoadError(f"LoRA adapter directory {adapter_dir} does not exist")
+    adapter = AdapterConfig.from_dir(adapter_dir)
+    with CheckpointReader(adapter_dir) as reader:
+        modules: dict[tuple[int, str], set[str]] = {}
+        for name in reader.names:
+            match = _TENSOR_NAME.match(name)
+            if match is None or match.group(2) not in _TARGETS or int(match.group(1)) >= config.num_layers:
+                raise ModelLoadError(
+                    f"{adapter_dir}: tensor {name!r} is not a LoRA A/B weight of a {config.architecture} decoder layer's "
+                    f"projection ({', '.join(_TARGETS)}): embeddings, LM head and other modules are not supported"
+                )
+            modules.setdefault((int(match.group(1)), match.group(2)), set()).add(match.group(3))
+        for (layer, module), halves in modules.items():
+            if halves != {"A", "B"}:
+                raise ModelLoadError(f"{adapter_dir}: layer {layer}'s {module} has lora_{''.join(halves)} but not its other half")
+        layers = [_layer_pairs(reader, adapter, adapter_dir, layer, config, shard, dtype) for layer in range(config.num_layers)]
+    return [{projection: LoraPair(a.to(device).contiguous(), b.to(device).contiguous()) for projection, (a, b) in pairs.items()} for pairs in layers]
+
+
+def _layer_pairs(reader, adapter: AdapterConfig, adapter_dir: Path, layer: int, config: ModelConfig, shard: TPShard, dtype: torch.dtype):
+    """One layer's (a_t, b_t) by engine projection, from the checkpoint projections' A and B."""
+    read = ShardReader(lambda name, *slice_args: reader.read(name, torch.float32, *slice_args), config, shard)
+    head_dim = config.head_dim
+    # Each engine projection's parts: (checkpoint module, its rows of the fused output on this rank).
+    q_rows, kv_rows = shard.num_heads * head_dim, shard.num_kv_heads * head_dim
+    parts = {
+        "qkv_proj": [("self_attn", "q_proj", q_rows), ("self_attn", "k_proj", kv_rows), ("self_attn", "v_proj", kv_rows)],
+        "o_proj": [("self_attn", "o_proj", config.hidden_size)],
+        "gate_up_proj": [("mlp", "gate_proj", shard.intermediate_size), ("mlp", "up_proj", shard.intermediate_size)],
+        "down_proj": [("mlp", "down_proj", config.hidden_size)],
+    }
+    in_features = {"qkv_proj": config.hidden_size, "o_proj": q_rows, "gate_up_proj": config.hidden_size, "down_proj": shard.intermediate_size}
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for projection, members in parts.items():
+        a_blocks, b_blocks, row = [], [], 0
+        for block, module, num_rows in members:
+            base = f"base_model.model.model.layers.{layer}.{block}.{module}."
+            if base + "lora_A.weight" not in reader.names:
+                row += num_rows
+                continue
+            a, b = _read_pair(read, base, module, adapter_dir, layer, config)
+            if a.shape[1] != in_features[projection] or b.shape[0] != num_rows:
+                raise ModelLoadError(
+                    f"{adapter_dir}: layer {layer}'s {module} maps {a.shape[1]} -> {b.shape[0]} features on this rank, "
+                    f"the base model's {in_features[projection]} -> {num_rows}: the adapter was trained for another model"
+                )
+            rank = a.shape[0]
+            b = b * adapter.scaling(f"model.layers.{layer}.{block}.{module}", rank)
+            a_blocks.append(a)
+            b_blocks.append((row, b))
+            row += num_rows
+        if not a_blocks:
+            continue
+        # Fused: A's ranks stacked; each part's B in its own rows and its own rank's columns.
+        a_fused = torch.cat(a_blocks)
+        b_fused = torch.zeros(row, a_fused.shape[0])
+        col = 0
+        for first_row, b in b_blocks:
+            b_fused[first_row : first_row + b.shape[0], col : col + b.shape[1]] = b
+            col += b.shape[1]
+        out[projection] = (a_fused.t().to(dtype), b_fused.t().to(dtype))
+    return out
+
+
+def _read_pair(read: ShardReader, base: str, module: str, adapter_dir: Path, layer: int, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [rank, in], B [out, rank]) of one checkpoint projection, sliced as its base weight is."""
+    a_name, b_name = base + "lora_A.weight", base + "lora_B.weight"
+    if module in ("o_proj", "down_proj"):  # row-parallel: A's input columns, B whole
+        a = read.heads(a_name, dim=1) if module == "o_proj" else read.mlp(a_name, dim=1)
+        b = read.whole(b_name)
+    else:  # column-parallel: A whole, B's output rows
+        a = read.whole(a_name)
+        b = read.heads(b_name) if module == "q_proj" else read.kv_heads(b_name) if module in ("k_proj", "v_proj") else read.mlp(b_name)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise ModelLoadError(f"{adapter_dir}: layer {layer}'s {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} do not share a rank")
+    return a, b
+
+
+class AdapterRows:
+    """Which rows of one step go through which adapter: built once per step by the model
+    runner, handed to every layer, which adds each adapter's delta to those rows' projections."""
+
+    def __init__(self, groups: list[tuple[int, slice | torch.Tensor]]):
+        self.groups = groups  # (adapter slot, its rows: a slice when contiguous, else an index tensor)
+
+    @classmethod
+    def of_slices(cls, slice_adapters: list[int], slice_lengths: list[int], device: str) -> "AdapterRows | None":
+        """From each slice's adapter slot (-1: none) and row count, in step order; None when no
+        row of the step has an adapter."""
+        rows: dict[int, list[int]] = {}
+        first = 0
+        for slot, length in zip(slice_adapters, slice_lengths):
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(first, first + length))
+            first += length
+        if not rows:
+            return None
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        for slot, indices in rows.items():
+            if indices[-1] - indices[0] + 1 == len(indices):
+                groups.append((slot, slice(indices[0], indices[-1] + 1)))
+            else:
+                groups.append((slot, torch.tensor(indices, dtype=torch.long, device=device)))
+        return cls(groups)
+
+    def add_deltas(self, out: torch.Tensor, x: torch.Tensor, pairs: list[LoraPair | None]) -> torch.Tensor:
+        """``out`` (a projection's output for ``x``) with each adapter's delta added to its rows."""
+        for slot, rows in self.groups:
+            pair = pairs[slot]
+            if pair is None:
+                continue
+            delta = (x[rows] @ pair.a_t) @ pair.b_t
+            if isinstance(rows, slice):
+                out[rows] += delta
+            else:
+                out.index_add_(0, rows, delta)
+        return out
+
+
+def attach_adapters(model: torch.nn.Module, adapter_dirs: dict[str, str], dtype: torch.dtype, device: str) -> list[str]:
+    """Load each named adapter for ``model``'s shard and hand each decoder layer its pairs (by
+    projection, a slot per adapter in ``adapter_dirs``' order); return the names in slot order."""
+    names = list(adapter_dirs)
+    loaded = [load_adapter(adapter_dirs[name], model.config, model.shard, dtype, device) for name in names]
+    for index, layer in enumerate(model.layers):
+        layer.lora = {projection: [adapter[index].get(projection) for adapter in loaded] for projection in PROJECTIONS}
+    if names:
+        logger.info("LoRA adapters loaded: %s", ", ".join(f"{name} ({adapter_dirs[name]})" for name in names))
+    return names

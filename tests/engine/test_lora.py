@@ -1,0 +1,158 @@
+"""LoRA adapters in the engine: requests through different adapters (and none) share a batch,
+and each computes what PEFT's own model of base plus that adapter computes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import InvalidRequestError, ModelLoadError
+from tests.checkpoints import ARCHITECTURES, build_checkpoint, build_lora_adapter, hf_greedy, random_prompts
+
+MAX_NEW = 10
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    """arch -> (base dir, base model, {adapter name: (dir, PEFT model)}): one adapter on every
+    projection, one on q and v only with rsLoRA scaling and its own rank and alpha per module."""
+    built = {}
+    for arch in ARCHITECTURES:
+        root = tmp_path_factory.mktemp(f"lora_{arch}")
+        model = build_checkpoint(arch, root / "base")
+        adapters = {
+            "every": (root / "every", build_lora_adapter(model, root / "every", seed=1)),
+            "qv": (
+                root / "qv",
+                build_lora_adapter(
+                    model, root / "qv", seed=2, targets=("q_proj", "v_proj"), rank=4, use_rslora=True,
+                    rank_pattern={"v_proj": 2}, alpha_pattern={"q_proj": 3.0},
+                ),
+            ),
+        }
+        built[arch] = (root / "base", model, adapters)
+    return built
+
+
+def _engine(path, adapters: dict, **kwargs) -> LLMEngine:
+    config = EngineConfig(
+        num_kv_blocks=128, max_num_batched_tokens=64, long_prefill_chunk=16, num_threads=1,
+        lora_adapters={name: str(directory) for name, (directory, _) in adapters.items()}, **kwargs,
+    )
+    return LLMEngine(path, config)
+
+
+def _through(name: str | None, params: SamplingParams = GREEDY) -> SamplingParams:
+    return dataclasses.replace(params, lora_name=name)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_adapters_and_base_in_one_batch_match_peft(adapted, arch):
+    path, model, adapters = adapted[arch]
+    prompts = random_prompts([4, 19, 37], model.config.vocab_size, seed=3)
+    engine = _engine(path, adapters)
+    names = [None, "every", "qv"]
+    # Every prompt through every adapter and the base model, all in the same steps.
+    jobs = [(prompt, name) for prompt in prompts for name in names]
+    outputs = engine.generate([prompt for prompt, _ in jobs], [_through(name) for _, name in jobs])
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks
+    by_job = {(tuple(prompt), name): out.token_ids for (prompt, name), out in zip(jobs, outputs)}
+    for prompt in prompts:
+        key = tuple(prompt)
+        assert by_job[key, None] == hf_greedy(model, prompt, MAX_NEW), f"{arch}: the base model's rows changed"
+        for name in ("every", "qv"):
+            assert by_job[key, name] == hf_greedy(adapters[name][1], prompt, MAX_NEW), f"{arch}: adapter {name} differs from PEFT"
+    # The adapters change what the model says (else the comparison above proves nothing).
+    assert any(by_job[tuple(p), "every"] != by_job[tuple(p), None] for p in prompts)
+    assert any(by_job[tuple(p), "qv"] != by_job[tuple(p), None] for p in prompts)
+
+
+def test_adapter_prompt_scores_are_peft_log_probabilities(adapted):
+    path, model, adapters = adapted["qwen2"]
+    prompt = random_prompts([30], model.config.vocab_size, seed=5)[0]
+    engine = _engine(path, adapters)
+    scored = engine.generate([prompt], _through("every", dataclasses.replace(GREEDY, max_tokens=1, prompt_logprobs=0)))[0]
+    with torch.no_grad():
+        reference = torch.log_softmax(adapters["every"][1](torch.tensor([prompt])).logits[0].float(), dim=-1)
+    got = [entry.logprob for entry in scored.prompt_logprobs]
+    want = [float(reference[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_prefix_cache_keeps_each_adapters_kv_apart(adapted):
+    """The same prompt's blocks through the base model are never reused for an adapter's request
+    (its KV differs); its own earlier request's are."""
+    path, model, adapters = adapted["llama"]
+    prompt = random_prompts([40], model.config.vocab_size, seed=7)[0]
+    engine = _engine(path, adapters)
+    runs = []
+
+    def run(name):
+        seq = engine.add_request(f"r-{len(runs)}", prompt, _through(name))
+        runs.append(seq)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return seq
+
+    base = run(None)
+    first = run("every")
+    again = run("every")
+    assert first.num_cached_tokens == 0, "an adapter's request reused the base model's KV"
+    assert again.num_cached_tokens >= 32, "an adapter's own prefix was not reused"
+    want = hf_greedy(adapters["every"][1], prompt, MAX_NEW)
+    assert first.output_token_ids == want and again.output_token_ids == want
+    assert base.output_token_ids == hf_greedy(model, prompt, MAX_NEW)
+
+
+def test_tensor_parallel_ranks_hold_their_slices_of_each_adapter(tmp_path):
+    """Two gloo ranks (a single KV head replicated on both): column-parallel B rows and
+    row-parallel A columns split as the base weights are, the partial deltas summed."""
+    model = build_checkpoint("qwen2", tmp_path / "base", num_key_value_heads=1)
+    adapter = build_lora_adapter(model, tmp_path / "every", seed=4)
+    prompts = random_prompts([5, 23], model.config.vocab_size, seed=9)
+    engine = _engine(tmp_path / "base", {"every": (tmp_path / "every", adapter)}, tensor_parallel_size=2)
+    try:
+        outputs = engine.generate(prompts * 2, [_through("every")] * 2 + [_through(None)] * 2)
+    finally:
+        engine.close()
+    for prompt, out in zip(prompts, outputs[:2]):
+        assert out.token_ids == hf_greedy(adapter, prompt, MAX_NEW)
+    for prompt, out in zip(prompts, outputs[2:]):
+        assert out.token_ids == hf_greedy(model, prompt, MAX_NEW)
+
+
+def test_unknown_adapter_is_refused_naming_the_field(adapted):
+    path, model, adapters = adapted["llama"]
+    engine = _engine(path, adapters)
+    with pytest.raises(InvalidRequestError) as caught:
+        engine.add_request("r", [5, 6, 7], _through("missing"))
+    assert caught.value.field == "lora_name" and "missing" in caught.value.problem and "every" in caught.value.problem
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_adapter_of_another_model_or_kind_is_refused_at_load(adapted, tmp_path):
+    path, model, adapters = adapted["llama"]
+    other = build_checkpoint("llama", tmp_path / "wider", hidden_size=96)
+    build_lora_adapter(other, tmp_path / "wider_adapter", seed=1)
+    with pytest.raises(ModelLoadError, match="another model"):
+        _engine(path, {"wider": (tmp_path / "wider_adapter", None)})
+
+    dora = tmp_path / "dora"
+    build_lora_adapter(model, dora, seed=1)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ModelLoadError, match="DoRA"):
+        _engine(path, {"dora": (dora, None)})
+
+    embedding = tmp_path / "embedding"
+    build_lora_adapter(model, embedding, seed=1, targets=("q_proj", "embed_tokens"))
+    with pytest.raises(ModelLoadError, match="embed_tokens"):
+        _engine(path, {"embedding": (embedding, None)})
+
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        _engine(path, {"gone": (tmp_path / "gone", None)})
