@@ -106,6 +106,10 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--speculative-method", choices=["ngram", "draft_model"], help="speculative decoding on the decode pool (default: off)")
     up.add_argument("--draft-model", help="the draft's model directory (--speculative-method draft_model)")
     up.add_argument("--num-speculative-tokens", type=int, help="draft tokens verified per sequence per step (with --speculative-method)")
+    up.add_argument(
+        "--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH",
+        help="LoRA adapters served beside the model (PEFT adapter directories); a request's model field names one",
+    )
 
     down = commands.add_parser("down", help="stop the deployment `up` started")
     down.add_argument("--address", help="Ray cluster address (default: from the state file)")
@@ -199,7 +203,16 @@ def up_overrides(args: argparse.Namespace) -> dict:
         "decode.async_scheduling": args.async_scheduling,
         "speculative.method": args.speculative_method, "speculative.num_speculative_tokens": args.num_speculative_tokens,
         "speculative.draft_model": args.draft_model,
+        "lora_modules": dict(args.lora_modules) if args.lora_modules else None,
     }
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """``--lora-modules``' NAME=PATH, as vLLM takes it."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH (an adapter's name and its directory)")
+    return name, path
 
 
 def _up(args: argparse.Namespace) -> int:

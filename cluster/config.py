@@ -335,6 +335,11 @@ class ClusterConfig(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="Longest sequence (prompt plus output) served, at most the model's context (default: the model's context)"
     )
+    lora_modules: dict[str, Path] = Field(
+        default_factory=dict,
+        description="LoRA adapters served beside the model, as vLLM's --lora-modules: name -> PEFT adapter directory (the same path "
+        "on every node). A request's model field names one; /v1/models lists them",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -386,6 +391,26 @@ class ClusterConfig(BaseModel):
                 raise ValueError(f"{name}.tensor_parallel_size: {exc}") from None
         if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's context of {model.max_position_embeddings} tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _lora_modules_fit_the_model(self) -> "ClusterConfig":
+        """Each adapter is read here, against the model, before any actor starts (the workers would
+        fail to start on it); its name must not be one the base model answers to."""
+        if not self.lora_modules:
+            return self
+        from engine.lora import load_adapter
+        from engine.parallel.shard import TPShard
+
+        model = ModelConfig.from_model_dir(Path(self.model))
+        taken = {Path(self.model).name, *(self.router.served_model_names or [])}
+        for name, directory in self.lora_modules.items():
+            if not name or name in taken:
+                raise ValueError(f"lora_modules: {name!r} is not a usable adapter name (empty, or the base model's)")
+            try:
+                load_adapter(directory, model, TPShard.of(model), model.checkpoint_dtype, "cpu")
+            except ModelLoadError as exc:
+                raise ValueError(f"lora_modules.{name}: {exc}") from None
         return self
 
     def to_spec(self) -> DeploymentSpec:
@@ -453,6 +478,7 @@ class ClusterConfig(BaseModel):
             speculative=speculative.to_engine() if speculative is not None else None,
             tensor_parallel_size=pool.tensor_parallel_size,
             max_model_len=self.max_model_len,
+            lora_adapters={name: str(directory) for name, directory in self.lora_modules.items()},
         )
         kv_memory = None
         if pool.kv_cache_mb is not None:

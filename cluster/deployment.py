@@ -47,7 +47,7 @@ def model_info(spec: DeploymentSpec) -> ModelInfo:
         limit = min(limit, spec.decode.engine.max_model_len)
     return ModelInfo(
         model_dir.name, config.architecture, limit, config.vocab_size, _generation_eos_ids(model_dir) or config.eos_token_ids,
-        block_size, SamplingDefaults.from_model_dir(model_dir), config.num_layers,
+        block_size, SamplingDefaults.from_model_dir(model_dir), config.num_layers, dict(spec.decode.engine.lora_adapters),
     )
 
 

@@ -21,6 +21,7 @@ and the median of the repeats and the ratio pdserve / transformers of each:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -91,15 +92,17 @@ def _decode_engine(model_dir: Path, dtype: str, batch: int, context: int, steps:
     return LLMEngine(model_dir, config)
 
 
-def seat_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int) -> None:
-    """Put ``batch`` sequences straight into decode, their ``context`` tokens' KV taken as cached.
+def seat_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int, lora_names: list[str | None] | None = None) -> None:
+    """Put ``batch`` sequences straight into decode, their ``context`` tokens' KV taken as cached
+    (sequence i through adapter ``lora_names[i]`` where given).
 
     A decode step costs the same whatever the cache holds; skipping the prompts' prefill
     keeps a batch-32 run at a long context from spending minutes before the timed steps.
     """
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"d{i}", [(7 * i + j) % 1000 + 3 for j in range(context)], params)
+        lora_name = lora_names[i] if lora_names else None
+        engine.add_request(f"d{i}", [(7 * i + j) % 1000 + 3 for j in range(context)], dataclasses.replace(params, lora_name=lora_name))
     scheduler = engine.scheduler
     for seq in list(scheduler.waiting):
         seq.block_table = engine.allocator.allocate(engine.kv_cache.blocks_needed(context + 1))
@@ -168,10 +171,11 @@ def _prefill_engine(model_dir: Path, dtype: str, prompt_len: int, chunk: int | N
     return engine
 
 
-def bench_prefill(engine: LLMEngine, prompt: list[int], prompt_logprobs: int | None = None) -> float:
+def bench_prefill(engine: LLMEngine, prompt: list[int], prompt_logprobs: int | None = None, lora_name: str | None = None) -> float:
     """Prefill tokens/s of one prompt, from add_request to its first token; with
-    ``prompt_logprobs``, scoring it (every position's log-probability and alternatives)."""
-    engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs))
+    ``prompt_logprobs``, scoring it (every position's log-probability and alternatives); with
+    ``lora_name``, through that adapter."""
+    engine.add_request("p", prompt, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs, lora_name=lora_name))
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import CacheGeometry, select_backend
-from engine.block_allocator import BlockAllocator
+from engine.block_allocator import BlockAllocator, adapter_hash_salt
 from engine.cuda_graphs import DecodeGraphs
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
@@ -30,7 +30,6 @@ from engine.executor import Executor, LocalExecutor, MultiRankExecutor
 from engine.grammar import Grammars, apply_masks
 from engine.host_to_device import to_device
 from engine.kernel_warm_up import warm_up_kernels
-from engine import lora
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype
 from engine.model import StageActivations
@@ -263,7 +262,7 @@ class LLMEngine:
             priority=priority,
             generator=Sampler.make_generator(params.seed),
             grammar=grammar,
-            hash_salt=lora.hash_salt(params.lora_name),
+            hash_salt=adapter_hash_salt(params.lora_name),
         )
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, priority: int = 0) -> Sequence:

@@ -12,8 +12,8 @@ column-parallel projections, A's columns of its heads or MLP columns for o_proj 
 down_proj, whose partial deltas the layer's all-reduce sums with the base's.
 
 A step adds ``(x[rows] @ A^T) @ B^T`` to each projection's output, one pair of matmuls per
-adapter present in the step (``AdapterRows``): a batch of many adapters costs a few small
-matmuls each, its base matmuls stay shared.
+adapter present in the step (``AdapterRows``): a batch of many adapters costs two small
+matmuls per adapter and projection, its base matmuls stay shared.
 """
 
 from __future__ import annotations
@@ -55,12 +55,6 @@ _REFUSED_FIELDS = {
     "fan_in_fan_out": "fan_in_fan_out (GPT-2 Conv1D) layouts",
     "target_parameters": "adapters on parameters (target_parameters)",
 }
-
-
-def hash_salt(name: str | None) -> bytes:
-    """What seeds the prefix-cache hash chain of a request through adapter ``name``: its KV
-    differs from the base model's (and every other adapter's) for the same tokens."""
-    return b"" if name is None else b"lora:" + name.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,10 +193,17 @@ def _read_pair(read: ShardReader, base: str, module: str, adapter_dir: Path, lay
 
 class AdapterRows:
     """Which rows of one step go through which adapter: built once per step by the model
-    runner, handed to every layer, which adds each adapter's delta to those rows' projections."""
+    runner, handed to every layer, which adds each adapter's delta to those rows' projections.
 
-    def __init__(self, groups: list[tuple[int, slice | torch.Tensor]]):
-        self.groups = groups  # (adapter slot, its rows: a slice when contiguous, else an index tensor)
+    Each adapter's rows are one run of a row order: the step's own order where every adapter's
+    rows are already contiguous (a prompt chunk, a batch of one adapter), else the rows with an
+    adapter sorted by it (``order``), gathered once per projection and added back in one
+    ``index_add_``, so a step pays two small matmuls per adapter and projection, and no more
+    than one gather and one scatter."""
+
+    def __init__(self, runs: list[tuple[int, int, int]], order: torch.Tensor | None):
+        self.runs = runs  # (adapter slot, first, end) in the row order
+        self.order = order  # rows in adapter order (None: the step's order)
 
     @classmethod
     def of_slices(cls, slice_adapters: list[int], slice_lengths: list[int], device: str) -> "AdapterRows | None":
@@ -216,26 +217,29 @@ class AdapterRows:
             first += length
         if not rows:
             return None
-        groups: list[tuple[int, slice | torch.Tensor]] = []
+        if all(indices[-1] - indices[0] + 1 == len(indices) for indices in rows.values()):
+            return cls([(slot, indices[0], indices[-1] + 1) for slot, indices in rows.items()], None)
+        runs, order = [], []
         for slot, indices in rows.items():
-            if indices[-1] - indices[0] + 1 == len(indices):
-                groups.append((slot, slice(indices[0], indices[-1] + 1)))
-            else:
-                groups.append((slot, torch.tensor(indices, dtype=torch.long, device=device)))
-        return cls(groups)
+            runs.append((slot, len(order), len(order) + len(indices)))
+            order.extend(indices)
+        return cls(runs, torch.tensor(order, dtype=torch.long, device=device))
 
     def add_deltas(self, out: torch.Tensor, x: torch.Tensor, pairs: list[LoraPair | None]) -> torch.Tensor:
         """``out`` (a projection's output for ``x``) with each adapter's delta added to its rows."""
-        for slot, rows in self.groups:
+        if self.order is None:
+            for slot, first, end in self.runs:
+                pair = pairs[slot]
+                if pair is not None:
+                    out[first:end].addmm_(x[first:end] @ pair.a_t, pair.b_t)
+            return out
+        gathered = x.index_select(0, self.order)
+        deltas = out.new_zeros((len(self.order), out.shape[1]))
+        for slot, first, end in self.runs:
             pair = pairs[slot]
-            if pair is None:
-                continue
-            delta = (x[rows] @ pair.a_t) @ pair.b_t
-            if isinstance(rows, slice):
-                out[rows] += delta
-            else:
-                out.index_add_(0, rows, delta)
-        return out
+            if pair is not None:
+                torch.mm(gathered[first:end] @ pair.a_t, pair.b_t, out=deltas[first:end])
+        return out.index_add_(0, self.order, deltas)
 
 
 def attach_adapters(model: torch.nn.Module, adapter_dirs: dict[str, str], dtype: torch.dtype, device: str) -> list[str]:

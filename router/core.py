@@ -51,6 +51,8 @@ class ModelInfo:
     block_size: int
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     num_layers: int = 0  # decoder layers (a pipelined prefill cuts them into stages; 0: never)
+    # LoRA adapters every worker serves beside the model (engine.lora): name -> adapter directory.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
 
 class Router:
@@ -65,7 +67,10 @@ class Router:
         defaults = model_info.sampling_defaults if self.config.model_sampling_defaults else SamplingDefaults()
         if defaults != SamplingDefaults():
             logger.info("sampling defaults from the model's generation_config.json, for fields a request leaves unset: %s", defaults)
-        self.limits = RequestLimits(vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len, defaults=defaults)
+        self.limits = RequestLimits(
+            vocab_size=model_info.vocab_size, max_context_len=model_info.max_context_len, defaults=defaults,
+            lora_names=frozenset(model_info.lora_adapters),
+        )
         # One thread: long prompts are tokenized one at a time, off the event loop.
         self._tokenize_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         # KV-aware routing: an index of every worker's prefix cache, fed by their own events.

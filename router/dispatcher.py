@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest
+from engine.block_allocator import adapter_hash_salt
 from engine.stats import WorkerState
 from kvtransfer.errors import LeaseExpiredError, PeerLostError, TransferFailedError, TransferTimeoutError
 from kvtransfer.messages import KVDestination
@@ -288,7 +289,7 @@ class Dispatcher:
         refused_local: set[str] = set()  # workers that refused a local prompt (draining)
         if self.prefix_feed is not None:
             self.prefix_feed.ensure()
-        query = self.pool.selector.query(request.prompt_token_ids)
+        query = self.pool.selector.query(request.prompt_token_ids, adapter_hash_salt(request.sampling_params.lora_name))
         while True:
             await self._wait_for_decode_pool()
             local = self._prefill_locally(request, query)

@@ -129,6 +129,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids,
             block_size=info.block_size,
+            lora_adapters=list(info.lora_adapters),
         )
 
     async def GetClusterStatus(self, request, context):

@@ -32,9 +32,10 @@ class PrefixIndex:
         self.block_size = block_size
         self._held: dict[str, set[bytes]] = {}
 
-    def prompt_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Hashes of the prompt's blocks a cache hit may cover, as the engine looks them up."""
-        return prefix_lookup_hashes(token_ids, self.block_size)
+    def prompt_hashes(self, token_ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        """Hashes of the prompt's blocks a cache hit may cover, as the engine looks them up
+        (``salt``: the request's LoRA adapter's, ``adapter_hash_salt``)."""
+        return prefix_lookup_hashes(token_ids, self.block_size, salt)
 
     def apply(self, update: CacheUpdate) -> None:
         held = self._held.setdefault(update.worker_id, set())

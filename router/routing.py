@@ -56,7 +56,8 @@ class Selector(Protocol):
         """Prompt tokens the worker's cache holds, as far as this selector knows (0: unknown)."""
         ...
 
-    def query(self, prompt_token_ids: Sequence[int]) -> RouteQuery:
+    def query(self, prompt_token_ids: Sequence[int], salt: bytes = b"") -> RouteQuery:
+        """What ``choose`` needs of a prompt (``salt``: its adapter's prefix-cache salt)."""
         ...
 
 
@@ -80,7 +81,7 @@ class LeastLoaded:
     def num_cached_tokens(self, record: WorkerRecord, query: RouteQuery | None) -> int:
         return 0
 
-    def query(self, prompt_token_ids: Sequence[int]) -> RouteQuery:
+    def query(self, prompt_token_ids: Sequence[int], salt: bytes = b"") -> RouteQuery:
         return RouteQuery(len(prompt_token_ids))
 
 
@@ -99,8 +100,8 @@ class KVAware:
         self.index = index
         self.weight = weight
 
-    def query(self, prompt_token_ids: Sequence[int]) -> RouteQuery:
-        return RouteQuery(len(prompt_token_ids), self.index.prompt_hashes(prompt_token_ids))
+    def query(self, prompt_token_ids: Sequence[int], salt: bytes = b"") -> RouteQuery:
+        return RouteQuery(len(prompt_token_ids), self.index.prompt_hashes(prompt_token_ids, salt))
 
     def num_cached_tokens(self, record: WorkerRecord, query: RouteQuery | None) -> int:
         if query is None or not query.prompt_hashes:

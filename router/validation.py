@@ -19,7 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingDefaults, SamplingParams
 from engine.structured_output import StructuredOutput, check_grammar
 from router.api.pdserve.v1 import generation_pb2 as pb
-from router.errors import DeadlineExceededError, InvalidArgumentError
+from router.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
 from router.proto_checks import check_known_fields
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]+")
@@ -43,6 +43,7 @@ class RequestLimits:
     max_prompt_chars_per_token: int = 64
     min_priority: int = -100
     max_priority: int = 100
+    lora_names: frozenset[str] = frozenset()  # the LoRA adapters a request may name
     # The model's generation_config.json values for fields a request leaves unset.
     defaults: SamplingDefaults = SamplingDefaults()
 
@@ -97,6 +98,7 @@ class GenerateInput:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     structured: StructuredOutput | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs through; None: the base model
     sampling_prefix: str = "sampling."
     text_field: str = "prompt_text"
     ids_field: str = "prompt_token_ids"
@@ -145,6 +147,7 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         min_tokens=sampling.min_tokens,
         skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
         priority=request.priority,
+        lora_name=request.lora_name if request.HasField("lora_name") else None,
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
         logit_bias={int(token): float(bias) for token, bias in sampling.logit_bias.items()},
@@ -184,6 +187,9 @@ def validate_input(
         raise InvalidArgumentError(
             "priority", f"must be in [{limits.min_priority}, {limits.max_priority}], got {request.priority}"
         )
+    if request.lora_name is not None and request.lora_name not in limits.lora_names:
+        served = ", ".join(sorted(limits.lora_names)) or "none"
+        raise NotFoundError(f"lora_name: no LoRA adapter named {request.lora_name!r} is served here (served: {served})")
     stop = _stop_strings(request.stop, limits, request.sampling_prefix)
     params = _sampling_params(request, limits, encode)
     prompt_text, prompt_token_ids = _prompt(request, limits, encode)
@@ -290,6 +296,7 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
         allowed_token_ids=None if request.allowed_token_ids is None else list(dict.fromkeys(request.allowed_token_ids)),
         bad_words_token_ids=_bad_words_token_ids(request.bad_words, encode),
         structured=request.structured,
+        lora_name=request.lora_name,
     )
     try:
         params.validate(limits.vocab_size)

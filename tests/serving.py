@@ -134,8 +134,8 @@ def kill_during_greedy_burst(client: "Client", deployment, prompts: list[list[in
         return [f.result(timeout=timeout_s) for f in futures], in_progress
 
 
-def make_request(prompt_token_ids=None, prompt_text=None, request_id: str = "", **sampling) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
+def make_request(prompt_token_ids=None, prompt_text=None, request_id: str = "", lora_name: str | None = None, **sampling) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling), lora_name=lora_name)
     if prompt_token_ids is not None:
         request.prompt_token_ids.extend(prompt_token_ids)
     if prompt_text is not None:

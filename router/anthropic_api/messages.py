@@ -181,6 +181,7 @@ class MessagesFrontEnd:
             model = self.server.model_name(api.model)
             message_id = f"msg_{uuid.uuid4().hex}"
             api.generate.request_id = message_id
+            api.generate.lora_name = self.server.lora_name(model)
             validated = await self.router.validate_input(api.generate)
         except Exception as exc:
             return error_response(exc)

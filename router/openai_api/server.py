@@ -160,6 +160,11 @@ class OpenAIServer:
             {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve", "root": info.name, "max_model_len": info.max_context_len}
             for name in self.model_names
         ]
+        # LoRA adapters as vLLM lists them: their directory as root, the base model as parent.
+        data += [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "pdserve", "root": directory, "parent": self.model_names[0], "max_model_len": info.max_context_len}
+            for name, directory in info.lora_adapters.items()
+        ]
         return web.json_response({"object": "list", "data": data})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -180,6 +185,10 @@ class OpenAIServer:
             raise InvalidArgumentError("model", f"must be a string, got {type(requested).__name__}")
         return self._model(requested)
 
+    def lora_name(self, model: str) -> str | None:
+        """The LoRA adapter a resolved ``model`` name runs through (None: the base model)."""
+        return model if model in self.router.model_info.lora_adapters else None
+
     def render_chat(self, body: dict) -> str:
         """A chat body's prompt text (messages, tools, template options) through the model's template."""
         if self.chat_template is None:
@@ -197,6 +206,7 @@ class OpenAIServer:
         validated = []
         for index, choice in enumerate(api.choices):
             choice.request_id = f"{response_id}-{index}"
+            choice.lora_name = self.lora_name(model)
             validated.append(await self.router.validate_input(choice))
 
         def client_gone() -> bool:
@@ -237,8 +247,9 @@ class OpenAIServer:
             return self.model_names[0]
         if requested in self.model_aliases:
             return self.model_names[0]
-        if requested not in self.model_names:
-            raise ModelNotFoundError(f"model {requested!r} is not served here; /v1/models lists {self.model_names}")
+        if requested not in self.model_names and requested not in self.router.model_info.lora_adapters:
+            served = [*self.model_names, *self.router.model_info.lora_adapters]
+            raise ModelNotFoundError(f"model {requested!r} is not served here; /v1/models lists {served}")
         return requested
 
     async def _whole(self, api: ApiRequest, response_id: str, model: str, chat: bool, states: list[ChoiceState], chunks) -> web.Response:

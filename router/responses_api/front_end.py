@@ -235,6 +235,7 @@ class ResponsesFrontEnd:
         prompt, calling = self._render(api, conversation)
         api.generate.prompt_text = prompt
         api.generate.request_id = response_id
+        api.generate.lora_name = self.server.lora_name(model)
         validated = await self.router.validate_input(api.generate)
         state = ResponseState(response_id, model, api.echo, len(validated.prompt_token_ids), ToolCallOutput(calling) if calling is not None else None)
         return state, validated, conversation

@@ -104,3 +104,30 @@ def test_the_node_probe_names_what_a_node_lacks(tmp_path):
 
     problems = _probe(str(tmp_path / "no-model-here"), "ray")
     assert len(problems) == 1 and problems[0].startswith(f"model {tmp_path / 'no-model-here'}: ")
+
+
+def test_lora_modules_from_the_flag_and_yaml_reach_both_pools_and_the_router(tmp_path, e2e_model):
+    from cluster.cli import up_overrides
+    from cluster.deployment import model_info
+    from tests.checkpoints import build_checkpoint, build_lora_adapter
+
+    build_lora_adapter(e2e_model.hf_model, tmp_path / "sql", seed=1)
+    args = build_parser().parse_args(["up", "--model", str(e2e_model.path), "--lora-modules", f"sql={tmp_path / 'sql'}"])
+    spec = load_config(None, up_overrides(args)).to_spec()
+    assert spec.prefill.engine.lora_adapters == spec.decode.engine.lora_adapters == {"sql": str(tmp_path / "sql")}
+    assert model_info(spec).lora_adapters == {"sql": str(tmp_path / "sql")}
+    config = tmp_path / "pdserve.yaml"
+    config.write_text(f"model: {e2e_model.path}\nlora_modules:\n  sql: {tmp_path / 'sql'}\n")
+    assert load_config(config, {}).to_spec().decode.engine.lora_adapters == {"sql": str(tmp_path / "sql")}
+
+    with pytest.raises(SystemExit):  # argparse names the malformed value
+        build_parser().parse_args(["up", "--lora-modules", "no-path-given"])
+    # Refused before any actor starts, naming the adapter: another model's, a missing one, the base's name.
+    other = build_checkpoint("llama", tmp_path / "other", hidden_size=96)
+    build_lora_adapter(other, tmp_path / "other_lora", seed=1)
+    with pytest.raises(ConfigError, match="lora_modules.other: .*another model"):
+        load_config(None, {"model": str(e2e_model.path), "lora_modules": {"other": str(tmp_path / "other_lora")}})
+    with pytest.raises(ConfigError, match="lora_modules.gone: .*does not exist"):
+        load_config(None, {"model": str(e2e_model.path), "lora_modules": {"gone": str(tmp_path / "gone")}})
+    with pytest.raises(ConfigError, match="lora_modules: 'tiny' is not a usable adapter name"):
+        load_config(None, {"model": str(e2e_model.path), "router.served_model_names": ["tiny"], "lora_modules": {"tiny": str(tmp_path / "sql")}})

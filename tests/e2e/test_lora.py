@@ -1,0 +1,97 @@
+"""LoRA adapters served through a live deployment: the OpenAI API's ``model`` (and gRPC's
+``lora_name``) picks an adapter, every prompt is prefilled on the prefill actor and its KV pushed
+over NIXL to the decode actor, and each answer is PEFT's own model's greedy continuation."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+import openai
+import pytest
+
+from router.api.pdserve.v1 import generation_pb2 as pb
+from router.config import Disaggregation, RouterConfig
+from tests.checkpoints import build_lora_adapter, hf_greedy, random_prompts
+from tests.serving import Client, engine_config, running_deployment
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+MAX_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(e2e_model, tmp_path_factory):
+    """name -> (directory, PEFT model): one on every projection, one on attention only."""
+    root = tmp_path_factory.mktemp("lora_adapters")
+    return {
+        "sql-lora": (root / "sql", build_lora_adapter(e2e_model.hf_model, root / "sql", seed=21)),
+        "chat-lora": (root / "chat", build_lora_adapter(e2e_model.hf_model, root / "chat", seed=22, targets=("q_proj", "k_proj", "v_proj", "o_proj"), rank=16)),
+    }
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, e2e_model, adapters):
+    served = {name: str(directory) for name, (directory, _) in adapters.items()}
+    engine = engine_config(lora_adapters=served)
+    router = RouterConfig(http_port=0, disaggregation=Disaggregation.ALWAYS)
+    with running_deployment(e2e_model, 1, 1, router, prefill_engine=engine, decode_engine=engine) as running:
+        yield running
+
+
+def test_models_lists_each_adapter_with_its_base(client, deployment, adapters):
+    listed = {m.id: m for m in client.models.list().data}
+    base = deployment.router.model_info.name
+    assert set(listed) == {base, *adapters}
+    for name, (directory, _) in adapters.items():
+        extra = listed[name].model_extra
+        assert extra["parent"] == base and extra["root"] == str(directory)
+
+
+def test_each_model_name_answers_with_its_adapter_at_once(client, deployment, e2e_model, adapters):
+    """Base and both adapters, several prompts each, sent together: they share the actors'
+    batches, and each completion is its own model's."""
+    base = deployment.router.model_info.name
+    prompts = random_prompts([6, 40, 70], e2e_model.vocab_size, seed=31)
+    references = {base: e2e_model.hf_model, **{name: peft_model for name, (_, peft_model) in adapters.items()}}
+    jobs = [(name, prompt) for name in references for prompt in prompts]
+
+    def complete(job):
+        name, prompt = job
+        return client.completions.create(model=name, prompt=prompt, max_tokens=MAX_NEW, **GREEDY)
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(complete, jobs))
+    got = {(name, tuple(prompt)): answer for (name, prompt), answer in zip(jobs, answers)}
+    for name, prompt in jobs:
+        answer = got[name, tuple(prompt)]
+        assert answer.model == name
+        want = hf_greedy(references[name], prompt, MAX_NEW)
+        assert _token_ids(client, answer) == want, f"{name} on a {len(prompt)}-token prompt"
+    # The adapters change the answers (else the comparison proves nothing).
+    for name in adapters:
+        assert any(_token_ids(client, got[name, tuple(p)]) != _token_ids(client, got[base, tuple(p)]) for p in prompts)
+
+
+def _token_ids(client, completion) -> list[int]:
+    return completion.choices[0].model_extra["token_ids"]
+
+
+def test_unknown_model_is_a_404_and_grpc_names_lora_name(client, deployment, e2e_model, adapters):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="no-such-lora", prompt="hi", max_tokens=2)
+    assert "no-such-lora" in str(caught.value) and "sql-lora" in str(caught.value)
+
+    grpc_client = Client(deployment.address)
+    try:
+        (prompt,) = random_prompts([50], e2e_model.vocab_size, seed=33)
+        request = dict(prompt_token_ids=prompt, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        stream = grpc_client.generate(lora_name="chat-lora", **request)
+        assert stream.token_ids == hf_greedy(adapters["chat-lora"][1], prompt, MAX_NEW)
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_client.generate(lora_name="missing", **request)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "lora_name" in refused.value.details()
+        info = grpc_client.stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert set(info.lora_adapters) == set(adapters)
+        assert all(w.num_kv_blocks_used == 0 for w in grpc_client.wait_until_idle())
+    finally:
+        grpc_client.close()
