@@ -1,6 +1,7 @@
 """LoRA adapters served through a live deployment: the OpenAI API's ``model`` (and gRPC's
-``lora_name``) picks an adapter, every prompt is prefilled on the prefill actor and its KV pushed
-over NIXL to the decode actor, and each answer is PEFT's own model's greedy continuation."""
+``lora_name``) picks an adapter, every prompt is prefilled by a pipeline of the two prefill
+actors (each its layers, through the adapter; a scored prompt by one of them) and its KV pushed
+over NIXL to the decode actor, and each answer is PEFT's own model's."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import concurrent.futures
 import grpc
 import openai
 import pytest
+import torch
 
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
+from router.pipeline import PipelineMode
 from tests.checkpoints import build_lora_adapter, hf_greedy, random_prompts
 from tests.serving import Client, engine_config, running_deployment
 
@@ -33,8 +36,11 @@ def adapters(e2e_model, tmp_path_factory):
 def deployment(ray_cluster, e2e_model, adapters):
     served = {name: str(directory) for name, (directory, _) in adapters.items()}
     engine = engine_config(lora_adapters=served)
-    router = RouterConfig(http_port=0, disaggregation=Disaggregation.ALWAYS)
-    with running_deployment(e2e_model, 1, 1, router, prefill_engine=engine, decode_engine=engine) as running:
+    router = RouterConfig(
+        http_port=0, disaggregation=Disaggregation.ALWAYS, prefill_pipeline=PipelineMode.ALWAYS, pipeline_chunk_tokens=16,
+        pipeline_decode_stage=PipelineMode.OFF,
+    )
+    with running_deployment(e2e_model, 2, 1, router, prefill_engine=engine, decode_engine=engine) as running:
         yield running
 
 
@@ -85,8 +91,17 @@ def test_unknown_model_is_a_404_and_grpc_names_lora_name(client, deployment, e2e
     try:
         (prompt,) = random_prompts([50], e2e_model.vocab_size, seed=33)
         request = dict(prompt_token_ids=prompt, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        want = hf_greedy(adapters["chat-lora"][1], prompt, MAX_NEW)
         stream = grpc_client.generate(lora_name="chat-lora", **request)
-        assert stream.token_ids == hf_greedy(adapters["chat-lora"][1], prompt, MAX_NEW)
+        assert stream.token_ids == want
+        assert len(stream.last.prefill_worker_id.split(",")) == 2, "not prefilled by a two-stage pipeline"
+        # Again: each stage's prefix cache holds its layers of the prompt through that adapter...
+        again = grpc_client.generate(lora_name="chat-lora", **request)
+        assert again.token_ids == want and again.last.timing.prompt_tokens_computed < len(prompt)
+        # ...which the base model's request for the same prompt does not take.
+        base = grpc_client.generate(**request)
+        assert base.token_ids == hf_greedy(e2e_model.hf_model, prompt, MAX_NEW)
+        assert base.last.timing.prompt_tokens_computed == len(prompt)
         with pytest.raises(grpc.RpcError) as refused:
             grpc_client.generate(lora_name="missing", **request)
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "lora_name" in refused.value.details()
@@ -95,3 +110,12 @@ def test_unknown_model_is_a_404_and_grpc_names_lora_name(client, deployment, e2e
         assert all(w.num_kv_blocks_used == 0 for w in grpc_client.wait_until_idle())
     finally:
         grpc_client.close()
+
+
+def test_a_scored_prompt_through_an_adapter_has_peft_log_probabilities(client, e2e_model, adapters):
+    (prompt,) = random_prompts([30], e2e_model.vocab_size, seed=35)
+    answer = client.completions.create(model="sql-lora", prompt=prompt, max_tokens=1, echo=True, logprobs=0, **GREEDY)
+    with torch.no_grad():
+        reference = torch.log_softmax(adapters["sql-lora"][1](torch.tensor([prompt])).logits[0].float(), dim=-1)
+    got = answer.choices[0].logprobs.token_logprobs[1 : len(prompt)]
+    assert got == pytest.approx([float(reference[i, prompt[i + 1]]) for i in range(len(prompt) - 1)], abs=1e-4)
