@@ -110,6 +110,10 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
         "--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH",
         help="LoRA adapters served beside the model (PEFT adapter directories); a request's model field names one",
     )
+    up.add_argument(
+        "--allow-runtime-lora-updating", action="store_true", default=None,
+        help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (router.allow_runtime_lora_updating)",
+    )
 
     down = commands.add_parser("down", help="stop the deployment `up` started")
     down.add_argument("--address", help="Ray cluster address (default: from the state file)")
@@ -204,6 +208,7 @@ def up_overrides(args: argparse.Namespace) -> dict:
         "speculative.method": args.speculative_method, "speculative.num_speculative_tokens": args.num_speculative_tokens,
         "speculative.draft_model": args.draft_model,
         "lora_modules": dict(args.lora_modules) if args.lora_modules else None,
+        "router.allow_runtime_lora_updating": args.allow_runtime_lora_updating,
     }
 
 

@@ -182,6 +182,11 @@ class RouterSection(BaseModel):
     served_model_names: list[str] | None = Field(
         None, description="Model names the OpenAI API answers to, the first in its responses (default: the model directory's name)"
     )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (a load reads any directory the workers can see); "
+        "with one router only",
+    )
     auth_token_file: Path | None = Field(
         None, description=f"File holding the bearer token that Generation and Admin calls must present (else ${AUTH_TOKEN_ENV})"
     )
@@ -391,6 +396,15 @@ class ClusterConfig(BaseModel):
                 raise ValueError(f"{name}.tensor_parallel_size: {exc}") from None
         if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
             raise ValueError(f"max_model_len: {self.max_model_len} exceeds the model's context of {model.max_position_embeddings} tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _runtime_lora_with_one_router(self) -> "ClusterConfig":
+        if self.router.allow_runtime_lora_updating and self.router.replicas > 1:
+            raise ValueError(
+                "router.allow_runtime_lora_updating: needs router.replicas 1 (each router keeps its own list of adapters; "
+                "list them in lora_modules to serve them from every router)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model import StageActivations
+from engine.lora import install_adapter, remove_adapter
+from engine.model import CausalLM, StageActivations
 from engine.model_runner import ModelRunner, StepInput
 from engine.parallel.group import RankFailedError, TPGroup
 from engine.scheduler import ScheduledBatch
@@ -36,6 +37,21 @@ class StageStep:
     step: StepInput
     layers: range
     incoming: StageActivations | None
+
+
+@dataclass(slots=True)
+class AdapterChange:
+    """What rank 0 broadcasts to load a LoRA adapter into a slot (each rank its slices), or,
+    with no directory, to free the slot."""
+
+    slot: int
+    adapter_dir: str | None
+
+    def apply(self, model: CausalLM, dtype: torch.dtype, device: str) -> None:
+        if self.adapter_dir is None:
+            remove_adapter(model, self.slot)
+        else:
+            install_adapter(model, self.slot, self.adapter_dir, dtype, device)
 
 
 class Executor(ABC):
@@ -57,6 +73,10 @@ class Executor(ABC):
     def execute_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations:
         """Layers ``layers`` of the batch (a pipeline stage): its activations, or through the
         last layer, its logits."""
+
+    def change_adapter(self, change: AdapterChange, dtype: torch.dtype) -> None:
+        """Load or free a LoRA adapter slot on every rank."""
+        change.apply(self.runner.model, dtype, self.runner.device)
 
     def close(self) -> None:
         """Release the ranks (if any)."""
@@ -90,6 +110,10 @@ class MultiRankExecutor(Executor):
         step = self.runner.prepare(batch)
         self.group.broadcast_from_first(step)
         return self.runner.run(step)
+
+    def change_adapter(self, change: AdapterChange, dtype: torch.dtype) -> None:
+        self.group.broadcast_from_first(change)
+        change.apply(self.runner.model, dtype, self.runner.device)
 
     def execute_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations:
         stage = StageStep(self.runner.prepare(batch), layers, incoming)

@@ -26,12 +26,13 @@ from engine.config import EngineConfig, ModelConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.elastic_threads import ElasticThreads
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.executor import Executor, LocalExecutor, MultiRankExecutor
+from engine.executor import AdapterChange, Executor, LocalExecutor, MultiRankExecutor
 from engine.grammar import Grammars, apply_masks
 from engine.host_to_device import to_device
 from engine.kernel_warm_up import warm_up_kernels
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype
+from engine.lora import AdapterTable, adapter_digest
 from engine.model import StageActivations
 from engine.model_runner import ModelRunner
 from engine.parallel.group import SINGLE, RankFailedError, TPGroup, free_address
@@ -145,9 +146,11 @@ class LLMEngine:
                 -(-self.max_model_len // self.kv_cache.block_size) + 1,
             )
             graphs.capture_all()
-        # Each LoRA adapter's slot in the model's layers (engine.lora), by name.
-        self.adapter_slots = {name: slot for slot, name in enumerate(self.config.lora_adapters)}
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs, self.adapter_slots)
+        # The LoRA adapters served (engine.lora): the configured ones in slots 0.., more at runtime.
+        self.adapters = AdapterTable()
+        for slot, (name, adapter_dir) in enumerate(self.config.lora_adapters.items()):
+            self.adapters.add(name, slot, adapter_digest(adapter_dir))
+        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs, self.adapters)
         self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
         self.grammars = Grammars(self.model_path, self.model_config.vocab_size, self.eos_token_ids)
@@ -239,8 +242,8 @@ class LLMEngine:
                 f"{self.max_model_len} tokens",
             )
         params.validate(vocab)
-        if params.lora_name is not None and params.lora_name not in self.adapter_slots:
-            served = ", ".join(self.adapter_slots) or "none"
+        if params.lora_name is not None and params.lora_name not in self.adapters.slots:
+            served = ", ".join(self.adapters.served) or "none"
             raise InvalidRequestError("lora_name", f"no LoRA adapter named {params.lora_name!r} here (served: {served})")
         most_tokens = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         if self.kv_cache.blocks_needed(most_tokens) > self.kv_cache.num_blocks:
@@ -262,7 +265,8 @@ class LLMEngine:
             priority=priority,
             generator=Sampler.make_generator(params.seed),
             grammar=grammar,
-            hash_salt=adapter_hash_salt(params.lora_name),
+            hash_salt=adapter_hash_salt(None if params.lora_name is None else self.adapters.digests[params.lora_name]),
+            adapter_slot=-1 if params.lora_name is None else self.adapters.slots[params.lora_name],
         )
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, priority: int = 0) -> Sequence:
@@ -279,6 +283,40 @@ class LLMEngine:
         logger.info("req %s: aborted", req_id)
         return True
 
+    # -- LoRA adapters at runtime ------------------------------------------------------
+
+    def load_adapter(self, name: str, adapter_dir: str, replace: bool = False) -> str:
+        """Serve the PEFT LoRA adapter in ``adapter_dir`` as ``name`` from now on (every rank
+        loads its slices); return its digest. ModelLoadError if it does not fit the model.
+        ``replace``: a new version of a served ``name`` (running requests finish on the old)."""
+        if not isinstance(name, str) or not name:
+            raise InvalidRequestError("lora_name", f"must be a non-empty name, got {name!r}")
+        if name in self.adapters.slots and not replace:
+            raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (replace it with load_inplace)")
+        digest = adapter_digest(adapter_dir)
+        slot = self.adapters.free_slot()
+        self.executor.change_adapter(AdapterChange(slot, str(adapter_dir)), self.dtype)
+        self.adapters.add(name, slot, digest)
+        logger.info("LoRA adapter %s served from %s (slot %d)", name, adapter_dir, slot)
+        return digest
+
+    def unload_adapter(self, name: str) -> bool:
+        """Take no new requests through ``name``; its slot is freed when the last running
+        request through it ends. False if it was not served."""
+        if name not in self.adapters.slots:
+            return False
+        self.adapters.remove(name)
+        self._release_adapters()
+        return True
+
+    def _release_adapters(self) -> None:
+        if not self.adapters.retiring:
+            return
+        in_use = {seq.adapter_slot for seq in self.scheduler.requests.values()}
+        for slot in self.adapters.release(in_use):
+            self.executor.change_adapter(AdapterChange(slot, None), self.dtype)
+            logger.info("LoRA adapter slot %d freed", slot)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None or bool(self._undelivered)
 
@@ -288,8 +326,7 @@ class LLMEngine:
 
     def kv_compat_fields(self) -> dict[str, object]:
         """What a peer's KV cache must match for blocks to be copied between the two."""
-        # The adapters served count as part of the model: a request's adapter must be on both sides.
-        config_bytes = (self.model_path / "config.json").read_bytes() + "\n".join(self.adapter_slots).encode()
+        config_bytes = (self.model_path / "config.json").read_bytes()
         return {
             "model_id": f"{self.model_config.architecture}:{hashlib.sha256(config_bytes).hexdigest()[:16]}",
             "dtype": str(self.kv_cache.dtype).removeprefix("torch."),  # a quantized cache's element type
@@ -310,6 +347,7 @@ class LLMEngine:
             return self._step()
         finally:
             self.step_seconds += time.perf_counter() - started
+            self._release_adapters()
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._undelivered = self._undelivered, []

@@ -25,7 +25,7 @@ from engine.architectures import ARCHITECTURES
 from engine.config import ModelConfig
 from engine.cpu_linear import can_prepack, prepack_linears
 from engine.errors import ModelLoadError
-from engine.lora import attach_adapters
+from engine.lora import install_adapter
 from engine.model import CausalLM
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TPShard
@@ -87,7 +87,8 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(device).eval()
     num_packed = prepack_linear and can_prepack(device, torch_dtype) and prepack_linears(model)
-    attach_adapters(model, dict(lora_adapters or {}), torch_dtype, device)
+    for slot, adapter_dir in enumerate((lora_adapters or {}).values()):
+        install_adapter(model, slot, adapter_dir, torch_dtype, device)
     eos_ids = _generation_eos_ids(model_dir) or config.eos_token_ids
     logger.info(
         "loaded %s from %s: %d layers, hidden %d, dtype %s, rank %d of %d, %d linears prepacked (oneDNN or bfloat16 pairs)",

@@ -18,11 +18,12 @@ matmuls per adapter and projection, its base matmuls stay shared.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -242,13 +243,76 @@ class AdapterRows:
         return out.index_add_(0, self.order, deltas)
 
 
-def attach_adapters(model: torch.nn.Module, adapter_dirs: dict[str, str], dtype: torch.dtype, device: str) -> list[str]:
-    """Load each named adapter for ``model``'s shard and hand each decoder layer its pairs (by
-    projection, a slot per adapter in ``adapter_dirs``' order); return the names in slot order."""
-    names = list(adapter_dirs)
-    loaded = [load_adapter(adapter_dirs[name], model.config, model.shard, dtype, device) for name in names]
-    for index, layer in enumerate(model.layers):
-        layer.lora = {projection: [adapter[index].get(projection) for adapter in loaded] for projection in PROJECTIONS}
-    if names:
-        logger.info("LoRA adapters loaded: %s", ", ".join(f"{name} ({adapter_dirs[name]})" for name in names))
-    return names
+def adapter_digest(adapter_dir: str | Path) -> str:
+    """What identifies an adapter's weights wherever its files are: a hash of its config and
+    tensors. Its requests' prefix-cache hashes are salted with it, so blocks computed through
+    one version of an adapter are never reused by another loaded under the same name."""
+    adapter_dir = Path(adapter_dir)
+    if not adapter_dir.is_dir():
+        raise ModelLoadError(f"LoRA adapter directory {adapter_dir} does not exist")
+    digest = hashlib.sha256()
+    for path in [adapter_dir / "adapter_config.json", *sorted(adapter_dir.glob("*.safetensors"))]:
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def install_adapter(model: torch.nn.Module, slot: int, adapter_dir: str | Path, dtype: torch.dtype, device: str) -> None:
+    """Load an adapter for ``model``'s shard into slot ``slot`` of every decoder layer (replacing
+    whatever the slot held)."""
+    loaded = load_adapter(adapter_dir, model.config, model.shard, dtype, device)
+    for layer, pairs in zip(model.layers, loaded):
+        for projection in PROJECTIONS:
+            slots = layer.lora.setdefault(projection, [])
+            slots.extend([None] * (slot + 1 - len(slots)))
+            slots[slot] = pairs.get(projection)
+    logger.info("LoRA adapter %s loaded into slot %d", adapter_dir, slot)
+
+
+def remove_adapter(model: torch.nn.Module, slot: int) -> None:
+    """Free slot ``slot``'s weights in every decoder layer."""
+    for layer in model.layers:
+        for slots in layer.lora.values():
+            if slot < len(slots):
+                slots[slot] = None
+
+
+@dataclass(slots=True)
+class AdapterTable:
+    """The adapters an engine serves: each name's slot in the model and digest.
+
+    A request keeps the slot it started with (``Sequence.adapter_slot``): an adapter unloaded,
+    or replaced by a new version under its name, takes no new requests, and its slot is freed
+    once no running request uses it (``release``)."""
+
+    slots: dict[str, int] = field(default_factory=dict)  # the version new requests get
+    digests: dict[str, str] = field(default_factory=dict)
+    retiring: set[int] = field(default_factory=set)  # slots of versions only running requests use
+
+    def __bool__(self) -> bool:
+        return bool(self.slots or self.retiring)
+
+    @property
+    def served(self) -> dict[str, str]:
+        """Name -> digest of the adapters new requests may name."""
+        return dict(self.digests)
+
+    def free_slot(self) -> int:
+        taken = {*self.slots.values(), *self.retiring}
+        return next(slot for slot in range(len(taken) + 1) if slot not in taken)
+
+    def add(self, name: str, slot: int, digest: str) -> None:
+        """Serve ``name`` from ``slot`` (a version it replaces keeps its slot until released)."""
+        if name in self.slots:
+            self.retiring.add(self.slots[name])
+        self.slots[name], self.digests[name] = slot, digest
+
+    def remove(self, name: str) -> None:
+        self.retiring.add(self.slots.pop(name))
+        del self.digests[name]
+
+    def release(self, slots_in_use: set[int]) -> list[int]:
+        """The retiring slots no request uses any more (forgotten here)."""
+        freed = sorted(self.retiring - slots_in_use)
+        self.retiring.difference_update(freed)
+        return freed

@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.window = config.layer_windows[layer_index] if config.layer_windows else None  # sliding window, or None
         # LoRA adapters' pairs by projection, a slot per adapter (None: it leaves that one alone);
-        # filled by engine.lora.attach_adapters, empty without adapters.
+        # filled by engine.lora.install_adapter, empty without adapters.
         self.lora: dict[str, list[LoraPair | None]] = {}
 
     def forward(

@@ -17,7 +17,7 @@ from engine.attention.block_tables import BlockTables, TableUpdate
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_to_device import to_device
 from engine.kv_cache import KVCache
-from engine.lora import AdapterRows
+from engine.lora import AdapterRows, AdapterTable
 from engine.model import CausalLM, StageActivations
 from engine.scheduler import ScheduledBatch
 
@@ -54,8 +54,8 @@ class StepInput:
 
 class ModelRunner:
     """``attention``: the backend that builds each step's attention metadata (engine.attention);
-    ``graphs``: decode steps replayed from CUDA graphs (None: every step eager); ``adapter_slots``:
-    each LoRA adapter's slot in the model, by name (engine.lora)."""
+    ``graphs``: decode steps replayed from CUDA graphs (None: every step eager); ``adapters``:
+    the LoRA adapters the engine serves (engine.lora)."""
 
     def __init__(
         self,
@@ -64,10 +64,10 @@ class ModelRunner:
         device: str,
         attention: AttentionBackend,
         graphs: DecodeGraphs | None = None,
-        adapter_slots: dict[str, int] | None = None,
+        adapters: AdapterTable | None = None,
     ):
         self.model = model
-        self.adapter_slots = adapter_slots or {}
+        self.adapters = AdapterTable() if adapters is None else adapters  # the engine's, which changes at runtime
         self.kv_cache = kv_cache
         self.device = device
         self.attention = attention
@@ -110,9 +110,8 @@ class ModelRunner:
                 positions.extend(range(start, start + piece.num_tokens))
                 logits_indices.extend(range(len(input_ids) - piece.num_sampled_rows, len(input_ids)))
             step.slices.append(SeqSlice(row, start, piece.num_tokens, decode=piece.is_decode))
-            if self.adapter_slots:
-                lora_name = seq.params.lora_name
-                step.slice_adapters.append(-1 if lora_name is None else self.adapter_slots[lora_name])
+            if self.adapters:
+                step.slice_adapters.append(seq.adapter_slot)
         logits_indices.extend(prompt_rows)
         return step
 

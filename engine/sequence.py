@@ -78,6 +78,9 @@ class Sequence:
     # Seeds the chain of its blocks' prefix-cache hashes: b"" for blocks holding every layer; a
     # pipeline stage's name for blocks holding only that stage's layers (never found by others).
     hash_salt: bytes = b""
+    # Its LoRA adapter's slot in the model (engine.lora), kept for its whole life even if the
+    # adapter is unloaded or replaced meanwhile; -1: the base model.
+    adapter_slot: int = -1
     first_token_time: float | None = None
     # Speculative decoding (engine.speculation): the proposer's state for this sequence, and
     # what its decode steps proposed and accepted.

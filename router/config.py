@@ -30,6 +30,9 @@ class RouterConfig:
     # Names a request's "model" may give (the first is what responses say); None: the model
     # directory's name.
     served_model_names: list[str] | None = None
+    # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (router.lora_adapters): off
+    # by default, since a load reads any directory the workers can see.
+    allow_runtime_lora_updating: bool = False
     # /v1/responses with store (router/responses_api/store.py): how many stored responses are
     # kept, for how long, and the JSON-lines file that keeps them across restarts (None: memory only).
     responses_store_size: int = 10_000

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from engine.stats import WorkerState
 from router.config import RouterConfig
 from router.dispatcher import WORKER_GONE, Dispatcher
 from router.pool import Role, RoutingPolicy, WorkerPool, WorkerRecord
+from router.lora_adapters import LoraAdapters
 from router.pool_control import PoolControl
 from router.prefix_index import PrefixFeed, PrefixIndex
 from router.readiness import Readiness
@@ -76,12 +78,15 @@ class Router:
         # KV-aware routing: an index of every worker's prefix cache, fed by their own events.
         self.prefix_index = PrefixIndex(model_info.block_size) if self.config.routing_policy is RoutingPolicy.KV_AWARE else None
         self.pool = WorkerPool(make_selector(self.config.routing_policy, self.prefix_index, self.config.kv_overlap_weight))
+        # The LoRA adapters served (router.lora_adapters): the model info's list, which runtime
+        # loads and unloads change.
+        self.lora = LoraAdapters(model_info.lora_adapters, self.pool, self._lora_changed)
         self.prefix_feed = None if self.prefix_index is None else PrefixFeed(self.pool, self.prefix_index, self.config.status_timeout_s)
         # The one reader of worker status (GetClusterStatus, metrics, the pool manager).
         self.status_monitor = StatusMonitor(self.pool, self.config.status_timeout_s)
         self.dispatcher = Dispatcher(
             self.pool, self.config, metrics, block_size=model_info.block_size, decode_ready=self.wait_ready, prefix_feed=self.prefix_feed,
-            num_layers=model_info.num_layers,
+            num_layers=model_info.num_layers, prefix_salt=self.lora.salt,
         )
         self.pool_manager: PoolControl | None = pool_manager  # set by whoever runs the pools
         # /v1/responses' board (router/responses_api/board.py) shared by a deployment's routers,
@@ -133,8 +138,13 @@ class Router:
         if role is Role.DECODE:
             record.handshake_offer = await handle.handshake_offer.remote()
         record.node = (await handle.status.remote()).node  # prefill and decode pair on one node where they can
+        if self.model_info.lora_adapters or self.config.allow_runtime_lora_updating:
+            await self.lora.catch_up(worker_id, handle)
         self.pool.add(record)
         return record
+
+    def _lora_changed(self) -> None:
+        self.limits = dataclasses.replace(self.limits, lora_names=frozenset(self.model_info.lora_adapters))
 
     def worker_died(self, record: WorkerRecord) -> None:
         self.dispatcher.on_worker_died(record)

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest
-from engine.block_allocator import adapter_hash_salt
 from engine.stats import WorkerState
 from kvtransfer.errors import LeaseExpiredError, PeerLostError, TransferFailedError, TransferTimeoutError
 from kvtransfer.messages import KVDestination
@@ -175,10 +174,12 @@ class Dispatcher:
         router_id: str | None = None,
         prefix_feed: PrefixFeed | None = None,
         num_layers: int = 0,
+        prefix_salt: Callable[[str | None], bytes] = lambda lora_name: b"",
     ):
         self.pool = pool
         self.num_layers = num_layers  # the model's decoder layers, which a pipeline's stages split
         self.prefix_feed = prefix_feed  # keeps the KV-aware selector's index current
+        self.prefix_salt = prefix_salt  # a request's LoRA adapter -> its prompt's prefix-hash salt
         # Names this router's requests on the workers (``ActiveRequest.key``) and its outputs.
         self.router_id = router_id or f"r{secrets.token_hex(4)}"
         self.transfer_costs = TransferCosts()  # what a prefill on another node than its decode actor costs
@@ -289,7 +290,7 @@ class Dispatcher:
         refused_local: set[str] = set()  # workers that refused a local prompt (draining)
         if self.prefix_feed is not None:
             self.prefix_feed.ensure()
-        query = self.pool.selector.query(request.prompt_token_ids, adapter_hash_salt(request.sampling_params.lora_name))
+        query = self.pool.selector.query(request.prompt_token_ids, self.prefix_salt(request.sampling_params.lora_name))
         while True:
             await self._wait_for_decode_pool()
             local = self._prefill_locally(request, query)

@@ -221,6 +221,19 @@ class EngineWorker:
         """Fault injection for tests and drills: sleep this long after every engine step."""
         self._step_delay_s = max(0.0, float(seconds))
 
+    async def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters new requests may name here: name -> digest (engine.lora)."""
+        return await self._call(lambda: self.engine.adapters.served)
+
+    async def load_lora_adapter(self, name: str, adapter_dir: str, replace: bool = False) -> str:
+        """Serve a PEFT LoRA adapter as ``name`` from now on (between steps); its digest.
+        ``replace``: a new version of a served one (running requests keep the old)."""
+        return await self._call(self.engine.load_adapter, name, adapter_dir, replace)
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """No new requests through ``name``; running ones finish through it. False if not served."""
+        return await self._call(self.engine.unload_adapter, name)
+
     async def cache_events(self, cursor: int = -1, timeout_s: float = 1.0) -> CacheUpdate:
         """What the prefix cache stored and evicted after ``cursor`` (waiting up to ``timeout_s``
         for something), or, for a new follower (-1) or one the log no longer reaches, a snapshot

@@ -16,7 +16,7 @@ import torch
 
 from engine.attention import CacheGeometry, select_backend
 from engine.config import EngineConfig
-from engine.executor import STOP, StageStep
+from engine.executor import STOP, AdapterChange, StageStep
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
@@ -44,6 +44,7 @@ class ShardRank:
         self.kv_cache = KVCache(loaded.config, config, loaded.dtype, num_kv_heads=shard.num_kv_heads)
         attention = select_backend(config.attention_backend, CacheGeometry.of(loaded.config, self.kv_cache, loaded.dtype, config.device, shard.num_heads))
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.device, attention)
+        self.dtype = loaded.dtype
         self.num_steps = 0
 
     def serve(self) -> None:
@@ -53,6 +54,9 @@ class ShardRank:
             if step is STOP:
                 break
             try:
+                if isinstance(step, AdapterChange):  # a LoRA adapter loaded or unloaded at runtime
+                    step.apply(self.runner.model, self.dtype, self.runner.device)
+                    continue
                 if isinstance(step, StageStep):  # a pipeline stage's step: only its layers
                     self.runner.run_stage(step.step, step.layers, step.incoming)
                 else:

@@ -4,8 +4,11 @@
 ``POST /detokenize``; ``GET /version``; ``GET|POST /ping`` (200 once the deployment can serve,
 503 before, as ``/health``); ``GET /load`` (requests in flight at this router: vLLM's
 ``server_load``); ``GET /metrics`` (the deployment's Prometheus registry, the same series as
-``router.metrics_port`` serves). Bodies and answers have vLLM's fields; an unknown field is a 400
-naming it, as on the other endpoints. As in vLLM, only ``/v1/`` routes need the bearer token.
+``router.metrics_port`` serves); ``POST /v1/load_lora_adapter`` (``lora_name``, ``lora_path``,
+``load_inplace``) and ``POST /v1/unload_lora_adapter`` (``lora_name``) where
+``router.allow_runtime_lora_updating`` is set (router.lora_adapters). Bodies and answers have
+vLLM's fields; an unknown field is a 400 naming it, as on the other endpoints. As in vLLM, only
+``/v1/`` routes need the bearer token.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.errors import InvalidArgumentError, UnavailableError
+from router.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from router.openai_api.errors import error_response
 from router.openai_api.fields import boolean, is_int, json_object, refuse_unknown, type_name
 
@@ -39,6 +42,8 @@ def add_routes(app: web.Application, server: "OpenAIServer") -> "VllmEndpoints":
     app.router.add_post("/ping", endpoints.ping)
     app.router.add_get("/load", endpoints.load)
     app.router.add_get("/metrics", endpoints.metrics)
+    app.router.add_post("/v1/load_lora_adapter", endpoints.load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", endpoints.unload_lora_adapter)
     return endpoints
 
 
@@ -101,4 +106,30 @@ class VllmEndpoints:
         metrics = self.router.metrics
         text = b"" if metrics is None else generate_latest(metrics.registry)
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = self._lora_body(await self.server.read_json(request), {"lora_name", "lora_path", "load_inplace"})
+        path = body.get("lora_path")
+        if not isinstance(path, str) or not path:
+            raise InvalidArgumentError("lora_path", f"must be the adapter's directory, got {path!r}")
+        name, replace = body["lora_name"], boolean(body, "load_inplace", False)
+        if name in self.server.model_names or name in self.server.model_aliases:
+            raise InvalidArgumentError("lora_name", f"{name!r} is the base model's name")
+        await self.router.lora.load(name, path, replace)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = self._lora_body(await self.server.read_json(request), {"lora_name", "lora_int_id"})
+        await self.router.lora.unload(body["lora_name"])
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+
+    def _lora_body(self, raw, fields: set[str]) -> dict:
+        if not self.router.config.allow_runtime_lora_updating:
+            raise NotFoundError("runtime LoRA updating is off: start the deployment with router.allow_runtime_lora_updating (--allow-runtime-lora-updating)")
+        body = json_object(raw, "body")
+        refuse_unknown(body, fields)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError("lora_name", f"must be a non-empty string, got {name!r}")
+        return body
 

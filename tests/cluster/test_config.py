@@ -131,3 +131,13 @@ def test_lora_modules_from_the_flag_and_yaml_reach_both_pools_and_the_router(tmp
         load_config(None, {"model": str(e2e_model.path), "lora_modules": {"gone": str(tmp_path / "gone")}})
     with pytest.raises(ConfigError, match="lora_modules: 'tiny' is not a usable adapter name"):
         load_config(None, {"model": str(e2e_model.path), "router.served_model_names": ["tiny"], "lora_modules": {"tiny": str(tmp_path / "sql")}})
+
+
+def test_runtime_lora_updating_from_the_flag_and_only_with_one_router():
+    from cluster.cli import up_overrides
+
+    assert load_config(None, {}).to_spec().router.allow_runtime_lora_updating is False
+    args = build_parser().parse_args(["up", "--allow-runtime-lora-updating"])
+    assert load_config(None, up_overrides(args)).to_spec().router.allow_runtime_lora_updating is True
+    with pytest.raises(ConfigError, match="router.allow_runtime_lora_updating: needs router.replicas 1"):
+        load_config(None, {"router.allow_runtime_lora_updating": True, "router.replicas": 2})

@@ -6,10 +6,14 @@ over NIXL to the decode actor, and each answer is PEFT's own model's."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import urllib.error
+import urllib.request
 
 import grpc
 import openai
 import pytest
+import ray
 import torch
 
 from router.api.pdserve.v1 import generation_pb2 as pb
@@ -38,7 +42,7 @@ def deployment(ray_cluster, e2e_model, adapters):
     engine = engine_config(lora_adapters=served)
     router = RouterConfig(
         http_port=0, disaggregation=Disaggregation.ALWAYS, prefill_pipeline=PipelineMode.ALWAYS, pipeline_chunk_tokens=16,
-        pipeline_decode_stage=PipelineMode.OFF,
+        pipeline_decode_stage=PipelineMode.OFF, allow_runtime_lora_updating=True,
     )
     with running_deployment(e2e_model, 2, 1, router, prefill_engine=engine, decode_engine=engine) as running:
         yield running
@@ -119,3 +123,56 @@ def test_a_scored_prompt_through_an_adapter_has_peft_log_probabilities(client, e
         reference = torch.log_softmax(adapters["sql-lora"][1](torch.tensor([prompt])).logits[0].float(), dim=-1)
     got = answer.choices[0].logprobs.token_logprobs[1 : len(prompt)]
     assert got == pytest.approx([float(reference[i, prompt[i + 1]]) for i in range(len(prompt) - 1)], abs=1e-4)
+
+
+def _post(base_url: str, path: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(base_url + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_adapters_loaded_replaced_and_unloaded_at_runtime(client, base_url, deployment, e2e_model, tmp_path):
+    """vLLM's runtime LoRA endpoints, as RL trainers use them: load a policy, replace it in place
+    with the next version, unload it; every prefill stage and the decode actor follow, and a
+    prefill actor started afterwards is given it before it takes a request."""
+    first = build_lora_adapter(e2e_model.hf_model, tmp_path / "v1", seed=41)
+    second = build_lora_adapter(e2e_model.hf_model, tmp_path / "v2", seed=42)
+    (prompt,) = random_prompts([45], e2e_model.vocab_size, seed=43)
+
+    def answer():
+        return _token_ids(client, client.completions.create(model="policy", prompt=prompt, max_tokens=MAX_NEW, **GREEDY))
+
+    assert _post(base_url, "/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path / "v1")}) == (
+        200, "Success: LoRA adapter 'policy' added successfully."
+    )
+    assert "policy" in {m.id for m in client.models.list().data}
+    assert answer() == hf_greedy(first, prompt, MAX_NEW)
+    status, body = _post(base_url, "/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path / "v2")})
+    assert status == 400 and "already loaded" in json.loads(body)["error"]["message"]
+    assert _post(base_url, "/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path / "v2"), "load_inplace": True})[0] == 200
+    assert answer() == hf_greedy(second, prompt, MAX_NEW)
+
+    # A prefill actor started now is given the adapter before it joins (its pipelines take every actor).
+    admin = Client(deployment.address, deployment.admin_address)
+    try:
+        admin.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=3))
+        joined = deployment.pools.handles["prefill-2"]
+        assert set(ray.get(joined.lora_adapters.remote())) == {"policy", "sql-lora", "chat-lora"}
+        assert answer() == hf_greedy(second, prompt, MAX_NEW)
+    finally:
+        admin.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=2))
+        admin.close()
+
+    assert _post(base_url, "/unload_lora_adapter", {"lora_name": "policy"}) == (200, "Success: LoRA adapter 'policy' removed successfully.")
+    with pytest.raises(openai.NotFoundError):
+        answer()
+    status, body = _post(base_url, "/unload_lora_adapter", {"lora_name": "policy"})
+    assert status == 404 and "policy" in body
+    # A directory a worker cannot read: refused naming the field, and served by none.
+    status, body = _post(base_url, "/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path / "missing")})
+    assert status == 400 and json.loads(body)["error"]["param"] == "lora_path" and "does not exist" in body
+    for handle in deployment.pools.handles.values():
+        assert not {"policy", "broken"} & set(ray.get(handle.lora_adapters.remote()))

@@ -579,3 +579,8 @@ def test_the_model_answers_to_the_path_it_was_started_with(client, chat_model):
     assert completion.model == "tiny-chat" and completion.usage.completion_tokens == 3
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model=str(chat_model.path) + "-other", prompt="count", max_tokens=3)
+
+
+def test_runtime_lora_endpoints_are_off_unless_the_deployment_allows_them(base_url):
+    status, raw, _ = _http(base_url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"})
+    assert status == 404 and "allow_runtime_lora_updating" in json.loads(raw)["error"]["message"]

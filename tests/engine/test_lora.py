@@ -111,19 +111,67 @@ def test_prefix_cache_keeps_each_adapters_kv_apart(adapted):
 
 def test_tensor_parallel_ranks_hold_their_slices_of_each_adapter(tmp_path):
     """Two gloo ranks (a single KV head replicated on both): column-parallel B rows and
-    row-parallel A columns split as the base weights are, the partial deltas summed."""
+    row-parallel A columns split as the base weights are, the partial deltas summed; an adapter
+    loaded at runtime reaches every rank."""
     model = build_checkpoint("qwen2", tmp_path / "base", num_key_value_heads=1)
     adapter = build_lora_adapter(model, tmp_path / "every", seed=4)
+    later = build_lora_adapter(model, tmp_path / "later", seed=5, targets=("q_proj", "o_proj", "down_proj"))
     prompts = random_prompts([5, 23], model.config.vocab_size, seed=9)
     engine = _engine(tmp_path / "base", {"every": (tmp_path / "every", adapter)}, tensor_parallel_size=2)
     try:
-        outputs = engine.generate(prompts * 2, [_through("every")] * 2 + [_through(None)] * 2)
+        engine.load_adapter("later", str(tmp_path / "later"))
+        outputs = engine.generate(prompts * 3, [_through("every")] * 2 + [_through(None)] * 2 + [_through("later")] * 2)
     finally:
         engine.close()
     for prompt, out in zip(prompts, outputs[:2]):
         assert out.token_ids == hf_greedy(adapter, prompt, MAX_NEW)
-    for prompt, out in zip(prompts, outputs[2:]):
+    for prompt, out in zip(prompts, outputs[2:4]):
         assert out.token_ids == hf_greedy(model, prompt, MAX_NEW)
+    for prompt, out in zip(prompts, outputs[4:]):
+        assert out.token_ids == hf_greedy(later, prompt, MAX_NEW)
+
+
+def test_an_adapter_loaded_unloaded_and_replaced_at_runtime(tmp_path):
+    """Loaded while serving; unloaded with a request through it running (which finishes through
+    it, while new ones are refused); loaded again, then replaced in place by a new version while
+    a request runs through the old one: each request answers as the version it started with,
+    and the new version never takes the old one's cached blocks."""
+    model = build_checkpoint("llama", tmp_path / "base")
+    first = build_lora_adapter(model, tmp_path / "v1", seed=11)
+    second = build_lora_adapter(model, tmp_path / "v2", seed=12)
+    engine = _engine(tmp_path / "base", {})
+    prompt = random_prompts([40], model.config.vocab_size, seed=13)[0]
+
+    def finish():
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    digest = engine.load_adapter("policy", str(tmp_path / "v1"))
+    running = engine.add_request("running", prompt, _through("policy"))
+    engine.step()
+    assert engine.unload_adapter("policy")
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'policy'"):
+        engine.add_request("refused", prompt, _through("policy"))
+    finish()
+    assert running.output_token_ids == hf_greedy(first, prompt, MAX_NEW)
+    assert not engine.adapters, "the slot outlived its last request"
+
+    assert engine.load_adapter("policy", str(tmp_path / "v1")) == digest
+    with pytest.raises(InvalidRequestError, match="already loaded"):
+        engine.load_adapter("policy", str(tmp_path / "v2"))
+    old = engine.add_request("old", prompt, _through("policy"))
+    engine.step()
+    assert engine.load_adapter("policy", str(tmp_path / "v2"), replace=True) != digest
+    new = engine.add_request("new", prompt, _through("policy"))
+    finish()
+    assert old.output_token_ids == hf_greedy(first, prompt, MAX_NEW)
+    assert new.output_token_ids == hf_greedy(second, prompt, MAX_NEW)
+    assert new.num_cached_tokens == 0, "the new version reused the old version's KV"
+    assert engine.adapters.slots == {"policy": new.adapter_slot} and not engine.adapters.retiring
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks
+    assert not engine.unload_adapter("missing")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        engine.load_adapter("gone", str(tmp_path / "gone"))
 
 
 def test_unknown_adapter_is_refused_naming_the_field(adapted):
