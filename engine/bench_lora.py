@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.bench import SMOLLM2_135M_SHAPE, _ratio, _summary, bench_prefill, seat_decoding, write_random_checkpoint
+from engine.bench_reference import TransformersReference
 from engine.config import DTYPES, EngineConfig
 from engine.llm_engine import LLMEngine
 
@@ -57,52 +58,6 @@ def write_random_adapter(directory: Path, config: dict, rank: int, seed: int) ->
     return directory
 
 
-class PeftReference:
-    """transformers' eager forward with a static cache, the adapters loaded through PEFT."""
-
-    def __init__(self, model_dir: Path, adapters: dict[str, Path], dtype: torch.dtype):
-        import peft
-        from transformers import AutoModelForCausalLM
-
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
-        names = list(adapters)
-        self.model = peft.PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0]).eval()
-        for name in names[1:]:
-            self.model.load_adapter(adapters[name], adapter_name=name)
-        self.config = base.config
-
-    @torch.inference_mode()
-    def decode_tok_s(self, lora_names: list[str], context: int, steps: int) -> float:
-        """Greedy decode tokens/s of one sequence per entry of ``lora_names`` (its adapter), in one batch."""
-        from transformers import StaticCache
-
-        batch = len(lora_names)
-        cache = StaticCache(config=self.config, max_cache_len=context + steps + 2)
-        tokens = torch.full((batch, 1), 5, dtype=torch.long)
-
-        def one_step(position: int) -> torch.Tensor:
-            positions = torch.full((batch, 1), position, dtype=torch.long)
-            out = self.model(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True, adapter_names=lora_names)
-            return out.logits[:, -1].argmax(dim=-1, keepdim=True)
-
-        one_step(0)  # allocates the cache's buffers
-        for layer in cache.layers:
-            layer.cumulative_length.fill_(context)
-        tokens = one_step(context)  # warm-up
-        start = time.perf_counter()
-        for i in range(steps):
-            tokens = one_step(context + 1 + i)
-        return batch * steps / (time.perf_counter() - start)
-
-    @torch.inference_mode()
-    def prefill_tok_s(self, prompt: list[int], lora_name: str) -> float:
-        input_ids = torch.tensor([prompt], dtype=torch.long)
-        self.model(input_ids=input_ids[:, :64], adapter_names=[lora_name], logits_to_keep=1)  # warm-up
-        start = time.perf_counter()
-        self.model(input_ids=input_ids, adapter_names=[lora_name], logits_to_keep=1)
-        return len(prompt) / (time.perf_counter() - start)
-
-
 def _engine(model_dir: Path, adapters: dict[str, Path], dtype: str, num_blocks: int, max_seqs: int, prefix_caching: bool = True) -> LLMEngine:
     config = EngineConfig(
         dtype=dtype, num_kv_blocks=num_blocks, max_num_seqs=max_seqs, max_num_batched_tokens=2048, enable_prefix_caching=prefix_caching,
@@ -124,7 +79,7 @@ def _decode_tok_s(engine: LLMEngine, lora_names: list[str | None], context: int,
 
 
 def run(model_dir: Path, adapters: dict[str, Path], args: argparse.Namespace) -> dict:
-    reference = PeftReference(model_dir, adapters, DTYPES[args.dtype])
+    reference = TransformersReference(model_dir, DTYPES[args.dtype], adapters)
     names = list(adapters)
     results: dict = {"decode": [], "prefill": None}
     for batch in [int(b) for b in args.batches.split(",") if b]:
@@ -133,7 +88,7 @@ def run(model_dir: Path, adapters: dict[str, Path], args: argparse.Namespace) ->
         mix = [names[i % len(names)] for i in range(batch)]
         ours, base, theirs = [], [], []
         for _ in range(args.repeats):
-            theirs.append(reference.decode_tok_s(mix, args.context, args.steps))
+            theirs.append(reference.decode_tok_s(batch, args.context, args.steps, adapter_names=mix))
             ours.append(_decode_tok_s(engine, mix, args.context, args.steps))
             base.append(_decode_tok_s(engine, [None] * batch, args.context, args.steps))
         row = {"batch": batch, "adapters": len(set(mix)), "step": _summary(ours), "step_base": _summary(base), "peft": _summary(theirs)}
@@ -147,7 +102,7 @@ def run(model_dir: Path, adapters: dict[str, Path], args: argparse.Namespace) ->
         engine = _engine(model_dir, adapters, args.dtype, -(-args.prefill_len // 16) + 8, 1, prefix_caching=False)
         ours, theirs = [], []
         for _ in range(args.repeats):
-            theirs.append(reference.prefill_tok_s(prompt, names[0]))
+            theirs.append(reference.prefill_tok_s(prompt, adapter_names=[names[0]]))
             ours.append(bench_prefill(engine, prompt, lora_name=names[0]))
         row = {"prompt": args.prefill_len, "step": _summary(ours), "peft": _summary(theirs)}
         row["ratio_vs_peft"] = _ratio(row["step"], row["peft"])

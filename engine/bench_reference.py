@@ -18,11 +18,20 @@ import torch
 class TransformersReference:
     """One ``LlamaForCausalLM`` (or sibling) loaded through transformers, timed like the engine."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype):
+    def __init__(self, model_dir: Path, dtype: torch.dtype, lora_adapters: dict[str, Path] | None = None):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
         self.dtype = dtype
+        if lora_adapters:
+            # PEFT's own LoRA serving: every adapter loaded, a batch's rows picked by the forward's
+            # ``adapter_names`` (PEFT's mixed-adapter batches).
+            import peft
+
+            names = list(lora_adapters)
+            self.model = peft.PeftModel.from_pretrained(self.model, lora_adapters[names[0]], adapter_name=names[0]).eval()
+            for name in names[1:]:
+                self.model.load_adapter(lora_adapters[name], adapter_name=name)
 
     def _static_cache(self, batch: int, max_len: int):
         from transformers import StaticCache
@@ -40,15 +49,16 @@ class TransformersReference:
             layer.cumulative_length.fill_(length)
 
     @torch.inference_mode()
-    def decode_tok_s(self, batch: int, context: int, steps: int) -> float:
-        """Greedy decode tokens/s of ``batch`` sequences that already hold ``context`` tokens."""
+    def decode_tok_s(self, batch: int, context: int, steps: int, **forward) -> float:
+        """Greedy decode tokens/s of ``batch`` sequences that already hold ``context`` tokens
+        (``forward``: more arguments of each forward, e.g. PEFT's ``adapter_names``)."""
         cache = self._static_cache(batch, context + steps + 2)
         self._seek(cache, context)
         tokens = torch.full((batch, 1), 5, dtype=torch.long)
 
         def one_step(position: int) -> torch.Tensor:
             positions = torch.full((batch, 1), position, dtype=torch.long)
-            out = self.model(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True, **forward)
             return out.logits[:, -1].argmax(dim=-1, keepdim=True)
 
         tokens = one_step(context)  # warm-up
@@ -58,15 +68,15 @@ class TransformersReference:
         return batch * steps / (time.perf_counter() - start)
 
     @torch.inference_mode()
-    def prefill_tok_s(self, prompt: list[int]) -> float:
+    def prefill_tok_s(self, prompt: list[int], **forward) -> float:
         """Tokens/s of one forward over the whole prompt into an empty static cache."""
         cache = self._static_cache(1, len(prompt))
         input_ids = torch.tensor([prompt], dtype=torch.long)
         self._seek(cache, 0)
-        self.model(input_ids=input_ids[:, :64], past_key_values=cache, use_cache=True, logits_to_keep=1)  # warm-up
+        self.model(input_ids=input_ids[:, :64], past_key_values=cache, use_cache=True, logits_to_keep=1, **forward)  # warm-up
         self._seek(cache, 0)
         start = time.perf_counter()
-        self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **forward)
         return len(prompt) / (time.perf_counter() - start)
 
     @torch.inference_mode()

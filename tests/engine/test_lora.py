@@ -174,6 +174,24 @@ def test_an_adapter_loaded_unloaded_and_replaced_at_runtime(tmp_path):
         engine.load_adapter("gone", str(tmp_path / "gone"))
 
 
+def test_speculative_drafts_are_verified_through_the_adapter(adapted):
+    """N-gram drafts of a repetitive prompt are verified by the adapted model: the output is
+    PEFT's greedy one, drafts included."""
+    from engine.speculation import SpeculativeConfig
+
+    path, model, adapters = adapted["qwen3"]
+    pattern = random_prompts([6], model.config.vocab_size, seed=21)[0]
+    prompts = [pattern * 5, (pattern[::-1]) * 4]
+    engine = _engine(path, adapters, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    seqs = [engine.add_request(f"s{i}", prompt, _through(name)) for i, (prompt, name) in enumerate(zip(prompts * 2, ["every", "every", None, "qv"]))]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for seq, prompt, name in zip(seqs, prompts * 2, ["every", "every", None, "qv"]):
+        reference = model if name is None else adapters[name][1]
+        assert seq.output_token_ids == hf_greedy(reference, prompt, MAX_NEW), name
+    assert sum(seq.num_draft_tokens for seq in seqs) > 0, "no draft was proposed: the test proves nothing"
+
+
 def test_unknown_adapter_is_refused_naming_the_field(adapted):
     path, model, adapters = adapted["llama"]
     engine = _engine(path, adapters)
