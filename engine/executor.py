@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import ModelLoadError
 from engine.lora import install_adapter, remove_adapter
 from engine.model import CausalLM, StageActivations
 from engine.model_runner import ModelRunner, StepInput
@@ -52,6 +53,22 @@ class AdapterChange:
             remove_adapter(model, self.slot)
         else:
             install_adapter(model, self.slot, self.adapter_dir, dtype, device)
+
+    def apply_on_rank(self, model: CausalLM, dtype: torch.dtype, device: str, group: TPGroup) -> BaseException | None:
+        """Apply on this rank, then agree with every other rank on whether all did (an all-reduce
+        of failures); a rank that failed freed the slot. Returns this rank's error, if any; a
+        failure elsewhere is reported to rank 0 as ModelLoadError."""
+        error = None
+        try:
+            self.apply(model, dtype, device)
+        except Exception as exc:  # an adapter this rank cannot read or hold
+            error = exc
+        failures = group.all_reduce(torch.tensor([0.0 if error is None else 1.0]))
+        if failures.item() > 0:
+            remove_adapter(model, self.slot)  # every rank, so none computes with a part of it
+            if error is None:
+                error = ModelLoadError(f"LoRA adapter {self.adapter_dir}: {int(failures.item())} tensor-parallel rank(s) could not load their slices")
+        return error
 
 
 class Executor(ABC):
@@ -113,7 +130,9 @@ class MultiRankExecutor(Executor):
 
     def change_adapter(self, change: AdapterChange, dtype: torch.dtype) -> None:
         self.group.broadcast_from_first(change)
-        change.apply(self.runner.model, dtype, self.runner.device)
+        error = change.apply_on_rank(self.runner.model, dtype, self.runner.device, self.group)
+        if error is not None:
+            raise error
 
     def execute_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations:
         stage = StageStep(self.runner.prepare(batch), layers, incoming)

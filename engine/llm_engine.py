@@ -149,7 +149,7 @@ class LLMEngine:
         # The LoRA adapters served (engine.lora): the configured ones in slots 0.., more at runtime.
         self.adapters = AdapterTable()
         for slot, (name, adapter_dir) in enumerate(self.config.lora_adapters.items()):
-            self.adapters.add(name, slot, adapter_digest(adapter_dir))
+            self.adapters.add(name, adapter_digest(adapter_dir), slot)
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs, self.adapters)
         self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)
@@ -242,7 +242,10 @@ class LLMEngine:
                 f"{self.max_model_len} tokens",
             )
         params.validate(vocab)
-        if params.lora_name is not None and params.lora_name not in self.adapters.slots:
+        digest = None if params.lora_name is None else self.adapters.resolve(params.lora_name, params.lora_digest)
+        if params.lora_name is not None and digest is None:
+            if params.lora_digest is not None:
+                raise InvalidRequestError("lora_name", f"version {params.lora_digest[:12]} of LoRA adapter {params.lora_name!r} is not held here")
             served = ", ".join(self.adapters.served) or "none"
             raise InvalidRequestError("lora_name", f"no LoRA adapter named {params.lora_name!r} here (served: {served})")
         most_tokens = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
@@ -265,8 +268,8 @@ class LLMEngine:
             priority=priority,
             generator=Sampler.make_generator(params.seed),
             grammar=grammar,
-            hash_salt=adapter_hash_salt(None if params.lora_name is None else self.adapters.digests[params.lora_name]),
-            adapter_slot=-1 if params.lora_name is None else self.adapters.slots[params.lora_name],
+            hash_salt=adapter_hash_salt(digest),
+            adapter_slot=-1 if digest is None else self.adapters.slots[digest],
         )
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, priority: int = 0) -> Sequence:
@@ -280,6 +283,7 @@ class LLMEngine:
             return False
         self._settle()
         self.scheduler.abort(req_id)
+        self._release_adapters()
         logger.info("req %s: aborted", req_id)
         return True
 
@@ -288,26 +292,34 @@ class LLMEngine:
     def load_adapter(self, name: str, adapter_dir: str, replace: bool = False) -> str:
         """Serve the PEFT LoRA adapter in ``adapter_dir`` as ``name`` from now on (every rank
         loads its slices); return its digest. ModelLoadError if it does not fit the model.
-        ``replace``: a new version of a served ``name`` (running requests finish on the old)."""
+        ``replace``: a new version of a served ``name``; the previous one stays held (requests
+        pinned to it keep working) until ``drop_adapter_version``."""
         if not isinstance(name, str) or not name:
             raise InvalidRequestError("lora_name", f"must be a non-empty name, got {name!r}")
-        if name in self.adapters.slots and not replace:
+        if name in self.adapters.names and not replace:
             raise InvalidRequestError("lora_name", f"adapter {name!r} is already loaded (replace it with load_inplace)")
         digest = adapter_digest(adapter_dir)
-        slot = self.adapters.free_slot()
-        self.executor.change_adapter(AdapterChange(slot, str(adapter_dir)), self.dtype)
-        self.adapters.add(name, slot, digest)
-        logger.info("LoRA adapter %s served from %s (slot %d)", name, adapter_dir, slot)
+        slot = self.adapters.slots.get(digest)  # this very version may be held already (even dropped: kept now)
+        if slot is None:
+            slot = self.adapters.free_slot()
+            self.executor.change_adapter(AdapterChange(slot, str(adapter_dir)), self.dtype)
+            logger.info("LoRA adapter %s (%s) loaded from %s into slot %d", name, digest[:12], adapter_dir, slot)
+        self.adapters.add(name, digest, slot)
+        self._release_adapters()
         return digest
 
     def unload_adapter(self, name: str) -> bool:
-        """Take no new requests through ``name``; its slot is freed when the last running
+        """Take no new requests through ``name``; its version is freed when the last running
         request through it ends. False if it was not served."""
-        if name not in self.adapters.slots:
-            return False
-        self.adapters.remove(name)
+        digest = self.adapters.names.get(name)
+        return digest is not None and self.drop_adapter_version(digest)
+
+    def drop_adapter_version(self, digest: str) -> bool:
+        """No new request computes with this version (by any name); freed once unused. False
+        if it is not held."""
+        dropped = self.adapters.drop(digest)
         self._release_adapters()
-        return True
+        return dropped
 
     def _release_adapters(self) -> None:
         if not self.adapters.retiring:
@@ -369,6 +381,7 @@ class LLMEngine:
             return self._run_batch(batch)
         finally:
             self.step_seconds += time.perf_counter() - started
+            self._release_adapters()
 
     def _run_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
         if self._may_overlap and self._overlaps(batch):

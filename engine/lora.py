@@ -31,22 +31,15 @@ import torch
 from engine.architectures.base import ShardReader
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+from engine.host_to_device import to_device
 from engine.parallel.shard import TPShard
 
 logger = logging.getLogger(__name__)
 
-# A checkpoint projection -> (the engine projection it is part of, its part's index there).
-_TARGETS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-_TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# The checkpoint projections an adapter may target, and the block each belongs to.
+_BLOCK_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 # adapter_config.json fields that change what the adapter computes, and are refused when set:
 # pdserve would otherwise serve something else than the adapter was trained as.
 _REFUSED_FIELDS = {
@@ -55,6 +48,10 @@ _REFUSED_FIELDS = {
     "lora_bias": "LoRA B biases",
     "fan_in_fan_out": "fan_in_fan_out (GPT-2 Conv1D) layouts",
     "target_parameters": "adapters on parameters (target_parameters)",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "layer_replication": "adapters that replicate layers (layer_replication)",
+    "arrow_config": "Arrow routing over several LoRAs",
+    "use_bdlora": "block-diagonal LoRA (BD-LoRA)",
 }
 
 
@@ -91,6 +88,11 @@ class AdapterConfig:
         pattern = raw.get("alpha_pattern") or {}
         if not isinstance(pattern, dict) or not all(isinstance(v, (int, float)) for v in pattern.values()):
             raise ModelLoadError(f"{path}: alpha_pattern must map module names to numbers")
+        for key in pattern:
+            try:
+                re.compile(str(key))
+            except re.error as exc:
+                raise ModelLoadError(f"{path}: alpha_pattern key {key!r} is not a valid pattern ({exc})") from None
         return cls(rank, float(alpha), bool(raw.get("use_rslora", False)), {str(k): float(v) for k, v in pattern.items()})
 
     def scaling(self, module_name: str, rank: int) -> float:
@@ -120,12 +122,12 @@ def load_adapter(adapter_dir: str | Path, config: ModelConfig, shard: TPShard, d
         modules: dict[tuple[int, str], set[str]] = {}
         for name in reader.names:
             match = _TENSOR_NAME.match(name)
-            if match is None or match.group(2) not in _TARGETS or int(match.group(1)) >= config.num_layers:
+            if match is None or _BLOCK_OF.get(match.group(3)) != match.group(2) or int(match.group(1)) >= config.num_layers:
                 raise ModelLoadError(
                     f"{adapter_dir}: tensor {name!r} is not a LoRA A/B weight of a {config.architecture} decoder layer's "
-                    f"projection ({', '.join(_TARGETS)}): embeddings, LM head and other modules are not supported"
+                    f"projection ({', '.join(_BLOCK_OF)}): embeddings, LM head and other modules are not supported"
                 )
-            modules.setdefault((int(match.group(1)), match.group(2)), set()).add(match.group(3))
+            modules.setdefault((int(match.group(1)), match.group(3)), set()).add(match.group(4))
         for (layer, module), halves in modules.items():
             if halves != {"A", "B"}:
                 raise ModelLoadError(f"{adapter_dir}: layer {layer}'s {module} has lora_{''.join(halves)} but not its other half")
@@ -224,7 +226,7 @@ class AdapterRows:
         for slot, indices in rows.items():
             runs.append((slot, len(order), len(order) + len(indices)))
             order.extend(indices)
-        return cls(runs, torch.tensor(order, dtype=torch.long, device=device))
+        return cls(runs, to_device(order, torch.long, device))
 
     def add_deltas(self, out: torch.Tensor, x: torch.Tensor, pairs: list[LoraPair | None]) -> torch.Tensor:
         """``out`` (a projection's output for ``x``) with each adapter's delta added to its rows."""
@@ -279,40 +281,54 @@ def remove_adapter(model: torch.nn.Module, slot: int) -> None:
 
 @dataclass(slots=True)
 class AdapterTable:
-    """The adapters an engine serves: each name's slot in the model and digest.
+    """The adapter versions an engine holds, each by digest in a slot of the model, and the
+    version each name gives a new request.
 
-    A request keeps the slot it started with (``Sequence.adapter_slot``): an adapter unloaded,
-    or replaced by a new version under its name, takes no new requests, and its slot is freed
-    once no running request uses it (``release``)."""
+    A request keeps the version it started with (``Sequence.adapter_slot``), or the one its
+    router pinned (``SamplingParams.lora_digest``): a version replaced under its name stays held
+    until dropped (``drop``), and a dropped one until no running request uses it (``release``)."""
 
-    slots: dict[str, int] = field(default_factory=dict)  # the version new requests get
-    digests: dict[str, str] = field(default_factory=dict)
-    retiring: set[int] = field(default_factory=set)  # slots of versions only running requests use
+    names: dict[str, str] = field(default_factory=dict)  # name -> digest new requests by that name get
+    slots: dict[str, int] = field(default_factory=dict)  # digest -> slot, every version held
+    retiring: set[str] = field(default_factory=set)  # dropped digests, freed once unused
 
     def __bool__(self) -> bool:
-        return bool(self.slots or self.retiring)
+        return bool(self.slots)
 
     @property
     def served(self) -> dict[str, str]:
         """Name -> digest of the adapters new requests may name."""
-        return dict(self.digests)
+        return dict(self.names)
+
+    def resolve(self, name: str, digest: str | None) -> str | None:
+        """The digest a request through ``name`` (pinned to ``digest`` where given) computes with;
+        None if this engine does not hold it."""
+        if digest is None:
+            return self.names.get(name)
+        return digest if digest in self.slots else None
 
     def free_slot(self) -> int:
-        taken = {*self.slots.values(), *self.retiring}
+        taken = set(self.slots.values())
         return next(slot for slot in range(len(taken) + 1) if slot not in taken)
 
-    def add(self, name: str, slot: int, digest: str) -> None:
-        """Serve ``name`` from ``slot`` (a version it replaces keeps its slot until released)."""
-        if name in self.slots:
-            self.retiring.add(self.slots[name])
-        self.slots[name], self.digests[name] = slot, digest
+    def add(self, name: str, digest: str, slot: int) -> None:
+        self.names[name], self.slots[digest] = digest, slot
+        self.retiring.discard(digest)
 
-    def remove(self, name: str) -> None:
-        self.retiring.add(self.slots.pop(name))
-        del self.digests[name]
+    def drop(self, digest: str) -> bool:
+        """No new request gets this version (its names are forgotten); False if not held."""
+        if digest not in self.slots:
+            return False
+        self.retiring.add(digest)
+        for name in [n for n, d in self.names.items() if d == digest]:
+            del self.names[name]
+        return True
 
     def release(self, slots_in_use: set[int]) -> list[int]:
-        """The retiring slots no request uses any more (forgotten here)."""
-        freed = sorted(self.retiring - slots_in_use)
-        self.retiring.difference_update(freed)
+        """The slots of dropped versions no request uses any more (forgotten here)."""
+        freed = []
+        for digest in sorted(self.retiring):
+            if self.slots[digest] not in slots_in_use:
+                freed.append(self.slots.pop(digest))
+                self.retiring.discard(digest)
         return freed

@@ -57,6 +57,9 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     # The LoRA adapter (engine.lora) this request runs through, by name; None: the base model.
     lora_name: str | None = None
+    # The version of it (engine.lora.adapter_digest) every worker of the request computes with,
+    # pinned by the router; None: the version the name serves where the sequence starts.
+    lora_digest: str | None = None
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them

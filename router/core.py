@@ -80,7 +80,7 @@ class Router:
         self.pool = WorkerPool(make_selector(self.config.routing_policy, self.prefix_index, self.config.kv_overlap_weight))
         # The LoRA adapters served (router.lora_adapters): the model info's list, which runtime
         # loads and unloads change.
-        self.lora = LoraAdapters(model_info.lora_adapters, self.pool, self._lora_changed)
+        self.lora = LoraAdapters(model_info.lora_adapters, self.pool, self._lora_changed, self._computes_with)
         self.prefix_feed = None if self.prefix_index is None else PrefixFeed(self.pool, self.prefix_index, self.config.status_timeout_s)
         # The one reader of worker status (GetClusterStatus, metrics, the pool manager).
         self.status_monitor = StatusMonitor(self.pool, self.config.status_timeout_s)
@@ -114,8 +114,12 @@ class Router:
         validate = functools.partial(validate_input, request, self.limits, self.tokenizer.encode, timeout_s=timeout_s)
         long_text = request.prompt_text is not None and len(request.prompt_text) > INLINE_TOKENIZE_CHARS
         if long_text or request.structured is not None:
-            return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)
-        return validate()
+            validated = await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)
+        else:
+            validated = validate()
+        # Every worker of the request computes with the version its adapter names now.
+        validated.sampling_params.lora_digest = self.lora.digest(validated.sampling_params.lora_name)
+        return validated
 
     async def wait_ready(self) -> None:
         """Wait, at most ``ready_wait_s``, until the pools can serve; else UnavailableError."""
@@ -126,6 +130,7 @@ class Router:
 
     async def stop(self) -> None:
         """Stop dispatching (the front ends are stopped by whoever started them)."""
+        await self.lora.close()
         await self.dispatcher.close()
         if self.prefix_feed is not None:
             await self.prefix_feed.stop()
@@ -145,6 +150,10 @@ class Router:
 
     def _lora_changed(self) -> None:
         self.limits = dataclasses.replace(self.limits, lora_names=frozenset(self.model_info.lora_adapters))
+
+    def _computes_with(self, digest: str) -> bool:
+        """Whether a request this router admitted computes with this LoRA adapter version."""
+        return any(active.request.sampling_params.lora_digest == digest for active in self.dispatcher.active.values())
 
     def worker_died(self, record: WorkerRecord) -> None:
         self.dispatcher.on_worker_died(record)

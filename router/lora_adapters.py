@@ -3,12 +3,15 @@
 ``/v1/unload_lora_adapter``, with ``router.allow_runtime_lora_updating``).
 
 Every worker of both pools serves every adapter: a request may be prefilled by one worker and
-decoded by another. A load goes to all workers at once and the adapter is named in requests
-only once each of them serves it; a worker that could not load it has the others unload it
-again, and the load is refused with that worker's reason. An unload stops new requests at once;
-running ones finish through the adapter on their workers. A worker the router starts routing to
-later (a replacement, a scale-up, a restarted one) is first given the adapters it lacks and told
-to drop those unloaded meanwhile, so no request reaches a worker that cannot serve it.
+decoded by another, so each request is pinned to one version of its adapter (its digest, in
+``SamplingParams.lora_digest``) that all its workers compute with. A load goes to all workers at
+once and the adapter is named in requests only once each of them serves it; a worker that could
+not load it has the others drop it again, and the load is refused with that worker's reason. A
+replacement (``load_inplace``) pins new requests to the new version; an unload names the adapter
+in no new request; either way the old version is dropped from every worker once no request this
+router admitted computes with it. A worker the router starts routing to later (a replacement, a
+scale-up, a restarted one) is first given the adapters it lacks and told to drop those unloaded
+meanwhile, so no request reaches a worker that cannot serve it.
 
 Each adapter's digest (``engine.lora.adapter_digest``, what its workers report) salts its
 prompts' prefix hashes, as the workers' own caches are salted: KV-aware routing sees the blocks
@@ -28,18 +31,33 @@ from router.pool import WorkerPool
 logger = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 300.0  # a large adapter on many GPUs: read, sliced, copied to each device
+DROP_POLL_S = 0.2  # how often a replaced or unloaded version's last requests are looked for
+DROP_GRACE_S = 1.0  # ... and how long none must be seen before it is dropped
 
 
 class LoraAdapters:
     """``paths``: name -> adapter directory, shared with the router's model info (the API edges
-    read it); ``on_change`` runs after it changes."""
+    read it); ``on_change`` runs after it changes; ``in_flight(digest)``: whether a request this
+    router admitted computes with that adapter version."""
 
-    def __init__(self, paths: dict[str, str], pool: WorkerPool, on_change: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        paths: dict[str, str],
+        pool: WorkerPool,
+        on_change: Callable[[], None] = lambda: None,
+        in_flight: Callable[[str], bool] = lambda digest: False,
+    ):
         self.paths = paths
         self.pool = pool
         self.on_change = on_change
-        self.digests: dict[str, str] = {}  # learned from the workers that load them
-        self._lock = asyncio.Lock()  # loads, unloads and a joining worker's catch-up, one at a time
+        self.in_flight = in_flight
+        self.digests: dict[str, str] = {}  # name -> the version requests are pinned to (its workers' digest)
+        self._lock = asyncio.Lock()  # loads, unloads, drops and a joining worker's catch-up, one at a time
+        self._drops: set[asyncio.Task] = set()
+
+    def digest(self, name: str | None) -> str | None:
+        """The version a new request through ``name`` is pinned to (None: unknown yet, or none)."""
+        return None if name is None else self.digests.get(name)
 
     def salt(self, name: str | None) -> bytes:
         """The prefix-hash salt of a request through ``name`` (None: the base model)."""
@@ -50,7 +68,8 @@ class LoraAdapters:
 
     async def load(self, name: str, adapter_dir: str, replace: bool = False) -> None:
         """Serve ``adapter_dir`` as ``name`` on every worker, then name it in requests.
-        ``replace``: a new version of a served adapter (running requests keep the old one)."""
+        ``replace``: a new version of a served adapter; requests pinned to the old one finish
+        through it, and it is dropped once none is left."""
         async with self._lock:
             if name in self.paths and not replace:
                 raise InvalidArgumentError("lora_name", f"adapter {name!r} is already loaded (load_inplace: true replaces it)")
@@ -59,12 +78,14 @@ class LoraAdapters:
                 *(asyncio.wait_for(r.handle.load_lora_adapter.remote(name, adapter_dir, replace), LOAD_TIMEOUT_S) for r in records),
                 return_exceptions=True,
             )
-            loaded = [(r, digest) for r, digest in zip(records, results) if isinstance(digest, str)]
-            failed = [(r, error) for r, error in zip(records, results) if isinstance(error, BaseException) and not _worker_gone(error)]
-            digests = {digest for _, digest in loaded}
+            digests = {result for result in results if isinstance(result, str)}
+            failed = [(r, e) for r, e in zip(records, results) if isinstance(e, BaseException) and not _worker_gone(e)]
+            previous = self.digests.get(name)
             if failed or len(digests) > 1:
-                if name not in self.paths:  # a replacement leaves the old version served where it loaded
-                    await self._unload_from([r for r, _ in loaded], name)
+                # Undone where it loaded (or may still be loading: a drop runs after it there);
+                # the version requests are pinned to stays as it was.
+                for digest in digests - {previous}:
+                    await self._drop_from(records, digest)
                 if failed:
                     record, error = failed[0]
                     raise InvalidArgumentError("lora_path", f"worker {record.worker_id} cannot serve it: {remote_cause(error)}")
@@ -72,39 +93,76 @@ class LoraAdapters:
             self.paths[name] = adapter_dir
             if digests:
                 self.digests[name] = digests.pop()
-            logger.info("LoRA adapter %s served from %s by %d workers", name, adapter_dir, len(loaded))
+            else:
+                self.digests.pop(name, None)  # no worker yet: the first to join tells it
+            logger.info("LoRA adapter %s served from %s by %d workers", name, adapter_dir, len(records))
             self.on_change()
+            if previous is not None and previous != self.digests.get(name):
+                self._drop_when_unused(previous)
 
     async def unload(self, name: str) -> None:
-        """Name ``name`` in no new request; every worker drops it once its requests end."""
+        """Name ``name`` in no new request; its version is dropped once no request uses it."""
         async with self._lock:
             if name not in self.paths:
                 raise NotFoundError(f"lora_name: no LoRA adapter named {name!r} is loaded (served: {', '.join(self.paths) or 'none'})")
             del self.paths[name]
-            self.digests.pop(name, None)
+            digest = self.digests.pop(name, None)
             self.on_change()
-            await self._unload_from(list(self.pool.workers.values()), name)
+            if digest is not None:
+                self._drop_when_unused(digest)
             logger.info("LoRA adapter %s unloaded", name)
 
     async def catch_up(self, worker_id: str, handle) -> None:
-        """Before a worker takes requests: load what it lacks, unload what was unloaded."""
+        """Before a worker takes requests: load what it lacks (or holds in another version),
+        unload what was unloaded."""
         async with self._lock:
             held: dict[str, str] = await handle.lora_adapters.remote()
             for name in held.keys() - self.paths.keys():
                 await handle.unload_lora_adapter.remote(name)
             for name, adapter_dir in self.paths.items():
-                stale = name in held and name in self.digests and held[name] != self.digests[name]  # replaced while it started
-                if name not in held or stale:
-                    held[name] = await asyncio.wait_for(handle.load_lora_adapter.remote(name, adapter_dir, stale), LOAD_TIMEOUT_S)
-                    logger.info("worker %s: LoRA adapter %s loaded on joining", worker_id, name)
-                self.digests.setdefault(name, held[name])
+                if name in held and self.digests.get(name, held[name]) == held[name]:
+                    self.digests.setdefault(name, held[name])
+                    continue
+                digest = await asyncio.wait_for(handle.load_lora_adapter.remote(name, adapter_dir, name in held), LOAD_TIMEOUT_S)
+                if name in held:
+                    await handle.drop_lora_version.remote(held[name])
+                if self.digests.setdefault(name, digest) != digest:
+                    await handle.drop_lora_version.remote(digest)
+                    raise InvalidArgumentError("lora_path", f"worker {worker_id} reads another adapter at {adapter_dir!r} than the others")
+                logger.info("worker %s: LoRA adapter %s loaded on joining", worker_id, name)
+
+    async def close(self) -> None:
+        for task in list(self._drops):
+            task.cancel()
+        await asyncio.gather(*self._drops, return_exceptions=True)
+
+    def _drop_when_unused(self, digest: str) -> None:
+        """Drop a version from every worker once no admitted request computes with it (a request
+        validated just before it stopped being named gets a moment to be admitted)."""
+
+        async def drop() -> None:
+            idle_since = None
+            loop = asyncio.get_running_loop()
+            while idle_since is None or loop.time() - idle_since < DROP_GRACE_S:
+                if self.in_flight(digest):
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = loop.time()
+                await asyncio.sleep(DROP_POLL_S)
+            async with self._lock:
+                if digest not in self.digests.values():  # not loaded again meanwhile
+                    await self._drop_from(list(self.pool.workers.values()), digest)
+
+        task = asyncio.get_running_loop().create_task(drop())
+        self._drops.add(task)
+        task.add_done_callback(self._drops.discard)
 
     @staticmethod
-    async def _unload_from(records, name: str) -> None:
-        results = await asyncio.gather(*(r.handle.unload_lora_adapter.remote(name) for r in records), return_exceptions=True)
+    async def _drop_from(records, digest: str) -> None:
+        results = await asyncio.gather(*(r.handle.drop_lora_version.remote(digest) for r in records), return_exceptions=True)
         for record, result in zip(records, results):
             if isinstance(result, BaseException) and not _worker_gone(result):
-                logger.warning("worker %s: unloading LoRA adapter %s failed: %r", record.worker_id, name, result)
+                logger.warning("worker %s: dropping LoRA adapter version %s failed: %r", record.worker_id, digest[:12], result)
 
 
 def _worker_gone(error: BaseException) -> bool:

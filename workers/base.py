@@ -227,12 +227,16 @@ class EngineWorker:
 
     async def load_lora_adapter(self, name: str, adapter_dir: str, replace: bool = False) -> str:
         """Serve a PEFT LoRA adapter as ``name`` from now on (between steps); its digest.
-        ``replace``: a new version of a served one (running requests keep the old)."""
+        ``replace``: a new version of a served one (the old stays held until dropped)."""
         return await self._call(self.engine.load_adapter, name, adapter_dir, replace)
 
     async def unload_lora_adapter(self, name: str) -> bool:
         """No new requests through ``name``; running ones finish through it. False if not served."""
         return await self._call(self.engine.unload_adapter, name)
+
+    async def drop_lora_version(self, digest: str) -> bool:
+        """No new request computes with this adapter version; freed once unused. False if not held."""
+        return await self._call(self.engine.drop_adapter_version, digest)
 
     async def cache_events(self, cursor: int = -1, timeout_s: float = 1.0) -> CacheUpdate:
         """What the prefix cache stored and evicted after ``cursor`` (waiting up to ``timeout_s``

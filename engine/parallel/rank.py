@@ -53,10 +53,12 @@ class ShardRank:
             step = self.group.broadcast_from_first()
             if step is STOP:
                 break
+            if isinstance(step, AdapterChange):  # a LoRA adapter loaded or unloaded at runtime
+                error = step.apply_on_rank(self.runner.model, self.dtype, self.runner.device, self.group)
+                if error is not None:
+                    logger.error("rank %d: LoRA adapter %s not loaded: %r", self.rank, step.adapter_dir, error)
+                continue
             try:
-                if isinstance(step, AdapterChange):  # a LoRA adapter loaded or unloaded at runtime
-                    step.apply(self.runner.model, self.dtype, self.runner.device)
-                    continue
                 if isinstance(step, StageStep):  # a pipeline stage's step: only its layers
                     self.runner.run_stage(step.step, step.layers, step.incoming)
                 else:

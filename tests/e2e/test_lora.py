@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -174,5 +175,8 @@ def test_adapters_loaded_replaced_and_unloaded_at_runtime(client, base_url, depl
     # A directory a worker cannot read: refused naming the field, and served by none.
     status, body = _post(base_url, "/load_lora_adapter", {"lora_name": "broken", "lora_path": str(tmp_path / "missing")})
     assert status == 400 and json.loads(body)["error"]["param"] == "lora_path" and "does not exist" in body
-    for handle in deployment.pools.handles.values():
-        assert not {"policy", "broken"} & set(ray.get(handle.lora_adapters.remote()))
+    # The unloaded version is dropped from every worker once no request uses it (a moment later).
+    deadline = time.monotonic() + 10
+    while any({"policy", "broken"} & set(ray.get(h.lora_adapters.remote())) for h in deployment.pools.handles.values()):
+        assert time.monotonic() < deadline, "a worker still serves an unloaded or refused adapter"
+        time.sleep(0.2)

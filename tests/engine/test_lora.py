@@ -161,13 +161,21 @@ def test_an_adapter_loaded_unloaded_and_replaced_at_runtime(tmp_path):
         engine.load_adapter("policy", str(tmp_path / "v2"))
     old = engine.add_request("old", prompt, _through("policy"))
     engine.step()
-    assert engine.load_adapter("policy", str(tmp_path / "v2"), replace=True) != digest
+    new_digest = engine.load_adapter("policy", str(tmp_path / "v2"), replace=True)
+    assert new_digest != digest
     new = engine.add_request("new", prompt, _through("policy"))
     finish()
     assert old.output_token_ids == hf_greedy(first, prompt, MAX_NEW)
     assert new.output_token_ids == hf_greedy(second, prompt, MAX_NEW)
     assert new.num_cached_tokens == 0, "the new version reused the old version's KV"
-    assert engine.adapters.slots == {"policy": new.adapter_slot} and not engine.adapters.retiring
+    # The replaced version stays held for requests a router pinned to it, until dropped.
+    pinned = engine.add_request("pinned", prompt, dataclasses.replace(_through("policy"), lora_digest=digest))
+    assert engine.drop_adapter_version(digest)
+    finish()
+    assert pinned.output_token_ids == hf_greedy(first, prompt, MAX_NEW) and pinned.num_cached_tokens > 0
+    assert engine.adapters.slots == {new_digest: new.adapter_slot} and not engine.adapters.retiring
+    with pytest.raises(InvalidRequestError, match="is not held here"):
+        engine.add_request("stale", prompt, dataclasses.replace(_through("policy"), lora_digest=digest))
     assert engine.num_free_blocks == engine.kv_cache.num_blocks
     assert not engine.unload_adapter("missing")
     with pytest.raises(ModelLoadError, match="does not exist"):
