@@ -134,6 +134,7 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     generate.add_argument("--prefill", type=int, default=1, help="prefill actors (local deployment)")
     generate.add_argument("--decode", type=int, default=1, help="decode actors (local deployment)")
     generate.add_argument("--timing", action="store_true", help="print the timing breakdown at the end")
+    generate.add_argument("--lora-name", help="generate through this LoRA adapter of the running deployment (GenerateRequest.lora_name)")
     _add_sampling_flags(generate)
 
     from cluster.bench.cli import add_bench_parser, add_scenario_parser
@@ -621,7 +622,7 @@ def _stream(args: argparse.Namespace, address: str) -> int:
     )
     if args.seed is not None:
         sampling.seed = args.seed
-    request = pb.GenerateRequest(prompt_text=args.prompt, sampling=sampling)
+    request = pb.GenerateRequest(prompt_text=args.prompt, sampling=sampling, lora_name=args.lora_name)
     with _channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:

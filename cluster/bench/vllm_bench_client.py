@@ -13,7 +13,7 @@ import json
 import math
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # The figures read from a result, under vLLM's own keys.
@@ -35,6 +35,7 @@ class VllmBenchSpec:
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 100.0
     seed: int = 0
+    lora_modules: list[str] = field(default_factory=list)  # adapters the requests go through, round-robin (each named as the model)
 
     def command(self, base_url: str, rate: float, result: Path) -> list[str]:
         endpoint = "/v1/chat/completions" if self.backend == "openai-chat" else "/v1/completions"
@@ -45,6 +46,7 @@ class VllmBenchSpec:
             "--request-rate", "inf" if math.isinf(rate) else str(rate), "--seed", str(self.seed), "--ignore-eos",
             "--goodput", f"ttft:{self.slo_ttft_ms:g}", f"tpot:{self.slo_tpot_ms:g}",
             "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
+            *(["--lora-modules", *self.lora_modules, "--lora-assignment", "round-robin"] if self.lora_modules else []),
         ]
 
 

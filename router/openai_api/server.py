@@ -286,9 +286,13 @@ class OpenAIServer:
                 state = states[index]
                 logprobs = state.add(item, self.router.tokenizer)
                 new_prompt_logprobs = state.prompt_logprobs_new and api.prompt_logprobs is not None
-                new_ids = api.return_token_ids and item.token_ids  # tokens whose text is held back still go out as ids
-                if item.end is None and not item.text and not state.tool_deltas and logprobs is None and not new_prompt_logprobs and not new_ids and (state.role_sent or not chat):
-                    continue  # nothing new to say (text held back at a possible stop string)
+                # New tokens go out as a chunk even where their text is held back (part of a
+                # character, a possible stop string) or empty, as vLLM streams them: a client
+                # sees each step's progress, and times its first token when it came. A tool
+                # call being read out of the text is the exception: it goes out once read.
+                new_tokens = bool(item.token_ids) and state.tools is None
+                if item.end is None and not item.text and not state.tool_deltas and logprobs is None and not new_prompt_logprobs and not new_tokens and (state.role_sent or not chat):
+                    continue  # nothing new to say
                 payload = envelope(response_id, model, chat, stream=True, created=created)
                 payload["choices"] = [state.delta(item, logprobs)]
                 if chat and new_prompt_logprobs and index == 0:

@@ -584,3 +584,18 @@ def test_the_model_answers_to_the_path_it_was_started_with(client, chat_model):
 def test_runtime_lora_endpoints_are_off_unless_the_deployment_allows_them(base_url):
     status, raw, _ = _http(base_url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/tmp"})
     assert status == 404 and "allow_runtime_lora_updating" in json.loads(raw)["error"]["message"]
+
+
+def test_a_streamed_token_whose_text_is_held_back_still_goes_out_as_a_chunk(client, chat_model, hf_tokenizer):
+    """As vLLM streams: each step's tokens make a chunk even while their text waits (here at a
+    possible stop string), so a client sees the first token when it came."""
+    (prompt,) = random_prompts([12], chat_model.vocab_size, seed=21)
+    expected = hf_greedy(chat_model.hf_model, prompt, 6)
+    first_text = hf_tokenizer.decode(expected[:1])
+    assert first_text, "the first token has no text of its own: pick another seed"
+    stop = first_text + "\x07never"  # the first token's text may start it: held back until it cannot
+    chunks = list(client.completions.create(
+        model="tiny-chat", prompt=prompt, max_tokens=6, stop=[stop], temperature=0.0, stream=True, extra_body={"ignore_eos": True}
+    ))
+    assert chunks[0].choices[0].text == "" and chunks[0].choices[0].finish_reason is None
+    assert "".join(c.choices[0].text for c in chunks) == hf_tokenizer.decode(expected, skip_special_tokens=True)

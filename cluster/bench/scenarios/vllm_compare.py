@@ -13,6 +13,7 @@ TTFT, TPOT and ITL (p50, p99) and failures side by side, with each pdserve/vLLM 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import json
 import logging
@@ -146,6 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--input-len", type=int, default=512, help="vllm-bench: prompt tokens")
     bench.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="vllm-bench: goodput's TTFT bound")
     bench.add_argument("--slo-tpot-ms", type=float, default=100.0, help="vllm-bench: goodput's TPOT bound")
+    bench.add_argument("--lora-adapters", type=int, default=0, help="vllm-bench: serve this many random LoRA adapters (every projection) on both systems and spread the requests round-robin over them")
+    bench.add_argument("--lora-rank", type=int, default=16, help="vllm-bench: the adapters' rank")
     pd = parser.add_argument_group("pdserve")
     pd.add_argument("--pdserve-api", choices=["grpc", "openai"], default="grpc", help="measure pdserve through its gRPC API (default) or its OpenAI HTTP API, with the client that measures vLLM")
     pd.add_argument("--pdserve-configs", type=_names, default=["disagg", "agg"], help="disagg: 1 prefill + 1 decode actor, 1 thread each; disagg-elastic: the same, the decode actor growing to 2 threads while the prefill actor idles and taking prompts up to 1,024 tokens past a 2,048-token prefill backlog; disagg-d2: the same with 2 decode threads and every prompt through the prefill actor; agg: 1 decode actor with 2 threads prefilling itself, 2,048 tokens per step (pdserve up's aggregated default); agg-c256: 512 tokens per step in 256-token chunks; agg-c512: the same in 512-token chunks; agg2: 2 such actors with 1 thread")
@@ -187,6 +190,8 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         raise ValueError(f"rounds: must be >= 1, got {args.rounds}")
     if args.client == "vllm-bench":
         return _run_with_vllm_bench(args, shapes, vllm_python, vllm_cli)
+    if args.lora_adapters:
+        raise ValueError("lora_adapters: measured with --client vllm-bench (its --lora-modules spreads the requests over them)")
     # runs[system][rate][round]: None where that round of the system failed.
     runs: dict[str, dict[str, list[RunOutput | None]]] = {}
     errors: dict[str, str] = {}
@@ -268,10 +273,13 @@ def _run_with_vllm_bench(args, shapes: list[ClusterShape], python: Path | None, 
     errors: dict[str, str] = {}
     with scenario_model(args.model, args.dtype, args.seed) as model_dir:
         _check_tokenizer(model_dir, generated=args.model is None)
+        adapters = _random_adapters(model_dir, out / "adapters", args.lora_adapters, args.lora_rank)
         spec = VllmBenchSpec(
             python, cli, model_dir, backend=args.vllm_bench_backend, num_prompts=args.num_requests, input_len=args.input_len,
             output_len=args.output_len, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed,
+            lora_modules=list(adapters),
         )
+        shapes = [_with_adapters(shape, adapters) for shape in shapes]
 
         def measure(system: str, base_url: str, slug: str) -> None:
             for rate in args.rates:
@@ -285,6 +293,11 @@ def _run_with_vllm_bench(args, shapes: list[ClusterShape], python: Path | None, 
 
         if not args.skip_vllm:
             server_spec = _vllm_server_spec(model_dir, args, python, cli)
+            if adapters:
+                server_spec.extra_args += [
+                    "--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", str(args.lora_rank),
+                    "--lora-modules", *(f"{name}={path}" for name, path in adapters.items()),
+                ]
             try:
                 with VllmServer(server_spec, out / "vllm-server.log", args.vllm_start_timeout):
                     measure(VLLM_LABEL, server_spec.url, "vllm")
@@ -308,10 +321,31 @@ def _run_with_vllm_bench(args, shapes: list[ClusterShape], python: Path | None, 
     return ScenarioOutcome(NAME, lines, json_path, {}, ok=ok)
 
 
+def _random_adapters(model_dir: Path, directory: Path, count: int, rank: int) -> dict[str, str]:
+    """``count`` random rank-``rank`` LoRA adapters for the model (none for 0): name -> directory."""
+    if count <= 0:
+        return {}
+    from engine.bench_lora import write_random_adapter
+
+    shape = json.loads((model_dir / "config.json").read_text())
+    return {f"lora{i}": str(write_random_adapter(directory / f"lora{i}", shape, rank, seed=100 + i)) for i in range(count)}
+
+
+def _with_adapters(shape: ClusterShape, adapters: dict[str, str]) -> ClusterShape:
+    if not adapters:
+        return shape
+    return dataclasses.replace(
+        shape,
+        prefill_engine=dataclasses.replace(shape.prefill_engine, lora_adapters=dict(adapters)),
+        decode_engine=dataclasses.replace(shape.decode_engine, lora_adapters=dict(adapters)),
+    )
+
+
 def _vllm_bench_table(figures: dict[str, dict[str, dict]], args) -> str:
     head = (
         f"vllm bench serve ({args.vllm_bench_backend}): {args.num_requests} random prompts of {args.input_len} tokens, "
         f"{args.output_len} out, goodput under TTFT {args.slo_ttft_ms:g} ms / TPOT {args.slo_tpot_ms:g} ms, {args.dtype}"
+        + (f", spread round-robin over {args.lora_adapters} rank-{args.lora_rank} LoRA adapters" if args.lora_adapters else "")
     )
     lines = [head, "", "| system | rate | output tok/s | vs vLLM | goodput req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | failed |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     reference = figures.get(VLLM_LABEL, {})
