@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class WorkerState(str, enum.Enum):
@@ -32,6 +32,11 @@ class EngineStats:
     num_draft_tokens: int = 0  # speculative tokens proposed, since the start
     num_accepted_draft_tokens: int = 0  # of those, tokens the model confirmed
     step_seconds: float = 0.0  # wall time inside steps (schedule, run, read the tokens), since the start
+    # LoRA adapters (engine.lora): how many versions the engine holds, and the names its
+    # computing and its waiting requests go through (vLLM's lora_requests_info).
+    num_lora_adapters: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
     @property
     def num_used_blocks(self) -> int:
@@ -59,4 +64,7 @@ def engine_stats(engine) -> EngineStats:
         num_draft_tokens=scheduler.num_draft_tokens,
         num_accepted_draft_tokens=scheduler.num_accepted_draft_tokens,
         step_seconds=engine.step_seconds,
+        num_lora_adapters=len(engine.adapters.slots),
+        running_lora_adapters=sorted({s.params.lora_name for s in computing if s.params.lora_name is not None}),
+        waiting_lora_adapters=sorted({s.params.lora_name for s in scheduler.waiting if s.params.lora_name is not None}),
     )

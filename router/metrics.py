@@ -16,6 +16,7 @@ several can live in one process (tests) without clashing.
 from __future__ import annotations
 
 import logging
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -101,9 +102,29 @@ class Metrics:
             "num_bytes": self.kv_path_bytes, "num_writes": self.kv_path_writes,
             "num_failures": self.kv_path_failures, "write_seconds": self.kv_path_seconds,
         }
+        # vLLM's lora_requests_info, per worker: the labels name the adapters its computing and
+        # waiting requests go through (comma-separated) and how many it holds; the value is when
+        # that was read. Only a worker's latest label set is kept.
+        self.lora_requests_info = metric(
+            Gauge, "lora_requests_info", "A worker's LoRA adapters in use (labels) as of the value's Unix time",
+            ("worker_id", "role", "max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+        )
+        self._lora_labels: dict[str, tuple[str, ...]] = {}  # worker -> its current label values
         self._last_steps: dict[str, tuple[int, int]] = {}
         self._last_totals: dict[tuple[str, str], float] = {}  # (worker, EngineStats field) -> last total
         self._known_workers: set[str] = set()
+
+    def _set_lora_info(self, worker: str, role: str, engine) -> None:
+        labels = (worker, role, str(engine.num_lora_adapters), ",".join(engine.running_lora_adapters), ",".join(engine.waiting_lora_adapters))
+        if self._lora_labels.get(worker) != labels:
+            self._drop_lora_info(worker)
+            self._lora_labels[worker] = labels
+        self.lora_requests_info(*labels).set(time.time())
+
+    def _drop_lora_info(self, worker: str) -> None:
+        labels = self._lora_labels.pop(worker, None)
+        if labels is not None:
+            self._families["lora_requests_info"].remove(self.model_name, *labels)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP; return the port actually bound."""
@@ -160,6 +181,8 @@ class Metrics:
                 self._last_totals[(worker, field_name)] = total
             if engine.num_prefix_query_tokens:
                 self.prefix_hit_rate(worker, role).set(engine.num_prefix_hit_tokens / engine.num_prefix_query_tokens)
+            if engine.num_lora_adapters or worker in self._lora_labels:
+                self._set_lora_info(worker, role, engine)
             for path in getattr(status, "transfer_paths", ()):
                 labels = (worker, path.peer, path.transport, path.device)
                 for field_name, counter in self._path_counters.items():
@@ -178,6 +201,7 @@ class Metrics:
         for gone in self._known_workers - seen - {r.worker_id for r in records}:
             for field_name in self._worker_counters:
                 self._last_totals.pop((gone, field_name), None)
+            self._drop_lora_info(gone)
             for name in _PER_WORKER:
                 for role in ("prefill", "decode"):
                     try:

@@ -11,6 +11,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError, ModelLoadError
+from engine.stats import engine_stats
 from tests.checkpoints import ARCHITECTURES, build_checkpoint, build_lora_adapter, hf_greedy, random_prompts
 
 MAX_NEW = 10
@@ -139,7 +140,7 @@ def test_an_adapter_loaded_unloaded_and_replaced_at_runtime(tmp_path):
     model = build_checkpoint("llama", tmp_path / "base")
     first = build_lora_adapter(model, tmp_path / "v1", seed=11)
     second = build_lora_adapter(model, tmp_path / "v2", seed=12)
-    engine = _engine(tmp_path / "base", {})
+    engine = _engine(tmp_path / "base", {}, max_num_seqs=1)
     prompt = random_prompts([40], model.config.vocab_size, seed=13)[0]
 
     def finish():
@@ -148,12 +149,16 @@ def test_an_adapter_loaded_unloaded_and_replaced_at_runtime(tmp_path):
 
     digest = engine.load_adapter("policy", str(tmp_path / "v1"))
     running = engine.add_request("running", prompt, _through("policy"))
+    waiting = engine.add_request("waiting", prompt[:5], _through("policy"))  # one sequence a step: it waits
     engine.step()
+    stats = engine_stats(engine)
+    assert (stats.num_lora_adapters, stats.running_lora_adapters, stats.waiting_lora_adapters) == (1, ["policy"], ["policy"])
     assert engine.unload_adapter("policy")
     with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'policy'"):
         engine.add_request("refused", prompt, _through("policy"))
     finish()
     assert running.output_token_ids == hf_greedy(first, prompt, MAX_NEW)
+    assert waiting.output_token_ids == hf_greedy(first, prompt[:5], MAX_NEW), "a queued request lost its adapter to the unload"
     assert not engine.adapters, "the slot outlived its last request"
 
     assert engine.load_adapter("policy", str(tmp_path / "v1")) == digest

@@ -1,0 +1,49 @@
+"""vLLM's lora_requests_info, per worker: which adapters its requests go through, as of when."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from prometheus_client import generate_latest
+
+from engine.stats import EngineStats
+from router.metrics import Metrics
+from router.pool import Role
+
+
+def _router(engine: EngineStats):
+    record = SimpleNamespace(worker_id="decode-0", role=Role.DECODE)
+    status = SimpleNamespace(engine=engine, epoch="e1", transfer_paths=[])
+
+    async def reports(max_age_s):
+        return {"decode-0": SimpleNamespace(status=status)}
+
+    return SimpleNamespace(
+        pool=SimpleNamespace(workers={"decode-0": record}), status_monitor=SimpleNamespace(reports=reports), dispatcher=SimpleNamespace(num_queued=0)
+    )
+
+
+def _lora_lines(metrics: Metrics) -> list[str]:
+    return [line for line in generate_latest(metrics.registry).decode().splitlines() if line.startswith("pdserve:lora_requests_info{")]
+
+
+def test_each_worker_shows_its_running_and_waiting_adapters_and_only_its_latest():
+    metrics = Metrics("tiny")
+    stats = EngineStats(1, 2, 0, 10, 20, 0, num_lora_adapters=3, running_lora_adapters=["chat", "sql"], waiting_lora_adapters=["sql"])
+    before = time.time()
+    asyncio.run(metrics.refresh(_router(stats)))
+    (line,) = _lora_lines(metrics)
+    assert 'max_lora="3"' in line and 'running_lora_adapters="chat,sql"' in line and 'waiting_lora_adapters="sql"' in line
+    assert 'worker_id="decode-0"' in line and float(line.rsplit(" ", 1)[1]) >= before
+    stats.running_lora_adapters, stats.waiting_lora_adapters = [], []
+    asyncio.run(metrics.refresh(_router(stats)))
+    (line,) = _lora_lines(metrics)  # the earlier label set is gone
+    assert 'running_lora_adapters=""' in line and 'waiting_lora_adapters=""' in line
+
+
+def test_a_worker_without_adapters_has_no_series():
+    metrics = Metrics("tiny")
+    asyncio.run(metrics.refresh(_router(EngineStats(0, 0, 0, 10, 10, 0))))
+    assert _lora_lines(metrics) == []
