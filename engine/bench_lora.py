@@ -35,8 +35,9 @@ from engine.llm_engine import LLMEngine
 _MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
-def write_random_adapter(directory: Path, config: dict, rank: int, seed: int) -> Path:
-    """A PEFT LoRA adapter directory with random A and B on every projection of ``config``'s shape."""
+def write_random_adapter(directory: Path, config: dict, rank: int, seed: int, std: float = 0.02) -> Path:
+    """A PEFT LoRA adapter directory with random A and B (``std``) on every projection of
+    ``config``'s shape, ``lora_alpha`` twice the rank (a scaling of 2)."""
     generator = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head_dim = hidden // config["num_attention_heads"]
@@ -49,8 +50,8 @@ def write_random_adapter(directory: Path, config: dict, rank: int, seed: int) ->
             for module in modules:
                 fan_in, fan_out = shapes[module]
                 name = f"base_model.model.model.layers.{layer}.{block}.{module}."
-                tensors[name + "lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.02
-                tensors[name + "lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.02
+                tensors[name + "lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * std
+                tensors[name + "lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * std
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     adapter = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": [m for ms in _MODULES.values() for m in ms], "bias": "none"}

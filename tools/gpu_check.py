@@ -282,13 +282,13 @@ def engine_decode_ms(path: Path, batch: int, context: int, steps: int, **overrid
         fused_ops.ENABLED = True
 
 
-def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile: Path | None = None, **overrides) -> float:
+def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile: Path | None = None, lora_names: list[str | None] | None = None, **overrides) -> float:
     from engine.bench import seat_decoding
 
     blocks = batch * (-(-(context + steps + 16) // 16)) + 16
     engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=blocks, max_num_seqs=batch,
                                           max_num_batched_tokens=max(2048, batch), max_model_len=context + steps + 64, **overrides))
-    seat_decoding(engine, batch, context, steps + 16)
+    seat_decoding(engine, batch, context, steps + 16, lora_names)
     for _ in range(3):
         engine.step()
     torch.cuda.synchronize()
@@ -508,7 +508,55 @@ def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: 
     return {"shape": shape, "prompts": prompts, "length": length, "pdserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
 
 
-SECTIONS = ("rope", "kv_write", "overlap", "quantized", "sampling", "profile", "decode", "agreement", "prefill", "exactness", "features", "push")
+def check_lora(workdir: Path) -> dict:
+    """LoRA adapters on CUDA (engine.lora): the base model and two adapters in one batch, float32,
+    each equal to transformers' greedy with that adapter merged into the weights (W + 2 B A; no
+    PEFT on the lent machine); and the decode step at batch 32 (135M shape, bfloat16, context 600)
+    with the batch spread round-robin over 4 random rank-16 adapters (steps with adapter rows run
+    eagerly), against the same engine's base-model step (CUDA graphs)."""
+    import copy
+
+    from safetensors.torch import load_file
+
+    from engine.bench_lora import write_random_adapter
+
+    path = workdir / "lora"
+    model = build_checkpoint("llama", path / "base").to("cuda")
+    shape = model.config.to_dict()
+    references = {None: model}
+    for name, seed in (("a", 1), ("b", 2)):
+        write_random_adapter(path / name, shape, 8, seed=seed, std=0.3)
+        merged = copy.deepcopy(model)
+        params = dict(merged.named_parameters())
+        tensors = load_file(str(path / name / "adapter_model.safetensors"))
+        with torch.no_grad():
+            for key, a in tensors.items():
+                if key.endswith("lora_A.weight"):
+                    b = tensors[key.replace("lora_A", "lora_B")]
+                    params[key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")] += 2.0 * (b @ a).to("cuda")
+        references[name] = merged
+    config = EngineConfig(device="cuda", dtype="float32", num_kv_blocks=128, max_num_batched_tokens=64, long_prefill_chunk=16,
+                          lora_adapters={name: str(path / name) for name in ("a", "b")})
+    engine = LLMEngine(path / "base", config)
+    jobs = [(prompt, name) for prompt in random_prompts([5, 30, 45], model.config.vocab_size, seed=4) for name in (None, "a", "b")]
+    got = engine.generate([p for p, _ in jobs], [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, lora_name=n) for _, n in jobs])
+    exact = {f"{name}/{len(prompt)}": out.token_ids == _hf_greedy_cuda(references[name], prompt, 12) for (prompt, name), out in zip(jobs, got)}
+    changed = any(out.token_ids != base.token_ids for out, base in zip(got[1::3], got[0::3]))
+    del engine
+    big = workdir / "135m"
+    if not (big / "config.json").exists():
+        random_hf_model("135m", big)
+        torch.cuda.empty_cache()
+    dirs = {f"l{i}": str(write_random_adapter(workdir / f"lora_135m_{i}", SHAPES["135m"], 16, seed=i)) for i in range(4)}
+    base_ms = _engine_decode_ms(big, 32, 600, 20, lora_adapters=dirs)
+    lora_ms = _engine_decode_ms(big, 32, 600, 20, lora_names=[f"l{i % 4}" for i in range(32)], lora_adapters=dirs)
+    return {
+        "exact": exact, "adapters_change_output": changed, "base_step_ms": base_ms, "lora_step_ms": lora_ms,
+        "lora_vs_base": base_ms / lora_ms, "ok": all(exact.values()) and changed,
+    }
+
+
+SECTIONS = ("rope", "kv_write", "overlap", "quantized", "sampling", "profile", "decode", "agreement", "prefill", "exactness", "features", "push", "lora")
 
 
 def main() -> int:
@@ -579,8 +627,9 @@ def main() -> int:
         section("exactness", check_exactness, workdir)
         section("features", check_features, workdir)
         section("push", check_event_before_push, workdir)
+        section("lora", check_lora, workdir)
     float32_exact = all(v["exact"] for k, v in report.get("exactness", {}).items() if "/float32/" in k)
-    rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "kv_write", "overlap", "quantized", "sampling"))
+    rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "kv_write", "overlap", "quantized", "sampling", "lora"))
     return 0 if float32_exact and rope_ok and all(report.get("features", {}).values()) and report.get("push", True) else 1
 
 
