@@ -194,19 +194,43 @@ def _read_pair(read: ShardReader, base: str, module: str, adapter_dir: Path, lay
     return a, b
 
 
+class SlotStack:
+    """One engine projection's pairs of every adapter slot, stacked for batched matmuls:
+    ``a`` [slots, in, rank] and ``b`` [slots, rank, out], ranks zero-padded to the largest, a slot
+    whose adapter leaves the projection alone (or an empty slot) all zeros."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, present: list[bool]):
+        self.a, self.b, self.present = a, b, present
+
+    @classmethod
+    def of(cls, pairs: list["LoraPair | None"], like: "LoraPair") -> "SlotStack":
+        rank = max(p.a_t.shape[1] for p in pairs if p is not None)
+        a = like.a_t.new_zeros((len(pairs), like.a_t.shape[0], rank))
+        b = like.b_t.new_zeros((len(pairs), rank, like.b_t.shape[1]))
+        for slot, pair in enumerate(pairs):
+            if pair is not None:
+                a[slot, :, : pair.a_t.shape[1]] = pair.a_t
+                b[slot, : pair.b_t.shape[0]] = pair.b_t
+        return cls(a, b, [p is not None for p in pairs])
+
+    def pairs(self) -> list["LoraPair | None"]:
+        """Each slot's pair back (views into the stack), None where empty."""
+        return [LoraPair(self.a[s], self.b[s]) if here else None for s, here in enumerate(self.present)]
+
+
 class AdapterRows:
     """Which rows of one step go through which adapter: built once per step by the model
     runner, handed to every layer, which adds each adapter's delta to those rows' projections.
 
-    Each adapter's rows are one run of a row order: the step's own order where every adapter's
-    rows are already contiguous (a prompt chunk, a batch of one adapter), else the rows with an
-    adapter sorted by it (``order``), gathered once per projection and added back in one
-    ``index_add_``, so a step pays two small matmuls per adapter and projection, and no more
-    than one gather and one scatter."""
+    Where each adapter's rows are already contiguous (a prompt chunk, a batch of one adapter)
+    its delta is one pair of matmuls added in place. Else the rows with an adapter are gathered
+    once per projection, grouped by adapter and padded to the largest group, and every group's
+    delta comes from one batched matmul pair over the stacked weights (``SlotStack``), added back
+    with one ``index_add_``: a step's cost in calls does not grow with its adapters."""
 
-    def __init__(self, runs: list[tuple[int, int, int]], order: torch.Tensor | None):
-        self.runs = runs  # (adapter slot, first, end) in the row order
-        self.order = order  # rows in adapter order (None: the step's order)
+    def __init__(self, runs: list[tuple[int, int, int]], grouped: "_Grouped | None" = None):
+        self.runs = runs  # (adapter slot, first, end) of contiguous rows (used where ``grouped`` is None)
+        self.grouped = grouped
 
     @classmethod
     def of_slices(cls, slice_adapters: list[int], slice_lengths: list[int], device: str) -> "AdapterRows | None":
@@ -221,28 +245,54 @@ class AdapterRows:
         if not rows:
             return None
         if all(indices[-1] - indices[0] + 1 == len(indices) for indices in rows.values()):
-            return cls([(slot, indices[0], indices[-1] + 1) for slot, indices in rows.items()], None)
-        runs, order = [], []
-        for slot, indices in rows.items():
-            runs.append((slot, len(order), len(order) + len(indices)))
-            order.extend(indices)
-        return cls(runs, to_device(order, torch.long, device))
+            return cls([(slot, indices[0], indices[-1] + 1) for slot, indices in rows.items()])
+        return cls([], _Grouped.of(rows, device))
 
-    def add_deltas(self, out: torch.Tensor, x: torch.Tensor, pairs: list[LoraPair | None]) -> torch.Tensor:
+    def add_deltas(self, out: torch.Tensor, x: torch.Tensor, stack: SlotStack) -> torch.Tensor:
         """``out`` (a projection's output for ``x``) with each adapter's delta added to its rows."""
-        if self.order is None:
+        if self.grouped is None:
             for slot, first, end in self.runs:
-                pair = pairs[slot]
-                if pair is not None:
-                    out[first:end].addmm_(x[first:end] @ pair.a_t, pair.b_t)
+                if stack.present[slot]:
+                    out[first:end].addmm_(x[first:end] @ stack.a[slot], stack.b[slot])
             return out
-        gathered = x.index_select(0, self.order)
-        deltas = out.new_zeros((len(self.order), out.shape[1]))
-        for slot, first, end in self.runs:
-            pair = pairs[slot]
-            if pair is not None:
-                torch.mm(gathered[first:end] @ pair.a_t, pair.b_t, out=deltas[first:end])
-        return out.index_add_(0, self.order, deltas)
+        return self.grouped.add_deltas(out, x, stack)
+
+
+class _Grouped:
+    """A step's adapter rows grouped by adapter, each group padded to ``size`` rows."""
+
+    def __init__(self, slots: list[int], size: int, gather: torch.Tensor, targets: torch.Tensor, real: torch.Tensor | None, device: str):
+        self.slots = slots
+        self.slot_index = to_device(slots, torch.long, device)
+        self.size = size
+        self.gather = gather  # [groups * size] rows of x (padding repeats a group's first row)
+        self.targets = targets  # the real rows, in the order of ``real``
+        self.real = real  # positions of the real rows among the padded ones (None: no padding)
+
+    @classmethod
+    def of(cls, rows: dict[int, list[int]], device: str) -> "_Grouped":
+        size = max(len(indices) for indices in rows.values())
+        gather, targets, real = [], [], []
+        for group, indices in enumerate(rows.values()):
+            targets.extend(indices)
+            real.extend(range(group * size, group * size + len(indices)))
+            gather.extend(indices + [indices[0]] * (size - len(indices)))
+        padded = len(gather) != len(targets)
+        return cls(list(rows), size, to_device(gather, torch.long, device), to_device(targets, torch.long, device),
+                   to_device(real, torch.long, device) if padded else None, device)
+
+    def add_deltas(self, out: torch.Tensor, x: torch.Tensor, stack: SlotStack) -> torch.Tensor:
+        if not any(stack.present[slot] for slot in self.slots):
+            return out
+        if self.slots == list(range(len(stack.present))):  # every slot, in order: the stack as it is
+            a, b = stack.a, stack.b
+        else:
+            a, b = stack.a.index_select(0, self.slot_index), stack.b.index_select(0, self.slot_index)
+        gathered = x.index_select(0, self.gather).view(len(self.slots), self.size, x.shape[-1])
+        deltas = torch.bmm(torch.bmm(gathered, a), b).view(-1, out.shape[-1])
+        if self.real is not None:
+            deltas = deltas.index_select(0, self.real)
+        return out.index_add_(0, self.targets, deltas)
 
 
 def adapter_digest(adapter_dir: str | Path) -> str:
@@ -263,20 +313,33 @@ def install_adapter(model: torch.nn.Module, slot: int, adapter_dir: str | Path, 
     """Load an adapter for ``model``'s shard into slot ``slot`` of every decoder layer (replacing
     whatever the slot held)."""
     loaded = load_adapter(adapter_dir, model.config, model.shard, dtype, device)
+    # Every projection's stack covers every slot a step may name (a row's slot indexes them all).
+    num_slots = max([slot + 1, *(len(stack.present) for layer in model.layers for stack in layer.lora.values())])
     for layer, pairs in zip(model.layers, loaded):
         for projection in PROJECTIONS:
-            slots = layer.lora.setdefault(projection, [])
-            slots.extend([None] * (slot + 1 - len(slots)))
-            slots[slot] = pairs.get(projection)
+            _set_slot(layer, projection, slot, pairs.get(projection), num_slots)
     logger.info("LoRA adapter %s loaded into slot %d", adapter_dir, slot)
 
 
 def remove_adapter(model: torch.nn.Module, slot: int) -> None:
     """Free slot ``slot``'s weights in every decoder layer."""
     for layer in model.layers:
-        for slots in layer.lora.values():
-            if slot < len(slots):
-                slots[slot] = None
+        for projection in list(layer.lora):
+            _set_slot(layer, projection, slot, None, len(layer.lora[projection].present))
+
+
+def _set_slot(layer: torch.nn.Module, projection: str, slot: int, pair: LoraPair | None, num_slots: int) -> None:
+    """Restack one projection's ``num_slots`` slots with ``pair`` in ``slot`` (the projection
+    dropped where no slot has a pair left)."""
+    stack = layer.lora.get(projection)
+    pairs = stack.pairs() if stack is not None else []
+    pairs.extend([None] * (num_slots - len(pairs)))
+    pairs[slot] = pair
+    like = next((p for p in pairs if p is not None), None)
+    if like is None:
+        layer.lora.pop(projection, None)
+    else:
+        layer.lora[projection] = SlotStack.of(pairs, like)
 
 
 @dataclass(slots=True)

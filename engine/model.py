@@ -21,7 +21,7 @@ from engine import fused_ops
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.lora import AdapterRows, LoraPair
+from engine.lora import AdapterRows, SlotStack
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TPShard
 from engine.rope import RopeTables, RotaryEmbedding
@@ -60,9 +60,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * shard.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(shard.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.window = config.layer_windows[layer_index] if config.layer_windows else None  # sliding window, or None
-        # LoRA adapters' pairs by projection, a slot per adapter (None: it leaves that one alone);
-        # filled by engine.lora.install_adapter, empty without adapters.
-        self.lora: dict[str, list[LoraPair | None]] = {}
+        # LoRA adapters' pairs by projection, every slot's stacked (engine.lora.SlotStack); a
+        # projection no adapter targets is absent. Filled by engine.lora.install_adapter.
+        self.lora: dict[str, SlotStack] = {}
 
     def forward(
         self,
@@ -114,7 +114,8 @@ class DecoderLayer(nn.Module):
         """Projection ``name`` of ``x``, plus its LoRA deltas on the rows that have an adapter (a
         row-parallel one's partial delta, summed with its partial product by the all-reduce)."""
         out = getattr(self, name)(x)
-        return out if adapters is None else adapters.add_deltas(out, x, self.lora[name])
+        stack = None if adapters is None else self.lora.get(name)
+        return out if stack is None else adapters.add_deltas(out, x, stack)
 
 
 @dataclass(slots=True)

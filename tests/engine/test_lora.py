@@ -235,3 +235,25 @@ def test_adapter_of_another_model_or_kind_is_refused_at_load(adapted, tmp_path):
 
     with pytest.raises(ModelLoadError, match="does not exist"):
         _engine(path, {"gone": (tmp_path / "gone", None)})
+
+
+def test_slots_reused_by_adapters_on_other_projections_keep_every_row_right(tmp_path):
+    """Adapters on disjoint projections loaded, unloaded and loaded again into freed slots, then
+    all in one batch with their rows interleaved: each row through its own adapter's weights."""
+    model = build_checkpoint("llama", tmp_path / "base")
+    made = {
+        "q": build_lora_adapter(model, tmp_path / "q", seed=31, targets=("q_proj",)),
+        "down": build_lora_adapter(model, tmp_path / "down", seed=32, targets=("down_proj",), rank=16),
+        "gate": build_lora_adapter(model, tmp_path / "gate", seed=33, targets=("gate_proj", "v_proj"), rank=2),
+    }
+    engine = _engine(tmp_path / "base", {})
+    engine.load_adapter("gate", str(tmp_path / "gate"))
+    engine.load_adapter("q", str(tmp_path / "q"))
+    engine.unload_adapter("gate")  # slot 0 freed, slot 1 kept
+    engine.load_adapter("down", str(tmp_path / "down"))  # into slot 0: the first adapter on down_proj
+    prompts = random_prompts([7, 12, 9], model.config.vocab_size, seed=34)
+    names = ["down", "q", None]
+    jobs = [(prompt, name) for prompt in prompts for name in names]
+    outputs = engine.generate([p for p, _ in jobs], [_through(name) for _, name in jobs])
+    for (prompt, name), out in zip(jobs, outputs):
+        assert out.token_ids == hf_greedy(model if name is None else made[name], prompt, MAX_NEW), name
