@@ -11,9 +11,10 @@ A tensor-parallel rank holds its slices: B's rows of its heads or MLP columns fo
 column-parallel projections, A's columns of its heads or MLP columns for o_proj and
 down_proj, whose partial deltas the layer's all-reduce sums with the base's.
 
-A step adds ``(x[rows] @ A^T) @ B^T`` to each projection's output, one pair of matmuls per
-adapter present in the step (``AdapterRows``): a batch of many adapters costs two small
-matmuls per adapter and projection, its base matmuls stay shared.
+A step adds ``(x[rows] @ A^T) @ B^T`` to each projection's output for each adapter's rows
+(``AdapterRows``): in place where an adapter's rows are contiguous, else through two batched
+matmuls over every slot's stacked pairs (``SlotStack``), whatever the number of adapters; the
+base matmuls stay shared.
 """
 
 from __future__ import annotations
