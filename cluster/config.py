@@ -413,7 +413,7 @@ class ClusterConfig(BaseModel):
         fail to start on it); its name must not be one the base model answers to."""
         if not self.lora_modules:
             return self
-        from engine.lora import load_adapter
+        from engine.lora_loading import load_adapter
         from engine.parallel.shard import TPShard
 
         model = ModelConfig.from_model_dir(Path(self.model))

@@ -43,7 +43,7 @@ def chained_block_hashes(token_ids: Sequence[int], block_size: int, parent: byte
 
 def adapter_hash_salt(adapter_digest: str | None) -> bytes:
     """What seeds the hash chain of a request's blocks through the LoRA adapter of this digest
-    (engine.lora.adapter_digest): its KV differs from the base model's, and every other
+    (engine.lora_loading.adapter_digest): its KV differs from the base model's, and every other
     adapter's, for the same tokens. b"" for the base model."""
     return b"" if adapter_digest is None else b"lora:" + adapter_digest.encode()
 

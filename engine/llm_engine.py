@@ -32,7 +32,8 @@ from engine.host_to_device import to_device
 from engine.kernel_warm_up import warm_up_kernels
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype
-from engine.lora import AdapterTable, adapter_digest
+from engine.lora import AdapterTable
+from engine.lora_loading import adapter_digest
 from engine.model import StageActivations
 from engine.model_runner import ModelRunner
 from engine.parallel.group import SINGLE, RankFailedError, TPGroup, free_address

@@ -57,7 +57,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     # The LoRA adapter (engine.lora) this request runs through, by name; None: the base model.
     lora_name: str | None = None
-    # The version of it (engine.lora.adapter_digest) every worker of the request computes with,
+    # The version of it (engine.lora_loading.adapter_digest) every worker of the request computes with,
     # pinned by the router; None: the version the name serves where the sequence starts.
     lora_digest: str | None = None
 

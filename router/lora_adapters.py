@@ -13,7 +13,7 @@ router admitted computes with it. A worker the router starts routing to later (a
 scale-up, a restarted one) is first given the adapters it lacks and told to drop those unloaded
 meanwhile, so no request reaches a worker that cannot serve it.
 
-Each adapter's digest (``engine.lora.adapter_digest``, what its workers report) salts its
+Each adapter's digest (``engine.lora_loading.adapter_digest``, what its workers report) salts its
 prompts' prefix hashes, as the workers' own caches are salted: KV-aware routing sees the blocks
 cached through that adapter only.
 """
