@@ -150,7 +150,9 @@ class LLMEngine:
         # The LoRA adapters served (engine.lora): the configured ones in slots 0.., more at runtime.
         self.adapters = AdapterTable()
         for slot, (name, adapter_dir) in enumerate(self.config.lora_adapters.items()):
-            self.adapters.add(name, adapter_digest(adapter_dir), slot)
+            digest = adapter_digest(adapter_dir)
+            # The same adapter under two names: one version, computed from the first one's slot.
+            self.adapters.add(name, digest, self.adapters.slots.get(digest, slot))
         self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs, self.adapters)
         self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
         self.sampler = Sampler(self.config.seed, self.eos_token_ids)

@@ -89,31 +89,52 @@ class AdapterRows:
 
 
 class _Grouped:
-    """A step's adapter rows grouped by adapter, each group padded to ``size`` rows."""
+    """A step's adapter rows grouped by adapter: each group padded to ``size`` rows for batched
+    matmuls, or, where padding would more than double the rows (a long prompt chunk beside a few
+    decode rows of other adapters), one matmul pair per group over its own rows (``runs``)."""
 
-    def __init__(self, slots: list[int], size: int, gather: torch.Tensor, targets: torch.Tensor, real: torch.Tensor | None, device: str):
+    # Padded rows past this many times the real ones: per-group matmuls instead.
+    MAX_PADDING_FACTOR = 2
+
+    def __init__(self, slots: list[int], size: int, gather: torch.Tensor, targets: torch.Tensor, real: torch.Tensor | None,
+                 runs: list[tuple[int, int, int]] | None, device: str):
         self.slots = slots
         self.slot_index = to_device(slots, torch.long, device)
         self.size = size
-        self.gather = gather  # [groups * size] rows of x (padding repeats a group's first row)
-        self.targets = targets  # the real rows, in the order of ``real``
+        self.gather = gather  # the rows of x to gather: padded (a group's first row repeated), or as ``targets``
+        self.targets = targets  # the real rows, grouped by adapter
         self.real = real  # positions of the real rows among the padded ones (None: no padding)
+        self.runs = runs  # per-group matmuls: (slot, first, end) in ``targets``; None: batched
 
     @classmethod
     def of(cls, rows: dict[int, list[int]], device: str) -> "_Grouped":
         size = max(len(indices) for indices in rows.values())
-        gather, targets, real = [], [], []
+        targets = [row for indices in rows.values() for row in indices]
+        if size * len(rows) > cls.MAX_PADDING_FACTOR * len(targets):
+            runs, first = [], 0
+            for slot, indices in rows.items():
+                runs.append((slot, first, first + len(indices)))
+                first += len(indices)
+            index = to_device(targets, torch.long, device)
+            return cls(list(rows), size, index, index, None, runs, device)
+        gather, real = [], []
         for group, indices in enumerate(rows.values()):
-            targets.extend(indices)
             real.extend(range(group * size, group * size + len(indices)))
             gather.extend(indices + [indices[0]] * (size - len(indices)))
         padded = len(gather) != len(targets)
         return cls(list(rows), size, to_device(gather, torch.long, device), to_device(targets, torch.long, device),
-                   to_device(real, torch.long, device) if padded else None, device)
+                   to_device(real, torch.long, device) if padded else None, None, device)
 
     def add_deltas(self, out: torch.Tensor, x: torch.Tensor, stack: SlotStack) -> torch.Tensor:
         if not any(stack.present[slot] for slot in self.slots):
             return out
+        if self.runs is not None:
+            gathered = x.index_select(0, self.gather)
+            deltas = out.new_zeros((len(self.targets), out.shape[-1]))
+            for slot, first, end in self.runs:
+                if stack.present[slot]:
+                    torch.mm(gathered[first:end] @ stack.a[slot], stack.b[slot], out=deltas[first:end])
+            return out.index_add_(0, self.targets, deltas)
         if self.slots == list(range(len(stack.present))):  # every slot, in order: the stack as it is
             a, b = stack.a, stack.b
         else:
@@ -141,7 +162,9 @@ def remove_adapter(model: torch.nn.Module, slot: int) -> None:
     """Free slot ``slot``'s weights in every decoder layer."""
     for layer in model.layers:
         for projection in list(layer.lora):
-            _set_slot(layer, projection, slot, None, len(layer.lora[projection].present))
+            num_slots = len(layer.lora[projection].present)
+            if slot < num_slots:  # a rank whose load failed never grew its stacks to the slot
+                _set_slot(layer, projection, slot, None, num_slots)
 
 
 def _set_slot(layer: torch.nn.Module, projection: str, slot: int, pair: LoraPair | None, num_slots: int) -> None:

@@ -187,7 +187,8 @@ class ChoiceState:
             if not self.role_sent:
                 delta["role"] = "assistant"
                 self.role_sent = True
-            if chunk.text or ("role" in delta and not self.tool_deltas):
+            # New tokens whose text is held back say so with empty content, as vLLM's chunks do.
+            if chunk.text or (not self.tool_deltas and ("role" in delta or (chunk.token_ids and self.tools is None))):
                 delta["content"] = chunk.text
             if self.tool_deltas:
                 delta["tool_calls"] = [d.to_json() for d in self.tool_deltas]

@@ -586,7 +586,17 @@ def test_runtime_lora_endpoints_are_off_unless_the_deployment_allows_them(base_u
     assert status == 404 and "allow_runtime_lora_updating" in json.loads(raw)["error"]["message"]
 
 
-def test_a_streamed_token_whose_text_is_held_back_still_goes_out_as_a_chunk(client, chat_model, hf_tokenizer):
+@pytest.fixture
+def one_token_a_message(deployment):
+    """The decode actor paced (50 ms a step) so each step's token reaches the client as a message
+    of its own, not merged with the next ones (as a fast tiny model's would be)."""
+    decode = next(h for name, h in deployment.handles.items() if name.startswith("decode"))
+    ray.get(decode.set_step_delay.remote(0.05))
+    yield
+    ray.get(decode.set_step_delay.remote(0.0))
+
+
+def test_a_streamed_token_whose_text_is_held_back_still_goes_out_as_a_chunk(client, chat_model, hf_tokenizer, one_token_a_message):
     """As vLLM streams: each step's tokens make a chunk even while their text waits (here at a
     possible stop string), so a client sees the first token when it came."""
     (prompt,) = random_prompts([12], chat_model.vocab_size, seed=21)
@@ -599,3 +609,17 @@ def test_a_streamed_token_whose_text_is_held_back_still_goes_out_as_a_chunk(clie
     ))
     assert chunks[0].choices[0].text == "" and chunks[0].choices[0].finish_reason is None
     assert "".join(c.choices[0].text for c in chunks) == hf_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_a_streamed_chat_token_whose_text_is_held_back_has_empty_content(client, chat_model, hf_tokenizer, one_token_a_message):
+    """Chat's chunks for tokens whose text waits carry ``content: ""``, as vLLM's do."""
+    ids = _chat_ids(hf_tokenizer, MESSAGES)
+    expected = hf_greedy(chat_model.hf_model, ids, 6)
+    held = hf_tokenizer.decode(expected[:2])
+    assert held.strip(), "the first tokens have no text: pick other messages"
+    chunks = list(client.chat.completions.create(
+        model="tiny-chat", messages=MESSAGES, max_tokens=6, stop=[held + "\x07never"], stream=True, **GREEDY
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[1].choices[0].delta.content == "" and chunks[1].choices[0].finish_reason is None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == hf_tokenizer.decode(expected, skip_special_tokens=True)

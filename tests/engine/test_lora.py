@@ -257,3 +257,31 @@ def test_slots_reused_by_adapters_on_other_projections_keep_every_row_right(tmp_
     outputs = engine.generate([p for p, _ in jobs], [_through(name) for _, name in jobs])
     for (prompt, name), out in zip(jobs, outputs):
         assert out.token_ids == hf_greedy(model if name is None else made[name], prompt, MAX_NEW), name
+
+
+def test_a_long_prompt_chunk_beside_other_adapters_decode_rows(adapted, monkeypatch, tmp_path):
+    """One adapter's long prompt chunk and single decode rows of two others in the same steps,
+    the rows interleaved: each group's matmuls over its own rows (not padded to the longest), and
+    every output PEFT's."""
+    from engine import lora
+
+    path, model, adapters = adapted["llama"]
+    third = (tmp_path / "third", build_lora_adapter(model, tmp_path / "third", seed=43, targets=("o_proj", "up_proj")))
+    adapters = {**adapters, "third": third}
+    engine = _engine(path, adapters)
+    grouped = []
+    original = lora._Grouped.of.__func__
+    monkeypatch.setattr(lora._Grouped, "of", classmethod(lambda cls, rows, device: grouped.append(original(cls, rows, device)) or grouped[-1]))
+    short = random_prompts([3, 4], model.config.vocab_size, seed=41)
+    names = ["qv", "third"]
+    seqs = [engine.add_request(f"d{i}", p, _through(name)) for i, (p, name) in enumerate(zip(short, names))]
+    engine.step()  # both short prompts computed: they decode from here
+    long_prompt = random_prompts([60], model.config.vocab_size, seed=42)[0]
+    seqs.append(engine.add_request("long", long_prompt, _through("every")))
+    seqs.append(engine.add_request("d2", short[0], _through("qv")))
+    while engine.has_unfinished_requests():
+        engine.step()
+    for seq, prompt, name in zip(seqs, [*short, long_prompt, short[0]], ["qv", "third", "every", "qv"]):
+        assert seq.output_token_ids == hf_greedy(adapters[name][1], prompt, MAX_NEW), name
+    assert any(g.runs is not None for g in grouped), "no step took the per-group path: the test proves nothing"
+    assert any(g.runs is None for g in grouped), "no step took the batched path"
