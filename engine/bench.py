@@ -240,9 +240,7 @@ def _print_tables(results: dict, args: argparse.Namespace) -> None:
     print(f"decode, context {args.context}, {args.steps} steps x {args.repeats} repeats, {args.dtype}, {args.threads} thread(s); tok/s best/median")
     print(f"{'batch':>5} {'step()':>15} {'raw loop':>15} {'transformers':>15} {'step/tf':>13} {'raw/tf':>13}")
     for row in results["decode"]:
-        cells = [f"{row[k]['best']:7.1f}/{row[k]['median']:7.1f}" for k in ("step", "raw", "transformers")]
-        ratios = [f"{row[k]['best']:6.3f}/{row[k]['median']:6.3f}" for k in ("ratio_step_vs_transformers", "ratio_raw_vs_transformers")]
-        print(f"{row['batch']:>5} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} {ratios[0]:>13} {ratios[1]:>13}")
+        print(decode_row(row, ("step", "raw", "transformers"), ("ratio_step_vs_transformers", "ratio_raw_vs_transformers")))
     print(f"\nprefill of a {args.prefill_len}-token prompt (transformers: one forward, logits of the last token only)")
     print(f"{'chunk':>9} {'step()':>15} {'transformers':>15} {'step/tf':>13}")
     _print_prefill_rows(results["prefill"])
@@ -250,6 +248,13 @@ def _print_tables(results: dict, args: argparse.Namespace) -> None:
         print(f"\nscoring that prompt (prompt_logprobs {args.score_top}; transformers: one forward, every position's logits)")
         print(f"{'chunk':>9} {'step()':>15} {'transformers':>15} {'step/tf':>13}")
         _print_prefill_rows(results["scoring"])
+
+
+def decode_row(row: dict, samples: tuple[str, ...], ratios: tuple[str, ...]) -> str:
+    """One decode table line: the batch, each sample's best/median tok/s, each ratio's best/median."""
+    cells = [f"{row[k]['best']:7.1f}/{row[k]['median']:7.1f}" for k in samples]
+    quotients = [f"{row[k]['best']:6.3f}/{row[k]['median']:6.3f}" for k in ratios]
+    return f"{row['batch']:>5} " + " ".join(f"{cell:>15}" for cell in cells) + " " + " ".join(f"{q:>13}" for q in quotients)
 
 
 def _print_prefill_rows(rows: list[dict]) -> None:

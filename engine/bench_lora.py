@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.bench import SMOLLM2_135M_SHAPE, _ratio, _summary, bench_prefill, seat_decoding, write_random_checkpoint
+from engine.bench import SMOLLM2_135M_SHAPE, _ratio, _summary, bench_prefill, decode_row, seat_decoding, write_random_checkpoint
 from engine.bench_reference import TransformersReference
 from engine.config import DTYPES, EngineConfig
 from engine.llm_engine import LLMEngine
@@ -115,9 +115,7 @@ def _print(results: dict, args: argparse.Namespace) -> None:
     print(f"decode through {args.adapters} rank-{args.rank} adapters (round-robin), context {args.context}, {args.dtype}, {args.threads} thread(s); tok/s best/median")
     print(f"{'batch':>5} {'step()':>15} {'step() base':>15} {'PEFT':>15} {'step/PEFT':>13} {'step/base':>13}")
     for row in results["decode"]:
-        cells = [f"{row[k]['best']:7.1f}/{row[k]['median']:7.1f}" for k in ("step", "step_base", "peft")]
-        ratios = [f"{row[k]['best']:6.3f}/{row[k]['median']:6.3f}" for k in ("ratio_vs_peft", "ratio_vs_base")]
-        print(f"{row['batch']:>5} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} {ratios[0]:>13} {ratios[1]:>13}")
+        print(decode_row(row, ("step", "step_base", "peft"), ("ratio_vs_peft", "ratio_vs_base")))
     row = results["prefill"]
     if row:
         print(f"\nprefill of a {row['prompt']}-token prompt through one adapter: step() {row['step']['best']:.1f}/{row['step']['median']:.1f}, "

@@ -90,6 +90,7 @@ class ModelRunner:
         step = StepInput([], [], [], [], updates)
         input_ids, positions, logits_indices = step.input_ids, step.positions, step.logits_indices
         prompt_rows: list[int] = []
+        with_adapters = bool(self.adapters)  # once a step: each slice's adapter slot where any are held
         for piece, row in zip(batch.slices, rows):
             seq = piece.seq
             start = seq.num_computed_tokens
@@ -110,7 +111,7 @@ class ModelRunner:
                 positions.extend(range(start, start + piece.num_tokens))
                 logits_indices.extend(range(len(input_ids) - piece.num_sampled_rows, len(input_ids)))
             step.slices.append(SeqSlice(row, start, piece.num_tokens, decode=piece.is_decode))
-            if self.adapters:
+            if with_adapters:
                 step.slice_adapters.append(seq.adapter_slot)
         logits_indices.extend(prompt_rows)
         return step
