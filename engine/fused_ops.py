@@ -44,6 +44,10 @@ def _flashinfer(*tensors: torch.Tensor):
     first = tensors[0]
     if first.device.type != "cuda" or first.dtype not in (torch.float16, torch.bfloat16) or first.dim() != 2:
         return None
+    if first.shape[0] == 0:
+        # A prefill step whose chunks all end mid-prompt needs no logits: the final norm gets
+        # no rows, a launch of no blocks, which FlashInfer's kernels refuse (invalid argument).
+        return None
     if any(t.dtype != first.dtype or not t.is_contiguous() for t in tensors):
         return None
     return _flashinfer_module()

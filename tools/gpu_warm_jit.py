@@ -121,6 +121,7 @@ def export(directory: Path) -> Path:
     spec = importlib.util.find_spec("flashinfer")
     if spec is not None and spec.submodule_search_locations:
         roots.append(Path(spec.submodule_search_locations[0]) / "data" / "aot")
+    directory.mkdir(parents=True, exist_ok=True)
     command = ["tar", "-I", "xz -T0", "-cf", str(directory / "fi_jit.tar.xz")]
     for root in roots:
         libraries = sorted(str(p.relative_to(root)) for p in root.rglob("*.so")) if root.is_dir() else []
