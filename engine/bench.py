@@ -92,14 +92,15 @@ def _decode_engine(model_dir: Path, dtype: str, batch: int, context: int, steps:
     return LLMEngine(model_dir, config)
 
 
-def seat_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int, lora_names: list[str | None] | None = None) -> None:
+def seat_decoding(engine: LLMEngine, batch: int, context: int, max_tokens: int, lora_names: list[str | None] | None = None,
+                  sampling: SamplingParams | None = None) -> None:
     """Put ``batch`` sequences straight into decode, their ``context`` tokens' KV taken as cached
-    (sequence i through adapter ``lora_names[i]`` where given).
+    (sequence i through adapter ``lora_names[i]`` where given; greedy unless ``sampling`` says).
 
     A decode step costs the same whatever the cache holds; skipping the prompts' prefill
     keeps a batch-32 run at a long context from spending minutes before the timed steps.
     """
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = dataclasses.replace(sampling or SamplingParams(temperature=0.0), max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         lora_name = lora_names[i] if lora_names else None
         engine.add_request(f"d{i}", [(7 * i + j) % 1000 + 3 for j in range(context)], dataclasses.replace(params, lora_name=lora_name))

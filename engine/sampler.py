@@ -402,35 +402,6 @@ def _flashinfer_sampling():
     return flashinfer.sampling
 
 
-# Slices of a row that largest() takes its first top-k from on CUDA.
-TOP_K_SLICE = 4096
-
-
-def largest(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits.topk(k, dim=-1)`` (values descending, their column ids), on CUDA in two stages
-    for wide rows: the top-k of each ``TOP_K_SLICE``-wide slice of a row, then the top-k among
-    those candidates, which hold a row's top k. torch.topk gives a row one thread block, which
-    walks a whole vocabulary (on an H200, 1 ms of a 2.6 ms decode step for 64 rows of 152k);
-    slices spread a row over as many blocks. Ties may come back in another order than
-    torch.topk's, the same way every time for the same logits and k."""
-    if logits.device.type != "cuda" or logits.shape[1] < 2 * TOP_K_SLICE or k > TOP_K_SLICE // 4:
-        return logits.topk(k, dim=-1)
-    return _largest_by_slices(logits, k, TOP_K_SLICE)
-
-
-def _largest_by_slices(logits: torch.Tensor, k: int, slice_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, width = logits.shape
-    end = width // slice_width * slice_width
-    values, ids = logits[:, :end].reshape(rows, -1, slice_width).topk(k, dim=-1)
-    ids += torch.arange(0, end, slice_width, device=logits.device).unsqueeze(1)
-    values, ids = values.reshape(rows, -1), ids.reshape(rows, -1)
-    if end < width:  # the tail past the last whole slice
-        tail_values, tail_ids = logits[:, end:].topk(min(k, width - end), dim=-1)
-        values, ids = torch.cat([values, tail_values], dim=1), torch.cat([ids, tail_ids + end], dim=1)
-    top, where = values.topk(k, dim=-1)
-    return top, ids.gather(1, where)
-
-
 def _top_k_candidates(logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows that all have top-k: each row's probabilities over its largest logits (descending;
     as many columns as the largest top_k, a row's own filters masking the rest to 0) and their
@@ -438,7 +409,7 @@ def _top_k_candidates(logits: torch.Tensor, params: list) -> tuple[torch.Tensor,
     and min-p on what top-k kept."""
     # torch.topk, not FlashInfer's radix top-k: that module's JIT build did not finish in 9 minutes
     # on 16 cores of an H200 machine (session 22), a first top-k request's wait on a fresh server.
-    top, token_ids = largest(logits, min(logits.shape[-1], max(p.top_k for p in params)))
+    top, token_ids = logits.topk(min(logits.shape[-1], max(p.top_k for p in params)), dim=-1)
     temperatures = to_device([p.temperature for p in params], logits.dtype, logits.device).unsqueeze(1)
     values = ((top - top[:, :1]) / temperatures).float()  # shifted first: a tiny temperature never gives inf - inf
     kept = _filter_sorted(values, params, torch.zeros((len(params), 1), dtype=torch.float32, device=logits.device))
@@ -633,7 +604,7 @@ def _sampling_groups(logits: torch.Tensor, params: list) -> list[_SamplingGroup]
         return groups
     row_params = [params[i] for i in filtered]
     num_candidates = min(vocab, max(p.top_k if p.top_k > 0 else _NUM_CANDIDATES for p in row_params))
-    top, token_ids = largest(_rows_of(logits, filtered), num_candidates)
+    top, token_ids = _rows_of(logits, filtered).topk(num_candidates, dim=-1)
     values = ((top - top[:, :1]) / temperatures(filtered)).float()  # the row's largest is its first
     # Top-p without top-k measures mass against the whole row: its log-normalizer (top-k rows
     # renormalize over what they keep and need none).

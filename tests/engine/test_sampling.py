@@ -370,20 +370,3 @@ def test_a_seeded_top_k_draw_does_not_depend_on_a_neighbours_larger_k_among_tied
     beside = [sampler._draw_on_device(logits.repeat(2, 1), [wider, params], [None, key]).tolist()[1] for key in range(30)]
     assert beside == alone
 
-
-@pytest.mark.parametrize("width,k,slice_width", [(151936, 50, 4096), (32768, 20, 1024), (10000, 7, 4096), (4096 * 3, 1, 4096)])
-def test_top_k_by_slices_matches_topk(width, k, slice_width):
-    """The two-stage top-k a GPU takes for wide rows (engine.sampler.largest): the same values as
-    torch.topk, descending, and ids that hold them, with the tail past the last whole slice
-    (tokens there among the largest) and ties across slices."""
-    from engine.sampler import _largest_by_slices
-
-    generator = torch.Generator().manual_seed(width)
-    logits = torch.randn(5, width, generator=generator)
-    logits[0, -3:] = 50.0  # the row's largest in the tail
-    logits[1, ::slice_width] = 40.0  # a tie in every slice
-    values, ids = _largest_by_slices(logits, k, slice_width)
-    want = logits.topk(k, dim=-1).values
-    assert torch.equal(values, want)
-    assert torch.equal(logits.gather(1, ids), values)
-    assert all(len(set(row.tolist())) == k for row in ids)
