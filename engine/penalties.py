@@ -210,4 +210,4 @@ def _draft_tokens(rows: list[Sequence | DraftRow], device: torch.device) -> tupl
             ids.extend(row.drafts_before)
     if not ids:
         return None
-    return torch.tensor(local, device=device), torch.tensor(ids, device=device)
+    return to_device(local, torch.long, device), to_device(ids, torch.long, device)

@@ -68,7 +68,7 @@ class Sampler:
         if greedy_rows:
             # All greedy (the common case): argmax in place, not over a copy of every row's logits
             # (6 MB a step at 32 rows of a 49k vocabulary).
-            greedy_logits = logits if not sampled_rows else logits[torch.tensor(greedy_rows, device=logits.device)]
+            greedy_logits = logits if not sampled_rows else logits[to_device(greedy_rows, torch.long, logits.device)]
             for row, token in zip(greedy_rows, greedy_logits.argmax(dim=-1).tolist()):
                 token_ids[row] = token
         # A sampled row without a draft draws as in a step without drafts, whatever its
@@ -262,7 +262,7 @@ class Sampler:
         """Temperature, then the filters: each row's probabilities, in vocabulary order."""
         out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
         for group in _sampling_groups(logits, params):
-            index = torch.tensor(group.rows, device=logits.device)
+            index = to_device(group.rows, torch.long, logits.device)
             if group.token_ids is None:
                 out[index] = group.probs
             else:
@@ -370,7 +370,7 @@ def _exp_scaled(logits: torch.Tensor, params: list, out: torch.Tensor) -> torch.
     its normalizer, with its most likely token's weight exactly 1. Shifted before dividing (as
     _sampling_groups): a temperature of 1e-40 then sends the others to 0, never inf - inf."""
     torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=out)
-    out.div_(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=out.device).unsqueeze(1))
+    out.div_(to_device([p.temperature for p in params], torch.float32, out.device).unsqueeze(1))
     return out.exp_()
 
 
@@ -458,12 +458,12 @@ def _draw_by_rejection(weights: torch.Tensor, params: list, generators: list[tor
     total = weights.sum(dim=-1) if testing else None
     if any(p.min_p > 0.0 for p in params):
         # A row's largest weight is 1, so min-p's threshold is min_p itself.
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+        min_p = to_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
         weights.masked_fill_(weights < min_p, 0.0)
     if not testing:  # no nucleus to test (no filter, or min-p alone): one draw from the support
         uniforms = torch.cat([torch.rand(1, generator=generator, dtype=torch.float64) for generator in generators])
         return _inverse_cdf(weights, uniforms.to(device)).tolist(), set()
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    top_p = to_device([p.top_p for p in params], torch.float32, device)
     no_top_p = top_p >= 1.0  # a sum of the others can round up to the whole: never test those rows
     needed = top_p * total
     picks = [0] * len(params)
@@ -486,11 +486,11 @@ def _draw_by_rejection(weights: torch.Tensor, params: list, generators: list[tor
         if not rejected:
             return picks, set()
         # Each rejected row keeps only what is more probable than the token it drew.
-        local_index = torch.tensor(rejected, device=device)
+        local_index = to_device(rejected, torch.long, device)
         kept = rows.index_select(0, local_index)
         kept = torch.where(kept > drawn_weights.index_select(0, local_index), kept, 0.0)
         active = [active[local] for local in rejected]
-        index = torch.tensor(active, device=device)
+        index = to_device(active, torch.long, device)
         support.index_copy_(0, index, kept)
     return picks, set(active)
 
@@ -588,7 +588,7 @@ def _sampling_groups(logits: torch.Tensor, params: list) -> list[_SamplingGroup]
     vocab = logits.shape[-1]
 
     def temperatures(rows: list[int]) -> torch.Tensor:
-        return torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=device).unsqueeze(1)
+        return to_device([params[i].temperature for i in rows], logits.dtype, device).unsqueeze(1)
 
     def scaled(rows: list[int]) -> torch.Tensor:
         """The rows' whole scaled logits, float32."""
@@ -613,18 +613,18 @@ def _sampling_groups(logits: torch.Tensor, params: list) -> list[_SamplingGroup]
     whole = {}
     if unbounded:
         whole_rows = scaled([filtered[j] for j in unbounded])
-        log_norm[torch.tensor(unbounded, device=device)] = torch.logsumexp(whole_rows, dim=-1, keepdim=True)
+        log_norm[to_device(unbounded, torch.long, device)] = torch.logsumexp(whole_rows, dim=-1, keepdim=True)
         whole = {j: local for local, j in enumerate(unbounded)}
     complete = [num_candidates == vocab or p.top_k > 0 or _survivors_inside(values[j], log_norm[j], p) for j, p in enumerate(row_params)]
     inside = [j for j, ok in enumerate(complete) if ok]
     outside = [j for j, ok in enumerate(complete) if not ok]  # top-p/min-p rows only
     if inside:
-        index = torch.tensor(inside, device=device)
+        index = to_device(inside, torch.long, device)
         kept = _filter_sorted(values[index], [row_params[j] for j in inside], log_norm[index])
         groups.append(_SamplingGroup([filtered[j] for j in inside], torch.softmax(kept, dim=-1), token_ids[index]))
     if outside:
-        index = torch.tensor(outside, device=device)
-        in_order, order = whole_rows[torch.tensor([whole[j] for j in outside], device=device)].sort(dim=-1, descending=True)
+        index = to_device(outside, torch.long, device)
+        in_order, order = whole_rows[to_device([whole[j] for j in outside], torch.long, device)].sort(dim=-1, descending=True)
         kept = _filter_sorted(in_order, [row_params[j] for j in outside], log_norm[index])
         groups.append(_SamplingGroup([filtered[j] for j in outside], torch.softmax(kept, dim=-1), order))
     return groups
@@ -669,17 +669,17 @@ def _filter_sorted(sorted_logits: torch.Tensor, params: list, log_norm: torch.Te
     vocabulary, which top-p measures mass against where no top-k renormalized it."""
     width = sorted_logits.shape[-1]
     ranks = torch.arange(width, device=sorted_logits.device).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else width for p in params], device=sorted_logits.device).unsqueeze(1)
+    top_k = to_device([p.top_k if p.top_k > 0 else width for p in params], torch.long, sorted_logits.device).unsqueeze(1)
     removed = ranks >= top_k
     masked = sorted_logits.masked_fill(removed, float("-inf"))
-    has_top_k = torch.tensor([p.top_k > 0 for p in params], device=sorted_logits.device).unsqueeze(1)
+    has_top_k = to_device([p.top_k > 0 for p in params], torch.bool, sorted_logits.device).unsqueeze(1)
     norm = torch.where(has_top_k, torch.logsumexp(masked, dim=-1, keepdim=True), log_norm)
     probs = torch.exp(masked - norm)
-    top_p = torch.tensor([p.top_p for p in params], device=sorted_logits.device).unsqueeze(1)
+    top_p = to_device([p.top_p for p in params], torch.float32, sorted_logits.device).unsqueeze(1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
     mass_before = probs.cumsum(dim=-1) - probs
     removed |= mass_before >= top_p
-    min_p = torch.tensor([p.min_p for p in params], device=sorted_logits.device).unsqueeze(1)
+    min_p = to_device([p.min_p for p in params], torch.float32, sorted_logits.device).unsqueeze(1)
     removed |= probs < min_p * probs[:, :1]
     removed[:, 0] = False  # the most likely token always survives
     return sorted_logits.masked_fill(removed, float("-inf"))
