@@ -232,7 +232,12 @@ def check_quantized_kernels(workdir: Path) -> dict:
             out[name] = meta.forward(q, k, v, cache.key_views[0], cache.value_views[0], None, cache.key_scales[0], cache.value_scales[0]).float()
         differ = (caches["triton"].tensor != caches["sdpa"].tensor).float().mean().item()
         error = (out["triton"] - out["sdpa"]).abs().max().item()
-        result[kind] = {"write_bytes_differing": differ, "attention_max_abs_error": error, "ok": differ < 1e-3 and error < 0.05}
+        scale = out["sdpa"].abs().max().item()
+        # Both outputs are bfloat16 rounded from float32 sums in different orders: two units in
+        # the last place of the largest output (2^-7 of it) is rounding, not a wrong kernel (the
+        # H200 run of session 27: int8 0.0625 at outputs of magnitude 4 to 8, where a unit is 0.03125).
+        result[kind] = {"write_bytes_differing": differ, "attention_max_abs_error": error, "output_max_abs": scale,
+                        "ok": differ < 1e-3 and error <= scale * 2**-7}
     for name in ("triton", "sdpa"):
         result[f"fp8_decode_b64_{name}_ms"] = engine_decode_ms(workdir / "1.5b", 64, 600, 10, kv_cache_dtype="fp8_e4m3", attention_backend=name, cuda_graph_max_batch=0)
     result["ok"] = result["int8"]["ok"] and result["fp8_e4m3"]["ok"]
