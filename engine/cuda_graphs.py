@@ -8,6 +8,11 @@ slots) and its attention from wrappers planned over fixed buffers before each re
 (``FlashInferBackend.graph_wrappers``); a batch is padded up to its bucket with rows that
 attend and write only the cache's scratch block, so no sequence's KV is touched.
 
+A step whose rows go through LoRA adapters replays a second graph per bucket, captured with
+the adapters' deltas over a buffer of each row's slot (``engine.lora.RowSlots``): any mix of
+adapters replays it. Those are captured on a bucket's first such step, and again after the
+adapters' stacks change (a load or an unload makes new tensors: ``lora_version``).
+
 Only whole-model, one-rank, decode-only steps are replayed (every row sampled); anything else
 (prompt chunks, pipeline stages, tensor-parallel collectives) runs eagerly. Every bucket is
 captured when the engine starts (``capture_all``, largest first, as vLLM does): captured on first
@@ -26,6 +31,7 @@ import torch
 
 from engine.attention.base import lay_out
 from engine.attention.flashinfer_paged import FlashInferBackend, FlashInferMetadata, PagedTables
+from engine.lora import RowSlots
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +67,12 @@ class DecodeGraphs:
         self.slot_blocks = torch.full((max_batch,), kv_cache.scratch_block, dtype=torch.long, device=device)
         self.slot_offsets = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.rows = torch.arange(max_batch, device=device)
+        self.row_slots = torch.full((max_batch,), -1, dtype=torch.long, device=device)  # each row's adapter slot
         # One host-to-device copy per step: input ids, positions, slot blocks and offsets, and the
         # rows whose input the step in flight samples with their rows in its samples (engine.overlap).
         # Row-major, so a bucket's rows are one contiguous block of pinned memory.
-        self.staging = torch.zeros((max_batch, 6), dtype=torch.long).pin_memory()
+        # The seventh column: each row's adapter slot (-1: none), for the adapter graphs.
+        self.staging = torch.zeros((max_batch, 7), dtype=torch.long).pin_memory()
         # A step's block ids for FlashInfer's plan, handed over on the device: from the host its
         # plan copies them with a stream synchronization (the host would wait for the step in flight).
         self.indices_staging = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32).pin_memory()
@@ -74,6 +82,8 @@ class DecodeGraphs:
         # a 152k vocabulary); the graphs replay one at a time, so one buffer serves them all.
         self.logits = torch.empty((max_batch, model.lm_head.out_features), dtype=torch.float32, device=device)
         self.graphs: dict[int, _Graph] = {}
+        self.adapter_graphs: dict[int, _Graph] = {}  # through the adapters' stacks of ``adapter_graphs_version``
+        self.adapter_graphs_version = None
         self.pool = None  # the graphs' shared memory pool
 
     def capture_all(self) -> None:
@@ -101,7 +111,15 @@ class DecodeGraphs:
         decode_tables = layout.decode_tables()
         if decode_tables.shape[1] > self.max_blocks_per_seq:
             return None
-        graph = self.graphs.get(bucket) or self._capture(bucket)
+        with_adapters = step.uses_adapters
+        if with_adapters:
+            version = getattr(self.model, "lora_version", 0)
+            if version != self.adapter_graphs_version:  # captured over stacks since replaced
+                self.adapter_graphs.clear()
+                self.adapter_graphs_version = version
+            graph = self.adapter_graphs.get(bucket) or self._capture(bucket, with_adapters=True)
+        else:
+            graph = self.graphs.get(bucket) or self._capture(bucket)
         scratch = self.kv_cache.scratch_block
         # Padding rows attend the scratch block's first token (written by themselves).
         padded = np.full((bucket, decode_tables.shape[1]), scratch, dtype=np.int64)
@@ -121,7 +139,12 @@ class DecodeGraphs:
             if num_pending:
                 staging[:num_pending, 4] = torch.tensor(step.pending_rows)
                 staging[:num_pending, 5] = torch.tensor(step.pending_sources)
+            if with_adapters:
+                staging[:rows, 6] = torch.tensor(step.slice_adapters)
+                staging[rows:bucket, 6] = -1
             on_device = staging[:bucket].to(self.backend.device, non_blocking=True)
+            if with_adapters:
+                self.row_slots[:bucket].copy_(on_device[:, 6])
             self.input_ids[:bucket].copy_(on_device[:, 0])
             if num_pending:
                 self.input_ids[on_device[:num_pending, 4]] = pending[on_device[:num_pending, 5]]
@@ -137,7 +160,8 @@ class DecodeGraphs:
         graph.graph.replay()
         return graph.logits[:rows].clone()
 
-    def _capture(self, bucket: int) -> _Graph:
+    def _capture(self, bucket: int, with_adapters: bool = False) -> _Graph:
+        started = time.perf_counter()
         wrappers = self.backend.graph_wrappers(bucket, bucket * self.max_blocks_per_seq)
         scratch = self.kv_cache.scratch_block
         # Plan every padding row on the scratch block so the warm-up and capture read valid pages.
@@ -147,9 +171,13 @@ class DecodeGraphs:
         self.slot_blocks[:bucket].fill_(scratch)
         self.slot_offsets[:bucket].zero_()
         meta = FlashInferMetadata(self.slot_blocks[:bucket], self.slot_offsets[:bucket], num_single=bucket, decode=wrappers)
+        adapters = RowSlots(self.row_slots[:bucket]) if with_adapters else None
+        if with_adapters:
+            self.row_slots[:bucket].fill_(-1)  # the warm-up's rows: the base model (what replays read is copied in)
 
         def forward() -> torch.Tensor:
-            return self.model.forward(self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, meta, self.rows[:bucket], logits_out=self.logits[:bucket])
+            return self.model.forward(self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, meta, self.rows[:bucket],
+                                      logits_out=self.logits[:bucket], adapters=adapters)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -161,7 +189,13 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             logits = forward()
         self.pool = graph.pool()
-        captured = self.graphs[bucket] = _Graph(graph, wrappers, logits)
-        logger.debug("captured a CUDA graph for decode batches of %d", bucket)
+        captured = _Graph(graph, wrappers, logits)
+        if with_adapters:
+            self.adapter_graphs[bucket] = captured
+            # Captured while serving (a bucket's first adapter step), not at start-up: say what it cost.
+            logger.info("captured a CUDA graph for decode batches of %d through LoRA adapters in %.2f s", bucket, time.perf_counter() - started)
+        else:
+            self.graphs[bucket] = captured
+            logger.debug("captured a CUDA graph for decode batches of %d", bucket)
         return captured
 

@@ -17,7 +17,7 @@ from engine.attention.block_tables import BlockTables, TableUpdate
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_to_device import to_device
 from engine.kv_cache import KVCache
-from engine.lora import AdapterRows, AdapterTable
+from engine.lora import AdapterRows, AdapterTable, RowSlots
 from engine.model import CausalLM, StageActivations
 from engine.scheduler import ScheduledBatch
 
@@ -72,6 +72,8 @@ class ModelRunner:
         self.device = device
         self.attention = attention
         self.graphs = graphs
+        # Decode-only steps through adapters the graphs' way (engine.lora.RowSlots): on a GPU.
+        self.decode_adapters_by_row_slot = torch.device(device).type == "cuda"
         self.block_tables = BlockTables()
         # The step in flight's sampled tokens on the device, and each sequence's row in them
         # (engine.overlap; None: no step in flight).
@@ -119,7 +121,7 @@ class ModelRunner:
     def run(self, step: StepInput) -> torch.Tensor | None:
         """This rank's part of the step; the logits on rank 0 (None on the others)."""
         self.block_tables.apply(step.table_updates)
-        if self.graphs is not None and not step.uses_adapters:  # graphs were captured without adapters
+        if self.graphs is not None:
             logits = self.graphs.run(step, self.block_tables.array, self.pending.token_ids if self.pending is not None else None)
             if logits is not None:
                 return logits
@@ -137,11 +139,21 @@ class ModelRunner:
             sources = to_device(step.pending_sources, torch.long, input_ids.device)
             input_ids[rows] = self.pending.token_ids[sources]
 
+    def _adapter_rows(self, step: StepInput) -> AdapterRows | RowSlots | None:
+        """How the step's rows go through their adapters (None: no row does): on a GPU a
+        decode-only step takes the CUDA graphs' way (``RowSlots``), so a step replayed and one
+        run eagerly compute alike; elsewhere each adapter's rows grouped (``AdapterRows``)."""
+        if not step.uses_adapters:
+            return None
+        if self.decode_adapters_by_row_slot and all(piece.num_tokens == 1 for piece in step.slices):
+            return RowSlots(to_device(step.slice_adapters, torch.long, self.device))
+        return AdapterRows.of_slices(step.slice_adapters, [piece.num_tokens for piece in step.slices], self.device)
+
     def _forward(self, step: StepInput, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations | None:
         meta = self.attention.build(step.slices, self.block_tables.array)
         input_ids = to_device(step.input_ids, torch.long, self.device)
         self.fill_pending_inputs(step, input_ids)
-        adapters = AdapterRows.of_slices(step.slice_adapters, [piece.num_tokens for piece in step.slices], self.device) if step.slice_adapters else None
+        adapters = self._adapter_rows(step)
         return self.model.run_stage(
             input_ids,
             to_device(step.positions, torch.long, self.device),

@@ -626,8 +626,9 @@ def check_lora(workdir: Path) -> dict:
     """LoRA adapters on CUDA (engine.lora): the base model and two adapters in one batch, float32,
     each equal to transformers' greedy with that adapter merged into the weights (W + 2 B A; no
     PEFT on the lent machine); and the decode step at batch 32 (135M shape, bfloat16, context 600)
-    with the batch spread round-robin over 4 random rank-16 adapters (steps with adapter rows run
-    eagerly), against the same engine's base-model step (CUDA graphs)."""
+    with the batch spread round-robin over 4 random rank-16 adapters (replayed from the adapter
+    graphs, and eagerly), against the same engine's base-model step (CUDA graphs); and the same
+    bfloat16 tokens through adapters with graphs and without."""
     import copy
 
     from safetensors.torch import load_file
@@ -664,11 +665,29 @@ def check_lora(workdir: Path) -> dict:
         random_hf_model("135m", big)
         torch.cuda.empty_cache()
     dirs = {f"l{i}": str(write_random_adapter(workdir / f"lora_135m_{i}", SHAPES["135m"], 16, seed=i)) for i in range(4)}
+    # Replayed and eager decode steps through adapters compute alike (both engine.lora.RowSlots):
+    # the same bfloat16 tokens for a mix of adapters and the base model, graphs on and off.
+    prompts = random_prompts([9, 40, 17, 64, 3, 25], SHAPES["135m"]["vocab_size"], seed=6)
+    names = [None, "l0", "l1", "l2", "l3", "l0"]
+    tokens = {}
+    for graphs in (True, False):
+        engine = LLMEngine(big, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=256, lora_adapters=dirs,
+                                             **({} if graphs else {"cuda_graph_max_batch": 0})))
+        outputs = engine.generate(prompts, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, lora_name=n) for n in names])
+        tokens[graphs] = [o.token_ids for o in outputs]
+        if graphs:
+            adapter_graphs = sorted(engine.runner.graphs.adapter_graphs) if engine.runner.graphs is not None else []
+        engine.runner.graphs = None
+        del engine
+        torch.cuda.empty_cache()
     base_ms = _engine_decode_ms(big, 32, 600, 20, lora_adapters=dirs)
     lora_ms = _engine_decode_ms(big, 32, 600, 20, lora_names=[f"l{i % 4}" for i in range(32)], lora_adapters=dirs)
+    eager_ms = _engine_decode_ms(big, 32, 600, 20, lora_names=[f"l{i % 4}" for i in range(32)], lora_adapters=dirs, cuda_graph_max_batch=0)
+    graphs_equal = tokens[True] == tokens[False]
     return {
-        "exact": exact, "adapters_change_output": changed, "base_step_ms": base_ms, "lora_step_ms": lora_ms,
-        "lora_vs_base": base_ms / lora_ms, "ok": all(exact.values()) and changed,
+        "exact": exact, "adapters_change_output": changed, "graphs_equal_eager": graphs_equal, "adapter_graphs": adapter_graphs,
+        "base_step_ms": base_ms, "lora_step_ms": lora_ms, "lora_eager_step_ms": eager_ms,
+        "lora_vs_base": base_ms / lora_ms, "ok": all(exact.values()) and changed and graphs_equal and bool(adapter_graphs),
     }
 
 

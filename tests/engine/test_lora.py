@@ -285,3 +285,40 @@ def test_a_long_prompt_chunk_beside_other_adapters_decode_rows(adapted, monkeypa
         assert seq.output_token_ids == hf_greedy(adapters[name][1], prompt, MAX_NEW), name
     assert any(g.runs is not None for g in grouped), "no step took the per-group path: the test proves nothing"
     assert any(g.runs is None for g in grouped), "no step took the batched path"
+
+
+def test_decode_rows_by_slot_id_match_peft(tmp_path):
+    """The GPU's way for decode steps (engine.lora.RowSlots: every slot's pairs side by side, a
+    row's other columns zeroed; what a CUDA graph replays for any mix of adapters), taken here on
+    the CPU: rows of adapters on disjoint projections and of different ranks, interleaved with
+    base rows, a slot freed and reused (the stacks rebuilt), each output PEFT's."""
+    model = build_checkpoint("llama", tmp_path / "base")
+    made = {
+        "q": build_lora_adapter(model, tmp_path / "q", seed=51, targets=("q_proj",)),
+        "down": build_lora_adapter(model, tmp_path / "down", seed=52, targets=("down_proj",), rank=16),
+        "gate": build_lora_adapter(model, tmp_path / "gate", seed=53, targets=("gate_proj", "v_proj"), rank=2),
+    }
+    engine = _engine(tmp_path / "base", {})
+    engine.runner.decode_adapters_by_row_slot = True
+    from engine import lora
+
+    taken = []
+    original = lora.RowSlots.add_deltas
+    engine_version = []
+    lora.RowSlots.add_deltas = lambda self, out, x, stack: taken.append(1) or original(self, out, x, stack)
+    try:
+        engine.load_adapter("gate", str(tmp_path / "gate"))
+        engine.load_adapter("q", str(tmp_path / "q"))
+        engine.unload_adapter("gate")
+        engine.load_adapter("down", str(tmp_path / "down"))
+        engine_version.append(engine.runner.model.lora_version)
+        prompts = random_prompts([7, 12, 9], model.config.vocab_size, seed=54)
+        names = ["down", None, "q"]
+        jobs = [(prompt, name) for prompt in prompts for name in names]
+        outputs = engine.generate([p for p, _ in jobs], [_through(name) for _, name in jobs])
+    finally:
+        lora.RowSlots.add_deltas = original
+    for (prompt, name), out in zip(jobs, outputs):
+        assert out.token_ids == hf_greedy(model if name is None else made[name], prompt, MAX_NEW), name
+    assert taken, "no decode step went through RowSlots: the test proves nothing"
+    assert engine_version == [4]  # each load and unload made new stacks: graphs over the old ones are stale
