@@ -84,6 +84,7 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.adapter_graphs: dict[int, _Graph] = {}  # through the adapters' stacks of ``adapter_graphs_version``
         self.adapter_graphs_version = None
+        self.adapter_capture_failed: set[int] = set()  # buckets whose adapter graph failed to capture (this version)
         self.pool = None  # the graphs' shared memory pool
 
     def capture_all(self) -> None:
@@ -116,8 +117,20 @@ class DecodeGraphs:
             version = getattr(self.model, "lora_version", 0)
             if version != self.adapter_graphs_version:  # captured over stacks since replaced
                 self.adapter_graphs.clear()
+                self.adapter_capture_failed.clear()
                 self.adapter_graphs_version = version
-            graph = self.adapter_graphs.get(bucket) or self._capture(bucket, with_adapters=True)
+            graph = self.adapter_graphs.get(bucket)
+            if graph is None:
+                if bucket in self.adapter_capture_failed:
+                    return None
+                try:
+                    graph = self._capture(bucket, with_adapters=True)
+                except RuntimeError:
+                    # Eager steps compute the same (RowSlots either way): serve on without this graph.
+                    logger.warning("capturing a CUDA graph for decode batches of %d through LoRA adapters failed; "
+                                   "such steps run eagerly", bucket, exc_info=True)
+                    self.adapter_capture_failed.add(bucket)
+                    return None
         else:
             graph = self.graphs.get(bucket) or self._capture(bucket)
         scratch = self.kv_cache.scratch_block
@@ -186,7 +199,9 @@ class DecodeGraphs:
                 forward()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # An adapter graph is captured while serving, where other threads of the worker (KV
+        # transfers) use the GPU: only this thread's calls may break its capture.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local" if with_adapters else "global"):
             logits = forward()
         self.pool = graph.pool()
         captured = _Graph(graph, wrappers, logits)
