@@ -46,6 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -447,6 +448,59 @@ def bench_sampled_steps(workdir: Path, batch: int = 64, context: int = 600) -> d
     return result
 
 
+def bench_attention_kernels(batch: int = 64, context: int = 600, backends: tuple[str, ...] = ("fa2",)) -> dict:
+    """The 1.5B shape's decode attention alone (12 query heads, 2 KV heads of 128, pages of 16,
+    ``batch`` sequences of ``context`` tokens), one layer's call timed in CUDA graphs, for each
+    way FlashInfer offers to run it: its CUDA-core decode kernel, its tensor-core one (the
+    engine's choice at 6 query heads per KV head) with and without splitting the KV, and the
+    engine's cache layout ([blocks, block, KV heads, dim], passed as a strided HND view) against
+    a contiguous HND cache. Each with the KV bytes it reads per second: what a decode step's
+    attention could reach."""
+    import flashinfer
+
+    from engine.attention.flashinfer_paged import WORKSPACE_BYTES, PagedTables
+
+    heads, kv_heads, dim, block = 12, 2, 128, 16
+    pages_per_seq = -(-context // block)
+    num_pages = batch * pages_per_seq + 1
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    engine_layout = [torch.randn(num_pages, block, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(2)]
+    contiguous = [t.transpose(1, 2).contiguous() for t in engine_layout]
+    layouts = {"engine_layout": tuple(t.transpose(1, 2) for t in engine_layout), "contiguous_hnd": tuple(contiguous)}
+    order = torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(1)).numpy().reshape(batch, pages_per_seq)
+    tables = PagedTables.of(order, np.full(batch, context, dtype=np.int64), block)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    out = torch.empty_like(q)
+    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+    kv_bytes = 2 * batch * context * kv_heads * dim * 2
+    result = {"kv_bytes": kv_bytes}
+    variants = {"cuda_cores": (False, "fa2", {}), "tensor_cores": (True, "fa2", {}), "tensor_cores_no_split": (True, "fa2", {"disable_split_kv": True})}
+    variants.update({f"tensor_cores_{b}": (True, b, {}) for b in backends if b != "fa2"})
+    reference = None
+    for name, (tensor_cores, backend, plan_options) in variants.items():
+        for layout, paged in layouts.items():
+            key = f"{name}/{layout}"
+            try:
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "HND", use_cuda_graph=True, use_tensor_cores=tensor_cores, backend=backend,
+                    paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device="cuda"),
+                    paged_kv_indices_buffer=torch.zeros(tables.indices.numel(), dtype=torch.int32, device="cuda"),
+                    paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device="cuda"),
+                )
+                wrapper.plan(tables.indptr, tables.indices, tables.last_page_len, heads, kv_heads, dim, block,
+                             q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, **plan_options)
+                wrapper.run(q, paged, out=out)
+                got = out.float().clone()
+                reference = got if reference is None else reference
+                micros = graph_us(lambda: wrapper.run(q, paged, out=out), repeats=50)
+                result[key] = {"us": round(micros, 2), "tb_s": round(kv_bytes / micros / 1e6, 2),
+                               "max_abs_diff_vs_first": float((got - reference).abs().max())}
+            except Exception as error:
+                torch.cuda.synchronize()
+                result[key] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    return result
+
+
 def _top_k_by_slices(logits: torch.Tensor, k: int, slice_width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k in two stages (each slice's, then among those): an alternative to torch.topk's one
     block per row, timed against it (on an H200, session 27: 284 us against 165 at 64 x 152k, so
@@ -691,7 +745,7 @@ def check_lora(workdir: Path) -> dict:
     }
 
 
-SECTIONS = ("rope", "no_logits", "kv_write", "overlap", "quantized", "sampling", "sampled_steps", "profile", "decode", "agreement", "prefill", "exactness", "features", "push", "lora")
+SECTIONS = ("rope", "no_logits", "kv_write", "overlap", "quantized", "sampling", "sampled_steps", "attention_kernels", "profile", "decode", "agreement", "prefill", "exactness", "features", "push", "lora", "attention_fa3")
 
 
 def main() -> int:
@@ -743,6 +797,7 @@ def main() -> int:
         section("quantized", check_quantized_kernels, workdir)
         section("sampling", bench_sampling)
         section("sampled_steps", bench_sampled_steps, workdir)
+        section("attention_kernels", bench_attention_kernels)
         if "profile" in sections and args.json:
             def profile():
                 if not (workdir / "1.5b" / "config.json").exists():
@@ -765,6 +820,8 @@ def main() -> int:
         section("features", check_features, workdir)
         section("push", check_event_before_push, workdir)
         section("lora", check_lora, workdir)
+        # Last: FlashInfer's Hopper (FA3) kernels are a JIT build of minutes on a fresh machine.
+        section("attention_fa3", bench_attention_kernels, 64, 600, ("fa2", "fa3"))
     float32_exact = all(v["exact"] for k, v in report.get("exactness", {}).items() if "/float32/" in k)
     rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "no_logits", "kv_write", "overlap", "quantized", "sampling", "lora"))
     crashed = [name for name in report if name.endswith("_error")]
