@@ -167,9 +167,11 @@ class Sampler:
         is relative to the row's largest probability, which the nucleus keeps, so the survivors
         are those of both filters on the same distribution (``_filter_sorted``'s), and a row
         without min-p draws from its nucleus there. The kernels' randomness is one seed for their
-        whole batch, each row's stream picked by its place in it: the unkeyed rows share one
-        call, seeded from the engine's generator, and a keyed row gets a call of its own, seeded
-        with its key."""
+        whole batch, each row's stream picked by its place in it, so only the unkeyed rows share
+        their calls, seeded from the engine's generator. The keyed rows, all at once, keep what
+        FlashInfer's top-p renormalization and min-p leave and draw by ``keyed_race``, whose noise
+        is a function of each row's key alone. (One FlashInfer call a keyed row, seeded with its
+        key, took 8.4 ms for 64 rows of a 152k vocabulary on an H200.)"""
         sampling = _flashinfer_sampling()
         # The floor keeps logits / temperature finite (FlashInfer divides before its running
         # maximum); below it every token but the largest already has probability exactly 0.
@@ -187,11 +189,19 @@ class Sampler:
                 return sampling.min_p_sampling_from_probs(rows, _rows_of(min_p, index), seed=seed, offset=0).long()
             return rows_drawn
 
+        def race(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
+            kept = rows
+            if any(params[i].top_p < 1.0 for i in index):
+                kept = sampling.top_p_renorm_probs(rows, _rows_of(top_p, index))
+            if min_p is not None:
+                kept = _min_p_kept(kept, _rows_of(min_p, index))
+            return keyed_race(kept, [keys[i] for i in index])
+
         # Rows without min-p never go through the min-p kernel: at min_p 0 it counts a token of
         # probability 0 (cut by top-p, or masked by allowed_token_ids or min_tokens) as drawable.
         unkeyed = [[i for i, key in enumerate(keys) if key is None and (params[i].min_p > 0.0) == with_min_p] for with_min_p in (False, True)]
         parts = [(rows, draw(int(torch.randint(0, 2**62, (1,), generator=self.default_generator)))) for rows in unkeyed if rows]
-        parts += [([i], draw(key)) for i, key in enumerate(keys) if key is not None]
+        parts.append(([i for i, key in enumerate(keys) if key is not None], race))
         return _rows_in_parts(probs, parts)
 
     def _device_generator(self, device: torch.device) -> torch.Generator:
@@ -400,6 +410,46 @@ def _flashinfer_sampling():
     except Exception:
         return None
     return flashinfer.sampling
+
+
+def _min_p_kept(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``probs`` with what min-p removes zeroed: below min_p times the row's largest (renormalized
+    or not, the ratio is the same)."""
+    return probs * (probs >= min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True))
+
+
+# fmix32, MurmurHash3's finalizer: the noise's per-token hash (a bijection of 32-bit words with
+# full avalanche), computed in int64 and masked to 32 bits, so products wrap as unsigned ones do.
+_MASK32 = 0xFFFFFFFF
+_FMIX = (0x85EBCA6B, 0xC2B2AE35)
+
+
+def keyed_race(weights: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """One token per row of ``weights`` (non-negative, any scale; [rows, vocab]) drawn with
+    probability proportional to its weight, by the exponential race: the token with the largest
+    weight / E, E ~ Exp(1) independent per token, wins with exactly that probability. Each E
+    comes from a hash of the row's key and the token, so a row's draw depends on its weights and
+    its key alone, never on the rows beside it, and all rows draw in a dozen batched kernels."""
+    rows, vocab = weights.shape
+    device = weights.device
+    seeds = to_device([_key_word(key) for key in keys], torch.long, device).unsqueeze(1)
+    h = torch.arange(vocab, device=device).unsqueeze(0) ^ seeds
+    for multiplier, shift in ((_FMIX[0], 16), (_FMIX[1], 13), (None, 16)):
+        h = h ^ (h >> shift)
+        if multiplier is not None:
+            h = (h * multiplier) & _MASK32
+    # (h + 1/2) / 2^32: uniform in (0, 1), never 0 or 1; in float64, which holds 32 bits exactly.
+    exponential = -torch.log((h.double() + 0.5) * 2.0**-32)
+    return torch.argmax(weights.double() / exponential, dim=-1)
+
+
+def _key_word(key: int) -> int:
+    """A draw key (up to 63 bits) mixed into one 32-bit word (splitmix64's finalizer, folded)."""
+    z = (key + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & _MASK32
 
 
 def _top_k_candidates(logits: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor]:

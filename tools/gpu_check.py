@@ -378,8 +378,8 @@ def bench_sampling(batch: int = 64) -> dict:
     parameters: ``_ms``, what an overlapped step pays (``sample_on_device``: tokens left on the
     device, calls queued back to back), and ``_read_ms``, a step run one at a time (``sample``:
     the tokens read by the host after each call); seeded rows draw on the device too, keyed by
-    seed and position (a top-k row's uniform made on the host, a whole row's FlashInfer call of
-    its own). Then the draws' distribution (``check_device_draws``)."""
+    seed and position (a top-k row's uniform made on the host, whole rows by ``keyed_race``
+    together). Then the draws' distribution (``check_device_draws``)."""
     from engine.sampler import Sampler
     from engine.sequence import Sequence
 
@@ -570,9 +570,12 @@ def check_device_draws(draws: int = 100_000) -> dict:
         "temperature_only": SamplingParams(temperature=1.2),
     }
     result = {}
-    for name, params in cases.items():
+    # Seeded rows (keyed: engine.sampler.keyed_race over FlashInfer's filtered rows), each its own key.
+    keyed = {"top_p_keyed": cases["top_p"], "top_p_min_p_keyed": cases["top_p_min_p"], "min_p_keyed": cases["min_p"], "temperature_only_keyed": cases["temperature_only"]}
+    for name, params in {**cases, **keyed}.items():
         want = reference_filtered(logits, params)
-        tokens = Sampler(seed=1)._draw_on_device(logits.float().cuda().repeat(draws, 1), [params] * draws)
+        keys = list(range(10**6, 10**6 + draws)) if name.endswith("_keyed") else None
+        tokens = Sampler(seed=1)._draw_on_device(logits.float().cuda().repeat(draws, 1), [params] * draws, keys)
         counts = torch.bincount(tokens.cpu(), minlength=256).double()
         freq = counts / draws
         error = (freq - want).abs() / torch.sqrt(want * (1 - want) / draws).clamp_min(1e-12)

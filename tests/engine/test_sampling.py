@@ -370,3 +370,33 @@ def test_a_seeded_top_k_draw_does_not_depend_on_a_neighbours_larger_k_among_tied
     beside = [sampler._draw_on_device(logits.repeat(2, 1), [wider, params], [None, key]).tolist()[1] for key in range(30)]
     assert beside == alone
 
+
+
+def test_keyed_race_draws_each_token_with_its_probability_whatever_the_rows_beside_it():
+    """The GPU's draw for seeded rows (engine.sampler.keyed_race, the exponential race with noise
+    hashed from each row's key): over many keys, each token's frequency within 5 standard errors
+    of its weight's share, never a token of weight 0; and a row's token depends on its weights
+    and key alone: the same in any batch, at any place in it."""
+    from engine.sampler import _min_p_kept, keyed_race
+
+    generator = torch.Generator().manual_seed(3)
+    weights = torch.softmax(torch.randn(40, generator=generator) * 2, dim=-1)
+    weights[[3, 17]] = 0.0  # cut by a filter
+    draws = 60_000
+    tokens = keyed_race(weights.repeat(draws, 1), [1000 + 7 * i for i in range(draws)])
+    freq = torch.bincount(tokens, minlength=40).double() / draws
+    want = (weights / weights.sum()).double()
+    assert freq[want == 0].sum() == 0
+    assert torch.all((freq - want).abs() <= 5 * torch.sqrt(want * (1 - want) / draws) + 1e-3)
+
+    others = torch.rand(5, 40, generator=generator)
+    alone = keyed_race(weights.unsqueeze(0), [42])
+    for place in range(5):
+        batch = torch.cat([others[:place], weights.unsqueeze(0), others[place:]])
+        keys = [9, 8, 7, 6, 5]
+        keys.insert(place, 42)
+        assert keyed_race(batch, keys)[place] == alone[0]
+    assert keyed_race(weights.unsqueeze(0), [43]).shape == (1,)
+
+    kept = _min_p_kept(weights.unsqueeze(0) * 3.0, torch.tensor([0.2]))
+    assert torch.equal(kept[0] > 0, weights >= 0.2 * weights.max())
