@@ -5,8 +5,10 @@ layer and 30 layers, each a few microseconds of work behind tens of microseconds
 launch overhead. A CUDA graph records the whole forward once per batch bucket and replays it
 with one launch. The graph reads its inputs from persistent buffers (token ids, positions, KV
 slots) and its attention from wrappers planned over fixed buffers before each replay
-(``FlashInferBackend.graph_wrappers``); a batch is padded up to its bucket with rows that
-attend and write only the cache's scratch block, so no sequence's KV is touched.
+(``FlashInferBackend.graph_wrappers``), or, for a quantized cache's Triton kernels, from block
+tables and lengths copied into fixed buffers (``TritonQuantizedBackend.graph_metadata``); a batch
+is padded up to its bucket with rows that attend and write only the cache's scratch block, so no
+sequence's KV is touched.
 
 A step whose rows go through LoRA adapters replays a second graph per bucket, captured with
 the adapters' deltas over a buffer of each row's slot (``engine.lora.RowSlots``): any mix of
@@ -25,12 +27,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.attention.base import lay_out
 from engine.attention.flashinfer_paged import FlashInferBackend, FlashInferMetadata, PagedTables
+
+if TYPE_CHECKING:
+    from engine.attention.triton_quantized import TritonQuantizedBackend
 from engine.lora import RowSlots
 
 logger = logging.getLogger(__name__)
@@ -48,12 +54,13 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     wrappers: dict  # window -> FlashInfer decode wrapper over this bucket's fixed buffers
     logits: torch.Tensor  # [bucket, vocab] float32, written by each replay (a view of DecodeGraphs.logits)
+    metadata: object  # the captured step's attention metadata: what its kernels read stays allocated
 
 
 class DecodeGraphs:
     """Captures and replays decode steps of ``model`` for batches up to ``max_batch`` rows."""
 
-    def __init__(self, model, kv_cache, backend: FlashInferBackend, max_batch: int, max_blocks_per_seq: int):
+    def __init__(self, model, kv_cache, backend: "FlashInferBackend | TritonQuantizedBackend", max_batch: int, max_blocks_per_seq: int):
         if kv_cache.scratch_block is None:
             raise ValueError("CUDA graphs need the KV cache's scratch block for padding rows")
         self.model = model
@@ -67,12 +74,20 @@ class DecodeGraphs:
         self.slot_blocks = torch.full((max_batch,), kv_cache.scratch_block, dtype=torch.long, device=device)
         self.slot_offsets = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.rows = torch.arange(max_batch, device=device)
+        # Backends whose decode kernels read block tables and lengths from tensors (the Triton
+        # kernels of a quantized cache) replay over these buffers; FlashInfer's over its plans.
+        self.tables_mode = not isinstance(backend, FlashInferBackend)
+        if self.tables_mode:
+            self.decode_tables = torch.full((max_batch, max_blocks_per_seq), kv_cache.scratch_block, dtype=torch.long, device=device)
+            self.decode_lens = torch.ones(max_batch, dtype=torch.long, device=device)
+            self.tables_staging = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.long).pin_memory()
         self.row_slots = torch.full((max_batch,), -1, dtype=torch.long, device=device)  # each row's adapter slot
         # One host-to-device copy per step: input ids, positions, slot blocks and offsets, and the
         # rows whose input the step in flight samples with their rows in its samples (engine.overlap).
         # Row-major, so a bucket's rows are one contiguous block of pinned memory.
-        # The seventh column: each row's adapter slot (-1: none), for the adapter graphs.
-        self.staging = torch.zeros((max_batch, 7), dtype=torch.long).pin_memory()
+        # The seventh column: each row's adapter slot (-1: none), for the adapter graphs; the
+        # eighth: the tokens each row attends (tables mode).
+        self.staging = torch.zeros((max_batch, 8), dtype=torch.long).pin_memory()
         # A step's block ids for FlashInfer's plan, handed over on the device: from the host its
         # plan copies them with a stream synchronization (the host would wait for the step in flight).
         self.indices_staging = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.int32).pin_memory()
@@ -139,7 +154,6 @@ class DecodeGraphs:
         padded[:rows] = decode_tables
         lens = np.ones(bucket, dtype=np.int64)
         lens[:rows] = layout.decode_lens
-        paged = PagedTables.of(padded, lens, self.kv_cache.block_size)
         num_pending = len(step.pending_rows)
         with self.backend.planning():  # the pinned buffers below are free again once it returns
             staging = self.staging
@@ -149,6 +163,9 @@ class DecodeGraphs:
             staging[:rows, 3] = torch.from_numpy(layout.slot_offsets)
             staging[rows:bucket, :4] = 0
             staging[rows:bucket, 2] = scratch
+            if self.tables_mode:
+                staging[:rows, 7] = torch.from_numpy(layout.decode_lens)
+                staging[rows:bucket, 7] = 1
             if num_pending:
                 staging[:num_pending, 4] = torch.tensor(step.pending_rows)
                 staging[:num_pending, 5] = torch.tensor(step.pending_sources)
@@ -164,26 +181,40 @@ class DecodeGraphs:
             self.positions[:bucket].copy_(on_device[:, 1])
             self.slot_blocks[:bucket].copy_(on_device[:, 2])
             self.slot_offsets[:bucket].copy_(on_device[:, 3])
-            num_pages = paged.indices.numel()
-            self.indices_staging[:num_pages].copy_(paged.indices)
-            self.indices[:num_pages].copy_(self.indices_staging[:num_pages], non_blocking=True)
-            on_device_tables = PagedTables(paged.indptr, self.indices[:num_pages], paged.last_page_len)
-            for window, wrapper in graph.wrappers.items():
-                self.backend.plan_decode(wrapper, on_device_tables, window)
+            if self.tables_mode:
+                width = padded.shape[1]
+                staged = self.tables_staging[: bucket * width].view(bucket, width)
+                staged.copy_(torch.from_numpy(padded))
+                self.decode_tables[:bucket, :width].copy_(staged, non_blocking=True)
+                self.decode_lens[:bucket].copy_(on_device[:, 7])
+            else:
+                paged = PagedTables.of(padded, lens, self.kv_cache.block_size)
+                num_pages = paged.indices.numel()
+                self.indices_staging[:num_pages].copy_(paged.indices)
+                self.indices[:num_pages].copy_(self.indices_staging[:num_pages], non_blocking=True)
+                on_device_tables = PagedTables(paged.indptr, self.indices[:num_pages], paged.last_page_len)
+                for window, wrapper in graph.wrappers.items():
+                    self.backend.plan_decode(wrapper, on_device_tables, window)
         graph.graph.replay()
         return graph.logits[:rows].clone()
 
     def _capture(self, bucket: int, with_adapters: bool = False) -> _Graph:
         started = time.perf_counter()
-        wrappers = self.backend.graph_wrappers(bucket, bucket * self.max_blocks_per_seq)
         scratch = self.kv_cache.scratch_block
-        # Plan every padding row on the scratch block so the warm-up and capture read valid pages.
-        tables = PagedTables.of(np.full((bucket, 1), scratch, dtype=np.int64), np.ones(bucket, dtype=np.int64), self.kv_cache.block_size)
-        for window, wrapper in wrappers.items():
-            self.backend.plan_decode(wrapper, tables, window)
         self.slot_blocks[:bucket].fill_(scratch)
         self.slot_offsets[:bucket].zero_()
-        meta = FlashInferMetadata(self.slot_blocks[:bucket], self.slot_offsets[:bucket], num_single=bucket, decode=wrappers)
+        # Every row on the scratch block for the warm-up and capture, so they read valid pages.
+        if self.tables_mode:
+            wrappers = {}
+            self.decode_tables[:bucket].fill_(scratch)
+            self.decode_lens[:bucket].fill_(1)
+            meta = self.backend.graph_metadata(self.slot_blocks[:bucket], self.slot_offsets[:bucket], self.decode_tables[:bucket], self.decode_lens[:bucket])
+        else:
+            wrappers = self.backend.graph_wrappers(bucket, bucket * self.max_blocks_per_seq)
+            tables = PagedTables.of(np.full((bucket, 1), scratch, dtype=np.int64), np.ones(bucket, dtype=np.int64), self.kv_cache.block_size)
+            for window, wrapper in wrappers.items():
+                self.backend.plan_decode(wrapper, tables, window)
+            meta = FlashInferMetadata(self.slot_blocks[:bucket], self.slot_offsets[:bucket], num_single=bucket, decode=wrappers)
         adapters = RowSlots(self.row_slots[:bucket]) if with_adapters else None
         if with_adapters:
             self.row_slots[:bucket].fill_(-1)  # the warm-up's rows: the base model (what replays read is copied in)
@@ -204,7 +235,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local" if with_adapters else "global"):
             logits = forward()
         self.pool = graph.pool()
-        captured = _Graph(graph, wrappers, logits)
+        captured = _Graph(graph, wrappers, logits, meta)
         if with_adapters:
             self.adapter_graphs[bucket] = captured
             # Captured while serving (a bucket's first adapter step), not at start-up: say what it cost.

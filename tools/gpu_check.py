@@ -197,8 +197,9 @@ def check_kv_write() -> dict:
 
 def check_quantized_kernels(workdir: Path) -> dict:
     """The Triton kernels for an int8/fp8 cache (engine.attention.triton_quantized) on the GPU:
-    the write against the torch rules, decode attention against dequantize + SDPA, and a decode
-    step of the 1.5B shape with an fp8 cache through each."""
+    the write against the torch rules, decode attention against dequantize + SDPA, a decode
+    step of the 1.5B shape with an fp8 cache through each (eager) and through the Triton kernels
+    replayed from CUDA graphs, and the same greedy tokens replayed and eager."""
     from engine.attention.base import SeqSlice
     from engine.attention.block_tables import BlockTables
     from engine.attention.kv_write import write_quantized_torch
@@ -241,7 +242,21 @@ def check_quantized_kernels(workdir: Path) -> dict:
                         "ok": differ < 1e-3 and error <= scale * 2**-7}
     for name in ("triton", "sdpa"):
         result[f"fp8_decode_b64_{name}_ms"] = engine_decode_ms(workdir / "1.5b", 64, 600, 10, kv_cache_dtype="fp8_e4m3", attention_backend=name, cuda_graph_max_batch=0)
-    result["ok"] = result["int8"]["ok"] and result["fp8_e4m3"]["ok"]
+    # Replayed from CUDA graphs (the Triton kernels over fixed buffers), and the same greedy
+    # tokens replayed and eager.
+    result["fp8_decode_b64_triton_graphs_ms"] = engine_decode_ms(workdir / "1.5b", 64, 600, 10, kv_cache_dtype="fp8_e4m3", attention_backend="triton")
+    prompts = random_prompts([9, 40, 17, 64, 3, 25], SHAPES["1.5b"]["vocab_size"], seed=8)
+    tokens = {}
+    for graphs in (True, False):
+        engine = LLMEngine(workdir / "1.5b", EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=128, kv_cache_dtype="fp8_e4m3",
+                                                          attention_backend="triton", **({} if graphs else {"cuda_graph_max_batch": 0})))
+        result["fp8_graphs" if graphs else "fp8_eager"] = engine.runner.graphs is not None
+        tokens[graphs] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
+        engine.runner.graphs = None
+        del engine
+        torch.cuda.empty_cache()
+    result["fp8_graphs_equal_eager"] = tokens[True] == tokens[False]
+    result["ok"] = result["int8"]["ok"] and result["fp8_e4m3"]["ok"] and result["fp8_graphs_equal_eager"] and result["fp8_graphs"]
     return result
 
 

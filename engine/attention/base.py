@@ -10,6 +10,7 @@ reads it, so a chunk sees itself and everything cached before it.
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,6 +163,22 @@ class AttentionBackend(abc.ABC):
     def __init__(self, device: str, block_size: int):
         self.device = device
         self.block_size = block_size
+        self._plans_copied: torch.cuda.Event | None = None
+
+    @contextlib.contextmanager
+    def planning(self):
+        """Around a step's plans: what a step stages in page-locked host buffers (FlashInfer's
+        plan, a CUDA graph's inputs and block tables) is copied to the device asynchronously; a
+        step staged while the step before's copy still waits in the stream (overlapped steps,
+        engine.overlap) would overwrite what that copy reads. So a step first waits for the last
+        one's copies (by then the stream has reached them: what it waits for is the step before
+        that, already read), and marks its own."""
+        if self._plans_copied is not None:
+            self._plans_copied.synchronize()
+        yield
+        if torch.device(self.device).type == "cuda":
+            self._plans_copied = torch.cuda.Event()
+            self._plans_copied.record()
 
     def build(self, slices: list[SeqSlice], tables: np.ndarray) -> AttentionMetadata:
         """The step's metadata for ``slices`` (decode slices first) over the block ``tables``

@@ -23,7 +23,6 @@ its own wrappers over fixed buffers, planned before each replay.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -111,21 +110,6 @@ class FlashInferBackend(AttentionBackend):
         self.decode_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
         self.decode = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "HND", use_tensor_cores=self.decode_tensor_cores) for w in self.windows}
         self.prefill = {w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "HND", backend="fa2") for w in self.windows}
-        self._plans_copied: torch.cuda.Event | None = None
-
-    @contextlib.contextmanager
-    def planning(self):
-        """Around a step's plans. FlashInfer writes a plan into one page-locked host buffer and
-        copies it to the device asynchronously; a step planned while the step before's copy
-        still waits in the stream (overlapped steps, engine.overlap) would overwrite what that
-        copy reads. So a step first waits for the last one's copies (by then the stream has
-        reached them: what it waits for is the step before that, already read), and marks its own."""
-        if self._plans_copied is not None:
-            self._plans_copied.synchronize()
-        yield
-        if torch.device(self.device).type == "cuda":
-            self._plans_copied = torch.cuda.Event()
-            self._plans_copied.record()
 
     def build_layout(self, layout: StepLayout) -> FlashInferMetadata:
         meta = FlashInferMetadata(*self.slot_tensors(layout), num_single=layout.num_single)

@@ -125,6 +125,18 @@ class TritonQuantizedBackend(SdpaBackend):
 
     name = "triton"
     metadata_class = TritonQuantizedMetadata
+    # Decode attention reads each row's block table and length from tensors: from fixed buffers,
+    # a CUDA graph replays it (engine.cuda_graphs, graph_metadata).
+    supports_cuda_graphs = True
+
+    def graph_metadata(self, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> TritonQuantizedMetadata:
+        """A decode-only step of ``len(lens)`` rows over fixed buffers: each row's new KV slot,
+        its block table (padded) and the tokens it attends. Each row writes a block of its own
+        (padding rows all write the scratch block, whatever lands there), so every row is a run
+        of the write."""
+        rows = torch.arange(len(lens) + 1, device=lens.device)
+        return TritonQuantizedMetadata(slot_blocks, slot_offsets, num_single=len(lens), single_block_tables=tables, single_lens=lens,
+                                       run_starts=rows[:-1], run_ends=rows[1:])
 
     def build_layout(self, layout: StepLayout) -> TritonQuantizedMetadata:
         meta = super().build_layout(layout)

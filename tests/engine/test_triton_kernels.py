@@ -41,7 +41,7 @@ def test_kernels_under_the_interpreter():
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "7 passed" in result.stdout, result.stdout[-2000:]
+    assert "8 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -157,3 +157,45 @@ def test_decode_attention_over_quantized_blocks_is_the_portable_backends(triton_
         got[name] = meta.forward(q, k, v, cache.key_views[0], cache.value_views[0], window, cache.key_scales[0], cache.value_scales[0])
     assert torch.equal(caches["triton"].tensor, caches["sdpa"].tensor), "the same writes"
     torch.testing.assert_close(got["triton"], got["sdpa"], rtol=1e-4, atol=1e-5)
+
+
+@under_interpreter
+def test_decode_over_a_cuda_graphs_fixed_buffers_is_the_eager_steps(triton_quantized):
+    """What a CUDA graph of a quantized cache replays (engine.cuda_graphs in tables mode): decode
+    rows padded up to a bucket with rows on the scratch block, block tables padded to the
+    buffer's width, every row its own write run (TritonQuantizedBackend.graph_metadata): the real
+    rows' attention and KV writes are the eager step's, element for element."""
+    config = EngineConfig(kv_cache_dtype="int8", num_kv_blocks=12, block_size=BLOCK_SIZE)
+    caches = {name: KVCache(ModelConfig.from_model_dir(DEFAULT_MODEL_PATH), config, torch.float32, scratch_block=True) for name in ("eager", "graph")}
+    heads, dim = caches["eager"].key_views[0].shape[2:]
+    for cache in caches.values():  # the same earlier context in both
+        for view, scales in ((cache.key_views[0], cache.key_scales[0]), (cache.value_views[0], cache.value_scales[0])):
+            for block in range(cache.num_blocks):
+                x = torch.randn(BLOCK_SIZE, heads, dim, generator=torch.Generator().manual_seed(block)) * (1 + block % 3)
+                write_quantized_torch(x, view, scales, torch.full((BLOCK_SIZE,), block), torch.arange(BLOCK_SIZE))
+    table_rows = [[3, 5, 1], [7, 0, 9, 2], [4, 11]]
+    slices = [SeqSlice(0, 23, 1, decode=True), SeqSlice(1, 26, 1, decode=True), SeqSlice(2, 8, 1, decode=True)]
+    tables = BlockTables.holding(table_rows).array
+    backend = triton_quantized.TritonQuantizedBackend("cpu", BLOCK_SIZE)
+    g = torch.Generator().manual_seed(4)
+    bucket, width, rows = 5, 6, len(slices)
+    q, k, v = torch.randn(bucket, 3 * heads, dim, generator=g), torch.randn(bucket, heads, dim, generator=g), torch.randn(bucket, heads, dim, generator=g)
+    eager = backend.build(slices, tables)
+    want = eager.forward(q[:rows], k[:rows], v[:rows], caches["eager"].key_views[0], caches["eager"].value_views[0], None,
+                         caches["eager"].key_scales[0], caches["eager"].value_scales[0])
+
+    scratch = caches["graph"].scratch_block
+    padded_tables = torch.full((bucket, width), scratch, dtype=torch.long)
+    lens = torch.ones(bucket, dtype=torch.long)
+    slot_blocks = torch.full((bucket,), scratch, dtype=torch.long)
+    slot_offsets = torch.zeros(bucket, dtype=torch.long)
+    for row, (piece, table) in enumerate(zip(slices, table_rows)):
+        padded_tables[row, : len(table)] = torch.tensor(table)
+        lens[row] = piece.context_len + 1
+        slot_blocks[row], slot_offsets[row] = table[piece.context_len // BLOCK_SIZE], piece.context_len % BLOCK_SIZE
+    replayed = backend.graph_metadata(slot_blocks, slot_offsets, padded_tables, lens)
+    got = replayed.forward(q, k, v, caches["graph"].key_views[0], caches["graph"].value_views[0], None,
+                           caches["graph"].key_scales[0], caches["graph"].value_scales[0])
+    assert torch.equal(got[:rows], want)
+    for name in ("key_views", "value_views", "key_scales", "value_scales"):
+        assert torch.equal(getattr(caches["graph"], name)[0][:scratch], getattr(caches["eager"], name)[0][:scratch]), name
