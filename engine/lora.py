@@ -35,14 +35,15 @@ class SlotStack:
         # Every slot's pair side by side, for RowSlots: a_cat [in, slots * rank] (slot-major
         # columns), b_cat [slots * rank, out] (a view of b), and each column's slot.
         slots, rank = a.shape[0], a.shape[2]
-        self.a_cat = a.permute(1, 0, 2).reshape(a.shape[1], slots * rank).contiguous()
+        self.a_cat = a.permute(1, 0, 2).reshape(a.shape[1], slots * rank)  # a view where a is SlotStack.of's
         self.b_cat = b.view(slots * rank, b.shape[2])
         self.column_slots = torch.arange(slots, device=a.device).repeat_interleave(rank)
 
     @classmethod
     def of(cls, pairs: list["LoraPair | None"], like: "LoraPair") -> "SlotStack":
         rank = max(p.a_t.shape[1] for p in pairs if p is not None)
-        a = like.a_t.new_zeros((len(pairs), like.a_t.shape[0], rank))
+        # a is a view of RowSlots' side-by-side layout ([in, slots * rank], slot-major): one copy.
+        a = like.a_t.new_zeros((like.a_t.shape[0], len(pairs) * rank)).view(like.a_t.shape[0], len(pairs), rank).permute(1, 0, 2)
         b = like.b_t.new_zeros((len(pairs), rank, like.b_t.shape[1]))
         for slot, pair in enumerate(pairs):
             if pair is not None:
@@ -114,7 +115,8 @@ class RowSlots:
         if stack.a_cat.shape[1] == 0:
             return out
         hidden = torch.mm(x, stack.a_cat)
-        hidden.mul_(self.row_slots.unsqueeze(1) == stack.column_slots)  # other slots' columns to 0
+        # Other slots' columns to 0 (a fill, not a product: an inf there stays out of the row).
+        hidden.masked_fill_(self.row_slots.unsqueeze(1) != stack.column_slots, 0.0)
         return out.addmm_(hidden, stack.b_cat)
 
 
@@ -182,21 +184,25 @@ def install_adapter(model: torch.nn.Module, slot: int, adapter_dir: str | Path, 
     loaded = load_adapter(adapter_dir, model.config, model.shard, dtype, device)
     # Every projection's stack covers every slot a step may name (a row's slot indexes them all).
     num_slots = max([slot + 1, *(len(stack.present) for layer in model.layers for stack in layer.lora.values())])
-    for layer, pairs in zip(model.layers, loaded):
-        for projection in PROJECTIONS:
-            _set_slot(layer, projection, slot, pairs.get(projection), num_slots)
-    _stacks_changed(model)
+    try:
+        for layer, pairs in zip(model.layers, loaded):
+            for projection in PROJECTIONS:
+                _set_slot(layer, projection, slot, pairs.get(projection), num_slots)
+    finally:  # also when it failed part way: some layers hold new stacks already
+        _stacks_changed(model)
     logger.info("LoRA adapter %s loaded into slot %d", adapter_dir, slot)
 
 
 def remove_adapter(model: torch.nn.Module, slot: int) -> None:
     """Free slot ``slot``'s weights in every decoder layer."""
-    for layer in model.layers:
-        for projection in list(layer.lora):
-            num_slots = len(layer.lora[projection].present)
-            if slot < num_slots:  # a rank whose load failed never grew its stacks to the slot
-                _set_slot(layer, projection, slot, None, num_slots)
-    _stacks_changed(model)
+    try:
+        for layer in model.layers:
+            for projection in list(layer.lora):
+                num_slots = len(layer.lora[projection].present)
+                if slot < num_slots:  # a rank whose load failed never grew its stacks to the slot
+                    _set_slot(layer, projection, slot, None, num_slots)
+    finally:
+        _stacks_changed(model)
 
 
 def _stacks_changed(model: torch.nn.Module) -> None:

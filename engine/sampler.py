@@ -169,9 +169,12 @@ class Sampler:
         without min-p draws from its nucleus there. The kernels' randomness is one seed for their
         whole batch, each row's stream picked by its place in it, so only the unkeyed rows share
         their calls, seeded from the engine's generator. The keyed rows, all at once, keep what
-        FlashInfer's top-p renormalization and min-p leave and draw by ``keyed_race``, whose noise
-        is a function of each row's key alone. (One FlashInfer call a keyed row, seeded with its
-        key, took 8.4 ms for 64 rows of a 152k vocabulary on an H200.)"""
+        FlashInfer's (deterministic) top-p renormalization and min-p leave and draw by
+        ``keyed_race``, whose noise is a function of each row's key alone: a keyed row's token
+        depends on its probabilities and its key, and those on the batch only as far as its
+        kernels round differently with the batch's size (FlashInfer's softmax splits a row when
+        rows are few; the model's GEMMs pick tiles by the row count). (One FlashInfer call a
+        keyed row, seeded with its key, took 8.4 ms for 64 rows of a 152k vocabulary on an H200.)"""
         sampling = _flashinfer_sampling()
         # The floor keeps logits / temperature finite (FlashInfer divides before its running
         # maximum); below it every token but the largest already has probability exactly 0.
@@ -190,9 +193,16 @@ class Sampler:
             return rows_drawn
 
         def race(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
+            # Deterministic renormalization (its default sums with float atomics), of the rows
+            # with top-p alone: its radix kernel rescales a row at top_p 1 too.
+            nucleus = [j for j, i in enumerate(index) if params[i].top_p < 1.0]
             kept = rows
-            if any(params[i].top_p < 1.0 for i in index):
-                kept = sampling.top_p_renorm_probs(rows, _rows_of(top_p, index))
+            if nucleus:
+                renormed = sampling.top_p_renorm_probs(_rows_of(rows, nucleus), _rows_of(top_p, [index[j] for j in nucleus]), is_deterministic=True)
+                if len(nucleus) == len(index):
+                    kept = renormed
+                else:
+                    kept = rows.index_copy(0, to_device(nucleus, torch.long, rows.device), renormed)
             if min_p is not None:
                 kept = _min_p_kept(kept, _rows_of(min_p, index))
             return keyed_race(kept, [keys[i] for i in index])
@@ -419,7 +429,7 @@ def _min_p_kept(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 # fmix32, MurmurHash3's finalizer: the noise's per-token hash (a bijection of 32-bit words with
-# full avalanche), computed in int64 and masked to 32 bits, so products wrap as unsigned ones do.
+# full avalanche), computed in int64 and kept to 32 bits.
 _MASK32 = 0xFFFFFFFF
 _FMIX = (0x85EBCA6B, 0xC2B2AE35)
 
@@ -437,7 +447,10 @@ def keyed_race(weights: torch.Tensor, keys: list[int]) -> torch.Tensor:
     for multiplier, shift in ((_FMIX[0], 16), (_FMIX[1], 13), (None, 16)):
         h = h ^ (h >> shift)
         if multiplier is not None:
-            h = (h * multiplier) & _MASK32
+            # h * multiplier mod 2^32 in halves of the multiplier: no product passes 2^48, so
+            # nothing relies on signed int64 overflow wrapping.
+            low, high = multiplier & 0xFFFF, multiplier >> 16
+            h = (h * low + (((h * high) & 0xFFFF) << 16)) & _MASK32
     # (h + 1/2) / 2^32: uniform in (0, 1), never 0 or 1; in float64, which holds 32 bits exactly.
     exponential = -torch.log((h.double() + 0.5) * 2.0**-32)
     return torch.argmax(weights.double() / exponential, dim=-1)

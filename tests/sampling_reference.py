@@ -41,7 +41,7 @@ class ExactFlashInferSampling:
     def top_p_sampling_from_probs(self, probs, top_p, seed, offset):
         return _multinomial(self.top_p_renorm_probs(probs, top_p), seed)
 
-    def top_p_renorm_probs(self, probs, top_p):
+    def top_p_renorm_probs(self, probs, top_p, is_deterministic=False):  # exact either way
         ordered, order = probs.sort(dim=-1, descending=True)
         kept = ordered * ((ordered.cumsum(dim=-1) - ordered) < top_p.unsqueeze(1))
         kept = torch.zeros_like(probs).scatter_(1, order, kept)

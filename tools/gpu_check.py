@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import tempfile
 import time
@@ -236,19 +237,19 @@ def check_quantized_kernels(workdir: Path) -> dict:
         error = (out["triton"] - out["sdpa"]).abs().max().item()
         scale = out["sdpa"].abs().max().item()
         # Both outputs are bfloat16 rounded from float32 sums in different orders: two units in
-        # the last place of the largest output (2^-7 of it) is rounding, not a wrong kernel (the
+        # the last place of the largest output is rounding, not a wrong kernel (the
         # H200 run of session 27: int8 0.0625 at outputs of magnitude 4 to 8, where a unit is 0.03125).
         result[kind] = {"write_bytes_differing": differ, "attention_max_abs_error": error, "output_max_abs": scale,
-                        "ok": differ < 1e-3 and error <= scale * 2**-7}
+                        "ok": differ < 1e-3 and error <= 2 * 2.0 ** (math.floor(math.log2(scale)) - 7)}
     for name in ("triton", "sdpa"):
         result[f"fp8_decode_b64_{name}_ms"] = engine_decode_ms(workdir / "1.5b", 64, 600, 10, kv_cache_dtype="fp8_e4m3", attention_backend=name, cuda_graph_max_batch=0)
     # Replayed from CUDA graphs (the Triton kernels over fixed buffers), and the same greedy
     # tokens replayed and eager.
     result["fp8_decode_b64_triton_graphs_ms"] = engine_decode_ms(workdir / "1.5b", 64, 600, 10, kv_cache_dtype="fp8_e4m3", attention_backend="triton")
-    prompts = random_prompts([9, 40, 17, 64, 3, 25], SHAPES["1.5b"]["vocab_size"], seed=8)
+    prompts = random_prompts([9, 40, 17, 64, 3, 25, 33, 12], SHAPES["1.5b"]["vocab_size"], seed=8)  # a bucket, prefilled at once
     tokens = {}
     for graphs in (True, False):
-        engine = LLMEngine(workdir / "1.5b", EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=128, kv_cache_dtype="fp8_e4m3",
+        engine = LLMEngine(workdir / "1.5b", EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=128, kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=2048,
                                                           attention_backend="triton", **({} if graphs else {"cuda_graph_max_batch": 0})))
         result["fp8_graphs" if graphs else "fp8_eager"] = engine.runner.graphs is not None
         tokens[graphs] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
@@ -489,7 +490,9 @@ def bench_attention_kernels(batch: int = 64, context: int = 600, backends: tuple
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     kv_bytes = 2 * batch * context * kv_heads * dim * 2
     result = {"kv_bytes": kv_bytes}
-    variants = {"cuda_cores": (False, "fa2", {}), "tensor_cores": (True, "fa2", {}), "tensor_cores_no_split": (True, "fa2", {"disable_split_kv": True})}
+    variants = {}
+    if "fa2" in backends:
+        variants = {"cuda_cores": (False, "fa2", {}), "tensor_cores": (True, "fa2", {}), "tensor_cores_no_split": (True, "fa2", {"disable_split_kv": True})}
     variants.update({f"tensor_cores_{b}": (True, b, {}) for b in backends if b != "fa2"})
     reference = None
     for name, (tensor_cores, backend, plan_options) in variants.items():
@@ -511,8 +514,11 @@ def bench_attention_kernels(batch: int = 64, context: int = 600, backends: tuple
                 result[key] = {"us": round(micros, 2), "tb_s": round(kv_bytes / micros / 1e6, 2),
                                "max_abs_diff_vs_first": float((got - reference).abs().max())}
             except Exception as error:
-                torch.cuda.synchronize()
                 result[key] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                try:
+                    torch.cuda.synchronize()
+                except Exception:  # a broken capture can leave the device erroring: the next variant says so
+                    pass
     return result
 
 
@@ -598,7 +604,31 @@ def check_device_draws(draws: int = 100_000) -> dict:
         close = bool(torch.all((freq - want).abs() <= 5 * torch.sqrt(want * (1 - want) / draws) + 1e-3))
         result[name] = {"outside_support": not inside, "max_standard_errors": float(error[want > 0].max()),
                         "total_variation": float(0.5 * (freq - want).abs().sum()), "ok": inside and close}
+    result["keyed_rows_152k"] = check_keyed_rows_repeat()
     result["ok"] = all(v["ok"] for v in result.values())
+    return result
+
+
+def check_keyed_rows_repeat(rows: int = 64) -> dict:
+    """Seeded rows of the 1.5B shape's vocabulary drawn on the device (top-p, some with min-p or
+    top_p 1): the same tokens drawn twice, and with the rows in another order (a row's draw is
+    its probabilities' and its key's); and how many stay the same in a batch of half the size,
+    where FlashInfer's softmax may round differently (reported, not required)."""
+    from engine.sampler import Sampler
+
+    generator = torch.Generator(device="cuda").manual_seed(12)
+    logits = torch.randn(rows, SHAPES["1.5b"]["vocab_size"], device="cuda", generator=generator) * 4
+    params = [SamplingParams(temperature=0.8, top_p=[0.9, 1.0, 0.7][i % 3], min_p=0.02 if i % 4 == 0 else 0.0) for i in range(rows)]
+    keys = [10**9 + 17 * i for i in range(rows)]
+    sampler = Sampler(seed=2)
+    first = sampler._draw_on_device(logits, params, keys).tolist()
+    again = sampler._draw_on_device(logits, params, keys).tolist()
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(3)).tolist()
+    shuffled = sampler._draw_on_device(logits[order], [params[i] for i in order], [keys[i] for i in order]).tolist()
+    half = sampler._draw_on_device(logits[: rows // 2], params[: rows // 2], keys[: rows // 2]).tolist()
+    result = {"repeat": first == again, "reordered": all(shuffled[j] == first[i] for j, i in enumerate(order)),
+              "same_in_half_batch": sum(a == b for a, b in zip(half, first)) / len(half)}
+    result["ok"] = result["repeat"] and result["reordered"]
     return result
 
 
@@ -739,11 +769,13 @@ def check_lora(workdir: Path) -> dict:
     dirs = {f"l{i}": str(write_random_adapter(workdir / f"lora_135m_{i}", SHAPES["135m"], 16, seed=i)) for i in range(4)}
     # Replayed and eager decode steps through adapters compute alike (both engine.lora.RowSlots):
     # the same bfloat16 tokens for a mix of adapters and the base model, graphs on and off.
-    prompts = random_prompts([9, 40, 17, 64, 3, 25], SHAPES["135m"]["vocab_size"], seed=6)
-    names = [None, "l0", "l1", "l2", "l3", "l0"]
+    # Eight prompts prefilled in one step, then decoding together: every decode step is a whole
+    # bucket, so replayed and eager steps multiply matrices of the same shapes.
+    prompts = random_prompts([9, 40, 17, 64, 3, 25, 33, 12], SHAPES["135m"]["vocab_size"], seed=6)
+    names = [None, "l0", "l1", "l2", "l3", "l0", None, "l2"]
     tokens = {}
     for graphs in (True, False):
-        engine = LLMEngine(big, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=256, lora_adapters=dirs,
+        engine = LLMEngine(big, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=256, lora_adapters=dirs, max_num_batched_tokens=2048,
                                              **({} if graphs else {"cuda_graph_max_batch": 0})))
         outputs = engine.generate(prompts, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, lora_name=n) for n in names])
         tokens[graphs] = [o.token_ids for o in outputs]
@@ -839,7 +871,7 @@ def main() -> int:
         section("push", check_event_before_push, workdir)
         section("lora", check_lora, workdir)
         # Last: FlashInfer's Hopper (FA3) kernels are a JIT build of minutes on a fresh machine.
-        section("attention_fa3", bench_attention_kernels, 64, 600, ("fa2", "fa3"))
+        section("attention_fa3", bench_attention_kernels, 64, 600, ("fa3",))
     float32_exact = all(v["exact"] for k, v in report.get("exactness", {}).items() if "/float32/" in k)
     rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "no_logits", "kv_write", "overlap", "quantized", "sampling", "lora"))
     crashed = [name for name in report if name.endswith("_error")]

@@ -348,6 +348,10 @@ def test_a_seeded_row_drawn_on_the_device_depends_on_its_key_alone_and_follows_i
     assert beside[1] == alone[5] and beside[3] == alone[9]
     reordered = sampler._draw_on_device(logits[[0, 0]], [params, params], [9, 5]).tolist()
     assert reordered == [alone[9], alone[5]]
+    # Beside a seeded row with no filter at all (top_p 1: not renormalized with the others).
+    plain = SamplingParams(temperature=1.0, seed=3)
+    mixed = sampler._draw_on_device(logits[[1, 0]], [plain, params], [3, 5]).tolist()
+    assert mixed == [int(sampler._draw_on_device(logits[1:2], [plain], [3])), alone[5]]
     assert len(set(alone)) > 3, "the keys give different draws"
     tokens = sampler._draw_on_device(logits[:1].repeat(DRAWS, 1), [params] * DRAWS, list(range(DRAWS)))
     want = _reference_filtered(logits[0], params)
