@@ -237,9 +237,18 @@ def test_adapter_of_another_model_or_kind_is_refused_at_load(adapted, tmp_path):
         _engine(path, {"gone": (tmp_path / "gone", None)})
 
 
-def test_slots_reused_by_adapters_on_other_projections_keep_every_row_right(tmp_path):
-    """Adapters on disjoint projections loaded, unloaded and loaded again into freed slots, then
-    all in one batch with their rows interleaved: each row through its own adapter's weights."""
+@pytest.mark.parametrize("by_row_slot", [False, True])
+def test_slots_reused_by_adapters_on_other_projections_keep_every_row_right(tmp_path, monkeypatch, by_row_slot):
+    """Adapters on disjoint projections and of different ranks loaded, unloaded and loaded again
+    into freed slots (the stacks rebuilt), then all in one batch with their rows interleaved with
+    base rows: each row through its own adapter's weights. ``by_row_slot``: decode steps the GPU's
+    way, taken here on the CPU (engine.lora.RowSlots: every slot's pairs side by side, a row's
+    other columns zeroed; what a CUDA graph replays for any mix of adapters)."""
+    from engine import lora
+
+    taken = []
+    original = lora.RowSlots.add_deltas
+    monkeypatch.setattr(lora.RowSlots, "add_deltas", lambda self, out, x, stack: taken.append(1) or original(self, out, x, stack))
     model = build_checkpoint("llama", tmp_path / "base")
     made = {
         "q": build_lora_adapter(model, tmp_path / "q", seed=31, targets=("q_proj",)),
@@ -247,6 +256,7 @@ def test_slots_reused_by_adapters_on_other_projections_keep_every_row_right(tmp_
         "gate": build_lora_adapter(model, tmp_path / "gate", seed=33, targets=("gate_proj", "v_proj"), rank=2),
     }
     engine = _engine(tmp_path / "base", {})
+    engine.runner.decode_adapters_by_row_slot = by_row_slot
     engine.load_adapter("gate", str(tmp_path / "gate"))
     engine.load_adapter("q", str(tmp_path / "q"))
     engine.unload_adapter("gate")  # slot 0 freed, slot 1 kept
@@ -257,6 +267,8 @@ def test_slots_reused_by_adapters_on_other_projections_keep_every_row_right(tmp_
     outputs = engine.generate([p for p, _ in jobs], [_through(name) for _, name in jobs])
     for (prompt, name), out in zip(jobs, outputs):
         assert out.token_ids == hf_greedy(model if name is None else made[name], prompt, MAX_NEW), name
+    assert bool(taken) == by_row_slot, "decode steps did not take the path under test"
+    assert engine.runner.model.lora_version == 4  # each load and unload made new stacks: graphs over the old ones are stale
 
 
 def test_a_long_prompt_chunk_beside_other_adapters_decode_rows(adapted, monkeypatch, tmp_path):
@@ -286,39 +298,3 @@ def test_a_long_prompt_chunk_beside_other_adapters_decode_rows(adapted, monkeypa
     assert any(g.runs is not None for g in grouped), "no step took the per-group path: the test proves nothing"
     assert any(g.runs is None for g in grouped), "no step took the batched path"
 
-
-def test_decode_rows_by_slot_id_match_peft(tmp_path):
-    """The GPU's way for decode steps (engine.lora.RowSlots: every slot's pairs side by side, a
-    row's other columns zeroed; what a CUDA graph replays for any mix of adapters), taken here on
-    the CPU: rows of adapters on disjoint projections and of different ranks, interleaved with
-    base rows, a slot freed and reused (the stacks rebuilt), each output PEFT's."""
-    model = build_checkpoint("llama", tmp_path / "base")
-    made = {
-        "q": build_lora_adapter(model, tmp_path / "q", seed=51, targets=("q_proj",)),
-        "down": build_lora_adapter(model, tmp_path / "down", seed=52, targets=("down_proj",), rank=16),
-        "gate": build_lora_adapter(model, tmp_path / "gate", seed=53, targets=("gate_proj", "v_proj"), rank=2),
-    }
-    engine = _engine(tmp_path / "base", {})
-    engine.runner.decode_adapters_by_row_slot = True
-    from engine import lora
-
-    taken = []
-    original = lora.RowSlots.add_deltas
-    engine_version = []
-    lora.RowSlots.add_deltas = lambda self, out, x, stack: taken.append(1) or original(self, out, x, stack)
-    try:
-        engine.load_adapter("gate", str(tmp_path / "gate"))
-        engine.load_adapter("q", str(tmp_path / "q"))
-        engine.unload_adapter("gate")
-        engine.load_adapter("down", str(tmp_path / "down"))
-        engine_version.append(engine.runner.model.lora_version)
-        prompts = random_prompts([7, 12, 9], model.config.vocab_size, seed=54)
-        names = ["down", None, "q"]
-        jobs = [(prompt, name) for prompt in prompts for name in names]
-        outputs = engine.generate([p for p, _ in jobs], [_through(name) for _, name in jobs])
-    finally:
-        lora.RowSlots.add_deltas = original
-    for (prompt, name), out in zip(jobs, outputs):
-        assert out.token_ids == hf_greedy(model if name is None else made[name], prompt, MAX_NEW), name
-    assert taken, "no decode step went through RowSlots: the test proves nothing"
-    assert engine_version == [4]  # each load and unload made new stacks: graphs over the old ones are stale
