@@ -139,7 +139,9 @@ def main() -> int:
         spec = json.dumps([args.batch, args.vocab, CASES, SPREADS, REPEATS, PENALTY_HISTORY, PENALTIES])
         run = subprocess.run([str(args.vllm_python), "-c", VLLM_SIDE, spec], capture_output=True, text=True, timeout=1800, cwd="/tmp")
         if run.returncode != 0:
-            print(run.stderr[-3000:], file=sys.stderr)
+            from cluster.bench.vllm_server import describe_exit
+
+            print(f"vLLM's side {describe_exit(run.returncode)}\n{run.stderr[-3000:]}", file=sys.stderr)
             return 1
         theirs = json.loads(run.stdout.strip().splitlines()[-1])
     mine = ours(args.batch, args.vocab)

