@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.architectures import ARCHITECTURES
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, read_json_file
 from engine.speculation import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -86,11 +85,7 @@ class ModelConfig:
         config_path = Path(model_dir) / "config.json"
         if not config_path.is_file():
             raise ModelLoadError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-        try:
-            raw = json.loads(config_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{config_path}: not valid JSON ({exc})") from exc
-        return cls.from_dict(raw, source=str(config_path))
+        return cls.from_dict(read_json_file(config_path), source=str(config_path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":

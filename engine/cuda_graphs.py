@@ -128,26 +128,9 @@ class DecodeGraphs:
         if decode_tables.shape[1] > self.max_blocks_per_seq:
             return None
         with_adapters = step.uses_adapters
-        if with_adapters:
-            version = getattr(self.model, "lora_version", 0)
-            if version != self.adapter_graphs_version:  # captured over stacks since replaced
-                self.adapter_graphs.clear()
-                self.adapter_capture_failed.clear()
-                self.adapter_graphs_version = version
-            graph = self.adapter_graphs.get(bucket)
-            if graph is None:
-                if bucket in self.adapter_capture_failed:
-                    return None
-                try:
-                    graph = self._capture(bucket, with_adapters=True)
-                except RuntimeError:
-                    # Eager steps compute the same (RowSlots either way): serve on without this graph.
-                    logger.warning("capturing a CUDA graph for decode batches of %d through LoRA adapters failed; "
-                                   "such steps run eagerly", bucket, exc_info=True)
-                    self.adapter_capture_failed.add(bucket)
-                    return None
-        else:
-            graph = self.graphs.get(bucket) or self._capture(bucket)
+        graph = self._adapter_graph(bucket) if with_adapters else (self.graphs.get(bucket) or self._capture(bucket))
+        if graph is None:
+            return None
         scratch = self.kv_cache.scratch_block
         # Padding rows attend the scratch block's first token (written by themselves).
         padded = np.full((bucket, decode_tables.shape[1]), scratch, dtype=np.int64)
@@ -164,8 +147,7 @@ class DecodeGraphs:
             staging[rows:bucket, :4] = 0
             staging[rows:bucket, 2] = scratch
             if self.tables_mode:
-                staging[:rows, 7] = torch.from_numpy(layout.decode_lens)
-                staging[rows:bucket, 7] = 1
+                staging[:bucket, 7] = torch.from_numpy(lens)
             if num_pending:
                 staging[:num_pending, 4] = torch.tensor(step.pending_rows)
                 staging[:num_pending, 5] = torch.tensor(step.pending_sources)
@@ -197,6 +179,24 @@ class DecodeGraphs:
                     self.backend.plan_decode(wrapper, on_device_tables, window)
         graph.graph.replay()
         return graph.logits[:rows].clone()
+
+    def _adapter_graph(self, bucket: int) -> _Graph | None:
+        """The bucket's graph through the adapters' current stacks, captured now if need be;
+        None where its capture failed (such steps run eagerly, computing the same: RowSlots
+        either way)."""
+        version = getattr(self.model, "lora_version", 0)
+        if version != self.adapter_graphs_version:  # captured over stacks since replaced
+            self.adapter_graphs.clear()
+            self.adapter_capture_failed.clear()
+            self.adapter_graphs_version = version
+        if bucket in self.adapter_graphs or bucket in self.adapter_capture_failed:
+            return self.adapter_graphs.get(bucket)
+        try:
+            return self._capture(bucket, with_adapters=True)
+        except RuntimeError:
+            logger.warning("capturing a CUDA graph for decode batches of %d through LoRA adapters failed; such steps run eagerly", bucket, exc_info=True)
+            self.adapter_capture_failed.add(bucket)
+            return None
 
     def _capture(self, bucket: int, with_adapters: bool = False) -> _Graph:
         started = time.perf_counter()

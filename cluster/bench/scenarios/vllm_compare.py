@@ -13,8 +13,8 @@ TTFT, TPOT and ITL (p50, p99) and failures side by side, with each pdserve/vLLM 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
 import json
 import logging
 import math
