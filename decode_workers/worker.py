@@ -447,10 +447,14 @@ class DecodeWorker(EngineWorker):
             outputs.setdefault(tracked.router_id, []).append(output)
             if out.finished:
                 del self._tracked[out.req_id]
+        if ran:
+            # Logged before its tokens leave: a client that has its last token and then reads
+            # the log (the planner's sweep, a test) finds the step that made it (CI once read
+            # the log between the two and missed it).
+            self.step_log.record(self.engine.last_shape, time.perf_counter() - started)
         for router_id, items in outputs.items():
             self._outputs.put(router_id, items)
         if ran:
-            self.step_log.record(self.engine.last_shape, time.perf_counter() - started)
             self._pause_after_step()
         return True
 
