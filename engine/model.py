@@ -91,8 +91,7 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not rotated and not fused_ops.rotate_qk_(q, k, rope_tables):
-            q, k = RotaryEmbedding.rotate(q, k, rope_tables.cos, rope_tables.sin)
+        # Not rotated yet: the attention rotates q and k as it writes the KV (one launch on CUDA).
         attended = paged_attention(
             q,
             k,
@@ -103,6 +102,7 @@ class DecoderLayer(nn.Module):
             self.window,
             kv_cache.key_scales[self.layer_index],
             kv_cache.value_scales[self.layer_index],
+            None if rotated else rope_tables,
         )
         # Row-parallel: each rank's partial product, summed over the ranks (its bias on rank 0 only).
         attention_out = self.group.all_reduce(self._project("o_proj", attended.view(num_tokens, self.q_size), adapters))

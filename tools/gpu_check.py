@@ -34,6 +34,9 @@
    equal bytes and microseconds per layer, eager and from a graph (section ``kv_write``).
 11. Overlapped steps (``async_scheduling``): greedy and FlashInfer-drawn tokens equal to steps
    run one at a time (section ``overlap``); the decode section times the variant ``overlapped``.
+12. Where a 1.5B decode step's time goes: its attention alone per FlashInfer kernel and layout
+   (``attention_kernels``, ``attention_fa3``), its projections alone per cuBLAS choice
+   (``gemms``), and a profile of the step with the GPU's busy time per step (``profile``).
 """
 
 from __future__ import annotations
@@ -164,7 +167,8 @@ def check_fused_rotation() -> dict:
 def check_kv_write() -> dict:
     """The one-launch Triton KV write (engine.attention.triton_kv_write) against two indexed
     stores: equal bytes, and microseconds per layer at batch 64 of the 1.5B shape (2 KV heads of
-    128), eager (host launch cost included) and replayed from a graph of 28 layers (device only)."""
+    128), eager (host launch cost included) and replayed from a graph of 28 layers (device only);
+    then the rotation fused into the write against FlashInfer's rotation and the write."""
     from engine.attention import triton_kv_write
 
     blocks, block_size, heads, dim, rows, layers = 512, 16, 2, 128, 64, 28
@@ -192,7 +196,51 @@ def check_kv_write() -> dict:
             fn()
         result[f"{name}_graph_us_per_layer"] = cuda_seconds(graph.replay, 3, 50) / layers * 1e6
     result["equal"] = bool(torch.equal(cache, reference))
-    result["ok"] = result["equal"]
+    result.update(_rotate_and_write(qkv, slot_blocks, slot_offsets, blocks, block_size, layers))
+    result["ok"] = result["equal"] and result["rotate_and_write_ok"]
+    return result
+
+
+def _rotate_and_write(qkv: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, blocks: int, block_size: int, layers: int) -> dict:
+    """The rotation fused into the write (triton_kv_write.rotate_and_write_pair, what a layer
+    runs on CUDA) against FlashInfer's rotation then the Triton write: the same q, k and cache
+    up to a rounding (the same float32 formula, contracted differently), and microseconds per
+    layer replayed from a graph of ``layers`` layers (the rotation in place each time)."""
+    from engine import fused_ops
+    from engine.attention import triton_kv_write
+    from engine.config import RopeConfig
+    from engine.rope import RotaryEmbedding
+
+    rows, dim, heads, kv_heads = qkv.shape[0], 128, 12, 2
+    rotary = RotaryEmbedding(RopeConfig(theta=1000000.0), dim, 4096, torch.bfloat16, "cuda")
+    tables = rotary.tables(torch.randint(0, 4096, (rows,), device="cuda"))
+    copies = {name: (qkv.clone(), torch.zeros(blocks, layers, 2, block_size, kv_heads, dim, dtype=torch.bfloat16, device="cuda")) for name in ("fused", "split")}
+
+    def views(x):
+        return (x[:, : heads * dim].view(rows, heads, dim), x[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim),
+                x[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim))
+
+    def fused(layer_count: int = layers):
+        x, cache = copies["fused"]
+        for layer in range(layer_count):
+            triton_kv_write.rotate_and_write_pair(*views(x), cache[:, layer, 0], cache[:, layer, 1], slot_blocks, slot_offsets, tables.positions, rotary.cos_sin_cache)
+
+    def split(layer_count: int = layers):
+        x, cache = copies["split"]
+        for layer in range(layer_count):
+            q, k, v = views(x)
+            fused_ops.rotate_qk_(q, k, tables)
+            triton_kv_write.write_pair(k, v, cache[:, layer, 0], cache[:, layer, 1], slot_blocks, slot_offsets)
+
+    fused(1)
+    split(1)
+    torch.cuda.synchronize()
+    qkv_error = float((copies["fused"][0].float() - copies["split"][0].float()).abs().max())
+    cache_error = float((copies["fused"][1].float() - copies["split"][1].float()).abs().max())
+    result = {"rotate_and_write_max_abs_diff": max(qkv_error, cache_error)}
+    result["rotate_and_write_ok"] = result["rotate_and_write_max_abs_diff"] < 0.05
+    result["rotate_and_write_graph_us_per_layer"] = graph_us(fused, repeats=10) / layers
+    result["rope_then_write_graph_us_per_layer"] = graph_us(split, repeats=10) / layers
     return result
 
 
@@ -347,6 +395,12 @@ def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile:
             torch.cuda.synchronize()
         averages = prof.key_averages()
         profile.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=25) + "\n" + averages.table(sort_by="self_cuda_time_total", row_limit=25))
+        # The GPU's busy time per step (kernels, copies; one stream) against the step's: what a
+        # step loses to gaps between kernels and to the host.
+        from torch.autograd import DeviceType
+
+        device_us = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
+        profile.with_suffix(".json").write_text(json.dumps({"step_ms": elapsed, "device_busy_ms_per_step": device_us / 5 / 1e3}))
     engine.runner.graphs = None
     del engine
     torch.cuda.empty_cache()
@@ -536,6 +590,41 @@ def bench_attention_kernels(batch: int = 64, context: int = 600, backends: tuple
                     torch.cuda.synchronize()
                 except Exception:  # a broken capture can leave the device erroring: the next variant says so
                     pass
+    return result
+
+
+def bench_gemms(rows: tuple[int, ...] = (1, 64)) -> dict:
+    """The 1.5B shape's projections alone (bfloat16, ``rows`` tokens), each timed in CUDA graphs
+    as the engine calls it (``F.linear``: cuBLAS's pick), with cuBLASLt preferred, and with the
+    operands swapped (weight times activations transposed): microseconds and the weight bytes
+    read per second. The small ones (q|k|v, o_proj) ran at about 1 TB/s in a decode step's
+    profile on an H200: is a better kernel a library setting away?"""
+    import torch.nn.functional as F
+
+    shape = SHAPES["1.5b"]
+    hidden, inter, heads, kv_heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    dim = hidden // heads
+    projections = {"qkv_proj": ((heads + 2 * kv_heads) * dim, hidden), "o_proj": (hidden, hidden), "gate_up_proj": (2 * inter, hidden),
+                   "down_proj": (hidden, inter), "lm_head": (shape["vocab_size"], hidden)}
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    result = {}
+    default_library = torch.backends.cuda.preferred_blas_library()
+    for name, (out_features, in_features) in projections.items():
+        weight = torch.randn(out_features, in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
+        for count in rows:
+            x = torch.randn(count, in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
+            entry = {}
+            for variant in ("linear", "cublaslt", "swapped"):
+                torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else default_library)
+                call = (lambda: torch.mm(weight, x.t())) if variant == "swapped" else (lambda: F.linear(x, weight))
+                try:
+                    micros = graph_us(call, repeats=50)
+                    entry[variant] = {"us": round(micros, 2), "tb_s": round(weight.numel() * 2 / micros / 1e6, 2)}
+                except Exception as error:
+                    entry[variant] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+            torch.backends.cuda.preferred_blas_library(default_library)
+            result[f"{name}/{count}"] = entry
+        del weight
     return result
 
 
@@ -802,7 +891,7 @@ def check_lora(workdir: Path) -> dict:
     }
 
 
-SECTIONS = ("rope", "no_logits", "kv_write", "overlap", "quantized", "sampling", "sampled_steps", "attention_kernels", "profile", "decode", "agreement", "prefill", "exactness", "features", "push", "lora", "attention_fa3")
+SECTIONS = ("rope", "no_logits", "kv_write", "overlap", "quantized", "sampling", "sampled_steps", "attention_kernels", "gemms", "profile", "decode", "agreement", "prefill", "exactness", "features", "push", "lora", "attention_fa3")
 
 
 def main() -> int:
@@ -855,17 +944,18 @@ def main() -> int:
         section("sampling", bench_sampling)
         section("sampled_steps", bench_sampled_steps, workdir)
         section("attention_kernels", bench_attention_kernels)
+        section("gemms", bench_gemms)
         if "profile" in sections and args.json:
             def profile():
                 if not (workdir / "1.5b" / "config.json").exists():
                     random_hf_model("1.5b", workdir / "1.5b")  # saved; the model itself is dropped
                     torch.cuda.empty_cache()
-                return {
-                    "one_at_a_time_ms": _engine_decode_ms(workdir / "1.5b", 64, 600, 10, profile=args.json.with_name("profile_1.5b_b64.txt"),
-                                                         async_scheduling=False),
-                    "overlapped_ms": _engine_decode_ms(workdir / "1.5b", 64, 600, 10, profile=args.json.with_name("profile_1.5b_b64_overlapped.txt"),
-                                                       async_scheduling=True),
-                }
+                result = {}
+                for name, overlapped in (("one_at_a_time", False), ("overlapped", True)):
+                    table = args.json.with_name(f"profile_1.5b_b64{'_overlapped' if overlapped else ''}.txt")
+                    result[f"{name}_ms"] = _engine_decode_ms(workdir / "1.5b", 64, 600, 10, profile=table, async_scheduling=overlapped)
+                    result[f"{name}_device_busy_ms"] = json.loads(table.with_suffix(".json").read_text())["device_busy_ms_per_step"]
+                return result
 
             section("profile", profile)
         batches = {"1.5b": [int(b) for b in args.batches_15b.split(",") if b], "135m": [int(b) for b in args.batches_135m.split(",") if b]}

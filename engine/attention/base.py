@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.kv_write import write_kv
+from engine import fused_ops
+from engine.attention.kv_write import rotate_and_write_kv, write_kv
 from engine.host_to_device import to_device
+from engine.rope import RopeTables, RotaryEmbedding
 
 
 @dataclass(slots=True)
@@ -117,14 +119,40 @@ class AttentionMetadata(abc.ABC):
         window: int | None = None,
         key_scales: torch.Tensor | None = None,
         value_scales: torch.Tensor | None = None,
+        rope: RopeTables | None = None,
     ) -> torch.Tensor:
         """Write k/v into the cache, then attend. q [T, H, D], k/v [T, KVH, D] -> [T, H, D].
 
         ``key_cache``/``value_cache``: the layer's views [num_blocks, block_size, KVH, D];
         ``window``: this layer's sliding window (each query attends its latest ``window`` keys);
-        ``key_scales``/``value_scales`` [num_blocks, KVH]: a quantized cache's (engine.kv_cache)."""
-        self.write(k, v, key_cache, value_cache, key_scales, value_scales)
+        ``key_scales``/``value_scales`` [num_blocks, KVH]: a quantized cache's (engine.kv_cache);
+        ``rope``: the step's rotation, applied to q and k first (None: they come rotated)."""
+        if rope is None:
+            self.write(k, v, key_cache, value_cache, key_scales, value_scales)
+        else:
+            q, k = self.rotate_and_write(q, k, v, key_cache, value_cache, key_scales, value_scales, rope)
         return self.attend(q, k, v, key_cache, value_cache, window, key_scales, value_scales)
+
+    def rotate_and_write(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        key_scales: torch.Tensor | None,
+        value_scales: torch.Tensor | None,
+        rope: RopeTables,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated (returned: in place where a kernel did it), k/v written. A plain cache
+        on CUDA does both in one launch; elsewhere FlashInfer's rotation or the torch formula,
+        then ``write``."""
+        if key_scales is None and rotate_and_write_kv(q, k, v, key_cache, value_cache, self.slot_blocks, self.slot_offsets, rope):
+            return q, k
+        if not fused_ops.rotate_qk_(q, k, rope):
+            q, k = RotaryEmbedding.rotate(q, k, rope.cos, rope.sin)
+        self.write(k, v, key_cache, value_cache, key_scales, value_scales)
+        return q, k
 
     def write(
         self,
@@ -209,6 +237,7 @@ def paged_attention(
     window: int | None = None,
     key_scales: torch.Tensor | None = None,
     value_scales: torch.Tensor | None = None,
+    rope: RopeTables | None = None,
 ) -> torch.Tensor:
     """``meta.forward``: the call every decoder layer makes."""
-    return meta.forward(q, k, v, key_cache, value_cache, window, key_scales, value_scales)
+    return meta.forward(q, k, v, key_cache, value_cache, window, key_scales, value_scales, rope)

@@ -1,7 +1,8 @@
 """Writing a step's new keys and values into the paged cache, plain or quantized.
 
 A plain cache takes them with one indexed store per tensor, or on CUDA one Triton launch for
-both (``engine.attention.triton_kv_write``, where Triton is installed). A quantized cache (int8,
+both (``engine.attention.triton_kv_write``, where Triton is installed), which can rotate q and k
+on the way (``rotate_and_write_kv``). A quantized cache (int8,
 fp8) keeps per (block, KV head) scales that only grow: on a CPU ``csrc/kv_quant.cpp`` does it in
 one pass; elsewhere the same rules run as torch ops, a block at a time (the Triton backend writes
 it in one launch).
@@ -13,7 +14,8 @@ import functools
 
 import torch
 
-from engine import native_kernels
+from engine import fused_ops, native_kernels
+from engine.rope import RopeTables
 
 
 def write_kv(
@@ -37,6 +39,31 @@ def write_kv(
     else:
         write_quantized(k, key_cache, key_scales, slot_blocks, slot_offsets)
         write_quantized(v, value_cache, value_scales, slot_blocks, slot_offsets)
+
+
+def rotate_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    rope: RopeTables,
+) -> bool:
+    """Rotate q and k in place by ``rope`` and write k/v into a plain cache, in one launch
+    (``triton_kv_write.rotate_and_write_pair``). False: not done (not CUDA, not 16-bit, the fused
+    ops off, no float32 table or no Triton); the caller rotates, then writes. The rotation is
+    FlashInfer's formula (``fused_ops.rotate_qk_``), which 16-bit q/k on CUDA take otherwise."""
+    if not (fused_ops.ENABLED and key_cache.is_cuda and rope.cos_sin_cache is not None):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
+        return False
+    triton_write = _triton_kv_write()
+    if triton_write is None:
+        return False
+    triton_write.rotate_and_write_pair(q, k, v, key_cache, value_cache, slot_blocks, slot_offsets, rope.positions, rope.cos_sin_cache)
+    return True
 
 
 @functools.cache

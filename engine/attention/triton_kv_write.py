@@ -1,4 +1,5 @@
-"""A layer's KV write on CUDA as one Triton launch: keys and values together, plain or quantized.
+"""A layer's KV write on CUDA as one Triton launch: keys and values together, plain or quantized,
+and for a plain cache with the rotary embedding of q and k in the same launch.
 
 On CUDA a plain cache took the step's keys and values as two indexed stores (two kernels a layer,
 56 a step of a 28-layer model: at a few microseconds each, most of a small decode step's cost
@@ -7,6 +8,12 @@ program per (new row, keys|values) copies its row's heads into its slot; for a q
 program per (run of rows landing in one block, KV head, keys|values) grows the block's scale,
 requantizes the block's earlier rows where it grew and quantizes the new ones (the rules of
 ``engine.attention.kv_write``, which the tests hold the kernel to).
+
+``rotate_and_write_pair`` also rotates q and k in place (NeoX halves, from FlashInfer's float32
+cos|sin table, in float32, rounded once: FlashInfer's own formula) on their way into the cache:
+the rotation was a launch of its own per layer (FlashInfer's, 28 a step of a 28-layer model),
+and FlashInfer's fused rotate-and-append kernel takes two head layouts only (8/1 and 64/8 query/KV
+heads of 128).
 
 The kernels run on a CPU too under Triton's interpreter (``TRITON_INTERPRET=1``): the tests check
 them against the indexed stores and the torch rules that way.
@@ -40,6 +47,64 @@ def _copy_kernel(
     else:
         values = tl.load(v_ptr + row * v_stride_t + h[:, None] * v_stride_h + d[None, :], mask=inside)
         tl.store(value_cache_ptr + slot, values.to(value_cache_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, row_base, stride_h, cos, sin, j,
+    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    """A row's heads rotated in place (first half pairs with second); returns both halves."""
+    h = tl.arange(0, HEADS_PAD)
+    inside = (h < NUM_HEADS)[:, None] & (j < HALF)[None, :]
+    first_ptrs = x_ptr + row_base + h[:, None] * stride_h + j[None, :]
+    x1 = tl.load(first_ptrs, mask=inside, other=0.0).to(tl.float32)
+    x2 = tl.load(first_ptrs + HALF, mask=inside, other=0.0).to(tl.float32)
+    r1 = x1 * cos[None, :] - x2 * sin[None, :]
+    r2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(first_ptrs, r1.to(x_ptr.dtype.element_ty), mask=inside)
+    tl.store(first_ptrs + HALF, r2.to(x_ptr.dtype.element_ty), mask=inside)
+    return r1, r2, h, inside
+
+
+@triton.jit
+def _rotate_write_kernel(
+    q_ptr, q_stride_t, q_stride_h,
+    k_ptr, k_stride_t, k_stride_h,
+    v_ptr, v_stride_t, v_stride_h,
+    positions_ptr, cos_sin_ptr, cos_sin_stride,
+    slot_blocks_ptr, slot_offsets_ptr,
+    key_cache_ptr, value_cache_ptr, cache_stride_block, cache_stride_token, cache_stride_head,
+    NUM_Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    """Program (row, part): part 0 rotates the row's query heads, 1 its key heads (then into the
+    key cache), 2 copies its values into the value cache."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    j = tl.arange(0, HALF_PAD)
+    block = tl.load(slot_blocks_ptr + row)
+    offset = tl.load(slot_offsets_ptr + row)
+    slot_base = block * cache_stride_block + offset * cache_stride_token
+    if part == 2:
+        h = tl.arange(0, KV_HEADS_PAD)
+        inside = (h < NUM_KV_HEADS)[:, None] & (j < HALF)[None, :]
+        source = v_ptr + row * v_stride_t + h[:, None] * v_stride_h + j[None, :]
+        target = value_cache_ptr + slot_base + h[:, None] * cache_stride_head + j[None, :]
+        tl.store(target, tl.load(source, mask=inside).to(value_cache_ptr.dtype.element_ty), mask=inside)
+        tl.store(target + HALF, tl.load(source + HALF, mask=inside).to(value_cache_ptr.dtype.element_ty), mask=inside)
+    else:
+        position = tl.load(positions_ptr + row)
+        cos = tl.load(cos_sin_ptr + position * cos_sin_stride + j, mask=j < HALF, other=0.0)
+        sin = tl.load(cos_sin_ptr + position * cos_sin_stride + HALF + j, mask=j < HALF, other=0.0)
+        if part == 0:
+            _rotate_heads(q_ptr, row * q_stride_t, q_stride_h, cos, sin, j, NUM_Q_HEADS, Q_HEADS_PAD, HALF, HALF_PAD)
+        else:
+            r1, r2, h, inside = _rotate_heads(k_ptr, row * k_stride_t, k_stride_h, cos, sin, j, NUM_KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD)
+            # The cache holds what the rotated k holds: rounded to k's type, then to the cache's.
+            target = key_cache_ptr + slot_base + h[:, None] * cache_stride_head + j[None, :]
+            tl.store(target, r1.to(k_ptr.dtype.element_ty).to(key_cache_ptr.dtype.element_ty), mask=inside)
+            tl.store(target + HALF, r2.to(k_ptr.dtype.element_ty).to(key_cache_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -135,6 +200,32 @@ def write_pair(
         slot_blocks, slot_offsets,
         key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_HEADS=heads, HEADS_PAD=triton.next_power_of_2(heads), HEAD_DIM=dim, DIM_PAD=triton.next_power_of_2(dim),
+    )
+
+
+def rotate_and_write_pair(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+) -> None:
+    """q [T, H, D] and k [T, KVH, D] rotated in place by ``positions`` [T] (NeoX halves, from
+    ``cos_sin_cache`` [max_positions, D] float32, cos | sin), then k and v [T, KVH, D] into the
+    layer's views [blocks, block_size, KVH, D] at their slots: one launch."""
+    rows, heads, dim = q.shape
+    if rows == 0:
+        return
+    _check_views(k, v, key_cache, value_cache)
+    if q.stride(2) != 1 or dim % 2 or cos_sin_cache.shape[1] != dim or cos_sin_cache.stride(1) != 1:
+        raise ValueError(f"rotate and write: unsupported q {tuple(q.shape)}/{q.stride()} or table {tuple(cos_sin_cache.shape)}/{cos_sin_cache.stride()}")
+    kv_heads = k.shape[1]
+    _rotate_write_kernel[(rows, 3)](
+        q, q.stride(0), q.stride(1),
+        k, k.stride(0), k.stride(1),
+        v, v.stride(0), v.stride(1),
+        positions, cos_sin_cache, cos_sin_cache.stride(0),
+        slot_blocks, slot_offsets,
+        key_cache, value_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        NUM_Q_HEADS=heads, Q_HEADS_PAD=triton.next_power_of_2(heads), NUM_KV_HEADS=kv_heads, KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
+        HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
     )
 
 

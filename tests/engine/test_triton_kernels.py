@@ -41,7 +41,7 @@ def test_kernels_under_the_interpreter():
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "8 passed" in result.stdout, result.stdout[-2000:]
+    assert "12 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -199,3 +199,46 @@ def test_decode_over_a_cuda_graphs_fixed_buffers_is_the_eager_steps(triton_quant
     assert torch.equal(got[:rows], want)
     for name in ("key_views", "value_views", "key_scales", "value_scales"):
         assert torch.equal(getattr(caches["graph"], name)[0][:scratch], getattr(caches["eager"], name)[0][:scratch]), name
+
+
+@under_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(6, 2, 64), (3, 1, 80)])
+def test_the_rotation_fused_into_the_write_is_the_float32_rotation_then_the_write(triton_kv_write, dtype, shape):
+    """q and k, strided views of a q|k|v row as a layer hands them over, rotated in place as
+    FlashInfer rotates (float32 from the float32 cos|sin table, rounded once), the rotated keys
+    and the values in the cache at their slots, nothing else touched; head counts and sizes
+    that are not powers of two too."""
+    from engine.config import RopeConfig
+    from engine.rope import RotaryEmbedding
+
+    heads, kv_heads, dim = shape
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), dim, 64, dtype, "cpu", fused_cache=True)
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(6, 2, 2, BLOCK_SIZE, kv_heads, dim, generator=g).to(dtype)  # [blocks, layers, k|v, ...]
+    reference = cache.clone()
+    for _, blocks, offsets in _writes(kv_heads, dim):
+        rows = len(blocks)
+        positions = torch.randint(0, 64, (rows,), generator=g)
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+        q, k, v = (x.view(rows, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+        cos, sin = (half.unsqueeze(1) for half in rotary.cos_sin_cache[positions].chunk(2, dim=-1))
+        want_q, want_k = (x.to(dtype) for x in RotaryEmbedding.rotate(q.float(), k.float(), cos, sin))
+        want_v = v.clone()
+        triton_kv_write.rotate_and_write_pair(q, k, v, cache[:, 1, 0], cache[:, 1, 1], blocks, offsets, positions, rotary.cos_sin_cache)
+        assert_rounded_alike(q, want_q)
+        assert_rounded_alike(k, want_k)
+        assert torch.equal(v, want_v)
+        assert_rounded_alike(cache[blocks, 1, 0, offsets], want_k)
+        reference[blocks, 1, 0, offsets] = cache[blocks, 1, 0, offsets]
+        reference[blocks, 1, 1, offsets] = want_v
+    assert torch.equal(cache, reference), "the slots written, every other element as it was"
+
+
+def assert_rounded_alike(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal, but for bfloat16 within one unit in the last place: Triton's interpreter turns
+    float32 into bfloat16 by cutting bits (a GPU rounds to nearest, as torch does)."""
+    if got.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(got, want)
