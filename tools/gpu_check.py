@@ -360,13 +360,15 @@ def copy_bandwidth() -> float:
 def engine_decode_ms(path: Path, batch: int, context: int, steps: int, **overrides) -> float:
     """Mean ms of an engine.step() at ``batch`` sequences decoding from ``context`` (KV taken as cached)."""
     from engine import fused_ops
+    from engine.attention import flashinfer_paged
 
-    fused = overrides.pop("fused_ops", True)
-    fused_ops.ENABLED = fused
+    fused_ops.ENABLED = overrides.pop("fused_ops", True)
+    flashinfer_paged.DECODE_SPLIT_KV = overrides.pop("decode_split_kv", True)
     try:
         return _engine_decode_ms(path, batch, context, steps, **overrides)
     finally:
         fused_ops.ENABLED = True
+        flashinfer_paged.DECODE_SPLIT_KV = True
 
 
 def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile: Path | None = None, lora_names: list[str | None] | None = None,
@@ -395,16 +397,39 @@ def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile:
             torch.cuda.synchronize()
         averages = prof.key_averages()
         profile.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=25) + "\n" + averages.table(sort_by="self_cuda_time_total", row_limit=25))
-        # The GPU's busy time per step (kernels, copies; one stream) against the step's: what a
-        # step loses to gaps between kernels and to the host.
-        from torch.autograd import DeviceType
-
-        device_us = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA)
-        profile.with_suffix(".json").write_text(json.dumps({"step_ms": elapsed, "device_busy_ms_per_step": device_us / 5 / 1e3}))
+        # The GPU's busy time per step against the step's: what a step loses to gaps between
+        # kernels and to the host.
+        profile.with_suffix(".json").write_text(json.dumps({"step_ms": elapsed, **device_time_split(averages, 5)}))
     engine.runner.graphs = None
     del engine
     torch.cuda.empty_cache()
     return elapsed
+
+
+KERNEL_KINDS = (  # by kernel name, first match: what a step's device time went to
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    # FlashInfer's attention kernels (its norms and activations are flashinfer:: too: other),
+    # torch SDPA's flash and memory-efficient ones.
+    ("attention", ("batchdecode", "batchprefill", "singleprefill", "mergestate", "flash_fwd", "fmha")),
+    ("copies", ("memcpy", "memset")),
+)
+
+
+def device_time_split(averages, steps: int) -> dict:
+    """A profile's device time per step (kernels and copies, one stream), in all and by kind
+    (``KERNEL_KINDS``; the rest is norms, activations, rotation, KV writes, sampling)."""
+    from torch.autograd import DeviceType
+
+    split = {"device_busy_ms_per_step": 0.0}
+    for event in averages:
+        if event.device_type != DeviceType.CUDA:
+            continue
+        name = event.key.lower()
+        kind = next((kind for kind, marks in KERNEL_KINDS if any(mark in name for mark in marks)), "other")
+        ms = event.self_device_time_total / steps / 1e3
+        split["device_busy_ms_per_step"] += ms
+        split[f"{kind}_ms_per_step"] = split.get(f"{kind}_ms_per_step", 0.0) + ms
+    return {k: round(v, 4) for k, v in split.items()}
 
 
 def transformers_decode_ms(model, batch: int, context: int, steps: int) -> float:
@@ -827,7 +852,19 @@ def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     token_lists = ids.tolist()
     ours = prompts * length / cuda_seconds(lambda: engine.generate(token_lists, params), 1, 3)
-    return {"shape": shape, "prompts": prompts, "length": length, "pdserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
+    result = {"shape": shape, "prompts": prompts, "length": length, "pdserve_tok_s": ours, "transformers_tok_s": theirs, "ratio": ours / theirs}
+    # Where the engine's prefill spends the device's time (one generate: one step of every prompt).
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(token_lists, params)
+        torch.cuda.synchronize()
+    result["pdserve_ms"] = prompts * length / ours * 1e3
+    result.update(device_time_split(prof.key_averages(), 1))
+    del engine
+    torch.cuda.empty_cache()
+    return result
 
 
 def check_lora(workdir: Path) -> dict:
@@ -926,7 +963,7 @@ def main() -> int:
             save(name + "_error", traceback.format_exc()[-3000:])
         save(name + "_seconds", round(time.perf_counter() - start, 1))
 
-    variants = {"pdserve": {}, "overlapped": {"async_scheduling": True}, "unfused": {"fused_ops": False}, "flashinfer_eager": {"attention_backend": "flashinfer", "cuda_graph_max_batch": 0},
+    variants = {"pdserve": {}, "overlapped": {"async_scheduling": True}, "unfused": {"fused_ops": False}, "no_split_kv": {"decode_split_kv": False}, "flashinfer_eager": {"attention_backend": "flashinfer", "cuda_graph_max_batch": 0},
                 "sdpa_eager": {"attention_backend": "sdpa", "cuda_graph_max_batch": 0}}
     variants = {name: overrides for name, overrides in variants.items() if name in args.variants.split(",")}
     with tempfile.TemporaryDirectory() as tmp:

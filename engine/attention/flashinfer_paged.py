@@ -39,6 +39,10 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)  # the head sizes FlashInfer instantiates i
 # 2 KV heads) at batch 64, context 600 spent 37 us a layer there, reading 39 MB (1.1 TB/s), 36% of
 # the step. vLLM switches at the same group sizes.
 TENSOR_CORE_MIN_GROUP = 4
+# Whether a decode plan may split a row's KV over several thread blocks (FlashInfer's choice,
+# then a kernel merging their partial results: 0.10 ms of a 2.58 ms 1.5B batch-64 step on an
+# H200). tools/gpu_check.py's decode variant ``no_split_kv`` turns it off to time a step each way.
+DECODE_SPLIT_KV = True
 
 
 def available() -> bool:
@@ -127,7 +131,7 @@ class FlashInferBackend(AttentionBackend):
     def plan_decode(self, wrapper, tables: PagedTables, window: int | None) -> None:
         wrapper.plan(
             tables.indptr, tables.indices, tables.last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, self.block_size,
-            window_left=_window_left(window), q_data_type=self.dtype, kv_data_type=self.dtype,
+            window_left=_window_left(window), q_data_type=self.dtype, kv_data_type=self.dtype, disable_split_kv=not DECODE_SPLIT_KV,
         )
 
     def _plan_prefill(self, layout: StepLayout) -> None:
