@@ -114,10 +114,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotate_heads_(qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def rotate_heads_(qkv: torch.Tensor, num_heads: int, head_dim: int, tables) -> bool:
     """Rotate, in place, the first ``num_heads`` heads of every row of ``qkv`` [tokens, width]
-    (q's heads then k's) by cos/sin [tokens, 1, head_dim / 2]. False: not done (no kernel for
-    these tensors); the caller rotates with torch."""
+    (q's heads then k's) by ``tables`` (engine.rope.RopeTables: cos/sin [tokens, 1, head_dim / 2]).
+    False: not done (no kernel for these tensors); the caller rotates another way."""
+    if _library(qkv) is None:
+        return False  # before the tables' cos/sin: on CUDA nothing need look them up
+    cos, sin = tables.cos, tables.sin
     library = _library(qkv, cos, sin)
     if library is None:
         return False

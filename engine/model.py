@@ -84,7 +84,7 @@ class DecoderLayer(nn.Module):
             normed, residual = self.input_norm.add_and_norm(hidden, residual)
         qkv = self._project("qkv_proj", normed, adapters)
         # Rotated in place in qkv where the kernel takes it (no per-head norm to apply first).
-        rotated = self.q_norm is None and fused_ops.rotate_heads_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope_tables.cos, rope_tables.sin)
+        rotated = self.q_norm is None and fused_ops.rotate_heads_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope_tables)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -15,7 +15,6 @@ and for a long sequence when the engine's context is long.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -108,14 +107,32 @@ def _longrope(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[torc
     return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents), float(attention)
 
 
-@dataclass(slots=True)
 class RopeTables:
-    """One step's rotation, looked up once and used by every layer."""
+    """One step's rotation, used by every layer: its positions, and their cos/sin rows in the
+    model's dtype, looked up once, when a layer first wants them (a step on CUDA whose layers
+    rotate from the float32 table by position never does: two gathers a step saved)."""
 
-    cos: torch.Tensor  # [tokens, 1, dim / 2] in the model's dtype
-    sin: torch.Tensor
-    positions: torch.Tensor  # [tokens] int64
-    cos_sin_cache: torch.Tensor | None  # [max_positions, dim] float32, cos | sin: FlashInfer's kernel reads it (CUDA)
+    __slots__ = ("positions", "cos_sin_cache", "_rotary", "_cos", "_sin")
+
+    def __init__(self, rotary: "RotaryEmbedding", positions: torch.Tensor):
+        self.positions = positions  # [tokens] int64
+        self.cos_sin_cache = rotary.cos_sin_cache  # [max_positions, dim] float32, cos | sin: the CUDA kernels read it
+        self._rotary = rotary
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """[tokens, 1, dim / 2] in the model's dtype."""
+        if self._cos is None:
+            self._cos = self._rotary.cos[self.positions].unsqueeze(1)
+        return self._cos
+
+    @property
+    def sin(self) -> torch.Tensor:
+        if self._sin is None:
+            self._sin = self._rotary.sin[self.positions].unsqueeze(1)
+        return self._sin
 
 
 class RotaryEmbedding:
@@ -136,7 +153,7 @@ class RotaryEmbedding:
 
     def tables(self, positions: torch.Tensor) -> RopeTables:
         """The step's tables for ``positions``."""
-        return RopeTables(self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), positions, self.cos_sin_cache)
+        return RopeTables(self, positions)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] by their positions."""

@@ -79,7 +79,7 @@ def test_rotary_turns_q_and_k_heads_in_place_and_leaves_v(dtype):
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     want_q, want_k = RotaryEmbedding.rotate(q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim), cos, sin)
     want_v = v.clone()
-    assert fused_ops.rotate_heads_(qkv, heads + kv_heads, head_dim, cos, sin)
+    assert fused_ops.rotate_heads_(qkv, heads + kv_heads, head_dim, tables)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     # bfloat16: bit for bit (every product is rounded, as torch's are); float32: to rounding
     # (the compiler may fuse a product into the subtraction).
