@@ -264,6 +264,7 @@ class EngineWorker:
             "token_budget": config.max_num_batched_tokens,
             "chunk_size": config.long_prefill_chunk,
             "max_num_seqs": config.max_num_seqs,
+            "tensor_parallel_size": config.tensor_parallel_size,  # bytes_per_block is one rank's share
         }
         return StepProfileBatch(
             self.role, self.node, log.num_steps, log.steps_since(since_step), log.num_transfers, log.transfers_since(since_transfer), facts

@@ -29,6 +29,8 @@ def add_planning_parsers(commands) -> None:
     profile.add_argument("--token-budget", type=int, default=512, help="tokens per engine step")
     profile.add_argument("--chunk", type=int, help="most tokens of one prompt per step (default: the budget)")
     profile.add_argument("--kv-cache-mb", type=int, default=1024, help="KV cache per actor")
+    profile.add_argument("--tensor-parallel-size", type=int, default=1,
+                         help="ranks of every worker of both pools (profile each size you would run; `pdserve plan` takes several)")
     profile.add_argument("--quick", action="store_true", help="a short sweep (for small models and tests)")
     profile.add_argument("--seed", type=int, default=0)
     profile.set_defaults(bench_handler=run_profile)
@@ -55,14 +57,17 @@ def add_planning_parsers(commands) -> None:
         description="Search pool shapes with the simulator; with --diurnal, plan every hour of the workload's day, "
         "simulate the day with the pools following the plan, and plot it.",
     )
-    plan.add_argument("--profile", type=Path, required=True)
+    plan.add_argument("--profile", type=Path, nargs="+", required=True,
+                      help="profile JSONs from `pdserve profile`; several (e.g. one per tensor-parallel size): each is planned, the cheapest plan wins")
     plan.add_argument("--slo-ttft-ms", type=float, required=True)
     plan.add_argument("--slo-tpot-ms", type=float, required=True)
     plan.add_argument("--rate", type=float, help="requests per second (default: the workload's rate)")
     plan.add_argument("--workload", type=Path, help="the request mix (default: 256-token prompts, 64-token outputs, range 0.5)")
     plan.add_argument("--percentile", type=float, default=90.0, help="the SLO holds at this percentile of TTFT and TPOT")
     plan.add_argument("--max-workers", type=int, default=16, help="most workers of both pools together")
-    plan.add_argument("--prefill-cost", type=float, default=1.0, help="cost of one prefill worker (e.g. its GPU's price)")
+    plan.add_argument("--max-devices", type=int, help="most devices of both pools together (a worker holds its profile's tensor-parallel size)")
+    plan.add_argument("--prefill-cost", type=float, default=1.0,
+                      help="cost of one device of a prefill worker (e.g. a GPU's price; a worker of tensor-parallel size N costs N of them)")
     plan.add_argument("--decode-cost", type=float, default=1.0)
     plan.add_argument("--diurnal", action="store_true", help="plan each hour of the workload's diurnal day")
     plan.add_argument("--headroom", type=float, default=1.1, help="--diurnal: plan each hour for this multiple of its peak rate")
@@ -83,14 +88,19 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.decode < 1 or args.prefill < 0:
         print("error: --decode must be >= 1 and --prefill >= 0", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size < 1:
+        print("error: --tensor-parallel-size must be >= 1", file=sys.stderr)
+        return 2
     model = args.model or DEFAULT_MODEL_PATH
     engine = engine_config(args.dtype, args.token_budget, args.chunk, kv_cache_bytes=args.kv_cache_mb * 2**20, seed=args.seed)
+    engine.tensor_parallel_size = args.tensor_parallel_size
     mode = Disaggregation.AUTO if args.prefill else Disaggregation.NEVER
     # Step costs of one actor computing whole prompts: no pipelined prefill (its stage steps are not logged).
     shape = ClusterShape("profile", args.prefill, args.decode, mode, engine, engine, router_overrides={"prefill_pipeline": PipelineMode.OFF})
     plan = SweepPlan.quick() if args.quick else SweepPlan()
     plan.seed = args.seed
-    source = {"model": str(model), "dtype": args.dtype, "num_prefill": args.prefill, "num_decode": args.decode, "threads_per_actor": 1}
+    source = {"model": str(model), "dtype": args.dtype, "num_prefill": args.prefill, "num_decode": args.decode, "threads_per_actor": 1,
+              "tensor_parallel_size": args.tensor_parallel_size}
     with ray_running(), local_cluster(Path(model), shape) as deployment:
         profile = asyncio.run(run_sweep(deployment.address, deployment.handles, plan, RouterConfig().local_prefill_max_tokens, source=source))
     profile.save(args.out)
@@ -170,37 +180,49 @@ def format_result(result) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     from cluster.planning.diurnal import plan_day
-    from cluster.planning.planner import SLO, Planner
+    from cluster.planning.planner import SLO, Planner, cheapest
     from cluster.planning.profile import Profile
     from cluster.planning.workload import WorkloadModel
 
     try:
-        profile = Profile.load(args.profile)
+        profiles = [Profile.load(path) for path in args.profile]
         mix = WorkloadModel.load(args.workload) if args.workload else WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64, range_ratio=0.5)
-        planner = Planner(profile, mix, SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile), args.max_workers, args.prefill_cost, args.decode_cost)
+        slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)
+        planners = [Planner(profile, mix, slo, args.max_workers, args.prefill_cost, args.decode_cost, max_devices=args.max_devices) for profile in profiles]
         if args.diurnal:
             if mix.diurnal is None:
                 raise ValueError("workload.diurnal: --diurnal needs a workload with a diurnal section")
-            day = plan_day(planner, mix, args.out, headroom=args.headroom)
+            if len(planners) > 1:
+                raise ValueError("profile: --diurnal plans one profile's day; plan the peak hour with several to pick one")
+            day = plan_day(planners[0], mix, args.out, headroom=args.headroom)
             print(day.summary())
             return 0 if day.all_feasible else 1
         rate = args.rate if args.rate is not None else mix.rate
         started = time.perf_counter()
-        plan = planner.plan(rate)
+        plans = [planner.plan(rate) for planner in planners]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     wall = time.perf_counter() - started
-    if not plan.feasible:
-        print(f"no shape of at most {args.max_workers} workers meets TTFT p{args.percentile:g} <= {args.slo_ttft_ms:g} ms and "
-              f"TPOT p{args.percentile:g} <= {args.slo_tpot_ms:g} ms at {rate:g} req/s ({len(plan.candidates)} shapes simulated in {wall:.1f} s)")
+    simulated = sum(len(plan.candidates) for plan in plans)
+    if len(plans) > 1:
+        for path, plan in zip(args.profile, plans):
+            verdict = (f"{plan.num_prefill} prefill + {plan.num_decode} decode, {plan.num_devices} devices, cost {plan.cost:g}"
+                       if plan.feasible else "no shape meets the SLO")
+            print(f"  {path} (tensor-parallel size {plan.tensor_parallel_size}): {verdict}")
+    plan = cheapest(plans)
+    if plan is None:
+        bound = f"{args.max_workers} workers" + (f" and {args.max_devices} device{'s' * (args.max_devices != 1)}" if args.max_devices is not None else "")
+        print(f"no shape of at most {bound} meets TTFT p{args.percentile:g} <= {args.slo_ttft_ms:g} ms and "
+              f"TPOT p{args.percentile:g} <= {args.slo_tpot_ms:g} ms at {rate:g} req/s ({simulated} shapes simulated in {wall:.1f} s)")
         return 1
-    print(f"plan at {rate:g} req/s: {plan.num_prefill} prefill + {plan.num_decode} decode (cost {plan.cost:g});"
-          f" {len(plan.candidates)} shapes simulated in {wall:.1f} s")
+    chosen = args.profile[plans.index(plan)]
+    print(f"plan at {rate:g} req/s: {plan.num_prefill} prefill + {plan.num_decode} decode of tensor-parallel size {plan.tensor_parallel_size}"
+          f" ({plan.num_devices} devices, cost {plan.cost:g}; profile {chosen}); {simulated} shapes simulated in {wall:.1f} s")
     print(format_result(plan.result))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        body = {**plan.to_dict(), "candidates": [_candidate(c) for c in plan.candidates]}
+        body = {**plan.to_dict(), "profile": str(chosen), "candidates": [_candidate(c) for c in plan.candidates]}
         (args.out / "plan.json").write_text(json.dumps(body, indent=2) + "\n")
     return 0
 

@@ -10,6 +10,11 @@ prefill workers for that decode count, again until neither moves (TTFT depends m
 prefill pool, TPOT on the decode pool; more workers of a pool never hurt). A few dozen
 simulations per plan, whatever ``max_workers`` is: planning a 200-worker cluster takes the
 same number of steps as a 4-worker one.
+
+A worker of a tensor-parallel profile (``DeploymentFacts.tensor_parallel_size``) holds that many
+devices: it costs that many times a device's cost and counts that many against ``max_devices``.
+Profiles of different sizes are planned each on its own; the cheaper plan says which size to run
+(``cheapest``): a larger size has faster steps and more KV room per worker, at more devices each.
 """
 
 from __future__ import annotations
@@ -63,16 +68,23 @@ class Plan:
     cost: float | None
     result: SimResult | None  # the chosen shape's simulation
     candidates: list[Candidate] = field(default_factory=list)
+    tensor_parallel_size: int = 1  # devices per worker (the profile's)
 
     @property
     def feasible(self) -> bool:
         return self.num_decode is not None
+
+    @property
+    def num_devices(self) -> int | None:
+        return None if not self.feasible else (self.num_prefill + self.num_decode) * self.tensor_parallel_size
 
     def to_dict(self) -> dict:
         return {
             "rate": self.rate,
             "num_prefill": self.num_prefill,
             "num_decode": self.num_decode,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "num_devices": self.num_devices,
             "cost": self.cost,
             "simulated": self.result.to_dict() if self.result is not None else None,
             "num_candidates": len(self.candidates),
@@ -85,16 +97,34 @@ class Planner:
     mix: WorkloadModel  # the request mix; its rate is replaced by the planned one
     slo: SLO
     max_workers: int = 16
-    prefill_cost: float = 1.0
+    prefill_cost: float = 1.0  # of one device of a prefill worker (a worker: tensor_parallel_size of them)
     decode_cost: float = 1.0
     min_requests: int = 1500
     max_requests: int = 6000
     sim_seconds: float = 300.0  # simulated traffic per candidate, within the request bounds
+    max_devices: int | None = None  # most devices of both pools together (None: only max_workers bounds)
 
     def __post_init__(self) -> None:
         self.slo.validate()
         if self.max_workers < 1:
             raise ValueError(f"max_workers: must be >= 1, got {self.max_workers}")
+        if self.max_devices is not None and self.max_devices < 1:
+            raise ValueError(f"max_devices: must be >= 1, got {self.max_devices}")
+
+    @property
+    def devices_per_worker(self) -> int:
+        return self.profile.facts.tensor_parallel_size
+
+    @property
+    def worker_limit(self) -> int:
+        """Most workers of both pools together: ``max_workers``, fewer where the devices run out
+        (0: not one worker of this profile fits ``max_devices``)."""
+        if self.max_devices is None:
+            return self.max_workers
+        return min(self.max_workers, self.max_devices // self.devices_per_worker)
+
+    def cost(self, num_prefill: int, num_decode: int) -> float:
+        return (num_prefill * self.prefill_cost + num_decode * self.decode_cost) * self.devices_per_worker
 
     def workload_at(self, rate: float) -> WorkloadModel:
         num = int(min(self.max_requests, max(self.min_requests, rate * self.sim_seconds)))
@@ -111,7 +141,7 @@ class Planner:
         if not rate > 0:
             raise ValueError(f"rate: must be > 0, got {rate}")
         search = _Search(self, rate)
-        search.fewest(lambda d: (0, d), self.max_workers)
+        search.fewest(lambda d: (0, d), self.worker_limit)
         disaggregated = search.coordinate_descent(self._prefill_estimate(rate))
         if disaggregated is not None:
             p, d = disaggregated
@@ -120,11 +150,11 @@ class Planner:
                 if shape[0] >= 1 and shape[1] >= 1:
                     search.meets(*shape)
         # The cheapest of every shape simulated that met the SLO.
-        best = Plan(rate, None, None, None, None)
+        best = Plan(rate, None, None, None, None, tensor_parallel_size=self.devices_per_worker)
         for (p, d), ok in search.verdicts.items():
-            cost = p * self.prefill_cost + d * self.decode_cost
+            cost = self.cost(p, d)
             if ok and (best.cost is None or cost < best.cost):
-                best = Plan(rate, p, d, cost, search.results[p, d])
+                best = Plan(rate, p, d, cost, search.results[p, d], tensor_parallel_size=self.devices_per_worker)
         best.candidates = search.candidates
         return best
 
@@ -150,7 +180,7 @@ class _Search:
     def meets(self, num_prefill: int, num_decode: int) -> bool:
         shape = (num_prefill, num_decode)
         if shape not in self.verdicts:
-            if num_prefill + num_decode > self.planner.max_workers:
+            if num_prefill + num_decode > self.planner.worker_limit:
                 return False
             ok, result = self.planner.evaluate(self.rate, num_prefill, num_decode)
             self.verdicts[shape], self.results[shape] = ok, result
@@ -174,7 +204,9 @@ class _Search:
     def coordinate_descent(self, prefill_guess: int) -> tuple[int, int] | None:
         """Fewest decode workers for a prefill count, then fewest prefill workers for that decode
         count, and again, until neither moves (TTFT depends mostly on the one, TPOT on the other)."""
-        most = self.planner.max_workers
+        most = self.planner.worker_limit
+        if most < 2:
+            return None  # no room for a worker of each pool
         p = min(prefill_guess, most - 1)
         while True:  # a prefill count with which some decode count meets the SLO
             d = self.fewest(lambda n: (p, n), most - p)
@@ -192,3 +224,9 @@ class _Search:
                 break
             p, d = p_next, d_next
         return p, d
+
+
+def cheapest(plans: list[Plan]) -> Plan | None:
+    """The cheapest feasible plan (the first of equals: list the preferred profile first), or None."""
+    feasible = [plan for plan in plans if plan.feasible]
+    return min(feasible, key=lambda plan: plan.cost) if feasible else None

@@ -99,6 +99,9 @@ class DeploymentFacts:
     max_num_seqs: int  # of a decode worker's batch
     local_prefill_max_tokens: int  # prompts up to this length prefill on the decode worker (auto mode)
     max_model_len: int
+    # Ranks (devices) of each worker, both pools alike: a worker costs that many devices, and
+    # bytes_per_block counts every rank's share of a block (what a prefill worker's ranks push).
+    tensor_parallel_size: int = 1
 
 
 @dataclass(slots=True)

@@ -12,15 +12,16 @@ import asyncio
 import json
 import math
 import random
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from cluster.autoscaler import Autoscaler, AutoscalerConfig
-from cluster.planning.planner import SLO, Planner
+from cluster.planning.planner import SLO, Plan, Planner, cheapest
 from cluster.planning.profile import DeploymentFacts, Profile, StepTimeModel, TransferModel, fit_step_model, fit_transfer_model
-from cluster.planning.profiler import step_model_check
+from cluster.planning.profiler import fit_profile, step_model_check
 from cluster.planning.simulator import LogHistogram, PoolChange, Simulation, simulate
 from cluster.planning.workload import WorkloadModel
 from engine.step_profile import StepLog, StepShape, TransferRecord
@@ -221,11 +222,16 @@ def test_transfer_fit_and_too_few_steps():
 
 
 def test_profile_round_trips_and_refuses_other_files(tmp_path):
-    profile = make_profile()
+    profile = make_profile(tensor_parallel_size=2)
     path = profile.save(tmp_path / "p.json")
     again = Profile.load(path)
     assert again.step.step_s("decode", 0, 0, 0, 8, 800) == profile.step.step_s("decode", 0, 0, 0, 8, 800)
     assert again.facts == profile.facts
+    # A profile from before tensor parallelism: one device per worker.
+    saved = json.loads(path.read_text())
+    del saved["facts"]["tensor_parallel_size"]
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    assert Profile.load(tmp_path / "old.json").facts.tensor_parallel_size == 1
     (tmp_path / "other.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="not a pdserve profile"):
         Profile.load(tmp_path / "other.json")
@@ -373,6 +379,67 @@ def test_plan_is_the_cheapest_shape_that_meets_the_slo():
     assert pricey.num_prefill == 0
 
 
+def _scaled(profile: Profile, speedup: float, **facts) -> Profile:
+    """``profile`` with every step ``speedup`` times faster and other facts (a tensor-parallel size)."""
+    step = profile.step
+    faster = StepTimeModel({role: s / speedup for role, s in step.intercept_s.items()},
+                           *(getattr(step, name) / speedup for name in ("prefill_token_s", "prefill_attention_s", "prefill_seq_s", "decode_row_s", "decode_kv_s")))
+    return Profile(faster, profile.transfer, DeploymentFacts(**{**asdict(profile.facts), **facts}), profile.ttft_overhead_s)
+
+
+def test_a_tensor_parallel_worker_costs_and_counts_its_devices():
+    """Workers of size 2 with the same steps: the same shape, at twice the cost and devices; a
+    device budget one short of it fits no shape that meets the SLO."""
+    mix = WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64, range_ratio=0.5)
+    slo = SLO(ttft_ms=800.0, tpot_ms=40.0, percentile=90)
+    bounds = dict(max_workers=12, min_requests=800, max_requests=1500)
+    single = Planner(make_profile(), mix, slo, **bounds).plan(4.0)
+    double = Planner(make_profile(tensor_parallel_size=2), mix, slo, **bounds).plan(4.0)
+    assert (double.num_prefill, double.num_decode) == (single.num_prefill, single.num_decode)
+    assert double.cost == 2 * single.cost and double.num_devices == 2 * single.num_devices == double.to_dict()["num_devices"]
+    short = Planner(make_profile(tensor_parallel_size=2), mix, slo, max_devices=double.num_devices - 1, **bounds).plan(4.0)
+    assert not short.feasible and all((c.num_prefill + c.num_decode) * 2 < double.num_devices for c in short.candidates)
+
+
+def test_the_cheaper_profile_wins_among_tensor_parallel_sizes():
+    """A size-2 worker whose steps are 3x as fast beats two single-device workers; one only
+    1.2x as fast does not (each planned on its own, the cheapest plan chosen)."""
+    mix = WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64, range_ratio=0.5)
+    slo = SLO(ttft_ms=800.0, tpot_ms=40.0, percentile=90)
+    bounds = dict(max_workers=24, min_requests=800, max_requests=1500)
+    single = Planner(make_profile(), mix, slo, **bounds).plan(4.0)
+    fast = Planner(_scaled(make_profile(), 3.0, tensor_parallel_size=2), mix, slo, **bounds).plan(4.0)
+    slow = Planner(_scaled(make_profile(), 1.2, tensor_parallel_size=2), mix, slo, **bounds).plan(4.0)
+    assert single.feasible and fast.feasible and slow.feasible
+    assert cheapest([single, fast]) is fast and cheapest([single, slow]) is single
+    assert cheapest([Plan(4.0, None, None, None, None)]) is None
+
+
+def test_a_tensor_parallel_profile_counts_every_ranks_share_of_a_block():
+    """Workers report one rank's share of a block and their size: the profile's block is every
+    rank's (what a prefill worker's ranks push); pools of different sizes are refused."""
+    truth = make_profile().step
+    rng = random.Random(1)
+
+    def batch(role: str, ranks: int, node: str) -> SimpleNamespace:
+        steps, now = [], 1000.0
+        for _ in range(120):
+            tokens, rows = (rng.randint(16, 512), 0) if role == "prefill" else (0, rng.randint(1, 64))
+            kv = rows * rng.randint(16, 2048)
+            duration = truth.step_s(role, tokens, tokens * tokens / 2, 1 if tokens else 0, rows, kv)
+            now += duration + 0.001
+            steps.append((tokens, tokens * tokens / 2, 1 if tokens else 0, rows, kv, duration, now))
+        transfers = [TransferRecord(n * 50_000, 2, 0.001 + n * 50_000 * 1e-9) for n in range(1, 30)] if role == "prefill" else []
+        engine = {"block_size": BLOCK, "bytes_per_block": 50_000, "num_blocks": 4000, "max_model_len": 4096, "token_budget": 512,
+                  "chunk_size": None, "max_num_seqs": 64, "tensor_parallel_size": ranks}
+        return SimpleNamespace(role=role, node=node, steps=steps, transfers=transfers, engine=engine)
+
+    profile = fit_profile([batch("prefill", 2, "a"), batch("decode", 2, "b")], [], local_prefill_max_tokens=32)
+    assert profile.facts.tensor_parallel_size == 2 and profile.facts.bytes_per_block == 100_000
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        fit_profile([batch("prefill", 2, "a"), batch("decode", 1, "b")], [], local_prefill_max_tokens=32)
+
+
 def test_plan_says_when_no_shape_fits():
     planner = Planner(make_profile(), WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64), SLO(1.0, 1.0), max_workers=3)
     assert not planner.plan(5.0).feasible
@@ -484,3 +551,21 @@ def test_simulated_percentiles_are_taken_like_the_measured_ones():
     assert figures["tpot_ms"]["p99"] == pytest.approx(percentile(tpots, 99))
     assert figures["ttft_ms"]["p99"] == pytest.approx(percentile(ttfts, 99))
     assert figures["ttft_ms"]["p99"] < 0.9 * result.ttft.percentile(99)  # nearest rank: the slow one itself
+
+
+def test_pdserve_plan_takes_several_profiles_and_says_which_size_to_run(tmp_path, capsys):
+    from cluster.cli import main
+
+    paths = [make_profile().save(tmp_path / "tp1.json"), _scaled(make_profile(), 3.0, tensor_parallel_size=2).save(tmp_path / "tp2.json")]
+    flags = ["--slo-ttft-ms", "800", "--slo-tpot-ms", "40", "--rate", "4", "--max-workers", "24"]
+    assert main(["plan", "--profile", *map(str, paths), *flags, "--out", str(tmp_path / "plan")]) == 0
+    written = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert written["profile"] == str(paths[1]) and written["tensor_parallel_size"] == 2
+    assert written["num_devices"] == 2 * (written["num_prefill"] + written["num_decode"]) and written["cost"] == written["num_devices"]
+    out = capsys.readouterr().out
+    assert "tensor-parallel size 2" in out and str(paths[0]) in out
+    # One device: no worker of size 2 fits, and one of size 1 does not meet the SLO.
+    assert main(["plan", "--profile", *map(str, paths), *flags, "--max-devices", "1"]) == 1
+    assert "at most 24 workers and 1 device meets" in capsys.readouterr().out
+    assert main(["plan", "--profile", str(paths[0]), *flags, "--max-devices", "0"]) == 2
+    assert "max_devices: must be >= 1" in capsys.readouterr().err

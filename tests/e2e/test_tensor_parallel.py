@@ -39,6 +39,13 @@ def test_every_tp_pair_serves_what_transformers_computes(ray_cluster, e2e_model,
         assert all(len(set(w.rank_nodes)) == 1 and w.rank_nodes[0] == w.node for w in statuses.values())
         assert all(w.num_kv_blocks_used == 0 for w in statuses.values())
         client.close()
+        # What the planner's profile reads (cluster/planning/profiler.fit_profile): each worker
+        # says its size and one rank's share of a block; its KV writes count every rank's.
+        log = ray.get(deployment.handles["prefill-0"].step_profile.remote())
+        assert log.engine["tensor_parallel_size"] == prefill_tp
+        if prefill_tp == decode_tp:
+            blocks = sum(-(-len(p) // 16) for p in prompts)
+            assert sum(t.num_bytes for t in log.transfers) == blocks * log.engine["bytes_per_block"] * prefill_tp
 
 
 def test_a_rank_killed_mid_stream_loses_no_request(ray_cluster, e2e_model):
