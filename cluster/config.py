@@ -343,7 +343,7 @@ class ClusterConfig(BaseModel):
     lora_modules: dict[str, Path] = Field(
         default_factory=dict,
         description="LoRA adapters served beside the model, as vLLM's --lora-modules: name -> PEFT adapter directory (the same path "
-        "on every node). A request's model field names one; /v1/models lists them",
+        "on every node) or Hugging Face id (org/name[@revision], in each node's cache). A request's model field names one; /v1/models lists them",
     )
 
     @model_validator(mode="before")

@@ -24,6 +24,7 @@ import torch
 from engine.architectures.base import ShardReader
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError, read_json_file
+from engine.model_source import is_hub_id, resolve_model
 from engine.parallel.shard import TPShard
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -191,8 +192,13 @@ def adapter_digest(adapter_dir: str | Path) -> str:
     return digest.hexdigest()[:32]
 
 
-def _existing(adapter_dir: str | Path) -> Path:
-    adapter_dir = Path(adapter_dir)
-    if not adapter_dir.is_dir():
-        raise ModelLoadError(f"LoRA adapter directory {adapter_dir} does not exist")
-    return adapter_dir
+def _existing(adapter: str | Path) -> Path:
+    """An adapter's directory: a local one, or a Hugging Face id's snapshot in this node's cache
+    (``org/name[@revision]``, as vLLM's --lora-modules takes them; engine.model_source: never
+    downloaded). Each worker resolves an id on its own node, as it does the model's."""
+    path = Path(adapter).expanduser()
+    if path.is_dir():
+        return path
+    if is_hub_id(str(adapter)):
+        return resolve_model(str(adapter), what="LoRA adapter").path
+    raise ModelLoadError(f"LoRA adapter directory {adapter} does not exist")

@@ -1,4 +1,5 @@
-"""Models as users name them: a local directory, or a Hugging Face id found in the local cache.
+"""Models (and LoRA adapters) as users name them: a local directory, or a Hugging Face id found in
+the local cache.
 
 Nothing is downloaded: an id resolves, through ``huggingface_hub`` with ``local_files_only``, to
 the snapshot already in the Hugging Face cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else
@@ -25,14 +26,20 @@ class ResolvedModel:
     from_hub: bool = False  # resolved from a Hugging Face id
 
 
-def resolve_model(name: str | Path) -> ResolvedModel:
-    """The model directory for ``name``; ModelLoadError saying where it looked when there is none."""
+def is_hub_id(text: str) -> bool:
+    """Whether ``text`` has the form of a Hugging Face id (org/name[@revision])."""
+    return _REPO_ID.fullmatch(text) is not None
+
+
+def resolve_model(name: str | Path, what: str = "model") -> ResolvedModel:
+    """The directory for ``name`` (a model's; ``what`` names another kind, such as a LoRA
+    adapter, in the errors); ModelLoadError saying where it looked when there is none."""
     path = Path(name).expanduser()
     if path.is_dir():
         return ResolvedModel(path, path.name)
     text = str(name)
-    if not _REPO_ID.fullmatch(text):
-        raise ModelLoadError(f"{text}: no such model directory (nor a Hugging Face id, org/name)")
+    if not is_hub_id(text):
+        raise ModelLoadError(f"{text}: no such {what} directory (nor a Hugging Face id, org/name)")
     repo_id, _, revision = text.partition("@")
     try:
         from huggingface_hub import snapshot_download
@@ -46,7 +53,7 @@ def resolve_model(name: str | Path) -> ResolvedModel:
         where = cache_dir or "the Hugging Face cache"
         raise ModelLoadError(
             f"{text}: not a local directory, and not in {where} (pdserve never downloads: "
-            f"`huggingface-cli download {repo_id}` first, or give the model's directory)"
+            f"`huggingface-cli download {repo_id}` first, or give the {what}'s directory)"
         ) from exc
     except Exception as exc:  # an invalid id, a broken cache entry
         raise ModelLoadError(f"{text}: cannot be resolved in the Hugging Face cache ({exc})") from exc

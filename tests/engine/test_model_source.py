@@ -63,3 +63,32 @@ def test_each_node_resolves_the_id_in_its_own_cache(hub_cache, tmp_path, monkeyp
     shutil.copytree(hub_cache.parents[2], other_node_cache)
     monkeypatch.setenv("HF_HUB_CACHE", str(other_node_cache))
     assert resolve_model(spec.model_source).path == other_node_cache / "models--org--tiny-model" / "snapshots" / REVISION
+
+
+def test_a_lora_adapter_named_by_its_id_is_read_from_the_cache(hub_cache, e2e_model, tmp_path):
+    """vLLM's --lora-modules NAME=org/adapter: the adapter's snapshot in the cache, read as its
+    directory is; the deployment carries the id, so each worker resolves it on its own node."""
+    import torch
+
+    from cluster.config import load_config
+    from engine.config import ModelConfig
+    from engine.lora_loading import adapter_digest, load_adapter
+    from engine.parallel.shard import TPShard
+    from tests.checkpoints import build_lora_adapter
+
+    repo = hub_cache.parents[1]
+    adapter_repo = repo.parent / "models--org--tiny-lora"
+    build_lora_adapter(e2e_model.hf_model, adapter_repo / "snapshots" / REVISION, seed=3)
+    (adapter_repo / "refs").mkdir()
+    (adapter_repo / "refs" / "main").write_text(REVISION)
+    model = ModelConfig.from_model_dir(e2e_model.path)
+    by_id = load_adapter("org/tiny-lora", model, TPShard.of(model), torch.float32, "cpu")
+    by_dir = load_adapter(adapter_repo / "snapshots" / REVISION, model, TPShard.of(model), torch.float32, "cpu")
+    assert len(by_id) == len(by_dir) and all(
+        torch.equal(a[name].a_t, b[name].a_t) and torch.equal(a[name].b_t, b[name].b_t) for a, b in zip(by_id, by_dir) for name in a
+    )
+    assert adapter_digest("org/tiny-lora") == adapter_digest(adapter_repo / "snapshots" / REVISION)
+    spec = load_config(None, {"model": str(e2e_model.path), "lora_modules": {"sql": "org/tiny-lora"}}).to_spec()
+    assert spec.decode.engine.lora_adapters == {"sql": "org/tiny-lora"}
+    with pytest.raises(ModelLoadError, match="huggingface-cli download org/no-lora"):
+        load_adapter("org/no-lora", model, TPShard.of(model), torch.float32, "cpu")
