@@ -407,10 +407,10 @@ def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile:
 
 
 KERNEL_KINDS = (  # by kernel name, first match: what a step's device time went to
-    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
     # FlashInfer's attention kernels (its norms and activations are flashinfer:: too: other),
-    # torch SDPA's flash and memory-efficient ones.
+    # torch SDPA's flash and memory-efficient ones; first, as some carry cutlass:: in their names.
     ("attention", ("batchdecode", "batchprefill", "singleprefill", "mergestate", "flash_fwd", "fmha")),
+    ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas")),
     ("copies", ("memcpy", "memset")),
 )
 
@@ -640,14 +640,15 @@ def bench_gemms(rows: tuple[int, ...] = (1, 64)) -> dict:
             x = torch.randn(count, in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
             entry = {}
             for variant in ("linear", "cublaslt", "swapped"):
-                torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else default_library)
                 call = (lambda: torch.mm(weight, x.t())) if variant == "swapped" else (lambda: F.linear(x, weight))
                 try:
+                    torch.backends.cuda.preferred_blas_library("cublaslt" if variant == "cublaslt" else default_library)
                     micros = graph_us(call, repeats=50)
                     entry[variant] = {"us": round(micros, 2), "tb_s": round(weight.numel() * 2 / micros / 1e6, 2)}
                 except Exception as error:
                     entry[variant] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
-            torch.backends.cuda.preferred_blas_library(default_library)
+                finally:  # the sections after this one run on the default library
+                    torch.backends.cuda.preferred_blas_library(default_library)
             result[f"{name}/{count}"] = entry
         del weight
     return result
