@@ -57,8 +57,8 @@ def rotate_and_write_kv(
     FlashInfer's formula (``fused_ops.rotate_qk_``), which 16-bit q/k on CUDA take otherwise."""
     if not (fused_ops.ENABLED and key_cache.is_cuda and rope.cos_sin_cache is not None):
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
-        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or rope.cos_sin_cache.shape[1] != q.shape[-1]:
+        return False  # (a table narrower than a head would be a partial rotation, which the kernel does not do)
     triton_write = _triton_kv_write()
     if triton_write is None:
         return False
