@@ -184,7 +184,7 @@ class RouterSection(BaseModel):
     )
     allow_runtime_lora_updating: bool = Field(
         False,
-        description="vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (a load reads any directory the workers can see); "
+        description="vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (a load reads a directory the router can see and sends its files to the workers, else each worker reads it); "
         "with one router only",
     )
     auth_token_file: Path | None = Field(
@@ -342,8 +342,8 @@ class ClusterConfig(BaseModel):
     )
     lora_modules: dict[str, Path] = Field(
         default_factory=dict,
-        description="LoRA adapters served beside the model, as vLLM's --lora-modules: name -> PEFT adapter directory (the same path "
-        "on every node) or Hugging Face id (org/name[@revision], in each node's cache). A request's model field names one; /v1/models lists them",
+        description="LoRA adapters served beside the model, as vLLM's --lora-modules: name -> PEFT adapter directory (read here, its "
+        "files sent to every worker) or Hugging Face id (org/name[@revision], in each node's cache). A request's model field names one; /v1/models lists them",
     )
 
     @model_validator(mode="before")

@@ -155,21 +155,23 @@ def sized_engine_config(engine_config: EngineConfig, model_path: str, policy: KV
 class KVSizedPrefillWorker(PrefillWorker):
     """A prefill actor whose KV cache is sized from the node it runs on."""
 
-    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config=None, kv_memory: KVMemoryPolicy | None = None):
+    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config=None, kv_memory: KVMemoryPolicy | None = None,
+                 adapter_files: dict | None = None):
         configure_worker_logging()  # before the sizing, which logs what it measured
         if kv_memory is not None:
             engine_config = sized_engine_config(engine_config, model_path, kv_memory, worker_id)
-        super().__init__(worker_id, model_path, engine_config, transfer_config)
+        super().__init__(worker_id, model_path, engine_config, transfer_config, adapter_files)
 
 
 class KVSizedDecodeWorker(DecodeWorker):
     """A decode actor whose KV cache is sized from the node it runs on."""
 
-    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config=None, kv_memory: KVMemoryPolicy | None = None):
+    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config=None, kv_memory: KVMemoryPolicy | None = None,
+                 adapter_files: dict | None = None):
         configure_worker_logging()  # before the sizing, which logs what it measured
         if kv_memory is not None:
             engine_config = sized_engine_config(engine_config, model_path, kv_memory, worker_id)
-        super().__init__(worker_id, model_path, engine_config, transfer_config)
+        super().__init__(worker_id, model_path, engine_config, transfer_config, adapter_files)
 
 
 def _element_size(dtype: str | None, model: ModelConfig, device: str) -> int:

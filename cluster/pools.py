@@ -49,6 +49,7 @@ from cluster.node_check import check_nodes
 from cluster.pool_follower import WORKER_NAMESPACE, PoolFollower
 from router.pool import Role, WorkerRecord, within
 from router.pool_control import PoolHost
+from workers.adapter_files import AdapterFiles
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,19 @@ class PoolManager(PoolFollower):
         self._num_launching = {Role.PREFILL: 0, Role.DECODE: 0}
         self._launch_retry_at = {Role.PREFILL: 0.0, Role.DECODE: 0.0}
         self._launch_failures_in_a_row = {Role.PREFILL: 0, Role.DECODE: 0}
+        self._adapter_files: dict[str, ray.ObjectRef] | None = None  # configured adapter directory -> its files
+
+    async def _shipped_adapters(self, pool: PoolSpec) -> dict[str, ray.ObjectRef]:
+        """The pool's configured LoRA adapters, name -> their files as read here (once, into Ray's
+        object store): a worker writes them out on its own node, which needs no copy of the
+        directories, and starts with these very versions whenever it starts
+        (workers.adapter_files). A path that is no directory here (a Hugging Face id) is left to
+        each worker to resolve."""
+        if self._adapter_files is None:
+            paths = {path for each in (self.spec.prefill, self.spec.decode) for path in each.engine.lora_adapters.values()}
+            read = await asyncio.to_thread(lambda: {path: AdapterFiles.read(path) for path in paths})
+            self._adapter_files = {path: ray.put(files) for path, files in read.items() if files is not None}
+        return {name: self._adapter_files[path] for name, path in pool.engine.lora_adapters.items() if path in self._adapter_files}
 
     async def start(self) -> None:
         roles = (Role.PREFILL, Role.DECODE)
@@ -235,7 +249,7 @@ class PoolManager(PoolFollower):
         else:
             cls = PrefillWorker if role is Role.PREFILL else DecodeWorker
         try:
-            handle = ray.remote(cls).options(**options).remote(*args)
+            handle = ray.remote(cls).options(**options).remote(*args, adapter_files=await self._shipped_adapters(pool))
         except BaseException:
             self._release_placement(worker_id)
             raise

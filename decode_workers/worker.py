@@ -164,8 +164,9 @@ class DecodeWorker(EngineWorker):
 
     role = "decode"
 
-    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None):
-        super().__init__(worker_id, model_path, engine_config, transfer_config, DecodeScheduler)
+    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None,
+                 adapter_files: dict | None = None):
+        super().__init__(worker_id, model_path, engine_config, transfer_config, DecodeScheduler, adapter_files)
         self.scheduler: DecodeScheduler
         self._tracked: dict[str, _Tracked] = {}
         self._aborted_attempts = RecentKeys()  # (req_id, attempt) aborted before it arrived: refused when it does

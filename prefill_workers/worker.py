@@ -108,8 +108,9 @@ class PrefillWorker(EngineWorker):
 
     role = "prefill"
 
-    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None):
-        super().__init__(worker_id, model_path, engine_config, transfer_config, PrefillScheduler)
+    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None = None,
+                 adapter_files: dict | None = None):
+        super().__init__(worker_id, model_path, engine_config, transfer_config, PrefillScheduler, adapter_files)
         self.scheduler: PrefillScheduler
         self.block_size = self.engine.kv_cache.block_size
         self._jobs: dict[str, _Job] = {}

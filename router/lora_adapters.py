@@ -16,6 +16,10 @@ meanwhile, so no request reaches a worker that cannot serve it.
 Each adapter's digest (``engine.lora_loading.adapter_digest``, what its workers report) salts its
 prompts' prefix hashes, as the workers' own caches are salted: KV-aware routing sees the blocks
 cached through that adapter only.
+
+A runtime load's directory is read here, where the router can read it, and its files go to the
+workers (``workers.adapter_files``): a worker's node needs no copy, and a worker joining later
+gets the version loaded even after the trainer has written the next one into the same place.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import ray
+
 from engine.block_allocator import adapter_hash_salt
 from router.errors import InvalidArgumentError, NotFoundError, remote_cause
 from router.pool import WorkerPool
+from workers.adapter_files import AdapterFiles
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,8 @@ class LoraAdapters:
         self.on_change = on_change
         self.in_flight = in_flight
         self.digests: dict[str, str] = {}  # name -> the version requests are pinned to (its workers' digest)
+        # name -> a runtime load's files as read here (in Ray's object store), what joining workers get
+        self._files: dict[str, object] = {}
         self._lock = asyncio.Lock()  # loads, unloads, drops and a joining worker's catch-up, one at a time
         self._drops: set[asyncio.Task] = set()
 
@@ -74,8 +83,9 @@ class LoraAdapters:
             if name in self.paths and not replace:
                 raise InvalidArgumentError("lora_name", f"adapter {name!r} is already loaded (load_inplace: true replaces it)")
             records = list(self.pool.workers.values())
+            adapter = await _shipped(adapter_dir)
             results = await asyncio.gather(
-                *(asyncio.wait_for(r.handle.load_lora_adapter.remote(name, adapter_dir, replace), LOAD_TIMEOUT_S) for r in records),
+                *(asyncio.wait_for(r.handle.load_lora_adapter.remote(name, adapter, replace), LOAD_TIMEOUT_S) for r in records),
                 return_exceptions=True,
             )
             digests = {result for result in results if isinstance(result, str)}
@@ -91,6 +101,10 @@ class LoraAdapters:
                     raise InvalidArgumentError("lora_path", f"worker {record.worker_id} cannot serve it: {remote_cause(error)}")
                 raise InvalidArgumentError("lora_path", f"the workers read different adapters at {adapter_dir!r} (its files differ between nodes)")
             self.paths[name] = adapter_dir
+            if adapter is adapter_dir:
+                self._files.pop(name, None)
+            else:
+                self._files[name] = adapter
             if digests:
                 self.digests[name] = digests.pop()
             else:
@@ -106,6 +120,7 @@ class LoraAdapters:
             if name not in self.paths:
                 raise NotFoundError(f"lora_name: no LoRA adapter named {name!r} is loaded (served: {', '.join(self.paths) or 'none'})")
             del self.paths[name]
+            self._files.pop(name, None)
             digest = self.digests.pop(name, None)
             self.on_change()
             if digest is not None:
@@ -123,7 +138,8 @@ class LoraAdapters:
                 if name in held and self.digests.get(name, held[name]) == held[name]:
                     self.digests.setdefault(name, held[name])
                     continue
-                digest = await asyncio.wait_for(handle.load_lora_adapter.remote(name, adapter_dir, name in held), LOAD_TIMEOUT_S)
+                adapter = self._files.get(name, adapter_dir)
+                digest = await asyncio.wait_for(handle.load_lora_adapter.remote(name, adapter, name in held), LOAD_TIMEOUT_S)
                 if name in held:
                     await handle.drop_lora_version.remote(held[name])
                 if self.digests.setdefault(name, digest) != digest:
@@ -169,3 +185,14 @@ def _worker_gone(error: BaseException) -> bool:
     from router.dispatcher import WORKER_GONE  # the dispatcher imports Ray's errors; keep this module light
 
     return isinstance(error, WORKER_GONE)
+
+
+async def _shipped(adapter_dir: str):
+    """What a load hands the workers: the adapter's files as read here, put in Ray's object store
+    once for all of them (a worker is handed the files themselves); ``adapter_dir`` itself where
+    it is no directory here (a Hugging Face id; a path on the workers' nodes only), or outside Ray
+    (a router over stand-in workers)."""
+    files = await asyncio.to_thread(AdapterFiles.read, adapter_dir)
+    if files is None:
+        return adapter_dir
+    return ray.put(files) if ray.is_initialized() else files

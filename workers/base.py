@@ -19,6 +19,7 @@ dead worker, and the pool replaces all of it (a new epoch for every rank).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -41,6 +42,7 @@ from kvtransfer.errors import BackendUnavailableError
 from kvtransfer.layout import KVCompat
 from kvtransfer.pump import TransferPump
 from kvtransfer.sharding import KVShard
+from workers.adapter_files import AdapterFiles
 from workers.cache_events import CacheEventLog, CacheUpdate
 from workers.ranks import RayRankLauncher, node_name
 
@@ -103,7 +105,8 @@ class EngineWorker:
 
     role = "worker"
 
-    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None, scheduler_class):
+    def __init__(self, worker_id: str, model_path: str, engine_config: EngineConfig, transfer_config: KVTransferConfig | None, scheduler_class,
+                 adapter_files: dict[str, ray.ObjectRef] | None = None):
         configure_worker_logging()
         self.worker_id = worker_id
         self._thread = EngineThread(f"{self.role}-{worker_id}")
@@ -111,6 +114,11 @@ class EngineWorker:
         self.ranks = RayRankLauncher() if engine_config.tensor_parallel_size > 1 else None
         # A Hugging Face id is looked up in this node's own cache; a directory is used as is.
         model_path = str(resolve_model(model_path).path)
+        if adapter_files:
+            # The configured LoRA adapters as the controller read them, written out on this node.
+            shipped = dict(zip(adapter_files, ray.get(list(adapter_files.values()))))
+            adapters = {name: str(shipped[name].on_node()) if name in shipped else path for name, path in engine_config.lora_adapters.items()}
+            engine_config = dataclasses.replace(engine_config, lora_adapters=adapters)
         self.engine = self._thread.run(LLMEngine, model_path, engine_config, scheduler_class, self.ranks)
         self.scheduler = self.engine.scheduler
         shard = self.engine.shard
@@ -225,10 +233,14 @@ class EngineWorker:
         """The LoRA adapters new requests may name here: name -> digest (engine.lora)."""
         return await self._call(lambda: self.engine.adapters.served)
 
-    async def load_lora_adapter(self, name: str, adapter_dir: str, replace: bool = False) -> str:
+    async def load_lora_adapter(self, name: str, adapter: str | AdapterFiles, replace: bool = False) -> str:
         """Serve a PEFT LoRA adapter as ``name`` from now on (between steps); its digest.
+        ``adapter``: its directory on this node, or its files as the router read them.
         ``replace``: a new version of a served one (the old stays held until dropped)."""
-        return await self._call(self.engine.load_adapter, name, adapter_dir, replace)
+        if isinstance(adapter, AdapterFiles):
+            with adapter.written() as directory:  # read by every rank before the load returns
+                return await self._call(self.engine.load_adapter, name, str(directory), replace)
+        return await self._call(self.engine.load_adapter, name, adapter, replace)
 
     async def unload_lora_adapter(self, name: str) -> bool:
         """No new requests through ``name``; running ones finish through it. False if not served."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -135,7 +136,7 @@ def _post(base_url: str, path: str, body: dict) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
-def test_adapters_loaded_replaced_and_unloaded_at_runtime(client, base_url, deployment, e2e_model, tmp_path):
+def test_adapters_loaded_replaced_and_unloaded_at_runtime(client, base_url, deployment, e2e_model, adapters, tmp_path):
     """vLLM's runtime LoRA endpoints, as RL trainers use them: load a policy, replace it in place
     with the next version, unload it; every prefill stage and the decode actor follow, and a
     prefill actor started afterwards is given it before it takes a request."""
@@ -156,16 +157,26 @@ def test_adapters_loaded_replaced_and_unloaded_at_runtime(client, base_url, depl
     assert _post(base_url, "/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path / "v2"), "load_inplace": True})[0] == 200
     assert answer() == hf_greedy(second, prompt, MAX_NEW)
 
-    # A prefill actor started now is given the adapter before it joins (its pipelines take every actor).
+    # A prefill actor started now is given the adapter before it joins (its pipelines take every
+    # actor), and the configured ones: the versions read when they were loaded, which the
+    # workers were sent, though the trainer has since written its next version where the loaded
+    # one was and the configured directories are gone (as on a node that never had them).
+    shutil.move(tmp_path / "v2", tmp_path / "v2-loaded")
+    build_lora_adapter(e2e_model.hf_model, tmp_path / "v2", seed=44)
+    moved = {name: directory.rename(directory.with_name(directory.name + "-moved")) for name, (directory, _) in adapters.items()}
     admin = Client(deployment.address, deployment.admin_address)
     try:
         admin.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=3))
         joined = deployment.pools.handles["prefill-2"]
-        assert set(ray.get(joined.lora_adapters.remote())) == {"policy", "sql-lora", "chat-lora"}
+        held = ray.get(joined.lora_adapters.remote())
+        assert set(held) == {"policy", "sql-lora", "chat-lora"}
+        assert held == ray.get(deployment.pools.handles["prefill-0"].lora_adapters.remote()), "the same versions"
         assert answer() == hf_greedy(second, prompt, MAX_NEW)
     finally:
         admin.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=2))
         admin.close()
+        for name, (directory, _) in adapters.items():
+            moved[name].rename(directory)
 
     assert _post(base_url, "/unload_lora_adapter", {"lora_name": "policy"}) == (200, "Success: LoRA adapter 'policy' removed successfully.")
     with pytest.raises(openai.NotFoundError):
