@@ -44,7 +44,7 @@ from engine.stats import WorkerState
 from kvtransfer.agent import KVTransferConfig
 from prefill_workers.worker import PrefillWorker
 from router.config import RouterConfig
-from router.errors import FailedPreconditionError
+from router.errors import FailedPreconditionError, UnavailableError
 from cluster.node_check import check_nodes
 from cluster.pool_follower import WORKER_NAMESPACE, PoolFollower
 from router.pool import Role, WorkerRecord, within
@@ -341,7 +341,15 @@ class PoolManager(PoolFollower):
             previous = self.size(role)
             self.desired[role] = replicas
             if replicas > previous:
-                await asyncio.gather(*(self._launch(role, replicas - previous) for _ in range(replicas - previous)))
+                launches = await asyncio.gather(*(self._launch(role, replicas - previous) for _ in range(replicas - previous)),
+                                                return_exceptions=True)
+                failed = [error for error in launches if isinstance(error, BaseException)]
+                if failed:
+                    # The pool keeps its desired size: the health loop launches what it lacks again.
+                    raise UnavailableError(
+                        f"replicas: {len(failed)} of {replicas - previous} new {role.value} workers did not start "
+                        f"({_start_failure(failed[0], self.spec.startup_timeout_s)}); the pool keeps trying to reach {replicas}"
+                    ) from failed[0]
             elif replicas < previous:
                 ready = [w for w in self.router.pool.of_role(role) if w.state is WorkerState.READY]
                 victims = sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: previous - replicas]
@@ -455,3 +463,12 @@ def _num_sharing(pool: PoolSpec, num_starting: int) -> int:
         return num_starting  # placement unknown: assume they all land on one node
     num_nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
     return max(1, math.ceil(num_starting / max(1, num_nodes)))
+
+
+def _start_failure(error: BaseException, timeout_s: float) -> str:
+    """Why a worker did not start, in a line: the error its creation raised (the last line of
+    Ray's report, which carries the remote traceback), or the startup timeout."""
+    if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+        return f"not ready within startup_timeout_s = {timeout_s:g} s"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__)[:300]

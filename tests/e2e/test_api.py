@@ -353,3 +353,24 @@ def test_admin_refuses_to_leave_nothing_serving_or_to_wait_for_missing_resources
     assert time.monotonic() - started < 5.0
     assert sorted(w.role for w in client.wait_until_idle()) == [pb.WORKER_ROLE_PREFILL, pb.WORKER_ROLE_DECODE]
     assert len(client.generate(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_a_worker_that_does_not_start_is_named_and_the_pool_keeps_trying(client, deployment):
+    """A scale-up whose worker never became ready answered INTERNAL ('the server log has the
+    details'); it says what happened, and the pool still grows to the size asked once workers
+    start again."""
+    spec = deployment.pools.spec
+    normal, spec.startup_timeout_s = spec.startup_timeout_s, 0.001
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            client.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=2), timeout=60)
+    finally:
+        spec.startup_timeout_s = normal
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "did not start" in info.value.details() and "startup_timeout_s" in info.value.details()
+    deadline = time.monotonic() + 60
+    while sum(w.role == pb.WORKER_ROLE_PREFILL for w in client.wait_until_idle()) < 2:
+        assert time.monotonic() < deadline, "the pool did not launch the missing worker again"
+        time.sleep(0.5)
+    client.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=1))
+    assert len(client.generate(prompt_token_ids=[5, 6, 7], max_tokens=3, ignore_eos=True).token_ids) == 3
