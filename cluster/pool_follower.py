@@ -91,7 +91,8 @@ class PoolFollower:
                 continue  # gone since it was listed
             try:
                 await within(handle.ping.remote(), self.health_timeout_s)
-                await self.router.add_worker(role, worker_id, handle)
+                # The workers found as this manager starts carry what they served before it.
+                await self.router.add_worker(role, worker_id, handle, adopted=not self._first_adoption.is_set())
             except Exception as exc:
                 logger.warning("%s does not answer (%r); not adopted", name, exc)
                 if self.manage:

@@ -80,7 +80,8 @@ class Router:
         self.pool = WorkerPool(make_selector(self.config.routing_policy, self.prefix_index, self.config.kv_overlap_weight))
         # The LoRA adapters served (router.lora_adapters): the model info's list, which runtime
         # loads and unloads change.
-        self.lora = LoraAdapters(model_info.lora_adapters, self.pool, self._lora_changed, self._computes_with)
+        self.lora = LoraAdapters(model_info.lora_adapters, self.pool, self._lora_changed, self._computes_with,
+                                 runtime_updates=self.config.allow_runtime_lora_updating)
         self.prefix_feed = None if self.prefix_index is None else PrefixFeed(self.pool, self.prefix_index, self.config.status_timeout_s)
         # The one reader of worker status (GetClusterStatus, metrics, the pool manager).
         self.status_monitor = StatusMonitor(self.pool, self.config.status_timeout_s)
@@ -136,15 +137,16 @@ class Router:
             await self.prefix_feed.stop()
         self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
 
-    async def add_worker(self, role: Role, worker_id: str, handle) -> WorkerRecord:
-        """Route to a started worker from now on (its handshake offer is fetched once)."""
+    async def add_worker(self, role: Role, worker_id: str, handle, adopted: bool = False) -> WorkerRecord:
+        """Route to a started worker from now on (its handshake offer is fetched once).
+        ``adopted``: a worker found running as this router started (durable workers)."""
         epoch = await handle.ping.remote()
         record = WorkerRecord(worker_id, role, handle, epoch=epoch)
         if role is Role.DECODE:
             record.handshake_offer = await handle.handshake_offer.remote()
         record.node = (await handle.status.remote()).node  # prefill and decode pair on one node where they can
         if self.model_info.lora_adapters or self.config.allow_runtime_lora_updating:
-            await self.lora.catch_up(worker_id, handle)
+            await self.lora.catch_up(worker_id, handle, adopt=adopted)
         self.pool.add(record)
         return record
 

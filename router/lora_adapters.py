@@ -11,7 +11,10 @@ replacement (``load_inplace``) pins new requests to the new version; an unload n
 in no new request; either way the old version is dropped from every worker once no request this
 router admitted computes with it. A worker the router starts routing to later (a replacement, a
 scale-up, a restarted one) is first given the adapters it lacks and told to drop those unloaded
-meanwhile, so no request reaches a worker that cannot serve it.
+meanwhile, so no request reaches a worker that cannot serve it. A router that starts over
+workers that outlived the one before it (durable workers) takes the adapters they serve that
+it does not know as loaded at runtime, with their versions and files (``adopt``), instead of
+unloading them: the trainer's loads outlive the router that took them.
 
 Each adapter's digest (``engine.lora_loading.adapter_digest``, what its workers report) salts its
 prompts' prefix hashes, as the workers' own caches are salted: KV-aware routing sees the blocks
@@ -53,8 +56,10 @@ class LoraAdapters:
         pool: WorkerPool,
         on_change: Callable[[], None] = lambda: None,
         in_flight: Callable[[str], bool] = lambda digest: False,
+        runtime_updates: bool = False,
     ):
         self.paths = paths
+        self.runtime_updates = runtime_updates  # loads at runtime allowed: an adopted worker's are kept
         self.pool = pool
         self.on_change = on_change
         self.in_flight = in_flight
@@ -127,11 +132,14 @@ class LoraAdapters:
                 self._drop_when_unused(digest)
             logger.info("LoRA adapter %s unloaded", name)
 
-    async def catch_up(self, worker_id: str, handle) -> None:
+    async def catch_up(self, worker_id: str, handle, adopt: bool = False) -> None:
         """Before a worker takes requests: load what it lacks (or holds in another version),
-        unload what was unloaded."""
+        unload what was unloaded. ``adopt``: a worker this router found running as it started,
+        whose adapters it does not know were loaded at runtime before it: they stay served."""
         async with self._lock:
             held: dict[str, str] = await handle.lora_adapters.remote()
+            if adopt and self.runtime_updates and held.keys() - self.paths.keys():
+                await self._adopt(worker_id, handle, held.keys() - self.paths.keys())
             for name in held.keys() - self.paths.keys():
                 await handle.unload_lora_adapter.remote(name)
             for name, adapter_dir in self.paths.items():
@@ -146,6 +154,19 @@ class LoraAdapters:
                     await handle.drop_lora_version.remote(digest)
                     raise InvalidArgumentError("lora_path", f"worker {worker_id} reads another adapter at {adapter_dir!r} than the others")
                 logger.info("worker %s: LoRA adapter %s loaded on joining", worker_id, name)
+
+    async def _adopt(self, worker_id: str, handle, names: set[str]) -> None:
+        """Serve ``names`` as ``handle``'s worker does: the versions it holds, from what it
+        loaded them (its files, where they came as files: what later workers are given)."""
+        sources = await handle.lora_adapter_sources.remote()
+        for name in sorted(names):
+            digest, source = sources[name]
+            files = await handle.lora_adapter_files.remote(digest)
+            self.paths[name], self.digests[name] = source, digest
+            if files is not None:
+                self._files[name] = ray.put(files) if ray.is_initialized() else files
+            logger.info("LoRA adapter %s (%s, loaded from %s before this router started) adopted from %s", name, digest[:12], source, worker_id)
+        self.on_change()
 
     async def close(self) -> None:
         for task in list(self._drops):

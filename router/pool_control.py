@@ -41,8 +41,8 @@ class PoolHost(Protocol):
     readiness: "Readiness"  # health SERVING while a decode worker can take requests
     status_monitor: "StatusMonitor"  # load reports (is a draining worker idle?)
 
-    async def add_worker(self, role: "Role", worker_id: str, handle: Any) -> "WorkerRecord":
-        """Route to a started worker from now on."""
+    async def add_worker(self, role: "Role", worker_id: str, handle: Any, adopted: bool = False) -> "WorkerRecord":
+        """Route to a started worker from now on (``adopted``: found running as the manager started)."""
 
     async def drain(self, record: "WorkerRecord") -> None:
         """No new requests for this worker; it finishes what it has."""

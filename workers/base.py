@@ -114,12 +114,19 @@ class EngineWorker:
         self.ranks = RayRankLauncher() if engine_config.tensor_parallel_size > 1 else None
         # A Hugging Face id is looked up in this node's own cache; a directory is used as is.
         model_path = str(resolve_model(model_path).path)
+        # The LoRA adapters served here: what each name was loaded from (as named), and the files
+        # of each version that came as files: a router that restarts adopts them from here
+        # (router.lora_adapters), and hands the files to workers that join later.
+        self._adapter_sources: dict[str, str] = dict(engine_config.lora_adapters)
+        self._adapter_files: dict[str, AdapterFiles] = {}  # digest -> files
+        shipped: dict[str, AdapterFiles] = {}
         if adapter_files:
             # The configured LoRA adapters as the controller read them, written out on this node.
             shipped = dict(zip(adapter_files, ray.get(list(adapter_files.values()))))
             adapters = {name: str(shipped[name].on_node()) if name in shipped else path for name, path in engine_config.lora_adapters.items()}
             engine_config = dataclasses.replace(engine_config, lora_adapters=adapters)
         self.engine = self._thread.run(LLMEngine, model_path, engine_config, scheduler_class, self.ranks)
+        self._adapter_files = {self.engine.adapters.names[name]: files for name, files in shipped.items()}
         self.scheduler = self.engine.scheduler
         shard = self.engine.shard
         transfer_config = transfer_config or KVTransferConfig()
@@ -233,22 +240,46 @@ class EngineWorker:
         """The LoRA adapters new requests may name here: name -> digest (engine.lora)."""
         return await self._call(lambda: self.engine.adapters.served)
 
+    async def lora_adapter_sources(self) -> dict[str, tuple[str, str]]:
+        """name -> (digest, what it was loaded from, as named) of the adapters served here."""
+        served = await self.lora_adapters()
+        return {name: (digest, self._adapter_sources.get(name, "")) for name, digest in served.items()}
+
+    async def lora_adapter_files(self, digest: str) -> AdapterFiles | None:
+        """The files of an adapter version held here, if it came as files (else None)."""
+        return self._adapter_files.get(digest)
+
     async def load_lora_adapter(self, name: str, adapter: str | AdapterFiles, replace: bool = False) -> str:
         """Serve a PEFT LoRA adapter as ``name`` from now on (between steps); its digest.
         ``adapter``: its directory on this node, or its files as the router read them.
         ``replace``: a new version of a served one (the old stays held until dropped)."""
         if isinstance(adapter, AdapterFiles):
             with adapter.written() as directory:  # read by every rank before the load returns
-                return await self._call(self.engine.load_adapter, name, str(directory), replace)
-        return await self._call(self.engine.load_adapter, name, adapter, replace)
+                digest = await self._call(self.engine.load_adapter, name, str(directory), replace)
+            self._adapter_files[digest] = adapter
+        else:
+            digest = await self._call(self.engine.load_adapter, name, adapter, replace)
+        self._adapter_sources[name] = adapter.source if isinstance(adapter, AdapterFiles) else adapter
+        await self._forget_dropped_adapter_files()
+        return digest
 
     async def unload_lora_adapter(self, name: str) -> bool:
         """No new requests through ``name``; running ones finish through it. False if not served."""
-        return await self._call(self.engine.unload_adapter, name)
+        unloaded = await self._call(self.engine.unload_adapter, name)
+        self._adapter_sources.pop(name, None)
+        await self._forget_dropped_adapter_files()
+        return unloaded
 
     async def drop_lora_version(self, digest: str) -> bool:
         """No new request computes with this adapter version; freed once unused. False if not held."""
-        return await self._call(self.engine.drop_adapter_version, digest)
+        dropped = await self._call(self.engine.drop_adapter_version, digest)
+        await self._forget_dropped_adapter_files()
+        return dropped
+
+    async def _forget_dropped_adapter_files(self) -> None:
+        served = set((await self.lora_adapters()).values())
+        for digest in self._adapter_files.keys() - served:
+            del self._adapter_files[digest]
 
     async def cache_events(self, cursor: int = -1, timeout_s: float = 1.0) -> CacheUpdate:
         """What the prefix cache stored and evicted after ``cursor`` (waiting up to ``timeout_s``

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -19,7 +23,7 @@ from cluster.pools import DeploymentSpec, PoolSpec
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
 from router.responses_api.board import find_shared_board
-from tests.checkpoints import hf_greedy, random_prompts
+from tests.checkpoints import build_lora_adapter, hf_greedy, random_prompts
 from tests.serving import Client, HostedRouter, engine_config
 
 
@@ -119,6 +123,54 @@ def test_a_router_that_dies_loses_only_its_streams_and_a_new_one_adopts_its_work
     finally:
         second.stop()  # kills the workers it adopted
     client.close()
+
+
+def test_adapters_loaded_at_runtime_outlive_the_router_that_loaded_them(ray_cluster, e2e_model, tmp_path):
+    """An RL trainer's policy loaded through one router: the router dies, a new one adopts the
+    durable workers and serves the policy, the same version, though the trainer has since
+    written its next one where the loaded one was; a prefill worker that joins afterwards is
+    given that version too (from the files a worker kept). Before, the new router unloaded it."""
+    spec = _durable_spec(e2e_model, "lora-restart", http_port=0, allow_runtime_lora_updating=True)
+    policy = build_lora_adapter(e2e_model.hf_model, tmp_path / "policy", seed=51)
+    (prompt,) = random_prompts([40], e2e_model.vocab_size, seed=52)
+    want = hf_greedy(policy, prompt, 8)
+    first = Deployment(spec)
+    first.start()
+    second = None
+    try:
+        status, body = _post(f"http://127.0.0.1:{first.http_port}/v1/load_lora_adapter", {"lora_name": "policy", "lora_path": str(tmp_path / "policy")})
+        assert status == 200, body
+        client = Client(first.address)
+        assert client.generate(lora_name="policy", prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids == want
+        client.close()
+        loaded = ray.get(first.handles["decode-0"].lora_adapters.remote())["policy"]
+        first.crash()
+        shutil.rmtree(tmp_path / "policy")
+        build_lora_adapter(e2e_model.hf_model, tmp_path / "policy", seed=53)  # the trainer's next version, not loaded
+
+        second = Deployment(spec)
+        second.start()
+        again = Client(second.address, second.admin_address)
+        assert again.generate(lora_name="policy", prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids == want
+        again.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=2))
+        assert {name: ray.get(h.lora_adapters.remote()).get("policy") for name, h in second.handles.items()} == dict.fromkeys(second.handles, loaded)
+        models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{second.http_port}/v1/models", timeout=30).read())
+        assert {"id": "policy", "root": str(tmp_path / "policy")}.items() <= next(m for m in models["data"] if m["id"] == "policy").items()
+        again.close()
+    finally:
+        if second is not None:
+            second.stop()  # kills the workers it adopted
+        else:
+            first.stop()
+
+
+def _post(url: str, body: dict) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
 
 
 def test_router_replicas_share_one_port_and_a_dead_replica_loses_only_its_own_streams(ray_cluster, e2e_model):
