@@ -113,6 +113,7 @@ class PrefillWorker(EngineWorker):
         super().__init__(worker_id, model_path, engine_config, transfer_config, PrefillScheduler, adapter_files)
         self.scheduler: PrefillScheduler
         self.block_size = self.engine.kv_cache.block_size
+        self._answer_delay_s = 0.0
         self._jobs: dict[str, _Job] = {}
         # Reservation tokens cancelled before their request arrived (an async actor may run a
         # cancel ahead of the submit it follows): that submit is refused.
@@ -129,7 +130,14 @@ class PrefillWorker(EngineWorker):
     async def submit(self, request: PrefillRequest) -> PrefillResult:
         """Prefill the prompt, push its KV, return the first token once every write landed."""
         done: Future = await asyncio.wrap_future(self._thread.call(self._enqueue, request))
-        return await asyncio.wrap_future(done)
+        result = await asyncio.wrap_future(done)
+        if self._answer_delay_s:
+            await asyncio.sleep(self._answer_delay_s)  # fault injection: a death between the last write and the answer
+        return result
+
+    async def set_answer_delay(self, seconds: float) -> None:
+        """Fault injection for tests and drills: answer a prefill this long after its last write landed."""
+        self._answer_delay_s = max(0.0, float(seconds))
 
     async def open_stage(self, request: PrefillRequest) -> StageOpened:
         """Take one stage (``request.stage``) of a pipelined prefill: the prompt's blocks, now.

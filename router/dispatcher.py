@@ -477,8 +477,11 @@ class Dispatcher:
                 self.on_worker_died(prefill)
                 try:
                     # The last write carries the first token: the decode actor may already be
-                    # decoding this request, and then the prefill worker's death changes nothing.
-                    if await decode.handle.is_admitted.remote(request.req_id):
+                    # decoding this request, and then the prefill worker's death changes nothing;
+                    # unless the prompt's log-probabilities were asked for, which only its answer
+                    # carried: the prompt is then prefilled again.
+                    scored = request.sampling_params.prompt_logprobs is not None and len(request.prompt_token_ids) > 1
+                    if not scored and await decode.handle.is_admitted.remote(request.req_id):
                         return
                 except WORKER_GONE:
                     return  # the collector reports the decode actor's death

@@ -10,6 +10,7 @@ import time
 import grpc
 import pytest
 import ray
+import torch
 
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
@@ -44,6 +45,43 @@ def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2
         assert all(s.last.prefill_worker_id == "prefill-1" for s in streams), "retried on the survivor"
         survivors = [w for w in client.wait_until_idle() if w.worker_id != "prefill-0"]
         assert all(w.num_kv_blocks_used == 0 for w in survivors)
+        client.close()
+
+
+def test_a_scored_prompt_whose_prefill_actor_died_after_its_last_write_is_prefilled_again(ray_cluster, e2e_model):
+    """The prompt's KV all landed and the decode actor decodes, but the prefill actor dies before
+    it answers, and its answer carried the prompt's log-probabilities: the request is prefilled
+    again on the other actor and the client gets every score and the tokens once (it got
+    UNAVAILABLE before)."""
+    (prompt,) = random_prompts([60], e2e_model.vocab_size, seed=61)
+    with torch.no_grad():
+        reference = torch.log_softmax(e2e_model.hf_model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
+    with running_deployment(e2e_model, 2, 1, router) as deployment:
+        for worker_id in ("prefill-0", "prefill-1"):
+            ray.get(deployment.handles[worker_id].set_answer_delay.remote(60.0))
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            job = pool.submit(client.generate, prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+            deadline = time.monotonic() + 60
+            while True:  # its last write landed: the decode actor has it
+                active = list(deployment.router.dispatcher.active.values())
+                if active and active[0].prefill is not None and ray.get(deployment.handles["decode-0"].is_admitted.remote(active[0].work.req_id)):
+                    break
+                assert time.monotonic() < deadline, "the request never reached the decode actor"
+                time.sleep(0.05)
+            holder = active[0].prefill.worker_id
+            survivor = "prefill-1" if holder == "prefill-0" else "prefill-0"
+            ray.get(deployment.handles[survivor].set_answer_delay.remote(0.0))
+            deployment.kill_worker(holder)
+            stream = job.result(timeout=120)
+        assert stream.token_ids == hf_greedy(e2e_model.hf_model, prompt, 6)
+        assert stream.last.prefill_worker_id == survivor
+        first, *rest = stream.messages
+        assert [e.token_id for e in first.prompt_logprobs] == prompt[1:] and not any(m.prompt_logprobs for m in rest)
+        for position, entry in enumerate(first.prompt_logprobs):
+            assert entry.logprob == pytest.approx(reference[position, prompt[position + 1]].item(), abs=1e-3)
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle() if w.worker_id != holder)
         client.close()
 
 
