@@ -207,24 +207,28 @@ def run_plan(args: argparse.Namespace) -> int:
     simulated = sum(len(plan.candidates) for plan in plans)
     if len(plans) > 1:
         for path, plan in zip(args.profile, plans):
-            verdict = (f"{plan.num_prefill} prefill + {plan.num_decode} decode, {plan.num_devices} devices, cost {plan.cost:g}"
+            verdict = (f"{plan.num_prefill} prefill + {plan.num_decode} decode, {_devices(plan.num_devices)}, cost {plan.cost:g}"
                        if plan.feasible else "no shape meets the SLO")
             print(f"  {path} (tensor-parallel size {plan.tensor_parallel_size}): {verdict}")
     plan = cheapest(plans)
     if plan is None:
-        bound = f"{args.max_workers} workers" + (f" and {args.max_devices} device{'s' * (args.max_devices != 1)}" if args.max_devices is not None else "")
+        bound = f"{args.max_workers} workers" + (f" and {_devices(args.max_devices)}" if args.max_devices is not None else "")
         print(f"no shape of at most {bound} meets TTFT p{args.percentile:g} <= {args.slo_ttft_ms:g} ms and "
               f"TPOT p{args.percentile:g} <= {args.slo_tpot_ms:g} ms at {rate:g} req/s ({simulated} shapes simulated in {wall:.1f} s)")
         return 1
     chosen = args.profile[plans.index(plan)]
     print(f"plan at {rate:g} req/s: {plan.num_prefill} prefill + {plan.num_decode} decode of tensor-parallel size {plan.tensor_parallel_size}"
-          f" ({plan.num_devices} devices, cost {plan.cost:g}; profile {chosen}); {simulated} shapes simulated in {wall:.1f} s")
+          f" ({_devices(plan.num_devices)}, cost {plan.cost:g}; profile {chosen}); {simulated} shapes simulated in {wall:.1f} s")
     print(format_result(plan.result))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         body = {**plan.to_dict(), "profile": str(chosen), "candidates": [_candidate(c) for c in plan.candidates]}
         (args.out / "plan.json").write_text(json.dumps(body, indent=2) + "\n")
     return 0
+
+
+def _devices(count: int) -> str:
+    return f"{count} device{'s' * (count != 1)}"
 
 
 def _candidate(candidate) -> dict:
