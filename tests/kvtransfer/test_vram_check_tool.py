@@ -15,3 +15,6 @@ def test_the_two_process_transfer_check_moves_every_block_byte_exact(tmp_path):
                    check=True, timeout=120, capture_output=True)
     result = json.loads(out.read_text())
     assert result["ok"] and result["blocks"] == 8 and result["bytes"] == 8 * 28 * 2 * 2 * 16 * 128 * 2
+    # Three transfers of new bytes into the same blocks, each byte-exact: the first, and the
+    # steady cost of the later ones.
+    assert len(result["rounds"]) == 3 and all(r["ok"] for r in result["rounds"]) and result["steady_seconds"] > 0
