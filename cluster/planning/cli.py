@@ -58,7 +58,8 @@ def add_planning_parsers(commands) -> None:
         "simulate the day with the pools following the plan, and plot it.",
     )
     plan.add_argument("--profile", type=Path, nargs="+", required=True,
-                      help="profile JSONs from `pdserve profile`; several (e.g. one per tensor-parallel size): each is planned, the cheapest plan wins")
+                      help="profile JSONs from `pdserve profile`; several (e.g. one per tensor-parallel size): each, and each pairing of one's "
+                      "prefill pool with another's decode pool, is planned; the cheapest plan wins")
     plan.add_argument("--slo-ttft-ms", type=float, required=True)
     plan.add_argument("--slo-tpot-ms", type=float, required=True)
     plan.add_argument("--rate", type=float, help="requests per second (default: the workload's rate)")
@@ -181,13 +182,17 @@ def format_result(result) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     from cluster.planning.diurnal import plan_day
     from cluster.planning.planner import SLO, Planner, cheapest
-    from cluster.planning.profile import Profile
+    from cluster.planning.profile import Profile, combine_profiles
     from cluster.planning.workload import WorkloadModel
 
     try:
-        profiles = [Profile.load(path) for path in args.profile]
+        loaded = [Profile.load(path) for path in args.profile]
         mix = WorkloadModel.load(args.workload) if args.workload else WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64, range_ratio=0.5)
         slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.percentile)
+        # Every pairing: the prefill pool as one profile measured it, the decode pool as another
+        # (or the same) did; each pool's size then is its own profile's.
+        pairs = [(p, d) for p in range(len(loaded)) for d in range(len(loaded))]
+        profiles = [loaded[p] if p == d else combine_profiles(loaded[p], loaded[d]) for p, d in pairs]
         planners = [Planner(profile, mix, slo, args.max_workers, args.prefill_cost, args.decode_cost, max_devices=args.max_devices) for profile in profiles]
         if args.diurnal:
             if mix.diurnal is None:
@@ -205,24 +210,34 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     wall = time.perf_counter() - started
     simulated = sum(len(plan.candidates) for plan in plans)
+
+    def pools(pair: tuple[int, int], plan) -> str:
+        p, d = pair
+        ranks = plan.tensor_parallel_size
+        if p == d:
+            return f"{args.profile[p]} (tensor-parallel size {ranks['decode']})"
+        return f"prefill as {args.profile[p]} (size {ranks['prefill']}), decode as {args.profile[d]} (size {ranks['decode']})"
+
     if len(plans) > 1:
-        for path, plan in zip(args.profile, plans):
+        for pair, plan in zip(pairs, plans):
             verdict = (f"{plan.num_prefill} prefill + {plan.num_decode} decode, {_devices(plan.num_devices)}, cost {plan.cost:g}"
                        if plan.feasible else "no shape meets the SLO")
-            print(f"  {path} (tensor-parallel size {plan.tensor_parallel_size}): {verdict}")
+            print(f"  {pools(pair, plan)}: {verdict}")
     plan = cheapest(plans)
     if plan is None:
         bound = f"{args.max_workers} workers" + (f" and {_devices(args.max_devices)}" if args.max_devices is not None else "")
         print(f"no shape of at most {bound} meets TTFT p{args.percentile:g} <= {args.slo_ttft_ms:g} ms and "
               f"TPOT p{args.percentile:g} <= {args.slo_tpot_ms:g} ms at {rate:g} req/s ({simulated} shapes simulated in {wall:.1f} s)")
         return 1
-    chosen = args.profile[plans.index(plan)]
-    print(f"plan at {rate:g} req/s: {plan.num_prefill} prefill + {plan.num_decode} decode of tensor-parallel size {plan.tensor_parallel_size}"
-          f" ({_devices(plan.num_devices)}, cost {plan.cost:g}; profile {chosen}); {simulated} shapes simulated in {wall:.1f} s")
+    pair = pairs[plans.index(plan)]
+    ranks = plan.tensor_parallel_size
+    print(f"plan at {rate:g} req/s: {plan.num_prefill} prefill of tensor-parallel size {ranks['prefill']} + {plan.num_decode} decode of size"
+          f" {ranks['decode']} ({_devices(plan.num_devices)}, cost {plan.cost:g}; {pools(pair, plan)}); {simulated} shapes simulated in {wall:.1f} s")
     print(format_result(plan.result))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        body = {**plan.to_dict(), "profile": str(chosen), "candidates": [_candidate(c) for c in plan.candidates]}
+        body = {**plan.to_dict(), "prefill_profile": str(args.profile[pair[0]]), "decode_profile": str(args.profile[pair[1]]),
+                "candidates": [_candidate(c) for c in plan.candidates]}
         (args.out / "plan.json").write_text(json.dumps(body, indent=2) + "\n")
     return 0
 

@@ -11,10 +11,12 @@ prefill pool, TPOT on the decode pool; more workers of a pool never hurt). A few
 simulations per plan, whatever ``max_workers`` is: planning a 200-worker cluster takes the
 same number of steps as a 4-worker one.
 
-A worker of a tensor-parallel profile (``DeploymentFacts.tensor_parallel_size``) holds that many
-devices: it costs that many times a device's cost and counts that many against ``max_devices``.
-Profiles of different sizes are planned each on its own; the cheaper plan says which size to run
-(``cheapest``): a larger size has faster steps and more KV room per worker, at more devices each.
+A worker of a tensor-parallel pool (``DeploymentFacts.tensor_parallel_size``, per pool) holds that
+many devices: it costs that many times its pool's device cost and counts that many against
+``max_devices``. Profiles of different sizes are planned each on its own, and in pairs (the
+prefill pool's from one, the decode pool's from another: ``profile.combine_profiles``); the
+cheapest plan says which sizes to run (``cheapest``): a larger size has faster steps and more KV
+room per worker, at more devices each.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class Plan:
     cost: float | None
     result: SimResult | None  # the chosen shape's simulation
     candidates: list[Candidate] = field(default_factory=list)
-    tensor_parallel_size: int = 1  # devices per worker (the profile's)
+    tensor_parallel_size: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})  # devices per worker, per pool
 
     @property
     def feasible(self) -> bool:
@@ -76,7 +78,9 @@ class Plan:
 
     @property
     def num_devices(self) -> int | None:
-        return None if not self.feasible else (self.num_prefill + self.num_decode) * self.tensor_parallel_size
+        if not self.feasible:
+            return None
+        return self.num_prefill * self.tensor_parallel_size["prefill"] + self.num_decode * self.tensor_parallel_size["decode"]
 
     def to_dict(self) -> dict:
         return {
@@ -97,7 +101,7 @@ class Planner:
     mix: WorkloadModel  # the request mix; its rate is replaced by the planned one
     slo: SLO
     max_workers: int = 16
-    prefill_cost: float = 1.0  # of one device of a prefill worker (a worker: tensor_parallel_size of them)
+    prefill_cost: float = 1.0  # of one device of a prefill worker (a worker: its pool's tensor_parallel_size of them)
     decode_cost: float = 1.0
     min_requests: int = 1500
     max_requests: int = 6000
@@ -112,19 +116,27 @@ class Planner:
             raise ValueError(f"max_devices: must be >= 1, got {self.max_devices}")
 
     @property
-    def devices_per_worker(self) -> int:
+    def devices_per_worker(self) -> dict[str, int]:
         return self.profile.facts.tensor_parallel_size
 
-    @property
-    def worker_limit(self) -> int:
-        """Most workers of both pools together: ``max_workers``, fewer where the devices run out
-        (0: not one worker of this profile fits ``max_devices``)."""
-        if self.max_devices is None:
-            return self.max_workers
-        return min(self.max_workers, self.max_devices // self.devices_per_worker)
+    def devices(self, num_prefill: int, num_decode: int) -> int:
+        return num_prefill * self.devices_per_worker["prefill"] + num_decode * self.devices_per_worker["decode"]
+
+    def room(self, role: str, num_other: int) -> int:
+        """Most workers of ``role`` beside ``num_other`` of the other pool: within ``max_workers``
+        and, where set, ``max_devices`` (0: none fits)."""
+        other = "decode" if role == "prefill" else "prefill"
+        most = self.max_workers - num_other
+        if self.max_devices is not None:
+            most = min(most, (self.max_devices - num_other * self.devices_per_worker[other]) // self.devices_per_worker[role])
+        return max(0, most)
+
+    def fits(self, num_prefill: int, num_decode: int) -> bool:
+        return num_prefill + num_decode <= self.max_workers and (self.max_devices is None or self.devices(num_prefill, num_decode) <= self.max_devices)
 
     def cost(self, num_prefill: int, num_decode: int) -> float:
-        return (num_prefill * self.prefill_cost + num_decode * self.decode_cost) * self.devices_per_worker
+        ranks = self.devices_per_worker
+        return num_prefill * self.prefill_cost * ranks["prefill"] + num_decode * self.decode_cost * ranks["decode"]
 
     def workload_at(self, rate: float) -> WorkloadModel:
         num = int(min(self.max_requests, max(self.min_requests, rate * self.sim_seconds)))
@@ -141,7 +153,7 @@ class Planner:
         if not rate > 0:
             raise ValueError(f"rate: must be > 0, got {rate}")
         search = _Search(self, rate)
-        search.fewest(lambda d: (0, d), self.worker_limit)
+        search.fewest(lambda d: (0, d), self.room("decode", 0))
         disaggregated = search.coordinate_descent(self._prefill_estimate(rate))
         if disaggregated is not None:
             p, d = disaggregated
@@ -150,11 +162,12 @@ class Planner:
                 if shape[0] >= 1 and shape[1] >= 1:
                     search.meets(*shape)
         # The cheapest of every shape simulated that met the SLO.
-        best = Plan(rate, None, None, None, None, tensor_parallel_size=self.devices_per_worker)
+        ranks = dict(self.devices_per_worker)
+        best = Plan(rate, None, None, None, None, tensor_parallel_size=ranks)
         for (p, d), ok in search.verdicts.items():
             cost = self.cost(p, d)
             if ok and (best.cost is None or cost < best.cost):
-                best = Plan(rate, p, d, cost, search.results[p, d], tensor_parallel_size=self.devices_per_worker)
+                best = Plan(rate, p, d, cost, search.results[p, d], tensor_parallel_size=ranks)
         best.candidates = search.candidates
         return best
 
@@ -180,7 +193,7 @@ class _Search:
     def meets(self, num_prefill: int, num_decode: int) -> bool:
         shape = (num_prefill, num_decode)
         if shape not in self.verdicts:
-            if num_prefill + num_decode > self.planner.worker_limit:
+            if not self.planner.fits(num_prefill, num_decode):
                 return False
             ok, result = self.planner.evaluate(self.rate, num_prefill, num_decode)
             self.verdicts[shape], self.results[shape] = ok, result
@@ -204,22 +217,23 @@ class _Search:
     def coordinate_descent(self, prefill_guess: int) -> tuple[int, int] | None:
         """Fewest decode workers for a prefill count, then fewest prefill workers for that decode
         count, and again, until neither moves (TTFT depends mostly on the one, TPOT on the other)."""
-        most = self.planner.worker_limit
-        if most < 2:
+        planner = self.planner
+        most_prefill = planner.room("prefill", 1)  # beside one decode worker at least
+        if most_prefill < 1:
             return None  # no room for a worker of each pool
-        p = min(prefill_guess, most - 1)
+        p = min(prefill_guess, most_prefill)
         while True:  # a prefill count with which some decode count meets the SLO
-            d = self.fewest(lambda n: (p, n), most - p)
-            if d is not None or p >= most - 1:
+            d = self.fewest(lambda n: (p, n), planner.room("decode", p))
+            if d is not None or p >= most_prefill:
                 break
-            p = min(most - 1, p * 2)
+            p = min(most_prefill, p * 2)
         if d is None:
             return None
         for _ in range(_DESCENT_ROUNDS):
             # (Simulated latencies are not perfectly monotone in a pool's size: where a search
             # finds nothing, the count it started from stands.)
-            p_next = self.fewest(lambda n: (n, d), most - d) or p
-            d_next = self.fewest(lambda n: (p_next, n), most - p_next) or d
+            p_next = self.fewest(lambda n: (n, d), planner.room("prefill", d)) or p
+            d_next = self.fewest(lambda n: (p_next, n), planner.room("decode", p_next)) or d
             if (p_next, d_next) == (p, d):
                 break
             p, d = p_next, d_next

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -59,12 +59,22 @@ class StepTimeModel:
     # (the machine's noise, partial overlaps); a per-step figure such as ITL has that scatter in
     # its percentiles, which the simulator adds back (``LogHistogram.spread``).
     residuals: dict[str, list[float]] = field(default_factory=dict)
+    # Per role, terms of its own in place of the ones above (a profile combined from two,
+    # ``combine_profiles``: the prefill pool's steps from one deployment, the decode pool's from
+    # another); a role without an entry uses the ones above.
+    role_terms: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def step_s(self, role: str, prefill_tokens: int = 0, prefill_attention: float = 0.0, prefill_seqs: int = 0,
                decode_rows: int = 0, decode_kv_tokens: int = 0) -> float:
+        terms = self.role_terms.get(role) if self.role_terms else None
+        if terms is None:  # the common case: the simulator calls this per step
+            return (
+                self.intercept_s[role] + self.prefill_token_s * prefill_tokens + self.prefill_attention_s * prefill_attention
+                + self.prefill_seq_s * prefill_seqs + self.decode_row_s * decode_rows + self.decode_kv_s * decode_kv_tokens
+            )
         return (
-            self.intercept_s[role] + self.prefill_token_s * prefill_tokens + self.prefill_attention_s * prefill_attention
-            + self.prefill_seq_s * prefill_seqs + self.decode_row_s * decode_rows + self.decode_kv_s * decode_kv_tokens
+            self.intercept_s[role] + terms["prefill_token_s"] * prefill_tokens + terms["prefill_attention_s"] * prefill_attention
+            + terms["prefill_seq_s"] * prefill_seqs + terms["decode_row_s"] * decode_rows + terms["decode_kv_s"] * decode_kv_tokens
         )
 
     def crowding(self, role: str, company: tuple[float, float]) -> float:
@@ -99,9 +109,9 @@ class DeploymentFacts:
     max_num_seqs: int  # of a decode worker's batch
     local_prefill_max_tokens: int  # prompts up to this length prefill on the decode worker (auto mode)
     max_model_len: int
-    # Ranks (devices) of each worker, both pools alike: a worker costs that many devices, and
+    # Per role, the ranks (devices) of each of its workers: a worker costs that many devices.
     # bytes_per_block counts every rank's share of a block (what a prefill worker's ranks push).
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 1))
 
 
 @dataclass(slots=True)
@@ -136,13 +146,50 @@ class Profile:
             return cls(
                 step=StepTimeModel(**{**data["step"], "contention": _contention_of(data["step"].get("contention", {}))}),
                 transfer=TransferModel(**data["transfer"]),
-                facts=DeploymentFacts(**data["facts"]),
+                facts=DeploymentFacts(**_facts_of(data["facts"])),
                 ttft_overhead_s=dict(data["ttft_overhead_s"]),
                 source=dict(data.get("source", {})),
                 samples=dict(data.get("samples", {})),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile: {path} is incomplete or malformed: {exc}") from None
+
+
+def _facts_of(saved: dict) -> dict:
+    """A saved profile's facts; one tensor-parallel size (or none, before them) is both pools'."""
+    ranks = saved.get("tensor_parallel_size", 1)
+    return {**saved, "tensor_parallel_size": dict(ranks) if isinstance(ranks, dict) else dict.fromkeys(ROLES, int(ranks))}
+
+
+def combine_profiles(prefill: Profile, decode: Profile) -> Profile:
+    """A deployment whose prefill pool is ``prefill``'s and decode pool ``decode``'s (each profiled
+    with both pools alike, typically at different tensor-parallel sizes): prefill steps, the KV
+    write and a remote prompt's overhead as ``prefill`` measured them; decode steps (with the
+    prompts decode workers prefill themselves), their KV room and a local prompt's overhead as
+    ``decode`` did. The write between two sizes is taken as the prefill side's between its own
+    (the same bytes; NIXL's descriptors per block differ by at most two). ValueError where the
+    two are not of one model (block size, block bytes)."""
+    if (prefill.facts.block_size, prefill.facts.bytes_per_block) != (decode.facts.block_size, decode.facts.bytes_per_block):
+        raise ValueError(
+            f"profile: the profiles are not of one model (blocks of {prefill.facts.block_size} tokens, {prefill.facts.bytes_per_block} bytes "
+            f"against {decode.facts.block_size}, {decode.facts.bytes_per_block})"
+        )
+    step = replace(
+        decode.step,
+        intercept_s={"prefill": prefill.step.intercept_s["prefill"], "decode": decode.step.intercept_s["decode"]},
+        role_terms={"prefill": {name: getattr(prefill.step, name) for name in TERMS}},
+        fit={**decode.step.fit, **{k: v for k, v in prefill.step.fit.items() if k == "prefill"}},
+        contention={**decode.step.contention, **{k: v for k, v in prefill.step.contention.items() if k == "prefill"}},
+        residuals={**decode.step.residuals, **{k: v for k, v in prefill.step.residuals.items() if k == "prefill"}},
+    )
+    facts = replace(
+        decode.facts,
+        token_budget={"prefill": prefill.facts.token_budget["prefill"], "decode": decode.facts.token_budget["decode"]},
+        chunk_size={"prefill": prefill.facts.chunk_size["prefill"], "decode": decode.facts.chunk_size["decode"]},
+        tensor_parallel_size={"prefill": prefill.facts.tensor_parallel_size["prefill"], "decode": decode.facts.tensor_parallel_size["decode"]},
+    )
+    overheads = {"remote": prefill.ttft_overhead_s["remote"], "local": decode.ttft_overhead_s["local"]}
+    return Profile(step, prefill.transfer, facts, overheads, {"prefill_from": prefill.source, "decode_from": decode.source})
 
 
 def _contention_of(saved: dict) -> dict[str, dict[str, float]]:

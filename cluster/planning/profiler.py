@@ -161,7 +161,10 @@ def fit_profile(batches: list, isolated: list[RequestRecord], local_prefill_max_
     # One step-time model fits both pools' steps: their workers must be alike (ranks included).
     ranks = {role: engine.get("tensor_parallel_size", 1) for role, engine in engines.items()}
     if len(set(ranks.values())) > 1:
-        raise ValueError(f"profile: the pools' workers differ in tensor_parallel_size ({ranks}); profile each size with both pools alike")
+        raise ValueError(
+            f"profile: the pools' workers differ in tensor_parallel_size ({ranks}); profile each size with both pools alike "
+            "(`pdserve plan` combines profiles: one pool's from each)"
+        )
     facts = DeploymentFacts(
         block_size=decode["block_size"],
         bytes_per_block=decode["bytes_per_block"] * ranks["decode"],
@@ -171,7 +174,7 @@ def fit_profile(batches: list, isolated: list[RequestRecord], local_prefill_max_
         max_num_seqs=decode["max_num_seqs"],
         local_prefill_max_tokens=local_prefill_max_tokens if "prefill" in engines else 1 << 30,
         max_model_len=decode["max_model_len"],
-        tensor_parallel_size=ranks["decode"],
+        tensor_parallel_size=dict.fromkeys(("prefill", "decode"), ranks["decode"]),
     )
     overheads = ttft_overheads(isolated, step, transfer, facts)
     info = {

@@ -20,7 +20,7 @@ import pytest
 
 from cluster.autoscaler import Autoscaler, AutoscalerConfig
 from cluster.planning.planner import SLO, Plan, Planner, cheapest
-from cluster.planning.profile import DeploymentFacts, Profile, StepTimeModel, TransferModel, fit_step_model, fit_transfer_model
+from cluster.planning.profile import DeploymentFacts, Profile, StepTimeModel, TransferModel, combine_profiles, fit_step_model, fit_transfer_model
 from cluster.planning.profiler import fit_profile, step_model_check
 from cluster.planning.simulator import LogHistogram, PoolChange, Simulation, simulate
 from cluster.planning.workload import WorkloadModel
@@ -28,6 +28,7 @@ from engine.step_profile import StepLog, StepShape, TransferRecord
 from router.traffic import TrafficSnapshot, TrafficWindow
 
 BLOCK = 16
+TP2 = {"prefill": 2, "decode": 2}
 
 
 def make_profile(**facts) -> Profile:
@@ -222,7 +223,7 @@ def test_transfer_fit_and_too_few_steps():
 
 
 def test_profile_round_trips_and_refuses_other_files(tmp_path):
-    profile = make_profile(tensor_parallel_size=2)
+    profile = make_profile(tensor_parallel_size=TP2)
     path = profile.save(tmp_path / "p.json")
     again = Profile.load(path)
     assert again.step.step_s("decode", 0, 0, 0, 8, 800) == profile.step.step_s("decode", 0, 0, 0, 8, 800)
@@ -231,7 +232,7 @@ def test_profile_round_trips_and_refuses_other_files(tmp_path):
     saved = json.loads(path.read_text())
     del saved["facts"]["tensor_parallel_size"]
     (tmp_path / "old.json").write_text(json.dumps(saved))
-    assert Profile.load(tmp_path / "old.json").facts.tensor_parallel_size == 1
+    assert Profile.load(tmp_path / "old.json").facts.tensor_parallel_size == {"prefill": 1, "decode": 1}
     (tmp_path / "other.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="not a pdserve profile"):
         Profile.load(tmp_path / "other.json")
@@ -394,10 +395,10 @@ def test_a_tensor_parallel_worker_costs_and_counts_its_devices():
     slo = SLO(ttft_ms=800.0, tpot_ms=40.0, percentile=90)
     bounds = dict(max_workers=12, min_requests=800, max_requests=1500)
     single = Planner(make_profile(), mix, slo, **bounds).plan(4.0)
-    double = Planner(make_profile(tensor_parallel_size=2), mix, slo, **bounds).plan(4.0)
+    double = Planner(make_profile(tensor_parallel_size=TP2), mix, slo, **bounds).plan(4.0)
     assert (double.num_prefill, double.num_decode) == (single.num_prefill, single.num_decode)
     assert double.cost == 2 * single.cost and double.num_devices == 2 * single.num_devices == double.to_dict()["num_devices"]
-    short = Planner(make_profile(tensor_parallel_size=2), mix, slo, max_devices=double.num_devices - 1, **bounds).plan(4.0)
+    short = Planner(make_profile(tensor_parallel_size=TP2), mix, slo, max_devices=double.num_devices - 1, **bounds).plan(4.0)
     assert not short.feasible and all((c.num_prefill + c.num_decode) * 2 < double.num_devices for c in short.candidates)
 
 
@@ -408,8 +409,8 @@ def test_the_cheaper_profile_wins_among_tensor_parallel_sizes():
     slo = SLO(ttft_ms=800.0, tpot_ms=40.0, percentile=90)
     bounds = dict(max_workers=24, min_requests=800, max_requests=1500)
     single = Planner(make_profile(), mix, slo, **bounds).plan(4.0)
-    fast = Planner(_scaled(make_profile(), 3.0, tensor_parallel_size=2), mix, slo, **bounds).plan(4.0)
-    slow = Planner(_scaled(make_profile(), 1.2, tensor_parallel_size=2), mix, slo, **bounds).plan(4.0)
+    fast = Planner(_scaled(make_profile(), 3.0, tensor_parallel_size=TP2), mix, slo, **bounds).plan(4.0)
+    slow = Planner(_scaled(make_profile(), 1.2, tensor_parallel_size=TP2), mix, slo, **bounds).plan(4.0)
     assert single.feasible and fast.feasible and slow.feasible
     assert cheapest([single, fast]) is fast and cheapest([single, slow]) is single
     assert cheapest([Plan(4.0, None, None, None, None)]) is None
@@ -435,9 +436,33 @@ def test_a_tensor_parallel_profile_counts_every_ranks_share_of_a_block():
         return SimpleNamespace(role=role, node=node, steps=steps, transfers=transfers, engine=engine)
 
     profile = fit_profile([batch("prefill", 2, "a"), batch("decode", 2, "b")], [], local_prefill_max_tokens=32)
-    assert profile.facts.tensor_parallel_size == 2 and profile.facts.bytes_per_block == 100_000
+    assert profile.facts.tensor_parallel_size == TP2 and profile.facts.bytes_per_block == 100_000
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         fit_profile([batch("prefill", 2, "a"), batch("decode", 1, "b")], [], local_prefill_max_tokens=32)
+
+
+def test_a_combined_profile_takes_each_pool_from_its_own():
+    """Prefill steps, the KV write and a remote prompt's overhead from the prefill pool's
+    profile; decode steps (local prefill inside them too), KV room and a local prompt's overhead
+    from the decode pool's; each pool's size its own; profiles of two models refused."""
+    slow, fast = make_profile(), _scaled(make_profile(decode_num_blocks=9000), 3.0, tensor_parallel_size=TP2)
+    fast.transfer, fast.ttft_overhead_s = TransferModel(0.001, 5e-10, 1e-6), {"remote": 0.004, "local": 0.003}
+    mixed = combine_profiles(fast, slow)
+    assert mixed.step.step_s("prefill", 300, 300 * 150.0, 1) == fast.step.step_s("prefill", 300, 300 * 150.0, 1)
+    assert mixed.step.step_s("decode", 16, 128.0, 1, 32, 32 * 500) == slow.step.step_s("decode", 16, 128.0, 1, 32, 32 * 500)
+    assert mixed.transfer == fast.transfer and mixed.ttft_overhead_s == {"remote": 0.004, "local": 0.008}
+    assert mixed.facts.tensor_parallel_size == {"prefill": 2, "decode": 1} and mixed.facts.decode_num_blocks == 4000
+    # A prefill-heavy mix: the fast size's prefill pool beside the single-device decode pool is
+    # cheaper than either profile alone (the fast size's decode workers cost 2 devices each).
+    mix = WorkloadModel(rate=1.0, num_requests=1, input_len=1024, output_len=16, range_ratio=0.5)
+    slo = SLO(ttft_ms=2500.0, tpot_ms=80.0, percentile=90)
+    bounds = dict(max_workers=32, min_requests=800, max_requests=1500)
+    plans = {name: Planner(profile, mix, slo, **bounds).plan(2.0) for name, profile in (("slow", slow), ("fast", fast), ("mixed", mixed))}
+    assert all(plan.feasible for plan in plans.values())
+    assert cheapest(list(plans.values())) is plans["mixed"], {name: plan.cost for name, plan in plans.items()}
+    assert plans["mixed"].num_devices == 2 * plans["mixed"].num_prefill + plans["mixed"].num_decode
+    with pytest.raises(ValueError, match="not of one model"):
+        combine_profiles(make_profile(bytes_per_block=50_000), slow)
 
 
 def test_plan_says_when_no_shape_fits():
@@ -556,14 +581,15 @@ def test_simulated_percentiles_are_taken_like_the_measured_ones():
 def test_pdserve_plan_takes_several_profiles_and_says_which_size_to_run(tmp_path, capsys):
     from cluster.cli import main
 
-    paths = [make_profile().save(tmp_path / "tp1.json"), _scaled(make_profile(), 3.0, tensor_parallel_size=2).save(tmp_path / "tp2.json")]
+    paths = [make_profile().save(tmp_path / "tp1.json"), _scaled(make_profile(), 3.0, tensor_parallel_size=TP2).save(tmp_path / "tp2.json")]
     flags = ["--slo-ttft-ms", "800", "--slo-tpot-ms", "40", "--rate", "4", "--max-workers", "24"]
     assert main(["plan", "--profile", *map(str, paths), *flags, "--out", str(tmp_path / "plan")]) == 0
     written = json.loads((tmp_path / "plan" / "plan.json").read_text())
-    assert written["profile"] == str(paths[1]) and written["tensor_parallel_size"] == 2
-    assert written["num_devices"] == 2 * (written["num_prefill"] + written["num_decode"]) and written["cost"] == written["num_devices"]
+    assert written["decode_profile"] == str(paths[1]) and written["tensor_parallel_size"]["decode"] == 2
+    sizes = written["tensor_parallel_size"]
+    assert written["num_devices"] == sizes["prefill"] * written["num_prefill"] + 2 * written["num_decode"] and written["cost"] == written["num_devices"]
     out = capsys.readouterr().out
-    assert "tensor-parallel size 2" in out and str(paths[0]) in out
+    assert "(tensor-parallel size 2)" in out and "prefill as" in out and str(paths[0]) in out, "each profile and each pairing, planned"
     # One device: no worker of size 2 fits, and one of size 1 does not meet the SLO.
     assert main(["plan", "--profile", *map(str, paths), *flags, "--max-devices", "1"]) == 1
     assert "at most 24 workers and 1 device meets" in capsys.readouterr().out
