@@ -147,6 +147,7 @@ class PoolManager(PoolFollower):
         self._launch_retry_at = {Role.PREFILL: 0.0, Role.DECODE: 0.0}
         self._launch_failures_in_a_row = {Role.PREFILL: 0, Role.DECODE: 0}
         self._adapter_files: dict[str, ray.ObjectRef] | None = None  # configured adapter directory -> its files
+        self._adopted_ids: list[str] = []  # workers found running (durable) as this manager started
 
     async def _shipped_adapters(self, pool: PoolSpec) -> dict[str, ray.ObjectRef]:
         """The pool's configured LoRA adapters, name -> their files as read here (once, into Ray's
@@ -155,10 +156,33 @@ class PoolManager(PoolFollower):
         (workers.adapter_files). A path that is no directory here (a Hugging Face id) is left to
         each worker to resolve."""
         if self._adapter_files is None:
-            paths = {path for each in (self.spec.prefill, self.spec.decode) for path in each.engine.lora_adapters.values()}
-            read = await asyncio.to_thread(lambda: {path: AdapterFiles.read(path) for path in paths})
-            self._adapter_files = {path: ray.put(files) for path, files in read.items() if files is not None}
+            configured = {name: path for each in (self.spec.prefill, self.spec.decode) for name, path in each.engine.lora_adapters.items()}
+            found = await self._running_adapter_files(configured)
+            missing = {path for path in configured.values() if path not in found}
+            read = await asyncio.to_thread(lambda: {path: AdapterFiles.read(path) for path in missing})
+            found.update({path: files for path, files in read.items() if files is not None})
+            self._adapter_files = {path: ray.put(files) for path, files in found.items()}
         return {name: self._adapter_files[path] for name, path in pool.engine.lora_adapters.items() if path in self._adapter_files}
+
+    async def _running_adapter_files(self, configured: dict[str, str]) -> dict[str, AdapterFiles]:
+        """directory -> files of the configured adapters as a worker adopted at start (one that
+        outlived the manager before) runs them: new workers start with those versions, whatever
+        the directories hold by now (else the router would refuse them as inconsistent)."""
+        for worker_id in self._adopted_ids:
+            handle = self.handles.get(worker_id)
+            if handle is None:
+                continue
+            try:
+                sources = await within(handle.lora_adapter_sources.remote(), self.health_timeout_s)
+                found = {}
+                for name, (digest, _) in sources.items():
+                    files = await within(handle.lora_adapter_files.remote(digest), self.health_timeout_s) if name in configured else None
+                    if files is not None:
+                        found[configured[name]] = files
+                return found
+            except Exception as exc:  # gone or hung since: another adopted one may answer
+                logger.warning("%s did not give its LoRA adapters' files (%r)", worker_id, exc)
+        return {}
 
     async def start(self) -> None:
         roles = (Role.PREFILL, Role.DECODE)
@@ -206,6 +230,7 @@ class PoolManager(PoolFollower):
 
     def _adopted(self, role: Role, worker_id: str) -> None:
         """New workers of ``role`` get ids after an adopted one's (ids are never reused)."""
+        self._adopted_ids.append(worker_id)
         try:
             index = int(worker_id.rsplit("-", 1)[1])
         except (IndexError, ValueError):

@@ -131,6 +131,10 @@ def test_adapters_loaded_at_runtime_outlive_the_router_that_loaded_them(ray_clus
     written its next one where the loaded one was; a prefill worker that joins afterwards is
     given that version too (from the files a worker kept). Before, the new router unloaded it."""
     spec = _durable_spec(e2e_model, "lora-restart", http_port=0, allow_runtime_lora_updating=True)
+    # A configured adapter too, whose directory is also rewritten while no controller runs.
+    build_lora_adapter(e2e_model.hf_model, tmp_path / "configured", seed=54)
+    for pool in (spec.prefill, spec.decode):
+        pool.engine = dataclasses.replace(pool.engine, lora_adapters={"configured": str(tmp_path / "configured")})
     policy = build_lora_adapter(e2e_model.hf_model, tmp_path / "policy", seed=51)
     (prompt,) = random_prompts([40], e2e_model.vocab_size, seed=52)
     want = hf_greedy(policy, prompt, 8)
@@ -143,17 +147,19 @@ def test_adapters_loaded_at_runtime_outlive_the_router_that_loaded_them(ray_clus
         client = Client(first.address)
         assert client.generate(lora_name="policy", prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids == want
         client.close()
-        loaded = ray.get(first.handles["decode-0"].lora_adapters.remote())["policy"]
+        loaded = ray.get(first.handles["decode-0"].lora_adapters.remote())
         first.crash()
-        shutil.rmtree(tmp_path / "policy")
-        build_lora_adapter(e2e_model.hf_model, tmp_path / "policy", seed=53)  # the trainer's next version, not loaded
+        for name, seed in (("policy", 53), ("configured", 55)):  # the trainer's next versions, not loaded
+            shutil.rmtree(tmp_path / name)
+            build_lora_adapter(e2e_model.hf_model, tmp_path / name, seed=seed)
 
         second = Deployment(spec)
         second.start()
         again = Client(second.address, second.admin_address)
         assert again.generate(lora_name="policy", prompt_token_ids=prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids == want
         again.admin.ScalePool(pb.ScalePoolRequest(role=pb.WORKER_ROLE_PREFILL, replicas=2))
-        assert {name: ray.get(h.lora_adapters.remote()).get("policy") for name, h in second.handles.items()} == dict.fromkeys(second.handles, loaded)
+        # Every worker, the one that joined too, serves the versions that were running.
+        assert {name: ray.get(h.lora_adapters.remote()) for name, h in second.handles.items()} == dict.fromkeys(second.handles, loaded)
         models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{second.http_port}/v1/models", timeout=30).read())
         assert {"id": "policy", "root": str(tmp_path / "policy")}.items() <= next(m for m in models["data"] if m["id"] == "policy").items()
         again.close()
