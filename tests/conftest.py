@@ -33,13 +33,26 @@ def pytest_runtest_protocol(item, nextitem):
     apart, a profile then a lone request; with the other process's tests on the same 2 cores
     in one of the two windows, CI saw the prediction off 4.4x one way (profiled under load,
     measured alone) and 6.6x the other."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:  # one process: nothing else runs beside a test
+    path = _alone_lock_path()
+    if path is None:  # one process: nothing else runs beside a test
         return (yield)
     mode = fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH
-    with open(Path(tempfile.gettempdir()) / f"pdserve-tests-{run}.lock", "a") as lock:
+    with open(path, "a") as lock:
         fcntl.flock(lock, mode)
         return (yield)
+
+
+def _alone_lock_path() -> Path | None:
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return None if run is None else Path(tempfile.gettempdir()) / f"pdserve-tests-{run}.lock"
+
+
+def pytest_sessionfinish(session):
+    """A test process that is done removes the run's lock file (the other, if still running,
+    runs alone from now on; its next test makes the file again)."""
+    path = _alone_lock_path()
+    if path is not None:
+        path.unlink(missing_ok=True)
 
 
 def pytest_sessionstart(session):
