@@ -150,11 +150,11 @@ class PoolManager(PoolFollower):
         self._adopted_ids: list[str] = []  # workers found running (durable) as this manager started
 
     async def _shipped_adapters(self, pool: PoolSpec) -> dict[str, ray.ObjectRef]:
-        """The pool's configured LoRA adapters, name -> their files as read here (once, into Ray's
-        object store): a worker writes them out on its own node, which needs no copy of the
-        directories, and starts with these very versions whenever it starts
-        (workers.adapter_files). A path that is no directory here (a Hugging Face id) is left to
-        each worker to resolve."""
+        """The pool's configured LoRA adapters, name -> their files (once, into Ray's object
+        store): as a worker adopted at start runs them, else as read here. A worker writes them
+        out on its own node, which needs no copy of the directories, and starts with these very
+        versions whenever it starts (workers.adapter_files). A path that is no directory here (a
+        Hugging Face id) is left to each worker to resolve."""
         if self._adapter_files is None:
             configured = {name: path for each in (self.spec.prefill, self.spec.decode) for name, path in each.engine.lora_adapters.items()}
             found = await self._running_adapter_files(configured)
@@ -173,15 +173,11 @@ class PoolManager(PoolFollower):
             if handle is None:
                 continue
             try:
-                sources = await within(handle.lora_adapter_sources.remote(), self.health_timeout_s)
-                found = {}
-                for name, (digest, _) in sources.items():
-                    files = await within(handle.lora_adapter_files.remote(digest), self.health_timeout_s) if name in configured else None
-                    if files is not None:
-                        found[configured[name]] = files
-                return found
+                versions = await within(handle.lora_adapter_versions.remote(), self.health_timeout_s)
             except Exception as exc:  # gone or hung since: another adopted one may answer
                 logger.warning("%s did not give its LoRA adapters' files (%r)", worker_id, exc)
+                continue
+            return {configured[name]: files for name, (_, _, files) in versions.items() if name in configured and files is not None}
         return {}
 
     async def start(self) -> None:

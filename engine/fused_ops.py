@@ -130,13 +130,20 @@ def rotate_heads_(qkv: torch.Tensor, num_heads: int, head_dim: int, tables) -> b
     return True
 
 
+def rotates_from_table(q: torch.Tensor, k: torch.Tensor, tables) -> bool:
+    """Whether q and k take FlashInfer's rotation formula (float32, from the float32 cos|sin
+    table, one rounding) rather than transformers' (the tables in the model's dtype): the fused
+    ops on, a table made (CUDA), 16-bit q and k. Float32 stays on transformers' formula, exact."""
+    return ENABLED and tables.cos_sin_cache is not None and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
+
+
 def rotate_qk_(q: torch.Tensor, k: torch.Tensor, tables) -> bool:
     """Rotate q [tokens, heads, dim] and k [tokens, kv_heads, dim] (views; rows may be strided)
     in place by ``tables`` (engine.rope.RopeTables) through FlashInfer's kernel: one launch
     where the torch formula takes about a dozen per layer. False: not done; the caller rotates
     with torch. FlashInfer rotates in float32 from float32 tables and rounds once (transformers
     rounds the tables and each product to the model's dtype): bfloat16 results move by a rounding."""
-    if not ENABLED or tables.cos_sin_cache is None or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
+    if not rotates_from_table(q, k, tables):
         return False
     flashinfer = _flashinfer_module()
     if flashinfer is None:

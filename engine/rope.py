@@ -112,14 +112,18 @@ class RopeTables:
     model's dtype, looked up once, when a layer first wants them (a step on CUDA whose layers
     rotate from the float32 table by position never does: two gathers a step saved)."""
 
-    __slots__ = ("positions", "cos_sin_cache", "_rotary", "_cos", "_sin")
+    __slots__ = ("positions", "_rotary", "_cos", "_sin")
 
     def __init__(self, rotary: "RotaryEmbedding", positions: torch.Tensor):
         self.positions = positions  # [tokens] int64
-        self.cos_sin_cache = rotary.cos_sin_cache  # [max_positions, dim] float32, cos | sin: the CUDA kernels read it
         self._rotary = rotary
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
+
+    @property
+    def cos_sin_cache(self) -> torch.Tensor | None:
+        """[max_positions, dim] float32, cos | sin: what the CUDA kernels read (None off CUDA)."""
+        return self._rotary.cos_sin_cache
 
     @property
     def cos(self) -> torch.Tensor:

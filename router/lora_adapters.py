@@ -158,13 +158,12 @@ class LoraAdapters:
     async def _adopt(self, worker_id: str, handle, names: set[str]) -> None:
         """Serve ``names`` as ``handle``'s worker does: the versions it holds, from what it
         loaded them (its files, where they came as files: what later workers are given)."""
-        sources = await handle.lora_adapter_sources.remote()
+        versions = await handle.lora_adapter_versions.remote()
         for name in sorted(names):
-            digest, source = sources[name]
-            files = await handle.lora_adapter_files.remote(digest)
+            digest, source, files = versions[name]
             self.paths[name], self.digests[name] = source, digest
             if files is not None:
-                self._files[name] = ray.put(files) if ray.is_initialized() else files
+                self._files[name] = _stored(files)
             logger.info("LoRA adapter %s (%s, loaded from %s before this router started) adopted from %s", name, digest[:12], source, worker_id)
         self.on_change()
 
@@ -214,6 +213,9 @@ async def _shipped(adapter_dir: str):
     it is no directory here (a Hugging Face id; a path on the workers' nodes only), or outside Ray
     (a router over stand-in workers)."""
     files = await asyncio.to_thread(AdapterFiles.read, adapter_dir)
-    if files is None:
-        return adapter_dir
+    return adapter_dir if files is None else _stored(files)
+
+
+def _stored(files: AdapterFiles):
+    """``files`` in Ray's object store (once for every worker handed them), or as they are outside Ray."""
     return ray.put(files) if ray.is_initialized() else files

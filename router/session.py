@@ -68,12 +68,13 @@ class GenerationSession:
                     if active.assembler.awaits_prompt_logprobs and not item.prompt_logprobs:
                         if item.token_ids:
                             await self._await_prefill_report(PROMPT_LOGPROBS_WAIT_S)
-                        if active.assembler.awaits_prompt_logprobs and item.attempt != active.attempt:
-                            # Decoded before its prefill actor died unanswered (its answer had the
-                            # prompt's scores): the request was placed again, a Restart follows.
-                            continue
-                        if active.assembler.awaits_prompt_logprobs and item.token_ids:
-                            raise UnavailableError("the prompt's log-probabilities did not arrive from its prefill worker; try again")
+                        if active.assembler.awaits_prompt_logprobs:
+                            if item.attempt != active.attempt:
+                                # Decoded before its prefill actor died unanswered (its answer had
+                                # the prompt's scores): the request was placed again, a Restart follows.
+                                continue
+                            if item.token_ids:
+                                raise UnavailableError("the prompt's log-probabilities did not arrive from its prefill worker; try again")
                     if item.finished:
                         await self._await_prefill_report(PREFILL_REPORT_WAIT_S)
                     chunk = active.assembler.on_output(item)

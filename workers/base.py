@@ -118,7 +118,6 @@ class EngineWorker:
         # of each version that came as files: a router that restarts adopts them from here
         # (router.lora_adapters), and hands the files to workers that join later.
         self._adapter_sources: dict[str, str] = dict(engine_config.lora_adapters)
-        self._adapter_files: dict[str, AdapterFiles] = {}  # digest -> files
         shipped: dict[str, AdapterFiles] = {}
         if adapter_files:
             # The configured LoRA adapters as the controller read them, written out on this node.
@@ -126,7 +125,7 @@ class EngineWorker:
             adapters = {name: str(shipped[name].on_node()) if name in shipped else path for name, path in engine_config.lora_adapters.items()}
             engine_config = dataclasses.replace(engine_config, lora_adapters=adapters)
         self.engine = self._thread.run(LLMEngine, model_path, engine_config, scheduler_class, self.ranks)
-        self._adapter_files = {self.engine.adapters.names[name]: files for name, files in shipped.items()}
+        self._adapter_files: dict[str, AdapterFiles] = {self.engine.adapters.names[name]: files for name, files in shipped.items()}  # by digest
         self.scheduler = self.engine.scheduler
         shard = self.engine.shard
         transfer_config = transfer_config or KVTransferConfig()
@@ -240,14 +239,11 @@ class EngineWorker:
         """The LoRA adapters new requests may name here: name -> digest (engine.lora)."""
         return await self._call(lambda: self.engine.adapters.served)
 
-    async def lora_adapter_sources(self) -> dict[str, tuple[str, str]]:
-        """name -> (digest, what it was loaded from, as named) of the adapters served here."""
+    async def lora_adapter_versions(self) -> dict[str, tuple[str, str, AdapterFiles | None]]:
+        """name -> (digest, what it was loaded from as named, its files where they came as files)
+        of the adapters served here: what a router that starts over this worker adopts."""
         served = await self.lora_adapters()
-        return {name: (digest, self._adapter_sources.get(name, "")) for name, digest in served.items()}
-
-    async def lora_adapter_files(self, digest: str) -> AdapterFiles | None:
-        """The files of an adapter version held here, if it came as files (else None)."""
-        return self._adapter_files.get(digest)
+        return {name: (digest, self._adapter_sources.get(name, ""), self._adapter_files.get(digest)) for name, digest in served.items()}
 
     async def load_lora_adapter(self, name: str, adapter: str | AdapterFiles, replace: bool = False) -> str:
         """Serve a PEFT LoRA adapter as ``name`` from now on (between steps); its digest.
@@ -257,9 +253,10 @@ class EngineWorker:
             with adapter.written() as directory:  # read by every rank before the load returns
                 digest = await self._call(self.engine.load_adapter, name, str(directory), replace)
             self._adapter_files[digest] = adapter
+            self._adapter_sources[name] = adapter.source
         else:
             digest = await self._call(self.engine.load_adapter, name, adapter, replace)
-        self._adapter_sources[name] = adapter.source if isinstance(adapter, AdapterFiles) else adapter
+            self._adapter_sources[name] = adapter
         await self._forget_dropped_adapter_files()
         return digest
 

@@ -119,9 +119,6 @@ class Planner:
     def devices_per_worker(self) -> dict[str, int]:
         return self.profile.facts.tensor_parallel_size
 
-    def devices(self, num_prefill: int, num_decode: int) -> int:
-        return num_prefill * self.devices_per_worker["prefill"] + num_decode * self.devices_per_worker["decode"]
-
     def room(self, role: str, num_other: int) -> int:
         """Most workers of ``role`` beside ``num_other`` of the other pool: within ``max_workers``
         and, where set, ``max_devices`` (0: none fits)."""
@@ -130,9 +127,6 @@ class Planner:
         if self.max_devices is not None:
             most = min(most, (self.max_devices - num_other * self.devices_per_worker[other]) // self.devices_per_worker[role])
         return max(0, most)
-
-    def fits(self, num_prefill: int, num_decode: int) -> bool:
-        return num_prefill + num_decode <= self.max_workers and (self.max_devices is None or self.devices(num_prefill, num_decode) <= self.max_devices)
 
     def cost(self, num_prefill: int, num_decode: int) -> float:
         ranks = self.devices_per_worker
@@ -193,7 +187,7 @@ class _Search:
     def meets(self, num_prefill: int, num_decode: int) -> bool:
         shape = (num_prefill, num_decode)
         if shape not in self.verdicts:
-            if not self.planner.fits(num_prefill, num_decode):
+            if num_decode > self.planner.room("decode", num_prefill):  # beyond max_workers or max_devices
                 return False
             ok, result = self.planner.evaluate(self.rate, num_prefill, num_decode)
             self.verdicts[shape], self.results[shape] = ok, result

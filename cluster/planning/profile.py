@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import operator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -35,6 +36,7 @@ PROFILE_FORMAT = "pdserve-profile/1"
 # Per-token terms, in this order, after the two role intercepts.
 TERMS = ("prefill_token_s", "prefill_attention_s", "prefill_seq_s", "decode_row_s", "decode_kv_s")
 ROLES = ("prefill", "decode")
+_TERMS_OF = operator.itemgetter(*TERMS)  # a role_terms entry's values in TERMS order
 COMPANY = ("prefill", "decode")  # what a step beside this one computes: prompt tokens, or decode rows only
 
 
@@ -67,14 +69,13 @@ class StepTimeModel:
     def step_s(self, role: str, prefill_tokens: int = 0, prefill_attention: float = 0.0, prefill_seqs: int = 0,
                decode_rows: int = 0, decode_kv_tokens: int = 0) -> float:
         terms = self.role_terms.get(role) if self.role_terms else None
-        if terms is None:  # the common case: the simulator calls this per step
-            return (
-                self.intercept_s[role] + self.prefill_token_s * prefill_tokens + self.prefill_attention_s * prefill_attention
-                + self.prefill_seq_s * prefill_seqs + self.decode_row_s * decode_rows + self.decode_kv_s * decode_kv_tokens
-            )
+        token, attention, seq, row, kv = (
+            _TERMS_OF(terms) if terms is not None
+            else (self.prefill_token_s, self.prefill_attention_s, self.prefill_seq_s, self.decode_row_s, self.decode_kv_s)
+        )
         return (
-            self.intercept_s[role] + terms["prefill_token_s"] * prefill_tokens + terms["prefill_attention_s"] * prefill_attention
-            + terms["prefill_seq_s"] * prefill_seqs + terms["decode_row_s"] * decode_rows + terms["decode_kv_s"] * decode_kv_tokens
+            self.intercept_s[role] + token * prefill_tokens + attention * prefill_attention + seq * prefill_seqs
+            + row * decode_rows + kv * decode_kv_tokens
         )
 
     def crowding(self, role: str, company: tuple[float, float]) -> float:
@@ -174,22 +175,29 @@ def combine_profiles(prefill: Profile, decode: Profile) -> Profile:
             f"profile: the profiles are not of one model (blocks of {prefill.facts.block_size} tokens, {prefill.facts.bytes_per_block} bytes "
             f"against {decode.facts.block_size}, {decode.facts.bytes_per_block})"
         )
+    p, d = prefill.step, decode.step
     step = replace(
-        decode.step,
-        intercept_s={"prefill": prefill.step.intercept_s["prefill"], "decode": decode.step.intercept_s["decode"]},
-        role_terms={"prefill": {name: getattr(prefill.step, name) for name in TERMS}},
-        fit={**decode.step.fit, **{k: v for k, v in prefill.step.fit.items() if k == "prefill"}},
-        contention={**decode.step.contention, **{k: v for k, v in prefill.step.contention.items() if k == "prefill"}},
-        residuals={**decode.step.residuals, **{k: v for k, v in prefill.step.residuals.items() if k == "prefill"}},
+        d,
+        intercept_s=_prefill_entry_from(p.intercept_s, d.intercept_s),
+        fit=_prefill_entry_from(p.fit, d.fit),
+        contention=_prefill_entry_from(p.contention, d.contention),
+        residuals=_prefill_entry_from(p.residuals, d.residuals),
+        role_terms={"prefill": {name: getattr(p, name) for name in TERMS}},
     )
     facts = replace(
         decode.facts,
-        token_budget={"prefill": prefill.facts.token_budget["prefill"], "decode": decode.facts.token_budget["decode"]},
-        chunk_size={"prefill": prefill.facts.chunk_size["prefill"], "decode": decode.facts.chunk_size["decode"]},
-        tensor_parallel_size={"prefill": prefill.facts.tensor_parallel_size["prefill"], "decode": decode.facts.tensor_parallel_size["decode"]},
+        token_budget=_prefill_entry_from(prefill.facts.token_budget, decode.facts.token_budget),
+        chunk_size=_prefill_entry_from(prefill.facts.chunk_size, decode.facts.chunk_size),
+        tensor_parallel_size=_prefill_entry_from(prefill.facts.tensor_parallel_size, decode.facts.tensor_parallel_size),
     )
     overheads = {"remote": prefill.ttft_overhead_s["remote"], "local": decode.ttft_overhead_s["local"]}
     return Profile(step, prefill.transfer, facts, overheads, {"prefill_from": prefill.source, "decode_from": decode.source})
+
+
+def _prefill_entry_from(of_prefill: dict, of_decode: dict) -> dict:
+    """A per-role field of a combined profile: the decode side's, with the prefill role's entry
+    from the prefill side (where it has one)."""
+    return {**of_decode, **({"prefill": of_prefill["prefill"]} if "prefill" in of_prefill else {})}
 
 
 def _contention_of(saved: dict) -> dict[str, dict[str, float]]:

@@ -127,32 +127,14 @@ class AttentionMetadata(abc.ABC):
         ``window``: this layer's sliding window (each query attends its latest ``window`` keys);
         ``key_scales``/``value_scales`` [num_blocks, KVH]: a quantized cache's (engine.kv_cache);
         ``rope``: the step's rotation, applied to q and k first (None: they come rotated)."""
-        if rope is None:
+        # A plain cache on CUDA is written and q/k rotated in one launch; elsewhere FlashInfer's
+        # rotation or the torch formula, then the write.
+        fused = rope is not None and key_scales is None and rotate_and_write_kv(q, k, v, key_cache, value_cache, self.slot_blocks, self.slot_offsets, rope)
+        if not fused:
+            if rope is not None and not fused_ops.rotate_qk_(q, k, rope):
+                q, k = RotaryEmbedding.rotate(q, k, rope.cos, rope.sin)
             self.write(k, v, key_cache, value_cache, key_scales, value_scales)
-        else:
-            q, k = self.rotate_and_write(q, k, v, key_cache, value_cache, key_scales, value_scales, rope)
         return self.attend(q, k, v, key_cache, value_cache, window, key_scales, value_scales)
-
-    def rotate_and_write(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        key_scales: torch.Tensor | None,
-        value_scales: torch.Tensor | None,
-        rope: RopeTables,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k rotated (returned: in place where a kernel did it), k/v written. A plain cache
-        on CUDA does both in one launch; elsewhere FlashInfer's rotation or the torch formula,
-        then ``write``."""
-        if key_scales is None and rotate_and_write_kv(q, k, v, key_cache, value_cache, self.slot_blocks, self.slot_offsets, rope):
-            return q, k
-        if not fused_ops.rotate_qk_(q, k, rope):
-            q, k = RotaryEmbedding.rotate(q, k, rope.cos, rope.sin)
-        self.write(k, v, key_cache, value_cache, key_scales, value_scales)
-        return q, k
 
     def write(
         self,

@@ -52,13 +52,13 @@ def rotate_and_write_kv(
     rope: RopeTables,
 ) -> bool:
     """Rotate q and k in place by ``rope`` and write k/v into a plain cache, in one launch
-    (``triton_kv_write.rotate_and_write_pair``). False: not done (not CUDA, not 16-bit, the fused
-    ops off, no float32 table or no Triton); the caller rotates, then writes. The rotation is
-    FlashInfer's formula (``fused_ops.rotate_qk_``), which 16-bit q/k on CUDA take otherwise."""
-    if not (fused_ops.ENABLED and key_cache.is_cuda and rope.cos_sin_cache is not None):
+    (``triton_kv_write.rotate_and_write_pair``). False: not done (not CUDA, q/k not for
+    ``fused_ops.rotates_from_table``, or no Triton); the caller rotates, then writes. The
+    rotation is FlashInfer's formula, which ``fused_ops.rotate_qk_`` applies otherwise."""
+    if not (key_cache.is_cuda and fused_ops.rotates_from_table(q, k, rope)):
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or rope.cos_sin_cache.shape[1] != q.shape[-1]:
-        return False  # (a table narrower than a head would be a partial rotation, which the kernel does not do)
+    if rope.cos_sin_cache.shape[1] != q.shape[-1]:
+        return False  # a table narrower than a head: a partial rotation, which the kernel does not do
     triton_write = _triton_kv_write()
     if triton_write is None:
         return False
