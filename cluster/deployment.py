@@ -52,8 +52,10 @@ def model_info(spec: DeploymentSpec) -> ModelInfo:
 
 
 def build_router(spec: DeploymentSpec, metrics=None, info: ModelInfo | None = None) -> Router:
-    """The router core for ``spec``'s model (call on the loop that will serve it)."""
-    return Router(Path(spec.model_path), info or model_info(spec), spec.router, metrics=metrics)
+    """The deployment's managing router core for ``spec``'s model (call on the loop that will serve it)."""
+    router = Router(Path(spec.model_path), info or model_info(spec), spec.router, metrics=metrics)
+    router.deployment_routers = spec.router_replicas
+    return router
 
 
 def share_responses_board(spec: DeploymentSpec, router: Router, detached: bool):

@@ -29,7 +29,7 @@ from cluster.pool_follower import PoolFollower
 from router.config import RouterConfig
 from router.core import ModelInfo, Router
 from router.front_ends import FrontEnds, ListenPorts
-from router.responses_api.board import SharedBoard, find_shared_board
+from router.responses_api.board import SharedBoard, find_shared_board, router_name
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,8 @@ class RouterReplica:
         if board is None:
             raise RuntimeError(f"{spec.deployment_name}: the routers' responses board is not running")
         self.router.responses_board = SharedBoard(board)
-        self.router.board_name = f"router-{spec.index}"  # restarted by Ray, it takes back what it left in progress
+        self.router.board_name = router_name(spec.index)  # restarted by Ray, it takes back what it left in progress
+        self.router.deployment_routers = None  # what removed replicas left is the managing router's
         self.pools = PoolFollower(spec.deployment_name, self.router, spec.health_interval_s, spec.health_timeout_s, self.metrics)
         self.router.pool_manager = self.pools
         self.front_ends = FrontEnds(self.router, reuse_port=True, admin=False)
@@ -128,7 +129,7 @@ class RouterReplica:
 
 
 def replica_name(deployment_name: str, index: int) -> str:
-    return f"{deployment_name}/router-{index}"
+    return f"{deployment_name}/{router_name(index)}"
 
 
 def start_replicas(specs: list[ReplicaSpec], detached: bool) -> list:

@@ -29,6 +29,7 @@ from router.lora_adapters import LoraAdapters
 from router.pool_control import PoolControl
 from router.prefix_index import PrefixFeed, PrefixIndex
 from router.readiness import Readiness
+from router.responses_api.board import router_name
 from router.routing import make_selector
 from router.status_monitor import StatusMonitor
 from router.tokenizer import Tokenizer
@@ -95,7 +96,10 @@ class Router:
         self.responses_board = None
         # Its name on the board, the same across its restarts (replica i: "router-i"): a router
         # that starts runs again the background responses its earlier life left in progress.
-        self.board_name = "router-0"
+        self.board_name = router_name(0)
+        # The managing router's (None on a replica): how many routers the deployment runs. It also
+        # runs again what routers beyond them left in progress (replicas no longer started).
+        self.deployment_routers: int | None = 1
         self.metrics = metrics
         self.traffic = TrafficWindow()  # recent arrivals, sizes and queue times (the autoscaler's input)
         self.background_tasks: set[asyncio.Task] = set()

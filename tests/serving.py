@@ -17,6 +17,7 @@ from cluster.deployment import Deployment, DeploymentSpec, PoolSpec, build_route
 from cluster.pool_follower import PoolFollower
 from cluster.pools import PoolManager
 from router.front_ends import FrontEnds
+from router.responses_api.board import router_name
 from router.runner import LoopThread
 from engine import EngineConfig
 from router.api.pdserve.v1 import generation_pb2 as pb
@@ -146,11 +147,13 @@ def make_request(prompt_token_ids=None, prompt_text=None, request_id: str = "", 
 class HostedRouter:
     """A router serving on 127.0.0.1 from a background loop, with no worker yet."""
 
-    def __init__(self, spec: DeploymentSpec, responses_board=None):
+    def __init__(self, spec: DeploymentSpec, responses_board=None, replica_index: int = 0):
         self.spec = spec
         self.loop = LoopThread()
         self.router = self.loop.run(self._build())
         self.router.responses_board = responses_board
+        if replica_index:  # named on the board as replica ``replica_index`` (cluster/router_replica.py)
+            self.router.board_name, self.router.deployment_routers = router_name(replica_index), None
         self.front_ends = FrontEnds(self.router)
         self.pools: PoolManager | None = None
         try:

@@ -7,7 +7,8 @@ router asks the board, the running router hears it (it waits on ``wait_for_cance
 generates) and stops, and the asker waits for the final state (``wait_until_final``). While in
 progress the entry names its router and keeps the request: a router that starts in a dead one's
 place (the same name: Ray's restart of a replica, a restarted controller, a router restarted over
-the same store file) runs what that one left in progress again (``in_progress_of``).
+the same store file) runs what that one left in progress again (``in_progress_of``); the managing
+router also runs what a replica the deployment no longer has left (fewer ``router.replicas``).
 
 One router alone keeps a ``ResponseBoard`` in its own process. Routers with replicas share one,
 in a Ray actor of the deployment (``start_shared_board``; ``SharedBoard`` is its client), so a
@@ -32,6 +33,12 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
 MAX_BOARD_CALLS = 100_000
 IN_PROGRESS = ("queued", "in_progress")  # a background response's states before its final one
+
+
+def router_name(index: int) -> str:
+    """A router's name on the board, the same across its restarts: the managing router is 0,
+    replica i is i."""
+    return f"router-{index}"
 
 
 def is_in_progress(entry: StoredResponse | None) -> bool:
@@ -59,9 +66,17 @@ class ResponseBoard:
         self._settle(response_id)
         return self.store.delete(response_id)
 
-    async def in_progress_of(self, owner: str) -> list[tuple[str, StoredResponse]]:
-        """The background responses ``owner`` left in progress (it died while running them)."""
-        return [(response_id, entry) for response_id, entry in self.store.items() if is_in_progress(entry) and entry.owner == owner]
+    async def in_progress_of(self, owner: str, deployment_routers: int | None = None) -> list[tuple[str, StoredResponse]]:
+        """The background responses ``owner`` left in progress (it died while running them).
+        With ``deployment_routers`` (the managing router's call: how many routers the deployment
+        runs now) also those of routers beyond them, a replica the deployment no longer has:
+        no router of its name starts again to run them."""
+        running = None if deployment_routers is None else {router_name(i) for i in range(deployment_routers)}
+        return [
+            (response_id, entry)
+            for response_id, entry in self.store.items()
+            if is_in_progress(entry) and (entry.owner == owner or (running is not None and entry.owner not in running))
+        ]
 
     async def request_cancel(self, response_id: str) -> None:
         """Ask the router running a background response to stop it (one still in progress)."""
@@ -124,8 +139,8 @@ class SharedBoard:
     async def delete(self, response_id: str) -> bool:
         return await self.handle.delete.remote(response_id)
 
-    async def in_progress_of(self, owner: str) -> list[tuple[str, StoredResponse]]:
-        return await self.handle.in_progress_of.remote(owner)
+    async def in_progress_of(self, owner: str, deployment_routers: int | None = None) -> list[tuple[str, StoredResponse]]:
+        return await self.handle.in_progress_of.remote(owner, deployment_routers)
 
     async def request_cancel(self, response_id: str) -> None:
         await self.handle.request_cancel.remote(response_id)

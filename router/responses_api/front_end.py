@@ -255,9 +255,10 @@ class ResponsesFrontEnd:
 
     async def resume(self) -> None:
         """Run again the background responses this router's earlier life left in progress (it
-        died running them: nothing a client asked for is dropped). Each starts over."""
+        died running them: nothing a client asked for is dropped), and, on the managing router,
+        those of replicas the deployment no longer runs. Each starts over."""
         try:
-            left = await asyncio.wait_for(self.store.in_progress_of(self.router.board_name), RESUME_LOOKUP_S)
+            left = await asyncio.wait_for(self.store.in_progress_of(self.router.board_name, self.router.deployment_routers), RESUME_LOOKUP_S)
         except Exception:  # the router serves; what it left stays on the board for its next start
             logger.exception("%s: could not read the background responses left in progress", self.router.board_name)
             return

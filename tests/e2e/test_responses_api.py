@@ -260,14 +260,17 @@ def test_a_board_actor_that_dies_is_restarted_with_what_its_file_kept(ray_cluste
         ray.kill(handle, no_restart=True)
 
 
-def test_a_background_response_whose_router_dies_is_run_again_by_the_one_that_takes_its_place(client, deployment, tmp_path):
+@pytest.mark.parametrize("first_router", [0, 2], ids=["same-name", "replica-no-longer-run"])
+def test_a_background_response_whose_router_dies_is_run_again_by_the_one_that_takes_its_place(client, deployment, tmp_path, first_router):
     """The router running a background response dies (its loop stops where it stands); a router
     started over the same store file in its place runs the response again, to the answer an
-    uninterrupted run gives, and the dead router's request on the workers is dropped."""
+    uninterrupted run gives, and the dead router's request on the workers is dropped. The dead
+    one is the managing router, or a replica the deployment no longer runs (it restarted with
+    fewer ``router.replicas``): then the managing router takes its place."""
     config = RouterConfig(http_port=0, responses_store_path=tmp_path / "store.jsonl", router_lease_s=2.0)
     want = _chat_text(client, [{"role": "user", "content": "Count slowly."}], 40)
     decodes = [h for name, h in deployment.handles.items() if name.startswith("decode")]
-    first = HostedRouter(dataclasses.replace(deployment.spec, router=config))
+    first = HostedRouter(dataclasses.replace(deployment.spec, router=config), replica_index=first_router)
     try:
         first.start_pools(manage=False)
         ray.get([d.set_step_delay.remote(0.05) for d in decodes])  # 40 tokens: 2 s or more

@@ -48,6 +48,30 @@ def test_the_file_is_compacted_instead_of_growing_without_bound(tmp_path):
     assert len(again) == 4 and again.get("resp_7").response["output_text"] == "999"
 
 
+def test_the_managing_router_also_runs_again_what_replicas_no_longer_run_left_in_progress():
+    """A deployment restarted with fewer router replicas: no router named like a removed one
+    starts again, so the managing router (router-0) takes what they left in progress; a replica
+    takes only its own, and a replica still in the deployment keeps its own."""
+    import asyncio
+
+    from router.config import RouterConfig
+    from router.responses_api.board import ResponseBoard
+
+    async def scenario():
+        board = ResponseBoard(RouterConfig())
+        for owner in ("router-0", "router-1", "router-2", "router-5"):
+            entry = StoredResponse({"id": f"resp_{owner}", "status": "in_progress", "background": True}, owner=owner, request={"input": "x"})
+            await board.put(f"resp_{owner}", entry)
+        await board.put("resp_done", StoredResponse({"id": "resp_done", "status": "completed"}, owner="router-3", request={"input": "x"}))
+        managing = sorted(rid for rid, _ in await board.in_progress_of("router-0", deployment_routers=2))
+        assert managing == ["resp_router-0", "resp_router-2", "resp_router-5"]
+        assert [rid for rid, _ in await board.in_progress_of("router-1")] == ["resp_router-1"]
+        # The same deployment size as before: each router takes its own only.
+        assert [rid for rid, _ in await board.in_progress_of("router-0", deployment_routers=6)] == ["resp_router-0"]
+
+    asyncio.run(scenario())
+
+
 def test_the_board_hands_a_cancel_to_the_running_router_and_its_final_state_to_the_asker():
     """What crosses routers (router/responses_api/board.py): the asker's cancel wakes the running
     router's wait, and the asker's wait for the final state ends when that router puts it."""
