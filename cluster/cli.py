@@ -93,6 +93,10 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
         "--tool-call-parser", choices=["hermes", "llama3_json"],
         help='how chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)',
     )
+    up.add_argument(
+        "--reasoning-parser", choices=["deepseek_r1", "qwen3"],
+        help="split a reasoning model's thinking (<think>...</think>) off its answers, as vLLM's --reasoning-parser does",
+    )
     up.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port (default 8000)")
     up.add_argument("--admin-port", type=int, help="Admin service port, loopback by default (default 50052; 0: any free port)")
     up.add_argument("--served-model-name", nargs="+", help="names the OpenAI API answers to (default: the model directory's name)")
@@ -201,7 +205,7 @@ def up_overrides(args: argparse.Namespace) -> dict:
         "prefill.kv_cache_mb": args.kv_cache_mb, "decode.kv_cache_mb": args.kv_cache_mb,
         "router.host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
         "router.replicas": args.router_replicas, "router.stream_interval": args.stream_interval,
-        "router.tool_call_parser": args.tool_call_parser,
+        "router.tool_call_parser": args.tool_call_parser, "router.reasoning_parser": args.reasoning_parser,
         "router.http_port": args.http_port, "router.admin_port": args.admin_port, "router.served_model_names": args.served_model_name,
         "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
         "prefill.enable_prefix_caching": args.enable_prefix_caching, "decode.enable_prefix_caching": args.enable_prefix_caching,

@@ -237,6 +237,9 @@ class RouterSection(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None, description='How chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)'
     )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="A reasoning model's thinking (<think>...</think>) split off its answers into reasoning fields (default: kept in the answer)"
+    )
 
     @model_validator(mode="after")
     def _exposed_only_with_a_token(self) -> "RouterSection":

@@ -31,15 +31,22 @@ logger = logging.getLogger(__name__)
 
 
 class SequenceGrammar:
-    """One sequence's grammar matcher: what its next token may be."""
+    """One sequence's grammar matcher: what its next token may be. ``waiting_for``: a token
+    (``StructuredOutput.after_token_id``) the output has not produced yet; until it does, every
+    token is free and the matcher stays at its start."""
 
-    __slots__ = ("matcher", "failed")
+    __slots__ = ("matcher", "failed", "waiting_for")
 
-    def __init__(self, matcher) -> None:
+    def __init__(self, matcher, waiting_for: int | None = None) -> None:
         self.matcher = matcher
         self.failed = False
+        self.waiting_for = waiting_for
 
     def accept(self, token_id: int) -> None:
+        if self.waiting_for is not None:
+            if token_id == self.waiting_for:
+                self.waiting_for = None  # the constraint applies from the next token on
+            return
         if not self.failed and not self.matcher.consume_token(token_id):
             # Only a token drawn without this grammar's mask gets here (a bug, or a prompt
             # tail replayed that the grammar never produced): the sequence may only end now.
@@ -49,7 +56,7 @@ class SequenceGrammar:
     @property
     def done(self) -> bool:
         """The grammar is complete and takes nothing more (its answer ended)."""
-        return self.matcher.is_stopped()
+        return self.waiting_for is None and self.matcher.is_stopped()
 
     def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: list[int]) -> None:
         """Row ``row`` of ``bitmask``: one bit per token id, set where the token is allowed."""
@@ -85,9 +92,15 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), structured.to_llguidance(), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(structured.field, f"cannot be compiled: {matcher.get_error()}")
-        if output_so_far and not matcher.consume_tokens(list(output_so_far)):
+        constrained = list(output_so_far)
+        waiting_for = structured.after_token_id
+        if waiting_for is not None and waiting_for in constrained:
+            constrained, waiting_for = constrained[constrained.index(waiting_for) + 1 :], None
+        elif waiting_for is not None:
+            constrained = []
+        if constrained and not matcher.consume_tokens(constrained):
             raise InvalidRequestError(structured.field, f"the output so far does not match it: {matcher.get_error()}")
-        return SequenceGrammar(matcher)
+        return SequenceGrammar(matcher, waiting_for)
 
     def start_masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> Future | None:
         """Compute the masks of a step's sampled rows on the mask thread: per row, the sequence's
@@ -105,6 +118,12 @@ class Grammars:
         for index, (grammar, drafts) in enumerate(rows):
             if grammar is None:
                 continue
+            if grammar.waiting_for is not None:
+                # Free until the token it waits for: a row after that token among the drafts
+                # before it is constrained from the grammar's start, by the drafts after it.
+                if grammar.waiting_for not in drafts:
+                    continue
+                drafts = drafts[drafts.index(grammar.waiting_for) + 1 :]
             constrained.append(index)
             if not drafts:
                 grammar.fill(bitmask, index, self.eos_token_ids)
@@ -150,6 +169,8 @@ class Grammars:
 def apply_masks(logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
     """``logits`` with every token a row's mask forbids at -inf (constrained rows only)."""
     bitmask, rows = masks
+    if not rows:  # every constrained sequence still waits for its grammar's start
+        return logits
     vocab = logits.shape[-1]
     # Each byte of the mask (little-endian words: byte k of word w holds tokens 32w+8k..+7) looks
     # up its eight addends, 0 or -inf: an add keeps allowed logits exactly and is 4x faster here

@@ -103,6 +103,9 @@ class RouterConfig:
     # How chat answers with tool_choice "auto" are read for tool calls: "hermes" or
     # "llama3_json" (router/openai_api/tool_calls.py); None: recognised in the chat template.
     tool_call_parser: str | None = None
+    # A reasoning model's thinking split off its chat answers: "deepseek_r1" or "qwen3"
+    # (router/openai_api/reasoning.py); None: the answer keeps it, as the model wrote it.
+    reasoning_parser: str | None = None
 
     def validate(self) -> None:
         for name in ("local_prefill_max_tokens", "prefill_busy_tokens", "max_queued_requests", "max_prefill_retries", "max_decode_restarts"):
@@ -119,6 +122,8 @@ class RouterConfig:
             raise ValueError(f"max_worker_deaths_per_request: must be >= 1, got {self.max_worker_deaths_per_request}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file: give both or neither")
+        if self.reasoning_parser not in (None, "deepseek_r1", "qwen3"):
+            raise ValueError(f"reasoning_parser: one of deepseek_r1, qwen3 (or unset), got {self.reasoning_parser!r}")
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):
             raise ValueError(f"tool_call_parser: one of hermes, llama3_json (or unset), got {self.tool_call_parser!r}")
         if self.served_model_names is not None and (not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names)):

@@ -34,6 +34,7 @@ from typing import Any
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.constraints import logit_bias, structured_output
+from router.openai_api.reasoning import ReasoningFormat
 from router.openai_api.fields import boolean, int_list, integer, is_int, json_object, number, refuse_unknown, string_list, text_parts, type_name
 from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
@@ -57,6 +58,7 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "metadata", "store",
+    "include_reasoning",
 }
 
 
@@ -77,6 +79,12 @@ class ApiRequest:
     return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     tool_calling: ToolCalling | None = None  # chat with tools: how its answers are read
+    # Chat with a reasoning parser (router.reasoning_parser): how each answer starts (the prompt
+    # says, router/openai_api/reasoning.py), and vLLM's include_reasoning (false: the thinking
+    # is left out of the response).
+    reasoning: ReasoningFormat | None = None
+    reasoning_prompt: str = ""
+    include_reasoning: bool = True
     choices: list[GenerateInput] = field(default_factory=list)  # in choice-index order: prompt by prompt, n each
     choices_per_prompt: int = 1
 
@@ -114,8 +122,9 @@ def read_completion(body: Any) -> ApiRequest:
     return request
 
 
-def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | None = None) -> ApiRequest:
-    """``tool_call_parser``: the deployment's (router.tool_call_parser); None: recognised from the template."""
+def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | None = None, reasoning: ReasoningFormat | None = None) -> ApiRequest:
+    """``tool_call_parser``: the deployment's (router.tool_call_parser); None: recognised from
+    the template. ``reasoning``: the deployment's reasoning parser, if any."""
     body = json_object(body, "body")
     refuse_unknown(body, _CHAT_FIELDS)
     if template is None:
@@ -139,12 +148,16 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
         if base.structured is not None:
             raise InvalidArgumentError("tool_choice", f"{calling.choice} constrains the answer, and {base.structured.field} already does; give one")
         base.structured = constraint
+    include_reasoning = boolean(body, "include_reasoning", True)
+    if reasoning is not None:
+        base.structured = reasoning.constrain_after_thinking(base.structured, prompt)
     base.prompt_text = prompt
     base.prompt_logprobs = integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
     base.add_special_tokens = False  # the template wrote them
     base.text_field = base.ids_field = "messages"
     request = _api_request(body, logprobs)
     request.tool_calling = calling
+    request.reasoning, request.reasoning_prompt, request.include_reasoning = reasoning, prompt, include_reasoning
     request.choices_per_prompt = _num_choices(body, 1)
     request.choices = [_choice(base, i) for i in range(request.choices_per_prompt)]
     return request

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import TokenLogprob
+from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput
 from router.output_stream import OutputChunk, StreamEnd
 from router.tokenizer import Tokenizer
@@ -65,6 +66,12 @@ class ChoiceState:
     prompt_ids_sent: bool = False  # streamed: on the choice's first chunk (unsent_prompt_ids)
     tools: ToolCallOutput | None = None  # chat with tools: reads the calls out of the text
     tool_deltas: list[ToolCallDelta] = field(default_factory=list)  # the latest chunk's
+    # Chat with a reasoning parser: splits the thinking off the answer (which the tools read);
+    # the thinking so far, and the latest chunk's. ``show_reasoning``: include_reasoning.
+    reasoning: ReasoningSplitter | None = None
+    show_reasoning: bool = True
+    reasoning_text: list[str] = field(default_factory=list)
+    reasoning_delta: str = ""
 
     def add(self, chunk: OutputChunk, tokenizer: Tokenizer) -> dict[str, Any] | None:
         """Take a chunk; return its rendered logprobs (None when not asked for). With tools the
@@ -74,6 +81,15 @@ class ChoiceState:
             chunk.token_ids, chunk.text, chunk.logprobs = [], "", []
         if self.echo:
             chunk.text, self.echo = self.echo + chunk.text, ""
+        if self.reasoning is not None:
+            self.reasoning_delta, chunk.text = self.reasoning.feed(chunk.text)
+            if chunk.end is not None:
+                thinking, answer = self.reasoning.finish()
+                self.reasoning_delta += thinking
+                chunk.text += answer
+            if not self.show_reasoning:
+                self.reasoning_delta = ""
+            self.reasoning_text.append(self.reasoning_delta)
         if self.tools is not None:
             chunk.text, self.tool_deltas = self.tools.feed(chunk.text)
             if chunk.end is not None:
@@ -154,6 +170,12 @@ class ChoiceState:
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.reasoning is not None:
+                thinking = "".join(self.reasoning_text) or None
+                # vLLM's field, and its older name that DeepSeek's API and many clients read.
+                message.update(reasoning=thinking, reasoning_content=thinking)
+                if thinking is not None and not text:
+                    message["content"] = None  # thinking cut off: no answer yet
             if self.tools is not None and self.tools.calls:
                 message.update(content=text or None, tool_calls=self.tools.calls)
             choice["message"] = message
@@ -187,8 +209,10 @@ class ChoiceState:
             if not self.role_sent:
                 delta["role"] = "assistant"
                 self.role_sent = True
+            if self.reasoning_delta:
+                delta["reasoning"] = delta["reasoning_content"] = self.reasoning_delta
             # New tokens whose text is held back say so with empty content, as vLLM's chunks do.
-            if chunk.text or (not self.tool_deltas and ("role" in delta or (chunk.token_ids and self.tools is None))):
+            if chunk.text or (not self.tool_deltas and not self.reasoning_delta and ("role" in delta or (chunk.token_ids and self.tools is None))):
                 delta["content"] = chunk.text
             if self.tool_deltas:
                 delta["tool_calls"] = [d.to_json() for d in self.tool_deltas]

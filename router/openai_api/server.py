@@ -41,6 +41,7 @@ from router.openai_api import vllm_endpoints
 from router.openai_api.protocol import ApiRequest, read_chat, read_completion, render_conversation
 from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
+from router.openai_api.reasoning import reasoning_format
 from router.openai_api.tool_parsers import ToolCallOutput
 from router.output_stream import OutputChunk, StreamEnd
 from router.session import GenerationSession
@@ -73,6 +74,8 @@ class OpenAIServer:
         self.ssl_context = ssl_context
         self.created = int(time.time())
         self.chat_template = self._load_chat_template()
+        # router.reasoning_parser over this model's tokenizer (a config error stops the start).
+        self.reasoning = reasoning_format(router.config.reasoning_parser, router.tokenizer)
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -171,7 +174,7 @@ class OpenAIServer:
         return await self._generate(request, read_completion(await _json(request)), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        api = read_chat(await _json(request), self.chat_template, self.router.config.tool_call_parser)
+        api = read_chat(await _json(request), self.chat_template, self.router.config.tool_call_parser, self.reasoning)
         return await self._generate(request, api, chat=True)
 
     # -- what the other front ends on this server share --------------------------------
@@ -223,6 +226,8 @@ class OpenAIServer:
                     prompt_token_ids=one.prompt_token_ids, num_prompt_logprobs=api.prompt_logprobs,
                     echo_logprobs=api.echo and api.logprobs is not None, prompt_only=api.prompt_only,
                     return_token_ids=api.return_token_ids, tokens_as_ids=api.tokens_as_ids,
+                    reasoning=api.reasoning.splitter(api.reasoning_prompt) if api.reasoning is not None else None,
+                    show_reasoning=api.include_reasoning,
                 )
                 for index, one in enumerate(validated)
             ]

@@ -76,19 +76,22 @@ def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int
     output)`` changes the logits first (the request's adjustments, written from vLLM's formulas)."""
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
     matcher = None if structured is None else llguidance.LLMatcher(tokenizer, structured.to_llguidance())
+    waiting_for = None if structured is None else structured.after_token_id  # free until this token
     output: list[int] = []
     for _ in range(max_tokens):
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt + output])).logits[0, -1].float()
         if adjust is not None:
             logits = adjust(logits, output)
-        if matcher is not None:
+        if matcher is not None and waiting_for is None:
             mask = matcher.compute_logit_bias()  # one byte per token: 0 forbidden, 200 allowed
             allowed = torch.tensor(list(mask[:vocab_size]), dtype=torch.uint8) > 0
             logits = logits.masked_fill(~allowed, float("-inf"))
         token = int(logits.argmax())
         output.append(token)
-        if matcher is not None:
+        if matcher is not None and waiting_for is not None:
+            waiting_for = None if token == waiting_for else waiting_for
+        elif matcher is not None:
             assert matcher.consume_token(token)
             if matcher.is_stopped():
                 break
@@ -127,6 +130,28 @@ def test_a_resumed_stream_continues_its_grammar_from_the_tokens_it_produced(e2e_
     params = SamplingParams(temperature=0.0, max_tokens=80, structured=structured).resumed(len(produced))
     rest = _generate(engine, prompt + produced, **{name: getattr(params, name) for name in ("temperature", "max_tokens", "structured", "num_resumed_tokens")})
     assert produced + rest.token_ids == whole
+
+
+def test_a_grammar_after_a_token_leaves_the_output_free_until_that_token(e2e_model, engine, reference, decode):
+    """A reasoning model's structured answer (``after_token_id``: its end-of-thinking token):
+    the tokens up to that one are the model's own, the rest its grammar's; so too with
+    speculation, and resumed before or after that token."""
+    (prompt,) = random_prompts([11], e2e_model.vocab_size, seed=6)
+    free = reference(None, prompt, 12)
+    at = next(i for i in range(3, 12) if free[i] not in free[:i])  # the first time the model writes it
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA), after_token_id=free[at])
+    expected = reference(structured, prompt, 90)
+    assert expected[: at + 1] == free[: at + 1] and expected != free[: len(expected)]
+    jsonschema.validate(json.loads(decode(expected[at + 1 :])), SCHEMA)
+    assert _generate(engine, prompt, temperature=0.0, max_tokens=90, structured=structured).token_ids == expected
+    speculating = LLMEngine(
+        e2e_model.path, EngineConfig(num_kv_blocks=256, num_threads=1, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    )
+    assert _generate(speculating, prompt, temperature=0.0, max_tokens=90, structured=structured).token_ids == expected
+    for produced in (expected[: at - 1], expected[: at + 4]):
+        params = SamplingParams(temperature=0.0, max_tokens=90, structured=structured).resumed(len(produced))
+        rest = _generate(engine, prompt + produced, **{name: getattr(params, name) for name in ("temperature", "max_tokens", "structured", "num_resumed_tokens")})
+        assert produced + rest.token_ids == expected
 
 
 def test_a_grammar_that_does_not_compile_names_the_field(engine, e2e_model):

@@ -1,0 +1,144 @@
+"""A reasoning model's answer split in two: its thinking (``<think>`` ... ``</think>``) and the
+answer the client reads, as vLLM's reasoning parsers (``--reasoning-parser``) split them.
+
+Where thinking starts is the prompt's and the model's: a chat template that opens ``<think>``
+at the end of the prompt (DeepSeek-R1's, Qwen3.5's, Qwen3 thinking-2507's) leaves the answer
+inside it until the model writes ``</think>``; one that closes it there (Qwen3's
+``enable_thinking: false``) leaves none; otherwise the model may open it as the first thing it
+writes (Qwen3's older templates). ``deepseek_r1`` also reads an answer whose prompt says nothing
+as thinking from the start (R1 models may leave out ``<think>``); ``qwen3`` reads it as the
+answer unless the model opens ``<think>``. Thinking cut off by ``max_tokens`` stays thinking.
+
+The split is on the text, as it streams: what may be the start of a marker is held back until
+the next piece says. The structured-output grammar of a request whose answer starts inside the
+thinking waits for ``</think>`` (``StructuredOutput.after_token_id``): the model thinks freely,
+then answers under the grammar; where the model would have to open its thinking itself, the
+grammar applies from the first token. Tool calls are read from the answer only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.structured_output import StructuredOutput
+from router.tokenizer import Tokenizer
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningFormat:
+    """A deployment's reasoning parser: its name and the token id of its closing marker."""
+
+    parser: str
+    close_token_id: int
+
+    def starts_inside(self, prompt_text: str) -> bool | None:
+        """Whether the answer to ``prompt_text`` starts inside the thinking: True (the prompt
+        opened it), False (the prompt closed it, right at its end: thinking turned off), None
+        (the model may open it as it starts)."""
+        opened, closed = prompt_text.rfind(THINK_OPEN), prompt_text.rfind(THINK_CLOSE)
+        if opened > closed:
+            return True
+        if closed >= 0 and not prompt_text[closed + len(THINK_CLOSE) :].strip():
+            return False
+        return True if self.parser == "deepseek_r1" else None
+
+    def splitter(self, prompt_text: str) -> "ReasoningSplitter":
+        return ReasoningSplitter(self.starts_inside(prompt_text))
+
+    def constrain_after_thinking(self, structured: StructuredOutput | None, prompt_text: str) -> StructuredOutput | None:
+        """``structured`` as the engine applies it to this prompt's answer: after ``</think>``
+        where the answer starts inside the thinking, else from the first token (where the model
+        might open its thinking itself, a grammar waiting for that would leave an answer that
+        does not think unconstrained: the answer's shape is the promise kept)."""
+        if structured is None or self.starts_inside(prompt_text) is not True:
+            return structured
+        return dataclasses.replace(structured, after_token_id=self.close_token_id)
+
+
+def reasoning_format(parser: str | None, tokenizer: Tokenizer) -> ReasoningFormat | None:
+    """The configured parser (router.reasoning_parser) over the model's tokenizer; ValueError
+    naming the field unless both markers are tokens of their own that decode to their text
+    (the split reads the text)."""
+    if parser is None:
+        return None
+    if parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser: one of {', '.join(REASONING_PARSERS)} (or unset), got {parser!r}")
+    ids = {}
+    for marker in (THINK_OPEN, THINK_CLOSE):
+        token_id = tokenizer.token_to_id(marker)
+        if token_id is None or tokenizer.decode([token_id]) != marker:
+            raise ValueError(f"reasoning_parser: {parser} needs {marker} as a token of the model's vocabulary that decodes to its text")
+        ids[marker] = token_id
+    return ReasoningFormat(parser, ids[THINK_CLOSE])
+
+
+class ReasoningSplitter:
+    """One choice's answer, piece by piece, into (thinking, answer) text."""
+
+    def __init__(self, inside: bool | None):
+        # "inside": thinking until </think>; "answer": the rest is the answer; "start": the model
+        # may open <think> first (whitespace before it is the thinking's too).
+        self._state = "inside" if inside else "answer" if inside is False else "start"
+        self._held = ""  # text that may be the start of the marker looked for
+        self._opened_at_start = self._state == "inside"  # a <think> the model writes first is dropped
+        self.thought = False  # any thinking text came
+
+    def feed(self, text: str) -> tuple[str, str]:
+        text, self._held = self._held + text, ""
+        thinking = answer = ""
+        while text:
+            if self._state == "answer":
+                answer += text
+                break
+            if self._state == "start":
+                stripped = text.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self._state, text = "inside", stripped[len(THINK_OPEN) :]
+                    self._opened_at_start = False
+                elif THINK_OPEN.startswith(stripped):
+                    self._held = text  # whitespace, or the start of "<think>": not known yet
+                    break
+                else:
+                    self._state = "answer"
+                continue
+            if self._opened_at_start:  # inside from the prompt: a <think> the model repeats is no text
+                stripped = text.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    text, self._opened_at_start = stripped[len(THINK_OPEN) :], False
+                    continue
+                if THINK_OPEN.startswith(stripped):
+                    self._held = text
+                    break
+                self._opened_at_start = False
+            end = text.find(THINK_CLOSE)
+            if end >= 0:
+                thinking += text[:end]
+                self._state, text = "answer", text[end + len(THINK_CLOSE) :]
+                continue
+            keep = _partial_marker(text, THINK_CLOSE)
+            thinking += text[: len(text) - keep]
+            self._held = text[len(text) - keep :]
+            break
+        self.thought = self.thought or bool(thinking)
+        return thinking, answer
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the answer has ended."""
+        held, self._held = self._held, ""
+        if self._state != "inside":  # the model never opened its thinking
+            return "", held
+        self.thought = self.thought or bool(held)
+        return held, ""
+
+
+def _partial_marker(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` are the start of ``marker``."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0

@@ -1,0 +1,141 @@
+"""A reasoning model's chat answers with ``router.reasoning_parser``: the thinking in
+``reasoning`` (and ``reasoning_content``), the answer in ``content``, whole and streamed; a
+structured answer's grammar applied after the thinking; thinking turned off by the template's
+``enable_thinking``. The model: a tiny random Qwen3 whose tokenizer has ``<think>`` and
+``</think>`` and whose template opens the thinking (as DeepSeek-R1's and Qwen3-thinking's do);
+its head is arranged so that greedy decoding closes the thinking a few tokens in. References:
+transformers' ``apply_chat_template`` + ``generate``, its text split at ``</think>`` with
+``str.partition``, and a transformers loop masked by llguidance for the structured answer."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from tokenizers import AddedToken
+from transformers import AutoTokenizer
+
+from engine.structured_output import StructuredOutput
+from router.config import RouterConfig
+from router.openai_api.reasoning import reasoning_format
+from router.tokenizer import Tokenizer
+from tests.checkpoints import build_checkpoint, hf_greedy
+from tests.engine.test_structured_output import _reference_constrained_greedy
+from tests.router.tokenizer_builders import BASE_CONFIG, save_model_dir, train_byte_level_bpe
+from tests.serving import running_deployment
+
+TEMPLATE = """{%- for message in messages %}<|{{ message['role'] }}|>
+{{ message['content'] }}</s>
+{% endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
+MESSAGES = [{"role": "user", "content": "Is 91 a prime number?"}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"prime": {"type": "boolean"}, "factor": {"type": "integer", "minimum": 2, "maximum": 90}},
+    "required": ["prime", "factor"],
+    "additionalProperties": False,
+}
+TOKENS = 24
+
+
+class Thinker:
+    def __init__(self, path, hf_model, hf_tokenizer):
+        self.path, self.hf_model, self.hf_tokenizer = path, hf_model, hf_tokenizer
+        self.close_id = hf_tokenizer.convert_tokens_to_ids("</think>")
+
+    def prompt_ids(self, **template_kwargs) -> list[int]:
+        ids = self.hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, **template_kwargs)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    path = tmp_path_factory.mktemp("thinker") / "tiny-thinker"
+    backend = train_byte_level_bpe(400)
+    backend.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    save_model_dir(path, backend, {**BASE_CONFIG, "chat_template": TEMPLATE})
+    model = build_checkpoint("qwen3", path, vocab_size=backend.get_vocab_size(), max_position_embeddings=1024)
+    found = Thinker(path, model, AutoTokenizer.from_pretrained(path))
+    # The head's rows of </think> and of a token greedy decoding writes a few tokens in are
+    # swapped: where the model would write that token, it closes its thinking.
+    free = hf_greedy(model, found.prompt_ids(), 12)
+    at = next(i for i in range(4, 12) if free[i] not in free[:i] and free[i] != found.close_id)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[[free[at], found.close_id]] = head[[found.close_id, free[at]]]
+    model.save_pretrained(path)
+    assert hf_greedy(model, found.prompt_ids(), 12)[at] == found.close_id
+    return found
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, thinker):
+    with running_deployment(thinker, 1, 1, RouterConfig(http_port=0, reasoning_parser="qwen3", local_prefill_max_tokens=0)) as running:
+        yield running
+
+
+def _reference(thinker, **template_kwargs) -> tuple[str, str]:
+    text = thinker.hf_tokenizer.decode(hf_greedy(thinker.hf_model, thinker.prompt_ids(**template_kwargs), TOKENS), skip_special_tokens=True)
+    return text.partition("</think>")[::2]
+
+
+def _chat(client, stream=False, **fields):
+    return client.chat.completions.create(
+        model="tiny-thinker", messages=MESSAGES, max_completion_tokens=TOKENS, temperature=0.0, stream=stream,
+        extra_body={"ignore_eos": True, **fields.pop("extra_body", {})}, **fields,
+    )
+
+
+def test_the_thinking_and_the_answer_are_split_whole_and_streamed(client, thinker):
+    thinking, answer = _reference(thinker)
+    assert thinking and answer, "the reference closes its thinking inside the answer"
+    message = _chat(client).choices[0].message
+    assert (message.reasoning, message.reasoning_content, message.content) == (thinking, thinking, answer)
+
+    streamed = {"reasoning": "", "reasoning_content": "", "content": ""}
+    for chunk in _chat(client, stream=True):
+        for choice in chunk.choices:
+            for name in streamed:
+                streamed[name] += getattr(choice.delta, name, None) or ""
+    assert streamed == {"reasoning": thinking, "reasoning_content": thinking, "content": answer}
+
+    # vLLM's include_reasoning: false leaves the thinking out.
+    hidden = _chat(client, extra_body={"include_reasoning": False}).choices[0].message
+    assert hidden.reasoning is None and hidden.content == answer
+
+
+def test_thinking_turned_off_by_the_template_leaves_it_all_answer(client, thinker):
+    thinking, answer = _reference(thinker, enable_thinking=False)
+    whole = thinking + "</think>" + answer if answer or "</think>" in thinking else thinking
+    message = _chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert message.reasoning is None and message.content == whole
+
+
+def test_a_structured_answer_is_constrained_after_the_thinking(client, thinker):
+    free_thinking, _ = _reference(thinker)
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA), after_token_id=thinker.close_id)
+    expected = _reference_constrained_greedy(
+        thinker.hf_model, (thinker.path / "tokenizer.json").read_text(), thinker.hf_model.config.vocab_size,
+        thinker.hf_tokenizer.eos_token_id, structured, thinker.prompt_ids(), 80,
+    )
+    thinking, _, answer = thinker.hf_tokenizer.decode(expected, skip_special_tokens=True).partition("</think>")
+    assert thinking == free_thinking
+    message = client.chat.completions.create(
+        model="tiny-thinker", messages=MESSAGES, max_completion_tokens=80, temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+    ).choices[0].message
+    assert (message.reasoning, message.content) == (thinking, answer)
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+
+
+def test_a_parser_whose_markers_the_model_lacks_is_refused_naming_the_field(e2e_model):
+    with pytest.raises(ValueError, match="reasoning_parser: qwen3 needs <think>"):
+        reasoning_format("qwen3", Tokenizer.from_model_dir(e2e_model.path))

@@ -1,0 +1,70 @@
+"""How a reasoning model's answer is split into thinking and answer (router/openai_api/reasoning.py):
+where the thinking starts (the prompt, the parser), and the same split whatever pieces the text
+streams in. The reference split is ``str.partition`` on the marker."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.structured_output import StructuredOutput
+from router.openai_api.reasoning import ReasoningFormat, ReasoningSplitter
+
+R1, QWEN3 = ReasoningFormat("deepseek_r1", 7), ReasoningFormat("qwen3", 7)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "r1", "qwen3"),
+    [
+        ("<|assistant|>\n<think>\n", True, True),  # the template opened it
+        ("<|assistant|>\n<think>\n\n</think>\n\n", False, False),  # the template closed it: thinking off
+        ("<|assistant|>\n", True, None),  # R1 may leave <think> out; Qwen3 may open it itself
+        ("<think>old</think> said\n<|assistant|>\n", True, None),  # an earlier turn's closed thinking
+    ],
+)
+def test_where_the_thinking_starts(prompt, r1, qwen3):
+    assert (R1.starts_inside(prompt), QWEN3.starts_inside(prompt)) == (r1, qwen3)
+
+
+def _split(inside, text: str, pieces: list[str]) -> tuple[str, str]:
+    splitter = ReasoningSplitter(inside)
+    thinking = answer = ""
+    for piece in pieces:
+        more_thinking, more_answer = splitter.feed(piece)
+        thinking, answer = thinking + more_thinking, answer + more_answer
+    more_thinking, more_answer = splitter.finish()
+    return thinking + more_thinking, answer + more_answer
+
+
+CASES = [
+    # (inside, the model's text, (thinking, answer))
+    (True, "\nLet me see.</think>\n\nYes.", ("\nLet me see.", "\n\nYes.")),
+    (True, "<think>\nhm</think>ok", ("\nhm", "ok")),  # a <think> repeated after the prompt's
+    (True, "cut off by max_tokens </thi", ("cut off by max_tokens </thi", "")),
+    (None, "  <think>a < b</think>so <think> stays", ("a < b", "so <think> stays")),
+    (None, "No thinking.</think>", ("", "No thinking.</think>")),
+    (None, "<thi", ("", "<thi")),
+    (False, "<think>x</think>y", ("", "<think>x</think>y")),
+]
+
+
+@pytest.mark.parametrize(("inside", "text", "want"), CASES)
+def test_every_way_of_streaming_the_text_splits_it_the_same(inside, text, want):
+    rng = random.Random(0)
+    assert _split(inside, text, [text]) == want
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert _split(inside, text, pieces) == want, pieces
+    assert _split(inside, text, list(text)) == want
+
+
+def test_a_structured_answer_waits_for_the_end_of_thinking_only_where_the_answer_starts_inside_it():
+    schema = StructuredOutput("json_object", field="response_format")
+    assert QWEN3.constrain_after_thinking(schema, "<think>\n").after_token_id == 7
+    assert R1.constrain_after_thinking(schema, "<|assistant|>\n").after_token_id == 7
+    # The model would open it itself: a grammar waiting for its end would leave a direct answer free.
+    assert QWEN3.constrain_after_thinking(schema, "<|assistant|>\n") is schema
+    assert QWEN3.constrain_after_thinking(schema, "<think>\n\n</think>\n\n") is schema
+    assert QWEN3.constrain_after_thinking(None, "<think>\n") is None
