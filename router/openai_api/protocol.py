@@ -303,6 +303,11 @@ def _messages(body: dict) -> list[dict[str, Any]]:
                 plain.update(check_message_tool_fields({key: value}, name))
             elif key == "function_call" and value is None:
                 continue
+            elif key in ("reasoning", "reasoning_content"):  # a reasoning model's answer sent back
+                if value is not None and not isinstance(value, str):
+                    raise InvalidArgumentError(f"{name}.{key}", f"must be a string, got {type_name(value)}")
+                if value:
+                    plain["reasoning_content"] = value  # the name reasoning models' templates read
             else:
                 raise InvalidArgumentError(f"{name}.{key}", "is not supported")
         out.append(plain)

@@ -127,6 +127,19 @@ class ReasoningSplitter:
         self.thought = self.thought or bool(thinking)
         return thinking, answer
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the text is inside the thinking now."""
+        return self._state == "inside"
+
+    def take(self, text: str, last: bool) -> tuple[str, str]:
+        """``feed``, and ``finish`` too where ``text`` is the answer's last piece."""
+        thinking, answer = self.feed(text)
+        if last:
+            more_thinking, more_answer = self.finish()
+            thinking, answer = thinking + more_thinking, answer + more_answer
+        return thinking, answer
+
     def finish(self) -> tuple[str, str]:
         """What was held back, once the answer has ended."""
         held, self._held = self._held, ""

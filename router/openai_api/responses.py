@@ -82,11 +82,7 @@ class ChoiceState:
         if self.echo:
             chunk.text, self.echo = self.echo + chunk.text, ""
         if self.reasoning is not None:
-            self.reasoning_delta, chunk.text = self.reasoning.feed(chunk.text)
-            if chunk.end is not None:
-                thinking, answer = self.reasoning.finish()
-                self.reasoning_delta += thinking
-                chunk.text += answer
+            self.reasoning_delta, chunk.text = self.reasoning.take(chunk.text, chunk.end is not None)
             if not self.show_reasoning:
                 self.reasoning_delta = ""
             self.reasoning_text.append(self.reasoning_delta)

@@ -37,6 +37,7 @@ from router.errors import InternalError, InvalidArgumentError, NotFoundError
 from router.openai_api.tool_calls import read_tool_calling, template_messages
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd
+from router.openai_api.reasoning import ReasoningSplitter
 from router.responses_api.board import IN_PROGRESS, ResponseBoard, is_in_progress
 from router.responses_api.protocol import ResponsesRequest, read_responses
 from router.responses_api.store import StoredResponse
@@ -66,11 +67,11 @@ class ResponseNotFoundError(NotFoundError):
         self.field = field
 
 
-def usage(end: StreamEnd | None, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+def usage(end: StreamEnd | None, prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
     cached = end.cached_prompt_tokens if end is not None else 0
     return {
         "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
-        "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }
 
@@ -84,6 +85,10 @@ class ResponseState:
     echo: dict[str, Any]
     prompt_tokens: int
     tools: ToolCallOutput | None
+    # With a reasoning parser: splits the thinking (a reasoning item) off the answer; the tokens
+    # of chunks that came while thinking (usage's reasoning_tokens).
+    reasoning: ReasoningSplitter | None = None
+    reasoning_tokens: int = 0
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "in_progress"
     output: list[dict[str, Any]] = field(default_factory=list)
@@ -103,15 +108,23 @@ class ResponseState:
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": self.status, "model": self.model,
             "output": [dict(item) for item in self.output], "error": self.error, "incomplete_details": incomplete,
-            "usage": usage(self.end, self.prompt_tokens, self.num_tokens) if self.end is not None else None,
+            "usage": usage(self.end, self.prompt_tokens, self.num_tokens, self.reasoning_tokens) if self.end is not None else None,
             "reasoning": {"effort": None, "summary": None}, "service_tier": "default", **self.echo,
         }
 
     def take(self, chunk: OutputChunk) -> list[dict[str, Any]]:
         """The stream events for a chunk; the output items grow with it."""
         self.num_tokens += len(chunk.token_ids)
-        text, deltas = split_text(self.tools, chunk.text, chunk.end is not None)
         events: list[dict[str, Any]] = []
+        text = chunk.text
+        if self.reasoning is not None:
+            was_thinking = self.reasoning.thinking
+            thinking, text = self.reasoning.take(text, chunk.end is not None)
+            if was_thinking or self.reasoning.thinking:
+                self.reasoning_tokens += len(chunk.token_ids)
+            if thinking:
+                events += self._think(thinking)
+        text, deltas = split_text(self.tools, text, chunk.end is not None)
         if text:
             if self.open_index is None or self.output[self.open_index]["type"] != "message":
                 events += self._close()
@@ -133,6 +146,17 @@ class ResponseState:
                 self.error = {"code": "server_error", "message": f"generation failed after {self.num_tokens} tokens: {chunk.end.detail}"}
         return events
 
+    def _think(self, text: str) -> list[dict[str, Any]]:
+        """The thinking's next piece, into the reasoning item (opened before the answer's items)."""
+        events: list[dict[str, Any]] = []
+        if self.open_index is None or self.output[self.open_index]["type"] != "reasoning":
+            events += self._close()
+            events += self._open({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [], "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"})
+        item = self.output[self.open_index]
+        item["content"][0]["text"] += text
+        events.append(self.event("response.reasoning_text.delta", item_id=item["id"], output_index=self.open_index, content_index=0, delta=text))
+        return events
+
     def _tool_delta(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if delta.id is not None:
@@ -147,7 +171,7 @@ class ResponseState:
     def _open(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.output.append(item)
         self.open_index = len(self.output) - 1
-        added = {**item, "content": []} if item["type"] == "message" else dict(item)
+        added = {**item, "content": []} if item["type"] == "message" else json.loads(json.dumps(item))
         return [self.event("response.output_item.added", output_index=self.open_index, item=added)]
 
     def _close(self) -> list[dict[str, Any]]:
@@ -161,6 +185,9 @@ class ResponseState:
             part = item["content"][0]
             events.append(self.event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[]))
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)))
+        elif item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
         else:
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"], name=item["name"]))
         events.append(self.event("response.output_item.done", output_index=index, item=json.loads(json.dumps(item))))
@@ -174,6 +201,9 @@ class ResponseState:
             for item in self.output if item["type"] == "function_call"
         ]
         message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls else None}
+        thinking = "".join(item["content"][0]["text"] for item in self.output if item["type"] == "reasoning")
+        if thinking:
+            message["reasoning_content"] = thinking  # where reasoning models' templates read it
         if calls:
             message["tool_calls"] = calls
         return [message]
@@ -237,7 +267,8 @@ class ResponsesFrontEnd:
         api.generate.request_id = response_id
         api.generate.lora_name = self.server.lora_name(model)
         validated = await self.router.validate_input(api.generate)
-        state = ResponseState(response_id, model, api.echo, len(validated.prompt_token_ids), ToolCallOutput(calling) if calling is not None else None)
+        reasoning = self.server.reasoning.splitter(prompt) if self.server.reasoning is not None else None
+        state = ResponseState(response_id, model, api.echo, len(validated.prompt_token_ids), ToolCallOutput(calling) if calling is not None else None, reasoning)
         return state, validated, conversation
 
     async def _start_background(self, api: ResponsesRequest, body: dict[str, Any], state: ResponseState, validated: ValidatedRequest, conversation) -> None:
@@ -301,6 +332,8 @@ class ResponsesFrontEnd:
             api.generate.structured = constraint
         system = [{"role": "system", "content": api.instructions}] if api.instructions else []
         prompt = template.render(template_messages(system + conversation), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
+        if self.server.reasoning is not None:
+            api.generate.structured = self.server.reasoning.constrain_after_thinking(api.generate.structured, prompt)
         return prompt, calling
 
     async def _keep(self, api: ResponsesRequest, state: ResponseState, conversation: list[dict[str, Any]], body: dict[str, Any] | None = None) -> None:

@@ -220,10 +220,15 @@ def _input(body: dict) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise InvalidArgumentError("input", f"must be a string or a non-empty list of input items, got {type_name(value)}")
     messages: list[dict[str, Any]] = []
+    thinking = ""  # a reasoning item's text, for the assistant turn after it
     for index, item in enumerate(value):
         where = f"input[{index}]"
         item = json_object(item, where)
         kind = item.get("type", "message")
+        if kind == "reasoning":  # a reasoning model's earlier output sent back
+            refuse_unknown(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, prefix=f"{where}.")
+            thinking += text_parts(item.get("content") or [], f"{where}.content", ("reasoning_text",), {"type", "text"})
+            continue
         if kind == "message":
             refuse_unknown(item, {"type", "role", "content", "id", "status"}, prefix=f"{where}.")
             role = item.get("role")
@@ -252,7 +257,11 @@ def _input(body: dict) -> list[dict[str, Any]]:
                 raise InvalidArgumentError(f"{where}.call_id", "must be a non-empty string")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": _content(item.get("output"), f"{where}.output")})
         else:
-            raise InvalidArgumentError(f"{where}.type", f"must be message, function_call or function_call_output (text models), got {kind!r}")
+            raise InvalidArgumentError(f"{where}.type", f"must be message, function_call, function_call_output or reasoning (text models), got {kind!r}")
+        if thinking and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"], thinking = thinking, ""
+    if not messages:
+        raise InvalidArgumentError("input", "has no message, function call or output (a reasoning item goes with the turn it belongs to)")
     return messages
 
 

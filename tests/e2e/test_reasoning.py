@@ -112,6 +112,42 @@ def test_the_thinking_and_the_answer_are_split_whole_and_streamed(client, thinke
     assert hidden.reasoning is None and hidden.content == answer
 
 
+def test_an_answer_sent_back_with_its_thinking_continues_the_conversation(client, thinker):
+    """Clients send the assistant message (chat) or the output items (Responses) back as they
+    came, reasoning fields included: both are taken, and both turns render alike."""
+    first = _chat(client).choices[0].message
+    turn = [*MESSAGES, first.model_dump(exclude_none=True), {"role": "user", "content": "Why?"}]
+    again = client.chat.completions.create(model="tiny-thinker", messages=turn, max_completion_tokens=8, temperature=0.0).choices[0].message
+    assert again.reasoning is not None or again.content is not None
+
+    response = client.responses.create(model="tiny-thinker", input=MESSAGES[0]["content"], max_output_tokens=TOKENS, temperature=0.0)
+    items = [*MESSAGES, *[item.model_dump(exclude_none=True) for item in response.output], {"role": "user", "content": "Why?"}]
+    sent_back = client.responses.create(model="tiny-thinker", input=items, max_output_tokens=8, temperature=0.0)
+    continued = client.responses.create(model="tiny-thinker", previous_response_id=response.id, input="Why?", max_output_tokens=8, temperature=0.0)
+    assert sent_back.output_text == continued.output_text and sent_back.usage.input_tokens == continued.usage.input_tokens
+
+
+def test_a_response_has_a_reasoning_item_before_its_message_whole_and_streamed(client, thinker):
+    thinking, answer = _reference(thinker)
+    fields = dict(model="tiny-thinker", input=MESSAGES[0]["content"], max_output_tokens=TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+    response = client.responses.create(**fields)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and [part.text for part in reasoning.content] == [thinking]
+    assert message.type == "message" and response.output_text == answer
+    # The tokens up to and with </think>: one per character or more, fewer than the answer's all.
+    assert 0 < response.usage.output_tokens_details.reasoning_tokens < TOKENS
+
+    deltas, events = "", []
+    with client.responses.stream(**fields) as stream:
+        for event in stream:
+            events.append(event.type)
+            if event.type == "response.reasoning_text.delta":
+                deltas += event.delta
+        final = stream.get_final_response()
+    assert deltas == thinking and final.output[0].content[0].text == thinking and final.output_text == answer
+    assert events.index("response.reasoning_text.done") < events.index("response.output_text.delta")
+
+
 def test_thinking_turned_off_by_the_template_leaves_it_all_answer(client, thinker):
     thinking, answer = _reference(thinker, enable_thinking=False)
     whole = thinking + "</think>" + answer if answer or "</think>" in thinking else thinking

@@ -315,7 +315,9 @@ def test_a_disconnect_mid_stream_frees_every_block(client, deployment):
     [
         ({}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+        ({"input": [{"type": "reasoning", "content": [{"type": "summary_text", "text": "x"}]}, {"role": "user", "content": "hi"}]}, "input[0].content[0].type"),
+        ({"input": [{"type": "file_search_call", "id": "x"}]}, "input[0].type"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
