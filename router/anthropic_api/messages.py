@@ -13,6 +13,7 @@ client goes away, metrics), and its chunks rendered as a ``message`` or as Anthr
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from router import sse
 from router.anthropic_api.protocol import read_count_tokens, read_messages
 from router.errors import ErrorKind, InternalError, classify
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError
+from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd
 from router.session import GenerationSession
@@ -86,6 +88,12 @@ def stop_reason(end: StreamEnd, tool_calls: bool) -> str | None:
     return None  # abort / error: reported as an error
 
 
+def thinking_signature(thinking: str) -> str:
+    """A thinking block's ``signature``: Anthropic's is opaque, sent back with the block; here the
+    text's SHA-256 (nothing is checked when it comes back: the template just reads the text)."""
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
 def usage(end: StreamEnd | None, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
     cached = end.cached_prompt_tokens if end is not None else 0
     return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens, "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
@@ -93,9 +101,11 @@ def usage(end: StreamEnd | None, prompt_tokens: int, output_tokens: int) -> dict
 
 @dataclass(slots=True)
 class MessageState:
-    """One message's content blocks as they are built: text, then tool calls."""
+    """One message's content blocks as they are built: thinking, text, then tool calls."""
 
     tools: ToolCallOutput | None
+    reasoning: ReasoningSplitter | None = None  # with a reasoning parser: the thinking split off
+    show_thinking: bool = True
     blocks: list[dict[str, Any]] = field(default_factory=list)  # whole blocks, Anthropic's shape
     open_index: int | None = None  # the block a stream is writing into
     open_kind: str = ""
@@ -106,8 +116,16 @@ class MessageState:
     def take(self, chunk: OutputChunk) -> list[dict[str, Any]]:
         """The stream events for a chunk (content block starts, deltas, stops); the whole blocks grow too."""
         self.num_tokens += len(chunk.token_ids)
-        text, deltas = split_text(self.tools, chunk.text, chunk.end is not None)
         events: list[dict[str, Any]] = []
+        text = chunk.text
+        if self.reasoning is not None:
+            thinking, text = self.reasoning.take(text, chunk.end is not None)
+            if thinking and self.show_thinking:
+                if self.open_kind != "thinking":
+                    events += self._open({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+                self.blocks[-1]["thinking"] += thinking
+                events.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
+        text, deltas = split_text(self.tools, text, chunk.end is not None)
         if text:
             if self.open_kind != "text":
                 events += self._open({"type": "text", "text": ""}, "text")
@@ -117,9 +135,7 @@ class MessageState:
             events += self._tool_delta(delta)
         if chunk.end is not None:
             self.end = chunk.end
-            if self.open_index is not None:
-                events.append({"type": "content_block_stop", "index": self.open_index})
-                self.open_index, self.open_kind = None, ""
+            events += self._close()
         return events
 
     def _tool_delta(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
@@ -135,13 +151,24 @@ class MessageState:
         return events
 
     def _open(self, block: dict[str, Any], kind: str) -> list[dict[str, Any]]:
-        events = []
-        if self.open_index is not None:
-            events.append({"type": "content_block_stop", "index": self.open_index})
+        events = self._close()
         self.blocks.append(block)
         self.open_index, self.open_kind = len(self.blocks) - 1, kind
         start = {key: value for key, value in block.items() if key != "partial"}
         events.append({"type": "content_block_start", "index": self.open_index, "content_block": start})
+        return events
+
+    def _close(self) -> list[dict[str, Any]]:
+        """The open block's stop (a thinking block's signature first, as Anthropic streams it)."""
+        if self.open_index is None:
+            return []
+        events = []
+        if self.open_kind == "thinking":
+            block = self.blocks[self.open_index]
+            block["signature"] = thinking_signature(block["thinking"])
+            events.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
+        events.append({"type": "content_block_stop", "index": self.open_index})
+        self.open_index, self.open_kind = None, ""
         return events
 
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +196,7 @@ class MessagesFrontEnd:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
-            model, prompt = read_count_tokens(await self.server.read_json(request), self.server.chat_template, self.router.config.tool_call_parser)
+            model, prompt = read_count_tokens(await self.server.read_json(request), self.server.chat_template, self.router.config.tool_call_parser, self.server.reasoning)
             self.server.model_name(model)
             return web.json_response({"input_tokens": len(self.router.tokenizer.encode(prompt, add_special_tokens=False))})
         except Exception as exc:
@@ -177,7 +204,7 @@ class MessagesFrontEnd:
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
-            api = read_messages(await self.server.read_json(request), self.server.chat_template, self.router.config.tool_call_parser)
+            api = read_messages(await self.server.read_json(request), self.server.chat_template, self.router.config.tool_call_parser, self.server.reasoning)
             model = self.server.model_name(api.model)
             message_id = f"msg_{uuid.uuid4().hex}"
             api.generate.request_id = message_id
@@ -193,7 +220,7 @@ class MessagesFrontEnd:
             session = await GenerationSession.open(self.router, validated, client_gone)
         except Exception as exc:
             return error_response(exc)
-        state = MessageState(ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None)
+        state = MessageState(ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None, api.reasoning, api.show_thinking)
         prompt_tokens = len(validated.prompt_token_ids)
         try:
             chunks = session.chunks()

@@ -8,8 +8,13 @@ message, text blocks joined, an assistant's ``tool_use`` blocks as its ``tool_ca
 (``auto``, ``any``, ``tool`` by name, ``none``) go through the same tool calling as chat
 completions (router/openai_api/tool_calls.py). Every field is checked here; a problem raises
 ``InvalidArgumentError`` naming it as the client wrote it (``messages[1].content[0].input``),
-and a field the API defines that pdserve does not serve (images, extended thinking, ...) is
-refused, never dropped.
+and a field the API defines that pdserve does not serve (images, ...) is refused, never dropped.
+
+Extended thinking is served where the deployment has a reasoning parser (router.reasoning_parser):
+``thinking`` ``enabled``/``adaptive`` or ``disabled`` becomes the template's ``enable_thinking``
+(Qwen3's switch), the answer's thinking comes back as a ``thinking`` block
+(router/anthropic_api/messages.py), and an assistant's ``thinking`` blocks sent back reach the
+template as its ``reasoning_content``. Without one, only ``disabled`` is taken.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Any
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
-from router.openai_api.fields import boolean, integer, json_object, number, refuse_unknown, type_name
+from router.openai_api.fields import boolean, integer, is_int, json_object, number, refuse_unknown, type_name
+from router.openai_api.reasoning import ReasoningFormat, ReasoningSplitter
 from router.openai_api.tool_calls import ToolCalling, flat_function_tool, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
@@ -32,6 +38,8 @@ _MESSAGES_FIELDS = {
 }
 _COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
 _BLOCK_FIELDS = {
+    "thinking": {"type", "thinking", "signature"},
+    "redacted_thinking": {"type", "data"},
     "text": {"type", "text", "cache_control", "citations"},
     "tool_use": {"type", "id", "name", "input", "cache_control"},
     "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
@@ -46,23 +54,27 @@ class MessagesRequest:
     stream: bool
     generate: GenerateInput
     tool_calling: ToolCalling | None
+    # With a reasoning parser: how the answer starts (router/openai_api/reasoning.py); None:
+    # no parser. ``show_thinking``: false where the request turned thinking off.
+    reasoning: ReasoningSplitter | None = None
+    show_thinking: bool = True
 
 
-def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: str | None) -> MessagesRequest:
+def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: str | None, reasoning: ReasoningFormat | None = None) -> MessagesRequest:
     body = json_object(body, "body")
     refuse_unknown(body, _MESSAGES_FIELDS)
     model = _model(body)
     if "max_tokens" not in body:
         raise InvalidArgumentError("max_tokens", "is required")
     max_tokens = integer(body, "max_tokens", None, 1, None)
-    _no_thinking(body)
+    thinking = _thinking(body, reasoning, max_tokens)
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise InvalidArgumentError("service_tier", "must be auto or standard_only")
     metadata = body.get("metadata")
     if metadata is not None:
         metadata = json_object(metadata, "metadata")
         refuse_unknown(metadata, {"user_id"}, prefix="metadata.")
-    prompt, calling = render_prompt(body, template, tool_call_parser)
+    prompt, calling = render_prompt(body, template, tool_call_parser, thinking)
     stop = body.get("stop_sequences")
     if stop is None:
         stop = []
@@ -83,26 +95,32 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
         sampling_prefix="",
         structured=_constraint(body, calling),
     )
-    return MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
+    request = MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
+    if reasoning is not None:
+        generate.structured = reasoning.constrain_after_thinking(generate.structured, prompt)
+        request.reasoning, request.show_thinking = reasoning.splitter(prompt), thinking is not False
+    return request
 
 
-def read_count_tokens(body: Any, template: ChatTemplate | None, tool_call_parser: str | None) -> tuple[str, str]:
+def read_count_tokens(body: Any, template: ChatTemplate | None, tool_call_parser: str | None, reasoning: ReasoningFormat | None = None) -> tuple[str, str]:
     """(model, prompt text) of a count_tokens call."""
     body = json_object(body, "body")
     refuse_unknown(body, _COUNT_FIELDS)
     model = _model(body)
-    _no_thinking(body)
-    prompt, _ = render_prompt(body, template, tool_call_parser)
+    thinking = _thinking(body, reasoning, None)
+    prompt, _ = render_prompt(body, template, tool_call_parser, thinking)
     return model, prompt
 
 
-def render_prompt(body: dict, template: ChatTemplate | None, tool_call_parser: str | None) -> tuple[str, ToolCalling | None]:
-    """The prompt text of a Messages body through the model's chat template, and its tool calling."""
+def render_prompt(body: dict, template: ChatTemplate | None, tool_call_parser: str | None, thinking: bool | None = None) -> tuple[str, ToolCalling | None]:
+    """The prompt text of a Messages body through the model's chat template, and its tool
+    calling. ``thinking``: the request's switch, as the template's ``enable_thinking``."""
     if template is None:
         raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
     calling = read_tool_calling(_openai_tools(body), template.text, tool_call_parser)
     messages = _system(body) + _conversation(body)
-    prompt = template.render(template_messages(messages), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
+    extra = None if thinking is None else {"enable_thinking": thinking}
+    prompt = template.render(template_messages(messages), add_generation_prompt=True, tools=calling.tools if calling is not None else None, extra=extra)
     return prompt, calling
 
 
@@ -135,13 +153,31 @@ def _model(body: dict) -> str:
     return model
 
 
-def _no_thinking(body: dict) -> None:
+def _thinking(body: dict, reasoning: ReasoningFormat | None, max_tokens: int | None) -> bool | None:
+    """The request's extended-thinking switch: True (enabled, adaptive), False (disabled), None
+    (not given). ``enabled`` needs a reasoning parser; its ``budget_tokens`` is checked as
+    Anthropic checks it (at least 1024, below max_tokens), and bounds nothing more here: the
+    thinking ends where the model ends it, or at max_tokens."""
     thinking = body.get("thinking")
     if thinking is None:
-        return
+        return None
     thinking = json_object(thinking, "thinking")
-    if thinking.get("type") != "disabled":
-        raise InvalidArgumentError("thinking", "extended thinking is not supported; omit it or give {\"type\": \"disabled\"}")
+    kind = thinking.get("type")
+    if kind == "disabled":
+        refuse_unknown(thinking, {"type"}, prefix="thinking.")
+        return False
+    if kind not in ("enabled", "adaptive"):
+        raise InvalidArgumentError("thinking.type", f"must be \"enabled\", \"adaptive\" or \"disabled\", got {kind!r}")
+    if reasoning is None:
+        raise InvalidArgumentError("thinking", "extended thinking needs a reasoning model served with router.reasoning_parser; omit it or give {\"type\": \"disabled\"}")
+    refuse_unknown(thinking, {"type", "budget_tokens"} if kind == "enabled" else {"type"}, prefix="thinking.")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not is_int(budget) or budget < 1024:
+            raise InvalidArgumentError("thinking.budget_tokens", f"must be an integer of at least 1024 with type enabled, got {budget!r}")
+        if max_tokens is not None and budget >= max_tokens:
+            raise InvalidArgumentError("thinking.budget_tokens", f"must be less than max_tokens ({max_tokens}), got {budget}")
+    return True
 
 
 def _system(body: dict) -> list[dict[str, Any]]:
@@ -181,6 +217,7 @@ def _blocks(role: str, blocks: list, name: str) -> list[dict[str, Any]]:
     """One message's content blocks as template messages: its text (and an assistant's calls),
     then a ``tool`` message per tool result."""
     texts: list[str] = []
+    thoughts: list[str] = []  # an assistant's thinking sent back (its signature is not checked)
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for index, block in enumerate(blocks):
@@ -190,7 +227,14 @@ def _blocks(role: str, blocks: list, name: str) -> list[dict[str, Any]]:
         if kind not in _BLOCK_FIELDS:
             raise InvalidArgumentError(f"{where}.type", f"must be one of {sorted(_BLOCK_FIELDS)} (pdserve serves text models), got {kind!r}")
         refuse_unknown(block, _BLOCK_FIELDS[kind], prefix=f"{where}.")
-        if kind == "text":
+        if kind in ("thinking", "redacted_thinking"):
+            if role != "assistant":
+                raise InvalidArgumentError(f"{where}.type", f"{kind} blocks belong to assistant messages")
+            if kind == "thinking":
+                if not isinstance(block.get("thinking"), str):
+                    raise InvalidArgumentError(f"{where}.thinking", f"must be a string, got {type_name(block.get('thinking'))}")
+                thoughts.append(block["thinking"])
+        elif kind == "text":
             texts.append(_text_block(block, where))
         elif kind == "tool_use":
             if role != "assistant":
@@ -211,6 +255,8 @@ def _blocks(role: str, blocks: list, name: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if texts or calls:
         message: dict[str, Any] = {"role": role, "content": "\n".join(texts) if texts else None}
+        if thoughts:
+            message["reasoning_content"] = "\n".join(thoughts)  # where reasoning templates read it
         if calls:
             message["tool_calls"] = calls
         out.append(message)

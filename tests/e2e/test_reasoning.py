@@ -9,8 +9,10 @@ transformers' ``apply_chat_template`` + ``generate``, its text split at ``</thin
 
 from __future__ import annotations
 
+import hashlib
 import json
 
+import anthropic
 import jsonschema
 import pytest
 import torch
@@ -170,6 +172,35 @@ def test_a_structured_answer_is_constrained_after_the_thinking(client, thinker):
     ).choices[0].message
     assert (message.reasoning, message.content) == (thinking, answer)
     jsonschema.validate(json.loads(message.content), SCHEMA)
+
+
+def test_anthropic_messages_carry_the_thinking_as_a_thinking_block(deployment, thinker):
+    thinking, answer = _reference(thinker)
+    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{deployment.http_port}", api_key="unused", max_retries=0, timeout=60) as client:
+        fields = dict(model="tiny-thinker", messages=MESSAGES, max_tokens=TOKENS, extra_body={"ignore_eos": True, "temperature": 0.0})
+        message = client.messages.create(thinking={"type": "adaptive"}, **fields)
+        block, text = message.content
+        assert (block.type, block.thinking, text.type, text.text) == ("thinking", thinking, "text", answer)
+        assert block.signature == hashlib.sha256(thinking.encode()).hexdigest()
+
+        deltas = {"thinking_delta": "", "text_delta": "", "signature_delta": ""}
+        with client.messages.stream(thinking={"type": "adaptive"}, **fields) as stream:
+            for event in stream:
+                if event.type == "content_block_delta":
+                    delta = event.delta
+                    deltas[delta.type] += getattr(delta, delta.type.removesuffix("_delta"))
+        assert deltas == {"thinking_delta": thinking, "text_delta": answer, "signature_delta": block.signature}
+
+        # Turned off: the template's enable_thinking is false, and the answer is all text.
+        off_thinking, off_answer = _reference(thinker, enable_thinking=False)
+        (only,) = client.messages.create(thinking={"type": "disabled"}, **fields).content
+        assert only.type == "text" and only.text == (off_thinking + "</think>" + off_answer if off_answer else off_thinking)
+
+        # The thinking block sent back with the turn it belongs to.
+        turn = [*MESSAGES, {"role": "assistant", "content": [block.model_dump(), text.model_dump()]}, {"role": "user", "content": "Why?"}]
+        assert client.messages.create(model="tiny-thinker", messages=turn, max_tokens=4, thinking={"type": "adaptive"}).content
+        with pytest.raises(anthropic.BadRequestError, match="thinking.budget_tokens"):
+            client.messages.create(thinking={"type": "enabled", "budget_tokens": 1024}, **fields)
 
 
 def test_a_parser_whose_markers_the_model_lacks_is_refused_naming_the_field(e2e_model):
