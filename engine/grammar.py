@@ -31,18 +31,29 @@ logger = logging.getLogger(__name__)
 
 
 class SequenceGrammar:
-    """One sequence's grammar matcher: what its next token may be. ``waiting_for``: a token
-    (``StructuredOutput.after_token_id``) the output has not produced yet; until it does, every
-    token is free and the matcher stays at its start."""
+    """One sequence's grammar matcher: what its next token may be.
 
-    __slots__ = ("matcher", "failed", "waiting_for")
+    A reasoning model's answer may think first (``StructuredOutput.after_token_id``): while
+    ``waiting_for`` is set every token is free and the matcher stays at its start, until the
+    output produces that token. ``opener`` (``opened_by_token_id``), before the first token: the
+    wait starts only if the output opens with that token; else the grammar applies from the first
+    token on (whose mask also allows the opener)."""
 
-    def __init__(self, matcher, waiting_for: int | None = None) -> None:
+    __slots__ = ("matcher", "failed", "waiting_for", "opener", "_closer")
+
+    def __init__(self, matcher, waiting_for: int | None = None, opener: int | None = None) -> None:
         self.matcher = matcher
         self.failed = False
-        self.waiting_for = waiting_for
+        self._closer = waiting_for
+        self.opener = opener if waiting_for is not None else None
+        self.waiting_for = waiting_for if self.opener is None else None
 
     def accept(self, token_id: int) -> None:
+        if self.opener is not None:
+            opened, self.opener = token_id == self.opener, None
+            if opened:
+                self.waiting_for = self._closer
+                return
         if self.waiting_for is not None:
             if token_id == self.waiting_for:
                 self.waiting_for = None  # the constraint applies from the next token on
@@ -53,16 +64,33 @@ class SequenceGrammar:
             self.failed = True
             logger.warning("a token the grammar forbids was appended: %s", self.matcher.get_error())
 
+    def constrained_drafts(self, drafts: list[int]) -> list[int] | None:
+        """For the row after ``drafts`` (a speculative row's, or none): the drafts the matcher
+        reads before that row's mask, or None where the row is free (still waiting)."""
+        waiting = self.waiting_for
+        if self.opener is not None and drafts:
+            if drafts[0] != self.opener:
+                return drafts
+            waiting, drafts = self._closer, drafts[1:]
+        if waiting is None:
+            return drafts
+        if waiting not in drafts:
+            return None
+        return drafts[drafts.index(waiting) + 1 :]
+
     @property
     def done(self) -> bool:
         """The grammar is complete and takes nothing more (its answer ended)."""
-        return self.waiting_for is None and self.matcher.is_stopped()
+        return self.waiting_for is None and self.opener is None and self.matcher.is_stopped()
 
-    def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: list[int]) -> None:
-        """Row ``row`` of ``bitmask``: one bit per token id, set where the token is allowed."""
+    def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: list[int], first: bool = False) -> None:
+        """Row ``row`` of ``bitmask``: one bit per token id, set where the token is allowed
+        (``first``: the row of the output's next token, where the opener may come)."""
         target = bitmask[row]
         if not self.failed and not self.matcher.is_error():
             self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+            if first and self.opener is not None:
+                target[self.opener // 32] |= _bit(self.opener % 32)
             if bool(target.any()):
                 return
         # Nothing allowed (an error state): only the end, never a row of -inf (no distribution).
@@ -92,15 +120,18 @@ class Grammars:
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), structured.to_llguidance(), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(structured.field, f"cannot be compiled: {matcher.get_error()}")
-        constrained = list(output_so_far)
-        waiting_for = structured.after_token_id
-        if waiting_for is not None and waiting_for in constrained:
-            constrained, waiting_for = constrained[constrained.index(waiting_for) + 1 :], None
-        elif waiting_for is not None:
-            constrained = []
-        if constrained and not matcher.consume_tokens(constrained):
-            raise InvalidRequestError(structured.field, f"the output so far does not match it: {matcher.get_error()}")
-        return SequenceGrammar(matcher, waiting_for)
+        grammar = SequenceGrammar(matcher, structured.after_token_id, structured.opened_by_token_id)
+        output = list(output_so_far)
+        if output:
+            constrained = grammar.constrained_drafts(output)
+            grammar.opener = None
+            if constrained is None:  # still thinking
+                grammar.waiting_for = structured.after_token_id
+            else:
+                grammar.waiting_for = None
+                if constrained and not matcher.consume_tokens(constrained):
+                    raise InvalidRequestError(structured.field, f"the output so far does not match it: {matcher.get_error()}")
+        return grammar
 
     def start_masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> Future | None:
         """Compute the masks of a step's sampled rows on the mask thread: per row, the sequence's
@@ -118,15 +149,15 @@ class Grammars:
         for index, (grammar, drafts) in enumerate(rows):
             if grammar is None:
                 continue
-            if grammar.waiting_for is not None:
-                # Free until the token it waits for: a row after that token among the drafts
-                # before it is constrained from the grammar's start, by the drafts after it.
-                if grammar.waiting_for not in drafts:
-                    continue
-                drafts = drafts[drafts.index(grammar.waiting_for) + 1 :]
+            # A row still thinking is free; one after the end of thinking among the drafts
+            # before it is constrained from the grammar's start, by the drafts after that end.
+            first = not drafts
+            drafts = grammar.constrained_drafts(drafts)
+            if drafts is None:
+                continue
             constrained.append(index)
             if not drafts:
-                grammar.fill(bitmask, index, self.eos_token_ids)
+                grammar.fill(bitmask, index, self.eos_token_ids, first)
                 continue
             # A draft row: the state after the drafts before it. Drafts past the first the
             # grammar forbids are never emitted (that one is rejected): their rows copy the

@@ -33,12 +33,15 @@ class StructuredOutput:
     regex, the grammar (Lark, or GBNF as llama.cpp and vLLM write it), or the choices as a JSON list; unused
     for json_object. ``field``: the request field that asked for it, named in errors.
     ``after_token_id``: the constraint starts after the output's first such token (a reasoning
-    model's end of thinking, ``</think>``); the tokens before it, and it, are free."""
+    model's end of thinking, ``</think>``); the tokens before it, and it, are free. With
+    ``opened_by_token_id`` (``<think>``) that wait starts only if the output's first token is
+    that one (a model that may think first); else the constraint applies from the first token."""
 
     kind: str
     value: str = ""
     field: str = "structured_outputs"
     after_token_id: int | None = None
+    opened_by_token_id: int | None = None
 
     @classmethod
     def build(cls, kind: str, value: object, field: str) -> "StructuredOutput":

@@ -12,8 +12,9 @@ answer unless the model opens ``<think>``. Thinking cut off by ``max_tokens`` st
 The split is on the text, as it streams: what may be the start of a marker is held back until
 the next piece says. The structured-output grammar of a request whose answer starts inside the
 thinking waits for ``</think>`` (``StructuredOutput.after_token_id``): the model thinks freely,
-then answers under the grammar; where the model would have to open its thinking itself, the
-grammar applies from the first token. Tool calls are read from the answer only.
+then answers under the grammar; where the model may open its thinking itself, the grammar waits
+only if its first token is ``<think>``, and applies from the first token otherwise. Tool calls
+are read from the answer only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class ReasoningFormat:
     """A deployment's reasoning parser: its name and the token id of its closing marker."""
 
     parser: str
+    open_token_id: int
     close_token_id: int
 
     def starts_inside(self, prompt_text: str) -> bool | None:
@@ -52,12 +54,14 @@ class ReasoningFormat:
 
     def constrain_after_thinking(self, structured: StructuredOutput | None, prompt_text: str) -> StructuredOutput | None:
         """``structured`` as the engine applies it to this prompt's answer: after ``</think>``
-        where the answer starts inside the thinking, else from the first token (where the model
-        might open its thinking itself, a grammar waiting for that would leave an answer that
-        does not think unconstrained: the answer's shape is the promise kept)."""
-        if structured is None or self.starts_inside(prompt_text) is not True:
+        where the answer starts inside the thinking; where the model may open it itself, after
+        ``</think>`` if its first token is ``<think>``, else from the first token (an answer that
+        does not think is constrained all along); from the first token where thinking is off."""
+        inside = self.starts_inside(prompt_text)
+        if structured is None or inside is False:
             return structured
-        return dataclasses.replace(structured, after_token_id=self.close_token_id)
+        opener = None if inside else self.open_token_id
+        return dataclasses.replace(structured, after_token_id=self.close_token_id, opened_by_token_id=opener)
 
 
 def reasoning_format(parser: str | None, tokenizer: Tokenizer) -> ReasoningFormat | None:
@@ -74,7 +78,7 @@ def reasoning_format(parser: str | None, tokenizer: Tokenizer) -> ReasoningForma
         if token_id is None or tokenizer.decode([token_id]) != marker:
             raise ValueError(f"reasoning_parser: {parser} needs {marker} as a token of the model's vocabulary that decodes to its text")
         ids[marker] = token_id
-    return ReasoningFormat(parser, ids[THINK_CLOSE])
+    return ReasoningFormat(parser, ids[THINK_OPEN], ids[THINK_CLOSE])
 
 
 class ReasoningSplitter:

@@ -36,7 +36,7 @@ TEMPLATE = """{%- for message in messages %}<|{{ message['role'] }}|>
 
 </think>
 
-{% else %}<think>
+{% elif model_opens is not defined or not model_opens %}<think>
 {% endif %}{% endif %}"""
 MESSAGES = [{"role": "user", "content": "Is 91 a prime number?"}]
 SCHEMA = {
@@ -201,6 +201,27 @@ def test_anthropic_messages_carry_the_thinking_as_a_thinking_block(deployment, t
         assert client.messages.create(model="tiny-thinker", messages=turn, max_tokens=4, thinking={"type": "adaptive"}).content
         with pytest.raises(anthropic.BadRequestError, match="thinking.budget_tokens"):
             client.messages.create(thinking={"type": "enabled", "budget_tokens": 1024}, **fields)
+
+
+def test_a_structured_answer_of_a_model_that_may_open_its_thinking_itself(client, thinker):
+    """Qwen3's own template leaves <think> to the model: the grammar waits for </think> only if
+    the first token opens the thinking, else it holds from the first token (the engine's test
+    has both; this model's first token under the mask opens it)."""
+    open_id = thinker.hf_tokenizer.convert_tokens_to_ids("<think>")
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA), after_token_id=thinker.close_id, opened_by_token_id=open_id)
+    expected = _reference_constrained_greedy(
+        thinker.hf_model, (thinker.path / "tokenizer.json").read_text(), thinker.hf_model.config.vocab_size,
+        thinker.hf_tokenizer.eos_token_id, structured, thinker.prompt_ids(model_opens=True), 80,
+    )
+    text = thinker.hf_tokenizer.decode(expected, skip_special_tokens=True)
+    thinking, answer = text.removeprefix("<think>").partition("</think>")[::2] if expected[0] == open_id else (None, text)
+    message = client.chat.completions.create(
+        model="tiny-thinker", messages=MESSAGES, max_completion_tokens=80, temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+        extra_body={"chat_template_kwargs": {"model_opens": True}},
+    ).choices[0].message
+    assert (message.reasoning, message.content) == (thinking, answer)
+    jsonschema.validate(json.loads(message.content), SCHEMA)
 
 
 def test_a_parser_whose_markers_the_model_lacks_is_refused_naming_the_field(e2e_model):

@@ -4,6 +4,7 @@ own), and speculation, a resumed stream and the logit adjustments keep both true
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -77,6 +78,9 @@ def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
     matcher = None if structured is None else llguidance.LLMatcher(tokenizer, structured.to_llguidance())
     waiting_for = None if structured is None else structured.after_token_id  # free until this token
+    opener = None if structured is None else structured.opened_by_token_id  # ... if the output opens with this one
+    if opener is not None:
+        waiting_for = None
     output: list[int] = []
     for _ in range(max_tokens):
         with torch.no_grad():
@@ -86,10 +90,14 @@ def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int
         if matcher is not None and waiting_for is None:
             mask = matcher.compute_logit_bias()  # one byte per token: 0 forbidden, 200 allowed
             allowed = torch.tensor(list(mask[:vocab_size]), dtype=torch.uint8) > 0
+            if opener is not None and not output:
+                allowed[opener] = True
             logits = logits.masked_fill(~allowed, float("-inf"))
         token = int(logits.argmax())
         output.append(token)
-        if matcher is not None and waiting_for is not None:
+        if opener is not None and output == [opener]:
+            waiting_for = structured.after_token_id
+        elif matcher is not None and waiting_for is not None:
             waiting_for = None if token == waiting_for else waiting_for
         elif matcher is not None:
             assert matcher.consume_token(token)
@@ -152,6 +160,23 @@ def test_a_grammar_after_a_token_leaves_the_output_free_until_that_token(e2e_mod
         params = SamplingParams(temperature=0.0, max_tokens=90, structured=structured).resumed(len(produced))
         rest = _generate(engine, prompt + produced, **{name: getattr(params, name) for name in ("temperature", "max_tokens", "structured", "num_resumed_tokens")})
         assert produced + rest.token_ids == expected
+
+    # A model that may think first (opened_by_token_id): it waits only if the output opens so.
+    opens = dataclasses.replace(structured, opened_by_token_id=free[0])
+    assert reference(opens, prompt, 90) == expected
+    # An opener the model does not write first (the first that loses to the grammar's tokens).
+    for other in (token for token in range(3, e2e_model.vocab_size) if token != free[0]):
+        direct = dataclasses.replace(structured, opened_by_token_id=other)
+        answered = reference(direct, prompt, 90)
+        if answered[0] != other:
+            break
+    jsonschema.validate(json.loads(decode(answered)), SCHEMA)
+    for case, want in ((opens, expected), (direct, answered)):
+        assert _generate(engine, prompt, temperature=0.0, max_tokens=90, structured=case).token_ids == want
+        assert _generate(speculating, prompt, temperature=0.0, max_tokens=90, structured=case).token_ids == want
+        params = SamplingParams(temperature=0.0, max_tokens=90, structured=case).resumed(3)
+        rest = _generate(engine, prompt + want[:3], **{name: getattr(params, name) for name in ("temperature", "max_tokens", "structured", "num_resumed_tokens")})
+        assert want[:3] + rest.token_ids == want
 
 
 def test_a_grammar_that_does_not_compile_names_the_field(engine, e2e_model):

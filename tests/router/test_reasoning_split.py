@@ -11,7 +11,7 @@ import pytest
 from engine.structured_output import StructuredOutput
 from router.openai_api.reasoning import ReasoningFormat, ReasoningSplitter
 
-R1, QWEN3 = ReasoningFormat("deepseek_r1", 7), ReasoningFormat("qwen3", 7)
+R1, QWEN3 = ReasoningFormat("deepseek_r1", 6, 7), ReasoningFormat("qwen3", 6, 7)
 
 
 @pytest.mark.parametrize(
@@ -60,11 +60,13 @@ def test_every_way_of_streaming_the_text_splits_it_the_same(inside, text, want):
     assert _split(inside, text, list(text)) == want
 
 
-def test_a_structured_answer_waits_for_the_end_of_thinking_only_where_the_answer_starts_inside_it():
+def test_a_structured_answer_waits_for_the_end_of_thinking_where_the_answer_may_start_with_it():
     schema = StructuredOutput("json_object", field="response_format")
-    assert QWEN3.constrain_after_thinking(schema, "<think>\n").after_token_id == 7
-    assert R1.constrain_after_thinking(schema, "<|assistant|>\n").after_token_id == 7
-    # The model would open it itself: a grammar waiting for its end would leave a direct answer free.
-    assert QWEN3.constrain_after_thinking(schema, "<|assistant|>\n") is schema
+    waits = QWEN3.constrain_after_thinking(schema, "<think>\n")
+    assert (waits.after_token_id, waits.opened_by_token_id) == (7, None)
+    assert R1.constrain_after_thinking(schema, "<|assistant|>\n").opened_by_token_id is None
+    # The model may open it itself: the wait starts only if its first token is <think>.
+    may = QWEN3.constrain_after_thinking(schema, "<|assistant|>\n")
+    assert (may.after_token_id, may.opened_by_token_id) == (7, 6)
     assert QWEN3.constrain_after_thinking(schema, "<think>\n\n</think>\n\n") is schema
     assert QWEN3.constrain_after_thinking(None, "<think>\n") is None
