@@ -141,3 +141,12 @@ def test_runtime_lora_updating_from_the_flag_and_only_with_one_router():
     assert load_config(None, up_overrides(args)).to_spec().router.allow_runtime_lora_updating is True
     with pytest.raises(ConfigError, match="router.allow_runtime_lora_updating: needs router.replicas 1"):
         load_config(None, {"router.allow_runtime_lora_updating": True, "router.replicas": 2})
+
+
+def test_the_reasoning_parser_from_a_flag_and_a_bad_one_named():
+    from cluster.cli import up_overrides
+
+    args = build_parser().parse_args(["up", "--reasoning-parser", "qwen3"])
+    assert load_config(None, up_overrides(args)).to_spec().router.reasoning_parser == "qwen3"
+    with pytest.raises(ConfigError, match="router.reasoning_parser"):
+        load_config(None, {"router.reasoning_parser": "harmony"})
