@@ -26,71 +26,41 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.structured_output import StructuredOutput
+from engine.thinking import ThinkingState
 
 logger = logging.getLogger(__name__)
 
 
 class SequenceGrammar:
-    """One sequence's grammar matcher: what its next token may be.
+    """One sequence's grammar matcher: what the next token of its answer may be (a reasoning
+    model's thinking is not the answer's: engine.thinking)."""
 
-    A reasoning model's answer may think first (``StructuredOutput.after_token_id``): while
-    ``waiting_for`` is set every token is free and the matcher stays at its start, until the
-    output produces that token. ``opener`` (``opened_by_token_id``), before the first token: the
-    wait starts only if the output opens with that token; else the grammar applies from the first
-    token on (whose mask also allows the opener)."""
+    __slots__ = ("matcher", "failed")
 
-    __slots__ = ("matcher", "failed", "waiting_for", "opener", "_closer")
-
-    def __init__(self, matcher, waiting_for: int | None = None, opener: int | None = None) -> None:
+    def __init__(self, matcher) -> None:
         self.matcher = matcher
         self.failed = False
-        self._closer = waiting_for
-        self.opener = opener if waiting_for is not None else None
-        self.waiting_for = waiting_for if self.opener is None else None
 
     def accept(self, token_id: int) -> None:
-        if self.opener is not None:
-            opened, self.opener = token_id == self.opener, None
-            if opened:
-                self.waiting_for = self._closer
-                return
-        if self.waiting_for is not None:
-            if token_id == self.waiting_for:
-                self.waiting_for = None  # the constraint applies from the next token on
-            return
         if not self.failed and not self.matcher.consume_token(token_id):
             # Only a token drawn without this grammar's mask gets here (a bug, or a prompt
             # tail replayed that the grammar never produced): the sequence may only end now.
             self.failed = True
             logger.warning("a token the grammar forbids was appended: %s", self.matcher.get_error())
 
-    def constrained_drafts(self, drafts: list[int]) -> list[int] | None:
-        """For the row after ``drafts`` (a speculative row's, or none): the drafts the matcher
-        reads before that row's mask, or None where the row is free (still waiting)."""
-        waiting = self.waiting_for
-        if self.opener is not None and drafts:
-            if drafts[0] != self.opener:
-                return drafts
-            waiting, drafts = self._closer, drafts[1:]
-        if waiting is None:
-            return drafts
-        if waiting not in drafts:
-            return None
-        return drafts[drafts.index(waiting) + 1 :]
-
     @property
     def done(self) -> bool:
         """The grammar is complete and takes nothing more (its answer ended)."""
-        return self.waiting_for is None and self.opener is None and self.matcher.is_stopped()
+        return self.matcher.is_stopped()
 
-    def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: list[int], first: bool = False) -> None:
+    def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: list[int], also: int | None = None) -> None:
         """Row ``row`` of ``bitmask``: one bit per token id, set where the token is allowed
-        (``first``: the row of the output's next token, where the opener may come)."""
+        (``also``: a token allowed beside the grammar's, the thinking's opener)."""
         target = bitmask[row]
         if not self.failed and not self.matcher.is_error():
             self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
-            if first and self.opener is not None:
-                target[self.opener // 32] |= _bit(self.opener % 32)
+            if also is not None:
+                target[also // 32] |= _bit(also % 32)
             if bool(target.any()):
                 return
         # Nothing allowed (an error state): only the end, never a row of -inf (no distribution).
@@ -112,52 +82,48 @@ class Grammars:
         self._lock = threading.Lock()
         self._mask_thread: ThreadPoolExecutor | None = None
 
-    def for_sequence(self, structured: StructuredOutput, output_so_far: list[int]) -> SequenceGrammar:
-        """A matcher for ``structured`` that has consumed ``output_so_far``; InvalidRequestError
-        (naming the request's field) if the grammar does not compile or refuses those tokens."""
+    def for_sequence(self, structured: StructuredOutput, answer_so_far: list[int]) -> SequenceGrammar:
+        """A matcher for ``structured`` that has consumed ``answer_so_far`` (the output's answer
+        tokens: engine.thinking); InvalidRequestError (naming the request's field) if the grammar
+        does not compile or refuses those tokens."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), structured.to_llguidance(), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(structured.field, f"cannot be compiled: {matcher.get_error()}")
-        grammar = SequenceGrammar(matcher, structured.after_token_id, structured.opened_by_token_id)
-        output = list(output_so_far)
-        if output:
-            constrained = grammar.constrained_drafts(output)
-            grammar.opener = None
-            if constrained is None:  # still thinking
-                grammar.waiting_for = structured.after_token_id
-            else:
-                grammar.waiting_for = None
-                if constrained and not matcher.consume_tokens(constrained):
-                    raise InvalidRequestError(structured.field, f"the output so far does not match it: {matcher.get_error()}")
-        return grammar
+        if answer_so_far and not matcher.consume_tokens(list(answer_so_far)):
+            raise InvalidRequestError(structured.field, f"the output so far does not match it: {matcher.get_error()}")
+        return SequenceGrammar(matcher)
 
-    def start_masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> Future | None:
+    def start_masks(self, rows: list[tuple[SequenceGrammar | None, ThinkingState | None, list[int]]]) -> Future | None:
         """Compute the masks of a step's sampled rows on the mask thread: per row, the sequence's
-        grammar (None: unconstrained) and the drafts before that row. The future's result is
-        ``(bitmask, constrained row indices)``; None when there are no rows (none constrained)."""
+        grammar (None: unconstrained), its thinking (None: none) and the drafts before that row.
+        The future's result is ``(bitmask, constrained row indices)``; None when there are no
+        rows (none constrained)."""
         if not rows:
             return None
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return self._mask_thread.submit(self._masks, rows)
 
-    def _masks(self, rows: list[tuple[SequenceGrammar | None, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+    def _masks(self, rows: list[tuple[SequenceGrammar | None, ThinkingState | None, list[int]]]) -> tuple[torch.Tensor, list[int]]:
         bitmask = torch.zeros(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)
         constrained = []
-        for index, (grammar, drafts) in enumerate(rows):
+        for index, (grammar, thinking, drafts) in enumerate(rows):
             if grammar is None:
                 continue
-            # A row still thinking is free; one after the end of thinking among the drafts
-            # before it is constrained from the grammar's start, by the drafts after that end.
-            first = not drafts
-            drafts = grammar.constrained_drafts(drafts)
-            if drafts is None:
-                continue
+            opener = None
+            if thinking is not None:
+                # A row inside the thinking is free; the answer's drafts are what the matcher
+                # reads before the row; a first row may open the thinking instead.
+                if not drafts and thinking.may_open:
+                    opener = thinking.thinking.opener
+                drafts = thinking.answer_tokens(drafts)
+                if drafts is None:
+                    continue
             constrained.append(index)
             if not drafts:
-                grammar.fill(bitmask, index, self.eos_token_ids, first)
+                grammar.fill(bitmask, index, self.eos_token_ids, opener)
                 continue
             # A draft row: the state after the drafts before it. Drafts past the first the
             # grammar forbids are never emitted (that one is rejected): their rows copy the

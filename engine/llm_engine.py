@@ -258,11 +258,11 @@ class LLMEngine:
                 f"prompt plus max_tokens needs {self.kv_cache.blocks_needed(most_tokens)} KV blocks, "
                 f"the cache has {self.kv_cache.num_blocks}",
             )
-        grammar = None
-        if params.structured is not None:
-            # A resumed stream's prompt ends with the output it already produced.
-            produced = prompt_token_ids[len(prompt_token_ids) - params.num_resumed_tokens :] if params.num_resumed_tokens else []
-            grammar = self.grammars.for_sequence(params.structured, produced)
+        # A resumed stream's prompt ends with the output it already produced.
+        produced = prompt_token_ids[len(prompt_token_ids) - params.num_resumed_tokens :] if params.num_resumed_tokens else []
+        thinking = params.thinking.state() if params.thinking is not None else None
+        answer = [token_id for token_id in produced if thinking is None or thinking.accept(token_id)]
+        grammar = self.grammars.for_sequence(params.structured, answer) if params.structured is not None else None
         return Sequence(
             req_id=req_id,
             token_ids=list(prompt_token_ids),
@@ -271,6 +271,7 @@ class LLMEngine:
             priority=priority,
             generator=Sampler.make_generator(params.seed),
             grammar=grammar,
+            thinking=thinking,
             hash_salt=adapter_hash_salt(digest),
             adapter_slot=-1 if digest is None else self.adapters.slots[digest],
         )
@@ -660,7 +661,7 @@ def _grammar_rows(batch: ScheduledBatch) -> list:
     rows = []
     for piece in completing:
         drafts = piece.draft_token_ids or []
-        rows.extend((piece.seq.grammar, drafts[:i]) for i in range(len(drafts) + 1))
+        rows.extend((piece.seq.grammar, piece.seq.thinking, drafts[:i]) for i in range(len(drafts) + 1))
     return rows
 
 

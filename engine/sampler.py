@@ -93,10 +93,13 @@ class Sampler:
         """Whether ``sample_on_device`` can draw the row's token: greedy, or on CUDA a row
         ``_draw_on_device`` draws (temperature, top-k, top-p, min-p; seeded or not);
         and nothing the host must decide from the sequence's latest tokens (a grammar's mask, bad
-        words). Penalties, logit_bias, allowed_token_ids and min_tokens are applied on the device."""
+        words, a thinking budget the unread token may have met). Penalties, logit_bias,
+        allowed_token_ids, min_tokens and a thinking budget are applied on the device."""
         params = seq.params
         if seq.grammar is not None or params.bad_words_token_ids:
             return False
+        if seq.thinking is not None and seq.thinking.may_close_after(seq.num_pending_tokens):
+            return False  # whether the unread token closed the thinking decides this one
         return params.greedy or _drawn_on_device(seq, device)
 
     def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> tuple[torch.Tensor, "LogprobTensors | None"]:
@@ -255,7 +258,8 @@ class Sampler:
             return logits
         logits = _apply_logit_adjustments(logits, seqs)
         logits = self.penalties.apply(logits, seqs, pending)
-        return self._suppress_early_stops(logits, seqs, pending)
+        logits = self._suppress_early_stops(logits, seqs, pending)
+        return _close_spent_thinking(logits, seqs)
 
     def _suppress_early_stops(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> torch.Tensor:
         """No EOS or stop token id for a request short of its ``min_tokens`` (its tokens counted
@@ -564,7 +568,24 @@ def _adjusts(params) -> bool:
         or params.allowed_token_ids is not None
         or bool(params.bad_words_token_ids)
         or params.min_tokens > 0
+        or (params.thinking is not None and params.thinking.budget is not None)
     )
+
+
+def _close_spent_thinking(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """A row whose thinking spent its budget (engine.thinking) draws its closer: every other
+    token at -inf. Overlapped rows never get here one token short of it (``draws_on_device``),
+    so a row's state is exact."""
+    rows = [i for i, s in enumerate(seqs) if s.thinking is not None and s.thinking.must_close()]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    index = to_device(rows, torch.long, logits.device)
+    closers = to_device([seqs[i].thinking.thinking.closer for i in rows], torch.long, logits.device)
+    kept = logits[index, closers]
+    logits[index] = float("-inf")
+    logits[index, closers] = kept
+    return logits
 
 
 def _apply_logit_adjustments(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.errors import InvalidRequestError, ModelLoadError, read_json_file
 from engine.structured_output import StructuredOutput
+from engine.thinking import Thinking
 
 
 @dataclass(slots=True)
@@ -54,6 +55,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     structured: StructuredOutput | None = None
+    # A reasoning model's thinking (engine.thinking): where it is in the output (the grammar
+    # constrains the answer after it) and its token budget. Set by the router's reasoning parser.
+    thinking: Thinking | None = None
     # The LoRA adapter (engine.lora) this request runs through, by name; None: the base model.
     lora_name: str | None = None
     # The version of it (engine.lora_loading.adapter_digest) every worker of the request computes with,
@@ -125,6 +129,13 @@ class SamplingParams:
             _check_token_ids(f"bad_words_token_ids[{index}]", word, vocab_size)
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             raise InvalidRequestError("lora_name", f"must be a non-empty adapter name or None, got {self.lora_name!r}")
+        if self.thinking is not None:
+            if not isinstance(self.thinking, Thinking):
+                raise InvalidRequestError("thinking", f"must be a Thinking, got {type(self.thinking).__name__}")
+            budget = self.thinking.budget
+            if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 0):
+                raise InvalidRequestError("thinking_token_budget", f"must be an integer >= 0, got {budget!r}")
+            _check_token_ids("thinking", [t for t in (self.thinking.opener, self.thinking.closer) if t is not None], vocab_size)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequestError("structured", f"must be a StructuredOutput, got {type(self.structured).__name__}")
 

@@ -569,7 +569,7 @@ class Scheduler:
         """Why ``token_id``, just appended, ends ``seq`` (None: it goes on). Counts what the host
         has read: a token still pending behind it does not count."""
         length = len(seq.token_ids)
-        if seq.grammar is not None and seq.grammar.done:
+        if seq.grammar is not None and seq.grammar.done and (seq.thinking is None or seq.thinking.answering):
             return FinishReason.EOS  # the answer its grammar describes is complete: nothing may follow
         if seq.num_output_tokens < seq.params.min_tokens:
             return FinishReason.LENGTH if length >= self.max_model_len else None

@@ -89,18 +89,22 @@ class Sequence:
     num_decode_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
-    # Structured outputs (engine.grammar.SequenceGrammar): what the next token may be.
+    # Structured outputs (engine.grammar.SequenceGrammar): what the next token of its answer may be.
     grammar: object | None = None
+    # A reasoning model's thinking (engine.thinking.ThinkingState): where the output is in it.
+    thinking: object | None = None
     # Tokens sampled on the device whose ids the host has not read yet (overlapped steps,
     # engine.overlap): they come after ``token_ids``, and a step may already compute them.
     num_pending_tokens: int = 0
 
     def append_token(self, token_id: int, logprob: TokenLogprob | None = None) -> None:
-        """Add a sampled token (its grammar, if any, consumes it)."""
+        """Add a sampled token (its thinking, if any, advances; its grammar, if any, consumes
+        an answer's token)."""
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
-        if self.grammar is not None:
+        answer = self.thinking.accept(token_id) if self.thinking is not None else True
+        if self.grammar is not None and answer:
             self.grammar.accept(token_id)
 
     @property

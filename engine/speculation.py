@@ -195,5 +195,10 @@ class DraftRow:
         return self.seq.num_output_tokens + len(self.drafts_before)
 
     @property
+    def thinking(self):
+        """Its thinking's state after the drafts before it (engine.thinking), or None."""
+        return None if self.seq.thinking is None else self.seq.thinking.after(self.drafts_before)
+
+    @property
     def num_pending_tokens(self) -> int:
         return self.seq.num_pending_tokens

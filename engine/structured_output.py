@@ -31,17 +31,12 @@ _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 class StructuredOutput:
     """A constraint on a request's output. ``value``: the schema's JSON text (json_schema), the
     regex, the grammar (Lark, or GBNF as llama.cpp and vLLM write it), or the choices as a JSON list; unused
-    for json_object. ``field``: the request field that asked for it, named in errors.
-    ``after_token_id``: the constraint starts after the output's first such token (a reasoning
-    model's end of thinking, ``</think>``); the tokens before it, and it, are free. With
-    ``opened_by_token_id`` (``<think>``) that wait starts only if the output's first token is
-    that one (a model that may think first); else the constraint applies from the first token."""
+    for json_object. ``field``: the request field that asked for it, named in errors. A reasoning
+    model's output is constrained after its thinking (``SamplingParams.thinking``)."""
 
     kind: str
     value: str = ""
     field: str = "structured_outputs"
-    after_token_id: int | None = None
-    opened_by_token_id: int | None = None
 
     @classmethod
     def build(cls, kind: str, value: object, field: str) -> "StructuredOutput":

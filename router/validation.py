@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingDefaults, SamplingParams
 from engine.structured_output import StructuredOutput, check_grammar
+from engine.thinking import Thinking
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
 from router.proto_checks import check_known_fields
@@ -98,6 +99,7 @@ class GenerateInput:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     structured: StructuredOutput | None = None
+    thinking: Thinking | None = None  # a reasoning model's thinking and its budget (engine.thinking)
     lora_name: str | None = None  # the LoRA adapter it runs through; None: the base model
     sampling_prefix: str = "sampling."
     text_field: str = "prompt_text"
@@ -296,6 +298,7 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
         allowed_token_ids=None if request.allowed_token_ids is None else list(dict.fromkeys(request.allowed_token_ids)),
         bad_words_token_ids=_bad_words_token_ids(request.bad_words, encode),
         structured=request.structured,
+        thinking=request.thinking,
         lora_name=request.lora_name,
     )
     try:

@@ -67,7 +67,7 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
     if "max_tokens" not in body:
         raise InvalidArgumentError("max_tokens", "is required")
     max_tokens = integer(body, "max_tokens", None, 1, None)
-    thinking = _thinking(body, reasoning, max_tokens)
+    thinking, budget = _thinking(body, reasoning, max_tokens)
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise InvalidArgumentError("service_tier", "must be auto or standard_only")
     metadata = body.get("metadata")
@@ -97,7 +97,7 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
     )
     request = MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
     if reasoning is not None:
-        generate.structured = reasoning.constrain_after_thinking(generate.structured, prompt)
+        generate.thinking = reasoning.thinking(prompt, budget)
         request.reasoning, request.show_thinking = reasoning.splitter(prompt), thinking is not False
     return request
 
@@ -107,7 +107,7 @@ def read_count_tokens(body: Any, template: ChatTemplate | None, tool_call_parser
     body = json_object(body, "body")
     refuse_unknown(body, _COUNT_FIELDS)
     model = _model(body)
-    thinking = _thinking(body, reasoning, None)
+    thinking, _ = _thinking(body, reasoning, None)
     prompt, _ = render_prompt(body, template, tool_call_parser, thinking)
     return model, prompt
 
@@ -153,19 +153,19 @@ def _model(body: dict) -> str:
     return model
 
 
-def _thinking(body: dict, reasoning: ReasoningFormat | None, max_tokens: int | None) -> bool | None:
-    """The request's extended-thinking switch: True (enabled, adaptive), False (disabled), None
-    (not given). ``enabled`` needs a reasoning parser; its ``budget_tokens`` is checked as
-    Anthropic checks it (at least 1024, below max_tokens), and bounds nothing more here: the
-    thinking ends where the model ends it, or at max_tokens."""
+def _thinking(body: dict, reasoning: ReasoningFormat | None, max_tokens: int | None) -> tuple[bool | None, int | None]:
+    """The request's extended-thinking switch, True (enabled, adaptive), False (disabled) or None
+    (not given), and its token budget. ``enabled`` needs a reasoning parser and a
+    ``budget_tokens`` as Anthropic checks it (at least 1024, below max_tokens): the engine closes
+    the thinking once it has spent them (engine.thinking)."""
     thinking = body.get("thinking")
     if thinking is None:
-        return None
+        return None, None
     thinking = json_object(thinking, "thinking")
     kind = thinking.get("type")
     if kind == "disabled":
         refuse_unknown(thinking, {"type"}, prefix="thinking.")
-        return False
+        return False, None
     if kind not in ("enabled", "adaptive"):
         raise InvalidArgumentError("thinking.type", f"must be \"enabled\", \"adaptive\" or \"disabled\", got {kind!r}")
     if reasoning is None:
@@ -177,7 +177,8 @@ def _thinking(body: dict, reasoning: ReasoningFormat | None, max_tokens: int | N
             raise InvalidArgumentError("thinking.budget_tokens", f"must be an integer of at least 1024 with type enabled, got {budget!r}")
         if max_tokens is not None and budget >= max_tokens:
             raise InvalidArgumentError("thinking.budget_tokens", f"must be less than max_tokens ({max_tokens}), got {budget}")
-    return True
+        return True, budget
+    return True, None
 
 
 def _system(body: dict) -> list[dict[str, Any]]:

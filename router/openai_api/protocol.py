@@ -58,7 +58,7 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "metadata", "store",
-    "include_reasoning",
+    "include_reasoning", "thinking_token_budget",
 }
 
 
@@ -149,8 +149,11 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
             raise InvalidArgumentError("tool_choice", f"{calling.choice} constrains the answer, and {base.structured.field} already does; give one")
         base.structured = constraint
     include_reasoning = boolean(body, "include_reasoning", True)
+    budget = integer(body, "thinking_token_budget", None, 0, None)
     if reasoning is not None:
-        base.structured = reasoning.constrain_after_thinking(base.structured, prompt)
+        base.thinking = reasoning.thinking(prompt, budget)
+    elif budget is not None:
+        raise InvalidArgumentError("thinking_token_budget", "needs a reasoning model served with router.reasoning_parser")
     base.prompt_text = prompt
     base.prompt_logprobs = integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
     base.add_special_tokens = False  # the template wrote them

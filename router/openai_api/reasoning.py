@@ -10,19 +10,18 @@ as thinking from the start (R1 models may leave out ``<think>``); ``qwen3`` read
 answer unless the model opens ``<think>``. Thinking cut off by ``max_tokens`` stays thinking.
 
 The split is on the text, as it streams: what may be the start of a marker is held back until
-the next piece says. The structured-output grammar of a request whose answer starts inside the
-thinking waits for ``</think>`` (``StructuredOutput.after_token_id``): the model thinks freely,
-then answers under the grammar; where the model may open its thinking itself, the grammar waits
-only if its first token is ``<think>``, and applies from the first token otherwise. Tool calls
-are read from the answer only.
+the next piece says. The engine is told where the thinking is (``thinking``, engine.thinking):
+a structured-output grammar constrains the answer after it (the model thinks freely, then
+answers under the grammar; where the model may open its thinking itself, it does so only if its
+first token is ``<think>``), and a thinking budget (vLLM's ``thinking_token_budget``, Anthropic's
+``budget_tokens``) forces ``</think>`` once spent. Tool calls are read from the answer only.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from engine.structured_output import StructuredOutput
+from engine.thinking import Thinking
 from router.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -52,16 +51,15 @@ class ReasoningFormat:
     def splitter(self, prompt_text: str) -> "ReasoningSplitter":
         return ReasoningSplitter(self.starts_inside(prompt_text))
 
-    def constrain_after_thinking(self, structured: StructuredOutput | None, prompt_text: str) -> StructuredOutput | None:
-        """``structured`` as the engine applies it to this prompt's answer: after ``</think>``
-        where the answer starts inside the thinking; where the model may open it itself, after
-        ``</think>`` if its first token is ``<think>``, else from the first token (an answer that
-        does not think is constrained all along); from the first token where thinking is off."""
+    def thinking(self, prompt_text: str, budget: int | None = None) -> Thinking | None:
+        """Where the engine finds the thinking in this prompt's answer (engine.thinking): from
+        the first token where the prompt opened it; where the model may open it itself, only if
+        its first token is ``<think>`` (an answer that does not think is all answer, its grammar
+        holding from the first token); none where thinking is off. ``budget``: its token budget."""
         inside = self.starts_inside(prompt_text)
-        if structured is None or inside is False:
-            return structured
-        opener = None if inside else self.open_token_id
-        return dataclasses.replace(structured, after_token_id=self.close_token_id, opened_by_token_id=opener)
+        if inside is False:
+            return None
+        return Thinking(self.close_token_id, None if inside else self.open_token_id, budget)
 
 
 def reasoning_format(parser: str | None, tokenizer: Tokenizer) -> ReasoningFormat | None:

@@ -333,7 +333,7 @@ class ResponsesFrontEnd:
         system = [{"role": "system", "content": api.instructions}] if api.instructions else []
         prompt = template.render(template_messages(system + conversation), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
         if self.server.reasoning is not None:
-            api.generate.structured = self.server.reasoning.constrain_after_thinking(api.generate.structured, prompt)
+            api.generate.thinking = self.server.reasoning.thinking(prompt)
         return prompt, calling
 
     async def _keep(self, api: ResponsesRequest, state: ResponseState, conversation: list[dict[str, Any]], body: dict[str, Any] | None = None) -> None:

@@ -224,6 +224,10 @@ def test_bad_chat_requests_and_unknown_models(client):
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model="tiny-chat", messages=[])
     assert raised.value.body["param"] == "messages"
+    for extra, param in (({"thinking_token_budget": 8}, "thinking_token_budget"), ({"include_reasoning": "yes"}, "include_reasoning")):
+        with pytest.raises(openai.BadRequestError) as raised:  # a model served without a reasoning parser
+            client.chat.completions.create(model="tiny-chat", messages=MESSAGES, extra_body=extra)
+        assert raised.value.body["param"] == param
     with pytest.raises(openai.NotFoundError) as raised:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
     assert raised.value.body["code"] == "model_not_found"

@@ -20,6 +20,7 @@ from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 from engine.structured_output import StructuredOutput
+from engine.thinking import Thinking
 from router.config import RouterConfig
 from router.openai_api.reasoning import reasoning_format
 from router.tokenizer import Tokenizer
@@ -159,10 +160,10 @@ def test_thinking_turned_off_by_the_template_leaves_it_all_answer(client, thinke
 
 def test_a_structured_answer_is_constrained_after_the_thinking(client, thinker):
     free_thinking, _ = _reference(thinker)
-    structured = StructuredOutput("json_schema", json.dumps(SCHEMA), after_token_id=thinker.close_id)
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
     expected = _reference_constrained_greedy(
         thinker.hf_model, (thinker.path / "tokenizer.json").read_text(), thinker.hf_model.config.vocab_size,
-        thinker.hf_tokenizer.eos_token_id, structured, thinker.prompt_ids(), 80,
+        thinker.hf_tokenizer.eos_token_id, structured, thinker.prompt_ids(), 80, thinking=Thinking(closer=thinker.close_id),
     )
     thinking, _, answer = thinker.hf_tokenizer.decode(expected, skip_special_tokens=True).partition("</think>")
     assert thinking == free_thinking
@@ -172,6 +173,21 @@ def test_a_structured_answer_is_constrained_after_the_thinking(client, thinker):
     ).choices[0].message
     assert (message.reasoning, message.content) == (thinking, answer)
     jsonschema.validate(json.loads(message.content), SCHEMA)
+
+
+def test_a_thinking_budget_closes_the_thinking_once_spent(client, thinker):
+    """vLLM's thinking_token_budget: after that many thinking tokens the model's </think> is
+    forced, and the answer goes on from there (transformers with the same rule)."""
+    budget = 2
+    ids = thinker.prompt_ids()
+    expected = _reference_constrained_greedy(
+        thinker.hf_model, (thinker.path / "tokenizer.json").read_text(), thinker.hf_model.config.vocab_size,
+        thinker.hf_tokenizer.eos_token_id, None, ids, TOKENS, thinking=Thinking(closer=thinker.close_id, budget=budget),
+    )
+    assert expected[budget] == thinker.close_id and thinker.close_id not in hf_greedy(thinker.hf_model, ids, budget + 1)
+    thinking, _, answer = thinker.hf_tokenizer.decode(expected, skip_special_tokens=True).partition("</think>")
+    message = _chat(client, extra_body={"thinking_token_budget": budget}).choices[0].message
+    assert (message.reasoning, message.content) == (thinking, answer)
 
 
 def test_anthropic_messages_carry_the_thinking_as_a_thinking_block(deployment, thinker):
@@ -208,10 +224,11 @@ def test_a_structured_answer_of_a_model_that_may_open_its_thinking_itself(client
     the first token opens the thinking, else it holds from the first token (the engine's test
     has both; this model's first token under the mask opens it)."""
     open_id = thinker.hf_tokenizer.convert_tokens_to_ids("<think>")
-    structured = StructuredOutput("json_schema", json.dumps(SCHEMA), after_token_id=thinker.close_id, opened_by_token_id=open_id)
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
     expected = _reference_constrained_greedy(
         thinker.hf_model, (thinker.path / "tokenizer.json").read_text(), thinker.hf_model.config.vocab_size,
         thinker.hf_tokenizer.eos_token_id, structured, thinker.prompt_ids(model_opens=True), 80,
+        thinking=Thinking(closer=thinker.close_id, opener=open_id),
     )
     text = thinker.hf_tokenizer.decode(expected, skip_special_tokens=True)
     thinking, answer = text.removeprefix("<think>").partition("</think>")[::2] if expected[0] == open_id else (None, text)

@@ -4,7 +4,6 @@ own), and speculation, a resumed stream and the logit adjustments keep both true
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
@@ -18,6 +17,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.speculation import SpeculativeConfig
 from engine.structured_output import StructuredOutput
+from engine.thinking import Thinking
 from tests.checkpoints import random_prompts
 
 SCHEMA = {
@@ -72,34 +72,42 @@ def test_every_sampled_answer_matches_its_grammar_and_ends_there(engine, e2e_mod
         assert valid(text), text
 
 
-def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int, eos: int, structured, prompt, max_tokens, adjust=None):
+def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int, eos: int, structured, prompt, max_tokens, adjust=None, thinking=None):
     """transformers' logits, masked by a fresh llguidance matcher, argmax; ``adjust(logits,
-    output)`` changes the logits first (the request's adjustments, written from vLLM's formulas)."""
+    output)`` changes the logits first (the request's adjustments, written from vLLM's formulas).
+    ``thinking`` (engine.thinking.Thinking's fields): the output thinks first, from its first
+    token or only if that one is the opener, until the closer; the grammar holds for the answer
+    after it (and a first token may be the opener); past ``budget`` thinking tokens the closer is
+    forced."""
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
     matcher = None if structured is None else llguidance.LLMatcher(tokenizer, structured.to_llguidance())
-    waiting_for = None if structured is None else structured.after_token_id  # free until this token
-    opener = None if structured is None else structured.opened_by_token_id  # ... if the output opens with this one
-    if opener is not None:
-        waiting_for = None
+    phase = "answer" if thinking is None else "before" if thinking.opener is not None else "inside"
+    inside = 0
     output: list[int] = []
     for _ in range(max_tokens):
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt + output])).logits[0, -1].float()
         if adjust is not None:
             logits = adjust(logits, output)
-        if matcher is not None and waiting_for is None:
+        if matcher is not None and phase != "inside":
             mask = matcher.compute_logit_bias()  # one byte per token: 0 forbidden, 200 allowed
             allowed = torch.tensor(list(mask[:vocab_size]), dtype=torch.uint8) > 0
-            if opener is not None and not output:
-                allowed[opener] = True
+            if phase == "before":
+                allowed[thinking.opener] = True
             logits = logits.masked_fill(~allowed, float("-inf"))
+        if phase == "inside" and thinking.budget is not None and inside >= thinking.budget:
+            logits = torch.full_like(logits, float("-inf")).index_fill_(0, torch.tensor([thinking.closer]), 0.0)
         token = int(logits.argmax())
         output.append(token)
-        if opener is not None and output == [opener]:
-            waiting_for = structured.after_token_id
-        elif matcher is not None and waiting_for is not None:
-            waiting_for = None if token == waiting_for else waiting_for
-        elif matcher is not None:
+        if phase == "before":
+            phase = "inside" if token == thinking.opener else "answer"
+            if phase == "inside":
+                continue
+        elif phase == "inside":
+            phase = "answer" if token == thinking.closer else "inside"
+            inside += token != thinking.closer
+            continue
+        if matcher is not None:
             assert matcher.consume_token(token)
             if matcher.is_stopped():
                 break
@@ -112,8 +120,8 @@ def reference(e2e_model):
     config = json.loads((e2e_model.path / "config.json").read_text())
     eos = config["eos_token_id"]
 
-    def run(structured, prompt, max_tokens, adjust=None):
-        return _reference_constrained_greedy(e2e_model.hf_model, text, e2e_model.vocab_size, eos, structured, prompt, max_tokens, adjust)
+    def run(structured, prompt, max_tokens, adjust=None, thinking=None):
+        return _reference_constrained_greedy(e2e_model.hf_model, text, e2e_model.vocab_size, eos, structured, prompt, max_tokens, adjust, thinking)
 
     return run
 
@@ -140,43 +148,60 @@ def test_a_resumed_stream_continues_its_grammar_from_the_tokens_it_produced(e2e_
     assert produced + rest.token_ids == whole
 
 
-def test_a_grammar_after_a_token_leaves_the_output_free_until_that_token(e2e_model, engine, reference, decode):
-    """A reasoning model's structured answer (``after_token_id``: its end-of-thinking token):
-    the tokens up to that one are the model's own, the rest its grammar's; so too with
-    speculation, and resumed before or after that token."""
+def test_a_reasoning_models_grammar_holds_for_the_answer_after_its_thinking(e2e_model, engine, reference, decode):
+    """``SamplingParams.thinking`` (engine.thinking): the tokens up to and with the closer are the
+    model's own, the rest its grammar's; where the model may open the thinking itself, only an
+    output whose first token is the opener thinks; so too with speculation, and resumed before
+    or after the closer."""
     (prompt,) = random_prompts([11], e2e_model.vocab_size, seed=6)
     free = reference(None, prompt, 12)
     at = next(i for i in range(3, 12) if free[i] not in free[:i])  # the first time the model writes it
-    structured = StructuredOutput("json_schema", json.dumps(SCHEMA), after_token_id=free[at])
-    expected = reference(structured, prompt, 90)
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    thinks = Thinking(closer=free[at])
+    expected = reference(structured, prompt, 90, thinking=thinks)
     assert expected[: at + 1] == free[: at + 1] and expected != free[: len(expected)]
     jsonschema.validate(json.loads(decode(expected[at + 1 :])), SCHEMA)
-    assert _generate(engine, prompt, temperature=0.0, max_tokens=90, structured=structured).token_ids == expected
-    speculating = LLMEngine(
-        e2e_model.path, EngineConfig(num_kv_blocks=256, num_threads=1, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
-    )
-    assert _generate(speculating, prompt, temperature=0.0, max_tokens=90, structured=structured).token_ids == expected
-    for produced in (expected[: at - 1], expected[: at + 4]):
-        params = SamplingParams(temperature=0.0, max_tokens=90, structured=structured).resumed(len(produced))
-        rest = _generate(engine, prompt + produced, **{name: getattr(params, name) for name in ("temperature", "max_tokens", "structured", "num_resumed_tokens")})
-        assert produced + rest.token_ids == expected
-
-    # A model that may think first (opened_by_token_id): it waits only if the output opens so.
-    opens = dataclasses.replace(structured, opened_by_token_id=free[0])
-    assert reference(opens, prompt, 90) == expected
-    # An opener the model does not write first (the first that loses to the grammar's tokens).
+    # A model that may think first: the first token opens it (as this model's does) or not.
+    opens = Thinking(closer=free[at], opener=free[0])
+    assert reference(structured, prompt, 90, thinking=opens) == expected
     for other in (token for token in range(3, e2e_model.vocab_size) if token != free[0]):
-        direct = dataclasses.replace(structured, opened_by_token_id=other)
-        answered = reference(direct, prompt, 90)
+        direct = Thinking(closer=free[at], opener=other)  # the first opener that loses to the grammar's tokens
+        answered = reference(structured, prompt, 90, thinking=direct)
         if answered[0] != other:
             break
     jsonschema.validate(json.loads(decode(answered)), SCHEMA)
-    for case, want in ((opens, expected), (direct, answered)):
-        assert _generate(engine, prompt, temperature=0.0, max_tokens=90, structured=case).token_ids == want
-        assert _generate(speculating, prompt, temperature=0.0, max_tokens=90, structured=case).token_ids == want
-        params = SamplingParams(temperature=0.0, max_tokens=90, structured=case).resumed(3)
-        rest = _generate(engine, prompt + want[:3], **{name: getattr(params, name) for name in ("temperature", "max_tokens", "structured", "num_resumed_tokens")})
-        assert want[:3] + rest.token_ids == want
+    speculating = LLMEngine(
+        e2e_model.path, EngineConfig(num_kv_blocks=256, num_threads=1, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    )
+    for thinking, want, resumed_at in ((thinks, expected, (at - 1, at + 4)), (opens, expected, (3,)), (direct, answered, (3,))):
+        fields = dict(temperature=0.0, max_tokens=90, structured=structured, thinking=thinking)
+        assert _generate(engine, prompt, **fields).token_ids == want
+        assert _generate(speculating, prompt, **fields).token_ids == want
+        for k in resumed_at:
+            params = SamplingParams(**fields).resumed(k)
+            rest = _generate(engine, prompt + want[:k], **{name: getattr(params, name) for name in (*fields, "num_resumed_tokens")})
+            assert want[:k] + rest.token_ids == want
+
+
+def test_a_thinking_budget_forces_the_closer_once_spent(e2e_model, engine, reference):
+    """vLLM's thinking_token_budget: after that many thinking tokens the closer comes, whatever
+    the model would draw, one step at a time, overlapped and speculating alike."""
+    (prompt,) = random_prompts([9], e2e_model.vocab_size, seed=12)
+    free = reference(None, prompt, 16)
+    closer = next(token for token in range(3, e2e_model.vocab_size) if token not in free)
+    for budget in (0, 4):
+        thinking = Thinking(closer=closer, budget=budget)
+        want = reference(None, prompt, 16, thinking=thinking)
+        assert want[: budget + 1] == free[:budget] + [closer]
+        overlapped = LLMEngine(e2e_model.path, EngineConfig(num_kv_blocks=256, num_threads=1, async_scheduling=True))
+        speculating = LLMEngine(
+            e2e_model.path, EngineConfig(num_kv_blocks=256, num_threads=1, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+        )
+        for each in (engine, overlapped, speculating):
+            assert _generate(each, prompt, temperature=0.0, max_tokens=16, ignore_eos=True, thinking=thinking).token_ids == want
+    # The opener written first starts the count; budget 0 closes at once after it.
+    opens = Thinking(closer=closer, opener=free[0], budget=0)
+    assert _generate(engine, prompt, temperature=0.0, max_tokens=8, ignore_eos=True, thinking=opens).token_ids[:2] == [free[0], closer]
 
 
 def test_a_grammar_that_does_not_compile_names_the_field(engine, e2e_model):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.structured_output import StructuredOutput
+from engine.thinking import Thinking
 from router.openai_api.reasoning import ReasoningFormat, ReasoningSplitter
 
 R1, QWEN3 = ReasoningFormat("deepseek_r1", 6, 7), ReasoningFormat("qwen3", 6, 7)
@@ -60,13 +60,9 @@ def test_every_way_of_streaming_the_text_splits_it_the_same(inside, text, want):
     assert _split(inside, text, list(text)) == want
 
 
-def test_a_structured_answer_waits_for_the_end_of_thinking_where_the_answer_may_start_with_it():
-    schema = StructuredOutput("json_object", field="response_format")
-    waits = QWEN3.constrain_after_thinking(schema, "<think>\n")
-    assert (waits.after_token_id, waits.opened_by_token_id) == (7, None)
-    assert R1.constrain_after_thinking(schema, "<|assistant|>\n").opened_by_token_id is None
-    # The model may open it itself: the wait starts only if its first token is <think>.
-    may = QWEN3.constrain_after_thinking(schema, "<|assistant|>\n")
-    assert (may.after_token_id, may.opened_by_token_id) == (7, 6)
-    assert QWEN3.constrain_after_thinking(schema, "<think>\n\n</think>\n\n") is schema
-    assert QWEN3.constrain_after_thinking(None, "<think>\n") is None
+def test_the_engine_is_told_where_the_thinking_is_and_its_budget():
+    assert QWEN3.thinking("<think>\n") == Thinking(closer=7)  # inside from the first token
+    assert R1.thinking("<|assistant|>\n", budget=5) == Thinking(closer=7, budget=5)
+    # The model may open it itself: only an output whose first token is <think> thinks.
+    assert QWEN3.thinking("<|assistant|>\n") == Thinking(closer=7, opener=6)
+    assert QWEN3.thinking("<think>\n\n</think>\n\n", budget=5) is None  # thinking is off
