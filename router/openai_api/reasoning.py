@@ -41,15 +41,17 @@ class ReasoningFormat:
         """Whether the answer to ``prompt_text`` starts inside the thinking: True (the prompt
         opened it), False (the prompt closed it, right at its end: thinking turned off), None
         (the model may open it as it starts)."""
-        opened, closed = prompt_text.rfind(THINK_OPEN), prompt_text.rfind(THINK_CLOSE)
-        if opened > closed:
+        # Only a marker at the prompt's very end is the template's: one in a message's text
+        # ("what does <think> mean?") says nothing about the answer.
+        tail = prompt_text.rstrip()
+        if tail.endswith(THINK_OPEN):
             return True
-        if closed >= 0 and not prompt_text[closed + len(THINK_CLOSE) :].strip():
+        if tail.endswith(THINK_CLOSE):
             return False
         return True if self.parser == "deepseek_r1" else None
 
     def splitter(self, prompt_text: str) -> "ReasoningSplitter":
-        return ReasoningSplitter(self.starts_inside(prompt_text))
+        return ReasoningSplitter(self.starts_inside(prompt_text), self.close_token_id)
 
     def thinking(self, prompt_text: str, budget: int | None = None) -> Thinking | None:
         """Where the engine finds the thinking in this prompt's answer (engine.thinking): from
@@ -82,10 +84,11 @@ def reasoning_format(parser: str | None, tokenizer: Tokenizer) -> ReasoningForma
 class ReasoningSplitter:
     """One choice's answer, piece by piece, into (thinking, answer) text."""
 
-    def __init__(self, inside: bool | None):
+    def __init__(self, inside: bool | None, close_token_id: int | None = None):
         # "inside": thinking until </think>; "answer": the rest is the answer; "start": the model
-        # may open <think> first (whitespace before it is the thinking's too).
+        # may open <think> first (whitespace before it goes with it).
         self._state = "inside" if inside else "answer" if inside is False else "start"
+        self.close_token_id = close_token_id
         self._held = ""  # text that may be the start of the marker looked for
         self._opened_at_start = self._state == "inside"  # a <think> the model writes first is dropped
         self.thought = False  # any thinking text came
@@ -133,6 +136,15 @@ class ReasoningSplitter:
     def thinking(self) -> bool:
         """Whether the text is inside the thinking now."""
         return self._state == "inside"
+
+    def thinking_tokens(self, token_ids: list[int], was_thinking: bool) -> int:
+        """How many of a piece's tokens (fed now, its thinking state before it ``was_thinking``)
+        are the thinking's: all while it thinks, those up to and with ``</think>`` where it ends."""
+        if not (was_thinking or self.thinking):
+            return 0
+        if not self.thinking and self.close_token_id in token_ids:
+            return token_ids.index(self.close_token_id) + 1
+        return len(token_ids)
 
     def take(self, text: str, last: bool) -> tuple[str, str]:
         """``feed``, and ``finish`` too where ``text`` is the answer's last piece."""

@@ -297,7 +297,7 @@ class OpenAIServer:
                 # call being read out of the text is the exception: it goes out once read
                 # (its token ids, where asked for, at once).
                 new_tokens = bool(item.token_ids) and (state.tools is None or api.return_token_ids)
-                if item.end is None and not item.text and not state.tool_deltas and logprobs is None and not new_prompt_logprobs and not new_tokens and (state.role_sent or not chat):
+                if item.end is None and not item.text and not state.reasoning_delta and not state.tool_deltas and logprobs is None and not new_prompt_logprobs and not new_tokens and (state.role_sent or not chat):
                     continue  # nothing new to say
                 payload = envelope(response_id, model, chat, stream=True, created=created)
                 payload["choices"] = [state.delta(item, logprobs)]

@@ -120,8 +120,7 @@ class ResponseState:
         if self.reasoning is not None:
             was_thinking = self.reasoning.thinking
             thinking, text = self.reasoning.take(text, chunk.end is not None)
-            if was_thinking or self.reasoning.thinking:
-                self.reasoning_tokens += len(chunk.token_ids)
+            self.reasoning_tokens += self.reasoning.thinking_tokens(chunk.token_ids, was_thinking)
             if thinking:
                 events += self._think(thinking)
         text, deltas = split_text(self.tools, text, chunk.end is not None)

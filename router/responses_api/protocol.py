@@ -259,7 +259,8 @@ def _input(body: dict) -> list[dict[str, Any]]:
         else:
             raise InvalidArgumentError(f"{where}.type", f"must be message, function_call, function_call_output or reasoning (text models), got {kind!r}")
         if thinking and messages[-1]["role"] == "assistant":
-            messages[-1]["reasoning_content"], thinking = thinking, ""
+            messages[-1]["reasoning_content"] = thinking
+        thinking = ""  # a reasoning item belongs to the assistant turn right after it, or to none
     if not messages:
         raise InvalidArgumentError("input", "has no message, function call or output (a reasoning item goes with the turn it belongs to)")
     return messages

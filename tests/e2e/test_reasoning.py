@@ -110,6 +110,15 @@ def test_the_thinking_and_the_answer_are_split_whole_and_streamed(client, thinke
                 streamed[name] += getattr(choice.delta, name, None) or ""
     assert streamed == {"reasoning": thinking, "reasoning_content": thinking, "content": answer}
 
+    # With tools the answer is also read for calls: the thinking still streams, piece by piece.
+    tool = {"type": "function", "function": {"name": "factor", "parameters": {"type": "object", "properties": {}}}}
+    with_tools = {"reasoning": "", "content": ""}
+    for chunk in _chat(client, stream=True, tools=[tool], tool_choice="none"):
+        for choice in chunk.choices:
+            for name in with_tools:
+                with_tools[name] += getattr(choice.delta, name, None) or ""
+    assert with_tools == {"reasoning": thinking, "content": answer}
+
     # vLLM's include_reasoning: false leaves the thinking out.
     hidden = _chat(client, extra_body={"include_reasoning": False}).choices[0].message
     assert hidden.reasoning is None and hidden.content == answer

@@ -21,6 +21,7 @@ R1, QWEN3 = ReasoningFormat("deepseek_r1", 6, 7), ReasoningFormat("qwen3", 6, 7)
         ("<|assistant|>\n<think>\n\n</think>\n\n", False, False),  # the template closed it: thinking off
         ("<|assistant|>\n", True, None),  # R1 may leave <think> out; Qwen3 may open it itself
         ("<think>old</think> said\n<|assistant|>\n", True, None),  # an earlier turn's closed thinking
+        ("<|user|>\nWhat does <think> mean?\n<|assistant|>\n", True, None),  # a marker in a message's text
     ],
 )
 def test_where_the_thinking_starts(prompt, r1, qwen3):
@@ -66,3 +67,11 @@ def test_the_engine_is_told_where_the_thinking_is_and_its_budget():
     # The model may open it itself: only an output whose first token is <think> thinks.
     assert QWEN3.thinking("<|assistant|>\n") == Thinking(closer=7, opener=6)
     assert QWEN3.thinking("<think>\n\n</think>\n\n", budget=5) is None  # thinking is off
+
+
+def test_a_pieces_thinking_tokens_are_counted_up_to_and_with_the_closer():
+    splitter = QWEN3.splitter("<think>\n")
+    assert splitter.thinking_tokens([1, 2], was_thinking=True) == 2  # still thinking (fed "ab")
+    splitter.feed("x</think>y")
+    assert splitter.thinking_tokens([1, 7, 9], was_thinking=True) == 2  # "x", "</think>"; "y" is the answer's
+    assert splitter.thinking_tokens([9], was_thinking=False) == 0
