@@ -90,7 +90,7 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--router-replicas", type=int, help="routers serving the deployment, on the same ports (default 1)")
     up.add_argument("--stream-interval", type=int, help="tokens per streamed message after the first (default 1)")
     up.add_argument(
-        "--tool-call-parser", choices=["hermes", "llama3_json"],
+        "--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
         help='how chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)',
     )
     up.add_argument(

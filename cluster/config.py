@@ -234,7 +234,7 @@ class RouterSection(BaseModel):
     responses_store_path: Path | None = Field(
         None, description="/v1/responses: a JSON-lines file keeping stored responses across router restarts (null: memory only)"
     )
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description='How chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)'
     )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(

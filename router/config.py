@@ -100,8 +100,8 @@ class RouterConfig:
     # a stream's next message always go with it, whatever this is.
     stream_interval: int = 1
     status_timeout_s: float = 5.0
-    # How chat answers with tool_choice "auto" are read for tool calls: "hermes" or
-    # "llama3_json" (router/openai_api/tool_calls.py); None: recognised in the chat template.
+    # How chat answers with tool_choice "auto" are read for tool calls: "hermes",
+    # "llama3_json" or "mistral" (router/openai_api/tool_calls.py); None: recognised in the chat template.
     tool_call_parser: str | None = None
     # A reasoning model's thinking split off its chat answers: "deepseek_r1" or "qwen3"
     # (router/openai_api/reasoning.py); None: the answer keeps it, as the model wrote it.
@@ -124,8 +124,8 @@ class RouterConfig:
             raise ValueError("tls_cert_file and tls_key_file: give both or neither")
         if self.reasoning_parser not in (None, "deepseek_r1", "qwen3"):
             raise ValueError(f"reasoning_parser: one of deepseek_r1, qwen3 (or unset), got {self.reasoning_parser!r}")
-        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
-            raise ValueError(f"tool_call_parser: one of hermes, llama3_json (or unset), got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
+            raise ValueError(f"tool_call_parser: one of hermes, llama3_json, mistral (or unset), got {self.tool_call_parser!r}")
         if self.served_model_names is not None and (not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names)):
             raise ValueError(f"served_model_names: must be non-empty names, got {self.served_model_names!r}")
         if self.auth_token is not None and not self.auth_token.strip():

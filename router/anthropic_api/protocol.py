@@ -120,7 +120,7 @@ def render_prompt(body: dict, template: ChatTemplate | None, tool_call_parser: s
     calling = read_tool_calling(_openai_tools(body), template.text, tool_call_parser)
     messages = _system(body) + _conversation(body)
     extra = None if thinking is None else {"enable_thinking": thinking}
-    prompt = template.render(template_messages(messages), add_generation_prompt=True, tools=calling.tools if calling is not None else None, extra=extra)
+    prompt = template.render(template_messages(messages, template.text), add_generation_prompt=True, tools=calling.tools if calling is not None else None, extra=extra)
     return prompt, calling
 
 

@@ -177,7 +177,7 @@ def render_conversation(body: dict, template: ChatTemplate, tools: list[dict[str
     add_generation_prompt = boolean(body, "add_generation_prompt", not continue_final)
     if continue_final and add_generation_prompt:
         raise InvalidArgumentError("continue_final_message", "cannot be combined with add_generation_prompt: true")
-    prompt = template.render(template_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools, extra=extra)
+    prompt = template.render(template_messages(messages, template.text), add_generation_prompt=add_generation_prompt, tools=tools, extra=extra)
     if continue_final:
         final = messages[-1].get("content")
         if not isinstance(final, str) or not final.strip() or final.strip() not in prompt:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.thinking import Thinking
+from router.openai_api.tool_parsers import marker_prefix_len
 from router.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -125,7 +126,7 @@ class ReasoningSplitter:
                 thinking += text[:end]
                 self._state, text = "answer", text[end + len(THINK_CLOSE) :]
                 continue
-            keep = _partial_marker(text, THINK_CLOSE)
+            keep = marker_prefix_len(text, THINK_CLOSE)
             thinking += text[: len(text) - keep]
             self._held = text[len(text) - keep :]
             break
@@ -161,11 +162,3 @@ class ReasoningSplitter:
             return "", held
         self.thought = self.thought or bool(held)
         return held, ""
-
-
-def _partial_marker(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` are the start of ``marker``."""
-    for length in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

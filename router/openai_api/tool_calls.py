@@ -5,9 +5,11 @@ router/openai_api/tool_parsers.py.
 - ``none``: the template still sees the tools (as vLLM does); the answer is plain content.
 - ``auto``: the model decides; its text is parsed by the model's tool-call parser: ``hermes``
   (Hermes, Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after
-  optional content) or ``llama3_json`` (Llama 3.x: the whole answer is ``{"name": ...,
-  "parameters": {...}}``, several joined by ``;``, optionally after ``<|python_tag|>``). The
-  parser is configured (``router.tool_call_parser``) or recognised in the chat template.
+  optional content), ``llama3_json`` (Llama 3.x: the whole answer is ``{"name": ...,
+  "parameters": {...}}``, several joined by ``;``, optionally after ``<|python_tag|>``) or
+  ``mistral`` (``[TOOL_CALLS]`` after optional content, then a JSON list of ``{"name",
+  "arguments"}``, or each call as ``name[ARGS]{...}`` in newer Mistral models). The parser is
+  configured (``router.tool_call_parser``) or recognised in the chat template.
 - ``required``: a grammar makes the answer a JSON array of ``{"name", "parameters"}`` objects,
   one schema per tool (at most one item without ``parallel_tool_calls``); named
   (``{"type": "function", "function": {"name": ...}}``): the answer is that function's arguments.
@@ -24,10 +26,12 @@ from typing import Any
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 HERMES_OPEN = "<tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ID_LENGTH = 9  # Mistral's templates refuse other tool call ids
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,6 +114,8 @@ def read_tool_calling(body: dict, template_text: str, configured_parser: str | N
 
 def detect_parser(template_text: str) -> str | None:
     """The tool-call format a chat template teaches its model, where it shows one."""
+    if MISTRAL_CALLS in template_text:
+        return "mistral"
     if HERMES_OPEN in template_text:
         return "hermes"
     if PYTHON_TAG in template_text or "ipython" in template_text:
@@ -117,15 +123,20 @@ def detect_parser(template_text: str) -> str | None:
     return None
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], template_text: str) -> list[dict[str, Any]]:
     """Messages as templates expect them: a tool call's ``arguments`` as an object where the
-    client's JSON text parses (templates write it with ``tojson``), as vLLM passes them."""
+    client's JSON text parses (templates write it with ``tojson``), as vLLM passes them; for a
+    Mistral template, tool call ids cut to their last 9 characters (vLLM's cut: the template
+    raises on any other length, and clients send back ids of every shape)."""
+    short_ids = MISTRAL_CALLS in template_text
     rendered = []
     for message in messages:
         calls = message.get("tool_calls")
         if calls:
             message = dict(message)
-            message["tool_calls"] = [_with_parsed_arguments(call) for call in calls]
+            message["tool_calls"] = [_with_parsed_arguments(call, short_ids) for call in calls]
+        if short_ids and isinstance(message.get("tool_call_id"), str):
+            message = {**message, "tool_call_id": message["tool_call_id"][-MISTRAL_ID_LENGTH:]}
         rendered.append(message)
     return rendered
 
@@ -171,14 +182,17 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
-def _with_parsed_arguments(call: dict[str, Any]) -> dict[str, Any]:
+def _with_parsed_arguments(call: dict[str, Any], short_id: bool) -> dict[str, Any]:
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         parsed = json_or(arguments, None)
         if isinstance(parsed, dict):
             function["arguments"] = parsed
-    return {**call, "function": function}
+    call = {**call, "function": function}
+    if short_id and isinstance(call.get("id"), str):
+        call["id"] = call["id"][-MISTRAL_ID_LENGTH:]
+    return call
 
 
 def json_or(text: str, default: Any) -> Any:

@@ -1,6 +1,6 @@
 """A chat answer read for tool calls as it streams: the content the client sees and the calls,
 whole (OpenAI ``tool_calls``) and as streamed deltas, in the model's format (``hermes``,
-``llama3_json``) for ``tool_choice`` auto, or as the JSON a ``required`` or named choice's grammar
+``llama3_json``, ``mistral``) for ``tool_choice`` auto, or as the JSON a ``required`` or named choice's grammar
 made (router/openai_api/tool_calls.py says which is which)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.openai_api.tool_calls import HERMES_OPEN, PYTHON_TAG, ToolCalling, json_or
+from router.openai_api.tool_calls import HERMES_OPEN, MISTRAL_CALLS, MISTRAL_ID_LENGTH, PYTHON_TAG, ToolCalling, json_or
 
 _HERMES_CLOSE = "</tool_call>"
 
@@ -67,6 +67,8 @@ class ToolCallOutput:
             return "", []
         if self.calling.parser == "hermes":
             return self._feed_hermes()
+        if self.calling.parser == "mistral":
+            return self._feed_mistral()
         return self._feed_llama3()
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
@@ -82,6 +84,11 @@ class ToolCallOutput:
                 found = _hermes_call(rest)
                 return ("", self._add([found])) if found else (HERMES_OPEN + rest, [])
             return ("" if self.calls and not rest.strip() else rest), []
+        if self.calling.parser == "mistral":
+            if not self._content_done:
+                return rest, []
+            calls = _mistral_calls(rest)
+            return ("", self._add(calls)) if calls else (MISTRAL_CALLS + rest, [])
         calls = _llama3_calls(rest) if self._content_done else None
         if calls is None:
             return rest, []
@@ -94,7 +101,7 @@ class ToolCallOutput:
                 at = self._buffer.find(HERMES_OPEN)
                 if at < 0:
                     # Hold back what could be the start of a marker.
-                    keep = _marker_prefix_len(self._buffer, HERMES_OPEN)
+                    keep = marker_prefix_len(self._buffer, HERMES_OPEN)
                     return content + self._content(self._buffer[: len(self._buffer) - keep]), deltas
                 content += self._content(self._buffer[:at])  # the buffer now starts with the marker
                 self._buffer = self._buffer[len(HERMES_OPEN) :]
@@ -113,6 +120,19 @@ class ToolCallOutput:
         self._buffer = self._buffer[len(text) :]
         return "" if self.calls and not text.strip() else text
 
+    def _feed_mistral(self) -> tuple[str, list[ToolCallDelta]]:
+        """Content until ``[TOOL_CALLS]``; the rest is calls, read once the answer ends."""
+        if self._content_done:
+            return "", []
+        at = self._buffer.find(MISTRAL_CALLS)
+        if at >= 0:
+            content, self._buffer = self._buffer[:at], self._buffer[at + len(MISTRAL_CALLS) :]
+            self._content_done = True
+            return content, []
+        keep = marker_prefix_len(self._buffer, MISTRAL_CALLS)
+        content, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
+        return content, []
+
     def _feed_llama3(self) -> tuple[str, list[ToolCallDelta]]:
         if not self._decided:
             stripped = self._buffer.lstrip()
@@ -128,14 +148,17 @@ class ToolCallOutput:
     def _add(self, found: list[tuple[str, Any]]) -> list[ToolCallDelta]:
         deltas = []
         for name, arguments in found:
-            call = _call(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+            call = _call(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False), self.calling.parser == "mistral")
             deltas.append(ToolCallDelta(len(self.calls), call["function"]["arguments"], call["id"], name))
             self.calls.append(call)
         return deltas
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+def _call(name: str, arguments: str, short_id: bool = False) -> dict[str, Any]:
+    """A call in OpenAI's shape; ``short_id``: an id of 9 letters and digits, the only ids a
+    Mistral template takes back."""
+    call_id = uuid.uuid4().hex[:MISTRAL_ID_LENGTH] if short_id else f"call_{uuid.uuid4().hex[:24]}"
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _hermes_call(text: str) -> tuple[str, Any] | None:
@@ -165,7 +188,28 @@ def _llama3_calls(text: str) -> list[tuple[str, Any]] | None:
     return calls or None
 
 
-def _marker_prefix_len(text: str, marker: str) -> int:
+def _mistral_calls(text: str) -> list[tuple[str, Any]] | None:
+    """The calls after ``[TOOL_CALLS]``: a JSON list of ``{"name", "arguments"}`` (or one such
+    object), or ``name[ARGS]{...}`` (an optional ``[CALL_ID]id`` before ``[ARGS]``), each after
+    its own ``[TOOL_CALLS]``; None where the text is neither."""
+    text = text.strip()
+    if text.startswith(("[", "{")):
+        body = json_or(text, None)
+        items = body if isinstance(body, list) else [body]
+        if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
+            return None
+        return [(item["name"], item.get("arguments", item.get("parameters", {}))) for item in items]
+    calls = []
+    for part in text.split(MISTRAL_CALLS):
+        name, marker, arguments = part.partition("[ARGS]")
+        name = name.partition("[CALL_ID]")[0].strip()
+        if not marker or not name or not isinstance(json_or(arguments.strip(), None), dict):
+            return None
+        calls.append((name, arguments.strip()))
+    return calls
+
+
+def marker_prefix_len(text: str, marker: str) -> int:
     """How many of ``text``'s last characters are a proper start of ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):

@@ -330,7 +330,7 @@ class ResponsesFrontEnd:
                 raise InvalidArgumentError("tool_choice", "and text.format both constrain the answer; give one")
             api.generate.structured = constraint
         system = [{"role": "system", "content": api.instructions}] if api.instructions else []
-        prompt = template.render(template_messages(system + conversation), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
+        prompt = template.render(template_messages(system + conversation, template.text), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
         if self.server.reasoning is not None:
             api.generate.thinking = self.server.reasoning.thinking(prompt)
         return prompt, calling

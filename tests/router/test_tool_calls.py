@@ -112,3 +112,43 @@ def test_auto_needs_a_parser_the_template_shows_or_the_config_names():
         read_tool_calling({"tools": [WEATHER]}, "plain template", None)
     assert read_tool_calling({"tools": [WEATHER]}, "plain template", "llama3_json").parser == "llama3_json"
     assert read_tool_calling({"tools": [WEATHER], "tool_choice": "required"}, "plain template", None).choice == "required"
+
+
+MISTRAL = ToolCalling([WEATHER, TIME], "auto", parser="mistral")
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_mistral_calls_in_both_of_its_formats(piece):
+    for text in ('Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", "arguments": {}}]',
+                 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}'):
+        content, streamed, whole, reason = _run(MISTRAL, text, piece)
+        assert content == "Sure." and streamed == whole and reason == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in whole)  # the ids Mistral's templates take back
+    assert _run(MISTRAL, "[TOOL_CALLS] not a call", piece)[:2] == ("[TOOL_CALLS] not a call", [])
+    assert _run(MISTRAL, "a [TOOL_ or [TOOL", piece)[:2] == ("a [TOOL_ or [TOOL", [])
+
+
+# A template that, as Mistral's do, refuses tool call ids other than 9 letters and digits.
+MISTRAL_TEMPLATE = """{%- for message in messages %}
+{%- if message.tool_calls %}[TOOL_CALLS]{% for call in message.tool_calls %}{% if call.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}{{ call.function.name }}[CALL_ID]{{ call.id }}[ARGS]{{ call.function.arguments | tojson }}{% endfor %}</s>
+{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.tool_call_id }}[TOOL_CONTENT]{{ message.content }}[/TOOL_RESULTS]
+{%- else %}[INST]{{ message.content }}[/INST]{% endif %}
+{%- endfor %}"""
+
+
+def test_a_mistral_template_gets_the_tool_call_ids_it_takes():
+    """Clients send back ids of every shape (OpenAI's call_..., another server's): for a Mistral
+    template they are cut to their last 9 characters, as vLLM cuts them, call and result alike."""
+    from router.openai_api.chat_template import ChatTemplate
+    from router.openai_api.protocol import render_conversation
+
+    call_id = "call_0123456789abcdef"
+    body = {"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny"},
+    ]}
+    prompt = render_conversation(body, ChatTemplate(MISTRAL_TEMPLATE, {}), [WEATHER])
+    assert '[CALL_ID]789abcdef[ARGS]{"city": "Oslo"}' in prompt and "[TOOL_RESULTS]789abcdef[TOOL_CONTENT]sunny" in prompt
+    assert detect_parser(MISTRAL_TEMPLATE) == "mistral"
