@@ -238,10 +238,11 @@ class EngineConfig:
     # Overlapped steps (engine.overlap): the host schedules and prepares the next step while the
     # device computes this one, which samples on the device; a step whose rows need the host
     # between steps (grammars, bad words, drafts, a thinking budget at its end, several ranks)
-    # runs after the one in flight instead (penalties, logprobs and seeded draws overlap). Worth it where the device computes asynchronously: None
-    # (the default) turns it on for CUDA, where an H200 ran the 1.5B shape's batch-64 decode step
-    # in 3.08 ms overlapped against 4.22 ms one at a time (the 135M shape's batch 32: 1.48 / 2.38),
-    # and off on a CPU, whose cores compute the step the host would prepare beside.
+    # runs after the one in flight instead (penalties, logprobs and seeded draws overlap).
+    # Worth it where the device computes asynchronously: None (the default) turns it on for
+    # CUDA, where an H200 ran the 1.5B shape's batch-64 decode step in 3.08 ms overlapped against
+    # 4.22 ms one at a time (the 135M shape's batch 32: 1.48 / 2.38), and off on a CPU, whose
+    # cores compute the step the host would prepare beside.
     async_scheduling: bool | None = None
     # Priority aging: a request waiting this long since it arrived is served ahead of every
     # priority, oldest first, so a low priority bounds a wait instead of starving it. None:

@@ -166,7 +166,7 @@ class Grammars:
 def apply_masks(logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
     """``logits`` with every token a row's mask forbids at -inf (constrained rows only)."""
     bitmask, rows = masks
-    if not rows:  # every constrained sequence still waits for its grammar's start
+    if not rows:  # every constrained row is still inside its thinking (engine.thinking)
         return logits
     vocab = logits.shape[-1]
     # Each byte of the mask (little-endian words: byte k of word w holds tokens 32w+8k..+7) looks

@@ -32,7 +32,7 @@ THINK_CLOSE = "</think>"
 
 @dataclass(slots=True, frozen=True)
 class ReasoningFormat:
-    """A deployment's reasoning parser: its name and the token id of its closing marker."""
+    """A deployment's reasoning parser: its name and the token ids of its markers."""
 
     parser: str
     open_token_id: int

@@ -85,8 +85,8 @@ class ResponseState:
     echo: dict[str, Any]
     prompt_tokens: int
     tools: ToolCallOutput | None
-    # With a reasoning parser: splits the thinking (a reasoning item) off the answer; the tokens
-    # of chunks that came while thinking (usage's reasoning_tokens).
+    # With a reasoning parser: splits the thinking (a reasoning item) off the answer; the
+    # thinking's tokens so far (usage's reasoning_tokens).
     reasoning: ReasoningSplitter | None = None
     reasoning_tokens: int = 0
     created_at: int = field(default_factory=lambda: int(time.time()))
