@@ -34,7 +34,7 @@ from typing import Any
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.constraints import logit_bias, structured_output
-from router.openai_api.reasoning import ReasoningFormat
+from router.openai_api.reasoning import ReasoningFormat, read_effort
 from router.openai_api.fields import boolean, int_list, integer, is_int, json_object, number, refuse_unknown, string_list, text_parts, type_name
 from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
@@ -58,7 +58,7 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "metadata", "store",
-    "include_reasoning", "thinking_token_budget",
+    "include_reasoning", "thinking_token_budget", "reasoning_effort",
 }
 
 
@@ -169,10 +169,13 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
 def render_conversation(body: dict, template: ChatTemplate, tools: list[dict[str, Any]] | None) -> str:
     """The prompt text of a chat body's ``messages`` through the model's template, with its
     ``add_generation_prompt``, ``continue_final_message`` (vLLM's: the last message is left open
-    for the model to go on with) and ``chat_template_kwargs``."""
+    for the model to go on with), ``chat_template_kwargs`` and ``reasoning_effort``."""
     messages = _messages(body)
     extra = body.get("chat_template_kwargs")
     extra = dict(json_object(extra, "chat_template_kwargs")) if extra is not None else None
+    effort = read_effort(body.get("reasoning_effort"), "reasoning_effort")
+    if effort is not None:
+        extra = {"reasoning_effort": effort, **(extra or {})}
     continue_final = boolean(body, "continue_final_message", False)
     add_generation_prompt = boolean(body, "add_generation_prompt", not continue_final)
     if continue_final and add_generation_prompt:

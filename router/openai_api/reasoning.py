@@ -22,10 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.thinking import Thinking
+from router.errors import InvalidArgumentError
 from router.openai_api.tool_parsers import marker_prefix_len
 from router.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
@@ -63,6 +65,17 @@ class ReasoningFormat:
         if inside is False:
             return None
         return Thinking(self.close_token_id, None if inside else self.open_token_id, budget)
+
+
+def read_effort(value, field: str) -> str | None:
+    """OpenAI's ``reasoning_effort`` (chat) or ``reasoning.effort`` (Responses), checked. It goes
+    to the chat template as its ``reasoning_effort`` variable, as vLLM passes it: a template that
+    reads it (gpt-oss's, Hunyuan's) steers its thinking with it; others ignore it."""
+    if value is None:
+        return None
+    if value not in REASONING_EFFORTS:
+        raise InvalidArgumentError(field, f"must be one of {', '.join(REASONING_EFFORTS)}, got {value!r}")
+    return value
 
 
 def reasoning_format(parser: str | None, tokenizer: Tokenizer) -> ReasoningFormat | None:

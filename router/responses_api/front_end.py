@@ -330,7 +330,10 @@ class ResponsesFrontEnd:
                 raise InvalidArgumentError("tool_choice", "and text.format both constrain the answer; give one")
             api.generate.structured = constraint
         system = [{"role": "system", "content": api.instructions}] if api.instructions else []
-        prompt = template.render(template_messages(system + conversation, template.text), add_generation_prompt=True, tools=calling.tools if calling is not None else None)
+        extra = {"reasoning_effort": api.reasoning_effort} if api.reasoning_effort is not None else None
+        prompt = template.render(
+            template_messages(system + conversation, template.text), add_generation_prompt=True, tools=calling.tools if calling is not None else None, extra=extra,
+        )
         if self.server.reasoning is not None:
             api.generate.thinking = self.server.reasoning.thinking(prompt)
         return prompt, calling

@@ -20,6 +20,7 @@ from typing import Any
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.fields import boolean, integer, int_list, json_object, number, refuse_unknown, text_parts, type_name
+from router.openai_api.reasoning import read_effort
 from router.openai_api.tool_calls import flat_function_tool
 from router.validation import GenerateInput
 
@@ -47,6 +48,7 @@ class ResponsesRequest:
     messages: list[dict[str, Any]]  # this call's input, as chat-template messages
     generate: GenerateInput  # everything but the prompt
     chat_tools: dict[str, Any]  # tools / tool_choice / parallel_tool_calls in chat completions' shape
+    reasoning_effort: str | None = None  # reasoning.effort, for the chat template
     echo: dict[str, Any] = field(default_factory=dict)  # the request's settings a response object repeats
 
 
@@ -66,7 +68,7 @@ def read_responses(body: Any) -> ResponsesRequest:
         raise InvalidArgumentError("truncation", "only \"disabled\" is supported (a conversation longer than the context is refused)")
     if body.get("service_tier") not in (None, "auto", "default"):
         raise InvalidArgumentError("service_tier", "must be auto or default")
-    _no_reasoning(body)
+    reasoning = _reasoning(body)
     include = body.get("include")
     if include not in (None, []):
         raise InvalidArgumentError("include", "extra output data (logprobs, reasoning, tool results) is not supported")
@@ -134,19 +136,28 @@ def read_responses(body: Any) -> ResponsesRequest:
         "background": background,
         "previous_response_id": previous,
     }
+    if reasoning is not None:
+        echo["reasoning"] = reasoning
     return ResponsesRequest(
         model=model, stream=stream, store=store, background=background, previous_response_id=previous, instructions=instructions,
         messages=_input(body), generate=generate, chat_tools=chat_tools, echo=echo,
+        reasoning_effort=reasoning["effort"] if reasoning is not None else None,
     )
 
 
-def _no_reasoning(body: dict) -> None:
+def _reasoning(body: dict) -> dict[str, Any] | None:
+    """``reasoning``: its ``effort`` goes to the chat template (``read_effort``); a ``summary``
+    is taken, and none is written (the reasoning item's ``summary`` stays empty, its ``content``
+    holds the thinking itself)."""
     reasoning = body.get("reasoning")
     if reasoning is None:
-        return
+        return None
     reasoning = json_object(reasoning, "reasoning")
-    if any(value is not None for value in reasoning.values()):
-        raise InvalidArgumentError("reasoning", "reasoning settings are not supported (the models served do not reason in a separate channel)")
+    refuse_unknown(reasoning, {"effort", "summary", "generate_summary"}, prefix="reasoning.")
+    summary = reasoning.get("summary", reasoning.get("generate_summary"))
+    if summary not in (None, "auto", "concise", "detailed"):
+        raise InvalidArgumentError("reasoning.summary", f"must be auto, concise or detailed, got {summary!r}")
+    return {"effort": read_effort(reasoning.get("effort"), "reasoning.effort"), "summary": summary}
 
 
 def _text_format(body: dict) -> tuple[dict[str, Any], StructuredOutput | None]:

@@ -29,7 +29,9 @@ from tests.engine.test_structured_output import _reference_constrained_greedy
 from tests.router.tokenizer_builders import BASE_CONFIG, save_model_dir, train_byte_level_bpe
 from tests.serving import running_deployment
 
-TEMPLATE = """{%- for message in messages %}<|{{ message['role'] }}|>
+TEMPLATE = """{%- if reasoning_effort is defined %}<|system|>
+Think {{ reasoning_effort }}.</s>
+{% endif %}{%- for message in messages %}<|{{ message['role'] }}|>
 {{ message['content'] }}</s>
 {% endfor %}
 {%- if add_generation_prompt %}<|assistant|>
@@ -158,6 +160,15 @@ def test_a_response_has_a_reasoning_item_before_its_message_whole_and_streamed(c
         final = stream.get_final_response()
     assert deltas == thinking and final.output[0].content[0].text == thinking and final.output_text == answer
     assert events.index("response.reasoning_text.done") < events.index("response.output_text.delta")
+
+
+def test_a_reasoning_effort_reaches_the_template_as_vllm_passes_it(client, thinker):
+    want = len(thinker.prompt_ids(reasoning_effort="high"))
+    assert want > len(thinker.prompt_ids())
+    chat = client.chat.completions.create(model="tiny-thinker", messages=MESSAGES, max_completion_tokens=2, reasoning_effort="high")
+    response = client.responses.create(model="tiny-thinker", input=MESSAGES[0]["content"], max_output_tokens=2, reasoning={"effort": "high", "summary": "auto"})
+    assert chat.usage.prompt_tokens == response.usage.input_tokens == want
+    assert response.reasoning.effort == "high" and response.reasoning.summary == "auto"
 
 
 def test_thinking_turned_off_by_the_template_leaves_it_all_answer(client, thinker):
