@@ -97,6 +97,11 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
         "--reasoning-parser", choices=["deepseek_r1", "qwen3"],
         help="split a reasoning model's thinking (<think>...</think>) off its answers, as vLLM's --reasoning-parser does",
     )
+    up.add_argument("--chat-template", help="a chat template instead of the model's own: a Jinja file, or the template itself")
+    up.add_argument(
+        "--default-chat-template-kwargs", type=_json_object,
+        help='template variables every chat renders with, as JSON (e.g. \'{"enable_thinking": false}\'); a request\'s chat_template_kwargs win',
+    )
     up.add_argument("--http-port", type=int, help="OpenAI-compatible HTTP API port (default 8000)")
     up.add_argument("--admin-port", type=int, help="Admin service port, loopback by default (default 50052; 0: any free port)")
     up.add_argument("--served-model-name", nargs="+", help="names the OpenAI API answers to (default: the model directory's name)")
@@ -191,6 +196,16 @@ def _router_address(args: argparse.Namespace) -> str | None:
 # -- up / down ----------------------------------------------------------------------------
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def up_overrides(args: argparse.Namespace) -> dict:
     """``pdserve up``'s flags as the config fields they set (dotted; None: not given)."""
     return {
@@ -206,6 +221,7 @@ def up_overrides(args: argparse.Namespace) -> dict:
         "router.host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
         "router.replicas": args.router_replicas, "router.stream_interval": args.stream_interval,
         "router.tool_call_parser": args.tool_call_parser, "router.reasoning_parser": args.reasoning_parser,
+        "router.chat_template": args.chat_template, "router.default_chat_template_kwargs": args.default_chat_template_kwargs,
         "router.http_port": args.http_port, "router.admin_port": args.admin_port, "router.served_model_names": args.served_model_name,
         "router.routing_policy": args.routing_policy, "router.disaggregation": args.disaggregation,
         "prefill.enable_prefix_caching": args.enable_prefix_caching, "decode.enable_prefix_caching": args.enable_prefix_caching,

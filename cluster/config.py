@@ -237,9 +237,27 @@ class RouterSection(BaseModel):
     tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
         None, description='How chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)'
     )
+    chat_template: str | None = Field(
+        None, description="A chat template to use instead of the model's own: a Jinja file's path, or the template itself (as vLLM's --chat-template)"
+    )
+    default_chat_template_kwargs: dict | None = Field(
+        None, description='Template variables every chat renders with, under a request\'s chat_template_kwargs (e.g. {"enable_thinking": false})'
+    )
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
         None, description="A reasoning model's thinking (<think>...</think>) split off its answers into reasoning fields (default: kept in the answer)"
     )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        """A template's text: a file's, read here (where ``pdserve up`` runs: the text travels to
+        every router), or the value itself where it is a template (as vLLM reads its flag)."""
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"neither a Jinja template nor a file: {value!r}")
+        return path.read_text(encoding="utf-8")
 
     @model_validator(mode="after")
     def _exposed_only_with_a_token(self) -> "RouterSection":

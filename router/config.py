@@ -103,6 +103,12 @@ class RouterConfig:
     # How chat answers with tool_choice "auto" are read for tool calls: "hermes",
     # "llama3_json" or "mistral" (router/openai_api/tool_calls.py); None: recognised in the chat template.
     tool_call_parser: str | None = None
+    # The chat template's text instead of the model's own (vLLM's --chat-template: a template
+    # with tool calls, one for a base model); None: the model's (chat_template.jinja or
+    # tokenizer_config.json). ``default_chat_template_kwargs``: template variables every chat
+    # renders with, under a request's own chat_template_kwargs (vLLM's flag of that name).
+    chat_template: str | None = None
+    default_chat_template_kwargs: dict | None = None
     # A reasoning model's thinking split off its chat answers: "deepseek_r1" or "qwen3"
     # (router/openai_api/reasoning.py); None: the answer keeps it, as the model wrote it.
     reasoning_parser: str | None = None
@@ -122,6 +128,10 @@ class RouterConfig:
             raise ValueError(f"max_worker_deaths_per_request: must be >= 1, got {self.max_worker_deaths_per_request}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file: give both or neither")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template.strip()):
+            raise ValueError("chat_template: must be a template's text (or unset for the model's own)")
+        if self.default_chat_template_kwargs is not None and not isinstance(self.default_chat_template_kwargs, dict):
+            raise ValueError(f"default_chat_template_kwargs: must map template variables to values, got {type(self.default_chat_template_kwargs).__name__}")
         if self.reasoning_parser not in (None, "deepseek_r1", "qwen3"):
             raise ValueError(f"reasoning_parser: one of deepseek_r1, qwen3 (or unset), got {self.reasoning_parser!r}")
         if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):

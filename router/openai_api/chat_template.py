@@ -49,9 +49,10 @@ def _compile(template: str) -> jinja2.Template:
 
 
 class ChatTemplate:
-    def __init__(self, template: str, special_tokens: dict[str, str]):
+    def __init__(self, template: str, special_tokens: dict[str, str], defaults: dict[str, Any] | None = None):
         self.text = template  # what a tool-call parser is recognised from
         self.special_tokens = dict(special_tokens)
+        self.defaults = dict(defaults or {})  # variables every render gets, under its own (router.default_chat_template_kwargs)
         try:
             self._compiled = _compile(template)
         except jinja2.exceptions.TemplateSyntaxError as exc:
@@ -68,7 +69,7 @@ class ChatTemplate:
     ) -> str:
         """The prompt text for ``messages``; ChatTemplateError (field ``messages``) when the
         template refuses them. ``extra``: more template variables (``chat_template_kwargs``)."""
-        variables = {**self.special_tokens, **(extra or {})}
+        variables = {**self.special_tokens, **self.defaults, **(extra or {})}
         try:
             return self._compiled.render(
                 messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **variables

@@ -80,12 +80,17 @@ class OpenAIServer:
         self.port: int | None = None
 
     def _load_chat_template(self) -> ChatTemplate | None:
-        tokenizer = self.router.tokenizer
-        if tokenizer.chat_template is None:
+        """The configured template (router.chat_template), else the model's; a configured one
+        that does not compile stops the start, the model's turns chat off."""
+        tokenizer, config = self.router.tokenizer, self.router.config
+        text = config.chat_template or tokenizer.chat_template
+        if text is None:
             return None
         try:
-            return ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens_map)
+            return ChatTemplate(text, tokenizer.special_tokens_map, config.default_chat_template_kwargs)
         except ValueError as exc:
+            if config.chat_template is not None:
+                raise ValueError(f"chat_template: {exc}") from exc
             logger.warning("chat completions are off: %s", exc)
             return None
 

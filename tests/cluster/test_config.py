@@ -150,3 +150,18 @@ def test_the_reasoning_parser_from_a_flag_and_a_bad_one_named():
     assert load_config(None, up_overrides(args)).to_spec().router.reasoning_parser == "qwen3"
     with pytest.raises(ConfigError, match="router.reasoning_parser"):
         load_config(None, {"router.reasoning_parser": "harmony"})
+
+
+def test_a_chat_template_from_a_file_or_inline_and_its_default_kwargs(tmp_path):
+    from cluster.cli import up_overrides
+
+    template = tmp_path / "tool_chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = build_parser().parse_args(["up", "--chat-template", str(template), "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    router = load_config(None, up_overrides(args)).to_spec().router
+    assert router.chat_template == template.read_text() and router.default_chat_template_kwargs == {"enable_thinking": False}
+    assert load_config(None, {"router.chat_template": "{{ messages }}"}).to_spec().router.chat_template == "{{ messages }}"
+    with pytest.raises(ConfigError, match="router.chat_template"):
+        load_config(None, {"router.chat_template": str(tmp_path / "missing.jinja")})
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--default-chat-template-kwargs", "[1]"])

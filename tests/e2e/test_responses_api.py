@@ -331,3 +331,28 @@ def test_a_disconnect_mid_stream_frees_every_block(client, deployment):
 def test_bad_requests_get_a_400_naming_the_field(base_url, body, param):
     status, raw, _ = _http(base_url, "/v1/responses", {"model": "tiny-chat", **body})
     assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
+
+
+OTHER_TEMPLATE = """{{ bos_token }}[{{ persona }}]
+{%- for message in messages %}
+{{ message['role'] }}: {{ message['content'] }}{{ eos_token }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+assistant:{% endif %}"""
+
+
+def test_a_configured_chat_template_and_its_default_kwargs_replace_the_models(deployment, chat_model, hf_tokenizer):  # noqa: F811
+    """vLLM's --chat-template and --default-chat-template-kwargs: every chat renders with the
+    configured template, its variables under the request's own chat_template_kwargs."""
+    config = RouterConfig(http_port=0, chat_template=OTHER_TEMPLATE, default_chat_template_kwargs={"persona": "pirate"})
+    messages = [{"role": "user", "content": "Where is the treasure?"}]
+    with following_router(deployment, config) as router:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.http_port}/v1", api_key="none", max_retries=0)
+        for kwargs, persona in (({}, "pirate"), ({"chat_template_kwargs": {"persona": "robot"}}, "robot")):
+            ids = hf_tokenizer.apply_chat_template(messages, chat_template=OTHER_TEMPLATE, add_generation_prompt=True, tokenize=True, persona=persona)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            want = hf_tokenizer.decode(hf_greedy(chat_model.hf_model, ids, 8), skip_special_tokens=True)
+            chat = client.chat.completions.create(
+                model="tiny-chat", messages=messages, max_completion_tokens=8, temperature=0.0, extra_body={"ignore_eos": True, **kwargs},
+            )
+            assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == want
