@@ -83,6 +83,7 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], help="KV cache elements (default auto: the model's dtype)")
     up.add_argument("--kv-cache-mb", type=int, help="KV cache per actor, both pools")
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto (default): the fastest exact dtype for each actor's device")
+    up.add_argument("--max-model-len", type=int, help="longest prompt plus output a request may have (default: the model's context)")
     up.add_argument("--host", help="address the router binds")
     up.add_argument("--port", type=int, help="router gRPC port")
     up.add_argument("--no-ship-code", dest="ship_code", action="store_false", default=True,
@@ -209,7 +210,7 @@ def _json_object(text: str) -> dict:
 def up_overrides(args: argparse.Namespace) -> dict:
     """``pdserve up``'s flags as the config fields they set (dotted; None: not given)."""
     return {
-        "model": args.model, "dtype": args.dtype, "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
+        "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len, "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
         "prefill.replicas": args.prefill, "decode.replicas": args.decode,
         "prefill.tensor_parallel_size": args.prefill_tp, "decode.tensor_parallel_size": args.decode_tp,
         "prefill.pipeline": args.prefill_pipeline, "prefill.max_pipeline_stages": args.max_pipeline_stages,

@@ -143,11 +143,12 @@ def test_runtime_lora_updating_from_the_flag_and_only_with_one_router():
         load_config(None, {"router.allow_runtime_lora_updating": True, "router.replicas": 2})
 
 
-def test_the_reasoning_parser_from_a_flag_and_a_bad_one_named():
+def test_the_reasoning_parser_and_max_model_len_from_flags_and_a_bad_parser_named():
     from cluster.cli import up_overrides
 
-    args = build_parser().parse_args(["up", "--reasoning-parser", "qwen3"])
-    assert load_config(None, up_overrides(args)).to_spec().router.reasoning_parser == "qwen3"
+    args = build_parser().parse_args(["up", "--reasoning-parser", "qwen3", "--max-model-len", "300"])
+    spec = load_config(None, up_overrides(args)).to_spec()
+    assert spec.router.reasoning_parser == "qwen3" and spec.decode.engine.max_model_len == 300
     with pytest.raises(ConfigError, match="router.reasoning_parser"):
         load_config(None, {"router.reasoning_parser": "harmony"})
 
