@@ -582,9 +582,8 @@ def _close_spent_thinking(logits: torch.Tensor, seqs: list[Sequence]) -> torch.T
     logits = logits.clone()
     index = to_device(rows, torch.long, logits.device)
     closers = to_device([seqs[i].thinking.thinking.closer for i in rows], torch.long, logits.device)
-    kept = logits[index, closers]
     logits[index] = float("-inf")
-    logits[index, closers] = kept
+    logits[index, closers] = 0.0  # certain, whatever allowed_token_ids or bad words made of it
     return logits
 
 

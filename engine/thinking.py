@@ -2,9 +2,10 @@
 request's grammar, and its token budget.
 
 The router reads from the rendered prompt where the answer starts (router/openai_api/reasoning.py)
-and sends a ``Thinking``: the output thinks from its first token (``opener`` None: the prompt
-opened ``<think>``), or only if its first token is ``opener`` (the model may open it itself),
-up to and with ``closer`` (``</think>``). A sequence keeps a ``ThinkingState`` that every
+and sends a ``Thinking``: the output thinks from its first token (``inside``: the prompt opened
+``<think>``, or DeepSeek-R1's rule; an ``opener`` the model writes first anyway is no thinking
+token), or only if its first token is ``opener`` (the model may open it itself), up to and with
+``closer`` (``</think>``). A sequence keeps a ``ThinkingState`` that every
 appended token advances; the tokens after the thinking are the answer.
 
 - A structured output (engine.grammar) constrains the answer only: the thinking is free, the
@@ -28,10 +29,11 @@ class Thinking:
     closer: int
     opener: int | None = None
     budget: int | None = None
+    inside: bool = False  # thinking from the first token (else only if that one is the opener)
 
     def state(self, output: list[int] = ()) -> "ThinkingState":
         """The state after ``output`` (a resumed stream's tokens, the prefill actor's first)."""
-        state = ThinkingState(self, BEFORE if self.opener is not None else INSIDE)
+        state = ThinkingState(self, INSIDE if self.inside or self.opener is None else BEFORE)
         for token_id in output:
             state.accept(token_id)
         return state
@@ -41,15 +43,17 @@ class ThinkingState:
     """One sequence's place in its thinking: ``phase`` (before its first token where the model
     may open it, inside it, or in the answer) and the tokens inside so far."""
 
-    __slots__ = ("thinking", "phase", "count")
+    __slots__ = ("thinking", "phase", "count", "seen")
 
-    def __init__(self, thinking: Thinking, phase: str, count: int = 0) -> None:
+    def __init__(self, thinking: Thinking, phase: str, count: int = 0, seen: int = 0) -> None:
         self.thinking = thinking
         self.phase = phase
         self.count = count
+        self.seen = seen  # output tokens accepted
 
     def accept(self, token_id: int) -> bool:
         """Advance by one output token; whether it is the answer's (not the thinking's)."""
+        first, self.seen = self.seen == 0, self.seen + 1
         if self.phase == BEFORE:
             if token_id == self.thinking.opener:
                 self.phase = INSIDE
@@ -59,7 +63,7 @@ class ThinkingState:
         if self.phase == INSIDE:
             if token_id == self.thinking.closer:
                 self.phase = ANSWER
-            else:
+            elif not (first and token_id == self.thinking.opener):
                 self.count += 1
             return False
         return True
@@ -75,7 +79,7 @@ class ThinkingState:
 
     def after(self, drafts: list[int]) -> "ThinkingState":
         """The state after ``drafts`` (speculative tokens before a row), this one unchanged."""
-        state = ThinkingState(self.thinking, self.phase, self.count)
+        state = ThinkingState(self.thinking, self.phase, self.count, self.seen)
         for token_id in drafts:
             state.accept(token_id)
         return state
@@ -83,7 +87,7 @@ class ThinkingState:
     def answer_tokens(self, drafts: list[int]) -> list[int] | None:
         """Of ``drafts``, those that are the answer's (what a grammar reads before the row after
         them), or None where the row after them is still inside the thinking."""
-        state = ThinkingState(self.thinking, self.phase, self.count)
+        state = ThinkingState(self.thinking, self.phase, self.count, self.seen)
         for index, token_id in enumerate(drafts):
             if state.answering:
                 return drafts[index:]

@@ -100,8 +100,10 @@ class OutputChunk:
 
 
 class OutputAssembler:
-    def __init__(self, request: ValidatedRequest, tokenizer: Tokenizer):
+    def __init__(self, request: ValidatedRequest, tokenizer: Tokenizer, eos_token_ids: list[int] = ()):
         self.request = request
+        # The tokens that end a request by being drawn: their text is no part of its answer.
+        self.ending_token_ids = set(request.sampling_params.stop_token_ids) | set(eos_token_ids)
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=request.skip_special_tokens, req_id=request.req_id)
         self.stops = StopStringMatcher(request.stop)
         self.timing = RouterTiming(arrival=request.arrival_time)
@@ -135,7 +137,10 @@ class OutputAssembler:
             self.prompt_logprobs = out.prompt_logprobs
         first = not self.has_sent_tokens
         self.completion_token_ids += out.token_ids
-        text = self.detokenizer.add_tokens(out.token_ids)
+        # The EOS or stop token that ended the request is no part of its text (vLLM's rule;
+        # it shows where special tokens are kept, skip_special_tokens false).
+        stopped_by_token = out.finished and out.finish_reason in ("eos", "stop") and out.token_ids and out.token_ids[-1] in self.ending_token_ids
+        text = self.detokenizer.add_tokens(out.token_ids[:-1] if stopped_by_token else out.token_ids)
         if out.finished:
             text += self.detokenizer.finish()
         # Short of min_tokens, stop strings are not matched (as vLLM does); the text passes.

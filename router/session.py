@@ -46,7 +46,7 @@ class GenerationSession:
         """Admit ``request``: ResourceExhaustedError beyond the queue limit, InvalidArgumentError
         for an id still in use."""
         await router.dispatcher.wait_for_id(request.req_id)
-        active = ActiveRequest(request, OutputAssembler(request, router.tokenizer), client_gone=client_gone)
+        active = ActiveRequest(request, OutputAssembler(request, router.tokenizer, router.model_info.eos_token_ids), client_gone=client_gone)
         router.traffic.on_arrival()  # demand, whether admitted or refused as overload
         router.dispatcher.admit(active)
         return cls(router, active)

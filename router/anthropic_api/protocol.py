@@ -94,6 +94,7 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
         seed=integer(body, "seed", None, None, None),
         sampling_prefix="",
         structured=_constraint(body, calling),
+        skip_special_tokens=not (calling is not None and calling.reads_special_tokens),
     )
     request = MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
     if reasoning is not None:

@@ -84,6 +84,7 @@ class ApiRequest:
     # is left out of the response).
     reasoning: ReasoningFormat | None = None
     reasoning_prompt: str = ""
+    reasoning_continues: str | None = None  # continue_final_message: the assistant text the answer goes on with
     include_reasoning: bool = True
     choices: list[GenerateInput] = field(default_factory=list)  # in choice-index order: prompt by prompt, n each
     choices_per_prompt: int = 1
@@ -148,10 +149,13 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
         if base.structured is not None:
             raise InvalidArgumentError("tool_choice", f"{calling.choice} constrains the answer, and {base.structured.field} already does; give one")
         base.structured = constraint
+    if calling is not None and calling.reads_special_tokens and "skip_special_tokens" not in body:
+        base.skip_special_tokens = False
     include_reasoning = boolean(body, "include_reasoning", True)
     budget = integer(body, "thinking_token_budget", None, 0, None)
     if reasoning is not None:
-        base.thinking = reasoning.thinking(prompt, budget)
+        continues = _messages(body)[-1].get("content") if boolean(body, "continue_final_message", False) else None
+        base.thinking = reasoning.thinking(prompt, budget, continues)
     elif budget is not None:
         raise InvalidArgumentError("thinking_token_budget", "needs a reasoning model served with router.reasoning_parser")
     base.prompt_text = prompt
@@ -161,6 +165,8 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     request = _api_request(body, logprobs)
     request.tool_calling = calling
     request.reasoning, request.reasoning_prompt, request.include_reasoning = reasoning, prompt, include_reasoning
+    if reasoning is not None:
+        request.reasoning_continues = continues
     request.choices_per_prompt = _num_choices(body, 1)
     request.choices = [_choice(base, i) for i in range(request.choices_per_prompt)]
     return request

@@ -40,10 +40,15 @@ class ReasoningFormat:
     open_token_id: int
     close_token_id: int
 
-    def starts_inside(self, prompt_text: str) -> bool | None:
+    def starts_inside(self, prompt_text: str, continues: str | None = None) -> bool | None:
         """Whether the answer to ``prompt_text`` starts inside the thinking: True (the prompt
         opened it), False (the prompt closed it, right at its end: thinking turned off), None
-        (the model may open it as it starts)."""
+        (the model may open it as it starts). ``continues``: the assistant message the answer
+        goes on with (continue_final_message), whose own thinking may be open or closed."""
+        if continues:
+            opened, closed = continues.rfind(THINK_OPEN), continues.rfind(THINK_CLOSE)
+            if opened != closed:  # one of them is there: the later one says
+                return opened > closed
         # Only a marker at the prompt's very end is the template's: one in a message's text
         # ("what does <think> mean?") says nothing about the answer.
         tail = prompt_text.rstrip()
@@ -53,18 +58,18 @@ class ReasoningFormat:
             return False
         return True if self.parser == "deepseek_r1" else None
 
-    def splitter(self, prompt_text: str) -> "ReasoningSplitter":
-        return ReasoningSplitter(self.starts_inside(prompt_text), self.close_token_id)
+    def splitter(self, prompt_text: str, continues: str | None = None) -> "ReasoningSplitter":
+        return ReasoningSplitter(self.starts_inside(prompt_text, continues), self.close_token_id)
 
-    def thinking(self, prompt_text: str, budget: int | None = None) -> Thinking | None:
+    def thinking(self, prompt_text: str, budget: int | None = None, continues: str | None = None) -> Thinking | None:
         """Where the engine finds the thinking in this prompt's answer (engine.thinking): from
         the first token where the prompt opened it; where the model may open it itself, only if
         its first token is ``<think>`` (an answer that does not think is all answer, its grammar
         holding from the first token); none where thinking is off. ``budget``: its token budget."""
-        inside = self.starts_inside(prompt_text)
+        inside = self.starts_inside(prompt_text, continues)
         if inside is False:
             return None
-        return Thinking(self.close_token_id, None if inside else self.open_token_id, budget)
+        return Thinking(self.close_token_id, self.open_token_id, budget, inside=bool(inside))
 
 
 def read_effort(value, field: str) -> str | None:

@@ -231,7 +231,7 @@ class OpenAIServer:
                     prompt_token_ids=one.prompt_token_ids, num_prompt_logprobs=api.prompt_logprobs,
                     echo_logprobs=api.echo and api.logprobs is not None, prompt_only=api.prompt_only,
                     return_token_ids=api.return_token_ids, tokens_as_ids=api.tokens_as_ids,
-                    reasoning=api.reasoning.splitter(api.reasoning_prompt) if api.reasoning is not None else None,
+                    reasoning=api.reasoning.splitter(api.reasoning_prompt, api.reasoning_continues) if api.reasoning is not None else None,
                     show_reasoning=api.include_reasoning,
                 )
                 for index, one in enumerate(validated)

@@ -18,6 +18,7 @@ router/openai_api/tool_parsers.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -43,6 +44,12 @@ class ToolCalling:
     name: str | None = None  # the named choice's function
     parser: str | None = None  # auto: the model's format
     parallel: bool = True
+
+    @property
+    def reads_special_tokens(self) -> bool:
+        """The answer is read for markers its tokenizer calls special (Mistral's ``[TOOL_CALLS]``,
+        ``[ARGS]``): its text must keep them (vLLM's Mistral parser asks the same)."""
+        return self.choice == "auto" and self.parser == "mistral"
 
     def constraint(self) -> StructuredOutput | None:
         """The grammar a required or named choice decodes under."""
@@ -126,8 +133,9 @@ def detect_parser(template_text: str) -> str | None:
 def template_messages(messages: list[dict[str, Any]], template_text: str) -> list[dict[str, Any]]:
     """Messages as templates expect them: a tool call's ``arguments`` as an object where the
     client's JSON text parses (templates write it with ``tojson``), as vLLM passes them; for a
-    Mistral template, tool call ids cut to their last 9 characters (vLLM's cut: the template
-    raises on any other length, and clients send back ids of every shape)."""
+    Mistral template, tool call ids as 9 letters and digits (the template raises on any other,
+    and clients send back ids of every shape): one already so is kept, any other becomes 9
+    characters of its digest, the same for the call and its result."""
     short_ids = MISTRAL_CALLS in template_text
     rendered = []
     for message in messages:
@@ -136,9 +144,16 @@ def template_messages(messages: list[dict[str, Any]], template_text: str) -> lis
             message = dict(message)
             message["tool_calls"] = [_with_parsed_arguments(call, short_ids) for call in calls]
         if short_ids and isinstance(message.get("tool_call_id"), str):
-            message = {**message, "tool_call_id": message["tool_call_id"][-MISTRAL_ID_LENGTH:]}
+            message = {**message, "tool_call_id": mistral_id(message["tool_call_id"])}
         rendered.append(message)
     return rendered
+
+
+def mistral_id(call_id: str) -> str:
+    """A tool call id as Mistral's templates take it: 9 letters and digits."""
+    if len(call_id) == MISTRAL_ID_LENGTH and call_id.isascii() and call_id.isalnum():
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:MISTRAL_ID_LENGTH]
 
 
 def check_message_tool_fields(message: dict, name: str) -> dict[str, Any]:
@@ -191,7 +206,7 @@ def _with_parsed_arguments(call: dict[str, Any], short_id: bool) -> dict[str, An
             function["arguments"] = parsed
     call = {**call, "function": function}
     if short_id and isinstance(call.get("id"), str):
-        call["id"] = call["id"][-MISTRAL_ID_LENGTH:]
+        call["id"] = mistral_id(call["id"])
     return call
 
 

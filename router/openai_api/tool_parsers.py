@@ -191,21 +191,30 @@ def _llama3_calls(text: str) -> list[tuple[str, Any]] | None:
 def _mistral_calls(text: str) -> list[tuple[str, Any]] | None:
     """The calls after ``[TOOL_CALLS]``: a JSON list of ``{"name", "arguments"}`` (or one such
     object), or ``name[ARGS]{...}`` (an optional ``[CALL_ID]id`` before ``[ARGS]``), each after
-    its own ``[TOOL_CALLS]``; None where the text is neither."""
+    its own ``[TOOL_CALLS]``; None where the text is neither. What follows the JSON (the end of
+    sequence the kept special tokens bring, ``</s>``) is no part of a call."""
     text = text.strip()
+    decoder = json.JSONDecoder()
     if text.startswith(("[", "{")):
-        body = json_or(text, None)
+        try:
+            body, _ = decoder.raw_decode(text)
+        except json.JSONDecodeError:
+            return None
         items = body if isinstance(body, list) else [body]
         if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
             return None
-        return [(item["name"], item.get("arguments", item.get("parameters", {}))) for item in items]
+        return [(item["name"], item.get("arguments", item.get("parameters")) or {}) for item in items]
     calls = []
     for part in text.split(MISTRAL_CALLS):
         name, marker, arguments = part.partition("[ARGS]")
         name = name.partition("[CALL_ID]")[0].strip()
-        if not marker or not name or not isinstance(json_or(arguments.strip(), None), dict):
+        try:
+            body, end = decoder.raw_decode(arguments.strip())
+        except json.JSONDecodeError:
             return None
-        calls.append((name, arguments.strip()))
+        if not marker or not name or not isinstance(body, dict):
+            return None
+        calls.append((name, arguments.strip()[:end]))
     return calls
 
 

@@ -324,6 +324,8 @@ class ResponsesFrontEnd:
         if template is None:
             raise InvalidArgumentError("input", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
         calling = read_tool_calling(api.chat_tools, template.text, self.router.config.tool_call_parser) if api.chat_tools else None
+        if calling is not None and calling.reads_special_tokens:
+            api.generate.skip_special_tokens = False
         constraint = calling.constraint() if calling is not None else None
         if constraint is not None:
             if api.generate.structured is not None:

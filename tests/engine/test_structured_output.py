@@ -76,12 +76,13 @@ def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int
     """transformers' logits, masked by a fresh llguidance matcher, argmax; ``adjust(logits,
     output)`` changes the logits first (the request's adjustments, written from vLLM's formulas).
     ``thinking`` (engine.thinking.Thinking's fields): the output thinks first, from its first
-    token or only if that one is the opener, until the closer; the grammar holds for the answer
+    token (``inside``: an opener written first is not counted) or only if that one is the
+    opener, until the closer; the grammar holds for the answer
     after it (and a first token may be the opener); past ``budget`` thinking tokens the closer is
     forced."""
     tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
     matcher = None if structured is None else llguidance.LLMatcher(tokenizer, structured.to_llguidance())
-    phase = "answer" if thinking is None else "before" if thinking.opener is not None else "inside"
+    phase = "answer" if thinking is None else "inside" if thinking.inside or thinking.opener is None else "before"
     inside = 0
     output: list[int] = []
     for _ in range(max_tokens):
@@ -105,7 +106,7 @@ def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int
                 continue
         elif phase == "inside":
             phase = "answer" if token == thinking.closer else "inside"
-            inside += token != thinking.closer
+            inside += token != thinking.closer and not (output == [thinking.opener])  # a leading opener is no thinking
             continue
         if matcher is not None:
             assert matcher.consume_token(token)
@@ -202,6 +203,15 @@ def test_a_thinking_budget_forces_the_closer_once_spent(e2e_model, engine, refer
     # The opener written first starts the count; budget 0 closes at once after it.
     opens = Thinking(closer=closer, opener=free[0], budget=0)
     assert _generate(engine, prompt, temperature=0.0, max_tokens=8, ignore_eos=True, thinking=opens).token_ids[:2] == [free[0], closer]
+    # A spent budget's closer comes though the request's own adjustments forbid it.
+    sampled = _generate(engine, prompt, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True, allowed_token_ids=[free[0]],
+                        thinking=Thinking(closer=closer, budget=1))
+    assert sampled.token_ids == [free[0], closer, free[0]]
+    # Thinking from the first token, the opener written again first (DeepSeek-R1's): not counted.
+    again = Thinking(closer=closer, opener=free[0], budget=2, inside=True)
+    want = reference(None, prompt, 8, thinking=again)
+    assert want[:4] == [*free[:3], closer]
+    assert _generate(engine, prompt, temperature=0.0, max_tokens=8, ignore_eos=True, thinking=again).token_ids == want
 
 
 def test_a_grammar_that_does_not_compile_names_the_field(engine, e2e_model):

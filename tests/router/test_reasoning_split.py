@@ -28,6 +28,14 @@ def test_where_the_thinking_starts(prompt, r1, qwen3):
     assert (R1.starts_inside(prompt), QWEN3.starts_inside(prompt)) == (r1, qwen3)
 
 
+def test_an_answer_that_continues_an_assistant_message_continues_its_thinking():
+    """continue_final_message: the message's own markers say (the prompt ends with its text)."""
+    prompt = "<|assistant|>\n<think>\nLet me"
+    assert QWEN3.starts_inside(prompt, continues="<think>\nLet me") is True
+    assert QWEN3.starts_inside(prompt + "</think>\nSo", continues="<think>\nLet me</think>\nSo") is False
+    assert QWEN3.starts_inside("<|assistant|>\nSo", continues="So") is None  # no marker: as ever
+
+
 def _split(inside, text: str, pieces: list[str]) -> tuple[str, str]:
     splitter = ReasoningSplitter(inside)
     thinking = answer = ""
@@ -62,8 +70,8 @@ def test_every_way_of_streaming_the_text_splits_it_the_same(inside, text, want):
 
 
 def test_the_engine_is_told_where_the_thinking_is_and_its_budget():
-    assert QWEN3.thinking("<think>\n") == Thinking(closer=7)  # inside from the first token
-    assert R1.thinking("<|assistant|>\n", budget=5) == Thinking(closer=7, budget=5)
+    assert QWEN3.thinking("<think>\n") == Thinking(closer=7, opener=6, inside=True)  # from the first token
+    assert R1.thinking("<|assistant|>\n", budget=5) == Thinking(closer=7, opener=6, budget=5, inside=True)
     # The model may open it itself: only an output whose first token is <think> thinks.
     assert QWEN3.thinking("<|assistant|>\n") == Thinking(closer=7, opener=6)
     assert QWEN3.thinking("<think>\n\n</think>\n\n", budget=5) is None  # thinking is off

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from router.errors import InvalidArgumentError
-from router.openai_api.tool_calls import ToolCalling, detect_parser, read_tool_calling
+from router.openai_api.tool_calls import ToolCalling, detect_parser, mistral_id, read_tool_calling
 from router.openai_api.tool_parsers import ToolCallOutput
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -125,6 +125,9 @@ def test_mistral_calls_in_both_of_its_formats(piece):
         assert content == "Sure." and streamed == whole and reason == "tool_calls"
         assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in whole)  # the ids Mistral's templates take back
+    # The end of sequence a kept special token brings, after the calls, is no part of them.
+    for text in ('[TOOL_CALLS] [{"name": "get_time", "arguments": null}]</s>', '[TOOL_CALLS]get_time[ARGS]{}</s>'):
+        assert [(c["name"], json.loads(c["arguments"])) for c in _run(MISTRAL, text, piece)[2]] == [("get_time", {})]
     assert _run(MISTRAL, "[TOOL_CALLS] not a call", piece)[:2] == ("[TOOL_CALLS] not a call", [])
     assert _run(MISTRAL, "a [TOOL_ or [TOOL", piece)[:2] == ("a [TOOL_ or [TOOL", [])
 
@@ -139,7 +142,7 @@ MISTRAL_TEMPLATE = """{%- for message in messages %}
 
 def test_a_mistral_template_gets_the_tool_call_ids_it_takes():
     """Clients send back ids of every shape (OpenAI's call_..., another server's): for a Mistral
-    template they are cut to their last 9 characters, as vLLM cuts them, call and result alike."""
+    template each becomes 9 letters and digits, the call's and its result's alike."""
     from router.openai_api.chat_template import ChatTemplate
     from router.openai_api.protocol import render_conversation
 
@@ -150,5 +153,8 @@ def test_a_mistral_template_gets_the_tool_call_ids_it_takes():
         {"role": "tool", "tool_call_id": call_id, "content": "sunny"},
     ]}
     prompt = render_conversation(body, ChatTemplate(MISTRAL_TEMPLATE, {}), [WEATHER])
-    assert '[CALL_ID]789abcdef[ARGS]{"city": "Oslo"}' in prompt and "[TOOL_RESULTS]789abcdef[TOOL_CONTENT]sunny" in prompt
+    short = mistral_id(call_id)
+    assert len(short) == 9 and short.isalnum() and mistral_id("a1b2c3d4e") == "a1b2c3d4e"
+    assert mistral_id("tool_a_weather_1") != mistral_id("tool_b_weather_1")  # no two ids made one
+    assert f'[CALL_ID]{short}[ARGS]{{"city": "Oslo"}}' in prompt and f"[TOOL_RESULTS]{short}[TOOL_CONTENT]sunny" in prompt
     assert detect_parser(MISTRAL_TEMPLATE) == "mistral"
