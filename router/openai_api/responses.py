@@ -72,6 +72,7 @@ class ChoiceState:
     show_reasoning: bool = True
     reasoning_text: list[str] = field(default_factory=list)
     reasoning_delta: str = ""
+    reasoning_tokens: int = 0  # the thinking's tokens (usage's completion_tokens_details)
 
     def add(self, chunk: OutputChunk, tokenizer: Tokenizer) -> dict[str, Any] | None:
         """Take a chunk; return its rendered logprobs (None when not asked for). With tools the
@@ -82,7 +83,9 @@ class ChoiceState:
         if self.echo:
             chunk.text, self.echo = self.echo + chunk.text, ""
         if self.reasoning is not None:
+            was_thinking = self.reasoning.thinking
             self.reasoning_delta, chunk.text = self.reasoning.take(chunk.text, chunk.end is not None)
+            self.reasoning_tokens += self.reasoning.thinking_tokens(chunk.token_ids, was_thinking)
             if not self.show_reasoning:
                 self.reasoning_delta = ""
             self.reasoning_text.append(self.reasoning_delta)
@@ -236,8 +239,12 @@ def envelope(response_id: str, model: str, chat: bool, stream: bool, created: in
     return {"id": response_id, "object": kind, "created": int(time.time()) if created is None else created, "model": model}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, accepted_drafts: int = 0, rejected_drafts: int = 0) -> dict[str, Any]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, accepted_drafts: int = 0, rejected_drafts: int = 0, reasoning_tokens: int | None = None,
+) -> dict[str, Any]:
+    """OpenAI's usage; ``reasoning_tokens`` (a reasoning parser's: the thinking's tokens) in
+    completion_tokens_details where given."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
@@ -246,6 +253,9 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, ac
         # actor's speculative drafts.
         "completion_tokens_details": {"accepted_prediction_tokens": accepted_drafts, "rejected_prediction_tokens": rejected_drafts},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"]["reasoning_tokens"] = reasoning_tokens
+    return body
 
 
 def _token_text(token_id: int, tokenizer: Tokenizer) -> str:

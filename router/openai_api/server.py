@@ -373,7 +373,8 @@ def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, Any]:
     speculated = [state.end.speculation for state in states if state.end is not None and state.end.speculation is not None]
     accepted = sum(spec.accepted_draft_tokens for spec in speculated)
     rejected = sum(spec.draft_tokens - spec.accepted_draft_tokens for spec in speculated)
-    return usage(prompt, sum(state.num_tokens for state in states), cached, accepted, rejected)
+    reasoning = sum(state.reasoning_tokens for state in states) if api.reasoning is not None else None
+    return usage(prompt, sum(state.num_tokens for state in states), cached, accepted, rejected, reasoning)
 
 
 async def _json(request: web.Request) -> Any:

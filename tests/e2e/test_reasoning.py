@@ -102,8 +102,11 @@ def _chat(client, stream=False, **fields):
 def test_the_thinking_and_the_answer_are_split_whole_and_streamed(client, thinker):
     thinking, answer = _reference(thinker)
     assert thinking and answer, "the reference closes its thinking inside the answer"
-    message = _chat(client).choices[0].message
+    whole = _chat(client)
+    message = whole.choices[0].message
     assert (message.reasoning, message.reasoning_content, message.content) == (thinking, thinking, answer)
+    ids = hf_greedy(thinker.hf_model, thinker.prompt_ids(), TOKENS)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == ids.index(thinker.close_id) + 1  # with </think>
 
     streamed = {"reasoning": "", "reasoning_content": "", "content": ""}
     for chunk in _chat(client, stream=True):
