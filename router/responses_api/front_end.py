@@ -39,7 +39,7 @@ from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_
 from router.output_stream import OutputChunk, StreamEnd
 from router.openai_api.reasoning import ReasoningSplitter
 from router.responses_api.board import IN_PROGRESS, ResponseBoard, is_in_progress
-from router.responses_api.protocol import ResponsesRequest, read_responses
+from router.responses_api.protocol import ResponsesRequest, read_responses, seal
 from router.responses_api.store import StoredResponse
 from router.session import GenerationSession
 from router.validation import ValidatedRequest
@@ -89,6 +89,7 @@ class ResponseState:
     # thinking's tokens so far (usage's reasoning_tokens).
     reasoning: ReasoningSplitter | None = None
     reasoning_tokens: int = 0
+    seal_reasoning: bool = False  # reasoning items also carry their thinking as encrypted_content
     created_at: int = field(default_factory=lambda: int(time.time()))
     status: str = "in_progress"
     output: list[dict[str, Any]] = field(default_factory=list)
@@ -186,6 +187,8 @@ class ResponseState:
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)))
         elif item["type"] == "reasoning":
             text = item["content"][0]["text"]
+            if self.seal_reasoning:
+                item["encrypted_content"] = seal(text)
             events.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
         else:
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"], name=item["name"]))
@@ -268,6 +271,7 @@ class ResponsesFrontEnd:
         validated = await self.router.validate_input(api.generate)
         reasoning = self.server.reasoning.splitter(prompt) if self.server.reasoning is not None else None
         state = ResponseState(response_id, model, api.echo, len(validated.prompt_token_ids), ToolCallOutput(calling) if calling is not None else None, reasoning)
+        state.seal_reasoning = api.seal_reasoning
         return state, validated, conversation
 
     async def _start_background(self, api: ResponsesRequest, body: dict[str, Any], state: ResponseState, validated: ValidatedRequest, conversation) -> None:

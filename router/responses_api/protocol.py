@@ -13,6 +13,7 @@ answer's grammar. Every problem raises ``InvalidArgumentError`` naming the field
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ class ResponsesRequest:
     generate: GenerateInput  # everything but the prompt
     chat_tools: dict[str, Any]  # tools / tool_choice / parallel_tool_calls in chat completions' shape
     reasoning_effort: str | None = None  # reasoning.effort, for the chat template
+    seal_reasoning: bool = False  # include reasoning.encrypted_content: reasoning items carry their thinking sealed
     echo: dict[str, Any] = field(default_factory=dict)  # the request's settings a response object repeats
 
 
@@ -69,9 +71,12 @@ def read_responses(body: Any) -> ResponsesRequest:
     if body.get("service_tier") not in (None, "auto", "default"):
         raise InvalidArgumentError("service_tier", "must be auto or default")
     reasoning = _reasoning(body)
-    include = body.get("include")
-    if include not in (None, []):
-        raise InvalidArgumentError("include", "extra output data (logprobs, reasoning, tool results) is not supported")
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise InvalidArgumentError("include", f"must be a list, got {type_name(include)}")
+    for index, extra in enumerate(include):
+        if extra != SEALED_REASONING:
+            raise InvalidArgumentError(f"include[{index}]", f"only {SEALED_REASONING!r} is supported (no logprobs or tool results), got {extra!r}")
     if body.get("top_logprobs") not in (None, 0):
         raise InvalidArgumentError("top_logprobs", "is not supported on /v1/responses; use /v1/chat/completions")
     for name in ("user", "prompt_cache_key", "safety_identifier"):
@@ -141,8 +146,31 @@ def read_responses(body: Any) -> ResponsesRequest:
     return ResponsesRequest(
         model=model, stream=stream, store=store, background=background, previous_response_id=previous, instructions=instructions,
         messages=_input(body), generate=generate, chat_tools=chat_tools, echo=echo,
-        reasoning_effort=reasoning["effort"] if reasoning is not None else None,
+        reasoning_effort=reasoning["effort"] if reasoning is not None else None, seal_reasoning=SEALED_REASONING in include,
     )
+
+
+SEALED_REASONING = "reasoning.encrypted_content"
+_SEAL = "pdserve-thinking-v1:"
+
+
+def seal(thinking: str) -> str:
+    """A reasoning item's ``encrypted_content`` (``include: ["reasoning.encrypted_content"]``):
+    the thinking itself, base64-encoded (not encrypted: it is the client's own answer), for a
+    client that stores nothing (``store: false``) to send back with the next turn."""
+    return _SEAL + base64.b64encode(thinking.encode()).decode()
+
+
+def unseal(value: Any, where: str) -> str:
+    """The thinking a sent-back ``encrypted_content`` carries ("" where there is none)."""
+    if value in (None, ""):
+        return ""
+    if not isinstance(value, str) or not value.startswith(_SEAL):
+        raise InvalidArgumentError(where, "is not one this server made (it carries a reasoning item's thinking)")
+    try:
+        return base64.b64decode(value[len(_SEAL) :], validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArgumentError(where, "is damaged") from None
 
 
 def _reasoning(body: dict) -> dict[str, Any] | None:
@@ -238,7 +266,8 @@ def _input(body: dict) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "reasoning":  # a reasoning model's earlier output sent back
             refuse_unknown(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, prefix=f"{where}.")
-            thinking += text_parts(item.get("content") or [], f"{where}.content", ("reasoning_text",), {"type", "text"})
+            text = text_parts(item.get("content") or [], f"{where}.content", ("reasoning_text",), {"type", "text"})
+            thinking += text or unseal(item.get("encrypted_content"), f"{where}.encrypted_content")
             continue
         if kind == "message":
             refuse_unknown(item, {"type", "role", "content", "id", "status"}, prefix=f"{where}.")

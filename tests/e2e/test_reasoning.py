@@ -27,12 +27,13 @@ from router.tokenizer import Tokenizer
 from tests.checkpoints import build_checkpoint, hf_greedy
 from tests.engine.test_structured_output import _reference_constrained_greedy
 from tests.router.tokenizer_builders import BASE_CONFIG, save_model_dir, train_byte_level_bpe
+from tests.e2e.test_openai_api import _http
 from tests.serving import running_deployment
 
 TEMPLATE = """{%- if reasoning_effort is defined %}<|system|>
 Think {{ reasoning_effort }}.</s>
 {% endif %}{%- for message in messages %}<|{{ message['role'] }}|>
-{{ message['content'] }}</s>
+{% if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}{{ message['content'] }}</s>
 {% endfor %}
 {%- if add_generation_prompt %}<|assistant|>
 {% if enable_thinking is defined and not enable_thinking %}<think>
@@ -142,6 +143,28 @@ def test_an_answer_sent_back_with_its_thinking_continues_the_conversation(client
     sent_back = client.responses.create(model="tiny-thinker", input=items, max_output_tokens=8, temperature=0.0)
     continued = client.responses.create(model="tiny-thinker", previous_response_id=response.id, input="Why?", max_output_tokens=8, temperature=0.0)
     assert sent_back.output_text == continued.output_text and sent_back.usage.input_tokens == continued.usage.input_tokens
+
+
+def test_a_client_that_stores_nothing_gets_its_thinking_sealed_and_sends_it_back(client, thinker):
+    """include: ["reasoning.encrypted_content"] with store: false (Codex's way): the reasoning
+    item carries its thinking in encrypted_content, which alone brings it back next turn."""
+    response = client.responses.create(
+        model="tiny-thinker", input=MESSAGES[0]["content"], max_output_tokens=TOKENS, temperature=0.0, store=False, include=["reasoning.encrypted_content"],
+    )
+    reasoning = response.output[0]
+    assert reasoning.type == "reasoning" and reasoning.encrypted_content
+    sealed_only = {"type": "reasoning", "id": reasoning.id, "summary": [], "encrypted_content": reasoning.encrypted_content}
+    turns = {}
+    for name, item in (("sealed", sealed_only), ("plain", reasoning.model_dump(exclude_none=True))):
+        items = [*MESSAGES, item, *[i.model_dump(exclude_none=True) for i in response.output[1:]], {"role": "user", "content": "Why?"}]
+        turns[name] = client.responses.create(model="tiny-thinker", input=items, max_output_tokens=8, temperature=0.0, store=False)
+    assert turns["sealed"].output_text == turns["plain"].output_text and turns["sealed"].usage.input_tokens == turns["plain"].usage.input_tokens
+    without = client.responses.create(model="tiny-thinker", input=[*MESSAGES, *[i.model_dump(exclude_none=True) for i in response.output[1:]], {"role": "user", "content": "Why?"}],
+                                      max_output_tokens=8, temperature=0.0, store=False)
+    assert without.usage.input_tokens < turns["sealed"].usage.input_tokens  # the template renders the thinking sent back
+    for bad, param in (({"include": ["message.output_text.logprobs"]}, "include[0]"), ({"input": [{**sealed_only, "encrypted_content": "xyz"}, {"role": "user", "content": "hi"}]}, "input[0].encrypted_content")):
+        status, raw, _ = _http(f"http://127.0.0.1:{client.base_url.port}/v1", "/v1/responses", {"model": "tiny-thinker", "input": "hi", **bad})
+        assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
 
 
 def test_a_response_has_a_reasoning_item_before_its_message_whole_and_streamed(client, thinker):
