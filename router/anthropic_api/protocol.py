@@ -68,13 +68,14 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
         raise InvalidArgumentError("max_tokens", "is required")
     max_tokens = integer(body, "max_tokens", None, 1, None)
     thinking, budget = _thinking(body, reasoning, max_tokens)
+    effort = _effort(body)
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise InvalidArgumentError("service_tier", "must be auto or standard_only")
     metadata = body.get("metadata")
     if metadata is not None:
         metadata = json_object(metadata, "metadata")
         refuse_unknown(metadata, {"user_id"}, prefix="metadata.")
-    prompt, calling = render_prompt(body, template, tool_call_parser, thinking)
+    prompt, calling = render_prompt(body, template, tool_call_parser, thinking, effort)
     stop = body.get("stop_sequences")
     if stop is None:
         stop = []
@@ -113,14 +114,17 @@ def read_count_tokens(body: Any, template: ChatTemplate | None, tool_call_parser
     return model, prompt
 
 
-def render_prompt(body: dict, template: ChatTemplate | None, tool_call_parser: str | None, thinking: bool | None = None) -> tuple[str, ToolCalling | None]:
+def render_prompt(
+    body: dict, template: ChatTemplate | None, tool_call_parser: str | None, thinking: bool | None = None, effort: str | None = None,
+) -> tuple[str, ToolCalling | None]:
     """The prompt text of a Messages body through the model's chat template, and its tool
-    calling. ``thinking``: the request's switch, as the template's ``enable_thinking``."""
+    calling. ``thinking``: the request's switch, as the template's ``enable_thinking``;
+    ``effort`` (``output_config.effort``) as its ``reasoning_effort``, as chat passes OpenAI's."""
     if template is None:
         raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
     calling = read_tool_calling(_openai_tools(body), template.text, tool_call_parser)
     messages = _system(body) + _conversation(body)
-    extra = None if thinking is None else {"enable_thinking": thinking}
+    extra = {name: value for name, value in (("enable_thinking", thinking), ("reasoning_effort", effort)) if value is not None} or None
     prompt = template.render(template_messages(messages, template.text), add_generation_prompt=True, tools=calling.tools if calling is not None else None, extra=extra)
     return prompt, calling
 
@@ -133,8 +137,6 @@ def _constraint(body: dict, calling: ToolCalling | None) -> StructuredOutput | N
         return tools
     config = json_object(config, "output_config")
     refuse_unknown(config, {"format", "effort"}, prefix="output_config.")
-    if config.get("effort") is not None:
-        raise InvalidArgumentError("output_config.effort", "is not supported (it steers extended thinking, which pdserve does not serve)")
     if config.get("format") is None:
         return tools
     fmt = json_object(config["format"], "output_config.format")
@@ -145,6 +147,14 @@ def _constraint(body: dict, calling: ToolCalling | None) -> StructuredOutput | N
     if tools is not None:
         raise InvalidArgumentError("output_config.format", "and a forced tool_choice both constrain the answer; give one")
     return StructuredOutput.build("json_schema", json.dumps(schema), "output_config.format.schema")
+
+
+def _effort(body: dict) -> str | None:
+    config = body.get("output_config")
+    effort = json_object(config, "output_config").get("effort") if config is not None else None
+    if effort is not None and effort not in ("low", "medium", "high"):
+        raise InvalidArgumentError("output_config.effort", f"must be low, medium or high, got {effort!r}")
+    return effort
 
 
 def _model(body: dict) -> str:

@@ -146,7 +146,7 @@ def test_a_forced_tool_gives_a_tool_use_block_whose_input_obeys_the_schema(claud
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 5}, "messages[0].content[0].type"),
         ({"messages": [{"role": "system", "content": "hi"}], "max_tokens": 5}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": "hot"}, "temperature"),
-        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "output_config": {"effort": "high"}}, "output_config.effort"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "output_config": {"effort": "extreme"}}, "output_config.effort"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking"),
         ({"messages": [], "max_tokens": 5}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "tools": [{"name": "f", "input_schema": 3}]}, "tools[0].input_schema"),

@@ -195,6 +195,9 @@ def test_a_reasoning_effort_reaches_the_template_as_vllm_passes_it(client, think
     response = client.responses.create(model="tiny-thinker", input=MESSAGES[0]["content"], max_output_tokens=2, reasoning={"effort": "high", "summary": "auto"})
     assert chat.usage.prompt_tokens == response.usage.input_tokens == want
     assert response.reasoning.effort == "high" and response.reasoning.summary == "auto"
+    with anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="unused", max_retries=0, timeout=60) as messages:
+        reply = messages.messages.create(model="tiny-thinker", messages=MESSAGES, max_tokens=2, output_config={"effort": "high"})
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == want  # Anthropic's output_config.effort, the same way
 
 
 def test_thinking_turned_off_by_the_template_leaves_it_all_answer(client, thinker):
