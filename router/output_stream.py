@@ -102,8 +102,9 @@ class OutputChunk:
 class OutputAssembler:
     def __init__(self, request: ValidatedRequest, tokenizer: Tokenizer, eos_token_ids: list[int] = ()):
         self.request = request
-        # The tokens that end a request by being drawn: their text is no part of its answer.
-        self.ending_token_ids = set(request.sampling_params.stop_token_ids) | set(eos_token_ids)
+        # The tokens that end a request by being drawn (finish "stop", "eos"): their text is no
+        # part of its answer.
+        self.ending_token_ids = {"stop": set(request.sampling_params.stop_token_ids), "eos": set(eos_token_ids)}
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=request.skip_special_tokens, req_id=request.req_id)
         self.stops = StopStringMatcher(request.stop)
         self.timing = RouterTiming(arrival=request.arrival_time)
@@ -139,7 +140,7 @@ class OutputAssembler:
         self.completion_token_ids += out.token_ids
         # The EOS or stop token that ended the request is no part of its text (vLLM's rule;
         # it shows where special tokens are kept, skip_special_tokens false).
-        stopped_by_token = out.finished and out.finish_reason in ("eos", "stop") and out.token_ids and out.token_ids[-1] in self.ending_token_ids
+        stopped_by_token = out.finished and out.token_ids and out.token_ids[-1] in self.ending_token_ids.get(out.finish_reason, ())
         text = self.detokenizer.add_tokens(out.token_ids[:-1] if stopped_by_token else out.token_ids)
         if out.finished:
             text += self.detokenizer.finish()

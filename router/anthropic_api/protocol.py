@@ -36,7 +36,7 @@ _MESSAGES_FIELDS = {
     "tools", "tool_choice", "metadata", "thinking", "service_tier", "output_config",
     "ignore_eos", "seed",  # vLLM's extensions
 }
-_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
+_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}
 _BLOCK_FIELDS = {
     "thinking": {"type", "thinking", "signature"},
     "redacted_thinking": {"type", "data"},
@@ -110,7 +110,7 @@ def read_count_tokens(body: Any, template: ChatTemplate | None, tool_call_parser
     refuse_unknown(body, _COUNT_FIELDS)
     model = _model(body)
     thinking, _ = _thinking(body, reasoning, None)
-    prompt, _ = render_prompt(body, template, tool_call_parser, thinking)
+    prompt, _ = render_prompt(body, template, tool_call_parser, thinking, _effort(body))
     return model, prompt
 
 

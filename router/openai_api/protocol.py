@@ -34,7 +34,7 @@ from typing import Any
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.constraints import logit_bias, structured_output
-from router.openai_api.reasoning import ReasoningFormat, read_effort
+from router.openai_api.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningFormat, read_effort
 from router.openai_api.fields import boolean, int_list, integer, is_int, json_object, number, refuse_unknown, string_list, text_parts, type_name
 from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
@@ -154,7 +154,7 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     include_reasoning = boolean(body, "include_reasoning", True)
     budget = integer(body, "thinking_token_budget", None, 0, None)
     if reasoning is not None:
-        continues = _messages(body)[-1].get("content") if boolean(body, "continue_final_message", False) else None
+        continues = _continued(body)
         base.thinking = reasoning.thinking(prompt, budget, continues)
     elif budget is not None:
         raise InvalidArgumentError("thinking_token_budget", "needs a reasoning model served with router.reasoning_parser")
@@ -170,6 +170,17 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     request.choices_per_prompt = _num_choices(body, 1)
     request.choices = [_choice(base, i) for i in range(request.choices_per_prompt)]
     return request
+
+
+def _continued(body: dict) -> str | None:
+    """With continue_final_message, the continued assistant message as the model wrote it: its
+    thinking, where it came in reasoning fields, before its text (what says whether the answer
+    goes on inside the thinking)."""
+    if not boolean(body, "continue_final_message", False):
+        return None
+    final = _messages(body)[-1]
+    thought = final.get("reasoning_content")
+    return (f"{THINK_OPEN}{thought}{THINK_CLOSE}" if thought else "") + (final.get("content") or "")
 
 
 def render_conversation(body: dict, template: ChatTemplate, tools: list[dict[str, Any]] | None) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.thinking import Thinking
+from engine.thinking import Thinking, ThinkingState
 from router.errors import InvalidArgumentError
 from router.openai_api.tool_parsers import marker_prefix_len
 from router.tokenizer import Tokenizer
@@ -59,7 +59,8 @@ class ReasoningFormat:
         return True if self.parser == "deepseek_r1" else None
 
     def splitter(self, prompt_text: str, continues: str | None = None) -> "ReasoningSplitter":
-        return ReasoningSplitter(self.starts_inside(prompt_text, continues), self.close_token_id)
+        thinking = self.thinking(prompt_text, None, continues)
+        return ReasoningSplitter(self.starts_inside(prompt_text, continues), thinking.state() if thinking is not None else None)
 
     def thinking(self, prompt_text: str, budget: int | None = None, continues: str | None = None) -> Thinking | None:
         """Where the engine finds the thinking in this prompt's answer (engine.thinking): from
@@ -103,11 +104,11 @@ def reasoning_format(parser: str | None, tokenizer: Tokenizer) -> ReasoningForma
 class ReasoningSplitter:
     """One choice's answer, piece by piece, into (thinking, answer) text."""
 
-    def __init__(self, inside: bool | None, close_token_id: int | None = None):
+    def __init__(self, inside: bool | None, tokens: ThinkingState | None = None):
         # "inside": thinking until </think>; "answer": the rest is the answer; "start": the model
         # may open <think> first (whitespace before it goes with it).
         self._state = "inside" if inside else "answer" if inside is False else "start"
-        self.close_token_id = close_token_id
+        self._tokens = tokens  # the same thinking read by token ids, as the engine reads it (usage)
         self._held = ""  # text that may be the start of the marker looked for
         self._opened_at_start = self._state == "inside"  # a <think> the model writes first is dropped
         self.thought = False  # any thinking text came
@@ -151,19 +152,12 @@ class ReasoningSplitter:
         self.thought = self.thought or bool(thinking)
         return thinking, answer
 
-    @property
-    def thinking(self) -> bool:
-        """Whether the text is inside the thinking now."""
-        return self._state == "inside"
-
-    def thinking_tokens(self, token_ids: list[int], was_thinking: bool) -> int:
-        """How many of a piece's tokens (fed now, its thinking state before it ``was_thinking``)
-        are the thinking's: all while it thinks, those up to and with ``</think>`` where it ends."""
-        if not (was_thinking or self.thinking):
+    def thinking_tokens(self, token_ids: list[int]) -> int:
+        """How many of these next output tokens are the thinking's (its markers too), by id: the
+        text may show ``</think>`` chunks after its token (a detokenizer holding text back)."""
+        if self._tokens is None:
             return 0
-        if not self.thinking and self.close_token_id in token_ids:
-            return token_ids.index(self.close_token_id) + 1
-        return len(token_ids)
+        return sum(not self._tokens.accept(token_id) for token_id in token_ids)
 
     def take(self, text: str, last: bool) -> tuple[str, str]:
         """``feed``, and ``finish`` too where ``text`` is the answer's last piece."""

@@ -83,9 +83,8 @@ class ChoiceState:
         if self.echo:
             chunk.text, self.echo = self.echo + chunk.text, ""
         if self.reasoning is not None:
-            was_thinking = self.reasoning.thinking
             self.reasoning_delta, chunk.text = self.reasoning.take(chunk.text, chunk.end is not None)
-            self.reasoning_tokens += self.reasoning.thinking_tokens(chunk.token_ids, was_thinking)
+            self.reasoning_tokens += self.reasoning.thinking_tokens(chunk.token_ids)
             if not self.show_reasoning:
                 self.reasoning_delta = ""
             self.reasoning_text.append(self.reasoning_delta)

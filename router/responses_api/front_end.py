@@ -119,9 +119,8 @@ class ResponseState:
         events: list[dict[str, Any]] = []
         text = chunk.text
         if self.reasoning is not None:
-            was_thinking = self.reasoning.thinking
             thinking, text = self.reasoning.take(text, chunk.end is not None)
-            self.reasoning_tokens += self.reasoning.thinking_tokens(chunk.token_ids, was_thinking)
+            self.reasoning_tokens += self.reasoning.thinking_tokens(chunk.token_ids)
             if thinking:
                 events += self._think(thinking)
         text, deltas = split_text(self.tools, text, chunk.end is not None)

@@ -162,7 +162,7 @@ def test_a_client_that_stores_nothing_gets_its_thinking_sealed_and_sends_it_back
     without = client.responses.create(model="tiny-thinker", input=[*MESSAGES, *[i.model_dump(exclude_none=True) for i in response.output[1:]], {"role": "user", "content": "Why?"}],
                                       max_output_tokens=8, temperature=0.0, store=False)
     assert without.usage.input_tokens < turns["sealed"].usage.input_tokens  # the template renders the thinking sent back
-    for bad, param in (({"include": ["message.output_text.logprobs"]}, "include[0]"), ({"input": [{**sealed_only, "encrypted_content": "xyz"}, {"role": "user", "content": "hi"}]}, "input[0].encrypted_content")):
+    for bad, param in (({"include": ["message.output_text.logprobs"]}, "include[0]"), ({"input": [{**sealed_only, "encrypted_content": "pdserve-thinking-v1:not base64!"}, {"role": "user", "content": "hi"}]}, "input[0].encrypted_content")):
         status, raw, _ = _http(f"http://127.0.0.1:{client.base_url.port}/v1", "/v1/responses", {"model": "tiny-thinker", "input": "hi", **bad})
         assert status == 400 and json.loads(raw)["error"]["param"] == param, raw
 

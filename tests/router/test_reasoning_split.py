@@ -77,9 +77,11 @@ def test_the_engine_is_told_where_the_thinking_is_and_its_budget():
     assert QWEN3.thinking("<think>\n\n</think>\n\n", budget=5) is None  # thinking is off
 
 
-def test_a_pieces_thinking_tokens_are_counted_up_to_and_with_the_closer():
+def test_the_thinkings_tokens_are_counted_by_id_up_to_and_with_the_closer():
     splitter = QWEN3.splitter("<think>\n")
-    assert splitter.thinking_tokens([1, 2], was_thinking=True) == 2  # still thinking (fed "ab")
-    splitter.feed("x</think>y")
-    assert splitter.thinking_tokens([1, 7, 9], was_thinking=True) == 2  # "x", "</think>"; "y" is the answer's
-    assert splitter.thinking_tokens([9], was_thinking=False) == 0
+    assert splitter.thinking_tokens([1, 2]) == 2  # still thinking
+    assert splitter.thinking_tokens([1, 7, 9]) == 2  # a token, then </think>; 9 is the answer's
+    assert splitter.thinking_tokens([9]) == 0
+    assert QWEN3.splitter("<think>\n\n</think>\n\n").thinking_tokens([1, 7]) == 0  # thinking is off
+    may_open = QWEN3.splitter("<|assistant|>\n")
+    assert may_open.thinking_tokens([6, 1, 7, 9]) == 3  # <think>, a token, </think>
