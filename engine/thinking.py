@@ -87,10 +87,8 @@ class ThinkingState:
     def answer_tokens(self, drafts: list[int]) -> list[int] | None:
         """Of ``drafts``, those that are the answer's (what a grammar reads before the row after
         them), or None where the row after them is still inside the thinking."""
-        state = ThinkingState(self.thinking, self.phase, self.count, self.seen)
+        state = self.after([])
         for index, token_id in enumerate(drafts):
-            if state.answering:
-                return drafts[index:]
             if state.accept(token_id):
                 return drafts[index:]
         return [] if state.answering or state.may_open else None

@@ -100,7 +100,7 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
     request = MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
     if reasoning is not None:
         generate.thinking = reasoning.thinking(prompt, budget)
-        request.reasoning, request.show_thinking = reasoning.splitter(prompt), thinking is not False
+        request.reasoning, request.show_thinking = ReasoningSplitter(generate.thinking), thinking is not False
     return request
 
 

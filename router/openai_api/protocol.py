@@ -79,12 +79,9 @@ class ApiRequest:
     return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     tool_calling: ToolCalling | None = None  # chat with tools: how its answers are read
-    # Chat with a reasoning parser (router.reasoning_parser): how each answer starts (the prompt
-    # says, router/openai_api/reasoning.py), and vLLM's include_reasoning (false: the thinking
-    # is left out of the response).
+    # Chat with a reasoning parser (router.reasoning_parser; each choice's thinking is its
+    # GenerateInput's), and vLLM's include_reasoning (false: the thinking is left out).
     reasoning: ReasoningFormat | None = None
-    reasoning_prompt: str = ""
-    reasoning_continues: str | None = None  # continue_final_message: the assistant text the answer goes on with
     include_reasoning: bool = True
     choices: list[GenerateInput] = field(default_factory=list)  # in choice-index order: prompt by prompt, n each
     choices_per_prompt: int = 1
@@ -154,8 +151,7 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     include_reasoning = boolean(body, "include_reasoning", True)
     budget = integer(body, "thinking_token_budget", None, 0, None)
     if reasoning is not None:
-        continues = _continued(body)
-        base.thinking = reasoning.thinking(prompt, budget, continues)
+        base.thinking = reasoning.thinking(prompt, budget, _continued(body))
     elif budget is not None:
         raise InvalidArgumentError("thinking_token_budget", "needs a reasoning model served with router.reasoning_parser")
     base.prompt_text = prompt
@@ -164,9 +160,7 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     base.text_field = base.ids_field = "messages"
     request = _api_request(body, logprobs)
     request.tool_calling = calling
-    request.reasoning, request.reasoning_prompt, request.include_reasoning = reasoning, prompt, include_reasoning
-    if reasoning is not None:
-        request.reasoning_continues = continues
+    request.reasoning, request.include_reasoning = reasoning, include_reasoning
     request.choices_per_prompt = _num_choices(body, 1)
     request.choices = [_choice(base, i) for i in range(request.choices_per_prompt)]
     return request

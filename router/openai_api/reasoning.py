@@ -58,10 +58,6 @@ class ReasoningFormat:
             return False
         return True if self.parser == "deepseek_r1" else None
 
-    def splitter(self, prompt_text: str, continues: str | None = None) -> "ReasoningSplitter":
-        thinking = self.thinking(prompt_text, None, continues)
-        return ReasoningSplitter(self.starts_inside(prompt_text, continues), thinking.state() if thinking is not None else None)
-
     def thinking(self, prompt_text: str, budget: int | None = None, continues: str | None = None) -> Thinking | None:
         """Where the engine finds the thinking in this prompt's answer (engine.thinking): from
         the first token where the prompt opened it; where the model may open it itself, only if
@@ -102,54 +98,43 @@ def reasoning_format(parser: str | None, tokenizer: Tokenizer) -> ReasoningForma
 
 
 class ReasoningSplitter:
-    """One choice's answer, piece by piece, into (thinking, answer) text."""
+    """One choice's answer, piece by piece, into (thinking, answer) text, for the thinking the
+    engine was told of (``ReasoningFormat.thinking``; None: thinking is off, all is answer)."""
 
-    def __init__(self, inside: bool | None, tokens: ThinkingState | None = None):
-        # "inside": thinking until </think>; "answer": the rest is the answer; "start": the model
-        # may open <think> first (whitespace before it goes with it).
-        self._state = "inside" if inside else "answer" if inside is False else "start"
-        self._tokens = tokens  # the same thinking read by token ids, as the engine reads it (usage)
+    def __init__(self, thinking: Thinking | None):
+        # Inside the thinking until </think>, or in the answer; before any text a <think> the
+        # model writes (whitespace before it goes with it) opens the thinking, or repeats the
+        # prompt's and is dropped.
+        self._inside = thinking is not None and thinking.inside
+        self._may_open = thinking is not None
+        self._tokens = thinking.state() if thinking is not None else None  # the same, by token id (usage)
         self._held = ""  # text that may be the start of the marker looked for
-        self._opened_at_start = self._state == "inside"  # a <think> the model writes first is dropped
-        self.thought = False  # any thinking text came
 
     def feed(self, text: str) -> tuple[str, str]:
         text, self._held = self._held + text, ""
         thinking = answer = ""
         while text:
-            if self._state == "answer":
-                answer += text
-                break
-            if self._state == "start":
+            if self._may_open:
                 stripped = text.lstrip()
                 if stripped.startswith(THINK_OPEN):
-                    self._state, text = "inside", stripped[len(THINK_OPEN) :]
-                    self._opened_at_start = False
+                    self._inside, text = True, stripped[len(THINK_OPEN) :]
                 elif THINK_OPEN.startswith(stripped):
                     self._held = text  # whitespace, or the start of "<think>": not known yet
                     break
-                else:
-                    self._state = "answer"
+                self._may_open = False
                 continue
-            if self._opened_at_start:  # inside from the prompt: a <think> the model repeats is no text
-                stripped = text.lstrip()
-                if stripped.startswith(THINK_OPEN):
-                    text, self._opened_at_start = stripped[len(THINK_OPEN) :], False
-                    continue
-                if THINK_OPEN.startswith(stripped):
-                    self._held = text
-                    break
-                self._opened_at_start = False
+            if not self._inside:
+                answer += text
+                break
             end = text.find(THINK_CLOSE)
             if end >= 0:
                 thinking += text[:end]
-                self._state, text = "answer", text[end + len(THINK_CLOSE) :]
+                self._inside, text = False, text[end + len(THINK_CLOSE) :]
                 continue
             keep = marker_prefix_len(text, THINK_CLOSE)
             thinking += text[: len(text) - keep]
             self._held = text[len(text) - keep :]
             break
-        self.thought = self.thought or bool(thinking)
         return thinking, answer
 
     def thinking_tokens(self, token_ids: list[int]) -> int:
@@ -170,7 +155,4 @@ class ReasoningSplitter:
     def finish(self) -> tuple[str, str]:
         """What was held back, once the answer has ended."""
         held, self._held = self._held, ""
-        if self._state != "inside":  # the model never opened its thinking
-            return "", held
-        self.thought = self.thought or bool(held)
-        return held, ""
+        return (held, "") if self._inside else ("", held)

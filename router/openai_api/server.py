@@ -41,7 +41,7 @@ from router.openai_api import vllm_endpoints
 from router.openai_api.protocol import ApiRequest, read_chat, read_completion, render_conversation
 from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
-from router.openai_api.reasoning import reasoning_format
+from router.openai_api.reasoning import ReasoningSplitter, reasoning_format
 from router.openai_api.tool_parsers import ToolCallOutput
 from router.output_stream import OutputChunk, StreamEnd
 from router.session import GenerationSession
@@ -231,7 +231,7 @@ class OpenAIServer:
                     prompt_token_ids=one.prompt_token_ids, num_prompt_logprobs=api.prompt_logprobs,
                     echo_logprobs=api.echo and api.logprobs is not None, prompt_only=api.prompt_only,
                     return_token_ids=api.return_token_ids, tokens_as_ids=api.tokens_as_ids,
-                    reasoning=api.reasoning.splitter(api.reasoning_prompt, api.reasoning_continues) if api.reasoning is not None else None,
+                    reasoning=ReasoningSplitter(one.sampling_params.thinking) if api.reasoning is not None else None,
                     show_reasoning=api.include_reasoning,
                 )
                 for index, one in enumerate(validated)

@@ -268,7 +268,7 @@ class ResponsesFrontEnd:
         api.generate.request_id = response_id
         api.generate.lora_name = self.server.lora_name(model)
         validated = await self.router.validate_input(api.generate)
-        reasoning = self.server.reasoning.splitter(prompt) if self.server.reasoning is not None else None
+        reasoning = ReasoningSplitter(api.generate.thinking) if self.server.reasoning is not None else None
         state = ResponseState(response_id, model, api.echo, len(validated.prompt_token_ids), ToolCallOutput(calling) if calling is not None else None, reasoning)
         state.seal_reasoning = api.seal_reasoning
         return state, validated, conversation

@@ -37,7 +37,8 @@ def test_an_answer_that_continues_an_assistant_message_continues_its_thinking():
 
 
 def _split(inside, text: str, pieces: list[str]) -> tuple[str, str]:
-    splitter = ReasoningSplitter(inside)
+    # The thinking the engine is told of: from the first token, where the model may open it, none.
+    splitter = ReasoningSplitter(None if inside is False else Thinking(closer=7, opener=6, inside=bool(inside)))
     thinking = answer = ""
     for piece in pieces:
         more_thinking, more_answer = splitter.feed(piece)
@@ -78,10 +79,10 @@ def test_the_engine_is_told_where_the_thinking_is_and_its_budget():
 
 
 def test_the_thinkings_tokens_are_counted_by_id_up_to_and_with_the_closer():
-    splitter = QWEN3.splitter("<think>\n")
+    splitter = ReasoningSplitter(QWEN3.thinking("<think>\n"))
     assert splitter.thinking_tokens([1, 2]) == 2  # still thinking
     assert splitter.thinking_tokens([1, 7, 9]) == 2  # a token, then </think>; 9 is the answer's
     assert splitter.thinking_tokens([9]) == 0
-    assert QWEN3.splitter("<think>\n\n</think>\n\n").thinking_tokens([1, 7]) == 0  # thinking is off
-    may_open = QWEN3.splitter("<|assistant|>\n")
+    assert ReasoningSplitter(QWEN3.thinking("<think>\n\n</think>\n\n")).thinking_tokens([1, 7]) == 0  # thinking is off
+    may_open = ReasoningSplitter(QWEN3.thinking("<|assistant|>\n"))
     assert may_open.thinking_tokens([6, 1, 7, 9]) == 3  # <think>, a token, </think>
