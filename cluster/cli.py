@@ -26,6 +26,7 @@ from pathlib import Path
 
 from cluster.local_ray import confine_to_loopback
 from engine.default_model_path import DEFAULT_MODEL_PATH
+from router.openai_api.tool_formats import TOOL_CALL_PARSERS
 
 DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
 SERVING_TIMEOUT_S = 60.0  # after the controller reported every worker up
@@ -91,7 +92,7 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--router-replicas", type=int, help="routers serving the deployment, on the same ports (default 1)")
     up.add_argument("--stream-interval", type=int, help="tokens per streamed message after the first (default 1)")
     up.add_argument(
-        "--tool-call-parser", choices=["hermes", "llama3_json", "mistral"],
+        "--tool-call-parser", choices=TOOL_CALL_PARSERS,
         help='how chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)',
     )
     up.add_argument(

@@ -23,6 +23,7 @@ from engine.model_source import resolve_model
 from engine.speculation import SpeculativeConfig
 from kvtransfer.agent import KVTransferConfig
 from router.config import Disaggregation, RouterConfig
+from router.openai_api.tool_formats import TOOL_CALL_PARSERS
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 from router.security import AUTH_TOKEN_ENV, is_loopback
@@ -234,7 +235,7 @@ class RouterSection(BaseModel):
     responses_store_path: Path | None = Field(
         None, description="/v1/responses: a JSON-lines file keeping stored responses across router restarts (null: memory only)"
     )
-    tool_call_parser: Literal["hermes", "llama3_json", "mistral"] | None = Field(
+    tool_call_parser: Literal[*TOOL_CALL_PARSERS] | None = Field(
         None, description='How chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)'
     )
     chat_template: str | None = Field(

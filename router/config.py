@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.openai_api.tool_formats import TOOL_CALL_PARSERS
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 
@@ -100,8 +101,8 @@ class RouterConfig:
     # a stream's next message always go with it, whatever this is.
     stream_interval: int = 1
     status_timeout_s: float = 5.0
-    # How chat answers with tool_choice "auto" are read for tool calls: "hermes",
-    # "llama3_json" or "mistral" (router/openai_api/tool_calls.py); None: recognised in the chat template.
+    # How chat answers with tool_choice "auto" are read for tool calls: a format of
+    # router/openai_api/tool_formats.py (vLLM's parser names); None: recognised in the chat template.
     tool_call_parser: str | None = None
     # The chat template's text instead of the model's own (vLLM's --chat-template: a template
     # with tool calls, one for a base model); None: the model's (chat_template.jinja or
@@ -134,8 +135,8 @@ class RouterConfig:
             raise ValueError(f"default_chat_template_kwargs: must map template variables to values, got {type(self.default_chat_template_kwargs).__name__}")
         if self.reasoning_parser not in (None, "deepseek_r1", "qwen3"):
             raise ValueError(f"reasoning_parser: one of deepseek_r1, qwen3 (or unset), got {self.reasoning_parser!r}")
-        if self.tool_call_parser not in (None, "hermes", "llama3_json", "mistral"):
-            raise ValueError(f"tool_call_parser: one of hermes, llama3_json, mistral (or unset), got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser: one of {', '.join(TOOL_CALL_PARSERS)} (or unset), got {self.tool_call_parser!r}")
         if self.served_model_names is not None and (not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names)):
             raise ValueError(f"served_model_names: must be non-empty names, got {self.served_model_names!r}")
         if self.auth_token is not None and not self.auth_token.strip():

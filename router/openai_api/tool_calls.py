@@ -3,13 +3,9 @@ the grammar that enforces a ``required`` or named choice; the answers are read b
 router/openai_api/tool_parsers.py.
 
 - ``none``: the template still sees the tools (as vLLM does); the answer is plain content.
-- ``auto``: the model decides; its text is parsed by the model's tool-call parser: ``hermes``
-  (Hermes, Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks after
-  optional content), ``llama3_json`` (Llama 3.x: the whole answer is ``{"name": ...,
-  "parameters": {...}}``, several joined by ``;``, optionally after ``<|python_tag|>``) or
-  ``mistral`` (``[TOOL_CALLS]`` after optional content, then a JSON list of ``{"name",
-  "arguments"}``, or each call as ``name[ARGS]{...}`` in newer Mistral models). The parser is
-  configured (``router.tool_call_parser``) or recognised in the chat template.
+- ``auto``: the model decides; its text is read in the model's format (hermes, qwen3_coder,
+  glm45, llama3_json, pythonic, mistral: router/openai_api/tool_formats.py), configured
+  (``router.tool_call_parser``) or recognised in the chat template.
 - ``required``: a grammar makes the answer a JSON array of ``{"name", "parameters"}`` objects,
   one schema per tool (at most one item without ``parallel_tool_calls``); named
   (``{"type": "function", "function": {"name": ...}}``): the answer is that function's arguments.
@@ -26,12 +22,9 @@ from typing import Any
 
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
+from router.openai_api.tool_formats import ALIASES, MISTRAL_CALLS, READERS, detect_parser, json_or
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-HERMES_OPEN = "<tool_call>"
-PYTHON_TAG = "<|python_tag|>"
-MISTRAL_CALLS = "[TOOL_CALLS]"
 MISTRAL_ID_LENGTH = 9  # Mistral's templates refuse other tool call ids
 
 
@@ -114,20 +107,10 @@ def read_tool_calling(body: dict, template_text: str, configured_parser: str | N
             raise InvalidArgumentError(
                 "tool_choice",
                 '"auto" needs a tool-call parser and this model\'s chat template shows no known format; set '
-                f"router.tool_call_parser (one of {list(TOOL_CALL_PARSERS)}) or use \"required\" or a named function",
+                f"router.tool_call_parser (one of {list(READERS)}) or use \"required\" or a named function",
             )
+        parser = ALIASES.get(parser, parser)
     return ToolCalling(tools=list(tools), choice=choice, name=name, parser=parser, parallel=parallel is not False)
-
-
-def detect_parser(template_text: str) -> str | None:
-    """The tool-call format a chat template teaches its model, where it shows one."""
-    if MISTRAL_CALLS in template_text:
-        return "mistral"
-    if HERMES_OPEN in template_text:
-        return "hermes"
-    if PYTHON_TAG in template_text or "ipython" in template_text:
-        return "llama3_json"
-    return None
 
 
 def template_messages(messages: list[dict[str, Any]], template_text: str) -> list[dict[str, Any]]:
@@ -208,13 +191,6 @@ def _with_parsed_arguments(call: dict[str, Any], short_id: bool) -> dict[str, An
     if short_id and isinstance(call.get("id"), str):
         call["id"] = mistral_id(call["id"])
     return call
-
-
-def json_or(text: str, default: Any) -> Any:
-    try:
-        return json.loads(text)
-    except (json.JSONDecodeError, TypeError):
-        return default
 
 
 def flat_function_tool(tool: dict[str, Any], where: str, schema_key: str) -> dict[str, Any]:

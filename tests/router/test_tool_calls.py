@@ -158,3 +158,82 @@ def test_a_mistral_template_gets_the_tool_call_ids_it_takes():
     assert mistral_id("tool_a_weather_1") != mistral_id("tool_b_weather_1")  # no two ids made one
     assert f'[CALL_ID]{short}[ARGS]{{"city": "Oslo"}}' in prompt and f"[TOOL_RESULTS]{short}[TOOL_CONTENT]sunny" in prompt
     assert detect_parser(MISTRAL_TEMPLATE) == "mistral"
+
+
+FORECAST = {"type": "function", "function": {"name": "get_forecast", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"}, "options": {"type": "object"},
+    "hours": {"type": "array", "items": {"type": "integer"}}, "note": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
+QWEN3_CODER = ToolCalling([FORECAST, TIME], "auto", parser="qwen3_coder")
+GLM45 = ToolCalling([FORECAST, TIME], "auto", parser="glm45")
+PYTHONIC = ToolCalling([FORECAST, TIME], "auto", parser="pythonic")
+# What each format's calls must come to: values typed by the tool's schema where the format
+# writes them as text (a string parameter stays as written, digits and all).
+FORECAST_ARGUMENTS = {"city": "Oslo", "days": 3, "hourly": True, "options": {"units": "metric"}, "hours": [6, 12], "note": None, "code": "0042"}
+
+
+@pytest.mark.parametrize("piece", [1, 3, 7, 1000])
+def test_qwen3_coder_calls_are_typed_by_the_schema_and_stream_into_the_same_calls(piece):
+    text = (
+        "I'll look.\n<tool_call>\n<function=get_forecast>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+        "<parameter=hourly>\ntrue\n</parameter>\n<parameter=options>\n{\"units\": \"metric\"}\n</parameter>\n<parameter=hours>\n[6, 12]\n</parameter>\n"
+        "<parameter=note>\nnull\n</parameter>\n<parameter=code>\n0042\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+    )
+    content, streamed, whole, reason = _run(QWEN3_CODER, text, piece)
+    assert content == "I'll look.\n" and streamed == whole and reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
+    # A multi-line string keeps its own newlines (one each side is the format's); a <function=...>
+    # written without its <tool_call>, and a parameter the tool does not declare, are read too.
+    code = "def f():\n    return 1\n"
+    text = f"<function=get_forecast>\n<parameter=code>\n{code}\n</parameter>\n<parameter=extra>\n7\n</parameter>\n</function>"
+    (call,) = _run(QWEN3_CODER, text, piece)[2]
+    assert json.loads(call["arguments"]) == {"code": code, "extra": "7"}
+    # A call the answer did not close is still a call; a block without a function is content.
+    assert json.loads(_run(QWEN3_CODER, "<tool_call>\n<function=get_forecast>\n<parameter=days>\n5", piece)[2][0]["arguments"]) == {"days": 5}
+    assert _run(QWEN3_CODER, "x <tool_call>no function</tool_call> y <functio", piece)[:2] == ("x <tool_call>no function</tool_call> y <functio", [])
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_glm45_calls_are_read_from_their_key_value_tags(piece):
+    values = {"city": "Oslo", "days": "3", "hourly": "true", "options": '{"units": "metric"}', "hours": "[6, 12]", "note": "null", "code": "0042"}
+    arguments = "".join(f"<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n" for key, value in values.items())
+    text = f"Checking.<tool_call>get_forecast\n{arguments}</tool_call>\n<tool_call>get_time\n</tool_call>"
+    content, streamed, whole, reason = _run(GLM45, text, piece)
+    assert content == "Checking." and streamed == whole and reason == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
+    # A Hermes-style JSON block is no GLM call: it stays content.
+    assert _run(GLM45, '<tool_call>{"name": "get_time"}</tool_call>', piece)[:2] == ('<tool_call>{"name": "get_time"}</tool_call>', [])
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_pythonic_calls_are_python_lists_of_keyword_calls(piece):
+    call = 'get_forecast(city="Oslo", days=3, hourly=True, options={"units": "metric"}, hours=(6, 12), note=None, code=\'0042\')'
+    for text in (f"[{call}, get_time()]", f"<|python_start|>[{call}, get_time()]<|python_end|>", f"[{call},\n get_time()]"):
+        content, streamed, whole, reason = _run(PYTHONIC, text, piece)
+        assert content == "" and streamed == whole and reason == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
+    # JSON's spellings are taken; anything that is not a list of keyword calls of literals is content.
+    assert json.loads(_run(PYTHONIC, "[get_forecast(hourly=false, note=null)]", piece)[2][0]["arguments"]) == {"hourly": False, "note": None}
+    for text in ("[1, 2] are the answers", 'Sure: [get_time()]', '[get_forecast("Oslo")]', "[get_forecast(days=x)]", "[get_forecast(**kw)]", "[]"):
+        assert _run(PYTHONIC, text, piece)[:2] == (text, [])
+
+
+@pytest.mark.parametrize("piece", [1, 1000])
+def test_a_hermes_block_that_is_no_call_comes_back_as_content(piece):
+    text = 'Here: <tool_call>{"city": "Oslo"}</tool_call> and <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    content, streamed, whole, _ = _run(HERMES, text, piece)
+    assert content == 'Here: <tool_call>{"city": "Oslo"}</tool_call> and ' and [c["name"] for c in whole] == ["get_time"]
+
+
+def test_each_format_is_recognised_in_its_template_and_vllm_names_are_taken():
+    qwen3_coder = "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>"
+    glm = "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n</tool_call>"
+    pythonic = "you MUST put it in the format of [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]"
+    assert [detect_parser(t) for t in (qwen3_coder, glm, pythonic)] == ["qwen3_coder", "glm45", "pythonic"]
+    for alias, name in (("qwen3_xml", "qwen3_coder"), ("llama4_pythonic", "pythonic"), ("llama4_json", "llama3_json")):
+        assert read_tool_calling({"tools": [WEATHER]}, "plain template", alias).parser == name
+    from router.config import RouterConfig
+
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        RouterConfig(tool_call_parser="qwen4").validate()
+    RouterConfig(tool_call_parser="glm45").validate()
