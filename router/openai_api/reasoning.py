@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.thinking import Thinking, ThinkingState
 from router.errors import InvalidArgumentError
-from router.openai_api.tool_formats import marker_prefix_len
+from router.openai_api.tool_blocks import marker_prefix_len
 from router.tokenizer import Tokenizer
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")

@@ -22,7 +22,8 @@ from typing import Any
 
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
-from router.openai_api.tool_formats import ALIASES, MISTRAL_CALLS, READERS, detect_parser, json_or
+from router.openai_api.tool_arguments import json_or
+from router.openai_api.tool_formats import ALIASES, MISTRAL_CALLS, READERS, detect_parser
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MISTRAL_ID_LENGTH = 9  # Mistral's templates refuse other tool call ids

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.openai_api.tool_calls import MISTRAL_ID_LENGTH, ToolCalling
-from router.openai_api.tool_formats import READERS, Found, json_or
+from router.openai_api.tool_arguments import json_or
+from router.openai_api.tool_blocks import CallPiece
+from router.openai_api.tool_formats import READERS, whole_calls
 
 
 @dataclass(slots=True)
@@ -77,16 +79,20 @@ class ToolCallOutput:
             return "", []
         if choice == "required":
             rest, self._buffer = self._buffer, ""
-            return "", self._add([(item["name"], item["parameters"]) for item in json_or(rest, [])])
+            return "", self._add(whole_calls([(item["name"], item["parameters"]) for item in json_or(rest, [])]))
         content, found = self._reader.finish()
         return content, self._add(found)
 
-    def _add(self, found: list[Found]) -> list[ToolCallDelta]:
+    def _add(self, pieces: list[CallPiece]) -> list[ToolCallDelta]:
         deltas = []
-        for name, arguments in found:
-            call = _call(name, arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False), self.calling.parser == "mistral")
-            deltas.append(ToolCallDelta(len(self.calls), call["function"]["arguments"], call["id"], name))
-            self.calls.append(call)
+        for piece in pieces:
+            if piece.name is not None:  # a new call
+                call = _call(piece.name, piece.arguments, self.calling.parser == "mistral")
+                deltas.append(ToolCallDelta(len(self.calls), piece.arguments, call["id"], piece.name))
+                self.calls.append(call)
+            else:  # more of the last call's arguments
+                self.calls[-1]["function"]["arguments"] += piece.arguments
+                deltas.append(ToolCallDelta(len(self.calls) - 1, piece.arguments))
         return deltas
 
 

@@ -237,3 +237,37 @@ def test_each_format_is_recognised_in_its_template_and_vllm_names_are_taken():
     with pytest.raises(ValueError, match="tool_call_parser"):
         RouterConfig(tool_call_parser="qwen4").validate()
     RouterConfig(tool_call_parser="glm45").validate()
+
+
+@pytest.mark.parametrize(
+    "calling, text",
+    [
+        (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'),
+        (QWEN3_CODER, "<tool_call>\n<function=get_forecast>\n<parameter=code>\n%s\n</parameter>\n</function>\n</tool_call>"),
+        (GLM45, "<tool_call>get_forecast\n<arg_key>code</arg_key>\n<arg_value>%s</arg_value>\n</tool_call>"),
+    ],
+    ids=["hermes", "qwen3_coder", "glm45"],
+)
+def test_a_block_formats_call_streams_its_name_first_then_its_arguments_as_they_are_written(calling, text):
+    """What an agent writing a file sees: the call at once, the file's text growing with the answer."""
+    value = "line one\nline two\n" * 4
+    escaped = json.dumps(value)[1:-1]
+    written = escaped if calling is HERMES else value  # Hermes writes JSON, the others the text itself
+    answer = text % written
+    value_end = answer.index(written) + len(written) - 1
+    output = ToolCallOutput(calling)
+    name_at, arguments, shown_at_value_end = None, "", None
+    for position, char in enumerate(answer):
+        content, deltas = output.feed(char)
+        assert content == ""
+        for delta in deltas:
+            name_at = position if delta.name and name_at is None else name_at
+            arguments += delta.arguments
+        if position == value_end:
+            shown_at_value_end = arguments
+    content, deltas = output.finish()
+    arguments += "".join(delta.arguments for delta in deltas)
+    assert name_at is not None and name_at < answer.index(written)  # named before its arguments came
+    assert json.loads(arguments) == json.loads(output.calls[0]["function"]["arguments"]) and arguments == output.calls[0]["function"]["arguments"]
+    assert json.loads(arguments)[("city" if calling is HERMES else "code")] == value
+    assert escaped[:-4] in shown_at_value_end  # all but the value's last characters were out before it ended

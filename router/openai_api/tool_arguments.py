@@ -1,0 +1,150 @@
+"""Tool-call arguments the XML formats (qwen3_coder, glm45: router/openai_api/tool_formats.py)
+write as text, key by key: each value typed by the tool's JSON schema, the whole written as the
+call's JSON arguments as it streams.
+
+``arguments_text`` renders the keys read so far; what it gives for a call only ever grows (each
+text starts with the one before), so a stream sends the difference: an open string value goes
+out character by character (JSON escapes one character at a time), any other when it closes.
+Keys and values are written as ``json.dumps`` writes an object (``", "``, ``": "``), so a whole
+call's text is what the streamed pieces add up to.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+
+@dataclass(slots=True)
+class RawArgument:
+    """One key the model wrote and its value's text so far (all of it once ``closed``)."""
+
+    key: str
+    text: str
+    closed: bool
+
+
+def arguments_text(arguments: list[RawArgument], schemas: dict[str, Any], complete: bool) -> str:
+    """The call's JSON arguments as far as ``arguments`` go (``complete``: the call ended, and with
+    it every value). A value still open shows only if its parameter is a string, as written so far."""
+    items = []
+    for argument in arguments:
+        schema = schemas.get(argument.key)
+        if argument.closed or complete:
+            items.append(f"{_dump(argument.key)}: {_dump(typed_value(argument.text, schema))}")
+        elif is_text(schema):  # the last key, its value still coming
+            items.append(f"{_dump(argument.key)}: {_dump(argument.text)[:-1]}")  # no closing quote yet
+    return "{" + ", ".join(items) + ("}" if complete else "")
+
+
+def parameter_schemas(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Function ``name``'s parameters' schemas by name ({} for a function no tool declares)."""
+    for tool in tools:
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            return (function.get("parameters") or {}).get("properties") or {}
+    return {}
+
+
+def is_text(schema: Any) -> bool:
+    """Whether a parameter's value is its text as written (a string, or undeclared)."""
+    types = _schema_types(schema)
+    return not types or types == {"string"}
+
+
+def json_or(text: str, default: Any) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return default
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+_TYPE_ALIASES = {  # names clients write for JSON schema types (vLLM reads them too)
+    "str": "string", "text": "string", "int": "integer", "long": "integer", "float": "number",
+    "double": "number", "bool": "boolean", "dict": "object", "list": "array", "tuple": "array",
+}
+
+
+def typed_value(raw: str, schema: Any) -> Any:
+    """A parameter the model wrote as text, as the value its schema types it: a string parameter
+    (or one the tool does not declare) as written; any other as the JSON (or Python literal) it
+    spells where that is of a type the schema allows; else as written."""
+    if is_text(schema):
+        return raw
+    types = _schema_types(schema)
+    text = raw.strip()
+    parsed = json_or(text, _MISSING)
+    if parsed is _MISSING and "boolean" in types and text.lower() in ("true", "false"):
+        parsed = text.lower() == "true"  # Python's True/False
+    if parsed is _MISSING and types & {"object", "array"}:
+        try:
+            parsed = python_literal(ast.parse(text, mode="eval").body)  # a Python dict or list
+        except (SyntaxError, ValueError):
+            pass
+    if parsed is not _MISSING and _value_types(parsed) & types:
+        return parsed
+    return raw
+
+
+_MISSING = object()
+
+
+def _schema_types(schema: Any) -> set[str]:
+    if not isinstance(schema, dict):
+        return set()
+    declared = schema.get("type")
+    if isinstance(declared, str):
+        return {_TYPE_ALIASES.get(declared, declared)}
+    if isinstance(declared, list):
+        return {_TYPE_ALIASES.get(t, t) for t in declared if isinstance(t, str)}
+    if "enum" in schema and isinstance(schema["enum"], list):
+        return set().union(*(_value_types(v) for v in schema["enum"])) if schema["enum"] else set()
+    if "const" in schema:
+        return _value_types(schema["const"])
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(options, list):
+        return set().union(*(_schema_types(option) for option in options)) if options else set()
+    return set()
+
+
+def _value_types(value: Any) -> set[str]:
+    """The JSON schema types ``value`` satisfies."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number", "integer"} if value.is_integer() else {"number"}
+    if isinstance(value, str):
+        return {"string"}
+    return {"array"} if isinstance(value, list) else {"object"} if isinstance(value, dict) else set()
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def python_literal(node: ast.expr) -> Any:
+    """A Python literal as a JSON value (tuples as lists; JSON's true/false/null taken too);
+    ValueError for anything else (a name, a call, an operation)."""
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float, bool))):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and isinstance(node.operand, ast.Constant):
+        value = node.operand.value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [python_literal(item) for item in node.elts]
+    if isinstance(node, ast.Dict) and all(isinstance(key, ast.Constant) and isinstance(key.value, str) for key in node.keys):
+        return {key.value: python_literal(value) for key, value in zip(node.keys, node.values)}
+    raise ValueError(f"not a literal: {ast.dump(node)[:80]}")

@@ -1,0 +1,243 @@
+"""Tool-call formats whose calls are blocks between markers, after optional content, read as they
+stream: a call is announced as soon as its name is known and its arguments follow piece by
+piece, as vLLM streams them (an agent writing a file sees it grow).
+
+- ``hermes`` (Hermes, Qwen2.5/3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+  the arguments are the model's JSON text, streamed up to the object's closing brace.
+- ``qwen3_coder`` (Qwen3-Coder, Qwen3.5): ``<tool_call><function=NAME><parameter=KEY>
+  value</parameter>...</function></tool_call>``.
+- ``glm45`` (GLM-4.5/4.6): ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>value</arg_value>...
+  </tool_call>``.
+
+The last two write values as text; router/openai_api/tool_arguments.py types them by the tool's
+schema and writes the arguments' JSON as the keys come.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from router.openai_api.tool_arguments import RawArgument, arguments_text, json_or, parameter_schemas
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
+PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
+GLM_ARG_KEY, GLM_ARG_VALUE, GLM_VALUE_CLOSE = "<arg_key>", "<arg_value>", "</arg_value>"
+
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+_FUNCTION_HEAD = re.compile(r"<function=([^>\n]*)>")
+_PARAMETER_HEAD = re.compile(r"<parameter=([^>\n]*)>")
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
+# What may follow a Qwen3-Coder value: a newline of the format's, then the next tag.
+_QWEN_VALUE_ENDS = tuple(newline + tag for newline in ("\n", "") for tag in (PARAMETER_CLOSE, PARAMETER_OPEN, FUNCTION_CLOSE, HERMES_CLOSE))
+
+
+@dataclass(slots=True)
+class CallPiece:
+    """What a reader found of the calls: a new call (``name`` set, its arguments so far) or more
+    of the last call's arguments' JSON text."""
+
+    arguments: str
+    name: str | None = None
+
+
+def marker_prefix_len(text: str, marker: str) -> int:
+    """How many of ``text``'s last characters are a proper start of ``marker``."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class BlockReader:
+    """Content around call blocks (``opener ... closer``), each call streamed as it is read.
+    Whitespace between calls or after the last is dropped (it is no content the model meant)."""
+
+    blocks: tuple[tuple[str, str], ...] = ()  # (opener, closer) pairs
+
+    def __init__(self, tools: list[dict[str, Any]]):
+        self.tools = tools
+        self.num_found = 0
+        self._buffer = ""
+        self._open: tuple[str, str] | None = None  # the block being read
+        self._sent: list[str] = []  # the open block's calls: the arguments text each has sent
+        self._space = ""  # whitespace after a call, shown only if text follows it
+
+    def calls_in(self, opener: str, body: str, closed: bool) -> list[tuple[str, str]] | None:
+        """The calls of a block as far as ``body`` goes: (name, arguments' JSON text so far, each
+        a start of its final text); every call whole once ``closed``. None: no call can be read
+        yet (``closed``: the block is no call)."""
+        raise NotImplementedError
+
+    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
+        self._buffer += text
+        content, pieces = "", []
+        while True:
+            if self._open is None:
+                starts = [(at, pair) for pair in self.blocks if (at := self._buffer.find(pair[0])) >= 0]
+                if not starts:
+                    # Hold back what could be the start of a marker.
+                    keep = max(marker_prefix_len(self._buffer, opener) for opener, _ in self.blocks)
+                    return content + self._content(len(self._buffer) - keep), pieces
+                at, self._open = min(starts, key=lambda start: start[0])
+                content += self._content(at)  # the buffer now starts with the opener
+                self._space = ""
+                self._buffer = self._buffer[len(self._open[0]) :]
+            opener, closer = self._open
+            end = self._buffer.find(closer)
+            if end < 0:
+                shown = self._buffer[: len(self._buffer) - marker_prefix_len(self._buffer, closer)]
+                return content, pieces + self._progress(self.calls_in(opener, shown, False))
+            block, self._buffer = self._buffer[:end], self._buffer[end + len(closer) :]
+            more, found = self._close(opener, block)
+            content, pieces = content + (more + closer if more else ""), pieces + found
+
+    def finish(self) -> tuple[str, list[CallPiece]]:
+        if self._open is not None:  # a block the answer did not close
+            rest, self._buffer = self._buffer, ""
+            return self._close(self._open[0], rest)
+        return self._content(len(self._buffer)), []
+
+    def _close(self, opener: str, block: str) -> tuple[str, list[CallPiece]]:
+        """A block's end: its calls' last pieces, or (no call read in it) the block as content."""
+        calls = self.calls_in(opener, block, True)
+        self._open = None
+        if calls is None and not self._sent:
+            return opener + block, []
+        pieces = self._progress(calls or [])
+        self.num_found += len(self._sent)
+        self._sent = []
+        return "", pieces
+
+    def _progress(self, calls: list[tuple[str, str]] | None) -> list[CallPiece]:
+        """The pieces that take the open block's calls from what was sent to ``calls``."""
+        pieces = []
+        for index, (name, arguments) in enumerate(calls or []):
+            if index == len(self._sent):
+                pieces.append(CallPiece("", name))
+                self._sent.append("")
+            sent = self._sent[index]
+            # Always true by the readers' construction; a text that did not grow keeps what was sent.
+            if len(arguments) > len(sent) and arguments.startswith(sent):
+                pieces.append(CallPiece(arguments[len(sent) :]))
+                self._sent[index] = arguments
+        return pieces
+
+    def _content(self, size: int) -> str:
+        """The buffer's first ``size`` characters as content; after a call, whitespace waits for
+        text to follow it (whitespace that a call or the end follows is dropped)."""
+        text, self._buffer = self._buffer[:size], self._buffer[size:]
+        if not self.num_found:
+            return text
+        text = self._space + text
+        shown = text.rstrip()
+        self._space = text[len(shown) :]
+        return shown
+
+
+class HermesReader(BlockReader):
+    blocks = ((HERMES_OPEN, HERMES_CLOSE),)
+
+    def calls_in(self, opener: str, body: str, closed: bool) -> list[tuple[str, str]] | None:
+        head = _HERMES_HEAD.match(body)
+        if head is not None:  # {"name": ..., "arguments": {: streamed as it comes
+            end = _object_end(body, head.end())
+            return [(json.loads(head.group(1)), body[head.end() : end])]
+        if not closed:
+            return None
+        call = json_or(body.strip(), None)  # another shape (arguments as a string, none at all)
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", {})
+        return [(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))]
+
+
+class Qwen3CoderReader(BlockReader):
+    """A ``<function=...>`` the model wrote without its ``<tool_call>`` is read too (vLLM reads it)."""
+
+    blocks = ((HERMES_OPEN, HERMES_CLOSE), (FUNCTION_OPEN, FUNCTION_CLOSE))
+
+    def calls_in(self, opener: str, body: str, closed: bool) -> list[tuple[str, str]] | None:
+        text = FUNCTION_OPEN + body if opener == FUNCTION_OPEN else body
+        heads = list(_FUNCTION_HEAD.finditer(text))
+        calls = []
+        for index, head in enumerate(heads):
+            name = head.group(1).strip()
+            if not name:
+                return None if closed and not calls else calls
+            later = heads[index + 1].start() if index + 1 < len(heads) else len(text)
+            region = text[head.end() : later]
+            end = region.find(FUNCTION_CLOSE)
+            complete = closed or end >= 0 or index + 1 < len(heads)
+            arguments = self._arguments(region if end < 0 else region[:end], complete)
+            calls.append((name, arguments_text(arguments, parameter_schemas(self.tools, name), complete)))
+        return calls or None
+
+    @staticmethod
+    def _arguments(region: str, complete: bool) -> list[RawArgument]:
+        heads = list(_PARAMETER_HEAD.finditer(region))
+        arguments = []
+        for index, head in enumerate(heads):
+            value = region[head.end() : heads[index + 1].start() if index + 1 < len(heads) else len(region)]
+            end = value.find(PARAMETER_CLOSE)
+            closed = complete or end >= 0 or index + 1 < len(heads)
+            if end >= 0:
+                value = value[:end]
+            # One newline each side is the format's (<parameter=k>\nvalue\n</parameter>); an open
+            # value holds back what may yet be that newline or the next tag.
+            value = value.removeprefix("\n")
+            if closed:
+                value = value.removesuffix("\n")
+            else:
+                # A tag begun but not ended (a model that leaves out </parameter>) is no value either.
+                value = min((value[:at] for tag in (PARAMETER_OPEN, FUNCTION_OPEN) if (at := value.find(tag)) >= 0), key=len, default=value)
+                value = value[: len(value) - max(marker_prefix_len(value, end) for end in _QWEN_VALUE_ENDS)]
+            arguments.append(RawArgument(head.group(1).strip(), value, closed))
+        return arguments
+
+
+class Glm45Reader(BlockReader):
+    blocks = ((HERMES_OPEN, HERMES_CLOSE),)
+
+    def calls_in(self, opener: str, body: str, closed: bool) -> list[tuple[str, str]] | None:
+        name, marker, _ = body.partition(GLM_ARG_KEY)
+        known = closed or marker or "\n" in name.lstrip()  # the name ends at its line's end
+        name = name.strip()
+        if not known or not name or "\n" in name or "{" in name:
+            return None
+        heads = list(_GLM_ARGUMENT.finditer(body))
+        arguments = []
+        for index, head in enumerate(heads):
+            value = body[head.end() : heads[index + 1].start() if index + 1 < len(heads) else len(body)]
+            end = value.find(GLM_VALUE_CLOSE)
+            argument_closed = closed or end >= 0
+            value = value[:end] if end >= 0 else value[: len(value) - marker_prefix_len(value, GLM_VALUE_CLOSE)]
+            arguments.append(RawArgument(head.group(1).strip(), value, argument_closed))
+        return [(name, arguments_text(arguments, parameter_schemas(self.tools, name), closed))]
+
+
+def _object_end(text: str, start: int) -> int:
+    """Where the JSON object opening at ``text[start]`` ends (after its closing brace), or the
+    text's end if it has not yet."""
+    depth, in_string, escaped = 0, False, False
+    for position in range(start, len(text)):
+        char = text[position]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return position + 1
+    return len(text)
