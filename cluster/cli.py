@@ -26,6 +26,7 @@ from pathlib import Path
 
 from cluster.local_ray import confine_to_loopback
 from engine.default_model_path import DEFAULT_MODEL_PATH
+from router.openai_api.reasoning import REASONING_PARSERS
 from router.openai_api.tool_formats import TOOL_CALL_PARSERS
 
 DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
@@ -96,7 +97,7 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
         help='how chat answers with tool_choice "auto" are read for tool calls (default: recognised in the chat template)',
     )
     up.add_argument(
-        "--reasoning-parser", choices=["deepseek_r1", "qwen3"],
+        "--reasoning-parser", choices=REASONING_PARSERS,
         help="split a reasoning model's thinking (<think>...</think>) off its answers, as vLLM's --reasoning-parser does",
     )
     up.add_argument("--chat-template", help="a chat template instead of the model's own: a Jinja file, or the template itself")

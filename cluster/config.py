@@ -23,6 +23,7 @@ from engine.model_source import resolve_model
 from engine.speculation import SpeculativeConfig
 from kvtransfer.agent import KVTransferConfig
 from router.config import Disaggregation, RouterConfig
+from router.openai_api.reasoning import REASONING_PARSERS
 from router.openai_api.tool_formats import TOOL_CALL_PARSERS
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
@@ -244,7 +245,7 @@ class RouterSection(BaseModel):
     default_chat_template_kwargs: dict | None = Field(
         None, description='Template variables every chat renders with, under a request\'s chat_template_kwargs (e.g. {"enable_thinking": false})'
     )
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+    reasoning_parser: Literal[*REASONING_PARSERS] | None = Field(
         None, description="A reasoning model's thinking (<think>...</think>) split off its answers into reasoning fields (default: kept in the answer)"
     )
 

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from router.openai_api.reasoning import REASONING_PARSERS
 from router.openai_api.tool_formats import TOOL_CALL_PARSERS
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
@@ -110,7 +111,7 @@ class RouterConfig:
     # renders with, under a request's own chat_template_kwargs (vLLM's flag of that name).
     chat_template: str | None = None
     default_chat_template_kwargs: dict | None = None
-    # A reasoning model's thinking split off its chat answers: "deepseek_r1" or "qwen3"
+    # A reasoning model's thinking split off its chat answers: a parser of REASONING_PARSERS
     # (router/openai_api/reasoning.py); None: the answer keeps it, as the model wrote it.
     reasoning_parser: str | None = None
 
@@ -133,8 +134,8 @@ class RouterConfig:
             raise ValueError("chat_template: must be a template's text (or unset for the model's own)")
         if self.default_chat_template_kwargs is not None and not isinstance(self.default_chat_template_kwargs, dict):
             raise ValueError(f"default_chat_template_kwargs: must map template variables to values, got {type(self.default_chat_template_kwargs).__name__}")
-        if self.reasoning_parser not in (None, "deepseek_r1", "qwen3"):
-            raise ValueError(f"reasoning_parser: one of deepseek_r1, qwen3 (or unset), got {self.reasoning_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser: one of {', '.join(REASONING_PARSERS)} (or unset), got {self.reasoning_parser!r}")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser: one of {', '.join(TOOL_CALL_PARSERS)} (or unset), got {self.tool_call_parser!r}")
         if self.served_model_names is not None and (not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names)):

@@ -5,9 +5,9 @@ Where thinking starts is the prompt's and the model's: a chat template that open
 at the end of the prompt (DeepSeek-R1's, Qwen3.5's, Qwen3 thinking-2507's) leaves the answer
 inside it until the model writes ``</think>``; one that closes it there (Qwen3's
 ``enable_thinking: false``) leaves none; otherwise the model may open it as the first thing it
-writes (Qwen3's older templates). ``deepseek_r1`` also reads an answer whose prompt says nothing
-as thinking from the start (R1 models may leave out ``<think>``); ``qwen3`` reads it as the
-answer unless the model opens ``<think>``. Thinking cut off by ``max_tokens`` stays thinking.
+writes (Qwen3's older templates). ``deepseek_r1`` (and ``minimax_m2``) also reads an answer whose
+prompt says nothing as thinking from the start (those models may leave out ``<think>``); ``qwen3``
+(and ``glm45``, ``deepseek_v3``) reads it as the answer unless the model opens ``<think>``. Thinking cut off by ``max_tokens`` stays thinking.
 
 The split is on the text, as it streams: what may be the start of a marker is held back until
 the next piece says. The engine is told where the thinking is (``thinking``, engine.thinking):
@@ -26,7 +26,12 @@ from router.errors import InvalidArgumentError
 from router.openai_api.tool_blocks import marker_prefix_len
 from router.tokenizer import Tokenizer
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# vLLM's parser names for models that think between <think> and </think>, each with where an
+# answer whose prompt says nothing starts: inside the thinking (the model may leave <think> out:
+# DeepSeek-R1, MiniMax-M2) or in the answer unless the model opens it (Qwen3, GLM-4.5,
+# DeepSeek-V3.1, whose templates open or close it at the prompt's end when thinking is set).
+THINKS_FROM_THE_START = {"deepseek_r1": True, "minimax_m2": True, "qwen3": False, "glm45": False, "deepseek_v3": False}
+REASONING_PARSERS = tuple(THINKS_FROM_THE_START)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -56,7 +61,7 @@ class ReasoningFormat:
             return True
         if tail.endswith(THINK_CLOSE):
             return False
-        return True if self.parser == "deepseek_r1" else None
+        return True if THINKS_FROM_THE_START[self.parser] else None
 
     def thinking(self, prompt_text: str, budget: int | None = None, continues: str | None = None) -> Thinking | None:
         """Where the engine finds the thinking in this prompt's answer (engine.thinking): from

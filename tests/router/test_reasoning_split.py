@@ -28,6 +28,18 @@ def test_where_the_thinking_starts(prompt, r1, qwen3):
     assert (R1.starts_inside(prompt), QWEN3.starts_inside(prompt)) == (r1, qwen3)
 
 
+def test_vllms_other_parser_names_read_the_thinking_as_their_models_write_it():
+    """GLM-4.5 and DeepSeek-V3.1 open <think> themselves (or their templates do), as Qwen3;
+    MiniMax-M2 may leave it out, as R1."""
+    prompt = "<|assistant|>\n"
+    assert [ReasoningFormat(name, 6, 7).starts_inside(prompt) for name in ("glm45", "deepseek_v3", "minimax_m2")] == [None, None, True]
+    from router.config import RouterConfig
+
+    RouterConfig(reasoning_parser="glm45").validate()
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        RouterConfig(reasoning_parser="glm5").validate()
+
+
 def test_an_answer_that_continues_an_assistant_message_continues_its_thinking():
     """continue_final_message: the message's own markers say (the prompt ends with its text)."""
     prompt = "<|assistant|>\n<think>\nLet me"
