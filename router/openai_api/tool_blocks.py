@@ -27,7 +27,8 @@ FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 GLM_ARG_KEY, GLM_ARG_VALUE, GLM_VALUE_CLOSE = "<arg_key>", "<arg_value>", "</arg_value>"
 
-_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)')
+_JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_JSON_CALL_TAIL = re.compile(r"\s*\}\s*[,;]?")  # a call object's end, after its arguments
 _FUNCTION_HEAD = re.compile(r"<function=([^>\n]*)>")
 _PARAMETER_HEAD = re.compile(r"<parameter=([^>\n]*)>")
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
@@ -44,6 +45,37 @@ class CallPiece:
     name: str | None = None
 
 
+@dataclass(slots=True)
+class CallsRead:
+    """The calls read in a text so far: each one's name and its arguments' JSON text (a start of
+    its final text, which only grows as more of the text comes); once the text is whole, what
+    follows them that is no call (content)."""
+
+    calls: list[tuple[str, str]]
+    rest: str = ""
+
+
+class CallStream:
+    """The calls of one block (or answer) as sent: each new read becomes the pieces that take
+    the client from what it has to what was read."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []  # each call's arguments text as sent
+
+    def pieces(self, read: CallsRead | None) -> list[CallPiece]:
+        pieces = []
+        for index, (name, arguments) in enumerate(read.calls if read is not None else []):
+            if index == len(self.sent):
+                pieces.append(CallPiece("", name))
+                self.sent.append("")
+            sent = self.sent[index]
+            # Always true by the readers' construction; a text that did not grow keeps what was sent.
+            if len(arguments) > len(sent) and arguments.startswith(sent):
+                pieces.append(CallPiece(arguments[len(sent) :]))
+                self.sent[index] = arguments
+        return pieces
+
+
 def marker_prefix_len(text: str, marker: str) -> int:
     """How many of ``text``'s last characters are a proper start of ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -53,23 +85,23 @@ def marker_prefix_len(text: str, marker: str) -> int:
 
 
 class BlockReader:
-    """Content around call blocks (``opener ... closer``), each call streamed as it is read.
-    Whitespace between calls or after the last is dropped (it is no content the model meant)."""
+    """Content around call blocks (``opener ... closer``; a closer of None: the answer's end),
+    each call streamed as it is read. Whitespace between calls or after the last is dropped (it is
+    no content the model meant)."""
 
-    blocks: tuple[tuple[str, str], ...] = ()  # (opener, closer) pairs
+    blocks: tuple[tuple[str, str | None], ...] = ()  # (opener, closer) pairs
 
     def __init__(self, tools: list[dict[str, Any]]):
         self.tools = tools
         self.num_found = 0
         self._buffer = ""
-        self._open: tuple[str, str] | None = None  # the block being read
-        self._sent: list[str] = []  # the open block's calls: the arguments text each has sent
+        self._open: tuple[str, str | None] | None = None  # the block being read
+        self._stream = CallStream()  # the open block's calls
         self._space = ""  # whitespace after a call, shown only if text follows it
 
-    def calls_in(self, opener: str, body: str, closed: bool) -> list[tuple[str, str]] | None:
-        """The calls of a block as far as ``body`` goes: (name, arguments' JSON text so far, each
-        a start of its final text); every call whole once ``closed``. None: no call can be read
-        yet (``closed``: the block is no call)."""
+    def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
+        """The calls of a block as far as ``body`` goes (every call whole once ``closed``). None:
+        no call can be read yet (``closed``: the block is no call)."""
         raise NotImplementedError
 
     def feed(self, text: str) -> tuple[str, list[CallPiece]]:
@@ -87,13 +119,13 @@ class BlockReader:
                 self._space = ""
                 self._buffer = self._buffer[len(self._open[0]) :]
             opener, closer = self._open
-            end = self._buffer.find(closer)
+            end = -1 if closer is None else self._buffer.find(closer)
             if end < 0:
-                shown = self._buffer[: len(self._buffer) - marker_prefix_len(self._buffer, closer)]
-                return content, pieces + self._progress(self.calls_in(opener, shown, False))
+                shown = self._buffer[: len(self._buffer) - (0 if closer is None else marker_prefix_len(self._buffer, closer))]
+                return content, pieces + self._stream.pieces(self.calls_in(opener, shown, False))
             block, self._buffer = self._buffer[:end], self._buffer[end + len(closer) :]
-            more, found = self._close(opener, block)
-            content, pieces = content + (more + closer if more else ""), pieces + found
+            more, found = self._close(opener, block, closer)
+            content, pieces = content + more, pieces + found
 
     def finish(self) -> tuple[str, list[CallPiece]]:
         if self._open is not None:  # a block the answer did not close
@@ -101,30 +133,17 @@ class BlockReader:
             return self._close(self._open[0], rest)
         return self._content(len(self._buffer)), []
 
-    def _close(self, opener: str, block: str) -> tuple[str, list[CallPiece]]:
-        """A block's end: its calls' last pieces, or (no call read in it) the block as content."""
-        calls = self.calls_in(opener, block, True)
+    def _close(self, opener: str, block: str, closer: str = "") -> tuple[str, list[CallPiece]]:
+        """A block's end (``closer``: its marker, none where the answer ended): its calls' last
+        pieces (and what follows them that is no call), or (no call read in it) the block as content."""
+        read = self.calls_in(opener, block, True)
         self._open = None
-        if calls is None and not self._sent:
-            return opener + block, []
-        pieces = self._progress(calls or [])
-        self.num_found += len(self._sent)
-        self._sent = []
-        return "", pieces
-
-    def _progress(self, calls: list[tuple[str, str]] | None) -> list[CallPiece]:
-        """The pieces that take the open block's calls from what was sent to ``calls``."""
-        pieces = []
-        for index, (name, arguments) in enumerate(calls or []):
-            if index == len(self._sent):
-                pieces.append(CallPiece("", name))
-                self._sent.append("")
-            sent = self._sent[index]
-            # Always true by the readers' construction; a text that did not grow keeps what was sent.
-            if len(arguments) > len(sent) and arguments.startswith(sent):
-                pieces.append(CallPiece(arguments[len(sent) :]))
-                self._sent[index] = arguments
-        return pieces
+        if read is None and not self._stream.sent:
+            return opener + block + closer, []
+        pieces = self._stream.pieces(read)
+        self.num_found += len(self._stream.sent)
+        self._stream = CallStream()
+        return (read.rest if read is not None else ""), pieces
 
     def _content(self, size: int) -> str:
         """The buffer's first ``size`` characters as content; after a call, whitespace waits for
@@ -138,21 +157,38 @@ class BlockReader:
         return shown
 
 
+def json_calls(text: str, position: int = 0) -> tuple[list[tuple[str, str]], int]:
+    """Calls written as JSON objects, ``{"name": ..., "arguments" (or "parameters"): {...}}``, one
+    after another (commas, semicolons or whitespace between), from ``position``: each one's name
+    and its arguments object's text so far, and where the reading stopped (the first text that
+    is no such call, or the end)."""
+    calls = []
+    while True:
+        head = _JSON_CALL_HEAD.match(text, position)
+        if head is None:
+            return calls, position
+        end = json_object_end(text, head.end())
+        calls.append((json.loads(head.group(1)), text[head.end() : end]))
+        after = _JSON_CALL_TAIL.match(text, end)
+        if after is None:
+            return calls, end
+        position = after.end()
+
+
 class HermesReader(BlockReader):
     blocks = ((HERMES_OPEN, HERMES_CLOSE),)
 
-    def calls_in(self, opener: str, body: str, closed: bool) -> list[tuple[str, str]] | None:
-        head = _HERMES_HEAD.match(body)
-        if head is not None:  # {"name": ..., "arguments": {: streamed as it comes
-            end = _object_end(body, head.end())
-            return [(json.loads(head.group(1)), body[head.end() : end])]
+    def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
+        calls, _ = json_calls(body)
+        if calls:  # {"name": ..., "arguments": {: streamed as it comes
+            return CallsRead(calls)
         if not closed:
             return None
         call = json_or(body.strip(), None)  # another shape (arguments as a string, none at all)
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         arguments = call.get("arguments", {})
-        return [(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))]
+        return CallsRead([(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))])
 
 
 class Qwen3CoderReader(BlockReader):
@@ -160,21 +196,21 @@ class Qwen3CoderReader(BlockReader):
 
     blocks = ((HERMES_OPEN, HERMES_CLOSE), (FUNCTION_OPEN, FUNCTION_CLOSE))
 
-    def calls_in(self, opener: str, body: str, closed: bool) -> list[tuple[str, str]] | None:
+    def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         text = FUNCTION_OPEN + body if opener == FUNCTION_OPEN else body
         heads = list(_FUNCTION_HEAD.finditer(text))
         calls = []
         for index, head in enumerate(heads):
             name = head.group(1).strip()
             if not name:
-                return None if closed and not calls else calls
+                break
             later = heads[index + 1].start() if index + 1 < len(heads) else len(text)
             region = text[head.end() : later]
             end = region.find(FUNCTION_CLOSE)
             complete = closed or end >= 0 or index + 1 < len(heads)
             arguments = self._arguments(region if end < 0 else region[:end], complete)
             calls.append((name, arguments_text(arguments, parameter_schemas(self.tools, name), complete)))
-        return calls or None
+        return CallsRead(calls) if calls else None
 
     @staticmethod
     def _arguments(region: str, complete: bool) -> list[RawArgument]:
@@ -202,7 +238,7 @@ class Qwen3CoderReader(BlockReader):
 class Glm45Reader(BlockReader):
     blocks = ((HERMES_OPEN, HERMES_CLOSE),)
 
-    def calls_in(self, opener: str, body: str, closed: bool) -> list[tuple[str, str]] | None:
+    def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         name, marker, _ = body.partition(GLM_ARG_KEY)
         known = closed or marker or "\n" in name.lstrip()  # the name ends at its line's end
         name = name.strip()
@@ -216,10 +252,10 @@ class Glm45Reader(BlockReader):
             argument_closed = closed or end >= 0
             value = value[:end] if end >= 0 else value[: len(value) - marker_prefix_len(value, GLM_VALUE_CLOSE)]
             arguments.append(RawArgument(head.group(1).strip(), value, argument_closed))
-        return [(name, arguments_text(arguments, parameter_schemas(self.tools, name), closed))]
+        return CallsRead([(name, arguments_text(arguments, parameter_schemas(self.tools, name), closed))])
 
 
-def _object_end(text: str, start: int) -> int:
+def json_object_end(text: str, start: int) -> int:
     """Where the JSON object opening at ``text[start]`` ends (after its closing brace), or the
     text's end if it has not yet."""
     depth, in_string, escaped = 0, False, False

@@ -12,8 +12,10 @@ calls it makes.
   "arguments"}``, or each call as ``name[ARGS]{...}`` in newer Mistral models.
 
 A reader is fed the answer's text as it streams and says what is content now and what it found
-of the calls (``CallPiece``s); the last three read their calls once the answer ends. Text that
-turns out to be no call is given back as content, markers and all.
+of the calls (``CallPiece``s): a call is announced once its name is read and its arguments follow
+as they are written (JSON calls up to their arguments' closing brace), but for ``pythonic``,
+whose calls are read once the answer ends. Text that turns out to be no call is given back as
+content, markers and all.
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ from router.openai_api.tool_blocks import (
     GLM_ARG_KEY,
     HERMES_OPEN,
     PARAMETER_OPEN,
+    BlockReader,
     CallPiece,
+    CallsRead,
+    CallStream,
     Glm45Reader,
     HermesReader,
     Qwen3CoderReader,
-    marker_prefix_len,
+    json_calls,
+    json_object_end,
 )
 
 Found = tuple[str, Any]  # a whole call: its name, its arguments (JSON text, or a value to write as JSON)
@@ -44,12 +50,27 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 
 
 def whole_calls(found: list[Found] | None) -> list[CallPiece]:
-    return [CallPiece(arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False), name) for name, arguments in found or []]
+    return [CallPiece(_json_text(arguments), name) for name, arguments in found or []]
+
+
+def _json_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _streamed_or_whole(text: str, streamed: list[tuple[str, str]], stop: int, whole: list[Found] | None) -> CallsRead | None:
+    """A whole answer's calls: those the JSON parse of all of it found (the ones streamed keep
+    their text, the rest written from their values); where it found none, those streamed and,
+    as content, what follows them."""
+    if whole:
+        calls = [(name, streamed[i][1] if i < len(streamed) and streamed[i][0] == name else _json_text(arguments)) for i, (name, arguments) in enumerate(whole)]
+        return CallsRead(calls)
+    return CallsRead(streamed, text[stop:].strip()) if streamed else None
 
 
 class WholeAnswerReader:
-    """An answer that is either content or, whole, calls: which one is settled by how it starts;
-    calls are read once it ends (and given back as content if they do not parse)."""
+    """An answer that is either content or calls: which one is settled by how it starts. Its
+    calls stream as they are read (``read``), and are settled once it ends (content again if
+    none can be read in it)."""
 
     starts: tuple[str, ...] = ()  # what a calling answer starts with
 
@@ -57,8 +78,10 @@ class WholeAnswerReader:
         self.tools = tools
         self._buffer = ""
         self._calls: bool | None = None  # None: not settled yet
+        self._stream = CallStream()
 
-    def parse(self, text: str) -> list[Found] | None:
+    def read(self, text: str, whole: bool) -> CallsRead | None:
+        """The calls in the answer's text so far (``whole``: all of it)."""
         raise NotImplementedError
 
     def feed(self, text: str) -> tuple[str, list[CallPiece]]:
@@ -69,21 +92,30 @@ class WholeAnswerReader:
                 return "", []
             self._calls = stripped.startswith(self.starts)
         if self._calls:
-            return "", []
+            return "", self._stream.pieces(self.read(self._buffer, False))
         content, self._buffer = self._buffer, ""
         return content, []
 
     def finish(self) -> tuple[str, list[CallPiece]]:
         rest, self._buffer = self._buffer, ""
-        calls = self.parse(rest) if self._calls else None
-        return ("", whole_calls(calls)) if calls else (rest, [])
+        read = self.read(rest, True) if self._calls else None
+        if read is None and not self._stream.sent:
+            return rest, []
+        return (read.rest if read is not None else ""), self._stream.pieces(read)
 
 
 class Llama3JsonReader(WholeAnswerReader):
     starts = ("{", PYTHON_TAG)
 
-    def parse(self, text: str) -> list[Found] | None:
+    def read(self, text: str, whole: bool) -> CallsRead | None:
         text = text.strip().removeprefix(PYTHON_TAG).strip()
+        streamed, stop = json_calls(text)
+        if not whole:
+            return CallsRead(streamed)
+        return _streamed_or_whole(text, streamed, stop, self._parse(text))
+
+    @staticmethod
+    def _parse(text: str) -> list[Found] | None:
         calls = []
         decoder = json.JSONDecoder()
         position = 0
@@ -94,7 +126,8 @@ class Llama3JsonReader(WholeAnswerReader):
                 return None
             if not isinstance(body, dict) or not isinstance(body.get("name"), str):
                 return None
-            calls.append((body["name"], body.get("parameters", body.get("arguments", {}))))
+            arguments = body.get("parameters", body.get("arguments"))
+            calls.append((body["name"], {} if arguments is None else arguments))
             position = end
             while position < len(text) and text[position] in " \n\t;":
                 position += 1
@@ -102,9 +135,13 @@ class Llama3JsonReader(WholeAnswerReader):
 
 
 class PythonicReader(WholeAnswerReader):
+    """Read once the answer ends: a Python call is only known to be whole then."""
+
     starts = ("[", PYTHON_START)
 
-    def parse(self, text: str) -> list[Found] | None:
+    def read(self, text: str, whole: bool) -> CallsRead | None:
+        if not whole:
+            return None
         text = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
         try:
             tree = ast.parse(text, mode="eval").body
@@ -118,38 +155,35 @@ class PythonicReader(WholeAnswerReader):
             if name is None or node.args or any(keyword.arg is None for keyword in node.keywords):
                 return None  # only name(key=value, ...) says which argument is which
             try:
-                calls.append((name, {keyword.arg: python_literal(keyword.value) for keyword in node.keywords}))
+                calls.append((name, _json_text({keyword.arg: python_literal(keyword.value) for keyword in node.keywords})))
             except ValueError:
                 return None
-        return calls
+        return CallsRead(calls)
 
 
-class MistralReader:
-    """Content until ``[TOOL_CALLS]``; the rest is calls, read once the answer ends."""
+class MistralReader(BlockReader):
+    """Content until ``[TOOL_CALLS]``; the rest of the answer is calls, streamed as they come."""
 
-    def __init__(self, tools: list[dict[str, Any]]):
-        self._buffer = ""
-        self._calling = False
+    blocks = ((MISTRAL_CALLS, None),)
 
-    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
-        self._buffer += text
-        if self._calling:
-            return "", []
-        at = self._buffer.find(MISTRAL_CALLS)
-        if at >= 0:
-            content, self._buffer = self._buffer[:at], self._buffer[at + len(MISTRAL_CALLS) :]
-            self._calling = True
-            return content, []
-        keep = len(self._buffer) - marker_prefix_len(self._buffer, MISTRAL_CALLS)
-        content, self._buffer = self._buffer[:keep], self._buffer[keep:]
-        return content, []
-
-    def finish(self) -> tuple[str, list[CallPiece]]:
-        rest, self._buffer = self._buffer, ""
-        if not self._calling:
-            return rest, []
-        calls = _mistral_calls(rest)
-        return ("", whole_calls(calls)) if calls else (MISTRAL_CALLS + rest, [])
+    def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
+        text = body.strip()
+        if text.startswith(("[", "{")):  # a JSON list of calls (or one)
+            streamed, stop = json_calls(text, 1 if text.startswith("[") else 0)
+            return _streamed_or_whole(text, streamed, stop, _mistral_calls(text)) if closed else CallsRead(streamed)
+        calls, stop, position = [], 0, 0
+        for part in body.split(MISTRAL_CALLS):  # name[ARGS]{...}, each call after its own marker
+            name, marker, arguments = part.partition("[ARGS]")
+            name = name.partition("[CALL_ID]")[0].strip()
+            start = position + len(part) - len(arguments.lstrip())  # where the arguments' object starts in body
+            position += len(part) + len(MISTRAL_CALLS)
+            if not marker or not name or not body.startswith("{", start):
+                break
+            stop = json_object_end(body, start)
+            calls.append((name, body[start:stop]))
+        if not closed:
+            return CallsRead(calls)
+        return _streamed_or_whole(body, calls, stop, _mistral_calls(text))
 
 
 def _mistral_calls(text: str) -> list[Found] | None:

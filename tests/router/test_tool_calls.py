@@ -67,8 +67,11 @@ def test_llama3_json_calls_with_and_without_the_python_tag(piece):
         content, streamed, whole, reason = _run(LLAMA, text, piece)
         assert content == "" and streamed == whole and reason == "tool_calls"
         assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
-    # Not a call after all: the text comes back as content.
+    # Not a call after all: the text comes back as content; so does text after a call.
     assert _run(LLAMA, '{"city": 3}', piece)[:2] == ('{"city": 3}', [])
+    content, _, whole, _ = _run(LLAMA, '{"name": "get_time", "parameters": {}} and that is all', piece)
+    assert (content, [(c["name"], c["arguments"]) for c in whole]) == ("and that is all", [("get_time", "{}")])
+    assert [c["arguments"] for c in _run(LLAMA, '{"name": "get_time", "parameters": null}', piece)[2]] == ["{}"]  # an object, as the API promises
 
 
 def test_required_and_named_choices_have_grammars_and_parse_their_json():
@@ -129,6 +132,8 @@ def test_mistral_calls_in_both_of_its_formats(piece):
     for text in ('[TOOL_CALLS] [{"name": "get_time", "arguments": null}]</s>', '[TOOL_CALLS]get_time[ARGS]{}</s>'):
         assert [(c["name"], json.loads(c["arguments"])) for c in _run(MISTRAL, text, piece)[2]] == [("get_time", {})]
     assert _run(MISTRAL, "[TOOL_CALLS] not a call", piece)[:2] == ("[TOOL_CALLS] not a call", [])
+    content, _, whole, _ = _run(MISTRAL, '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]then no call', piece)
+    assert (content, [c["name"] for c in whole]) == ("[TOOL_CALLS]then no call", ["get_time"])
     assert _run(MISTRAL, "a [TOOL_ or [TOOL", piece)[:2] == ("a [TOOL_ or [TOOL", [])
 
 
@@ -245,14 +250,18 @@ def test_each_format_is_recognised_in_its_template_and_vllm_names_are_taken():
         (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'),
         (QWEN3_CODER, "<tool_call>\n<function=get_forecast>\n<parameter=code>\n%s\n</parameter>\n</function>\n</tool_call>"),
         (GLM45, "<tool_call>get_forecast\n<arg_key>code</arg_key>\n<arg_value>%s</arg_value>\n</tool_call>"),
+        (LLAMA, '{"name": "get_weather", "parameters": {"city": "%s"}}'),
+        (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "%s"}'),
+        (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "%s"}}]'),
     ],
-    ids=["hermes", "qwen3_coder", "glm45"],
+    ids=["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "mistral_json_list"],
 )
-def test_a_block_formats_call_streams_its_name_first_then_its_arguments_as_they_are_written(calling, text):
+def test_a_call_streams_its_name_first_then_its_arguments_as_they_are_written(calling, text):
     """What an agent writing a file sees: the call at once, the file's text growing with the answer."""
     value = "line one\nline two\n" * 4
     escaped = json.dumps(value)[1:-1]
-    written = escaped if calling is HERMES else value  # Hermes writes JSON, the others the text itself
+    json_format = calling not in (QWEN3_CODER, GLM45)
+    written = escaped if json_format else value  # JSON escaped, or the XML formats' text itself
     answer = text % written
     value_end = answer.index(written) + len(written) - 1
     output = ToolCallOutput(calling)
@@ -269,5 +278,5 @@ def test_a_block_formats_call_streams_its_name_first_then_its_arguments_as_they_
     arguments += "".join(delta.arguments for delta in deltas)
     assert name_at is not None and name_at < answer.index(written)  # named before its arguments came
     assert json.loads(arguments) == json.loads(output.calls[0]["function"]["arguments"]) and arguments == output.calls[0]["function"]["arguments"]
-    assert json.loads(arguments)[("city" if calling is HERMES else "code")] == value
+    assert json.loads(arguments)[("city" if json_format else "code")] == value
     assert escaped[:-4] in shown_at_value_end  # all but the value's last characters were out before it ended
