@@ -26,8 +26,7 @@ from pathlib import Path
 
 from cluster.local_ray import confine_to_loopback
 from engine.default_model_path import DEFAULT_MODEL_PATH
-from router.openai_api.reasoning import REASONING_PARSERS
-from router.openai_api.tool_formats import TOOL_CALL_PARSERS
+from router.openai_api.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
 SERVING_TIMEOUT_S = 60.0  # after the controller reported every worker up

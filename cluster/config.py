@@ -23,8 +23,7 @@ from engine.model_source import resolve_model
 from engine.speculation import SpeculativeConfig
 from kvtransfer.agent import KVTransferConfig
 from router.config import Disaggregation, RouterConfig
-from router.openai_api.reasoning import REASONING_PARSERS
-from router.openai_api.tool_formats import TOOL_CALL_PARSERS
+from router.openai_api.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 from router.security import AUTH_TOKEN_ENV, is_loopback

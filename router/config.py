@@ -6,8 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from router.openai_api.reasoning import REASONING_PARSERS
-from router.openai_api.tool_formats import TOOL_CALL_PARSERS
+from router.openai_api.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 

@@ -125,17 +125,19 @@ class MessageState:
                     events += self._open({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
                 self.blocks[-1]["thinking"] += thinking
                 events.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
-        text, deltas = split_text(self.tools, text, chunk.end is not None)
-        if text:
-            if self.open_kind != "text":
-                events += self._open({"type": "text", "text": ""}, "text")
-            self.blocks[-1]["text"] += text
-            events.append(self._delta({"type": "text_delta", "text": text}))
-        for delta in deltas:
-            events += self._tool_delta(delta)
+        for part in split_text(self.tools, text, chunk.end is not None):  # content and calls, in order
+            events += self._text(part) if isinstance(part, str) else self._tool_delta(part)
         if chunk.end is not None:
             self.end = chunk.end
             events += self._close()
+        return events
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self.open_kind != "text":
+            events += self._open({"type": "text", "text": ""}, "text")
+        self.blocks[-1]["text"] += text
+        events.append(self._delta({"type": "text_delta", "text": text}))
         return events
 
     def _tool_delta(self, delta: ToolCallDelta) -> list[dict[str, Any]]:

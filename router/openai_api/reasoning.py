@@ -23,15 +23,10 @@ from dataclasses import dataclass
 
 from engine.thinking import Thinking, ThinkingState
 from router.errors import InvalidArgumentError
+from router.openai_api.parser_names import REASONING_PARSERS, THINKS_FROM_THE_START
 from router.openai_api.tool_blocks import marker_prefix_len
 from router.tokenizer import Tokenizer
 
-# vLLM's parser names for models that think between <think> and </think>, each with where an
-# answer whose prompt says nothing starts: inside the thinking (the model may leave <think> out:
-# DeepSeek-R1, MiniMax-M2) or in the answer unless the model opens it (Qwen3, GLM-4.5,
-# DeepSeek-V3.1, whose templates open or close it at the prompt's end when thinking is set).
-THINKS_FROM_THE_START = {"deepseek_r1": True, "minimax_m2": True, "qwen3": False, "glm45": False, "deepseek_v3": False}
-REASONING_PARSERS = tuple(THINKS_FROM_THE_START)
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"

@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.sampling_params import TokenLogprob
 from router.openai_api.reasoning import ReasoningSplitter
-from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, content_and_deltas, split_text
 from router.output_stream import OutputChunk, StreamEnd
 from router.tokenizer import Tokenizer
 
@@ -89,11 +89,7 @@ class ChoiceState:
                 self.reasoning_delta = ""
             self.reasoning_text.append(self.reasoning_delta)
         if self.tools is not None:
-            chunk.text, self.tool_deltas = self.tools.feed(chunk.text)
-            if chunk.end is not None:
-                more, deltas = self.tools.finish()
-                chunk.text += more
-                self.tool_deltas += deltas
+            chunk.text, self.tool_deltas = content_and_deltas(split_text(self.tools, chunk.text, chunk.end is not None))
         logprobs = None
         if self.num_logprobs is not None and (chunk.logprobs or prompt_entries):
             if self.chat:

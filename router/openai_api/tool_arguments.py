@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
-
 
 
 @dataclass(slots=True)
@@ -56,10 +56,15 @@ def is_text(schema: Any) -> bool:
 
 
 def json_or(text: str, default: Any) -> Any:
+    """``text`` as JSON (NaN and Infinity, which Python's parser takes, are not), or ``default``."""
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, TypeError):
+        return json.loads(text, parse_constant=_not_json)
+    except (ValueError, TypeError):
         return default
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _dump(value: Any) -> str:
@@ -123,6 +128,8 @@ def _value_types(value: Any) -> set[str]:
     if isinstance(value, int):
         return {"integer", "number"}
     if isinstance(value, float):
+        if not math.isfinite(value):
+            return set()  # 1e999: no JSON number
         return {"number", "integer"} if value.is_integer() else {"number"}
     if isinstance(value, str):
         return {"string"}
@@ -136,10 +143,12 @@ def python_literal(node: ast.expr) -> Any:
     """A Python literal as a JSON value (tuples as lists; JSON's true/false/null taken too);
     ValueError for anything else (a name, a call, an operation)."""
     if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float, bool))):
+        if isinstance(node.value, float) and not math.isfinite(node.value):
+            raise ValueError(f"{node.value} is no JSON number")
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)) and isinstance(node.operand, ast.Constant):
         value = node.operand.value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]

@@ -16,11 +16,14 @@ schema and writes the arguments' JSON as the keys come.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from router.openai_api.tool_arguments import RawArgument, arguments_text, json_or, parameter_schemas
+
+logger = logging.getLogger(__name__)
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
@@ -33,7 +36,7 @@ _FUNCTION_HEAD = re.compile(r"<function=([^>\n]*)>")
 _PARAMETER_HEAD = re.compile(r"<parameter=([^>\n]*)>")
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
 # What may follow a Qwen3-Coder value: a newline of the format's, then the next tag.
-_QWEN_VALUE_ENDS = tuple(newline + tag for newline in ("\n", "") for tag in (PARAMETER_CLOSE, PARAMETER_OPEN, FUNCTION_CLOSE, HERMES_CLOSE))
+_QWEN_VALUE_ENDS = tuple(newline + tag for newline in ("\n", "") for tag in (PARAMETER_CLOSE, PARAMETER_OPEN, FUNCTION_CLOSE, FUNCTION_OPEN, HERMES_CLOSE))
 
 
 @dataclass(slots=True)
@@ -43,6 +46,15 @@ class CallPiece:
 
     arguments: str
     name: str | None = None
+
+
+Part = str | CallPiece  # what a reader says of the answer, in its order: content, or a piece of a call
+
+
+def _with_text(parts: list[Part], text: str) -> list[Part]:
+    if text:
+        parts.append(text)
+    return parts
 
 
 @dataclass(slots=True)
@@ -69,8 +81,11 @@ class CallStream:
                 pieces.append(CallPiece("", name))
                 self.sent.append("")
             sent = self.sent[index]
-            # Always true by the readers' construction; a text that did not grow keeps what was sent.
-            if len(arguments) > len(sent) and arguments.startswith(sent):
+            if not arguments.startswith(sent):
+                # A reader's text only grows by construction; were it not to, the call keeps
+                # what was sent (the client has it) rather than contradict it.
+                logger.warning("tool call %d's arguments %r no longer start with what was sent, %r", index, arguments[:80], sent[:80])
+            elif len(arguments) > len(sent):
                 pieces.append(CallPiece(arguments[len(sent) :]))
                 self.sent[index] = arguments
         return pieces
@@ -104,46 +119,45 @@ class BlockReader:
         no call can be read yet (``closed``: the block is no call)."""
         raise NotImplementedError
 
-    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
+    def feed(self, text: str) -> list[Part]:
         self._buffer += text
-        content, pieces = "", []
+        parts: list[Part] = []
         while True:
             if self._open is None:
                 starts = [(at, pair) for pair in self.blocks if (at := self._buffer.find(pair[0])) >= 0]
                 if not starts:
                     # Hold back what could be the start of a marker.
                     keep = max(marker_prefix_len(self._buffer, opener) for opener, _ in self.blocks)
-                    return content + self._content(len(self._buffer) - keep), pieces
+                    return _with_text(parts, self._content(len(self._buffer) - keep))
                 at, self._open = min(starts, key=lambda start: start[0])
-                content += self._content(at)  # the buffer now starts with the opener
+                _with_text(parts, self._content(at))  # the buffer now starts with the opener
                 self._space = ""
                 self._buffer = self._buffer[len(self._open[0]) :]
             opener, closer = self._open
             end = -1 if closer is None else self._buffer.find(closer)
             if end < 0:
                 shown = self._buffer[: len(self._buffer) - (0 if closer is None else marker_prefix_len(self._buffer, closer))]
-                return content, pieces + self._stream.pieces(self.calls_in(opener, shown, False))
+                return parts + self._stream.pieces(self.calls_in(opener, shown, False))
             block, self._buffer = self._buffer[:end], self._buffer[end + len(closer) :]
-            more, found = self._close(opener, block, closer)
-            content, pieces = content + more, pieces + found
+            parts += self._close(opener, block, closer)
 
-    def finish(self) -> tuple[str, list[CallPiece]]:
+    def finish(self) -> list[Part]:
         if self._open is not None:  # a block the answer did not close
             rest, self._buffer = self._buffer, ""
             return self._close(self._open[0], rest)
-        return self._content(len(self._buffer)), []
+        return _with_text([], self._content(len(self._buffer)))
 
-    def _close(self, opener: str, block: str, closer: str = "") -> tuple[str, list[CallPiece]]:
+    def _close(self, opener: str, block: str, closer: str = "") -> list[Part]:
         """A block's end (``closer``: its marker, none where the answer ended): its calls' last
-        pieces (and what follows them that is no call), or (no call read in it) the block as content."""
+        pieces, then what in it is no call; or (no call read in it) the block as content."""
         read = self.calls_in(opener, block, True)
         self._open = None
         if read is None and not self._stream.sent:
-            return opener + block + closer, []
-        pieces = self._stream.pieces(read)
+            return [opener + block + closer]
+        parts: list[Part] = list(self._stream.pieces(read))
         self.num_found += len(self._stream.sent)
         self._stream = CallStream()
-        return (read.rest if read is not None else ""), pieces
+        return _with_text(parts, read.rest if read is not None else "")
 
     def _content(self, size: int) -> str:
         """The buffer's first ``size`` characters as content; after a call, whitespace waits for
@@ -179,16 +193,16 @@ class HermesReader(BlockReader):
     blocks = ((HERMES_OPEN, HERMES_CLOSE),)
 
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
-        calls, _ = json_calls(body)
+        calls, stop = json_calls(body)
         if calls:  # {"name": ..., "arguments": {: streamed as it comes
-            return CallsRead(calls)
+            return CallsRead(calls, body[stop:].strip() if closed else "")
         if not closed:
             return None
-        call = json_or(body.strip(), None)  # another shape (arguments as a string, none at all)
+        call = json_or(body.strip(), None)  # another shape (arguments as a string, null, none at all)
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
-        arguments = call.get("arguments", {})
-        return CallsRead([(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))])
+        arguments = call.get("arguments")
+        return CallsRead([(call["name"], arguments if isinstance(arguments, str) else json.dumps({} if arguments is None else arguments, ensure_ascii=False))])
 
 
 class Qwen3CoderReader(BlockReader):
@@ -199,18 +213,22 @@ class Qwen3CoderReader(BlockReader):
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         text = FUNCTION_OPEN + body if opener == FUNCTION_OPEN else body
         heads = list(_FUNCTION_HEAD.finditer(text))
-        calls = []
+        calls, outside, position = [], [], 0
         for index, head in enumerate(heads):
             name = head.group(1).strip()
             if not name:
-                break
+                break  # it and what follows come back as content
+            outside.append(text[position : head.start()])
             later = heads[index + 1].start() if index + 1 < len(heads) else len(text)
             region = text[head.end() : later]
             end = region.find(FUNCTION_CLOSE)
             complete = closed or end >= 0 or index + 1 < len(heads)
             arguments = self._arguments(region if end < 0 else region[:end], complete)
             calls.append((name, arguments_text(arguments, parameter_schemas(self.tools, name), complete)))
-        return CallsRead(calls) if calls else None
+            position = head.end() + (len(region) if end < 0 else end + len(FUNCTION_CLOSE))
+        if not calls:
+            return None
+        return CallsRead(calls, ("".join(outside) + text[position:]).strip() if closed else "")
 
     @staticmethod
     def _arguments(region: str, complete: bool) -> list[RawArgument]:
@@ -227,32 +245,42 @@ class Qwen3CoderReader(BlockReader):
             value = value.removeprefix("\n")
             if closed:
                 value = value.removesuffix("\n")
+            elif (at := min((at for tag in (PARAMETER_OPEN, FUNCTION_OPEN) if (at := value.find(tag)) >= 0), default=-1)) >= 0:
+                # The next tag has begun (a model that leaves out </parameter>): the value ends there.
+                value = value[:at].removesuffix("\n")
             else:
-                # A tag begun but not ended (a model that leaves out </parameter>) is no value either.
-                value = min((value[:at] for tag in (PARAMETER_OPEN, FUNCTION_OPEN) if (at := value.find(tag)) >= 0), key=len, default=value)
                 value = value[: len(value) - max(marker_prefix_len(value, end) for end in _QWEN_VALUE_ENDS)]
             arguments.append(RawArgument(head.group(1).strip(), value, closed))
         return arguments
 
 
 class Glm45Reader(BlockReader):
+    """A call is announced once its first key comes (or its block closes): a block whose first
+    line is followed by anything else is no call."""
+
     blocks = ((HERMES_OPEN, HERMES_CLOSE),)
 
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         name, marker, _ = body.partition(GLM_ARG_KEY)
-        known = closed or marker or "\n" in name.lstrip()  # the name ends at its line's end
         name = name.strip()
-        if not known or not name or "\n" in name or "{" in name:
+        if not (marker or closed) or not name or "\n" in name or "{" in name:
             return None
         heads = list(_GLM_ARGUMENT.finditer(body))
-        arguments = []
+        arguments, outside = [], []
         for index, head in enumerate(heads):
             value = body[head.end() : heads[index + 1].start() if index + 1 < len(heads) else len(body)]
             end = value.find(GLM_VALUE_CLOSE)
-            argument_closed = closed or end >= 0
-            value = value[:end] if end >= 0 else value[: len(value) - marker_prefix_len(value, GLM_VALUE_CLOSE)]
+            argument_closed = closed or end >= 0 or index + 1 < len(heads)
+            if end >= 0:
+                value, after = value[:end], value[end + len(GLM_VALUE_CLOSE) :]
+                outside.append(after)
+            elif (at := value.find(GLM_ARG_KEY)) >= 0:
+                value = value[:at]  # a model that leaves out </arg_value>: the next key ends it
+            elif not argument_closed:  # hold back what may be the start of the next tag
+                value = value[: len(value) - max(marker_prefix_len(value, GLM_VALUE_CLOSE), marker_prefix_len(value, GLM_ARG_KEY))]
             arguments.append(RawArgument(head.group(1).strip(), value, argument_closed))
-        return CallsRead([(name, arguments_text(arguments, parameter_schemas(self.tools, name), closed))])
+        rest = "".join(outside).strip() if closed else ""
+        return CallsRead([(name, arguments_text(arguments, parameter_schemas(self.tools, name), closed))], rest)
 
 
 def json_object_end(text: str, start: int) -> int:

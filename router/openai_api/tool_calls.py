@@ -23,7 +23,8 @@ from typing import Any
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.tool_arguments import json_or
-from router.openai_api.tool_formats import ALIASES, MISTRAL_CALLS, READERS, detect_parser
+from router.openai_api.parser_names import TOOL_CALL_ALIASES, TOOL_CALL_FORMATS
+from router.openai_api.tool_formats import MISTRAL_CALLS, detect_parser
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MISTRAL_ID_LENGTH = 9  # Mistral's templates refuse other tool call ids
@@ -108,9 +109,9 @@ def read_tool_calling(body: dict, template_text: str, configured_parser: str | N
             raise InvalidArgumentError(
                 "tool_choice",
                 '"auto" needs a tool-call parser and this model\'s chat template shows no known format; set '
-                f"router.tool_call_parser (one of {list(READERS)}) or use \"required\" or a named function",
+                f"router.tool_call_parser (one of {list(TOOL_CALL_FORMATS)}) or use \"required\" or a named function",
             )
-        parser = ALIASES.get(parser, parser)
+        parser = TOOL_CALL_ALIASES.get(parser, parser)
     return ToolCalling(tools=list(tools), choice=choice, name=name, parser=parser, parallel=parallel is not False)
 
 

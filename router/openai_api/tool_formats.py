@@ -24,6 +24,7 @@ import ast
 import json
 from typing import Any, Callable
 
+from router.openai_api.parser_names import TOOL_CALL_FORMATS
 from router.openai_api.tool_arguments import python_literal
 from router.openai_api.tool_blocks import (
     FUNCTION_OPEN,
@@ -33,6 +34,7 @@ from router.openai_api.tool_blocks import (
     BlockReader,
     CallPiece,
     CallsRead,
+    Part,
     CallStream,
     Glm45Reader,
     HermesReader,
@@ -84,24 +86,25 @@ class WholeAnswerReader:
         """The calls in the answer's text so far (``whole``: all of it)."""
         raise NotImplementedError
 
-    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
+    def feed(self, text: str) -> list[Part]:
         self._buffer += text
         if self._calls is None:
             stripped = self._buffer.lstrip()
             if not stripped or any(start.startswith(stripped) for start in self.starts):
-                return "", []
+                return []
             self._calls = stripped.startswith(self.starts)
         if self._calls:
-            return "", self._stream.pieces(self.read(self._buffer, False))
+            return list(self._stream.pieces(self.read(self._buffer, False)))
         content, self._buffer = self._buffer, ""
-        return content, []
+        return [content]
 
-    def finish(self) -> tuple[str, list[CallPiece]]:
+    def finish(self) -> list[Part]:
         rest, self._buffer = self._buffer, ""
         read = self.read(rest, True) if self._calls else None
         if read is None and not self._stream.sent:
-            return rest, []
-        return (read.rest if read is not None else ""), self._stream.pieces(read)
+            return [rest] if rest else []
+        parts: list[Part] = list(self._stream.pieces(read))
+        return parts + ([read.rest] if read is not None and read.rest else [])
 
 
 class Llama3JsonReader(WholeAnswerReader):
@@ -154,6 +157,9 @@ class PythonicReader(WholeAnswerReader):
             name = _dotted_name(node.func) if isinstance(node, ast.Call) else None
             if name is None or node.args or any(keyword.arg is None for keyword in node.keywords):
                 return None  # only name(key=value, ...) says which argument is which
+            keys = [keyword.arg for keyword in node.keywords]
+            if len(set(keys)) < len(keys):
+                return None  # f(s=1, s=2) is no Python call (the parser does not say so)
             try:
                 calls.append((name, _json_text({keyword.arg: python_literal(keyword.value) for keyword in node.keywords})))
             except ValueError:
@@ -224,9 +230,7 @@ READERS: dict[str, Callable[[list[dict[str, Any]]], Any]] = {
     "pythonic": PythonicReader,
     "mistral": MistralReader,
 }
-# vLLM's other names for the same formats.
-ALIASES = {"qwen3_xml": "qwen3_coder", "llama4_json": "llama3_json", "llama4_pythonic": "pythonic"}
-TOOL_CALL_PARSERS = (*READERS, *ALIASES)
+assert tuple(READERS) == TOOL_CALL_FORMATS, "router/openai_api/parser_names.py names each format"
 
 
 def detect_parser(template_text: str) -> str | None:

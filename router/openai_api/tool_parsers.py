@@ -12,7 +12,7 @@ from typing import Any
 
 from router.openai_api.tool_calls import MISTRAL_ID_LENGTH, ToolCalling
 from router.openai_api.tool_arguments import json_or
-from router.openai_api.tool_blocks import CallPiece
+from router.openai_api.tool_blocks import Part
 from router.openai_api.tool_formats import READERS, whole_calls
 
 
@@ -35,6 +35,9 @@ class ToolCallDelta:
         return body
 
 
+OutputPart = str | ToolCallDelta  # content the client sees, or a piece of a tool call
+
+
 @dataclass(slots=True)
 class ToolCallOutput:
     """Reads one choice's text as it streams: the content the client sees, and its tool calls."""
@@ -53,47 +56,48 @@ class ToolCallOutput:
         """vLLM's: "tool_calls" when calls were made (a named choice keeps "stop")."""
         return "tool_calls" if self.calls and self.calling.choice != "named" else None
 
-    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        """Content to send now, and tool-call deltas, for the next piece of the answer."""
+    def feed(self, text: str) -> list[OutputPart]:
+        """The next piece of the answer as what to send, in the answer's order: content, and
+        tool-call deltas."""
         choice = self.calling.choice
         if choice == "none":
-            return text, []
+            return [text] if text else []
         if choice == "named":
             first = not self.calls
             if first:
                 self.calls.append(_call(self.calling.name, ""))
             self.calls[0]["function"]["arguments"] += text
             if not text and not first:
-                return "", []
-            return "", [ToolCallDelta(0, text, self.calls[0]["id"], self.calling.name) if first else ToolCallDelta(0, text)]
+                return []
+            return [ToolCallDelta(0, text, self.calls[0]["id"], self.calling.name) if first else ToolCallDelta(0, text)]
         if choice == "required":
             self._buffer += text
-            return "", []
-        content, found = self._reader.feed(text)
-        return content, self._add(found)
+            return []
+        return self._deltas(self._reader.feed(text))
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self) -> list[OutputPart]:
         """What is left once the answer ended."""
         choice = self.calling.choice
         if choice in ("none", "named"):
-            return "", []
+            return []
         if choice == "required":
             rest, self._buffer = self._buffer, ""
-            return "", self._add(whole_calls([(item["name"], item["parameters"]) for item in json_or(rest, [])]))
-        content, found = self._reader.finish()
-        return content, self._add(found)
+            return self._deltas(whole_calls([(item["name"], item["parameters"]) for item in json_or(rest, [])]))
+        return self._deltas(self._reader.finish())
 
-    def _add(self, pieces: list[CallPiece]) -> list[ToolCallDelta]:
-        deltas = []
-        for piece in pieces:
-            if piece.name is not None:  # a new call
-                call = _call(piece.name, piece.arguments, self.calling.parser == "mistral")
-                deltas.append(ToolCallDelta(len(self.calls), piece.arguments, call["id"], piece.name))
+    def _deltas(self, parts: list[Part]) -> list[OutputPart]:
+        out: list[OutputPart] = []
+        for part in parts:
+            if isinstance(part, str):
+                out.append(part)
+            elif part.name is not None:  # a new call
+                call = _call(part.name, part.arguments, self.calling.parser == "mistral")
+                out.append(ToolCallDelta(len(self.calls), part.arguments, call["id"], part.name))
                 self.calls.append(call)
             else:  # more of the last call's arguments
-                self.calls[-1]["function"]["arguments"] += piece.arguments
-                deltas.append(ToolCallDelta(len(self.calls) - 1, piece.arguments))
-        return deltas
+                self.calls[-1]["function"]["arguments"] += part.arguments
+                out.append(ToolCallDelta(len(self.calls) - 1, part.arguments))
+        return out
 
 
 def _call(name: str, arguments: str, short_id: bool = False) -> dict[str, Any]:
@@ -103,13 +107,16 @@ def _call(name: str, arguments: str, short_id: bool = False) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def split_text(tools: ToolCallOutput | None, text: str, last: bool) -> tuple[str, list[ToolCallDelta]]:
-    """A chunk's text as (content the client sees, tool-call deltas): all content without tools;
-    ``last``: the answer's final chunk, after which what the reader held back is flushed."""
+def split_text(tools: ToolCallOutput | None, text: str, last: bool) -> list[OutputPart]:
+    """A chunk's text as what the client is sent, in the answer's order: content (all of it
+    without tools) and tool-call deltas; ``last``: the answer's final chunk, after which what
+    the reader held back is flushed."""
     if tools is None:
-        return text, []
-    content, deltas = tools.feed(text)
-    if last:
-        more, rest = tools.finish()
-        content, deltas = content + more, deltas + rest
-    return content, deltas
+        return [text] if text else []
+    parts = tools.feed(text)
+    return parts + tools.finish() if last else parts
+
+
+def content_and_deltas(parts: list[OutputPart]) -> tuple[str, list[ToolCallDelta]]:
+    """The parts' content joined and their deltas (for a chat chunk, which carries both side by side)."""
+    return "".join(part for part in parts if isinstance(part, str)), [part for part in parts if isinstance(part, ToolCallDelta)]

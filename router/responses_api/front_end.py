@@ -123,26 +123,29 @@ class ResponseState:
             self.reasoning_tokens += self.reasoning.thinking_tokens(chunk.token_ids)
             if thinking:
                 events += self._think(thinking)
-        text, deltas = split_text(self.tools, text, chunk.end is not None)
-        if text:
-            if self.open_index is None or self.output[self.open_index]["type"] != "message":
-                events += self._close()
-                events += self._open({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress", "role": "assistant", "content": []})
-                item = self.output[self.open_index]
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                item["content"].append(part)
-                events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open_index, content_index=0, part=dict(part)))
-            item = self.output[self.open_index]
-            item["content"][0]["text"] += text
-            events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.open_index, content_index=0, delta=text, logprobs=[]))
-        for delta in deltas:
-            events += self._tool_delta(delta)
+        for part in split_text(self.tools, text, chunk.end is not None):  # content and calls, in order
+            events += self._text(part) if isinstance(part, str) else self._tool_delta(part)
         if chunk.end is not None:
             self.end = chunk.end
             events += self._close()
             self.status = {"length": "incomplete", "error": "failed", "abort": "cancelled"}.get(chunk.end.reason, "completed")
             if self.status == "failed":
                 self.error = {"code": "server_error", "message": f"generation failed after {self.num_tokens} tokens: {chunk.end.detail}"}
+        return events
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        """The answer's next piece, into the open message item (opened after any other)."""
+        events: list[dict[str, Any]] = []
+        if self.open_index is None or self.output[self.open_index]["type"] != "message":
+            events += self._close()
+            events += self._open({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress", "role": "assistant", "content": []})
+            item = self.output[self.open_index]
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=self.open_index, content_index=0, part=dict(part)))
+        item = self.output[self.open_index]
+        item["content"][0]["text"] += text
+        events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.open_index, content_index=0, delta=text, logprobs=[]))
         return events
 
     def _think(self, text: str) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import pytest
 
 from router.errors import InvalidArgumentError
 from router.openai_api.tool_calls import ToolCalling, detect_parser, mistral_id, read_tool_calling
-from router.openai_api.tool_parsers import ToolCallOutput
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, content_and_deltas
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}}}
@@ -20,14 +20,11 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "now
 def _run(calling: ToolCalling, text: str, piece: int):
     """Feed ``text`` in pieces of ``piece`` characters: (content, calls from the deltas, calls)."""
     output = ToolCallOutput(calling)
-    content, deltas = "", []
+    parts = []
     for start in range(0, len(text), piece):
-        more, new = output.feed(text[start : start + piece])
-        content += more
-        deltas += new
-    more, new = output.finish()
-    content += more
-    deltas += new
+        parts += output.feed(text[start : start + piece])
+    parts += output.finish()
+    content, deltas = content_and_deltas(parts)
     assembled: dict[int, dict] = {}
     for delta in deltas:
         body = delta.to_json()
@@ -267,16 +264,71 @@ def test_a_call_streams_its_name_first_then_its_arguments_as_they_are_written(ca
     output = ToolCallOutput(calling)
     name_at, arguments, shown_at_value_end = None, "", None
     for position, char in enumerate(answer):
-        content, deltas = output.feed(char)
+        content, deltas = content_and_deltas(output.feed(char))
         assert content == ""
         for delta in deltas:
             name_at = position if delta.name and name_at is None else name_at
             arguments += delta.arguments
         if position == value_end:
             shown_at_value_end = arguments
-    content, deltas = output.finish()
+    content, deltas = content_and_deltas(output.finish())
     arguments += "".join(delta.arguments for delta in deltas)
     assert name_at is not None and name_at < answer.index(written)  # named before its arguments came
     assert json.loads(arguments) == json.loads(output.calls[0]["function"]["arguments"]) and arguments == output.calls[0]["function"]["arguments"]
     assert json.loads(arguments)[("city" if json_format else "code")] == value
     assert escaped[:-4] in shown_at_value_end  # all but the value's last characters were out before it ended
+
+
+# Answers a model may write badly: read the same whether the text comes whole or a character at
+# a time, and nothing in them is lost (what is no call comes back as content).
+ODD_ANSWERS = [
+    (GLM45, "<tool_call>get_time\nsorry</tool_call>", "<tool_call>get_time\nsorry</tool_call>", []),
+    (GLM45, "<tool_call>get_forecast\n<arg_key>code</arg_key><arg_value>v1\n<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
+     "", [("get_forecast", {"code": "v1\n", "days": 3})]),  # </arg_value> left out: the next key ends the value
+    (GLM45, "<tool_call>get_time\n<arg_key>a</arg_key><arg_value>1</arg_value> and more</tool_call>", "and more", [("get_time", {"a": "1"})]),
+    (QWEN3_CODER, "<tool_call><function=get_forecast><parameter=code>a<function=get_time></function></tool_call>",
+     "", [("get_forecast", {"code": "a"}), ("get_time", {})]),
+    (QWEN3_CODER, "<tool_call>Let me\n<function=get_time></function> and more</tool_call>", "Let me\n and more", [("get_time", {})]),
+    (QWEN3_CODER, "<tool_call><function=get_time></function><function=>x</function></tool_call>", "<function=>x</function>", [("get_time", {})]),
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": {}}\n{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
+     "", [("get_time", {}), ("get_weather", {"city": "Oslo"})]),
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": {}} oops</tool_call>', "oops", [("get_time", {})]),
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": null}</tool_call>', "", [("get_time", {})]),
+    (QWEN3_CODER, "<function=get_forecast><parameter=days>NaN</parameter><parameter=hours>1e999</parameter></function>",
+     "", [("get_forecast", {"days": "NaN", "hours": "1e999"})]),  # no JSON numbers: kept as written
+    (PYTHONIC, "[get_forecast(days=1e999)]", "[get_forecast(days=1e999)]", []),
+    (PYTHONIC, "[get_forecast(city='a', city='b')]", "[get_forecast(city='a', city='b')]", []),
+]
+
+
+@pytest.mark.parametrize("calling, text, content, calls", ODD_ANSWERS, ids=[f"{c.parser}-{i}" for i, (c, *_) in enumerate(ODD_ANSWERS)])
+def test_odd_answers_read_alike_whole_and_streamed_and_lose_nothing(calling, text, content, calls):
+    for piece in (1, len(text)):
+        got_content, streamed, whole, _ = _run(calling, text, piece)
+        assert streamed == whole
+        assert (got_content, [(c["name"], json.loads(c["arguments"])) for c in whole]) == (content, calls)
+
+
+def test_content_after_a_call_in_the_same_chunk_comes_after_it():
+    """A chunk may hold a call's end and the text after it (several tokens a message): the
+    parts keep the answer's order, and the Anthropic and Responses streams build their blocks
+    in it (the text after the call opens its own block)."""
+    from router.anthropic_api.messages import MessageState
+    from router.output_stream import OutputChunk
+    from router.responses_api.front_end import ResponseState
+
+    chunks = ['Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os', 'lo"}}\n</tool_call>\nDone.']
+    output = ToolCallOutput(HERMES)
+    parts = output.feed(chunks[0]) + output.feed(chunks[1]) + output.finish()
+    assert [p if isinstance(p, str) else (p.name, p.arguments) for p in parts] == [
+        "Sure.", ("get_weather", ""), (None, '{"city": "Os'), (None, 'lo"}'), "\nDone."]
+    message = MessageState(ToolCallOutput(HERMES))
+    for chunk in chunks:
+        message.take(OutputChunk(token_ids=[1], text=chunk))
+    assert [(b["type"], b.get("text") or b.get("partial")) for b in message.blocks] == [
+        ("text", "Sure."), ("tool_use", '{"city": "Oslo"}'), ("text", "\nDone.")]
+    response = ResponseState("r", "m", {}, 0, ToolCallOutput(HERMES))
+    for chunk in chunks:
+        response.take(OutputChunk(token_ids=[1], text=chunk))
+    assert [(item["type"], item.get("arguments") or item["content"][0]["text"]) for item in response.output] == [
+        ("message", "Sure."), ("function_call", '{"city": "Oslo"}'), ("message", "\nDone.")]
