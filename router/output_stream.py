@@ -106,7 +106,7 @@ class OutputAssembler:
         # part of its answer.
         self.ending_token_ids = {"stop": set(request.sampling_params.stop_token_ids), "eos": set(eos_token_ids)}
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=request.skip_special_tokens, req_id=request.req_id)
-        self.stops = StopStringMatcher(request.stop)
+        self.stops = StopStringMatcher(request.stop, include_stop=request.include_stop_str)
         self.timing = RouterTiming(arrival=request.arrival_time)
         self.completion_token_ids: list[int] = []  # what the client was sent (a migrated stream resumes after them)
         self.finished = False
@@ -139,8 +139,12 @@ class OutputAssembler:
         first = not self.has_sent_tokens
         self.completion_token_ids += out.token_ids
         # The EOS or stop token that ended the request is no part of its text (vLLM's rule;
-        # it shows where special tokens are kept, skip_special_tokens false).
-        stopped_by_token = out.finished and out.token_ids and out.token_ids[-1] in self.ending_token_ids.get(out.finish_reason, ())
+        # it shows where special tokens are kept, skip_special_tokens false), unless the request
+        # asks for its stop in the text (include_stop_str_in_output).
+        stopped_by_token = (
+            out.finished and out.token_ids and not self.request.include_stop_str
+            and out.token_ids[-1] in self.ending_token_ids.get(out.finish_reason, ())
+        )
         text = self.detokenizer.add_tokens(out.token_ids[:-1] if stopped_by_token else out.token_ids)
         if out.finished:
             text += self.detokenizer.finish()

@@ -3,7 +3,7 @@
 The detokenizer's deltas go through ``StopStringMatcher.feed``. A stop string may arrive split
 over several deltas ("\\n" then "\\n"), so text that could be the beginning of a stop string is
 held back until it either completes the stop (generation ends, the text is cut before the stop
-string, as vLLM does by default) or turns out not to (it is released with the next delta).
+string, as vLLM does by default, or after it with ``include_stop``) or turns out not to (it is released with the next delta).
 Only the text from the earliest point where a stop string could still begin is held, so
 ordinary text streams without delay.
 """
@@ -25,7 +25,9 @@ class StopCheck:
 class StopStringMatcher:
     """Applies one request's stop strings to its streamed output text."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
+        """``include_stop``: the text keeps the stop string that ended it (vLLM's
+        include_stop_str_in_output); by default it is cut before it."""
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._stops = tuple(dict.fromkeys(stop))  # duplicates would only cost time
@@ -33,6 +35,7 @@ class StopStringMatcher:
         self._first_chars = frozenset(s[0] for s in self._stops)
         self._held = ""
         self._matched: str | None = None
+        self._include_stop = include_stop
 
     @property
     def matched_stop(self) -> str | None:
@@ -62,7 +65,7 @@ class StopStringMatcher:
             index, stop = match
             self._held = ""
             self._matched = stop
-            return StopCheck(pending[:index], stop)
+            return StopCheck(pending[: index + (len(stop) if self._include_stop else 0)], stop)
         split = len(pending) - self._partial_match_len(pending)
         self._held = pending[split:]
         return StopCheck(pending[:split])

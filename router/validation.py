@@ -62,6 +62,9 @@ class ValidatedRequest:
     priority: int  # higher is served first
     arrival_time: float  # time.monotonic()
     deadline: float | None  # time.monotonic() by which the request must finish; None: no deadline
+    # vLLM's include_stop_str_in_output: the stop string (or stop token's text) that ended the
+    # answer stays in it.
+    include_stop_str: bool = False
 
 
 @dataclass(slots=True)
@@ -99,6 +102,10 @@ class GenerateInput:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     structured: StructuredOutput | None = None
+    include_stop_str: bool = False
+    # vLLM's truncate_prompt_tokens: only the prompt's last this many tokens are read (-1: as
+    # many as the context takes); None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
     thinking: Thinking | None = None  # a reasoning model's thinking and its budget (engine.thinking)
     lora_name: str | None = None  # the LoRA adapter it runs through; None: the base model
     sampling_prefix: str = "sampling."
@@ -148,6 +155,8 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         prompt_logprobs=given("prompt_logprobs"),
         min_tokens=sampling.min_tokens,
         skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
+        include_stop_str=sampling.include_stop_str_in_output,
+        truncate_prompt_tokens=request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
         priority=request.priority,
         lora_name=request.lora_name if request.HasField("lora_name") else None,
         presence_penalty=sampling.presence_penalty,
@@ -206,6 +215,7 @@ def validate_input(
         priority=request.priority,
         arrival_time=now,
         deadline=deadline,
+        include_stop_str=request.include_stop_str,
     )
 
 
@@ -335,8 +345,9 @@ def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[...,
         if text_field == ids_field:
             raise InvalidArgumentError(text_field, "must not be empty")
         raise InvalidArgumentError("prompt", f"set {text_field} or {ids_field} (the prompt is empty)")
+    keep = _tokens_kept(request, limits)
     if request.prompt_token_ids is not None:
-        token_ids = list(request.prompt_token_ids)
+        token_ids = _truncated(list(request.prompt_token_ids), keep)
         # Length first: refusing an over-long prompt should not cost a scan of every id.
         _check_prompt_fits(len(token_ids), limits)
         _check_vocabulary(token_ids, limits, ids_field, by_position=True)
@@ -351,13 +362,29 @@ def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[...,
             f"has {len(text)} characters; at most {max_chars} are taken "
             f"({limits.max_prompt_chars_per_token} per token of the model's {limits.max_context_len}-token context)",
         )
-    token_ids = encode(text) if request.add_special_tokens else encode(text, add_special_tokens=False)
+    whole = encode(text) if request.add_special_tokens else encode(text, add_special_tokens=False)
+    token_ids = _truncated(whole, keep)
     if not token_ids:
         raise InvalidArgumentError(text_field, "tokenizes to no tokens")
     # A tokenizer with more entries than the model's embedding (added tokens past it) yields
     # ids the model cannot take: checked like ids sent directly, named by the text's field.
     _check_vocabulary(token_ids, limits, text_field, by_position=False)
-    return text, token_ids
+    return (text if len(token_ids) == len(whole) else None), token_ids  # a cut prompt is its tokens only
+
+
+def _tokens_kept(request: GenerateInput, limits: RequestLimits) -> int | None:
+    """How many of the prompt's last tokens are read (truncate_prompt_tokens; -1: as many as
+    leave the context room for one generated token); None: all."""
+    keep = request.truncate_prompt_tokens
+    if keep is None or keep >= 1:
+        return keep
+    if keep == -1:
+        return limits.max_context_len - 1
+    raise InvalidArgumentError("truncate_prompt_tokens", f"must be >= 1 (or -1: as many as the context takes), got {keep}")
+
+
+def _truncated(token_ids: list[int], keep: int | None) -> list[int]:
+    return token_ids if keep is None else token_ids[-keep:]
 
 
 def _check_vocabulary(token_ids: list[int], limits: RequestLimits, field: str, by_position: bool) -> None:

@@ -10,7 +10,10 @@ silently. vLLM's extensions are accepted under vLLM's names (``top_k``, ``min_p`
 ``skip_special_tokens``, ``priority`` where lower is served first, ``add_generation_prompt``,
 ``chat_template_kwargs``, ``allowed_token_ids``, ``bad_words``, ``structured_outputs`` and its
 older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``,
-``prompt_logprobs``, ``return_token_ids`` and ``return_tokens_as_token_ids``).
+``prompt_logprobs``, ``return_token_ids``, ``return_tokens_as_token_ids``,
+``include_stop_str_in_output`` and ``truncate_prompt_tokens``). OpenAI's ``service_tier`` (the
+one tier served: auto or default), ``prompt_cache_key`` and ``safety_identifier`` are checked
+and need nothing more (prefix caching is automatic; ``user`` is likewise only checked).
 
 A prompt is scored as the legacy completions API scores it: ``echo`` with ``logprobs`` puts the
 prompt's tokens, with their log-probabilities, before the answer's, and ``max_tokens: 0`` (with
@@ -53,6 +56,9 @@ _COMMON_FIELDS = {
     # vLLM's extensions
     "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
     "allowed_token_ids", "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "include_stop_str_in_output", "truncate_prompt_tokens",
+    # OpenAI's, read and checked: one service tier here; caching and abuse tracking are the server's own
+    "service_tier", "prompt_cache_key", "safety_identifier",
 }
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
@@ -223,8 +229,11 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
 
 
 def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_tokens") -> GenerateInput:
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise InvalidArgumentError("user", f"must be a string, got {type_name(body['user'])}")
+    for name in ("user", "prompt_cache_key", "safety_identifier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise InvalidArgumentError(name, f"must be a string, got {type_name(body[name])}")
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise InvalidArgumentError("service_tier", f"must be auto or default (the one tier served here), got {body['service_tier']!r}")
     top_k = integer(body, "top_k", None, -1, None)
     priority = integer(body, "priority", 0, -100, 100)
     return GenerateInput(
@@ -241,6 +250,8 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
         logprobs=logprobs,
         min_tokens=integer(body, "min_tokens", 0, 0, None),
         skip_special_tokens=boolean(body, "skip_special_tokens", True),
+        include_stop_str=boolean(body, "include_stop_str_in_output", False),
+        truncate_prompt_tokens=integer(body, "truncate_prompt_tokens", None, None, None),
         # vLLM's priority: lower is served first; the router's: higher is.
         priority=-priority,
         sampling_prefix="",

@@ -164,6 +164,15 @@ def test_stop_string_cuts_the_text_and_is_reported(client, chat_model, hf_tokeni
     assert stopped.finish_reason == "stop"
     assert stopped.text == full[: full.find(stop)]
     assert stopped.model_extra["stop_reason"] == stop
+    kept = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=30, stop=[stop], temperature=0.0, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[: full.find(stop) + len(stop)]  # vLLM's include_stop_str_in_output
+
+
+def test_truncate_prompt_tokens_reads_only_the_prompts_end(client, chat_model):
+    (prompt,) = random_prompts([12], chat_model.vocab_size, seed=15)
+    cut = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5})
+    end = client.completions.create(model="tiny-chat", prompt=prompt[-5:], max_tokens=6, **GREEDY)
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == end.choices[0].text
 
 
 def test_n_choices_with_a_seed_are_each_reproducible(client, chat_model):

@@ -50,13 +50,14 @@ def test_the_token_that_ends_a_request_is_no_part_of_its_text_and_no_other_is(by
     """vLLM's rule: an EOS (finish "eos") or a stop token id (finish "stop") that ended the
     request is left out of its text; a grammar's last token (finish "eos" too) is its text, even
     where it is also one of the request's stop token ids."""
-    def text(finish: str, stop_token_ids: list[int], skip: bool = True) -> str:
-        request = ValidatedRequest("r", [72], None, SamplingParams(stop_token_ids=stop_token_ids), [], skip, 0, 0.0, None)
+    def text(finish: str, stop_token_ids: list[int], skip: bool = True, include: bool = False) -> str:
+        request = ValidatedRequest("r", [72], None, SamplingParams(stop_token_ids=stop_token_ids), [], skip, 0, 0.0, None, include_stop_str=include)
         assembler = OutputAssembler(request, byte_level_tokenizer, eos_token_ids=[2])
         chunks = [assembler.on_output(SeqOutput("r", [104])), assembler.on_output(SeqOutput("r", [105, 125], finished=True, finish_reason=finish))]
         return "".join(chunk.text for chunk in chunks)
 
     whole = byte_level_tokenizer.decode([104, 105, 125])
     assert text("stop", [125]) == byte_level_tokenizer.decode([104, 105])
+    assert text("stop", [125], include=True) == whole  # include_stop_str_in_output keeps it
     assert text("eos", [125]) == whole  # 125 ended a grammar's answer, not as a stop token
     assert text("length", [125]) == whole

@@ -118,3 +118,12 @@ def test_stop_string_spanning_tokens_through_the_detokenizer(byte_level_tokenize
         assert "".join(sent) == text[: text.index(stop)]
         # Generation ends on the token that completes the stop string, not later.
         assert stop in tok.decode(token_ids[:num_tokens]) and stop not in tok.decode(token_ids[: num_tokens - 1])
+
+
+def test_include_stop_keeps_the_stop_string_that_ended_the_text():
+    """vLLM's include_stop_str_in_output: the text runs to the stop string's end, however it was cut."""
+    matcher = StopStringMatcher(["\n\n", "END"], include_stop=True)
+    assert matcher.feed("one\n").text == "one"
+    check = matcher.feed("\ntwo")
+    assert (check.text, check.matched_stop) == ("\n\n", "\n\n")
+    assert matcher.feed("more").text == ""

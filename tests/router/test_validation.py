@@ -131,6 +131,27 @@ def test_bad_field_is_invalid_argument_naming_the_field(field, fields):
     assert message.startswith(f"{field}: ") and len(message) > len(field) + 10
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end():
+    """vLLM's truncate_prompt_tokens: the last k tokens (-1: as many as leave one for the answer);
+    a prompt cut this way is its tokens only (its text no longer says what the model reads)."""
+    long_text = "abcdefghij" * 10  # 101 tokens: too long for the context of 64 unless cut
+    cut = validate(request(prompt_text=long_text, truncate_prompt_tokens=5))
+    assert (cut.prompt_token_ids, cut.prompt_text) == (encode(long_text)[-5:], None)
+    assert len(validate(request(prompt_text=long_text, truncate_prompt_tokens=-1)).prompt_token_ids) == 63
+    ids = validate(request(prompt_text=None, prompt_token_ids=list(range(5, 105)), truncate_prompt_tokens=8))
+    assert ids.prompt_token_ids == list(range(97, 105))
+    whole = validate(request(prompt_text="hi", truncate_prompt_tokens=50))  # shorter than k: untouched
+    assert (whole.prompt_token_ids, whole.prompt_text) == (encode("hi"), "hi")
+    for bad in (0, -2):
+        with pytest.raises(InvalidArgumentError) as info:
+            validate(request(truncate_prompt_tokens=bad))
+        assert info.value.field == "truncate_prompt_tokens"
+    with pytest.raises(InvalidArgumentError, match="has 101 tokens"):  # uncut, it is refused as it is
+        validate(request(prompt_text=long_text))
+    assert validate(request(sampling=dict(include_stop_str_in_output=True))).include_stop_str is True
+    assert validate(request()).include_stop_str is False
+
+
 def test_context_error_says_how_many_tokens_fit():
     with pytest.raises(InvalidArgumentError, match="at most 13 new tokens fit"):
         validate(request(prompt_text="x" * 50, sampling=dict(max_tokens=14)))
