@@ -141,11 +141,9 @@ class OutputAssembler:
         # The EOS or stop token that ended the request is no part of its text (vLLM's rule;
         # it shows where special tokens are kept, skip_special_tokens false), unless the request
         # asks for its stop in the text (include_stop_str_in_output).
-        stopped_by_token = (
-            out.finished and out.token_ids and not self.request.include_stop_str
-            and out.token_ids[-1] in self.ending_token_ids.get(out.finish_reason, ())
-        )
-        text = self.detokenizer.add_tokens(out.token_ids[:-1] if stopped_by_token else out.token_ids)
+        ended_by_token = bool(out.finished and out.token_ids and out.token_ids[-1] in self.ending_token_ids.get(out.finish_reason, ()))
+        cut_token = ended_by_token and not self.request.include_stop_str
+        text = self.detokenizer.add_tokens(out.token_ids[:-1] if cut_token else out.token_ids)
         if out.finished:
             text += self.detokenizer.finish()
         # Short of min_tokens, stop strings are not matched (as vLLM does); the text passes.
@@ -155,10 +153,13 @@ class OutputAssembler:
             chunk.prompt_logprobs = self.prompt_logprobs or []
         if self.timing.first_token_sent is None and out.token_ids:
             self.timing.first_token_sent = time.monotonic()
-        if check.matched_stop is not None:
+        if out.finished:
+            self.timing.decode = out.timing
+        # A stop token kept in the text (include_stop_str_in_output) may complete a stop string
+        # there: the token ended the request, and is reported.
+        if check.matched_stop is not None and not (ended_by_token and self.request.include_stop_str):
             chunk.end = self._end("stop", matched_stop=check.matched_stop)
         elif out.finished:
-            self.timing.decode = out.timing
             chunk.text += self.stops.flush()
             chunk.end = self._end(out.finish_reason or "error", detail=out.error or "")
             if out.finish_reason == "stop" and out.token_ids:

@@ -350,36 +350,39 @@ def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[...,
         token_ids = _truncated(list(request.prompt_token_ids), keep)
         # Length first: refusing an over-long prompt should not cost a scan of every id.
         _check_prompt_fits(len(token_ids), limits)
-        _check_vocabulary(token_ids, limits, ids_field, by_position=True)
+        _check_vocabulary(token_ids, limits, ids_field, by_position=True, offset=len(request.prompt_token_ids) - len(token_ids))
         return None, token_ids
     text = request.prompt_text
     if not text:
         raise InvalidArgumentError(text_field, "must not be empty")
     max_chars = limits.max_prompt_chars_per_token * limits.max_context_len
-    if len(text) > max_chars:
+    if len(text) > max_chars and keep is None:  # a prompt to be cut may be longer (the body's size bounds it)
         raise InvalidArgumentError(
             text_field,
             f"has {len(text)} characters; at most {max_chars} are taken "
-            f"({limits.max_prompt_chars_per_token} per token of the model's {limits.max_context_len}-token context)",
+            f"({limits.max_prompt_chars_per_token} per token of the model's {limits.max_context_len}-token context; "
+            "or set truncate_prompt_tokens)",
         )
-    whole = encode(text) if request.add_special_tokens else encode(text, add_special_tokens=False)
-    token_ids = _truncated(whole, keep)
+    token_ids = encode(text) if request.add_special_tokens else encode(text, add_special_tokens=False)
+    whole = len(token_ids)
+    if keep is not None and len(token_ids) > keep:
+        token_ids = _cut_text_prompt(token_ids, encode(text, add_special_tokens=False) if request.add_special_tokens else token_ids, keep)
     if not token_ids:
         raise InvalidArgumentError(text_field, "tokenizes to no tokens")
     # A tokenizer with more entries than the model's embedding (added tokens past it) yields
     # ids the model cannot take: checked like ids sent directly, named by the text's field.
     _check_vocabulary(token_ids, limits, text_field, by_position=False)
-    return (text if len(token_ids) == len(whole) else None), token_ids  # a cut prompt is its tokens only
+    return (text if len(token_ids) == whole else None), token_ids  # a cut prompt is its tokens only
 
 
 def _tokens_kept(request: GenerateInput, limits: RequestLimits) -> int | None:
     """How many of the prompt's last tokens are read (truncate_prompt_tokens; -1: as many as
-    leave the context room for one generated token); None: all."""
+    leave the context room for the answer's max_tokens, or one token); None: all."""
     keep = request.truncate_prompt_tokens
     if keep is None or keep >= 1:
         return keep
     if keep == -1:
-        return limits.max_context_len - 1
+        return max(1, limits.max_context_len - max(1, request.max_tokens or 1))
     raise InvalidArgumentError("truncate_prompt_tokens", f"must be >= 1 (or -1: as many as the context takes), got {keep}")
 
 
@@ -387,12 +390,26 @@ def _truncated(token_ids: list[int], keep: int | None) -> list[int]:
     return token_ids if keep is None else token_ids[-keep:]
 
 
-def _check_vocabulary(token_ids: list[int], limits: RequestLimits, field: str, by_position: bool) -> None:
+def _cut_text_prompt(token_ids: list[int], text_ids: list[int], keep: int) -> list[int]:
+    """A text prompt's last ``keep`` tokens as a tokenizer truncating from the left gives them:
+    the special tokens it adds around the text (a BOS) kept, the text's own tokens cut."""
+    for start in range(len(token_ids) - len(text_ids) + 1):
+        if token_ids[start : start + len(text_ids)] == text_ids:
+            before, after = token_ids[:start], token_ids[start + len(text_ids) :]
+            room = keep - len(before) - len(after)
+            if room > 0:
+                return before + text_ids[-room:] + after
+            break
+    return token_ids[-keep:]
+
+
+def _check_vocabulary(token_ids: list[int], limits: RequestLimits, field: str, by_position: bool, offset: int = 0) -> None:
+    """``offset``: where ``token_ids`` start in what the client sent (a cut prompt's ids)."""
     for index, token_id in enumerate(token_ids):
         if not 0 <= token_id < limits.vocab_size:
             outside = f"outside the model's vocabulary (size {limits.vocab_size})"
             if by_position:
-                raise InvalidArgumentError(f"{field}[{index}]", f"token id {token_id} is {outside}")
+                raise InvalidArgumentError(f"{field}[{offset + index}]", f"token id {token_id} is {outside}")
             raise InvalidArgumentError(field, f"tokenizes to token id {token_id} (at {index}), {outside}")
 
 

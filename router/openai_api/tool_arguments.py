@@ -55,16 +55,28 @@ def is_text(schema: Any) -> bool:
     return not types or types == {"string"}
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is no JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        _not_json(text)  # 1e999
+    return value
+
+
+# JSON as the spec has it: Python's parser also takes NaN and Infinity (and makes 1e999 one),
+# which no JSON parser a client runs reads back.
+STRICT_JSON = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
+
+
 def json_or(text: str, default: Any) -> Any:
-    """``text`` as JSON (NaN and Infinity, which Python's parser takes, are not), or ``default``."""
+    """``text`` as (strict) JSON, or ``default``."""
     try:
-        return json.loads(text, parse_constant=_not_json)
+        return STRICT_JSON.decode(text)
     except (ValueError, TypeError):
         return default
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _dump(value: Any) -> str:

@@ -25,7 +25,7 @@ import json
 from typing import Any, Callable
 
 from router.openai_api.parser_names import TOOL_CALL_FORMATS
-from router.openai_api.tool_arguments import python_literal
+from router.openai_api.tool_arguments import STRICT_JSON, python_literal
 from router.openai_api.tool_blocks import (
     FUNCTION_OPEN,
     GLM_ARG_KEY,
@@ -59,14 +59,14 @@ def _json_text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def _streamed_or_whole(text: str, streamed: list[tuple[str, str]], stop: int, whole: list[Found] | None) -> CallsRead | None:
+def _streamed_or_whole(text: str, streamed: list[tuple[str, str]], stop: int, whole: list[Found] | None, closer: str = "") -> CallsRead | None:
     """A whole answer's calls: those the JSON parse of all of it found (the ones streamed keep
     their text, the rest written from their values); where it found none, those streamed and,
-    as content, what follows them."""
+    as content, what follows them (but the ``closer`` of the list they were in)."""
     if whole:
         calls = [(name, streamed[i][1] if i < len(streamed) and streamed[i][0] == name else _json_text(arguments)) for i, (name, arguments) in enumerate(whole)]
         return CallsRead(calls)
-    return CallsRead(streamed, text[stop:].strip()) if streamed else None
+    return CallsRead(streamed, text[stop:].strip().removeprefix(closer).strip()) if streamed else None
 
 
 class WholeAnswerReader:
@@ -120,12 +120,12 @@ class Llama3JsonReader(WholeAnswerReader):
     @staticmethod
     def _parse(text: str) -> list[Found] | None:
         calls = []
-        decoder = json.JSONDecoder()
+        decoder = STRICT_JSON
         position = 0
         while position < len(text):
             try:
                 body, end = decoder.raw_decode(text, position)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON (NaN, 1e999 included)
                 return None
             if not isinstance(body, dict) or not isinstance(body.get("name"), str):
                 return None
@@ -176,7 +176,7 @@ class MistralReader(BlockReader):
         text = body.strip()
         if text.startswith(("[", "{")):  # a JSON list of calls (or one)
             streamed, stop = json_calls(text, 1 if text.startswith("[") else 0)
-            return _streamed_or_whole(text, streamed, stop, _mistral_calls(text)) if closed else CallsRead(streamed)
+            return _streamed_or_whole(text, streamed, stop, _mistral_calls(text), "]" if text.startswith("[") else "") if closed else CallsRead(streamed)
         calls, stop, position = [], 0, 0
         for part in body.split(MISTRAL_CALLS):  # name[ARGS]{...}, each call after its own marker
             name, marker, arguments = part.partition("[ARGS]")
@@ -198,11 +198,11 @@ def _mistral_calls(text: str) -> list[Found] | None:
     its own ``[TOOL_CALLS]``; None where the text is neither. What follows the JSON (the end of
     sequence the kept special tokens bring, ``</s>``) is no part of a call."""
     text = text.strip()
-    decoder = json.JSONDecoder()
+    decoder = STRICT_JSON
     if text.startswith(("[", "{")):
         try:
             body, _ = decoder.raw_decode(text)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON (NaN, 1e999 included)
             return None
         items = body if isinstance(body, list) else [body]
         if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
@@ -214,7 +214,7 @@ def _mistral_calls(text: str) -> list[Found] | None:
         name = name.partition("[CALL_ID]")[0].strip()
         try:
             body, end = decoder.raw_decode(arguments.strip())
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON (NaN, 1e999 included)
             return None
         if not marker or not name or not isinstance(body, dict):
             return None

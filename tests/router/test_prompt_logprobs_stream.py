@@ -61,3 +61,15 @@ def test_the_token_that_ends_a_request_is_no_part_of_its_text_and_no_other_is(by
     assert text("stop", [125], include=True) == whole  # include_stop_str_in_output keeps it
     assert text("eos", [125]) == whole  # 125 ended a grammar's answer, not as a stop token
     assert text("length", [125]) == whole
+
+
+def test_a_kept_stop_token_whose_text_completes_a_stop_string_is_reported_as_the_token(byte_level_tokenizer):
+    """include_stop_str_in_output with stop=["}"] and the token of "}" as a stop token id: the
+    token ended the request (its id is the stop reason) and the decode timing is kept."""
+    word, brace = byte_level_tokenizer.encode("ok", add_special_tokens=False), byte_level_tokenizer.encode("}", add_special_tokens=False)
+    (stop_id,) = brace
+    request = ValidatedRequest("r", [72], None, SamplingParams(stop_token_ids=[stop_id]), ["}"], True, 0, 0.0, None, include_stop_str=True)
+    assembler = OutputAssembler(request, byte_level_tokenizer, eos_token_ids=[2])
+    last = assembler.on_output(SeqOutput("r", [*word, stop_id], finished=True, finish_reason="stop"))
+    assert last.text == "ok}"
+    assert (last.end.matched_stop_token_id, last.end.matched_stop) == (stop_id, "")

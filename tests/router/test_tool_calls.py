@@ -296,6 +296,7 @@ ODD_ANSWERS = [
     (HERMES, '<tool_call>{"name": "get_time", "arguments": null}</tool_call>', "", [("get_time", {})]),
     (QWEN3_CODER, "<function=get_forecast><parameter=days>NaN</parameter><parameter=hours>1e999</parameter></function>",
      "", [("get_forecast", {"days": "NaN", "hours": "1e999"})]),  # no JSON numbers: kept as written
+    (QWEN3_CODER, "<function=get_forecast><parameter=hours>[1e999]</parameter></function>", "", [("get_forecast", {"hours": "[1e999]"})]),
     (PYTHONIC, "[get_forecast(days=1e999)]", "[get_forecast(days=1e999)]", []),
     (PYTHONIC, "[get_forecast(city='a', city='b')]", "[get_forecast(city='a', city='b')]", []),
 ]

@@ -22,9 +22,9 @@ from router.validation import (
 LIMITS = RequestLimits(vocab_size=1000, max_context_len=64)
 
 
-def encode(text: str) -> list[int]:
+def encode(text: str, add_special_tokens: bool = True) -> list[int]:
     """One token per character plus a BOS of 1: easy to reason about lengths."""
-    return [1] + [2 + ord(c) % 900 for c in text]
+    return [1] * add_special_tokens + [2 + ord(c) % 900 for c in text]
 
 
 def request(**fields) -> pb.GenerateRequest:
@@ -136,10 +136,17 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end():
     a prompt cut this way is its tokens only (its text no longer says what the model reads)."""
     long_text = "abcdefghij" * 10  # 101 tokens: too long for the context of 64 unless cut
     cut = validate(request(prompt_text=long_text, truncate_prompt_tokens=5))
-    assert (cut.prompt_token_ids, cut.prompt_text) == (encode(long_text)[-5:], None)
+    assert (cut.prompt_token_ids, cut.prompt_text) == ([1] + encode(long_text)[-4:], None)  # the BOS kept, as a tokenizer cuts
     assert len(validate(request(prompt_text=long_text, truncate_prompt_tokens=-1)).prompt_token_ids) == 63
+    room = validate(request(prompt_text=long_text, truncate_prompt_tokens=-1, sampling=dict(max_tokens=10)))
+    assert len(room.prompt_token_ids) == 54 and room.sampling_params.max_tokens == 10  # -1 leaves room for max_tokens
     ids = validate(request(prompt_text=None, prompt_token_ids=list(range(5, 105)), truncate_prompt_tokens=8))
-    assert ids.prompt_token_ids == list(range(97, 105))
+    assert ids.prompt_token_ids == list(range(97, 105))  # ids are taken as sent: the last k
+    with pytest.raises(InvalidArgumentError) as info:  # named by its place in what the client sent
+        validate(request(prompt_text=None, prompt_token_ids=[5] * 50 + [5000], truncate_prompt_tokens=8))
+    assert info.value.field == "prompt_token_ids[50]"
+    huge = "ab" * (64 * 64)  # past the characters taken uncut, but to be cut
+    assert len(validate(request(prompt_text=huge, truncate_prompt_tokens=8)).prompt_token_ids) == 8
     whole = validate(request(prompt_text="hi", truncate_prompt_tokens=50))  # shorter than k: untouched
     assert (whole.prompt_token_ids, whole.prompt_text) == (encode("hi"), "hi")
     for bad in (0, -2):
