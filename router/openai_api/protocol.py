@@ -31,6 +31,7 @@ seeded request's choice i draws with seed + i, so choices differ and each repeat
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,7 +57,7 @@ _COMMON_FIELDS = {
     # vLLM's extensions
     "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
     "allowed_token_ids", "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "include_stop_str_in_output", "truncate_prompt_tokens",
+    "include_stop_str_in_output", "truncate_prompt_tokens", "request_id",
     # OpenAI's, read and checked: one service tier here; caching and abuse tracking are the server's own
     "service_tier", "prompt_cache_key", "safety_identifier",
 }
@@ -85,6 +86,7 @@ class ApiRequest:
     return_token_ids: bool = False  # vLLM's: the prompt's and the answer's token ids beside the text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     tool_calling: ToolCalling | None = None  # chat with tools: how its answers are read
+    request_id: str | None = None  # vLLM's: the client's id for the call (the X-Request-Id header's too)
     # Chat with a reasoning parser (router.reasoning_parser; each choice's thinking is its
     # GenerateInput's), and vLLM's include_reasoning (false: the thinking is left out).
     reasoning: ReasoningFormat | None = None
@@ -220,12 +222,26 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidArgumentError("model", f"must be a string, got {type_name(model)}")
+    request_id = body.get("request_id")
+    if request_id is not None:
+        check_client_request_id(request_id, "request_id")
     return ApiRequest(
+        request_id=request_id,
         model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
         prompt_logprobs=integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
         return_token_ids=boolean(body, "return_token_ids", False),
         tokens_as_ids=boolean(body, "return_tokens_as_token_ids", False),
     )
+
+
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,100}")
+
+
+def check_client_request_id(value: Any, field: str) -> None:
+    """A client's id for its call (vLLM's ``request_id``, the ``X-Request-Id`` header): it names the
+    call's requests in the server's logs and metrics, so printable and short."""
+    if not isinstance(value, str) or not _CLIENT_REQUEST_ID.fullmatch(value):
+        raise InvalidArgumentError(field, f"must be 1-100 characters from [A-Za-z0-9._:-], got {value!r}"[:200])
 
 
 def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_tokens") -> GenerateInput:

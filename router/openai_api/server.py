@@ -38,7 +38,7 @@ from router.errors import ErrorKind, InternalError, InvalidArgumentError, Unavai
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
 from router.openai_api import vllm_endpoints
-from router.openai_api.protocol import ApiRequest, read_chat, read_completion, render_conversation
+from router.openai_api.protocol import ApiRequest, check_client_request_id, read_chat, read_completion, render_conversation
 from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
 from router.openai_api.reasoning import ReasoningSplitter, reasoning_format
@@ -56,6 +56,15 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 # Front ends served beside completions and chat completions.
 FRONT_END_MODULES = (vllm_endpoints, messages, responses_front_end)
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+async def _with_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """A generation's response carries the id it goes by (as vLLM's request id headers do)."""
+    if REQUEST_ID_HEADER in request:
+        response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID_HEADER]
 
 
 class OpenAIServer:
@@ -96,6 +105,7 @@ class OpenAIServer:
 
     async def start(self) -> int:
         app = web.Application(middlewares=[self._edge], client_max_size=MAX_BODY_BYTES)
+        app.on_response_prepare.append(_with_request_id)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -209,7 +219,15 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, api: ApiRequest, chat: bool) -> web.StreamResponse:
         model = self._model(api.model)
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # The client's id for the call (its X-Request-Id header, else vLLM's request_id field,
+        # vLLM's order) names the response and its requests, and comes back in the header.
+        client_id = request.headers.get(REQUEST_ID_HEADER)
+        if client_id is not None:
+            check_client_request_id(client_id, f"{REQUEST_ID_HEADER} header")
+        else:
+            client_id = api.request_id
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
+        request[REQUEST_ID_HEADER] = client_id or response_id
         # Every choice is validated before any is admitted: a bad one admits none.
         validated = []
         for index, choice in enumerate(api.choices):

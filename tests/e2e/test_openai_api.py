@@ -168,6 +168,22 @@ def test_stop_string_cuts_the_text_and_is_reported(client, chat_model, hf_tokeni
     assert kept.choices[0].text == full[: full.find(stop) + len(stop)]  # vLLM's include_stop_str_in_output
 
 
+def test_a_clients_request_id_names_the_response_and_comes_back_in_its_header(client, base_url, chat_model):
+    """vLLM's request_id field and X-Request-Id header (the header first): the id the call's
+    requests go by in the server's logs, and the response's id."""
+    (prompt,) = random_prompts([6], chat_model.vocab_size, seed=16)
+    raw = client.completions.with_raw_response.create(model="tiny-chat", prompt=prompt, max_tokens=2, extra_body={"request_id": "trace-7.a"})
+    assert (raw.parse().id, raw.headers["x-request-id"]) == ("cmpl-trace-7.a", "trace-7.a")
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-chat", messages=MESSAGES, max_tokens=2, stream=True, extra_headers={"X-Request-Id": "hdr:1"}, extra_body={"request_id": "body"})
+    assert raw.headers["x-request-id"] == "hdr:1" and {chunk.id for chunk in raw.parse()} == {"chatcmpl-hdr:1"}
+    plain = client.completions.with_raw_response.create(model="tiny-chat", prompt=prompt, max_tokens=2)
+    assert plain.headers["x-request-id"] == plain.parse().id  # one made up, said
+    for extra in ({"extra_body": {"request_id": "a b"}}, {"extra_headers": {"X-Request-Id": "x" * 101}}):
+        with pytest.raises(openai.BadRequestError, match="request_id|X-Request-Id"):
+            client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2, **extra)
+
+
 def test_truncate_prompt_tokens_reads_only_the_prompts_end(client, chat_model):
     (prompt,) = random_prompts([12], chat_model.vocab_size, seed=15)
     cut = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5})
