@@ -48,6 +48,13 @@ def adapter_hash_salt(adapter_digest: str | None) -> bytes:
     return b"" if adapter_digest is None else b"lora:" + adapter_digest.encode()
 
 
+def cache_hash_salt(cache_salt: str | None) -> bytes:
+    """What a request's ``cache_salt`` (vLLM's) adds to the seed of its blocks' hash chain: its
+    prefix is found only by requests with the same salt, so one tenant cannot tell from cache
+    hits (time to first token) what another's prompts were. b"" unsalted."""
+    return b"" if cache_salt is None else b"salt:" + hashlib.sha256(cache_salt.encode()).digest()
+
+
 def prefix_lookup_hashes(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
     """Hashes of the full blocks a prefix-cache hit may cover: all but the last token, which
     must be computed to give the logits of the next one. The engine and the router's prefix

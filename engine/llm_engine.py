@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import CacheGeometry, select_backend
-from engine.block_allocator import BlockAllocator, adapter_hash_salt
+from engine.block_allocator import BlockAllocator, adapter_hash_salt, cache_hash_salt
 from engine.cuda_graphs import DecodeGraphs
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
@@ -272,7 +272,7 @@ class LLMEngine:
             generator=Sampler.make_generator(params.seed),
             grammar=grammar,
             thinking=thinking,
-            hash_salt=adapter_hash_salt(digest),
+            hash_salt=adapter_hash_salt(digest) + cache_hash_salt(params.cache_salt),
             adapter_slot=-1 if digest is None else self.adapters.slots[digest],
         )
 

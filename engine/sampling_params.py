@@ -63,6 +63,9 @@ class SamplingParams:
     # The version of it (engine.lora_loading.adapter_digest) every worker of the request computes with,
     # pinned by the router; None: the version the name serves where the sequence starts.
     lora_digest: str | None = None
+    # vLLM's cache_salt: the prefix cache shares this request's blocks only with requests of the
+    # same salt (engine.block_allocator.cache_hash_salt); None: with every unsalted request.
+    cache_salt: str | None = None
 
     MAX_LOGPROBS = 20
     MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
@@ -127,6 +130,8 @@ class SamplingParams:
             if not isinstance(word, list) or not word:
                 raise InvalidRequestError(f"bad_words_token_ids[{index}]", "must be a non-empty list of token ids")
             _check_token_ids(f"bad_words_token_ids[{index}]", word, vocab_size)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequestError("cache_salt", f"must be a non-empty string or unset, got {self.cache_salt!r}")
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             raise InvalidRequestError("lora_name", f"must be a non-empty adapter name or None, got {self.lora_name!r}")
         if self.thinking is not None:

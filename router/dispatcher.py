@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest
+from engine.block_allocator import cache_hash_salt
 from engine.stats import WorkerState
 from kvtransfer.errors import LeaseExpiredError, PeerLostError, TransferFailedError, TransferTimeoutError
 from kvtransfer.messages import KVDestination
@@ -290,7 +291,8 @@ class Dispatcher:
         refused_local: set[str] = set()  # workers that refused a local prompt (draining)
         if self.prefix_feed is not None:
             self.prefix_feed.ensure()
-        query = self.pool.selector.query(request.prompt_token_ids, self.prefix_salt(request.sampling_params.lora_name))
+        params = request.sampling_params
+        query = self.pool.selector.query(request.prompt_token_ids, self.prefix_salt(params.lora_name) + cache_hash_salt(params.cache_salt))
         while True:
             await self._wait_for_decode_pool()
             local = self._prefill_locally(request, query)

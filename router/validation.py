@@ -103,6 +103,7 @@ class GenerateInput:
     bad_words: list[str] = field(default_factory=list)
     structured: StructuredOutput | None = None
     include_stop_str: bool = False
+    cache_salt: str | None = None  # vLLM's: the prefix cache is shared only with requests of the same salt
     # vLLM's truncate_prompt_tokens: only the prompt's last this many tokens are read (-1: as
     # many as the context takes); None: the whole prompt.
     truncate_prompt_tokens: int | None = None
@@ -156,6 +157,7 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         min_tokens=sampling.min_tokens,
         skip_special_tokens=sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True,
         include_stop_str=sampling.include_stop_str_in_output,
+        cache_salt=sampling.cache_salt if sampling.HasField("cache_salt") else None,
         truncate_prompt_tokens=request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
         priority=request.priority,
         lora_name=request.lora_name if request.HasField("lora_name") else None,
@@ -310,6 +312,7 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
         structured=request.structured,
         thinking=request.thinking,
         lora_name=request.lora_name,
+        cache_salt=request.cache_salt,
     )
     try:
         params.validate(limits.vocab_size)

@@ -57,7 +57,7 @@ _COMMON_FIELDS = {
     # vLLM's extensions
     "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
     "allowed_token_ids", "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "include_stop_str_in_output", "truncate_prompt_tokens", "request_id",
+    "include_stop_str_in_output", "truncate_prompt_tokens", "request_id", "cache_salt",
     # OpenAI's, read and checked: one service tier here; caching and abuse tracking are the server's own
     "service_tier", "prompt_cache_key", "safety_identifier",
 }
@@ -267,6 +267,7 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
         min_tokens=integer(body, "min_tokens", 0, 0, None),
         skip_special_tokens=boolean(body, "skip_special_tokens", True),
         include_stop_str=boolean(body, "include_stop_str_in_output", False),
+        cache_salt=_cache_salt(body),
         truncate_prompt_tokens=integer(body, "truncate_prompt_tokens", None, None, None),
         # vLLM's priority: lower is served first; the router's: higher is.
         priority=-priority,
@@ -278,6 +279,13 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
         bad_words=string_list(body, "bad_words"),
         structured=structured_output(body),
     )
+
+
+def _cache_salt(body: dict) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidArgumentError("cache_salt", f"must be a non-empty string, got {type_name(salt) if not isinstance(salt, str) else 'an empty one'}")
+    return salt
 
 
 def _choice(base: GenerateInput, index: int) -> GenerateInput:

@@ -184,6 +184,23 @@ def test_a_clients_request_id_names_the_response_and_comes_back_in_its_header(cl
             client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=2, **extra)
 
 
+def test_a_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(client, chat_model):
+    """vLLM's cache_salt, through the router's KV-aware pick and the workers' caches: the same
+    40-token prompt hits the cache (32 tokens: two full blocks) only under the salt that put it there."""
+    (prompt,) = random_prompts([40], chat_model.vocab_size, seed=17)
+
+    def cached(salt: str) -> tuple[int, str]:
+        answer = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=3, temperature=0.0, extra_body={"ignore_eos": True, "cache_salt": salt})
+        return answer.usage.prompt_tokens_details.cached_tokens, answer.choices[0].text
+
+    first = cached("tenant-a")
+    assert first[0] == 0
+    assert cached("tenant-b") == (0, first[1])
+    assert cached("tenant-a") == (32, first[1])
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("")
+
+
 def test_truncate_prompt_tokens_reads_only_the_prompts_end(client, chat_model):
     (prompt,) = random_prompts([12], chat_model.vocab_size, seed=15)
     cut = client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5})

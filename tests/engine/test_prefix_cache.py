@@ -199,3 +199,27 @@ def test_a_preempted_sequence_resumes_from_its_cached_blocks_and_matches_transfo
     assert no_cache.scheduler.num_preemptions > 0
     assert scheduled < no_cache.num_scheduled_tokens
     assert engine.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_a_cache_salt_shares_a_prefix_only_with_requests_of_the_same_salt(llama):
+    """vLLM's cache_salt: one tenant's prompts cannot be found in (or timed through) another's
+    cache hits; requests of one salt still share, and the output is the same either way."""
+    path, model = llama
+    (prompt,) = random_prompts([30], model.config.vocab_size, seed=3)
+    engine = _engine(path)
+
+    def run(req_id: str, salt: str | None):
+        seq = engine.add_request(req_id, prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, cache_salt=salt))
+        out = []
+        while engine.has_unfinished_requests():
+            for result in engine.step():
+                out.extend(result.new_token_ids)
+        return out, seq.num_cached_tokens
+
+    first, cached = run("a", "tenant-a")
+    assert cached == 0 and first == hf_greedy(model, prompt, 6)
+    assert run("b", "tenant-b") == (first, 0)
+    assert run("c", None) == (first, 0)  # unsalted requests share only with unsalted ones
+    assert run("d", "tenant-a") == (first, 24)
+    with pytest.raises(Exception, match="cache_salt"):
+        engine.add_request("e", prompt, SamplingParams(max_tokens=2, cache_salt=""))

@@ -157,6 +157,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end():
         validate(request(prompt_text=long_text))
     assert validate(request(sampling=dict(include_stop_str_in_output=True))).include_stop_str is True
     assert validate(request()).include_stop_str is False
+    assert validate(request(sampling=dict(cache_salt="t1"))).sampling_params.cache_salt == "t1"
+    with pytest.raises(InvalidArgumentError) as info:
+        validate(request(sampling=dict(cache_salt="")))
+    assert info.value.field == "sampling.cache_salt"
 
 
 def test_context_error_says_how_many_tokens_fit():
