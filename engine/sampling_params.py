@@ -68,6 +68,7 @@ class SamplingParams:
     cache_salt: str | None = None
 
     MAX_LOGPROBS = 20
+    MAX_CACHE_SALT_CHARS = 256  # it travels with every message of the request (vLLM suggests 43: 256 bits in base64)
     MAX_PENALTY = 2.0  # presence and frequency, as OpenAI bounds them
     MAX_LOGIT_BIAS = 100.0
 
@@ -130,8 +131,8 @@ class SamplingParams:
             if not isinstance(word, list) or not word:
                 raise InvalidRequestError(f"bad_words_token_ids[{index}]", "must be a non-empty list of token ids")
             _check_token_ids(f"bad_words_token_ids[{index}]", word, vocab_size)
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
-            raise InvalidRequestError("cache_salt", f"must be a non-empty string or unset, got {self.cache_salt!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= self.MAX_CACHE_SALT_CHARS):
+            raise InvalidRequestError("cache_salt", f"must be a string of 1-{self.MAX_CACHE_SALT_CHARS} characters or unset, got {str(self.cache_salt)[:40]!r}")
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             raise InvalidRequestError("lora_name", f"must be a non-empty adapter name or None, got {self.lora_name!r}")
         if self.thinking is not None:

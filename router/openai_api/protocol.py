@@ -223,8 +223,8 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
     if model is not None and not isinstance(model, str):
         raise InvalidArgumentError("model", f"must be a string, got {type_name(model)}")
     request_id = body.get("request_id")
-    if request_id is not None:
-        check_client_request_id(request_id, "request_id")
+    if request_id is not None and not is_client_request_id(request_id):
+        raise InvalidArgumentError("request_id", f"must be 1-100 characters from [A-Za-z0-9._:-], got {request_id!r}"[:200])
     return ApiRequest(
         request_id=request_id,
         model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
@@ -237,11 +237,11 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,100}")
 
 
-def check_client_request_id(value: Any, field: str) -> None:
-    """A client's id for its call (vLLM's ``request_id``, the ``X-Request-Id`` header): it names the
-    call's requests in the server's logs and metrics, so printable and short."""
-    if not isinstance(value, str) or not _CLIENT_REQUEST_ID.fullmatch(value):
-        raise InvalidArgumentError(field, f"must be 1-100 characters from [A-Za-z0-9._:-], got {value!r}"[:200])
+def is_client_request_id(value: Any) -> bool:
+    """Whether ``value`` may be a client's id for its call (vLLM's ``request_id``, the
+    ``X-Request-Id`` header): it names the response and, in the server's logs, its requests,
+    so printable and short."""
+    return isinstance(value, str) and _CLIENT_REQUEST_ID.fullmatch(value) is not None
 
 
 def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_tokens") -> GenerateInput:

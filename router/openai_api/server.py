@@ -38,7 +38,7 @@ from router.errors import ErrorKind, InternalError, InvalidArgumentError, Unavai
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
 from router.openai_api import vllm_endpoints
-from router.openai_api.protocol import ApiRequest, check_client_request_id, read_chat, read_completion, render_conversation
+from router.openai_api.protocol import ApiRequest, is_client_request_id, read_chat, read_completion, render_conversation
 from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
 from router.openai_api.reasoning import ReasoningSplitter, reasoning_format
@@ -59,12 +59,15 @@ FRONT_END_MODULES = (vllm_endpoints, messages, responses_front_end)
 
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# Where a generation's handler leaves the id its response goes by (a typed key: aiohttp warns on
+# plain strings; older aiohttp has no RequestKey).
+_RESPONSE_ID = web.RequestKey("response_id", str) if hasattr(web, "RequestKey") else "pdserve_response_id"
 
 
 async def _with_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """A generation's response carries the id it goes by (as vLLM's request id headers do)."""
-    if REQUEST_ID_HEADER in request:
-        response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID_HEADER]
+    if _RESPONSE_ID in request:
+        response.headers[REQUEST_ID_HEADER] = request[_RESPONSE_ID]
 
 
 class OpenAIServer:
@@ -220,18 +223,20 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, api: ApiRequest, chat: bool) -> web.StreamResponse:
         model = self._model(api.model)
         # The client's id for the call (its X-Request-Id header, else vLLM's request_id field,
-        # vLLM's order) names the response and its requests, and comes back in the header.
+        # vLLM's order) names the response and comes back in the header. A header a proxy set
+        # in another form is not ours to refuse: it is passed over. The router's requests add a
+        # suffix of their own: calls that share an id (a trace id fanned out) never collide,
+        # and no client can hold another's id in flight.
         client_id = request.headers.get(REQUEST_ID_HEADER)
-        if client_id is not None:
-            check_client_request_id(client_id, f"{REQUEST_ID_HEADER} header")
-        else:
+        if client_id is None or not is_client_request_id(client_id):
             client_id = api.request_id
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
-        request[REQUEST_ID_HEADER] = client_id or response_id
+        request[_RESPONSE_ID] = client_id or response_id
+        unique = uuid.uuid4().hex[:8]
         # Every choice is validated before any is admitted: a bad one admits none.
         validated = []
         for index, choice in enumerate(api.choices):
-            choice.request_id = f"{response_id}-{index}"
+            choice.request_id = f"{response_id}.{unique}-{index}" if client_id else f"{response_id}-{index}"
             choice.lora_name = self.lora_name(model)
             validated.append(await self.router.validate_input(choice))
 
