@@ -79,6 +79,11 @@ def json_or(text: str, default: Any) -> Any:
         return default
 
 
+def json_text(arguments: Any) -> str:
+    """A call's arguments as JSON text: a text as it is (the model's own JSON), a value written."""
+    return arguments if isinstance(arguments, str) else _dump(arguments)
+
+
 def _dump(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from router.openai_api.tool_arguments import RawArgument, arguments_text, json_or, parameter_schemas
+from router.openai_api.tool_arguments import RawArgument, arguments_text, json_or, json_text, parameter_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ GLM_ARG_KEY, GLM_ARG_VALUE, GLM_VALUE_CLOSE = "<arg_key>", "<arg_value>", "</arg
 
 _JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _JSON_CALL_TAIL = re.compile(r"\s*\}\s*[,;]?")  # a call object's end, after its arguments
+_JSON_STRUCTURE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(")?|[{}\[\]]', re.S)  # a string (group 1: its closing quote) or a bracket
 _FUNCTION_HEAD = re.compile(r"<function=([^>\n]*)>")
 _PARAMETER_HEAD = re.compile(r"<parameter=([^>\n]*)>")
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
@@ -92,14 +94,17 @@ class CallStream:
 
 
 def marker_prefix_len(text: str, marker: str) -> int:
-    """How many of ``text``'s last characters are a proper start of ``marker``."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
+    """How many of ``text``'s last characters are a proper start of ``marker`` (the longest such
+    tail; only tails that begin with the marker's first character are tried: it runs per token)."""
+    at = text.find(marker[0], max(0, len(text) - len(marker) + 1))
+    while at >= 0:
+        if marker.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(marker[0], at + 1)
     return 0
 
 
-class BlockReader:
+class BlockReader(ABC):
     """Content around call blocks (``opener ... closer``; a closer of None: the answer's end),
     each call streamed as it is read. Whitespace between calls or after the last is dropped (it is
     no content the model meant)."""
@@ -114,10 +119,10 @@ class BlockReader:
         self._stream = CallStream()  # the open block's calls
         self._space = ""  # whitespace after a call, shown only if text follows it
 
+    @abstractmethod
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         """The calls of a block as far as ``body`` goes (every call whole once ``closed``). None:
-        no call can be read yet (``closed``: the block is no call)."""
-        raise NotImplementedError
+        no call can be read yet (``closed``: the block is no call). Each format's reader says."""
 
     def feed(self, text: str) -> list[Part]:
         self._buffer += text
@@ -202,7 +207,7 @@ class HermesReader(BlockReader):
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         arguments = call.get("arguments")
-        return CallsRead([(call["name"], arguments if isinstance(arguments, str) else json.dumps({} if arguments is None else arguments, ensure_ascii=False))])
+        return CallsRead([(call["name"], json_text({} if arguments is None else arguments))])
 
 
 class Qwen3CoderReader(BlockReader):
@@ -285,23 +290,17 @@ class Glm45Reader(BlockReader):
 
 def json_object_end(text: str, start: int) -> int:
     """Where the JSON object opening at ``text[start]`` ends (after its closing brace), or the
-    text's end if it has not yet."""
-    depth, in_string, escaped = 0, False, False
-    for position in range(start, len(text)):
-        char = text[position]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
+    text's end if it has not yet. Read token by token by a regex (strings whole), not character
+    by character: a streamed call's text is read again with every token of it."""
+    depth = 0
+    for token in _JSON_STRUCTURE.finditer(text, start):
+        if token.group(0)[0] == '"':
+            if token.group(1) is None:
+                return len(text)  # a string still open
+        elif token.group(0) in "{[":
             depth += 1
-        elif char in "}]":
+        else:
             depth -= 1
             if depth == 0:
-                return position + 1
+                return token.end()
     return len(text)

@@ -21,11 +21,11 @@ content, markers and all.
 from __future__ import annotations
 
 import ast
-import json
+from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 from router.openai_api.parser_names import TOOL_CALL_FORMATS
-from router.openai_api.tool_arguments import STRICT_JSON, python_literal
+from router.openai_api.tool_arguments import STRICT_JSON, json_text, python_literal
 from router.openai_api.tool_blocks import (
     FUNCTION_OPEN,
     GLM_ARG_KEY,
@@ -52,11 +52,7 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 
 
 def whole_calls(found: list[Found] | None) -> list[CallPiece]:
-    return [CallPiece(_json_text(arguments), name) for name, arguments in found or []]
-
-
-def _json_text(arguments: Any) -> str:
-    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return [CallPiece(json_text(arguments), name) for name, arguments in found or []]
 
 
 def _streamed_or_whole(text: str, streamed: list[tuple[str, str]], stop: int, whole: list[Found] | None, closer: str = "") -> CallsRead | None:
@@ -64,12 +60,12 @@ def _streamed_or_whole(text: str, streamed: list[tuple[str, str]], stop: int, wh
     their text, the rest written from their values); where it found none, those streamed and,
     as content, what follows them (but the ``closer`` of the list they were in)."""
     if whole:
-        calls = [(name, streamed[i][1] if i < len(streamed) and streamed[i][0] == name else _json_text(arguments)) for i, (name, arguments) in enumerate(whole)]
+        calls = [(name, streamed[i][1] if i < len(streamed) and streamed[i][0] == name else json_text(arguments)) for i, (name, arguments) in enumerate(whole)]
         return CallsRead(calls)
     return CallsRead(streamed, text[stop:].strip().removeprefix(closer).strip()) if streamed else None
 
 
-class WholeAnswerReader:
+class WholeAnswerReader(ABC):
     """An answer that is either content or calls: which one is settled by how it starts. Its
     calls stream as they are read (``read``), and are settled once it ends (content again if
     none can be read in it)."""
@@ -82,9 +78,9 @@ class WholeAnswerReader:
         self._calls: bool | None = None  # None: not settled yet
         self._stream = CallStream()
 
+    @abstractmethod
     def read(self, text: str, whole: bool) -> CallsRead | None:
-        """The calls in the answer's text so far (``whole``: all of it)."""
-        raise NotImplementedError
+        """The calls in the answer's text so far (``whole``: all of it). Each format's reader says."""
 
     def feed(self, text: str) -> list[Part]:
         self._buffer += text
@@ -161,7 +157,7 @@ class PythonicReader(WholeAnswerReader):
             if len(set(keys)) < len(keys):
                 return None  # f(s=1, s=2) is no Python call (the parser does not say so)
             try:
-                calls.append((name, _json_text({keyword.arg: python_literal(keyword.value) for keyword in node.keywords})))
+                calls.append((name, json_text({keyword.arg: python_literal(keyword.value) for keyword in node.keywords})))
             except ValueError:
                 return None
         return CallsRead(calls)

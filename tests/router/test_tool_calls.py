@@ -36,6 +36,11 @@ def _run(calling: ToolCalling, text: str, piece: int):
     return content, [assembled[i] for i in sorted(assembled)], whole, output.finish_reason
 
 
+def _read(calls: list[dict]) -> list[tuple[str, object]]:
+    """Each call's name and its arguments, parsed."""
+    return [(c["name"], json.loads(c["arguments"])) for c in calls]
+
+
 HERMES = ToolCalling([WEATHER, TIME], "auto", parser="hermes")
 LLAMA = ToolCalling([WEATHER, TIME], "auto", parser="llama3_json")
 
@@ -46,7 +51,7 @@ def test_hermes_calls_after_content_stream_into_the_same_calls(piece):
     content, streamed, whole, reason = _run(HERMES, text, piece)
     assert content == "Let me check.\n"
     assert streamed == whole
-    assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]
+    assert _read(whole) == [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]
     assert reason == "tool_calls"
 
 
@@ -63,7 +68,7 @@ def test_llama3_json_calls_with_and_without_the_python_tag(piece):
                  '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {}}'):
         content, streamed, whole, reason = _run(LLAMA, text, piece)
         assert content == "" and streamed == whole and reason == "tool_calls"
-        assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+        assert _read(whole) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
     # Not a call after all: the text comes back as content; so does text after a call.
     assert _run(LLAMA, '{"city": 3}', piece)[:2] == ('{"city": 3}', [])
     content, _, whole, _ = _run(LLAMA, '{"name": "get_time", "parameters": {}} and that is all', piece)
@@ -123,7 +128,7 @@ def test_mistral_calls_in_both_of_its_formats(piece):
                  'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}'):
         content, streamed, whole, reason = _run(MISTRAL, text, piece)
         assert content == "Sure." and streamed == whole and reason == "tool_calls"
-        assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+        assert _read(whole) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in whole)  # the ids Mistral's templates take back
     # The end of sequence a kept special token brings, after the calls, is no part of them.
     for text in ('[TOOL_CALLS] [{"name": "get_time", "arguments": null}]</s>', '[TOOL_CALLS]get_time[ARGS]{}</s>'):
@@ -183,7 +188,7 @@ def test_qwen3_coder_calls_are_typed_by_the_schema_and_stream_into_the_same_call
     )
     content, streamed, whole, reason = _run(QWEN3_CODER, text, piece)
     assert content == "I'll look.\n" and streamed == whole and reason == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
+    assert _read(whole) == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
     # A multi-line string keeps its own newlines (one each side is the format's); a <function=...>
     # written without its <tool_call>, and a parameter the tool does not declare, are read too.
     code = "def f():\n    return 1\n"
@@ -202,7 +207,7 @@ def test_glm45_calls_are_read_from_their_key_value_tags(piece):
     text = f"Checking.<tool_call>get_forecast\n{arguments}</tool_call>\n<tool_call>get_time\n</tool_call>"
     content, streamed, whole, reason = _run(GLM45, text, piece)
     assert content == "Checking." and streamed == whole and reason == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
+    assert _read(whole) == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
     # A Hermes-style JSON block is no GLM call: it stays content.
     assert _run(GLM45, '<tool_call>{"name": "get_time"}</tool_call>', piece)[:2] == ('<tool_call>{"name": "get_time"}</tool_call>', [])
 
@@ -213,7 +218,7 @@ def test_pythonic_calls_are_python_lists_of_keyword_calls(piece):
     for text in (f"[{call}, get_time()]", f"<|python_start|>[{call}, get_time()]<|python_end|>", f"[{call},\n get_time()]"):
         content, streamed, whole, reason = _run(PYTHONIC, text, piece)
         assert content == "" and streamed == whole and reason == "tool_calls"
-        assert [(c["name"], json.loads(c["arguments"])) for c in whole] == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
+        assert _read(whole) == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
     # JSON's spellings are taken; anything that is not a list of keyword calls of literals is content.
     assert json.loads(_run(PYTHONIC, "[get_forecast(hourly=false, note=null)]", piece)[2][0]["arguments"]) == {"hourly": False, "note": None}
     for text in ("[1, 2] are the answers", 'Sure: [get_time()]', '[get_forecast("Oslo")]', "[get_forecast(days=x)]", "[get_forecast(**kw)]", "[]"):
@@ -307,7 +312,7 @@ def test_odd_answers_read_alike_whole_and_streamed_and_lose_nothing(calling, tex
     for piece in (1, len(text)):
         got_content, streamed, whole, _ = _run(calling, text, piece)
         assert streamed == whole
-        assert (got_content, [(c["name"], json.loads(c["arguments"])) for c in whole]) == (content, calls)
+        assert (got_content, _read(whole)) == (content, calls)
 
 
 def test_content_after_a_call_in_the_same_chunk_comes_after_it():
