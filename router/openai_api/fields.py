@@ -99,3 +99,13 @@ def string_list(body: dict, name: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
         raise InvalidArgumentError(name, "must be a list of non-empty strings")
     return list(value)
+
+
+def cache_salt(body: dict) -> str | None:
+    """vLLM's ``cache_salt`` (chat, completions, responses): the request's blocks are shared in
+    the prefix cache only with requests of the same salt (its length is checked with the
+    sampling settings, router/validation.py)."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidArgumentError("cache_salt", f"must be a non-empty string, got {type_name(salt) if not isinstance(salt, str) else 'an empty one'}")
+    return salt

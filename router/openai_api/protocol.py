@@ -39,7 +39,7 @@ from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.constraints import logit_bias, structured_output
 from router.openai_api.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningFormat, read_effort
-from router.openai_api.fields import boolean, int_list, integer, is_int, json_object, number, refuse_unknown, string_list, text_parts, type_name
+from router.openai_api.fields import boolean, cache_salt, int_list, integer, is_int, json_object, number, refuse_unknown, string_list, text_parts, type_name
 from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
@@ -267,7 +267,7 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
         min_tokens=integer(body, "min_tokens", 0, 0, None),
         skip_special_tokens=boolean(body, "skip_special_tokens", True),
         include_stop_str=boolean(body, "include_stop_str_in_output", False),
-        cache_salt=_cache_salt(body),
+        cache_salt=cache_salt(body),
         truncate_prompt_tokens=integer(body, "truncate_prompt_tokens", None, None, None),
         # vLLM's priority: lower is served first; the router's: higher is.
         priority=-priority,
@@ -279,13 +279,6 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
         bad_words=string_list(body, "bad_words"),
         structured=structured_output(body),
     )
-
-
-def _cache_salt(body: dict) -> str | None:
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise InvalidArgumentError("cache_salt", f"must be a non-empty string, got {type_name(salt) if not isinstance(salt, str) else 'an empty one'}")
-    return salt
 
 
 def _choice(base: GenerateInput, index: int) -> GenerateInput:

@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
-from router.openai_api.fields import boolean, integer, int_list, json_object, number, refuse_unknown, text_parts, type_name
+from router.openai_api.fields import boolean, cache_salt, integer, int_list, json_object, number, refuse_unknown, text_parts, type_name
 from router.openai_api.reasoning import read_effort
 from router.openai_api.tool_calls import flat_function_tool
 from router.validation import GenerateInput
@@ -31,6 +31,7 @@ _FIELDS = {
     "reasoning", "include", "prompt_cache_key", "safety_identifier", "stream_options", "top_logprobs",
     # vLLM's extensions
     "top_k", "min_p", "repetition_penalty", "seed", "ignore_eos", "min_tokens", "stop", "stop_token_ids", "priority",
+    "cache_salt",
 }
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
@@ -122,6 +123,7 @@ def read_responses(body: Any) -> ResponsesRequest:
         stop=list(stop or []),
         stop_token_ids=int_list(body, "stop_token_ids"),
         priority=-priority,  # vLLM's: lower first; the router's: higher first
+        cache_salt=cache_salt(body),
         sampling_prefix="",
         structured=structured,
     )

@@ -92,6 +92,24 @@ def test_a_follow_up_turn_continues_the_stored_conversation_from_the_prefix_cach
         client.responses.retrieve(unstored.id)
 
 
+def test_a_cache_salt_shares_the_prefix_cache_only_with_the_same_salt(client):
+    """vLLM's cache_salt on /v1/responses: a repeated input is found in the prefix cache only
+    under the salt that put it there."""
+    question = "Salted tenants keep their prompts apart, said the ledger of Bergen. " * 3
+
+    def cached(salt: str) -> tuple[int, str]:
+        response = client.responses.create(model="tiny-chat", input=question, max_output_tokens=3, temperature=0.0, extra_body={"cache_salt": salt, "ignore_eos": True})
+        return response.usage.input_tokens_details.cached_tokens, response.output_text
+
+    first = cached("tenant-a")
+    assert first[0] == 0
+    assert cached("tenant-b") == (0, first[1])
+    again = cached("tenant-a")
+    assert again[0] > 0 and again[1] == first[1]
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("")
+
+
 def test_stored_responses_survive_a_restart_of_the_http_front_end(client, deployment):
     first = client.responses.create(model="tiny-chat", input="Remember the number seven.", max_output_tokens=6, **GREEDY)
 

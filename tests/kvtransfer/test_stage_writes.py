@@ -99,8 +99,8 @@ def _drain(stages: list[Worker], reader: Worker, req_id: str, seconds: float) ->
     return False
 
 
-@pytest.mark.parametrize("backend", ["nixl", "ray"])
-@pytest.mark.parametrize("block_scales", [False, True])
+# Over Ray (the fallback transport: seconds of mailbox processes) the case with block scales only.
+@pytest.mark.parametrize("backend,block_scales", [("nixl", False), ("nixl", True), ("ray", True)])
 def test_each_stage_lands_its_layers_and_the_reservation_waits_for_all(ray_session, backend, block_scales):
     dtype = "int8" if block_scales else "bfloat16"
     compat = KVCompat("pp/model", dtype, num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, block_scales=block_scales)
