@@ -25,6 +25,7 @@ class RawArgument:
     key: str
     text: str
     closed: bool
+    start: int = 0  # where the value's text starts in the block read (a long open value is read on from there)
 
 
 def arguments_text(arguments: list[RawArgument], schemas: dict[str, Any], complete: bool) -> str:
@@ -86,6 +87,12 @@ def json_text(arguments: Any) -> str:
 
 def _dump(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
+
+
+def escaped(text: str) -> str:
+    """``text`` as it reads inside a JSON string here (each character escaped on its own, so the
+    escaped text of a longer text starts with that of the shorter)."""
+    return _dump(text)[1:-1]
 
 
 _TYPE_ALIASES = {  # names clients write for JSON schema types (vLLM reads them too)

@@ -15,14 +15,14 @@ schema and writes the arguments' JSON as the keys come.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from router.openai_api.tool_arguments import RawArgument, arguments_text, json_or, json_text, parameter_schemas
+from router.openai_api.tool_arguments import RawArgument, arguments_text, escaped, is_text, json_or, json_text, parameter_schemas
+from router.openai_api.tool_json import ObjectEnds, json_calls
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,6 @@ FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAMETER_OPEN, PARAMETER_CLOSE = "<parameter=", "</parameter>"
 GLM_ARG_KEY, GLM_ARG_VALUE, GLM_VALUE_CLOSE = "<arg_key>", "<arg_value>", "</arg_value>"
 
-_JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
-_JSON_CALL_TAIL = re.compile(r"\s*\}\s*[,;]?")  # a call object's end, after its arguments
-_JSON_STRUCTURE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*(")?|[{}\[\]]', re.S)  # a string (group 1: its closing quote) or a bracket
 _FUNCTION_HEAD = re.compile(r"<function=([^>\n]*)>")
 _PARAMETER_HEAD = re.compile(r"<parameter=([^>\n]*)>")
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
@@ -118,6 +115,9 @@ class BlockReader(ABC):
         self._open: tuple[str, str | None] | None = None  # the block being read
         self._stream = CallStream()  # the open block's calls
         self._space = ""  # whitespace after a call, shown only if text follows it
+        self.ends = ObjectEnds()  # the open block's JSON objects (its body only grows until it closes)
+        self.open_value: OpenTextValue | None = None  # the text value the open block's last call is writing
+        self._closer_searched = 0  # the open block's buffer holds no closer before this
 
     @abstractmethod
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
@@ -138,9 +138,12 @@ class BlockReader(ABC):
                 _with_text(parts, self._content(at))  # the buffer now starts with the opener
                 self._space = ""
                 self._buffer = self._buffer[len(self._open[0]) :]
+                self.ends, self.open_value, self._closer_searched = ObjectEnds(), None, 0
             opener, closer = self._open
-            end = -1 if closer is None else self._buffer.find(closer)
+            # Looked for only in what came since the last look (a long call's buffer is long).
+            end = -1 if closer is None else self._buffer.find(closer, max(0, self._closer_searched - len(closer) + 1))
             if end < 0:
+                self._closer_searched = len(self._buffer)
                 shown = self._buffer[: len(self._buffer) - (0 if closer is None else marker_prefix_len(self._buffer, closer))]
                 return parts + self._stream.pieces(self.calls_in(opener, shown, False))
             block, self._buffer = self._buffer[:end], self._buffer[end + len(closer) :]
@@ -176,29 +179,11 @@ class BlockReader(ABC):
         return shown
 
 
-def json_calls(text: str, position: int = 0) -> tuple[list[tuple[str, str]], int]:
-    """Calls written as JSON objects, ``{"name": ..., "arguments" (or "parameters"): {...}}``, one
-    after another (commas, semicolons or whitespace between), from ``position``: each one's name
-    and its arguments object's text so far, and where the reading stopped (the first text that
-    is no such call, or the end)."""
-    calls = []
-    while True:
-        head = _JSON_CALL_HEAD.match(text, position)
-        if head is None:
-            return calls, position
-        end = json_object_end(text, head.end())
-        calls.append((json.loads(head.group(1)), text[head.end() : end]))
-        after = _JSON_CALL_TAIL.match(text, end)
-        if after is None:
-            return calls, end
-        position = after.end()
-
-
 class HermesReader(BlockReader):
     blocks = ((HERMES_OPEN, HERMES_CLOSE),)
 
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
-        calls, stop = json_calls(body)
+        calls, stop = json_calls(body, ends=None if closed else self.ends)  # a closed block is read afresh
         if calls:  # {"name": ..., "arguments": {: streamed as it comes
             return CallsRead(calls, body[stop:].strip() if closed else "")
         if not closed:
@@ -210,15 +195,76 @@ class HermesReader(BlockReader):
         return CallsRead([(call["name"], json_text({} if arguments is None else arguments))])
 
 
-class Qwen3CoderReader(BlockReader):
+class OpenTextValue:
+    """The text value a streamed call is in the middle of writing (a file's content, say), read on
+    from where the last read left it: each token read the whole call again before, and a long
+    call cost the square of its length (a 128 KB qwen3_coder call, 4 characters a token: 16 s of
+    the router's CPU). Any tag in what comes hands the block back to a whole read."""
+
+    def __init__(self, calls: list[tuple[str, str]], argument: RawArgument, ends: tuple[str, ...], held: tuple[str, ...]):
+        self.calls = calls[:-1]
+        self.name, arguments = calls[-1]
+        self.escaped = escaped(argument.text)
+        self.head = arguments[: len(arguments) - len(self.escaped)]  # the arguments' text before the value's characters
+        self.start, self.size = argument.start, len(argument.text)  # the value's characters so far, in the block's body
+        self.ends, self.held = ends, held
+        self.searched = self.start + self.size
+
+    def read_on(self, body: str) -> list[tuple[str, str]] | None:
+        """The block's calls as far as ``body`` goes, or None where a tag came (a whole read decides)."""
+        if any(body.find(tag, max(self.start, self.searched - len(tag) + 1)) >= 0 for tag in self.ends):
+            return None
+        self.searched = len(body)
+        end = len(body) - max(marker_prefix_len(body, tag) for tag in self.held)  # what may be the start of a tag waits
+        shown = self.start + self.size
+        if end < shown:
+            return None  # a held-back tail that reaches into what was shown: let a whole read say
+        if end > shown:
+            self.escaped += escaped(body[shown:end])
+            self.size = end - self.start
+        return [*self.calls, (self.name, self.head + self.escaped)]
+
+
+class TextValueReader(BlockReader):
+    """A format whose calls' values are text between tags: a value still being written is read on
+    from where the last read left it (OpenTextValue), the rest by a whole read of the block."""
+
+    value_ends: tuple[str, ...] = ()  # tags that end a value or begin another part of the call
+    value_held: tuple[str, ...] = ()  # what an open value's end holds back (what may begin a tag)
+
+    def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
+        if not closed and self.open_value is not None and (calls := self.open_value.read_on(body)) is not None:
+            return CallsRead(calls)
+        read, writing = self.read_block(opener, body, closed)
+        self.open_value = None
+        if read is not None and writing is not None and not closed:
+            self.open_value = OpenTextValue(read.calls, writing, self.value_ends, self.value_held)
+        return read
+
+    @abstractmethod
+    def read_block(self, opener: str, body: str, closed: bool) -> tuple[CallsRead | None, RawArgument | None]:
+        """The block's calls as far as ``body`` goes (as ``calls_in``), and the text value its last
+        call is writing where one is shown (open, of a text parameter, not empty)."""
+
+    def writing(self, name: str, arguments: list[RawArgument], complete: bool) -> RawArgument | None:
+        """The last argument, where it is a text value the call's arguments show as it grows."""
+        if complete or not arguments or arguments[-1].closed or not arguments[-1].text:
+            return None
+        return arguments[-1] if is_text(parameter_schemas(self.tools, name).get(arguments[-1].key)) else None
+
+
+class Qwen3CoderReader(TextValueReader):
     """A ``<function=...>`` the model wrote without its ``<tool_call>`` is read too (vLLM reads it)."""
 
     blocks = ((HERMES_OPEN, HERMES_CLOSE), (FUNCTION_OPEN, FUNCTION_CLOSE))
+    value_ends = (PARAMETER_CLOSE, PARAMETER_OPEN, FUNCTION_CLOSE, FUNCTION_OPEN, HERMES_CLOSE)
+    value_held = _QWEN_VALUE_ENDS
 
-    def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
-        text = FUNCTION_OPEN + body if opener == FUNCTION_OPEN else body
+    def read_block(self, opener: str, body: str, closed: bool) -> tuple[CallsRead | None, RawArgument | None]:
+        shift = len(FUNCTION_OPEN) if opener == FUNCTION_OPEN else 0
+        text = FUNCTION_OPEN + body if shift else body
         heads = list(_FUNCTION_HEAD.finditer(text))
-        calls, outside, position = [], [], 0
+        calls, outside, position, writing = [], [], 0, None
         for index, head in enumerate(heads):
             name = head.group(1).strip()
             if not name:
@@ -228,15 +274,17 @@ class Qwen3CoderReader(BlockReader):
             region = text[head.end() : later]
             end = region.find(FUNCTION_CLOSE)
             complete = closed or end >= 0 or index + 1 < len(heads)
-            arguments = self._arguments(region if end < 0 else region[:end], complete)
+            arguments = self._arguments(region if end < 0 else region[:end], complete, head.end() - shift)
             calls.append((name, arguments_text(arguments, parameter_schemas(self.tools, name), complete)))
+            writing = self.writing(name, arguments, complete)
             position = head.end() + (len(region) if end < 0 else end + len(FUNCTION_CLOSE))
         if not calls:
-            return None
-        return CallsRead(calls, ("".join(outside) + text[position:]).strip() if closed else "")
+            return None, None
+        return CallsRead(calls, ("".join(outside) + text[position:]).strip() if closed else ""), writing
 
     @staticmethod
-    def _arguments(region: str, complete: bool) -> list[RawArgument]:
+    def _arguments(region: str, complete: bool, offset: int) -> list[RawArgument]:
+        """The parameters of a call whose region (after its head) starts at ``offset`` in the body."""
         heads = list(_PARAMETER_HEAD.finditer(region))
         arguments = []
         for index, head in enumerate(heads):
@@ -247,6 +295,7 @@ class Qwen3CoderReader(BlockReader):
                 value = value[:end]
             # One newline each side is the format's (<parameter=k>\nvalue\n</parameter>); an open
             # value holds back what may yet be that newline or the next tag.
+            start = offset + head.end() + value.startswith("\n")
             value = value.removeprefix("\n")
             if closed:
                 value = value.removesuffix("\n")
@@ -255,21 +304,23 @@ class Qwen3CoderReader(BlockReader):
                 value = value[:at].removesuffix("\n")
             else:
                 value = value[: len(value) - max(marker_prefix_len(value, end) for end in _QWEN_VALUE_ENDS)]
-            arguments.append(RawArgument(head.group(1).strip(), value, closed))
+            arguments.append(RawArgument(head.group(1).strip(), value, closed, start))
         return arguments
 
 
-class Glm45Reader(BlockReader):
+class Glm45Reader(TextValueReader):
     """A call is announced once its first key comes (or its block closes): a block whose first
     line is followed by anything else is no call."""
 
     blocks = ((HERMES_OPEN, HERMES_CLOSE),)
+    value_ends = (GLM_VALUE_CLOSE, GLM_ARG_KEY)
+    value_held = (GLM_VALUE_CLOSE, GLM_ARG_KEY)
 
-    def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
+    def read_block(self, opener: str, body: str, closed: bool) -> tuple[CallsRead | None, RawArgument | None]:
         name, marker, _ = body.partition(GLM_ARG_KEY)
         name = name.strip()
         if not (marker or closed) or not name or "\n" in name or "{" in name:
-            return None
+            return None, None
         heads = list(_GLM_ARGUMENT.finditer(body))
         arguments, outside = [], []
         for index, head in enumerate(heads):
@@ -283,24 +334,7 @@ class Glm45Reader(BlockReader):
                 value = value[:at]  # a model that leaves out </arg_value>: the next key ends it
             elif not argument_closed:  # hold back what may be the start of the next tag
                 value = value[: len(value) - max(marker_prefix_len(value, GLM_VALUE_CLOSE), marker_prefix_len(value, GLM_ARG_KEY))]
-            arguments.append(RawArgument(head.group(1).strip(), value, argument_closed))
+            arguments.append(RawArgument(head.group(1).strip(), value, argument_closed, head.end()))
         rest = "".join(outside).strip() if closed else ""
-        return CallsRead([(name, arguments_text(arguments, parameter_schemas(self.tools, name), closed))], rest)
-
-
-def json_object_end(text: str, start: int) -> int:
-    """Where the JSON object opening at ``text[start]`` ends (after its closing brace), or the
-    text's end if it has not yet. Read token by token by a regex (strings whole), not character
-    by character: a streamed call's text is read again with every token of it."""
-    depth = 0
-    for token in _JSON_STRUCTURE.finditer(text, start):
-        if token.group(0)[0] == '"':
-            if token.group(1) is None:
-                return len(text)  # a string still open
-        elif token.group(0) in "{[":
-            depth += 1
-        else:
-            depth -= 1
-            if depth == 0:
-                return token.end()
-    return len(text)
+        read = CallsRead([(name, arguments_text(arguments, parameter_schemas(self.tools, name), closed))], rest)
+        return read, self.writing(name, arguments, closed)

@@ -39,9 +39,8 @@ from router.openai_api.tool_blocks import (
     Glm45Reader,
     HermesReader,
     Qwen3CoderReader,
-    json_calls,
-    json_object_end,
 )
+from router.openai_api.tool_json import ObjectEnds, json_calls, json_object_end
 
 Found = tuple[str, Any]  # a whole call: its name, its arguments (JSON text, or a value to write as JSON)
 
@@ -77,6 +76,7 @@ class WholeAnswerReader(ABC):
         self._buffer = ""
         self._calls: bool | None = None  # None: not settled yet
         self._stream = CallStream()
+        self.ends = ObjectEnds()  # the JSON objects of the answer so far (it only grows)
 
     @abstractmethod
     def read(self, text: str, whole: bool) -> CallsRead | None:
@@ -108,7 +108,7 @@ class Llama3JsonReader(WholeAnswerReader):
 
     def read(self, text: str, whole: bool) -> CallsRead | None:
         text = text.strip().removeprefix(PYTHON_TAG).strip()
-        streamed, stop = json_calls(text)
+        streamed, stop = json_calls(text, ends=None if whole else self.ends)  # the whole answer is read afresh
         if not whole:
             return CallsRead(streamed)
         return _streamed_or_whole(text, streamed, stop, self._parse(text))
@@ -171,7 +171,7 @@ class MistralReader(BlockReader):
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         text = body.strip()
         if text.startswith(("[", "{")):  # a JSON list of calls (or one)
-            streamed, stop = json_calls(text, 1 if text.startswith("[") else 0)
+            streamed, stop = json_calls(text, 1 if text.startswith("[") else 0, None if closed else self.ends)
             return _streamed_or_whole(text, streamed, stop, _mistral_calls(text), "]" if text.startswith("[") else "") if closed else CallsRead(streamed)
         calls, stop, position = [], 0, 0
         for part in body.split(MISTRAL_CALLS):  # name[ARGS]{...}, each call after its own marker
@@ -181,7 +181,7 @@ class MistralReader(BlockReader):
             position += len(part) + len(MISTRAL_CALLS)
             if not marker or not name or not body.startswith("{", start):
                 break
-            stop = json_object_end(body, start)
+            stop = json_object_end(body, start) if closed else self.ends.end(body, start)
             calls.append((name, body[start:stop]))
         if not closed:
             return CallsRead(calls)

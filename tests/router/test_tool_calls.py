@@ -4,6 +4,7 @@ assemble into the same calls, and the content around them is what the client see
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -210,6 +211,44 @@ def test_glm45_calls_are_read_from_their_key_value_tags(piece):
     assert _read(whole) == [("get_forecast", FORECAST_ARGUMENTS), ("get_time", {})]
     # A Hermes-style JSON block is no GLM call: it stays content.
     assert _run(GLM45, '<tool_call>{"name": "get_time"}</tool_call>', piece)[:2] == ('<tool_call>{"name": "get_time"}</tool_call>', [])
+
+
+WRITE_FILE = {"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}}
+# What a long value may hold: starts of every format's tags (never a whole one), escapes, newlines.
+_VALUE_PIECES = ["code ", "x", "\n", "<", "</", "</param", "</arg_v", "<arg_k", "<function", "</tool_c", "\n<", "\\", '"', "{", "}", "]", "é", "\t"]
+
+
+def _write_file_answer(parser: str, path: str, content: str) -> str:
+    if parser == "qwen3_coder":
+        return f"Writing.\n<tool_call>\n<function=write_file>\n<parameter=path>\n{path}\n</parameter>\n<parameter=content>\n{content}\n</parameter>\n</function>\n</tool_call>"
+    if parser == "glm45":
+        return f"Writing.<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>{path}</arg_value>\n<arg_key>content</arg_key>\n<arg_value>{content}</arg_value>\n</tool_call>"
+    call = json.dumps({"name": "write_file", "arguments": {"path": path, "content": content}}, ensure_ascii=False)
+    return {"hermes": f"Writing.\n<tool_call>\n{call}\n</tool_call>", "mistral": f"Writing.[TOOL_CALLS][{call}]", "llama3_json": call}[parser]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral"])
+def test_a_long_value_read_on_token_by_token_is_what_a_whole_read_finds(parser):
+    """A call writing a long value is read on from where the last token left it (not read
+    again whole with every token): fed in random pieces, its streamed arguments add up to its
+    whole call, which is the one the answer read in one piece gives, values as written."""
+    calling = ToolCalling([WRITE_FILE], "auto", parser=parser)
+    rng = random.Random(parser)
+    for _ in range(25):
+        content = "".join(rng.choice(_VALUE_PIECES) for _ in range(rng.randint(1, 120)))
+        text = _write_file_answer(parser, "src/a.py", content)
+        at_once = _run(calling, text, len(text))
+        assert _read(at_once[2]) == [("write_file", {"path": "src/a.py", "content": content})], text
+        output, parts, start = ToolCallOutput(calling), [], 0
+        while start < len(text):
+            size = rng.randint(1, 9)
+            parts += output.feed(text[start : start + size])
+            start += size
+        parts += output.finish()
+        content_seen, deltas = content_and_deltas(parts)
+        streamed = "".join(delta.to_json()["function"]["arguments"] for delta in deltas)
+        assert content_seen == at_once[0] and streamed == output.calls[0]["function"]["arguments"] == at_once[2][0]["arguments"], text
 
 
 @pytest.mark.parametrize("piece", [1, 4, 1000])

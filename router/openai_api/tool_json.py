@@ -1,0 +1,96 @@
+"""Tool calls written as JSON objects (hermes, llama3_json, mistral), read in a text that grows
+as the answer streams: each call's name, and its arguments object's text so far.
+
+A streamed call is looked for again with every token; ``ObjectEnds`` keeps how far each
+object was read, so a token costs what it adds, not the call's length (read from the start
+each time, a 128 KB call streamed 4 characters at a time cost 28 s of the router's CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+_JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+_JSON_CALL_TAIL = re.compile(r"\s*\}\s*[,;]?")  # a call object's end, after its arguments
+_JSON_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # a string's characters up to its closing quote
+_JSON_QUOTE_OR_BRACKET = re.compile(r'["{}\[\]]')
+
+
+def json_calls(text: str, position: int = 0, ends: ObjectEnds | None = None) -> tuple[list[tuple[str, str]], int]:
+    """Calls written as JSON objects, ``{"name": ..., "arguments" (or "parameters"): {...}}``, one
+    after another (commas, semicolons or whitespace between), from ``position``: each one's name
+    and its arguments object's text so far, and where the reading stopped (the first text that
+    is no such call, or the end). ``ends``: what earlier reads of this text (shorter) found."""
+    calls = []
+    while True:
+        head = _JSON_CALL_HEAD.match(text, position)
+        if head is None:
+            return calls, position
+        end = ends.end(text, head.end()) if ends is not None else json_object_end(text, head.end())
+        calls.append((json.loads(head.group(1)), text[head.end() : end]))
+        after = _JSON_CALL_TAIL.match(text, end)
+        if after is None:
+            return calls, end
+        position = after.end()
+
+
+def json_object_end(text: str, start: int) -> int:
+    """Where the JSON object opening at ``text[start]`` ends (after its closing brace), or the
+    text's end if it has not yet."""
+    return _ObjectScan(start).read(text)
+
+
+class ObjectEnds:
+    """Where the JSON objects of a text that only grows (each text starts with the one before)
+    end, each read once: a streamed call's arguments are looked for again with every token, and
+    reading them from their start each time made a call's cost grow with its square (a 128 KB
+    call streamed 4 characters at a time: 28 s of the router's CPU)."""
+
+    def __init__(self) -> None:
+        self._scans: dict[int, _ObjectScan] = {}
+
+    def end(self, text: str, start: int) -> int:
+        scan = self._scans.get(start)
+        if scan is None:
+            scan = self._scans[start] = _ObjectScan(start)
+        return scan.read(text)
+
+
+class _ObjectScan:
+    """How far an object's text was read: where, how deep in brackets, whether in a string."""
+
+    __slots__ = ("position", "depth", "in_string", "end")
+
+    def __init__(self, start: int) -> None:
+        self.position = start
+        self.depth = 0
+        self.in_string = False
+        self.end: int | None = None
+
+    def read(self, text: str) -> int:
+        """The object's end in ``text`` (its end so far: the text's end if it is still open)."""
+        position = self.position
+        while self.end is None:
+            if self.in_string:
+                position = _JSON_STRING_REST.match(text, position).end()
+                if position == len(text) or text[position] != '"':
+                    break  # still open (or a backslash that waits for the character it escapes)
+                position += 1
+                self.in_string = False
+            found = _JSON_QUOTE_OR_BRACKET.search(text, position)
+            if found is None:
+                position = len(text)
+                break
+            position = found.end()
+            mark = found.group()
+            if mark == '"':
+                self.in_string = True
+            elif mark in "{[":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = position
+        self.position = position
+        return len(text) if self.end is None else self.end
