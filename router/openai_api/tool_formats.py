@@ -21,11 +21,12 @@ content, markers and all.
 from __future__ import annotations
 
 import ast
+import re
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 from router.openai_api.parser_names import TOOL_CALL_FORMATS
-from router.openai_api.tool_arguments import STRICT_JSON, json_text, python_literal
+from router.openai_api.tool_arguments import STRICT_JSON, json_or, json_text, python_literal
 from router.openai_api.tool_blocks import (
     FUNCTION_OPEN,
     GLM_ARG_KEY,
@@ -48,6 +49,9 @@ PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 PYTHONIC_EXAMPLE = "[func_name1("  # what the pythonic templates teach the model to write
 MISTRAL_CALLS = "[TOOL_CALLS]"
+ARGS_MARKER, CALL_ID_MARKER = "[ARGS]", "[CALL_ID]"
+_SPACES = re.compile(r"\s*")
+_NEXT_NAMED_CALL = re.compile(r"\s*" + re.escape(MISTRAL_CALLS))
 
 
 def whole_calls(found: list[Found] | None) -> list[CallPiece]:
@@ -173,19 +177,30 @@ class MistralReader(BlockReader):
         if text.startswith(("[", "{")):  # a JSON list of calls (or one)
             streamed, stop = json_calls(text, 1 if text.startswith("[") else 0, None if closed else self.ends)
             return _streamed_or_whole(text, streamed, stop, _mistral_calls(text), "]" if text.startswith("[") else "") if closed else CallsRead(streamed)
-        calls, stop, position = [], 0, 0
-        for part in body.split(MISTRAL_CALLS):  # name[ARGS]{...}, each call after its own marker
-            name, marker, arguments = part.partition("[ARGS]")
-            name = name.partition("[CALL_ID]")[0].strip()
-            start = position + len(part) - len(arguments.lstrip())  # where the arguments' object starts in body
-            position += len(part) + len(MISTRAL_CALLS)
-            if not marker or not name or not body.startswith("{", start):
-                break
-            stop = json_object_end(body, start) if closed else self.ends.end(body, start)
-            calls.append((name, body[start:stop]))
+        calls, stop = _named_calls(body, json_object_end if closed else self.ends.end)  # name[ARGS]{...}, each after its own marker
         if not closed:
             return CallsRead(calls)
         return _streamed_or_whole(body, calls, stop, _mistral_calls(text))
+
+
+def _named_calls(body: str, object_end: Callable[[str, int], int]) -> tuple[list[tuple[str, str]], int]:
+    """Mistral's ``name[ARGS]{...}`` calls (an optional ``[CALL_ID]id`` before ``[ARGS]``), each
+    after its own ``[TOOL_CALLS]`` (the first one's is the block's opener): each one's name and
+    its arguments' text so far, and where the reading stopped. The next call is looked for after
+    the arguments end: a marker inside an arguments' string starts no call."""
+    calls, position, stop = [], 0, 0
+    while (at := body.find(ARGS_MARKER, position)) >= 0:
+        name = body[position:at].partition(CALL_ID_MARKER)[0].strip()
+        start = _SPACES.match(body, at + len(ARGS_MARKER)).end()
+        if not name or MISTRAL_CALLS in name or not body.startswith("{", start):
+            break
+        stop = object_end(body, start)
+        calls.append((name, body[start:stop]))
+        marker = _NEXT_NAMED_CALL.match(body, stop)
+        if marker is None:
+            break
+        position = marker.end()
+    return calls, stop
 
 
 def _mistral_calls(text: str) -> list[Found] | None:
@@ -204,17 +219,12 @@ def _mistral_calls(text: str) -> list[Found] | None:
         if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
             return None
         return [(item["name"], item.get("arguments", item.get("parameters")) or {}) for item in items]
-    calls = []
-    for part in text.split(MISTRAL_CALLS):
-        name, marker, arguments = part.partition("[ARGS]")
-        name = name.partition("[CALL_ID]")[0].strip()
-        try:
-            body, end = decoder.raw_decode(arguments.strip())
-        except ValueError:  # not JSON (NaN, 1e999 included)
-            return None
-        if not marker or not name or not isinstance(body, dict):
-            return None
-        calls.append((name, arguments.strip()[:end]))
+    calls, stop = _named_calls(text, json_object_end)
+    if not calls or MISTRAL_CALLS in text[stop:]:
+        return None  # a marker no call follows
+    for _, arguments in calls:
+        if not isinstance(json_or(arguments, None), dict):
+            return None  # not JSON (NaN, 1e999 included)
     return calls
 
 

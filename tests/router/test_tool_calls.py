@@ -219,27 +219,36 @@ WRITE_FILE = {"type": "function", "function": {"name": "write_file", "parameters
 _VALUE_PIECES = ["code ", "x", "\n", "<", "</", "</param", "</arg_v", "<arg_k", "<function", "</tool_c", "\n<", "\\", '"', "{", "}", "]", "é", "\t"]
 
 
-def _write_file_answer(parser: str, path: str, content: str) -> str:
-    if parser == "qwen3_coder":
-        return f"Writing.\n<tool_call>\n<function=write_file>\n<parameter=path>\n{path}\n</parameter>\n<parameter=content>\n{content}\n</parameter>\n</function>\n</tool_call>"
-    if parser == "glm45":
-        return f"Writing.<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>{path}</arg_value>\n<arg_key>content</arg_key>\n<arg_value>{content}</arg_value>\n</tool_call>"
-    call = json.dumps({"name": "write_file", "arguments": {"path": path, "content": content}}, ensure_ascii=False)
-    return {"hermes": f"Writing.\n<tool_call>\n{call}\n</tool_call>", "mistral": f"Writing.[TOOL_CALLS][{call}]", "llama3_json": call}[parser]
+def _write_file_answer(form: str, content: str) -> str:
+    """Two write_file calls in a format's own form: the long ``content`` (before the path), then a short one."""
+    if form == "qwen3_coder":  # the second <function=...> without its <tool_call>
+        return ("Writing.\n<tool_call>\n<function=write_file>\n<parameter=content>\n" + content + "\n</parameter>\n<parameter=path>\na.py\n"
+                "</parameter>\n</function>\n</tool_call>\n<function=write_file>\n<parameter=path>\nb.txt\n</parameter>\n<parameter=content>\nend\n</parameter>\n</function>")
+    if form == "glm45":
+        return ("Writing.<tool_call>write_file\n<arg_key>content</arg_key>\n<arg_value>" + content + "</arg_value>\n<arg_key>path</arg_key>\n"
+                "<arg_value>a.py</arg_value>\n</tool_call><tool_call>write_file\n<arg_key>path</arg_key><arg_value>b.txt</arg_value>"
+                "<arg_key>content</arg_key><arg_value>end</arg_value></tool_call>")
+    first, second = ({"content": content, "path": "a.py"}, {"path": "b.txt", "content": "end"})
+    if form == "mistral_named":  # newer Mistral models: each call after its own marker
+        return "Writing.[TOOL_CALLS]write_file[ARGS]" + json.dumps(first, ensure_ascii=False) + "[TOOL_CALLS]write_file[ARGS]" + json.dumps(second)
+    calls = [json.dumps({"name": "write_file", "arguments": arguments}, ensure_ascii=False) for arguments in (first, second)]
+    return {"hermes": "Writing.\n" + "\n".join(f"<tool_call>\n{call}\n</tool_call>" for call in calls), "mistral": f"Writing.[TOOL_CALLS][{', '.join(calls)}]",
+            "llama3_json": "; ".join(calls)}[form]
 
 
-@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral"])
-def test_a_long_value_read_on_token_by_token_is_what_a_whole_read_finds(parser):
+@pytest.mark.parametrize("form", ["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "mistral_named"])
+def test_a_long_value_read_on_token_by_token_is_what_a_whole_read_finds(form):
     """A call writing a long value is read on from where the last token left it (not read
     again whole with every token): fed in random pieces, its streamed arguments add up to its
-    whole call, which is the one the answer read in one piece gives, values as written."""
-    calling = ToolCalling([WRITE_FILE], "auto", parser=parser)
-    rng = random.Random(parser)
+    whole call, which is the one the answer read in one piece gives, values as written, and the
+    call after it is read as well."""
+    calling = ToolCalling([WRITE_FILE], "auto", parser=form.removesuffix("_named"))
+    rng = random.Random(form)
     for _ in range(25):
         content = "".join(rng.choice(_VALUE_PIECES) for _ in range(rng.randint(1, 120)))
-        text = _write_file_answer(parser, "src/a.py", content)
+        text = _write_file_answer(form, content)
         at_once = _run(calling, text, len(text))
-        assert _read(at_once[2]) == [("write_file", {"path": "src/a.py", "content": content})], text
+        assert _read(at_once[2]) == [("write_file", {"content": content, "path": "a.py"}), ("write_file", {"path": "b.txt", "content": "end"})], text
         output, parts, start = ToolCallOutput(calling), [], 0
         while start < len(text):
             size = rng.randint(1, 9)
@@ -247,8 +256,21 @@ def test_a_long_value_read_on_token_by_token_is_what_a_whole_read_finds(parser):
             start += size
         parts += output.finish()
         content_seen, deltas = content_and_deltas(parts)
-        streamed = "".join(delta.to_json()["function"]["arguments"] for delta in deltas)
-        assert content_seen == at_once[0] and streamed == output.calls[0]["function"]["arguments"] == at_once[2][0]["arguments"], text
+        streamed: dict[int, str] = {}
+        for delta in deltas:
+            body = delta.to_json()
+            streamed[body["index"]] = streamed.get(body["index"], "") + body["function"]["arguments"]
+        assert content_seen == at_once[0] and list(streamed.values()) == [c["function"]["arguments"] for c in output.calls] == [c["arguments"] for c in at_once[2]], text
+
+
+def test_a_mistral_marker_inside_a_string_starts_no_call():
+    """name[ARGS]{...} calls: the next call is looked for after the arguments end, so a value
+    that holds the marker stays in its call (split at every marker, it streamed a broken call)."""
+    text = '[TOOL_CALLS]write_file[ARGS]{"content": "x[TOOL_CALLS]v[ARGS]{\\"d\\": 1}"}'
+    for piece in (1, 3, len(text)):
+        content, streamed, whole, _ = _run(ToolCalling([WRITE_FILE], "auto", parser="mistral"), text, piece)
+        assert content == "" and streamed == whole
+        assert _read(whole) == [("write_file", {"content": 'x[TOOL_CALLS]v[ARGS]{"d": 1}'})]
 
 
 @pytest.mark.parametrize("piece", [1, 4, 1000])
