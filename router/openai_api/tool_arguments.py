@@ -37,7 +37,7 @@ def arguments_text(arguments: list[RawArgument], schemas: dict[str, Any], comple
         if argument.closed or complete:
             items.append(f"{_dump(argument.key)}: {_dump(typed_value(argument.text, schema))}")
         elif is_text(schema):  # the last key, its value still coming
-            items.append(f"{_dump(argument.key)}: {_dump(argument.text)[:-1]}")  # no closing quote yet
+            items.append(f'{_dump(argument.key)}: "{escaped(argument.text)}')  # no closing quote yet
     return "{" + ", ".join(items) + ("}" if complete else "")
 
 

@@ -90,6 +90,12 @@ class CallStream:
         return pieces
 
 
+def held_back(text: str, markers: tuple[str, ...]) -> int:
+    """How many of ``text``'s last characters may be the start of one of ``markers`` (they wait
+    for the next token to say)."""
+    return max(marker_prefix_len(text, marker) for marker in markers)
+
+
 def marker_prefix_len(text: str, marker: str) -> int:
     """How many of ``text``'s last characters are a proper start of ``marker`` (the longest such
     tail; only tails that begin with the marker's first character are tried: it runs per token)."""
@@ -112,12 +118,16 @@ class BlockReader(ABC):
         self.tools = tools
         self.num_found = 0
         self._buffer = ""
-        self._open: tuple[str, str | None] | None = None  # the block being read
-        self._stream = CallStream()  # the open block's calls
         self._space = ""  # whitespace after a call, shown only if text follows it
-        self.ends = ObjectEnds()  # the open block's JSON objects (its body only grows until it closes)
-        self.open_value: OpenTextValue | None = None  # the text value the open block's last call is writing
-        self._closer_searched = 0  # the open block's buffer holds no closer before this
+        self._open_block(None)
+
+    def _open_block(self, pair: tuple[str, str | None] | None) -> None:
+        """The block being read (None: none) and what is read of it: its body only grows until it closes."""
+        self._open = pair
+        self._stream = CallStream()  # its calls as sent
+        self.ends = ObjectEnds()  # its JSON objects
+        self.open_value: OpenTextValue | None = None  # the text value its last call is writing
+        self._closer_searched = 0  # its buffer holds no closer before this
 
     @abstractmethod
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
@@ -132,13 +142,13 @@ class BlockReader(ABC):
                 starts = [(at, pair) for pair in self.blocks if (at := self._buffer.find(pair[0])) >= 0]
                 if not starts:
                     # Hold back what could be the start of a marker.
-                    keep = max(marker_prefix_len(self._buffer, opener) for opener, _ in self.blocks)
+                    keep = held_back(self._buffer, tuple(opener for opener, _ in self.blocks))
                     return _with_text(parts, self._content(len(self._buffer) - keep))
-                at, self._open = min(starts, key=lambda start: start[0])
+                at, pair = min(starts, key=lambda start: start[0])
                 _with_text(parts, self._content(at))  # the buffer now starts with the opener
                 self._space = ""
-                self._buffer = self._buffer[len(self._open[0]) :]
-                self.ends, self.open_value, self._closer_searched = ObjectEnds(), None, 0
+                self._buffer = self._buffer[len(pair[0]) :]
+                self._open_block(pair)
             opener, closer = self._open
             # Looked for only in what came since the last look (a long call's buffer is long).
             end = -1 if closer is None else self._buffer.find(closer, max(0, self._closer_searched - len(closer) + 1))
@@ -159,12 +169,12 @@ class BlockReader(ABC):
         """A block's end (``closer``: its marker, none where the answer ended): its calls' last
         pieces, then what in it is no call; or (no call read in it) the block as content."""
         read = self.calls_in(opener, block, True)
-        self._open = None
-        if read is None and not self._stream.sent:
+        stream = self._stream
+        self._open_block(None)
+        if read is None and not stream.sent:
             return [opener + block + closer]
-        parts: list[Part] = list(self._stream.pieces(read))
-        self.num_found += len(self._stream.sent)
-        self._stream = CallStream()
+        parts: list[Part] = list(stream.pieces(read))
+        self.num_found += len(stream.sent)
         return _with_text(parts, read.rest if read is not None else "")
 
     def _content(self, size: int) -> str:
@@ -183,7 +193,7 @@ class HermesReader(BlockReader):
     blocks = ((HERMES_OPEN, HERMES_CLOSE),)
 
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
-        calls, stop = json_calls(body, ends=None if closed else self.ends)  # a closed block is read afresh
+        calls, stop = json_calls(body, object_end=None if closed else self.ends.end)  # a closed block is read afresh
         if calls:  # {"name": ..., "arguments": {: streamed as it comes
             return CallsRead(calls, body[stop:].strip() if closed else "")
         if not closed:
@@ -215,7 +225,7 @@ class OpenTextValue:
         if any(body.find(tag, max(self.start, self.searched - len(tag) + 1)) >= 0 for tag in self.ends):
             return None
         self.searched = len(body)
-        end = len(body) - max(marker_prefix_len(body, tag) for tag in self.held)  # what may be the start of a tag waits
+        end = len(body) - held_back(body, self.held)  # what may be the start of a tag waits
         shown = self.start + self.size
         if end < shown:
             return None  # a held-back tail that reaches into what was shown: let a whole read say
@@ -303,7 +313,7 @@ class Qwen3CoderReader(TextValueReader):
                 # The next tag has begun (a model that leaves out </parameter>): the value ends there.
                 value = value[:at].removesuffix("\n")
             else:
-                value = value[: len(value) - max(marker_prefix_len(value, end) for end in _QWEN_VALUE_ENDS)]
+                value = value[: len(value) - held_back(value, _QWEN_VALUE_ENDS)]
             arguments.append(RawArgument(head.group(1).strip(), value, closed, start))
         return arguments
 
@@ -333,7 +343,7 @@ class Glm45Reader(TextValueReader):
             elif (at := value.find(GLM_ARG_KEY)) >= 0:
                 value = value[:at]  # a model that leaves out </arg_value>: the next key ends it
             elif not argument_closed:  # hold back what may be the start of the next tag
-                value = value[: len(value) - max(marker_prefix_len(value, GLM_VALUE_CLOSE), marker_prefix_len(value, GLM_ARG_KEY))]
+                value = value[: len(value) - held_back(value, self.value_held)]
             arguments.append(RawArgument(head.group(1).strip(), value, argument_closed, head.end()))
         rest = "".join(outside).strip() if closed else ""
         read = CallsRead([(name, arguments_text(arguments, parameter_schemas(self.tools, name), closed))], rest)

@@ -112,7 +112,7 @@ class Llama3JsonReader(WholeAnswerReader):
 
     def read(self, text: str, whole: bool) -> CallsRead | None:
         text = text.strip().removeprefix(PYTHON_TAG).strip()
-        streamed, stop = json_calls(text, ends=None if whole else self.ends)  # the whole answer is read afresh
+        streamed, stop = json_calls(text, object_end=None if whole else self.ends.end)  # the whole answer is read afresh
         if not whole:
             return CallsRead(streamed)
         return _streamed_or_whole(text, streamed, stop, self._parse(text))
@@ -120,11 +120,10 @@ class Llama3JsonReader(WholeAnswerReader):
     @staticmethod
     def _parse(text: str) -> list[Found] | None:
         calls = []
-        decoder = STRICT_JSON
         position = 0
         while position < len(text):
             try:
-                body, end = decoder.raw_decode(text, position)
+                body, end = STRICT_JSON.raw_decode(text, position)
             except ValueError:  # not JSON (NaN, 1e999 included)
                 return None
             if not isinstance(body, dict) or not isinstance(body.get("name"), str):
@@ -175,12 +174,12 @@ class MistralReader(BlockReader):
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         text = body.strip()
         if text.startswith(("[", "{")):  # a JSON list of calls (or one)
-            streamed, stop = json_calls(text, 1 if text.startswith("[") else 0, None if closed else self.ends)
-            return _streamed_or_whole(text, streamed, stop, _mistral_calls(text), "]" if text.startswith("[") else "") if closed else CallsRead(streamed)
+            streamed, stop = json_calls(text, 1 if text.startswith("[") else 0, None if closed else self.ends.end)
+            return _streamed_or_whole(text, streamed, stop, _mistral_list(text), "]" if text.startswith("[") else "") if closed else CallsRead(streamed)
         calls, stop = _named_calls(body, json_object_end if closed else self.ends.end)  # name[ARGS]{...}, each after its own marker
         if not closed:
             return CallsRead(calls)
-        return _streamed_or_whole(body, calls, stop, _mistral_calls(text))
+        return _streamed_or_whole(body, calls, stop, _whole_named_calls(calls, body[stop:]))
 
 
 def _named_calls(body: str, object_end: Callable[[str, int], int]) -> tuple[list[tuple[str, str]], int]:
@@ -203,29 +202,28 @@ def _named_calls(body: str, object_end: Callable[[str, int], int]) -> tuple[list
     return calls, stop
 
 
-def _mistral_calls(text: str) -> list[Found] | None:
-    """The calls after ``[TOOL_CALLS]``: a JSON list of ``{"name", "arguments"}`` (or one such
-    object), or ``name[ARGS]{...}`` (an optional ``[CALL_ID]id`` before ``[ARGS]``), each after
-    its own ``[TOOL_CALLS]``; None where the text is neither. What follows the JSON (the end of
-    sequence the kept special tokens bring, ``</s>``) is no part of a call."""
-    text = text.strip()
-    decoder = STRICT_JSON
-    if text.startswith(("[", "{")):
-        try:
-            body, _ = decoder.raw_decode(text)
-        except ValueError:  # not JSON (NaN, 1e999 included)
-            return None
-        items = body if isinstance(body, list) else [body]
-        if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
-            return None
-        return [(item["name"], item.get("arguments", item.get("parameters")) or {}) for item in items]
-    calls, stop = _named_calls(text, json_object_end)
-    if not calls or MISTRAL_CALLS in text[stop:]:
-        return None  # a marker no call follows
-    for _, arguments in calls:
-        if not isinstance(json_or(arguments, None), dict):
-            return None  # not JSON (NaN, 1e999 included)
-    return calls
+def _mistral_list(text: str) -> list[Found] | None:
+    """The calls of a JSON list of ``{"name", "arguments"}`` after ``[TOOL_CALLS]`` (or of one
+    such object); None where the text is none. What follows the JSON (the end of sequence the
+    kept special tokens bring, ``</s>``) is no part of a call."""
+    try:
+        body, _ = STRICT_JSON.raw_decode(text)
+    except ValueError:  # not JSON (NaN, 1e999 included)
+        return None
+    items = body if isinstance(body, list) else [body]
+    if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
+        return None
+    return [(item["name"], item.get("arguments", item.get("parameters")) or {}) for item in items]
+
+
+def _whole_named_calls(calls: list[tuple[str, str]], after: str) -> list[Found] | None:
+    """The ``name[ARGS]{...}`` calls read in a whole answer, where they are calls: each one's
+    arguments a JSON object, and no marker after them that no call follows."""
+    if not calls or MISTRAL_CALLS in after:
+        return None
+    if not all(isinstance(json_or(arguments, None), dict) for _, arguments in calls):
+        return None  # not JSON (NaN, 1e999 included)
+    return list(calls)
 
 
 READERS: dict[str, Callable[[list[dict[str, Any]]], Any]] = {

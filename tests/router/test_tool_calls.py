@@ -18,12 +18,15 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 TIME = {"type": "function", "function": {"name": "get_time", "description": "now", "parameters": {"type": "object", "properties": {}}}}
 
 
-def _run(calling: ToolCalling, text: str, piece: int):
-    """Feed ``text`` in pieces of ``piece`` characters: (content, calls from the deltas, calls)."""
+def _run(calling: ToolCalling, text: str, piece: int | random.Random):
+    """Feed ``text`` in pieces of ``piece`` characters (a Random: 1-9 at random): (content, calls
+    from the deltas, calls)."""
     output = ToolCallOutput(calling)
-    parts = []
-    for start in range(0, len(text), piece):
-        parts += output.feed(text[start : start + piece])
+    parts, start = [], 0
+    while start < len(text):
+        size = piece if isinstance(piece, int) else piece.randint(1, 9)
+        parts += output.feed(text[start : start + size])
+        start += size
     parts += output.finish()
     content, deltas = content_and_deltas(parts)
     assembled: dict[int, dict] = {}
@@ -249,18 +252,8 @@ def test_a_long_value_read_on_token_by_token_is_what_a_whole_read_finds(form):
         text = _write_file_answer(form, content)
         at_once = _run(calling, text, len(text))
         assert _read(at_once[2]) == [("write_file", {"content": content, "path": "a.py"}), ("write_file", {"path": "b.txt", "content": "end"})], text
-        output, parts, start = ToolCallOutput(calling), [], 0
-        while start < len(text):
-            size = rng.randint(1, 9)
-            parts += output.feed(text[start : start + size])
-            start += size
-        parts += output.finish()
-        content_seen, deltas = content_and_deltas(parts)
-        streamed: dict[int, str] = {}
-        for delta in deltas:
-            body = delta.to_json()
-            streamed[body["index"]] = streamed.get(body["index"], "") + body["function"]["arguments"]
-        assert content_seen == at_once[0] and list(streamed.values()) == [c["function"]["arguments"] for c in output.calls] == [c["arguments"] for c in at_once[2]], text
+        content_seen, streamed, whole, _ = _run(calling, text, rng)
+        assert content_seen == at_once[0] and [c["arguments"] for c in streamed] == [c["arguments"] for c in whole] == [c["arguments"] for c in at_once[2]], text
 
 
 def test_a_mistral_marker_inside_a_string_starts_no_call():
