@@ -440,12 +440,15 @@ def _start_ray_head() -> tuple[int, str]:
     return process.pid, address
 
 
-def _stop_pid(pid: int, grace_s: float = 10.0) -> None:
-    """Stop the ``ray start --block`` process ``pid`` and the process group it leads.
+def _stop_pid(pid: int, grace_s: float = 10.0, kill_wait_s: float = 10.0) -> None:
+    """Stop the ``ray start --block`` process ``pid`` and the process group it leads; return
+    once no process of the group runs.
 
     Only the leader gets the SIGTERM: it stops its Ray processes itself and exits, in about 2 s
     here; a SIGTERM to every process of the group at once kept the GCS server up for about 30 s.
-    Whatever of the group is left once the leader is gone, or after ``grace_s``, is killed."""
+    Whatever of the group still runs once the leader is gone, or after ``grace_s``, is killed,
+    and waited for: a killed process runs on until the kernel has torn it down, and on a loaded
+    2-core host CI saw the GCS server still there after `down` had returned."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -453,10 +456,32 @@ def _stop_pid(pid: int, grace_s: float = 10.0) -> None:
     deadline = time.monotonic() + grace_s
     while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
+    deadline = time.monotonic() + grace_s
+    while _group_members(pid) and time.monotonic() < deadline:  # the leader's children, still stopping
+        time.sleep(0.1)
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
-        pass
+        return
+    deadline = time.monotonic() + kill_wait_s
+    while _group_members(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The running processes (not zombies) of process group ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members
 
 
 def process_alive(pid: int) -> bool:

@@ -212,7 +212,8 @@ def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, 
 
 
 def _processes_named(name: str, session: int | None = None) -> list[int]:
-    """Pids of processes called ``name`` in the process session ``session`` (None: in any)."""
+    """Pids of the running processes called ``name`` in the process session ``session`` (None:
+    in any). A zombie is not one: it has ended, and waits only for its parent to collect it."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -223,7 +224,7 @@ def _processes_named(name: str, session: int | None = None) -> list[int]:
             continue
         comm = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat.rsplit(")", 1)[1].split()
-        if comm == name[:15] and session in (None, int(fields[3])):
+        if comm == name[:15] and fields[0] != "Z" and session in (None, int(fields[3])):
             found.append(int(entry.name))
     return found
 
