@@ -14,10 +14,6 @@ from cluster.local_ray import confine_to_loopback, release_loopback_confinement
 
 # One torch thread per process keeps 2-core CI machines from oversubscribing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Ray starts no idle worker processes ahead of the first task: every actor in the tests gets a
-# process of its own anyway, and the two it would start sat idle through the whole session
-# (about 2 s of CPU each to start, then 1% of a core each; measured on a 2-core host).
-os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 
 def pytest_xdist_auto_num_workers(config):
