@@ -27,6 +27,25 @@ def test_a_null_dtype_means_the_checkpoints_and_a_bad_one_is_refused_by_name(tmp
         load_config(None, {"dtype": "int8"})
 
 
+@pytest.mark.parametrize(
+    "config_text, message",
+    [
+        ("decode:\n  replicas: -1\n", "decode.replicas"),
+        ("router:\n  routing_policy: fastest\n", "router.routing_policy"),
+        ("bogus_field: 3\n", "bogus_field"),
+        ("decode: [1, 2\n", "not valid YAML"),
+        ("- a list\n", "the top level must be a mapping"),
+    ],
+)
+def test_a_bad_config_file_is_refused_naming_the_field(tmp_path, config_text, message):
+    """What `pdserve up --config` prints before it starts anything (tests/cluster/test_cli.py
+    runs the command with two of these)."""
+    config = tmp_path / "pdserve.yaml"
+    config.write_text(config_text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(config, {})
+
+
 def test_a_model_directory_without_a_tokenizer_is_refused_before_anything_starts(tmp_path, e2e_model):
     model = tmp_path / "model"
     model.mkdir()
