@@ -446,42 +446,44 @@ def _stop_pid(pid: int, grace_s: float = 10.0, kill_wait_s: float = 10.0) -> Non
 
     Only the leader gets the SIGTERM: it stops its Ray processes itself and exits, in about 2 s
     here; a SIGTERM to every process of the group at once kept the GCS server up for about 30 s.
-    Whatever of the group still runs once the leader is gone, or after ``grace_s``, is killed,
-    and waited for: a killed process runs on until the kernel has torn it down, and on a loaded
-    2-core host CI saw the GCS server still there after `down` had returned."""
+    Whatever of the group still runs after ``grace_s`` is killed, and waited for: a killed
+    process runs on until the kernel has torn it down, and on a loaded 2-core host CI saw the
+    GCS server still there after `down` had returned."""
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + grace_s
-    while process_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    deadline = time.monotonic() + grace_s
-    while _group_members(pid) and time.monotonic() < deadline:  # the leader's children, still stopping
-        time.sleep(0.1)
+    if _wait_until_group_ends(pid, grace_s):
+        return
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + kill_wait_s
-    while _group_members(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_until_group_ends(pid, kill_wait_s)
 
 
-def _group_members(pgid: int) -> list[int]:
-    """The running processes (not zombies) of process group ``pgid``."""
-    members = []
+def _wait_until_group_ends(pgid: int, timeout_s: float) -> bool:
+    """Whether, within ``timeout_s``, no process of group ``pgid`` runs (zombies do not)."""
+    deadline = time.monotonic() + timeout_s
+    while _group_runs(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _group_runs(pgid: int) -> bool:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
+                fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold anything
         except OSError:
             continue
         if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry))
-    return members
+            return True
+    return False
 
 
 def process_alive(pid: int) -> bool:

@@ -119,6 +119,7 @@ class BlockReader(ABC):
         self.num_found = 0
         self._buffer = ""
         self._space = ""  # whitespace after a call, shown only if text follows it
+        self._openers = tuple(opener for opener, _ in self.blocks)  # looked for per token
         self._open_block(None)
 
     def _open_block(self, pair: tuple[str, str | None] | None) -> None:
@@ -142,7 +143,7 @@ class BlockReader(ABC):
                 starts = [(at, pair) for pair in self.blocks if (at := self._buffer.find(pair[0])) >= 0]
                 if not starts:
                     # Hold back what could be the start of a marker.
-                    keep = held_back(self._buffer, tuple(opener for opener, _ in self.blocks))
+                    keep = held_back(self._buffer, self._openers)
                     return _with_text(parts, self._content(len(self._buffer) - keep))
                 at, pair = min(starts, key=lambda start: start[0])
                 _with_text(parts, self._content(at))  # the buffer now starts with the opener
