@@ -14,9 +14,13 @@ from router.pool import Role
 from tests.checkpoints import hf_greedy, random_prompts
 from tests.serving import Client, running_deployment
 
+PAUSE_BETWEEN_REQUESTS_S = 0.05
+
 
 class SteadyTraffic:
-    """A client thread that sends one request after another until stopped; keeps every result."""
+    """Three client threads that each send one request after another, a short pause apart, until
+    stopped; keeps every result. The pause leaves CPU to what the test does meanwhile (start or
+    stop workers): back to back, the traffic took most of the 2 cores for the whole operation."""
 
     def __init__(self, client: Client, prompts: list[list[int]], max_tokens: int):
         self.client, self.prompts, self.max_tokens = client, prompts, max_tokens
@@ -36,6 +40,7 @@ class SteadyTraffic:
             except Exception as exc:  # recorded: the test asserts there are none
                 self.results.append((prompt_index, exc))
             index += 3
+            self._stop.wait(PAUSE_BETWEEN_REQUESTS_S)
 
     def __enter__(self):
         for thread in self._threads:

@@ -30,14 +30,20 @@ def untouched_workers(ray_cluster, e2e_model):
         yield deployment
 
 
+def _slow_down(deployment, worker_id: str, seconds: float = 0.02) -> None:
+    """The worker about to be killed sleeps after each step (20 ms: 2 s for 100 tokens or for a
+    1,600-token prompt in 32-token chunks), so that its requests are still in progress when it
+    dies, as they would be with hundreds more tokens or tiny chunks, at a fraction of the CPU."""
+    ray.get(deployment.handles[worker_id].set_step_delay.remote(seconds))
+
+
 def test_killing_a_prefill_actor_during_a_burst_loses_no_request(ray_cluster, e2e_model):
     prompts = random_prompts([700, 650, 600, 550, 500, 450, 400, 350], e2e_model.vocab_size, seed=21)
     expected = [hf_greedy(e2e_model.hf_model, p, 6) for p in prompts]
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
-    # Small chunks keep every prompt in prefill long enough for the kill to land mid-request.
-    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)
-    with running_deployment(e2e_model, 2, 1, router, prefill_engine=slow_prefill) as deployment:
+    with running_deployment(e2e_model, 2, 1, router) as deployment:
         client = Client(deployment.address)
+        _slow_down(deployment, "prefill-0", 0.05)  # its prompts are in prefill when the kill lands
         streams, in_progress = kill_during_greedy_burst(client, deployment, prompts, lambda: deployment.kill_worker("prefill-0"), timeout_s=120)
         assert in_progress >= 1000, "the killed prefill actor had prompts in progress"
         for stream, want in zip(streams, expected):
@@ -114,6 +120,8 @@ def _wait_until_every_stream_sent_tokens(deployment, num_streams: int, at_least:
         time.sleep(0.005)
 
 
+
+
 def test_a_stream_whose_decode_actor_dies_migrates_with_no_gap_and_no_repeat(ray_cluster, e2e_model):
     """Killed mid-decode, decode-0's streams are re-prefilled (prompt plus the tokens sent) on
     decode-1 through the prefill actor and go on: greedy output equals transformers' for the
@@ -121,7 +129,7 @@ def test_a_stream_whose_decode_actor_dies_migrates_with_no_gap_and_no_repeat(ray
     too (its grammar rebuilt from the tokens it had sent)."""
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN)
     prompts = random_prompts([40, 60, 80, 100], e2e_model.vocab_size, seed=22)
-    num_tokens = 600
+    num_tokens = 160
     expected = [hf_greedy(e2e_model.hf_model, p, num_tokens) for p in prompts]
     seeded = dict(prompt_token_ids=prompts[0], max_tokens=num_tokens, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
     constrained = dict(
@@ -133,6 +141,7 @@ def test_a_stream_whose_decode_actor_dies_migrates_with_no_gap_and_no_repeat(ray
         constrained_reference = client.generate(**constrained)
         assert re.fullmatch("[a-z ]+", constrained_reference.text) and len(constrained_reference.token_ids) == num_tokens
         requests = [dict(prompt_token_ids=p, max_tokens=num_tokens, temperature=0.0, ignore_eos=True) for p in prompts]
+        _slow_down(deployment, "decode-0")
         streams = ParallelStreams(client, [*requests, seeded, constrained])
         _wait_until_every_stream_sent_tokens(deployment, len(requests) + 2)
         on_victim = {a.req_id for a in deployment.router.dispatcher.active.values() if a.decode.worker_id == "decode-0"}
@@ -184,9 +193,11 @@ def test_a_decode_actor_killed_with_a_step_in_flight_loses_no_token(ray_cluster,
 def test_where_migration_is_not_allowed_the_stream_ends_with_an_error_message_and_its_usage(ray_cluster, e2e_model):
     router = RouterConfig(disaggregation=Disaggregation.NEVER, routing_policy=RoutingPolicy.ROUND_ROBIN, max_decode_restarts=0)
     prompts = random_prompts([10, 12, 14, 16], e2e_model.vocab_size, seed=23)
+    num_tokens = 200
     with running_deployment(e2e_model, 0, 2, router) as deployment:
         client = Client(deployment.address)
-        requests = [dict(prompt_token_ids=p, max_tokens=1500, temperature=0.0, ignore_eos=True) for p in prompts]
+        _slow_down(deployment, "decode-0")
+        requests = [dict(prompt_token_ids=p, max_tokens=num_tokens, temperature=0.0, ignore_eos=True) for p in prompts]
         streams = ParallelStreams(client, requests)
         _wait_until_every_stream_sent_tokens(deployment, len(prompts))
         deployment.kill_worker("decode-0")  # every stream is mid-decode
@@ -197,11 +208,11 @@ def test_where_migration_is_not_allowed_the_stream_ends_with_an_error_message_an
         assert cut and whole and len(cut) + len(whole) == len(prompts), "round robin put streams on both decode actors"
         for stream in cut:
             assert "decode-0" in stream.last.finish_detail and "restarts" in stream.last.finish_detail
-            assert stream.last.usage.completion_tokens == len(stream.token_ids) < 1500
+            assert stream.last.usage.completion_tokens == len(stream.token_ids) < num_tokens
             prompt = prompts[results.index(stream)]
             assert stream.token_ids == hf_greedy(e2e_model.hf_model, prompt, len(stream.token_ids))
         for stream in whole:
-            assert len(stream.token_ids) == 1500 and stream.last.decode_worker_id == "decode-1"
+            assert len(stream.token_ids) == num_tokens and stream.last.decode_worker_id == "decode-1"
         # New requests go to the survivor.
         again = client.generate(prompt_token_ids=prompts[0], max_tokens=4, temperature=0.0, ignore_eos=True)
         assert again.last.decode_worker_id == "decode-1"
@@ -212,10 +223,11 @@ def test_where_migration_is_not_allowed_the_stream_ends_with_an_error_message_an
 def test_when_the_only_decode_actor_dies_its_stream_and_new_requests_wait_for_the_replacement(ray_cluster, e2e_model):
     router = RouterConfig(disaggregation=Disaggregation.NEVER)
     prompts = random_prompts([30, 20], e2e_model.vocab_size, seed=24)
-    expected = [hf_greedy(e2e_model.hf_model, prompts[0], 800), hf_greedy(e2e_model.hf_model, prompts[1], 8)]
+    expected = [hf_greedy(e2e_model.hf_model, prompts[0], 150), hf_greedy(e2e_model.hf_model, prompts[1], 8)]
     with running_deployment(e2e_model, 0, 1, router, health_interval_s=0.3) as deployment:
         client = Client(deployment.address)
-        streams = ParallelStreams(client, [dict(prompt_token_ids=prompts[0], max_tokens=800, temperature=0.0, ignore_eos=True)])
+        _slow_down(deployment, "decode-0")
+        streams = ParallelStreams(client, [dict(prompt_token_ids=prompts[0], max_tokens=150, temperature=0.0, ignore_eos=True)])
         _wait_until_every_stream_sent_tokens(deployment, 1)
         deployment.kill_worker("decode-0")
         # Sent while no decode actor is left: it waits for the replacement instead of failing.
@@ -230,12 +242,12 @@ def test_when_the_only_decode_actor_dies_its_stream_and_new_requests_wait_for_th
 
 
 def test_request_that_sent_no_token_is_restarted_on_another_decode_actor(ray_cluster, e2e_model):
-    # One actor prefills in chunks of 8 (not a pipeline with an idle decode actor as its last stage).
+    # One actor prefills the prompt chunk by chunk (not a pipeline with an idle decode actor as its last stage).
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN, prefill_pipeline=PipelineMode.OFF)
     (prompt,) = random_prompts([1500], e2e_model.vocab_size, seed=23)
-    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)
-    with running_deployment(e2e_model, 1, 2, router, prefill_engine=slow_prefill) as deployment:
+    with running_deployment(e2e_model, 1, 2, router) as deployment:
         client = Client(deployment.address)
+        _slow_down(deployment, "prefill-0")  # 47 chunks: over a second of prefill
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(client.generate, prompt_token_ids=prompt, max_tokens=5, temperature=0.0, ignore_eos=True)
             prefill = deployment.router.pool.workers["prefill-0"]
@@ -311,11 +323,10 @@ def test_a_request_present_at_two_worker_deaths_is_refused_not_carried_on(ray_cl
     dies too it is refused with a clear error instead of being carried to a third worker."""
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
     (prompt,) = random_prompts([600], e2e_model.vocab_size, seed=51)
-    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)
-    with running_deployment(e2e_model, 2, 1, router, prefill_engine=slow_prefill) as deployment:
+    with running_deployment(e2e_model, 2, 1, router) as deployment:
         client = Client(deployment.address)
-        for worker_id in ("prefill-0", "prefill-1"):  # 75 chunks of 8 tokens take seconds now
-            ray.get(deployment.handles[worker_id].set_step_delay.remote(0.03))
+        for worker_id in ("prefill-0", "prefill-1"):  # 19 chunks of 32 tokens take 2 s now
+            ray.get(deployment.handles[worker_id].set_step_delay.remote(0.1))
         outcome: dict[str, object] = {}
 
         def run():
@@ -358,9 +369,9 @@ def test_a_prefill_whose_only_decode_actor_dies_mid_push_is_redirected_to_the_re
     # whose few large chunks could finish before the kill.
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS, prefill_pipeline=PipelineMode.OFF)
     (prompt,) = random_prompts([1800], e2e_model.vocab_size, seed=29)
-    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8)  # 225 chunks, each pushed
-    with running_deployment(e2e_model, 1, 1, router, prefill_engine=slow_prefill, health_interval_s=0.3) as deployment:
+    with running_deployment(e2e_model, 1, 1, router, health_interval_s=0.3) as deployment:
         client = Client(deployment.address)
+        _slow_down(deployment, "prefill-0")  # 57 chunks, each pushed: over a second of pushes
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(client.generate, timeout=120, prompt_token_ids=prompt, max_tokens=5, temperature=0.0, ignore_eos=True)
             prefill = deployment.router.pool.workers["prefill-0"]

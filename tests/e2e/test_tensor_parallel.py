@@ -12,7 +12,7 @@ from router.api.pdserve.v1 import generation_pb2 as pb
 from router.config import Disaggregation, RouterConfig
 from router.pool import RoutingPolicy
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.e2e.test_failures import ParallelStreams, _wait_until_every_stream_sent_tokens
+from tests.e2e.test_failures import ParallelStreams, _slow_down, _wait_until_every_stream_sent_tokens
 from tests.serving import Client, engine_config, kill_during_greedy_burst, running_deployment
 
 pytestmark = pytest.mark.e2e
@@ -54,10 +54,11 @@ def test_a_rank_killed_mid_stream_loses_no_request(ray_cluster, e2e_model):
     greedy continuation, and the pool replaces decode-0 with a new worker of two ranks."""
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN)
     prompts = random_prompts([40, 60, 80, 100], e2e_model.vocab_size, seed=52)
-    num_tokens = 300
+    num_tokens = 120
     expected = [hf_greedy(e2e_model.hf_model, p, num_tokens) for p in prompts]
     with running_deployment(e2e_model, 1, 2, router, decode_engine=engine_config(tensor_parallel_size=2)) as deployment:
         client = Client(deployment.address)
+        _slow_down(deployment, "decode-0")  # its streams are decoding when the rank dies
         requests = [dict(prompt_token_ids=p, max_tokens=num_tokens, temperature=0.0, ignore_eos=True) for p in prompts]
         streams = ParallelStreams(client, requests)
         _wait_until_every_stream_sent_tokens(deployment, len(requests))
@@ -95,10 +96,9 @@ def test_a_prefill_rank_killed_during_a_burst_loses_no_request(ray_cluster, e2e_
     prompts = random_prompts([700, 650, 600, 550, 500, 450], e2e_model.vocab_size, seed=61)
     expected = [hf_greedy(e2e_model.hf_model, p, 6) for p in prompts]
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS)
-    # Small chunks keep every prompt in prefill long enough for the kill to land mid-request.
-    slow_prefill = engine_config(max_num_batched_tokens=8, long_prefill_chunk=8, tensor_parallel_size=2)
-    with running_deployment(e2e_model, 2, 1, router, prefill_engine=slow_prefill) as deployment:
+    with running_deployment(e2e_model, 2, 1, router, prefill_engine=engine_config(tensor_parallel_size=2)) as deployment:
         client = Client(deployment.address)
+        _slow_down(deployment, "prefill-0", 0.05)  # its prompts are in prefill when the rank dies
 
         def kill_rank_1() -> None:
             (rank_1,) = ray.get(deployment.pools.handles["prefill-0"].rank_handles.remote())
