@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 
 from router.config import Disaggregation, RouterConfig
 from tests.checkpoints import hf_greedy, random_prompts
-from tests.serving import Client, running_deployment
+from tests.serving import Client, following_router, running_deployment
 
 # Some prompts span more than ten 32-token chunks; short ones share steps with long ones.
 PROMPT_LENGTHS = [3, 9, 17, 25, 40, 64, 130, 350, 420, 12]
@@ -22,17 +24,35 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def references(e2e_model):
-    prompts = random_prompts(PROMPT_LENGTHS, e2e_model.vocab_size, seed=42)
+def one_and_one(ray_cluster, e2e_model):
+    """1P+1D, durable: the modes with a prefill actor route over it with routers of their own."""
+    with running_deployment(e2e_model, 1, 1, RouterConfig(), name="serving-modes", durable_workers=True) as deployment:
+        yield deployment
+
+
+@contextlib.contextmanager
+def _deployment_for(mode: str, e2e_model, request) -> Iterator:
+    num_prefill, num_decode, disaggregation = MODES[mode]
+    router = RouterConfig(disaggregation=disaggregation, local_prefill_max_tokens=20)
+    if num_prefill == 0:
+        with running_deployment(e2e_model, num_prefill, num_decode, router) as deployment:
+            yield deployment
+    else:
+        with following_router(request.getfixturevalue("one_and_one"), router) as deployment:
+            yield deployment
+
+
+def _references(e2e_model, mode: str):
+    """Prompts of each mode's own (two modes share workers: no prefix of one is cached for the
+    other) and transformers' greedy continuations."""
+    prompts = random_prompts(PROMPT_LENGTHS, e2e_model.vocab_size, seed=42 + list(MODES).index(mode))
     return prompts, [hf_greedy(e2e_model.hf_model, p, MAX_TOKENS) for p in prompts]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_concurrent_greedy_requests_match_transformers(ray_cluster, e2e_model, references, mode):
-    num_prefill, num_decode, disaggregation = MODES[mode]
-    router = RouterConfig(disaggregation=disaggregation, local_prefill_max_tokens=20)
-    prompts, expected = references
-    with running_deployment(e2e_model, num_prefill, num_decode, router) as deployment:
+def test_concurrent_greedy_requests_match_transformers(ray_cluster, e2e_model, mode, request):
+    prompts, expected = _references(e2e_model, mode)
+    with _deployment_for(mode, e2e_model, request) as deployment:
         client = Client(deployment.address)
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             streams = list(
