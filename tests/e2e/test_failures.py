@@ -169,10 +169,13 @@ def test_a_decode_actor_killed_with_a_step_in_flight_loses_no_token(ray_cluster,
     no repeat, equal to transformers', and the survivor frees every block."""
     router = RouterConfig(disaggregation=Disaggregation.ALWAYS, routing_policy=RoutingPolicy.ROUND_ROBIN)
     prompts = random_prompts([40, 60, 80, 100], e2e_model.vocab_size, seed=31)
-    num_tokens = 400
+    num_tokens = 120
     expected = [hf_greedy(e2e_model.hf_model, p, num_tokens) for p in prompts]
     with running_deployment(e2e_model, 1, 2, router, decode_engine=engine_config(async_scheduling=True)) as deployment:
         client = Client(deployment.address)
+        # It sleeps between turns with the last step's tokens sampled and not yet read: the kill
+        # lands on a step in flight.
+        _slow_down(deployment, "decode-0")
         streams = ParallelStreams(client, [dict(prompt_token_ids=p, max_tokens=num_tokens, temperature=0.0, ignore_eos=True) for p in prompts])
         _wait_until_every_stream_sent_tokens(deployment, len(prompts))
         on_victim = {a.req_id for a in deployment.router.dispatcher.active.values() if a.decode.worker_id == "decode-0"}
