@@ -7,6 +7,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -80,17 +81,16 @@ def ray_session():
         # environment as they start; it is removed again after, so that the Ray clusters some
         # tests start with `ray start` (several nodes) are not confined to one machine.
         confine_to_loopback()
-        os.environ.update(_QUIET_LOG_MONITOR)
-        ray.init(
-            address="local",  # a fresh instance, never one left by `ray start`
-            num_cpus=16,  # logical slots: actors in tests hold 1 CPU each, the machine has 2 cores
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-        )
+        # Only this instance's log monitor: the Ray clusters tests start themselves relay as users see.
+        with mock.patch.dict(os.environ, _QUIET_LOG_MONITOR):
+            ray.init(
+                address="local",  # a fresh instance, never one left by `ray start`
+                num_cpus=16,  # logical slots: actors in tests hold 1 CPU each, the machine has 2 cores
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+            )
         release_loopback_confinement()
-        for name in _QUIET_LOG_MONITOR:  # the Ray clusters tests start themselves relay as users see
-            os.environ.pop(name, None)
     yield ray
     ray.shutdown()
 

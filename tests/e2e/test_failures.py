@@ -329,7 +329,7 @@ def test_a_request_present_at_two_worker_deaths_is_refused_not_carried_on(ray_cl
     with running_deployment(e2e_model, 2, 1, router) as deployment:
         client = Client(deployment.address)
         for worker_id in ("prefill-0", "prefill-1"):  # 19 chunks of 32 tokens take 2 s now
-            ray.get(deployment.handles[worker_id].set_step_delay.remote(0.1))
+            _slow_down(deployment, worker_id, 0.1)
         outcome: dict[str, object] = {}
 
         def run():
