@@ -12,6 +12,12 @@ from engine.errors import InvalidRequestError, ModelLoadError, read_json_file
 from engine.structured_output import StructuredOutput
 from engine.thinking import Thinking
 
+# Integers that become 64-bit tensors or generator seeds (top_k, seed) stay within a signed
+# 64-bit integer, as OpenAI's API and vLLM take them; the n choices of one request draw with
+# seed + i, which stays within what torch.Generator takes.
+MAX_INT64 = 2**63 - 1
+MAX_SEED = MAX_INT64
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -88,8 +94,8 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_finite_number(self.temperature) or self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequestError("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_INT64:
+            raise InvalidRequestError("top_k", f"must be -1, 0 (disabled) or a positive integer up to {MAX_INT64}, got {self.top_k!r}")
         if not _is_finite_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not _is_finite_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
@@ -98,8 +104,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty!r}"
             )
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequestError("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidRequestError("seed", f"must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
         ):

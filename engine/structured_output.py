@@ -18,6 +18,7 @@ import json
 import string
 from dataclasses import dataclass
 
+from engine import bounded_json
 from engine.errors import InvalidRequestError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -49,7 +50,7 @@ class StructuredOutput:
         if kind == "json_schema":
             if isinstance(value, str):
                 try:
-                    value = json.loads(value)
+                    value = bounded_json.loads(value)
                 except json.JSONDecodeError as exc:
                     raise InvalidRequestError(field, f"is not valid JSON: {exc}") from None
             if not isinstance(value, dict):

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from engine import bounded_json
 from router import sse
 from router.anthropic_api.protocol import read_count_tokens, read_messages
 from router.errors import ErrorKind, InternalError, classify
@@ -32,6 +34,8 @@ from router.session import GenerationSession
 
 if TYPE_CHECKING:
     from router.openai_api.server import OpenAIServer
+
+logger = logging.getLogger(__name__)
 
 PATH_PREFIX = "/v1/messages"
 ERROR_SHAPE_PREFIX = PATH_PREFIX  # errors on these paths take Anthropic's shape (router/openai_api/server.py)
@@ -69,6 +73,14 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
 def error_response(exc: BaseException) -> web.Response:
     status, body = error_body(exc)
     return web.json_response(body, status=status)
+
+
+def _refused(request: web.Request, exc: BaseException) -> web.Response:
+    """The error response for ``exc``, logged with its traceback where it is the server's own
+    fault: the message a client gets for one says the server log has the details."""
+    if classify(exc)[0] is ErrorKind.INTERNAL:
+        logger.error("%s %s failed", request.method, request.path, exc_info=exc)
+    return error_response(exc)
 
 
 def _error(error_type: str, message: str) -> dict[str, Any]:
@@ -184,7 +196,7 @@ class MessageState:
             if block["type"] == "tool_use":
                 partial = block.pop("partial")
                 try:
-                    block["input"] = json.loads(partial) if partial else {}
+                    block["input"] = bounded_json.loads(partial) if partial else {}
                 except json.JSONDecodeError:
                     block["input"] = {}
             out.append(block)
@@ -202,7 +214,7 @@ class MessagesFrontEnd:
             self.server.model_name(model)
             return web.json_response({"input_tokens": len(self.router.tokenizer.encode(prompt, add_special_tokens=False))})
         except Exception as exc:
-            return error_response(exc)
+            return _refused(request, exc)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -213,7 +225,7 @@ class MessagesFrontEnd:
             api.generate.lora_name = self.server.lora_name(model)
             validated = await self.router.validate_input(api.generate)
         except Exception as exc:
-            return error_response(exc)
+            return _refused(request, exc)
 
         def client_gone() -> bool:
             return request.transport is None or request.transport.is_closing()
@@ -221,7 +233,7 @@ class MessagesFrontEnd:
         try:
             session = await GenerationSession.open(self.router, validated, client_gone)
         except Exception as exc:
-            return error_response(exc)
+            return _refused(request, exc)
         state = MessageState(ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None, api.reasoning, api.show_thinking)
         prompt_tokens = len(validated.prompt_token_ids)
         try:
@@ -231,7 +243,7 @@ class MessagesFrontEnd:
                     return await self._stream(request, message_id, model, state, prompt_tokens, chunks)
                 return await self._whole(message_id, model, state, prompt_tokens, chunks)
         except Exception as exc:
-            return error_response(exc)
+            return _refused(request, exc)
         finally:
             await session.close()
 

@@ -236,7 +236,7 @@ def _blocks(role: str, blocks: list, name: str) -> list[dict[str, Any]]:
         where = f"{name}[{index}]"
         block = json_object(block, where)
         kind = block.get("type")
-        if kind not in _BLOCK_FIELDS:
+        if not isinstance(kind, str) or kind not in _BLOCK_FIELDS:
             raise InvalidArgumentError(f"{where}.type", f"must be one of {sorted(_BLOCK_FIELDS)} (pdserve serves text models), got {kind!r}")
         refuse_unknown(block, _BLOCK_FIELDS[kind], prefix=f"{where}.")
         if kind in ("thinking", "redacted_thinking"):

@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.sampling_params import MAX_SEED
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.constraints import logit_bias, structured_output
@@ -286,7 +287,8 @@ def _choice(base: GenerateInput, index: int) -> GenerateInput:
         base,
         stop=list(base.stop),
         stop_token_ids=list(base.stop_token_ids),
-        seed=None if base.seed is None else base.seed + index,
+        # The largest seed's next choices wrap to 0, 1, ...; the first keeps the seed as sent (and is refused if it is out of range).
+        seed=base.seed if base.seed is None or index == 0 else (base.seed + index) % (MAX_SEED + 1),
     )
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from engine import bounded_json
 from router import sse
 from router.anthropic_api import messages
 from router.responses_api import front_end as responses_front_end
@@ -403,6 +404,6 @@ def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, Any]:
 async def _json(request: web.Request) -> Any:
     raw = await request.read()
     try:
-        return json.loads(raw)
+        return bounded_json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgumentError("body", f"is not valid JSON: {exc}") from exc

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine import bounded_json
+
 
 @dataclass(slots=True)
 class RawArgument:
@@ -75,7 +77,7 @@ STRICT_JSON = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
 def json_or(text: str, default: Any) -> Any:
     """``text`` as (strict) JSON, or ``default``."""
     try:
-        return STRICT_JSON.decode(text)
+        return bounded_json.loads(text, STRICT_JSON)
     except (ValueError, TypeError):
         return default
 

@@ -124,7 +124,7 @@ class Llama3JsonReader(WholeAnswerReader):
         while position < len(text):
             try:
                 body, end = STRICT_JSON.raw_decode(text, position)
-            except ValueError:  # not JSON (NaN, 1e999 included)
+            except (ValueError, RecursionError):  # not JSON (NaN, 1e999 included), or nested past what the parser follows
                 return None
             if not isinstance(body, dict) or not isinstance(body.get("name"), str):
                 return None
@@ -208,7 +208,7 @@ def _mistral_list(text: str) -> list[Found] | None:
     kept special tokens bring, ``</s>``) is no part of a call."""
     try:
         body, _ = STRICT_JSON.raw_decode(text)
-    except ValueError:  # not JSON (NaN, 1e999 included)
+    except (ValueError, RecursionError):  # not JSON (NaN, 1e999 included), or nested past what the parser follows
         return None
     items = body if isinstance(body, list) else [body]
     if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):

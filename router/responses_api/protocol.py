@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import bounded_json
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.fields import boolean, cache_salt, integer, int_list, json_object, number, refuse_unknown, text_parts, type_name
@@ -277,7 +278,7 @@ def _input(body: dict) -> list[dict[str, Any]]:
         if kind == "message":
             refuse_unknown(item, {"type", "role", "content", "id", "status"}, prefix=f"{where}.")
             role = item.get("role")
-            if role not in _ROLES:
+            if not isinstance(role, str) or role not in _ROLES:
                 raise InvalidArgumentError(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {role!r}")
             messages.append({"role": _ROLES[role], "content": _content(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
@@ -286,7 +287,7 @@ def _input(body: dict) -> list[dict[str, Any]]:
                 if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
                     raise InvalidArgumentError(f"{where}.{key}", "must be a non-empty string" if key != "arguments" else "must be a JSON string")
             try:
-                json.loads(item["arguments"] or "{}")
+                bounded_json.loads(item["arguments"] or "{}")
             except json.JSONDecodeError as exc:
                 raise InvalidArgumentError(f"{where}.arguments", f"is not valid JSON: {exc}") from None
             call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}

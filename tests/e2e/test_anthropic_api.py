@@ -150,6 +150,8 @@ def test_a_forced_tool_gives_a_tool_use_block_whose_input_obeys_the_schema(claud
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking"),
         ({"messages": [], "max_tokens": 5}, "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "tools": [{"name": "f", "input_schema": 3}]}, "tools[0].input_schema"),
+        ({"messages": [{"role": "user", "content": [{"type": {}, "text": "hi"}]}], "max_tokens": 5}, "messages[0].content[0].type"),  # not a 500
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "top_k": 2**64}, "top_k"),
     ],
 )
 def test_bad_messages_get_anthropics_400_naming_the_field(claude, base_url, body, field):

@@ -350,6 +350,9 @@ def test_a_disconnect_mid_stream_frees_every_block(client, deployment):
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
         ({"input": "hi", "bogus": 1}, "bogus"),
         ({"input": "hi", "background": True, "stream": True}, "background"),
+        ({"input": [{"role": [[]], "content": "hi"}]}, "input[0].role"),  # an unhashable value, not a 500
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 3000 + "]" * 3000}]}, "input[0].arguments"),
+        ({"input": "hi", "seed": 2**63}, "seed"),
     ],
 )
 def test_bad_requests_get_a_400_naming_the_field(base_url, body, param):

@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from engine.sampling_params import MAX_SEED
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.protocol import read_chat, read_completion
@@ -90,6 +91,11 @@ def test_completion_fields_map_to_the_neutral_request():
     assert first.priority == -4, "vLLM's priority: lower first; the router's: higher first"
     assert (first.seed, second.seed) == (3, 4), "choice i draws with seed + i"
     assert first.sampling_prefix == ""
+
+
+def test_the_largest_seeds_later_choices_wrap_around_and_a_seed_past_it_stays_as_sent():
+    assert [c.seed for c in read_completion({"prompt": "x", "n": 3, "seed": MAX_SEED}).choices] == [MAX_SEED, 0, 1]
+    assert [c.seed for c in read_completion({"prompt": "x", "n": 2, "seed": MAX_SEED + 1}).choices][0] == MAX_SEED + 1  # refused when validated
 
 
 def test_a_batch_of_prompts_gives_n_choices_each_in_order():

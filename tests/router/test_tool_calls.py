@@ -369,6 +369,29 @@ def test_odd_answers_read_alike_whole_and_streamed_and_lose_nothing(calling, tex
         assert (got_content, _read(whole)) == (content, calls)
 
 
+_DEEP = "[" * 3000 + "]" * 3000  # past what Python's JSON parser follows (RecursionError inside it)
+
+
+@pytest.mark.parametrize(
+    "calling, text, name, arguments",
+    [
+        (HERMES, '<tool_call>{"name": "get_time", "arguments": {"a": %s}}</tool_call>' % _DEEP, "get_time", '{"a": %s}' % _DEEP),
+        (LLAMA, '{"name": "get_time", "parameters": {"a": %s}}' % _DEEP, "get_time", '{"a": %s}' % _DEEP),
+        (MISTRAL, '[TOOL_CALLS][{"name": "get_time", "arguments": {"a": %s}}]' % _DEEP, "get_time", '{"a": %s}' % _DEEP),
+        (QWEN3_CODER, "<tool_call><function=get_forecast><parameter=days>%s</parameter></function></tool_call>" % _DEEP, "get_forecast",
+         json.dumps({"days": _DEEP})),
+    ],
+    ids=lambda value: value.parser if isinstance(value, ToolCalling) else "",
+)
+def test_a_call_whose_arguments_nest_thousands_deep_keeps_them_as_written(calling, text, name, arguments):
+    """A model may write any nesting: the call is read, its arguments kept as the model wrote
+    them (too deep to type by the schema), and no reader raises (it once took the stream down)."""
+    for piece in (1000, len(text)):
+        content, streamed, whole, _ = _run(calling, text, piece)
+        assert content == "" and streamed == whole
+        assert [(c["name"], c["arguments"]) for c in whole] == [(name, arguments)]
+
+
 def test_content_after_a_call_in_the_same_chunk_comes_after_it():
     """A chunk may hold a call's end and the text after it (several tokens a message): the
     parts keep the answer's order, and the Anthropic and Responses streams build their blocks
