@@ -67,6 +67,7 @@ class SeqOutput:
     finished: bool = False
     finish_reason: str | None = None  # FinishReason value, or "error"
     error: str | None = None
+    error_field: str | None = None  # the request field whose values left nothing to compute (the client's error)
     timing: DecodeTiming | None = None
     attempt: int = 0  # the dispatch attempt it belongs to: a restarted request ignores older ones
     # On the first output of a request this actor prefilled itself, where it asked for them:

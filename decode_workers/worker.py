@@ -443,7 +443,7 @@ class DecodeWorker(EngineWorker):
                 continue
             tracked.last_token_at = time.monotonic()
             output = self._output(tracked, out.new_token_ids, out.new_logprobs)
-            output.error = out.error  # set where computing this request failed (FinishReason.ERROR)
+            output.error, output.error_field = out.error, out.error_field  # set where computing this request failed (FinishReason.ERROR)
             output.prompt_logprobs = out.prompt_logprobs
             outputs.setdefault(tracked.router_id, []).append(output)
             if out.finished:

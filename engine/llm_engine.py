@@ -65,6 +65,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # why a request ended with FinishReason.ERROR
+    # Where the client's own values made it impossible to go on (InvalidRequestError): the
+    # field they are in, and ``error`` is the problem with it; None for the server's failures.
+    error_field: str | None = None
     # On the output that carries a request's first tokens, where this engine computed its prompt
     # and the request asked (``SamplingParams.prompt_logprobs``): prompt token i + 1's at i.
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -497,18 +500,25 @@ class LLMEngine:
             self.rank_launcher.stop()
 
     def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
-        """End a sequence whose computation raised ``exc``; its blocks are freed."""
-        logger.error("req %s: computing it failed; it alone ends", seq.req_id, exc_info=exc)
+        """End a sequence whose computation raised ``exc``; its blocks are freed. An
+        InvalidRequestError is the client's (values that leave nothing to compute): it names
+        the field, for the router to answer as a bad request."""
         self.scheduler.abort(seq.req_id, FinishReason.ERROR)
-        return RequestOutput(
+        output = RequestOutput(
             req_id=seq.req_id,
             new_token_ids=[],
             finished=True,
             finish_reason=FinishReason.ERROR,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
-            error=f"computing this request failed: {type(exc).__name__}: {exc}",
         )
+        if isinstance(exc, InvalidRequestError):
+            logger.info("req %s: ends, its %s", seq.req_id, exc)
+            output.error, output.error_field = exc.problem, exc.field
+        else:
+            logger.error("req %s: computing it failed; it alone ends", seq.req_id, exc_info=exc)
+            output.error = f"computing this request failed: {type(exc).__name__}: {exc}"
+        return output
 
     def run_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> StageActivations | list[RequestOutput]:
         """A pipeline stage's step over a batch of stage sequences (``PrefillScheduler.add_stage``):

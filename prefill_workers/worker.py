@@ -40,7 +40,7 @@ import torch
 
 from engine.block_allocator import OutOfBlocksError
 from engine.config import EngineConfig
-from engine.errors import RequestFailedError
+from engine.errors import InvalidRequestError, RequestFailedError
 from engine.model import StageActivations
 from engine.parallel.group import RankFailedError
 from engine.scheduler import ScheduledBatch, ScheduledSlice
@@ -315,7 +315,9 @@ class PrefillWorker(EngineWorker):
             return False
         for out in self.engine.run_batch(batch):
             if out.error is not None and (job := self._jobs.get(out.req_id)) is not None:
-                self._finish_job(job, RequestFailedError(out.error))  # that request alone; its blocks are free
+                # That request alone; its blocks are free. A field named: the client's values.
+                failure = InvalidRequestError(out.error_field, out.error) if out.error_field else RequestFailedError(out.error)
+                self._finish_job(job, failure)
         computed = time.perf_counter()
         self._after_step(computed, started, [self._jobs.get(piece.seq.req_id) for piece in batch.slices])
         return True

@@ -76,7 +76,7 @@ def generate_response(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
         response.matched_stop_string = end.matched_stop
         if end.matched_stop_token_id is not None:
             response.matched_stop_token_id = end.matched_stop_token_id
-        response.finish_detail = end.detail
+        response.finish_detail = f"{end.error_field}: {end.detail}" if end.error_field else end.detail  # the field first, as a refusal names it
         response.usage.prompt_tokens = end.prompt_tokens
         response.usage.completion_tokens = end.completion_tokens
         response.usage.cached_prompt_tokens = end.cached_prompt_tokens

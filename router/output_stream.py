@@ -16,6 +16,7 @@ from decode_workers.messages import DecodeTiming, SeqOutput
 from engine.sampling_params import TokenLogprob
 from prefill_workers.messages import PrefillTiming
 from router.detokenizer import IncrementalDetokenizer
+from router.errors import InternalError, InvalidArgumentError, RouterError
 from router.stop_strings import StopStringMatcher
 from router.tokenizer import Tokenizer
 from router.validation import ValidatedRequest
@@ -80,9 +81,19 @@ class StreamEnd:
     matched_stop: str = ""  # the stop string that ended it
     matched_stop_token_id: int | None = None  # the stop token id that ended it
     detail: str = ""  # why, for "error" and "abort"
+    error_field: str = ""  # for "error": the request field whose values left nothing to compute ("": the server's failure)
     prefill_worker_id: str = ""
     decode_worker_id: str = ""
     speculation: Speculation | None = None  # None: no decode actor reported (it never decoded)
+
+
+def end_failure(end: StreamEnd | None, num_tokens: int) -> RouterError:
+    """The error a front end reports for a request that ended with "error" (or "abort", or no
+    last chunk) after ``num_tokens`` tokens: the client's, naming the field, where its own values
+    left nothing to compute (``error_field``); else the server's."""
+    if end is not None and end.error_field:
+        return InvalidArgumentError(end.error_field, end.detail)
+    return InternalError(f"generation failed after {num_tokens} tokens: {end.detail if end is not None else 'no last chunk'}")
 
 
 @dataclass(slots=True)
@@ -161,7 +172,7 @@ class OutputAssembler:
             chunk.end = self._end("stop", matched_stop=check.matched_stop)
         elif out.finished:
             chunk.text += self.stops.flush()
-            chunk.end = self._end(out.finish_reason or "error", detail=out.error or "")
+            chunk.end = self._end(out.finish_reason or "error", detail=out.error or "", error_field=out.error_field or "")
             if out.finish_reason == "stop" and out.token_ids:
                 chunk.end.matched_stop_token_id = out.token_ids[-1]
         return chunk
@@ -170,7 +181,7 @@ class OutputAssembler:
         """A last chunk for an end the decode actor did not report (abort, error)."""
         return OutputChunk(end=self._end(reason, detail=detail))
 
-    def _end(self, reason: str, matched_stop: str = "", detail: str = "") -> StreamEnd:
+    def _end(self, reason: str, matched_stop: str = "", detail: str = "", error_field: str = "") -> StreamEnd:
         assert reason in FINISH_REASONS, reason
         self.finished = True
         num_prompt = len(self.request.prompt_token_ids)
@@ -186,6 +197,7 @@ class OutputAssembler:
             cached_prompt_tokens=cached,
             matched_stop=matched_stop,
             detail=detail,
+            error_field=error_field,
             prefill_worker_id=self.prefill_worker_id,
             decode_worker_id=self.decode_worker_id,
             speculation=self._speculation(),

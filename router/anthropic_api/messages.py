@@ -25,11 +25,11 @@ from aiohttp import web
 from engine import bounded_json
 from router import sse
 from router.anthropic_api.protocol import read_count_tokens, read_messages
-from router.errors import ErrorKind, InternalError, classify
+from router.errors import ErrorKind, classify
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError
 from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
-from router.output_stream import OutputChunk, StreamEnd
+from router.output_stream import OutputChunk, StreamEnd, end_failure
 from router.session import GenerationSession
 
 if TYPE_CHECKING:
@@ -262,7 +262,7 @@ class MessagesFrontEnd:
                 break
         end = state.end
         if end is None or end.reason in ("error", "abort"):
-            raise InternalError(f"generation failed after {state.num_tokens} tokens: {end.detail if end else 'no last chunk'}")
+            raise end_failure(end, state.num_tokens)
         return web.json_response(self._message(message_id, model, state.content(), end, state, prompt_tokens))
 
     async def _stream(self, request: web.Request, message_id: str, model: str, state: MessageState, prompt_tokens: int, chunks) -> web.StreamResponse:
@@ -282,7 +282,7 @@ class MessagesFrontEnd:
                 if end is None:
                     continue
                 if end.reason in ("error", "abort"):
-                    await sse.send(response, error_body(InternalError(f"generation failed after {state.num_tokens} tokens: {end.detail}"))[1], named=True)
+                    await sse.send(response, error_body(end_failure(end, state.num_tokens))[1], named=True)
                     break
                 delta = {"stop_reason": stop_reason(end, state.calls_seen > 0), "stop_sequence": end.matched_stop or None}
                 await sse.send(response, {"type": "message_delta", "delta": delta, "usage": usage(end, prompt_tokens, state.num_tokens)}, named=True)

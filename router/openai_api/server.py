@@ -44,7 +44,7 @@ from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
 from router.openai_api.reasoning import ReasoningSplitter, reasoning_format
 from router.openai_api.tool_parsers import ToolCallOutput
-from router.output_stream import OutputChunk, StreamEnd
+from router.output_stream import OutputChunk, StreamEnd, end_failure
 from router.session import GenerationSession
 
 if TYPE_CHECKING:
@@ -384,9 +384,9 @@ async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _failed(end: StreamEnd) -> InternalError:
-    """The error of a choice that failed after tokens were generated."""
-    return InternalError(f"generation failed after {end.completion_tokens} tokens: {end.detail}")
+def _failed(end: StreamEnd) -> Exception:
+    """The error of a choice that failed (the client's where a field is named: ``end_failure``)."""
+    return end_failure(end, end.completion_tokens)
 
 
 def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from router import sse
 from router.errors import InternalError, InvalidArgumentError, NotFoundError
 from router.openai_api.tool_calls import read_tool_calling, template_messages
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
-from router.output_stream import OutputChunk, StreamEnd
+from router.output_stream import OutputChunk, StreamEnd, end_failure
 from router.openai_api.reasoning import ReasoningSplitter
 from router.responses_api.board import IN_PROGRESS, ResponseBoard, is_in_progress
 from router.responses_api.protocol import ResponsesRequest, read_responses, seal
@@ -97,6 +97,7 @@ class ResponseState:
     num_tokens: int = 0
     end: StreamEnd | None = None
     error: dict[str, Any] | None = None
+    failure: Exception | None = None  # what ``error`` says, as the exception a whole answer raises
     sequence: int = 0
 
     def event(self, kind: str, **body: Any) -> dict[str, Any]:
@@ -130,7 +131,9 @@ class ResponseState:
             events += self._close()
             self.status = {"length": "incomplete", "error": "failed", "abort": "cancelled"}.get(chunk.end.reason, "completed")
             if self.status == "failed":
-                self.error = {"code": "server_error", "message": f"generation failed after {self.num_tokens} tokens: {chunk.end.detail}"}
+                self.failure = end_failure(chunk.end, self.num_tokens)
+                code = "invalid_prompt" if isinstance(self.failure, InvalidArgumentError) else "server_error"
+                self.error = {"code": code, "message": str(self.failure)}
         return events
 
     def _text(self, text: str) -> list[dict[str, Any]]:
@@ -255,7 +258,7 @@ class ResponsesFrontEnd:
                     if chunk.end is not None:
                         break
                 if state.end is None or state.status in ("failed", "cancelled"):
-                    raise InternalError(state.error["message"] if state.error else f"{state.response_id}: the stream ended without a last chunk")
+                    raise state.failure or InternalError(state.error["message"] if state.error else f"{state.response_id}: the stream ended without a last chunk")
                 await self._keep(api, state, conversation)
                 return web.json_response(state.obj())
         finally:

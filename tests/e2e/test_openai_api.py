@@ -694,6 +694,28 @@ def test_a_streamed_chat_token_whose_text_is_held_back_has_empty_content(client,
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == hf_tokenizer.decode(expected, skip_special_tokens=True)
 
 
+def test_allowed_token_ids_that_leave_a_grammar_nothing_are_the_clients_400_or_error_event(client, hf_tokenizer, deployment):
+    """Only "a" allowed against the regex "ab": the first token ("a", drawn by the prefill actor)
+    is fine, the second has no honest draw (on the decode actor). Only "9" allowed: the first has
+    none. Each is the client's error naming allowed_token_ids: a 400 before anything was sent,
+    an invalid_request_error event after; and no block is left behind."""
+    a, nine = hf_tokenizer.convert_tokens_to_ids("a"), hf_tokenizer.convert_tokens_to_ids("9")
+    for allowed in ([nine], [a]):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model="tiny-chat", prompt="hello", max_tokens=4, temperature=0.0,
+                                      extra_body={"guided_regex": "ab", "allowed_token_ids": allowed})
+        assert raised.value.body["param"] == "allowed_token_ids" and "structured output" in raised.value.body["message"]
+    stream = client.completions.create(model="tiny-chat", prompt="hello", max_tokens=4, temperature=0.0, stream=True,
+                                       extra_body={"guided_regex": "ab", "allowed_token_ids": [a]})
+    texts = []
+    with pytest.raises(openai.APIError) as raised:
+        for chunk in stream:
+            texts.append(chunk.choices[0].text)
+    assert "".join(texts) == "a" and raised.value.body["param"] == "allowed_token_ids", raised.value.body
+    workers = Client(deployment.address).wait_until_idle(timeout_s=30)
+    assert all(w.num_kv_blocks_used == 0 for w in workers)
+
+
 # Valid bodies for each front end on the API port; the fuzz test below mutates them.
 _FUZZ_SEEDS = {
     "/v1/chat/completions": {
@@ -719,9 +741,7 @@ _FUZZ_SEEDS = {
     },
 }
 _ODD_VALUES = [None, True, -1, 0, 7, 2**63, 2**64, 1e308, -0.5, float("nan"), "", "x", "auto", "🙂", [], [[]], [1], {}, {"type": {}}, {"a": [1]}]
-# Not allowed_token_ids: a set that leaves no token a grammar allows next ends its request with
-# an internal error today (the engine cannot yet report a client's error mid-generation).
-_EXTRA_FIELDS = ["top_k", "min_p", "min_tokens", "seed", "n", "stop_token_ids", "bad_words", "guided_json", "guided_choice",
+_EXTRA_FIELDS = ["top_k", "min_p", "min_tokens", "seed", "n", "stop_token_ids", "allowed_token_ids", "bad_words", "guided_json", "guided_choice",
                  "reasoning_effort", "chat_template_kwargs", "prompt_logprobs", "priority", "tool_choice", "stream_options", "logit_bias", "echo"]
 
 
