@@ -454,6 +454,24 @@ class LLMEngine:
             self._undelivered += self.resolve_in_flight()
 
     def _run_now(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """``_run_checked`` for the batch's sequences that can draw a token at all: one whose
+        allowed_token_ids hold no token its grammar allows next leaves it first, ended as the
+        client's error naming the field (checked before the forward, on the rare sequence with
+        both: the rest of the batch runs once, as it would without it)."""
+        refused = [
+            piece.seq for piece in batch.slices
+            if piece.num_sampled_rows and piece.seq.grammar is not None and piece.seq.params.allowed_token_ids is not None
+            and not self.grammars.allows_any(piece.seq.grammar, piece.seq.thinking, piece.seq.params.allowed_token_ids)
+        ]
+        if not refused:
+            return self._run_checked(batch)
+        problem = "holds no token that the requested structured output allows next"
+        outputs = [self._fail(seq, InvalidRequestError("allowed_token_ids", problem)) for seq in refused]
+        gone = {seq.req_id for seq in refused}
+        kept = ScheduledBatch([piece for piece in batch.slices if piece.seq.req_id not in gone], batch.preempted_req_ids)
+        return outputs + (self._run_checked(kept) if kept.slices else [])
+
+    def _run_checked(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Forward, sample and advance one scheduled batch.
 
         If computing the batch raises, each of its sequences is run again on its own, and only

@@ -19,7 +19,6 @@ import torch
 from engine import penalties
 from engine.host_to_device import to_device, to_host
 from engine.penalties import PenaltyHistory
-from engine.errors import InvalidRequestError
 from engine.sequence import Sequence, TokenLogprob
 
 
@@ -63,7 +62,6 @@ class Sampler:
         be a ``speculation.DraftRow``, the sequence as it stands at that row."""
         raw_logits = logits
         logits = self._adjust(logits, seqs)
-        _refuse_rows_left_without_a_token(logits, seqs)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         token_ids = [0] * len(seqs)
@@ -364,15 +362,6 @@ class Sampler:
         if buffer is None or buffer.device != logits.device or buffer.shape[1] != vocab or buffer.shape[0] < rows:
             buffer = self._buffer = torch.empty((max(rows, 1), vocab), dtype=torch.float32, device=logits.device)
         return buffer[:rows]
-
-
-def _refuse_rows_left_without_a_token(logits: torch.Tensor, seqs: list) -> None:
-    """Raise InvalidRequestError where a row's allowed_token_ids hold no token its grammar
-    allows next (the grammar's mask is already in ``logits``): no draw can be honest there, and
-    the request is the client's to fix. The engine then ends that request alone (``_fail``)."""
-    rows = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids is not None and s.grammar is not None]
-    if rows and bool(torch.isneginf(_rows_of(logits, rows)).all(dim=-1).any()):
-        raise InvalidRequestError("allowed_token_ids", "holds no token that the requested structured output allows next")
 
 
 def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -187,10 +187,6 @@ class DraftRow:
         return self.seq.generator
 
     @property
-    def grammar(self):
-        return self.seq.grammar
-
-    @property
     def token_ids(self) -> list[int]:
         return self.seq.token_ids + self.drafts_before
 

@@ -71,3 +71,4 @@ def _append(output: SeqOutput, later: SeqOutput) -> None:
     if later.logprobs:
         output.logprobs = output.logprobs + later.logprobs
     output.finished, output.finish_reason, output.error, output.timing = later.finished, later.finish_reason, later.error, later.timing
+    output.error_field = later.error_field

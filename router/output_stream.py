@@ -177,9 +177,9 @@ class OutputAssembler:
                 chunk.end.matched_stop_token_id = out.token_ids[-1]
         return chunk
 
-    def final_chunk(self, reason: str, detail: str = "") -> OutputChunk:
+    def final_chunk(self, reason: str, detail: str = "", error_field: str = "") -> OutputChunk:
         """A last chunk for an end the decode actor did not report (abort, error)."""
-        return OutputChunk(end=self._end(reason, detail=detail))
+        return OutputChunk(end=self._end(reason, detail=detail, error_field=error_field))
 
     def _end(self, reason: str, matched_stop: str = "", detail: str = "", error_field: str = "") -> StreamEnd:
         assert reason in FINISH_REASONS, reason

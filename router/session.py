@@ -18,8 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from decode_workers.messages import SeqOutput
+from engine.errors import InvalidRequestError
 from router.dispatcher import ActiveRequest, Failure, Restart
-from router.errors import UnavailableError, remote_cause
+from router.errors import InvalidArgumentError, UnavailableError, remote_cause
 from router.output_stream import OutputAssembler, OutputChunk
 from router.validation import ValidatedRequest
 
@@ -94,7 +95,10 @@ class GenerationSession:
                 if active.assembler.has_sent_tokens:
                     # The client has part of its answer: it ends with a last chunk that says
                     # why, with the usage so far, rather than a bare error.
-                    chunk = active.assembler.final_chunk("error", str(item.error))
+                    if isinstance(item.error, (InvalidRequestError, InvalidArgumentError)):  # the client's, as a prefill run again found it
+                        chunk = active.assembler.final_chunk("error", item.error.problem, error_field=item.error.field)
+                    else:
+                        chunk = active.assembler.final_chunk("error", str(item.error))
                     self._observe(chunk)
                     yield chunk
                     return

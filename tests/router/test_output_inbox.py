@@ -35,6 +35,19 @@ def test_outputs_queued_while_the_session_is_busy_arrive_as_one():
     _run(scenario())
 
 
+def test_an_end_queued_behind_tokens_keeps_the_field_that_its_error_names():
+    async def scenario():
+        inbox = OutputInbox()
+        inbox.put_nowait(SeqOutput("r", [0]))
+        inbox.put_nowait(SeqOutput("r", [1]))
+        inbox.put_nowait(SeqOutput("r", [], finished=True, finish_reason="error", error="holds no token", error_field="allowed_token_ids"))
+        await inbox.get()
+        merged = await inbox.get()
+        assert (merged.token_ids, merged.finish_reason, merged.error, merged.error_field) == ([1], "error", "holds no token", "allowed_token_ids")
+
+    _run(scenario())
+
+
 def test_a_session_asking_for_n_tokens_is_woken_once_they_are_there():
     async def scenario():
         inbox = OutputInbox()
