@@ -60,7 +60,5 @@ def nesting_depth(text: str) -> int:
     strings are not structure). Vectorised: a long prompt's token ids are one array of
     hundreds of thousands of numbers, read on the router's event loop."""
     data = _STRING.sub(b'""', text.encode("utf-8", "surrogatepass"))
-    if not data:
-        return 0
     steps = _OPENERS[np.frombuffer(data, dtype=np.uint8)]
     return int(np.cumsum(steps, dtype=np.int32).max(initial=0))

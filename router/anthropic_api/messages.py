@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,7 @@ from engine import bounded_json
 from router import sse
 from router.anthropic_api.protocol import read_count_tokens, read_messages
 from router.errors import ErrorKind, classify
-from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError
+from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, log_if_internal
 from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd, end_failure
@@ -34,8 +33,6 @@ from router.session import GenerationSession
 
 if TYPE_CHECKING:
     from router.openai_api.server import OpenAIServer
-
-logger = logging.getLogger(__name__)
 
 PATH_PREFIX = "/v1/messages"
 ERROR_SHAPE_PREFIX = PATH_PREFIX  # errors on these paths take Anthropic's shape (router/openai_api/server.py)
@@ -76,10 +73,9 @@ def error_response(exc: BaseException) -> web.Response:
 
 
 def _refused(request: web.Request, exc: BaseException) -> web.Response:
-    """The error response for ``exc``, logged with its traceback where it is the server's own
-    fault: the message a client gets for one says the server log has the details."""
-    if classify(exc)[0] is ErrorKind.INTERNAL:
-        logger.error("%s %s failed", request.method, request.path, exc_info=exc)
+    """The error response for ``exc`` (these handlers answer their own errors), logged as the
+    edge logs the other front ends' (``log_if_internal``)."""
+    log_if_internal(request, exc)
     return error_response(exc)
 
 

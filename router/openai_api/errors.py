@@ -8,12 +8,15 @@ it into ``BadRequestError`` (400), ``AuthenticationError`` (401), ``NotFoundErro
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any
 
 from aiohttp import web
 
 from router.errors import ErrorKind, NotFoundError, RouterError, classify, remote_cause
+
+logger = logging.getLogger(__name__)
 
 # kind -> (HTTP status, OpenAI error type)
 _HTTP = {
@@ -49,6 +52,13 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
     return status, _body(message, error_type, param, kind.value), headers
+
+
+def log_if_internal(request: web.Request, exc: BaseException) -> None:
+    """Log ``exc`` with its traceback where it is the server's own fault: the message its client
+    gets says the server log has the details."""
+    if classify(exc)[0] is ErrorKind.INTERNAL and not isinstance(exc, UnauthenticatedError):
+        logger.error("%s %s failed", request.method, request.path, exc_info=exc)
 
 
 def error_response(exc: BaseException) -> web.Response:

@@ -35,16 +35,16 @@ from engine import bounded_json
 from router import sse
 from router.anthropic_api import messages
 from router.responses_api import front_end as responses_front_end
-from router.errors import ErrorKind, InternalError, InvalidArgumentError, UnavailableError, classify
+from router.errors import InternalError, InvalidArgumentError, UnavailableError
 from router.openai_api.chat_template import ChatTemplate
-from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response
+from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response, log_if_internal
 from router.openai_api import vllm_endpoints
 from router.openai_api.protocol import ApiRequest, is_client_request_id, read_chat, read_completion, render_conversation
 from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
 from router.openai_api.reasoning import ReasoningSplitter, reasoning_format
 from router.openai_api.tool_parsers import ToolCallOutput
-from router.output_stream import OutputChunk, StreamEnd, end_failure
+from router.output_stream import OutputChunk, end_failure
 from router.session import GenerationSession
 
 if TYPE_CHECKING:
@@ -150,8 +150,7 @@ class OpenAIServer:
             body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}", "type": "invalid_request_error", "param": None, "code": None}}
             return web.json_response(body, status=exc.status)
         except Exception as exc:
-            if classify(exc)[0] is ErrorKind.INTERNAL and not isinstance(exc, UnauthenticatedError):
-                logger.exception("%s %s failed", request.method, request.path)
+            log_if_internal(request, exc)
             for module in FRONT_END_MODULES:
                 prefix = getattr(module, "ERROR_SHAPE_PREFIX", None)
                 if prefix is not None and request.path.startswith(prefix):
@@ -293,7 +292,7 @@ class OpenAIServer:
             states[index].add(item, self.router.tokenizer)
         failed = next((s.end for s in states if s.end.reason == "error"), None)
         if failed is not None:
-            raise _failed(failed)
+            raise end_failure(failed, failed.completion_tokens)
         body = envelope(response_id, model, chat, stream=False)
         body["choices"] = [state.whole() for state in states]
         if chat and api.prompt_logprobs is not None:
@@ -338,7 +337,7 @@ class OpenAIServer:
                     payload["usage"] = _usage(api, states) if api.continuous_usage else None
                 await sse.send(response, payload)
                 if item.end is not None and item.end.reason == "error":
-                    await sse.send(response, error_body(_failed(item.end))[1])
+                    await sse.send(response, error_body(end_failure(item.end, item.end.completion_tokens))[1])
             if api.include_usage:
                 payload = envelope(response_id, model, chat, stream=True, created=created)
                 payload["choices"] = []
@@ -382,11 +381,6 @@ async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _failed(end: StreamEnd) -> Exception:
-    """The error of a choice that failed (the client's where a field is named: ``end_failure``)."""
-    return end_failure(end, end.completion_tokens)
 
 
 def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, Any]:

@@ -97,7 +97,6 @@ class ResponseState:
     num_tokens: int = 0
     end: StreamEnd | None = None
     error: dict[str, Any] | None = None
-    failure: Exception | None = None  # what ``error`` says, as the exception a whole answer raises
     sequence: int = 0
 
     def event(self, kind: str, **body: Any) -> dict[str, Any]:
@@ -131,9 +130,8 @@ class ResponseState:
             events += self._close()
             self.status = {"length": "incomplete", "error": "failed", "abort": "cancelled"}.get(chunk.end.reason, "completed")
             if self.status == "failed":
-                self.failure = end_failure(chunk.end, self.num_tokens)
-                code = "invalid_prompt" if isinstance(self.failure, InvalidArgumentError) else "server_error"
-                self.error = {"code": code, "message": str(self.failure)}
+                failure = end_failure(chunk.end, self.num_tokens)
+                self.error = {"code": "invalid_prompt" if isinstance(failure, InvalidArgumentError) else "server_error", "message": str(failure)}
         return events
 
     def _text(self, text: str) -> list[dict[str, Any]]:
@@ -257,8 +255,10 @@ class ResponsesFrontEnd:
                     state.take(chunk)
                     if chunk.end is not None:
                         break
-                if state.end is None or state.status in ("failed", "cancelled"):
-                    raise state.failure or InternalError(state.error["message"] if state.error else f"{state.response_id}: the stream ended without a last chunk")
+                if state.end is not None and state.status == "failed":
+                    raise end_failure(state.end, state.num_tokens)
+                if state.end is None or state.status == "cancelled":
+                    raise InternalError(state.error["message"] if state.error else f"{state.response_id}: the stream ended without a last chunk")
                 await self._keep(api, state, conversation)
                 return web.json_response(state.obj())
         finally:
