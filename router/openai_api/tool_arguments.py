@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,7 +117,7 @@ def typed_value(raw: str, schema: Any) -> Any:
         parsed = text.lower() == "true"  # Python's True/False
     if parsed is _MISSING and types & {"object", "array"}:
         try:
-            parsed = python_literal(ast.parse(text, mode="eval").body)  # a Python dict or list
+            parsed = python_literal(python_expression(text))  # a Python dict or list
         except (SyntaxError, ValueError):
             pass
     if parsed is not _MISSING and _value_types(parsed) & types:
@@ -163,6 +164,14 @@ def _value_types(value: Any) -> set[str]:
 
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def python_expression(text: str) -> ast.expr:
+    """``text`` read as one Python expression (SyntaxError where it is none). The warnings Python
+    gives for escapes it does not know (a model's ``"C:\\dir"``) are the model's, not the server's: they are not printed."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ast.parse(text, mode="eval").body
 
 
 def python_literal(node: ast.expr) -> Any:

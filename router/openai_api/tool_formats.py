@@ -13,8 +13,8 @@ calls it makes.
 
 A reader is fed the answer's text as it streams and says what is content now and what it found
 of the calls (``CallPiece``s): a call is announced once its name is read and its arguments follow
-as they are written (JSON calls up to their arguments' closing brace), but for ``pythonic``,
-whose calls are read once the answer ends. Text that turns out to be no call is given back as
+as they are written (JSON calls up to their arguments' closing brace; ``pythonic`` calls value by
+value, once the call is known to be one). Text that turns out to be no call is given back as
 content, markers and all.
 """
 
@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable
 
 from router.openai_api.parser_names import TOOL_CALL_FORMATS
-from router.openai_api.tool_arguments import STRICT_JSON, json_or, json_text, python_literal
+from router.openai_api.tool_arguments import STRICT_JSON, json_or, json_text, python_expression, python_literal
 from router.openai_api.tool_blocks import (
     FUNCTION_OPEN,
     GLM_ARG_KEY,
@@ -42,6 +42,7 @@ from router.openai_api.tool_blocks import (
     Qwen3CoderReader,
 )
 from router.openai_api.tool_json import ObjectEnds, json_calls, json_object_end
+from router.openai_api.tool_python import PythonCalls
 
 Found = tuple[str, Any]  # a whole call: its name, its arguments (JSON text, or a value to write as JSON)
 
@@ -137,33 +138,51 @@ class Llama3JsonReader(WholeAnswerReader):
 
 
 class PythonicReader(WholeAnswerReader):
-    """Read once the answer ends: a Python call is only known to be whole then."""
+    """Calls stream as they are read (router/openai_api/tool_python.py); the whole answer, read
+    once it ends, settles them."""
 
     starts = ("[", PYTHON_START)
 
+    def __init__(self, tools: list[dict[str, Any]]):
+        super().__init__(tools)
+        self._read: PythonCalls | None = None
+
     def read(self, text: str, whole: bool) -> CallsRead | None:
+        if self._read is None:  # the answer's start is settled: it starts with "[" or the tag
+            stripped = text.lstrip()
+            self._read = PythonCalls(len(text) - len(stripped) + (len(PYTHON_START) if stripped.startswith(PYTHON_START) else 0))
+        streamed = self._read.read(text)
         if not whole:
-            return None
-        text = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+            return CallsRead(streamed)
+        found = _python_calls(text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip())
+        if found is not None:
+            return CallsRead(found)
+        # No Python list of calls: those streamed stay, and what follows them is content.
+        rest = "" if self._read.stop is None else text[self._read.stop :].strip().removesuffix(PYTHON_END).strip()
+        return CallsRead(streamed, rest) if streamed else None
+
+
+def _python_calls(text: str) -> list[Found] | None:
+    """The calls of a whole pythonic answer, or None where it is no list of keyword calls of literals."""
+    try:
+        tree = python_expression(text)
+    except (SyntaxError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        name = _dotted_name(node.func) if isinstance(node, ast.Call) else None
+        if name is None or node.args or any(keyword.arg is None for keyword in node.keywords):
+            return None  # only name(key=value, ...) says which argument is which
+        keys = [keyword.arg for keyword in node.keywords]
+        if len(set(keys)) < len(keys):
+            return None  # f(s=1, s=2) is no Python call (the parser does not say so)
         try:
-            tree = ast.parse(text, mode="eval").body
-        except SyntaxError:
+            calls.append((name, json_text({keyword.arg: python_literal(keyword.value) for keyword in node.keywords})))
+        except (ValueError, RecursionError):
             return None
-        if not isinstance(tree, ast.List) or not tree.elts:
-            return None
-        calls = []
-        for node in tree.elts:
-            name = _dotted_name(node.func) if isinstance(node, ast.Call) else None
-            if name is None or node.args or any(keyword.arg is None for keyword in node.keywords):
-                return None  # only name(key=value, ...) says which argument is which
-            keys = [keyword.arg for keyword in node.keywords]
-            if len(set(keys)) < len(keys):
-                return None  # f(s=1, s=2) is no Python call (the parser does not say so)
-            try:
-                calls.append((name, json_text({keyword.arg: python_literal(keyword.value) for keyword in node.keywords})))
-            except ValueError:
-                return None
-        return CallsRead(calls)
+    return calls
 
 
 class MistralReader(BlockReader):

@@ -232,6 +232,9 @@ def _write_file_answer(form: str, content: str) -> str:
                 "<arg_value>a.py</arg_value>\n</tool_call><tool_call>write_file\n<arg_key>path</arg_key><arg_value>b.txt</arg_value>"
                 "<arg_key>content</arg_key><arg_value>end</arg_value></tool_call>")
     first, second = ({"content": content, "path": "a.py"}, {"path": "b.txt", "content": "end"})
+    if form.startswith("pythonic"):  # a plain string (Python's own escapes), or a triple-quoted one
+        written = repr(content) if form == "pythonic" else _triple_quoted(content)
+        return f'<|python_start|>[write_file(content={written}, path="a.py"),\n write_file(path=\'b.txt\', content="end")]<|python_end|>'
     if form == "mistral_named":  # newer Mistral models: each call after its own marker
         return "Writing.[TOOL_CALLS]write_file[ARGS]" + json.dumps(first, ensure_ascii=False) + "[TOOL_CALLS]write_file[ARGS]" + json.dumps(second)
     calls = [json.dumps({"name": "write_file", "arguments": arguments}, ensure_ascii=False) for arguments in (first, second)]
@@ -239,13 +242,20 @@ def _write_file_answer(form: str, content: str) -> str:
             "llama3_json": "; ".join(calls)}[form]
 
 
-@pytest.mark.parametrize("form", ["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "mistral_named"])
+def _triple_quoted(content: str) -> str:
+    """``content`` as a Python triple-quoted string, its newlines and quotes as written but for
+    a quote that would end it (one before another, or the last character)."""
+    body = content.replace("\\", "\\\\")
+    return '"""' + "".join('\\"' if char == '"' and body[i + 1 : i + 2] in ('"', "") else char for i, char in enumerate(body)) + '"""'
+
+
+@pytest.mark.parametrize("form", ["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "mistral_named", "pythonic", "pythonic_triple"])
 def test_a_long_value_read_on_token_by_token_is_what_a_whole_read_finds(form):
     """A call writing a long value is read on from where the last token left it (not read
     again whole with every token): fed in random pieces, its streamed arguments add up to its
     whole call, which is the one the answer read in one piece gives, values as written, and the
     call after it is read as well."""
-    calling = ToolCalling([WRITE_FILE], "auto", parser=form.removesuffix("_named"))
+    calling = ToolCalling([WRITE_FILE], "auto", parser=form.removesuffix("_named").removesuffix("_triple"))
     rng = random.Random(form)
     for _ in range(25):
         content = "".join(rng.choice(_VALUE_PIECES) for _ in range(rng.randint(1, 120)))
@@ -279,6 +289,35 @@ def test_pythonic_calls_are_python_lists_of_keyword_calls(piece):
         assert _run(PYTHONIC, text, piece)[:2] == (text, [])
 
 
+_PYTHONIC_ANSWERS = [
+    '[get_forecast(city="Oslo", days=3, hourly=True, options={"units": "metric"}, hours=(6, 12), note=None), get_time()]',
+    '<|python_start|>[write_file(content="""a\\"b\n\'\'\'c""", path=r"x\\y"), a.b(x=-1.5e3, y=[1, {"k": (2,)}])]<|python_end|>',
+    "[f(s='\\x41\\u00e9\\N{BULLET}\\101\\\n end', t='''x''' 'y')]",
+    '[f(a="""x\r\ny"""), g(b=\'\\\r\n\')]',
+]
+_PYTHONIC_MARKS = list("[]()=,'\"\\ \nab1{}:#.-\r") + ['"""', "'''", "\\n", "\\x4", "\\N{"]
+
+
+def test_a_pythonic_answer_reads_alike_however_it_is_cut(caplog):
+    """Pythonic calls stream value by value: answers a model may write badly (quotes, escapes,
+    brackets and line ends added, dropped, or cut off) are read into the same content and calls
+    whether the text comes whole or in pieces of any size, and what was streamed is never taken
+    back (that would be logged as a warning)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        text = rng.choice(_PYTHONIC_ANSWERS)
+        for _ in range(rng.randint(0, 3)):
+            at, edit = rng.randrange(len(text) + 1), rng.random()
+            text = text[:at] + rng.choice(_PYTHONIC_MARKS) + text[at:] if edit < 0.4 else text[:at] + text[at + 1 :] if edit < 0.8 else text[:at]
+        reads = []
+        for piece in (1, 3, rng, max(len(text), 1)):
+            content, streamed, whole, _ = _run(PYTHONIC, text, piece)
+            assert streamed == whole, text
+            reads.append((content, [(call["name"], call["arguments"]) for call in whole]))
+        assert all(read == reads[-1] for read in reads), text
+    assert not [record for record in caplog.records if record.levelname == "WARNING"]
+
+
 @pytest.mark.parametrize("piece", [1, 1000])
 def test_a_hermes_block_that_is_no_call_comes_back_as_content(piece):
     text = 'Here: <tool_call>{"city": "Oslo"}</tool_call> and <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -309,15 +348,17 @@ def test_each_format_is_recognised_in_its_template_and_vllm_names_are_taken():
         (LLAMA, '{"name": "get_weather", "parameters": {"city": "%s"}}'),
         (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "%s"}'),
         (MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "%s"}}]'),
+        (PYTHONIC, '[get_weather(city="%s")]'),
+        (PYTHONIC, '[get_weather(city="""%s""")]'),
     ],
-    ids=["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "mistral_json_list"],
+    ids=["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral", "mistral_json_list", "pythonic", "pythonic_triple_quoted"],
 )
 def test_a_call_streams_its_name_first_then_its_arguments_as_they_are_written(calling, text):
     """What an agent writing a file sees: the call at once, the file's text growing with the answer."""
     value = "line one\nline two\n" * 4
     escaped = json.dumps(value)[1:-1]
     json_format = calling not in (QWEN3_CODER, GLM45)
-    written = escaped if json_format else value  # JSON escaped, or the XML formats' text itself
+    written = escaped if json_format and '"""' not in text else value  # JSON (and Python) escaped, or the text itself
     answer = text % written
     value_end = answer.index(written) + len(written) - 1
     output = ToolCallOutput(calling)
@@ -332,7 +373,8 @@ def test_a_call_streams_its_name_first_then_its_arguments_as_they_are_written(ca
             shown_at_value_end = arguments
     content, deltas = content_and_deltas(output.finish())
     arguments += "".join(delta.arguments for delta in deltas)
-    assert name_at is not None and name_at < answer.index(written)  # named before its arguments came
+    # Named before its arguments came (a Python call with its value's first character: '"' may open '"""').
+    assert name_at is not None and name_at < answer.index(written) + (calling is PYTHONIC)
     assert json.loads(arguments) == json.loads(output.calls[0]["function"]["arguments"]) and arguments == output.calls[0]["function"]["arguments"]
     assert json.loads(arguments)[("city" if json_format else "code")] == value
     assert escaped[:-4] in shown_at_value_end  # all but the value's last characters were out before it ended
@@ -357,7 +399,10 @@ ODD_ANSWERS = [
      "", [("get_forecast", {"days": "NaN", "hours": "1e999"})]),  # no JSON numbers: kept as written
     (QWEN3_CODER, "<function=get_forecast><parameter=hours>[1e999]</parameter></function>", "", [("get_forecast", {"hours": "[1e999]"})]),
     (PYTHONIC, "[get_forecast(days=1e999)]", "[get_forecast(days=1e999)]", []),
-    (PYTHONIC, "[get_forecast(city='a', city='b')]", "[get_forecast(city='a', city='b')]", []),
+    (PYTHONIC, "[get_forecast(days=1, days=2)]", "[get_forecast(days=1, days=2)]", []),  # no call until what follows a value is read
+    # Calls read before text that is no call stay calls (they were streamed); the text is content.
+    (PYTHONIC, "[get_time(), get_forecast(days=x)]", "get_forecast(days=x)]", [("get_time", {})]),
+    (PYTHONIC, "[get_time()] and more<|python_end|>", "and more", [("get_time", {})]),
 ]
 
 
