@@ -50,6 +50,7 @@ from engine.step_profile import StepShape, shape_of
 
 logger = logging.getLogger(__name__)
 
+NO_ALLOWED_TOKEN = "holds no token that the requested structured output allows next"
 SCORED_LOGITS_BYTES = 256 * 1024 * 1024  # a step's prompt-scoring logits and their log-softmax, at most
 
 
@@ -266,6 +267,10 @@ class LLMEngine:
         thinking = params.thinking.state() if params.thinking is not None else None
         answer = [token_id for token_id in produced if thinking is None or thinking.accept(token_id)]
         grammar = self.grammars.for_sequence(params.structured, answer) if params.structured is not None else None
+        if grammar is not None and params.allowed_token_ids is not None and not self.grammars.allows_any(grammar, thinking, params.allowed_token_ids):
+            # Refused before anything is computed, on every path a prompt takes (a pipeline
+            # stage's too); later tokens are checked before each step (``_run_now``).
+            raise InvalidRequestError("allowed_token_ids", NO_ALLOWED_TOKEN)
         return Sequence(
             req_id=req_id,
             token_ids=list(prompt_token_ids),
@@ -465,8 +470,7 @@ class LLMEngine:
         ]
         if not refused:
             return self._run_checked(batch)
-        problem = "holds no token that the requested structured output allows next"
-        outputs = [self._fail(seq, InvalidRequestError("allowed_token_ids", problem)) for seq in refused]
+        outputs = [self._fail(seq, InvalidRequestError("allowed_token_ids", NO_ALLOWED_TOKEN)) for seq in refused]
         gone = {seq.req_id for seq in refused}
         kept = ScheduledBatch([piece for piece in batch.slices if piece.seq.req_id not in gone], batch.preempted_req_ids)
         return outputs + (self._run_checked(kept) if kept.slices else [])

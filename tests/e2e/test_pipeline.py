@@ -118,6 +118,32 @@ def test_a_scored_prompt_is_prefilled_by_one_actor_where_every_prompt_is_pipelin
         client.close()
 
 
+@pytest.mark.parametrize("decode_stage", [PipelineMode.OFF, PipelineMode.ALWAYS])
+def test_allowed_token_ids_that_leave_a_pipelined_prompts_grammar_nothing_are_refused(shared_workers, four_layer_model, decode_stage):
+    """Only "9" allowed against the regex "ab": no first token has an honest draw. Where the
+    prompt is pipelined (its last stage on a prefill actor, or on the decode actor), the request is
+    refused naming allowed_token_ids before anything is computed (the last stage once drew the
+    forbidden token), nothing is left behind, and the next pipelined prompt is exact."""
+    from tokenizers import Tokenizer
+
+    from router.api.pdserve.v1 import generation_pb2 as pb
+
+    nine = Tokenizer.from_file(str(four_layer_model.path / "tokenizer.json")).token_to_id("9")
+    prompt, after = random_prompts([60, 70], four_layer_model.vocab_size, seed=41)
+    router = _router(16, max_pipeline_stages=2, pipeline_decode_stage=decode_stage)
+    with following_router(shared_workers, router) as deployment:
+        client = Client(deployment.address)
+        request = make_request(prompt_token_ids=prompt, max_tokens=4, temperature=0.0, allowed_token_ids=[nine],
+                               structured_output=pb.StructuredOutput(regex="ab"))
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.stub.Generate(request))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allowed_token_ids" in info.value.details(), info.value.details()
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
+        stream = client.generate(prompt_token_ids=after, max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert stream.token_ids == hf_greedy(four_layer_model.hf_model, after, 6) and len(_stage_workers(stream)) == 2
+        client.close()
+
+
 def test_a_seeded_sample_repeats_and_concurrent_pipelines_share_the_actors(ray_cluster, four_layer_model):
     """Four pipelines at once over the same two actors. The second stage's inbox has room for one
     prompt's chunks at a time (8 slots; the 150-token prompt takes 6), so the others' activations

@@ -223,18 +223,26 @@ def test_a_grammar_that_does_not_compile_names_the_field(engine, e2e_model):
 
 @pytest.mark.parametrize("fields", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 4}, {"temperature": 0.8, "logprobs": 2}])
 def test_allowed_token_ids_that_leave_the_grammar_nothing_end_that_request_naming_the_field(engine, e2e_model, fields):
-    """A digit cannot start [a-c]{2,4}-[0-9]{3}: with only a digit allowed there is no honest
-    draw. That request ends as the client's error, naming allowed_token_ids (it once drew the
-    forbidden token, or raised an IndexError with logprobs); the request beside it is untouched."""
-    digit = tokenizers.Tokenizer.from_file(str(e2e_model.path / "tokenizer.json")).token_to_id("9")
+    """[a-c]{2,4}-[0-9]{3} with only "a" allowed: "aaaa" is honest, then only "-" may come and
+    there is no honest draw. That request ends as the client's error, naming allowed_token_ids
+    (it once drew the forbidden token, or raised an IndexError with logprobs); the request beside
+    it is untouched. With only "9" allowed not even a first token can be drawn: the request is
+    refused when it is added (on every path a prompt takes, a pipeline stage's included)."""
+    tokenizer = tokenizers.Tokenizer.from_file(str(e2e_model.path / "tokenizer.json"))
+    letter, digit = tokenizer.token_to_id("a"), tokenizer.token_to_id("9")
     prompt, other = random_prompts([6, 9], e2e_model.vocab_size, seed=2)
     grammar = StructuredOutput("regex", r"[a-c]{2,4}-[0-9]{3}")
-    engine.add_request("conflict", prompt, SamplingParams(max_tokens=8, allowed_token_ids=[digit], structured=grammar, **fields))
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids.*structured output"):
+        engine.add_request("refused", prompt, SamplingParams(max_tokens=8, allowed_token_ids=[digit], structured=grammar, **fields))
+    engine.add_request("conflict", prompt, SamplingParams(max_tokens=8, allowed_token_ids=[letter], structured=grammar, **fields))
     engine.add_request("beside", other, SamplingParams(max_tokens=8, ignore_eos=True, **fields))
-    ends = {}
+    ends, tokens = {}, []
     while engine.has_unfinished_requests():
-        ends.update({out.req_id: out for out in engine.step() if out.finished})
-    assert (ends["conflict"].finish_reason, ends["conflict"].error_field, ends["conflict"].num_output_tokens) == ("error", "allowed_token_ids", 0)
+        for out in engine.step():
+            tokens += out.new_token_ids if out.req_id == "conflict" else []
+            if out.finished:
+                ends[out.req_id] = out
+    assert (ends["conflict"].finish_reason, ends["conflict"].error_field, tokens) == ("error", "allowed_token_ids", [letter] * 4)
     assert "structured output" in ends["conflict"].error
     assert (ends["beside"].finish_reason, ends["beside"].error, ends["beside"].num_output_tokens) == ("length", None, 8)
     assert engine.num_free_blocks == engine.kv_cache.num_blocks
