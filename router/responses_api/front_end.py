@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router import sse
-from router.errors import InternalError, InvalidArgumentError, NotFoundError
+from router.errors import ErrorKind, InternalError, InvalidArgumentError, NotFoundError, classify
 from router.openai_api.tool_calls import read_tool_calling, template_messages
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd, end_failure
@@ -74,6 +74,21 @@ def usage(end: StreamEnd | None, prompt_tokens: int, output_tokens: int, reasoni
         "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }
+
+
+# The Responses API's error codes for what the router's errors mean (any other: server_error).
+_ERROR_CODES = {
+    ErrorKind.INVALID_ARGUMENT: "invalid_prompt",
+    ErrorKind.FAILED_PRECONDITION: "invalid_prompt",
+    ErrorKind.RESOURCE_EXHAUSTED: "rate_limit_exceeded",
+}
+
+
+def response_error(exc: BaseException) -> dict[str, str]:
+    """A failed response's ``error``: its code, and a message fit for the client (a generic one
+    for the server's own faults, which are logged where they are caught)."""
+    kind, message = classify(exc)
+    return {"code": _ERROR_CODES.get(kind, "server_error"), "message": message}
 
 
 @dataclass(slots=True)
@@ -130,8 +145,7 @@ class ResponseState:
             events += self._close()
             self.status = {"length": "incomplete", "error": "failed", "abort": "cancelled"}.get(chunk.end.reason, "completed")
             if self.status == "failed":
-                failure = end_failure(chunk.end, self.num_tokens)
-                self.error = {"code": "invalid_prompt" if isinstance(failure, InvalidArgumentError) else "server_error", "message": str(failure)}
+                self.error = response_error(end_failure(chunk.end, self.num_tokens))
         return events
 
     def _text(self, text: str) -> list[dict[str, Any]]:
@@ -384,7 +398,9 @@ class ResponsesFrontEnd:
         except Exception as exc:
             if not started:
                 raise  # nothing sent yet: a real status
-            await sse.send(response, state.event("error", code="server_error", message=str(exc), param=None), named=True)
+            logger.exception("%s: the stream failed after it started", state.response_id)
+            error = response_error(exc)
+            await sse.send(response, state.event("error", code=error["code"], message=error["message"], param=getattr(exc, "field", None)), named=True)
         return response
 
     async def _run_background(self, api: ResponsesRequest, body: dict[str, Any], session: GenerationSession, state: ResponseState, conversation) -> None:
@@ -402,7 +418,9 @@ class ResponsesFrontEnd:
         except asyncio.CancelledError:
             state.status = "cancelled"
         except Exception as exc:
-            state.status, state.error = "failed", {"code": "server_error", "message": str(exc)}
+            if classify(exc)[0] is ErrorKind.INTERNAL:
+                logger.exception("%s: the background response failed", state.response_id)
+            state.status, state.error = "failed", response_error(exc)
         finally:
             watcher.cancel()
             # Kept before the session closes: a cancel arriving during close must not lose it.
