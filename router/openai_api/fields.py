@@ -109,3 +109,25 @@ def cache_salt(body: dict) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidArgumentError("cache_salt", f"must be a non-empty string, got {type_name(salt) if not isinstance(salt, str) else 'an empty one'}")
     return salt
+
+
+MAX_PRIORITY = 100  # vLLM's priority and the router's both lie in [-100, 100]
+# OpenAI's service tiers, as the tier served and how far it moves a request's priority: at
+# vLLM's default priority (0), flex goes behind every default request and priority ahead of them
+# (the router's and the engines' queues age priorities: flex waits at most priority_max_wait_s
+# behind newer requests).
+_SERVICE_TIERS = {"auto": ("default", 0), "default": ("default", 0), "flex": ("flex", -MAX_PRIORITY), "priority": ("priority", MAX_PRIORITY)}
+
+
+def served_priority(body: dict) -> tuple[int, str | None]:
+    """The request's priority as the router orders requests (higher first), from vLLM's
+    ``priority`` (lower first) moved by OpenAI's ``service_tier``, within [-100, 100]; and the tier
+    it is served in (None where the request named none)."""
+    priority = -integer(body, "priority", 0, -MAX_PRIORITY, MAX_PRIORITY)
+    tier = body.get("service_tier")
+    if tier is None:
+        return priority, None
+    if not isinstance(tier, str) or tier not in _SERVICE_TIERS:
+        raise InvalidArgumentError("service_tier", f"must be one of {list(_SERVICE_TIERS)}, got {tier!r}"[:200])
+    served, shift = _SERVICE_TIERS[tier]
+    return max(-MAX_PRIORITY, min(MAX_PRIORITY, priority + shift)), served

@@ -11,9 +11,10 @@ silently. vLLM's extensions are accepted under vLLM's names (``top_k``, ``min_p`
 ``chat_template_kwargs``, ``allowed_token_ids``, ``bad_words``, ``structured_outputs`` and its
 older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``,
 ``prompt_logprobs``, ``return_token_ids``, ``return_tokens_as_token_ids``,
-``include_stop_str_in_output`` and ``truncate_prompt_tokens``). OpenAI's ``service_tier`` (the
-one tier served: auto or default), ``prompt_cache_key`` and ``safety_identifier`` are checked
-and need nothing more (prefix caching is automatic; ``user`` is likewise only checked).
+``include_stop_str_in_output`` and ``truncate_prompt_tokens``). OpenAI's ``service_tier`` moves the
+request's priority (``flex`` 100 lower, ``priority`` 100 higher: fields.py) and the answer names
+the tier served; ``prompt_cache_key`` and ``safety_identifier`` are
+checked and need nothing more (prefix caching is automatic; ``user`` is likewise only checked).
 
 A prompt is scored as the legacy completions API scores it: ``echo`` with ``logprobs`` puts the
 prompt's tokens, with their log-probabilities, before the answer's, and ``max_tokens: 0`` (with
@@ -40,7 +41,7 @@ from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.constraints import logit_bias, structured_output
 from router.openai_api.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningFormat, read_effort
-from router.openai_api.fields import boolean, cache_salt, int_list, integer, is_int, json_object, number, refuse_unknown, string_list, text_parts, type_name
+from router.openai_api.fields import boolean, cache_salt, int_list, integer, is_int, json_object, number, refuse_unknown, served_priority, string_list, text_parts, type_name
 from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
@@ -88,6 +89,7 @@ class ApiRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     tool_calling: ToolCalling | None = None  # chat with tools: how its answers are read
     request_id: str | None = None  # vLLM's: the client's id for the call (the X-Request-Id header's too)
+    service_tier: str | None = None  # the OpenAI tier served, where the request named one: the answer says it
     # Chat with a reasoning parser (router.reasoning_parser; each choice's thinking is its
     # GenerateInput's), and vLLM's include_reasoning (false: the thinking is left out).
     reasoning: ReasoningFormat | None = None
@@ -227,7 +229,7 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
     if request_id is not None and not is_client_request_id(request_id):
         raise InvalidArgumentError("request_id", f"must be 1-100 characters from [A-Za-z0-9._:-], got {request_id!r}"[:200])
     return ApiRequest(
-        request_id=request_id,
+        request_id=request_id, service_tier=served_priority(body)[1],
         model=model, stream=stream, include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
         prompt_logprobs=integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS),
         return_token_ids=boolean(body, "return_token_ids", False),
@@ -249,10 +251,7 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
     for name in ("user", "prompt_cache_key", "safety_identifier"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise InvalidArgumentError(name, f"must be a string, got {type_name(body[name])}")
-    if body.get("service_tier") not in (None, "auto", "default"):
-        raise InvalidArgumentError("service_tier", f"must be auto or default (the one tier served here), got {body['service_tier']!r}")
     top_k = integer(body, "top_k", None, -1, None)
-    priority = integer(body, "priority", 0, -100, 100)
     return GenerateInput(
         max_tokens=integer(body, max_tokens_field, None, None, None),
         temperature=number(body, "temperature", None),
@@ -270,8 +269,7 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
         include_stop_str=boolean(body, "include_stop_str_in_output", False),
         cache_salt=cache_salt(body),
         truncate_prompt_tokens=integer(body, "truncate_prompt_tokens", None, None, None),
-        # vLLM's priority: lower is served first; the router's: higher is.
-        priority=-priority,
+        priority=served_priority(body)[0],
         sampling_prefix="",
         presence_penalty=number(body, "presence_penalty", 0.0),
         frequency_penalty=number(body, "frequency_penalty", 0.0),

@@ -226,12 +226,16 @@ class ChoiceState:
         return choice
 
 
-def envelope(response_id: str, model: str, chat: bool, stream: bool, created: int | None = None) -> dict[str, Any]:
+def envelope(response_id: str, model: str, chat: bool, stream: bool, created: int | None = None, service_tier: str | None = None) -> dict[str, Any]:
+    """An answer's or a chunk's fields around its choices; ``service_tier``: the tier served, where the request named one."""
     if chat:
         kind = "chat.completion.chunk" if stream else "chat.completion"
     else:
         kind = "text_completion"
-    return {"id": response_id, "object": kind, "created": int(time.time()) if created is None else created, "model": model}
+    body = {"id": response_id, "object": kind, "created": int(time.time()) if created is None else created, "model": model}
+    if service_tier is not None:
+        body["service_tier"] = service_tier
+    return body
 
 
 def usage(

@@ -293,7 +293,7 @@ class OpenAIServer:
         failed = next((s.end for s in states if s.end.reason == "error"), None)
         if failed is not None:
             raise end_failure(failed, failed.completion_tokens)
-        body = envelope(response_id, model, chat, stream=False)
+        body = envelope(response_id, model, chat, stream=False, service_tier=api.service_tier)
         body["choices"] = [state.whole() for state in states]
         if chat and api.prompt_logprobs is not None:
             body["prompt_logprobs"] = states[0].prompt_logprobs  # vLLM's place for them: one prompt
@@ -327,7 +327,7 @@ class OpenAIServer:
                 new_tokens = bool(item.token_ids) and (state.tools is None or api.return_token_ids)
                 if item.end is None and not item.text and not state.reasoning_delta and not state.tool_deltas and logprobs is None and not new_prompt_logprobs and not new_tokens and (state.role_sent or not chat):
                     continue  # nothing new to say
-                payload = envelope(response_id, model, chat, stream=True, created=created)
+                payload = envelope(response_id, model, chat, stream=True, created=created, service_tier=api.service_tier)
                 payload["choices"] = [state.delta(item, logprobs)]
                 if chat and new_prompt_logprobs and index == 0:
                     payload["prompt_logprobs"] = state.prompt_logprobs
@@ -339,7 +339,7 @@ class OpenAIServer:
                 if item.end is not None and item.end.reason == "error":
                     await sse.send(response, error_body(end_failure(item.end, item.end.completion_tokens))[1])
             if api.include_usage:
-                payload = envelope(response_id, model, chat, stream=True, created=created)
+                payload = envelope(response_id, model, chat, stream=True, created=created, service_tier=api.service_tier)
                 payload["choices"] = []
                 payload["usage"] = _usage(api, states)
                 await sse.send(response, payload)

@@ -21,7 +21,7 @@ from typing import Any
 from engine import bounded_json
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
-from router.openai_api.fields import boolean, cache_salt, integer, int_list, json_object, number, refuse_unknown, text_parts, type_name
+from router.openai_api.fields import boolean, cache_salt, integer, int_list, json_object, number, refuse_unknown, served_priority, text_parts, type_name
 from router.openai_api.reasoning import read_effort
 from router.openai_api.tool_calls import flat_function_tool
 from router.validation import GenerateInput
@@ -70,8 +70,6 @@ def read_responses(body: Any) -> ResponsesRequest:
         raise InvalidArgumentError("previous_response_id", "must be a response id")
     if body.get("truncation") not in (None, "disabled"):
         raise InvalidArgumentError("truncation", "only \"disabled\" is supported (a conversation longer than the context is refused)")
-    if body.get("service_tier") not in (None, "auto", "default"):
-        raise InvalidArgumentError("service_tier", "must be auto or default")
     reasoning = _reasoning(body)
     include = body.get("include") or []
     if not isinstance(include, list):
@@ -107,7 +105,7 @@ def read_responses(body: Any) -> ResponsesRequest:
     stop = [stop] if isinstance(stop, str) else stop
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
         raise InvalidArgumentError("stop", "must be a string or a list of strings")
-    priority = integer(body, "priority", 0, -100, 100)
+    priority, service_tier = served_priority(body)
     generate = GenerateInput(
         add_special_tokens=False,  # the template writes them
         text_field="input",
@@ -123,7 +121,7 @@ def read_responses(body: Any) -> ResponsesRequest:
         min_tokens=integer(body, "min_tokens", 0, 0, None),
         stop=list(stop or []),
         stop_token_ids=int_list(body, "stop_token_ids"),
-        priority=-priority,  # vLLM's: lower first; the router's: higher first
+        priority=priority,
         cache_salt=cache_salt(body),
         sampling_prefix="",
         structured=structured,
@@ -143,6 +141,7 @@ def read_responses(body: Any) -> ResponsesRequest:
         "store": store,
         "background": background,
         "previous_response_id": previous,
+        "service_tier": service_tier or "default",
     }
     if reasoning is not None:
         echo["reasoning"] = reasoning

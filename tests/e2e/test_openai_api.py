@@ -98,8 +98,9 @@ def test_chat_completion_equals_transformers_greedy_whole_and_streamed(client, c
     expected = hf_greedy(chat_model.hf_model, ids, 12)
     want_text = hf_tokenizer.decode(expected, skip_special_tokens=True)
 
-    whole = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_completion_tokens=12, **GREEDY)
-    assert whole.object == "chat.completion"
+    # OpenAI's service tiers are served (ordered by priority) and named in the answer.
+    whole = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_completion_tokens=12, service_tier="priority", **GREEDY)
+    assert whole.object == "chat.completion" and whole.service_tier == "priority"
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == want_text
     assert whole.choices[0].finish_reason == "length"
@@ -107,10 +108,10 @@ def test_chat_completion_equals_transformers_greedy_whole_and_streamed(client, c
 
     chunks = list(
         client.chat.completions.create(
-            model="tiny-chat", messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}, **GREEDY
+            model="tiny-chat", messages=MESSAGES, max_tokens=12, stream=True, stream_options={"include_usage": True}, service_tier="flex", **GREEDY
         )
     )
-    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.role == "assistant" and {c.service_tier for c in chunks} == {"flex"}
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == want_text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"

@@ -93,6 +93,28 @@ def test_completion_fields_map_to_the_neutral_request():
     assert first.sampling_prefix == ""
 
 
+def test_openai_service_tiers_order_requests_and_the_answer_names_the_tier_served():
+    """flex is served 100 priority points lower and priority 100 higher (within the router's
+    [-100, 100]): at vLLM's default priority, behind and ahead of every default request. auto is
+    served as default; a tier not served here is refused naming the field."""
+    def served(**fields):
+        request = read_completion({"prompt": "x", **fields})
+        return request.choices[0].priority, request.service_tier
+
+    assert served() == (0, None) and served(service_tier="auto") == (0, "default") and served(service_tier="default") == (0, "default")
+    assert served(service_tier="flex") == (-100, "flex") and served(service_tier="priority") == (100, "priority")
+    assert served(service_tier="flex", priority=-30) == (-70, "flex") and served(service_tier="priority", priority=-30) == (100, "priority")
+    for tier in ("scale", 3, ["flex"]):
+        with pytest.raises(InvalidArgumentError) as raised:
+            read_completion({"prompt": "x", "service_tier": tier})
+        assert raised.value.field == "service_tier"
+    from router.responses_api.protocol import read_responses
+
+    answer = read_responses({"input": "x", "service_tier": "flex"})
+    assert answer.generate.priority == -100 and answer.echo["service_tier"] == "flex"
+    assert read_responses({"input": "x"}).echo["service_tier"] == "default"
+
+
 def test_the_largest_seeds_later_choices_wrap_around_and_a_seed_past_it_stays_as_sent():
     assert [c.seed for c in read_completion({"prompt": "x", "n": 3, "seed": MAX_SEED}).choices] == [MAX_SEED, 0, 1]
     assert [c.seed for c in read_completion({"prompt": "x", "n": 2, "seed": MAX_SEED + 1}).choices][0] == MAX_SEED + 1  # refused when validated
