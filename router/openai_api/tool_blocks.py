@@ -64,6 +64,7 @@ class CallsRead:
 
     calls: list[tuple[str, str]]
     rest: str = ""
+    lead: str = ""  # content the block holds before its first call: it goes out before the call
 
 
 class CallStream:
@@ -73,8 +74,10 @@ class CallStream:
     def __init__(self) -> None:
         self.sent: list[str] = []  # each call's arguments text as sent
 
-    def pieces(self, read: CallsRead | None) -> list[CallPiece]:
-        pieces = []
+    def pieces(self, read: CallsRead | None) -> list[Part]:
+        pieces: list[Part] = []
+        if read is not None and read.calls and not self.sent and read.lead:
+            pieces.append(read.lead)  # the content before the first call, in the answer's order
         for index, (name, arguments) in enumerate(read.calls if read is not None else []):
             if index == len(self.sent):
                 pieces.append(CallPiece("", name))
@@ -291,7 +294,9 @@ class Qwen3CoderReader(TextValueReader):
             position = head.end() + (len(region) if end < 0 else end + len(FUNCTION_CLOSE))
         if not calls:
             return None, None
-        return CallsRead(calls, ("".join(outside) + text[position:]).strip() if closed else ""), writing
+        # Text before the first call goes out before it; text between and after calls, after them.
+        lead = outside[0].lstrip()
+        return CallsRead(calls, ("".join(outside[1:]) + text[position:]).strip() if closed else "", lead), writing
 
     @staticmethod
     def _arguments(region: str, complete: bool, offset: int) -> list[RawArgument]:

@@ -389,7 +389,7 @@ ODD_ANSWERS = [
     (GLM45, "<tool_call>get_time\n<arg_key>a</arg_key><arg_value>1</arg_value> and more</tool_call>", "and more", [("get_time", {"a": "1"})]),
     (QWEN3_CODER, "<tool_call><function=get_forecast><parameter=code>a<function=get_time></function></tool_call>",
      "", [("get_forecast", {"code": "a"}), ("get_time", {})]),
-    (QWEN3_CODER, "<tool_call>Let me\n<function=get_time></function> and more</tool_call>", "Let me\n and more", [("get_time", {})]),
+    (QWEN3_CODER, "<tool_call>Let me\n<function=get_time></function> and more</tool_call>", "Let me\nand more", [("get_time", {})]),
     (QWEN3_CODER, "<tool_call><function=get_time></function><function=>x</function></tool_call>", "<function=>x</function>", [("get_time", {})]),
     (HERMES, '<tool_call>{"name": "get_time", "arguments": {}}\n{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>',
      "", [("get_time", {}), ("get_weather", {"city": "Oslo"})]),
@@ -460,3 +460,17 @@ def test_content_after_a_call_in_the_same_chunk_comes_after_it():
         response.take(OutputChunk(token_ids=[1], text=chunk))
     assert [(item["type"], item.get("arguments") or item["content"][0]["text"]) for item in response.output] == [
         ("message", "Sure."), ("function_call", '{"city": "Oslo"}'), ("message", "\nDone.")]
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_text_a_qwen3_coder_block_holds_before_its_call_comes_before_the_call(piece):
+    """Qwen3-Coder may write text inside <tool_call> before <function=...>: it is content, and goes
+    out before the call (it came after it, so an Anthropic or Responses answer put the text's
+    block after the call's)."""
+    text = "<tool_call>\nLet me look.\n<function=get_time>\n</function> done</tool_call>"
+    output = ToolCallOutput(QWEN3_CODER)
+    parts = [part for start in range(0, len(text), piece) for part in output.feed(text[start : start + piece])] + output.finish()
+    content_at = [index for index, part in enumerate(parts) if isinstance(part, str)]
+    call_at = next(index for index, part in enumerate(parts) if isinstance(part, ToolCallDelta))
+    assert "".join(parts[i] for i in content_at) == "Let me look.\ndone"
+    assert "".join(parts[i] for i in content_at if i < call_at) == "Let me look.\n"
