@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import threading
 import time
 
@@ -215,6 +216,78 @@ def test_unknown_enum_value_and_bad_request_id_are_refused(client):
     with pytest.raises(grpc.RpcError) as info:
         client.admin.ScalePool(admin_request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in info.value.details()
+
+
+# Values at and past every field's edge: the mutations below draw from these.
+_EDGE_INTS = [0, 1, -1, 255, 2**15, 2**31 - 1, -(2**31), 2**32 - 1, 2**63 - 1, 2**64 - 1]
+_EDGE_FLOATS = [0.0, -0.0, 1e-45, 0.5, 2.0, -1.0, 1e30, -1e30, float("inf"), float("-inf"), float("nan")]
+_EDGE_STRINGS = ["", "a", "\n", "é", "\x00", "x" * 5000, "[" * 300, "(unclosed"]
+_EDGE_OUTPUTS = [
+    {"regex": "(unclosed"}, {"regex": "a{1000000}"}, {"json_schema": "{"}, {"json_schema": "[" * 200 + "]" * 200},
+    {"json_schema": '{"type": "integer", "minimum": 5, "maximum": 1}'}, {"grammar": "root ::= ("}, {"grammar": ""},
+    {"choice": pb.StringList(values=[])}, {"choice": pb.StringList(values=["", "b"])}, {"json_object": True},
+]
+
+
+def _edge_value(field, rng):
+    kind = field.type
+    if kind in (field.TYPE_FLOAT, field.TYPE_DOUBLE):
+        return rng.choice(_EDGE_FLOATS)
+    if kind == field.TYPE_BOOL:
+        return rng.random() < 0.5
+    if kind == field.TYPE_STRING:
+        return rng.choice(_EDGE_STRINGS)
+    low, high = {field.TYPE_UINT32: (0, 2**32), field.TYPE_INT32: (-(2**31), 2**31), field.TYPE_UINT64: (0, 2**64)}[kind]
+    return rng.choice([value for value in _EDGE_INTS if low <= value < high])
+
+
+def _mutated_request(rng) -> pb.GenerateRequest:
+    """A valid request with one to four fields set to values at or past their edges."""
+    request = make_request(prompt_token_ids=[rng.randrange(1, 200) for _ in range(rng.randint(1, 30))], max_tokens=rng.randint(1, 5))
+    sampling = request.sampling
+    for _ in range(rng.randint(1, 4)):
+        field = rng.choice(sampling.DESCRIPTOR.fields)
+        if field.name == "structured_output":
+            sampling.structured_output.CopyFrom(pb.StructuredOutput(**rng.choice(_EDGE_OUTPUTS)))
+        elif field.name == "logit_bias":
+            sampling.logit_bias[rng.choice([0, 5, 2**32 - 1])] = rng.choice(_EDGE_FLOATS)
+        elif field.is_repeated:
+            getattr(sampling, field.name).extend(_edge_value(field, rng) for _ in range(rng.choice([0, 1, 3, 300])))
+        else:
+            setattr(sampling, field.name, _edge_value(field, rng))
+    edit = rng.random()
+    if edit < 0.15:
+        request.priority = rng.choice([2**31 - 1, -(2**31), 101])
+    elif edit < 0.3:
+        request.truncate_prompt_tokens = rng.choice([0, -2, 2**31 - 1])
+    elif edit < 0.4:
+        request.lora_name = rng.choice(_EDGE_STRINGS)
+    elif edit < 0.55:
+        del request.prompt_token_ids[:]
+        request.prompt_token_ids.extend(rng.choice([[], [2**32 - 1], [1] * 5000]))
+    elif edit < 0.65:
+        request.prompt_text = rng.choice(_EDGE_STRINGS)  # with token ids too, or alone
+    return request
+
+
+def test_mutated_requests_are_answered_or_refused_naming_the_field_and_leave_no_block_behind(client):
+    """Seeded requests with fields at and past their edges (NaN and infinite floats, the largest
+    integers, empty and huge lists and strings, grammars that do not compile or match nothing):
+    each is served or refused with a client's status whose message names what was wrong, never
+    INTERNAL or UNKNOWN; afterwards no worker holds a block."""
+    rng = random.Random(2026)
+    refused = 0
+    for _ in range(150):
+        request = _mutated_request(rng)
+        try:
+            messages = list(client.stub.Generate(request, timeout=60))
+            assert messages[-1].finish_reason != pb.FINISH_REASON_ERROR, (request, messages[-1])
+        except grpc.RpcError as error:
+            refused += 1
+            assert error.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (request, error.code(), error.details())
+            assert error.details() and ":" in error.details(), error.details()  # "field: problem"
+    assert 30 < refused < 150  # the mutations reach both answers and refusals
+    assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle())
 
 
 def test_server_keeps_serving_after_bad_requests(client, e2e_model):
