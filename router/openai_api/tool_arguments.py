@@ -171,7 +171,10 @@ def python_expression(text: str) -> ast.expr:
     gives for escapes it does not know (a model's ``"C:\\dir"``) are the model's, not the server's: they are not printed."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return ast.parse(text, mode="eval").body
+        try:
+            return ast.parse(text, mode="eval").body
+        except ValueError as exc:  # a lone surrogate (UnicodeEncodeError), which is no Python either
+            raise SyntaxError(str(exc)) from None
 
 
 def python_literal(node: ast.expr) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import unicodedata
 from dataclasses import dataclass, field
 
 from router.openai_api.tool_arguments import escaped, python_expression, python_literal
@@ -28,7 +29,8 @@ _CALL_HEAD = re.compile(r"\s*([A-Za-z_]\w*(?:\s*\.\s*[A-Za-z_]\w*)*)\s*\(")
 _CALL_HEAD_START = re.compile(r"\s*(?:[A-Za-z_]\w*(?:\s*\.\s*(?:[A-Za-z_]\w*)?)*\s*)?")  # a head not yet whole
 _KEYWORD = re.compile(r"\s*([A-Za-z_]\w*)\s*=(?=[^=])\s*")
 _KEYWORD_START = re.compile(r"\s*(?:[A-Za-z_]\w*\s*=?)?")  # a keyword not yet whole ("=" waits: "==" is none)
-_VALUE_MARK = re.compile(r"""[()\[\]{},'"]""")
+_VALUE_MARK = re.compile(r"""[()\[\]{},'"#]""")
+_MAX_WAITING = 1024  # characters a name or key not yet whole may take before the reading gives up
 # A string's body up to its closing quote: a one-line string's, or a triple-quoted one's.
 _STRING_BODY = {quote: re.compile(rf"(?:[^\\\n{quote}]|\\.)*", re.S) for quote in "'\""} | {
     quote * 3: re.compile(rf"(?:[^\\{quote}]|\\.|{quote}(?!{quote}{quote}))*", re.S) for quote in "'\""
@@ -38,6 +40,11 @@ _STRING_BODY = {quote: re.compile(rf"(?:[^\\\n{quote}]|\\.)*", re.S) for quote i
 # it is a "\r\n", which Python reads as one line end.
 _UNIT = r"(?:[^\\\r]|\\?(?:\r\n|\r(?=[^\n]))|\\(?:x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|N\{[^}]*\}|[0-7]{3}|[0-7]{1,2}(?=[^0-7])|[^xuUN0-7\r]))"
 _DECODABLE, _DECODABLE_UNIT = re.compile(_UNIT + "+"), re.compile(_UNIT)
+
+
+def _identifier(name: str) -> str:
+    """A name as Python reads it (NFKC-normalised: "ﬁ" is "fi")."""
+    return name if name.isascii() else unicodedata.normalize("NFKC", name)
 
 
 def _closer_start(text: str, start: int, quote: str) -> int:
@@ -121,7 +128,15 @@ class _OpenString:
 
 
 def _decoded(body: str, quote: str) -> str | None:
-    """A string body's characters (None: Python refuses an escape in it)."""
+    """A string body's characters (None: Python refuses an escape in it, or a character: a NUL, a
+    lone surrogate)."""
+    if not body.isascii():
+        try:
+            body.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+    if "\x00" in body:
+        return None
     if "\\" not in body and "\r" not in body:  # no escape, and no line end Python's reader rewrites
         return body
     try:
@@ -167,10 +182,12 @@ class PythonCalls:
         state = self._state
         if state == "value":
             return self._scan_value(text)
-        position = self._position
-        start = _SPACES.match(text, position).end()
-        if start == len(text):
+        position = self._position = _SPACES.match(text, self._position).end()  # read once, not again with every token
+        if position == len(text):
             return False
+        if text[position] == "#":
+            return self._fail()  # a comment: the whole answer's parse reads it
+        start = position
         if state == "list":
             return self._went(start + 1, "call") if text[start] == "[" else self._fail()
         if state in ("call", "after_call") and text[start] == "]":
@@ -181,8 +198,8 @@ class PythonCalls:
         if state == "call":
             head = _CALL_HEAD.match(text, position)
             if head is None:
-                return False if _CALL_HEAD_START.fullmatch(text, position) else self._fail()
-            self.calls.append(_Call(re.sub(r"\s", "", head.group(1))))
+                return False if self._may_be_whole_later(text, position, _CALL_HEAD_START) else self._fail()
+            self.calls.append(_Call(_identifier(re.sub(r"\s", "", head.group(1)))))
             return self._went(head.end(), "argument")
         call = self.calls[-1]  # state "argument"
         if text[start] == ")":
@@ -191,13 +208,19 @@ class PythonCalls:
             return self._went(start + 1, "after_call")
         keyword = _KEYWORD.match(text, position)
         if keyword is None:
-            return False if _KEYWORD_START.fullmatch(text, position) else self._fail()
-        self._key = keyword.group(1)
+            return False if self._may_be_whole_later(text, position, _KEYWORD_START) else self._fail()
+        self._key = _identifier(keyword.group(1))
         if self._key in call.keys:
             return self._fail()  # f(a=1, a=2) is no Python call
         call.confirm()
         self._value_start, self._depth, self._quote, self._open, self._value_marks = keyword.end(), 0, None, None, 0
         return self._went(keyword.end(), "value")
+
+    @staticmethod
+    def _may_be_whole_later(text: str, position: int, start: re.Pattern) -> bool:
+        """Whether the text from ``position`` is the start of a name or key (no longer than any:
+        read again with every token, a runaway one would cost the square of its length)."""
+        return len(text) - position <= _MAX_WAITING and start.fullmatch(text, position) is not None
 
     def _scan_value(self, text: str) -> bool:
         """Reads on in a keyword's value, up to the ``,`` or ``)`` that ends it."""
@@ -236,6 +259,8 @@ class PythonCalls:
                     # The value starts as a plain string (not r"...", f"..."): it streams as it is written.
                     self._open = _OpenString(self._quote, position, f'{_dump(self._key)}: "')
                 self._position = position
+            elif char == "#":
+                return self._fail()  # a comment: the whole answer's parse reads it
             elif char in "([{":
                 self._depth += 1
             elif self._depth > 0 and char in ")]}":

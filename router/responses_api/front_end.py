@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router import sse
-from router.errors import ErrorKind, InternalError, InvalidArgumentError, NotFoundError, classify
+from router.errors import ErrorKind, InternalError, InvalidArgumentError, NotFoundError, classify, remote_cause
 from router.openai_api.tool_calls import read_tool_calling, template_messages
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd, end_failure
@@ -85,8 +85,8 @@ _ERROR_CODES = {
 
 
 def response_error(exc: BaseException) -> dict[str, str]:
-    """A failed response's ``error``: its code, and a message fit for the client (a generic one
-    for the server's own faults, which are logged where they are caught)."""
+    """A failed response's ``error``: its code, and the message written for clients (a generic
+    one for an unexpected exception, which is logged where it is caught)."""
     kind, message = classify(exc)
     return {"code": _ERROR_CODES.get(kind, "server_error"), "message": message}
 
@@ -398,9 +398,11 @@ class ResponsesFrontEnd:
         except Exception as exc:
             if not started:
                 raise  # nothing sent yet: a real status
-            logger.exception("%s: the stream failed after it started", state.response_id)
+            if classify(exc)[0] is ErrorKind.INTERNAL:
+                logger.exception("%s: the stream failed after it started", state.response_id)
             error = response_error(exc)
-            await sse.send(response, state.event("error", code=error["code"], message=error["message"], param=getattr(exc, "field", None)), named=True)
+            param = getattr(remote_cause(exc), "field", None)
+            await sse.send(response, state.event("error", code=error["code"], message=error["message"], param=param), named=True)
         return response
 
     async def _run_background(self, api: ResponsesRequest, body: dict[str, Any], session: GenerationSession, state: ResponseState, conversation) -> None:

@@ -295,7 +295,7 @@ _PYTHONIC_ANSWERS = [
     "[f(s='\\x41\\u00e9\\N{BULLET}\\101\\\n end', t='''x''' 'y')]",
     '[f(a="""x\r\ny"""), g(b=\'\\\r\n\')]',
 ]
-_PYTHONIC_MARKS = list("[]()=,'\"\\ \nab1{}:#.-\r") + ['"""', "'''", "\\n", "\\x4", "\\N{"]
+_PYTHONIC_MARKS = list("[]()=,'\"\\ \nab1{}:#.-\r\x00\udc80\ufb01") + ['"""', "'''", "\\n", "\\x4", "\\N{", " # ,b=2\n"]
 
 
 def test_a_pythonic_answer_reads_alike_however_it_is_cut(caplog):
@@ -316,6 +316,24 @@ def test_a_pythonic_answer_reads_alike_however_it_is_cut(caplog):
             reads.append((content, [(call["name"], call["arguments"]) for call in whole]))
         assert all(read == reads[-1] for read in reads), text
     assert not [record for record in caplog.records if record.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_pythonic_calls_are_read_as_python_reads_them(piece):
+    """Comments, names Python normalises, and characters no Python source holds: streamed calls
+    never say what the whole answer's parse does not (a comment's text once streamed as an
+    argument, or as a call of its own), and nothing raises."""
+    for text, calls in [
+        ("[f(a=1 # ,b=2\n)]", [("f", {"a": 1})]),
+        ("[f(a=1 # ), g(b=2)\n)]", [("f", {"a": 1})]),
+        ("[f(a='x', # the city\n b=2)]", [("f", {"a": "x", "b": 2})]),
+        ("[\ufb01nd(a\ufb01=1)]", [("find", {"afi": 1})]),
+    ]:
+        content, streamed, whole, _ = _run(PYTHONIC, text, piece)
+        assert (content, streamed, _read(whole)) == ("", whole, calls), text
+    for text in ["[f(a='x\udc80y')]", "[f(a='x\x00y')]"]:  # no Python: the call as far as it read, the rest content
+        content, streamed, whole, _ = _run(PYTHONIC, text, piece)
+        assert (content, [(c["name"], c["arguments"]) for c in whole]) == (text[3:], [("f", '{"a": "x')]) and streamed == whole
 
 
 @pytest.mark.parametrize("piece", [1, 1000])
