@@ -75,7 +75,7 @@ def error_response(exc: BaseException) -> web.Response:
 def _refused(request: web.Request, exc: BaseException) -> web.Response:
     """The error response for ``exc`` (these handlers answer their own errors), logged as the
     edge logs the other front ends' (``log_if_internal``)."""
-    log_if_internal(request, exc)
+    log_if_internal(exc, f"{request.method} {request.path}")
     return error_response(exc)
 
 

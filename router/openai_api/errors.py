@@ -54,11 +54,11 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
     return status, _body(message, error_type, param, kind.value), headers
 
 
-def log_if_internal(request: web.Request, exc: BaseException) -> None:
-    """Log ``exc`` with its traceback where it is the server's own fault: the message its client
-    gets says the server log has the details."""
+def log_if_internal(exc: BaseException, what: str) -> None:
+    """Log that ``what`` failed, with ``exc``'s traceback, where it is the server's own fault: the
+    message its client gets says the server log has the details."""
     if classify(exc)[0] is ErrorKind.INTERNAL and not isinstance(exc, UnauthenticatedError):
-        logger.error("%s %s failed", request.method, request.path, exc_info=exc)
+        logger.error("%s failed", what, exc_info=exc)
 
 
 def error_response(exc: BaseException) -> web.Response:

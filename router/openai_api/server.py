@@ -150,7 +150,7 @@ class OpenAIServer:
             body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}", "type": "invalid_request_error", "param": None, "code": None}}
             return web.json_response(body, status=exc.status)
         except Exception as exc:
-            log_if_internal(request, exc)
+            log_if_internal(exc, f"{request.method} {request.path}")
             for module in FRONT_END_MODULES:
                 prefix = getattr(module, "ERROR_SHAPE_PREFIX", None)
                 if prefix is not None and request.path.startswith(prefix):

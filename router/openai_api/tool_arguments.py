@@ -38,9 +38,9 @@ def arguments_text(arguments: list[RawArgument], schemas: dict[str, Any], comple
     for argument in arguments:
         schema = schemas.get(argument.key)
         if argument.closed or complete:
-            items.append(f"{_dump(argument.key)}: {_dump(typed_value(argument.text, schema))}")
+            items.append(json_member(argument.key, typed_value(argument.text, schema)))
         elif is_text(schema):  # the last key, its value still coming
-            items.append(f'{_dump(argument.key)}: "{escaped(argument.text)}')  # no closing quote yet
+            items.append(open_string_member(argument.key) + escaped(argument.text))  # no closing quote yet
     return "{" + ", ".join(items) + ("}" if complete else "")
 
 
@@ -90,6 +90,17 @@ def json_text(arguments: Any) -> str:
 
 def _dump(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
+
+
+def json_member(key: str, value: Any) -> str:
+    """One key of a call's arguments and its value, as ``json.dumps`` writes them in an object
+    (so the members of a streamed call add up to its whole arguments' text)."""
+    return f"{_dump(key)}: {_dump(value)}"
+
+
+def open_string_member(key: str) -> str:
+    """The start of ``json_member`` for a string value still being written: its characters follow, escaped."""
+    return f'{_dump(key)}: "'
 
 
 def escaped(text: str) -> str:

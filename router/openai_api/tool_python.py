@@ -7,8 +7,9 @@ an object, so what a call's text gives only grows and adds up to the arguments t
 is read into (router/openai_api/tool_formats.py). A plain string value streams as it is written,
 its escapes decoded as each one completes (an agent writing a file sees it grow). A call is shown
 once it is known to be one: it closed, a value of it was read whole and what follows it too (a
-key not given before, or the ``)``), or its first value is a string being written. Text that reads as no such call stops the reading: what was shown stays,
-and the whole answer decides the rest.
+key not given before, or the ``)``), or its first value is a string being written. Text that
+reads as no such call (a comment included) stops the reading: what was shown stays, and the whole
+answer decides the rest.
 
 Each piece of the text is read once (strings by regular expression), so a long call costs what it
 adds per token, not its length.
@@ -17,12 +18,11 @@ adds per token, not its length.
 from __future__ import annotations
 
 import ast
-import json
 import re
 import unicodedata
 from dataclasses import dataclass, field
 
-from router.openai_api.tool_arguments import escaped, python_expression, python_literal
+from router.openai_api.tool_arguments import escaped, json_member, open_string_member, python_expression, python_literal
 
 _SPACES = re.compile(r"\s*")
 _CALL_HEAD = re.compile(r"\s*([A-Za-z_]\w*(?:\s*\.\s*[A-Za-z_]\w*)*)\s*\(")
@@ -56,10 +56,6 @@ def _closer_start(text: str, start: int, quote: str) -> int:
     while backslashes < end and text[end - backslashes - 1] == "\\":
         backslashes += 1
     return end + 1 if backslashes % 2 and end < len(text) else end
-
-
-def _dump(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False)  # as the whole answer's arguments are written
 
 
 @dataclass(slots=True)
@@ -142,7 +138,7 @@ def _decoded(body: str, quote: str) -> str | None:
     try:
         # A space before the closing quote, taken off after: a triple-quoted body may end with one quote.
         node = python_expression(quote + body + " " + quote)
-    except (SyntaxError, ValueError):
+    except SyntaxError:
         return None
     return node.value[:-1] if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
@@ -153,8 +149,9 @@ class PythonCalls:
 
     def __init__(self, start: int) -> None:
         self.calls: list[_Call] = []
-        # Where the reading stopped: after the list's "]", or where text that is no call starts
-        # (a call not yet shown is no call then; one shown stays, and text from its failing value on is not).
+        # Where the reading stopped: after the list's "]", or where text that is no call starts. A
+        # call not yet shown is then no call (its text is content); one shown stays a call, and the
+        # text from its failing argument on is content.
         self.stop: int | None = None
         self._position = start
         self._call_start = self._argument_start = start
@@ -164,7 +161,6 @@ class PythonCalls:
         self._depth = 0
         self._quote: str | None = None  # the quote of the string the value's scan is in
         self._open: _OpenString | None = None
-        self._value_marks = 0  # brackets, quotes and commas read in the value so far
 
     def read(self, text: str) -> list[tuple[str, str]]:
         """The calls known to be calls so far, in order: each one's name and arguments' text."""
@@ -187,14 +183,13 @@ class PythonCalls:
             return False
         if text[position] == "#":
             return self._fail()  # a comment: the whole answer's parse reads it
-        start = position
         if state == "list":
-            return self._went(start + 1, "call") if text[start] == "[" else self._fail()
-        if state in ("call", "after_call") and text[start] == "]":
-            self.stop = start + 1
+            return self._went(position + 1, "call") if text[position] == "[" else self._fail()
+        if state in ("call", "after_call") and text[position] == "]":
+            self.stop = position + 1
             return False
         if state == "after_call":
-            return self._went(start + 1, "call") if text[start] == "," else self._fail()
+            return self._went(position + 1, "call") if text[position] == "," else self._fail()
         if state == "call":
             head = _CALL_HEAD.match(text, position)
             if head is None:
@@ -202,10 +197,10 @@ class PythonCalls:
             self.calls.append(_Call(_identifier(re.sub(r"\s", "", head.group(1)))))
             return self._went(head.end(), "argument")
         call = self.calls[-1]  # state "argument"
-        if text[start] == ")":
+        if text[position] == ")":
             call.confirm()
             call.closed = True
-            return self._went(start + 1, "after_call")
+            return self._went(position + 1, "after_call")
         keyword = _KEYWORD.match(text, position)
         if keyword is None:
             return False if self._may_be_whole_later(text, position, _KEYWORD_START) else self._fail()
@@ -213,7 +208,7 @@ class PythonCalls:
         if self._key in call.keys:
             return self._fail()  # f(a=1, a=2) is no Python call
         call.confirm()
-        self._value_start, self._depth, self._quote, self._open, self._value_marks = keyword.end(), 0, None, None, 0
+        self._value_start, self._depth, self._quote, self._open = keyword.end(), 0, None, None
         return self._went(keyword.end(), "value")
 
     @staticmethod
@@ -246,18 +241,16 @@ class PythonCalls:
                 self._position = len(text)
                 return False
             char, position = mark.group(), mark.end()
-            self._value_marks += 1
             if char in "'\"":
                 opening = text[mark.start() : mark.start() + 3]
                 if len(opening) < 3 and opening == char * len(opening):
                     self._position = mark.start()  # a string, an empty one, or a triple-quoted one
-                    self._value_marks -= 1
                     return False
                 self._quote = char * 3 if text.startswith(char * 3, mark.start()) else char
                 position = mark.start() + len(self._quote)
-                if self._value_marks == 1 and not text[self._value_start : mark.start()].strip():
+                if _SPACES.match(text, self._value_start).end() == mark.start():
                     # The value starts as a plain string (not r"...", f"..."): it streams as it is written.
-                    self._open = _OpenString(self._quote, position, f'{_dump(self._key)}: "')
+                    self._open = _OpenString(self._quote, position, open_string_member(self._key))
                 self._position = position
             elif char == "#":
                 return self._fail()  # a comment: the whole answer's parse reads it
@@ -284,7 +277,7 @@ class PythonCalls:
             value = python_literal(python_expression(text[self._value_start : end].strip()))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             return self._fail()
-        item = f"{_dump(self._key)}: {_dump(value)}"
+        item = json_member(self._key, value)
         if not item.startswith(call.open_text):
             return self._fail()  # ("ab")[0]: what was shown is no start of the value
         call.pending = item

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from router import sse
 from router.errors import ErrorKind, InternalError, InvalidArgumentError, NotFoundError, classify, remote_cause
+from router.openai_api.errors import log_if_internal
 from router.openai_api.tool_calls import read_tool_calling, template_messages
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd, end_failure
@@ -398,8 +399,7 @@ class ResponsesFrontEnd:
         except Exception as exc:
             if not started:
                 raise  # nothing sent yet: a real status
-            if classify(exc)[0] is ErrorKind.INTERNAL:
-                logger.exception("%s: the stream failed after it started", state.response_id)
+            log_if_internal(exc, f"{state.response_id}: the stream, after it started,")
             error = response_error(exc)
             param = getattr(remote_cause(exc), "field", None)
             await sse.send(response, state.event("error", code=error["code"], message=error["message"], param=param), named=True)
@@ -420,8 +420,7 @@ class ResponsesFrontEnd:
         except asyncio.CancelledError:
             state.status = "cancelled"
         except Exception as exc:
-            if classify(exc)[0] is ErrorKind.INTERNAL:
-                logger.exception("%s: the background response failed", state.response_id)
+            log_if_internal(exc, f"{state.response_id}: the background response")
             state.status, state.error = "failed", response_error(exc)
         finally:
             watcher.cancel()
