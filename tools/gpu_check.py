@@ -375,7 +375,8 @@ def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile:
                       sampling: SamplingParams | None = None, **overrides) -> float:
     from engine.bench import seat_decoding
 
-    blocks = batch * (-(-(context + steps + 16) // 16)) + 16
+    block = overrides.get("block_size", 16)
+    blocks = batch * (-(-(context + steps + 16) // block)) + 16
     engine = LLMEngine(path, EngineConfig(device="cuda", dtype="bfloat16", num_kv_blocks=blocks, max_num_seqs=batch,
                                           max_num_batched_tokens=max(2048, batch), max_model_len=context + steps + 64, **overrides))
     seat_decoding(engine, batch, context, steps + 16, lora_names, sampling)
@@ -560,9 +561,17 @@ def bench_sampled_steps(workdir: Path, batch: int = 64, context: int = 600) -> d
     return result
 
 
-def bench_attention_kernels(batch: int = 64, context: int = 600, backends: tuple[str, ...] = ("fa2",)) -> dict:
-    """The 1.5B shape's decode attention alone (12 query heads, 2 KV heads of 128, pages of 16,
-    ``batch`` sequences of ``context`` tokens), one layer's call timed in CUDA graphs, for each
+def bench_attention_kernels_by_page(batch: int = 64, context: int = 600, blocks: tuple[int, ...] = (16, 32, 64)) -> dict:
+    """``bench_attention_kernels`` at each page (block) size: a step's attention reads its KV a
+    page at a time, and pages of 16 tokens (the engine's default, vLLM's too) may cost FlashInfer
+    more page-table reads and smaller loads than a larger block would (``decode`` times the
+    whole step with ``--variants block32,block64``)."""
+    return {f"page_{block}": bench_attention_kernels(batch, context, block=block) for block in blocks}
+
+
+def bench_attention_kernels(batch: int = 64, context: int = 600, backends: tuple[str, ...] = ("fa2",), block: int = 16) -> dict:
+    """The 1.5B shape's decode attention alone (12 query heads, 2 KV heads of 128, pages of
+    ``block`` tokens, ``batch`` sequences of ``context`` tokens), one layer's call timed in CUDA graphs, for each
     way FlashInfer offers to run it: its CUDA-core decode kernel, its tensor-core one (the
     engine's choice at 6 query heads per KV head) with and without splitting the KV, and the
     engine's cache layout ([blocks, block, KV heads, dim], passed as a strided HND view) against
@@ -572,7 +581,7 @@ def bench_attention_kernels(batch: int = 64, context: int = 600, backends: tuple
 
     from engine.attention.flashinfer_paged import WORKSPACE_BYTES, PagedTables
 
-    heads, kv_heads, dim, block = 12, 2, 128, 16
+    heads, kv_heads, dim = 12, 2, 128
     pages_per_seq = -(-context // block)
     num_pages = batch * pages_per_seq + 1
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -964,7 +973,8 @@ def main() -> int:
             save(name + "_error", traceback.format_exc()[-3000:])
         save(name + "_seconds", round(time.perf_counter() - start, 1))
 
-    variants = {"pdserve": {}, "overlapped": {"async_scheduling": True}, "unfused": {"fused_ops": False}, "no_split_kv": {"decode_split_kv": False}, "flashinfer_eager": {"attention_backend": "flashinfer", "cuda_graph_max_batch": 0},
+    variants = {"pdserve": {}, "overlapped": {"async_scheduling": True}, "unfused": {"fused_ops": False}, "no_split_kv": {"decode_split_kv": False},
+                "block32": {"block_size": 32}, "block64": {"block_size": 64}, "flashinfer_eager": {"attention_backend": "flashinfer", "cuda_graph_max_batch": 0},
                 "sdpa_eager": {"attention_backend": "sdpa", "cuda_graph_max_batch": 0}}
     variants = {name: overrides for name, overrides in variants.items() if name in args.variants.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
@@ -981,7 +991,7 @@ def main() -> int:
         section("quantized", check_quantized_kernels, workdir)
         section("sampling", bench_sampling)
         section("sampled_steps", bench_sampled_steps, workdir)
-        section("attention_kernels", bench_attention_kernels)
+        section("attention_kernels", bench_attention_kernels_by_page)
         section("gemms", bench_gemms)
         if "profile" in sections and args.json:
             def profile():
