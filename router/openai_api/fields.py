@@ -115,8 +115,10 @@ MAX_PRIORITY = 100  # vLLM's priority and the router's both lie in [-100, 100]
 # OpenAI's service tiers, as the tier served and how far it moves a request's priority: at
 # vLLM's default priority (0), flex goes behind every default request and priority ahead of them
 # (the router's and the engines' queues age priorities: flex waits at most priority_max_wait_s
-# behind newer requests).
-_SERVICE_TIERS = {"auto": ("default", 0), "default": ("default", 0), "flex": ("flex", -MAX_PRIORITY), "priority": ("priority", MAX_PRIORITY)}
+# behind newer requests). OpenAI's scale tier is capacity a customer reserved, which a deployment
+# of its own does not sell: served as default, and the answer says so.
+_SERVICE_TIERS = {"auto": ("default", 0), "default": ("default", 0), "scale": ("default", 0), "flex": ("flex", -MAX_PRIORITY),
+                  "priority": ("priority", MAX_PRIORITY)}
 
 
 def served_priority(body: dict) -> tuple[int, str | None]:

@@ -104,7 +104,8 @@ def test_openai_service_tiers_order_requests_and_the_answer_names_the_tier_serve
     assert served() == (0, None) and served(service_tier="auto") == (0, "default") and served(service_tier="default") == (0, "default")
     assert served(service_tier="flex") == (-100, "flex") and served(service_tier="priority") == (100, "priority")
     assert served(service_tier="flex", priority=-30) == (-70, "flex") and served(service_tier="priority", priority=-30) == (100, "priority")
-    for tier in ("scale", 3, ["flex"]):
+    assert served(service_tier="scale") == (0, "default")
+    for tier in ("turbo", 3, ["flex"]):
         with pytest.raises(InvalidArgumentError) as raised:
             read_completion({"prompt": "x", "service_tier": tier})
         assert raised.value.field == "service_tier"
