@@ -80,6 +80,7 @@ class WholeAnswerReader(ABC):
         self.tools = tools
         self._buffer = ""
         self._calls: bool | None = None  # None: not settled yet
+        self._blank = 0  # how much of the answer's start is known to be whitespace (read once, not with every token)
         self._stream = CallStream()
         self.ends = ObjectEnds()  # the JSON objects of the answer so far (it only grows)
 
@@ -90,10 +91,12 @@ class WholeAnswerReader(ABC):
     def feed(self, text: str) -> list[Part]:
         self._buffer += text
         if self._calls is None:
-            stripped = self._buffer.lstrip()
-            if not stripped or any(start.startswith(stripped) for start in self.starts):
+            while self._blank < len(self._buffer) and self._buffer[self._blank].isspace():
+                self._blank += 1
+            head = self._buffer[self._blank : self._blank + 1 + max(map(len, self.starts))]  # enough to tell
+            if not head or any(start.startswith(head) for start in self.starts):
                 return []
-            self._calls = stripped.startswith(self.starts)
+            self._calls = head.startswith(self.starts)
         if self._calls:
             return list(self._stream.pieces(self.read(self._buffer, False)))
         content, self._buffer = self._buffer, ""

@@ -80,6 +80,19 @@ def test_llama3_json_calls_with_and_without_the_python_tag(piece):
     assert [c["arguments"] for c in _run(LLAMA, '{"name": "get_time", "parameters": null}', piece)[2]] == ["{}"]  # an object, as the API promises
 
 
+@pytest.mark.parametrize("piece", [1, 2, 5])
+def test_whitespace_before_an_answer_settles_it_once_its_start_is_read(piece):
+    """Blank lines before a call or content (models write them) wait, read once each, until the
+    first characters tell which it is: the call comes whole, content keeps its whitespace."""
+    pythonic = ToolCalling([WEATHER, TIME], "auto", parser="pythonic")
+    for calling, call in ((LLAMA, '<|python_tag|>{"name": "get_time", "parameters": {}}'), (pythonic, "[get_time()]")):
+        content, streamed, whole, reason = _run(calling, "\n \n\t " + call, piece)
+        assert content == "" and streamed == whole and _read(whole) == [("get_time", {})] and reason == "tool_calls"
+        assert _run(calling, "\n\n  <|python_ta Hi", piece)[:2] == ("\n\n  <|python_ta Hi", [])
+        content, streamed, whole, _ = _run(calling, " " * 20_000 + "x", piece)
+        assert content == " " * 20_000 + "x" and whole == []
+
+
 def test_required_and_named_choices_have_grammars_and_parse_their_json():
     required = ToolCalling([WEATHER, TIME], "required", parallel=False)
     schema = json.loads(required.constraint().value)
