@@ -305,6 +305,10 @@ class EngineWorker:
             "chunk_size": config.long_prefill_chunk,
             "max_num_seqs": config.max_num_seqs,
             "tensor_parallel_size": config.tensor_parallel_size,  # bytes_per_block is one rank's share
+            # What a pipelined prefill's stages cost (cluster/planning/simulator.py): each computes
+            # its share of the layers and hands the next its hidden and residual rows per token.
+            "num_layers": engine.model_config.num_layers,
+            "activation_bytes_per_token": 2 * engine.model_config.hidden_size * engine.dtype.itemsize,
         }
         return StepProfileBatch(
             self.role, self.node, log.num_steps, log.steps_since(since_step), log.num_transfers, log.transfers_since(since_transfer), facts

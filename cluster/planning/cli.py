@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.planning.simulator import PipelineSettings
+from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ def add_planning_parsers(commands) -> None:
         "--routing-policy", choices=[p.value for p in RoutingPolicy], default=RoutingPolicy.KV_AWARE.value,
         help="the router's routing_policy (kv_aware is simulated without prefix-cache hits)",
     )
+    add_pipeline_arguments(sim)
     sim.add_argument("--json", type=Path, help="write the result here")
     sim.set_defaults(bench_handler=run_simulate)
 
@@ -73,7 +76,29 @@ def add_planning_parsers(commands) -> None:
     plan.add_argument("--diurnal", action="store_true", help="plan each hour of the workload's diurnal day")
     plan.add_argument("--headroom", type=float, default=1.1, help="--diurnal: plan each hour for this multiple of its peak rate")
     plan.add_argument("--out", type=Path, help="directory for plan.json (and the diurnal plot)")
+    add_pipeline_arguments(plan)
     plan.set_defaults(bench_handler=run_plan)
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The deployment's pipelined prefill, as `pdserve up` takes it (the defaults are its own)."""
+    defaults = PipelineSettings()
+    parser.add_argument("--prefill-pipeline", choices=[m.value for m in PipelineMode], default=defaults.mode.value,
+                        help="how the router spreads one long prompt over several prefill workers (prefill.pipeline)")
+    parser.add_argument("--max-pipeline-stages", type=int, help="most workers in one prompt's pipeline (prefill.max_pipeline_stages)")
+    parser.add_argument("--pipeline-decode-stage", choices=[m.value for m in PipelineMode], default=defaults.decode_stage.value,
+                        help="the decode worker computes a pipeline's last stage (prefill.pipeline_decode_stage)")
+    parser.add_argument("--pipeline-tokens-per-stage", type=int, default=defaults.tokens_per_stage, help="prefill.pipeline_tokens_per_stage")
+    parser.add_argument("--pipeline-chunk-tokens", type=int, default=defaults.chunk_tokens, help="prefill.pipeline_chunk_tokens")
+
+
+def pipeline_settings(args: argparse.Namespace) -> PipelineSettings:
+    for name in ("max_pipeline_stages", "pipeline_tokens_per_stage", "pipeline_chunk_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{name.replace('_', '-')}: must be >= 1, got {value}")
+    return PipelineSettings(PipelineMode(args.prefill_pipeline), args.max_pipeline_stages, args.pipeline_tokens_per_stage,
+                            args.pipeline_chunk_tokens, PipelineMode(args.pipeline_decode_stage))
 
 
 # -- profile ----------------------------------------------------------------------------
@@ -146,7 +171,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         workload = WorkloadModel.load(args.workload)
         started = time.perf_counter()
         result = simulate(profile, workload, args.prefill, args.decode, window_s=args.window_s, colocated=args.colocated,
-                          routing_policy=RoutingPolicy(args.routing_policy))
+                          routing_policy=RoutingPolicy(args.routing_policy), pipeline=pipeline_settings(args))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -193,7 +218,9 @@ def run_plan(args: argparse.Namespace) -> int:
         # (or the same) did; each pool's size then is its own profile's.
         pairs = [(p, d) for p in range(len(loaded)) for d in range(len(loaded))]
         profiles = [loaded[p] if p == d else combine_profiles(loaded[p], loaded[d]) for p, d in pairs]
-        planners = [Planner(profile, mix, slo, args.max_workers, args.prefill_cost, args.decode_cost, max_devices=args.max_devices) for profile in profiles]
+        pipeline = pipeline_settings(args)
+        planners = [Planner(profile, mix, slo, args.max_workers, args.prefill_cost, args.decode_cost, max_devices=args.max_devices, pipeline=pipeline)
+                    for profile in profiles]
         if args.diurnal:
             if mix.diurnal is None:
                 raise ValueError("workload.diurnal: --diurnal needs a workload with a diurnal section")

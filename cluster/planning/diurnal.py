@@ -120,7 +120,8 @@ def simulate_day(planner: Planner, workload: WorkloadModel, plans: list[Plan], s
         if grows and (after.num_prefill < before.num_prefill or after.num_decode < before.num_decode):
             changes.append(PoolChange(hour * slot_s, after.num_prefill, after.num_decode))
     first = plans[0]
-    return simulate(planner.profile, day, first.num_prefill, first.num_decode, window_s=slot_s, worker_startup_s=startup_s, pool_changes=changes)
+    return simulate(planner.profile, day, first.num_prefill, first.num_decode, window_s=slot_s, worker_startup_s=startup_s, pool_changes=changes,
+                    pipeline=planner.pipeline)
 
 
 def write_day(day: DayPlan, out_dir: Path) -> list[Path]:

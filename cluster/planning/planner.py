@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from cluster.planning.profile import Profile
-from cluster.planning.simulator import SimResult, simulate
+from cluster.planning.simulator import PipelineSettings, SimResult, simulate
 from cluster.planning.workload import WorkloadModel
 
 _DESCENT_ROUNDS = 4
@@ -107,6 +107,9 @@ class Planner:
     max_requests: int = 6000
     sim_seconds: float = 300.0  # simulated traffic per candidate, within the request bounds
     max_devices: int | None = None  # most devices of both pools together (None: only max_workers bounds)
+    # How the deployment's router pipelines long prompts over the prefill pool (the router's
+    # defaults; None: it does not).
+    pipeline: PipelineSettings | None = PipelineSettings()
 
     def __post_init__(self) -> None:
         self.slo.validate()
@@ -139,7 +142,7 @@ class Planner:
         return workload
 
     def evaluate(self, rate: float, num_prefill: int, num_decode: int) -> tuple[bool, SimResult]:
-        result = simulate(self.profile, self.workload_at(rate), num_prefill, num_decode)
+        result = simulate(self.profile, self.workload_at(rate), num_prefill, num_decode, pipeline=self.pipeline)
         return self.slo.met_by(result), result
 
     def plan(self, rate: float) -> Plan:

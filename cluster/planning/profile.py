@@ -113,6 +113,11 @@ class DeploymentFacts:
     # Per role, the ranks (devices) of each of its workers: a worker costs that many devices.
     # bytes_per_block counts every rank's share of a block (what a prefill worker's ranks push).
     tensor_parallel_size: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 1))
+    # The model's layers (a pipelined prefill has at most that many stages; 0: not recorded, in
+    # profiles before pipelines were simulated) and the bytes of activations one token's rows
+    # take from one stage to the next (hidden and residual).
+    num_layers: int = 0
+    activation_bytes_per_token: int = 0
 
 
 @dataclass(slots=True)

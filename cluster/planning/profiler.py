@@ -175,6 +175,8 @@ def fit_profile(batches: list, isolated: list[RequestRecord], local_prefill_max_
         local_prefill_max_tokens=local_prefill_max_tokens if "prefill" in engines else 1 << 30,
         max_model_len=decode["max_model_len"],
         tensor_parallel_size=dict.fromkeys(("prefill", "decode"), ranks["decode"]),
+        num_layers=decode.get("num_layers", 0),
+        activation_bytes_per_token=decode.get("activation_bytes_per_token", 0),
     )
     overheads = ttft_overheads(isolated, step, transfer, facts)
     info = {

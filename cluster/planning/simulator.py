@@ -17,6 +17,15 @@ What is simulated, as the real parts do it:
 - **Decode worker.** Continuous batching: every step computes one token of every running
   sequence plus, when it prefills locally, prompt chunks in the rest of the budget. A
   sequence whose KV landed joins at the next step boundary and its first token goes out then.
+- **Pipelined prefill** (``PipelineSettings``: the router's ``prefill_pipeline`` and its
+  companions). A long remote prompt is planned as the router plans it (``router.pipeline``: as
+  many stages as idle prefill workers and the prompt's stages' worth of tokens allow, the decode
+  worker as one more while it has no other request; layers in balanced ranges; about two chunks
+  per stage). Each stage computes its share of the layers of a chunk (the step's intercept, then
+  that share of its token terms) once the previous stage's activations for it arrived (the
+  transfer model's time for their bytes), in turns that alternate with the worker's ordinary
+  steps; a decode worker's stage chunk rides in its step, as a local prompt's chunk does. The KV
+  is ready once every prefill stage's write of its layers of the last chunk's blocks landed.
 
 Decode steps are not simulated one by one while nothing changes: between two events a decode
 worker's batch is fixed and its KV grows by the batch size per step, so step durations form
@@ -39,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.planning.profile import Profile
+from router.pipeline import PipelineMode, balanced_layers, chunk_tokens, num_stages
 from router.pool import RoutingPolicy
 
 _BUCKET_GROWTH = 1.005
@@ -138,7 +148,8 @@ class LogHistogram:
 
 
 class _Request:
-    __slots__ = ("arrival", "prompt_len", "output_len", "blocks", "decode", "prefill", "computed", "first_token", "finish_step", "order", "finished")
+    __slots__ = ("arrival", "prompt_len", "output_len", "blocks", "decode", "prefill", "computed", "first_token", "finish_step", "order", "finished",
+                 "pipeline")
 
     def __init__(self, arrival: float, prompt_len: int, output_len: int, blocks: int, order: int):
         self.arrival = arrival
@@ -152,10 +163,11 @@ class _Request:
         self.first_token = math.nan
         self.finished = math.nan
         self.finish_step = 0  # the decode worker's step count at which its last token is out
+        self.pipeline: _Pipeline | None = None  # where stages prefill it together
 
 
 class _PrefillWorker:
-    __slots__ = ("index", "queue", "busy", "queued_tokens", "routable", "step_chunks")
+    __slots__ = ("index", "queue", "busy", "queued_tokens", "routable", "step_chunks", "stage_ready", "step_stage", "stage_turn")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -164,13 +176,52 @@ class _PrefillWorker:
         self.queued_tokens = 0
         self.routable = True
         self.step_chunks: list[tuple[_Request, int]] = []
+        self.stage_ready: deque[tuple[_Pipeline, int]] = deque()  # (pipeline, stage) whose next chunk's input is here
+        self.step_stage: tuple[_Pipeline, int] | None = None  # the stage chunk the running step computes
+        self.stage_turn = True  # a stage chunk goes next where both kinds wait (they alternate)
+
+
+class _Pipeline:
+    """A prompt prefilled by stages together: each stage's workers, share of the layers and
+    progress over the chunks."""
+
+    __slots__ = ("request", "stages", "fractions", "chunks", "done", "writes_left", "prefill_writes_left", "tokens_each")
+
+    def __init__(self, request: _Request, stages: list, fractions: list[float], chunk: int, tokens_each: int) -> None:
+        self.request = request
+        self.stages = stages  # prefill workers, then the decode worker where it computes the last stage
+        self.fractions = fractions  # of the layers, per stage
+        self.chunks = [(start, min(chunk, request.prompt_len - start)) for start in range(0, request.prompt_len, chunk)]
+        self.done = [0] * len(stages)  # chunks each stage has computed
+        self.writes_left = len(stages)  # stages whose layers of the last blocks have not landed yet
+        self.prefill_writes_left = sum(isinstance(w, _PrefillWorker) for w in stages)
+        # Prompt tokens the router counts queued on each prefill stage, until every prefill stage is done.
+        self.tokens_each = tokens_each
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSettings:
+    """The router's distributed split-fuse settings (``router.config.RouterConfig``), as the
+    simulated router applies them; the defaults are the router's."""
+
+    mode: PipelineMode = PipelineMode.AUTO
+    max_stages: int | None = None
+    tokens_per_stage: int = 512
+    chunk_tokens: int = 512
+    decode_stage: PipelineMode = PipelineMode.AUTO
+
+    @classmethod
+    def of(cls, config) -> "PipelineSettings":
+        """A ``RouterConfig``'s."""
+        return cls(PipelineMode(config.prefill_pipeline), config.max_pipeline_stages, config.pipeline_tokens_per_stage,
+                   config.pipeline_chunk_tokens, PipelineMode(config.pipeline_decode_stage))
 
 
 class _DecodeWorker:
     __slots__ = (
         "index", "running", "num_running", "kv_tokens", "steps_done", "prefilling", "joining", "free_blocks", "num_assigned",
         "assigned_tokens", "routable",
-        "busy", "version", "epoch_start", "epoch_steps", "epoch_first_step_s", "epoch_growth_s", "epoch_chunks",
+        "busy", "version", "epoch_start", "epoch_steps", "epoch_first_step_s", "epoch_growth_s", "epoch_chunks", "stage_ready", "epoch_stage",
     )
 
     def __init__(self, index: int, num_blocks: int) -> None:
@@ -192,6 +243,8 @@ class _DecodeWorker:
         self.epoch_first_step_s = 0.0
         self.epoch_growth_s = 0.0  # each step of the run takes this much longer than the one before
         self.epoch_chunks: list[tuple[_Request, int]] = []
+        self.stage_ready: deque[tuple[_Pipeline, int]] = deque()  # as a prefill worker's: it computes a pipeline's last stage
+        self.epoch_stage: tuple[_Pipeline, int] | None = None  # the stage chunk the running step computes
 
 
 @dataclass(slots=True)
@@ -261,7 +314,7 @@ class PoolChange:
 
 
 # Event kinds, in tie-break order at equal times.
-_POOL_CHANGE, _WORKER_UP, _DISPATCH, _PREFILL_STEP, _KV_READY, _DECODE_BOUNDARY = range(6)
+_POOL_CHANGE, _WORKER_UP, _DISPATCH, _PREFILL_STEP, _STAGE_INPUT, _STAGE_WRITE, _KV_READY, _DECODE_BOUNDARY = range(8)
 
 
 class Simulation:
@@ -278,7 +331,10 @@ class Simulation:
         colocated: bool = False,
         keep_requests: bool = False,
         routing_policy: RoutingPolicy = RoutingPolicy.KV_AWARE,
+        pipeline: PipelineSettings | None = None,
     ):
+        """``pipeline``: how the router pipelines long prompts over the prefill pool (None: it
+        does not: one prefill worker per prompt)."""
         if num_decode < 1:
             raise ValueError(f"decode: a deployment needs at least one decode worker, got {num_decode}")
         if num_prefill < 0:
@@ -295,6 +351,10 @@ class Simulation:
         self.decode_chunk = facts.chunk_size["decode"] or self.decode_budget
         self.max_num_seqs = facts.max_num_seqs
         self.local_max = facts.local_prefill_max_tokens
+        self.pipeline = pipeline if pipeline is not None and pipeline.mode is not PipelineMode.OFF else None
+        self.num_layers = facts.num_layers
+        self.activation_bytes_per_token = facts.activation_bytes_per_token
+        self._shares_by_stages: dict[int, list[float]] = {}
         self.max_queued = max_queued_requests
         self.window_s = window_s
         self.worker_startup_s = worker_startup_s
@@ -354,6 +414,10 @@ class Simulation:
                     self._kv_ready(subject)
                 elif kind == _PREFILL_STEP:
                     self._prefill_step_end(subject)
+                elif kind == _STAGE_INPUT:
+                    self._stage_input(*subject)
+                elif kind == _STAGE_WRITE:
+                    self._stage_write_landed(*subject)
                 elif kind == _DISPATCH:
                     self._dispatch(subject)
                 elif kind == _WORKER_UP:
@@ -413,16 +477,55 @@ class Simulation:
         decode = self._least_assigned_decode(request.blocks)
         if decode is None:
             return False
+        decode_alone = decode.num_assigned == 0  # before this request: may it compute a pipeline's last stage?
         decode.free_blocks -= request.blocks
         self._assign(decode, request, +1)
         request.decode = decode
         prefill = None if request.prompt_len <= self.local_max else self._least_queued_prefill()
-        if prefill is not None:
+        if prefill is not None and self.pipeline is not None:
+            request.pipeline = self._plan_pipeline(request, decode_alone)
+        if request.pipeline is not None:
+            request.prefill = request.pipeline.stages[0]
+        elif prefill is not None:
             request.prefill = prefill
             self._set_queued(prefill, prefill.queued_tokens + request.prompt_len)
         overhead = self.profile.ttft_overhead_s["local" if prefill is None else "remote"]
         self._push(self.now + overhead, _DISPATCH, request)
         return True
+
+    def _plan_pipeline(self, request: _Request, decode_alone: bool) -> _Pipeline | None:
+        """The stages that prefill a remote prompt together, as the router plans them
+        (``router.pipeline.plan_pipeline``), or None: one prefill worker does."""
+        settings = self.pipeline
+        candidates = [w for w in self.prefills if w.routable]
+        decode_stage = settings.decode_stage is PipelineMode.ALWAYS or (settings.decode_stage is PipelineMode.AUTO and decode_alone)
+        extra = 1 if decode_stage else 0
+        free = sum(1 for w in candidates if w.queued_tokens < settings.tokens_per_stage)
+        # A profile without the model's layers bounds the stages by the pool alone.
+        layers = self.num_layers or len(candidates) + extra
+        stages = num_stages(settings.mode, request.prompt_len, free + extra, len(candidates) + extra, settings.max_stages,
+                            settings.tokens_per_stage, layers)
+        if stages < 2 or not candidates:
+            return None
+        workers: list = sorted(candidates, key=lambda w: (w.queued_tokens, w.index))[: stages - extra]
+        tokens_each = request.prompt_len // stages
+        for worker in workers:
+            self._set_queued(worker, worker.queued_tokens + tokens_each)
+        if decode_stage:
+            workers.append(request.decode)
+        chunk = chunk_tokens(request.prompt_len, stages, settings.chunk_tokens, self.block_size)
+        return _Pipeline(request, workers, self._layer_shares(stages), chunk, tokens_each)
+
+    def _layer_shares(self, stages: int) -> list[float]:
+        """Each stage's share of the layers, cut as the router cuts them (balanced ranges)."""
+        shares = self._shares_by_stages.get(stages)
+        if shares is None:
+            if self.num_layers >= stages:
+                shares = [len(r) / self.num_layers for r in balanced_layers([1.0] * self.num_layers, stages)]
+            else:
+                shares = [1.0 / stages] * stages
+            self._shares_by_stages[stages] = shares
+        return shares
 
     def _least_assigned_decode(self, blocks: int) -> _DecodeWorker | None:
         if self._round_robin is not None:
@@ -483,6 +586,13 @@ class Simulation:
             queue.popleft()
 
     def _dispatch(self, request: _Request) -> None:
+        pipeline = request.pipeline
+        if pipeline is not None:
+            first = pipeline.stages[0]  # a prefill worker: every chunk's input is there
+            first.stage_ready.extend([(pipeline, 0)] * len(pipeline.chunks))
+            if not first.busy:
+                self._start_prefill_step(first)
+            return
         if request.prefill is None:
             worker = request.decode
             worker.prefilling.append(request)
@@ -496,6 +606,15 @@ class Simulation:
     # -- prefill workers ----------------------------------------------------------------
 
     def _start_prefill_step(self, worker: _PrefillWorker) -> None:
+        if worker.stage_ready and (worker.stage_turn or not worker.queue):
+            worker.stage_turn = False
+            worker.step_stage = worker.stage_ready.popleft()
+            pipeline, stage = worker.step_stage
+            duration = (self.step.intercept_s["prefill"] + self._stage_chunk_s(pipeline, stage, "prefill")) * self._crowding("prefill", worker)
+            self._set_busy(worker, True)
+            self._push(self.now + duration, _PREFILL_STEP, worker)
+            return
+        worker.stage_turn = True
         budget = self.prefill_budget
         chunks = []
         tokens = 0
@@ -515,6 +634,10 @@ class Simulation:
 
     def _prefill_step_end(self, worker: _PrefillWorker) -> None:
         self._set_busy(worker, False)
+        if worker.step_stage is not None:
+            pipeline, stage = worker.step_stage
+            worker.step_stage = None
+            self._stage_chunk_done(pipeline, stage)
         for request, chunk in worker.step_chunks:
             start = request.computed
             request.computed += chunk
@@ -525,8 +648,55 @@ class Simulation:
                 blocks = -(-request.prompt_len // self.block_size) - start // self.block_size
                 self._push(self.now + self.profile.transfer.transfer_s(blocks * self.bytes_per_block, 1), _KV_READY, request)
         worker.step_chunks = []
-        if worker.queue:
+        if worker.queue or worker.stage_ready:
             self._start_prefill_step(worker)
+
+    # -- pipelined prefill --------------------------------------------------------------
+
+    def _stage_chunk_s(self, pipeline: _Pipeline, stage: int, role: str) -> float:
+        """What a stage's next chunk adds to a step beyond its intercept: its share of the layers
+        of the chunk's token terms."""
+        start, tokens = pipeline.chunks[pipeline.done[stage]]
+        whole = self.step.step_s(role, tokens, tokens * (start + tokens / 2), 1) - self.step.intercept_s[role]
+        return pipeline.fractions[stage] * whole
+
+    def _stage_chunk_done(self, pipeline: _Pipeline, stage: int) -> None:
+        """A stage computed a chunk: its activations go to the next stage; after its last chunk,
+        its layers of the blocks that chunk completed are written to the decode worker."""
+        index = pipeline.done[stage]
+        pipeline.done[stage] += 1
+        start, tokens = pipeline.chunks[index]
+        if stage + 1 < len(pipeline.stages):
+            hop = self.profile.transfer.transfer_s(tokens * self.activation_bytes_per_token, 1)
+            self._push(self.now + hop, _STAGE_INPUT, (pipeline, stage + 1))
+        if index + 1 < len(pipeline.chunks):
+            return
+        write = 0.0  # the decode worker computed its layers into its own cache
+        if isinstance(pipeline.stages[stage], _PrefillWorker):
+            blocks = -(-pipeline.request.prompt_len // self.block_size) - start // self.block_size
+            write = self.profile.transfer.transfer_s(int(blocks * self.bytes_per_block * pipeline.fractions[stage]), 1)
+        self._push(self.now + write, _STAGE_WRITE, (pipeline, stage))
+
+    def _stage_input(self, pipeline: _Pipeline, stage: int) -> None:
+        worker = pipeline.stages[stage]
+        worker.stage_ready.append((pipeline, stage))
+        if isinstance(worker, _DecodeWorker):
+            self._wake_decode(worker)
+        elif not worker.busy:
+            self._start_prefill_step(worker)
+
+    def _stage_write_landed(self, pipeline: _Pipeline, stage: int) -> None:
+        if isinstance(pipeline.stages[stage], _PrefillWorker):
+            pipeline.prefill_writes_left -= 1
+            if pipeline.prefill_writes_left == 0:  # the router hears from every prefill stage at once
+                for worker in pipeline.stages:
+                    if isinstance(worker, _PrefillWorker):
+                        self._set_queued(worker, worker.queued_tokens - pipeline.tokens_each)
+        pipeline.writes_left -= 1
+        if pipeline.writes_left == 0:  # every stage's layers of every block are in the reservation
+            request = pipeline.request
+            request.computed = request.prompt_len
+            self._kv_ready(request)
 
     # -- decode workers -----------------------------------------------------------------
 
@@ -592,6 +762,10 @@ class Simulation:
                 self.output_tokens += 1
                 self._start_decoding(worker, request, self.now)
         worker.epoch_chunks = []
+        if worker.epoch_stage is not None:
+            pipeline, stage = worker.epoch_stage
+            worker.epoch_stage = None
+            self._stage_chunk_done(pipeline, stage)
 
     def _start_decoding(self, worker: _DecodeWorker, request: _Request, now: float) -> None:
         request.first_token = now
@@ -642,14 +816,17 @@ class Simulation:
                 chunk = min(request.prompt_len - request.computed, budget, self.decode_chunk)
                 chunks.append((request, chunk))
                 budget -= chunk
-        if not batch and not chunks:
+        stage = worker.stage_ready.popleft() if worker.stage_ready else None  # a pipeline's last stage: its next chunk
+        if not batch and not chunks and stage is None:
             return  # idle until something arrives
         first = self._d_intercept + self._d_row * batch + self._d_kv * worker.kv_tokens
-        if chunks:
+        if chunks or stage is not None:
             steps = 1
             tokens = sum(c for _, c in chunks)
             attention = sum(c * (r.computed + c / 2) for r, c in chunks)
             first += self.step.prefill_token_s * tokens + self.step.prefill_attention_s * attention + self.step.prefill_seq_s * len(chunks)
+            if stage is not None:
+                first += self._stage_chunk_s(*stage, "decode")
         else:
             steps = worker.running[0][0] - worker.steps_done  # until the next sequence finishes
             if self.max_steps_per_run is not None:
@@ -662,6 +839,7 @@ class Simulation:
         worker.epoch_first_step_s = first
         worker.epoch_growth_s = growth
         worker.epoch_chunks = chunks
+        worker.epoch_stage = stage
         worker.version += 1
         self._set_busy(worker, True)
         end = self.now + _run_s(first, growth, steps)
@@ -681,7 +859,7 @@ class Simulation:
         decoding = 0
         for other in self.decodes:
             if other.busy and other is not worker:
-                if other.epoch_chunks:
+                if other.epoch_chunks or other.epoch_stage is not None:
                     prefilling += 1
                 else:
                     decoding += 1

@@ -22,9 +22,10 @@ from cluster.autoscaler import Autoscaler, AutoscalerConfig
 from cluster.planning.planner import SLO, Plan, Planner, cheapest
 from cluster.planning.profile import DeploymentFacts, Profile, StepTimeModel, TransferModel, combine_profiles, fit_step_model, fit_transfer_model
 from cluster.planning.profiler import fit_profile, step_model_check
-from cluster.planning.simulator import LogHistogram, PoolChange, Simulation, simulate
+from cluster.planning.simulator import LogHistogram, PipelineSettings, PoolChange, Simulation, simulate
 from cluster.planning.workload import WorkloadModel
 from engine.step_profile import StepLog, StepShape, TransferRecord
+from router.pipeline import PipelineMode
 from router.traffic import TrafficSnapshot, TrafficWindow
 
 BLOCK = 16
@@ -329,6 +330,129 @@ def test_pool_changes_add_workers_after_startup_and_drain_removed_ones():
     assert (result.num_prefill, result.num_decode) == (3, 3)  # the largest the pools were
     # Drained workers took no request after the shrink; the new ones took some while up.
     assert len(simulation.decodes) == 3
+
+
+# -- pipelined prefill --------------------------------------------------------------------
+
+LAYERS = 30
+PIPELINED = dict(max_model_len=16384, num_layers=LAYERS, activation_bytes_per_token=2 * 576 * 4)
+
+
+def _pipeline_ttft_s(profile: Profile, prompt: int, stages: int, decode_stage: bool) -> float:
+    """A lone prompt's TTFT through ``stages`` stages, worked out here from the pipeline's rules
+    (the router's chunks and layer ranges; a stage computes chunk j once the previous stage's
+    activations for it arrived and its own chunk j-1 is done; the KV is ready once every prefill
+    stage's layers of the last chunk's blocks landed)."""
+    from router.pipeline import balanced_layers, chunk_tokens
+
+    step, transfer, facts = profile.step, profile.transfer, profile.facts
+    chunk = chunk_tokens(prompt, stages, 512, facts.block_size)
+    chunks = [(start, min(chunk, prompt - start)) for start in range(0, prompt, chunk)]
+    shares = [len(r) / LAYERS for r in balanced_layers([1.0] * LAYERS, stages)]
+    ready = [0.0] * len(chunks)  # when each chunk's input reaches the stage
+    landed = 0.0
+    for stage, share in enumerate(shares):
+        role = "decode" if decode_stage and stage == stages - 1 else "prefill"
+        done, previous = [], 0.0
+        for start, tokens in chunks:
+            terms = step.step_s(role, tokens, tokens * (start + tokens / 2), 1) - step.intercept_s[role]
+            previous = max(previous, ready[len(done)]) + step.intercept_s[role] + share * terms
+            done.append(previous)
+        hop = [transfer.transfer_s(tokens * facts.activation_bytes_per_token, 1) for _, tokens in chunks]
+        ready = [t + h for t, h in zip(done, hop)]
+        write = 0.0
+        if role == "prefill":
+            blocks = -(-prompt // facts.block_size) - chunks[-1][0] // facts.block_size
+            write = transfer.transfer_s(int(blocks * facts.bytes_per_block * share), 1)
+        landed = max(landed, done[-1] + write)
+    return profile.ttft_overhead_s["remote"] + landed
+
+
+@pytest.mark.parametrize("num_prefill,decode_stage,stages", [(1, PipelineMode.AUTO, 2), (2, PipelineMode.OFF, 2), (3, PipelineMode.AUTO, 4)])
+def test_a_lone_long_prompt_is_pipelined_over_the_idle_prefill_workers(num_prefill, decode_stage, stages):
+    """As the router plans it: a stage per idle prefill worker (and the idle decode worker, in
+    auto), the stages' steps in a pipeline, and the TTFT falling with the stages."""
+    profile = make_profile(**PIPELINED)
+    prompt = 8000
+    simulation = Simulation(profile, num_prefill, 1, keep_requests=True, pipeline=PipelineSettings(decode_stage=decode_stage))
+    result = simulation.run([(0.0, prompt, 4)])
+    ttft_ms = (simulation.kept[0].first_token - simulation.kept[0].arrival) * 1000
+    expected = _pipeline_ttft_s(profile, prompt, stages, decode_stage is PipelineMode.AUTO) * 1000
+    assert ttft_ms == pytest.approx(expected, rel=1e-9)
+    alone = simulate(profile, WorkloadModel(trace=[(0.0, prompt, 4)]), num_prefill, 1)  # no pipeline: one prefill worker
+    assert ttft_ms < alone.ttft.mean * (stages + 1) / (2 * stages)  # about (chunks + stages - 1) / (stages x chunks) of it
+    assert result.completed == 1 and result.output_tokens == 4
+    assert all(w.queued_tokens == 0 and not w.stage_ready for w in simulation.prefills)
+    assert simulation.decodes[0].free_blocks == profile.facts.decode_num_blocks
+
+
+def test_auto_pipelines_only_long_prompts_on_idle_workers():
+    profile = make_profile(**PIPELINED)
+    auto = PipelineSettings()
+    # A prompt under two stages' worth of tokens goes to one worker, as without pipelines.
+    short = [(0.0, 1000, 4)]
+    assert simulate(profile, WorkloadModel(trace=short), 2, 1, pipeline=auto).ttft.mean == simulate(profile, WorkloadModel(trace=short), 2, 1).ttft.mean
+    # Over a busy prefill pool long prompts mostly take the ordinary path; every request still
+    # completes and every queued token and block is given back.
+    trace = list(WorkloadModel(rate=3.0, num_requests=300, input_len=1500, output_len=16, range_ratio=0.8, seed=5).requests())
+    simulation = Simulation(profile, 3, 2, pipeline=auto, keep_requests=True, max_queued_requests=10**6)
+    result = simulation.run(trace)
+    pipelined = [q for q in simulation.kept if q.pipeline is not None]
+    assert result.completed == 300 and 0 < len(pipelined) < 300
+    assert all(len(q.pipeline.stages) >= 2 for q in pipelined)
+    assert all(w.queued_tokens == 0 and not w.stage_ready and w.step_stage is None for w in simulation.prefills)
+    assert all(w.free_blocks == profile.facts.decode_num_blocks and not w.stage_ready for w in simulation.decodes)
+    assert result.output_tokens == sum(o for _, _, o in trace)
+    # ``always`` pipelines every remote prompt over the whole pool.
+    always = Simulation(profile, 3, 2, pipeline=PipelineSettings(mode=PipelineMode.ALWAYS), keep_requests=True, max_queued_requests=10**6)
+    assert always.run(trace).completed == 300 and all(q.pipeline is not None for q in always.kept)
+
+
+def test_a_plan_counts_on_pipelines_to_meet_a_ttft_only_they_reach():
+    """Long prompts, one at a time: one prefill worker per prompt cannot bring a prompt's TTFT
+    under the target however many there are; pipelines over two prefill workers and the decode
+    worker can (over one and the decode worker they cannot), and the plan says so."""
+    profile = make_profile(**PIPELINED)
+    mix = WorkloadModel(rate=0.05, num_requests=1, input_len=8000, output_len=8, burstiness=100.0)  # about 20 s apart
+    lone = simulate(profile, WorkloadModel(trace=[(0.0, 8000, 8)]), 1, 1).ttft.mean
+    slo = SLO(ttft_ms=0.45 * lone, tpot_ms=1000.0, percentile=90)
+    common = dict(max_workers=6, min_requests=60, max_requests=60)
+    assert not Planner(profile, mix, slo, pipeline=None, **common).plan(0.05).feasible
+    plan = Planner(profile, mix, slo, **common).plan(0.05)
+    assert plan.feasible and plan.num_prefill >= 2
+    assert not Planner(profile, mix, slo, **common).evaluate(0.05, plan.num_prefill - 1, plan.num_decode)[0]
+
+
+def test_pdserve_simulate_takes_the_deployments_pipeline_settings(tmp_path, capsys):
+    from cluster.cli import main
+
+    profile = make_profile(**PIPELINED).save(tmp_path / "p.json")
+    workload = tmp_path / "long.yaml"
+    workload.write_text("rate: 0.05\nnum_requests: 20\ninput_len: 6000\noutput_len: 8\nburstiness: 100\n")
+    ttft = {}
+    for mode in ("auto", "off"):
+        out = tmp_path / f"{mode}.json"
+        assert main(["simulate", "--profile", str(profile), "--workload", str(workload), "--prefill", "2", "--decode", "1",
+                     "--prefill-pipeline", mode, "--json", str(out)]) == 0
+        ttft[mode] = json.loads(out.read_text())["result"]["ttft_ms"]["p50"]
+    assert ttft["auto"] < 0.5 * ttft["off"]  # the default, as `pdserve up`'s: three stages
+    capsys.readouterr()
+    assert main(["simulate", "--profile", str(profile), "--workload", str(workload), "--prefill", "2", "--decode", "1",
+                 "--max-pipeline-stages", "0"]) == 2
+    assert "max-pipeline-stages: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_profiles_without_layers_still_simulate_pipelines(tmp_path):
+    """A profile from before pipelines were simulated has no layer count: the pool bounds the stages."""
+    path = make_profile(**PIPELINED).save(tmp_path / "p.json")
+    saved = json.loads(path.read_text())
+    for name in ("num_layers", "activation_bytes_per_token"):
+        del saved["facts"][name]
+    (tmp_path / "old.json").write_text(json.dumps(saved))
+    old = Profile.load(tmp_path / "old.json")
+    assert (old.facts.num_layers, old.facts.activation_bytes_per_token) == (0, 0)
+    simulation = Simulation(old, 2, 1, keep_requests=True, pipeline=PipelineSettings())
+    assert simulation.run([(0.0, 4000, 4)]).completed == 1 and len(simulation.kept[0].pipeline.stages) == 3
 
 
 # -- workloads ----------------------------------------------------------------------------

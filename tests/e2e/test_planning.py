@@ -68,6 +68,10 @@ def test_profile_sweep_fits_a_model_that_predicts_a_lone_request(ray_cluster, e2
     loaded = Profile.load(path)
     assert loaded.samples["prefill"] and loaded.samples["decode"] and loaded.samples["transfers"]
     assert loaded.facts.token_budget == {"prefill": 128, "decode": 128} and loaded.facts.decode_num_blocks == 256
+    # What a pipelined prefill's stages cost in the simulator: the model's layers, and a token's
+    # hidden and residual rows (float32) from one stage to the next.
+    config = e2e_model.hf_model.config
+    assert loaded.facts.num_layers == config.num_hidden_layers and loaded.facts.activation_bytes_per_token == 2 * config.hidden_size * 4
     step = loaded.step
     # Longer prompts cost more (four chunks against one). Bigger decode batches are not asserted to:
     # on this tiny model a decode row costs less than the steps' scatter, and the fit may rightly

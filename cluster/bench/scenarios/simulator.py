@@ -7,6 +7,9 @@ tokens; "mixed", 128-token prompts with a fifth of 1024-token ones and 32 output
 its Poisson rate. The very same requests (arrival offsets, prompt and output lengths) are then
 replayed through ``pdserve simulate``'s simulation with the profile, and the measured and
 predicted p50 and p99 of TTFT, TPOT and ITL, and the output throughput, are set side by side.
+With ``--prefill-pipeline auto`` the clusters pipeline long prompts and so does the simulation;
+the "long" workload (2k-6k-token prompts, about one per ``1 / --long-rate`` seconds) is what
+that is for.
 
 The profile is fitted on a separate sweep, never on these runs. By default each shape's
 cluster is profiled (``pdserve profile``'s sweep) right before its workloads run on it: a
@@ -25,7 +28,7 @@ import argparse
 import asyncio
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cluster.bench.client import BenchClient, RequestRecord
@@ -36,7 +39,7 @@ from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, engine
 from cluster.bench.workloads import BenchRequest, random_token_ids
 from cluster.planning.profile import Profile
 from cluster.planning.profiler import SweepPlan, log_positions, run_sweep, step_logs_since, step_model_check
-from cluster.planning.simulator import SimResult, Simulation
+from cluster.planning.simulator import PipelineSettings, SimResult, Simulation
 from cluster.planning.workload import WorkloadModel
 from router.config import Disaggregation, RouterConfig
 from router.pipeline import PipelineMode
@@ -73,7 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-rate", type=float, default=0.4, help="requests per second of the chat workload")
     parser.add_argument("--mixed-rate", type=float, default=0.3, help="requests per second of the mixed workload")
     parser.add_argument("--shapes", default="1p1d,0p2d", help="pool shapes: NpMd, comma-separated (0p: no prefill actor)")
-    parser.add_argument("--workloads", default="chat,mixed")
+    parser.add_argument("--workloads", default="chat,mixed", help="chat, mixed, long (one 2k-6k-token prompt about every 20 s)")
+    parser.add_argument("--long-rate", type=float, default=0.05, help="requests per second of the long workload")
+    parser.add_argument("--prefill-pipeline", choices=[m.value for m in PipelineMode], default=PipelineMode.OFF.value,
+                        help="the clusters' and the simulation's pipelined prefill (prefill.pipeline; its other settings: the router's defaults)")
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="per actor (as profiled)")
     parser.add_argument("--token-budget", type=int, default=512, help="as profiled")
 
@@ -83,6 +89,9 @@ def workloads(args: argparse.Namespace) -> dict[str, WorkloadModel]:
         "chat": WorkloadModel(rate=args.chat_rate, duration_s=args.duration, input_len=256, output_len=64, range_ratio=0.5, seed=args.seed),
         "mixed": WorkloadModel(rate=args.mixed_rate, duration_s=args.duration, input_len=128, output_len=32, long_fraction=0.2,
                                long_input_len=1024, seed=args.seed + 1),
+        # What a pipelined prefill is for: long prompts that find the prefill pool idle.
+        "long": WorkloadModel(rate=args.long_rate, duration_s=args.duration, input_len=4000, output_len=16, range_ratio=0.5,
+                              burstiness=20.0, seed=args.seed + 2),
     }
 
 
@@ -100,16 +109,23 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     chosen = {name: w for name, w in workloads(args).items() if name in args.workloads.split(",")}
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     engine = engine_config(args.dtype, args.token_budget, None, kv_cache_bytes=args.kv_cache_mb * 2**20, seed=args.seed)
+    pipeline = PipelineSettings.of(RouterConfig(prefill_pipeline=PipelineMode(args.prefill_pipeline)))
     cases: list[Case] = []
     profiles: dict[str, dict] = {}
     with scenario_model(args.model, args.dtype, args.seed) as model_dir, ray_running():
         for num_prefill, num_decode in shapes:
             label = f"{num_prefill}P+{num_decode}D"
             mode = Disaggregation.AUTO if num_prefill else Disaggregation.NEVER
-            # The simulator models one prefill actor per prompt: the clusters it predicts do not pipeline.
-            shape = ClusterShape(label, num_prefill, num_decode, mode, engine, engine, router_overrides={"prefill_pipeline": PipelineMode.OFF})
+            shape = ClusterShape(label, num_prefill, num_decode, mode, engine, engine, router_overrides={"prefill_pipeline": pipeline.mode})
+            profile = aggregated if not num_prefill else given
+            if profile is None and pipeline.mode is not PipelineMode.OFF:
+                # The sweep times one actor computing whole prompts (a stage's steps are not
+                # logged): on a cluster of the same shape that does not pipeline, just before.
+                plain = replace(shape, router_overrides={"prefill_pipeline": PipelineMode.OFF})
+                with local_cluster(model_dir, plain) as deployment:
+                    profile = _profile_now(deployment, label, model_dir, args)
             with local_cluster(model_dir, shape) as deployment:
-                profile = (aggregated if not num_prefill else given) or _profile_now(deployment, label, model_dir, args)
+                profile = profile or _profile_now(deployment, label, model_dir, args)
                 profiles[label] = {"source": profile.source, "step": asdict(profile.step)}
                 for index, (name, workload) in enumerate(chosen.items()):
                     trace = list(workload.requests())
@@ -118,7 +134,7 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
                     # prefixes of the next one's on the same cluster.
                     records = asyncio.run(_measure(deployment.address, trace, f"{label}-{name}", args.seed + 1000 * (index + 1), args))
                     step_logs = asyncio.run(step_logs_since(deployment.handles, positions))
-                    simulation = Simulation(profile, num_prefill, num_decode, colocated=True, keep_requests=True)
+                    simulation = Simulation(profile, num_prefill, num_decode, colocated=True, keep_requests=True, pipeline=pipeline)
                     simulated = simulation.run(trace)
                     case = Case(label, name, measured_figures(records), simulated_figures(simulated, simulation.kept),
                                 step_model_check(profile.step, step_logs))
