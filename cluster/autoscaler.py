@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cluster.planning.planner import SLO, Planner
 from cluster.planning.profile import Profile
+from cluster.planning.simulator import PipelineSettings
 from cluster.planning.workload import WorkloadModel
 from router.traffic import TrafficSnapshot
 
@@ -97,10 +98,13 @@ class Autoscaler:
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
 
     @classmethod
-    def from_config(cls, config: AutoscalerConfig, observe, current, apply, clock=time.monotonic) -> "Autoscaler":
+    def from_config(cls, config: AutoscalerConfig, observe, current, apply, clock=time.monotonic, pipeline: PipelineSettings | None = None) -> "Autoscaler":
+        """``pipeline``: how the deployment's router pipelines long prompts (the planner's
+        simulations do as it does; None: the router's defaults)."""
         profile = Profile.load(config.profile)
         mix = WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64, range_ratio=0.5)
-        planner = Planner(profile, mix, SLO(config.slo_ttft_ms, config.slo_tpot_ms, config.percentile), config.max_workers)
+        planner = Planner(profile, mix, SLO(config.slo_ttft_ms, config.slo_tpot_ms, config.percentile), config.max_workers,
+                          pipeline=pipeline if pipeline is not None else PipelineSettings())
         return cls(config, planner, observe, current, apply, clock)
 
     def start(self) -> None:

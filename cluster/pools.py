@@ -207,9 +207,11 @@ class PoolManager(PoolFollower):
         self._health_task = asyncio.create_task(self._health_loop())
         if self.spec.autoscaler is not None:
             from cluster.autoscaler import Autoscaler, apply_sizes, observed_sizes
+            from cluster.planning.simulator import PipelineSettings
 
             self.autoscaler = Autoscaler.from_config(
-                self.spec.autoscaler, self.router.traffic.snapshot, lambda: observed_sizes(self), lambda p, d: apply_sizes(self, p, d)
+                self.spec.autoscaler, self.router.traffic.snapshot, lambda: observed_sizes(self), lambda p, d: apply_sizes(self, p, d),
+                pipeline=PipelineSettings.of(self.spec.router),
             )
             self.autoscaler.start()
 

@@ -654,6 +654,22 @@ def test_autoscaler_follows_a_load_change_with_hysteresis(tmp_path):
     assert len(load.applied) == 2  # one grow, one shrink: the lull did not make it flap
 
 
+def test_the_autoscaler_plans_with_the_deployments_pipelines(tmp_path):
+    """Its simulations pipeline long prompts as the deployment's router does."""
+    from router.config import RouterConfig
+
+    config = AutoscalerConfig(make_profile(**PIPELINED).save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0)
+    load = FakeLoad()
+    default = Autoscaler.from_config(config, load.observe, lambda: load.sizes, load.apply)
+    assert default.planner.pipeline == PipelineSettings.of(RouterConfig())
+    off = Autoscaler.from_config(config, load.observe, lambda: load.sizes, load.apply,
+                                 pipeline=PipelineSettings.of(RouterConfig(prefill_pipeline=PipelineMode.OFF, max_pipeline_stages=2)))
+    assert off.planner.pipeline.mode is PipelineMode.OFF and off.planner.pipeline.max_stages == 2
+    long = WorkloadModel(trace=[(0.0, 8000, 4)])
+    ttft = [simulate(s.planner.profile, long, 2, 1, pipeline=s.planner.pipeline).ttft.mean for s in (default, off)]
+    assert ttft[0] < 0.5 * ttft[1]
+
+
 def test_autoscaler_adds_a_worker_to_a_stage_whose_queue_is_long(tmp_path):
     profile = make_profile()
     config = AutoscalerConfig(profile.save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0, headroom=1.0)
