@@ -497,6 +497,8 @@ class Simulation:
         """The stages that prefill a remote prompt together, as the router plans them
         (``router.pipeline.plan_pipeline``), or None: one prefill worker does."""
         settings = self.pipeline
+        if settings.mode is PipelineMode.AUTO and request.prompt_len < 2 * settings.tokens_per_stage:
+            return None  # under two stages' worth (most prompts): no pass over the pool
         candidates = [w for w in self.prefills if w.routable]
         decode_stage = settings.decode_stage is PipelineMode.ALWAYS or (settings.decode_stage is PipelineMode.AUTO and decode_alone)
         extra = 1 if decode_stage else 0
