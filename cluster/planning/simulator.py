@@ -182,7 +182,7 @@ class _PrefillWorker:
 
 
 class _Pipeline:
-    """A prompt prefilled by stages together: each stage's workers, share of the layers and
+    """A prompt prefilled by stages together: each stage's worker, share of the layers and
     progress over the chunks."""
 
     __slots__ = ("request", "stages", "fractions", "chunks", "done", "writes_left", "prefill_writes_left", "tokens_each")
