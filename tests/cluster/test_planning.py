@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 from dataclasses import asdict
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -30,6 +32,19 @@ from router.traffic import TrafficSnapshot, TrafficWindow
 
 BLOCK = 16
 TP2 = {"prefill": 2, "decode": 2}
+
+
+@pytest.fixture
+def pdserve_main():
+    """``pdserve``'s entry point, called in this process, with the environment restored after:
+    where this host holds a Ray token it sets RAY_AUTH_MODE=token for the Ray clients it makes,
+    and a Ray instance this test process started later would launch its GCS with token auth
+    that its driver, which read the mode when Ray was imported, does not present (CI: every
+    later test of the process failed to start Ray with InvalidAuthToken)."""
+    from cluster.cli import main
+
+    with mock.patch.dict(os.environ):
+        yield main
 
 
 def make_profile(**facts) -> Profile:
@@ -423,9 +438,8 @@ def test_a_plan_counts_on_pipelines_to_meet_a_ttft_only_they_reach():
     assert not Planner(profile, mix, slo, **common).evaluate(0.05, plan.num_prefill - 1, plan.num_decode)[0]
 
 
-def test_pdserve_simulate_takes_the_deployments_pipeline_settings(tmp_path, capsys):
-    from cluster.cli import main
-
+def test_pdserve_simulate_takes_the_deployments_pipeline_settings(tmp_path, capsys, pdserve_main):
+    main = pdserve_main
     profile = make_profile(**PIPELINED).save(tmp_path / "p.json")
     workload = tmp_path / "long.yaml"
     workload.write_text("rate: 0.05\nnum_requests: 20\ninput_len: 6000\noutput_len: 8\nburstiness: 100\n")
@@ -718,9 +732,8 @@ def test_simulated_percentiles_are_taken_like_the_measured_ones():
     assert figures["ttft_ms"]["p99"] < 0.9 * result.ttft.percentile(99)  # nearest rank: the slow one itself
 
 
-def test_pdserve_plan_takes_several_profiles_and_says_which_size_to_run(tmp_path, capsys):
-    from cluster.cli import main
-
+def test_pdserve_plan_takes_several_profiles_and_says_which_size_to_run(tmp_path, capsys, pdserve_main):
+    main = pdserve_main
     paths = [make_profile().save(tmp_path / "tp1.json"), _scaled(make_profile(), 3.0, tensor_parallel_size=TP2).save(tmp_path / "tp2.json")]
     flags = ["--slo-ttft-ms", "800", "--slo-tpot-ms", "40", "--rate", "4", "--max-workers", "24"]
     assert main(["plan", "--profile", *map(str, paths), *flags, "--out", str(tmp_path / "plan")]) == 0
