@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,6 @@ from cluster.bench.scenarios.compare_table import VLLM_LABEL, comparison, format
 from cluster.bench.scenarios.vllm_compare import build_requests
 from cluster.bench.vllm_server import VllmServer, VllmServerSpec, VllmStartError, find_vllm_python
 from cluster.bench.workloads import BenchRequest
-from tests.ports import unused_port
 
 # -- the streaming client against a fake server ----------------------------------------------
 
@@ -258,6 +258,12 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -272,7 +278,7 @@ def test_the_server_is_started_waited_for_and_stopped_with_its_whole_process_gro
     script = tmp_path / "fake_vllm_cli.py"
     script.write_text(FAKE_SERVER)
     child_pid_file = tmp_path / "child.pid"
-    spec = VllmServerSpec(model_dir=tmp_path, python=Path(sys.executable), cli=script, port=unused_port(), extra_args=[str(child_pid_file)])
+    spec = VllmServerSpec(model_dir=tmp_path, python=Path(sys.executable), cli=script, port=_free_port(), extra_args=[str(child_pid_file)])
     assert spec.command()[2:4] == ["serve", str(tmp_path)] and "--no-enable-prefix-caching" in spec.command()
     assert spec.env()["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and spec.env()["VLLM_CPU_KVCACHE_SPACE"] == "4"
     with VllmServer(spec, tmp_path / "server.log", start_timeout_s=30) as server:
@@ -298,7 +304,7 @@ def test_the_server_is_started_waited_for_and_stopped_with_its_whole_process_gro
 )
 def test_a_server_that_dies_at_start_up_says_why(tmp_path, script, error):
     (tmp_path / "dies.py").write_text(script)
-    spec = VllmServerSpec(model_dir=tmp_path, python=Path(sys.executable), cli=tmp_path / "dies.py", port=unused_port())
+    spec = VllmServerSpec(model_dir=tmp_path, python=Path(sys.executable), cli=tmp_path / "dies.py", port=_free_port())
     with pytest.raises(VllmStartError, match=error):
         with VllmServer(spec, tmp_path / "server.log", start_timeout_s=30):
             pass

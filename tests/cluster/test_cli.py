@@ -19,7 +19,6 @@ from transformers import AutoTokenizer
 
 from cluster.cli import _stop_pid, process_alive
 from tests.checkpoints import hf_greedy
-from tests.ports import unused_port
 
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
 
@@ -37,7 +36,7 @@ def _run(*args: str, state_file: Path, timeout: float = 180, check: bool = True,
 def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_model, tmp_path):
     state = tmp_path / "state.json"
     # Fixed ports, as in production: the restarted controller listens on them again.
-    port, admin_port = unused_port(), unused_port()
+    port, admin_port = _free_port(), _free_port()
     up = _run("up", "--detach", "--model", str(e2e_model.path), "--port", str(port), "--admin-port", str(admin_port),
               "--metrics-port", "0", "--http-port", "0",
               "--prefill-cpus", "0.5", "--decode-cpus", "0.5", "--disaggregation", "always", state_file=state)
@@ -172,7 +171,7 @@ def test_a_port_taken_after_up_looked_fails_the_router_with_the_field_named(e2e_
 
 def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, tmp_path):
     """Two raylets on this machine, each with a resource that pins one pool to it."""
-    head_port = unused_port()
+    head_port = _free_port()
     nodes = []
     state = tmp_path / "state.json"
     ray_cli = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--disable-usage-stats", "--num-cpus=2"]
@@ -246,6 +245,12 @@ def _processes_tagged(tag: str) -> list[int]:
         if wanted in environment and process_alive(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _wait_for_port(port: int, timeout_s: float = 60) -> None:

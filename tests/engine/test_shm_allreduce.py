@@ -4,13 +4,20 @@ never arrives is reported as a lost rank, not waited for forever."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from engine.parallel.group import GroupAddress, RankFailedError, TPGroup
 from engine.parallel.shm import SLOT_BYTES
-from tests.ports import unused_port
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def _sums(rank: int, port: int, world: int, results) -> None:
@@ -34,7 +41,7 @@ def test_every_rank_gets_the_same_sum_as_adding_the_ranks_in_order(world):
     context = mp.get_context("spawn")
     manager = context.Manager()
     results = manager.dict()
-    port = unused_port()
+    port = _free_port()
     processes = [context.Process(target=_sums, args=(rank, port, world, results)) for rank in range(world)]
     for process in processes:
         process.start()
@@ -70,7 +77,7 @@ def test_a_rank_that_never_arrives_is_a_lost_rank():
     context = mp.get_context("spawn")
     manager = context.Manager()
     errors = manager.list()
-    port = unused_port()
+    port = _free_port()
     processes = [context.Process(target=_abandoned, args=(rank, port, errors)) for rank in range(2)]
     for process in processes:
         process.start()
