@@ -98,13 +98,14 @@ class Autoscaler:
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
 
     @classmethod
-    def from_config(cls, config: AutoscalerConfig, observe, current, apply, clock=time.monotonic, pipeline: PipelineSettings | None = None) -> "Autoscaler":
+    def from_config(cls, config: AutoscalerConfig, observe, current, apply, clock=time.monotonic,
+                    pipeline: PipelineSettings | None = PipelineSettings()) -> "Autoscaler":
         """``pipeline``: how the deployment's router pipelines long prompts (the planner's
-        simulations do as it does; None: the router's defaults)."""
+        simulations do as it does; None: it does not)."""
         profile = Profile.load(config.profile)
         mix = WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64, range_ratio=0.5)
         planner = Planner(profile, mix, SLO(config.slo_ttft_ms, config.slo_tpot_ms, config.percentile), config.max_workers,
-                          pipeline=pipeline if pipeline is not None else PipelineSettings())
+                          pipeline=pipeline)
         return cls(config, planner, observe, current, apply, clock)
 
     def start(self) -> None:

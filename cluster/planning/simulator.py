@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cluster.planning.profile import Profile
+from router.config import RouterConfig
 from router.pipeline import PipelineMode, balanced_layers, chunk_tokens, num_stages
 from router.pool import RoutingPolicy
 
@@ -199,16 +200,19 @@ class _Pipeline:
         self.tokens_each = tokens_each
 
 
+_ROUTER_DEFAULTS = RouterConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineSettings:
     """The router's distributed split-fuse settings (``router.config.RouterConfig``), as the
     simulated router applies them; the defaults are the router's."""
 
-    mode: PipelineMode = PipelineMode.AUTO
-    max_stages: int | None = None
-    tokens_per_stage: int = 512
-    chunk_tokens: int = 512
-    decode_stage: PipelineMode = PipelineMode.AUTO
+    mode: PipelineMode = _ROUTER_DEFAULTS.prefill_pipeline
+    max_stages: int | None = _ROUTER_DEFAULTS.max_pipeline_stages
+    tokens_per_stage: int = _ROUTER_DEFAULTS.pipeline_tokens_per_stage
+    chunk_tokens: int = _ROUTER_DEFAULTS.pipeline_chunk_tokens
+    decode_stage: PipelineMode = _ROUTER_DEFAULTS.pipeline_decode_stage
 
     @classmethod
     def of(cls, config) -> "PipelineSettings":
