@@ -36,7 +36,7 @@ from engine.lora import AdapterTable
 from engine.lora_loading import adapter_digest
 from engine.model import StageActivations
 from engine.model_runner import ModelRunner
-from engine.parallel.group import SINGLE, RankFailedError, TPGroup, free_address
+from engine.parallel.group import SINGLE, RankFailedError, TPGroup, listen
 from engine.parallel.launch import RankLauncher, SubprocessRanks
 from engine.parallel.shard import TPShard
 from engine.sampler import LogprobTensors, Sampler
@@ -120,11 +120,11 @@ class LLMEngine:
         self.rank_launcher = None
         if tp_size > 1:
             self.rank_launcher = rank_launcher or SubprocessRanks()
-            address = free_address(tp_size, self.config.device)
+            address, store = listen(tp_size, self.config.device)
             self.rank_launcher.start(self.model_path, dataclasses.replace(cache_config, speculative=None), address)
         try:
             if tp_size > 1:
-                group = TPGroup.join(address, 0)
+                group = TPGroup.join(address, 0, store)
             # The rotary tables cover the engine's context (dynamic and LongRoPE schedules depend on it).
             loaded = load_model(
                 self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,

@@ -195,6 +195,7 @@ class Dispatcher:
         # Ended requests still being released on their workers, by id: a new request under the
         # same id waits for that (else its reservation would meet the old one's).
         self._releasing: dict[str, ActiveRequest] = {}
+        self._release_tasks: set[asyncio.Task] = set()  # ``release``'s, held until done (the loop holds tasks weakly)
         self._attempts = itertools.count(1)
         self._collectors: dict[str, asyncio.Task] = {}
         self.capacity = DecodeCapacity(pool, config.priority_max_wait_s)
@@ -748,6 +749,18 @@ class Dispatcher:
             active.outputs.put_nowait(Restart(f"decode worker {record.worker_id} died", active.attempt, dead_worker_id=record.worker_id))
 
     # -- the end --------------------------------------------------------------------------
+
+    def release(self, active: ActiveRequest) -> asyncio.Task:
+        """``finish`` the request in a task of its own, started now: no cancellation of the
+        caller reaches it. Awaiting a ``finish`` coroutine instead starts it only at the
+        caller's next turn of the loop, and a caller cancelled before then (an HTTP handler
+        whose client closed the connection just as the answer ended) never runs it: the request
+        would stay admitted here for good (seen once in CI: a finished completion left in
+        ``active``)."""
+        task = asyncio.get_running_loop().create_task(self.finish(active), name=f"release {active.req_id}")
+        self._release_tasks.add(task)
+        task.add_done_callback(self._release_tasks.discard)
+        return task
 
     async def finish(self, active: ActiveRequest) -> None:
         """Release everything the request holds; abort it on its workers if it did not end there."""

@@ -133,9 +133,11 @@ class GenerationSession:
         except Exception:  # late, failed or cancelled: the chunk goes without it
             logger.debug("req %s: finished before its prefill report arrived", self.active.req_id)
 
-    async def close(self) -> None:
-        """Release what the request holds on every worker (shielded: a cancelled caller still frees its blocks)."""
-        await asyncio.shield(self.router.dispatcher.finish(self.active))
+    def close(self) -> "asyncio.Future[None]":
+        """Start releasing what the request holds on every worker, now (``Dispatcher.release``
+        says why not at the caller's first await); await the result for the end of it.
+        Shielded: a cancelled caller still frees the request's blocks."""
+        return asyncio.shield(self.router.dispatcher.release(self.active))
 
     def _observe(self, chunk: OutputChunk) -> None:
         """Record a chunk's latencies (and the request's, on its last chunk)."""

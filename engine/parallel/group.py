@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -48,13 +47,16 @@ class GroupAddress:
         return f"tcp://{self.host}:{self.port}"
 
 
-def free_address(world_size: int, device: str, host: str = "127.0.0.1") -> GroupAddress:
-    """A meeting place on this node for ``world_size`` ranks (a worker's ranks share a node)."""
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+def listen(world_size: int, device: str, host: str = "127.0.0.1") -> tuple[GroupAddress, dist.TCPStore]:
+    """Rank 0's meeting place on this node for ``world_size`` ranks (a worker's ranks share a
+    node): its store, already listening on a port the OS chose, and that address for the others.
+
+    The store is bound before the address is handed out: choosing a free port and binding it
+    later leaves a window in which another process (Ray opens connections all the time) can take
+    the port, and the group would fail to form."""
+    store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=IDLE_TIMEOUT, wait_for_workers=False)
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    return GroupAddress(host, port, world_size, backend)
+    return GroupAddress(host, store.port, world_size, backend), store
 
 
 @dataclass(slots=True)
@@ -78,11 +80,13 @@ class TPGroup:
         self.times = CollectiveTimes()  # for the benchmarks: what the collectives cost a step
 
     @classmethod
-    def join(cls, address: GroupAddress, rank: int) -> "TPGroup":
-        """Join (blocking until every rank has) the group at ``address`` as ``rank``."""
-        dist.init_process_group(
-            address.backend, init_method=address.init_method, world_size=address.world_size, rank=rank, timeout=IDLE_TIMEOUT
-        )
+    def join(cls, address: GroupAddress, rank: int, store: dist.Store | None = None) -> "TPGroup":
+        """Join (blocking until every rank has) the group at ``address`` as ``rank``. Rank 0
+        passes the ``store`` it listens with (``listen``); without one, rank 0 binds
+        ``address.port`` itself and the others connect to it."""
+        if store is None:
+            store = dist.TCPStore(address.host, address.port, address.world_size, is_master=rank == 0, timeout=IDLE_TIMEOUT, wait_for_workers=False)
+        dist.init_process_group(address.backend, store=store, world_size=address.world_size, rank=rank, timeout=IDLE_TIMEOUT)
         shared_memory = None
         if address.backend == "gloo":
             from engine.parallel.shm import SharedMemoryAllReduce

@@ -1,6 +1,7 @@
 """The CPU ranks' shared-memory all-reduce: the sum every rank gets, bit for bit the same on
 each, over real gloo-formed groups of processes; big tensors fall back to gloo; a rank that
-never arrives is reported as a lost rank, not waited for forever."""
+never arrives is reported as a lost rank, not waited for forever. Rank 0 holds the group's
+port from the moment it hands the address out."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.parallel.group import GroupAddress, RankFailedError, TPGroup
+from engine.parallel.group import GroupAddress, RankFailedError, TPGroup, listen
 from engine.parallel.shm import SLOT_BYTES
 
 
@@ -84,3 +85,35 @@ def test_a_rank_that_never_arrives_is_a_lost_rank():
     for process in processes:
         process.join(120)
     assert len(errors) == 1 and "did not reach the all-reduce within 1s" in errors[0]
+
+
+def _meets(rank: int, addresses, results) -> None:
+    torch.set_num_threads(1)
+    if rank == 0:
+        address, store = listen(2, "cpu")
+        with socket.socket() as other:  # nobody else can take the port before the ranks meet
+            try:
+                other.bind((address.host, address.port))
+                results["bound by another"] = True
+            except OSError:
+                results["bound by another"] = False
+        addresses.put(address)
+        group = TPGroup.join(address, 0, store)
+    else:
+        group = TPGroup.join(addresses.get(timeout=60), rank)
+    results[rank] = group.all_reduce(torch.full((4,), float(rank + 1)))
+    group.close()
+
+
+def test_rank_zero_holds_the_groups_port_from_the_moment_it_hands_the_address_out():
+    context = mp.get_context("spawn")
+    manager = context.Manager()
+    results, addresses = manager.dict(), manager.Queue()
+    processes = [context.Process(target=_meets, args=(rank, addresses, results)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+        assert process.exitcode == 0
+    assert results["bound by another"] is False
+    assert torch.equal(results[0], torch.full((4,), 3.0)) and torch.equal(results[1], torch.full((4,), 3.0))

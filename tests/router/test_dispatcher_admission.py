@@ -1,4 +1,5 @@
-"""The router's queue limit: requests without a first token are counted, beyond it refused."""
+"""The router's queue limit: requests without a first token are counted, beyond it refused. And
+an admitted request is always let go, however its handler ends."""
 
 from __future__ import annotations
 
@@ -34,6 +35,39 @@ def test_requests_beyond_the_queue_limit_are_refused_until_one_starts_streaming(
     dispatcher.admit(_active("c"))
     with pytest.raises(InvalidArgumentError, match="request_id"):
         dispatcher.admit(_active("b"))
+
+
+def test_a_handler_cancelled_as_it_closes_its_session_still_lets_the_request_go():
+    # An HTTP handler whose answer is complete closes its sessions in a ``finally``; the client,
+    # having read the answer, closes the connection, and aiohttp cancels the handler in the same
+    # turn of the event loop. The release must run anyway: else the finished request stays
+    # admitted at the router (a slot of the queue limit, a request id in flight) for good.
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.session import GenerationSession
+
+    async def scenario():
+        dispatcher = Dispatcher(WorkerPool(), RouterConfig())
+        active = _active("cmpl-1-0")
+        dispatcher.admit(active)
+        session = GenerationSession(SimpleNamespace(dispatcher=dispatcher), active)
+
+        async def handler():
+            try:
+                pass  # the answer went out
+            finally:
+                asyncio.get_running_loop().call_soon(handling.cancel)  # the client's close, handled next
+                await asyncio.gather(session.close())
+
+        handling = asyncio.create_task(handler())
+        with pytest.raises(asyncio.CancelledError):
+            await handling
+        await asyncio.wait_for(active.released.wait(), 5)
+        return dispatcher
+
+    dispatcher = asyncio.run(scenario())
+    assert not dispatcher.active and not dispatcher._releasing
 
 
 class _Call:
@@ -103,7 +137,6 @@ def test_a_burst_shares_its_prompts_between_the_prefill_actor_and_the_decode_act
     from types import SimpleNamespace
 
     from decode_workers.messages import DecodeReport
-    from kvtransfer.messages import KVDestination
     from router.config import Disaggregation
     from router.pool import Role, WorkerRecord
 
