@@ -297,7 +297,7 @@ class PrefillPoolConfig(PoolConfig):
     pipeline: Literal["auto", "always", "off"] = Field(
         "auto",
         description="Distributed split-fuse: a long prompt prefilled by a pipeline of prefill actors, each a range of layers; "
-        "auto: prompts of at least 2 x pipeline_tokens_per_stage tokens over the actors with less than that queued; always: every prompt a prefill "
+        "auto: prompts of at least 2 x pipeline_tokens_per_stage tokens over as many of the least loaded actors as bring the first token soonest; always: every prompt a prefill "
         "actor takes (tests); off: one actor per prompt",
     )
     max_pipeline_stages: int | None = Field(None, ge=1, description="Most actors in one prompt's pipeline (default: the pool size)")

@@ -62,8 +62,8 @@ class RouterConfig:
     busy_local_prefill_max_tokens: int = 512
     # Distributed split-fuse (router.pipeline): a long prompt prefilled by a pipeline of prefill
     # actors, each a range of layers. AUTO: prompts of at least 2 x ``pipeline_tokens_per_stage``
-    # tokens over the actors with less than that queued (one stage per that many tokens);
-    # ALWAYS: every remote prompt.
+    # tokens over as many of the least loaded actors as bring its first token soonest (one stage
+    # per that many tokens at most; router.pipeline.num_stages); ALWAYS: every remote prompt.
     prefill_pipeline: PipelineMode = PipelineMode.AUTO
     max_pipeline_stages: int | None = None  # None: as many as the prefill pool has
     # Whether the request's decode actor computes the last stage of a pipeline (its layers

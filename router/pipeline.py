@@ -2,7 +2,7 @@
 
 Every prefill actor holds the whole model, so any of them can compute any range of layers. For
 each prompt the router decides here how many stages to use (one: the ordinary path) from its
-length, the prefill actors that are idle and the configuration, and cuts the layers into
+length, the prefill actors' queues and the configuration, and cuts the layers into
 contiguous ranges of balanced cost. A pipeline pays for itself only when the prompt is long
 enough that its chunks keep every stage busy: with ``k`` stages and ``c`` chunks, its compute
 takes about ``(c + k - 1) / (k c)`` of one actor's, so short prompts stay on one actor.
@@ -23,7 +23,7 @@ from router.pool import WorkerRecord
 
 
 class PipelineMode(str, enum.Enum):
-    AUTO = "auto"  # long prompts over the idle prefill actors
+    AUTO = "auto"  # long prompts over the prefill actors that bring their first token soonest
     ALWAYS = "always"  # every remote prompt over every routable prefill actor (for tests)
     OFF = "off"  # one prefill actor per prompt
 
@@ -55,19 +55,44 @@ def decode_may_be_a_stage(mode: PipelineMode, decode: WorkerRecord) -> bool:
 
 
 def num_stages(
-    mode: PipelineMode, num_tokens: int, num_idle: int, num_routable: int, max_stages: int | None, tokens_per_stage: int, num_layers: int
+    mode: PipelineMode, num_tokens: int, loads: Sequence[int], num_extra: int, max_stages: int | None, tokens_per_stage: int, num_layers: int,
+    max_chunk_tokens: int = 512, block_size: int = 16,
 ) -> int:
-    """How many stages a prompt of ``num_tokens`` (to compute) gets; 1: no pipeline."""
+    """How many stages a prompt of ``num_tokens`` (to compute) gets; 1: no pipeline. ``loads``:
+    the prompt tokens queued on each routable prefill actor, ascending (the first stages go to
+    the least loaded); ``num_extra``: idle stages beyond them (the decode actor's, last).
+
+    ``auto`` picks the count whose first token comes soonest: on one actor, the least loaded
+    queue and then the whole prompt; over ``k`` stages, the longest queue among the ``k`` least
+    loaded (a stage's chunks wait behind its actor's work; an actor serves its stages oldest
+    first, so a pipeline behind another one follows it stage by stage) and then the prompt's
+    pipelined share (``pipelined_share``). So a long prompt that arrives while a pipeline holds
+    every actor is pipelined behind it instead of going whole onto one of them, where its steps
+    would take turns with that stage's chunks and hold the pipeline's other stages up. Every
+    stage gets at least ``tokens_per_stage`` of the prompt."""
     if mode is PipelineMode.OFF or num_layers < 2:
         return 1
-    if mode is PipelineMode.ALWAYS:
-        available = num_routable
-    else:
-        # Only actors with (almost) nothing queued: a busy one would hold the pipeline behind its
-        # queue, and a long prompt on one idle actor already has that actor to itself.
-        available = min(num_idle, num_tokens // tokens_per_stage)
     limit = num_layers if max_stages is None else min(max_stages, num_layers)
-    return max(1, min(available, limit))
+    limit = min(limit, len(loads) + num_extra)
+    if mode is PipelineMode.ALWAYS:
+        return max(1, limit)
+    best, soonest = 1, (loads[0] if loads else 0) + num_tokens
+    for stages in range(2, min(limit, num_tokens // tokens_per_stage) + 1):
+        prefill_stages = stages - num_extra
+        if prefill_stages < 1:
+            continue  # a pipeline keeps at least one prefill stage
+        ready = loads[prefill_stages - 1] + num_tokens * pipelined_share(num_tokens, stages, max_chunk_tokens, block_size)
+        if ready < soonest:
+            best, soonest = stages, ready
+    return best
+
+
+def pipelined_share(num_tokens: int, num_stages: int, max_chunk_tokens: int, block_size: int) -> float:
+    """The part of one actor's time a prompt takes over ``num_stages`` stages: with ``c``
+    chunks, ``(c + k - 1) / (k c)`` (each stage computes ``1/k`` of every chunk; filling and
+    draining the pipeline adds ``k - 1`` chunk turns)."""
+    chunks = -(-num_tokens // chunk_tokens(num_tokens, num_stages, max_chunk_tokens, block_size))
+    return (chunks + num_stages - 1) / (num_stages * chunks)
 
 
 def balanced_layers(layer_costs: Sequence[float], num_stages: int) -> list[range]:
@@ -128,17 +153,15 @@ def plan_pipeline(
     """The pipeline for a prompt of ``num_tokens`` over ``candidates`` (routable prefill actors)
     and ``decode`` (the request's decode actor, if it may compute the last stage: it counts as
     one more idle stage), or None for the ordinary path. The least loaded first; a pipeline has
-    at least one prefill stage.
-
-    ``auto`` counts an actor as free when less than a stage's worth of tokens is queued there (a
-    short prompt ahead of the pipeline's first chunk delays it little; a long queue would hold
-    the whole pipeline behind it)."""
-    free = [w for w in candidates if w.num_assigned_prompt_tokens < tokens_per_stage]
+    at least one prefill stage; ``num_stages`` says how many."""
+    ordered = sorted(candidates, key=lambda w: (w.num_assigned_prompt_tokens, w.worker_id))
     extra = 1 if decode is not None else 0
-    stages = num_stages(mode, num_tokens, len(free) + extra, len(candidates) + extra, max_stages, tokens_per_stage, len(layer_costs))
+    stages = num_stages(
+        mode, num_tokens, [w.num_assigned_prompt_tokens for w in ordered], extra, max_stages, tokens_per_stage, len(layer_costs),
+        max_chunk_tokens, block_size,
+    )
     if stages < 2 or not candidates:
         return None
-    ordered = sorted(candidates, key=lambda w: (w.num_assigned_prompt_tokens, w.worker_id))
     return PipelinePlan(
         ordered[: stages - extra], balanced_layers(layer_costs, stages), chunk_tokens(num_tokens, stages, max_chunk_tokens, block_size),
         decode_stage=decode is not None,

@@ -19,7 +19,7 @@ What is simulated, as the real parts do it:
   sequence whose KV landed joins at the next step boundary and its first token goes out then.
 - **Pipelined prefill** (``PipelineSettings``: the router's ``prefill_pipeline`` and its
   companions). A long remote prompt is planned as the router plans it (``router.pipeline``: as
-  many stages as idle prefill workers and the prompt's stages' worth of tokens allow, the decode
+  many stages of the least loaded prefill workers as bring its first token soonest, the decode
   worker as one more while it has no other request; layers in balanced ranges; about two chunks
   per stage). Each stage computes its share of the layers of a chunk (the step's intercept, then
   that share of its token terms) once the previous stage's activations for it arrived (the
@@ -506,14 +506,14 @@ class Simulation:
         candidates = [w for w in self.prefills if w.routable]
         decode_stage = settings.decode_stage is PipelineMode.ALWAYS or (settings.decode_stage is PipelineMode.AUTO and decode_alone)
         extra = 1 if decode_stage else 0
-        free = sum(1 for w in candidates if w.queued_tokens < settings.tokens_per_stage)
+        ordered: list = sorted(candidates, key=lambda w: (w.queued_tokens, w.index))
         # A profile without the model's layers bounds the stages by the pool alone.
         layers = self.num_layers or len(candidates) + extra
-        stages = num_stages(settings.mode, request.prompt_len, free + extra, len(candidates) + extra, settings.max_stages,
-                            settings.tokens_per_stage, layers)
+        stages = num_stages(settings.mode, request.prompt_len, [w.queued_tokens for w in ordered], extra, settings.max_stages,
+                            settings.tokens_per_stage, layers, settings.chunk_tokens, self.block_size)
         if stages < 2 or not candidates:
             return None
-        workers: list = sorted(candidates, key=lambda w: (w.queued_tokens, w.index))[: stages - extra]
+        workers = ordered[: stages - extra]
         tokens_each = request.prompt_len // stages
         for worker in workers:
             self._set_queued(worker, worker.queued_tokens + tokens_each)

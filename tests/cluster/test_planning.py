@@ -401,13 +401,30 @@ def test_a_lone_long_prompt_is_pipelined_over_the_idle_prefill_workers(num_prefi
     assert simulation.decodes[0].free_blocks == profile.facts.decode_num_blocks
 
 
+def test_a_long_prompt_arriving_during_a_pipeline_is_pipelined_behind_it():
+    """Both prefill workers carry the first prompt's stages when the second arrives: it goes
+    over both too, behind the first stage by stage (each worker serves its oldest stage first).
+    So the first prompt's TTFT stays a lone pipeline's (the ordinary path would put the second
+    whole onto one of its workers, taking turns with its stage), and the second's first token
+    follows the first's by its pipelined share, well under its time on one worker."""
+    profile = make_profile(**PIPELINED)
+    settings = PipelineSettings(decode_stage=PipelineMode.OFF)
+    simulation = Simulation(profile, 2, 1, keep_requests=True, pipeline=settings)
+    assert simulation.run([(0.0, 8000, 4), (1.0, 4000, 4)]).completed == 2
+    first, second = sorted(simulation.kept, key=lambda q: q.arrival)
+    assert len(first.pipeline.stages) == 2 and len(second.pipeline.stages) == 2
+    assert first.first_token - first.arrival == pytest.approx(_pipeline_ttft_s(profile, 8000, 2, False), rel=1e-9)
+    on_one_worker = simulate(profile, WorkloadModel(trace=[(0.0, 4000, 4)]), 2, 1).ttft.mean / 1000
+    assert second.first_token - first.first_token < 0.75 * on_one_worker
+
+
 def test_auto_pipelines_only_long_prompts_on_idle_workers():
     profile = make_profile(**PIPELINED)
     auto = PipelineSettings()
     # A prompt under two stages' worth of tokens goes to one worker, as without pipelines.
     short = [(0.0, 1000, 4)]
     assert simulate(profile, WorkloadModel(trace=short), 2, 1, pipeline=auto).ttft.mean == simulate(profile, WorkloadModel(trace=short), 2, 1).ttft.mean
-    # Over a busy prefill pool long prompts mostly take the ordinary path; every request still
+    # Over a busy prefill pool many long prompts take the ordinary path; every request still
     # completes and every queued token and block is given back.
     trace = list(WorkloadModel(rate=3.0, num_requests=300, input_len=1500, output_len=16, range_ratio=0.8, seed=5).requests())
     simulation = Simulation(profile, 3, 2, pipeline=auto, keep_requests=True, max_queued_requests=10**6)

@@ -21,7 +21,7 @@ def _stages(mode: PipelineMode, num_tokens: int, workers: list[WorkerRecord], ma
     return [] if plan is None else [w.worker_id for w in plan.workers]
 
 
-def test_auto_pipelines_long_prompts_over_free_actors_only():
+def test_auto_pipelines_long_prompts_where_their_first_token_comes_soonest():
     idle = _workers(0, 0, 0)
     assert _stages(PipelineMode.AUTO, 8000, idle) == ["prefill-0", "prefill-1", "prefill-2"]
     assert _stages(PipelineMode.AUTO, 8000, idle, max_stages=2) == ["prefill-0", "prefill-1"]
@@ -29,10 +29,15 @@ def test_auto_pipelines_long_prompts_over_free_actors_only():
     assert _stages(PipelineMode.AUTO, 2500, idle) == ["prefill-0", "prefill-1"]
     assert _stages(PipelineMode.AUTO, 2000, idle) == []
     assert _stages(PipelineMode.AUTO, 64, idle) == []
-    # A short prompt queued ahead delays a pipeline little; a stage's worth or more would hold it.
+    # A short prompt queued ahead delays a pipeline little; a long queue would hold the whole
+    # pipeline behind it, so the busy actor is left out, or the prompt stays on the idle one.
     assert _stages(PipelineMode.AUTO, 8000, _workers(64, 0)) == ["prefill-1", "prefill-0"]
-    assert _stages(PipelineMode.AUTO, 8000, _workers(1024, 0, 0)) == ["prefill-1", "prefill-2"]
-    assert _stages(PipelineMode.AUTO, 8000, _workers(1500, 0)) == []
+    assert _stages(PipelineMode.AUTO, 8000, _workers(4000, 0, 0)) == ["prefill-1", "prefill-2"]
+    assert _stages(PipelineMode.AUTO, 8000, _workers(6000, 0)) == []
+    # A long prompt that arrives while a pipeline holds every actor (each with its share queued)
+    # is pipelined behind it, not put whole onto one of them.
+    assert _stages(PipelineMode.AUTO, 4000, _workers(3000, 3000)) == ["prefill-0", "prefill-1"]
+    assert _stages(PipelineMode.AUTO, 4000, _workers(3000, 3000, 3000)) == ["prefill-0", "prefill-1", "prefill-2"]
 
 
 def test_chunks_are_about_two_per_stage_in_whole_blocks():
