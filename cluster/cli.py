@@ -269,7 +269,11 @@ def _up(args: argparse.Namespace) -> int:
     head = None
     ray_address = args.address
     if ray_address is None and args.detach:
-        head, ray_address = _start_ray_head()
+        try:
+            head, ray_address = _start_ray_head()
+        except RuntimeError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 1
     try:
         _connect_ray(ray_address, log_to_driver=not args.detach, ship_code=args.address is not None and args.ship_code, worker_log_level=args.log_level)
     except Exception as exc:
@@ -424,23 +428,28 @@ def _start_ray_head() -> tuple[int, str]:
     It runs no log monitor: that relays worker output to attached drivers, and a detached
     deployment has none (the logs stay in the session's directory), while the monitor re-reads
     that directory ten times a second, 5% of a core once a few hundred workers have come and gone."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--block",
-         "--include-dashboard=false", "--include-log-monitor=false", "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("ray start --head exited; see /tmp/ray/session_latest/logs")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            time.sleep(0.3)
-    return process.pid, address
+    # The port is chosen free here and bound by the GCS a moment later: another process may take
+    # it in between (the head then exits at once), so a head that exits before its port answers
+    # is started again on another port.
+    for attempt in range(3):
+        port = _free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--block",
+             "--include-dashboard=false", "--include-log-monitor=false", "--disable-usage-stats"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return process.pid, f"127.0.0.1:{port}"
+            except OSError:
+                time.sleep(0.3)
+        if process.poll() is None:
+            _stop_pid(process.pid)
+            raise RuntimeError(f"ray start --head did not listen on port {port} within 60s; see /tmp/ray/session_latest/logs")
+        print(f"pdserve up: ray start --head on port {port} exited (attempt {attempt + 1} of 3)", file=sys.stderr)
+    raise RuntimeError("ray start --head exited three times; see /tmp/ray/session_latest/logs")
 
 
 def _stop_pid(pid: int, grace_s: float = 10.0, kill_wait_s: float = 10.0) -> None:

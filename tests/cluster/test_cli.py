@@ -12,9 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
 from cluster.cli import _stop_pid, process_alive
@@ -272,3 +270,42 @@ def test_generate_refuses_a_model_directory_without_a_tokenizer_before_starting_
     (model / "config.json").write_text((e2e_model.path / "config.json").read_text())
     result = _run("generate", "hello", "--model", str(model), state_file=tmp_path / "none.json", check=False, timeout=60)
     assert result.returncode == 2 and "no tokenizer.json" in result.stderr
+
+
+
+def test_a_detached_head_whose_port_was_taken_meanwhile_starts_on_another(monkeypatch, capsys):
+    """`up --detach` picks a free port for its Ray head, which binds it a moment later; a port
+    another process took in between makes that head exit, and the next one comes up elsewhere.
+    (A fake `ray start` here: a real one takes about 40 s to give up on a taken port; the real
+    head is started by the detached test above.)"""
+    from cluster import cli
+
+    first, second = cli._free_port(), cli._free_port()
+    ports = iter([first, second])
+    monkeypatch.setattr(cli, "_free_port", lambda: next(ports))
+    heads = []
+
+    class FakeHead:  # the first exits at once (its port taken); the second listens on its port
+        def __init__(self, argv, **kwargs):
+            self.pid = 1000 + len(heads)
+            self.port = int(next(a for a in argv if a.startswith("--port=")).split("=")[1])
+            self.listener = None
+            if heads:
+                self.listener = socket.socket()
+                self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self.listener.bind(("127.0.0.1", self.port))
+                self.listener.listen()
+            heads.append(self)
+
+        def poll(self):
+            return None if self.listener is not None else 1
+
+    monkeypatch.setattr(cli.subprocess, "Popen", FakeHead)
+    try:
+        assert cli._start_ray_head() == (1001, f"127.0.0.1:{second}")
+    finally:
+        for head in heads:
+            if head.listener is not None:
+                head.listener.close()
+    assert [h.port for h in heads] == [first, second]
+    assert f"ray start --head on port {first} exited (attempt 1 of 3)" in capsys.readouterr().err
