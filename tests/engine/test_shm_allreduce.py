@@ -1,7 +1,7 @@
 """The CPU ranks' shared-memory all-reduce: the sum every rank gets, bit for bit the same on
 each, over real gloo-formed groups of processes; big tensors fall back to gloo; a rank that
-never arrives is reported as a lost rank, not waited for forever. Rank 0 holds the group's
-port from the moment it hands the address out."""
+never arrives is reported as a lost rank, not waited for forever. The groups meet as a worker's
+do: rank 0 listens first and hands its address out, holding the port from then on."""
 
 from __future__ import annotations
 
@@ -11,19 +11,40 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.parallel.group import GroupAddress, RankFailedError, TPGroup, listen
+from engine.parallel.group import RankFailedError, TPGroup, listen
 from engine.parallel.shm import SLOT_BYTES
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _sums(rank: int, port: int, world: int, results) -> None:
+def _meet(rank: int, world: int, addresses, results) -> TPGroup:
+    """Rank 0 listens (and checks nobody else can take its port now), then hands the address
+    to the others, who join it."""
     torch.set_num_threads(1)
-    group = TPGroup.join(GroupAddress("127.0.0.1", port, world, "gloo"), rank)
+    if rank > 0:
+        return TPGroup.join(addresses.get(timeout=60), rank)
+    address, store = listen(world, "cpu")
+    with socket.socket() as other:
+        try:
+            other.bind((address.host, address.port))
+            results["port taken by another"] = True
+        except OSError:
+            results["port taken by another"] = False
+    for _ in range(world - 1):
+        addresses.put(address)
+    return TPGroup.join(address, 0, store)
+
+
+def _run(target, world: int, *shared) -> None:
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=target, args=(rank, world, *shared)) for rank in range(world)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+        assert process.exitcode == 0
+
+
+def _sums(rank: int, world: int, addresses, results) -> None:
+    group = _meet(rank, world, addresses, results)
     assert group._shm is not None and group._shm.available
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -39,16 +60,10 @@ def _sums(rank: int, port: int, world: int, results) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_gets_the_same_sum_as_adding_the_ranks_in_order(world):
-    context = mp.get_context("spawn")
-    manager = context.Manager()
-    results = manager.dict()
-    port = _free_port()
-    processes = [context.Process(target=_sums, args=(rank, port, world, results)) for rank in range(world)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(120)
-        assert process.exitcode == 0
+    manager = mp.get_context("spawn").Manager()
+    results, addresses = manager.dict(), manager.Queue()
+    _run(_sums, world, addresses, results)
+    assert results.pop("port taken by another") is False
     for key in results[0]:
         if key == "big":
             assert torch.equal(results[0]["big"], torch.full_like(results[0]["big"], sum(range(1, world + 1))))
@@ -63,8 +78,8 @@ def test_every_rank_gets_the_same_sum_as_adding_the_ranks_in_order(world):
         assert torch.equal(results[0][key], expected), key
 
 
-def _abandoned(rank: int, port: int, errors) -> None:
-    group = TPGroup.join(GroupAddress("127.0.0.1", port, 2, "gloo"), rank)
+def _abandoned(rank: int, world: int, addresses, results, errors) -> None:
+    group = _meet(rank, world, addresses, results)
     group._shm.arrival_timeout_s = 1.0
     if rank == 1:
         return  # never reaches the all-reduce (as if it died)
@@ -75,45 +90,7 @@ def _abandoned(rank: int, port: int, errors) -> None:
 
 
 def test_a_rank_that_never_arrives_is_a_lost_rank():
-    context = mp.get_context("spawn")
-    manager = context.Manager()
+    manager = mp.get_context("spawn").Manager()
     errors = manager.list()
-    port = _free_port()
-    processes = [context.Process(target=_abandoned, args=(rank, port, errors)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(120)
+    _run(_abandoned, 2, manager.Queue(), manager.dict(), errors)
     assert len(errors) == 1 and "did not reach the all-reduce within 1s" in errors[0]
-
-
-def _meets(rank: int, addresses, results) -> None:
-    torch.set_num_threads(1)
-    if rank == 0:
-        address, store = listen(2, "cpu")
-        with socket.socket() as other:  # nobody else can take the port before the ranks meet
-            try:
-                other.bind((address.host, address.port))
-                results["bound by another"] = True
-            except OSError:
-                results["bound by another"] = False
-        addresses.put(address)
-        group = TPGroup.join(address, 0, store)
-    else:
-        group = TPGroup.join(addresses.get(timeout=60), rank)
-    results[rank] = group.all_reduce(torch.full((4,), float(rank + 1)))
-    group.close()
-
-
-def test_rank_zero_holds_the_groups_port_from_the_moment_it_hands_the_address_out():
-    context = mp.get_context("spawn")
-    manager = context.Manager()
-    results, addresses = manager.dict(), manager.Queue()
-    processes = [context.Process(target=_meets, args=(rank, addresses, results)) for rank in range(2)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(120)
-        assert process.exitcode == 0
-    assert results["bound by another"] is False
-    assert torch.equal(results[0], torch.full((4,), 3.0)) and torch.equal(results[1], torch.full((4,), 3.0))
