@@ -1,5 +1,5 @@
 """The router's per-prompt pipeline decision (distributed split-fuse): how many stages a prompt
-gets from its length, the idle prefill actors and the configuration, and where the layers are cut."""
+gets from its length, the prefill actors' queues and the configuration, and where the layers are cut."""
 
 from __future__ import annotations
 
