@@ -12,7 +12,8 @@ but for a light background load of short requests, on five clusters:
   pipeline_decode_stage: always``): the decode actor computes the last half of the layers straight
   into its reservation;
 - dynamic: two prefill actors, the router deciding per prompt (``auto``: long prompts over the
-  actors that bring their first token soonest, the decode actor among them while it has no other request; short ones on one).
+  actors that bring their first token soonest, the decode actor among them while it has no
+  other request; short ones on one).
 
 Each cluster has one decode actor and disaggregation ALWAYS (every prompt through a prefill
 actor). The figure: the long prompt's TTFT pipelined over split-fuse (the issue asks <= 0.6x),
