@@ -78,10 +78,8 @@ def num_stages(
         return max(1, limit)
     best, soonest = 1, (loads[0] if loads else 0) + num_tokens
     for stages in range(2, min(limit, num_tokens // tokens_per_stage) + 1):
-        prefill_stages = stages - num_extra
-        if prefill_stages < 1:
-            continue  # a pipeline keeps at least one prefill stage
-        ready = loads[prefill_stages - 1] + num_tokens * pipelined_share(num_tokens, stages, max_chunk_tokens, block_size)
+        # The last prefill stage's queue (``num_extra`` is 0 or 1: every pipeline keeps a prefill stage).
+        ready = loads[stages - num_extra - 1] + num_tokens * pipelined_share(num_tokens, stages, max_chunk_tokens, block_size)
         if ready < soonest:
             best, soonest = stages, ready
     return best
