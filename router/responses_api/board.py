@@ -83,10 +83,6 @@ class ResponseBoard:
         if is_in_progress(self.store.get(response_id)):
             self._event(self._cancels, response_id).set()
 
-    async def release(self, response_id: str) -> None:
-        """The router running the response stopped (also one not stored): forget its waits."""
-        self._settle(response_id)
-
     async def wait_for_cancel(self, response_id: str, timeout_s: float) -> bool:
         """True once a cancel is asked for the response; False after ``timeout_s`` without one
         (the running router asks again while it generates)."""
@@ -144,9 +140,6 @@ class SharedBoard:
 
     async def request_cancel(self, response_id: str) -> None:
         await self.handle.request_cancel.remote(response_id)
-
-    async def release(self, response_id: str) -> None:
-        await self.handle.release.remote(response_id)
 
     async def wait_for_cancel(self, response_id: str, timeout_s: float) -> bool:
         return await self.handle.wait_for_cancel.remote(response_id, timeout_s)

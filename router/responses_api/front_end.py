@@ -425,10 +425,10 @@ class ResponsesFrontEnd:
         finally:
             watcher.cancel()
             # Kept before the session closes: a cancel arriving during close must not lose it.
+            # (A background response is always stored: its final put also ends its waits on the
+            # board.)
             try:
                 await asyncio.shield(self._keep(api, state, conversation))
-                if not api.store:
-                    await asyncio.shield(self.store.release(state.response_id))  # a stored one's final put did
             except Exception:
                 logger.exception("%s: keeping the final state failed", state.response_id)
             finally:
