@@ -22,7 +22,8 @@ def pytest_xdist_auto_num_workers(config):
     suite: 973 s in one process, 810 s in two; the one process left 30% of the cores idle while
     its tests waited on process starts, leases and single-threaded steps. Each worker process
     is a test session with its own Ray instance, so more than two would only add Ray instances
-    fighting over the same two cores."""
+    fighting over the same two cores: three took 595 s where two took 555 s, run back to back
+    on a 2-core EPYC (both cores 96 to 99% busy)."""
     return max(1, min(2, len(os.sched_getaffinity(0))))
 
 
@@ -54,6 +55,21 @@ def pytest_sessionfinish(session):
     path = _alone_lock_path()
     if path is not None:
         path.unlink(missing_ok=True)
+
+
+# What a test needs that makes it one of the slow end-to-end ones `-m "not e2e"` leaves out: a
+# Ray instance (its actors are real processes, 4 to 6 s of CPU each to start).
+_STARTS_RAY = frozenset({"ray_session", "ray_cluster"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark `e2e` every test that starts a deployment or Ray itself: those under tests/e2e and
+    those that use the session's Ray (through any fixture); tests that start Ray clusters with
+    `ray start` are marked where they are written. Before `-m` reads the marks."""
+    for item in items:
+        if item.get_closest_marker("e2e") is None and (item.path.parent.name == "e2e" or _STARTS_RAY & set(item.fixturenames)):
+            item.add_marker(pytest.mark.e2e)
 
 
 def pytest_sessionstart(session):

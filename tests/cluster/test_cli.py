@@ -31,6 +31,7 @@ def _run(*args: str, state_file: Path, timeout: float = 180, check: bool = True,
     return result
 
 
+@pytest.mark.e2e
 def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_model, tmp_path):
     state = tmp_path / "state.json"
     # Fixed ports, as in production: the restarted controller listens on them again.
@@ -167,6 +168,7 @@ def test_a_port_taken_after_up_looked_fails_the_router_with_the_field_named(e2e_
             HostedRouter(spec)
 
 
+@pytest.mark.e2e
 def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, tmp_path):
     """Two raylets on this machine, each with a resource that pins one pool to it."""
     head_port = _free_port()

@@ -31,7 +31,7 @@ def _health(address: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def hosted(request, e2e_model):
+def hosted(request, ray_cluster, e2e_model):
     router = RouterConfig(disaggregation=Disaggregation.NEVER, **getattr(request, "param", {}))
     spec = DeploymentSpec(
         model_path=e2e_model.path,

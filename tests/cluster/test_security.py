@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import grpc
@@ -189,6 +188,7 @@ def _address(hex_ip: str, width: int) -> str:
     return ":".join(flat[i : i + 2].hex() for i in range(0, 16, 2))
 
 
+@pytest.mark.e2e
 def test_up_in_the_foreground_listens_on_loopback_only_serves_and_stops_when_interrupted(e2e_model, tmp_path):
     """`pdserve up` without a Ray address, in the foreground: Ray's GCS, raylet, workers and agents,
     the router, Admin, metrics and NIXL's UCX in the actors all bind loopback (nothing listens on
