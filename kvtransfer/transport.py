@@ -13,13 +13,10 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtransfer.descriptors import BlockRuns
 from kvtransfer.layout import KVRegion
-
-if TYPE_CHECKING:
-    import torch
 
 
 class XferState(enum.Enum):

@@ -268,7 +268,7 @@ class PrefillWorker(EngineWorker):
             self.scheduler.add_stage(seq, request.stage.salt)
         except OutOfBlocksError as exc:
             raise PrefillUnavailableError(f"prefill worker {self.worker_id}: {exc}") from None
-        job = self._add_job(request, seq)
+        self._add_job(request, seq)
         inbox = None
         if not request.stage.is_first and self.activations is not None:
             num_chunks = inbox_chunks(seq.num_prompt_tokens, request.stage.chunk_tokens)

@@ -158,7 +158,7 @@ def plan_pipeline(
         mode, num_tokens, [w.num_assigned_prompt_tokens for w in ordered], extra, max_stages, tokens_per_stage, len(layer_costs),
         max_chunk_tokens, block_size,
     )
-    if stages < 2 or not candidates:
+    if stages < 2:  # also with no candidates: ``num_stages`` keeps a prefill stage in every pipeline
         return None
     return PipelinePlan(
         ordered[: stages - extra], balanced_layers(layer_costs, stages), chunk_tokens(num_tokens, stages, max_chunk_tokens, block_size),

@@ -511,7 +511,7 @@ class Simulation:
         layers = self.num_layers or len(candidates) + extra
         stages = num_stages(settings.mode, request.prompt_len, [w.queued_tokens for w in ordered], extra, settings.max_stages,
                             settings.tokens_per_stage, layers, settings.chunk_tokens, self.block_size)
-        if stages < 2 or not candidates:
+        if stages < 2:  # also with no routable prefill actor: a pipeline keeps a prefill stage
             return None
         workers = ordered[: stages - extra]
         tokens_each = request.prompt_len // stages

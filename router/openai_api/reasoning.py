@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.thinking import Thinking, ThinkingState
+from engine.thinking import Thinking
 from router.errors import InvalidArgumentError
 from router.openai_api.parser_names import REASONING_PARSERS, THINKS_FROM_THE_START
 from router.openai_api.tool_blocks import marker_prefix_len

@@ -5,7 +5,6 @@ grammar made (router/openai_api/tool_calls.py says which is which)."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
