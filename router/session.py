@@ -67,8 +67,10 @@ class GenerationSession:
                 item = await self._next_item()
                 if isinstance(item, SeqOutput):
                     if active.assembler.awaits_prompt_logprobs and not item.prompt_logprobs:
-                        if item.token_ids:
-                            await self._await_prefill_report(PROMPT_LOGPROBS_WAIT_S)
+                        if item.token_ids and not await self._await_prefill_report(PROMPT_LOGPROBS_WAIT_S):
+                            # Its prefill was cancelled: its decode actor died, and the Restart
+                            # queued behind places the request again (the scores come then).
+                            continue
                         if active.assembler.awaits_prompt_logprobs:
                             if item.attempt != active.attempt:
                                 # Decoded before its prefill actor died unanswered (its answer had
@@ -119,19 +121,29 @@ class GenerationSession:
         interval = self.router.config.stream_interval if self.active.assembler.has_sent_tokens else 1
         return await self.active.outputs.get(interval)
 
-    async def _await_prefill_report(self, wait_s: float) -> None:
+    async def _await_prefill_report(self, wait_s: float) -> bool:
         """A short request can finish decoding before the prefill actor's answer (sent once it
         saw its last write complete) reaches the router: the last chunk waits for it briefly,
         so that its timing carries the prefill and the KV bytes moved (seen: a 6-token request
         ended with no prefill timing on a loaded host). The first chunk of a request that asked
-        for its prompt's log-probabilities waits for them likewise: that answer carries them."""
+        for its prompt's log-probabilities waits for them likewise: that answer carries them.
+
+        False when the prefill was cancelled: only ``Dispatcher.on_worker_died`` does that while
+        the stream runs, with a Restart queued behind (``restart`` runs inside this stream)."""
         task = self.active.prefill_task
-        if task is None or task.done():
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(task), wait_s)
-        except Exception:  # late, failed or cancelled: the chunk goes without it
-            logger.debug("req %s: finished before its prefill report arrived", self.active.req_id)
+        if task is None:
+            return True
+        if not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), wait_s)
+            except asyncio.CancelledError:
+                # The shield passes the prefill task's cancel on; only a cancel of this stream
+                # itself (its client gone) ends it.
+                if asyncio.current_task().cancelling():
+                    raise
+            except Exception:  # late or failed: the chunk goes without it
+                logger.debug("req %s: finished before its prefill report arrived", self.active.req_id)
+        return not task.cancelled()
 
     def close(self) -> "asyncio.Future[None]":
         """Start releasing what the request holds on every worker, now (``Dispatcher.release``
