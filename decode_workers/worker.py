@@ -362,6 +362,12 @@ class DecodeWorker(EngineWorker):
         self.pump.kick()  # the rest come back through the pump: the writer's report or the lease
 
     def _confirm_quiesced(self, req_id: str) -> int:
+        if req_id in self._tracked and req_id in self.scheduler.awaiting_kv:
+            # Confirmed before any abort ended the reservation here (the receiver, too, takes
+            # that as the end of it): end it first, so that its blocks are detached from the
+            # request before they are freed. Else the request would keep them, waiting for KV
+            # that no writer sends, with no lease left to end it.
+            self._abort(req_id)
         block_ids = self.agent.confirm_quiesced(req_id)
         self.scheduler.release_detached(block_ids)
         return len(block_ids)

@@ -123,6 +123,10 @@ class ActiveRequest:
     # one (a decode actor that admitted the request just as the router gave up on it) are
     # dropped, never streamed twice, and an abort names the attempt it ends.
     attempt: int = 0
+    # The attempt its decode actor holds it under: ``attempt`` moves on when a prefill fails
+    # (the old attempt's outputs are stale from then), the reservation keeps its own, and an
+    # abort must name that one or the decode actor ignores it (it took it for a stale abort).
+    decode_attempt: int = 0
     last_message_at: float | None = None  # for inter-token latency
     # Whether the client has gone (cancelled, deadline): its id may be taken by a new request,
     # which then waits for ``released``, set once nothing of this one is left on any worker.
@@ -306,7 +310,7 @@ class Dispatcher:
                     raise UnavailableError("no decode worker is available")
             else:
                 decode = await self._wait_for_room(request, order, query)
-            active.attempt = next(self._attempts)
+            active.attempt = active.decode_attempt = next(self._attempts)
             plan = None if local else self._pipeline_plan(active, request, decode)
             if not local:
                 self._prefill_tokens_on_the_way[request.req_id] = len(request.prompt_token_ids)
@@ -796,7 +800,7 @@ class Dispatcher:
         try:
             # With the attempt: an abort that overtakes its own reserve call (an async actor may
             # run calls out of order) leaves a mark, and that reserve is refused.
-            await decode.handle.abort.remote(key, active.attempt)
+            await decode.handle.abort.remote(key, active.decode_attempt)
         except WORKER_GONE:
             return
         if not prefills:

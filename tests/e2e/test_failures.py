@@ -360,6 +360,10 @@ def test_a_request_present_at_two_worker_deaths_is_refused_not_carried_on(ray_cl
         assert error is not None, "refused, not served by a third worker"
         assert error.code() is grpc.StatusCode.INTERNAL
         assert "2 workers that died" in error.details() and all(w in error.details() for w in killed)
+        # Its reservation on the decode actor ends too. The abort must name the attempt the
+        # decode actor holds: the second death had numbered a new one, the abort named that, and
+        # the decode actor ignored it, keeping the blocks for good.
+        assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle() if w.worker_id not in killed)
         client.close()
 
 
