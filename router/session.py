@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
@@ -138,8 +139,9 @@ class GenerationSession:
                 await asyncio.wait_for(asyncio.shield(task), wait_s)
             except asyncio.CancelledError:
                 # The shield passes the prefill task's cancel on; only a cancel of this stream
-                # itself (its client gone) ends it.
-                if asyncio.current_task().cancelling():
+                # itself (its client gone) ends it. (Python 3.10 cannot tell the two apart when
+                # both come at once: the prefill's is taken, and the stream reads its Restart.)
+                if not task.cancelled() or (sys.version_info >= (3, 11) and asyncio.current_task().cancelling()):
                     raise
             except Exception:  # late or failed: the chunk goes without it
                 logger.debug("req %s: finished before its prefill report arrived", self.active.req_id)
