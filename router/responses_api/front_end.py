@@ -305,7 +305,12 @@ class ResponsesFrontEnd:
             await session.close()
             raise
         task = asyncio.create_task(self._run_background(api, body, session, state, conversation))
-        self.background[state.response_id] = _Background(state, task)
+        # Known here (so cancellable from here) only once its first step ran, which this wake-up
+        # follows: a task cancelled before its first step runs none of its body, and its finally
+        # would neither keep its final state nor close its session (the request stayed admitted).
+        await asyncio.sleep(0)
+        if not task.done():
+            self.background[state.response_id] = _Background(state, task)
 
     async def resume(self) -> None:
         """Run again the background responses this router's earlier life left in progress (it
