@@ -81,11 +81,12 @@ class TPGroup:
 
     @classmethod
     def join(cls, address: GroupAddress, rank: int, store: dist.Store | None = None) -> "TPGroup":
-        """Join (blocking until every rank has) the group at ``address`` as ``rank``. Rank 0
-        passes the ``store`` it listens with (``listen``); without one, rank 0 binds
-        ``address.port`` itself and the others connect to it."""
+        """Join (blocking until every rank has) the group at ``address`` as ``rank``: rank 0 with
+        the ``store`` it listens with (``listen``), the others by connecting to it."""
         if store is None:
-            store = dist.TCPStore(address.host, address.port, address.world_size, is_master=rank == 0, timeout=IDLE_TIMEOUT, wait_for_workers=False)
+            if rank == 0:
+                raise ValueError("rank 0 joins with the store it listens with (engine.parallel.group.listen)")
+            store = dist.TCPStore(address.host, address.port, address.world_size, is_master=False, timeout=IDLE_TIMEOUT)
         dist.init_process_group(address.backend, store=store, world_size=address.world_size, rank=rank, timeout=IDLE_TIMEOUT)
         shared_memory = None
         if address.backend == "gloo":

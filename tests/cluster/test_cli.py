@@ -274,7 +274,6 @@ def test_generate_refuses_a_model_directory_without_a_tokenizer_before_starting_
     assert result.returncode == 2 and "no tokenizer.json" in result.stderr
 
 
-
 def test_a_detached_head_whose_port_was_taken_meanwhile_starts_on_another(monkeypatch, capsys):
     """`up --detach` picks a free port for its Ray head, which binds it a moment later; a port
     another process took in between makes that head exit, and the next one comes up elsewhere.

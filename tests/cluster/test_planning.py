@@ -418,7 +418,7 @@ def test_a_long_prompt_arriving_during_a_pipeline_is_pipelined_behind_it():
     assert second.first_token - first.first_token < 0.75 * on_one_worker
 
 
-def test_auto_pipelines_only_long_prompts_on_idle_workers():
+def test_auto_pipelines_only_long_prompts_and_every_token_and_block_comes_back():
     profile = make_profile(**PIPELINED)
     auto = PipelineSettings()
     # A prompt under two stages' worth of tokens goes to one worker, as without pipelines.
