@@ -117,14 +117,21 @@ class Router:
         Short prompts stay inline: a thread hop costs more than they do.
         """
         validate = functools.partial(validate_input, request, self.limits, self.tokenizer.encode, timeout_s=timeout_s)
-        long_text = request.prompt_text is not None and len(request.prompt_text) > INLINE_TOKENIZE_CHARS
-        if long_text or request.structured is not None:
+        text_chars = (len(request.prompt_text) if request.prompt_text is not None else 0) + sum(map(len, request.bad_words))
+        if text_chars > INLINE_TOKENIZE_CHARS or request.structured is not None:
             validated = await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)
         else:
             validated = validate()
         # Every worker of the request computes with the version its adapter names now.
         validated.sampling_params.lora_digest = self.lora.digest(validated.sampling_params.lora_name)
         return validated
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids, tokenized off the event loop where it is long (as validate_input)."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, encode)
 
     async def wait_ready(self) -> None:
         """Wait, at most ``ready_wait_s``, until the pools can serve; else UnavailableError."""

@@ -38,6 +38,10 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
+    # Every decode step checks each bad word's tokens against each row's output: a list of
+    # thousands would slow every step, and a million would tie up the tokenizer for seconds.
+    max_bad_words: int = 1024
+    max_bad_word_chars: int = 256
     max_request_id_chars: int = 128
     # Characters of prompt_text per token of context (a token of code can hold a long run of
     # spaces): text far longer than any prompt that fits is refused before it is tokenized.
@@ -82,6 +86,10 @@ class GenerateInput:
     # A chat prompt already holds its special tokens, rendered by its template.
     add_special_tokens: bool = True
     max_tokens: int | None = None
+    # Unset max_tokens: the context's room (chat completions, the Responses API, as vLLM
+    # and OpenAI answer a conversation) rather than RequestLimits.default_max_tokens (completions'
+    # and gRPC's 16); the model's generation_config max_new_tokens caps either.
+    max_tokens_fills_context: bool = False
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
@@ -290,9 +298,10 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
     def pick(given, model_default, default):
         return given if given is not None else model_default if model_default is not None else default
 
+    unset_max_tokens = limits.max_context_len if request.max_tokens_fills_context else limits.default_max_tokens
     params = SamplingParams(
         # Unset, it defaults to what fits (_fit_context), and never below min_tokens.
-        max_tokens=pick(request.max_tokens, None, max(pick(None, defaults.max_tokens, limits.default_max_tokens), request.min_tokens)),
+        max_tokens=pick(request.max_tokens, None, max(pick(None, defaults.max_tokens, unset_max_tokens), request.min_tokens)),
         temperature=pick(request.temperature, defaults.temperature, 1.0),
         top_k=pick(request.top_k, defaults.top_k, 0),
         top_p=pick(request.top_p, defaults.top_p, 1.0),
@@ -308,7 +317,7 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
         frequency_penalty=request.frequency_penalty,
         logit_bias=dict(request.logit_bias),
         allowed_token_ids=None if request.allowed_token_ids is None else list(dict.fromkeys(request.allowed_token_ids)),
-        bad_words_token_ids=_bad_words_token_ids(request.bad_words, encode),
+        bad_words_token_ids=_bad_words_token_ids(request.bad_words, limits, encode, prefix),
         structured=request.structured,
         thinking=request.thinking,
         lora_name=request.lora_name,
@@ -326,9 +335,14 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
     return params
 
 
-def _bad_words_token_ids(words: list[str], encode: Callable[..., list[int]]) -> list[list[int]]:
+def _bad_words_token_ids(words: list[str], limits: RequestLimits, encode: Callable[..., list[int]], prefix: str) -> list[list[int]]:
     """vLLM's reading of bad words: each word's tokens as it stands, and with a leading space
     (the word in mid-text) where that tokenizes to as many tokens with a different first."""
+    if len(words) > limits.max_bad_words:
+        raise InvalidArgumentError(f"{prefix}bad_words", f"at most {limits.max_bad_words} words, got {len(words)}")
+    for index, word in enumerate(words):
+        if len(word) > limits.max_bad_word_chars:
+            raise InvalidArgumentError(f"{prefix}bad_words[{index}]", f"must be at most {limits.max_bad_word_chars} characters, got {len(word)}")
     sequences: list[list[int]] = []
     for word in words:
         alone = encode(word.lstrip(), add_special_tokens=False)

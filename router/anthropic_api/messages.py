@@ -208,7 +208,7 @@ class MessagesFrontEnd:
         try:
             model, prompt = read_count_tokens(await self.server.read_json(request), self.server.chat_template, self.router.config.tool_call_parser, self.server.reasoning)
             self.server.model_name(model)
-            return web.json_response({"input_tokens": len(self.router.tokenizer.encode(prompt, add_special_tokens=False))})
+            return web.json_response({"input_tokens": len(await self.router.encode(prompt, False))})
         except Exception as exc:
             return _refused(request, exc)
 

@@ -64,7 +64,7 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
     body = json_object(body, "body")
     refuse_unknown(body, _MESSAGES_FIELDS)
     model = _model(body)
-    if "max_tokens" not in body:
+    if body.get("max_tokens") is None:
         raise InvalidArgumentError("max_tokens", "is required")
     max_tokens = integer(body, "max_tokens", None, 1, None)
     thinking, budget = _thinking(body, reasoning, max_tokens)

@@ -143,7 +143,9 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
         raise InvalidArgumentError("store", "is not supported")
     if "metadata" in body and body["metadata"] is not None:
         json_object(body["metadata"], "metadata")
-    if "max_tokens" in body and "max_completion_tokens" in body and body["max_tokens"] != body["max_completion_tokens"]:
+    # A null is unset (clients that write every field send the one they do not use as null).
+    given = [name for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None]
+    if len(given) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
         raise InvalidArgumentError("max_completion_tokens", "differs from max_tokens (its deprecated name); give one")
     wants_logprobs = boolean(body, "logprobs", False)
     top = integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
@@ -151,7 +153,8 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
     logprobs = (top or 0) if wants_logprobs else None
     prompt = render_conversation(body, template, calling.tools if calling is not None else None)
-    base = _common(body, logprobs, max_tokens_field="max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+    base = _common(body, logprobs, max_tokens_field=given[0] if given else "max_tokens")
+    base.max_tokens_fills_context = True
     constraint = calling.constraint() if calling is not None else None
     if constraint is not None:
         if base.structured is not None:

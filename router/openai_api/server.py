@@ -23,6 +23,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import ssl
 import time
 import uuid
@@ -398,6 +399,38 @@ def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, Any]:
 async def _json(request: web.Request) -> Any:
     raw = await request.read()
     try:
-        return bounded_json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = bounded_json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer past Python's 4,300 digits
         raise InvalidArgumentError("body", f"is not valid JSON: {exc}") from exc
+    # JSON may escape half a UTF-16 pair ("\ud83d": an emoji a client cut in two). Such a string
+    # is no Unicode text: the tokenizer, the logs and the answer's UTF-8 all refuse it, deep
+    # inside. In a UTF-8 body only an escape can hold one: a body without any skips the walk.
+    if not json.detect_encoding(raw).startswith("utf-8") or _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate(body, "")
+        if where is not None:
+            raise InvalidArgumentError(where or "body", "holds a lone UTF-16 surrogate (half of a pair), which is not Unicode text")
+    return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The path (``messages[0].content``) of the first string in ``value`` holding a lone
+    surrogate; None where none does."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, list):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    elif isinstance(value, dict):
+        if any(_SURROGATE.search(key) for key in value):
+            return path  # in a key: named by the object that holds it (the key itself cannot be printed)
+        items = ((f"{path}.{key}" if path else key, item) for key, item in value.items())
+    else:
+        return None
+    for where, item in items:
+        found = _lone_surrogate(item, where)
+        if found is not None:
+            return found
+    return None

@@ -49,7 +49,8 @@ def parameter_schemas(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
     for tool in tools:
         function = tool.get("function") or {}
         if function.get("name") == name:
-            return (function.get("parameters") or {}).get("properties") or {}
+            properties = (function.get("parameters") or {}).get("properties")
+            return properties if isinstance(properties, dict) else {}
     return {}
 
 

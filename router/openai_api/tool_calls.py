@@ -5,7 +5,8 @@ router/openai_api/tool_parsers.py.
 - ``none``: the template still sees the tools (as vLLM does); the answer is plain content.
 - ``auto``: the model decides; its text is read in the model's format (hermes, qwen3_coder,
   glm45, llama3_json, pythonic, mistral: router/openai_api/tool_formats.py), configured
-  (``router.tool_call_parser``) or recognised in the chat template.
+  (``router.tool_call_parser``) or recognised in the chat template; with
+  ``parallel_tool_calls: false`` only the first call it writes is returned (as OpenAI and vLLM do).
 - ``required``: a grammar makes the answer a JSON array of ``{"name", "parameters"}`` objects,
   one schema per tool (at most one item without ``parallel_tool_calls``); named
   (``{"type": "function", "function": {"name": ...}}``): the answer is that function's arguments.
@@ -174,8 +175,17 @@ def _check_tool(tool: Any, where: str) -> None:
         raise InvalidArgumentError(f"{where}.function.{unknown[0]}", "is not a field of a function")
     if not isinstance(function.get("name"), str) or not _NAME_RE.fullmatch(function["name"]):
         raise InvalidArgumentError(f"{where}.function.name", "must be 1-64 characters from [A-Za-z0-9_.-]")
-    if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
-        raise InvalidArgumentError(f"{where}.function.parameters", "must be a JSON schema object")
+    if function.get("parameters") is not None:
+        _check_schema(function["parameters"], f"{where}.function.parameters")
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """A tool's parameters: a JSON schema object whose ``properties`` (the readers look each
+    argument up there) is an object."""
+    if not isinstance(schema, dict):
+        raise InvalidArgumentError(where, f"must be a JSON schema object, got {type(schema).__name__}")
+    if schema.get("properties") is not None and not isinstance(schema["properties"], dict):
+        raise InvalidArgumentError(f"{where}.properties", f"must be an object of the parameters' schemas, got {type(schema['properties']).__name__}")
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
@@ -209,7 +219,6 @@ def flat_function_tool(tool: dict[str, Any], where: str, schema_key: str) -> dic
     schema = tool.get(schema_key)
     if schema is None and schema_key == "parameters":
         schema = {"type": "object", "properties": {}}  # the Responses API allows a tool without parameters
-    if not isinstance(schema, dict):
-        raise InvalidArgumentError(f"{where}.{schema_key}", f"must be a JSON object, got {type(schema).__name__}")
+    _check_schema(schema, f"{where}.{schema_key}")
     function["parameters"] = schema
     return {"type": "function", "function": function}

@@ -45,6 +45,9 @@ class ToolCallOutput:
     calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls so far, OpenAI's shape
     _reader: Any = None  # auto: the model's format's reader (router/openai_api/tool_formats.py)
     _buffer: str = ""  # required: the JSON the grammar made, read once it ends
+    # parallel_tool_calls false: a call after the first is being left out, as OpenAI and vLLM
+    # answer (under auto the model may still write several; required's grammar allows one).
+    _dropping: bool = False
 
     def __post_init__(self) -> None:
         if self.calling.choice == "auto":
@@ -90,10 +93,13 @@ class ToolCallOutput:
             if isinstance(part, str):
                 out.append(part)
             elif part.name is not None:  # a new call
+                self._dropping = bool(self.calls) and not self.calling.parallel
+                if self._dropping:
+                    continue
                 call = _call(part.name, part.arguments, self.calling.parser == "mistral")
                 out.append(ToolCallDelta(len(self.calls), part.arguments, call["id"], part.name))
                 self.calls.append(call)
-            else:  # more of the last call's arguments
+            elif not self._dropping:  # more of the last call's arguments
                 self.calls[-1]["function"]["arguments"] += part.arguments
                 out.append(ToolCallDelta(len(self.calls) - 1, part.arguments))
         return out

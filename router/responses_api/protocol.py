@@ -111,6 +111,7 @@ def read_responses(body: Any) -> ResponsesRequest:
         text_field="input",
         ids_field="input",
         max_tokens=integer(body, "max_output_tokens", None, 1, None),
+        max_tokens_fills_context=True,
         temperature=number(body, "temperature", None),
         top_p=number(body, "top_p", None),
         top_k=integer(body, "top_k", None, -1, None),

@@ -289,3 +289,96 @@ def test_the_token_is_accepted_as_a_bearer_token_or_as_anthropics_x_api_key():
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"Authorization": "s3cret"}):
         with pytest.raises(UnauthenticatedError):
             OpenAIServer._authenticate(server, SimpleNamespace(headers=headers))
+
+
+def _chars(text: str, add_special_tokens: bool = True) -> list[int]:
+    """One token per character: lengths easy to reason about."""
+    return [2 + ord(c) % 900 for c in text]
+
+
+def test_an_unset_max_tokens_is_16_on_completions_and_the_contexts_room_on_chat_and_responses(tmp_path):
+    """As OpenAI and vLLM answer: a completion stops at 16 tokens unless told otherwise, a
+    conversation runs until the context is full (or the model's max_new_tokens), so a chat client
+    that leaves max_tokens out does not get a reply cut after 16 tokens."""
+    from engine.sampling_params import SamplingDefaults
+    from router.responses_api.protocol import read_responses
+    from router.validation import RequestLimits, validate_input
+
+    limits = RequestLimits(vocab_size=1000, max_context_len=200)
+    template = ChatTemplate(TEMPLATES["chatml"], {})
+    messages = [{"role": "user", "content": "hi"}]
+
+    def max_tokens(request, limits=limits):
+        validated = validate_input(request, limits, _chars)
+        return validated.sampling_params.max_tokens, limits.max_context_len - len(validated.prompt_token_ids)
+
+    assert max_tokens(read_completion({"prompt": "hi"}).choices[0])[0] == 16
+    given, room = max_tokens(read_chat({"messages": messages}, template).choices[0])
+    assert given == room > 100
+    responses = read_responses({"input": "hi"}).generate
+    responses.prompt_text = template.render(messages)
+    given, room = max_tokens(responses)
+    assert given == room > 100
+    # The model's generation_config.json max_new_tokens caps a conversation's default too.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 40}))
+    capped = RequestLimits(vocab_size=1000, max_context_len=200, defaults=SamplingDefaults.from_model_dir(tmp_path))
+    assert max_tokens(read_chat({"messages": messages}, template).choices[0], capped)[0] == 40
+    assert max_tokens(read_chat({"messages": messages, "max_tokens": 5}, template).choices[0])[0] == 5
+
+
+def test_a_null_max_tokens_or_max_completion_tokens_is_unset_beside_the_other():
+    template = ChatTemplate(TEMPLATES["chatml"], {})
+    messages = [{"role": "user", "content": "hi"}]
+    assert read_chat({"messages": messages, "max_tokens": 50, "max_completion_tokens": None}, template).choices[0].max_tokens == 50
+    assert read_chat({"messages": messages, "max_tokens": None, "max_completion_tokens": 7}, template).choices[0].max_tokens == 7
+    assert read_chat({"messages": messages, "max_tokens": 7, "max_completion_tokens": 7}, template).choices[0].max_tokens == 7
+    with pytest.raises(InvalidArgumentError) as raised:
+        read_chat({"messages": messages, "max_tokens": 7, "max_completion_tokens": 8}, template)
+    assert raised.value.field == "max_completion_tokens"
+
+
+def test_bad_words_are_bounded_and_a_long_list_is_named():
+    from router.validation import RequestLimits, validate_input
+
+    limits = RequestLimits(vocab_size=1000, max_context_len=200)
+    validated = validate_input(read_completion({"prompt": "x", "bad_words": ["ab"] * 1024}).choices[0], limits, _chars)
+    assert validated.sampling_params.bad_words_token_ids
+    for words, field in ((["ab"] * 1025, "bad_words"), (["ok", "x" * 257], "bad_words[1]")):
+        with pytest.raises(InvalidArgumentError) as raised:
+            validate_input(read_completion({"prompt": "x", "bad_words": words}).choices[0], limits, _chars)
+        assert raised.value.field == field
+
+
+def _post_raw(url: str, data: bytes, token: str = "s3cret") -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {token}"}, method="POST")
+    try:
+        with urllib.request.urlopen(request) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_half_a_surrogate_pair_or_an_endless_integer_is_a_400_naming_where(hosted):
+    """JSON can spell text that is not Unicode (a lone UTF-16 surrogate: an emoji a client cut in
+    two) and integers Python will not read (over 4,300 digits); each is refused at the edge, the
+    field named, on every API, where it was a 500 from deep inside (the tokenizer, the answer's
+    UTF-8)."""
+    lone = b'"hi \\ud83d there"'
+    cases = [
+        ("/v1/completions", b'{"prompt": ' + lone + b', "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": ' + lone + b'}]}', "messages[0].content"),
+        ("/v1/responses", b'{"input": "x", "metadata": {"k": ' + lone + b'}}', "metadata.k"),
+        ("/v1/messages", b'{"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "system": ' + lone + b'}', "system"),
+        ("/v1/completions", b'{"prompt": "x", "bad_words": ["ok", ' + lone + b']}', "bad_words[1]"),
+        ("/v1/completions", b'{"prompt": "x", "\\udc00": 1}', "body"),
+        ("/tokenize", b'{"prompt": ' + lone + b'}', "prompt"),
+        ("/v1/completions", b'{"prompt": "x", "seed": ' + b"1" * 5000 + b"}", "body"),
+    ]
+    for path, data, field in cases:
+        status, body = _post_raw(hosted + path, data)
+        error = body["error"]
+        named = error["message"].split(":")[0] if path == "/v1/messages" else error["param"]  # Anthropic's shape has no param
+        assert (status, named) == (400, field), (path, body)
+    # A whole pair is one character, served as any other.
+    status, body = _post_raw(hosted + "/tokenize", b'{"prompt": "hi \\ud83d\\ude00"}')
+    assert status == 200 and body["count"] == len(body["tokens"]) > 2

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from router.errors import InvalidArgumentError
-from router.openai_api.tool_calls import ToolCalling, detect_parser, mistral_id, read_tool_calling
+from router.openai_api.tool_calls import ToolCalling, detect_parser, flat_function_tool, mistral_id, read_tool_calling
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, content_and_deltas
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -57,6 +57,19 @@ def test_hermes_calls_after_content_stream_into_the_same_calls(piece):
     assert streamed == whole
     assert _read(whole) == [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {})]
     assert reason == "tool_calls"
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_without_parallel_tool_calls_only_the_first_call_an_auto_answer_writes_is_made(piece):
+    """``parallel_tool_calls: false`` under auto: a model may still write several calls; as
+    OpenAI and vLLM answer, the client gets the first, whole and streamed alike, and the content."""
+    text = ('Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    single = read_tool_calling({"tools": [WEATHER, TIME], "parallel_tool_calls": False}, "", "hermes")
+    content, streamed, whole, reason = _run(single, text, piece)
+    assert content == "Checking.\n" and streamed == whole and reason == "tool_calls"
+    assert _read(whole) == [("get_weather", {"city": "Oslo"})]
+    assert len(_run(read_tool_calling({"tools": [WEATHER, TIME]}, "", "hermes"), text, piece)[2]) == 3
 
 
 @pytest.mark.parametrize("piece", [1, 5, 1000])
@@ -120,12 +133,23 @@ def test_required_and_named_choices_have_grammars_and_parse_their_json():
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": ["x"]}}}]}, "tools[0].function.parameters.properties"),
     ],
 )
 def test_bad_tools_name_the_field(body, field):
     with pytest.raises(InvalidArgumentError) as raised:
         read_tool_calling(body, "<tool_call>", None)
     assert raised.value.field == field
+
+
+def test_a_flat_tools_schema_is_checked_under_the_apis_own_names():
+    """The Responses API's and Anthropic's tools are written flat; a schema whose properties are
+    not an object (the readers look each argument up there) is named as the client wrote it."""
+    for key in ("parameters", "input_schema"):
+        for schema, field in (([], f"tools[2].{key}"), ({"properties": ["x"]}, f"tools[2].{key}.properties")):
+            with pytest.raises(InvalidArgumentError) as raised:
+                flat_function_tool({"name": "f", key: schema}, "tools[2]", key)
+            assert raised.value.field == field
 
 
 def test_auto_needs_a_parser_the_template_shows_or_the_config_names():
