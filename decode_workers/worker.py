@@ -412,7 +412,7 @@ class DecodeWorker(EngineWorker):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             try:
-                sample = self.engine.run_reserved_stage(seq, chunk.num_tokens, tracked.stage.layers, chunk.activations())
+                sample = self.engine.run_reserved_stage(seq, chunk.num_tokens, tracked.stage.layers, chunk.activations(self.engine.config.device))
             except RankFailedError:
                 raise
             except Exception as exc:

@@ -63,7 +63,9 @@ class ArrivedChunk:
     has_residual: bool
     slot: torch.Tensor  # [2, slot_tokens, hidden], a view of the inbox
 
-    def activations(self) -> Any:
+    def activations(self, device: Any = None) -> Any:
+        """As the engine takes them (copies: the slot is reused); ``device`` is the inbox's own,
+        the engine's (the argument is ``workers.pipeline.StageChunk``'s)."""
         from engine.model import StageActivations
 
         hidden = self.slot[0, : self.num_tokens].clone()

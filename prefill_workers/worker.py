@@ -351,22 +351,23 @@ class PrefillWorker(EngineWorker):
             stage, seq = job.stage, job.seq
             if stage is None or seq.req_id not in self.scheduler.staged:
                 continue
-            if not job.started:
-                if time.time() > job.request.destination.lease_deadline:
-                    # Opened by a router that never started it (it died): nothing will.
-                    self._finish_job(job, PrefillCancelledError(f"req {seq.req_id}: its stage was never started"))
-                continue
             start = seq.num_computed_tokens
+            if not job.started or (not stage.is_first and start not in job.inbox):
+                if time.time() > job.request.destination.lease_deadline:
+                    # Waiting past its lease: the router renews the leases of every stage of a
+                    # request in flight, so its router is gone (it died before starting the
+                    # stage, or with the stage before this one ended): nothing will come.
+                    waited_for = "its start" if not job.started else f"the activations from token {start}"
+                    self._finish_job(job, PrefillCancelledError(f"req {seq.req_id}: its lease ran out waiting for {waited_for}"))
+                elif job.started and self.activations is not None:
+                    self.activations.expect()
+                continue
             incoming = None
             if stage.is_first:
                 num_tokens = min(stage.chunk_tokens, seq.num_prompt_tokens - start)
             else:
-                chunk = job.inbox.pop(start, None)
-                if chunk is None:
-                    if self.activations is not None and job.stage.index > 0:
-                        self.activations.expect()
-                    continue
-                num_tokens, incoming = chunk.num_tokens, chunk.activations()
+                chunk = job.inbox.pop(start)
+                num_tokens, incoming = chunk.num_tokens, chunk.activations(self.engine.config.device)
             return self._compute_stage_chunk(job, start, num_tokens, incoming)
         return False
 
@@ -377,15 +378,16 @@ class PrefillWorker(EngineWorker):
             seq.first_scheduled_time = time.monotonic()
         try:
             out = self.engine.run_stage(ScheduledBatch([ScheduledSlice(seq, num_tokens)]), stage.layers, incoming)
+            skip = job.next_start - start  # tokens of this chunk the next stage holds cached
+            if not stage.is_last and skip < num_tokens:
+                # Inside: a chunk that cannot be handed on fails its request, not this actor.
+                self._hand_on(job, start, out, max(0, skip))
         except RankFailedError:
             raise
         except Exception as exc:
             logger.error("req %s: stage %d on %s failed", seq.req_id, stage.index, self.worker_id, exc_info=True)
             self._finish_job(job, RequestFailedError(f"computing this request failed: {type(exc).__name__}: {exc}"))
             return True
-        skip = job.next_start - start  # tokens of this chunk the next stage holds cached
-        if not stage.is_last and skip < num_tokens:
-            self._hand_on(job, start, out, max(0, skip))
         job.compute_s += time.perf_counter() - started
         self._after_step(time.perf_counter(), started, [job], log_step=False)
         if seq.num_computed_tokens >= seq.num_prompt_tokens:

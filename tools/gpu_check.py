@@ -847,6 +847,20 @@ def check_prefill_without_logits(workdir: Path) -> dict:
     return result
 
 
+def check_stage_chunks() -> dict:
+    """A pipeline stage's activations handed on over Ray (the next stage has no NIXL inbox for
+    them: a prompt past its slots, or every slot taken) leave GPU memory as host arrays and come
+    back onto the GPU, bit for bit (they once could not leave it: ``.numpy()`` of a CUDA tensor)."""
+    from engine.model import StageActivations
+    from workers.pipeline import StageChunk
+
+    hidden = torch.randn(7, 64, dtype=torch.bfloat16, device="cuda")
+    residual = torch.randn_like(hidden)
+    back = StageChunk.of("r", 1, 0, StageActivations(hidden, residual), skip=2).activations("cuda")
+    ok = back.hidden.is_cuda and back.residual.is_cuda and torch.equal(back.hidden, hidden[2:]) and torch.equal(back.residual, residual[2:])
+    return {"ok": bool(ok)}
+
+
 def bench_prefill(workdir: Path, shape: str = "1.5b", prompts: int = 8, length: int = 1024) -> dict:
     path = workdir / shape
     import transformers
@@ -938,7 +952,7 @@ def check_lora(workdir: Path) -> dict:
     }
 
 
-SECTIONS = ("rope", "no_logits", "kv_write", "overlap", "quantized", "sampling", "sampled_steps", "attention_kernels", "gemms", "profile", "decode", "agreement", "prefill", "exactness", "features", "push", "lora", "attention_fa3")
+SECTIONS = ("rope", "stage_chunks", "no_logits", "kv_write", "overlap", "quantized", "sampling", "sampled_steps", "attention_kernels", "gemms", "profile", "decode", "agreement", "prefill", "exactness", "features", "push", "lora", "attention_fa3")
 
 
 def main() -> int:
@@ -985,6 +999,7 @@ def main() -> int:
             save("nominal_hbm_bytes_s", nominal)
         # The quick sections and the figures still open first: a lent machine's time runs out.
         section("rope", check_fused_rotation)
+        section("stage_chunks", check_stage_chunks)
         section("no_logits", check_prefill_without_logits, workdir)
         section("kv_write", check_kv_write)
         section("overlap", check_overlap, workdir)
@@ -1018,7 +1033,7 @@ def main() -> int:
         # Last: FlashInfer's Hopper (FA3) kernels are a JIT build of minutes on a fresh machine.
         section("attention_fa3", bench_attention_kernels, 64, 600, ("fa3",))
     float32_exact = all(v["exact"] for k, v in report.get("exactness", {}).items() if "/float32/" in k)
-    rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "no_logits", "kv_write", "overlap", "quantized", "sampling", "lora"))
+    rope_ok = all(report.get(name, {}).get("ok", True) for name in ("rope", "stage_chunks", "no_logits", "kv_write", "overlap", "quantized", "sampling", "lora"))
     crashed = [name for name in report if name.endswith("_error")]
     return 0 if float32_exact and rope_ok and not crashed and all(report.get("features", {}).values()) and report.get("push", True) else 1
 

@@ -65,29 +65,30 @@ class StageChunk:
         return cls(req_id, token, start + skip, hidden.shape[0], _as_array(hidden), _as_array(residual) if residual is not None else None,
                    str(hidden.dtype).removeprefix("torch."))
 
-    def activations(self) -> Any:
-        """As the engine takes them (``engine.model.StageActivations``), in writable memory: the
-        arrays may be read-only views of Ray's object store, and the layers update the residual
-        in place."""
+    def activations(self, device: Any = "cpu") -> Any:
+        """As the engine takes them (``engine.model.StageActivations``) on ``device``, in writable
+        memory: the arrays may be read-only views of Ray's object store, and the layers update the
+        residual in place."""
         from engine.model import StageActivations
 
-        residual = _as_tensor(self.residual, self.dtype) if self.residual is not None else None
-        return StageActivations(_as_tensor(self.hidden, self.dtype), residual)
+        residual = _as_tensor(self.residual, self.dtype, device) if self.residual is not None else None
+        return StageActivations(_as_tensor(self.hidden, self.dtype, device), residual)
 
 
 def _as_array(tensor: Any) -> Any:
+    """In host memory (a GPU stage's activations cross Ray as host arrays)."""
     import torch
 
-    if tensor.dtype in (torch.bfloat16, torch.float16):
-        return tensor.contiguous().view(torch.int16).numpy()
-    return tensor.contiguous().numpy()
+    tensor = tensor.detach().contiguous().cpu()
+    return (tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor).numpy()
 
 
-def _as_tensor(array: Any, dtype: str) -> Any:
+def _as_tensor(array: Any, dtype: str, device: Any) -> Any:
     import torch
 
     tensor = torch.tensor(array)  # a copy
-    return tensor.view(getattr(torch, dtype)) if dtype in ("bfloat16", "float16") else tensor
+    tensor = tensor.view(getattr(torch, dtype)) if dtype in ("bfloat16", "float16") else tensor
+    return tensor.to(device)
 
 
 @dataclass(slots=True)

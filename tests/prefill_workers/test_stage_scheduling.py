@@ -4,6 +4,8 @@ its cached prefix trimmed to where the pipeline starts, and every block given ba
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -81,4 +83,71 @@ def test_a_stage_that_does_not_fit_keeps_nothing(model_path):
         engine.scheduler.add_stage(other, b"layers:0-1")
     assert "other" not in engine.scheduler.requests and not other.block_table
     engine.abort_request("big")
+    assert engine.num_free_blocks == NUM_BLOCKS
+
+
+# -- a stage job on the prefill actor: what ends it -------------------------------------------
+
+
+def _stage_worker(engine: LLMEngine, req_id: str, prompt: list[int], stage, lease_s: float = 30.0):
+    """A prefill actor's stage job, started at token 0, on a worker made of only what a stage's
+    chunk loop uses: the real engine and scheduler, no NIXL (activations over Ray), an agent that
+    notes cancels."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from kvtransfer.messages import KVDestination, PeerRef
+    from prefill_workers.messages import PrefillRequest
+    from prefill_workers.worker import PrefillWorker, _Job
+
+    seq = engine.make_sequence(req_id, prompt, SamplingParams(max_tokens=1))
+    engine.scheduler.add_stage(seq, stage.salt)
+    engine.scheduler.start_stage_at(seq, 0)
+    worker = object.__new__(PrefillWorker)
+    worker.engine, worker.scheduler, worker.activations, worker.worker_id = engine, engine.scheduler, None, "prefill-t"
+    worker.cancels, worker._num_stage_chunks_over_ray, worker._num_stage_chunks_over_nixl = [], 0, 0
+    worker.agent = SimpleNamespace(cancel=lambda req, token: worker.cancels.append((req, token)))
+    destination = KVDestination(req_id, PeerRef("decode-t", "e1"), [1, 2, 3], time.time() + lease_s, token=7)
+    request = PrefillRequest(req_id, prompt, SamplingParams(max_tokens=1), destination, decode_offer=None, stage=stage)
+    job = _Job(request, seq, Future(), time.monotonic(), num_pushed_blocks=0, started=True)
+    worker._jobs = {req_id: job}
+    return worker, job
+
+
+def test_a_started_stage_waiting_past_its_lease_ends_and_gives_back_its_blocks(model_path):
+    """A later stage waits for the stage before it; the router renews every stage's lease while
+    the request is in flight. When its router dies mid-prompt the stage before ends (its push
+    is refused) and no activations come: the waiting stage must end once its lease runs out,
+    not hold the prompt's blocks for good."""
+    from prefill_workers.worker import PrefillCancelledError
+    from workers.pipeline import PipelineStage
+
+    engine = _engine(model_path)
+    prompt = random_prompts([40], engine.model_config.vocab_size, seed=6)[0]
+    worker, job = _stage_worker(engine, "r", prompt, PipelineStage(1, 2, 1, 2))
+    assert engine.num_free_blocks < NUM_BLOCKS
+    assert worker._run_stage_chunk() is False and "r" in worker._jobs  # within its lease: it waits
+    job.request.destination.lease_deadline = time.time() - 1
+    worker._run_stage_chunk()
+    assert "r" not in worker._jobs and isinstance(job.done.exception(timeout=0), PrefillCancelledError)
+    assert worker.cancels == [("r", 7)] and engine.num_free_blocks == NUM_BLOCKS
+
+
+def test_a_chunk_that_cannot_be_handed_on_fails_its_request_not_the_actor(model_path):
+    """Handing a chunk's activations to the next stage can fail (a GPU's tensors once could not
+    cross Ray at all): that request fails, and the actor's loop goes on."""
+    from engine.errors import RequestFailedError
+    from types import SimpleNamespace
+    from workers.pipeline import PipelineStage
+
+    def refuse(chunk):
+        raise RuntimeError("the next stage's handle is gone")
+
+    engine = _engine(model_path)
+    prompt = random_prompts([40], engine.model_config.vocab_size, seed=7)[0]
+    next_stage = SimpleNamespace(stage_activations=SimpleNamespace(remote=refuse))
+    worker, job = _stage_worker(engine, "h", prompt, PipelineStage(0, 2, 0, 1, next_stage=next_stage, chunk_tokens=16))
+    assert worker._run_stage_chunk() is True
+    failure = job.done.exception(timeout=0)
+    assert "h" not in worker._jobs and isinstance(failure, RequestFailedError) and "handle is gone" in str(failure)
     assert engine.num_free_blocks == NUM_BLOCKS
