@@ -111,7 +111,10 @@ class KVSender:
         self._wall = wall_clock
         self._peers: dict[str, _Peer] = {}
         self._lost: set[PeerRef] = set()
-        self._reqs: dict[str, _SendState] = {}
+        # By request and reservation: a request sent again into a fresh reservation (its decode
+        # actor died mid-push, and the retry came back here) is a state of its own, while the
+        # cancelled attempt's writes still finish or time out.
+        self._reqs: dict[tuple[str, int], _SendState] = {}
         self._tombstones: Tombstones[RequestTransferError] = Tombstones(policy.tombstone_s)
         self._events: list[SendEvent] = []
 
@@ -197,9 +200,7 @@ class KVSender:
         refusal = self._tombstones.refusal(req_id, dest.token)
         if refusal is not None:
             raise refusal
-        state = self._reqs.get(req_id)
-        if state is not None and state.dest.token != dest.token:
-            raise InvalidBlocksError("dest", f"req {req_id} is still sending into reservation {state.dest.token}")
+        state = self._reqs.get((req_id, dest.token))
         if state is not None and state.error is not None:
             raise state.error
         if state is not None and state.sealed:
@@ -219,7 +220,7 @@ class KVSender:
         if state is None:
             # A copy: the deadline below is updated in place, the caller's object is not ours.
             state = _SendState(req_id=req_id, dest=dataclasses.replace(dest), reserved=reserved)
-            self._reqs[req_id] = state
+            self._reqs[req_id, dest.token] = state
         # A renewed lease only ever extends the deadline the reserver handed out.
         state.dest.lease_deadline = max(state.dest.lease_deadline, dest.lease_deadline)
         write = _Write(
@@ -343,7 +344,7 @@ class KVSender:
             logger.info("req %s: all %d blocks sent to %s", state.req_id, len(state.reserved), peer)
         self._events.extend(done)
         if (finished or state.error is not None) and not state.in_flight:
-            del self._reqs[state.req_id]
+            del self._reqs[state.req_id, state.dest.token]
 
     def _retry(self, state: _SendState, write: _Write, why: str, still: list[_Write]) -> bool:
         """Post a write whose handle is released once more; False when its retries are spent.
@@ -366,8 +367,8 @@ class KVSender:
 
         Returns whether the request is sending into that reservation here right now.
         """
-        state = self._reqs.get(req_id)
-        if state is None or state.dest.token != token:
+        state = self._reqs.get((req_id, token))
+        if state is None:
             return False
         state.dest.lease_deadline = max(state.dest.lease_deadline, lease_deadline)
         return True
@@ -392,7 +393,7 @@ class KVSender:
         logger.warning("req %s: transfer failed: %s", state.req_id, error)
 
     def _fail_unstarted(self, req_id: str, dest: KVDestination, error: RequestTransferError) -> None:
-        state = self._reqs.get(req_id) or _SendState(req_id=req_id, dest=dest, reserved=frozenset(dest.block_ids))
+        state = self._reqs.get((req_id, dest.token)) or _SendState(req_id=req_id, dest=dest, reserved=frozenset(dest.block_ids))
         self._fail(state, error)
         raise error
 
@@ -402,26 +403,29 @@ class KVSender:
         With ``token`` only that reservation is refused, so the same request may be sent
         again into a fresh reservation (a retry elsewhere); without it, every one is.
         """
-        state = self._reqs.get(req_id)
-        peer = str(state.dest.peer) if state is not None else "-"
+        states = self._states(req_id, token)
+        peer = str(states[0].dest.peer) if states else "-"
         error = self._tombstones.bury(req_id, token, TransferCancelledError(req_id, peer, "cancelled"))
-        if state is not None and token is not None and state.dest.token != token:
-            return self.quiesce_report(req_id, token)  # the live attempt is another reservation
-        if state is not None:
+        for state in states:
             state.deferred.clear()
             state.error = state.error or error
-            logger.info("req %s: cancelled with %d writes in flight", req_id, len(state.in_flight))
+            logger.info("req %s: cancelled with %d writes in flight into reservation %d", req_id, len(state.in_flight), state.dest.token)
         return self.quiesce_report(req_id, token)
 
     def quiesce_report(self, req_id: str, token: int | None = None) -> QuiesceReport:
         """Whether any write for ``req_id`` (into reservation ``token``, if given) is in flight."""
-        state = self._reqs.get(req_id)
-        if state is not None and token is not None and state.dest.token != token:
-            state = None  # one send state per req_id: an older reservation has nothing in flight
-        if state is not None:
+        num = 0
+        for state in self._states(req_id, token):
             self._progress(state, time.monotonic())
-        num = len(state.in_flight) if state is not None else 0
+            num += len(state.in_flight)
         return QuiesceReport(req_id=req_id, writer=self._local, quiesced=num == 0, num_in_flight=num)
+
+    def _states(self, req_id: str, token: int | None) -> list[_SendState]:
+        """The request's send states: into reservation ``token``, or (None) into any."""
+        if token is not None:
+            state = self._reqs.get((req_id, token))
+            return [] if state is None else [state]
+        return [state for (key, _), state in self._reqs.items() if key == req_id]
 
     def num_in_flight(self) -> int:
         return sum(len(s.in_flight) + len(s.deferred) for s in self._reqs.values())

@@ -227,6 +227,29 @@ def test_cancel_by_token_refuses_that_attempt_only():
         sender.push("r", dest("r", [4], token=13), [0], [4], 1)
 
 
+def test_a_retry_into_a_fresh_reservation_is_sent_while_the_cancelled_attempts_write_is_in_flight():
+    """A decode actor dies mid-push; the request comes back to this prefill actor (it holds the
+    prompt's prefix) with a new reservation before the old write has finished or timed out. The
+    retry is sent at once (it was refused: "still sending into reservation 11"), each
+    attempt's writes are counted apart, and the old one's end leaves the retry alone."""
+    sender, transport = make_sender()
+    first, retry = dest("r", [0, 1], token=11), dest("r", [2, 3], token=12)
+    sender.push("r", first, [0], [0], 1)
+    assert not sender.cancel("r", token=11).quiesced  # its write is still in flight
+    sender.push("r", retry, [0, 1], [2, 3], 2)
+    assert [run.dst_start for run in transport.posts[-1][1]] == [2]
+    assert sender.quiesce_report("r", token=11).num_in_flight == 1 and sender.quiesce_report("r", token=12).num_in_flight == 1
+    assert sender.quiesce_report("r").num_in_flight == 2
+    assert sender.extend_lease("r", 12, time.time() + 120) and sender.extend_lease("r", 11, time.time() + 120)
+    transport.states[0] = XferState.DONE  # the cancelled attempt's write ends
+    sender.poll()
+    assert sender.quiesce_report("r", token=11).quiesced and not sender.extend_lease("r", 11, time.time() + 120)
+    transport.states[1] = XferState.DONE
+    events = sender.poll()
+    assert [(e.req_id, e.token, e.error) for e in events] == [("r", 12, None)] and events[-1].finished
+    assert sender.quiesce_report("r").quiesced and sender.num_in_flight() == 0
+
+
 def test_a_renewed_lease_lets_a_slow_prefill_keep_writing():
     clock = FakeClock()
     policy = LeasePolicy(lease_s=12, grace_s=1, write_timeout_s=10)
