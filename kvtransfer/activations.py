@@ -17,7 +17,8 @@ slot_tokens, hidden], the hidden rows then the residual rows.
 - ``send`` copies a chunk into a free staging slot and posts one write of its two row ranges into
   the chunk's inbox slot, with a notification naming the request, the attempt and the tokens;
   False (no staging slot came free within 20 ms, or the write failed to post) tells the caller
-  to use Ray for it.
+  to use Ray for it; a write that fails after it was posted keeps its staging slot until the
+  caller takes the chunk back (``take_failed_sends``) and sends it over Ray.
 - A poller thread, running while an inbox is open or a write is in flight, turns notifications
   into ``ArrivedChunk``s and wakes the engine thread; ``take_arrivals`` hands them over. An
   arrived chunk is read (copied out of its slot) when the stage computes it. Polls that find
@@ -75,8 +76,26 @@ class ArrivedChunk:
 
 @dataclass(slots=True)
 class _Send:
+    """A chunk's write in flight from staging slot ``staging``, and which chunk it is."""
+
     handle: Any
     staging: int
+    req_id: str
+    token: int
+    start: int
+    num_tokens: int
+    has_residual: bool
+
+
+@dataclass(slots=True)
+class FailedSend:
+    """A chunk whose write failed after it was posted: the next stage heard nothing of it, so
+    the sender hands it on over Ray instead (``take_failed_sends``)."""
+
+    req_id: str
+    token: int
+    start: int
+    activations: Any  # engine.model.StageActivations, copied out of the staging slot
 
 
 @dataclass(slots=True)
@@ -118,6 +137,7 @@ class ActivationChannel:
         self._free_staging = list(range(num_staging_slots))
         self._inboxes: dict[str, _Inbox] = {}
         self._sends: list[_Send] = []
+        self._failed_sends: list[_Send] = []  # their staging slots stay taken until taken over
         self._peers: set[str] = set()
         self._arrivals: list[ArrivedChunk] = []
         self._work = threading.Event()
@@ -204,7 +224,7 @@ class ActivationChannel:
                 logger.warning("activations for req %s to %s: posting a write failed (%s); sending over Ray", req_id, slots.agent_name, exc)
                 self._free_staging.append(staging)
                 return False
-            self._sends.append(_Send(handle, staging))
+            self._sends.append(_Send(handle, staging, req_id, token, start, num_tokens, residual is not None))
         self._work.set()
         return True
 
@@ -221,19 +241,40 @@ class ActivationChannel:
                 return None
             time.sleep(0.0002)
 
-    def _reap_sends(self) -> None:
-        """Free the staging slots of writes that completed (under the lock)."""
-        still = []
+    def _reap_sends(self) -> bool:
+        """Free the staging slots of writes that completed; keep those of writes that failed for
+        ``take_failed_sends`` (under the lock). Returns whether one failed."""
+        still, failed = [], False
         for send in self._sends:
             state = self._agent.check_xfer_state(send.handle)
             if state == "PROC":
                 still.append(send)
                 continue
-            if state != "DONE":
-                logger.warning("an activation write from %s failed (%s); the next stage hears nothing of that chunk", self.name, state)
             send.handle.release()
-            self._free_staging.append(send.staging)
+            if state == "DONE":
+                self._free_staging.append(send.staging)
+            else:
+                logger.warning("the activations of req %s from token %d, written from %s, failed (%s); they go over Ray",
+                               send.req_id, send.start, self.name, state)
+                self._failed_sends.append(send)
+                failed = True
         self._sends = still
+        return failed
+
+    def take_failed_sends(self) -> list[FailedSend]:
+        """The chunks whose writes failed since the last call, copied out of their staging
+        slots (free again): the caller hands them on over Ray."""
+        from engine.model import StageActivations
+
+        with self._lock:
+            failed, self._failed_sends = self._failed_sends, []
+            out = []
+            for send in failed:
+                slot = self._staging[send.staging]
+                residual = slot[1, : send.num_tokens].clone() if send.has_residual else None
+                out.append(FailedSend(send.req_id, send.token, send.start, StageActivations(slot[0, : send.num_tokens].clone(), residual)))
+                self._free_staging.append(send.staging)
+        return out
 
     # -- the poller ------------------------------------------------------------------------
 
@@ -263,7 +304,7 @@ class ActivationChannel:
             except Exception:
                 logger.warning("activations poller of %s failed", self.name, exc_info=True)
                 return False
-            self._reap_sends()
+            failed = self._reap_sends()
             for messages in notifs.values():
                 for message in messages:
                     meta = json.loads(bytes(message))
@@ -272,8 +313,8 @@ class ActivationChannel:
                         continue  # an attempt that ended here
                     arrived.append(ArrivedChunk(meta["r"], meta["t"], meta["s"], meta["n"], meta["res"], self._inbox[inbox.slots[meta["i"]]]))
             self._arrivals.extend(arrived)
-        if arrived:
-            self._on_arrival()
+        if arrived or failed:
+            self._on_arrival()  # wakes the engine thread: to compute a chunk, or to resend one
         return bool(arrived)
 
     def close(self) -> None:

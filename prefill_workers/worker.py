@@ -347,6 +347,13 @@ class PrefillWorker(EngineWorker):
                 job = self._jobs.get(arrived.req_id)
                 if job is not None and job.request.destination.token == arrived.token:
                     job.inbox[arrived.start] = arrived
+            for failed in self.activations.take_failed_sends():
+                job = self._jobs.get(failed.req_id)
+                if job is not None and job.request.destination.token == failed.token:
+                    try:
+                        self._send_over_ray(job, failed.start, failed.activations)
+                    except Exception as exc:
+                        self._finish_job(job, RequestFailedError(f"handing on the activations from token {failed.start} failed: {exc}"))
         for job in list(self._jobs.values()):
             stage, seq = job.stage, job.seq
             if stage is None or seq.req_id not in self.scheduler.staged:
@@ -407,10 +414,14 @@ class PrefillWorker(EngineWorker):
             if self.activations.send(job.next_inbox, index, job.seq.req_id, token, start + skip, out):
                 self._num_stage_chunks_over_nixl += 1
                 return
+        self._send_over_ray(job, start + skip, out)
+
+    def _send_over_ray(self, job: _Job, start: int, out: StageActivations) -> None:
+        """A chunk's activations (tokens from ``start``) to the next stage in a Ray call."""
         job.num_chunks_over_ray += 1
         self._num_stage_chunks_over_ray += 1
         # The router hears if that actor is gone.
-        job.stage.next_stage.stage_activations.remote(StageChunk.of(job.seq.req_id, token, start + skip, out))
+        job.stage.next_stage.stage_activations.remote(StageChunk.of(job.seq.req_id, job.request.destination.token, start, out))
 
     def _push_completed_blocks(self, job: _Job) -> None:
         seq = job.seq
