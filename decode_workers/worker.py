@@ -228,9 +228,10 @@ class DecodeWorker(EngineWorker):
         ``confirm_quiesced`` or the lease. An attempt not here yet is refused when it comes."""
         return await self._call(self._abort, req_id, attempt)
 
-    async def confirm_quiesced(self, req_id: str) -> int:
-        """The writer reported no write in flight for this request (or died): free its blocks."""
-        return await self._call(self._confirm_quiesced, req_id)
+    async def confirm_quiesced(self, req_id: str, token: int | None = None) -> int:
+        """The writer reported no write in flight for this request (or died): free its blocks
+        (with ``token``, that reservation's only: the request may hold a newer one here)."""
+        return await self._call(self._confirm_quiesced, req_id, token)
 
     async def renew_leases(self, req_ids: list[str], lease_s: float) -> list[KVDestination]:
         """Extend the leases of these reservations that still wait for KV (the rest are skipped)."""
@@ -361,14 +362,15 @@ class DecodeWorker(EngineWorker):
         self.scheduler.detach_remote(req_id, still_targeted=set(tracked.dest_block_ids) - safe_now)
         self.pump.kick()  # the rest come back through the pump: the writer's report or the lease
 
-    def _confirm_quiesced(self, req_id: str) -> int:
-        if req_id in self._tracked and req_id in self.scheduler.awaiting_kv:
+    def _confirm_quiesced(self, req_id: str, token: int | None = None) -> int:
+        tracked = self._tracked.get(req_id)
+        if tracked is not None and token in (None, tracked.token) and req_id in self.scheduler.awaiting_kv:
             # Confirmed before any abort ended the reservation here (the receiver, too, takes
             # that as the end of it): end it first, so that its blocks are detached from the
             # request before they are freed. Else the request would keep them, waiting for KV
             # that no writer sends, with no lease left to end it.
             self._abort(req_id)
-        block_ids = self.agent.confirm_quiesced(req_id)
+        block_ids = self.agent.confirm_quiesced(req_id, token)
         self.scheduler.release_detached(block_ids)
         return len(block_ids)
 

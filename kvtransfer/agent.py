@@ -299,9 +299,10 @@ class KVAgent:
         return self.receiver.abort(req_id)
 
     @_locked
-    def confirm_quiesced(self, req_id: str) -> list[int]:
-        """Free after the writer's quiesced report (or its confirmed death)."""
-        return self.receiver.confirm_quiesced(req_id)
+    def confirm_quiesced(self, req_id: str, token: int | None = None) -> list[int]:
+        """Free after the writer's quiesced report (or its confirmed death); with ``token``, only
+        that reservation's."""
+        return self.receiver.confirm_quiesced(req_id, token)
 
     @_locked
     def close(self) -> None:

@@ -120,7 +120,8 @@ class KVReceiver:
     ) -> KVDestination:
         """Take ownership of ``block_ids`` for ``req_id`` under a lease; return the destination.
         ``num_writers``: how many writers (pipeline stages) each write every block."""
-        if req_id in self._by_req:
+        earlier = self._by_req.get(req_id)
+        if earlier is not None and earlier.state not in (_State.ABORTING, _State.FAILED):
             raise InvalidBlocksError("req_id", f"{req_id} already holds a reservation")
         ids = check_block_ids(block_ids, self._region.num_blocks, "block_ids").tolist()
         if not ids:
@@ -138,6 +139,10 @@ class KVReceiver:
             raise InvalidBlocksError("num_writers", f"must be >= 1, got {num_writers}")
         res = _Reservation(req_id, self._next_token, ids, frozenset(ids), self._wall() + lease_s, num_cached_blocks, num_writers)
         self._next_token += 1
+        if earlier is not None:
+            # An earlier attempt given up whose writer has not confirmed yet (the router placed
+            # the request again at once): it stays until a confirm naming its token, or its lease.
+            logger.info("req %s: a new reservation beside the aborted one %d, whose blocks wait for its writer or lease", req_id, earlier.token)
         self._by_req[req_id] = self._by_token[res.token] = res
         for b in ids:
             self._owner[b] = req_id
@@ -170,7 +175,7 @@ class KVReceiver:
 
     def has_work(self) -> bool:
         """Whether a reservation still expects writes or waits out a lease: someone must poll."""
-        return any(res.state is not _State.READY for res in self._by_req.values())
+        return any(res.state is not _State.READY for res in self._by_token.values())
 
     def _get(self, req_id: str) -> _Reservation:
         res = self._by_req.get(req_id)
@@ -186,7 +191,7 @@ class KVReceiver:
         for incoming in self._transport.get_incoming():
             self._on_incoming(incoming, events)
         now = self._wall()
-        for res in list(self._by_req.values()):
+        for res in list(self._by_token.values()):  # by token: an aborted attempt beside a newer one too
             if res.state is _State.RECEIVING and now > res.deadline:
                 landed = f"{res.num_landed()}/{len(res.block_ids)}"
                 self._fail(res, LeaseExpiredError(
@@ -308,10 +313,11 @@ class KVReceiver:
         logger.info("req %s: aborted, blocks held until the writer confirms or the lease ends", req_id)
         return []
 
-    def confirm_quiesced(self, req_id: str) -> list[int]:
-        """The writer confirmed no write is in flight (or is dead): free the blocks now."""
-        res = self._by_req.get(req_id)
-        if res is None:
+    def confirm_quiesced(self, req_id: str, token: int | None = None) -> list[int]:
+        """The writer confirmed no write is in flight (or is dead): free the blocks now. With
+        ``token``, only that reservation's (an earlier attempt's confirm never frees a newer one)."""
+        res = self._by_req.get(req_id) if token is None else self._by_token.get(token)
+        if res is None or res.req_id != req_id:
             return []
         if res.state is _State.RECEIVING:
             logger.info("req %s: writer quiesced before an abort; aborting now", req_id)
@@ -319,7 +325,8 @@ class KVReceiver:
         return self._free(res)
 
     def _free(self, res: _Reservation) -> list[int]:
-        del self._by_req[res.req_id]
+        if self._by_req.get(res.req_id) is res:  # else a newer attempt holds the request's name
+            del self._by_req[res.req_id]
         del self._by_token[res.token]
         for b in res.block_ids:
             del self._owner[b]

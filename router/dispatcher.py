@@ -38,8 +38,9 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
@@ -672,11 +673,19 @@ class Dispatcher:
             f"; resuming after the {active.assembler.num_completion_tokens} tokens sent" if kind == "migrate" else "",
         )
         if reason.prefill_failed and active.decode is not None and active.decode.state is not WorkerState.DEAD:
-            # A dead writer writes nothing more: the reservation can be freed right away.
-            self.pool.release(active.decode, active.key)
+            # The reservation is given up, and its blocks are freed once no writer can reach
+            # them: a live one (a writer whose push failed may still have a write in flight, and
+            # the other stages of a pipeline write on) is cancelled and asked first, else the
+            # lease frees them. The retry does not wait for that: the decode actor takes a new
+            # reservation of the request beside the aborted one.
+            decode, prefills, destination = active.decode, active.prefill_workers, active.destination
+            self.pool.release(decode, active.key)
             try:
-                await active.decode.handle.abort.remote(active.key)
-                await active.decode.handle.confirm_quiesced.remote(active.key)
+                await decode.handle.abort.remote(active.key, active.decode_attempt)
+                if destination is None:  # no writer was given the reservation
+                    await decode.handle.confirm_quiesced.remote(active.key)
+                else:
+                    self.release_later(self._quiesce_then_free(active.key, decode, prefills, destination.token), f"give up {active.key}@{destination.token}")
             except WORKER_GONE:
                 pass
         await self.cancel_prefill(active)
@@ -761,7 +770,11 @@ class Dispatcher:
         whose client closed the connection just as the answer ended) never runs it: the request
         would stay admitted here for good (seen once in CI: a finished completion left in
         ``active``)."""
-        task = asyncio.get_running_loop().create_task(self.finish(active), name=f"release {active.req_id}")
+        return self.release_later(self.finish(active), f"release {active.req_id}")
+
+    def release_later(self, release: Coroutine[Any, Any, None], name: str) -> asyncio.Task:
+        """Run ``release`` in a task of its own, held until it is done (the loop holds tasks weakly)."""
+        task = asyncio.get_running_loop().create_task(release, name=name)
         self._release_tasks.add(task)
         task.add_done_callback(self._release_tasks.discard)
         return task
@@ -786,7 +799,7 @@ class Dispatcher:
                 if prefilling:
                     # The decode actor ended it (failed) while prefill actors still write into
                     # its reservation: they stop, and it frees the blocks once they did.
-                    await self._quiesce_then_free(active)
+                    await self._quiesce_then_free(active.key, decode, active.prefill_workers, active.destination.token)
                 return
             self.pool.release(decode, active.key)
             await self._abort_on_workers(active)
@@ -813,15 +826,15 @@ class Dispatcher:
             except WORKER_GONE:
                 pass
             return
-        await self._quiesce_then_free(active)
+        await self._quiesce_then_free(key, decode, prefills, active.destination.token)
 
-    async def _quiesce_then_free(self, active: ActiveRequest) -> None:
-        """Stop the prefill actors writing into the request's reservation; once none has a
-        write in flight, the decode actor frees the blocks (else its lease does)."""
-        if not await self._quiesce_prefills(active.key, active.prefill_workers, active.destination.token):
+    async def _quiesce_then_free(self, key: str, decode: WorkerRecord, prefills: list[WorkerRecord], token: int) -> None:
+        """Stop the prefill actors writing into reservation ``token`` of ``decode``; once none has
+        a write in flight, the decode actor frees its blocks (else its lease does)."""
+        if not await self._quiesce_prefills(key, prefills, token):
             return
         try:
-            await active.decode.handle.confirm_quiesced.remote(active.key)
+            await decode.handle.confirm_quiesced.remote(key, token)
         except WORKER_GONE:
             pass
 

@@ -194,6 +194,34 @@ def test_abort_frees_ready_requests_at_once_and_others_on_confirmation():
     assert receiver.num_late_writes == 0 and receiver.num_reserved_blocks() == 0
 
 
+def test_a_new_reservation_of_a_request_sits_beside_its_aborted_one_until_that_is_confirmed_or_expires():
+    """The router gives a reservation up (its writer's push failed) and places the request
+    again at once, here too: the aborted reservation keeps its blocks until a confirm naming its
+    token or its lease, and neither touches the new one; a live reservation is still one per
+    request."""
+    receiver, transport, clock = make_receiver(LeasePolicy(lease_s=20, grace_s=2, write_timeout_s=5))
+    old = receiver.reserve("r", [0, 1])
+    with pytest.raises(InvalidBlocksError, match="already holds"):
+        receiver.reserve("r", [2, 3])
+    assert receiver.abort("r") == []  # its writer may still be writing
+    new = receiver.reserve("r", [2, 3])
+    assert receiver.num_reserved_blocks() == 4
+    transport.inbox = [notif("r", new.token, 0, 2, [(2, 2)]), notif("r", old.token, 0, 1, [(0, 1)])]
+    assert receiver.poll().ready == ["r"] and receiver.block_ids("r") == [2, 3]
+    assert receiver.confirm_quiesced("r", new.token + 1) == []  # no such reservation
+    assert receiver.confirm_quiesced("r", old.token) == [0, 1]  # the old writer's word frees only its blocks
+    assert receiver.ready("r") and receiver.num_reserved_blocks() == 2
+    # An aborted one nobody confirms comes back at its lease's end, the newer one untouched.
+    assert receiver.abort("r") == [2, 3]
+    third = receiver.reserve("r", [4, 5])
+    assert receiver.abort("r") == []
+    clock.now += 10
+    assert receiver.reserve("r", [6]).token != third.token
+    clock.now = third.lease_deadline + 2.0
+    assert [(f.req_id, f.block_ids) for f in receiver.poll().freed] == [("r", [4, 5])]
+    assert receiver.block_ids("r") == [6] and receiver.num_reserved_blocks() == 1 and receiver.num_late_writes == 0
+
+
 def test_epochs_new_peer_replaces_old_and_old_offers_are_refused():
     sender, transport = make_sender()
     sender.push("r", dest("r", [0]), [0], [0], 0)
