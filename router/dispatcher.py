@@ -728,6 +728,11 @@ class Dispatcher:
                 logger.exception("output collection from %s failed", decode.worker_id)
                 await asyncio.sleep(0.1)
                 continue
+            if decode.state is WorkerState.DEAD:
+                # Taken for dead while this call was out (a health check or ping that timed out
+                # on a worker still alive): its requests are restarting elsewhere from the tokens
+                # already streamed, so what it sent since must not reach them too.
+                return
             for out in report.outputs:
                 active = self._by_key.get(out.req_id)
                 if active is not None and active.decode is decode and out.attempt == active.attempt:

@@ -183,3 +183,47 @@ def test_a_burst_shares_its_prompts_between_the_prefill_actor_and_the_decode_act
     # prompts go to the decode actor while its queue (400 tokens each) is the shorter one.
     assert 6 <= len(added_locally) <= 16, len(added_locally)
     assert decode.num_local_prefill_tokens == 400 * len(added_locally)  # none has come back yet
+
+
+def test_outputs_of_a_decode_actor_taken_for_dead_mid_poll_are_not_streamed():
+    """A health check that timed out declares a busy decode actor dead while its output poll is
+    out; its requests restart elsewhere from the tokens already streamed. What that poll then
+    brings back must not reach them as well (it was streamed after the Restart: the client saw
+    those tokens twice once the new actor resumed from before them)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from decode_workers.messages import DecodeReport, SeqOutput
+    from router.pool import Role, WorkerRecord
+
+    pool = WorkerPool()
+    polled, answer, active = asyncio.Event(), None, _active("a")
+
+    async def poll_outputs(timeout_s, router_id, gather_steps):
+        polled.set()
+        await answer
+        return DecodeReport([SeqOutput(active.key, [105], attempt=1)], 1000)
+
+    decode = WorkerRecord("decode-0", Role.DECODE, handle=SimpleNamespace(poll_outputs=_Call(poll_outputs)), num_reservable_blocks=1000)
+    pool.add(decode)
+
+    async def scenario():
+        nonlocal answer
+        answer = asyncio.get_running_loop().create_future()
+        dispatcher = Dispatcher(pool, RouterConfig())
+        active.outputs = asyncio.Queue()
+        dispatcher.admit(active)
+        active.decode, active.attempt = decode, 1
+        pool.assign(decode, active.key, 2)
+        dispatcher._ensure_collector(decode)
+        await asyncio.wait_for(polled.wait(), 5)
+        dispatcher.on_worker_died(decode)
+        answer.set_result(None)
+        await asyncio.sleep(0.05)
+        items = []
+        while not active.outputs.empty():
+            items.append(active.outputs.get_nowait())
+        return items
+
+    items = asyncio.run(scenario())
+    assert [type(item).__name__ for item in items] == ["Restart"]
