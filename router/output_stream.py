@@ -148,18 +148,24 @@ class OutputAssembler:
         if out.prompt_logprobs:
             self.prompt_logprobs = out.prompt_logprobs
         first = not self.has_sent_tokens
-        self.completion_token_ids += out.token_ids
         # The EOS or stop token that ended the request is no part of its text (vLLM's rule;
         # it shows where special tokens are kept, skip_special_tokens false), unless the request
         # asks for its stop in the text (include_stop_str_in_output).
         ended_by_token = bool(out.finished and out.token_ids and out.token_ids[-1] in self.ending_token_ids.get(out.finish_reason, ()))
         cut_token = ended_by_token and not self.request.include_stop_str
-        text = self.detokenizer.add_tokens(out.token_ids[:-1] if cut_token else out.token_ids)
+        text_tokens = out.token_ids[:-1] if cut_token else out.token_ids
+        # The text of the first min_tokens tokens passes unmatched (vLLM matches stop strings
+        # from the token after min_tokens on), token by token: an output may carry several
+        # (stream_interval, speculation), and only its later ones are matched.
+        unmatched = max(0, min(len(text_tokens), self.request.sampling_params.min_tokens - self.num_completion_tokens))
+        self.completion_token_ids += out.token_ids
+        passed = self.stops.feed(self.detokenizer.add_tokens(text_tokens[:unmatched]), match=False).text
+        text = self.detokenizer.add_tokens(text_tokens[unmatched:])
         if out.finished:
             text += self.detokenizer.finish()
-        # Short of min_tokens, stop strings are not matched (as vLLM does); the text passes.
-        check = self.stops.feed(text, match=self.num_completion_tokens >= self.request.sampling_params.min_tokens)
-        chunk = OutputChunk(token_ids=list(out.token_ids), text=check.text, logprobs=list(out.logprobs))
+        min_tokens = self.request.sampling_params.min_tokens
+        check = self.stops.feed(text, match=unmatched < len(text_tokens) or self.num_completion_tokens > min_tokens or not min_tokens)
+        chunk = OutputChunk(token_ids=list(out.token_ids), text=passed + check.text, logprobs=list(out.logprobs))
         if first and out.token_ids and self.request.sampling_params.prompt_logprobs is not None:
             chunk.prompt_logprobs = self.prompt_logprobs or []
         if self.timing.first_token_sent is None and out.token_ids:

@@ -127,3 +127,30 @@ def test_include_stop_keeps_the_stop_string_that_ended_the_text():
     check = matcher.feed("\ntwo")
     assert (check.text, check.matched_stop) == ("\n\n", "\n\n")
     assert matcher.feed("more").text == ""
+
+
+def test_the_text_of_the_first_min_tokens_tokens_is_never_cut_by_a_stop_string(byte_level_tokenizer):
+    """vLLM's rule: stop strings are matched from the token after ``min_tokens`` on (min_tokens 1
+    is how clients ask for no empty answer: a first "\\n" must not end it). Token by token, also
+    within one output that carries several (stream_interval, speculative decoding)."""
+    from decode_workers.messages import SeqOutput
+    from engine.sampling_params import SamplingParams
+    from router.output_stream import OutputAssembler
+    from router.validation import ValidatedRequest
+
+    (nl,), (a,), (b,) = (byte_level_tokenizer.encode(t, add_special_tokens=False) for t in ("\n", "a", "b"))
+
+    def answer(min_tokens: int, outputs: list[list[int]]) -> tuple[str, str | None]:
+        request = ValidatedRequest("r", [72], None, SamplingParams(min_tokens=min_tokens, max_tokens=50), ["\n"], True, 0, 0.0, None)
+        assembler, text = OutputAssembler(request, byte_level_tokenizer), ""
+        for ids in outputs:
+            chunk = assembler.on_output(SeqOutput("r", ids))
+            text += chunk.text
+            if chunk.end is not None:
+                return text, chunk.end.matched_stop
+        return text, None
+
+    assert answer(0, [[nl], [a]]) == ("", "\n")
+    assert answer(1, [[nl], [a], [nl], [b]]) == ("\na", "\n")
+    assert answer(3, [[a], [nl, a, nl, b]]) == ("a\na", "\n")  # the 4th token, mid-output, matches
+    assert answer(3, [[a, nl, a, b]]) == ("a\nab", None)
