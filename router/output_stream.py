@@ -217,12 +217,16 @@ class OutputAssembler:
 
     def _cached_prompt_tokens(self) -> int:
         """Prompt tokens not computed: the prefill actor's cache hit, or the decode actor's
-        when it prefilled the prompt itself."""
+        when it prefilled the prompt itself. At most the prompt: a migrated request's last
+        prefill was of the prompt and the tokens already sent, and a cache may hold more than
+        the prompt of it (a twin that generated the same tokens)."""
         if self.timing.prefill is not None:
-            return self.timing.prefill.num_cached_tokens
-        if self.timing.decode is not None:
-            return self.timing.decode.num_cached_tokens
-        return 0
+            cached = self.timing.prefill.num_cached_tokens
+        elif self.timing.decode is not None:
+            cached = self.timing.decode.num_cached_tokens
+        else:
+            cached = 0
+        return min(cached, len(self.request.prompt_token_ids))
 
     def _timing(self) -> TimingBreakdown:
         t = self.timing

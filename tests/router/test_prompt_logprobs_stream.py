@@ -73,3 +73,20 @@ def test_a_kept_stop_token_whose_text_completes_a_stop_string_is_reported_as_the
     last = assembler.on_output(SeqOutput("r", [*word, stop_id], finished=True, finish_reason="stop"))
     assert last.text == "ok}"
     assert (last.end.matched_stop_token_id, last.end.matched_stop) == (stop_id, "")
+
+
+def test_a_migrated_request_whose_new_cache_held_more_than_its_prompt_reports_sane_usage(byte_level_tokenizer):
+    """After a migration the last prefill was of the prompt and the tokens already sent, and a
+    prefix cache may hold more than the prompt of it (a twin that generated the same tokens):
+    the usage's cached tokens stay within the prompt, and the gRPC answer's last message is sent
+    (a negative count of prompt tokens computed failed it with INTERNAL)."""
+    from decode_workers.messages import DecodeTiming
+    from router.grpc_api import generate_response
+
+    request = ValidatedRequest("r", list(range(40, 56)), None, SamplingParams(), [], True, 0, 0.0, None)
+    assembler = OutputAssembler(request, byte_level_tokenizer)
+    assembler.on_output(SeqOutput("r", list(range(60, 80))))
+    last = assembler.on_output(SeqOutput("r", [104], finished=True, finish_reason="length", timing=DecodeTiming(num_cached_tokens=32)))
+    assert last.end.cached_prompt_tokens == 16 and last.end.timing.prompt_tokens_computed == 0
+    message = generate_response("r", last)
+    assert message.usage.cached_prompt_tokens == 16 and message.timing.prompt_tokens_computed == 0
