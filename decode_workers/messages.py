@@ -81,6 +81,7 @@ class DecodeReport:
 
     outputs: list[SeqOutput]
     num_reservable_blocks: int  # free blocks beyond the watermark kept for running sequences
+    num_kv_blocks: int | None = None  # the whole cache: the most one reservation could ever take
 
 
 @dataclass(slots=True)

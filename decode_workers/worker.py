@@ -243,7 +243,7 @@ class DecodeWorker(EngineWorker):
         one; with ``gather_steps`` > 1, gathering that many steps' worth, see ``OutputBox``), and capacity."""
         self._heard_from(router_id)
         outputs = await self._outputs.take(router_id, timeout_s, gather_steps)
-        return DecodeReport(outputs, self.scheduler.num_reservable_blocks())
+        return DecodeReport(outputs, self.scheduler.num_reservable_blocks(), self.scheduler.allocator.num_blocks)
 
     def _heard_from(self, router_id: str, lease_s: float | None = None) -> None:
         self._router_heard[router_id] = time.monotonic()

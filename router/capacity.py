@@ -18,6 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from router.errors import InvalidArgumentError
 from router.pool import Role, WorkerPool, WorkerRecord
 from router.routing import RouteQuery
 
@@ -94,6 +95,15 @@ class DecodeCapacity:
                 heapq.heappop(self._waiters)
                 continue
             record = self._fitting(head.num_blocks, head.query)
+            largest = self._largest_cache() if record is None else None
+            if largest is not None and head.num_blocks > largest:
+                # More than any decode actor's whole cache: it would wait for good, and hold
+                # back everyone behind it (possible where the KV cache is smaller than the context).
+                heapq.heappop(self._waiters)
+                head.granted.set_exception(InvalidArgumentError(
+                    "prompt", f"needs {head.num_blocks} KV blocks, more than the largest decode worker's cache of {largest} blocks holds"
+                ))
+                continue
             if record is None:
                 return  # the head does not fit anywhere yet: everyone behind it waits too
             heapq.heappop(self._waiters)
@@ -122,6 +132,11 @@ class DecodeCapacity:
             if w.num_reservable_blocks is None or w.num_reservable_blocks >= num_blocks
         ]
         return self.pool.selector.choose(Role.DECODE, fits, query) if fits else None
+
+    def _largest_cache(self) -> int | None:
+        """The most blocks any routable decode actor's cache holds (None: not known for all)."""
+        sizes = [w.num_kv_blocks for w in self.pool.routable(Role.DECODE)]
+        return None if not sizes or None in sizes else max(sizes)
 
     def _remove(self, waiter: _Waiter) -> None:
         try:

@@ -744,6 +744,7 @@ class Dispatcher:
                     self._local_prefill_done(out.req_id, computed=True)
                     active.outputs.put_nowait(out)
             decode.num_reservable_blocks = report.num_reservable_blocks
+            decode.num_kv_blocks = report.num_kv_blocks
             self.capacity.on_report()
 
     def on_worker_died(self, record: WorkerRecord) -> None:

@@ -53,6 +53,7 @@ class WorkerRecord:
     # Decode workers: blocks a new reservation may take, from the actor's last report less
     # what the router reserved since (None: no report yet).
     num_reservable_blocks: int | None = None
+    num_kv_blocks: int | None = None  # decode workers: their whole cache, from the same reports
     # Decode workers: prompt tokens of requests sent to be prefilled there (conditional
     # disaggregation) whose first token has not come back yet: its own queue of prompts.
     num_local_prefill_tokens: int = 0

@@ -53,6 +53,34 @@ def test_waiters_are_served_by_priority_then_arrival_and_a_big_head_holds_back_t
     asyncio.run(scenario())
 
 
+def test_a_prompt_larger_than_every_decode_cache_is_refused_and_lets_the_queue_move():
+    """Where the KV cache holds less than the context, a prompt can need more blocks than any
+    decode actor has at all: it is refused naming the prompt, not left waiting at the head of
+    the queue (with no deadline, for good) holding back every request behind it."""
+    from router.errors import InvalidArgumentError
+
+    async def scenario():
+        pool = _pool(50, 80)
+        for record, size in zip(pool.routable(Role.DECODE), (100, 120)):
+            record.num_kv_blocks = size
+        capacity = DecodeCapacity(pool)
+        big = asyncio.create_task(capacity.acquire(121, 0))
+        small = asyncio.create_task(capacity.acquire(60, 0))
+        with pytest.raises(InvalidArgumentError) as raised:
+            await asyncio.wait_for(big, 1)
+        assert raised.value.field == "prompt" and "120 blocks" in raised.value.problem
+        assert (await asyncio.wait_for(small, 1)).worker_id == "decode-1"
+        # Waiting for room the largest cache has (once it frees up) is not refused.
+        fits_later = asyncio.create_task(capacity.acquire(120, 0))
+        await asyncio.sleep(0.01)
+        assert not fits_later.done()
+        pool.workers["decode-1"].num_reservable_blocks = 120
+        capacity.on_report()
+        assert (await asyncio.wait_for(fits_later, 1)).worker_id == "decode-1"
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("max_wait_s", [None, 0.2])
 def test_a_low_priority_waiter_is_served_once_it_has_waited_max_wait_s(max_wait_s):
     """Under a steady stream of urgent requests, strict priority starves a low one; aging bounds its wait."""
