@@ -59,7 +59,8 @@ class DecodeTiming:
 
 @dataclass(slots=True)
 class SeqOutput:
-    """New tokens of one sequence from one step; the last one carries finish and timing."""
+    """New tokens of one sequence from one step; the first and the last carry timing (the last
+    its finish)."""
 
     req_id: str
     token_ids: list[int]

@@ -81,6 +81,7 @@ class _Tracked:
     token: int = 0
     stage_inbox: dict[int, StageChunk | ArrivedChunk] = field(default_factory=dict)
     stage_compute_s: float = 0.0
+    timing_sent: bool = False  # its first output carried the timing so far (a stop string may end it at the router)
 
 
 class OutputBox:
@@ -504,7 +505,11 @@ class DecodeWorker(EngineWorker):
         out = SeqOutput(seq.req_id, token_ids, logprobs, finished=seq.is_finished, attempt=tracked.attempt)
         if seq.is_finished:
             out.finish_reason = seq.finish_reason.value if seq.finish_reason else None
+        if seq.is_finished or not tracked.timing_sent:
+            # The first output too: a request the router ends on a stop string (aborting it
+            # here) gets no last one, and its usage would lose the prompt's cached tokens.
             out.timing = self._timing(tracked)
+            tracked.timing_sent = True
         return out
 
     def _timing(self, tracked: _Tracked) -> DecodeTiming:

@@ -170,7 +170,7 @@ class OutputAssembler:
             chunk.prompt_logprobs = self.prompt_logprobs or []
         if self.timing.first_token_sent is None and out.token_ids:
             self.timing.first_token_sent = time.monotonic()
-        if out.finished:
+        if out.timing is not None:  # the first output's so far, the last one's whole
             self.timing.decode = out.timing
         # A stop token kept in the text (include_stop_str_in_output) may complete a stop string
         # there: the token ended the request, and is reported.

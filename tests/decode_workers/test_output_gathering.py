@@ -57,3 +57,22 @@ def test_slow_steps_hold_tokens_no_longer_than_the_limit():
         assert [o.token_ids for o in got] == [[2]] and loop.time() - started < 0.5
 
     asyncio.run(scenario())
+
+
+def test_a_requests_first_and_last_outputs_carry_its_timing_and_the_rest_do_not():
+    """The router may end a request on a stop string before its last output: the first one
+    already says what the decode actor's cache held of the prompt."""
+    import time
+    from types import SimpleNamespace
+
+    from decode_workers.worker import DecodeWorker, _Tracked
+    from engine.sequence import FinishReason
+
+    seq = SimpleNamespace(req_id="a", is_finished=False, finish_reason=None, first_token_time=time.monotonic(), num_cached_tokens=32,
+                          num_decode_steps=1, num_draft_tokens=0, num_accepted_draft_tokens=0, first_scheduled_time=time.monotonic())
+    tracked = _Tracked(seq, time.monotonic(), remote=False, dest_block_ids=[])
+    worker = object.__new__(DecodeWorker)
+    first, middle = worker._output(tracked, [1], []), worker._output(tracked, [2], [])
+    seq.is_finished, seq.finish_reason = True, FinishReason.LENGTH
+    last = worker._output(tracked, [3], [])
+    assert first.timing.num_cached_tokens == 32 and middle.timing is None and last.timing.num_cached_tokens == 32 and last.finished

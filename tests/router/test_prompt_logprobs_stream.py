@@ -90,3 +90,17 @@ def test_a_migrated_request_whose_new_cache_held_more_than_its_prompt_reports_sa
     assert last.end.cached_prompt_tokens == 16 and last.end.timing.prompt_tokens_computed == 0
     message = generate_response("r", last)
     assert message.usage.cached_prompt_tokens == 16 and message.timing.prompt_tokens_computed == 0
+
+
+def test_a_stream_ended_by_a_stop_string_keeps_the_usage_its_first_output_reported(byte_level_tokenizer):
+    """The router ends a request on a stop string (and aborts it on the decode actor), so no last
+    output with the decode actor's timing comes: the first output's timing is what the usage
+    has of the prompt's cached tokens (a decode actor that prefilled it itself)."""
+    from decode_workers.messages import DecodeTiming
+
+    (nl,) = byte_level_tokenizer.encode("\n", add_special_tokens=False)
+    request = ValidatedRequest("r", list(range(40, 72)), None, SamplingParams(), ["\n"], True, 0, 0.0, None)
+    assembler = OutputAssembler(request, byte_level_tokenizer)
+    assembler.on_output(SeqOutput("r", [104], timing=DecodeTiming(num_cached_tokens=16)))
+    last = assembler.on_output(SeqOutput("r", [nl]))
+    assert last.end.reason == "stop" and last.end.cached_prompt_tokens == 16 and last.end.timing.prompt_tokens_computed == 16
