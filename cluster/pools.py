@@ -136,6 +136,7 @@ class PoolManager(PoolFollower):
         self._scale_locks = {Role.PREFILL: asyncio.Lock(), Role.DECODE: asyncio.Lock()}
         self._retiring: set[str] = set()
         self._replacements: set[asyncio.Task] = set()
+        self._trims: set[asyncio.Task] = set()  # retirements of a surplus (``_trim``), held until done
         self.num_replaced = 0
         # Workers being launched: their role and the node each was sent to (counted when placing the next).
         self._placing: dict[str, tuple[Role, str]] = {}
@@ -343,7 +344,7 @@ class PoolManager(PoolFollower):
     async def check_resources(self, role: Role, replicas: int) -> None:
         """Raise FailedPreconditionError, naming the resource, if growing ``role`` to ``replicas``
         needs more than the cluster has free (instead of waiting for actors that never start)."""
-        adding = replicas - self.size(role)
+        adding = replicas - self.size(role) - self._num_launching[role]
         if adding <= 0:
             return
         pool = self.spec.pool(role)
@@ -362,23 +363,27 @@ class PoolManager(PoolFollower):
         """Grow or shrink a pool to ``replicas`` routable workers; return the previous size."""
         async with self._scale_locks[role]:
             previous = self.size(role)
+            # Replacements of dead workers still starting count: they join the pool (else the
+            # pool would end above ``replicas``, and nothing shrinks it back).
+            coming = previous + self._num_launching[role]
             self.desired[role] = replicas
-            if replicas > previous:
-                launches = await asyncio.gather(*(self._launch(role, replicas - previous) for _ in range(replicas - previous)),
+            if replicas > coming:
+                launches = await asyncio.gather(*(self._launch(role, replicas - coming) for _ in range(replicas - coming)),
                                                 return_exceptions=True)
                 failed = [error for error in launches if isinstance(error, BaseException)]
                 if failed:
                     # The pool keeps its desired size: the health loop launches what it lacks again.
                     raise UnavailableError(
-                        f"replicas: {len(failed)} of {replicas - previous} new {role.value} workers did not start "
+                        f"replicas: {len(failed)} of {replicas - coming} new {role.value} workers did not start "
                         f"({_start_failure(failed[0], self.spec.startup_timeout_s)}); the pool keeps trying to reach {replicas}"
                     ) from failed[0]
-            elif replicas < previous:
+            elif replicas < coming:
                 ready = [w for w in self.router.pool.of_role(role) if w.state is WorkerState.READY]
-                victims = sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: previous - replicas]
+                victims = sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: coming - replicas]
                 await asyncio.gather(*(self.retire(w, shrink=False) for w in victims))
             logger.info("%s pool: %d -> %d workers", role.value, previous, replicas)
-            return previous
+        self._trim(role)  # a replacement that landed while the pool shrank
+        return previous
 
     async def retire(self, record: WorkerRecord, shrink: bool = True) -> None:
         """Drain a worker, then remove it once nothing of any request is left on it.
@@ -456,6 +461,19 @@ class PoolManager(PoolFollower):
                 self._replacements.add(task)
                 task.add_done_callback(functools.partial(self._replacement_done, role))
 
+    def _trim(self, role: Role) -> None:
+        """Retire what a pool has beyond its desired size: a replacement that landed after the
+        pool was scaled below what it counted on."""
+        if self._scale_locks[role].locked():
+            return  # the scale in progress sizes the pool itself
+        ready = [w for w in self.router.pool.of_role(role) if w.state is WorkerState.READY and w.worker_id not in self._retiring]
+        surplus = len(ready) + self._num_launching[role] - self.desired[role]
+        for victim in sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: max(0, surplus)]:
+            self._retiring.add(victim.worker_id)  # counted out at once: the next trim does not pick it again
+            task = asyncio.create_task(self.retire(victim, shrink=False))
+            self._trims.add(task)
+            task.add_done_callback(self._trims.discard)
+
     def _replacement_done(self, role: Role, task: asyncio.Task) -> None:
         self._replacements.discard(task)
         self._num_launching[role] -= 1
@@ -463,6 +481,7 @@ class PoolManager(PoolFollower):
             return
         if task.exception() is None:
             self._launch_failures_in_a_row[role] = 0
+            self._trim(role)
             return
         # Retried by the health loop after a pause, until the pool is back at its size.
         failures = self._launch_failures_in_a_row[role]

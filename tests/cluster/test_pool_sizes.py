@@ -1,0 +1,82 @@
+"""A pool ends at the size it was scaled to even when a dead worker's replacement is still
+starting: the replacement counts (scaling up launches only what is missing, scaling down
+retires ready workers in its place) and a surplus left when it lands is retired. Checked
+without Ray: the pool manager's launch and removal are replaced by ones that only keep the
+router's pool of records."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.deployment import DeploymentSpec, PoolSpec
+from cluster.pools import PoolManager
+from router.pool import Role, WorkerPool, WorkerRecord
+from engine.stats import WorkerState
+from tests.serving import engine_config
+
+
+def _manager(tmp_path, decode_replicas: int) -> tuple[PoolManager, list[asyncio.Event]]:
+    """A pool manager whose launches wait for the test's go (one event each, in launch order)."""
+    (tmp_path / "config.json").write_text("{}")
+    spec = DeploymentSpec(model_path=str(tmp_path), prefill=PoolSpec(0, engine_config()), decode=PoolSpec(decode_replicas, engine_config()))
+    router = SimpleNamespace(pool=WorkerPool(), worker_died=lambda record: None)
+
+    async def drain(record):
+        record.state = WorkerState.DRAINING
+
+    router.drain = drain
+    manager = PoolManager(spec, router)
+    gates: list[asyncio.Event] = []
+    names = iter(range(100))
+
+    async def launch(role, num_starting=1):
+        gate = asyncio.Event()
+        gates.append(gate)
+        await gate.wait()
+        record = WorkerRecord(f"{role.value}-{next(names)}", role, handle=None)
+        router.pool.add(record)
+        return record
+
+    async def idle(record):
+        return True
+
+    async def nothing():
+        return None
+
+    manager._launch, manager._worker_idle, manager.refresh_readiness = launch, idle, nothing
+    manager._remove = lambda record: router.pool.remove(record.worker_id)
+    return manager, gates
+
+
+def _ready(manager: PoolManager) -> list[str]:
+    return sorted(w.worker_id for w in manager.router.pool.of_role(Role.DECODE) if w.state is WorkerState.READY)
+
+
+async def _settle(gates: list[asyncio.Event]) -> None:
+    for _ in range(20):
+        for gate in gates:
+            gate.set()
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("replicas", [3, 2, 1, 0])
+def test_scaling_while_a_replacement_starts_ends_at_the_size_asked(tmp_path, replicas):
+    async def scenario():
+        manager, gates = _manager(tmp_path, 2)
+        pool = manager.router.pool
+        for name in ("decode-a", "decode-b"):
+            pool.add(WorkerRecord(name, Role.DECODE, handle=None))
+        manager._on_unhealthy(pool.workers["decode-b"], "health check timed out")  # its replacement starts
+        await asyncio.sleep(0)
+        assert manager._num_launching[Role.DECODE] == 1
+        scaling = asyncio.create_task(manager.scale(Role.DECODE, replicas))
+        await _settle(gates)
+        await asyncio.wait_for(scaling, 5)
+        await _settle(gates)  # the replacement landed; a surplus is retired
+        return _ready(manager)
+
+    ready = asyncio.run(scenario())
+    assert len(ready) == replicas, ready
