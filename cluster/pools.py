@@ -361,6 +361,7 @@ class PoolManager(PoolFollower):
 
     async def scale(self, role: Role, replicas: int) -> int:
         """Grow or shrink a pool to ``replicas`` routable workers; return the previous size."""
+        draining: list[asyncio.Task] = []
         async with self._scale_locks[role]:
             previous = self.size(role)
             # Replacements of dead workers still starting count: they join the pool (else the
@@ -380,8 +381,12 @@ class PoolManager(PoolFollower):
             elif replicas < coming:
                 ready = [w for w in self.router.pool.of_role(role) if w.state is WorkerState.READY]
                 victims = sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: coming - replicas]
-                await asyncio.gather(*(self.retire(w, shrink=False) for w in victims))
+                draining = [asyncio.create_task(self.retire(w, shrink=False)) for w in victims]
+                await asyncio.sleep(0)  # each is draining (no longer counted) before the lock is let go
             logger.info("%s pool: %d -> %d workers", role.value, previous, replicas)
+        # The drains run without the lock (up to drain_timeout_s): meanwhile a worker that dies
+        # is replaced, and the pool may be scaled again.
+        await asyncio.gather(*draining)
         self._trim(role)  # a replacement that landed while the pool shrank
         return previous
 

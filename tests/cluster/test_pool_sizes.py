@@ -80,3 +80,35 @@ def test_scaling_while_a_replacement_starts_ends_at_the_size_asked(tmp_path, rep
 
     ready = asyncio.run(scenario())
     assert len(ready) == replicas, ready
+
+
+def test_a_worker_that_dies_while_the_pool_drains_a_slow_worker_is_replaced_at_once(tmp_path):
+    """Shrinking a pool drains the worker it retires, which may take up to drain_timeout_s (a
+    long generation); a worker that dies meanwhile is replaced then, not after the drain (the
+    pool was one short, or had no decode worker at all, for up to ten minutes)."""
+    async def scenario():
+        manager, gates = _manager(tmp_path, 3)
+        pool = manager.router.pool
+        for name in ("decode-a", "decode-b", "decode-c"):
+            pool.add(WorkerRecord(name, Role.DECODE, handle=None))
+        busy = asyncio.Event()
+
+        async def idle(record):
+            return busy.is_set()
+
+        manager._worker_idle = idle
+        scaling = asyncio.create_task(manager.scale(Role.DECODE, 2))
+        await asyncio.sleep(0.05)
+        (draining,) = [w.worker_id for w in pool.of_role(Role.DECODE) if w.state is WorkerState.DRAINING]
+        survivor = next(w for w in _ready(manager))
+        manager._on_unhealthy(pool.workers[survivor], "died")
+        await _settle(gates)
+        replaced = _ready(manager)
+        assert not scaling.done()
+        busy.set()
+        await asyncio.wait_for(scaling, 5)
+        return draining, survivor, replaced, _ready(manager)
+
+    draining, survivor, replaced, final = asyncio.run(scenario())
+    assert len(replaced) == 2 and survivor not in replaced and draining not in replaced
+    assert final == replaced
