@@ -99,7 +99,9 @@ class PoolFollower:
                     ray.kill(handle)  # a hung worker: the pool launches a replacement
                 continue
             self.handles[worker_id] = handle
-            adopted[role] += 1
+            record = self.router.pool.workers[worker_id]
+            if record.state is not WorkerState.DRAINING:  # one being retired is no part of its pool's size
+                adopted[role] += 1
             self._adopted(role, worker_id)
             logger.info("adopted %s", worker_id)
         self._first_adoption.set()

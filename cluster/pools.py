@@ -228,8 +228,14 @@ class PoolManager(PoolFollower):
         await super().stop()
 
     def _adopted(self, role: Role, worker_id: str) -> None:
-        """New workers of ``role`` get ids after an adopted one's (ids are never reused)."""
+        """New workers of ``role`` get ids after an adopted one's (ids are never reused); one
+        found draining (an earlier manager was retiring it) is retired."""
         self._adopted_ids.append(worker_id)
+        record = self.router.pool.workers[worker_id]
+        if record.state is WorkerState.DRAINING:
+            task = asyncio.create_task(self.retire(record, shrink=False))
+            self._trims.add(task)
+            task.add_done_callback(self._trims.discard)
         try:
             index = int(worker_id.rsplit("-", 1)[1])
         except (IndexError, ValueError):

@@ -155,7 +155,12 @@ class Router:
         record = WorkerRecord(worker_id, role, handle, epoch=epoch)
         if role is Role.DECODE:
             record.handshake_offer = await handle.handshake_offer.remote()
-        record.node = (await handle.status.remote()).node  # prefill and decode pair on one node where they can
+        status = await handle.status.remote()
+        record.node = status.node  # prefill and decode pair on one node where they can
+        if status.state is WorkerState.DRAINING:
+            # Adopted mid-drain (its manager died while retiring it): it refuses new work, so
+            # it is not routed to, and its new manager finishes retiring it.
+            record.state = WorkerState.DRAINING
         if self.model_info.lora_adapters or self.config.allow_runtime_lora_updating:
             await self.lora.catch_up(worker_id, handle, adopt=adopted)
         self.pool.add(record)

@@ -112,3 +112,37 @@ def test_a_worker_that_dies_while_the_pool_drains_a_slow_worker_is_replaced_at_o
     draining, survivor, replaced, final = asyncio.run(scenario())
     assert len(replaced) == 2 and survivor not in replaced and draining not in replaced
     assert final == replaced
+
+
+def test_a_worker_adopted_mid_drain_is_not_routed_to_nor_counted_and_its_retirement_finishes(tmp_path):
+    """A controller that died while retiring a worker restarts and adopts it: the worker refuses
+    new work (it is draining), so the router must not pick it, the pool must not count it, and
+    the new manager finishes retiring it (it stayed, READY to the router, refusing every pick)."""
+    from router.core import Router
+
+    class _Call:
+        def __init__(self, value):
+            self.value = value
+
+        def remote(self, *args):
+            async def answer():
+                return self.value
+            return answer()
+
+    def handle(state):
+        return SimpleNamespace(ping=_Call("e1"), handshake_offer=_Call(None), status=_Call(SimpleNamespace(node="n1", state=state)))
+
+    async def scenario():
+        manager, _ = _manager(tmp_path, 1)
+        router = manager.router
+        host = SimpleNamespace(pool=router.pool, model_info=SimpleNamespace(lora_adapters={}), config=SimpleNamespace(allow_runtime_lora_updating=False))
+        for worker_id, state in (("decode-0", WorkerState.READY), ("decode-1", WorkerState.DRAINING)):
+            await Router.add_worker(host, Role.DECODE, worker_id, handle(state), adopted=True)
+            manager._adopted(Role.DECODE, worker_id)
+        states = {w.worker_id: w.state for w in router.pool.of_role(Role.DECODE)}
+        await asyncio.sleep(0.05)
+        return states, _ready(manager), sorted(router.pool.workers)
+
+    states, ready, left = asyncio.run(scenario())
+    assert states == {"decode-0": WorkerState.READY, "decode-1": WorkerState.DRAINING}
+    assert ready == ["decode-0"] and left == ["decode-0"]  # the draining one was retired
