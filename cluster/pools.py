@@ -195,14 +195,29 @@ class PoolManager(PoolFollower):
             # On a cluster of several nodes, a node that lacks the code, a library or the model
             # is named now rather than found through a worker that died there.
             pools = [self.spec.pool(role) for role in roles if missing[role]]
-            await check_nodes(
-                self.spec.model_source or str(self.spec.model_path), self.spec.transfer.backend, self.spec.startup_timeout_s,
-                can_host=lambda resources: any(_fits(resources, pool) for pool in pools),
-            )
+            try:
+                await check_nodes(
+                    self.spec.model_source or str(self.spec.model_path), self.spec.transfer.backend, self.spec.startup_timeout_s,
+                    can_host=lambda resources: any(_fits(resources, pool) for pool in pools),
+                )
+            except Exception as exc:
+                if not any(adopted.values()):
+                    raise
+                logger.warning("the nodes' check failed (%s); serving with the adopted workers, the health loop launches the rest", exc)
+                missing = dict.fromkeys(roles, 0)
         # CPU actors share their node's host memory; each GPU actor has its own GPU.
         num_starting = sum(missing[r] for r in missing if self.spec.pool(r).num_gpus == 0) or 1
         launches = [self._launch(role, num_starting) for role in roles for _ in range(missing[role])]
-        await asyncio.gather(*launches)
+        if not any(adopted.values()):
+            await asyncio.gather(*launches)  # a first start fails at once, naming what did not start
+        else:
+            # A restarted manager serves with the workers it adopted: a launch that fails now is
+            # retried by the health loop, as a dead worker's replacement would be (raising here
+            # left it not ready for good, with no health loop, its adopted workers unused).
+            for error in await asyncio.gather(*launches, return_exceptions=True):
+                if isinstance(error, BaseException):
+                    logger.warning("a worker launched beside the adopted ones did not start (%s); the health loop launches it again",
+                                   _start_failure(error, self.spec.startup_timeout_s))
         self._started = True
         await self.refresh_readiness()
         self._health_task = asyncio.create_task(self._health_loop())

@@ -146,3 +146,37 @@ def test_a_worker_adopted_mid_drain_is_not_routed_to_nor_counted_and_its_retirem
     states, ready, left = asyncio.run(scenario())
     assert states == {"decode-0": WorkerState.READY, "decode-1": WorkerState.DRAINING}
     assert ready == ["decode-0"] and left == ["decode-0"]  # the draining one was retired
+
+
+def test_a_restarted_manager_whose_launch_fails_serves_with_what_it_adopted(tmp_path, monkeypatch):
+    """A restarted controller adopts the workers still running and launches what its pool lacks;
+    a launch that fails then (its GPU taken, a node gone) must not leave it not ready for good,
+    with no health loop, its adopted workers unused: it serves, and the health loop retries."""
+    import cluster.pools as pools_module
+
+    async def scenario():
+        manager, _ = _manager(tmp_path, 2)
+        manager.spec.durable_workers = True
+        router = manager.router
+
+        async def adopt():
+            router.pool.add(WorkerRecord("decode-0", Role.DECODE, handle=None))
+            return {Role.PREFILL: 0, Role.DECODE: 1}
+
+        async def refuse(role, num_starting=1):
+            raise TimeoutError("no GPU free")
+
+        async def nodes_fine(*args, **kwargs):
+            return None
+
+        async def health_loop():
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(pools_module, "check_nodes", nodes_fine)
+        manager._adopt, manager._launch, manager._health_loop = adopt, refuse, health_loop
+        await asyncio.wait_for(manager.start(), 5)
+        started = (manager._started, manager._health_task is not None, manager.desired[Role.DECODE])
+        manager._health_task.cancel()
+        return started
+
+    assert asyncio.run(scenario()) == (True, True, 2)
