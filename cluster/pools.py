@@ -238,7 +238,9 @@ class PoolManager(PoolFollower):
             task.cancel()
         for handle in self.handles.values():
             ray.kill(handle)
-        for worker_id in list(self.placement_groups):
+        # Every worker's group: an adopted tensor-parallel worker's is found by its name (this
+        # manager did not create it), else it kept its GPUs reserved after ``down``.
+        for worker_id in {*self.placement_groups, *self.handles}:
             self._release_placement(worker_id)
         await super().stop()
 

@@ -180,3 +180,24 @@ def test_a_restarted_manager_whose_launch_fails_serves_with_what_it_adopted(tmp_
         return started
 
     assert asyncio.run(scenario()) == (True, True, 2)
+
+
+def test_stopping_releases_an_adopted_workers_placement_group(tmp_path, monkeypatch):
+    """A tensor-parallel worker's placement group is detached with it (durable workers); after a
+    controller restart the new manager did not create it, and ``down`` left it holding its GPUs."""
+    import cluster.pools as pools_module
+
+    removed, killed = [], []
+    monkeypatch.setattr(pools_module.ray, "kill", killed.append)
+    monkeypatch.setattr(pools_module.ray.util, "get_placement_group", lambda name: f"group {name}")
+    monkeypatch.setattr(pools_module, "remove_placement_group", removed.append)
+
+    async def scenario():
+        manager, _ = _manager(tmp_path, 1)
+        manager.spec.durable_workers = True
+        manager.handles["decode-3"] = "handle of decode-3"  # adopted: no group of its own recorded
+        await manager.stop()
+        return manager._name_prefix()
+
+    prefix = asyncio.run(scenario())
+    assert killed == ["handle of decode-3"] and removed == [f"group {prefix}decode-3"]
