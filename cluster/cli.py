@@ -362,9 +362,11 @@ def _down(args: argparse.Namespace) -> int:
     if controller is not None:
         try:
             ray.get(controller.stop.remote(), timeout=60)
+        except Exception as exc:  # a stop that timed out or failed: what it left is stopped below
+            print(f"pdserve down: the controller's stop failed ({type(exc).__name__}); stopping what it left", file=sys.stderr)
         finally:
             ray.kill(controller)
-    from cluster.pools import DeploymentSpec
+    from cluster.pools import DeploymentSpec, stop_leftover_workers
     from cluster.router_replica import find_replicas
     from router.responses_api.board import find_shared_board
 
@@ -373,6 +375,10 @@ def _down(args: argparse.Namespace) -> int:
     for actor in leftovers:
         if actor is not None:
             ray.kill(actor, no_restart=True)
+    # Durable workers outlive a controller killed with its `up` process (SIGHUP, SIGKILL).
+    workers = stop_leftover_workers(name)
+    if workers and controller is None:
+        print(f"pdserve down: stopped {len(workers)} workers no controller was running for")
     ray.shutdown()
     if state.get("ray_head_pid"):
         _stop_pid(state["ray_head_pid"])

@@ -519,6 +519,24 @@ class PoolManager(PoolFollower):
         logger.warning("launching a %s worker failed (retrying in %.0fs): %r", role.value, pause_s, task.exception())
 
 
+def stop_leftover_workers(deployment_name: str) -> list[str]:
+    """Kill the deployment's durable workers that no controller stopped (its process was killed,
+    or its stop timed out) and remove their placement groups; return their names."""
+    prefix = f"{deployment_name}/"
+    workers = tuple(f"{prefix}{role.value}-" for role in Role)
+    names = [a["name"] for a in ray.util.list_named_actors(True) if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(workers)]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=WORKER_NAMESPACE), no_restart=True)
+        except ValueError:
+            pass  # gone since it was listed
+        try:
+            remove_placement_group(ray.util.get_placement_group(name))  # a tensor-parallel worker's, named after it
+        except Exception:
+            pass  # a worker of one rank has none
+    return names
+
+
 def _fits(resources: dict[str, float], pool: PoolSpec) -> bool:
     """Whether a node with these resources (totals) can hold one of ``pool``'s actors."""
     wanted = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}

@@ -201,3 +201,29 @@ def test_stopping_releases_an_adopted_workers_placement_group(tmp_path, monkeypa
 
     prefix = asyncio.run(scenario())
     assert killed == ["handle of decode-3"] and removed == [f"group {prefix}decode-3"]
+
+
+def test_down_without_a_controller_stops_the_durable_workers_it_left(monkeypatch):
+    """A foreground `up` killed with its process (SIGHUP, SIGKILL) takes its controller along,
+    while its durable workers and their placement groups live on: `down` finds and stops them
+    (it only stopped the router replicas and the responses board, and said nothing was running)."""
+    import cluster.pools as pools_module
+
+    named = [{"name": n, "namespace": ns} for n, ns in (
+        ("pdserve/decode-0", "pdserve"), ("pdserve/prefill-2", "pdserve"), ("pdserve/router-1", "pdserve"),
+        ("other/decode-0", "pdserve"), ("pdserve/decode-9", "elsewhere"),
+    )]
+    killed, removed = [], []
+
+    def group(name):
+        if name != "pdserve/decode-0":
+            raise ValueError(name)  # a worker of one rank has none
+        return f"group {name}"
+
+    monkeypatch.setattr(pools_module.ray.util, "list_named_actors", lambda all_namespaces: named)
+    monkeypatch.setattr(pools_module.ray, "get_actor", lambda name, namespace: f"actor {name}")
+    monkeypatch.setattr(pools_module.ray, "kill", lambda actor, no_restart: killed.append(actor))
+    monkeypatch.setattr(pools_module.ray.util, "get_placement_group", group)
+    monkeypatch.setattr(pools_module, "remove_placement_group", removed.append)
+    assert pools_module.stop_leftover_workers("pdserve") == ["pdserve/decode-0", "pdserve/prefill-2"]
+    assert killed == ["actor pdserve/decode-0", "actor pdserve/prefill-2"] and removed == ["group pdserve/decode-0"]
