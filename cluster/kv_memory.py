@@ -53,9 +53,12 @@ class MemoryFigures:
 def default_kv_cache_bytes(policy: KVMemoryPolicy, figures: MemoryFigures) -> int:
     """The KV cache bytes for one actor, sized from its machine as vLLM sizes it.
 
-    CUDA: ``gpu_memory_utilization`` of the GPU's total memory, less what other processes
-    already hold on it (total - free), less this actor's weights and an activation reserve
-    for one full token budget; split evenly when several actors share the GPU.
+    CUDA: an even share (when several actors share the GPU) of ``gpu_memory_utilization`` of
+    the GPU's total memory, at most what is free of it beyond the other ``1 - utilization``,
+    less this actor's weights and an activation reserve for one full token budget. The share
+    is not cut by what the GPU's other actors already hold: a replacement that starts beside
+    a running one takes the same share as the one it replaces (subtracting the survivor's
+    memory and then splitting again left it 64 MiB of an 80 GiB GPU).
     CPU: ``host_memory_fraction`` of the host's available memory when the actor starts,
     split evenly among the actors starting on the node at once, less this actor's weights
     and activation reserve, and at most ``max_host_bytes`` (a 2-core host gains nothing from
@@ -67,8 +70,9 @@ def default_kv_cache_bytes(policy: KVMemoryPolicy, figures: MemoryFigures) -> in
     sharing = max(1, policy.num_sharing)
     overhead = figures.weight_bytes + figures.activation_bytes
     if figures.device == "cuda":
-        held_by_others = figures.gpu_total - figures.gpu_free
-        budget = (figures.gpu_total * policy.gpu_memory_utilization - held_by_others) / sharing - overhead
+        share = figures.gpu_total * policy.gpu_memory_utilization / sharing
+        free_within_utilization = figures.gpu_free - figures.gpu_total * (1 - policy.gpu_memory_utilization)
+        budget = min(share, free_within_utilization) - overhead
     else:
         budget = min(figures.host_available * policy.host_memory_fraction / sharing - overhead, policy.max_host_bytes)
     budget = max(budget, policy.min_bytes)

@@ -38,8 +38,16 @@ def test_cuda_takes_the_utilization_share_of_the_gpu_less_other_processes_weight
     figures = MemoryFigures("cuda", gpu_total=80 * GiB, gpu_free=79 * GiB, weight_bytes=16 * GiB, activation_bytes=2 * GiB)
     # 0.9 * 80 = 72 GiB, less 1 GiB held by another process, 16 GiB of weights and 2 GiB of activations.
     assert default_kv_cache_bytes(KVMemoryPolicy(gpu_memory_utilization=0.9), figures) == 53 * GiB
-    # Two actors on one GPU (num_gpus 0.5) split what is left before their own weights.
-    assert default_kv_cache_bytes(KVMemoryPolicy(gpu_memory_utilization=0.9, num_sharing=2), figures) == int(35.5 * GiB - 18 * GiB)
+    # Two actors on one GPU (num_gpus 0.5) take half of the 72 GiB each, less their own weights.
+    shared = KVMemoryPolicy(gpu_memory_utilization=0.9, num_sharing=2)
+    assert default_kv_cache_bytes(shared, figures) == 36 * GiB - 18 * GiB
+    # A replacement beside a survivor holding its 36 GiB (weights, activations, KV) gets the
+    # same share (it got the 64 MiB floor: the survivor's memory subtracted, then halved again).
+    beside = MemoryFigures("cuda", gpu_total=80 * GiB, gpu_free=44 * GiB, weight_bytes=16 * GiB, activation_bytes=2 * GiB)
+    assert default_kv_cache_bytes(shared, beside) == pytest.approx(18 * GiB, abs=MiB)
+    # What is free bounds it: beside a foreign process holding 30 GiB it keeps 8 GiB of headroom.
+    crowded = MemoryFigures("cuda", gpu_total=80 * GiB, gpu_free=13 * GiB, weight_bytes=2 * GiB, activation_bytes=1 * GiB)
+    assert default_kv_cache_bytes(shared, crowded) == pytest.approx(13 * GiB - 8 * GiB - 3 * GiB, abs=MiB)
     # Host memory plays no part on a GPU.
     assert default_kv_cache_bytes(KVMemoryPolicy(), figures) == default_kv_cache_bytes(
         KVMemoryPolicy(), MemoryFigures(**{**_fields(figures), "host_available": 1})
