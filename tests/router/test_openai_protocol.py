@@ -237,10 +237,11 @@ def hosted(e2e_model):
     router.close()
 
 
-def _call(url: str, token: str | None = None, body: dict | None = None) -> tuple[int, dict]:
+def _call(url: str, token: str | None = None, body: dict | None = None, raw: bytes | None = None) -> tuple[int, dict]:
+    """GET ``url``, or POST ``body`` as JSON (or ``raw``, the bytes as they are)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if data is None else "POST")
     try:
         with urllib.request.urlopen(request) as response:
             return response.status, json.loads(response.read())
@@ -349,15 +350,6 @@ def test_bad_words_are_bounded_and_a_long_list_is_named():
         assert raised.value.field == field
 
 
-def _post_raw(url: str, data: bytes, token: str = "s3cret") -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {token}"}, method="POST")
-    try:
-        with urllib.request.urlopen(request) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def test_half_a_surrogate_pair_or_an_endless_integer_is_a_400_naming_where(hosted):
     """JSON can spell text that is not Unicode (a lone UTF-16 surrogate: an emoji a client cut in
     two) and integers Python will not read (over 4,300 digits); each is refused at the edge, the
@@ -375,10 +367,10 @@ def test_half_a_surrogate_pair_or_an_endless_integer_is_a_400_naming_where(hoste
         ("/v1/completions", b'{"prompt": "x", "seed": ' + b"1" * 5000 + b"}", "body"),
     ]
     for path, data, field in cases:
-        status, body = _post_raw(hosted + path, data)
+        status, body = _call(hosted + path, "s3cret", raw=data)
         error = body["error"]
         named = error["message"].split(":")[0] if path == "/v1/messages" else error["param"]  # Anthropic's shape has no param
         assert (status, named) == (400, field), (path, body)
     # A whole pair is one character, served as any other.
-    status, body = _post_raw(hosted + "/tokenize", b'{"prompt": "hi \\ud83d\\ude00"}')
+    status, body = _call(hosted + "/tokenize", "s3cret", raw=b'{"prompt": "hi \\ud83d\\ude00"}')
     assert status == 200 and body["count"] == len(body["tokens"]) > 2
