@@ -159,7 +159,9 @@ class OutputAssembler:
         # (stream_interval, speculation), and only its later ones are matched.
         unmatched = max(0, min(len(text_tokens), self.request.sampling_params.min_tokens - self.num_completion_tokens))
         self.completion_token_ids += out.token_ids
-        passed = self.stops.feed(self.detokenizer.add_tokens(text_tokens[:unmatched]), match=False).text
+        # (Only where there are such tokens: an unmatched feed also releases the text held as a
+        # stop string's possible start, which the next output may complete.)
+        passed = self.stops.feed(self.detokenizer.add_tokens(text_tokens[:unmatched]), match=False).text if unmatched else ""
         text = self.detokenizer.add_tokens(text_tokens[unmatched:])
         if out.finished:
             text += self.detokenizer.finish()

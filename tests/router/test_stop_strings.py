@@ -154,3 +154,14 @@ def test_the_text_of_the_first_min_tokens_tokens_is_never_cut_by_a_stop_string(b
     assert answer(1, [[nl], [a], [nl], [b]]) == ("\na", "\n")
     assert answer(3, [[a], [nl, a, nl, b]]) == ("a\na", "\n")  # the 4th token, mid-output, matches
     assert answer(3, [[a, nl, a, b]]) == ("a\nab", None)
+    # A stop string that spans outputs still ends the answer, with or without a minimum.
+    request = lambda min_tokens: ValidatedRequest("r", [72], None, SamplingParams(min_tokens=min_tokens, max_tokens=50), ["ab"], True, 0, 0.0, None)
+    for min_tokens in (0, 1):
+        assembler, text, end = OutputAssembler(request(min_tokens), byte_level_tokenizer), "", None
+        for ids in ([nl], [nl], [a], [b], [nl]):
+            chunk = assembler.on_output(SeqOutput("r", ids))
+            text += chunk.text
+            if chunk.end is not None:
+                end = chunk.end.matched_stop
+                break
+        assert (text, end) == ("\n\n", "ab"), min_tokens
