@@ -234,7 +234,7 @@ class PoolManager(PoolFollower):
     async def stop(self) -> None:
         if self.autoscaler is not None:
             await self.autoscaler.stop()
-        for task in self._replacements:
+        for task in (*self._replacements, *self._trims):
             task.cancel()
         for handle in self.handles.values():
             ray.kill(handle)

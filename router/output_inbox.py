@@ -70,5 +70,6 @@ def _append(output: SeqOutput, later: SeqOutput) -> None:
     output.token_ids = output.token_ids + later.token_ids
     if later.logprobs:
         output.logprobs = output.logprobs + later.logprobs
-    output.finished, output.finish_reason, output.error, output.timing = later.finished, later.finish_reason, later.error, later.timing
+    output.finished, output.finish_reason, output.error = later.finished, later.finish_reason, later.error
+    output.timing = later.timing or output.timing  # a first output's timing outlives the middle ones merged after it
     output.error_field = later.error_field

@@ -88,7 +88,8 @@ class GenerateInput:
     max_tokens: int | None = None
     # Unset max_tokens: the context's room (chat completions, the Responses API, as vLLM
     # and OpenAI answer a conversation) rather than RequestLimits.default_max_tokens (completions'
-    # and gRPC's 16); the model's generation_config max_new_tokens caps either.
+    # and gRPC's 16); the model's generation_config max_new_tokens, where it sets one, is the
+    # default instead of either (and the context's room still bounds it).
     max_tokens_fills_context: bool = False
     temperature: float | None = None
     top_k: int | None = None

@@ -14,7 +14,6 @@ answer's grammar. Every problem raises ``InvalidArgumentError`` naming the field
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -288,7 +287,7 @@ def _input(body: dict) -> list[dict[str, Any]]:
                     raise InvalidArgumentError(f"{where}.{key}", "must be a non-empty string" if key != "arguments" else "must be a JSON string")
             try:
                 bounded_json.loads(item["arguments"] or "{}")
-            except json.JSONDecodeError as exc:
+            except ValueError as exc:  # JSONDecodeError, or an integer past Python's 4,300 digits
                 raise InvalidArgumentError(f"{where}.arguments", f"is not valid JSON: {exc}") from None
             call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:

@@ -35,6 +35,23 @@ def test_outputs_queued_while_the_session_is_busy_arrive_as_one():
     _run(scenario())
 
 
+def test_an_output_that_carries_timing_keeps_it_when_later_ones_merge_into_it():
+    """A request's first output carries the decode actor's timing so far (a stop string may end
+    the request before its last); after a restart it need not go alone, and the middle outputs
+    merged after it carry none."""
+    async def scenario():
+        inbox = OutputInbox()
+        inbox.put_nowait(SeqOutput("r", [0]))
+        await inbox.get()  # the stream's first output went long ago
+        timing = DecodeTiming(num_cached_tokens=16)
+        inbox.put_nowait(SeqOutput("r", [1], timing=timing))  # a migrated attempt's first
+        inbox.put_nowait(SeqOutput("r", [2]))
+        merged = await inbox.get()
+        assert merged.token_ids == [1, 2] and merged.timing is timing
+
+    _run(scenario())
+
+
 def test_an_end_queued_behind_tokens_keeps_the_field_that_its_error_names():
     async def scenario():
         inbox = OutputInbox()
