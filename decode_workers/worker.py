@@ -224,10 +224,12 @@ class DecodeWorker(EngineWorker):
         self._heard_from(request.router_id, request.router_lease_s)
         await self._call(self._add_local, request)
 
-    async def abort(self, req_id: str, attempt: int | None = None) -> bool:
+    async def abort(self, req_id: str, attempt: int | None = None, given_up: bool = False) -> bool:
         """Stop a request (only its ``attempt``, if given); remotely written blocks wait for
-        ``confirm_quiesced`` or the lease. An attempt not here yet is refused when it comes."""
-        return await self._call(self._abort, req_id, attempt)
+        ``confirm_quiesced`` or the lease. An attempt not here yet is refused when it comes.
+        ``given_up``: the request is placed again, so only a confirm naming this reservation's
+        token frees those blocks (``KVReceiver.abort``)."""
+        return await self._call(self._abort, req_id, attempt, given_up)
 
     async def confirm_quiesced(self, req_id: str, token: int | None = None) -> int:
         """The writer reported no write in flight for this request (or died): free its blocks
@@ -341,7 +343,7 @@ class DecodeWorker(EngineWorker):
             seq, time.monotonic(), remote=False, dest_block_ids=[], attempt=request.attempt, router_id=request.router_id
         )
 
-    def _abort(self, req_id: str, attempt: int | None = None) -> bool:
+    def _abort(self, req_id: str, attempt: int | None = None, given_up: bool = False) -> bool:
         tracked = self._tracked.get(req_id)
         if tracked is None or (attempt is not None and tracked.attempt != attempt):
             if attempt is not None:
@@ -351,15 +353,15 @@ class DecodeWorker(EngineWorker):
         if self.activations is not None:
             self.activations.close_inbox(req_id)
         if req_id in self.scheduler.awaiting_kv:
-            self._drop_reservation(req_id, tracked)
+            self._drop_reservation(req_id, tracked, given_up)
         else:
             self.engine.abort_request(req_id)
         logger.info("req %s: aborted on %s", req_id, self.worker_id)
         return True
 
-    def _drop_reservation(self, req_id: str, tracked: _Tracked) -> None:
+    def _drop_reservation(self, req_id: str, tracked: _Tracked, given_up: bool = False) -> None:
         """Free what no write can reach now; the agent hands back the rest later."""
-        safe_now = set(self.agent.abort(req_id))
+        safe_now = set(self.agent.abort(req_id, given_up))
         self.scheduler.detach_remote(req_id, still_targeted=set(tracked.dest_block_ids) - safe_now)
         self.pump.kick()  # the rest come back through the pump: the writer's report or the lease
 

@@ -294,9 +294,10 @@ class KVAgent:
         return self.receiver.complete(req_id)
 
     @_locked
-    def abort(self, req_id: str) -> list[int]:
-        """Begin freeing; returns blocks safe to reuse now, the rest come later."""
-        return self.receiver.abort(req_id)
+    def abort(self, req_id: str, given_up: bool = False) -> list[int]:
+        """Begin freeing; returns blocks safe to reuse now, the rest come later (``given_up``:
+        see ``KVReceiver.abort``)."""
+        return self.receiver.abort(req_id, given_up)
 
     @_locked
     def confirm_quiesced(self, req_id: str, token: int | None = None) -> list[int]:

@@ -296,8 +296,12 @@ class KVReceiver:
             raise KVTransferError(f"req {req_id}: cannot complete while {res.state.value}")
         return self._free(res)
 
-    def abort(self, req_id: str) -> list[int]:
-        """Start freeing ``req_id``; return the blocks that are safe to reuse now (maybe none)."""
+    def abort(self, req_id: str, given_up: bool = False) -> list[int]:
+        """Start freeing ``req_id``; return the blocks that are safe to reuse now (maybe none).
+
+        ``given_up``: the request is placed again (its writer failed, and may still be writing):
+        what is left of the reservation no longer answers to the request's name, only to a
+        confirm naming its token, or to its lease (a confirm by name then means a newer one)."""
         res = self._by_req.get(req_id)
         if res is None:
             return []  # already freed (lease) or never reserved: nothing to give back twice
@@ -310,6 +314,8 @@ class KVReceiver:
             res.state = _State.ABORTING
             for progress in res.writers.values():
                 progress.pending.clear()
+        if given_up:
+            del self._by_req[req_id]
         logger.info("req %s: aborted, blocks held until the writer confirms or the lease ends", req_id)
         return []
 

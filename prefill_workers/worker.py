@@ -33,8 +33,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,7 +49,7 @@ from engine.scheduler import ScheduledBatch, ScheduledSlice
 from engine.sequence import Sequence, sampled_token_to_json
 from engine.step_profile import TransferRecord
 from engine.stats import WorkerState, engine_stats
-from kvtransfer.activations import ArrivedChunk
+from kvtransfer.activations import ArrivedChunk, FailedSend
 from kvtransfer.agent import KVTransferConfig
 from kvtransfer.errors import KVTransferError
 from kvtransfer.leases import RecentKeys
@@ -58,6 +60,8 @@ from workers.base import EngineWorker
 from workers.pipeline import PipelineStage, StageChunk, StageOpened, inbox_chunks
 
 logger = logging.getLogger(__name__)
+
+ENDED_STAGES_KEPT = 256  # stages that ended lately, remembered for an activation write failing after them
 
 
 class PrefillCancelledError(RuntimeError):
@@ -123,6 +127,10 @@ class PrefillWorker(EngineWorker):
         self._early_renewals: dict[str, KVDestination] = {}
         self._num_stage_chunks_over_nixl = 0
         self._num_stage_chunks_over_ray = 0
+        # The next stage of each stage that ended here lately, by (request, reservation): an
+        # activation write that fails after its stage ended (its KV all landed first) is handed
+        # on over Ray all the same.
+        self._ended_stages: OrderedDict[tuple[str, int], Any] = OrderedDict()
         self._run_engine()
 
     # -- calls from the router ----------------------------------------------------------
@@ -348,12 +356,7 @@ class PrefillWorker(EngineWorker):
                 if job is not None and job.request.destination.token == arrived.token:
                     job.inbox[arrived.start] = arrived
             for failed in self.activations.take_failed_sends():
-                job = self._jobs.get(failed.req_id)
-                if job is not None and job.request.destination.token == failed.token:
-                    try:
-                        self._send_over_ray(job, failed.start, failed.activations)
-                    except Exception as exc:
-                        self._finish_job(job, RequestFailedError(f"handing on the activations from token {failed.start} failed: {exc}"))
+                self._resend(failed)
         for job in list(self._jobs.values()):
             stage, seq = job.stage, job.seq
             if stage is None or seq.req_id not in self.scheduler.staged:
@@ -415,6 +418,25 @@ class PrefillWorker(EngineWorker):
                 self._num_stage_chunks_over_nixl += 1
                 return
         self._send_over_ray(job, start + skip, out)
+
+    def _resend(self, failed: FailedSend) -> None:
+        """A chunk whose activation write failed after it was posted, over Ray: for its stage
+        still here, or one that ended lately."""
+        job = self._jobs.get(failed.req_id)
+        if job is not None and job.request.destination.token == failed.token:
+            try:
+                self._send_over_ray(job, failed.start, failed.activations)
+            except Exception as exc:
+                self._finish_job(job, RequestFailedError(f"handing on the activations from token {failed.start} failed: {exc}"))
+            return
+        next_stage = self._ended_stages.get((failed.req_id, failed.token))
+        if next_stage is None:
+            return  # an attempt cancelled here: nobody waits for it
+        self._num_stage_chunks_over_ray += 1
+        try:
+            next_stage.stage_activations.remote(StageChunk.of(failed.req_id, failed.token, failed.start, failed.activations))
+        except Exception:  # the next stage is gone: the router hears of it
+            logger.warning("req %s: handing on the activations from token %d failed", failed.req_id, failed.start, exc_info=True)
 
     def _send_over_ray(self, job: _Job, start: int, out: StageActivations) -> None:
         """A chunk's activations (tokens from ``start``) to the next stage in a Ray call."""
@@ -484,6 +506,10 @@ class PrefillWorker(EngineWorker):
             job.done.set_exception(error)
             return
         self.scheduler.release(req_id)
+        if job.stage is not None and not job.stage.is_last:
+            self._ended_stages[req_id, job.request.destination.token] = job.stage.next_stage
+            while len(self._ended_stages) > ENDED_STAGES_KEPT:
+                self._ended_stages.popitem(last=False)
         now = time.monotonic()
         seq = job.seq
         scheduled = seq.first_scheduled_time or job.arrival

@@ -681,7 +681,9 @@ class Dispatcher:
             decode, prefills, destination = active.decode, active.prefill_workers, active.destination
             self.pool.release(decode, active.key)
             try:
-                await decode.handle.abort.remote(active.key, active.decode_attempt)
+                # Given up: a later confirm by name (the client leaving before the retry holds a
+                # reservation) must not free these blocks while their writer may still write.
+                await decode.handle.abort.remote(active.key, active.decode_attempt, destination is not None)
                 if destination is None:  # no writer was given the reservation
                     await decode.handle.confirm_quiesced.remote(active.key)
                 else:

@@ -95,11 +95,12 @@ def test_the_prefill_actor_hands_a_failed_chunk_on_over_ray():
     worker = object.__new__(PrefillWorker)
     worker._jobs, worker._num_stage_chunks_over_ray = {"req": job}, 0
     worker.scheduler = SimpleNamespace(staged={})  # no chunk of it left to compute
+    worker._ended_stages = {("done", 3): next_stage}  # a stage that ended here before its last write failed
     worker.activations = SimpleNamespace(
         take_arrivals=lambda: [],
-        take_failed_sends=lambda: [FailedSend("req", 7, 16, activations), FailedSend("req", 6, 0, activations)],  # 6: an older attempt's
+        take_failed_sends=lambda: [FailedSend("req", 7, 16, activations), FailedSend("req", 6, 0, activations),  # 6: an older attempt's
+                                   FailedSend("done", 3, 32, activations)],
     )
     assert worker._run_stage_chunk() is False
-    (chunk,) = calls
-    assert (chunk.req_id, chunk.token, chunk.start, chunk.num_tokens) == ("req", 7, 16, 5)
-    assert np.array_equal(chunk.activations().hidden.numpy(), activations.hidden.numpy()) and job.num_chunks_over_ray == 1
+    assert [(c.req_id, c.token, c.start, c.num_tokens) for c in calls] == [("req", 7, 16, 5), ("done", 3, 32, 5)]
+    assert np.array_equal(calls[0].activations().hidden.numpy(), activations.hidden.numpy()) and job.num_chunks_over_ray == 1

@@ -222,6 +222,22 @@ def test_a_new_reservation_of_a_request_sits_beside_its_aborted_one_until_that_i
     assert receiver.block_ids("r") == [6] and receiver.num_reserved_blocks() == 1 and receiver.num_late_writes == 0
 
 
+def test_a_reservation_given_up_answers_only_to_its_token_or_its_lease():
+    """The router gives a reservation up and places the request again; the client may leave
+    before the retry holds a reservation, and that ending confirms by name: it must not free
+    blocks the given-up attempt's writer may still write into."""
+    receiver, transport, clock = make_receiver(LeasePolicy(lease_s=20, grace_s=2, write_timeout_s=5))
+    given_up = receiver.reserve("r", [0, 1])
+    assert receiver.abort("r", given_up=True) == []
+    assert receiver.confirm_quiesced("r") == [] and receiver.abort("r") == [] and receiver.num_reserved_blocks() == 2
+    assert receiver.confirm_quiesced("r", given_up.token) == [0, 1]
+    # Unconfirmed, its lease frees it.
+    again = receiver.reserve("r", [2, 3])
+    receiver.abort("r", given_up=True)
+    clock.now = again.lease_deadline + 2.0
+    assert [(f.req_id, f.block_ids) for f in receiver.poll().freed] == [("r", [2, 3])] and receiver.num_reserved_blocks() == 0
+
+
 def test_epochs_new_peer_replaces_old_and_old_offers_are_refused():
     sender, transport = make_sender()
     sender.push("r", dest("r", [0]), [0], [0], 0)
