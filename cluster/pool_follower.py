@@ -24,6 +24,13 @@ logger = logging.getLogger(__name__)
 WORKER_NAMESPACE = "pdserve"  # Ray namespace of durable workers
 
 
+def durable_worker_names(deployment_name: str) -> list[str]:
+    """The Ray names of the deployment's live durable workers (not its other named actors,
+    the router replicas and the responses board), sorted."""
+    workers = tuple(f"{deployment_name}/{role.value}-" for role in Role)
+    return sorted(a["name"] for a in ray.util.list_named_actors(True) if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(workers))
+
+
 class PoolFollower:
     """Routes to the pools another manager runs; runs on the router's event loop."""
 
@@ -75,9 +82,7 @@ class PoolFollower:
     async def _adopt(self) -> dict[Role, int]:
         """Route to the live durable workers of this deployment; return how many per role."""
         prefix = self._name_prefix()
-        named = await asyncio.to_thread(ray.util.list_named_actors, True)
-        workers = tuple(f"{prefix}{role.value}-" for role in Role)  # not the deployment's other actors (router replicas)
-        names = sorted(a["name"] for a in named if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(workers))
+        names = await asyncio.to_thread(durable_worker_names, self.deployment_name)
         adopted = {Role.PREFILL: 0, Role.DECODE: 0}
         for name in names:
             worker_id = name[len(prefix):]

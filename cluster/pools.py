@@ -24,6 +24,7 @@ drains or kills.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -46,7 +47,7 @@ from prefill_workers.worker import PrefillWorker
 from router.config import RouterConfig
 from router.errors import FailedPreconditionError, UnavailableError
 from cluster.node_check import check_nodes
-from cluster.pool_follower import WORKER_NAMESPACE, PoolFollower
+from cluster.pool_follower import WORKER_NAMESPACE, PoolFollower, durable_worker_names
 from router.pool import Role, WorkerRecord, within
 from router.pool_control import PoolHost
 from workers.adapter_files import AdapterFiles
@@ -250,9 +251,7 @@ class PoolManager(PoolFollower):
         self._adopted_ids.append(worker_id)
         record = self.router.pool.workers[worker_id]
         if record.state is WorkerState.DRAINING:
-            task = asyncio.create_task(self.retire(record, shrink=False))
-            self._trims.add(task)
-            task.add_done_callback(self._trims.discard)
+            self._retire_later(record)
         try:
             index = int(worker_id.rsplit("-", 1)[1])
         except (IndexError, ValueError):
@@ -352,15 +351,9 @@ class PoolManager(PoolFollower):
     def _release_placement(self, worker_id: str) -> None:
         group = self.placement_groups.pop(worker_id, None)
         if group is None and self.spec.durable_workers:
-            try:  # an adopted worker's: its group is named after it
-                group = ray.util.get_placement_group(f"{self._name_prefix()}{worker_id}")
-            except Exception:  # no such group: a worker of one rank, or already removed
-                group = None
+            group = _named_group(f"{self._name_prefix()}{worker_id}")  # an adopted worker's
         if group is not None:
-            try:
-                remove_placement_group(group)
-            except Exception:
-                logger.warning("removing the placement group of %s failed", worker_id, exc_info=True)
+            _remove_group(group, worker_id)
 
     # -- scaling --------------------------------------------------------------------------
 
@@ -403,8 +396,7 @@ class PoolManager(PoolFollower):
                     ) from failed[0]
             elif replicas < coming:
                 ready = [w for w in self.router.pool.of_role(role) if w.state is WorkerState.READY]
-                victims = sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: coming - replicas]
-                draining = [asyncio.create_task(self.retire(w, shrink=False)) for w in victims]
+                draining = [asyncio.create_task(self.retire(w, shrink=False)) for w in _least_assigned(ready, coming - replicas)]
                 await asyncio.sleep(0)  # each is draining (no longer counted) before the lock is let go
             logger.info("%s pool: %d -> %d workers", role.value, previous, replicas)
         # The drains run without the lock (up to drain_timeout_s): meanwhile a worker that dies
@@ -496,11 +488,15 @@ class PoolManager(PoolFollower):
             return  # the scale in progress sizes the pool itself
         ready = [w for w in self.router.pool.of_role(role) if w.state is WorkerState.READY and w.worker_id not in self._retiring]
         surplus = len(ready) + self._num_launching[role] - self.desired[role]
-        for victim in sorted(ready, key=lambda w: (w.num_assigned, w.worker_id))[: max(0, surplus)]:
+        for victim in _least_assigned(ready, surplus):
             self._retiring.add(victim.worker_id)  # counted out at once: the next trim does not pick it again
-            task = asyncio.create_task(self.retire(victim, shrink=False))
-            self._trims.add(task)
-            task.add_done_callback(self._trims.discard)
+            self._retire_later(victim)
+
+    def _retire_later(self, record: WorkerRecord) -> None:
+        """Retire ``record`` in a task of its own (the pool's size already leaves it out)."""
+        task = asyncio.create_task(self.retire(record, shrink=False))
+        self._trims.add(task)
+        task.add_done_callback(self._trims.discard)
 
     def _replacement_done(self, role: Role, task: asyncio.Task) -> None:
         self._replacements.discard(task)
@@ -522,19 +518,34 @@ class PoolManager(PoolFollower):
 def stop_leftover_workers(deployment_name: str) -> list[str]:
     """Kill the deployment's durable workers that no controller stopped (its process was killed,
     or its stop timed out) and remove their placement groups; return their names."""
-    prefix = f"{deployment_name}/"
-    workers = tuple(f"{prefix}{role.value}-" for role in Role)
-    names = [a["name"] for a in ray.util.list_named_actors(True) if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(workers)]
+    names = durable_worker_names(deployment_name)
     for name in names:
-        try:
+        with contextlib.suppress(ValueError):  # gone since it was listed
             ray.kill(ray.get_actor(name, namespace=WORKER_NAMESPACE), no_restart=True)
-        except ValueError:
-            pass  # gone since it was listed
-        try:
-            remove_placement_group(ray.util.get_placement_group(name))  # a tensor-parallel worker's, named after it
-        except Exception:
-            pass  # a worker of one rank has none
+        group = _named_group(name)  # a tensor-parallel worker's is named after it
+        if group is not None:
+            _remove_group(group, name)
     return names
+
+
+def _named_group(name: str):
+    """The placement group called ``name``; None where there is none (a worker of one rank)."""
+    try:
+        return ray.util.get_placement_group(name)
+    except Exception:
+        return None
+
+
+def _remove_group(group, worker_id: str) -> None:
+    try:
+        remove_placement_group(group)
+    except Exception:
+        logger.warning("removing the placement group of %s failed", worker_id, exc_info=True)
+
+
+def _least_assigned(records: list[WorkerRecord], count: int) -> list[WorkerRecord]:
+    """The ``count`` workers with the fewest requests: the cheapest to drain."""
+    return sorted(records, key=lambda w: (w.num_assigned, w.worker_id))[: max(0, count)]
 
 
 def _fits(resources: dict[str, float], pool: PoolSpec) -> bool:

@@ -417,33 +417,32 @@ class PrefillWorker(EngineWorker):
             if self.activations.send(job.next_inbox, index, job.seq.req_id, token, start + skip, out):
                 self._num_stage_chunks_over_nixl += 1
                 return
-        self._send_over_ray(job, start + skip, out)
+        job.num_chunks_over_ray += 1
+        self._send_over_ray(job.stage.next_stage, job.seq.req_id, token, start + skip, out)
 
     def _resend(self, failed: FailedSend) -> None:
         """A chunk whose activation write failed after it was posted, over Ray: for its stage
-        still here, or one that ended lately."""
+        still here, or one that ended lately (nobody waits for an attempt cancelled here)."""
         job = self._jobs.get(failed.req_id)
-        if job is not None and job.request.destination.token == failed.token:
-            try:
-                self._send_over_ray(job, failed.start, failed.activations)
-            except Exception as exc:
-                self._finish_job(job, RequestFailedError(f"handing on the activations from token {failed.start} failed: {exc}"))
-            return
-        next_stage = self._ended_stages.get((failed.req_id, failed.token))
+        live = job is not None and job.request.destination.token == failed.token
+        next_stage = job.stage.next_stage if live else self._ended_stages.get((failed.req_id, failed.token))
         if next_stage is None:
-            return  # an attempt cancelled here: nobody waits for it
-        self._num_stage_chunks_over_ray += 1
+            return
+        if live:
+            job.num_chunks_over_ray += 1
         try:
-            next_stage.stage_activations.remote(StageChunk.of(failed.req_id, failed.token, failed.start, failed.activations))
-        except Exception:  # the next stage is gone: the router hears of it
-            logger.warning("req %s: handing on the activations from token %d failed", failed.req_id, failed.start, exc_info=True)
+            self._send_over_ray(next_stage, failed.req_id, failed.token, failed.start, failed.activations)
+        except Exception as exc:
+            if not live:  # the next stage is gone: the router hears of it
+                logger.warning("req %s: handing on the activations from token %d failed", failed.req_id, failed.start, exc_info=True)
+                return
+            self._finish_job(job, RequestFailedError(f"handing on the activations from token {failed.start} failed: {exc}"))
 
-    def _send_over_ray(self, job: _Job, start: int, out: StageActivations) -> None:
-        """A chunk's activations (tokens from ``start``) to the next stage in a Ray call."""
-        job.num_chunks_over_ray += 1
+    def _send_over_ray(self, next_stage: Any, req_id: str, token: int, start: int, out: StageActivations) -> None:
+        """A chunk's activations (tokens from ``start``) to the next stage in a Ray call (the
+        router hears if that actor is gone)."""
         self._num_stage_chunks_over_ray += 1
-        # The router hears if that actor is gone.
-        job.stage.next_stage.stage_activations.remote(StageChunk.of(job.seq.req_id, job.request.destination.token, start, out))
+        next_stage.stage_activations.remote(StageChunk.of(req_id, token, start, out))
 
     def _push_completed_blocks(self, job: _Job) -> None:
         seq = job.seq

@@ -157,7 +157,8 @@ class OutputAssembler:
         # The text of the first min_tokens tokens passes unmatched (vLLM matches stop strings
         # from the token after min_tokens on), token by token: an output may carry several
         # (stream_interval, speculation), and only its later ones are matched.
-        unmatched = max(0, min(len(text_tokens), self.request.sampling_params.min_tokens - self.num_completion_tokens))
+        min_tokens = self.request.sampling_params.min_tokens
+        unmatched = max(0, min(len(text_tokens), min_tokens - self.num_completion_tokens))
         self.completion_token_ids += out.token_ids
         # (Only where there are such tokens: an unmatched feed also releases the text held as a
         # stop string's possible start, which the next output may complete.)
@@ -165,7 +166,6 @@ class OutputAssembler:
         text = self.detokenizer.add_tokens(text_tokens[unmatched:])
         if out.finished:
             text += self.detokenizer.finish()
-        min_tokens = self.request.sampling_params.min_tokens
         check = self.stops.feed(text, match=unmatched < len(text_tokens) or self.num_completion_tokens > min_tokens or not min_tokens)
         chunk = OutputChunk(token_ids=list(out.token_ids), text=passed + check.text, logprobs=list(out.logprobs))
         if first and out.token_ids and self.request.sampling_params.prompt_logprobs is not None:
