@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster import desired_sizes
 from cluster.deployment import build_router, share_responses_board, start_router_replicas, stop_responses_board
 from cluster.pools import DeploymentSpec, PoolManager
 from cluster.router_replica import stop_replicas
@@ -117,6 +118,9 @@ def create_controller(spec: DeploymentSpec, metrics_port: int | None, metrics_ho
     """The controller actor, pinned to this node (where the CLI printed its address); Ray
     restarts it, as often as needed, if its process dies."""
     node_id = ray.get_runtime_context().get_node_id()
+    # A new deployment starts from its configuration, not from sizes recorded by one whose
+    # controller died without `pdserve down` (a restart by Ray does not come through here).
+    desired_sizes.forget(spec.name)
     options = dict(
         name=CONTROLLER_NAME,
         namespace=NAMESPACE,

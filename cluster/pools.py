@@ -14,7 +14,8 @@ of scaling.
 Durable workers (``DeploymentSpec.durable_workers``, what ``pdserve up`` uses) are detached,
 named actors ("<deployment name>/<worker id>" in Ray namespace "pdserve"): they outlive the
 controller. A pool manager starting under the same deployment name adopts the live ones
-instead of launching new ones, so a restarted controller or router keeps every worker; the
+instead of launching new ones, so a restarted controller or router keeps every worker (and a
+restarted controller the pools' sizes, ``cluster/desired_sizes.py``); the
 requests the old router had on them are dropped by the workers once that router falls silent
 (``RouterConfig.router_lease_s``). A router that does not manage the pools follows them
 (``cluster/pool_follower.py``): it adopts, routes and health-checks, and never launches,
@@ -37,6 +38,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from cluster import desired_sizes
 from cluster.kv_memory import KVMemoryPolicy, KVSizedDecodeWorker, KVSizedPrefillWorker
 from decode_workers.worker import DecodeWorker
 from engine.config import EngineConfig
@@ -189,9 +191,12 @@ class PoolManager(PoolFollower):
         else:
             adopted = dict.fromkeys(roles, 0)
             self._first_adoption.set()  # nothing to adopt: no worker outlives its manager
+        recorded = desired_sizes.load(self.spec.name) if self.spec.durable_workers else None
         for role in roles:
-            self.desired[role] = max(self.desired[role], adopted[role])  # keep what an earlier manager scaled to
-        missing = {role: self.desired[role] - adopted[role] for role in roles}
+            # A restarted controller resumes the sizes its predecessor last set (a pool scaled
+            # down stays down); without a record, what an earlier manager left running is kept.
+            self._set_desired(role, recorded[role] if recorded is not None else max(self.desired[role], adopted[role]))
+        missing = {role: max(0, self.desired[role] - adopted[role]) for role in roles}
         if any(missing.values()):
             # On a cluster of several nodes, a node that lacks the code, a library or the model
             # is named now rather than found through a worker that died there.
@@ -220,6 +225,8 @@ class PoolManager(PoolFollower):
                     logger.warning("a worker launched beside the adopted ones did not start (%s); the health loop launches it again",
                                    _start_failure(error, self.spec.startup_timeout_s))
         self._started = True
+        for role in roles:
+            self._trim(role)  # adopted beyond the recorded size: the predecessor died before its drains began
         await self.refresh_readiness()
         self._health_task = asyncio.create_task(self._health_loop())
         if self.spec.autoscaler is not None:
@@ -243,7 +250,15 @@ class PoolManager(PoolFollower):
         # manager did not create it), else it kept its GPUs reserved after ``down``.
         for worker_id in {*self.placement_groups, *self.handles}:
             self._release_placement(worker_id)
+        if self.spec.durable_workers:
+            desired_sizes.forget(self.spec.name)  # the deployment ends: the next `up` starts from its configuration
         await super().stop()
+
+    def _set_desired(self, role: Role, replicas: int) -> None:
+        """Change a pool's desired size; a durable deployment records it for a restarted controller."""
+        self.desired[role] = replicas
+        if self.spec.durable_workers:
+            desired_sizes.save(self.spec.name, self.desired)
 
     def _adopted(self, role: Role, worker_id: str) -> None:
         """New workers of ``role`` get ids after an adopted one's (ids are never reused); one
@@ -383,7 +398,7 @@ class PoolManager(PoolFollower):
             # Replacements of dead workers still starting count: they join the pool (else the
             # pool would end above ``replicas``, and nothing shrinks it back).
             coming = previous + self._num_launching[role]
-            self.desired[role] = replicas
+            self._set_desired(role, replicas)
             if replicas > coming:
                 launches = await asyncio.gather(*(self._launch(role, replicas - coming) for _ in range(replicas - coming)),
                                                 return_exceptions=True)
@@ -412,7 +427,7 @@ class PoolManager(PoolFollower):
         the size itself and passes False).
         """
         if shrink and record.worker_id not in self._retiring:
-            self.desired[record.role] = max(0, self.desired[record.role] - 1)
+            self._set_desired(record.role, max(0, self.desired[record.role] - 1))
         self._retiring.add(record.worker_id)
         try:
             await self.router.drain(record)
@@ -519,6 +534,7 @@ def stop_leftover_workers(deployment_name: str) -> list[str]:
     """Kill the deployment's durable workers that no controller stopped (its process was killed,
     or its stop timed out) and remove their placement groups; return their names."""
     names = durable_worker_names(deployment_name)
+    desired_sizes.forget(deployment_name)
     for name in names:
         with contextlib.suppress(ValueError):  # gone since it was listed
             ray.kill(ray.get_actor(name, namespace=WORKER_NAMESPACE), no_restart=True)

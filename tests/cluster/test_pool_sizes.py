@@ -7,6 +7,7 @@ router's pool of records."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -227,3 +228,78 @@ def test_down_without_a_controller_stops_the_durable_workers_it_left(monkeypatch
     monkeypatch.setattr(pools_module, "remove_placement_group", removed.append)
     assert pools_module.stop_leftover_workers("pdserve") == ["pdserve/decode-0", "pdserve/prefill-2"]
     assert killed == ["actor pdserve/decode-0", "actor pdserve/prefill-2"] and removed == ["group pdserve/decode-0"]
+
+
+@pytest.mark.parametrize("recorded, expected", [(None, 2), (1, 1), (3, 3), (0, 0)])
+def test_a_restarted_manager_resumes_the_sizes_its_predecessor_set(tmp_path, monkeypatch, recorded, expected):
+    """A controller restarted by Ray adopts the running workers; the pools' sizes are the ones the
+    dead controller last set (recorded in Ray's key-value store), not ``max(spec, adopted)``: a
+    pool scaled down is trimmed back to its size (the predecessor died before its drains began),
+    and one short of a worker that died with the controller is refilled. Without a record (a new
+    deployment) what runs is kept, as before."""
+    import cluster.pools as pools_module
+
+    store: dict[str, dict] = {}
+    if recorded is not None:
+        store["pdserve"] = {Role.PREFILL: 0, Role.DECODE: recorded}
+    monkeypatch.setattr(pools_module.desired_sizes, "load", lambda name: store.get(name))
+    monkeypatch.setattr(pools_module.desired_sizes, "save", lambda name, sizes: store.__setitem__(name, dict(sizes)))
+
+    async def nodes_fine(*args, **kwargs):
+        return None
+
+    monkeypatch.setattr(pools_module, "check_nodes", nodes_fine)
+
+    async def scenario():
+        manager, gates = _manager(tmp_path, 1)
+        manager.spec.durable_workers = True
+        router = manager.router
+
+        async def adopt():
+            for name in ("decode-a", "decode-b"):
+                router.pool.add(WorkerRecord(name, Role.DECODE, handle=None))
+            return {Role.PREFILL: 0, Role.DECODE: 2}
+
+        async def health_loop():
+            await asyncio.sleep(3600)
+
+        manager._adopt, manager._health_loop = adopt, health_loop
+        starting = asyncio.create_task(manager.start())
+        await _settle(gates)
+        await asyncio.wait_for(starting, 5)
+        await _settle(gates)  # a surplus' retirement finishes
+        manager._health_task.cancel()
+        return len(_ready(manager)), store["pdserve"][Role.DECODE]
+
+    assert asyncio.run(scenario()) == (expected, expected)
+
+
+def test_a_scale_is_recorded_for_a_restarted_controller(tmp_path, monkeypatch):
+    import cluster.pools as pools_module
+
+    saved = []
+    monkeypatch.setattr(pools_module.desired_sizes, "save", lambda name, sizes: saved.append((name, sizes[Role.DECODE])))
+
+    async def scenario():
+        manager, gates = _manager(tmp_path, 1)
+        manager.spec.durable_workers = True
+        manager.router.pool.add(WorkerRecord("decode-0", Role.DECODE, handle=None))
+        scaling = asyncio.create_task(manager.scale(Role.DECODE, 3))
+        await _settle(gates)
+        await asyncio.wait_for(scaling, 5)
+        await manager.retire(manager.router.pool.workers["decode-0"])  # a retirement shrinks the pool by one
+
+    asyncio.run(scenario())
+    assert saved == [("pdserve", 3), ("pdserve", 2)]
+
+
+def test_recorded_sizes_live_in_rays_key_value_store(ray_session):
+    """The record outlives every actor (it is in the GCS); `down` and a new `up` forget it."""
+    from cluster import desired_sizes
+
+    name = f"sizes-test-{time.monotonic_ns()}"
+    assert desired_sizes.load(name) is None
+    desired_sizes.save(name, {Role.PREFILL: 2, Role.DECODE: 5})
+    assert desired_sizes.load(name) == {Role.PREFILL: 2, Role.DECODE: 5}
+    desired_sizes.forget(name)
+    assert desired_sizes.load(name) is None
