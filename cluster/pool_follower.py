@@ -136,6 +136,18 @@ class PoolFollower:
 
     async def _after_health_checks(self) -> None:
         await self._adopt()  # what the managing pool manager launched since
+        await self._follow_drains()
+
+    async def _follow_drains(self) -> None:
+        """Stop routing to the workers the managing controller began draining (scaling down): each
+        refuses new work, and every request routed here would try one first before going
+        elsewhere. Their status reports say so; the round is shared with the metrics' refresh."""
+        reports = await self.router.status_monitor.reports(max_age_s=self.health_interval_s)
+        for worker_id, report in reports.items():
+            record = self.router.pool.workers.get(worker_id)
+            if record is not None and record.state is WorkerState.READY and report.answered and report.status.state is WorkerState.DRAINING:
+                record.state = WorkerState.DRAINING
+                logger.info("%s is draining: no longer routed to", worker_id)
 
     async def _check(self, record: WorkerRecord) -> bool:
         if record.state is WorkerState.DEAD:

@@ -303,3 +303,31 @@ def test_recorded_sizes_live_in_rays_key_value_store(ray_session):
     assert desired_sizes.load(name) == {Role.PREFILL: 2, Role.DECODE: 5}
     desired_sizes.forget(name)
     assert desired_sizes.load(name) is None
+
+
+def test_a_following_router_stops_routing_to_a_worker_the_controller_drains():
+    """Router replicas follow the controller's pools: a worker the controller begins draining
+    (scaling down) refuses new work, and a replica kept routing every request to it first. Its
+    status report says it drains; the follower's health round takes it out of routing."""
+    from cluster.pool_follower import PoolFollower
+    from router.status_monitor import StatusMonitor
+
+    class _Status:
+        def __init__(self, state):
+            self.state = state
+
+        def remote(self):
+            async def answer():
+                return SimpleNamespace(state=self.state)
+            return answer()
+
+    async def scenario():
+        pool = WorkerPool()
+        router = SimpleNamespace(pool=pool, status_monitor=StatusMonitor(pool, timeout_s=1.0))
+        for worker_id, state in (("decode-0", WorkerState.READY), ("decode-1", WorkerState.DRAINING)):
+            pool.add(WorkerRecord(worker_id, Role.DECODE, handle=SimpleNamespace(status=_Status(state))))
+        before = sorted(w.worker_id for w in pool.routable(Role.DECODE))
+        await PoolFollower("pdserve", router)._follow_drains()
+        return before, sorted(w.worker_id for w in pool.routable(Role.DECODE))
+
+    assert asyncio.run(scenario()) == (["decode-0", "decode-1"], ["decode-0"])
