@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from router.core import Router
 from router.grpc_api import GrpcFrontEnd
+from router.openai_api.chat_format import ChatFormat
 from router.openai_api.server import OpenAIServer
 from router.security import server_ssl_context
 
@@ -32,7 +33,9 @@ class FrontEnds:
     def __init__(self, router: Router, reuse_port: bool = False, admin: bool = True):
         self.router = router
         self.reuse_port = reuse_port
-        self.grpc = GrpcFrontEnd(router, reuse_port=reuse_port, admin=admin)
+        # The chat template and parsers, loaded once: gRPC's ChatPrompt and the HTTP APIs share them.
+        self.chat = ChatFormat.of(router)
+        self.grpc = GrpcFrontEnd(router, reuse_port=reuse_port, admin=admin, chat=self.chat)
         self.http: OpenAIServer | None = None
 
     @property
@@ -65,7 +68,7 @@ class FrontEnds:
             # vLLM answers to the model as it was started (its path); so does pdserve, beside its names.
             aliases = [str(self.router.model_dir), str(self.router.model_dir.resolve())]
             self.http = OpenAIServer(
-                self.router, config.http_host, port, names, config.auth_token, ssl_context, reuse_port=self.reuse_port, model_aliases=aliases
+                self.router, config.http_host, port, names, config.auth_token, ssl_context, reuse_port=self.reuse_port, model_aliases=aliases, chat=self.chat,
             )
             await self.http.start()
             # A router process that starts (again) runs what its earlier life left in progress.

@@ -28,6 +28,8 @@ from engine.sampling_params import TokenLogprob
 from engine.stats import WorkerState
 from router.core import Router
 from router.errors import abort_with, cannot_listen
+from router.grpc_chat import ChatAnswer, read_chat_prompt
+from router.openai_api.chat_format import ChatFormat
 from router.output_stream import OutputChunk, TimingBreakdown
 from router.pool import Role
 from router.request_bytes import tolerant
@@ -63,9 +65,14 @@ def _token_logprobs(entry: TokenLogprob) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(logprob=entry.logprob, top=top, token_id=entry.token_id, rank=entry.rank)
 
 
-def generate_response(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
-    """One session chunk as the GenerateResponse message that carries it."""
-    response = pb.GenerateResponse(request_id=req_id, token_ids=chunk.token_ids, text=chunk.text)
+def generate_response(req_id: str, chunk: OutputChunk, answer: ChatAnswer | None = None) -> pb.GenerateResponse:
+    """One session chunk as the GenerateResponse message that carries it (``answer``: a chat's,
+    which splits its text into thinking, answer and tool calls)."""
+    response = pb.GenerateResponse(request_id=req_id, token_ids=chunk.token_ids)
+    if answer is None:
+        response.text = chunk.text
+    else:
+        response.text, response.reasoning_text = answer.take(chunk)
     if chunk.logprobs:
         response.logprobs.extend(_token_logprobs(e) for e in chunk.logprobs)
     if chunk.prompt_logprobs:
@@ -90,6 +97,8 @@ def generate_response(req_id: str, chunk: OutputChunk) -> pb.GenerateResponse:
             response.speculation.accepted_draft_tokens = spec.accepted_draft_tokens
             response.speculation.acceptance_rate = spec.acceptance_rate
             response.speculation.tokens_per_step = spec.tokens_per_step
+        if answer is not None:
+            answer.fill_end(response)
     return response
 
 
@@ -99,20 +108,26 @@ def _fill_timing(out: pb.Timing, timing: TimingBreakdown) -> None:
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, router: "Router"):
+    def __init__(self, router: "Router", chat: ChatFormat):
         self.router = router
+        self.chat = chat
 
     async def Generate(self, request, context):
         router = self.router
+        answer = None
         try:
-            validated = await router.validate_input(input_from_proto(request), context.time_remaining())
+            generate_input = input_from_proto(request)
+            if request.HasField("chat"):
+                given = request.sampling.HasField("skip_special_tokens")
+                answer = ChatAnswer(read_chat_prompt(request.chat, self.chat, generate_input, given), self.chat)
+            validated = await router.validate_input(generate_input, context.time_remaining())
             session = await GenerationSession.open(router, validated, client_gone=context.cancelled)
         except Exception as exc:
             await abort_with(context, exc)
         try:
             async with contextlib.aclosing(session.chunks()) as chunks:
                 async for chunk in chunks:
-                    yield generate_response(validated.req_id, chunk)
+                    yield generate_response(validated.req_id, chunk, answer)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -155,8 +170,9 @@ class HealthPublisher:
 class GrpcFrontEnd:
     """The Generation listener (with health and reflection) and, unless off, Admin's own."""
 
-    def __init__(self, router: Router, reuse_port: bool = False, admin: bool = True):
+    def __init__(self, router: Router, reuse_port: bool = False, admin: bool = True, chat: ChatFormat | None = None):
         self.router = router
+        self.chat = chat or ChatFormat.of(router)
         self.config = router.config
         self.reuse_port = reuse_port  # replicas of the router share one port (SO_REUSEPORT)
         self.admin = admin and self.config.admin_port is not None
@@ -172,7 +188,7 @@ class GrpcFrontEnd:
         generation = pb.DESCRIPTOR.services_by_name["Generation"].full_name
         self.server = self._new_server(self.reuse_port)
         # Through ``tolerant``: malformed request bytes get INVALID_ARGUMENT and one log line.
-        pb_grpc.add_GenerationServicer_to_server(GenerationService(self.router), tolerant(self.server))
+        pb_grpc.add_GenerationServicer_to_server(GenerationService(self.router, self.chat), tolerant(self.server))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection([generation, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.port = self._listen(self.server, "port", self.config.host, self.config.port if port is None else port)

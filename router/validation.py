@@ -136,7 +136,8 @@ def validate_generate_request(
 
 
 def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
-    """A gRPC GenerateRequest as the neutral input (unknown fields and two prompts refused here)."""
+    """A gRPC GenerateRequest as the neutral input (unknown fields and two prompts refused here;
+    a chat's conversation is read by router.grpc_chat)."""
     check_known_fields(request)
     sampling = request.sampling
 
@@ -144,8 +145,8 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         return getattr(sampling, name) if sampling.HasField(name) else None
 
     has_text, has_ids = request.HasField("prompt_text"), len(request.prompt_token_ids) > 0
-    if has_text and has_ids:
-        raise InvalidArgumentError("prompt", "set only one of prompt_text and prompt_token_ids")
+    if has_text + has_ids + request.HasField("chat") > 1:
+        raise InvalidArgumentError("prompt", "set only one of prompt_text, prompt_token_ids and chat")
     return GenerateInput(
         request_id=request.request_id,
         prompt_text=request.prompt_text if has_text else None,

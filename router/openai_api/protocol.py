@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.sampling_params import MAX_SEED
+from engine.thinking import Thinking
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.constraints import logit_bias, structured_output
@@ -136,9 +137,6 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     the template. ``reasoning``: the deployment's reasoning parser, if any."""
     body = json_object(body, "body")
     refuse_unknown(body, _CHAT_FIELDS)
-    if template is None:
-        raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja); use /v1/completions")
-    calling = read_tool_calling(body, template.text, tool_call_parser)
     if body.get("store") not in (None, False):
         raise InvalidArgumentError("store", "is not supported")
     if "metadata" in body and body["metadata"] is not None:
@@ -152,32 +150,59 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     if top is not None and not wants_logprobs:
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
     logprobs = (top or 0) if wants_logprobs else None
-    prompt = render_conversation(body, template, calling.tools if calling is not None else None)
+    conversation = read_conversation(body, template, tool_call_parser, reasoning)
     base = _common(body, logprobs, max_tokens_field=given[0] if given else "max_tokens")
-    base.max_tokens_fills_context = True
-    constraint = calling.constraint() if calling is not None else None
-    if constraint is not None:
-        if base.structured is not None:
-            raise InvalidArgumentError("tool_choice", f"{calling.choice} constrains the answer, and {base.structured.field} already does; give one")
-        base.structured = constraint
-    if calling is not None and calling.reads_special_tokens and "skip_special_tokens" not in body:
-        base.skip_special_tokens = False
-    include_reasoning = boolean(body, "include_reasoning", True)
-    budget = integer(body, "thinking_token_budget", None, 0, None)
-    if reasoning is not None:
-        base.thinking = reasoning.thinking(prompt, budget, _continued(body))
-    elif budget is not None:
-        raise InvalidArgumentError("thinking_token_budget", "needs a reasoning model served with router.reasoning_parser")
-    base.prompt_text = prompt
+    conversation.apply(base, skip_special_tokens_given="skip_special_tokens" in body)
     base.prompt_logprobs = integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
-    base.add_special_tokens = False  # the template wrote them
     base.text_field = base.ids_field = "messages"
     request = _api_request(body, logprobs)
-    request.tool_calling = calling
-    request.reasoning, request.include_reasoning = reasoning, include_reasoning
+    request.tool_calling = conversation.calling
+    request.reasoning, request.include_reasoning = reasoning, boolean(body, "include_reasoning", True)
     request.choices_per_prompt = _num_choices(body, 1)
     request.choices = [_choice(base, i) for i in range(request.choices_per_prompt)]
     return request
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A chat's conversation read and rendered: its prompt text, how it may call its tools
+    (None: it has none) and where its answer's thinking is (None: no reasoning parser, or the
+    template turned thinking off)."""
+
+    prompt: str
+    calling: ToolCalling | None
+    thinking: Thinking | None
+
+    def apply(self, request: GenerateInput, skip_special_tokens_given: bool) -> None:
+        """Make ``request`` (its sampling fields read) this conversation's answer: its prompt,
+        its tool choice's grammar, its thinking, and the default max_tokens of a chat."""
+        constraint = self.calling.constraint() if self.calling is not None else None
+        if constraint is not None:
+            if request.structured is not None:
+                raise InvalidArgumentError("tool_choice", f"{self.calling.choice} constrains the answer, and {request.structured.field} already does; give one")
+            request.structured = constraint
+        if self.calling is not None and self.calling.reads_special_tokens and not skip_special_tokens_given:
+            request.skip_special_tokens = False
+        request.thinking = self.thinking
+        request.prompt_text = self.prompt
+        request.add_special_tokens = False  # the template wrote them
+        request.max_tokens_fills_context = True
+
+
+def read_conversation(body: dict, template: ChatTemplate | None, tool_call_parser: str | None, reasoning: ReasoningFormat | None) -> Conversation:
+    """A chat body's conversation fields (``messages``, ``tools``, ``tool_choice``,
+    ``parallel_tool_calls``, the template options, ``thinking_token_budget``), checked and rendered."""
+    if template is None:
+        raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja); use /v1/completions")
+    calling = read_tool_calling(body, template.text, tool_call_parser)
+    prompt = render_conversation(body, template, calling.tools if calling is not None else None)
+    budget = integer(body, "thinking_token_budget", None, 0, None)
+    thinking = None
+    if reasoning is not None:
+        thinking = reasoning.thinking(prompt, budget, _continued(body))
+    elif budget is not None:
+        raise InvalidArgumentError("thinking_token_budget", "needs a reasoning model served with router.reasoning_parser")
+    return Conversation(prompt, calling, thinking)
 
 
 def _continued(body: dict) -> str | None:

@@ -37,13 +37,13 @@ from router import sse
 from router.anthropic_api import messages
 from router.responses_api import front_end as responses_front_end
 from router.errors import InternalError, InvalidArgumentError, UnavailableError
-from router.openai_api.chat_template import ChatTemplate
+from router.openai_api.chat_format import ChatFormat
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response, log_if_internal
 from router.openai_api import vllm_endpoints
 from router.openai_api.protocol import ApiRequest, is_client_request_id, read_chat, read_completion, render_conversation
 from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
-from router.openai_api.reasoning import ReasoningSplitter, reasoning_format
+from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_parsers import ToolCallOutput
 from router.output_stream import OutputChunk, end_failure
 from router.session import GenerationSession
@@ -76,6 +76,7 @@ class OpenAIServer:
     def __init__(
         self, router: "Router", host: str, port: int, model_names: list[str], auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False, model_aliases: list[str] | None = None,
+        chat: ChatFormat | None = None,
     ):
         self.router = router
         self.reuse_port = reuse_port  # replicas of the router share one port (SO_REUSEPORT)
@@ -87,26 +88,11 @@ class OpenAIServer:
         self.auth_token = auth_token
         self.ssl_context = ssl_context
         self.created = int(time.time())
-        self.chat_template = self._load_chat_template()
-        # router.reasoning_parser over this model's tokenizer (a config error stops the start).
-        self.reasoning = reasoning_format(router.config.reasoning_parser, router.tokenizer)
+        self.chat = chat or ChatFormat.of(router)
+        self.chat_template = self.chat.template
+        self.reasoning = self.chat.reasoning
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
-
-    def _load_chat_template(self) -> ChatTemplate | None:
-        """The configured template (router.chat_template), else the model's; a configured one
-        that does not compile stops the start, the model's turns chat off."""
-        tokenizer, config = self.router.tokenizer, self.router.config
-        text = config.chat_template or tokenizer.chat_template
-        if text is None:
-            return None
-        try:
-            return ChatTemplate(text, tokenizer.special_tokens_map, config.default_chat_template_kwargs)
-        except ValueError as exc:
-            if config.chat_template is not None:
-                raise ValueError(f"chat_template: {exc}") from exc
-            logger.warning("chat completions are off: %s", exc)
-            return None
 
     async def start(self) -> int:
         app = web.Application(middlewares=[self._edge], client_max_size=MAX_BODY_BYTES)
@@ -193,7 +179,7 @@ class OpenAIServer:
         return await self._generate(request, read_completion(await _json(request)), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        api = read_chat(await _json(request), self.chat_template, self.router.config.tool_call_parser, self.reasoning)
+        api = read_chat(await _json(request), self.chat_template, self.chat.tool_call_parser, self.reasoning)
         return await self._generate(request, api, chat=True)
 
     # -- what the other front ends on this server share --------------------------------
@@ -215,7 +201,7 @@ class OpenAIServer:
         """A chat body's prompt text (messages, tools, template options) through the model's template."""
         if self.chat_template is None:
             raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
-        calling = read_tool_calling(body, self.chat_template.text, self.router.config.tool_call_parser) if body.get("tools") else None
+        calling = read_tool_calling(body, self.chat_template.text, self.chat.tool_call_parser) if body.get("tools") else None
         return render_conversation(body, self.chat_template, calling.tools if calling is not None else None)
 
 

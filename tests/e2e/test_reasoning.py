@@ -293,3 +293,43 @@ def test_a_structured_answer_of_a_model_that_may_open_its_thinking_itself(client
 def test_a_parser_whose_markers_the_model_lacks_is_refused_naming_the_field(e2e_model):
     with pytest.raises(ValueError, match="reasoning_parser: qwen3 needs <think>"):
         reasoning_format("qwen3", Tokenizer.from_model_dir(e2e_model.path))
+
+
+def test_grpc_chat_renders_as_transformers_and_splits_the_thinking(deployment, thinker):
+    """gRPC's ChatPrompt: the conversation through the model's template (transformers'
+    apply_chat_template gives the same prompt tokens), the thinking in reasoning_text and the
+    answer in text, the thinking's tokens in usage; template variables turn thinking off; a
+    bad field is refused naming its place in the request."""
+    import grpc
+
+    from router.api.pdserve.v1 import generation_pb2 as pb
+    from tests.serving import Client
+
+    def ask(**chat):
+        request = pb.GenerateRequest(
+            chat=pb.ChatPrompt(messages=[pb.ChatMessage(**m) for m in MESSAGES], **chat),
+            sampling=pb.SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True),
+        )
+        messages = list(client.stub.Generate(request, timeout=60))
+        usage = messages[-1].usage
+        return "".join(m.reasoning_text for m in messages), "".join(m.text for m in messages), (usage.prompt_tokens, usage.reasoning_tokens)
+
+    client = Client(deployment.address)
+    try:
+        thinking, answer = _reference(thinker)
+        ids = hf_greedy(thinker.hf_model, thinker.prompt_ids(), TOKENS)
+        assert ask() == (thinking, answer, (len(thinker.prompt_ids()), ids.index(thinker.close_id) + 1))
+        off_thinking, off_answer = _reference(thinker, enable_thinking=False)
+        whole = off_thinking + "</think>" + off_answer if off_answer or "</think>" in off_thinking else off_thinking
+        assert ask(chat_template_kwargs_json='{"enable_thinking": false}')[:2] == ("", whole)
+
+        for chat, field in (({"chat_template_kwargs_json": "{nope"}, "chat.chat_template_kwargs_json"),
+                            ({"tools_json": '[{"type": "function"}]'}, "chat.tools_json[0].function")):
+            with pytest.raises(grpc.RpcError) as refused:
+                ask(**chat)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and refused.value.details().startswith(field), refused.value.details()
+        with pytest.raises(grpc.RpcError) as refused:
+            list(client.stub.Generate(pb.GenerateRequest(prompt_text="hi", chat=pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")])), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "set only one of prompt_text, prompt_token_ids and chat" in refused.value.details()
+    finally:
+        client.close()

@@ -153,3 +153,37 @@ def _post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
+
+
+def test_grpc_chat_reads_the_calls_out_of_the_answer_and_takes_them_back(deployment, mistral_like):
+    """gRPC's ChatPrompt with tools: the same calls as the chat API's, in tool_calls with finish
+    reason TOOL_CALLS and none of their markup in the text; sent back in the next turn's
+    messages, they render through the template (which takes only 9-character ids)."""
+    from router.api.pdserve.v1 import generation_pb2 as pb
+    from tests.serving import Client
+
+    ids = mistral_like.ids
+    grammar = f'start: "Checking." <[{ids["[TOOL_CALLS]"]}]> "get_weather" <[{ids["[ARGS]"]}]> "{{\\"city\\": \\"Oslo\\"}}"'
+
+    def ask(messages, grammar):
+        request = pb.GenerateRequest(
+            chat=pb.ChatPrompt(messages=messages, tools_json=json.dumps([WEATHER])),
+            sampling=pb.SamplingParams(max_tokens=40, temperature=0.0, structured_output=pb.StructuredOutput(grammar=grammar)),
+        )
+        return list(client.stub.Generate(request, timeout=60))
+
+    client = Client(deployment.address)
+    try:
+        asked = [pb.ChatMessage(role="user", content=MESSAGES[0]["content"])]
+        answer = ask(asked, grammar)
+        last = answer[-1]
+        (call,) = last.tool_calls
+        assert "".join(m.text for m in answer) == "Checking."
+        assert (last.finish_reason, call.name, json.loads(call.arguments_json)) == (pb.FINISH_REASON_TOOL_CALLS, "get_weather", {"city": "Oslo"})
+        assert len(call.id) == 9 and call.id.isalnum()
+        turn = [*asked, pb.ChatMessage(role="assistant", content="Checking.", tool_calls=[call]), pb.ChatMessage(role="tool", tool_call_id=call.id, content="sunny")]
+        follow_up = ask(turn, 'start: "Sunny."')
+        assert "".join(m.text for m in follow_up) == "Sunny." and not follow_up[-1].tool_calls
+        assert follow_up[-1].finish_reason != pb.FINISH_REASON_TOOL_CALLS
+    finally:
+        client.close()
