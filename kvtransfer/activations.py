@@ -13,7 +13,9 @@ slot_tokens, hidden], the hidden rows then the residual rows.
 - ``open_inbox`` gives a request's receiving stage one slot per chunk it will receive, for the
   request's whole prefill (no flow control to get wrong: a slot is written once), and returns
   where they are (``ActivationSlots``), which the router hands the previous stage. With too few
-  free slots it returns None, and that request's activations go over Ray.
+  free slots it returns None, and that request's activations go over Ray. ``close_inbox`` frees
+  the slots whose chunk landed; one still awaiting its write (a cancelled request) is reused only
+  once that write's notification came, or after ``QUARANTINE_S``.
 - ``send`` copies a chunk into a free staging slot and posts one write of its two row ranges into
   the chunk's inbox slot, with a notification naming the request, the attempt and the tokens;
   False (no staging slot came free within 20 ms, or the write failed to post) tells the caller
@@ -35,7 +37,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +54,9 @@ logger = logging.getLogger(__name__)
 # for a chunk, to 16 ms while it computes.
 FIRST_POLL_S, EXPECTING_POLL_S, LAST_POLL_S = 0.001, 0.004, 0.016
 STAGING_WAIT_S = 0.02  # how long ``send`` waits for a staging slot before the chunk goes over Ray
+# How long an inbox slot whose chunk never landed stays out of use after its request ended here:
+# past any write still in flight to it (UCX fails a write to a live peer well within this).
+QUARANTINE_S = 60.0
 
 
 @dataclass(slots=True)
@@ -102,6 +108,19 @@ class FailedSend:
 class _Inbox:
     slots: list[int]
     token: int
+    landed: set[int] = field(default_factory=set)  # chunk indices whose write landed (notified)
+
+
+@dataclass(slots=True)
+class _QuarantinedSlot:
+    """An inbox slot of a closed inbox whose chunk never landed: the previous stage's write may
+    still be in flight and would land in whatever the slot holds next."""
+
+    slot: int
+    req_id: str
+    token: int
+    index: int
+    closed_at: float  # time.monotonic(); reused anyway QUARANTINE_S after
 
 
 class ActivationChannel:
@@ -133,7 +152,9 @@ class ActivationChannel:
             raise BackendUnavailableError("nixl: the UCX backend could not be created")
         self._registrations = [self._agent.register_memory(self._inbox), self._agent.register_memory(self._staging)]
         self._lock = threading.Lock()
-        self._free_inbox = list(range(num_inbox_slots))
+        # Reused oldest-freed first; a closed inbox's slots still awaiting a write wait apart.
+        self._free_inbox: deque[int] = deque(range(num_inbox_slots))
+        self._quarantined: list[_QuarantinedSlot] = []
         self._free_staging = list(range(num_staging_slots))
         self._inboxes: dict[str, _Inbox] = {}
         self._sends: list[_Send] = []
@@ -153,9 +174,11 @@ class ActivationChannel:
         or None if that many are not free (its activations then go over Ray)."""
         with self._lock:
             self._close(req_id)
+            now = time.monotonic()
+            self._end_quarantine(lambda q: now - q.closed_at >= QUARANTINE_S)
             if num_chunks > len(self._free_inbox) or num_chunks < 1:
                 return None
-            slots = [self._free_inbox.pop() for _ in range(num_chunks)]
+            slots = [self._free_inbox.popleft() for _ in range(num_chunks)]
             self._inboxes[req_id] = _Inbox(slots, token)
         self._work.set()
         base, stride = self._inbox.data_ptr(), self._inbox[0].numel() * self._inbox.element_size()
@@ -164,15 +187,34 @@ class ActivationChannel:
         return ActivationSlots(self.name, metadata, [base + s * stride for s in slots], self.slot_tokens, self._row_bytes, self._device_id, self._mem_type)
 
     def close_inbox(self, req_id: str) -> None:
-        """The request's prefill ended here: its slots are free (a late write lands in nothing read)."""
+        """The request's prefill ended here: the slots whose chunk landed are free; one still
+        awaiting its chunk (a cancelled or restarted request) is quarantined until that write's
+        notification comes, or QUARANTINE_S, so that a late write never lands in another
+        request's chunk (reused at once, it did: the next stage computed on the wrong rows)."""
         with self._lock:
             self._close(req_id)
 
     def _close(self, req_id: str) -> None:
         inbox = self._inboxes.pop(req_id, None)
-        if inbox is not None:
-            self._free_inbox.extend(inbox.slots)
-            self._arrivals = [a for a in self._arrivals if a.req_id != req_id]
+        if inbox is None:
+            return
+        now = time.monotonic()
+        for index, slot in enumerate(inbox.slots):
+            if index in inbox.landed:
+                self._free_inbox.append(slot)
+            else:
+                self._quarantined.append(_QuarantinedSlot(slot, req_id, inbox.token, index, now))
+        self._arrivals = [a for a in self._arrivals if a.req_id != req_id]
+
+    def _end_quarantine(self, over: Callable[[_QuarantinedSlot], bool]) -> None:
+        """Free the quarantined slots ``over`` says are safe again (under the lock)."""
+        kept = []
+        for entry in self._quarantined:
+            if over(entry):
+                self._free_inbox.append(entry.slot)
+            else:
+                kept.append(entry)
+        self._quarantined = kept
 
     def expect(self) -> None:
         """The engine thread waits for a chunk: look for it every millisecond again."""
@@ -310,7 +352,11 @@ class ActivationChannel:
                     meta = json.loads(bytes(message))
                     inbox = self._inboxes.get(meta["r"])
                     if inbox is None or inbox.token != meta["t"] or meta["i"] >= len(inbox.slots):
-                        continue  # an attempt that ended here
+                        # An attempt that ended here: the write it notifies is over, so its slot
+                        # (quarantined) may be reused.
+                        self._end_quarantine(lambda q: (q.req_id, q.token, q.index) == (meta["r"], meta["t"], meta["i"]))
+                        continue
+                    inbox.landed.add(meta["i"])
                     arrived.append(ArrivedChunk(meta["r"], meta["t"], meta["s"], meta["n"], meta["res"], self._inbox[inbox.slots[meta["i"]]]))
             self._arrivals.extend(arrived)
         if arrived or failed:

@@ -93,10 +93,48 @@ def _closed_inboxes_and_full_slots():
         assert sender.send(slots, 0, "req", 2, 0, StageActivations(torch.ones(4, 8), torch.ones(4, 8)))  # attempt 2: not this inbox's
         assert _wait_for_arrivals(receiver, 1, timeout_s=0.5) == []
         receiver.close_inbox("req")
-        assert receiver.open_inbox("big", 1, num_chunks=4) is not None  # its slots came back
+        # Its chunks never came: its slots come back once no write to them can be in flight.
+        assert receiver.open_inbox("big", 1, num_chunks=4) is None
+        from kvtransfer import activations
+
+        quarantine, activations.QUARANTINE_S = activations.QUARANTINE_S, 0.0
+        try:
+            assert receiver.open_inbox("big", 1, num_chunks=4) is not None
+        finally:
+            activations.QUARANTINE_S = quarantine
         # A chunk longer than a slot, or beyond the slots given, is not sent this way.
         assert not sender.send(slots, 0, "req", 1, 0, StageActivations(torch.ones(17, 8), torch.ones(17, 8)))
         assert not sender.send(slots, 3, "req", 1, 0, StageActivations(torch.ones(4, 8), torch.ones(4, 8)))
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_slot_awaiting_a_write_is_not_reused_until_the_write_landed(ray_cluster):
+    _in_a_worker(_slot_quarantine)
+
+
+def _slot_quarantine():
+    """A request cancelled while the previous stage's write to its inbox is in flight: the slot
+    that write targets goes to no other request until the write's notification came (it was
+    reused at once, and the late write landed in the next request's chunk)."""
+    sender, receiver = _channel("stage-e"), _channel("stage-f", num_inbox_slots=3)
+    try:
+        cancelled = receiver.open_inbox("cancelled", 1, num_chunks=2)
+        assert sender.send(cancelled, 0, "cancelled", 1, 0, StageActivations(torch.ones(4, 8), None))
+        assert len(_wait_for_arrivals(receiver, 1)) == 1
+        receiver.close_inbox("cancelled")  # chunk 1's write is still to come
+        pending = cancelled.addresses[1]
+        taken = receiver.open_inbox("next", 1, num_chunks=2)
+        assert taken is not None and pending not in taken.addresses  # the landed slot and a fresh one
+        assert receiver.open_inbox("more", 1, num_chunks=1) is None
+        # The late write lands (in the quarantined slot, read by nobody): the slot is free again.
+        assert sender.send(cancelled, 1, "cancelled", 1, 16, StageActivations(torch.full((4, 8), 9.0), None))
+        deadline = time.monotonic() + 10
+        while (again := receiver.open_inbox("more", 1, num_chunks=1)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert again is not None and again.addresses == [pending]
+        assert _wait_for_arrivals(receiver, 1, timeout_s=0.3) == []  # nothing arrived for a live request
     finally:
         sender.close()
         receiver.close()
