@@ -71,7 +71,7 @@ class _Write:
     layers: range | None = None  # only these layers of each block (a pipeline stage's)
     handle: Any = None
     posted_at: float = 0.0
-    timed_out: bool = False
+    timed_out: bool = False  # failed or timed out and could not be cancelled: the request failed for it
     num_retries: int = 0
 
 
@@ -307,9 +307,13 @@ class KVSender:
                 if state.error is None:
                     done.append(SendEvent(state.req_id, peer, w.seq, w.num_valid_blocks, token=state.dest.token))
             elif status is XferState.FAILED:
-                self._transport.release(w.handle)
-                self._count_failure(state)
-                if not self._retry(state, w, "failed in the transport", still):
+                if not w.timed_out:
+                    self._count_failure(state)
+                if not self._transport.release(w.handle):
+                    self._fail_still_running(state, w, still, TransferFailedError(
+                        state.req_id, peer, f"write {w.seq} failed in the transport, and what runs of it could not be stopped"
+                    ))
+                elif not self._retry(state, w, "failed in the transport", still):
                     self._fail(state, TransferFailedError(
                         state.req_id, peer, f"write {w.seq} failed in the transport ({w.num_retries} retries)"
                     ))
@@ -317,14 +321,9 @@ class KVSender:
                 if not w.timed_out:
                     self._count_failure(state)
                 if not self._transport.release(w.handle):
-                    # Could not cancel: it still counts as in flight, and it may yet land, so
-                    # posting it again could race it. The request fails.
-                    if not w.timed_out:
-                        w.timed_out = True
-                        self._fail(state, TransferTimeoutError(
-                            state.req_id, peer, f"write {w.seq} not done after {self._policy.write_timeout_s}s"
-                        ))
-                    still.append(w)
+                    self._fail_still_running(state, w, still, TransferTimeoutError(
+                        state.req_id, peer, f"write {w.seq} not done after {self._policy.write_timeout_s}s"
+                    ))
                 elif not self._retry(state, w, f"not done after {self._policy.write_timeout_s}s", still):
                     self._fail(state, TransferTimeoutError(
                         state.req_id, peer,
@@ -345,6 +344,14 @@ class KVSender:
         self._events.extend(done)
         if (finished or state.error is not None) and not state.in_flight:
             del self._reqs[state.req_id, state.dest.token]
+
+    def _fail_still_running(self, state: _SendState, write: _Write, still: list[_Write], error: RequestTransferError) -> None:
+        """A write that could not be cancelled: it still counts as in flight (a quiesce waits for
+        it), for it may yet land, and posting it again could race it. The request fails (once)."""
+        if not write.timed_out:
+            write.timed_out = True
+            self._fail(state, error)
+        still.append(write)
 
     def _retry(self, state: _SendState, write: _Write, why: str, still: list[_Write]) -> bool:
         """Post a write whose handle is released once more; False when its retries are spent.

@@ -78,6 +78,20 @@ class _PartialWrite:
     legs: dict[int, tuple[int, Incoming, BlockPiece | None]] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _ShardedWrite:
+    """One write's legs, (the rank posting it, its handle) each, and the final state of every leg
+    that has one: a leg is released as it ends (done, failed, or cancelled) and never checked or
+    released again (NIXL reads a released handle's freed request)."""
+
+    legs: list[tuple[int, Any]]
+    ended: dict[int, XferState] = field(default_factory=dict)
+
+    @property
+    def over(self) -> bool:
+        return len(self.ended) == len(self.legs)
+
+
 def _encode_leg(index: int, num_legs: int, part: Leg | BlockPiece, notif: bytes) -> bytes:
     """The notification of one leg: which of how many, and the bytes of each block it lands."""
     return LEG_MAGIC + f"{index},{num_legs},{part.dst_offset},{part.num_bytes}:".encode() + notif
@@ -181,28 +195,41 @@ class ShardedTransport(Transport):
         if peer is None:
             raise TransportError(f"no peer {transport_name}", peer_lost=True)
         pieces = self._pieces(peer.legs, layers)
-        handles: list[tuple[int, Any]] = []
+        write = _ShardedWrite([])
         try:
             for index, (leg, leg_piece) in enumerate(pieces):
                 message = _encode_leg(index, len(pieces), leg_piece or leg, notif)
                 handle = self._ranks[leg.src_rank].transport.post_write(peer.endpoints[leg.dst_rank].transport_name, runs, message, leg_piece)
-                handles.append((leg.src_rank, handle))
+                write.legs.append((leg.src_rank, handle))
         except TransportError:
-            self.release(handles)
+            self.release(write)
             raise
-        return handles
+        return write
 
-    def check(self, handle: Any) -> XferState:
-        states = [self._ranks[rank].transport.check(h) for rank, h in handle]
-        if XferState.FAILED in states:
-            return XferState.FAILED
-        if XferState.IN_PROGRESS in states:
+    def check(self, handle: _ShardedWrite) -> XferState:
+        """DONE once every leg is done; FAILED once one failed and none still runs (the others
+        are cancelled where they can be); IN_PROGRESS while any leg may still write."""
+        for index, (rank, leg) in enumerate(handle.legs):
+            if index in handle.ended:
+                continue
+            state = self._ranks[rank].transport.check(leg)
+            if state is not XferState.IN_PROGRESS:
+                self._ranks[rank].transport.release(leg)
+                handle.ended[index] = state
+        if not handle.over and XferState.FAILED in handle.ended.values():
+            self.release(handle)  # the write failed: stop what still runs of it
+        if not handle.over:
+            # A leg still writes: reported failed now, the write would be posted again (or its
+            # blocks freed) while this leg may yet land in them.
             return XferState.IN_PROGRESS
-        return XferState.DONE
+        return XferState.FAILED if XferState.FAILED in handle.ended.values() else XferState.DONE
 
-    def release(self, handle: Any) -> bool:
-        released = [self._ranks[rank].transport.release(h) for rank, h in handle]
-        return all(released)
+    def release(self, handle: _ShardedWrite) -> bool:
+        """Cancel every leg still running; True once none is (a False call may be repeated)."""
+        for index, (rank, leg) in enumerate(handle.legs):
+            if index not in handle.ended and self._ranks[rank].transport.release(leg):
+                handle.ended[index] = XferState.FAILED
+        return handle.over
 
     def get_incoming(self) -> list[Incoming]:
         complete: list[Incoming] = []

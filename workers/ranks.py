@@ -120,18 +120,27 @@ class RankActor:
         self._writes[write_id] = handle
         try:
             while True:
+                if write_id not in self._writes:
+                    return XferState.FAILED.value  # cancelled (``release``): its handle is freed, never checked again
                 state = self._transport.check(handle)
                 if state is not XferState.IN_PROGRESS:
-                    if write_id in self._writes:
-                        self._transport.release(handle)
+                    del self._writes[write_id]
+                    self._transport.release(handle)
                     return state.value
                 await asyncio.sleep(POLL_INTERVAL_S)
         finally:
             self._writes.pop(write_id, None)
 
     async def release(self, write_id: int) -> bool:
-        handle = self._writes.pop(write_id, None)
-        return True if handle is None else self._transport.release(handle)
+        """Cancel a write; False while it cannot be stopped (it is still polled, and may be
+        released again: rank 0 keeps counting it in flight)."""
+        handle = self._writes.get(write_id)
+        if handle is None:
+            return True
+        if not self._transport.release(handle):
+            return False
+        del self._writes[write_id]
+        return True
 
     async def incoming(self, wait_s: float) -> list[tuple[str, bytes, list]]:
         """Notifications that arrived, waiting up to ``wait_s`` for the first (payload refs nested)."""

@@ -1,0 +1,131 @@
+"""A write of a tensor-parallel worker is one leg per rank pair: it is over only when every leg
+is. A leg that failed must not make the write look over while another still writes (the sender
+would post it again, or report the request quiesced and let the reader reuse the blocks, while
+that leg may yet land in them), and a leg's handle, once released, is never touched again (NIXL
+reads a released handle's freed request)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import pickle
+from types import SimpleNamespace
+
+from kvtransfer.descriptors import merge_runs
+from kvtransfer.errors import TransferFailedError
+from kvtransfer.leases import LeasePolicy
+from kvtransfer.sharded_transport import RankEndpoint, RankTransport, ShardedTransport
+from kvtransfer.sharding import KVShard
+from kvtransfer.transport import Transport, XferState
+from tests.kvtransfer.test_protocol import COMPAT, REGION, ScriptedTransport, dest, make_sender
+from workers.ranks import RankActor
+
+
+class LegTransport(Transport):
+    """One rank's transport: each write's state set by the test; refuses use after release."""
+
+    kind = "scripted"
+
+    def __init__(self) -> None:
+        self.states: list[XferState] = []
+        self.released: set[int] = set()
+        self.cancellable = True
+
+    def metadata(self) -> bytes:
+        return b"md"
+
+    def add_peer(self, transport_name, metadata, region) -> None:
+        pass
+
+    def remove_peer(self, transport_name) -> None:
+        pass
+
+    def post_write(self, transport_name, runs, notif, piece=None):
+        self.states.append(XferState.IN_PROGRESS)
+        return len(self.states) - 1
+
+    def check(self, handle):
+        assert handle not in self.released, "checked after its release"
+        return self.states[handle]
+
+    def release(self, handle) -> bool:
+        assert handle not in self.released, "released twice"
+        if self.states[handle] is XferState.IN_PROGRESS and not self.cancellable:
+            return False
+        self.released.add(handle)
+        return True
+
+    def get_incoming(self):
+        return []
+
+
+def _two_rank_write():
+    """A write from a 2-rank worker into a 2-rank peer (one leg per rank), and each rank's transport."""
+    compat = dataclasses.replace(COMPAT, num_kv_heads=2)
+    legs = [LegTransport(), LegTransport()]
+    ranks = [RankTransport(KVShard(2, r, r, 1), REGION, legs[r], f"P/r{r}") for r in range(2)]
+    transport = ShardedTransport("P", ranks, compat)
+    peer = [RankEndpoint(KVShard(2, r, r, 1), f"D/r{r}", b"md", REGION) for r in range(2)]
+    transport.add_peer("D", pickle.dumps(peer), REGION)
+    return transport, transport.post_write("D", merge_runs([0, 1], [0, 1]), b"n"), legs
+
+
+def test_a_write_with_a_failed_leg_is_not_over_while_another_leg_writes():
+    transport, write, legs = _two_rank_write()
+    legs[1].cancellable = False
+    legs[0].states[0] = XferState.FAILED
+    assert transport.check(write) is XferState.IN_PROGRESS  # rank 1's leg could not be stopped: it may land
+    assert not transport.release(write)
+    assert transport.check(write) is XferState.IN_PROGRESS  # rank 0's released leg is not checked again
+    legs[1].states[0] = XferState.DONE
+    assert transport.check(write) is XferState.FAILED
+    assert transport.release(write)  # nothing left to release (releasing a leg twice would raise)
+
+
+def test_a_cancellable_leg_is_cancelled_once_another_failed():
+    transport, write, legs = _two_rank_write()
+    legs[0].states[0] = XferState.FAILED
+    assert transport.check(write) is XferState.FAILED and legs[1].released == {0}
+    assert transport.release(write)
+
+
+class _Uncancellable(ScriptedTransport):
+    def release(self, handle) -> bool:
+        return self.states[handle] is XferState.DONE or self.cancellable
+
+
+def test_a_failed_write_that_cannot_be_stopped_is_not_posted_again_and_keeps_the_request_unquiesced():
+    sender, transport = make_sender(LeasePolicy(max_write_retries=2))
+    stuck = _Uncancellable()
+    stuck.cancellable = False
+    sender._transport = stuck
+    sender.push("r", dest("r", [0, 1]), [0, 1], [0, 1], 2)
+    stuck.states[0] = XferState.FAILED
+    (event,) = sender.poll()
+    assert isinstance(event.error, TransferFailedError) and len(stuck.posts) == 1  # failed, not posted again
+    report = sender.quiesce_report("r")
+    assert not report.quiesced and report.num_in_flight == 1
+    stuck.cancellable = True
+    assert sender.quiesce_report("r").quiesced
+
+
+def test_a_rank_never_checks_a_write_it_released():
+    """Rank 0 cancels a rank's leg (a timeout): the rank's polling of that write stops, and a
+    write it could not cancel stays polled, and releasable again."""
+    leg = LegTransport()
+    rank = SimpleNamespace(_transport=leg, _writes={})
+
+    async def scenario():
+        cancelled = asyncio.create_task(RankActor.write(rank, 0, "D", merge_runs([0], [0]), b"n", None))
+        await asyncio.sleep(0.01)
+        assert await RankActor.release(rank, 0)
+        first = await asyncio.wait_for(cancelled, 1)  # LegTransport raises on a check after release
+        leg.cancellable = False
+        running = asyncio.create_task(RankActor.write(rank, 1, "D", merge_runs([0], [0]), b"n", None))
+        await asyncio.sleep(0.01)
+        refused = await RankActor.release(rank, 1)
+        leg.states[1] = XferState.DONE
+        return first, refused, await asyncio.wait_for(running, 1)
+
+    assert asyncio.run(scenario()) == (XferState.FAILED.value, False, XferState.DONE.value)
+    assert leg.released == {0, 1}
