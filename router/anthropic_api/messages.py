@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +24,7 @@ from engine import bounded_json
 from router import sse
 from router.anthropic_api.protocol import read_count_tokens, read_messages
 from router.errors import ErrorKind, classify
-from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, log_if_internal
+from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, log_if_internal, retry_after_headers
 from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
 from router.output_stream import OutputChunk, StreamEnd, end_failure
@@ -62,6 +61,8 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return 401, _error("authentication_error", str(exc))
     if isinstance(exc, ModelNotFoundError):
         return 404, _error("not_found_error", str(exc))
+    if isinstance(exc, web.HTTPException):  # aiohttp's own refusal (a body past the size limit: 413)
+        return exc.status, _error("request_too_large" if exc.status == 413 else "invalid_request_error", exc.text or exc.reason)
     kind, message = classify(exc)
     status, error_type = _ERRORS[kind]
     return status, _error(error_type, message)
@@ -69,7 +70,7 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 def error_response(exc: BaseException) -> web.Response:
     status, body = error_body(exc)
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=retry_after_headers(exc))
 
 
 def _refused(request: web.Request, exc: BaseException) -> web.Response:
@@ -193,7 +194,7 @@ class MessageState:
                 partial = block.pop("partial")
                 try:
                     block["input"] = bounded_json.loads(partial) if partial else {}
-                except json.JSONDecodeError:
+                except ValueError:  # invalid JSON, or past bounded_json's limits (an integer of 5,000 digits)
                     block["input"] = {}
             out.append(block)
         return out

@@ -37,6 +37,7 @@ _MESSAGES_FIELDS = {
     "ignore_eos", "seed",  # vLLM's extensions
 }
 _COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}
+_NULL_WHEN_SENT_BACK = {"caller", "toolset_name"}  # fields of a tool_use block pdserve never sets
 _BLOCK_FIELDS = {
     "thinking": {"type", "thinking", "signature"},
     "redacted_thinking": {"type", "data"},
@@ -238,6 +239,8 @@ def _blocks(role: str, blocks: list, name: str) -> list[dict[str, Any]]:
         kind = block.get("type")
         if not isinstance(kind, str) or kind not in _BLOCK_FIELDS:
             raise InvalidArgumentError(f"{where}.type", f"must be one of {sorted(_BLOCK_FIELDS)} (pdserve serves text models), got {kind!r}")
+        # A response's block dumped as the SDK dumps it (``model_dump()``) carries these as null.
+        block = {key: value for key, value in block.items() if not (key in _NULL_WHEN_SENT_BACK and value is None)}
         refuse_unknown(block, _BLOCK_FIELDS[kind], prefix=f"{where}.")
         if kind in ("thinking", "redacted_thinking"):
             if role != "assistant":

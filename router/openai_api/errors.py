@@ -47,17 +47,22 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
     kind, message = classify(exc)
     status, error_type = _HTTP[kind]
     param = getattr(remote_cause(exc), "field", None)
-    headers = {}
+    return status, _body(message, error_type, param, kind.value), retry_after_headers(exc)
+
+
+def retry_after_headers(exc: BaseException) -> dict[str, str]:
+    """A Retry-After header where the refusal says when to come back (a full queue), which the
+    official clients' retries wait for; else none."""
     retry_after_s = getattr(remote_cause(exc), "retry_after_s", None)
-    if retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-    return status, _body(message, error_type, param, kind.value), headers
+    return {} if retry_after_s is None else {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
 
 
 def log_if_internal(exc: BaseException, what: str) -> None:
     """Log that ``what`` failed, with ``exc``'s traceback, where it is the server's own fault: the
     message its client gets says the server log has the details."""
-    if classify(exc)[0] is ErrorKind.INTERNAL and not isinstance(exc, UnauthenticatedError):
+    if isinstance(exc, (UnauthenticatedError, web.HTTPException)):
+        return  # the client's (a body too large is aiohttp's HTTPRequestEntityTooLarge)
+    if classify(exc)[0] is ErrorKind.INTERNAL:
         logger.error("%s failed", what, exc_info=exc)
 
 

@@ -52,6 +52,8 @@ MAX_CHOICES = 16  # n
 # call); the router's default queue (max_queued_requests) admits this many at once.
 MAX_BATCH_CHOICES = 256
 MAX_LOGPROBS = 20
+# Fields of an assistant message pdserve never sets: taken (and left out) when null.
+_NULL_WHEN_SENT_BACK = {"function_call", "refusal", "audio", "annotations"}
 
 # Fields both endpoints take, with what they do here.
 _COMMON_FIELDS = {
@@ -374,8 +376,8 @@ def _messages(body: dict) -> list[dict[str, Any]]:
                 plain["name"] = value
             elif key in ("tool_calls", "tool_call_id"):
                 plain.update(check_message_tool_fields({key: value}, name))
-            elif key == "function_call" and value is None:
-                continue
+            elif key in _NULL_WHEN_SENT_BACK and value is None:
+                continue  # an answer sent back as the SDK dumps it (``model_dump()``) carries these as null
             elif key in ("reasoning", "reasoning_content"):  # a reasoning model's answer sent back
                 if value is not None and not isinstance(value, str):
                     raise InvalidArgumentError(f"{name}.{key}", f"must be a string, got {type_name(value)}")

@@ -334,6 +334,17 @@ class OpenAIServer:
             await response.write_eof()
         except ConnectionResetError:
             logger.info("%s: the client went away mid-stream", response_id)
+        except Exception as exc:
+            if not started:
+                raise  # nothing sent yet: a real status
+            # Mid-stream the status line is gone: the error goes out as an event (as the other
+            # streams' do), and the stream ends as streams end (a second response written into
+            # this one's body was a protocol error to the client).
+            log_if_internal(exc, f"{response_id} mid-stream")
+            with contextlib.suppress(ConnectionResetError):
+                await sse.send(response, error_body(exc)[1])
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
         return response
 
 

@@ -65,12 +65,14 @@ class ToolCallOutput:
         if choice == "none":
             return [text] if text else []
         if choice == "named":
+            # The call opens with the answer's first text: a chunk of only thinking (split off
+            # before this) opened it, and the thinking that came next then interrupted it.
+            if not text:
+                return []
             first = not self.calls
             if first:
                 self.calls.append(_call(self.calling.name, ""))
             self.calls[0]["function"]["arguments"] += text
-            if not text and not first:
-                return []
             return [ToolCallDelta(0, text, self.calls[0]["id"], self.calling.name) if first else ToolCallDelta(0, text)]
         if choice == "required":
             self._buffer += text

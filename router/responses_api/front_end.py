@@ -197,7 +197,8 @@ class ResponseState:
             return []
         index, item = self.open_index, self.output[self.open_index]
         self.open_index = None
-        item["status"] = "completed"
+        # An item the answer's end cut off (max_output_tokens) is "incomplete", as OpenAI's is.
+        item["status"] = "incomplete" if self.end is not None and self.end.reason == "length" else "completed"
         events = []
         if item["type"] == "message":
             part = item["content"][0]

@@ -802,3 +802,29 @@ def test_mutated_requests_never_get_a_server_error_and_leave_no_block_behind(bas
     workers = Client(deployment.address).wait_until_idle(timeout_s=30)
     assert all(w.num_kv_blocks_used == 0 for w in workers)
     assert not deployment.router.dispatcher.active
+
+
+def test_a_failure_after_a_stream_began_ends_it_with_an_error_event(client, chat_model, monkeypatch, one_token_a_message):
+    """A fault in the router after the first chunk went out (the status line with it): the stream
+    carries an error event and ends as streams end, which the official client raises as an API
+    error; a second response written into the first's body was a protocol error to it."""
+    import openai
+
+    from router.openai_api.responses import ChoiceState
+
+    (prompt,) = random_prompts([12], chat_model.vocab_size, seed=22)
+    original, calls = ChoiceState.add, []
+
+    def failing_add(self, chunk, tokenizer):
+        calls.append(chunk)
+        if len(calls) == 3:
+            raise RuntimeError("a fault in the router")
+        return original(self, chunk, tokenizer)
+
+    monkeypatch.setattr(ChoiceState, "add", failing_add)
+    received = []
+    with pytest.raises(openai.APIError) as raised:
+        for chunk in client.completions.create(model="tiny-chat", prompt=prompt, max_tokens=8, temperature=0.0, stream=True, extra_body={"ignore_eos": True}):
+            received.append(chunk)
+    assert len(received) == 2 and "internal" in str(raised.value).lower()
+    assert not isinstance(raised.value, openai.APIConnectionError)

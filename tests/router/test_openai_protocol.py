@@ -374,3 +374,29 @@ def test_half_a_surrogate_pair_or_an_endless_integer_is_a_400_naming_where(hoste
     # A whole pair is one character, served as any other.
     status, body = _call(hosted + "/tokenize", "s3cret", raw=b'{"prompt": "hi \\ud83d\\ude00"}')
     assert status == 200 and body["count"] == len(body["tokens"]) > 2
+
+
+def test_an_answer_sent_back_as_the_sdks_dump_it_is_taken():
+    """Clients append ``response.choices[0].message.model_dump()`` (and Anthropic's
+    ``[block.model_dump() for block in message.content]``): the null fields the SDKs write for
+    what pdserve never sets were refused as unsupported; they render as the message itself."""
+    from anthropic.types import TextBlock, ToolUseBlock
+    from openai.types.chat import ChatCompletionMessage
+
+    from router.anthropic_api.protocol import read_messages
+
+    template = ChatTemplate(TEMPLATES["chatml"], {})
+    dumped = ChatCompletionMessage(role="assistant", content="hi").model_dump()
+    turn = [{"role": "user", "content": "a"}, dumped, {"role": "user", "content": "b"}]
+    plain = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "b"}]
+    assert read_chat({"messages": turn}, template).choices[0].prompt_text == read_chat({"messages": plain}, template).choices[0].prompt_text
+    with pytest.raises(InvalidArgumentError) as raised:
+        read_chat({"messages": [{**dumped, "audio": {"id": "x"}}]}, template)
+    assert raised.value.field == "messages[0].audio"  # only null is left out
+
+    blocks = [TextBlock(text="checking", type="text").model_dump(), ToolUseBlock(id="toolu_1", input={"x": 1}, name="f", type="tool_use").model_dump()]
+    tool = {"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}}}
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": blocks},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}]}]
+    request = read_messages({"model": "m", "max_tokens": 4, "tools": [tool], "messages": messages}, template, "hermes")
+    assert "checking" in request.generate.prompt_text

@@ -98,3 +98,61 @@ def test_the_thinkings_tokens_are_counted_by_id_up_to_and_with_the_closer():
     assert ReasoningSplitter(QWEN3.thinking("<think>\n\n</think>\n\n")).thinking_tokens([1, 7]) == 0  # thinking is off
     may_open = ReasoningSplitter(QWEN3.thinking("<|assistant|>\n"))
     assert may_open.thinking_tokens([6, 1, 7, 9]) == 3  # <think>, a token, </think>
+
+
+def test_a_named_tool_call_after_thinking_streams_as_one_block_after_it():
+    """A named tool_choice on a reasoning deployment: the call's block (Anthropic's tool_use, the
+    Responses API's function_call) opens with the answer, after the thinking; it opened on the
+    first chunk of thinking, the next thinking chunk interrupted it, and the arguments then went
+    into the thinking block (a 500, or an error event mid-stream)."""
+    from router.anthropic_api.messages import MessageState
+    from router.openai_api.tool_calls import ToolCalling
+    from router.openai_api.tool_parsers import ToolCallOutput
+    from router.output_stream import OutputChunk, StreamEnd, TimingBreakdown
+    from router.responses_api.front_end import ResponseState
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    pieces = ["Let me", " think", "</think>", '{"a": 1}']
+
+    def chunks():
+        for index, text in enumerate(pieces):
+            end = StreamEnd("eos", 3, len(pieces), TimingBreakdown()) if index == len(pieces) - 1 else None
+            yield OutputChunk([100 + index], text, end=end)
+
+    def parts():
+        return ToolCallOutput(ToolCalling([tool], "named", name="f")), ReasoningSplitter(Thinking(closer=7, opener=6, inside=True))
+
+    message = MessageState(*parts())
+    events = [event for chunk in chunks() for event in message.take(chunk)]
+    content = message.content()
+    assert [block["type"] for block in content] == ["thinking", "tool_use"]
+    assert content[0]["thinking"] == "Let me think" and content[1]["input"] == {"a": 1}
+    assert {e["index"] for e in events if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta"} == {1}
+
+    tools, splitter = parts()
+    response = ResponseState("resp_1", "m", {}, 3, tools, splitter)
+    for chunk in chunks():
+        response.take(chunk)
+    assert [(item["type"], item.get("arguments")) for item in response.output] == [("reasoning", None), ("function_call", '{"a": 1}')]
+
+
+def test_an_item_cut_off_by_max_output_tokens_is_incomplete_and_a_huge_argument_is_no_500():
+    """The Responses API's item the answer's end cut off says "incomplete", as OpenAI's does; an
+    Anthropic tool call whose arguments hold an integer past bounded_json's limit gets an empty
+    input (its JSON is unreadable), not a 500."""
+    from router.anthropic_api.messages import MessageState
+    from router.openai_api.tool_calls import ToolCalling
+    from router.openai_api.tool_parsers import ToolCallOutput
+    from router.output_stream import OutputChunk, StreamEnd, TimingBreakdown
+    from router.responses_api.front_end import ResponseState
+
+    response = ResponseState("resp_1", "m", {}, 3, None)
+    response.take(OutputChunk([5], "cut"))
+    response.take(OutputChunk([6], " off", end=StreamEnd("length", 3, 2, TimingBreakdown())))
+    assert [(item["type"], item["status"]) for item in response.output] == [("message", "incomplete")]
+    assert response.obj()["status"] == "incomplete"
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    message = MessageState(ToolCallOutput(ToolCalling([tool], "named", name="f")))
+    message.take(OutputChunk([5], '{"n": ' + "9" * 5000 + "}", end=StreamEnd("eos", 3, 1, TimingBreakdown())))
+    assert message.content()[0]["input"] == {}

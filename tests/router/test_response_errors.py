@@ -26,3 +26,18 @@ def test_each_kind_of_failure_gets_its_code_and_a_message_fit_for_the_client():
     assert response_error(ResourceExhaustedError("no decode capacity"))["code"] == "rate_limit_exceeded"
     internal = response_error(KeyError("/srv/secrets/path"))
     assert internal["code"] == "server_error" and "secrets" not in internal["message"]
+
+
+def test_anthropics_refusals_of_a_large_body_and_a_full_queue_are_what_its_client_acts_on():
+    """A body past the size limit is Anthropic's 413 request_too_large (it was a 500 api_error,
+    logged as the server's fault); a full queue's 429 says when to retry, as the OpenAI routes'."""
+    import json
+
+    from aiohttp import web
+
+    from router.anthropic_api.messages import error_response
+
+    too_large = error_response(web.HTTPRequestEntityTooLarge(max_size=64, actual_size=128))
+    assert too_large.status == 413 and json.loads(too_large.text)["error"]["type"] == "request_too_large"
+    full = error_response(ResourceExhaustedError("the queue is full", retry_after_s=2.5))
+    assert full.status == 429 and full.headers["Retry-After"] == "3"
