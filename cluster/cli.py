@@ -146,6 +146,10 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     generate.add_argument("--decode", type=int, default=1, help="decode actors (local deployment)")
     generate.add_argument("--timing", action="store_true", help="print the timing breakdown at the end")
     generate.add_argument("--lora-name", help="generate through this LoRA adapter of the running deployment (GenerateRequest.lora_name)")
+    generate.add_argument("--chat", action="store_true",
+                          help="send the prompt as a user message through the model's chat template (GenerateRequest.chat); "
+                               "a reasoning deployment's thinking goes to stderr")
+    generate.add_argument("--system", help="with --chat: a system message before it")
     _add_sampling_flags(generate)
 
     from cluster.bench.cli import add_bench_parser, add_scenario_parser
@@ -689,13 +693,25 @@ def _stream(args: argparse.Namespace, address: str) -> int:
     )
     if args.seed is not None:
         sampling.seed = args.seed
-    request = pb.GenerateRequest(prompt_text=args.prompt, sampling=sampling, lora_name=args.lora_name)
+    chat = getattr(args, "chat", False)
+    if getattr(args, "system", None) and not chat:
+        print("pdserve generate: --system needs --chat", file=sys.stderr)
+        return 2
+    if chat:
+        messages = ([pb.ChatMessage(role="system", content=args.system)] if args.system else []) + [pb.ChatMessage(role="user", content=args.prompt)]
+        request = pb.GenerateRequest(chat=pb.ChatPrompt(messages=messages), sampling=sampling, lora_name=args.lora_name)
+    else:
+        request = pb.GenerateRequest(prompt_text=args.prompt, sampling=sampling, lora_name=args.lora_name)
     with _channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
-            sys.stdout.write(args.prompt)
+            if not chat:
+                sys.stdout.write(args.prompt)  # the answer goes on from it
             last = None
             for message in stub.Generate(request):
+                if message.reasoning_text:
+                    sys.stderr.write(message.reasoning_text)
+                    sys.stderr.flush()
                 sys.stdout.write(message.text)
                 sys.stdout.flush()
                 last = message

@@ -323,6 +323,17 @@ def test_grpc_chat_renders_as_transformers_and_splits_the_thinking(deployment, t
         whole = off_thinking + "</think>" + off_answer if off_answer or "</think>" in off_thinking else off_thinking
         assert ask(chat_template_kwargs_json='{"enable_thinking": false}')[:2] == ("", whole)
 
+        # The CLI's `generate --chat`: the answer on stdout, the thinking on stderr.
+        import subprocess
+        import sys
+
+        cli = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "generate", "--address", deployment.address, "--chat", "--max-tokens", str(TOKENS),
+             "--temperature", "0", "--ignore-eos", MESSAGES[0]["content"]],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert cli.returncode == 0 and cli.stdout == answer + "\n" and thinking in cli.stderr, cli.stderr
+
         for chat, field in (({"chat_template_kwargs_json": "{nope"}, "chat.chat_template_kwargs_json"),
                             ({"tools_json": '[{"type": "function"}]'}, "chat.tools_json[0].function")):
             with pytest.raises(grpc.RpcError) as refused:
