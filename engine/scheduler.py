@@ -114,6 +114,10 @@ class Scheduler:
     """Owns the waiting queue, the running set and the block allocator of one engine."""
 
     overlaps_steps = True  # whether its engine may keep a step in flight between calls (engine.overlap)
+    # Whether a running prompt holds every block it will need (a prefill actor's: they may be
+    # read by a write in flight). Then it is never preempted, and never waits behind a waiting
+    # prompt that cannot get its blocks (it needs none, and finishing it frees some).
+    holds_whole_prompts = False
 
     def __init__(
         self, config: EngineConfig, allocator: BlockAllocator, max_model_len: int, eos_token_ids: list[int], proposer: Proposer | None = None
@@ -192,7 +196,7 @@ class Scheduler:
         batch = ScheduledBatch()
         while True:
             self._fill(batch)
-            if batch.slices or not self.running:
+            if batch.slices or not self.running or self.holds_whole_prompts:
                 break
             # Every running sequence waits for blocks that only another one holds.
             self._preempt(self.running[-1], batch)
@@ -240,10 +244,13 @@ class Scheduler:
                     half = max(self.block_size, allowed // 2)
                     chunk_cap = half if chunk_cap is None else min(chunk_cap, half)
         scored_room = self.max_scored_rows
+        admitting = True  # no waiting prompt was blocked yet
         for seq in candidates:
             if budget <= 0:
                 break
             if seq.status is SequenceStatus.WAITING:
+                if not admitting:
+                    continue  # strict priority among waiting prompts
                 self._take_cached_prefix(seq)
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if chunk_cap is not None:
@@ -256,6 +263,9 @@ class Scheduler:
             if not self._try_grow_blocks(seq, num_tokens):
                 if seq.status is SequenceStatus.WAITING:
                     self._return_cached_prefix(seq)  # cached again, for it or anyone, next step
+                    if self.holds_whole_prompts:
+                        admitting = False
+                        continue  # the running prompts behind it need no blocks
                 break  # strict priority: a less important prompt never jumps a blocked one
             if seq.status is SequenceStatus.WAITING:
                 self._admit(seq)

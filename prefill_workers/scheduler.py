@@ -26,6 +26,10 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 class PrefillScheduler(Scheduler):
     # A prefilled sequence is held for its KV push the moment its first token is read.
     overlaps_steps = False
+    # A prompt takes its blocks at admission and its finished blocks are pushed while later
+    # chunks run: preempting it (for a waiting prompt that cannot get its blocks) freed blocks a
+    # write was still reading, and the decode actor got another prompt's KV.
+    holds_whole_prompts = True
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -151,3 +151,23 @@ def test_a_chunk_that_cannot_be_handed_on_fails_its_request_not_the_actor(model_
     failure = job.done.exception(timeout=0)
     assert "h" not in worker._jobs and isinstance(failure, RequestFailedError) and "handle is gone" in str(failure)
     assert engine.num_free_blocks == NUM_BLOCKS
+
+
+def test_a_prompt_being_prefilled_is_never_preempted_for_one_that_does_not_fit(model_path):
+    """A prefill actor pushes a prompt's finished blocks while its later chunks run. A waiting
+    prompt of higher priority that does not fit must not preempt it (its blocks went to the new
+    prompt while a write still read them: the decode actor got another prompt's KV); the running
+    prompt goes on, and once it is held and released the waiting one runs."""
+    config = EngineConfig(num_kv_blocks=10, block_size=4, max_num_batched_tokens=8, long_prefill_chunk=8, dtype="float32")
+    engine = LLMEngine(model_path, config, scheduler_cls=PrefillScheduler)
+    scheduler = engine.scheduler
+    first, second = random_prompts([32, 24], engine.model_config.vocab_size, seed=7)
+    engine.add_request("A", first, SamplingParams(max_tokens=1))
+    engine.step()
+    a = scheduler.requests["A"]
+    table = list(a.block_table)
+    assert len(table) == 8 and a.num_computed_tokens == 8
+    engine.add_request("B", second, SamplingParams(max_tokens=1), priority=5)
+    batch = scheduler.schedule()
+    assert batch.preempted_req_ids == [] and [(s.seq.req_id, s.num_tokens) for s in batch.slices] == [("A", 8)]
+    assert a.block_table == table
