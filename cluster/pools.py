@@ -30,6 +30,7 @@ import functools
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 from pathlib import Path
@@ -152,6 +153,8 @@ class PoolManager(PoolFollower):
         self._launch_failures_in_a_row = {Role.PREFILL: 0, Role.DECODE: 0}
         self._adapter_files: dict[str, ray.ObjectRef] | None = None  # configured adapter directory -> its files
         self._adopted_ids: list[str] = []  # workers found running (durable) as this manager started
+        # Writes of the desired sizes to Ray's GCS (cluster/desired_sizes.py), one at a time, in order.
+        self._size_records = ThreadPoolExecutor(1, thread_name_prefix="desired-sizes")
 
     async def _shipped_adapters(self, pool: PoolSpec) -> dict[str, ray.ObjectRef]:
         """The pool's configured LoRA adapters, name -> their files (once, into Ray's object
@@ -251,14 +254,17 @@ class PoolManager(PoolFollower):
         for worker_id in {*self.placement_groups, *self.handles}:
             self._release_placement(worker_id)
         if self.spec.durable_workers:
-            desired_sizes.forget(self.spec.name)  # the deployment ends: the next `up` starts from its configuration
+            # After any save still queued: the deployment ends, the next `up` starts from its configuration.
+            self._size_records.submit(desired_sizes.forget, self.spec.name)
+        await asyncio.to_thread(self._size_records.shutdown, True)
         await super().stop()
 
     def _set_desired(self, role: Role, replicas: int) -> None:
-        """Change a pool's desired size; a durable deployment records it for a restarted controller."""
+        """Change a pool's desired size; a durable deployment records it for a restarted controller
+        (on a thread of its own, in order: a GCS that does not answer must not stall the router)."""
         self.desired[role] = replicas
         if self.spec.durable_workers:
-            desired_sizes.save(self.spec.name, self.desired)
+            self._size_records.submit(desired_sizes.save, self.spec.name, dict(self.desired))
 
     def _adopted(self, role: Role, worker_id: str) -> None:
         """New workers of ``role`` get ids after an adopted one's (ids are never reused); one

@@ -428,7 +428,7 @@ class DecodeWorker(EngineWorker):
             self._pause_after_step()
             if sample is not None:
                 if self.activations is not None:
-                    self.activations.close_inbox(req_id)
+                    self.activations.close_inbox(req_id, finished=True)
                 logger.info("req %s: last stage (layers %s) on %s computed in %.2fs of %.2fs since its first chunk", req_id,
                             tracked.stage.layers, self.worker_id, tracked.stage_compute_s, time.monotonic() - seq.first_scheduled_time)
                 tracked.first_token = sample

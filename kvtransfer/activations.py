@@ -186,21 +186,24 @@ class ActivationChannel:
             metadata = self._agent.get_agent_metadata()
         return ActivationSlots(self.name, metadata, [base + s * stride for s in slots], self.slot_tokens, self._row_bytes, self._device_id, self._mem_type)
 
-    def close_inbox(self, req_id: str) -> None:
-        """The request's prefill ended here: the slots whose chunk landed are free; one still
-        awaiting its chunk (a cancelled or restarted request) is quarantined until that write's
-        notification comes, or QUARANTINE_S, so that a late write never lands in another
-        request's chunk (reused at once, it did: the next stage computed on the wrong rows)."""
+    def close_inbox(self, req_id: str, finished: bool = False) -> None:
+        """The request's prefill ended here. ``finished``: it ran to its end, so every chunk came
+        and no write to its slots is in flight (the slots no write targeted, a spare one or a
+        cached or Ray-sent chunk's, are free too). Otherwise (cancelled, failed, restarted) a
+        slot whose chunk did not land is quarantined until that write's notification comes, or
+        QUARANTINE_S, so that a late write never lands in another request's chunk (reused at
+        once, it did: the next stage computed on the wrong rows)."""
         with self._lock:
-            self._close(req_id)
+            self._close(req_id, finished)
+        self._work.set()  # the poller watches for the quarantined slots' late notifications
 
-    def _close(self, req_id: str) -> None:
+    def _close(self, req_id: str, finished: bool = False) -> None:
         inbox = self._inboxes.pop(req_id, None)
         if inbox is None:
             return
         now = time.monotonic()
         for index, slot in enumerate(inbox.slots):
-            if index in inbox.landed:
+            if finished or index in inbox.landed:
                 self._free_inbox.append(slot)
             else:
                 self._quarantined.append(_QuarantinedSlot(slot, req_id, inbox.token, index, now))
@@ -325,7 +328,7 @@ class ActivationChannel:
         while not self._stopping.is_set():
             self._work.clear()
             with self._lock:
-                idle = not self._inboxes and not self._sends
+                idle = not self._inboxes and not self._sends and not self._quarantined
             if idle:
                 self._work.wait()
                 interval = FIRST_POLL_S

@@ -86,6 +86,7 @@ class _ShardedWrite:
 
     legs: list[tuple[int, Any]]
     ended: dict[int, XferState] = field(default_factory=dict)
+    partly_posted: bool = False  # a leg failed to post: the write fails once the posted legs end
 
     @property
     def over(self) -> bool:
@@ -202,8 +203,13 @@ class ShardedTransport(Transport):
                 handle = self._ranks[leg.src_rank].transport.post_write(peer.endpoints[leg.dst_rank].transport_name, runs, message, leg_piece)
                 write.legs.append((leg.src_rank, handle))
         except TransportError:
-            self.release(write)
-            raise
+            if self.release(write):
+                raise
+            # A posted leg could not be stopped and may yet land: the write is handed back as
+            # one in flight (the sender keeps counting it, a quiesce waits for it) and reports
+            # FAILED once that leg ends. Raised, it was forgotten while it wrote.
+            logger.warning("a leg of a write to %s did not post and another could not be stopped; the write fails once it ends", transport_name)
+            write.partly_posted = True
         return write
 
     def check(self, handle: _ShardedWrite) -> XferState:
@@ -222,7 +228,7 @@ class ShardedTransport(Transport):
             # A leg still writes: reported failed now, the write would be posted again (or its
             # blocks freed) while this leg may yet land in them.
             return XferState.IN_PROGRESS
-        return XferState.FAILED if XferState.FAILED in handle.ended.values() else XferState.DONE
+        return XferState.FAILED if handle.partly_posted or XferState.FAILED in handle.ended.values() else XferState.DONE
 
     def release(self, handle: _ShardedWrite) -> bool:
         """Cancel every leg still running; True once none is (a False call may be repeated)."""

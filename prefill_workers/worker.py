@@ -497,7 +497,7 @@ class PrefillWorker(EngineWorker):
         req_id = job.request.req_id
         self._jobs.pop(req_id, None)
         if self.activations is not None:
-            self.activations.close_inbox(req_id)
+            self.activations.close_inbox(req_id, finished=error is None)
         if error is not None:
             self.agent.cancel(req_id, job.request.destination.token)
             self.engine.abort_request(req_id)

@@ -40,6 +40,8 @@ def _proto_field(name: str) -> str:
     head, dot, rest = name.partition(".")
     bracket = head.find("[")
     base, index = (head, "") if bracket < 0 else (head[:bracket], head[bracket:])
+    if base == "tool_choice":
+        return "chat.tool_choice"  # a string here: the chat body's object form has no fields in it
     return f"chat.{_PROTO_NAMES.get(base, base)}{index}{dot}{rest}"
 
 

@@ -139,6 +139,7 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     the template. ``reasoning``: the deployment's reasoning parser, if any."""
     body = json_object(body, "body")
     refuse_unknown(body, _CHAT_FIELDS)
+    conversation = read_conversation(body, template, tool_call_parser, reasoning)
     if body.get("store") not in (None, False):
         raise InvalidArgumentError("store", "is not supported")
     if "metadata" in body and body["metadata"] is not None:
@@ -152,7 +153,6 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     if top is not None and not wants_logprobs:
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
     logprobs = (top or 0) if wants_logprobs else None
-    conversation = read_conversation(body, template, tool_call_parser, reasoning)
     base = _common(body, logprobs, max_tokens_field=given[0] if given else "max_tokens")
     conversation.apply(base, skip_special_tokens_given="skip_special_tokens" in body)
     base.prompt_logprobs = integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)

@@ -269,6 +269,7 @@ def test_a_restarted_manager_resumes_the_sizes_its_predecessor_set(tmp_path, mon
         await asyncio.wait_for(starting, 5)
         await _settle(gates)  # a surplus' retirement finishes
         manager._health_task.cancel()
+        manager._size_records.shutdown(wait=True)  # the records are written on a thread of their own
         return len(_ready(manager)), store["pdserve"][Role.DECODE]
 
     assert asyncio.run(scenario()) == (expected, expected)
@@ -288,6 +289,7 @@ def test_a_scale_is_recorded_for_a_restarted_controller(tmp_path, monkeypatch):
         await _settle(gates)
         await asyncio.wait_for(scaling, 5)
         await manager.retire(manager.router.pool.workers["decode-0"])  # a retirement shrinks the pool by one
+        manager._size_records.shutdown(wait=True)  # the records are written on a thread of their own
 
     asyncio.run(scenario())
     assert saved == [("pdserve", 3), ("pdserve", 2)]

@@ -138,3 +138,24 @@ def _slot_quarantine():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_request_that_finished_gives_back_every_slot_at_once(ray_cluster):
+    _in_a_worker(_finished_frees_all)
+
+
+def _finished_frees_all():
+    """A stage that computed every chunk closes its inbox as finished: its spare slot and the
+    slots of chunks that came over Ray or were cached are free at once (quarantined, every
+    pipelined request took one out of use for a minute, and the inbox soon ran dry)."""
+    sender, receiver = _channel("stage-g"), _channel("stage-h", num_inbox_slots=4)
+    try:
+        for attempt in range(12):
+            slots = receiver.open_inbox(f"req-{attempt}", 1, num_chunks=3)  # 2 chunks and a spare
+            assert slots is not None, attempt
+            assert sender.send(slots, 0, f"req-{attempt}", 1, 0, StageActivations(torch.ones(4, 8), None))
+            assert len(_wait_for_arrivals(receiver, 1)) == 1  # chunk 1 "came over Ray"
+            receiver.close_inbox(f"req-{attempt}", finished=True)
+    finally:
+        sender.close()
+        receiver.close()

@@ -11,6 +11,8 @@ import dataclasses
 import pickle
 from types import SimpleNamespace
 
+import pytest
+
 from kvtransfer.descriptors import merge_runs
 from kvtransfer.errors import TransferFailedError
 from kvtransfer.leases import LeasePolicy
@@ -129,3 +131,25 @@ def test_a_rank_never_checks_a_write_it_released():
 
     assert asyncio.run(scenario()) == (XferState.FAILED.value, False, XferState.DONE.value)
     assert leg.released == {0, 1}
+
+
+def test_a_write_whose_second_leg_fails_to_post_is_kept_while_its_first_cannot_be_stopped():
+    """Rank 1's leg does not post and rank 0's, already posted, cannot be stopped: the write is
+    not forgotten (raised, the sender never counted it, reported the request quiesced and let
+    the reader reuse the blocks the first leg still wrote); it fails once that leg ends."""
+    from kvtransfer.errors import TransportError
+
+    transport, _, legs = _two_rank_write()
+
+    def refuse(*args, **kwargs):
+        raise TransportError("no route to the peer's rank 1")
+
+    legs[1].post_write = refuse
+    legs[0].cancellable = False
+    write = transport.post_write("D", merge_runs([2], [2]), b"m")
+    assert transport.check(write) is XferState.IN_PROGRESS
+    legs[0].states[1] = XferState.DONE
+    assert transport.check(write) is XferState.FAILED  # done, but rank 1's part never went
+    legs[0].cancellable = True
+    with pytest.raises(TransportError):  # a leg that could be stopped: raised as before
+        transport.post_write("D", merge_runs([3], [3]), b"o")
