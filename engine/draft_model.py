@@ -89,15 +89,23 @@ class DraftModelProposer(Proposer):
             if not isinstance(progress, DraftProgress) or progress.num_preemptions != seq.num_preemptions:
                 progress = seq.draft_state = DraftProgress(0, seq.num_preemptions)
             inputs.append((i, seq.token_ids[progress.num_computed_tokens :], progress.num_computed_tokens))
-        for step in range(max(rooms)):
-            logits = self._forward(seqs, inputs, first=step == 0)
-            for (i, tokens, context), row in zip(inputs, logits):
-                seqs[i].draft_state.num_computed_tokens = context + len(tokens)
-                self._choose(seqs[i], proposals[i], row)
-            live = [i for i in live if len(proposals[i].token_ids) < rooms[i]]
-            if not live:
-                break
-            inputs = [(i, proposals[i].token_ids[-1:], seqs[i].num_tokens + step) for i in live]
+        try:
+            for step in range(max(rooms)):
+                logits = self._forward(seqs, inputs, first=step == 0)
+                for (i, tokens, context), row in zip(inputs, logits):
+                    seqs[i].draft_state.num_computed_tokens = context + len(tokens)
+                    self._choose(seqs[i], proposals[i], row)
+                live = [i for i in live if len(proposals[i].token_ids) < rooms[i]]
+                if not live:
+                    break
+                inputs = [(i, proposals[i].token_ids[-1:], seqs[i].num_tokens + step) for i in live]
+        except BaseException:
+            # No guess of a failed proposal is verified (``after_verify`` never runs for it): the
+            # draft's KV is valid up to the sequence's own tokens only, not the guesses fed after.
+            for seq in seqs:
+                if isinstance(seq.draft_state, DraftProgress):
+                    seq.draft_state.num_computed_tokens = min(seq.draft_state.num_computed_tokens, seq.num_tokens)
+            raise
         return proposals
 
     def after_verify(self, seq: Sequence) -> None:

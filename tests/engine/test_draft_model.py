@@ -107,3 +107,29 @@ def test_a_draft_of_another_vocabulary_is_refused_by_name(checkpoints, draft_dir
 def test_bytes_per_block_of_matches_the_cache(checkpoints):
     engine = _engine(checkpoints["llama"][0], num_kv_blocks=4)
     assert KVCache.bytes_per_block_of(engine.model_config, 16, engine.dtype) == engine.kv_cache.bytes_per_block
+
+
+def test_a_proposal_that_fails_partway_leaves_no_guess_counted_as_the_drafts_kv(draft_dir, code_prompts):
+    """The draft fails after feeding its first guess (the step goes on without drafts): its KV
+    counts as computed up to the sequence's own tokens, so the next proposal feeds the token
+    emitted in the guess's place (it went on from past it: attending to the guess, or to no
+    token at all); the output stays transformers'."""
+    hf_model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_PATH, torch_dtype=torch.float32).eval()
+    engine = _engine(speculative=_spec(draft_dir))
+    proposer = engine.scheduler.proposer
+    forward, calls, firsts = proposer._forward, [], []
+
+    def flaky(seqs, inputs, first):
+        calls.append(first)
+        if first:
+            firsts.append([(seqs[i].num_tokens, context, len(tokens)) for i, tokens, context in inputs])
+        if len(calls) == 3:  # after its first guess was fed
+            raise RuntimeError("the draft failed")
+        return forward(seqs, inputs, first)
+
+    proposer._forward = flaky
+    (out,) = engine.generate(code_prompts[:1], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    assert out.token_ids == hf_greedy(hf_model, code_prompts[0], 24)
+    # The proposal after the failed one starts at or before the sequence's last token, and feeds it.
+    num_tokens, context, fed = firsts[1][0]
+    assert context <= num_tokens - 1 and context + fed == num_tokens
