@@ -160,8 +160,6 @@ class OutputAssembler:
         min_tokens = self.request.sampling_params.min_tokens
         unmatched = max(0, min(len(text_tokens), min_tokens - self.num_completion_tokens))
         self.completion_token_ids += out.token_ids
-        # (Only where there are such tokens: an unmatched feed also releases the text held as a
-        # stop string's possible start, which the next output may complete.)
         passed = self.stops.feed(self.detokenizer.add_tokens(text_tokens[:unmatched]), match=False).text if unmatched else ""
         text = self.detokenizer.add_tokens(text_tokens[unmatched:])
         if out.finished:

@@ -34,6 +34,9 @@ class StopStringMatcher:
         self._max_len = max((len(s) for s in self._stops), default=0)
         self._first_chars = frozenset(s[0] for s in self._stops)
         self._held = ""
+        # How much of ``_held`` came in unmatched feeds: a stop string lying wholly inside it
+        # never matches, one that begins there and ends in matched text does (vLLM's look-back).
+        self._held_unmatched = 0
         self._matched: str | None = None
         self._include_stop = include_stop
 
@@ -49,38 +52,39 @@ class StopStringMatcher:
     def feed(self, text: str, match: bool = True) -> StopCheck:
         """Take the next text delta; return what may be sent and whether a stop string matched.
 
-        ``match=False`` (a request short of its minimum length): the text and anything held
-        pass unmatched.
+        ``match=False`` (a request short of its minimum length): no stop string ends the text,
+        but its tail that could begin one is still held back, so that a stop string that begins
+        in it and ends in the text after the minimum still matches (as vLLM's does).
         """
         if self._matched is not None:
             return StopCheck("", self._matched)
         if not self._stops:
             return StopCheck(text)
-        if not match:
-            held, self._held = self._held, ""
-            return StopCheck(held + text)
         pending = self._held + text
-        match = self._earliest_match(pending)
-        if match is not None:
-            index, stop = match
-            self._held = ""
+        unmatched = len(pending) if not match else self._held_unmatched
+        found = self._earliest_match(pending, unmatched) if match else None
+        if found is not None:
+            index, stop = found
+            self._held, self._held_unmatched = "", 0
             self._matched = stop
             return StopCheck(pending[: index + (len(stop) if self._include_stop else 0)], stop)
         split = len(pending) - self._partial_match_len(pending)
         self._held = pending[split:]
+        self._held_unmatched = max(0, unmatched - split)
         return StopCheck(pending[:split])
 
     def flush(self) -> str:
         """Release the held text; for when generation ended for another reason (length, EOS)."""
-        held, self._held = self._held, ""
+        held, self._held, self._held_unmatched = self._held, "", 0
         return held if self._matched is None else ""
 
-    def _earliest_match(self, text: str) -> tuple[int, str] | None:
+    def _earliest_match(self, text: str, unmatched: int = 0) -> tuple[int, str] | None:
+        """The earliest stop string in ``text`` that ends past its first ``unmatched`` characters."""
         # The earliest occurrence wins (two stops may complete in the same delta); on a tie the
         # one listed first.
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            index = text.find(stop)
+            index = text.find(stop, max(0, unmatched - len(stop) + 1))
             if index >= 0 and (best is None or index < best[0]):
                 best = (index, stop)
         return best

@@ -165,3 +165,31 @@ def test_the_text_of_the_first_min_tokens_tokens_is_never_cut_by_a_stop_string(b
                 end = chunk.end.matched_stop
                 break
         assert (text, end) == ("\n\n", "ab"), min_tokens
+
+
+def test_a_stop_string_that_begins_inside_min_tokens_and_ends_after_it_matches(byte_level_tokenizer):
+    """As vLLM looks back: min_tokens 2 with stop "ab" and the answer "a", "b": the stop begins in
+    the second token (unmatched) and ends in the third, so the answer ends before it; the "a" was
+    released unmatched and the stop could no longer end it. One that lies wholly within the
+    minimum never matches, even where a longer stop held it back."""
+    from decode_workers.messages import SeqOutput
+    from engine.sampling_params import SamplingParams
+    from router.output_stream import OutputAssembler
+    from router.validation import ValidatedRequest
+
+    (x,), (a,), (b,), (c,) = (byte_level_tokenizer.encode(t, add_special_tokens=False) for t in ("x", "a", "b", "c"))
+
+    def answer(stops: list[str], min_tokens: int, outputs: list[list[int]]) -> tuple[str, str | None]:
+        request = ValidatedRequest("r", [72], None, SamplingParams(min_tokens=min_tokens, max_tokens=50), stops, True, 0, 0.0, None)
+        assembler, text = OutputAssembler(request, byte_level_tokenizer), ""
+        for ids in outputs:
+            chunk = assembler.on_output(SeqOutput("r", ids))
+            text += chunk.text
+            if chunk.end is not None:
+                return text, chunk.end.matched_stop
+        return text + assembler.stops.flush(), None
+
+    assert answer(["ab"], 2, [[x], [a], [b], [x]]) == ("x", "ab")
+    assert answer(["ab"], 2, [[x, a, b, x]]) == ("x", "ab")  # the same within one output
+    assert answer(["ab", "abc"], 2, [[a], [b], [x]]) == ("abx", None)  # "ab" lay within the minimum
+    assert answer(["ab", "abc"], 2, [[a], [b], [c]]) == ("", "abc")  # "abc" ends after it
