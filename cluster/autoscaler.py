@@ -94,6 +94,10 @@ class Autoscaler:
         self._shrink: _Shrink | None = None
         self.decisions: list[Decision] = []
         self._task: asyncio.Task | None = None
+        # Changes being applied: each in a task of its own, so that a scale-down's drains (up to
+        # drain_timeout_s) or a scale-up's launches never hold up the next decisions.
+        self._applying: set[asyncio.Task] = set()
+        self._changed_at: float | None = None  # when the pools were last told to change
         self.in_process = False  # True: plan on the caller's thread (tests); else in a worker process
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
 
@@ -112,9 +116,10 @@ class Autoscaler:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, *self._applying):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (self._task, *self._applying) if t is not None), return_exceptions=True)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -129,8 +134,11 @@ class Autoscaler:
     async def tick(self) -> Decision:
         snapshot = self._observe(self.config.window_s)
         current = self._current()
+        # The queue times over the window still show the pools as they were before the last
+        # change until a window has passed since: corrected on them, each tick added one more.
+        settled = self._changed_at is None or self._clock() - self._changed_at >= self.config.window_s
         if self.in_process:
-            planned, reason = self.target(snapshot, current)
+            planned, reason = self.target(snapshot, current, settled)
         else:
             # Planning runs simulations in pure Python for seconds: in a process of its own, so
             # that the router sharing this event loop (and its GIL) keeps serving meanwhile.
@@ -138,23 +146,37 @@ class Autoscaler:
                 if self._executor is None:
                     self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
                 loop = asyncio.get_running_loop()
-                planned, reason = await loop.run_in_executor(self._executor, plan_target, self.planner, self.config, snapshot, current)
+                planned, reason = await loop.run_in_executor(self._executor, plan_target, self.planner, self.config, snapshot, current, settled)
             except (OSError, concurrent.futures.process.BrokenProcessPool) as exc:
                 logger.warning("autoscaler: planning process unavailable (%r); planning on a thread", exc)
                 self._executor = None
-                planned, reason = await asyncio.to_thread(self.target, snapshot, current)
+                planned, reason = await asyncio.to_thread(self.target, snapshot, current, settled)
         applied = self._with_hysteresis(planned, current)
         decision = Decision(self._clock(), snapshot.arrival_rate, planned, applied, reason)
         self.decisions.append(decision)
         del self.decisions[:-1000]
         if applied is not None and applied != current:
             logger.info("autoscaler: %.2f req/s (%s): pools %d+%d -> %d+%d", snapshot.arrival_rate, reason, *current, *applied)
-            await self._apply(*applied)
+            self._changed_at = self._clock()
+            task = asyncio.create_task(self._apply(*applied))
+            self._applying.add(task)
+            task.add_done_callback(self._applied)
         return decision
 
-    def target(self, snapshot: TrafficSnapshot, current: tuple[int, int]) -> tuple[tuple[int, int], str]:
+    def _applied(self, task: asyncio.Task) -> None:
+        self._applying.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The pools keep the sizes asked for and relaunch what did not start; the next ticks plan on.
+            logger.warning("autoscaler: applying a change failed: %r", task.exception())
+
+    async def settle(self) -> None:
+        """Wait until every change asked for so far has been applied (drains done, launches up)."""
+        while self._applying:
+            await asyncio.gather(*self._applying, return_exceptions=True)
+
+    def target(self, snapshot: TrafficSnapshot, current: tuple[int, int], settled: bool = True) -> tuple[tuple[int, int], str]:
         """The sizes this snapshot asks for, and why (no hysteresis)."""
-        return plan_target(self.planner, self.config, snapshot, current)
+        return plan_target(self.planner, self.config, snapshot, current, settled)
 
     def _with_hysteresis(self, planned: tuple[int, int], current: tuple[int, int]) -> tuple[int, int] | None:
         now = self._clock()
@@ -175,8 +197,11 @@ class Autoscaler:
         return target
 
 
-def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSnapshot, current: tuple[int, int]) -> tuple[tuple[int, int], str]:
-    """The pool sizes a traffic snapshot asks for, and why (no hysteresis; picklable for a worker process)."""
+def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSnapshot, current: tuple[int, int],
+                settled: bool = True) -> tuple[tuple[int, int], str]:
+    """The pool sizes a traffic snapshot asks for, and why (no hysteresis; picklable for a worker
+    process). ``settled``: a window has passed since the pools last changed, so their queue
+    times are their own (else no worker is added for them)."""
     if snapshot.num_arrivals < config.min_arrivals:
         if snapshot.num_arrivals == 0 and snapshot.window_s >= config.window_s:
             return (config.min_prefill, config.min_decode), "no traffic"
@@ -196,10 +221,10 @@ def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSna
         prefill, decode = current
         reason = f"no shape within {config.max_workers} workers meets the SLO"
     budget = config.slo_ttft_ms * config.queue_fraction
-    if snapshot.prefill_queue_ms_p90 > budget and prefill <= current[0] and current[0] > 0:
+    if settled and snapshot.prefill_queue_ms_p90 > budget and prefill <= current[0] and current[0] > 0:
         prefill = current[0] + 1
         reason += f"; prefill queue p90 {snapshot.prefill_queue_ms_p90:.0f} ms"
-    if max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90) > budget and decode <= current[1]:
+    if settled and max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90) > budget and decode <= current[1]:
         decode = current[1] + 1
         reason += f"; decode queue p90 {max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90):.0f} ms"
     prefill = max(config.min_prefill, prefill)

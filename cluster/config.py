@@ -421,6 +421,15 @@ class ClusterConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _autoscaler_with_one_router(self) -> "ClusterConfig":
+        if self.autoscaler.enabled and self.router.replicas > 1:
+            raise ValueError(
+                "autoscaler.enabled: needs router.replicas 1 (the autoscaler plans from the traffic its router sees, "
+                "and each replica sees only the connections it took)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _runtime_lora_with_one_router(self) -> "ClusterConfig":
         if self.router.allow_runtime_lora_updating and self.router.replicas > 1:
             raise ValueError(

@@ -68,12 +68,16 @@ class AdminOperations:
                 f"worker_id: {record.worker_id} is the only ready decode worker; draining it leaves nothing "
                 "that can serve requests; set force to do it anyway"
             )
-        await self.router.drain(record)
-        if self.router.pool_manager is not None:
-            # Removed once it holds nothing (retire waits for that); the pool does not replace it.
+        if self.router.pool_manager is None:
+            await self.router.drain(record)
+        else:
+            # Drained, then removed once it holds nothing; the pool does not replace it: retire
+            # lowers the pool's size before it drains (drained first, a health round in between
+            # found the pool a worker short and launched one, to be trimmed again when it landed).
             task = asyncio.create_task(self.router.pool_manager.retire(record))
             self.router.background_tasks.add(task)
             task.add_done_callback(self.router.background_tasks.discard)
+            await asyncio.sleep(0)  # it has begun: the worker is draining
         return pb.DrainWorkerResponse(worker_id=record.worker_id, state=worker_state_to_proto(record.state))
 
 

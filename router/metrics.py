@@ -15,6 +15,7 @@ several can live in one process (tests) without clashing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -30,6 +31,8 @@ _PER_WORKER = (
     "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
     "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
 )
+# Series of one writer's transfer path (its worker, peer, transport, device), dropped with the writer.
+_PER_PATH = ("kv_transfer_path_bytes", "kv_transfer_path_writes", "kv_transfer_path_failures", "kv_transfer_path_write_seconds")
 
 
 
@@ -111,6 +114,7 @@ class Metrics:
         )
         self._lora_labels: dict[str, tuple[str, ...]] = {}  # worker -> its current label values
         self._last_steps: dict[str, tuple[int, int]] = {}
+        self._path_labels: dict[str, set[tuple[str, ...]]] = {}  # worker -> its transfer paths' label values
         self._last_totals: dict[tuple[str, str], float] = {}  # (worker, EngineStats field) -> last total
         self._known_workers: set[str] = set()
 
@@ -185,6 +189,7 @@ class Metrics:
                 self._set_lora_info(worker, role, engine)
             for path in getattr(status, "transfer_paths", ()):
                 labels = (worker, path.peer, path.transport, path.device)
+                self._path_labels.setdefault(worker, set()).add(labels)
                 for field_name, counter in self._path_counters.items():
                     key = (f"{worker}>{path.peer}>{status.epoch}", field_name)  # a restarted writer counts from 0
                     total = getattr(path, field_name)
@@ -202,6 +207,17 @@ class Metrics:
             for field_name in self._worker_counters:
                 self._last_totals.pop((gone, field_name), None)
             self._drop_lora_info(gone)
+            # Its tokens per step and transfer paths too: a retired worker's last values were
+            # exported for good, and their running totals kept (each epoch's) without bound.
+            self._last_steps.pop(gone, None)
+            with contextlib.suppress(KeyError):
+                self._families["prefill_tokens_per_step"].remove(self.model_name, gone)
+            for labels in self._path_labels.pop(gone, ()):
+                for name in _PER_PATH:
+                    with contextlib.suppress(KeyError):
+                        self._families[name].remove(self.model_name, *labels)
+            for key in [key for key in self._last_totals if key[0].startswith(f"{gone}>")]:
+                del self._last_totals[key]
             for name in _PER_WORKER:
                 for role in ("prefill", "decode"):
                     try:

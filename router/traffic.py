@@ -17,7 +17,7 @@ import numpy as np
 
 @dataclass(slots=True)
 class TrafficSnapshot:
-    window_s: float
+    window_s: float  # the span observed: the window asked for, or less for a router younger than it
     num_arrivals: int
     num_finished: int
     arrival_rate: float  # requests per second over the window
@@ -73,5 +73,5 @@ class TrafficWindow:
         else:
             means, p90 = (0.0, 0.0), (0.0, 0.0, 0.0)
         return TrafficSnapshot(
-            window_s, arrivals, len(finished), arrivals / span, float(means[0]), float(means[1]), float(p90[0]), float(p90[1]), float(p90[2])
+            span, arrivals, len(finished), arrivals / span, float(means[0]), float(means[1]), float(p90[0]), float(p90[1]), float(p90[2])
         )

@@ -20,7 +20,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from cluster.autoscaler import Autoscaler, AutoscalerConfig
+from cluster.autoscaler import Autoscaler, AutoscalerConfig, plan_target
 from cluster.planning.planner import SLO, Plan, Planner, cheapest
 from cluster.planning.profile import DeploymentFacts, Profile, StepTimeModel, TransferModel, combine_profiles, fit_step_model, fit_transfer_model
 from cluster.planning.profiler import fit_profile, step_model_check
@@ -663,6 +663,7 @@ def test_autoscaler_follows_a_load_change_with_hysteresis(tmp_path):
         for _ in range(count):
             load.now += 30.0
             await scaler.tick()
+            await scaler.settle()
 
     async def scenario() -> None:
         await minutes(1.0, 2)
@@ -715,6 +716,65 @@ def test_autoscaler_adds_a_worker_to_a_stage_whose_queue_is_long(tmp_path):
     assert scaler.target(TrafficSnapshot(120.0, 2, 2, 0.02, 256.0, 64.0, 0.0, 0.0, 0.0), (3, 4))[0] == (3, 4)  # too few to judge
 
 
+def test_a_drain_in_progress_holds_up_no_decision_and_queue_times_are_read_once_settled(tmp_path):
+    """A scale-down drains its workers for up to drain_timeout_s: the ticks go on meanwhile (a
+    spike during a long drain grew nothing for minutes). A worker added for a long queue is not
+    added again until a window has passed: the window's queue times were the old pools'."""
+    profile = make_profile()
+    config = AutoscalerConfig(profile.save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0, interval_s=30.0,
+                              window_s=120.0, headroom=1.0, max_workers=12, scale_down_delay_s=0.0)
+    now, sizes, draining = [0.0], [(1, 1)], asyncio.Event()
+    queued = [0.0]
+
+    def observe(window_s):
+        return TrafficSnapshot(window_s, 120, 120, 1.0, 256.0, 64.0, queued[0], 0.0, 0.0)
+
+    async def apply(num_prefill, num_decode):
+        if (num_prefill, num_decode) < sizes[0]:
+            await draining.wait()  # the drain of a worker with long streams
+        sizes[0] = (num_prefill, num_decode)
+
+    scaler = Autoscaler.from_config(config, observe, lambda: sizes[0], apply, clock=lambda: now[0])
+    scaler.planner.min_requests, scaler.planner.max_requests = 800, 1500
+    scaler.in_process = True
+    planned, _ = scaler.target(observe(120.0), (1, 1))
+
+    async def scenario():
+        sizes[0] = (planned[0] + 1, planned[1] + 1)  # oversized: the plan shrinks it
+        await scaler.tick()  # the shrink's delay starts
+        await asyncio.wait_for(scaler.tick(), 5)  # the shrink, returned from while the drain runs
+        assert scaler._applying and sizes[0] == (planned[0] + 1, planned[1] + 1)
+        draining.set()
+        await scaler.settle()
+        assert sizes[0] == planned
+        queued[0] = 900.0  # the router queue's p90 (waiting for decode room) beyond the budget
+        grown = []
+        for _ in range(4):
+            now[0] += 30.0
+            await scaler.tick()
+            await scaler.settle()
+            grown.append(sizes[0][1])
+        return grown
+
+    grown = asyncio.run(scenario())
+    # The shrink at t=0 left the queue times unsettled until t=120; then one worker, and no more before t=240.
+    assert grown == [planned[1], planned[1], planned[1], planned[1] + 1]
+
+
+def test_no_traffic_is_judged_on_a_full_window_only():
+    """A router up for less than the window (a restarted controller whose clients have not come
+    back yet) has seen no traffic for that short span only: the pools keep their sizes."""
+    now = [0.0]
+    window = TrafficWindow(horizon_s=300.0, clock=lambda: now[0])
+    now[0] = 30.0
+    config = AutoscalerConfig("unused.json", slo_ttft_ms=800.0, slo_tpot_ms=40.0, window_s=120.0)
+    young = window.snapshot(120.0)
+    assert young.window_s == 30.0
+    assert plan_target(None, config, young, (2, 3)) == ((2, 3), "0 arrivals in the window: too few to plan from")
+    now[0] = 200.0
+    assert plan_target(None, config, window.snapshot(120.0), (2, 3))[1] == "no traffic"
+
+
 def test_traffic_window_rates_and_queue_times():
     now = [0.0]
     window = TrafficWindow(horizon_s=300.0, clock=lambda: now[0])
@@ -765,3 +825,15 @@ def test_pdserve_plan_takes_several_profiles_and_says_which_size_to_run(tmp_path
     assert "at most 24 workers and 1 device meets" in capsys.readouterr().out
     assert main(["plan", "--profile", str(paths[0]), *flags, "--max-devices", "0"]) == 2
     assert "max_devices: must be >= 1" in capsys.readouterr().err
+
+
+def test_the_autoscaler_needs_the_one_router_that_sees_all_the_traffic(tmp_path):
+    """Router replicas each see only the connections they took: an autoscaler planning from the
+    managing router's share under-provisioned (and with no traffic there, shrank to its minimums)."""
+    from cluster.config import ConfigError, load_config
+
+    profile = make_profile().save(tmp_path / "p.json")
+    enabled = {"autoscaler.enabled": True, "autoscaler.profile": str(profile)}
+    assert load_config(None, enabled).to_spec().autoscaler is not None
+    with pytest.raises(ConfigError, match="autoscaler.enabled: needs router.replicas 1"):
+        load_config(None, {**enabled, "router.replicas": 2})

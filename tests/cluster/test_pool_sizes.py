@@ -333,3 +333,29 @@ def test_a_following_router_stops_routing_to_a_worker_the_controller_drains():
         return before, sorted(w.worker_id for w in pool.routable(Role.DECODE))
 
     assert asyncio.run(scenario()) == (["decode-0", "decode-1"], ["decode-0"])
+
+
+def test_draining_a_worker_by_hand_launches_no_replacement(tmp_path):
+    """DrainWorker: the pool's size drops before the worker drains. It dropped only after the
+    drain call returned, and a health round in between found the pool a worker short and launched
+    one (a model load), which was then trimmed again when it landed."""
+    from router.admin import AdminOperations
+    from router.api.pdserve.v1 import generation_pb2 as pb
+
+    async def scenario():
+        manager, _ = _manager(tmp_path, 2)
+        router = manager.router
+        for name in ("decode-a", "decode-b"):
+            router.pool.add(WorkerRecord(name, Role.DECODE, handle=None))
+
+        async def drain(record):
+            record.state = WorkerState.DRAINING
+            await asyncio.sleep(0.01)  # the worker's drain call
+            manager._reconcile()  # a health round meanwhile
+
+        router.drain, router.pool_manager, router.background_tasks = drain, manager, set()
+        reply = await AdminOperations(router).drain_worker(pb.DrainWorkerRequest(worker_id="decode-a"))
+        await asyncio.sleep(0.05)
+        return reply.state, manager._num_launching[Role.DECODE], manager.desired[Role.DECODE], _ready(manager)
+
+    assert asyncio.run(scenario()) == (pb.WORKER_STATE_DRAINING, 0, 1, ["decode-b"])

@@ -47,3 +47,31 @@ def test_a_worker_without_adapters_has_no_series():
     metrics = Metrics("tiny")
     asyncio.run(metrics.refresh(_router(EngineStats(0, 0, 0, 10, 10, 0))))
     assert _lora_lines(metrics) == []
+
+
+def test_a_worker_that_left_takes_its_tokens_per_step_and_transfer_paths_with_it():
+    """Under an autoscaler's churn a retired prefill worker's last tokens per step and its
+    transfer paths' series were exported for good (and their running totals kept)."""
+    from kvtransfer.path import PathStats
+
+    metrics = Metrics("tiny")
+    record = SimpleNamespace(worker_id="prefill-0", role=Role.PREFILL)
+    status = SimpleNamespace(engine=EngineStats(0, 0, 0, 10, 10, 0, num_steps=4, num_scheduled_tokens=400), epoch="e1",
+                             transfer_paths=[PathStats("decode-0", "nixl", "cpu", num_bytes=4096, num_writes=2)])
+    workers = {"prefill-0": record}
+
+    async def reports(max_age_s):
+        return {w: SimpleNamespace(status=status) for w in workers}
+
+    router = SimpleNamespace(pool=SimpleNamespace(workers=workers), status_monitor=SimpleNamespace(reports=reports),
+                             dispatcher=SimpleNamespace(num_queued=0))
+    asyncio.run(metrics.refresh(router))
+    labels = {"model_name": "tiny", "worker_id": "prefill-0"}
+    assert metrics.registry.get_sample_value("pdserve:prefill_tokens_per_step", labels) == 100.0
+    path = {"model_name": "tiny", "prefill_worker_id": "prefill-0", "decode_worker_id": "decode-0", "transport": "nixl", "device": "cpu"}
+    assert metrics.registry.get_sample_value("pdserve:kv_transfer_path_bytes_total", path) == 4096
+    workers.clear()
+    asyncio.run(metrics.refresh(router))
+    assert metrics.registry.get_sample_value("pdserve:prefill_tokens_per_step", labels) is None
+    assert metrics.registry.get_sample_value("pdserve:kv_transfer_path_bytes_total", path) is None
+    assert not metrics._last_totals and not metrics._last_steps
