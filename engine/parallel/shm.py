@@ -10,6 +10,7 @@ dtypes, or a host without the kernel library fall back to gloo.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -47,19 +48,24 @@ class SharedMemoryAllReduce:
             return
         path = f"/dev/shm/pdserve-tp-{tag}"
         size = library.pdserve_shm_header_bytes(world_size) + 2 * world_size * SLOT_BYTES
-        if rank == 0:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, size)
-        dist.barrier(group=group)
-        if rank != 0:
-            fd = os.open(path, os.O_RDWR)
+        fd = None
         try:
+            if rank == 0:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                os.ftruncate(fd, size)
+            dist.barrier(group=group)
+            if rank != 0:
+                fd = os.open(path, os.O_RDWR)
             self._map = mmap.mmap(fd, size)
+            dist.barrier(group=group)
         finally:
-            os.close(fd)
-        dist.barrier(group=group)
-        if rank == 0:
-            os.unlink(path)  # mapped by every rank: the memory lives until the last unmaps
+            if fd is not None:
+                os.close(fd)
+            if rank == 0:
+                # Mapped by every rank (or a rank failed): the memory lives until the last unmaps,
+                # and nothing is left in /dev/shm (a later worker on the same port found it there).
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
         self._region = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @property

@@ -94,3 +94,25 @@ def test_a_rank_that_never_arrives_is_a_lost_rank():
     errors = manager.list()
     _run(_abandoned, 2, manager.Queue(), manager.dict(), errors)
     assert len(errors) == 1 and "did not reach the all-reduce within 1s" in errors[0]
+
+
+def test_a_rank_failing_during_setup_leaves_nothing_in_dev_shm(monkeypatch):
+    """Rank 0 made the segment and another rank failed (its barrier raised): the file was left in
+    /dev/shm, and a later worker given the same port could not start (O_EXCL)."""
+    import os
+
+    from engine import native_kernels
+    from engine.parallel import shm
+
+    if native_kernels.kernel() is None:
+        pytest.skip("no native kernel library here: gloo does the all-reduce")
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("rank 1 is gone")
+
+    monkeypatch.setattr(shm.dist, "all_reduce", lambda *args, **kwargs: None)
+    monkeypatch.setattr(shm.dist, "barrier", lost)
+    tag = f"test-leak-{os.getpid()}"
+    with pytest.raises(RuntimeError, match="rank 1 is gone"):
+        shm.SharedMemoryAllReduce(0, 2, tag)
+    assert not os.path.exists(f"/dev/shm/pdserve-tp-{tag}")
