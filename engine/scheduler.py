@@ -534,7 +534,9 @@ class Scheduler:
             seq.num_decode_steps += 1
         emitted, reason = self._emit(seq, samples)
         if piece.draft_token_ids:
-            accepted = len(emitted) - 1  # each emitted token before the last matched its draft
+            # Each sample before the last matched its draft (those past a token that ended the
+            # request matched too, though they are not emitted: the acceptance counts them).
+            accepted = len(samples) - 1
             seq.num_draft_tokens += len(piece.draft_token_ids)
             seq.num_accepted_draft_tokens += accepted
             self.num_draft_tokens += len(piece.draft_token_ids)

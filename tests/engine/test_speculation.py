@@ -258,3 +258,19 @@ def test_an_adaptive_window_spends_few_rows_where_drafts_fail(code_prompts):
     # Four drafts per decode step, but never past max_tokens: 3, 2, 1 and 0 at the last four.
     assert drafted[False] == (4 * 59 + 3 + 2 + 1) * len(code_prompts)
     assert drafted[True] < drafted[False] / 10
+
+
+def test_drafts_confirmed_up_to_a_stop_token_all_count_as_accepted(code_prompts):
+    """Drafts [a, stop, c] with the target agreeing on a and stop: the request ends at the stop,
+    and both matched drafts count as accepted (the metrics and the adaptive window said one)."""
+    from engine.scheduler import ScheduledSlice
+
+    engine = _engine(speculative=SpeculativeConfig(num_speculative_tokens=3))
+    engine.add_request("r", code_prompts[0], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[7]))
+    engine.step()  # the prompt and its first token
+    seq = engine.scheduler.requests["r"]
+    piece = ScheduledSlice(seq, 4, draft_token_ids=[11, 7, 13])
+    before = engine.scheduler.num_accepted_draft_tokens
+    emitted = engine.scheduler._take_tokens(piece, [(11, None), (7, None), (5, None)], 0.0, kv_upto=None)
+    assert emitted == [11, 7] and seq.is_finished
+    assert engine.scheduler.num_accepted_draft_tokens - before == 2 and seq.num_accepted_draft_tokens == 2
