@@ -132,7 +132,7 @@ class PoolFollower:
             await self._after_health_checks()
             await self.refresh_readiness()
             if self.metrics is not None:
-                await self.metrics.refresh(self.router, max_age_s=self.health_interval_s)
+                await self.metrics.refresh(self.router, max_age_s=self.health_interval_s, pools=self.manage)
 
     async def _after_health_checks(self) -> None:
         await self._adopt()  # what the managing pool manager launched since

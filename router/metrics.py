@@ -157,8 +157,14 @@ class Metrics:
 
     # -- pool gauges --------------------------------------------------------------------
 
-    async def refresh(self, router, max_age_s: float = 1.0) -> None:
-        """Read every worker's load report (none older than ``max_age_s``) into the gauges."""
+    async def refresh(self, router, max_age_s: float = 1.0, pools: bool = True) -> None:
+        """Read every worker's load report (none older than ``max_age_s``) into the gauges.
+        ``pools`` False (a router that follows pools another manages): this router's own gauges
+        only; the workers' series come from the managing router (each router exporting them
+        counted every worker's steps, prefix hits and transfers once per router)."""
+        self.router_queued.set(router.dispatcher.num_queued)
+        if not pools:
+            return
         records = list(router.pool.workers.values())
         reports = await router.status_monitor.reports(max_age_s)
         depth = {"prefill": 0, "decode": 0}
@@ -202,7 +208,6 @@ class Metrics:
                 self._last_steps[worker] = (engine.num_steps, engine.num_scheduled_tokens)
         for role, value in depth.items():
             self.queue_depth(role).set(value)
-        self.router_queued.set(router.dispatcher.num_queued)
         for gone in self._known_workers - seen - {r.worker_id for r in records}:
             for field_name in self._worker_counters:
                 self._last_totals.pop((gone, field_name), None)

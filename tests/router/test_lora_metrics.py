@@ -75,3 +75,13 @@ def test_a_worker_that_left_takes_its_tokens_per_step_and_transfer_paths_with_it
     assert metrics.registry.get_sample_value("pdserve:prefill_tokens_per_step", labels) is None
     assert metrics.registry.get_sample_value("pdserve:kv_transfer_path_bytes_total", path) is None
     assert not metrics._last_totals and not metrics._last_steps
+
+
+def test_a_following_router_exports_its_own_queue_not_the_workers_series():
+    """Router replicas follow the managing router's pools: each exporting every worker's series
+    counted each worker's steps and KV once per router in a sum over the scrape targets."""
+    metrics = Metrics("tiny")
+    asyncio.run(metrics.refresh(_router(EngineStats(1, 2, 0, 10, 20, 0)), pools=False))
+    text = generate_latest(metrics.registry).decode()
+    assert "pdserve:num_requests_waiting{" in text
+    assert 'worker_id="decode-0"' not in text
