@@ -18,33 +18,17 @@ from kvtransfer.errors import TransferFailedError
 from kvtransfer.leases import LeasePolicy
 from kvtransfer.sharded_transport import RankEndpoint, RankTransport, ShardedTransport
 from kvtransfer.sharding import KVShard
-from kvtransfer.transport import Transport, XferState
+from kvtransfer.transport import XferState
 from tests.kvtransfer.test_protocol import COMPAT, REGION, ScriptedTransport, dest, make_sender
 from workers.ranks import RankActor
 
 
-class LegTransport(Transport):
+class LegTransport(ScriptedTransport):
     """One rank's transport: each write's state set by the test; refuses use after release."""
 
-    kind = "scripted"
-
     def __init__(self) -> None:
-        self.states: list[XferState] = []
+        super().__init__()
         self.released: set[int] = set()
-        self.cancellable = True
-
-    def metadata(self) -> bytes:
-        return b"md"
-
-    def add_peer(self, transport_name, metadata, region) -> None:
-        pass
-
-    def remove_peer(self, transport_name) -> None:
-        pass
-
-    def post_write(self, transport_name, runs, notif, piece=None):
-        self.states.append(XferState.IN_PROGRESS)
-        return len(self.states) - 1
 
     def check(self, handle):
         assert handle not in self.released, "checked after its release"
@@ -52,13 +36,10 @@ class LegTransport(Transport):
 
     def release(self, handle) -> bool:
         assert handle not in self.released, "released twice"
-        if self.states[handle] is XferState.IN_PROGRESS and not self.cancellable:
+        if not super().release(handle):
             return False
         self.released.add(handle)
         return True
-
-    def get_incoming(self):
-        return []
 
 
 def _two_rank_write():

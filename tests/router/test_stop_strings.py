@@ -141,14 +141,7 @@ def test_the_text_of_the_first_min_tokens_tokens_is_never_cut_by_a_stop_string(b
     (nl,), (a,), (b,) = (byte_level_tokenizer.encode(t, add_special_tokens=False) for t in ("\n", "a", "b"))
 
     def answer(min_tokens: int, outputs: list[list[int]]) -> tuple[str, str | None]:
-        request = ValidatedRequest("r", [72], None, SamplingParams(min_tokens=min_tokens, max_tokens=50), ["\n"], True, 0, 0.0, None)
-        assembler, text = OutputAssembler(request, byte_level_tokenizer), ""
-        for ids in outputs:
-            chunk = assembler.on_output(SeqOutput("r", ids))
-            text += chunk.text
-            if chunk.end is not None:
-                return text, chunk.end.matched_stop
-        return text, None
+        return _answer(byte_level_tokenizer, ["\n"], min_tokens, outputs)
 
     assert answer(0, [[nl], [a]]) == ("", "\n")
     assert answer(1, [[nl], [a], [nl], [b]]) == ("\na", "\n")
@@ -172,24 +165,30 @@ def test_a_stop_string_that_begins_inside_min_tokens_and_ends_after_it_matches(b
     the second token (unmatched) and ends in the third, so the answer ends before it; the "a" was
     released unmatched and the stop could no longer end it. One that lies wholly within the
     minimum never matches, even where a longer stop held it back."""
-    from decode_workers.messages import SeqOutput
-    from engine.sampling_params import SamplingParams
-    from router.output_stream import OutputAssembler
-    from router.validation import ValidatedRequest
-
     (x,), (a,), (b,), (c,) = (byte_level_tokenizer.encode(t, add_special_tokens=False) for t in ("x", "a", "b", "c"))
 
     def answer(stops: list[str], min_tokens: int, outputs: list[list[int]]) -> tuple[str, str | None]:
-        request = ValidatedRequest("r", [72], None, SamplingParams(min_tokens=min_tokens, max_tokens=50), stops, True, 0, 0.0, None)
-        assembler, text = OutputAssembler(request, byte_level_tokenizer), ""
-        for ids in outputs:
-            chunk = assembler.on_output(SeqOutput("r", ids))
-            text += chunk.text
-            if chunk.end is not None:
-                return text, chunk.end.matched_stop
-        return text + assembler.stops.flush(), None
+        return _answer(byte_level_tokenizer, stops, min_tokens, outputs)
 
     assert answer(["ab"], 2, [[x], [a], [b], [x]]) == ("x", "ab")
     assert answer(["ab"], 2, [[x, a, b, x]]) == ("x", "ab")  # the same within one output
     assert answer(["ab", "abc"], 2, [[a], [b], [x]]) == ("abx", None)  # "ab" lay within the minimum
     assert answer(["ab", "abc"], 2, [[a], [b], [c]]) == ("", "abc")  # "abc" ends after it
+
+
+def _answer(tokenizer, stops: list[str], min_tokens: int, outputs: list[list[int]]) -> tuple[str, str | None]:
+    """The answer's text and the stop that ended it, from the router's assembler fed these
+    outputs (token ids each); text still held back is flushed where none ended it."""
+    from decode_workers.messages import SeqOutput
+    from engine.sampling_params import SamplingParams
+    from router.output_stream import OutputAssembler
+    from router.validation import ValidatedRequest
+
+    request = ValidatedRequest("r", [72], None, SamplingParams(min_tokens=min_tokens, max_tokens=50), stops, True, 0, 0.0, None)
+    assembler, text = OutputAssembler(request, tokenizer), ""
+    for ids in outputs:
+        chunk = assembler.on_output(SeqOutput("r", ids))
+        text += chunk.text
+        if chunk.end is not None:
+            return text, chunk.end.matched_stop
+    return text + assembler.stops.flush(), None
