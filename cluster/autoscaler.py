@@ -97,7 +97,8 @@ class Autoscaler:
         # Changes being applied: each in a task of its own, so that a scale-down's drains (up to
         # drain_timeout_s) or a scale-up's launches never hold up the next decisions.
         self._applying: set[asyncio.Task] = set()
-        self._changed_at: float | None = None  # when the pools were last told to change
+        self._target: tuple[int, int] | None = None  # the sizes last asked for
+        self._changed_at: float | None = None  # when the pools last finished changing
         self.in_process = False  # True: plan on the caller's thread (tests); else in a worker process
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
 
@@ -133,10 +134,13 @@ class Autoscaler:
 
     async def tick(self) -> Decision:
         snapshot = self._observe(self.config.window_s)
-        current = self._current()
-        # The queue times over the window still show the pools as they were before the last
-        # change until a window has passed since: corrected on them, each tick added one more.
-        settled = self._changed_at is None or self._clock() - self._changed_at >= self.config.window_s
+        # While a change is being applied the pools are what it asks for: their routable workers
+        # lag the launches (minutes for a model load), and taken for the size they made a dip
+        # look like growth, applied at once past scale_down_delay_s.
+        current = self._target if self._applying and self._target is not None else self._current()
+        # The queue times over the window show the pools as they were before the last change
+        # until a window has passed since it was done: corrected on them, each tick added one more.
+        settled = not self._applying and (self._changed_at is None or self._clock() - self._changed_at >= self.config.window_s)
         if self.in_process:
             planned, reason = self.target(snapshot, current, settled)
         else:
@@ -157,7 +161,7 @@ class Autoscaler:
         del self.decisions[:-1000]
         if applied is not None and applied != current:
             logger.info("autoscaler: %.2f req/s (%s): pools %d+%d -> %d+%d", snapshot.arrival_rate, reason, *current, *applied)
-            self._changed_at = self._clock()
+            self._target = applied
             task = asyncio.create_task(self._apply(*applied))
             self._applying.add(task)
             task.add_done_callback(self._applied)
@@ -165,6 +169,7 @@ class Autoscaler:
 
     def _applied(self, task: asyncio.Task) -> None:
         self._applying.discard(task)
+        self._changed_at = self._clock()  # failed too: the pools keep the sizes asked for, relaunching
         if not task.cancelled() and task.exception() is not None:
             # The pools keep the sizes asked for and relaunch what did not start; the next ticks plan on.
             logger.warning("autoscaler: applying a change failed: %r", task.exception())

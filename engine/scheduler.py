@@ -255,11 +255,11 @@ class Scheduler:
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if chunk_cap is not None:
                 num_tokens = min(num_tokens, chunk_cap)
-            if seq.needs_prompt_logprobs and scored_room is not None:
+            scored = seq.needs_prompt_logprobs and scored_room is not None
+            if scored:
                 if scored_room <= 0:
                     break  # its chunk waits for the next step (strict priority, as below)
                 num_tokens = min(num_tokens, scored_room)
-                scored_room -= num_tokens
             if not self._try_grow_blocks(seq, num_tokens):
                 if seq.status is SequenceStatus.WAITING:
                     self._return_cached_prefix(seq)  # cached again, for it or anyone, next step
@@ -267,6 +267,8 @@ class Scheduler:
                         admitting = False
                         continue  # the running prompts behind it need no blocks
                 break  # strict priority: a less important prompt never jumps a blocked one
+            if scored:
+                scored_room -= num_tokens  # only once it runs: a blocked prompt takes no scoring room
             if seq.status is SequenceStatus.WAITING:
                 self._admit(seq)
             batch.slices.append(ScheduledSlice(seq, num_tokens))

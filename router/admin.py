@@ -8,6 +8,7 @@ other machines does not expose it. The router starts a second grpc.aio server on
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from engine.stats import WorkerState
@@ -19,6 +20,8 @@ from router.validation import validate_drain_worker_request, validate_scale_pool
 
 if TYPE_CHECKING:
     from router.core import Router
+
+logger = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 _STATES = {
@@ -76,9 +79,16 @@ class AdminOperations:
             # found the pool a worker short and launched one, to be trimmed again when it landed).
             task = asyncio.create_task(self.router.pool_manager.retire(record))
             self.router.background_tasks.add(task)
+            task.add_done_callback(_retired)
             task.add_done_callback(self.router.background_tasks.discard)
             await asyncio.sleep(0)  # it has begun: the worker is draining
         return pb.DrainWorkerResponse(worker_id=record.worker_id, state=worker_state_to_proto(record.state))
+
+
+def _retired(task: asyncio.Task) -> None:
+    """A retirement asked for by DrainWorker that failed is logged (its caller was answered)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("retiring a drained worker failed: %r", task.exception())
 
 
 class AdminService(pb_grpc.AdminServicer):

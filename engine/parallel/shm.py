@@ -64,7 +64,7 @@ class SharedMemoryAllReduce:
             if rank == 0:
                 # Mapped by every rank (or a rank failed): the memory lives until the last unmaps,
                 # and nothing is left in /dev/shm (a later worker on the same port found it there).
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # gone already; never hiding the failure that got here
                     os.unlink(path)
         self._region = torch.frombuffer(self._map, dtype=torch.uint8)
 

@@ -837,3 +837,39 @@ def test_the_autoscaler_needs_the_one_router_that_sees_all_the_traffic(tmp_path)
     assert load_config(None, enabled).to_spec().autoscaler is not None
     with pytest.raises(ConfigError, match="autoscaler.enabled: needs router.replicas 1"):
         load_config(None, {**enabled, "router.replicas": 2})
+
+
+def test_while_a_change_applies_the_pools_are_taken_at_the_size_asked_for(tmp_path):
+    """A scale-up's workers become routable minutes after it was asked for (model loads). Taken at
+    their routable count meanwhile, a plan that dipped below the size asked for looked like
+    growth and was applied at once, draining a worker as soon as the launch landed, past
+    scale_down_delay_s."""
+    config = AutoscalerConfig(make_profile().save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0,
+                              interval_s=30.0, window_s=60.0, scale_down_delay_s=300.0)
+    now, ready, applied, launched = [0.0], [(1, 2)], [], asyncio.Event()
+
+    async def apply(num_prefill, num_decode):
+        applied.append((num_prefill, num_decode))
+        await launched.wait()  # the new workers load their model
+        ready[0] = (num_prefill, num_decode)
+
+    traffic = TrafficSnapshot(60.0, 60, 60, 1.0, 256.0, 64.0, 0.0, 0.0, 0.0)
+    scaler = Autoscaler.from_config(config, lambda window_s: traffic, lambda: ready[0], apply, clock=lambda: now[0])
+    scaler.in_process = True
+    plans = [(1, 4), (1, 3), (1, 3)]
+    scaler.target = lambda snapshot, current, settled: (plans.pop(0), "test")
+
+    async def scenario():
+        await scaler.tick()  # grow to 4 decode workers: the launch takes a while
+        await asyncio.sleep(0)
+        now[0] += 30.0
+        await scaler.tick()  # a dip to 3: a shrink (its delay starts), not growth from the 2 ready
+        await asyncio.sleep(0)
+        launched.set()
+        await scaler.settle()
+        now[0] += 30.0
+        await scaler.tick()  # still within scale_down_delay_s
+        await scaler.settle()
+
+    asyncio.run(scenario())
+    assert applied == [(1, 4)] and ready[0] == (1, 4)

@@ -171,3 +171,19 @@ def test_a_prompt_being_prefilled_is_never_preempted_for_one_that_does_not_fit(m
     batch = scheduler.schedule()
     assert batch.preempted_req_ids == [] and [(s.seq.req_id, s.num_tokens) for s in batch.slices] == [("A", 8)]
     assert a.block_table == table
+
+
+def test_a_blocked_prompt_that_scores_its_tokens_takes_no_scoring_room_from_a_running_one(model_path):
+    """Prompt log-probabilities are computed in bounded rows per step. A waiting prompt that asks
+    for them but cannot get its blocks took that room before it was found blocked, and the
+    running prompt behind it (asking too) got an empty step, every step: nothing moved."""
+    config = EngineConfig(num_kv_blocks=10, block_size=4, max_num_batched_tokens=8, long_prefill_chunk=8, dtype="float32")
+    engine = LLMEngine(model_path, config, scheduler_cls=PrefillScheduler)
+    scheduler = engine.scheduler
+    scheduler.max_scored_rows = 8
+    first, second = random_prompts([32, 24], engine.model_config.vocab_size, seed=8)
+    engine.add_request("A", first, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    engine.step()
+    engine.add_request("B", second, SamplingParams(max_tokens=1, prompt_logprobs=0), priority=5)
+    batch = scheduler.schedule()
+    assert [(s.seq.req_id, s.num_tokens) for s in batch.slices] == [("A", 8)]
