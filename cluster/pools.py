@@ -155,6 +155,7 @@ class PoolManager(PoolFollower):
         self._adopted_ids: list[str] = []  # workers found running (durable) as this manager started
         # Writes of the desired sizes to Ray's GCS (cluster/desired_sizes.py), one at a time, in order.
         self._size_records = ThreadPoolExecutor(1, thread_name_prefix="desired-sizes")
+        self._sizes_forgotten = False  # set as the manager stops: nothing is recorded after
 
     async def _shipped_adapters(self, pool: PoolSpec) -> dict[str, ray.ObjectRef]:
         """The pool's configured LoRA adapters, name -> their files (once, into Ray's object
@@ -253,8 +254,10 @@ class PoolManager(PoolFollower):
         # manager did not create it), else it kept its GPUs reserved after ``down``.
         for worker_id in {*self.placement_groups, *self.handles}:
             self._release_placement(worker_id)
-        if self.spec.durable_workers:
-            # After any save still queued: the deployment ends, the next `up` starts from its configuration.
+        if self.spec.durable_workers and not self._sizes_forgotten:
+            # After any save still queued, and no save after it (a retirement ending meanwhile):
+            # the deployment ends, the next `up` starts from its configuration.
+            self._sizes_forgotten = True
             self._size_records.submit(desired_sizes.forget, self.spec.name)
         await asyncio.to_thread(self._size_records.shutdown, True)
         await super().stop()
@@ -263,7 +266,7 @@ class PoolManager(PoolFollower):
         """Change a pool's desired size; a durable deployment records it for a restarted controller
         (on a thread of its own, in order: a GCS that does not answer must not stall the router)."""
         self.desired[role] = replicas
-        if self.spec.durable_workers:
+        if self.spec.durable_workers and not self._sizes_forgotten:
             self._size_records.submit(desired_sizes.save, self.spec.name, dict(self.desired))
 
     def _adopted(self, role: Role, worker_id: str) -> None:

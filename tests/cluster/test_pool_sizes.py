@@ -359,3 +359,24 @@ def test_draining_a_worker_by_hand_launches_no_replacement(tmp_path):
         return reply.state, manager._num_launching[Role.DECODE], manager.desired[Role.DECODE], _ready(manager)
 
     assert asyncio.run(scenario()) == (pb.WORKER_STATE_DRAINING, 0, 1, ["decode-b"])
+
+
+def test_a_stopped_manager_records_nothing_after_forgetting(tmp_path, monkeypatch):
+    """`down` forgets the deployment's sizes; a retirement ending while the manager stops must
+    not write them back (the next `up` would start from them), and stopping twice is harmless."""
+    import cluster.pools as pools_module
+
+    calls = []
+    monkeypatch.setattr(pools_module.desired_sizes, "save", lambda name, sizes: calls.append("save"))
+    monkeypatch.setattr(pools_module.desired_sizes, "forget", lambda name: calls.append("forget"))
+
+    async def scenario():
+        manager, _ = _manager(tmp_path, 1)
+        manager.spec.durable_workers = True
+        manager._set_desired(Role.DECODE, 2)
+        await manager.stop()
+        manager._set_desired(Role.DECODE, 1)  # a retirement that ended after the stop
+        await manager.stop()
+
+    asyncio.run(scenario())
+    assert calls == ["save", "forget"]
