@@ -94,7 +94,10 @@ class LoraAdapters:
                 return_exceptions=True,
             )
             digests = {result for result in results if isinstance(result, str)}
-            failed = [(r, e) for r, e in zip(records, results) if isinstance(e, BaseException) and not _worker_gone(e)]
+            # A worker that died needs no copy (its replacement catches up as it joins); one only
+            # unreachable for now (ActorUnavailableError) may still be serving, without it: the
+            # load fails rather than name an adapter that worker would refuse.
+            failed = [(r, e) for r, e in zip(records, results) if isinstance(e, BaseException) and not _worker_died(e)]
             previous = self.digests.get(name)
             if failed or len(digests) > 1:
                 # Undone where it loaded (or may still be loading: a drop runs after it there);
@@ -205,6 +208,14 @@ def _worker_gone(error: BaseException) -> bool:
     from router.dispatcher import WORKER_GONE  # the dispatcher imports Ray's errors; keep this module light
 
     return isinstance(error, WORKER_GONE)
+
+
+def _worker_died(error: BaseException) -> bool:
+    """Whether the call failed because its worker is dead for good (workers are never restarted
+    by Ray: their replacements are new actors), not merely unreachable for now."""
+    from ray.exceptions import ActorUnavailableError
+
+    return _worker_gone(error) and not isinstance(error, ActorUnavailableError)
 
 
 async def _shipped(adapter_dir: str):
