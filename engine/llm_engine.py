@@ -124,7 +124,7 @@ class LLMEngine:
             self.rank_launcher.start(self.model_path, dataclasses.replace(cache_config, speculative=None), address)
         try:
             if tp_size > 1:
-                group = TPGroup.join(address, 0, store)
+                group = TPGroup.join(address, 0, store, check_ranks=getattr(self.rank_launcher, "check_alive", None))
             # The rotary tables cover the engine's context (dynamic and LongRoPE schedules depend on it).
             loaded = load_model(
                 self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,

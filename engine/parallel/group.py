@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,11 @@ logger = logging.getLogger(__name__)
 # timeout bounds idleness, not work, so it is long. A rank that dies is seen at once (its
 # sockets close); a hung one by the worker's own hang check.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
+# Each rank other than 0 sets this key in rank 0's store as it reaches the group. Until every
+# one has, rank 0 waits and asks its launcher whether a rank failed on the way (an import, its
+# device, its actor): joining at once, it waited the group's timeout for a rank that never came.
+ARRIVED_KEY = "pdserve/rank_arrived/{rank}"
+ARRIVAL_POLL_S = 0.05
 
 
 class RankFailedError(RuntimeError):
@@ -80,13 +86,21 @@ class TPGroup:
         self.times = CollectiveTimes()  # for the benchmarks: what the collectives cost a step
 
     @classmethod
-    def join(cls, address: GroupAddress, rank: int, store: dist.Store | None = None) -> "TPGroup":
+    def join(cls, address: GroupAddress, rank: int, store: dist.Store | None = None,
+             check_ranks: Callable[[], None] | None = None) -> "TPGroup":
         """Join (blocking until every rank has) the group at ``address`` as ``rank``: rank 0 with
-        the ``store`` it listens with (``listen``), the others by connecting to it."""
+        the ``store`` it listens with (``listen``), the others by connecting to it.
+        ``check_ranks`` (rank 0): raises, naming the rank, if one failed before it came."""
         if store is None:
             if rank == 0:
                 raise ValueError("rank 0 joins with the store it listens with (engine.parallel.group.listen)")
             store = dist.TCPStore(address.host, address.port, address.world_size, is_master=False, timeout=IDLE_TIMEOUT)
+            store.set(ARRIVED_KEY.format(rank=rank), "1")
+        elif check_ranks is not None:
+            arrived = [ARRIVED_KEY.format(rank=r) for r in range(1, address.world_size)]
+            while not store.check(arrived):
+                check_ranks()
+                time.sleep(ARRIVAL_POLL_S)
         dist.init_process_group(address.backend, store=store, world_size=address.world_size, rank=rank, timeout=IDLE_TIMEOUT)
         shared_memory = None
         if address.backend == "gloo":

@@ -26,6 +26,9 @@ class RankLauncher(Protocol):
     def stop(self) -> None:
         """End the ranks still running (after rank 0 said stop, or to tear a broken group down)."""
 
+    def check_alive(self) -> None:
+        """Raise RuntimeError naming the first rank that ended (and why, where known)."""
+
 
 def _serve_rank(model_path: Path, config: EngineConfig, address: GroupAddress, rank: int) -> None:
     from engine.parallel.rank import ShardRank
@@ -46,6 +49,11 @@ class SubprocessRanks:
             process = context.Process(target=_serve_rank, args=(model_path, config, address, rank), daemon=True, name=f"tp-rank-{rank}")
             process.start()
             self.processes.append(process)
+
+    def check_alive(self) -> None:
+        for rank, process in enumerate(self.processes, start=1):
+            if process.exitcode is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited with code {process.exitcode}")
 
     def stop(self, timeout_s: float = 10.0) -> None:
         for process in self.processes:

@@ -182,3 +182,30 @@ def test_a_rank_loads_about_half_the_weights_at_tp_2(tmp_path):
         assert part["held_bytes"] < 0.55 * weights
         saved = whole["peak_bytes"] - part["peak_bytes"]
         assert saved > 0.4 * weights, (rank, part["peak_bytes"] / weights, whole["peak_bytes"] / weights)
+
+
+def _fail_before_joining() -> None:
+    raise SystemExit(3)  # as a rank whose device or import failed, before it reached the group
+
+
+def test_a_rank_that_fails_before_joining_fails_rank_0_at_once_naming_it(tp_checkpoints):
+    """Rank 0 joined the group and waited its timeout (days; a worker's start timed out after
+    300 s, saying nothing of why) for a rank that never came; it now asks its launcher while it
+    waits, and fails with that rank's end."""
+    import multiprocessing
+    import time
+
+    from engine.parallel.launch import SubprocessRanks
+
+    class FailingRanks(SubprocessRanks):
+        def start(self, model_path, config, address):
+            process = multiprocessing.get_context("spawn").Process(target=_fail_before_joining, daemon=True)
+            process.start()
+            self.processes.append(process)
+
+    path, _ = tp_checkpoints["llama"]
+    config = EngineConfig(num_kv_blocks=128, num_threads=1, tensor_parallel_size=2)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited with code 3"):
+        LLMEngine(path, config, rank_launcher=FailingRanks())
+    assert time.monotonic() - started < 60
