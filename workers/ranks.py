@@ -269,9 +269,9 @@ class RayRankLauncher:
             try:
                 ray.get(ref)
             except Exception as exc:
-                # Its own error where it never started (a constructor's raise is the cause).
-                cause = getattr(exc, "cause", None) or exc
-                raise RuntimeError(f"tensor-parallel rank {rank} died: {type(cause).__name__}: {str(cause)[:500]}") from None
+                # Where its constructor raised, Ray's message ends with the rank's own traceback,
+                # whose last line names the error: the message's end is kept.
+                raise RuntimeError(f"tensor-parallel rank {rank} died: {type(exc).__name__}: ...{str(exc)[-500:]}") from None
             raise RuntimeError(f"tensor-parallel rank {rank} stopped")
 
     def nodes(self) -> list[str]:

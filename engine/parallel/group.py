@@ -95,6 +95,7 @@ class TPGroup:
             if rank == 0:
                 raise ValueError("rank 0 joins with the store it listens with (engine.parallel.group.listen)")
             store = dist.TCPStore(address.host, address.port, address.world_size, is_master=False, timeout=IDLE_TIMEOUT)
+        if rank > 0:
             store.set(ARRIVED_KEY.format(rank=rank), "1")
         elif check_ranks is not None:
             arrived = [ARRIVED_KEY.format(rank=r) for r in range(1, address.world_size)]
