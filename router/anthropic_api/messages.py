@@ -207,7 +207,7 @@ class MessagesFrontEnd:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         try:
-            model, prompt = read_count_tokens(await self.server.read_json(request), self.server.chat_template, self.router.config.tool_call_parser, self.server.reasoning)
+            model, prompt = read_count_tokens(await self.server.read_json(request), self.server.chat_template, self.server.chat.tool_call_parser, self.server.reasoning)
             self.server.model_name(model)
             return web.json_response({"input_tokens": len(await self.router.encode(prompt, False))})
         except Exception as exc:
@@ -215,7 +215,7 @@ class MessagesFrontEnd:
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         try:
-            api = read_messages(await self.server.read_json(request), self.server.chat_template, self.router.config.tool_call_parser, self.server.reasoning)
+            api = read_messages(await self.server.read_json(request), self.server.chat_template, self.server.chat.tool_call_parser, self.server.reasoning)
             model = self.server.model_name(api.model)
             message_id = f"msg_{uuid.uuid4().hex}"
             api.generate.request_id = message_id

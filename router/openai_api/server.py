@@ -89,10 +89,18 @@ class OpenAIServer:
         self.ssl_context = ssl_context
         self.created = int(time.time())
         self.chat = chat or ChatFormat.of(router)
-        self.chat_template = self.chat.template
-        self.reasoning = self.chat.reasoning
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
+
+    @property
+    def chat_template(self):
+        """The chat template every front end on this server renders with (None: chat is off)."""
+        return self.chat.template
+
+    @property
+    def reasoning(self):
+        """The deployment's reasoning parser (None: none)."""
+        return self.chat.reasoning
 
     async def start(self) -> int:
         app = web.Application(middlewares=[self._edge], client_max_size=MAX_BODY_BYTES)
