@@ -110,8 +110,10 @@ class LocalExecutor(Executor):
 class MultiRankExecutor(Executor):
     """Rank 0 of ``group``: broadcasts each step, computes its shard, returns the gathered logits.
 
-    A failed collective means another rank is gone: ``RankFailedError`` propagates and the
-    engine marks itself broken (``LLMEngine.broken``), never failing a request for it.
+    A failed collective means another rank is gone, and a step that failed on some ranks only
+    leaves them out of step (``TPGroup.run_step``): either way ``RankFailedError`` propagates and
+    the worker ends, never failing a request for it. A step that failed on every rank alike
+    raises its own error, which the engine isolates per request as with one rank.
     """
 
     def __init__(self, runner: ModelRunner, group: TPGroup):
@@ -126,7 +128,7 @@ class MultiRankExecutor(Executor):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         step = self.runner.prepare(batch)
         self.group.broadcast_from_first(step)
-        return self.runner.run(step)
+        return self.group.run_step(lambda: self.runner.run(step))
 
     def change_adapter(self, change: AdapterChange, dtype: torch.dtype) -> None:
         self.group.broadcast_from_first(change)
@@ -137,7 +139,7 @@ class MultiRankExecutor(Executor):
     def execute_stage(self, batch: ScheduledBatch, layers: range, incoming: StageActivations | None) -> torch.Tensor | StageActivations:
         stage = StageStep(self.runner.prepare(batch), layers, incoming)
         self.group.broadcast_from_first(stage)
-        return self.runner.run_stage(stage.step, layers, incoming)
+        return self.group.run_step(lambda: self.runner.run_stage(stage.step, layers, incoming))
 
     def close(self) -> None:
         if self._closed:

@@ -125,6 +125,8 @@ def _build() -> ctypes.CDLL:
     library.pdserve_shm_header_bytes.argtypes = [int64]
     library.pdserve_shm_allreduce.restype = ctypes.c_int
     library.pdserve_shm_allreduce.argtypes = [pointer, int64, int64, int64, pointer, int64, ctypes.c_int, ctypes.c_uint64, ctypes.c_double]  # region, rank, world, slot bytes, data, n, bf16, seq, timeout
+    library.pdserve_shm_abort.restype = None
+    library.pdserve_shm_abort.argtypes = [pointer, int64]
     library.pdserve_vector_width.restype = ctypes.c_int
     if library.pdserve_vector_width() != vector_width():
         raise RuntimeError("kernel vector width does not match the CPU flags")

@@ -10,6 +10,10 @@
 // of slots [2][world][slot_bytes]. Operation seq uses generation seq & 1: a rank writes its
 // slot of a generation again only at seq + 2, after every rank published seq + 1, i.e. after
 // every rank finished reading the slots of seq.
+//
+// A rank that leaves its group for good (its step failed there alone, so the others wait in a
+// collective it will never reach) sets its flags to ``kAborted``: the others stop waiting at
+// once instead of after the timeout.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -20,6 +24,7 @@
 namespace {
 
 constexpr int64_t kLine = 64;
+constexpr uint64_t kAborted = ~uint64_t{0};
 
 inline std::atomic<uint64_t>* flag(void* region, int64_t rank, int64_t generation) {
   return reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(region) + (rank * 2 + generation) * kLine);
@@ -40,12 +45,15 @@ inline uint16_t narrow(float x) {  // round to nearest even, as torch rounds
 }
 
 // False if the other rank did not arrive within ``timeout_s`` (it died or hangs: a rank that
-// is alive reaches each all-reduce of a step within milliseconds of the others).
+// is alive reaches each all-reduce of a step within milliseconds of the others) or aborted.
 bool wait_for(std::atomic<uint64_t>* other, uint64_t seq, double timeout_s) {
   // Spin while the other rank is about to arrive (balanced shards arrive within microseconds);
   // yield the core after that, so a rank waiting for a descheduled one does not starve it.
   const auto start = std::chrono::steady_clock::now();
-  for (int64_t spins = 0; other->load(std::memory_order_acquire) < seq; ++spins) {
+  for (int64_t spins = 0;; ++spins) {
+    const uint64_t seen = other->load(std::memory_order_acquire);
+    if (seen == kAborted) return false;
+    if (seen >= seq) return true;
     if (spins < 4096) {
       _mm_pause();
       continue;
@@ -54,12 +62,16 @@ bool wait_for(std::atomic<uint64_t>* other, uint64_t seq, double timeout_s) {
     if ((spins & 1023) == 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_s)
       return false;
   }
-  return true;
 }
 
 }  // namespace
 
 extern "C" int64_t pdserve_shm_header_bytes(int64_t world) { return world * 2 * kLine; }
+
+// Rank ``rank`` leaves the group: every wait for it, now or later, fails at once.
+extern "C" void pdserve_shm_abort(void* region, int64_t rank) {
+  for (int64_t generation = 0; generation < 2; ++generation) flag(region, rank, generation)->store(kAborted, std::memory_order_release);
+}
 
 // Sum ``n`` elements of ``data`` (float32, or bfloat16 when ``bf16``) over ``world`` ranks in
 // place. ``seq`` starts at 1 and grows by one per call, the same on every rank. Returns 0, or

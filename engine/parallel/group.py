@@ -30,6 +30,13 @@ IDLE_TIMEOUT = datetime.timedelta(days=7)
 # device, its actor): joining at once, it waited the group's timeout for a rank that never came.
 ARRIVED_KEY = "pdserve/rank_arrived/{rank}"
 ARRIVAL_POLL_S = 0.05
+# A step that raised on one rank raised on every rank (the same inputs meet the same error at the
+# same point, so the ranks are still in step and rank 0 reruns the batch per request), or on some
+# only (an out-of-memory error on one): those wait in the step's next collective for good. Each
+# rank whose step raised counts itself under this key in rank 0's store, and waits this long for
+# all to have: ranks in step fail within one layer's work of each other.
+STEP_FAILED_KEY = "pdserve/step_failed/{step}"
+STEP_AGREEMENT_TIMEOUT_S = 5.0
 
 
 class RankFailedError(RuntimeError):
@@ -78,11 +85,15 @@ class CollectiveTimes:
 class TPGroup:
     """A worker's ranks as one torch.distributed group; ``rank`` is this process's."""
 
-    def __init__(self, rank: int, world_size: int, group: Any = None, shared_memory: Any = None):
+    def __init__(self, rank: int, world_size: int, group: Any = None, shared_memory: Any = None, store: dist.Store | None = None):
         self.rank = rank
         self.world_size = world_size
         self._group = group
         self._shm = shared_memory  # engine.parallel.shm.SharedMemoryAllReduce, on CPU
+        self._store = store  # rank 0's, where ranks agree on a failed step (``run_step``)
+        self._num_broadcasts = 0  # the same count on every rank: it names a step
+        self._last_failed_key: str | None = None
+        self._left = False  # aborted: every later step fails at once (RankFailedError)
         self.times = CollectiveTimes()  # for the benchmarks: what the collectives cost a step
 
     @classmethod
@@ -109,7 +120,7 @@ class TPGroup:
 
             shared_memory = SharedMemoryAllReduce(rank, address.world_size, f"{address.host}-{address.port}")
         logger.info("rank %d of %d joined %s (%s)", rank, address.world_size, address.init_method, address.backend)
-        return cls(rank, address.world_size, dist.group.WORLD, shared_memory)
+        return cls(rank, address.world_size, dist.group.WORLD, shared_memory, store)
 
     @property
     def is_first(self) -> bool:
@@ -123,7 +134,7 @@ class TPGroup:
                 if self._shm is None or not self._shm.all_reduce(tensor):
                     dist.all_reduce(tensor, group=self._group)
             except RuntimeError as exc:
-                raise RankFailedError(f"all-reduce failed on rank {self.rank}: {exc}") from exc
+                raise self._broken("all-reduce", exc) from exc
             self.times.all_reduce_s += time.perf_counter() - started
             self.times.num_all_reduces += 1
         return tensor
@@ -138,7 +149,7 @@ class TPGroup:
         try:
             dist.gather(tensor, parts, dst=0, group=self._group)
         except RuntimeError as exc:
-            raise RankFailedError(f"gather failed on rank {self.rank}: {exc}") from exc
+            raise self._broken("gather", exc) from exc
         self.times.gather_s += time.perf_counter() - started
         return torch.cat(parts, dim=-1) if self.is_first else None
 
@@ -146,15 +157,69 @@ class TPGroup:
         """Rank 0's ``message`` on every rank (pickled; the others pass nothing)."""
         if self.world_size == 1:
             return message
+        if self._left:
+            raise RankFailedError(f"rank {self.rank} left its group (it broke)")
         box = [message]
         started = time.perf_counter()
         try:
             dist.broadcast_object_list(box, src=0, group=self._group)
         except RuntimeError as exc:
-            raise RankFailedError(f"broadcast failed on rank {self.rank}: {exc}") from exc
+            raise self._broken("broadcast", exc) from exc
+        self._num_broadcasts += 1
         if self.is_first:  # the other ranks wait here between steps: idle, not cost
             self.times.broadcast_s += time.perf_counter() - started
         return box[0]
+
+    def run_step(self, compute: Callable[[], Any]) -> Any:
+        """This rank's part of the step rank 0 last broadcast: ``compute()``. If it raises, the
+        error is raised as it is once every rank's step raised too (the ranks are in step: the
+        error is the step's own, a request's to answer for); if one rank's did not within
+        ``STEP_AGREEMENT_TIMEOUT_S``, the ranks are out of step for good: this rank aborts the
+        group, so the others stop waiting for it now, and raises ``RankFailedError``."""
+        try:
+            return compute()
+        except RankFailedError:
+            raise
+        except Exception as exc:
+            if self.world_size == 1 or self._failed_alike():
+                raise
+            self.abort()
+            raise RankFailedError(f"a step failed on rank {self.rank} alone ({type(exc).__name__}: {exc}); the ranks are out of step") from exc
+
+    def _failed_alike(self) -> bool:
+        """Count this rank's failure of the current step; True once every rank's is counted."""
+        key = STEP_FAILED_KEY.format(step=self._num_broadcasts)
+        deadline = time.monotonic() + STEP_AGREEMENT_TIMEOUT_S
+        try:
+            failed = self._store.add(key, 1)
+            while failed < self.world_size:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(ARRIVAL_POLL_S / 5)
+                failed = self._store.add(key, 0)
+            if self.is_first and self._last_failed_key is not None:
+                # Every rank is past that step (they all reached this one): its count is done with.
+                self._store.delete_key(self._last_failed_key)
+        except RuntimeError:  # the store is rank 0's: it is gone
+            return False
+        self._last_failed_key = key
+        return True
+
+    def _broken(self, collective: str, exc: Exception) -> RankFailedError:
+        """A collective failed: another rank is gone, or left. So does this one (``abort``), so
+        that no rank still waits for it (a group of more than two)."""
+        self.abort()
+        return RankFailedError(f"{collective} failed on rank {self.rank}: {exc}")
+
+    def abort(self) -> None:
+        """Leave the group for good, so that the other ranks' collectives fail now rather than
+        wait for this one (the shared memory's flags, then the process group's sockets)."""
+        if self._left:
+            return
+        self._left = True
+        if self._shm is not None:
+            self._shm.abort()
+        self.close()
 
     def close(self) -> None:
         if self._shm is not None:

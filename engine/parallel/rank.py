@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.executor import STOP, AdapterChange, StageStep
 from engine.kv_cache import KVCache
 from engine.loader import load_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepInput
 from engine.parallel.group import GroupAddress, RankFailedError, TPGroup
 
 logger = logging.getLogger(__name__)
@@ -59,19 +59,22 @@ class ShardRank:
                     logger.error("rank %d: LoRA adapter %s not loaded: %r", self.rank, step.adapter_dir, error)
                 continue
             try:
-                if isinstance(step, StageStep):  # a pipeline stage's step: only its layers
-                    self.runner.run_stage(step.step, step.layers, step.incoming)
-                else:
-                    self.runner.run(step)
+                self.group.run_step(lambda: self._run(step))
             except RankFailedError:
                 raise
             except Exception:
-                # Rank 0 meets the same error with the same inputs, and runs the batch's
-                # sequences again one at a time; this rank follows its broadcasts.
+                # Every rank met it (run_step): rank 0 runs the batch's sequences again one at
+                # a time, and this rank follows its broadcasts.
                 logger.exception("rank %d: a step failed", self.rank)
             self.num_steps += 1
         self.group.close()
         logger.info("rank %d: stopped after %d steps", self.rank, self.num_steps)
+
+    def _run(self, step: StepInput | StageStep) -> None:
+        if isinstance(step, StageStep):  # a pipeline stage's step: only its layers
+            self.runner.run_stage(step.step, step.layers, step.incoming)
+        else:
+            self.runner.run(step)
 
 
 def _own_device(config: EngineConfig, rank: int) -> EngineConfig:

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 SLOT_BYTES = 8 * 1024 * 1024  # a 2,048-token chunk of a 1,024-wide model in float32 fits
 # A rank alive reaches each all-reduce within milliseconds of the others; this long a wait means
-# another rank died or hangs (gloo would have seen its socket close).
+# another rank died or hangs (gloo would have seen its socket close). A rank that leaves for
+# good (``abort``) ends the others' waits at once.
 ARRIVAL_TIMEOUT_S = 60.0
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -87,6 +88,11 @@ class SharedMemoryAllReduce:
         if status != 0:
             raise RuntimeError(f"another rank did not reach the all-reduce within {self.arrival_timeout_s:g}s (dead or hung)")
         return True
+
+    def abort(self) -> None:
+        """Leave the group for good: every other rank's all-reduce, waiting now or later, fails at once."""
+        if self._map is not None:
+            self._library.pdserve_shm_abort(self._region.data_ptr(), self.rank)
 
     def close(self) -> None:
         if self._map is not None:

@@ -96,6 +96,34 @@ def test_a_rank_that_never_arrives_is_a_lost_rank():
     assert len(errors) == 1 and "did not reach the all-reduce within 1s" in errors[0]
 
 
+def _one_aborts(rank: int, world: int, addresses, results, size: int) -> None:
+    import time
+
+    group = _meet(rank, world, addresses, results)
+    if rank == world - 1:
+        time.sleep(0.5)  # the others are waiting in the all-reduce by now
+        group.abort()  # as a rank whose step failed there alone (TPGroup.run_step)
+        return
+    started = time.monotonic()
+    try:
+        group.all_reduce(torch.ones(size))
+    except RankFailedError as exc:
+        results[rank] = (time.monotonic() - started, str(exc))
+
+
+@pytest.mark.parametrize("size", [16, SLOT_BYTES // 4 + 1], ids=["shared memory", "gloo"])
+def test_a_rank_that_aborts_ends_every_other_ranks_wait_at_once(size):
+    """The others waited out the arrival timeout (60 s) on shared memory; now the aborting rank's
+    flags (or, over gloo, its closed sockets) end their all-reduces within seconds, each with
+    RankFailedError."""
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    _run(_one_aborts, 3, manager.Queue(), results, size)
+    for rank in (0, 1):
+        waited, error = results[rank]
+        assert waited < 10, (rank, waited, error)
+
+
 def test_a_rank_failing_during_setup_leaves_nothing_in_dev_shm(monkeypatch):
     """Rank 0 made the segment and another rank failed (its barrier raised): the file was left in
     /dev/shm, and a later worker given the same port could not start (O_EXCL)."""

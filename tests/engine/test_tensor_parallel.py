@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, FinishReason, LLMEngine, SamplingParams
 from engine.errors import ModelLoadError
+from engine.parallel.group import RankFailedError
+from engine.parallel.launch import SubprocessRanks
 from tests.checkpoints import build_checkpoint, hf_greedy, random_prompts
 
 # Each architecture with what makes it different, at shapes that stress the split: biases on the
@@ -38,9 +41,9 @@ def tp_checkpoints(tmp_path_factory):
     return built
 
 
-def _engine(path, tp: int, **kwargs) -> LLMEngine:
+def _engine(path, tp: int, rank_launcher=None, **kwargs) -> LLMEngine:
     config = EngineConfig(num_kv_blocks=128, max_num_batched_tokens=64, long_prefill_chunk=16, num_threads=1, tensor_parallel_size=tp, **kwargs)
-    return LLMEngine(path, config)
+    return LLMEngine(path, config, rank_launcher=rank_launcher)
 
 
 @pytest.mark.parametrize("arch", list(VARIANTS))
@@ -209,3 +212,112 @@ def test_a_rank_that_fails_before_joining_fails_rank_0_at_once_naming_it(tp_chec
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited with code 3"):
         LLMEngine(path, config, rank_launcher=FailingRanks())
     assert time.monotonic() - started < 60
+
+
+POISON_LENGTH = 13  # a prompt this long is one slice from position 0 (the others' first chunks are 16)
+
+
+def _poisoned(step) -> bool:
+    return any(piece.context_len == 0 and piece.num_tokens == POISON_LENGTH for piece in step.slices)
+
+
+def _serve_rank_failing_on_poison(model_path, config, address, rank) -> None:
+    from engine.parallel.rank import ShardRank
+
+    shard_rank = ShardRank(model_path, config, address, rank)
+    real_run = shard_rank.runner.run
+
+    def run(step):
+        if _poisoned(step):
+            raise RuntimeError(f"injected fault on rank {rank}")
+        return real_run(step)
+
+    shard_rank.runner.run = run
+    shard_rank.serve()
+
+
+class PoisonedRanks(SubprocessRanks):
+    """Ranks (1..) whose steps raise where they hold the poisoned prompt."""
+
+    def start(self, model_path, config, address):
+        for rank in range(1, address.world_size):
+            process = multiprocessing.get_context("spawn").Process(
+                target=_serve_rank_failing_on_poison, args=(model_path, config, address, rank), daemon=True,
+            )
+            process.start()
+            self.processes.append(process)
+
+
+def _poison_rank_0(engine, monkeypatch) -> None:
+    real_run = engine.runner.run
+
+    def run(step):
+        if _poisoned(step):
+            raise RuntimeError("injected fault on rank 0")
+        return real_run(step)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+
+
+def _requests(model):
+    prompts = random_prompts([40, POISON_LENGTH, 19], model.config.vocab_size, seed=11)
+    return {"good-0": prompts[0], "poison": prompts[1], "good-1": prompts[2]}
+
+
+def test_a_step_every_rank_fails_alike_ends_only_its_request(tp_checkpoints, monkeypatch):
+    """An error every rank meets with the same inputs (a request's own) keeps the ranks in step:
+    that request ends with ERROR, the others go on as transformers computes, nothing leaks."""
+    path, model = tp_checkpoints["llama"]
+    engine = _engine(path, 2, rank_launcher=PoisonedRanks())
+    try:
+        _poison_rank_0(engine, monkeypatch)
+        requests = _requests(model)
+        for req_id, prompt in requests.items():
+            engine.add_request(req_id, prompt, GREEDY)
+        outputs: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.req_id, []).append(out)
+        assert outputs["poison"][-1].finish_reason is FinishReason.ERROR
+        assert "injected fault on rank 0" in outputs["poison"][-1].error
+        for req_id in ("good-0", "good-1"):
+            assert [t for o in outputs[req_id] for t in o.new_token_ids] == hf_greedy(model, requests[req_id], MAX_NEW)
+        assert engine.num_free_blocks == 128
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_step_that_fails_on_one_rank_alone_ends_the_worker_within_seconds(tp_checkpoints, monkeypatch, failing_rank):
+    """A step that raises on one rank only (an out-of-memory error there, say) leaves the others
+    waiting in its next collective. They waited for the shared memory's 60 s (a GPU's NCCL: the
+    group's timeout of days) while requests stalled; now the failing rank learns within seconds
+    that the others did not fail alike, aborts the group, and both ranks end with
+    RankFailedError: the worker is replaced and its requests retried elsewhere."""
+    import time
+
+    path, model = tp_checkpoints["llama"]
+    launcher = PoisonedRanks() if failing_rank == 1 else SubprocessRanks()
+    engine = _engine(path, 2, rank_launcher=launcher)
+    try:
+        if failing_rank == 0:
+            _poison_rank_0(engine, monkeypatch)
+        for req_id, prompt in _requests(model).items():
+            engine.add_request(req_id, prompt, GREEDY)
+        started = time.monotonic()
+        with pytest.raises(RankFailedError):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - started < 30
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the other rank stopped waiting too
+            try:
+                launcher.check_alive()
+            except RuntimeError as exc:
+                assert "rank 1 exited" in str(exc)
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("rank 1 still waits in a collective")
+    finally:
+        engine.close()  # nothing left to stop: a broken group is already left
