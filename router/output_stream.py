@@ -184,8 +184,9 @@ class OutputAssembler:
         return chunk
 
     def final_chunk(self, reason: str, detail: str = "", error_field: str = "") -> OutputChunk:
-        """A last chunk for an end the decode actor did not report (abort, error)."""
-        return OutputChunk(end=self._end(reason, detail=detail, error_field=error_field))
+        """A last chunk for an end the decode actor did not report (abort, error): with the text
+        still held back as the possible start of a stop string, which no stop can end now."""
+        return OutputChunk(text=self.stops.flush(), end=self._end(reason, detail=detail, error_field=error_field))
 
     def _end(self, reason: str, matched_stop: str = "", detail: str = "", error_field: str = "") -> StreamEnd:
         assert reason in FINISH_REASONS, reason

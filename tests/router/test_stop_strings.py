@@ -176,6 +176,23 @@ def test_a_stop_string_that_begins_inside_min_tokens_and_ends_after_it_matches(b
     assert answer(["ab", "abc"], 2, [[a], [b], [c]]) == ("", "abc")  # "abc" ends after it
 
 
+def test_text_held_for_a_stop_string_reaches_the_client_when_the_request_fails(byte_level_tokenizer):
+    """A failure after tokens were sent ends the stream with a last chunk (final_chunk): the
+    text held back as the possible start of a stop string was generated, and no stop can end it
+    now. It was dropped."""
+    from decode_workers.messages import SeqOutput
+    from engine.sampling_params import SamplingParams
+    from router.output_stream import OutputAssembler
+    from router.validation import ValidatedRequest
+
+    (a,), (nl,) = (byte_level_tokenizer.encode(t, add_special_tokens=False) for t in ("a", "\n"))
+    request = ValidatedRequest("r", [72], None, SamplingParams(max_tokens=50), ["\n\n"], True, 0, 0.0, None)
+    assembler = OutputAssembler(request, byte_level_tokenizer)
+    assert assembler.on_output(SeqOutput("r", [a, nl])).text == "a"  # "\n" may begin the stop
+    last = assembler.final_chunk("error", "decode worker lost")
+    assert (last.text, last.end.reason) == ("\n", "error")
+
+
 def _answer(tokenizer, stops: list[str], min_tokens: int, outputs: list[list[int]]) -> tuple[str, str | None]:
     """The answer's text and the stop that ended it, from the router's assembler fed these
     outputs (token ids each); text still held back is flushed where none ended it."""
