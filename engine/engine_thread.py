@@ -37,10 +37,13 @@ class EngineThread:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop after the iteration running now; True once the thread ended (False: that
+        iteration still runs after ``timeout_s``)."""
         self._stopping.set()
         self._commands.put((lambda: None, (), Future()))
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:

@@ -315,10 +315,16 @@ class EngineWorker:
         )
 
     async def shutdown(self) -> None:
-        self._thread.stop()
+        stopped = self._thread.stop()
         self.pump.stop()
         self.agent.close()
         if self.activations is not None:
             self.activations.close()
         if self.ranks is not None:
-            self.engine.close()
+            if stopped:
+                self.engine.close()  # tells the ranks to stop (a broadcast), then ends them
+            else:
+                # A step still runs its collectives on the engine thread: a STOP broadcast from
+                # here would meet them in the middle (two threads on one group's sockets).
+                logger.warning("%s %s: a step still runs at shutdown; its ranks are ended", self.role, self.worker_id)
+                self.ranks.stop()
