@@ -25,7 +25,9 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # JSON as json.dumps writes it (and as models have mostly seen it): ", " between items, ": "
 # after keys, no other whitespace. Free whitespace lets a sampled answer run to max_tokens in
 # spaces and newlines.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# oneOf is read as anyOf (xgrammar, vLLM's default, does the same): the discriminated unions pydantic
+# and Zod write are oneOf, and llguidance refuses oneOf otherwise.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "coerce_one_of": True}
 
 
 @dataclass(slots=True, frozen=True)

@@ -29,6 +29,7 @@ from router.openai_api.tool_formats import MISTRAL_CALLS, detect_parser
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MISTRAL_ID_LENGTH = 9  # Mistral's templates refuse other tool call ids
+_DEFINITION_KEYWORDS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s name
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,16 +54,31 @@ class ToolCalling:
             return StructuredOutput("json_schema", json.dumps(_parameters(self._tool(self.name))), field="tool_choice")
         if self.choice != "required":
             return None
-        items = [
-            {
+        # Each tool's parameters sit deep in the answer's schema, so their definitions (``$defs``,
+        # which the openai SDK's tools from nested pydantic models carry, and the older
+        # ``definitions``) move to its root, where their references ("#/$defs/...") point.
+        definitions: dict[str, dict[str, Any]] = {}
+        items = []
+        for index, tool in enumerate(self.tools):
+            parameters = dict(_parameters(tool))
+            for keyword in _DEFINITION_KEYWORDS:
+                found = parameters.pop(keyword, None) or {}
+                if not isinstance(found, dict):
+                    raise InvalidArgumentError(f"tools[{index}].function.parameters.{keyword}", "must be an object of named schemas")
+                for name, definition in found.items():
+                    held = definitions.setdefault(keyword, {})
+                    if held.setdefault(name, definition) != definition:
+                        raise InvalidArgumentError(
+                            f"tools[{index}].function.parameters.{keyword}.{name}",
+                            'differs from another tool\'s definition of that name, which tool_choice "required" cannot tell apart',
+                        )
+            items.append({
                 "type": "object",
-                "properties": {"name": {"enum": [tool["function"]["name"]]}, "parameters": _parameters(tool)},
+                "properties": {"name": {"enum": [tool["function"]["name"]]}, "parameters": parameters},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
-            }
-            for tool in self.tools
-        ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+            })
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}, **definitions}
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutput("json_schema", json.dumps(schema), field="tool_choice")

@@ -123,6 +123,44 @@ def test_required_and_named_choices_have_grammars_and_parse_their_json():
     assert content == "" and streamed == whole and whole[0]["name"] == "get_weather" and reason is None
 
 
+def test_required_choice_compiles_tools_whose_parameters_reference_their_definitions():
+    """The openai SDK's tools from nested pydantic models keep the nested models under "$defs",
+    referenced as "#/$defs/...": nested in the required choice's array schema, those references
+    named nothing and every such request was refused (400). Discriminated unions come as oneOf,
+    also refused. Both compile now, and the grammar's answers are the tools' own."""
+    import openai
+    import pydantic
+
+    from engine.structured_output import check_grammar
+
+    class Place(pydantic.BaseModel):
+        city: str
+
+    class Trip(pydantic.BaseModel):
+        start: Place
+        end: Place
+
+    class Ask(pydantic.BaseModel):
+        where: Place
+        unit: str = pydantic.Field(json_schema_extra={"oneOf": [{"const": "c"}, {"const": "f"}]})
+
+    tools = [openai.pydantic_function_tool(Trip), openai.pydantic_function_tool(Ask)]
+    constraint = ToolCalling(tools, "required").constraint()
+    check_grammar(constraint)
+    schema = json.loads(constraint.value)
+    jsonschema.validate([{"name": "Trip", "parameters": {"start": {"city": "Oslo"}, "end": {"city": "Rome"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "Trip", "parameters": {"start": {"town": "Oslo"}, "end": {"city": "Rome"}}}], schema)
+    check_grammar(ToolCalling(tools, "named", name="Ask").constraint())
+
+    clash = json.loads(json.dumps(tools[1]))
+    clash["function"]["name"] = "Other"
+    clash["function"]["parameters"]["$defs"]["Place"]["properties"] = {"zip": {"type": "string"}}
+    with pytest.raises(InvalidArgumentError) as refused:
+        ToolCalling([tools[0], clash], "required").constraint()
+    assert refused.value.field == "tools[1].function.parameters.$defs.Place"
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
