@@ -116,13 +116,16 @@ class Llama3JsonReader(WholeAnswerReader):
 
     def read(self, text: str, whole: bool) -> CallsRead | None:
         text = text.strip().removeprefix(PYTHON_TAG).strip()
-        streamed, stop = json_calls(text, object_end=None if whole else self.ends.end)  # the whole answer is read afresh
+        names = {tool["function"]["name"] for tool in self.tools}
+        streamed, stop = json_calls(text, object_end=None if whole else self.ends.end, names=names)  # the whole answer is read afresh
         if not whole:
             return CallsRead(streamed)
-        return _streamed_or_whole(text, streamed, stop, self._parse(text))
+        return _streamed_or_whole(text, streamed, stop, self._parse(text, names))
 
     @staticmethod
-    def _parse(text: str) -> list[Found] | None:
+    def _parse(text: str, names: set[str]) -> list[Found] | None:
+        """The calls of a whole answer; None where it is any other JSON (an answer in JSON is as
+        likely as a call: one is a call only with a tool's name and its arguments, as vLLM asks)."""
         calls = []
         position = 0
         while position < len(text):
@@ -130,7 +133,7 @@ class Llama3JsonReader(WholeAnswerReader):
                 body, end = STRICT_JSON.raw_decode(text, position)
             except (ValueError, RecursionError):  # not JSON (NaN, 1e999 included), or nested past what the parser follows
                 return None
-            if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            if not isinstance(body, dict) or body.get("name") not in names or not ("parameters" in body or "arguments" in body):
                 return None
             arguments = body.get("parameters", body.get("arguments"))
             calls.append((body["name"], {} if arguments is None else arguments))

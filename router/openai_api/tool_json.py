@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 _JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _JSON_CALL_TAIL = re.compile(r"\s*\}\s*[,;]?")  # a call object's end, after its arguments
@@ -18,20 +18,25 @@ _JSON_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # a string's ch
 _JSON_QUOTE_OR_BRACKET = re.compile(r'["{}\[\]]')
 
 
-def json_calls(text: str, position: int = 0, object_end: Callable[[str, int], int] | None = None) -> tuple[list[tuple[str, str]], int]:
+def json_calls(text: str, position: int = 0, object_end: Callable[[str, int], int] | None = None,
+               names: Collection[str] | None = None) -> tuple[list[tuple[str, str]], int]:
     """Calls written as JSON objects, ``{"name": ..., "arguments" (or "parameters"): {...}}``, one
     after another (commas, semicolons or whitespace between), from ``position``: each one's name
     and its arguments object's text so far, and where the reading stopped (the first text that
     is no such call, or the end). ``object_end``: where an arguments object ends (an
-    ``ObjectEnds``' ``end`` where earlier reads of this text, shorter, were kept; default: read afresh)."""
+    ``ObjectEnds``' ``end`` where earlier reads of this text, shorter, were kept; default: read afresh).
+    ``names``: where given, a call must name one of them (else the reading stops before it)."""
     object_end = object_end or json_object_end
     calls = []
     while True:
         head = _JSON_CALL_HEAD.match(text, position)
         if head is None:
             return calls, position
+        name = json.loads(head.group(1))
+        if names is not None and name not in names:
+            return calls, position
         end = object_end(text, head.end())
-        calls.append((json.loads(head.group(1)), text[head.end() : end]))
+        calls.append((name, text[head.end() : end]))
         after = _JSON_CALL_TAIL.match(text, end)
         if after is None:
             return calls, end

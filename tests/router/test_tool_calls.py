@@ -91,6 +91,9 @@ def test_llama3_json_calls_with_and_without_the_python_tag(piece):
     content, _, whole, _ = _run(LLAMA, '{"name": "get_time", "parameters": {}} and that is all', piece)
     assert (content, [(c["name"], c["arguments"]) for c in whole]) == ("and that is all", [("get_time", "{}")])
     assert [c["arguments"] for c in _run(LLAMA, '{"name": "get_time", "parameters": null}', piece)[2]] == ["{}"]  # an object, as the API promises
+    # An answer in JSON with a "name" is no call: not without arguments, nor naming no tool.
+    for answer in ('{"name": "Alice", "age": 30}', '{"name": "get_time"}', '{"name": "Alice", "parameters": {}}'):
+        assert _run(LLAMA, answer, piece)[:3] == (answer, [], [])
 
 
 @pytest.mark.parametrize("piece", [1, 2, 5])
