@@ -123,6 +123,11 @@ class DecodeGraphs:
         bucket = self.bucket(rows)
         if bucket is None or not all(s.decode for s in step.slices) or step.logits_indices != list(range(rows)):
             return None
+        if rows != len(step.slices) and self.kv_cache.quantized is not None:
+            # Draft rows (speculative decoding) write a sequence's block from several rows, and a
+            # graph's quantized write takes every row for a block of its own: the rows would
+            # rescale one block's entries unordered (run_starts, graph_metadata). Eager it is.
+            return None
         layout = lay_out(step.slices, tables, self.kv_cache.block_size)
         decode_tables = layout.decode_tables()
         if decode_tables.shape[1] > self.max_blocks_per_seq:
@@ -151,8 +156,8 @@ class DecodeGraphs:
             if num_pending:
                 staging[:num_pending, 4] = torch.tensor(step.pending_rows)
                 staging[:num_pending, 5] = torch.tensor(step.pending_sources)
-            if with_adapters:
-                staging[:rows, 6] = torch.tensor(step.slice_adapters)
+            if with_adapters:  # a slot per slice; a slice with drafts has a row per token
+                staging[:rows, 6] = torch.from_numpy(np.repeat(step.slice_adapters, [s.num_tokens for s in step.slices]))
                 staging[rows:bucket, 6] = -1
             on_device = staging[:bucket].to(self.backend.device, non_blocking=True)
             if with_adapters:
