@@ -185,8 +185,10 @@ class OutputAssembler:
 
     def final_chunk(self, reason: str, detail: str = "", error_field: str = "") -> OutputChunk:
         """A last chunk for an end the decode actor did not report (abort, error): with the text
-        still held back as the possible start of a stop string, which no stop can end now."""
-        return OutputChunk(text=self.stops.flush(), end=self._end(reason, detail=detail, error_field=error_field))
+        still held back (the detokenizer's unsettled tail, the possible start of a stop string),
+        which no later token can change now. A stop string can still complete in that tail."""
+        check = self.stops.feed(self.detokenizer.finish())
+        return OutputChunk(text=check.text + self.stops.flush(), end=self._end(reason, detail=detail, error_field=error_field))
 
     def _end(self, reason: str, matched_stop: str = "", detail: str = "", error_field: str = "") -> StreamEnd:
         assert reason in FINISH_REASONS, reason

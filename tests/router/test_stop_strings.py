@@ -193,6 +193,25 @@ def test_text_held_for_a_stop_string_reaches_the_client_when_the_request_fails(b
     assert (last.text, last.end.reason) == ("\n", "error")
 
 
+def test_a_failed_request_keeps_the_text_its_detokenizer_still_held(wordpiece_cleanup_dir):
+    """A tokenizer that cleans up spaces holds back the last characters of its text (" ." may
+    still become "."): a stream that failed after tokens were sent lost them, though their token
+    ids were sent."""
+    from decode_workers.messages import SeqOutput
+    from engine.sampling_params import SamplingParams
+    from router.output_stream import OutputAssembler
+    from router.tokenizer import Tokenizer
+    from router.validation import ValidatedRequest
+
+    tokenizer = Tokenizer.from_model_dir(wordpiece_cleanup_dir)
+    ids = tokenizer.encode("the quick brown fox jumps over the lazy dog", add_special_tokens=False)
+    request = ValidatedRequest("r", [5], None, SamplingParams(max_tokens=50), [], True, 0, 0.0, None)
+    assembler = OutputAssembler(request, tokenizer)
+    sent = assembler.on_output(SeqOutput("r", ids)).text
+    last = assembler.final_chunk("error", "decode worker lost")
+    assert sent + last.text == tokenizer.decode(ids, True) and len(last.text) > 0
+
+
 def _answer(tokenizer, stops: list[str], min_tokens: int, outputs: list[list[int]]) -> tuple[str, str | None]:
     """The answer's text and the stop that ended it, from the router's assembler fed these
     outputs (token ids each); text still held back is flushed where none ended it."""
