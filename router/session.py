@@ -108,6 +108,8 @@ class GenerationSession:
                 self._observe_failure("error")
                 raise item.error
         except (asyncio.CancelledError, GeneratorExit):
+            if active.assembler.finished:
+                raise  # closed after its last chunk (front ends stop reading there): no abort
             logger.info("req %s: cancelled by the client or its deadline", active.req_id)
             self._observe_failure("abort")
             raise

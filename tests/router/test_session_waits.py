@@ -54,3 +54,40 @@ def test_the_stream_itself_cancelled_while_it_waits_ends_cancelled_and_leaves_th
         prefill.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_stream_closed_after_its_last_chunk_is_no_abort(byte_level_tokenizer):
+    """The Anthropic and Responses front ends stop reading at the chunk that ends a request,
+    which closes the stream there: every such request was also counted (and logged) as aborted
+    by its client."""
+    from contextlib import aclosing
+
+    from decode_workers.messages import SeqOutput
+    from engine.sampling_params import SamplingParams
+    from router.output_stream import OutputAssembler
+    from router.validation import ValidatedRequest
+
+    async def noop(*_):
+        return None
+
+    class Outputs:
+        async def get(self, interval):
+            return SeqOutput("r", [72], finished=True, finish_reason="length")
+
+    async def scenario():
+        request = ValidatedRequest("r", [5], None, SamplingParams(max_tokens=1), [], True, 0, 0.0, None)
+        active = SimpleNamespace(req_id="r", request=request, assembler=OutputAssembler(request, byte_level_tokenizer),
+                                 outputs=Outputs(), prefill_task=None, attempt=0)
+        router = SimpleNamespace(wait_ready=noop, dispatcher=SimpleNamespace(dispatch=noop), metrics=None,
+                                 config=SimpleNamespace(stream_interval=1), traffic=SimpleNamespace(on_finished=lambda *_: None))
+        session = GenerationSession(router, active)
+        failures = []
+        session._observe_failure = failures.append
+        async with aclosing(session.chunks()) as chunks:
+            async for chunk in chunks:
+                if chunk.end is not None:
+                    assert chunk.end.reason == "length"
+                    break
+        return failures
+
+    assert asyncio.run(scenario()) == []
