@@ -625,7 +625,7 @@ class Dispatcher:
         would (if it is dead, ``on_worker_died`` does; if not, its reservation is given up)."""
         try:
             await within(decode.handle.ping.remote(), self.config.status_timeout_s)
-        except (asyncio.TimeoutError, *WORKER_GONE):
+        except Exception:  # gone, silent, or unhealthy (its ping raises: a hung engine thread, a failed pump)
             self.on_worker_died(decode)  # restarts every request it held, this one included
             return
         active.attempt = next(self._attempts)

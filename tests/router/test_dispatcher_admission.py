@@ -227,3 +227,26 @@ def test_outputs_of_a_decode_actor_taken_for_dead_mid_poll_are_not_streamed():
 
     items = asyncio.run(scenario())
     assert [type(item).__name__ for item in items] == ["Restart"]
+
+
+def test_a_decode_actor_whose_ping_raises_after_a_failed_write_is_taken_for_dead():
+    """A prefill actor's write into a decode actor failed, and that actor's ping raised (its
+    engine thread hung, its transfer pump failed): the error escaped the prefill task, which
+    ended with nobody reading it, no Restart queued, and the stream stalled until the health
+    loop replaced the actor. Now its requests are placed again at once, as for a dead one."""
+    import asyncio
+    from types import SimpleNamespace
+
+    async def scenario():
+        dispatcher = Dispatcher(WorkerPool(), RouterConfig(status_timeout_s=1.0))
+        died = []
+        dispatcher.on_worker_died = died.append
+
+        async def unhealthy():
+            raise RuntimeError("decode-w: no progress for 130s")
+
+        decode = SimpleNamespace(worker_id="w", handle=SimpleNamespace(ping=SimpleNamespace(remote=unhealthy)))
+        await dispatcher._on_decode_unreachable(_active("a"), decode)
+        return died
+
+    assert [w.worker_id for w in asyncio.run(scenario())] == ["w"]
