@@ -699,11 +699,17 @@ class Dispatcher:
             active.prefill_task.cancel()
         prefills = active.prefill_workers
         active.prefill, active.stages, active.prefill_task = None, [], None
+        await self._cancel_on_prefills(active.key, prefills, active.destination.token if prefills else 0)
+
+    @staticmethod
+    async def _cancel_on_prefills(key: str, prefills: list[WorkerRecord], token: int) -> None:
+        """Tell the live prefill actors holding attempt ``token`` of the request to drop it
+        (without waiting for their writes: its decode reservation is gone)."""
         for prefill in prefills:
             if prefill.state is WorkerState.DEAD:
                 continue
             try:
-                await prefill.handle.cancel.remote(active.key, active.destination.token)
+                await prefill.handle.cancel.remote(key, token)
             except WORKER_GONE:
                 pass
 
@@ -823,6 +829,10 @@ class Dispatcher:
             # run calls out of order) leaves a mark, and that reserve is refused.
             await decode.handle.abort.remote(key, active.decode_attempt)
         except WORKER_GONE:
+            # Its blocks went with it; the prefill actors that still hold the request would
+            # compute it for nobody, until a write into the missing peer failed.
+            if prefills:
+                await self._cancel_on_prefills(key, prefills, active.destination.token)
             return
         if not prefills:
             # Ended before any prefill actor was given a reservation (the prefill task sets

@@ -9,7 +9,7 @@ from engine.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.dispatcher import ActiveRequest, Dispatcher
 from router.errors import InvalidArgumentError, ResourceExhaustedError
-from router.pool import WorkerPool
+from router.pool import Role, WorkerPool, WorkerRecord
 from router.validation import ValidatedRequest
 
 
@@ -250,3 +250,33 @@ def test_a_decode_actor_whose_ping_raises_after_a_failed_write_is_taken_for_dead
         return died
 
     assert [w.worker_id for w in asyncio.run(scenario())] == ["w"]
+
+
+def test_a_request_ended_after_its_decode_actor_died_is_dropped_by_its_prefill_actor():
+    """The decode actor's abort raised (it died): the prefill actor still holding the request
+    was never told, and computed it for nobody until its first write into the missing peer
+    failed, taking token budget from live requests."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorDiedError
+
+    async def scenario():
+        dispatcher = Dispatcher(WorkerPool(), RouterConfig())
+        cancelled = []
+
+        async def dead_abort(*_):
+            raise ActorDiedError()
+
+        async def cancel(key, token):
+            cancelled.append((key, token))
+
+        active = _active("a")
+        active.key = "router-1/a"
+        active.decode = SimpleNamespace(worker_id="d", handle=SimpleNamespace(abort=SimpleNamespace(remote=dead_abort)))
+        active.prefill = WorkerRecord("p", Role.PREFILL, SimpleNamespace(cancel=SimpleNamespace(remote=cancel)))
+        active.destination = SimpleNamespace(token=77)
+        await dispatcher._abort_on_workers(active)
+        return cancelled
+
+    assert asyncio.run(scenario()) == [("router-1/a", 77)]
