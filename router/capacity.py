@@ -25,6 +25,11 @@ from router.routing import RouteQuery
 logger = logging.getLogger(__name__)
 
 
+class NoDecodeWorkerError(Exception):
+    """No decode actor is routable: nobody's room can be waited for. The waiter waits for the
+    decode pool to come back (bounded) and queues again in its place."""
+
+
 @dataclass(order=True, slots=True)
 class _Waiter:
     not_aged: int  # 0 once it has waited ``max_wait_s``: then ahead of every priority
@@ -88,6 +93,13 @@ class DecodeCapacity:
 
     def on_report(self) -> None:
         """Capacity may have changed (a report, a death, a new worker): grant waiters in order."""
+        if self._waiters and not self.pool.routable(Role.DECODE):
+            # The last decode actor died or left: no report will come to grant anyone.
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.granted.done():
+                    waiter.granted.set_exception(NoDecodeWorkerError())
+            return
         self._age()
         while self._waiters:
             head = self._waiters[0]

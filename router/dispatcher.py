@@ -51,7 +51,7 @@ from kvtransfer.errors import LeaseExpiredError, PeerLostError, TransferFailedEr
 from kvtransfer.messages import KVDestination
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillTiming, PrefillUnavailableError
 from router.admission import WaitEstimate, WindowRate, estimate_wait
-from router.capacity import DecodeCapacity
+from router.capacity import DecodeCapacity, NoDecodeWorkerError
 from router.config import Disaggregation, RouterConfig
 from router.lease_keeper import LeaseKeeper
 from router.errors import (
@@ -311,6 +311,8 @@ class Dispatcher:
                     raise UnavailableError("no decode worker is available")
             else:
                 decode = await self._wait_for_room(request, order, query)
+                if decode is None:
+                    continue  # the decode pool emptied while it waited: wait for it (bounded)
             active.attempt = active.decode_attempt = next(self._attempts)
             plan = None if local else self._pipeline_plan(active, request, decode)
             if not local:
@@ -385,15 +387,21 @@ class Dispatcher:
         )
 
     async def _wait_for_decode_pool(self) -> None:
-        """Return once a decode actor is routable, waiting (bounded) for a replacement if need be."""
-        if self.pool.routable(Role.DECODE) or self.decode_ready is None:
+        """Return once a decode actor is routable, waiting (bounded) for a replacement if need
+        be; UnavailableError when none comes."""
+        if self.pool.routable(Role.DECODE):
             return
-        await self.decode_ready()
-
-    async def _wait_for_room(self, request: ValidatedRequest, order: int, query: RouteQuery) -> WorkerRecord:
-        """A decode actor with room for the prompt's blocks; waits its turn while the pool is full."""
+        if self.decode_ready is not None:
+            await self.decode_ready()
         if not self.pool.routable(Role.DECODE):
             raise UnavailableError("no decode worker is available")
+
+    async def _wait_for_room(self, request: ValidatedRequest, order: int, query: RouteQuery) -> WorkerRecord | None:
+        """A decode actor with room for the prompt's blocks; waits its turn while the pool is
+        full. None when the decode pool emptied meanwhile (the caller waits for it, then queues
+        again in the same place)."""
+        if not self.pool.routable(Role.DECODE):
+            return None
         for record in self.pool.routable(Role.DECODE):
             self._ensure_collector(record)  # their reports are what wakes the queue
         timeout = self.config.capacity_wait_s
@@ -407,6 +415,8 @@ class Dispatcher:
             return await asyncio.wait_for(wait, timeout)
         except asyncio.TimeoutError:
             raise _capacity_error(request) from None
+        except NoDecodeWorkerError:
+            return None
 
     def _prefill_locally(self, request: ValidatedRequest, query: RouteQuery | None = None) -> bool:
         mode = self.config.disaggregation

@@ -185,3 +185,42 @@ def test_admission_refuses_what_would_wait_past_the_budget_and_says_when_to_retr
     assert refused.value.retry_after_s == pytest.approx(10.0)
     prefill.num_assigned_prompt_tokens = 3000
     dispatcher.admit(_active("fits", 1000))  # 8 s: admitted
+
+
+def test_a_request_waiting_for_room_when_the_last_decode_actor_dies_waits_for_the_pool_not_forever():
+    """Queued for room on the only decode actor, which then died: no report would ever grant it,
+    and with no capacity_wait_s or deadline (HTTP requests have none) it waited forever, holding
+    a place in max_queued_requests. It now waits for the decode pool to come back, bounded
+    (ready_wait_s: UNAVAILABLE), and is placed once one does."""
+    from types import SimpleNamespace
+
+    from router.errors import UnavailableError
+
+    async def scenario(replacement: bool):
+        pool = _pool(0)
+        pool.add(WorkerRecord("prefill-0", Role.PREFILL, handle=None))
+        reserved = []
+
+        async def reserve(request):
+            reserved.append(request.req_id)
+            raise ResourceExhaustedError("stop here: placed")
+
+        async def decode_ready():
+            if not replacement:
+                raise UnavailableError("no decode worker is ready (waited 0.1 s)")
+            pool.add(WorkerRecord("decode-1", Role.DECODE, handle=SimpleNamespace(reserve=SimpleNamespace(remote=reserve)), num_reservable_blocks=50))
+
+        dispatcher = Dispatcher(pool, RouterConfig(disaggregation=Disaggregation.ALWAYS), decode_ready=decode_ready)
+        request = ValidatedRequest("r", [5] * 40, None, SamplingParams(max_tokens=4), [], True, 0, 0.0, None)
+        active = ActiveRequest(request, None, outputs=None)
+        active.work = request
+        placing = asyncio.create_task(dispatcher.dispatch(active))
+        await asyncio.sleep(0.05)
+        assert not placing.done() and dispatcher.capacity.num_waiting == 1  # queued for room
+        dispatcher.on_worker_died(pool.workers["decode-0"])
+        with pytest.raises((UnavailableError, ResourceExhaustedError)) as ended:
+            await asyncio.wait_for(placing, 5)
+        return type(ended.value), reserved
+
+    assert asyncio.run(scenario(replacement=False)) == (UnavailableError, [])
+    assert asyncio.run(scenario(replacement=True)) == (ResourceExhaustedError, ["r"])
