@@ -27,10 +27,18 @@ class DecodeScheduler(Scheduler):
         self.watermark_blocks = max(1, int(self.allocator.num_blocks * WATERMARK_FRACTION))
 
     def num_reservable_blocks(self) -> int:
-        """Free blocks a new reservation may take now (all of them when nothing runs)."""
+        """Free blocks a new reservation may take now (all of them when nothing runs).
+
+        Nothing while sequences wait here for a seat in the batch (preempted ones, recomputed
+        here; local prompts), and none of the blocks they need: admissions of remote
+        sequences are not bounded by ``max_num_seqs``, and a steady stream of them kept the
+        batch full, so that a preempted stream never resumed and a local prompt never started."""
         if not self.running and not self.waiting:
             return self.allocator.num_free
-        return max(0, self.allocator.num_free - self.watermark_blocks)
+        if self.waiting and len(self.running) >= self.config.max_num_seqs:
+            return 0
+        waiting_blocks = sum(max(0, -(-(len(seq.token_ids) + 1) // self.block_size) - len(seq.block_table)) for seq in self.waiting)
+        return max(0, self.allocator.num_free - self.watermark_blocks - waiting_blocks)
 
     def reserve(self, seq: Sequence) -> RemoteBlocks | None:
         """The blocks a peer writes the prompt's KV into, or None if there is no room now."""

@@ -170,3 +170,33 @@ def test_a_decode_hit_is_held_while_the_prompt_waits_and_a_prefill_hit_evicted_m
             tokens.extend(out.new_token_ids)
     assert tokens == hf_greedy(model, base + s2, 8)
     assert prefill.num_free_blocks == decode.num_free_blocks == 14
+
+
+def test_a_local_prompt_is_not_starved_by_a_stream_of_remote_admissions(checkpoint):
+    """Remote sequences join the batch whatever max_num_seqs says, and a local prompt (or a
+    preempted sequence, recomputed here) only starts below it: with new reservations placed
+    whenever the actor reported room, the batch stayed full and the local prompt never started.
+    While one waits for a seat, the actor now reports no room, and it starts once the batch
+    thins."""
+    path, model = checkpoint
+    decode = LLMEngine(path, EngineConfig(num_kv_blocks=64, max_num_seqs=2), scheduler_cls=DecodeScheduler)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts([12] * 40, model.config.vocab_size, seed=9)
+
+    def admit_remote(index: int) -> None:  # the KV's values do not matter here, only the seats
+        seq = decode.make_sequence(f"remote-{index}", prompts[index], params)
+        assert decode.scheduler.reserve(seq) is not None
+        decode.scheduler.admit_remote(seq.req_id, 5)
+
+    admit_remote(0)
+    admit_remote(1)
+    decode.add_request("local", prompts[-1], params)
+    admitted, local_done = 2, False
+    for _ in range(30):  # the router places a reservation wherever the actor reports room
+        if admitted < 38 and decode.scheduler.num_reservable_blocks() >= decode.scheduler.blocks_for_remote(decode.make_sequence("probe", prompts[0], params)):
+            admit_remote(admitted)
+            admitted += 1
+        local_done |= any(out.req_id == "local" and out.finished for out in decode.step())
+        if local_done:
+            break
+    assert local_done, "the local prompt never got a seat"
