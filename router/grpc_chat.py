@@ -17,7 +17,7 @@ from router.errors import InvalidArgumentError
 from router.openai_api.chat_format import ChatFormat
 from router.openai_api.protocol import Conversation, read_conversation
 from router.openai_api.reasoning import ReasoningSplitter
-from router.openai_api.tool_parsers import ToolCallOutput, content_and_deltas, split_text
+from router.openai_api.tool_parsers import ToolCallOutput, content_and_deltas, split_answer
 from router.output_stream import OutputChunk
 from router.validation import GenerateInput
 
@@ -104,13 +104,9 @@ class ChatAnswer:
 
     def take(self, chunk: OutputChunk) -> tuple[str, str]:
         """(the answer's text, the thinking's text) of the next chunk."""
-        last = chunk.end is not None
-        thinking, text = "", chunk.text
-        if self._thinking is not None:
-            thinking, text = self._thinking.take(text, last)
-            self.reasoning_tokens += self._thinking.thinking_tokens(chunk.token_ids)
-        if self.tools is not None:
-            text, _ = content_and_deltas(split_text(self.tools, text, last))
+        thinking, parts, thinking_tokens = split_answer(self._thinking, self.tools, chunk)
+        self.reasoning_tokens += thinking_tokens
+        text, _ = content_and_deltas(parts)
         return text, thinking
 
     def fill_end(self, response: pb.GenerateResponse) -> None:

@@ -26,7 +26,7 @@ from router.anthropic_api.protocol import read_count_tokens, read_messages
 from router.errors import ErrorKind, classify
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, log_if_internal, retry_after_headers
 from router.openai_api.reasoning import ReasoningSplitter
-from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_answer
 from router.output_stream import OutputChunk, StreamEnd, end_failure
 from router.session import GenerationSession
 
@@ -126,15 +126,13 @@ class MessageState:
         """The stream events for a chunk (content block starts, deltas, stops); the whole blocks grow too."""
         self.num_tokens += len(chunk.token_ids)
         events: list[dict[str, Any]] = []
-        text = chunk.text
-        if self.reasoning is not None:
-            thinking, text = self.reasoning.take(text, chunk.end is not None)
-            if thinking and self.show_thinking:
-                if self.open_kind != "thinking":
-                    events += self._open({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
-                self.blocks[-1]["thinking"] += thinking
-                events.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
-        for part in split_text(self.tools, text, chunk.end is not None):  # content and calls, in order
+        thinking, parts, _ = split_answer(self.reasoning, self.tools, chunk)
+        if thinking and self.show_thinking:
+            if self.open_kind != "thinking":
+                events += self._open({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
+            self.blocks[-1]["thinking"] += thinking
+            events.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
+        for part in parts:  # content and calls, in order
             events += self._text(part) if isinstance(part, str) else self._tool_delta(part)
         if chunk.end is not None:
             self.end = chunk.end

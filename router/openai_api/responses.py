@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.sampling_params import TokenLogprob
 from router.openai_api.reasoning import ReasoningSplitter
-from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, content_and_deltas, split_text
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, content_and_deltas, split_answer
 from router.output_stream import OutputChunk, StreamEnd
 from router.tokenizer import Tokenizer
 
@@ -82,14 +82,13 @@ class ChoiceState:
             chunk.token_ids, chunk.text, chunk.logprobs = [], "", []
         if self.echo:
             chunk.text, self.echo = self.echo + chunk.text, ""
-        if self.reasoning is not None:
-            self.reasoning_delta, chunk.text = self.reasoning.take(chunk.text, chunk.end is not None)
-            self.reasoning_tokens += self.reasoning.thinking_tokens(chunk.token_ids)
-            if not self.show_reasoning:
-                self.reasoning_delta = ""
-            self.reasoning_text.append(self.reasoning_delta)
-        if self.tools is not None:
-            chunk.text, self.tool_deltas = content_and_deltas(split_text(self.tools, chunk.text, chunk.end is not None))
+        if self.reasoning is not None or self.tools is not None:
+            thinking, parts, thinking_tokens = split_answer(self.reasoning, self.tools, chunk)
+            self.reasoning_tokens += thinking_tokens
+            self.reasoning_delta = thinking if self.show_reasoning else ""
+            if self.reasoning is not None:
+                self.reasoning_text.append(self.reasoning_delta)
+            chunk.text, self.tool_deltas = content_and_deltas(parts)
         logprobs = None
         if self.num_logprobs is not None and (chunk.logprobs or prompt_entries):
             if self.chat:

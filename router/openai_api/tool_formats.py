@@ -251,6 +251,36 @@ def _whole_named_calls(calls: list[tuple[str, str]], after: str) -> list[Found] 
     return list(calls)
 
 
+class RequiredListReader:
+    """``tool_choice`` required: the grammar writes a JSON list of ``{"name", "parameters"}``
+    objects (router/openai_api/tool_calls.py). Each call streams as it is read, as vLLM streams
+    them; an answer cut short (max_tokens, a stop string) keeps what was read of its calls, as
+    OpenAI's does, where reading the list only once it ended returned nothing of it."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._stream = CallStream()
+        self.ends = ObjectEnds()
+
+    def feed(self, text: str) -> list[Part]:
+        self._text += text
+        return self._stream.pieces(self._read(whole=False))
+
+    def finish(self) -> list[Part]:
+        return self._stream.pieces(self._read(whole=True))
+
+    def _read(self, whole: bool) -> CallsRead | None:
+        opening = len(self._text) - len(self._text.lstrip())
+        if not self._text.startswith("[", opening):
+            return None
+        streamed, _ = json_calls(self._text, opening + 1, None if whole else self.ends.end)
+        listed = json_or(self._text, None) if whole else None
+        if isinstance(listed, list) and all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in listed):
+            found = [(item["name"], item.get("parameters") or {}) for item in listed]
+            return _streamed_or_whole(self._text, streamed, 0, found)
+        return CallsRead(streamed)  # the grammar writes nothing else: no content beside the calls
+
+
 READERS: dict[str, Callable[[list[dict[str, Any]]], Any]] = {
     "hermes": HermesReader,
     "qwen3_coder": Qwen3CoderReader,

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.openai_api.tool_calls import MISTRAL_ID_LENGTH, ToolCalling
-from router.openai_api.tool_arguments import json_or
 from router.openai_api.tool_blocks import Part
-from router.openai_api.tool_formats import READERS, whole_calls
+from router.openai_api.tool_formats import READERS, RequiredListReader
+
+if TYPE_CHECKING:
+    from router.openai_api.reasoning import ReasoningSplitter
+    from router.output_stream import OutputChunk
 
 
 @dataclass(slots=True)
@@ -43,8 +46,8 @@ class ToolCallOutput:
 
     calling: ToolCalling
     calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls so far, OpenAI's shape
-    _reader: Any = None  # auto: the model's format's reader (router/openai_api/tool_formats.py)
-    _buffer: str = ""  # required: the JSON the grammar made, read once it ends
+    # auto: the model's format's reader; required: the grammar's list's (router/openai_api/tool_formats.py)
+    _reader: Any = None
     # parallel_tool_calls false: a call after the first is being left out, as OpenAI and vLLM
     # answer (under auto the model may still write several; required's grammar allows one).
     _dropping: bool = False
@@ -52,6 +55,8 @@ class ToolCallOutput:
     def __post_init__(self) -> None:
         if self.calling.choice == "auto":
             self._reader = READERS[self.calling.parser](self.calling.tools)
+        elif self.calling.choice == "required":
+            self._reader = RequiredListReader()
 
     @property
     def finish_reason(self) -> str | None:
@@ -74,9 +79,6 @@ class ToolCallOutput:
                 self.calls.append(_call(self.calling.name, ""))
             self.calls[0]["function"]["arguments"] += text
             return [ToolCallDelta(0, text, self.calls[0]["id"], self.calling.name) if first else ToolCallDelta(0, text)]
-        if choice == "required":
-            self._buffer += text
-            return []
         return self._deltas(self._reader.feed(text))
 
     def finish(self) -> list[OutputPart]:
@@ -84,9 +86,6 @@ class ToolCallOutput:
         choice = self.calling.choice
         if choice in ("none", "named"):
             return []
-        if choice == "required":
-            rest, self._buffer = self._buffer, ""
-            return self._deltas(whole_calls([(item["name"], item["parameters"]) for item in json_or(rest, [])]))
         return self._deltas(self._reader.finish())
 
     def _deltas(self, parts: list[Part]) -> list[OutputPart]:
@@ -124,6 +123,28 @@ def split_text(tools: ToolCallOutput | None, text: str, last: bool) -> list[Outp
     return parts + tools.finish() if last else parts
 
 
+def split_answer(reasoning: ReasoningSplitter | None, tools: ToolCallOutput | None, chunk: OutputChunk) -> tuple[str, list[OutputPart], int]:
+    """A chat answer's chunk three ways, as every front end renders it: the thinking's text
+    (with a reasoning parser), the answer's content and tool-call pieces in order (with tools:
+    read out of its text), and how many of the chunk's tokens are the thinking's."""
+    last = chunk.end is not None
+    thinking, text, thinking_tokens = "", chunk.text, 0
+    if reasoning is not None:
+        thinking, text = reasoning.take(text, last)
+        thinking_tokens = reasoning.thinking_tokens(chunk.token_ids)
+    return thinking, split_text(tools, text, last), thinking_tokens
+
+
 def content_and_deltas(parts: list[OutputPart]) -> tuple[str, list[ToolCallDelta]]:
-    """The parts' content joined and their deltas (for a chat chunk, which carries both side by side)."""
-    return "".join(part for part in parts if isinstance(part, str)), [part for part in parts if isinstance(part, ToolCallDelta)]
+    """The parts' content joined and their deltas (for a chat chunk, which carries both side by
+    side), one per call: a chunk's pieces of one call join (OpenAI and vLLM send a call's index
+    once a chunk; a call's name and its first arguments come as two pieces)."""
+    deltas: list[ToolCallDelta] = []
+    for part in parts:
+        if not isinstance(part, ToolCallDelta):
+            continue
+        if deltas and deltas[-1].index == part.index and part.id is None:
+            deltas[-1] = ToolCallDelta(part.index, deltas[-1].arguments + part.arguments, deltas[-1].id, deltas[-1].name)
+        else:
+            deltas.append(part)
+    return "".join(part for part in parts if isinstance(part, str)), deltas

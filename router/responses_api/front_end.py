@@ -36,7 +36,7 @@ from router import sse
 from router.errors import ErrorKind, InternalError, InvalidArgumentError, NotFoundError, classify, remote_cause
 from router.openai_api.errors import log_if_internal
 from router.openai_api.tool_calls import read_tool_calling, template_messages
-from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_text
+from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_answer
 from router.output_stream import OutputChunk, StreamEnd, end_failure
 from router.openai_api.reasoning import ReasoningSplitter
 from router.responses_api.board import IN_PROGRESS, ResponseBoard, is_in_progress
@@ -133,13 +133,11 @@ class ResponseState:
         """The stream events for a chunk; the output items grow with it."""
         self.num_tokens += len(chunk.token_ids)
         events: list[dict[str, Any]] = []
-        text = chunk.text
-        if self.reasoning is not None:
-            thinking, text = self.reasoning.take(text, chunk.end is not None)
-            self.reasoning_tokens += self.reasoning.thinking_tokens(chunk.token_ids)
-            if thinking:
-                events += self._think(thinking)
-        for part in split_text(self.tools, text, chunk.end is not None):  # content and calls, in order
+        thinking, parts, thinking_tokens = split_answer(self.reasoning, self.tools, chunk)
+        self.reasoning_tokens += thinking_tokens
+        if thinking:
+            events += self._think(thinking)
+        for part in parts:  # content and calls, in order
             events += self._text(part) if isinstance(part, str) else self._tool_delta(part)
         if chunk.end is not None:
             self.end = chunk.end

@@ -59,6 +59,18 @@ def test_hermes_calls_after_content_stream_into_the_same_calls(piece):
     assert reason == "tool_calls"
 
 
+def test_a_chunk_carries_each_call_once():
+    """A call's name and its first arguments came as two deltas of one index in one chunk; the
+    openai client merges them, but OpenAI and vLLM send an index once a chunk (older stream
+    helpers took the second as a call without id or name)."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    output = ToolCallOutput(HERMES)
+    _, deltas = content_and_deltas(output.feed(text) + output.finish())
+    assert [d.index for d in deltas] == [0, 1]
+    assert [(d.name, json.loads(d.arguments)) for d in deltas] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert all(d.id is not None for d in deltas)
+
+
 @pytest.mark.parametrize("piece", [1, 4, 1000])
 def test_without_parallel_tool_calls_only_the_first_call_an_auto_answer_writes_is_made(piece):
     """``parallel_tool_calls: false`` under auto: a model may still write several calls; as
@@ -124,6 +136,23 @@ def test_required_and_named_choices_have_grammars_and_parse_their_json():
     assert json.loads(named.constraint().value) == WEATHER["function"]["parameters"]
     content, streamed, whole, reason = _run(named, '{"city": "Lima"}', 3)
     assert content == "" and streamed == whole and whole[0]["name"] == "get_weather" and reason is None
+
+
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_required_calls_stream_as_they_are_written_and_an_answer_cut_short_keeps_them(piece):
+    """The required choice's list was read only once the answer ended: nothing streamed until
+    then, and an answer cut short (max_tokens) lost its calls and their text altogether."""
+    required = ToolCalling([WEATHER, TIME], "required")
+    answer = '[{"name": "get_weather", "parameters": {"city": "Rome", "unit": "c"}}, {"name": "get_time", "parameters": {}}]'
+    output = ToolCallOutput(required)
+    early = output.feed(answer[:60])
+    assert any(isinstance(part, ToolCallDelta) and part.name == "get_weather" for part in early), "the first call streams at once"
+    content, streamed, whole, reason = _run(required, answer, piece)
+    assert content == "" and streamed == whole and reason == "tool_calls"
+    assert _read(whole) == [("get_weather", {"city": "Rome", "unit": "c"}), ("get_time", {})]
+    content, streamed, whole, _ = _run(required, answer[:50], piece)  # max_tokens hit inside the arguments
+    assert content == "" and streamed == whole and [c["name"] for c in whole] == ["get_weather"]
+    assert whole[0]["arguments"] == '{"city": "R'
 
 
 def test_required_choice_compiles_tools_whose_parameters_reference_their_definitions():
