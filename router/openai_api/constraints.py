@@ -34,6 +34,13 @@ def logit_bias(body: dict) -> dict[int, float]:
 
 # vLLM's structured_outputs keys, and the older top-level guided_* fields, to our kinds.
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+# vLLM's options beside them: the first two change nothing here (one backend, no fallback to
+# another; JSON never has free whitespace), the third is applied.
+_STRUCTURED_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
+_STRUCTURED_UNSUPPORTED = {
+    "whitespace_pattern": "is not supported: JSON is written without free whitespace here",
+    "structural_tag": "is not supported; use tools with tool_choice, or a json schema",
+}
 
 
 def structured_output(body: dict) -> StructuredOutput | None:
@@ -57,10 +64,15 @@ def structured_output(body: dict) -> StructuredOutput | None:
     options = body.get("structured_outputs")
     if options is not None:
         options = json_object(options, "structured_outputs")
-        refuse_unknown(options, set(_STRUCTURED_KEYS), prefix="structured_outputs.")
+        refuse_unknown(options, set(_STRUCTURED_KEYS) | _STRUCTURED_OPTIONS | set(_STRUCTURED_UNSUPPORTED), prefix="structured_outputs.")
         for key, value in options.items():
-            if value is not None and value is not False:
-                found.append(_structured(_STRUCTURED_KEYS[key], value, f"structured_outputs.{key}"))
+            if value is None or value is False or key in _STRUCTURED_OPTIONS:
+                continue
+            if key in _STRUCTURED_UNSUPPORTED:
+                raise InvalidArgumentError(f"structured_outputs.{key}", _STRUCTURED_UNSUPPORTED[key])
+            if key == "json" and options.get("disable_additional_properties") is True:
+                value = _closed_objects(_parsed(value))
+            found.append(_structured(_STRUCTURED_KEYS[key], value, f"structured_outputs.{key}"))
     for key in ("json", "regex", "choice", "grammar"):
         value = body.get(f"guided_{key}")
         if value is not None:
@@ -75,3 +87,26 @@ def _structured(kind: str, value: Any, name: str) -> StructuredOutput:
         return StructuredOutput.build(kind, value, name)
     except InvalidRequestError as exc:
         raise InvalidArgumentError(exc.field, exc.problem) from None
+
+
+def _parsed(value: Any) -> Any:
+    """A schema given as JSON text, parsed (text that is none is left for StructuredOutput to refuse)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists its
+    properties and says nothing of others (vLLM's ``disable_additional_properties``)."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed_objects(value) for key, value in schema.items()}
+    if isinstance(closed.get("properties"), dict) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed

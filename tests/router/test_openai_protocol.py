@@ -137,6 +137,18 @@ def test_echo_with_logprobs_asks_for_the_prompts_and_max_tokens_0_only_scores_it
     assert read_completion({"prompt": "x", "prompt_logprobs": 0}).choices[0].prompt_logprobs == 0
 
 
+def test_vllm_structured_outputs_options_are_taken():
+    """vLLM's options beside the constraint were refused as unknown fields (400): those that
+    change nothing here are accepted, disable_additional_properties is applied."""
+    from router.openai_api.constraints import structured_output
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}, "required": ["a"]}
+    taken = structured_output({"structured_outputs": {"json": schema, "disable_any_whitespace": True, "disable_fallback": True}})
+    assert json.loads(taken.value) == schema
+    closed = json.loads(structured_output({"structured_outputs": {"json": json.dumps(schema), "disable_additional_properties": True}}).value)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
@@ -158,6 +170,7 @@ def test_echo_with_logprobs_asks_for_the_prompts_and_max_tokens_0_only_scores_it
         ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema"),
         ({"prompt": "x", "structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs.choice"),
         ({"prompt": "x", "structured_outputs": {"ebnf": "x"}}, "structured_outputs.ebnf"),
+        ({"prompt": "x", "structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
         ({"prompt": "x", "guided_choice": []}, "guided_choice"),
         ({"prompt": "x", "response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
         ({"prompt": "x", "bad_words": [""]}, "bad_words"),
