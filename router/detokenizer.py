@@ -91,6 +91,20 @@ class IncrementalDetokenizer:
             return ""
         return self._record(full_text[len(sent) :])
 
+    def tokens_writing(self, num_chars: int) -> int:
+        """How many of the tokens so far it takes to write the text's first ``num_chars``
+        characters (all of them if they write fewer): where a stop string ended the answer.
+        A few decodes of prefixes (a binary search), once per request."""
+        low, high = 0, len(self._token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            text = self._tokenizer.decode(self._token_ids[:middle], self._skip_special_tokens)
+            if len(text.rstrip(REPLACEMENT_CHAR)) >= num_chars:  # a character still missing bytes is not written yet
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
     def _decode_raw(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode_raw(token_ids, self._skip_special_tokens)
 

@@ -120,6 +120,7 @@ class OutputAssembler:
         self.stops = StopStringMatcher(request.stop, include_stop=request.include_stop_str)
         self.timing = RouterTiming(arrival=request.arrival_time)
         self.completion_token_ids: list[int] = []  # what the client was sent (a migrated stream resumes after them)
+        self._num_text_chars = 0  # characters of text the client was sent
         self.finished = False
         self.prefill_worker_id = ""
         self.decode_worker_id = ""
@@ -175,20 +176,38 @@ class OutputAssembler:
         # A stop token kept in the text (include_stop_str_in_output) may complete a stop string
         # there: the token ended the request, and is reported.
         if check.matched_stop is not None and not (ended_by_token and self.request.include_stop_str):
+            written = self._num_text_chars + len(chunk.text) + (0 if self.request.include_stop_str else len(check.matched_stop))
+            self._drop_tokens_after(written, chunk)
             chunk.end = self._end("stop", matched_stop=check.matched_stop)
         elif out.finished:
             chunk.text += self.stops.flush()
             chunk.end = self._end(out.finish_reason or "error", detail=out.error or "", error_field=out.error_field or "")
             if out.finish_reason == "stop" and out.token_ids:
                 chunk.end.matched_stop_token_id = out.token_ids[-1]
+        self._num_text_chars += len(chunk.text)
         return chunk
+
+    def _drop_tokens_after(self, num_chars: int, chunk: OutputChunk) -> None:
+        """A stop string ended the answer at its ``num_chars``-th character: the tokens generated
+        after the one that completed it (an output carries several: steps merged on their way,
+        a stream interval, drafts; and a detokenizer holds text back) are no part of the answer,
+        its token ids, log-probabilities or usage, as with vLLM, which stops at that token."""
+        needed = self.detokenizer.tokens_writing(num_chars)
+        before = len(self.completion_token_ids) - len(chunk.token_ids)  # sent with earlier chunks: kept
+        keep = max(needed - before, 0)
+        if keep < len(chunk.token_ids):
+            del self.completion_token_ids[before + keep :]
+            chunk.token_ids = chunk.token_ids[:keep]
+            chunk.logprobs = chunk.logprobs[:keep]
 
     def final_chunk(self, reason: str, detail: str = "", error_field: str = "") -> OutputChunk:
         """A last chunk for an end the decode actor did not report (abort, error): with the text
         still held back (the detokenizer's unsettled tail, the possible start of a stop string),
         which no later token can change now. A stop string can still complete in that tail."""
         check = self.stops.feed(self.detokenizer.finish())
-        return OutputChunk(text=check.text + self.stops.flush(), end=self._end(reason, detail=detail, error_field=error_field))
+        chunk = OutputChunk(text=check.text + self.stops.flush(), end=self._end(reason, detail=detail, error_field=error_field))
+        self._num_text_chars += len(chunk.text)
+        return chunk
 
     def _end(self, reason: str, matched_stop: str = "", detail: str = "", error_field: str = "") -> StreamEnd:
         assert reason in FINISH_REASONS, reason

@@ -212,6 +212,28 @@ def test_a_failed_request_keeps_the_text_its_detokenizer_still_held(wordpiece_cl
     assert sent + last.text == tokenizer.decode(ids, True) and len(last.text) > 0
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_tokens_after_the_one_that_completed_a_stop_string_are_no_part_of_the_answer(byte_level_tokenizer, include_stop):
+    """Several steps' tokens arrive in one output (merged on their way, a stream interval,
+    drafts): when a stop string matched, the text was cut but the token ids, log-probabilities
+    and usage kept every token, so one greedy request reported different usage run to run.
+    They end at the token that completed the stop, as vLLM's do."""
+    from decode_workers.messages import SeqOutput
+    from engine.sampling_params import SamplingParams, TokenLogprob
+    from router.output_stream import OutputAssembler
+    from router.validation import ValidatedRequest
+
+    (a,), (nl,), (b,) = (byte_level_tokenizer.encode(t, add_special_tokens=False) for t in ("a", "\n", "b"))
+    request = ValidatedRequest("r", [72], None, SamplingParams(max_tokens=50, logprobs=0), ["\n\n"], True, 0, 0.0, None, include_stop_str=include_stop)
+    assembler = OutputAssembler(request, byte_level_tokenizer)
+    first = assembler.on_output(SeqOutput("r", [a, nl], logprobs=[TokenLogprob(t, -1.0, 1, []) for t in (a, nl)]))
+    tokens = [nl, b, a, b]
+    last = assembler.on_output(SeqOutput("r", tokens, logprobs=[TokenLogprob(t, -1.0, 1, []) for t in tokens]))
+    assert (first.text + last.text, last.end.reason) == ("a\n\n" if include_stop else "a", "stop")
+    assert first.token_ids + last.token_ids == [a, nl, nl] and [lp.token_id for lp in last.logprobs] == [nl]
+    assert last.end.completion_tokens == 3
+
+
 def _answer(tokenizer, stops: list[str], min_tokens: int, outputs: list[list[int]]) -> tuple[str, str | None]:
     """The answer's text and the stop that ended it, from the router's assembler fed these
     outputs (token ids each); text still held back is flushed where none ended it."""
