@@ -30,6 +30,7 @@ from router.openai_api.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
 SERVING_TIMEOUT_S = 60.0  # after the controller reported every worker up
+FOREGROUND_STOP_WAIT_S = 90.0  # `down` waits this long for a foreground `up` to stop its deployment
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +58,7 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     """The whole command line; ``scenarios`` False leaves out each ``bench-scenario``'s own flags
     (their modules import torch: every other command starts in a fraction of the time)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving on Ray")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     parser.add_argument("--state-file", type=Path, default=DEFAULT_STATE_FILE, help="where `up` records what `down`, `status` and `generate` find")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -115,8 +116,8 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
                     help="decode actors schedule the next step while the device computes this one (default: on for GPUs, off for CPUs)")
     up.add_argument("--disaggregation", choices=["auto", "always", "never"])
     up.add_argument("--speculative-method", choices=["ngram", "draft_model"], help="speculative decoding on the decode pool (default: off)")
-    up.add_argument("--draft-model", help="the draft's model directory (--speculative-method draft_model)")
-    up.add_argument("--num-speculative-tokens", type=int, help="draft tokens verified per sequence per step (with --speculative-method)")
+    up.add_argument("--draft-model", help="the draft's model directory (turns speculative decoding on: method draft_model)")
+    up.add_argument("--num-speculative-tokens", type=int, help="draft tokens verified per sequence per step (turns speculative decoding on: ngram, unless --speculative-method or --draft-model says otherwise)")
     up.add_argument(
         "--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH",
         help="LoRA adapters served beside the model (PEFT adapter directories); a request's model field names one",
@@ -259,7 +260,9 @@ def _up(args: argparse.Namespace) -> int:
     if taken is not None:
         print(f"pdserve up: {taken}", file=sys.stderr)
         return 1
-    if _read_state(args.state_file).get("router_address") and args.detach:
+    if _read_state(args.state_file).get("router_address"):
+        # Either kind: a foreground `up` would overwrite a detached deployment's record, and
+        # remove it as it stops.
         print(f"pdserve up: a deployment is already recorded in {args.state_file}; run `pdserve down` first", file=sys.stderr)
         return 2
     if args.address is None:
@@ -291,33 +294,42 @@ def _up(args: argparse.Namespace) -> int:
     spec = config.to_spec()
     spec.durable_workers = True  # they outlive the controller; a restarted one adopts them
     controller = create_controller(spec, config.router.metrics_port, config.router.metrics_host, detached=args.detach)
-    try:
-        info = ray.get(controller.start.remote())
-    except Exception as exc:
-        # A Ray task error carries the actor's whole traceback; the cause's own message is what a user acts on.
-        cause = getattr(exc, "cause", None) or exc
-        print(f"pdserve up: the deployment failed to start: {cause}", file=sys.stderr)
-        try:
-            ray.get(controller.stop.remote(), timeout=30)  # its workers are detached: stop them too
-        except Exception:
-            pass
-        ray.kill(controller)
-        if head is not None:
-            _stop_pid(head)
-        return 1
-    # The controller returns once every worker is up; the health check is what a client sees.
-    if not _wait_until_serving(info.router_address, SERVING_TIMEOUT_S, ca_file=config.router.tls_cert_file):
-        print(f"pdserve up: the router at {info.router_address} did not report SERVING within {SERVING_TIMEOUT_S:.0f}s", file=sys.stderr)
+
+    def abandon() -> None:
+        """Stop what this `up` started: the controller and its workers (detached: they outlive
+        it), and the Ray head."""
         try:
             ray.get(controller.stop.remote(), timeout=30)
+        except Exception:
+            pass
         finally:
             ray.kill(controller)
             if head is not None:
                 _stop_pid(head)
+
+    try:
+        info = ray.get(controller.start.remote())
+        # The controller returns once every worker is up; the health check is what a client sees.
+        serving = _wait_until_serving(info.router_address, SERVING_TIMEOUT_S, ca_file=config.router.tls_cert_file)
+    except KeyboardInterrupt:
+        # The head (its own session) and the detached controller never saw the Ctrl-C, and
+        # nothing was recorded yet for `down` to find: they are stopped here.
+        print("pdserve up: interrupted; stopping what it started", file=sys.stderr)
+        abandon()
+        return 130
+    except Exception as exc:
+        # A Ray task error carries the actor's whole traceback; the cause's own message is what a user acts on.
+        cause = getattr(exc, "cause", None) or exc
+        print(f"pdserve up: the deployment failed to start: {cause}", file=sys.stderr)
+        abandon()
+        return 1
+    if not serving:
+        print(f"pdserve up: the router at {info.router_address} did not report SERVING within {SERVING_TIMEOUT_S:.0f}s", file=sys.stderr)
+        abandon()
         return 1
     state = {"router_address": info.router_address, "admin_address": info.admin_address, "http_address": info.http_address,
              "metrics_address": info.metrics_address,
-             "ray_address": ray_address, "ray_head_pid": head}
+             "ray_address": ray_address, "ray_head_pid": head, "up_pid": None if args.detach else os.getpid()}
     print(f"pdserve serving on {info.router_address} ({info.prefill_replicas} prefill, {info.decode_replicas} decode actors)")
     if info.router_replicas:
         print(f"router replicas on {', '.join(info.router_replicas)} (the same ports)")
@@ -336,7 +348,7 @@ def _up(args: argparse.Namespace) -> int:
     args.state_file.parent.mkdir(parents=True, exist_ok=True)
     args.state_file.write_text(json.dumps(state))
     stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
     print("pdserve: stopping", file=sys.stderr)
@@ -351,17 +363,30 @@ def _up(args: argparse.Namespace) -> int:
 
 def _down(args: argparse.Namespace) -> int:
     state = _read_state(args.state_file)
+    # The record is this command's to act on unless --address names another cluster.
+    recorded = bool(state) and (args.address is None or args.address == state.get("ray_address"))
+    if recorded and state.get("ray_address") is None:
+        return _down_foreground(args, state)
     ray_address = args.address or state.get("ray_address")
     if ray_address is None:
         print(f"pdserve down: no detached deployment recorded in {args.state_file}; give --address", file=sys.stderr)
         return 2
-    if state.get("ray_head_pid") and not args.address:
-        confine_to_loopback()  # the Ray head `up --detach` started listens on loopback only
+    if recorded and state.get("ray_head_pid"):
+        if not process_alive(state["ray_head_pid"]):  # the machine rebooted, the head was killed
+            args.state_file.unlink(missing_ok=True)
+            print(f"pdserve down: the deployment recorded at {ray_address} is gone (its Ray head no longer runs); its record is removed")
+            return 0
+        if not args.address:
+            confine_to_loopback()  # the Ray head `up --detach` started listens on loopback only
     import ray
 
     from cluster.controller import find_controller
 
-    _connect_ray(ray_address, log_to_driver=False)
+    try:
+        _connect_ray(ray_address, log_to_driver=False)
+    except Exception as exc:
+        print(f"pdserve down: cannot reach Ray at {ray_address}: {exc}", file=sys.stderr)
+        return 1
     controller = find_controller()
     if controller is not None:
         try:
@@ -384,10 +409,30 @@ def _down(args: argparse.Namespace) -> int:
     if workers and controller is None:
         print(f"pdserve down: stopped {len(workers)} workers no controller was running for")
     ray.shutdown()
-    if state.get("ray_head_pid"):
-        _stop_pid(state["ray_head_pid"])
-    args.state_file.unlink(missing_ok=True)
+    if recorded:  # a deployment on another cluster (--address) leaves this one's record and head alone
+        if state.get("ray_head_pid"):
+            _stop_pid(state["ray_head_pid"])
+        args.state_file.unlink(missing_ok=True)
     print("pdserve stopped" if controller is not None else "no pdserve deployment was running")
+    return 0
+
+
+def _down_foreground(args: argparse.Namespace, state: dict) -> int:
+    """A deployment a foreground `pdserve up` serves: that process is asked to stop (it stops its
+    deployment itself, and removes the record); a record whose process is gone is removed."""
+    pid = state.get("up_pid")
+    if not pid or not process_alive(pid):
+        args.state_file.unlink(missing_ok=True)
+        print(f"pdserve down: the `pdserve up` recorded in {args.state_file} no longer runs; its record is removed")
+        return 0
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + FOREGROUND_STOP_WAIT_S
+    while process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if process_alive(pid):
+        print(f"pdserve down: `pdserve up` (pid {pid}) has not stopped within {FOREGROUND_STOP_WAIT_S:.0f}s", file=sys.stderr)
+        return 1
+    print("pdserve stopped")
     return 0
 
 

@@ -84,10 +84,21 @@ class SpeculativeSection(BaseModel):
         False, description="Each sequence's draft count follows how its drafts fare: fewer rows where drafts fail, fewer tokens where they pay (false: always num_speculative_tokens)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _method_of_a_draft(cls, data):
+        """A draft model given without a method is the draft_model method (as vLLM infers it
+        from its speculative config's ``model``): ngram, the default, left it unused, silently."""
+        if isinstance(data, dict) and data.get("draft_model") is not None and data.get("method") is None:
+            data = {**data, "method": "draft_model"}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> "SpeculativeSection":
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method != "draft_model" and self.draft_model is not None:
+            raise ValueError(f"draft_model: only the draft_model method runs a draft (method is {self.method})")
         if self.method == "draft_model":
             if self.draft_model is None:
                 raise ValueError("draft_model: method draft_model needs the draft's model directory")
@@ -405,12 +416,21 @@ class ClusterConfig(BaseModel):
             raise ValueError("decode.replicas: at least one decode actor is needed (prefill-only cannot serve)")
         return self
 
+    def _model_config(self) -> ModelConfig:
+        """The model's configuration; a model the engine refuses (an architecture or quantization
+        it does not serve, a config.json it cannot read) is this config's ``model`` error, not a
+        traceback (pydantic passes on only ValueErrors as validation errors)."""
+        try:
+            return ModelConfig.from_model_dir(Path(self.model))
+        except (ModelLoadError, OSError) as exc:
+            raise ValueError(f"model: {exc}") from None
+
     @model_validator(mode="after")
     def _model_splits_over_each_pool(self) -> "ClusterConfig":
         """A model whose heads do not divide by a pool's TP size is refused before any actor starts."""
         from engine.parallel.shard import check_tensor_parallel
 
-        model = ModelConfig.from_model_dir(Path(self.model))
+        model = self._model_config()
         for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
             try:
                 check_tensor_parallel(model, pool.tensor_parallel_size)
@@ -447,7 +467,7 @@ class ClusterConfig(BaseModel):
         from engine.lora_loading import load_adapter
         from engine.parallel.shard import TPShard
 
-        model = ModelConfig.from_model_dir(Path(self.model))
+        model = self._model_config()
         taken = {Path(self.model).name, *(self.router.served_model_names or [])}
         for name, directory in self.lora_modules.items():
             if not name or name in taken:
@@ -551,8 +571,13 @@ def load_config(path: Path | None, overrides: dict) -> ClusterConfig:
             continue
         node = data
         *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node.setdefault(key, {})
+        for depth, key in enumerate(parents):
+            if node.get(key) is None:  # absent, or a section left empty in the file (``router:``)
+                node[key] = {}
+            node = node[key]
+            if not isinstance(node, dict):
+                where = ".".join(parents[: depth + 1])
+                raise ConfigError(f"invalid configuration:\n  {where}: must be a mapping of fields (a flag sets {dotted}), got {node!r}")
         node[leaf] = value
     try:
         return ClusterConfig.model_validate(data)

@@ -310,3 +310,27 @@ def test_a_detached_head_whose_port_was_taken_meanwhile_starts_on_another(monkey
                 head.listener.close()
     assert [h.port for h in heads] == [first, second]
     assert f"ray start --head on port {first} exited (attempt 1 of 3)" in capsys.readouterr().err
+
+
+def test_down_removes_a_record_whose_deployment_is_gone_and_stops_a_foreground_up(tmp_path):
+    """A foreground `up` killed (SIGKILL, its terminal closed) or a detached deployment whose
+    machine rebooted left its record behind: `down` refused it ("give --address") or failed
+    with a traceback, and kept it, and `up --detach` refused to start while it stayed. A record
+    whose process is gone is now removed; a foreground `up` that runs is asked to stop."""
+    from cluster.cli import main
+
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    state = tmp_path / "state.json"
+    for record in ({"router_address": "127.0.0.1:1", "ray_address": None, "ray_head_pid": None, "up_pid": finished.pid},
+                   {"router_address": "127.0.0.1:1", "ray_address": "127.0.0.1:6390", "ray_head_pid": finished.pid}):
+        state.write_text(json.dumps(record))
+        assert main(["--state-file", str(state), "down"]) == 0
+        assert not state.exists()
+    serving = subprocess.Popen(["sleep", "60"])  # stands for the foreground `up`: it stops on SIGTERM
+    try:
+        state.write_text(json.dumps({"router_address": "127.0.0.1:1", "ray_address": None, "ray_head_pid": None, "up_pid": serving.pid}))
+        assert main(["--state-file", str(state), "down"]) == 0
+        assert serving.wait(5) == -signal.SIGTERM
+    finally:
+        serving.kill()

@@ -55,6 +55,32 @@ def test_a_model_directory_without_a_tokenizer_is_refused_before_anything_starts
     assert "model" in str(info.value) and "no tokenizer.json" in str(info.value)
 
 
+def test_a_model_the_engine_refuses_is_a_config_error_naming_it_not_a_traceback(tmp_path, e2e_model):
+    """ModelLoadError is no ValueError: raised inside pydantic's validators it went through
+    them, past the CLI's ConfigError handling, as a Python traceback from `pdserve up`."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(e2e_model.path, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(architectures=["GPTBigCodeForCausalLM"], model_type="gpt_bigcode")
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="model: .*GPTBigCode"):
+        load_config(None, {"model": str(model)})
+
+
+def test_a_section_left_empty_in_the_file_takes_the_flags_for_it(tmp_path):
+    """``router:`` with every field commented out is null: a flag for it (--port) raised
+    TypeError from the override, a traceback."""
+    config = tmp_path / "pdserve.yaml"
+    config.write_text("router:\n  # port: 50051\n")
+    assert load_config(config, {"router.port": 50060}).router.port == 50060
+    config.write_text("prefill: 2\n")
+    with pytest.raises(ConfigError, match="prefill: must be a mapping"):
+        load_config(config, {"prefill.replicas": 1})
+
+
 def test_speculation_is_off_by_default_and_reaches_the_decode_pool_only_when_asked(tmp_path):
     assert load_config(None, {}).to_spec().decode.engine.speculative is None
     args = build_parser().parse_args(["up", "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
@@ -67,6 +93,17 @@ def test_speculation_is_off_by_default_and_reaches_the_decode_pool_only_when_ask
         load_config(config, {})
     with pytest.raises(ConfigError, match="speculative.num_speculative_tokens"):
         load_config(None, {"speculative.num_speculative_tokens": 0})
+
+
+
+def test_a_draft_model_without_a_method_runs_the_draft(e2e_model):
+    """--draft-model alone left method at its default, ngram: the draft was never loaded, and
+    nothing said so. It now means the draft_model method (as vLLM infers it), and a draft with
+    method ngram is refused."""
+    spec = load_config(None, {"speculative.draft_model": str(e2e_model.path)}).to_spec()
+    assert spec.decode.engine.speculative.method == "draft_model" and spec.decode.engine.speculative.draft_model == str(e2e_model.path)
+    with pytest.raises(ConfigError, match="draft_model: only the draft_model method"):
+        load_config(None, {"speculative.draft_model": str(e2e_model.path), "speculative.method": "ngram"})
 
 
 def test_the_kv_cache_dtype_reaches_both_pools_since_their_blocks_travel_between_them():
