@@ -61,7 +61,14 @@ class PrefillScheduler(Scheduler):
         assert keep * self.block_size == num_tokens <= seq.num_computed_tokens, (num_tokens, seq.num_computed_tokens)
         extra = len(seq.block_hashes) - keep
         if extra > 0:
-            self.allocator.free(seq.block_table[keep : keep + extra])
+            given_back = seq.block_table[keep : keep + extra]
+            # Checked before anything changes: a cached block another prompt shares does not come
+            # free, and a failed allocation after the free left the table naming blocks it no
+            # longer held (freed again at the abort that followed: another prompt's KV).
+            coming_free = sum(self.allocator.ref_count(block) == 1 for block in given_back)
+            if not self.allocator.can_allocate(extra - coming_free):
+                raise OutOfBlocksError(f"req {seq.req_id}: a pipeline stage starting at token {num_tokens} needs {extra} fresh KV blocks")
+            self.allocator.free(given_back)
             # A new list, not a slice assignment: a table changes in place only by growing.
             seq.block_table = [*seq.block_table[:keep], *self.allocator.allocate(extra), *seq.block_table[keep + extra :]]
             del seq.block_hashes[keep:]

@@ -289,7 +289,10 @@ class PrefillWorker(EngineWorker):
             raise PrefillCancelledError(f"req {req_id}: its stage on {self.worker_id} was cancelled")
         if next_start < start:
             raise ValueError(f"next_start: {next_start} is before this stage's start {start} (the next stage would wait for tokens never computed)")
-        self.scheduler.start_stage_at(job.seq, start)
+        try:
+            self.scheduler.start_stage_at(job.seq, start)
+        except OutOfBlocksError as exc:  # the pipeline is refused: the prompt goes to one prefill actor
+            raise PrefillUnavailableError(f"prefill worker {self.worker_id}: {exc}") from None
         job.started, job.next_start, job.next_inbox = True, next_start, next_inbox
         return job.done
 
@@ -372,21 +375,25 @@ class PrefillWorker(EngineWorker):
                 elif job.started and self.activations is not None:
                     self.activations.expect()
                 continue
-            incoming = None
+            chunk = None
             if stage.is_first:
                 num_tokens = min(stage.chunk_tokens, seq.num_prompt_tokens - start)
             else:
                 chunk = job.inbox.pop(start)
-                num_tokens, incoming = chunk.num_tokens, chunk.activations(self.engine.config.device)
-            return self._compute_stage_chunk(job, start, num_tokens, incoming)
+                num_tokens = chunk.num_tokens
+            return self._compute_stage_chunk(job, start, num_tokens, chunk)
         return False
 
-    def _compute_stage_chunk(self, job: _Job, start: int, num_tokens: int, incoming: StageActivations | None) -> bool:
+    def _compute_stage_chunk(self, job: _Job, start: int, num_tokens: int, chunk: StageChunk | ArrivedChunk | None) -> bool:
+        """``chunk``: the activations the stage before handed on (None for the first stage)."""
         stage, seq = job.stage, job.seq
         started = time.perf_counter()
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
         try:
+            # Inside: moving the activations to the device can fail too (out of memory), and
+            # that is this request's failure, not the actor's.
+            incoming = chunk.activations(self.engine.config.device) if chunk is not None else None
             out = self.engine.run_stage(ScheduledBatch([ScheduledSlice(seq, num_tokens)]), stage.layers, incoming)
             skip = job.next_start - start  # tokens of this chunk the next stage holds cached
             if not stage.is_last and skip < num_tokens:

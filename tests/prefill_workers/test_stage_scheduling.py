@@ -73,6 +73,29 @@ def test_the_cached_prefix_is_trimmed_to_where_the_pipeline_starts(model_path):
     assert engine.num_free_blocks == NUM_BLOCKS and "b" not in engine.scheduler.staged
 
 
+def test_a_pipeline_start_without_room_for_its_fresh_blocks_changes_nothing(model_path):
+    """Starting a stage before the end of its cached prefix gives those blocks back for fresh
+    ones. It freed them first: where another prompt shared them nothing came free, the
+    allocation raised, and the table still named blocks it no longer held, freed again when the
+    stage was cancelled (another prompt's KV handed out; an assertion on the engine thread)."""
+    engine = _engine(model_path)
+    prompt = random_prompts([70], engine.model_config.vocab_size, seed=6)[0]
+    _run_first_stage(engine, "a", prompt)
+    stages = [engine.make_sequence(req_id, prompt, SamplingParams(max_tokens=1)) for req_id in ("b", "c")]
+    for seq in stages:
+        engine.scheduler.add_stage(seq, b"layers:0-1")  # both hold the four cached blocks
+    filler = engine.make_sequence("filler", random_prompts([engine.num_free_blocks * 16], engine.model_config.vocab_size, seed=7)[0], SamplingParams(max_tokens=1))
+    engine.scheduler.add_stage(filler, b"layers:0-1")
+    assert engine.num_free_blocks == 0
+    table = list(stages[0].block_table)
+    with pytest.raises(OutOfBlocksError):
+        engine.scheduler.start_stage_at(stages[0], 32)
+    assert stages[0].block_table == table and stages[0].num_computed_tokens == 64
+    for req_id in ("b", "c", "filler"):
+        engine.abort_request(req_id)
+    assert engine.num_free_blocks == NUM_BLOCKS
+
+
 def test_a_stage_that_does_not_fit_keeps_nothing(model_path):
     engine = _engine(model_path)
     prompt = random_prompts([NUM_BLOCKS * 16 + 5], engine.model_config.vocab_size, seed=5)[0]
