@@ -879,6 +879,10 @@ class Dispatcher:
                 if not report.quiesced:
                     logger.warning("req %s: %s never quiesced; the lease will free the blocks", key, prefill.worker_id)
                 return report.quiesced
+            except ActorUnavailableError:
+                # Unreachable, not dead: it may still be writing. Only the lease frees the blocks.
+                logger.warning("req %s: %s is unreachable; the lease will free the blocks", key, prefill.worker_id)
+                return False
             except WORKER_GONE:
                 return True  # a dead writer has nothing in flight
 

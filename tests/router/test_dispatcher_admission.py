@@ -280,3 +280,26 @@ def test_a_request_ended_after_its_decode_actor_died_is_dropped_by_its_prefill_a
         return cancelled
 
     assert asyncio.run(scenario()) == [("router-1/a", 77)]
+
+
+def test_an_unreachable_prefill_actor_is_not_taken_to_have_no_writes_in_flight():
+    """Ray's ActorUnavailableError says the actor could not be reached, not that it died: it may
+    still be writing into the reservation. It counted as quiesced, and the decode actor freed
+    blocks a late write could still land in (another request's KV). Only the lease frees them
+    now; an actor that died has nothing in flight."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    def prefill(error: Exception) -> WorkerRecord:
+        async def cancel(key, token):
+            raise error
+
+        return WorkerRecord("p", Role.PREFILL, SimpleNamespace(cancel=SimpleNamespace(remote=cancel)))
+
+    async def quiesced(error: Exception) -> bool:
+        return await Dispatcher(WorkerPool(), RouterConfig())._quiesce_prefills("router-1/a", [prefill(error)], 7)
+
+    assert asyncio.run(quiesced(ActorUnavailableError("unreachable", None))) is False
+    assert asyncio.run(quiesced(ActorDiedError())) is True
