@@ -124,3 +124,31 @@ def test_the_pump_completes_writes_while_nobody_else_polls_and_sleeps_when_idle(
     assert (True, True) in result["sent"] and all(ok for _, ok in result["sent"])
     assert result["pending"] == (False, False)
     assert all(cpu <= 0.02 for cpu in result["idle_cpu_s"]), f"an idle pump must not spin: {result['idle_cpu_s']}"
+
+
+def test_the_last_write_of_a_cancelled_request_ending_wakes_whoever_waits_for_it_to_quiesce():
+    """A cancelled request's write that ends makes no event, and the pump told nobody: the
+    prefill actor's wait_quiesced slept its whole timeout (2 s) while the decode actor held the
+    reservation's blocks and every pipeline retry waited."""
+    from types import SimpleNamespace
+
+    from kvtransfer.messages import ReceiveEvents
+
+    sender, transport = make_sender(LeasePolicy())
+    sender.push("r", dest("r", [0]), [0], [0], 1)
+    assert not sender.cancel("r").quiesced
+    woken = threading.Event()
+    agent = SimpleNamespace(  # the KVAgent's face the pump polls, over the real sender
+        ref=SimpleNamespace(name="P"), poll_sends=sender.poll, poll_receives=ReceiveEvents,
+        num_in_flight=sender.num_in_flight, has_pending_work=lambda: sender.num_in_flight() > 0,
+    )
+    pump = TransferPump(agent, on_events=woken.set)
+    pump.start()
+    try:
+        time.sleep(0.05)
+        woken.clear()  # whatever the cancel itself reported
+        transport.states[0] = XferState.DONE
+        assert woken.wait(1.0), "nobody was told the request quiesced"
+    finally:
+        pump.stop()
+    assert sender.quiesce_report("r").quiesced
