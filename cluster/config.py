@@ -510,14 +510,17 @@ class ClusterConfig(BaseModel):
 
     def share_local_cores(self, cores: int) -> None:
         """One machine: each pool whose CPUs were not given takes an equal share of its ``cores``
-        (at least one per actor), as ``pdserve generate`` does, instead of one core each."""
+        (whole cores each where there are enough), as ``pdserve generate`` does, instead of one
+        core each. More actors than cores share them (a fraction each, one thread): one core
+        each left those Ray could not place waiting out the start-up timeout (300 s)."""
         actors = [(pool, pool.replicas * pool.tensor_parallel_size) for pool in (self.prefill, self.decode)]
         total = sum(count for _, count in actors)
         if total == 0:
             return
+        share = float(cores // total) if total <= cores else cores / total
         for pool, count in actors:
             if count and not ({"num_cpus", "threads"} & pool.model_fields_set) and pool.num_gpus == 0:
-                pool.num_cpus = float(max(1, cores // total))
+                pool.num_cpus = share
 
     def _pool(self, pool: PoolConfig, speculative: SpeculativeSection | None = None) -> PoolSpec:
         device = self.device if self.device != "auto" else ("cuda" if pool.num_gpus > 0 else "cpu")

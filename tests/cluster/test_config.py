@@ -222,3 +222,18 @@ def test_a_chat_template_from_a_file_or_inline_and_its_default_kwargs(tmp_path):
         load_config(None, {"router.chat_template": str(tmp_path / "missing.jinja")})
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--default-chat-template-kwargs", "[1]"])
+
+
+def test_more_actors_than_cores_on_one_machine_share_them():
+    """`pdserve up --prefill 2 --decode 2` on a 2-core host reserved a core per actor: Ray could
+    place two, and `up` waited out the start-up timeout (300 s) for the others. More actors than
+    cores now take a fraction each (one torch thread); fewer keep whole cores."""
+    crowded = load_config(None, {"prefill.replicas": 2, "decode.replicas": 2})
+    crowded.share_local_cores(2)
+    spec = crowded.to_spec()
+    assert (spec.prefill.num_cpus, spec.decode.num_cpus) == (0.5, 0.5)
+    assert spec.prefill.replicas * spec.prefill.num_cpus + spec.decode.replicas * spec.decode.num_cpus <= 2
+    assert spec.decode.engine.num_threads == 1
+    roomy = load_config(None, {"prefill.replicas": 1, "decode.replicas": 1})
+    roomy.share_local_cores(8)
+    assert roomy.to_spec().decode.num_cpus == 4.0 and roomy.to_spec().decode.engine.num_threads == 4
