@@ -508,6 +508,21 @@ class ClusterConfig(BaseModel):
         """Whether the decode actors prefill every prompt themselves (no prefill actors, or never disaggregated)."""
         return self.prefill.replicas == 0 or self.router.disaggregation == Disaggregation.NEVER
 
+    @model_validator(mode="after")
+    def _deployment_can_start(self) -> "ClusterConfig":
+        """What the deployment and its engines check as they start (DeploymentSpec.validate,
+        each pool's EngineConfig), checked here: before a Ray head, the controller or an actor
+        started, and named as this file names it."""
+        spec = self.to_spec()
+        spec.durable_workers = True  # as `pdserve up` runs it (router replicas need it)
+        spec.validate()
+        for name, pool in (("prefill", spec.prefill), ("decode", spec.decode)):
+            try:
+                pool.engine.validate()
+            except ValueError as exc:
+                raise ValueError(f"{name}: {str(exc).replace('max_num_threads', 'max_threads')}") from None
+        return self
+
     def share_local_cores(self, cores: int) -> None:
         """One machine: each pool whose CPUs were not given takes an equal share of its ``cores``
         (whole cores each where there are enough), as ``pdserve generate`` does, instead of one
@@ -539,7 +554,8 @@ class ClusterConfig(BaseModel):
             long_prefill_chunk=pool.chunk_size,
             max_num_seqs=pool.max_num_seqs,
             target_step_ms=pool.target_step_ms,
-            num_threads=pool.threads or max(1, int(pool.num_cpus)),
+            # Threads from the CPUs (not given): no more than the ceiling the pool gives them.
+            num_threads=pool.threads or min(max(1, int(pool.num_cpus)), pool.max_threads or int(1e9)),
             max_num_threads=pool.max_threads,
             enable_prefix_caching=pool.enable_prefix_caching,
             async_scheduling=pool.async_scheduling,
@@ -585,5 +601,6 @@ def load_config(path: Path | None, overrides: dict) -> ClusterConfig:
     try:
         return ClusterConfig.model_validate(data)
     except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc']) or '(top level)'}: {e['msg']}" for e in exc.errors()]
+        # A whole-config check's message names its field itself ("Value error, router.kv_lease_s: ...").
+        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" if e["loc"] else e["msg"].removeprefix("Value error, ") for e in exc.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems)) from None

@@ -237,3 +237,25 @@ def test_more_actors_than_cores_on_one_machine_share_them():
     roomy = load_config(None, {"prefill.replicas": 1, "decode.replicas": 1})
     roomy.share_local_cores(8)
     assert roomy.to_spec().decode.num_cpus == 4.0 and roomy.to_spec().decode.engine.num_threads == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"router.kv_lease_s": 10}, "router.kv_lease_s: .*must exceed the KV write timeout"),
+        ({"router.served_model_names": []}, "served_model_names"),
+    ],
+)
+def test_settings_the_deployment_refuses_are_refused_before_anything_starts(overrides, message):
+    """These passed the config and failed only once a Ray head and the controller had started
+    (DeploymentSpec.validate, the engines' own checks)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_a_thread_ceiling_below_the_shared_cores_caps_the_threads():
+    """max_threads 2 on a host whose shared cores gave an actor 4 threads: the worker failed to
+    start on "max_num_threads", a field the user never set."""
+    config = load_config(None, {"decode.max_threads": 2, "prefill.replicas": 1})
+    config.share_local_cores(8)
+    assert config.to_spec().decode.engine.num_threads == 2

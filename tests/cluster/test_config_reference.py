@@ -32,9 +32,9 @@ def test_every_router_setting_is_set_from_the_yaml_under_its_own_name_or_named_e
     assert set(ROUTER_PASS_THROUGH) <= set(RouterSection.model_fields), set(ROUTER_PASS_THROUGH) - set(RouterSection.model_fields)
     missing = router_fields - set(ROUTER_PASS_THROUGH) - set(ROUTER_SET_ELSEWHERE)
     assert not missing, f"RouterConfig fields no YAML setting reaches: {sorted(missing)}"
-    spec = load_config(None, {"router.kv_lease_s": 7.5, "router.max_decode_restarts": 4, "router.router_lease_s": 11.0,
+    spec = load_config(None, {"router.kv_lease_s": 17.5, "router.max_decode_restarts": 4, "router.router_lease_s": 11.0,
                                "router.model_sampling_defaults": False}).to_spec()
-    assert (spec.router.kv_lease_s, spec.router.max_decode_restarts, spec.router.router_lease_s, spec.router.model_sampling_defaults) == (7.5, 4, 11.0, False)
+    assert (spec.router.kv_lease_s, spec.router.max_decode_restarts, spec.router.router_lease_s, spec.router.model_sampling_defaults) == (17.5, 4, 11.0, False)
     spec.router.validate()
     defaults = load_config(None, {}).to_spec().router
     for name in ROUTER_PASS_THROUGH:
