@@ -694,6 +694,13 @@ def _generate(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "tokenizer.json").is_file():
         print(f"pdserve: --model {args.model}: no tokenizer.json (the model's fast tokenizer; pdserve needs it)", file=sys.stderr)
         return 2
+    from engine.config import ModelConfig
+
+    try:  # an architecture or quantization the engine does not serve: said here, not by a worker's traceback
+        ModelConfig.from_model_dir(Path(args.model))
+    except (ModelLoadError, OSError) as exc:
+        print(f"pdserve: --model {exc}", file=sys.stderr)
+        return 2
     import ray
 
     from cluster.deployment import Deployment, DeploymentSpec, PoolSpec

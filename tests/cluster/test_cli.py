@@ -274,6 +274,20 @@ def test_generate_refuses_a_model_directory_without_a_tokenizer_before_starting_
     assert result.returncode == 2 and "no tokenizer.json" in result.stderr
 
 
+def test_generate_refuses_a_model_the_engine_does_not_serve_before_starting_anything(e2e_model, tmp_path):
+    """A checkpoint of an architecture the engine refuses started a local deployment whose
+    workers failed, with their traceback."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(e2e_model.path, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(architectures=["GPTBigCodeForCausalLM"], model_type="gpt_bigcode")
+    (model / "config.json").write_text(json.dumps(config))
+    result = _run("generate", "hello", "--model", str(model), state_file=tmp_path / "none.json", check=False, timeout=60)
+    assert result.returncode == 2 and "GPTBigCode" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_detached_head_whose_port_was_taken_meanwhile_starts_on_another(monkeypatch, capsys):
     """`up --detach` picks a free port for its Ray head, which binds it a moment later; a port
     another process took in between makes that head exit, and the next one comes up elsewhere.
