@@ -23,6 +23,7 @@ from engine.sequence import Sequence, TokenLogprob
 
 
 _SEED_MASK = (1 << 63) - 1
+_UINT64_MASK = (1 << 64) - 1
 
 
 class Sampler:
@@ -248,7 +249,9 @@ class Sampler:
         if seq.generator is None:
             return None
         position = seq.params.num_resumed_tokens + seq.num_output_tokens + seq.num_pending_tokens
-        key = (seq.params.seed, position) if salt == 0 else (seq.params.seed, position, salt)
+        # As unsigned: Python hashes -1 as it hashes -2 (seeds -1 and -2 drew alike).
+        seed = seq.params.seed & _UINT64_MASK
+        key = (seed, position) if salt == 0 else (seed, position, salt)
         return hash(key) & _SEED_MASK
 
     def _adjust(self, logits: torch.Tensor, seqs: list[Sequence], pending=None) -> torch.Tensor:
@@ -688,7 +691,7 @@ def _sampling_groups(logits: torch.Tensor, params: list) -> list[_SamplingGroup]
     # Top-p without top-k measures mass against the whole row: its log-normalizer (top-k rows
     # renormalize over what they keep and need none).
     log_norm = torch.zeros((len(filtered), 1), dtype=torch.float32, device=device)
-    unbounded = [j for j, p in enumerate(row_params) if p.top_k == 0]
+    unbounded = [j for j, p in enumerate(row_params) if p.top_k <= 0]  # -1 and 0 both disable top-k
     whole = {}
     if unbounded:
         whole_rows = scaled([filtered[j] for j in unbounded])
@@ -795,7 +798,7 @@ class LogprobTensors:
             index = to_device(rows, torch.long, logits.device)
             log_probs, targets = torch.log_softmax(logits[index], dim=-1), token_ids[index]
         chosen = log_probs.gather(1, targets.unsqueeze(1))
-        ranks = (log_probs > chosen).sum(dim=-1) + 1
+        ranks = (log_probs >= chosen).sum(dim=-1)  # vLLM's: a token tied with another ranks after it
         most = max(num_top)
         top_values, top_ids = log_probs.topk(most, dim=-1) if most > 0 else (None, None)
         return cls(rows, num_top, chosen.squeeze(1), ranks, top_values, top_ids)

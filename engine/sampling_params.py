@@ -17,6 +17,7 @@ from engine.thinking import Thinking
 # seed + i, which stays within what torch.Generator takes.
 MAX_INT64 = 2**63 - 1
 MAX_SEED = MAX_INT64
+MIN_SEED = -MAX_INT64 - 1  # vLLM takes negative seeds too (torch.Generator maps them into its range)
 
 
 @dataclass(slots=True)
@@ -104,8 +105,8 @@ class SamplingParams:
             raise InvalidRequestError(
                 "repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty!r}"
             )
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
-            raise InvalidRequestError("seed", f"must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise InvalidRequestError("seed", f"must be a 64-bit signed integer, in [{MIN_SEED}, {MAX_SEED}], got {self.seed!r}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= self.MAX_LOGPROBS)
         ):

@@ -30,7 +30,7 @@ def engine(checkpoints):
         ([5, 6], SamplingParams(top_k=-2), "top_k"),
         ([5, 6], SamplingParams(min_p=1.1), "min_p"),
         ([5, 6], SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
-        ([5, 6], SamplingParams(seed=-1), "seed"),
+        ([5, 6], SamplingParams(seed=-(2**63) - 1), "seed"),  # below a 64-bit integer (-1 is a seed, as in vLLM)
         ([5, 6], SamplingParams(logprobs=500), "logprobs"),
         ([5, 6], SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
         ([5, 10**6], SamplingParams(), "prompt_token_ids"),

@@ -78,6 +78,14 @@ def test_same_seed_same_output_whatever_shares_the_batch(llama):
     assert other_seed.token_ids != alone.token_ids
 
 
+def test_a_negative_seed_is_a_seed_as_in_vllm(llama):
+    """vLLM takes any 64-bit seed; -1 was refused (400)."""
+    engine, model = llama
+    (prompt,) = random_prompts([12], model.config.vocab_size, seed=3)
+    runs = [engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))[0].token_ids for seed in (-1, -1, -2)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=30, min_p=0.02),
                                     SamplingParams(temperature=1.2)])
 def test_a_seeded_draw_does_not_depend_on_a_draft_beside_it(params):
@@ -223,6 +231,10 @@ def test_a_seeded_draw_does_not_depend_on_a_filtered_row_beside_it():
         SamplingParams(temperature=1.0, top_k=50, top_p=0.8),
         SamplingParams(temperature=1.3, min_p=0.05),
         SamplingParams(temperature=1.0, top_k=7),
+        # top_k -1 is "no top-k" as 0 is: it was taken for a top-k row (no normalizer), so that
+        # top-p kept only the argmax, and a flat row's min-p survivors past the candidates raised.
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=-1),
+        SamplingParams(temperature=1.3, min_p=0.05, top_k=-1),
     ],
 )
 def test_filters_over_a_large_vocabulary_give_the_full_sorts_distribution(params):
@@ -404,3 +416,13 @@ def test_keyed_race_draws_each_token_with_its_probability_whatever_the_rows_besi
 
     kept = _min_p_kept(weights.unsqueeze(0) * 3.0, torch.tensor([0.2]))
     assert torch.equal(kept[0] > 0, weights >= 0.2 * weights.max())
+
+
+def test_a_tokens_rank_counts_the_tokens_at_least_as_likely_as_vllm_does():
+    """vLLM's rank counts every token at least as likely as the chosen one: of two tied maxima
+    each ranks 2 (pdserve said 1), a unique maximum 1."""
+    from engine.sampler import LogprobTensors
+
+    logits = torch.tensor([[2.0, 2.0, 0.5, -1.0], [3.0, 2.0, 0.5, -1.0]])
+    ranks = LogprobTensors.of_rows(logits, [0, 1], [0, 0], torch.tensor([1, 0])).ranks.tolist()
+    assert ranks == [2, 1]
