@@ -148,7 +148,9 @@ class ChoiceState:
             token = name(token_id)
             out["tokens"].append(token)
             out["token_logprobs"].append(None if entry is None else _logprob(entry.logprob))
-            out["top_logprobs"].append(None if entry is None else _top_by_text(entry.top[: self.num_logprobs], name))
+            # The chosen token first, then the most likely: OpenAI's legacy API always returns
+            # the sampled token's (up to logprobs + 1 entries), and vLLM's does.
+            out["top_logprobs"].append(None if entry is None else _top_by_text([(token_id, entry.logprob), *entry.top[: self.num_logprobs]], name))
             out["text_offset"].append(offset)
             offset += len(token if not self.tokens_as_ids else _token_text(token_id, tokenizer))  # offsets count the text
         self.next_offset = offset

@@ -413,3 +413,19 @@ def test_an_answer_sent_back_as_the_sdks_dump_it_is_taken():
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}]}]
     request = read_messages({"model": "m", "max_tokens": 4, "tools": [tool], "messages": messages}, template, "hermes")
     assert "checking" in request.generate.prompt_text
+
+
+def test_legacy_completions_top_logprobs_always_hold_the_sampled_token(byte_level_tokenizer):
+    """OpenAI's legacy logprobs return the chosen token's too (up to logprobs + 1 entries), as
+    vLLM's do: logprobs 0 gave an empty dict at every position, and a token drawn outside the
+    top k was missing from its own."""
+    from engine.sampling_params import TokenLogprob
+    from router.openai_api.responses import ChoiceState
+    from router.output_stream import OutputChunk
+
+    a, b, c = (byte_level_tokenizer.encode(t, add_special_tokens=False)[0] for t in ("a", "b", "c"))
+    drawn = TokenLogprob(c, -2.5, 3, [(a, -0.4), (b, -1.1)])
+    for num_logprobs, want in ((0, {"c": -2.5}), (1, {"c": -2.5, "a": -0.4})):
+        state = ChoiceState(0, False, num_logprobs, 1)
+        rendered = state.add(OutputChunk(token_ids=[c], text="c", logprobs=[drawn]), byte_level_tokenizer)
+        assert rendered["top_logprobs"] == [want]
