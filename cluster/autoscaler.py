@@ -45,7 +45,7 @@ class AutoscalerConfig:
     min_decode: int = 1
     scale_down_delay_s: float = 300.0
     queue_fraction: float = 0.5
-    min_arrivals: int = 5  # fewer in the window: the rate is noise, keep the pools as they are
+    min_arrivals: int = 5  # fewer in a whole window: the rate is noise, planned at its bound (min_arrivals over the window)
 
     def validate(self) -> None:
         for name in ("interval_s", "window_s", "headroom", "slo_ttft_ms", "slo_tpot_ms"):
@@ -207,10 +207,15 @@ def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSna
     """The pool sizes a traffic snapshot asks for, and why (no hysteresis; picklable for a worker
     process). ``settled``: a window has passed since the pools last changed, so their queue
     times are their own (else no worker is added for them)."""
+    rate, few = snapshot.arrival_rate, ""
     if snapshot.num_arrivals < config.min_arrivals:
-        if snapshot.num_arrivals == 0 and snapshot.window_s >= config.window_s:
+        if snapshot.window_s < config.window_s:  # a router younger than the window: too little seen
+            return current, f"{snapshot.num_arrivals} arrivals in the window: too few to plan from"
+        if snapshot.num_arrivals == 0:
             return (config.min_prefill, config.min_decode), "no traffic"
-        return current, f"{snapshot.num_arrivals} arrivals in the window: too few to plan from"
+        # Fewer than min_arrivals in a whole window: the rate is at most min_arrivals over it.
+        # Keeping the sizes instead held pools sized for a peak through a night of light traffic.
+        rate, few = config.min_arrivals / snapshot.window_s, f" (at most: {snapshot.num_arrivals} arrivals in the window)"
     mix = planner.mix
     if snapshot.num_finished:
         mix = replace(
@@ -218,10 +223,10 @@ def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSna
             long_fraction=0.0,
         )
     planner = replace(planner, mix=mix)
-    plan = planner.plan(snapshot.arrival_rate * config.headroom)
+    plan = planner.plan(rate * config.headroom)
     if plan.feasible:
         prefill, decode = plan.num_prefill, plan.num_decode
-        reason = f"plan for {snapshot.arrival_rate * config.headroom:.2f} req/s"
+        reason = f"plan for {rate * config.headroom:.2f} req/s{few}"
     else:
         prefill, decode = current
         reason = f"no shape within {config.max_workers} workers meets the SLO"
@@ -235,10 +240,14 @@ def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSna
     prefill = max(config.min_prefill, prefill)
     decode = max(config.min_decode, decode)
     while prefill + decode > config.max_workers:  # the queue correction may overshoot the cap
-        if prefill > config.min_prefill and prefill >= decode:
+        # Never below a minimum (the decode minimum was taken from: (4, 4) with min_decode 5 and
+        # 8 workers at most came out (4, 4)); validate keeps the minimums within the cap.
+        if prefill > config.min_prefill and (prefill >= decode or decode <= config.min_decode):
             prefill -= 1
-        else:
+        elif decode > config.min_decode:
             decode -= 1
+        else:
+            break
     return (prefill, decode), reason
 
 

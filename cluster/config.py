@@ -27,6 +27,7 @@ from router.openai_api.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 from router.security import AUTH_TOKEN_ENV, is_loopback
+from router.traffic import HORIZON_S as TRAFFIC_HORIZON_S
 
 
 class ConfigError(ValueError):
@@ -122,7 +123,10 @@ class AutoscalerSection(BaseModel):
     slo_tpot_ms: float = Field(100.0, gt=0, description="TPOT target at the percentile")
     percentile: float = Field(90.0, gt=0, lt=100)
     interval_s: float = Field(30.0, gt=0, description="Seconds between decisions")
-    window_s: float = Field(120.0, gt=0, description="Seconds of traffic each decision looks at")
+    window_s: float = Field(
+        120.0, gt=0, le=TRAFFIC_HORIZON_S,
+        description=f"Seconds of traffic each decision looks at (the router keeps {TRAFFIC_HORIZON_S:.0f} s: a longer window understated the rate)",
+    )
     headroom: float = Field(1.2, gt=0, description="Plan for this multiple of the observed arrival rate")
     max_workers: int = Field(16, ge=1, description="Most workers of both pools together")
     min_prefill: int = Field(0, ge=0)

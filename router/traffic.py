@@ -28,8 +28,11 @@ class TrafficSnapshot:
     decode_queue_ms_p90: float
 
 
+HORIZON_S = 900.0  # the router keeps this much traffic history: the longest window a decision may look at
+
+
 class TrafficWindow:
-    def __init__(self, horizon_s: float = 900.0, clock=time.monotonic) -> None:
+    def __init__(self, horizon_s: float = HORIZON_S, clock=time.monotonic) -> None:
         self.horizon_s = horizon_s  # nothing older is kept
         self._clock = clock
         self._arrivals: deque[float] = deque()

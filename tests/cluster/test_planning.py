@@ -713,7 +713,11 @@ def test_autoscaler_adds_a_worker_to_a_stage_whose_queue_is_long(tmp_path):
     (more_prefill, _), reason = scaler.target(queued, (1, 1))
     assert more_prefill == max(prefill, 2)
     assert "prefill queue" in reason
-    assert scaler.target(TrafficSnapshot(120.0, 2, 2, 0.02, 256.0, 64.0, 0.0, 0.0, 0.0), (3, 4))[0] == (3, 4)  # too few to judge
+    # Too few arrivals over a whole window to measure the rate: planned for its bound (5 in 120 s),
+    # so pools sized for a peak shrink through a night of light traffic (they kept their sizes).
+    (light, reason) = scaler.target(TrafficSnapshot(120.0, 2, 2, 0.02, 256.0, 64.0, 0.0, 0.0, 0.0), (3, 4))
+    assert light == scaler.target(TrafficSnapshot(120.0, 5, 5, 5 / 120, 256.0, 64.0, 0.0, 0.0, 0.0), (3, 4))[0]
+    assert sum(light) < 7 and "at most: 2 arrivals" in reason
 
 
 def test_a_drain_in_progress_holds_up_no_decision_and_queue_times_are_read_once_settled(tmp_path):
@@ -873,3 +877,29 @@ def test_while_a_change_applies_the_pools_are_taken_at_the_size_asked_for(tmp_pa
 
     asyncio.run(scenario())
     assert applied == [(1, 4)] and ready[0] == (1, 4)
+
+
+def test_the_worker_cap_never_takes_a_pool_below_its_minimum():
+    """A plan of (4, 4) with min_decode 5 and 8 workers at most: decode rose to 5, then the cap
+    took it back to 4, below its minimum. Prefill gives way instead."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class FixedPlanner:
+        mix: object = None
+
+        def plan(self, rate):
+            return SimpleNamespace(feasible=True, num_prefill=4, num_decode=4)
+
+    config = AutoscalerConfig("unused.json", slo_ttft_ms=800.0, slo_tpot_ms=40.0, max_workers=8, min_decode=5)
+    busy = TrafficSnapshot(120.0, 120, 0, 1.0, 256.0, 64.0, 0.0, 0.0, 0.0)
+    assert plan_target(FixedPlanner(), config, busy, (4, 4))[0] == (3, 5)
+
+
+def test_a_window_longer_than_the_routers_history_is_refused():
+    """The router keeps 900 s of traffic: a 1,800 s window divided 900 s of arrivals by 1,800
+    (half the rate), and the pools were planned for half the load."""
+    from cluster.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="autoscaler.window_s"):
+        load_config(None, {"autoscaler.window_s": 1800.0})
