@@ -94,6 +94,9 @@ class TPGroup:
         self._num_broadcasts = 0  # the same count on every rank: it names a step
         self._last_failed_key: str | None = None
         self._left = False  # aborted: every later step fails at once (RankFailedError)
+        # Rank 0 has gathered the current step's logits: every rank is past the step's last
+        # collective (an error after it is rank 0's own work, the others are in step).
+        self._gathered = False
         self.times = CollectiveTimes()  # for the benchmarks: what the collectives cost a step
 
     @classmethod
@@ -151,6 +154,7 @@ class TPGroup:
         except RuntimeError as exc:
             raise self._broken("gather", exc) from exc
         self.times.gather_s += time.perf_counter() - started
+        self._gathered = True
         return torch.cat(parts, dim=-1) if self.is_first else None
 
     def broadcast_from_first(self, message: Any = None) -> Any:
@@ -166,6 +170,7 @@ class TPGroup:
         except RuntimeError as exc:
             raise self._broken("broadcast", exc) from exc
         self._num_broadcasts += 1
+        self._gathered = False
         if self.is_first:  # the other ranks wait here between steps: idle, not cost
             self.times.broadcast_s += time.perf_counter() - started
         return box[0]
@@ -181,7 +186,9 @@ class TPGroup:
         except RankFailedError:
             raise
         except Exception as exc:
-            if self.world_size == 1 or self._failed_alike():
+            if self.world_size == 1 or self._gathered or self._failed_alike():
+                # (Past the gather the other ranks are done with the step: rank 0's own work
+                # after it, joining and converting the logits, raised alone and in step.)
                 raise
             self.abort()
             raise RankFailedError(f"a step failed on rank {self.rank} alone ({type(exc).__name__}: {exc}); the ranks are out of step") from exc

@@ -287,6 +287,37 @@ def test_a_step_every_rank_fails_alike_ends_only_its_request(tp_checkpoints, mon
         engine.close()
 
 
+def test_rank_0_failing_after_the_gather_ends_only_the_request(tp_checkpoints, monkeypatch):
+    """Past the logits' gather every other rank is done with the step: rank 0's own work after it
+    (joining the vocabulary shards, an out-of-memory error there) failing is no rank out of step.
+    It ended the worker (and each retry of the request the next); it fails that request only."""
+    path, model = tp_checkpoints["llama"]
+    engine = _engine(path, 2)
+    try:
+        real_run = engine.runner.run
+
+        def run(step):
+            logits = real_run(step)  # the whole step, its gather included
+            if _poisoned(step):
+                raise RuntimeError("injected fault on rank 0 after the gather")
+            return logits
+
+        monkeypatch.setattr(engine.runner, "run", run)
+        requests = _requests(model)
+        for req_id, prompt in requests.items():
+            engine.add_request(req_id, prompt, GREEDY)
+        outputs: dict[str, list] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.req_id, []).append(out)
+        assert outputs["poison"][-1].finish_reason is FinishReason.ERROR
+        for req_id in ("good-0", "good-1"):
+            assert [t for o in outputs[req_id] for t in o.new_token_ids] == hf_greedy(model, requests[req_id], MAX_NEW)
+        assert engine.num_free_blocks == 128
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_a_step_that_fails_on_one_rank_alone_ends_the_worker_within_seconds(tp_checkpoints, monkeypatch, failing_rank):
     """A step that raises on one rank only (an out-of-memory error there, say) leaves the others
