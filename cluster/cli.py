@@ -329,7 +329,8 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     state = {"router_address": info.router_address, "admin_address": info.admin_address, "http_address": info.http_address,
              "metrics_address": info.metrics_address,
-             "ray_address": ray_address, "ray_head_pid": head, "up_pid": None if args.detach else os.getpid()}
+             "ray_address": ray_address, "ray_head_pid": head, "ray_head_start": process_start(head) if head else None,
+             "up_pid": None if args.detach else os.getpid(), "up_start": None if args.detach else process_start(os.getpid())}
     print(f"pdserve serving on {info.router_address} ({info.prefill_replicas} prefill, {info.decode_replicas} decode actors)")
     if info.router_replicas:
         print(f"router replicas on {', '.join(info.router_replicas)} (the same ports)")
@@ -356,7 +357,8 @@ def _up(args: argparse.Namespace) -> int:
         ray.get(controller.stop.remote(), timeout=30)
     finally:
         ray.kill(controller)
-        args.state_file.unlink(missing_ok=True)
+        if _read_state(args.state_file).get("up_pid") == os.getpid():  # still this up's record, no later one's
+            args.state_file.unlink(missing_ok=True)
         ray.shutdown()
     return 0
 
@@ -365,14 +367,14 @@ def _down(args: argparse.Namespace) -> int:
     state = _read_state(args.state_file)
     # The record is this command's to act on unless --address names another cluster.
     recorded = bool(state) and (args.address is None or args.address == state.get("ray_address"))
-    if recorded and state.get("ray_address") is None:
-        return _down_foreground(args, state)
+    if recorded and state.get("up_pid") is not None and (state.get("ray_address") is None or _recorded_alive(state, "up")):
+        return _down_foreground(args, state)  # a foreground up stops its own deployment (on its own cluster or a joined one)
     ray_address = args.address or state.get("ray_address")
     if ray_address is None:
         print(f"pdserve down: no detached deployment recorded in {args.state_file}; give --address", file=sys.stderr)
         return 2
     if recorded and state.get("ray_head_pid"):
-        if not process_alive(state["ray_head_pid"]):  # the machine rebooted, the head was killed
+        if not _recorded_alive(state, "ray_head"):  # the machine rebooted, the head was killed
             args.state_file.unlink(missing_ok=True)
             print(f"pdserve down: the deployment recorded at {ray_address} is gone (its Ray head no longer runs); its record is removed")
             return 0
@@ -420,12 +422,15 @@ def _down(args: argparse.Namespace) -> int:
 def _down_foreground(args: argparse.Namespace, state: dict) -> int:
     """A deployment a foreground `pdserve up` serves: that process is asked to stop (it stops its
     deployment itself, and removes the record); a record whose process is gone is removed."""
-    pid = state.get("up_pid")
-    if not pid or not process_alive(pid):
+    pid = state["up_pid"]
+    try:
+        if not _recorded_alive(state, "up"):
+            raise ProcessLookupError
+        os.kill(pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):  # gone, or its number is another's now
         args.state_file.unlink(missing_ok=True)
         print(f"pdserve down: the `pdserve up` recorded in {args.state_file} no longer runs; its record is removed")
         return 0
-    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + FOREGROUND_STOP_WAIT_S
     while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -551,6 +556,25 @@ def _group_runs(pgid: int) -> bool:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             return True
     return False
+
+
+def _recorded_alive(state: dict, name: str) -> bool:
+    """Whether the process the record names (``<name>_pid``, started at ``<name>_start``) still
+    runs: after a reboot its number may be another process's."""
+    pid = state.get(f"{name}_pid")
+    if not pid or not process_alive(pid):
+        return False
+    started = state.get(f"{name}_start")
+    return started is None or process_start(pid) == started
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (None where /proc does not say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def process_alive(pid: int) -> bool:

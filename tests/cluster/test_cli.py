@@ -341,6 +341,10 @@ def test_down_removes_a_record_whose_deployment_is_gone_and_stops_a_foreground_u
         state.write_text(json.dumps(record))
         assert main(["--state-file", str(state), "down"]) == 0
         assert not state.exists()
+    # A number the record names may be another process's after a reboot (here this test's own):
+    # its start time tells, and it is left alone.
+    state.write_text(json.dumps({"router_address": "127.0.0.1:1", "ray_address": None, "up_pid": os.getpid(), "up_start": 1}))
+    assert main(["--state-file", str(state), "down"]) == 0 and not state.exists()
     serving = subprocess.Popen(["sleep", "60"])  # stands for the foreground `up`: it stops on SIGTERM
     try:
         state.write_text(json.dumps({"router_address": "127.0.0.1:1", "ray_address": None, "ray_head_pid": None, "up_pid": serving.pid}))
