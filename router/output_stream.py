@@ -203,7 +203,8 @@ class OutputAssembler:
     def final_chunk(self, reason: str, detail: str = "", error_field: str = "") -> OutputChunk:
         """A last chunk for an end the decode actor did not report (abort, error): with the text
         still held back (the detokenizer's unsettled tail, the possible start of a stop string),
-        which no later token can change now. A stop string can still complete in that tail."""
+        which no later token can change now. A stop string completing in that tail still cuts
+        the text there (the tokens after it went out with earlier chunks: they stay counted)."""
         check = self.stops.feed(self.detokenizer.finish())
         chunk = OutputChunk(text=check.text + self.stops.flush(), end=self._end(reason, detail=detail, error_field=error_field))
         self._num_text_chars += len(chunk.text)

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from router.openai_api.tool_arguments import json_or
 from router.openai_api.tool_calls import MISTRAL_ID_LENGTH, ToolCalling
 from router.openai_api.tool_blocks import Part
 from router.openai_api.tool_formats import READERS, RequiredListReader
@@ -60,8 +61,13 @@ class ToolCallOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        """vLLM's: "tool_calls" when calls were made (a named choice keeps "stop")."""
-        return "tool_calls" if self.calls and self.calling.choice != "named" else None
+        """vLLM's: "tool_calls" when calls were made (a named choice keeps "stop"). A call cut
+        short (a stop string inside its arguments) made none: its arguments are no JSON object,
+        and a client told "tool_calls" would fail parsing them."""
+        if not self.calls or self.calling.choice == "named":
+            return None
+        whole = all(isinstance(json_or(call["function"]["arguments"], None), dict) for call in self.calls)
+        return "tool_calls" if whole else None
 
     def feed(self, text: str) -> list[OutputPart]:
         """The next piece of the answer as what to send, in the answer's order: content, and

@@ -150,9 +150,10 @@ def test_required_calls_stream_as_they_are_written_and_an_answer_cut_short_keeps
     content, streamed, whole, reason = _run(required, answer, piece)
     assert content == "" and streamed == whole and reason == "tool_calls"
     assert _read(whole) == [("get_weather", {"city": "Rome", "unit": "c"}), ("get_time", {})]
-    content, streamed, whole, _ = _run(required, answer[:50], piece)  # max_tokens hit inside the arguments
+    content, streamed, whole, reason = _run(required, answer[:50], piece)  # max_tokens or a stop string inside the arguments
     assert content == "" and streamed == whole and [c["name"] for c in whole] == ["get_weather"]
     assert whole[0]["arguments"] == '{"city": "R'
+    assert reason is None, "a call cut short is no call made: the answer keeps its own finish reason"
 
 
 def test_required_choice_compiles_tools_whose_parameters_reference_their_definitions():
