@@ -271,7 +271,8 @@ def _top_by_text(top: list[tuple[int, float]], name: Callable[[int], str]) -> di
     character, each "\ufffd" alone), the more likely one's stays."""
     out: dict[str, float] = {}
     for token_id, logprob in top:
-        out.setdefault(name(token_id), _logprob(logprob))
+        text, value = name(token_id), _logprob(logprob)
+        out[text] = max(out.get(text, value), value)  # the chosen token comes first, not by likelihood
     return out
 
 

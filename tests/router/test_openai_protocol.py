@@ -429,3 +429,8 @@ def test_legacy_completions_top_logprobs_always_hold_the_sampled_token(byte_leve
         state = ChoiceState(0, False, num_logprobs, 1)
         rendered = state.add(OutputChunk(token_ids=[c], text="c", logprobs=[drawn]), byte_level_tokenizer)
         assert rendered["top_logprobs"] == [want]
+    # Two tokens that read alike (bytes of one character): the more likely one's stays, though
+    # the chosen one comes first.
+    from router.openai_api.responses import _top_by_text
+
+    assert _top_by_text([(c, -2.5), (a, -0.4)], lambda token_id: "\ufffd") == {"\ufffd": -0.4}
