@@ -88,8 +88,9 @@ class GenerateInput:
     max_tokens: int | None = None
     # Unset max_tokens: the context's room (chat completions, the Responses API, as vLLM
     # and OpenAI answer a conversation) rather than RequestLimits.default_max_tokens (completions'
-    # and gRPC's 16); the model's generation_config max_new_tokens, where it sets one, is the
-    # default instead of either (and the context's room still bounds it).
+    # and gRPC's 16); the model's generation_config max_new_tokens, where it sets one, is a
+    # conversation's default instead, and caps the 16 (as vLLM's completions take it: the
+    # smaller); the context's room still bounds either.
     max_tokens_fills_context: bool = False
     temperature: float | None = None
     top_k: int | None = None
@@ -300,10 +301,13 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
     def pick(given, model_default, default):
         return given if given is not None else model_default if model_default is not None else default
 
-    unset_max_tokens = limits.max_context_len if request.max_tokens_fills_context else limits.default_max_tokens
+    if request.max_tokens_fills_context:  # a conversation: the model's max_new_tokens, else the context's room
+        unset_max_tokens = pick(None, defaults.max_tokens, limits.max_context_len)
+    else:  # completions (and gRPC): 16, or the model's max_new_tokens where smaller, as vLLM's completions
+        unset_max_tokens = min(limits.default_max_tokens, pick(None, defaults.max_tokens, limits.default_max_tokens))
     params = SamplingParams(
         # Unset, it defaults to what fits (_fit_context), and never below min_tokens.
-        max_tokens=pick(request.max_tokens, None, max(pick(None, defaults.max_tokens, unset_max_tokens), request.min_tokens)),
+        max_tokens=pick(request.max_tokens, None, max(unset_max_tokens, request.min_tokens)),
         temperature=pick(request.temperature, defaults.temperature, 1.0),
         top_k=pick(request.top_k, defaults.top_k, 0),
         top_p=pick(request.top_p, defaults.top_p, 1.0),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -219,11 +220,13 @@ def test_the_models_generation_config_fills_only_what_a_request_leaves_unset(tmp
     limits = RequestLimits(vocab_size=1000, max_context_len=64, defaults=defaults)
     unset = validate(request(), limits).sampling_params
     assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p, unset.repetition_penalty) == (0.6, 0.9, 20, 0.05, 1.1)
-    assert unset.max_tokens == 40
+    assert unset.max_tokens == 16, "a completion's default stays 16 (vLLM's): max_new_tokens only caps it"
+    short = RequestLimits(vocab_size=1000, max_context_len=64, defaults=dataclasses.replace(defaults, max_tokens=5))
+    assert validate(request(), short).sampling_params.max_tokens == 5
     given = validate(request(sampling=dict(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=3, repetition_penalty=1.0)), limits)
     params = given.sampling_params
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.repetition_penalty) == (0.0, 1.0, -1, 3, 1.0)
-    # Long prompts: the model's max_new_tokens still shrinks to the room left.
+    # Long prompts: the default still shrinks to the room left.
     assert validate(request(prompt_text="x" * 60), limits).sampling_params.max_tokens == 3
 
 
