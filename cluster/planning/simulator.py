@@ -465,10 +465,13 @@ class Simulation:
             if window is not None:
                 window.rejected += 1
             return
-        blocks = -(-(prompt_len + output_len) // self.block_size)
-        if blocks > self.decode_blocks:
-            self.rejected += 1  # the router refuses it: no decode worker could ever hold it
+        if -(-(prompt_len + 1) // self.block_size) > self.decode_blocks:
+            self.rejected += 1  # the router refuses it: no decode worker could ever hold its prompt
             return
+        # Its whole length is held from admission (the real cache grows a block at a time, so this
+        # overstates what a request holds early on); a request longer than a worker's cache, which
+        # the router admits (it reserves the prompt), holds the whole cache.
+        blocks = min(-(-(prompt_len + output_len) // self.block_size), self.decode_blocks)
         request = _Request(when, prompt_len, output_len, blocks, self.num_requests)
         if self.kept is not None:
             self.kept.append(request)

@@ -903,3 +903,16 @@ def test_a_window_longer_than_the_routers_history_is_refused():
 
     with pytest.raises(ConfigError, match="autoscaler.window_s"):
         load_config(None, {"autoscaler.window_s": 1800.0})
+
+
+def test_a_request_longer_than_a_decode_cache_whose_prompt_fits_is_served_as_the_router_serves_it():
+    """The router reserves a prompt's blocks (and one token's), so it admits a request whose
+    answer will outgrow the cache (its cache preempts and recomputes); the simulator refused it,
+    and a workload with such requests met no SLO with any number of workers."""
+    profile = make_profile(decode_num_blocks=20)  # 320 tokens of KV per decode worker
+    simulation = Simulation(profile, 1, 1, max_queued_requests=50)
+    result = simulation.run(WorkloadModel(rate=1.0, num_requests=4, input_len=200, output_len=400).requests())
+    assert (result.rejected, result.completed) == (0, 4)
+    assert all(w.free_blocks == 20 for w in simulation.decodes)
+    too_long = Simulation(profile, 1, 1, max_queued_requests=50).run(WorkloadModel(rate=1.0, num_requests=2, input_len=330, output_len=4).requests())
+    assert too_long.rejected == 2, "a prompt no decode worker can hold is still refused"
