@@ -88,10 +88,10 @@ def stop_reason(end: StreamEnd, tool_calls: bool) -> str | None:
     """Anthropic's stop_reason for how a message ended."""
     if end.reason == "length":
         return "max_tokens"  # first: a tool call cut off here is not a finished tool_use
+    if end.reason == "stop" and end.matched_stop:
+        return "stop_sequence"  # before tool_use too: a stop sequence inside a call's input cut it short
     if tool_calls:
         return "tool_use"
-    if end.reason == "stop" and end.matched_stop:
-        return "stop_sequence"
     if end.reason in ("stop", "eos"):
         return "end_turn"
     return None  # abort / error: reported as an error

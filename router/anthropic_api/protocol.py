@@ -27,7 +27,7 @@ from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.fields import boolean, integer, is_int, json_object, number, refuse_unknown, type_name
-from router.openai_api.reasoning import ReasoningFormat, ReasoningSplitter
+from router.openai_api.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningFormat, ReasoningSplitter
 from router.openai_api.tool_calls import ToolCalling, flat_function_tool, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
@@ -95,12 +95,13 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
         ignore_eos=boolean(body, "ignore_eos", False),
         seed=integer(body, "seed", None, None, None),
         sampling_prefix="",
+        field_names={"stop": "stop_sequences"},
         structured=_constraint(body, calling),
         skip_special_tokens=not (calling is not None and calling.reads_special_tokens),
     )
     request = MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
     if reasoning is not None:
-        generate.thinking = reasoning.thinking(prompt, budget)
+        generate.thinking = reasoning.thinking(prompt, budget, _continued(body))
         request.reasoning, request.show_thinking = ReasoningSplitter(generate.thinking), thinking is not False
     return request
 
@@ -125,9 +126,40 @@ def render_prompt(
         raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
     calling = read_tool_calling(_openai_tools(body), template.text, tool_call_parser)
     messages = _system(body) + _conversation(body)
+    prefill = _prefill(messages)
     extra = {name: value for name, value in (("enable_thinking", thinking), ("reasoning_effort", effort)) if value is not None} or None
-    prompt = template.render(template_messages(messages, template.text), add_generation_prompt=True, tools=calling.tools if calling is not None else None, extra=extra)
+    prompt = template.render(
+        template_messages(messages, template.text), add_generation_prompt=prefill is None, tools=calling.tools if calling is not None else None, extra=extra,
+    )
+    if prefill is not None:
+        # The answer goes on from the prefill's last character (the template closed the turn).
+        if prefill not in prompt:
+            raise InvalidArgumentError("messages", "the chat template drops the final assistant message's text: it cannot be continued")
+        prompt = prompt[: prompt.rindex(prefill) + len(prefill)]
     return prompt, calling
+
+
+def _prefill(messages: list[dict[str, Any]]) -> str | None:
+    """The text of a final assistant message (Anthropic's prefill: the answer continues it, and
+    leaves it out of its content); None where the conversation ends with the user."""
+    final = messages[-1] if messages else None
+    if final is None or final["role"] != "assistant" or final.get("tool_calls") or not final.get("content"):
+        return None
+    text = final["content"]
+    if text != text.rstrip():
+        raise InvalidArgumentError("messages", "final assistant content cannot end with trailing whitespace")  # Anthropic's 400
+    return text
+
+
+def _continued(body: dict) -> str | None:
+    """A prefill as the model wrote it (its thinking before its text): what says whether the
+    answer goes on inside the thinking."""
+    messages = _conversation(body)
+    prefill = _prefill(messages)
+    if prefill is None:
+        return None
+    thought = messages[-1].get("reasoning_content")
+    return (f"{THINK_OPEN}{thought}{THINK_CLOSE}" if thought else "") + prefill
 
 
 def _constraint(body: dict, calling: ToolCalling | None) -> StructuredOutput | None:
@@ -172,7 +204,9 @@ def _thinking(body: dict, reasoning: ReasoningFormat | None, max_tokens: int | N
     the thinking once it has spent them (engine.thinking)."""
     thinking = body.get("thinking")
     if thinking is None:
-        return None, None
+        # Anthropic thinks only when asked: a model that thinks by default (Qwen3's template) is
+        # told not to, and its thinking is not shown (a client's content[0] is the answer's text).
+        return (False if reasoning is not None else None), None
     thinking = json_object(thinking, "thinking")
     kind = thinking.get("type")
     if kind == "disabled":

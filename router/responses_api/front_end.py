@@ -36,6 +36,7 @@ from router import sse
 from router.errors import ErrorKind, InternalError, InvalidArgumentError, NotFoundError, classify, remote_cause
 from router.openai_api.errors import log_if_internal
 from router.openai_api.tool_calls import read_tool_calling, template_messages
+from router.openai_api.tool_arguments import json_or
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_answer
 from router.output_stream import OutputChunk, StreamEnd, end_failure
 from router.openai_api.reasoning import ReasoningSplitter
@@ -195,8 +196,12 @@ class ResponseState:
             return []
         index, item = self.open_index, self.output[self.open_index]
         self.open_index = None
-        # An item the answer's end cut off (max_output_tokens) is "incomplete", as OpenAI's is.
-        item["status"] = "incomplete" if self.end is not None and self.end.reason == "length" else "completed"
+        # An item the answer's end cut off (max_output_tokens) is "incomplete", as OpenAI's is; so
+        # is a function call a stop sequence cut short (its arguments are no JSON object).
+        cut = self.end is not None and self.end.reason == "length"
+        if item["type"] == "function_call" and self.end is not None and self.end.matched_stop:
+            cut = cut or not isinstance(json_or(item["arguments"], None), dict)
+        item["status"] = "incomplete" if cut else "completed"
         events = []
         if item["type"] == "message":
             part = item["content"][0]

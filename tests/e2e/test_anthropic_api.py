@@ -92,6 +92,22 @@ def test_count_tokens_and_stop_sequences(claude, chat_model, hf_tokenizer):  # n
     assert stopped.content[0].text == full[: full.find(stop)]
 
 
+def test_an_assistant_prefill_is_continued_as_anthropic_continues_it(claude, chat_model, hf_tokenizer):  # noqa: F811
+    """A final assistant message is Anthropic's prefill: the answer goes on from its last
+    character, and its content leaves the prefill out. It was rendered as a closed turn, and the
+    model started a new one (transformers with continue_final_message is the reference)."""
+    prefill = "Eleven, and"
+    ids = hf_tokenizer.apply_chat_template([*CHAT, {"role": "assistant", "content": prefill}], continue_final_message=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = hf_tokenizer.decode(hf_greedy(chat_model.hf_model, ids, 8), skip_special_tokens=True)
+    conversation = [*CONVERSATION, {"role": "assistant", "content": prefill}]
+    message = claude.messages.create(model="tiny-chat", system=SYSTEM, messages=conversation, max_tokens=8, **GREEDY)
+    assert message.content[0].text == want
+    assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)
+    with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
+        claude.messages.create(model="tiny-chat", system=SYSTEM, messages=[*CONVERSATION, {"role": "assistant", "content": "Eleven "}], max_tokens=8)
+
+
 def test_tool_use_and_tool_result_blocks_render_as_the_chat_tool_messages(claude, base_url, chat_model):  # noqa: F811
     arguments = {"city": "Oslo", "days": 2}
     conversation = [

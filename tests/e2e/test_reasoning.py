@@ -197,7 +197,8 @@ def test_a_reasoning_effort_reaches_the_template_as_vllm_passes_it(client, think
     assert response.reasoning.effort == "high" and response.reasoning.summary == "auto"
     with anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="unused", max_retries=0, timeout=60) as messages:
         reply = messages.messages.create(model="tiny-thinker", messages=MESSAGES, max_tokens=2, output_config={"effort": "high"})
-    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == want  # Anthropic's output_config.effort, the same way
+    # Anthropic's output_config.effort, the same way (a call without `thinking` does not think, as Anthropic's)
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == len(thinker.prompt_ids(reasoning_effort="high", enable_thinking=False))
 
 
 def test_thinking_turned_off_by_the_template_leaves_it_all_answer(client, thinker):
@@ -260,6 +261,9 @@ def test_anthropic_messages_carry_the_thinking_as_a_thinking_block(deployment, t
         off_thinking, off_answer = _reference(thinker, enable_thinking=False)
         (only,) = client.messages.create(thinking={"type": "disabled"}, **fields).content
         assert only.type == "text" and only.text == (off_thinking + "</think>" + off_answer if off_answer else off_thinking)
+        # Not asked for: Anthropic's API does not think then, and a client's content[0] is text
+        # (it was a thinking block wherever the template thinks by default).
+        assert [(b.type, b.text) for b in client.messages.create(**fields).content] == [("text", only.text)]
 
         # The thinking block sent back with the turn it belongs to.
         turn = [*MESSAGES, {"role": "assistant", "content": [block.model_dump(), text.model_dump()]}, {"role": "user", "content": "Why?"}]

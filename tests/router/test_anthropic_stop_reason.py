@@ -1,0 +1,39 @@
+"""Anthropic's stop_reason for how a message ended."""
+
+from __future__ import annotations
+
+from router.anthropic_api.messages import stop_reason
+from router.output_stream import StreamEnd, TimingBreakdown
+
+
+def _end(reason: str, matched_stop: str = "") -> StreamEnd:
+    return StreamEnd(reason=reason, prompt_tokens=5, completion_tokens=7, timing=TimingBreakdown(), matched_stop=matched_stop)
+
+
+def test_a_stop_sequence_inside_a_tool_calls_input_is_a_stop_sequence_not_a_tool_use():
+    """The call's name streamed, then a stop sequence matched inside its input: the input is cut
+    short (invalid JSON, an empty input in the whole message), and "tool_use" told the client to
+    run the tool with it."""
+    assert stop_reason(_end("stop", matched_stop="Paris"), tool_calls=True) == "stop_sequence"
+    assert stop_reason(_end("stop"), tool_calls=True) == "tool_use"
+    assert stop_reason(_end("eos"), tool_calls=True) == "tool_use"
+    assert stop_reason(_end("length"), tool_calls=True) == "max_tokens"
+    assert stop_reason(_end("eos"), tool_calls=False) == "end_turn"
+
+
+def test_a_responses_function_call_a_stop_sequence_cut_short_is_incomplete():
+    """Its arguments are no JSON object: marked "completed", a client ran it with them."""
+    from router.openai_api.tool_calls import ToolCalling
+    from router.openai_api.tool_parsers import ToolCallOutput
+    from router.output_stream import OutputChunk
+    from router.responses_api.front_end import ResponseState
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    hermes = ToolCalling(tools, "auto", parser="hermes")
+    for end, status in ((_end("stop", matched_stop="Paris"), "incomplete"), (_end("eos"), "completed")):
+        response = ResponseState("r", "m", {}, 0, ToolCallOutput(hermes))
+        complete = end.reason == "eos"
+        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + ('Oslo"}}\n</tool_call>' if complete else "")
+        response.take(OutputChunk(token_ids=[1], text=text, end=end))
+        (call,) = [item for item in response.output if item["type"] == "function_call"]
+        assert call["status"] == status, call
