@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingDefaults, SamplingParams
+from engine.sampling_params import MAX_SEED, SamplingDefaults, SamplingParams
 from engine.structured_output import StructuredOutput, check_grammar
 from engine.thinking import Thinking
 from router.api.pdserve.v1 import generation_pb2 as pb
@@ -76,8 +76,8 @@ class GenerateInput:
     """A generation request as an API edge hands it over, before validation: None is unset.
 
     The field names in errors are the API's own: ``sampling_prefix`` goes before each sampling
-    field's name (``sampling.`` for gRPC, nothing for the OpenAI API), and the prompt is named
-    ``text_field`` or ``ids_field``.
+    field's name (``sampling.`` for gRPC, nothing for the OpenAI API) unless ``field_names``
+    renames it, and the prompt is named ``text_field`` or ``ids_field``.
     """
 
     request_id: str = ""
@@ -122,6 +122,13 @@ class GenerateInput:
     sampling_prefix: str = "sampling."
     text_field: str = "prompt_text"
     ids_field: str = "prompt_token_ids"
+    # A sampling field the API names otherwise (Anthropic's stop_sequences, the Responses API's
+    # max_output_tokens): errors name it as the client sent it.
+    field_names: dict[str, str] = field(default_factory=dict)
+
+    def field_name(self, name: str) -> str:
+        """A sampling field's name as this API spells it, in errors."""
+        return self.field_names.get(name, self.sampling_prefix + name)
 
 
 def validate_generate_request(
@@ -158,7 +165,7 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         top_k=sampling.top_k or None,
         top_p=given("top_p"),
         min_p=sampling.min_p or None,
-        seed=given("seed"),
+        seed=_signed_seed(given("seed")),
         repetition_penalty=given("repetition_penalty"),
         stop=list(sampling.stop),
         stop_token_ids=list(sampling.stop_token_ids),
@@ -214,10 +221,10 @@ def validate_input(
     if request.lora_name is not None and request.lora_name not in limits.lora_names:
         served = ", ".join(sorted(limits.lora_names)) or "none"
         raise NotFoundError(f"lora_name: no LoRA adapter named {request.lora_name!r} is served here (served: {served})")
-    stop = _stop_strings(request.stop, limits, request.sampling_prefix)
+    stop = _stop_strings(request.stop, limits, request.field_name("stop"))
     params = _sampling_params(request, limits, encode)
     prompt_text, prompt_token_ids = _prompt(request, limits, encode)
-    _fit_context(params, len(prompt_token_ids), request.max_tokens is not None, limits, request.sampling_prefix)
+    _fit_context(params, len(prompt_token_ids), request.max_tokens is not None, limits, request)
     return ValidatedRequest(
         req_id=req_id,
         prompt_token_ids=prompt_token_ids,
@@ -271,15 +278,15 @@ def _request_id(request_id: str, limits: RequestLimits) -> str:
     return request_id
 
 
-def _stop_strings(stop: list[str], limits: RequestLimits, prefix: str) -> list[str]:
+def _stop_strings(stop: list[str], limits: RequestLimits, name: str) -> list[str]:
     if len(stop) > limits.max_stop_strings:
-        raise InvalidArgumentError(f"{prefix}stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
+        raise InvalidArgumentError(name, f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
     for index, text in enumerate(stop):
         if not text:
-            raise InvalidArgumentError(f"{prefix}stop[{index}]", "must not be empty")
+            raise InvalidArgumentError(f"{name}[{index}]", "must not be empty")
         if len(text) > limits.max_stop_string_chars:
             raise InvalidArgumentError(
-                f"{prefix}stop[{index}]", f"must be at most {limits.max_stop_string_chars} characters, got {len(text)}"
+                f"{name}[{index}]", f"must be at most {limits.max_stop_string_chars} characters, got {len(text)}"
             )
     return list(dict.fromkeys(stop))
 
@@ -287,7 +294,7 @@ def _stop_strings(stop: list[str], limits: RequestLimits, prefix: str) -> list[s
 def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Callable[..., list[int]]) -> SamplingParams:
     prefix = request.sampling_prefix
     if request.max_tokens is not None and request.max_tokens < 1:
-        raise InvalidArgumentError(f"{prefix}max_tokens", "must be >= 1 (leave it unset for the default)")
+        raise InvalidArgumentError(request.field_name("max_tokens"), "must be >= 1 (leave it unset for the default)")
     if len(request.stop_token_ids) > limits.max_stop_token_ids:
         raise InvalidArgumentError(
             f"{prefix}stop_token_ids", f"at most {limits.max_stop_token_ids} ids, got {len(request.stop_token_ids)}"
@@ -446,21 +453,29 @@ def _check_prompt_fits(num_prompt_tokens: int, limits: RequestLimits) -> None:
 
 
 def _fit_context(
-    params: SamplingParams, num_prompt_tokens: int, explicit_max_tokens: bool, limits: RequestLimits, prefix: str
+    params: SamplingParams, num_prompt_tokens: int, explicit_max_tokens: bool, limits: RequestLimits, request: GenerateInput
 ) -> None:
     _check_prompt_fits(num_prompt_tokens, limits)
     room = limits.max_context_len - num_prompt_tokens
     if not explicit_max_tokens:
         params.max_tokens = min(max(params.max_tokens, params.min_tokens), room)
         if params.min_tokens > params.max_tokens:
+            name = request.field_name("min_tokens")
             raise InvalidArgumentError(
-                f"{prefix}min_tokens",
-                f"prompt ({num_prompt_tokens} tokens) + min_tokens ({params.min_tokens}) exceeds the model's context "
+                name,
+                f"prompt ({num_prompt_tokens} tokens) + {name.rpartition('.')[2]} ({params.min_tokens}) exceeds the model's context "
                 f"of {limits.max_context_len} tokens; at most {room} new tokens fit",
             )
     elif params.max_tokens > room:
+        name = request.field_name("max_tokens")
         raise InvalidArgumentError(
-            f"{prefix}max_tokens",
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
+            name,
+            f"prompt ({num_prompt_tokens} tokens) + {name.rpartition('.')[2]} ({params.max_tokens}) exceeds the model's context "
             f"of {limits.max_context_len} tokens; at most {room} new tokens fit",
         )
+
+
+def _signed_seed(seed: int | None) -> int | None:
+    """A proto seed (uint64) as the engine's (int64): the upper half is the negative seeds (two's
+    complement), so every 64-bit value is a seed, as vLLM takes any; it was refused above 2^63."""
+    return seed - 2**64 if seed is not None and seed > MAX_SEED else seed

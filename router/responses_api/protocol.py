@@ -124,6 +124,7 @@ def read_responses(body: Any) -> ResponsesRequest:
         priority=priority,
         cache_salt=cache_salt(body),
         sampling_prefix="",
+        field_names={"max_tokens": "max_output_tokens"},
         structured=structured,
     )
     echo = {

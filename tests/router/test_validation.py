@@ -70,6 +70,13 @@ def test_explicit_fields_reach_the_engine_params():
     assert (result.priority, result.deadline) == (-3, 12.5)
 
 
+def test_every_64_bit_seed_the_proto_carries_is_a_seed():
+    """The proto's seed is uint64; values from 2^63 on (half of random.getrandbits(64)) were
+    refused. They are the negative int64 seeds, distinct from every other."""
+    seeds = [validate(request(sampling=dict(seed=seed))).sampling_params.seed for seed in (7, 2**63 - 1, 2**63, 2**64 - 1)]
+    assert seeds == [7, 2**63 - 1, -(2**63), -1]
+
+
 def test_min_tokens_reaches_the_engine_and_lifts_an_unset_max_tokens():
     result = validate(request(sampling=dict(min_tokens=20)))
     assert (result.sampling_params.min_tokens, result.sampling_params.max_tokens) == (20, 20)
@@ -236,3 +243,21 @@ def test_a_malformed_generation_config_is_named(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
     with pytest.raises(ModelLoadError, match="temperature must be a number"):
         SamplingDefaults.from_model_dir(tmp_path)
+
+
+def test_errors_name_the_fields_as_each_api_spells_them():
+    """Anthropic's stop strings are stop_sequences and the Responses API's length max_output_tokens:
+    their errors named "stop" and "max_tokens", fields the client never sent."""
+    from router.validation import GenerateInput, validate_input
+
+    anthropic = GenerateInput(prompt_text="hi", stop=["x"] * 17, sampling_prefix="", field_names={"stop": "stop_sequences"})
+    with pytest.raises(InvalidArgumentError) as info:
+        validate_input(anthropic, LIMITS, encode)
+    assert info.value.field == "stop_sequences"
+    responses = GenerateInput(prompt_text="x" * 40, max_tokens=40, sampling_prefix="", field_names={"max_tokens": "max_output_tokens"})
+    with pytest.raises(InvalidArgumentError) as info:
+        validate_input(responses, LIMITS, encode)
+    assert info.value.field == "max_output_tokens" and "max_output_tokens (40)" in info.value.problem
+    with pytest.raises(InvalidArgumentError) as info:
+        validate(request(prompt_text="x" * 40, sampling=dict(max_tokens=40)))
+    assert info.value.field == "sampling.max_tokens"
