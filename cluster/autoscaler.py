@@ -155,7 +155,7 @@ class Autoscaler:
                 logger.warning("autoscaler: planning process unavailable (%r); planning on a thread", exc)
                 self._executor = None
                 planned, reason = await asyncio.to_thread(self.target, snapshot, current, settled)
-        applied = self._with_hysteresis(planned, current)
+        applied = self._with_hysteresis(planned, current, settled)
         decision = Decision(self._clock(), snapshot.arrival_rate, planned, applied, reason)
         self.decisions.append(decision)
         del self.decisions[:-1000]
@@ -183,7 +183,7 @@ class Autoscaler:
         """The sizes this snapshot asks for, and why (no hysteresis)."""
         return plan_target(self.planner, self.config, snapshot, current, settled)
 
-    def _with_hysteresis(self, planned: tuple[int, int], current: tuple[int, int]) -> tuple[int, int] | None:
+    def _with_hysteresis(self, planned: tuple[int, int], current: tuple[int, int], settled: bool = True) -> tuple[int, int] | None:
         now = self._clock()
         if planned == current:
             self._shrink = None
@@ -192,6 +192,12 @@ class Autoscaler:
             # Grow what is short now; a pool the plan would shrink keeps its size meanwhile.
             self._shrink = None
             return max(planned[0], current[0]), max(planned[1], current[1])
+        if not settled:
+            # A change still lands (a model loading for minutes) or its window is not over: a
+            # worker the queue correction just added is judged once it has served, not drained
+            # as it arrives (the unsettled ticks plan without the correction).
+            self._shrink = None
+            return None
         if self._shrink is None:
             self._shrink = _Shrink(now, planned)
             return None

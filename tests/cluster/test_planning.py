@@ -916,3 +916,21 @@ def test_a_request_longer_than_a_decode_cache_whose_prompt_fits_is_served_as_the
     assert all(w.free_blocks == 20 for w in simulation.decodes)
     too_long = Simulation(profile, 1, 1, max_queued_requests=50).run(WorkloadModel(rate=1.0, num_requests=2, input_len=330, output_len=4).requests())
     assert too_long.rejected == 2, "a prompt no decode worker can hold is still refused"
+
+
+def test_a_pool_is_not_shrunk_while_a_change_still_lands():
+    """A worker the queue correction added was judged by the ticks while it still loaded (they
+    plan without the correction): the shrink's delay ran from the next tick, and a worker whose
+    model loaded for longer than scale_down_delay_s was drained as it arrived. The delay now
+    starts once the pools have settled."""
+    now = [0.0]
+    config = AutoscalerConfig("unused.json", slo_ttft_ms=800.0, slo_tpot_ms=40.0, scale_down_delay_s=300.0)
+    scaler = Autoscaler(config, None, None, lambda: (1, 2), None, clock=lambda: now[0])
+    assert scaler._with_hysteresis((1, 1), (1, 2), settled=False) is None
+    now[0] += 1000.0  # still loading, or its window not over
+    assert scaler._with_hysteresis((1, 1), (1, 2), settled=False) is None
+    assert scaler._with_hysteresis((1, 1), (1, 2), settled=True) is None  # the delay starts now
+    now[0] += 299.0
+    assert scaler._with_hysteresis((1, 1), (1, 2), settled=True) is None
+    now[0] += 1.0
+    assert scaler._with_hysteresis((1, 1), (1, 2), settled=True) == (1, 1)
