@@ -237,6 +237,7 @@ def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSna
         prefill, decode = current
         reason = f"no shape within {config.max_workers} workers meets the SLO"
     budget = config.slo_ttft_ms * config.queue_fraction
+    settled = settled and not few  # queue times of a handful of requests are noise too
     if settled and snapshot.prefill_queue_ms_p90 > budget and prefill <= current[0] and current[0] > 0:
         prefill = current[0] + 1
         reason += f"; prefill queue p90 {snapshot.prefill_queue_ms_p90:.0f} ms"

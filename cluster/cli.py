@@ -427,10 +427,13 @@ def _down_foreground(args: argparse.Namespace, state: dict) -> int:
         if not _recorded_alive(state, "up"):
             raise ProcessLookupError
         os.kill(pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):  # gone, or its number is another's now
+    except ProcessLookupError:  # gone (or its number is another's now)
         args.state_file.unlink(missing_ok=True)
         print(f"pdserve down: the `pdserve up` recorded in {args.state_file} no longer runs; its record is removed")
         return 0
+    except PermissionError:  # it runs, as another user (sudo pdserve up): it and its record stay
+        print(f"pdserve down: `pdserve up` (pid {pid}) runs as another user; stop it as that user", file=sys.stderr)
+        return 1
     deadline = time.monotonic() + FOREGROUND_STOP_WAIT_S
     while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -768,7 +771,7 @@ def _stream(args: argparse.Namespace, address: str) -> int:
         ignore_eos=args.ignore_eos,
     )
     if args.seed is not None:
-        sampling.seed = args.seed
+        sampling.seed = args.seed & (2**64 - 1)  # uint64 in the proto: a negative seed as its two's complement
     chat = getattr(args, "chat", False)
     if getattr(args, "system", None) and not chat:
         print("pdserve generate: --system needs --chat", file=sys.stderr)

@@ -24,6 +24,7 @@ from engine.sequence import Sequence, TokenLogprob
 
 _SEED_MASK = (1 << 63) - 1
 _UINT64_MASK = (1 << 64) - 1
+_INT_HASH_MODULUS = (1 << 61) - 1  # sys.hash_info.modulus: Python hashes integers modulo this
 
 
 class Sampler:
@@ -249,8 +250,13 @@ class Sampler:
         if seq.generator is None:
             return None
         position = seq.params.num_resumed_tokens + seq.num_output_tokens + seq.num_pending_tokens
-        # As unsigned: Python hashes -1 as it hashes -2 (seeds -1 and -2 drew alike).
-        seed = seq.params.seed & _UINT64_MASK
+        seed = seq.params.seed
+        if not 0 <= seed < _INT_HASH_MODULUS:
+            # Python hashes an integer modulo 2^61 - 1 (and -1 as -2): a seed outside that range
+            # (a negative one, as vLLM takes) keys by its two unsigned 32-bit halves, distinct
+            # from every seed inside it (whose keys stay as they were).
+            unsigned = seed & _UINT64_MASK
+            seed = (unsigned >> 32, unsigned & 0xFFFFFFFF)
         key = (seed, position) if salt == 0 else (seed, position, salt)
         return hash(key) & _SEED_MASK
 

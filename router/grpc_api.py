@@ -98,7 +98,7 @@ def generate_response(req_id: str, chunk: OutputChunk, answer: ChatAnswer | None
             response.speculation.acceptance_rate = spec.acceptance_rate
             response.speculation.tokens_per_step = spec.tokens_per_step
         if answer is not None:
-            answer.fill_end(response)
+            answer.fill_end(response, end)
     return response
 
 

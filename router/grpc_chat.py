@@ -18,7 +18,7 @@ from router.openai_api.chat_format import ChatFormat
 from router.openai_api.protocol import Conversation, read_conversation
 from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_parsers import ToolCallOutput, content_and_deltas, split_answer
-from router.output_stream import OutputChunk
+from router.output_stream import OutputChunk, StreamEnd
 from router.validation import GenerateInput
 
 # The chat body's names for the fields ChatPrompt carries as JSON text.
@@ -109,7 +109,7 @@ class ChatAnswer:
         text, _ = content_and_deltas(parts)
         return text, thinking
 
-    def fill_end(self, response: pb.GenerateResponse) -> None:
+    def fill_end(self, response: pb.GenerateResponse, end: StreamEnd) -> None:
         """The last message's tool calls, finish reason and reasoning usage."""
         if self._thinking is not None:
             response.usage.reasoning_tokens = self.reasoning_tokens
@@ -118,5 +118,5 @@ class ChatAnswer:
         for call in self.tools.calls:
             function = call["function"]
             response.tool_calls.add(id=call["id"], name=function["name"], arguments_json=function["arguments"])
-        if self.tools.finish_reason and response.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_EOS):
+        if self.tools.finish_reason_at(end) and response.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_EOS):
             response.finish_reason = pb.FINISH_REASON_TOOL_CALLS

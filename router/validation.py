@@ -339,7 +339,7 @@ def _sampling_params(request: GenerateInput, limits: RequestLimits, encode: Call
     try:
         params.validate(limits.vocab_size)
     except InvalidRequestError as exc:
-        raise InvalidArgumentError(f"{prefix}{exc.field}", exc.problem) from exc
+        raise InvalidArgumentError(request.field_name(exc.field), exc.problem) from exc
     if params.structured is not None:
         try:
             check_grammar(params.structured)

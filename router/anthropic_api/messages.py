@@ -84,14 +84,15 @@ def _error(error_type: str, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
-def stop_reason(end: StreamEnd, tool_calls: bool) -> str | None:
-    """Anthropic's stop_reason for how a message ended."""
+def stop_reason(end: StreamEnd, tool_calls: bool, calls_complete: bool = True) -> str | None:
+    """Anthropic's stop_reason for how a message ended (``calls_complete``: every tool call's
+    input is a JSON object)."""
     if end.reason == "length":
         return "max_tokens"  # first: a tool call cut off here is not a finished tool_use
-    if end.reason == "stop" and end.matched_stop:
-        return "stop_sequence"  # before tool_use too: a stop sequence inside a call's input cut it short
-    if tool_calls:
+    if tool_calls and (calls_complete or not end.matched_stop):
         return "tool_use"
+    if end.reason == "stop" and end.matched_stop:
+        return "stop_sequence"  # a stop sequence inside a call's input cut it short: no tool_use
     if end.reason in ("stop", "eos"):
         return "end_turn"
     return None  # abort / error: reported as an error
@@ -121,6 +122,9 @@ class MessageState:
     calls_seen: int = 0
     num_tokens: int = 0
     end: StreamEnd | None = None
+
+    def stop_reason(self, end: StreamEnd) -> str | None:
+        return stop_reason(end, self.calls_seen > 0, self.tools is None or self.tools.calls_complete)
 
     def take(self, chunk: OutputChunk) -> list[dict[str, Any]]:
         """The stream events for a chunk (content block starts, deltas, stops); the whole blocks grow too."""
@@ -245,8 +249,8 @@ class MessagesFrontEnd:
     def _message(self, message_id: str, model: str, content: list, end: StreamEnd | None, state: MessageState, prompt_tokens: int) -> dict[str, Any]:
         return {
             "id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": None if end is None else stop_reason(end, state.calls_seen > 0),
-            "stop_sequence": (end.matched_stop or None) if end is not None else None,
+            "stop_reason": None if end is None else state.stop_reason(end),
+            "stop_sequence": (end.matched_stop or None) if end is not None and state.stop_reason(end) == "stop_sequence" else None,
             "usage": usage(end, prompt_tokens, state.num_tokens),
         }
 
@@ -279,7 +283,8 @@ class MessagesFrontEnd:
                 if end.reason in ("error", "abort"):
                     await sse.send(response, error_body(end_failure(end, state.num_tokens))[1], named=True)
                     break
-                delta = {"stop_reason": stop_reason(end, state.calls_seen > 0), "stop_sequence": end.matched_stop or None}
+                reason = state.stop_reason(end)
+                delta = {"stop_reason": reason, "stop_sequence": end.matched_stop if reason == "stop_sequence" else None}
                 await sse.send(response, {"type": "message_delta", "delta": delta, "usage": usage(end, prompt_tokens, state.num_tokens)}, named=True)
                 await sse.send(response, {"type": "message_stop"}, named=True)
                 break

@@ -96,7 +96,7 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
         seed=integer(body, "seed", None, None, None),
         sampling_prefix="",
         field_names={"stop": "stop_sequences"},
-        structured=_constraint(body, calling),
+        structured=_prefill_alone(_constraint(body, calling), thinking, body),
         skip_special_tokens=not (calling is not None and calling.reads_special_tokens),
     )
     request = MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
@@ -149,6 +149,19 @@ def _prefill(messages: list[dict[str, Any]]) -> str | None:
     if text != text.rstrip():
         raise InvalidArgumentError("messages", "final assistant content cannot end with trailing whitespace")  # Anthropic's 400
     return text
+
+
+def _prefill_alone(structured: StructuredOutput | None, thinking: bool | None, body: dict) -> StructuredOutput | None:
+    """A prefill is refused beside what it cannot go with: a grammar would constrain the answer
+    from after the prefill, not the prefill itself (its JSON written twice), and extended
+    thinking comes before the answer a prefill begins (Anthropic refuses both)."""
+    if _prefill(_conversation(body)) is None:
+        return structured
+    if structured is not None:
+        raise InvalidArgumentError("messages", f"a final assistant message (a prefill) cannot be combined with {structured.field}")
+    if thinking:
+        raise InvalidArgumentError("messages", "a final assistant message (a prefill) cannot be combined with extended thinking")
+    return structured
 
 
 def _continued(body: dict) -> str | None:

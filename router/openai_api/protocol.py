@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.sampling_params import MAX_SEED
+from engine.sampling_params import MIN_SEED
 from engine.thinking import Thinking
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
@@ -315,8 +315,9 @@ def _choice(base: GenerateInput, index: int) -> GenerateInput:
         base,
         stop=list(base.stop),
         stop_token_ids=list(base.stop_token_ids),
-        # The largest seed's next choices wrap to 0, 1, ...; the first keeps the seed as sent (and is refused if it is out of range).
-        seed=base.seed if base.seed is None or index == 0 else (base.seed + index) % (MAX_SEED + 1),
+        # Choice i draws with seed + i, wrapping within the 64-bit signed range (the largest seed's
+        # next choices are the smallest); the first keeps the seed as sent (refused if out of range).
+        seed=base.seed if base.seed is None or index == 0 else (base.seed + index - MIN_SEED) % 2**64 + MIN_SEED,
     )
 
 

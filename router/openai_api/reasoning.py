@@ -49,6 +49,10 @@ class ReasoningFormat:
             opened, closed = continues.rfind(THINK_OPEN), continues.rfind(THINK_CLOSE)
             if opened != closed:  # one of them is there: the later one says
                 return opened > closed
+            if continues.strip():
+                # Text with no marker at all: an answer the message began (a prefill), which
+                # goes on as answer, whatever a parser that thinks from the start assumes.
+                return False
         # Only a marker at the prompt's very end is the template's: one in a message's text
         # ("what does <think> mean?") says nothing about the answer.
         tail = prompt_text.rstrip()

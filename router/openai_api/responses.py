@@ -192,7 +192,7 @@ class ChoiceState:
         if self.prompt_only and end.reason != "error":
             return "length"  # the answer was to be 0 tokens long
         reason = finish_reason(end)
-        if reason == "stop" and self.tools is not None and self.tools.finish_reason:
+        if reason == "stop" and self.tools is not None and self.tools.finish_reason_at(end):
             return self.tools.finish_reason
         return reason
 

@@ -61,13 +61,21 @@ class ToolCallOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        """vLLM's: "tool_calls" when calls were made (a named choice keeps "stop"). A call cut
-        short (a stop string inside its arguments) made none: its arguments are no JSON object,
-        and a client told "tool_calls" would fail parsing them."""
-        if not self.calls or self.calling.choice == "named":
+        """vLLM's: "tool_calls" when calls were made (a named choice keeps "stop")."""
+        return "tool_calls" if self.calls and self.calling.choice != "named" else None
+
+    @property
+    def calls_complete(self) -> bool:
+        """Every call's arguments are a JSON object: none was cut short (a stop string matched
+        inside them, and a client told to run it would fail parsing them)."""
+        return all(isinstance(json_or(call["function"]["arguments"], None), dict) for call in self.calls)
+
+    def finish_reason_at(self, end) -> str | None:
+        """``finish_reason`` for an answer that ended so: no calls made where a stop string cut
+        one short (``end.matched_stop``); vLLM's otherwise, whatever the arguments are."""
+        if end is not None and end.matched_stop and not self.calls_complete:
             return None
-        whole = all(isinstance(json_or(call["function"]["arguments"], None), dict) for call in self.calls)
-        return "tool_calls" if whole else None
+        return self.finish_reason
 
     def feed(self, text: str) -> list[OutputPart]:
         """The next piece of the answer as what to send, in the answer's order: content, and

@@ -718,6 +718,9 @@ def test_autoscaler_adds_a_worker_to_a_stage_whose_queue_is_long(tmp_path):
     (light, reason) = scaler.target(TrafficSnapshot(120.0, 2, 2, 0.02, 256.0, 64.0, 0.0, 0.0, 0.0), (3, 4))
     assert light == scaler.target(TrafficSnapshot(120.0, 5, 5, 5 / 120, 256.0, 64.0, 0.0, 0.0, 0.0), (3, 4))[0]
     assert sum(light) < 7 and "at most: 2 arrivals" in reason
+    # Nor do a handful of requests' queue times add a worker (one slow request's p90 is noise).
+    queued_few = TrafficSnapshot(120.0, 2, 2, 0.02, 256.0, 64.0, 5000.0, 5000.0, 5000.0)
+    assert scaler.target(queued_few, (3, 4)) == (light, reason)
 
 
 def test_a_drain_in_progress_holds_up_no_decision_and_queue_times_are_read_once_settled(tmp_path):

@@ -106,6 +106,10 @@ def test_an_assistant_prefill_is_continued_as_anthropic_continues_it(claude, cha
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)
     with pytest.raises(anthropic.BadRequestError, match="trailing whitespace"):
         claude.messages.create(model="tiny-chat", system=SYSTEM, messages=[*CONVERSATION, {"role": "assistant", "content": "Eleven "}], max_tokens=8)
+    # A grammar would constrain what follows the prefill, not the prefill itself (its JSON twice).
+    with pytest.raises(anthropic.BadRequestError, match="prefill"):
+        claude.messages.create(model="tiny-chat", messages=[*CONVERSATION, {"role": "assistant", "content": "{"}], max_tokens=8,
+                               output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
 
 
 def test_tool_use_and_tool_result_blocks_render_as_the_chat_tool_messages(claude, base_url, chat_model):  # noqa: F811

@@ -84,6 +84,13 @@ def test_a_negative_seed_is_a_seed_as_in_vllm(llama):
     (prompt,) = random_prompts([12], model.config.vocab_size, seed=3)
     runs = [engine.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True))[0].token_ids for seed in (-1, -1, -2)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
+    # Python hashes integers modulo 2^61 - 1 (-1 as -2, 2^64 - 1 as 7): the draws' keys of these
+    # seeds were alike.
+    keys = set()
+    for seed in (-1, -2, 7, 0, -8, 2**61 - 1, 2**63 - 1, -(2**63)):
+        seq = Sequence(req_id="s", token_ids=[0], num_prompt_tokens=1, params=SamplingParams(seed=seed), generator=Sampler.make_generator(seed))
+        keys.add(Sampler.draw_key(seq))
+    assert len(keys) == 8
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_k=30, min_p=0.02),

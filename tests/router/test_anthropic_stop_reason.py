@@ -14,7 +14,9 @@ def test_a_stop_sequence_inside_a_tool_calls_input_is_a_stop_sequence_not_a_tool
     """The call's name streamed, then a stop sequence matched inside its input: the input is cut
     short (invalid JSON, an empty input in the whole message), and "tool_use" told the client to
     run the tool with it."""
-    assert stop_reason(_end("stop", matched_stop="Paris"), tool_calls=True) == "stop_sequence"
+    assert stop_reason(_end("stop", matched_stop="Paris"), tool_calls=True, calls_complete=False) == "stop_sequence"
+    # A stop sequence after calls that are whole: the client's agent loop runs them.
+    assert stop_reason(_end("stop", matched_stop="Paris"), tool_calls=True, calls_complete=True) == "tool_use"
     assert stop_reason(_end("stop"), tool_calls=True) == "tool_use"
     assert stop_reason(_end("eos"), tool_calls=True) == "tool_use"
     assert stop_reason(_end("length"), tool_calls=True) == "max_tokens"

@@ -117,7 +117,7 @@ def test_openai_service_tiers_order_requests_and_the_answer_names_the_tier_serve
 
 
 def test_the_largest_seeds_later_choices_wrap_around_and_a_seed_past_it_stays_as_sent():
-    assert [c.seed for c in read_completion({"prompt": "x", "n": 3, "seed": MAX_SEED}).choices] == [MAX_SEED, 0, 1]
+    assert [c.seed for c in read_completion({"prompt": "x", "n": 3, "seed": MAX_SEED}).choices] == [MAX_SEED, -MAX_SEED - 1, -MAX_SEED]
     assert [c.seed for c in read_completion({"prompt": "x", "n": 2, "seed": MAX_SEED + 1}).choices][0] == MAX_SEED + 1  # refused when validated
 
 
@@ -434,3 +434,16 @@ def test_legacy_completions_top_logprobs_always_hold_the_sampled_token(byte_leve
     from router.openai_api.responses import _top_by_text
 
     assert _top_by_text([(c, -2.5), (a, -0.4)], lambda token_id: "\ufffd") == {"\ufffd": -0.4}
+
+
+def test_choice_i_draws_with_seed_plus_i_for_a_negative_seed_too():
+    """n choices draw with seed + i, wrapping within the 64-bit signed range: a negative seed's
+    next choice went to the far end of the range (-5 + 1 became 2^63 - 4), not -4."""
+    from engine.sampling_params import MAX_SEED, MIN_SEED
+
+    def seeds(seed: int) -> list[int]:
+        return [c.seed for c in read_completion({"prompt": "x", "n": 3, "seed": seed}).choices]
+
+    assert seeds(-5) == [-5, -4, -3]
+    assert seeds(MAX_SEED) == [MAX_SEED, MIN_SEED, MIN_SEED + 1]
+    assert seeds(7) == [7, 8, 9]

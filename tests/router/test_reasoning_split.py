@@ -45,7 +45,11 @@ def test_an_answer_that_continues_an_assistant_message_continues_its_thinking():
     prompt = "<|assistant|>\n<think>\nLet me"
     assert QWEN3.starts_inside(prompt, continues="<think>\nLet me") is True
     assert QWEN3.starts_inside(prompt + "</think>\nSo", continues="<think>\nLet me</think>\nSo") is False
-    assert QWEN3.starts_inside("<|assistant|>\nSo", continues="So") is None  # no marker: as ever
+    # Text with no marker (a prefill): an answer already begun, for a parser that thinks from the
+    # start too (deepseek_r1 took it all for thinking, and a client got no text).
+    assert QWEN3.starts_inside("<|assistant|>\nSo", continues="So") is False
+    assert R1.starts_inside("<|assistant|>{", continues="{") is False
+    assert R1.starts_inside("<|assistant|>") is True  # nothing continued: as ever
 
 
 def _split(inside, text: str, pieces: list[str]) -> tuple[str, str]:

@@ -153,7 +153,24 @@ def test_required_calls_stream_as_they_are_written_and_an_answer_cut_short_keeps
     content, streamed, whole, reason = _run(required, answer[:50], piece)  # max_tokens or a stop string inside the arguments
     assert content == "" and streamed == whole and [c["name"] for c in whole] == ["get_weather"]
     assert whole[0]["arguments"] == '{"city": "R'
-    assert reason is None, "a call cut short is no call made: the answer keeps its own finish reason"
+
+
+def test_a_call_a_stop_string_cut_short_is_no_call_made_and_any_other_end_keeps_vllms_reason():
+    """A stop string inside a call's arguments cut it short: "tool_calls" told the client to run
+    it with arguments it cannot parse. Any other end keeps vLLM's "tool_calls", whatever the
+    arguments are (a llama3_json call whose parameters are no object included)."""
+    from router.output_stream import StreamEnd, TimingBreakdown
+
+    stopped = StreamEnd(reason="stop", prompt_tokens=1, completion_tokens=9, timing=TimingBreakdown(), matched_stop="Ro")
+    eos = StreamEnd(reason="eos", prompt_tokens=1, completion_tokens=9, timing=TimingBreakdown())
+    cut = ToolCallOutput(ToolCalling([WEATHER, TIME], "required"))
+    cut.feed('[{"name": "get_weather", "parameters": {"city": "')
+    cut.finish()
+    assert (cut.finish_reason_at(stopped), cut.finish_reason_at(eos)) == (None, "tool_calls")
+    odd = ToolCallOutput(LLAMA)
+    odd.feed('{"name": "get_time", "parameters": "now"}')
+    odd.finish()
+    assert [c["function"]["name"] for c in odd.calls] == ["get_time"] and odd.finish_reason_at(eos) == "tool_calls"
 
 
 def test_required_choice_compiles_tools_whose_parameters_reference_their_definitions():
