@@ -132,10 +132,12 @@ def render_prompt(
         template_messages(messages, template.text), add_generation_prompt=prefill is None, tools=calling.tools if calling is not None else None, extra=extra,
     )
     if prefill is not None:
-        # The answer goes on from the prefill's last character (the template closed the turn).
-        if prefill not in prompt:
+        # The answer goes on from the prefill's last character (the template closed the turn;
+        # some trim a message's leading whitespace).
+        kept = prefill.strip()
+        if kept not in prompt:
             raise InvalidArgumentError("messages", "the chat template drops the final assistant message's text: it cannot be continued")
-        prompt = prompt[: prompt.rindex(prefill) + len(prefill)]
+        prompt = prompt[: prompt.rindex(kept) + len(kept)]
     return prompt, calling
 
 

@@ -271,20 +271,25 @@ def test_a_step_every_rank_fails_alike_ends_only_its_request(tp_checkpoints, mon
     engine = _engine(path, 2, rank_launcher=PoisonedRanks())
     try:
         _poison_rank_0(engine, monkeypatch)
-        requests = _requests(model)
-        for req_id, prompt in requests.items():
-            engine.add_request(req_id, prompt, GREEDY)
-        outputs: dict[str, list] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                outputs.setdefault(out.req_id, []).append(out)
-        assert outputs["poison"][-1].finish_reason is FinishReason.ERROR
-        assert "injected fault on rank 0" in outputs["poison"][-1].error
-        for req_id in ("good-0", "good-1"):
-            assert [t for o in outputs[req_id] for t in o.new_token_ids] == hf_greedy(model, requests[req_id], MAX_NEW)
-        assert engine.num_free_blocks == 128
+        _only_the_poisoned_request_fails(engine, model, "injected fault on rank 0")
     finally:
         engine.close()
+
+
+def _only_the_poisoned_request_fails(engine: LLMEngine, model, error: str) -> None:
+    """Serve the three requests: the poisoned one ends with ``error``, the others as
+    transformers computes them, and every block comes back."""
+    requests = _requests(model)
+    for req_id, prompt in requests.items():
+        engine.add_request(req_id, prompt, GREEDY)
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.req_id, []).append(out)
+    assert outputs["poison"][-1].finish_reason is FinishReason.ERROR and error in outputs["poison"][-1].error
+    for req_id in ("good-0", "good-1"):
+        assert [t for o in outputs[req_id] for t in o.new_token_ids] == hf_greedy(model, requests[req_id], MAX_NEW)
+    assert engine.num_free_blocks == 128
 
 
 def test_rank_0_failing_after_the_gather_ends_only_the_request(tp_checkpoints, monkeypatch):
@@ -303,17 +308,7 @@ def test_rank_0_failing_after_the_gather_ends_only_the_request(tp_checkpoints, m
             return logits
 
         monkeypatch.setattr(engine.runner, "run", run)
-        requests = _requests(model)
-        for req_id, prompt in requests.items():
-            engine.add_request(req_id, prompt, GREEDY)
-        outputs: dict[str, list] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                outputs.setdefault(out.req_id, []).append(out)
-        assert outputs["poison"][-1].finish_reason is FinishReason.ERROR
-        for req_id in ("good-0", "good-1"):
-            assert [t for o in outputs[req_id] for t in o.new_token_ids] == hf_greedy(model, requests[req_id], MAX_NEW)
-        assert engine.num_free_blocks == 128
+        _only_the_poisoned_request_fails(engine, model, "after the gather")
     finally:
         engine.close()
 
