@@ -161,10 +161,10 @@ def input_from_proto(request: pb.GenerateRequest) -> GenerateInput:
         prompt_token_ids=list(request.prompt_token_ids) if has_ids else None,
         max_tokens=given("max_tokens"),
         temperature=given("temperature"),
-        # Not optional in the proto: 0 leaves them to the model's default (-1 disables top-k).
+        # top_k is not optional in the proto: 0 leaves it to the model's default (-1 disables it).
         top_k=sampling.top_k or None,
         top_p=given("top_p"),
-        min_p=sampling.min_p or None,
+        min_p=given("min_p"),  # set to 0, it disables a model's min_p (unset: the model's)
         seed=_signed_seed(given("seed")),
         repetition_penalty=given("repetition_penalty"),
         stop=list(sampling.stop),

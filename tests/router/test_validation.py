@@ -233,6 +233,8 @@ def test_the_models_generation_config_fills_only_what_a_request_leaves_unset(tmp
     given = validate(request(sampling=dict(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=3, repetition_penalty=1.0)), limits)
     params = given.sampling_params
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.repetition_penalty) == (0.0, 1.0, -1, 3, 1.0)
+    # gRPC's min_p set to 0 turns the model's off (it was taken for unset, and no value could).
+    assert validate(request(sampling=dict(min_p=0.0)), limits).sampling_params.min_p == 0.0
     # Long prompts: the default still shrinks to the room left.
     assert validate(request(prompt_text="x" * 60), limits).sampling_params.max_tokens == 3
 
