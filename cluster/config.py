@@ -445,21 +445,17 @@ class ClusterConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _autoscaler_with_one_router(self) -> "ClusterConfig":
-        if self.autoscaler.enabled and self.router.replicas > 1:
-            raise ValueError(
-                "autoscaler.enabled: needs router.replicas 1 (the autoscaler plans from the traffic its router sees, "
-                "and each replica sees only the connections it took)"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _runtime_lora_with_one_router(self) -> "ClusterConfig":
-        if self.router.allow_runtime_lora_updating and self.router.replicas > 1:
-            raise ValueError(
-                "router.allow_runtime_lora_updating: needs router.replicas 1 (each router keeps its own list of adapters; "
-                "list them in lora_modules to serve them from every router)"
-            )
+    def _one_router_features(self) -> "ClusterConfig":
+        """What one router keeps to itself needs it to be the only one."""
+        if self.router.replicas > 1:
+            for field, on, why in (
+                ("autoscaler.enabled", self.autoscaler.enabled,
+                 "the autoscaler plans from the traffic its router sees, and each replica sees only the connections it took"),
+                ("router.allow_runtime_lora_updating", self.router.allow_runtime_lora_updating,
+                 "each router keeps its own list of adapters; list them in lora_modules to serve them from every router"),
+            ):
+                if on:
+                    raise ValueError(f"{field}: needs router.replicas 1 ({why})")
         return self
 
     @model_validator(mode="after")
@@ -558,8 +554,7 @@ class ClusterConfig(BaseModel):
             long_prefill_chunk=pool.chunk_size,
             max_num_seqs=pool.max_num_seqs,
             target_step_ms=pool.target_step_ms,
-            # Threads from the CPUs (not given): no more than the ceiling the pool gives them.
-            num_threads=pool.threads or min(max(1, int(pool.num_cpus)), pool.max_threads or int(1e9)),
+            num_threads=pool.threads or _threads_of(pool),
             max_num_threads=pool.max_threads,
             enable_prefix_caching=pool.enable_prefix_caching,
             async_scheduling=pool.async_scheduling,
@@ -574,6 +569,12 @@ class ClusterConfig(BaseModel):
         else:
             kv_memory = KVMemoryPolicy(gpu_memory_utilization=self.gpu_memory_utilization, host_memory_fraction=self.host_memory_fraction)
         return PoolSpec(pool.replicas, engine, pool.num_cpus, pool.num_gpus, dict(pool.resources), kv_memory=kv_memory)
+
+
+def _threads_of(pool: PoolConfig) -> int:
+    """A pool's torch threads where not given: its CPUs, at least one, no more than its ceiling."""
+    threads = max(1, int(pool.num_cpus))
+    return min(threads, pool.max_threads) if pool.max_threads else threads
 
 
 def load_config(path: Path | None, overrides: dict) -> ClusterConfig:

@@ -240,6 +240,11 @@ class KVAgent:
     def num_in_flight(self) -> int:
         return self.sender.num_in_flight()
 
+    def num_quiesced(self) -> int:
+        """Given-up requests whose writes have all ended, so far (``Sender.num_quiesced``: an
+        int read, no lock: the pump asks at every poll)."""
+        return self.sender.num_quiesced
+
     @_locked
     def extend_lease(self, req_id: str, token: int, lease_deadline: float) -> bool:
         """The reserver renewed reservation ``token`` of ``req_id``: writes may go on until then."""

@@ -48,7 +48,7 @@ class TransferPump:
         self._receives = ReceiveEvents()
         self._thread = threading.Thread(target=self._run, name=f"kv-pump-{agent.ref.name}", daemon=True)
         self.last_error: BaseException | None = None
-        self._num_in_flight = 0  # writes in flight at the last poll
+        self._num_quiesced = 0  # the agent's count of given-up requests quiesced, at the last poll
 
     def start(self) -> None:
         self._thread.start()
@@ -101,11 +101,11 @@ class TransferPump:
         """One poll of sends and receives; whether it found anything."""
         sends = self._agent.poll_sends()
         receives = self._agent.poll_receives()
-        num_in_flight, before = self._agent.num_in_flight(), self._num_in_flight
-        self._num_in_flight = num_in_flight
+        num_quiesced, before = self._agent.num_quiesced(), self._num_quiesced
+        self._num_quiesced = num_quiesced
         if not sends and not receives:
-            if num_in_flight < before:
-                # A cancelled or failed request's write ended, which makes no event: whoever
+            if num_quiesced != before:
+                # A cancelled or failed request's last write ended, which makes no event: whoever
                 # waits for that request to quiesce looks again now, not at its timeout.
                 self._on_events()
                 return True

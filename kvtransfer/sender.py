@@ -117,6 +117,9 @@ class KVSender:
         self._reqs: dict[tuple[str, int], _SendState] = {}
         self._tombstones: Tombstones[RequestTransferError] = Tombstones(policy.tombstone_s)
         self._events: list[SendEvent] = []
+        # Requests given up (cancelled, failed) whose writes have all ended, ever: that makes no
+        # event, and the pump tells whoever waits for such a request to quiesce when this grows.
+        self.num_quiesced = 0
 
     # -- peers ---------------------------------------------------------------------------
 
@@ -344,6 +347,8 @@ class KVSender:
         self._events.extend(done)
         if (finished or state.error is not None) and not state.in_flight:
             del self._reqs[state.req_id, state.dest.token]
+            if state.error is not None:
+                self.num_quiesced += 1
 
     def _fail_still_running(self, state: _SendState, write: _Write, still: list[_Write], error: RequestTransferError) -> None:
         """A write that could not be cancelled: it still counts as in flight (a quiesce waits for

@@ -247,10 +247,11 @@ class MessagesFrontEnd:
             await session.close()
 
     def _message(self, message_id: str, model: str, content: list, end: StreamEnd | None, state: MessageState, prompt_tokens: int) -> dict[str, Any]:
+        reason = None if end is None else state.stop_reason(end)
         return {
             "id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": None if end is None else state.stop_reason(end),
-            "stop_sequence": (end.matched_stop or None) if end is not None and state.stop_reason(end) == "stop_sequence" else None,
+            "stop_reason": reason,
+            "stop_sequence": end.matched_stop if reason == "stop_sequence" else None,
             "usage": usage(end, prompt_tokens, state.num_tokens),
         }
 

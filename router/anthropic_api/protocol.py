@@ -27,7 +27,7 @@ from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.fields import boolean, integer, is_int, json_object, number, refuse_unknown, type_name
-from router.openai_api.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningFormat, ReasoningSplitter
+from router.openai_api.reasoning import ReasoningFormat, ReasoningSplitter, as_written
 from router.openai_api.tool_calls import ToolCalling, flat_function_tool, read_tool_calling, template_messages
 from router.validation import GenerateInput
 
@@ -76,7 +76,7 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
     if metadata is not None:
         metadata = json_object(metadata, "metadata")
         refuse_unknown(metadata, {"user_id"}, prefix="metadata.")
-    prompt, calling = render_prompt(body, template, tool_call_parser, thinking, effort)
+    prompt, calling, continued = render_prompt(body, template, tool_call_parser, thinking, effort)
     stop = body.get("stop_sequences")
     if stop is None:
         stop = []
@@ -96,12 +96,12 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
         seed=integer(body, "seed", None, None, None),
         sampling_prefix="",
         field_names={"stop": "stop_sequences"},
-        structured=_prefill_alone(_constraint(body, calling), thinking, body),
+        structured=_prefill_alone(_constraint(body, calling), thinking, continued is not None),
         skip_special_tokens=not (calling is not None and calling.reads_special_tokens),
     )
     request = MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
     if reasoning is not None:
-        generate.thinking = reasoning.thinking(prompt, budget, _continued(body))
+        generate.thinking = reasoning.thinking(prompt, budget, continued)
         request.reasoning, request.show_thinking = ReasoningSplitter(generate.thinking), thinking is not False
     return request
 
@@ -112,16 +112,17 @@ def read_count_tokens(body: Any, template: ChatTemplate | None, tool_call_parser
     refuse_unknown(body, _COUNT_FIELDS)
     model = _model(body)
     thinking, _ = _thinking(body, reasoning, None)
-    prompt, _ = render_prompt(body, template, tool_call_parser, thinking, _effort(body))
+    prompt, _, _ = render_prompt(body, template, tool_call_parser, thinking, _effort(body))
     return model, prompt
 
 
 def render_prompt(
     body: dict, template: ChatTemplate | None, tool_call_parser: str | None, thinking: bool | None = None, effort: str | None = None,
-) -> tuple[str, ToolCalling | None]:
-    """The prompt text of a Messages body through the model's chat template, and its tool
-    calling. ``thinking``: the request's switch, as the template's ``enable_thinking``;
-    ``effort`` (``output_config.effort``) as its ``reasoning_effort``, as chat passes OpenAI's."""
+) -> tuple[str, ToolCalling | None, str | None]:
+    """The prompt text of a Messages body through the model's chat template, its tool calling,
+    and the prefill it continues as its model wrote it (None: none). ``thinking``: the request's
+    switch, as the template's ``enable_thinking``; ``effort`` (``output_config.effort``) as its
+    ``reasoning_effort``, as chat passes OpenAI's."""
     if template is None:
         raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
     calling = read_tool_calling(_openai_tools(body), template.text, tool_call_parser)
@@ -138,7 +139,7 @@ def render_prompt(
         if kept not in prompt:
             raise InvalidArgumentError("messages", "the chat template drops the final assistant message's text: it cannot be continued")
         prompt = prompt[: prompt.rindex(kept) + len(kept)]
-    return prompt, calling
+    return prompt, calling, None if prefill is None else as_written(messages[-1])
 
 
 def _prefill(messages: list[dict[str, Any]]) -> str | None:
@@ -153,28 +154,17 @@ def _prefill(messages: list[dict[str, Any]]) -> str | None:
     return text
 
 
-def _prefill_alone(structured: StructuredOutput | None, thinking: bool | None, body: dict) -> StructuredOutput | None:
+def _prefill_alone(structured: StructuredOutput | None, thinking: bool | None, prefilled: bool) -> StructuredOutput | None:
     """A prefill is refused beside what it cannot go with: a grammar would constrain the answer
     from after the prefill, not the prefill itself (its JSON written twice), and extended
     thinking comes before the answer a prefill begins (Anthropic refuses both)."""
-    if _prefill(_conversation(body)) is None:
+    if not prefilled:
         return structured
     if structured is not None:
         raise InvalidArgumentError("messages", f"a final assistant message (a prefill) cannot be combined with {structured.field}")
     if thinking:
         raise InvalidArgumentError("messages", "a final assistant message (a prefill) cannot be combined with extended thinking")
     return structured
-
-
-def _continued(body: dict) -> str | None:
-    """A prefill as the model wrote it (its thinking before its text): what says whether the
-    answer goes on inside the thinking."""
-    messages = _conversation(body)
-    prefill = _prefill(messages)
-    if prefill is None:
-        return None
-    thought = messages[-1].get("reasoning_content")
-    return (f"{THINK_OPEN}{thought}{THINK_CLOSE}" if thought else "") + prefill
 
 
 def _constraint(body: dict, calling: ToolCalling | None) -> StructuredOutput | None:

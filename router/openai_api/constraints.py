@@ -13,6 +13,7 @@ from engine.errors import InvalidRequestError
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.fields import json_object, refuse_unknown, type_name
+from router.openai_api.tool_arguments import json_or
 
 
 def logit_bias(body: dict) -> dict[int, float]:
@@ -71,7 +72,7 @@ def structured_output(body: dict) -> StructuredOutput | None:
             if key in _STRUCTURED_UNSUPPORTED:
                 raise InvalidArgumentError(f"structured_outputs.{key}", _STRUCTURED_UNSUPPORTED[key])
             if key == "json" and options.get("disable_additional_properties") is True:
-                value = _closed_objects(_parsed(value))
+                value = _closed_objects(json_or(value, value) if isinstance(value, str) else value)  # text that is no JSON: refused below
             found.append(_structured(_STRUCTURED_KEYS[key], value, f"structured_outputs.{key}"))
     for key in ("json", "regex", "choice", "grammar"):
         value = body.get(f"guided_{key}")
@@ -87,16 +88,6 @@ def _structured(kind: str, value: Any, name: str) -> StructuredOutput:
         return StructuredOutput.build(kind, value, name)
     except InvalidRequestError as exc:
         raise InvalidArgumentError(exc.field, exc.problem) from None
-
-
-def _parsed(value: Any) -> Any:
-    """A schema given as JSON text, parsed (text that is none is left for StructuredOutput to refuse)."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
 
 
 def _closed_objects(schema: Any) -> Any:

@@ -41,7 +41,7 @@ from engine.thinking import Thinking
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.constraints import logit_bias, structured_output
-from router.openai_api.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningFormat, read_effort
+from router.openai_api.reasoning import ReasoningFormat, as_written, read_effort
 from router.openai_api.fields import boolean, cache_salt, int_list, integer, is_int, json_object, number, refuse_unknown, served_priority, string_list, text_parts, type_name
 from router.openai_api.tool_calls import ToolCalling, check_message_tool_fields, read_tool_calling, template_messages
 from router.validation import GenerateInput
@@ -213,9 +213,7 @@ def _continued(body: dict) -> str | None:
     goes on inside the thinking)."""
     if not boolean(body, "continue_final_message", False):
         return None
-    final = _messages(body)[-1]
-    thought = final.get("reasoning_content")
-    return (f"{THINK_OPEN}{thought}{THINK_CLOSE}" if thought else "") + (final.get("content") or "")
+    return as_written(_messages(body)[-1])
 
 
 def render_conversation(body: dict, template: ChatTemplate, tools: list[dict[str, Any]] | None) -> str:

@@ -32,6 +32,14 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 
+def as_written(message: dict) -> str:
+    """An assistant message as its model wrote it: its thinking (the reasoning fields it came
+    back in) inside the markers, then its text. What says whether an answer that continues the
+    message goes on inside the thinking."""
+    thought = message.get("reasoning_content")
+    return (f"{THINK_OPEN}{thought}{THINK_CLOSE}" if thought else "") + (message.get("content") or "")
+
+
 @dataclass(slots=True, frozen=True)
 class ReasoningFormat:
     """A deployment's reasoning parser: its name and the token ids of its markers."""

@@ -33,7 +33,6 @@ from router.openai_api.tool_blocks import (
     HERMES_OPEN,
     PARAMETER_OPEN,
     BlockReader,
-    CallPiece,
     CallsRead,
     Part,
     CallStream,
@@ -53,10 +52,6 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 ARGS_MARKER, CALL_ID_MARKER = "[ARGS]", "[CALL_ID]"
 _SPACES = re.compile(r"\s*")
 _NEXT_NAMED_CALL = re.compile(r"\s*" + re.escape(MISTRAL_CALLS))
-
-
-def whole_calls(found: list[Found] | None) -> list[CallPiece]:
-    return [CallPiece(json_text(arguments), name) for name, arguments in found or []]
 
 
 def _streamed_or_whole(text: str, streamed: list[tuple[str, str]], stop: int, whole: list[Found] | None, closer: str = "") -> CallsRead | None:
@@ -259,6 +254,7 @@ class RequiredListReader:
 
     def __init__(self) -> None:
         self._text = ""
+        self._first_call: int | None = None  # where the list's first item may begin, once "[" is read
         self._stream = CallStream()
         self.ends = ObjectEnds()
 
@@ -270,10 +266,12 @@ class RequiredListReader:
         return self._stream.pieces(self._read(whole=True))
 
     def _read(self, whole: bool) -> CallsRead | None:
-        opening = len(self._text) - len(self._text.lstrip())
-        if not self._text.startswith("[", opening):
-            return None
-        streamed, _ = json_calls(self._text, opening + 1, None if whole else self.ends.end)
+        if self._first_call is None:  # found once: not the whole text looked at again per token
+            opening = len(self._text) - len(self._text.lstrip())
+            if not self._text.startswith("[", opening):
+                return None
+            self._first_call = opening + 1
+        streamed, _ = json_calls(self._text, self._first_call, None if whole else self.ends.end)
         listed = json_or(self._text, None) if whole else None
         if isinstance(listed, list) and all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in listed):
             found = [(item["name"], item.get("parameters") or {}) for item in listed]

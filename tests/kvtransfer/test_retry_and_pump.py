@@ -140,7 +140,7 @@ def test_the_last_write_of_a_cancelled_request_ending_wakes_whoever_waits_for_it
     woken = threading.Event()
     agent = SimpleNamespace(  # the KVAgent's face the pump polls, over the real sender
         ref=SimpleNamespace(name="P"), poll_sends=sender.poll, poll_receives=ReceiveEvents,
-        num_in_flight=sender.num_in_flight, has_pending_work=lambda: sender.num_in_flight() > 0,
+        num_quiesced=lambda: sender.num_quiesced, has_pending_work=lambda: sender.num_in_flight() > 0,
     )
     pump = TransferPump(agent, on_events=woken.set)
     pump.start()
