@@ -2,8 +2,12 @@
 
 What is simulated, as the real parts do it:
 - **Router.** A request arrives; if as many requests already wait for a first token as the
-  router queues, it is refused. Otherwise it needs a decode worker with room for its KV
-  (prompt plus output blocks) and a batch slot; it takes the routable one the router's policy
+  router queues, it is refused. Otherwise it needs a decode worker with room to reserve its
+  prompt's blocks (plus one token), as the decode actor reports it: its free blocks less a
+  watermark and less what the sequences that must not wait longer need (preempted ones, local
+  prompts past their patience), nothing while those wait for a seat in a full batch. A prompt
+  the decode worker prefills itself goes there whatever its room (the worker queues it). It
+  takes the routable one the router's policy
   picks (``kv_aware``, the default, without cache hits: the fewest prompt tokens assigned, then
   the fewest requests; ``least_loaded``: the fewest requests; ``round_robin``), or waits in
   FIFO order until blocks free up. Prompts up to ``local_prefill_max_tokens`` (or every
@@ -17,6 +21,11 @@ What is simulated, as the real parts do it:
 - **Decode worker.** Continuous batching: every step computes one token of every running
   sequence plus, when it prefills locally, prompt chunks in the rest of the budget. A
   sequence whose KV landed joins at the next step boundary and its first token goes out then.
+  A sequence takes a block each time its length passes a block's end. When the next step's
+  blocks are not free, the last to arrive of the sequences it computes is preempted (its
+  blocks freed) and queued to be recomputed on the worker, prompt and output so far, before it
+  decodes on. Prompts the worker computes (local ones, recomputations) take blocks chunk by
+  chunk, in arrival order, as far as the blocks left after the decode rows' go.
 - **Pipelined prefill** (``PipelineSettings``: the router's ``prefill_pipeline`` and its
   companions). A long remote prompt is planned as the router plans it (``router.pipeline``: as
   many stages of the least loaded prefill workers as bring its first token soonest, the decode
@@ -29,8 +38,10 @@ What is simulated, as the real parts do it:
 
 Decode steps are not simulated one by one while nothing changes: between two events a decode
 worker's batch is fixed and its KV grows by the batch size per step, so step durations form
-an arithmetic series and the time of the k-th step is closed-form. An arrival in the middle
-of such a run cuts it at the next step boundary. Events are then per request, not per token,
+an arithmetic series and the time of the k-th step is closed-form. How many blocks the batch
+takes over k steps is closed-form too (from how full each sequence's last block is), so a run
+also ends where the cache would run out. An arrival in the middle of such a run cuts it at the
+next step boundary. Events are then per request, not per token,
 which is what lets a day of a 200-worker cluster run in minutes.
 
 Latencies go into log-bucket histograms (0.5% wide), so memory does not grow with the run.
@@ -38,6 +49,7 @@ Latencies go into log-bucket histograms (0.5% wide), so memory does not grow wit
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -57,6 +69,12 @@ _LOG_GROWTH = math.log(_BUCKET_GROWTH)
 _MIN_MS = 1e-3
 _NUM_BUCKETS = int(math.log(1e8 / _MIN_MS) / _LOG_GROWTH) + 2  # up to ~28 hours
 _ITL_POINTS = 4  # ITL samples recorded per run of decode steps (each weighted by the tokens it stands for)
+# The share of a decode worker's cache a new reservation may not take while anything runs there:
+# decode_workers.scheduler.WATERMARK_FRACTION (not imported: that module loads torch; a test
+# holds the two equal).
+_WATERMARK_FRACTION = 0.02
+# How long a local prompt waits for a seat before reservations pause for it: WAITING_PATIENCE_S there.
+_WAITING_PATIENCE_S = 2.0
 
 
 class LogHistogram:
@@ -150,17 +168,22 @@ class LogHistogram:
 
 class _Request:
     __slots__ = ("arrival", "prompt_len", "output_len", "blocks", "decode", "prefill", "computed", "first_token", "finish_step", "order", "finished",
-                 "pipeline")
+                 "pipeline", "prefill_len", "recompute", "held", "block_key", "overrun")
 
     def __init__(self, arrival: float, prompt_len: int, output_len: int, blocks: int, order: int):
         self.arrival = arrival
         self.prompt_len = prompt_len
         self.output_len = output_len
-        self.blocks = blocks
+        self.blocks = blocks  # reserved at admission: the prompt's and one token's
         self.order = order
         self.decode: _DecodeWorker | None = None
         self.prefill: _PrefillWorker | None = None
-        self.computed = 0  # prompt tokens computed so far
+        self.computed = 0  # tokens of prefill_len computed so far
+        self.prefill_len = prompt_len  # what a prefill computes: the prompt, or after a preemption everything so far
+        self.recompute = False  # preempted: its prefill is a recomputation (its first token is long out)
+        self.held = 0  # decode blocks it holds before it decodes: its reservation, or its prefill's so far
+        self.block_key = 0  # (length - 1 - the worker's step count) mod block size, while it runs
+        self.overrun = 0  # blocks its growth took beyond the cache (a lone sequence longer than the cache)
         self.first_token = math.nan
         self.finished = math.nan
         self.finish_step = 0  # the decode worker's step count at which its last token is out
@@ -224,18 +247,26 @@ class PipelineSettings:
 class _DecodeWorker:
     __slots__ = (
         "index", "running", "num_running", "kv_tokens", "steps_done", "prefilling", "joining", "free_blocks", "num_assigned",
-        "assigned_tokens", "routable",
+        "assigned_tokens", "routable", "block_keys", "fuller_than", "fuller_than_at",
         "busy", "version", "epoch_start", "epoch_steps", "epoch_first_step_s", "epoch_growth_s", "epoch_chunks", "stage_ready", "epoch_stage",
     )
 
-    def __init__(self, index: int, num_blocks: int) -> None:
+    def __init__(self, index: int, num_blocks: int, block_size: int) -> None:
         self.index = index
         self.running: list[tuple[int, int, _Request]] = []  # heap by the step its last token is out
         self.num_running = 0
         self.kv_tokens = 0  # KV tokens the next decode step reads, summed over the running sequences
         self.steps_done = 0
-        self.prefilling: deque[_Request] = deque()  # local prompts, in order
+        # What it prefills itself (local prompts, recomputations of preempted sequences), by arrival.
+        self.prefilling: list[_Request] = []
         self.joining: deque[_Request] = deque()  # KV landed, joining at the next boundary
+        # Running sequences by block_key: how full their last blocks are, which says when each
+        # takes its next one.
+        self.block_keys = [0] * block_size
+        # fuller_than[t]: running sequences whose last block holds more than t tokens, at the
+        # step count fuller_than_at (None: the batch changed since).
+        self.fuller_than = [0] * (block_size + 1)
+        self.fuller_than_at: int | None = None
         self.free_blocks = num_blocks
         self.num_assigned = 0
         self.assigned_tokens = 0  # prompt tokens of the assigned requests
@@ -280,6 +311,7 @@ class SimResult:
     e2e: LogHistogram
     num_events: int
     windows: list[WindowStats] = field(default_factory=list)
+    preemptions: int = 0  # sequences a decode worker preempted for want of blocks (each recomputed)
 
     @property
     def output_throughput(self) -> float:
@@ -304,6 +336,7 @@ class SimResult:
             "itl_ms": self.itl.summary(),
             "e2e_ms": self.e2e.summary(),
             "num_events": self.num_events,
+            "preemptions": self.preemptions,
         }
 
 
@@ -349,6 +382,7 @@ class Simulation:
         self.block_size = facts.block_size
         self.bytes_per_block = facts.bytes_per_block
         self.decode_blocks = facts.decode_num_blocks
+        self.watermark_blocks = max(1, int(self.decode_blocks * _WATERMARK_FRACTION))
         self.prefill_budget = facts.token_budget["prefill"]
         self.prefill_chunk = facts.chunk_size["prefill"] or self.prefill_budget
         self.decode_budget = facts.token_budget["decode"]
@@ -368,7 +402,7 @@ class Simulation:
         self._contended = colocated and any(v for factors in self.step.contention.values() for v in factors.values())
         self.kept: list[_Request] | None = [] if keep_requests else None  # every request, for per-request comparisons
         self.prefills = [_PrefillWorker(i) for i in range(num_prefill)]
-        self.decodes = [_DecodeWorker(i, self.decode_blocks) for i in range(num_decode)]
+        self.decodes = [_DecodeWorker(i, self.decode_blocks, self.block_size) for i in range(num_decode)]
         # Least-loaded picks from heaps of (load, index) with lazy deletion: an entry whose load
         # is no longer the worker's (or whose worker left) is dropped when it reaches the top.
         # Ties go to the lower index, as the router's ``min`` over its list does.
@@ -384,7 +418,7 @@ class Simulation:
         self._waiting_first_token = 0
         self.now = 0.0
         self.ttft, self.tpot, self.itl, self.e2e = LogHistogram(), LogHistogram(), LogHistogram(), LogHistogram()
-        self.num_requests = self.completed = self.rejected = self.output_tokens = 0
+        self.num_requests = self.completed = self.rejected = self.output_tokens = self.preemptions = 0
         self.first_arrival = math.nan
         self.last_finish = 0.0
         self.num_events = 0
@@ -435,7 +469,7 @@ class Simulation:
         itl = self.itl.spread(self.step.residuals.get("decode", []))
         return SimResult(
             self.num_prefill, self.num_decode, self.num_requests, self.completed, self.rejected, max(0.0, self.last_finish - start),
-            self.output_tokens, self.ttft, self.tpot, itl, self.e2e, self.num_events, self.windows,
+            self.output_tokens, self.ttft, self.tpot, itl, self.e2e, self.num_events, self.windows, self.preemptions,
         )
 
     def _push(self, when: float, kind: int, subject, version: int = 0) -> None:
@@ -465,30 +499,34 @@ class Simulation:
             if window is not None:
                 window.rejected += 1
             return
-        if -(-(prompt_len + 1) // self.block_size) > self.decode_blocks:
+        blocks = self._blocks(prompt_len + 1)  # what the router reserves: the prompt and one token
+        if blocks > self.decode_blocks:
             self.rejected += 1  # the router refuses it: no decode worker could ever hold its prompt
             return
-        # Its whole length is held from admission (the real cache grows a block at a time, so this
-        # overstates what a request holds early on); a request longer than a worker's cache, which
-        # the router admits (it reserves the prompt), holds the whole cache.
-        blocks = min(-(-(prompt_len + output_len) // self.block_size), self.decode_blocks)
         request = _Request(when, prompt_len, output_len, blocks, self.num_requests)
         if self.kept is not None:
             self.kept.append(request)
         self._waiting_first_token += 1
-        if self._router_queue or not self._admit(request):
+        # A prompt prefilled where it decodes waits for no room (its worker queues it), so not
+        # behind the ones that do.
+        local = prompt_len <= self.local_max or self._least_queued_prefill() is None
+        if (self._router_queue and not local) or not self._admit(request):
             self._router_queue.append(request)
 
     def _admit(self, request: _Request) -> bool:
-        """Give the request a decode worker with room, or return False (it waits)."""
-        decode = self._least_assigned_decode(request.blocks)
+        """Give the request a decode worker (with room to reserve, unless it prefills there), or
+        return False (it waits)."""
+        prefill = None if request.prompt_len <= self.local_max else self._least_queued_prefill()
+        decode = self._least_assigned_decode(0 if prefill is None else request.blocks)
         if decode is None:
             return False
         decode_alone = decode.num_assigned == 0  # before this request: may it compute a pipeline's last stage?
-        decode.free_blocks -= request.blocks
+        if prefill is not None:
+            decode.free_blocks -= request.blocks
+            request.held = request.blocks
+            self._end_run_before_the_cache_runs_out(decode)
         self._assign(decode, request, +1)
         request.decode = decode
-        prefill = None if request.prompt_len <= self.local_max else self._least_queued_prefill()
         if prefill is not None and self.pipeline is not None:
             request.pipeline = self._plan_pipeline(request, decode_alone)
         if request.pipeline is not None:
@@ -538,7 +576,7 @@ class Simulation:
 
     def _least_assigned_decode(self, blocks: int) -> _DecodeWorker | None:
         if self._round_robin is not None:
-            candidates = [w for w in self.decodes if w.routable and w.free_blocks >= blocks]
+            candidates = [w for w in self.decodes if w.routable and self._has_room(w, blocks)]
             return candidates[next(self._round_robin) % len(candidates)] if candidates else None
         heap, workers, load_of = self._decode_heap, self.decodes, self._decode_load
         passed = []
@@ -548,7 +586,7 @@ class Simulation:
             worker = workers[index]
             if not worker.routable or load != load_of(worker):
                 heapq.heappop(heap)
-            elif worker.free_blocks >= blocks:
+            elif self._has_room(worker, blocks):
                 chosen = worker
                 break
             else:
@@ -604,7 +642,7 @@ class Simulation:
             return
         if request.prefill is None:
             worker = request.decode
-            worker.prefilling.append(request)
+            bisect.insort(worker.prefilling, request, key=_arrival_order)
             self._wake_decode(worker)
             return
         worker = request.prefill
@@ -721,35 +759,150 @@ class Simulation:
             return
         if worker.epoch_chunks or worker.epoch_steps <= 1:
             return  # a single step is running; its end is the next boundary anyway
+        self._cut_run(worker, self._step_running(worker) + 1)
+
+    def _step_running(self, worker: _DecodeWorker) -> int:
+        """The step (0-based) of the worker's run that is computing now: the first whose end is at
+        or after now, end(j) = (j + 1) first + growth j (j + 1) / 2."""
         elapsed = self.now - worker.epoch_start
         first, growth = worker.epoch_first_step_s, worker.epoch_growth_s
-        # The first step j (0-based) whose end is at or after now: end(j) = (j + 1) first + growth j (j + 1) / 2.
         if growth > 0:
             a, b, c = growth / 2, first + growth / 2, first - elapsed
             j = math.ceil((-b + math.sqrt(max(0.0, b * b - 4 * a * c))) / (2 * a) - 1e-9)
         else:
             j = math.ceil(elapsed / first - 1 - 1e-9) if first > 0 else 0
-        j = min(max(j, 0), worker.epoch_steps - 1)
-        if j + 1 < worker.epoch_steps:
-            worker.epoch_steps = j + 1
+        return min(max(j, 0), worker.epoch_steps - 1)
+
+    def _cut_run(self, worker: _DecodeWorker, steps: int) -> None:
+        """The worker's run of steps ends after ``steps`` of them, if that is sooner."""
+        if steps < worker.epoch_steps:
+            worker.epoch_steps = steps
             worker.version += 1
-            end = worker.epoch_start + _run_s(first, growth, j + 1)
+            end = worker.epoch_start + _run_s(worker.epoch_first_step_s, worker.epoch_growth_s, steps)
             self._push(max(end, self.now), _DECODE_BOUNDARY, worker, worker.version)
+
+    # -- decode KV blocks ---------------------------------------------------------------
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _growth_blocks(self, worker: _DecodeWorker, steps: int) -> int:
+        """The blocks the running sequences take in their next ``steps`` decode steps (from the
+        run's start): a sequence whose last block holds r + 1 tokens takes floor((r + steps) / B)."""
+        if steps <= 0 or not worker.num_running:
+            return 0
+        size = self.block_size
+        full, part = divmod(steps, size)
+        blocks = worker.num_running * full
+        if part:
+            if worker.fuller_than_at != worker.steps_done:  # (asked many times per run: counted once)
+                offset = worker.steps_done % size
+                keys = worker.block_keys
+                fuller = worker.fuller_than
+                fuller[size] = 0
+                for r in range(size - 1, -1, -1):
+                    fuller[r] = fuller[r + 1] + keys[(r - offset) % size]
+                worker.fuller_than_at = worker.steps_done
+            blocks += worker.fuller_than[size - part]
+        return blocks
+
+    def _count_block_key(self, worker: _DecodeWorker, request: _Request, sign: int) -> None:
+        worker.block_keys[request.block_key] += sign
+        worker.fuller_than_at = None
+
+    def _steps_before_the_cache_runs_out(self, worker: _DecodeWorker, steps: int) -> int:
+        """How many of the next ``steps`` decode steps the free blocks last for."""
+        free = worker.free_blocks
+        if worker.num_running * (steps // self.block_size + 1) <= free or self._growth_blocks(worker, steps) <= free:
+            return steps
+        low, high = 0, steps  # growth(low) fits, growth(high) does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            if self._growth_blocks(worker, middle) <= free:
+                low = middle
+            else:
+                high = middle
+        return low
+
+    def _end_run_before_the_cache_runs_out(self, worker: _DecodeWorker) -> None:
+        """Blocks were taken from a worker mid-run (a reservation): its run ends where the rest
+        runs out (after the step computing now, which has its blocks)."""
+        if worker.busy and not worker.epoch_chunks and worker.epoch_stage is None and worker.epoch_steps > 1:
+            fits = self._steps_before_the_cache_runs_out(worker, worker.epoch_steps)
+            self._cut_run(worker, max(fits, self._step_running(worker) + 1))
+
+    def _has_room(self, worker: _DecodeWorker, blocks: int) -> bool:
+        # Bounds first (this is asked of every worker a full pool walks past): never more than
+        # the free blocks; at least what is left after the whole run in flight and a watermark,
+        # with nothing waiting for a seat.
+        free = worker.free_blocks
+        if blocks > free:
+            return False
+        if not worker.prefilling and blocks <= free - self.watermark_blocks - worker.num_running * (worker.epoch_steps // self.block_size + 1):
+            return True
+        return blocks <= self._reservable(worker)
+
+    def _reservable(self, worker: _DecodeWorker) -> int:
+        """The blocks a new reservation may take on the worker now, as the decode actor reports
+        them (``DecodeScheduler.num_reservable_blocks``)."""
+        if not worker.num_running and not worker.prefilling:
+            return worker.free_blocks
+        overdue = [r for r in worker.prefilling if not r.held and (r.recompute or self.now - r.arrival >= _WAITING_PATIENCE_S)]
+        if overdue and worker.num_running + len(worker.prefilling) - len(overdue) >= self.max_num_seqs:
+            return 0
+        taken = 0  # by the steps of the run done so far
+        if worker.busy and not worker.epoch_chunks and worker.epoch_stage is None:
+            taken = self._growth_blocks(worker, self._step_running(worker))
+        waiting = sum(self._blocks(r.prefill_len + 1) for r in overdue)
+        return max(0, worker.free_blocks - taken - self.watermark_blocks - waiting)
+
+    def _make_room_for_the_next_step(self, worker: _DecodeWorker) -> None:
+        """Preempt until the decode rows' blocks for the next step are free, as
+        ``engine.scheduler`` does: by recompute, the last to arrive of the sequences it computes
+        first (a lone decoding sequence longer than the cache goes on: it takes what there is)."""
+        while worker.num_running > worker.free_blocks and self._growth_blocks(worker, 1) > worker.free_blocks:
+            decoding = max((entry[2] for entry in worker.running), key=_arrival_order)
+            started = [r for r in worker.prefilling if r.held]
+            prefilling = max(started, key=_arrival_order) if started else None
+            if prefilling is not None and prefilling.order > decoding.order:
+                worker.free_blocks += prefilling.held
+                prefilling.held = prefilling.computed = 0
+            elif worker.num_running > 1:
+                self._preempt_decoding(worker, decoding)
+            else:
+                return
+            self.preemptions += 1
+
+    def _preempt_decoding(self, worker: _DecodeWorker, request: _Request) -> None:
+        worker.running = [entry for entry in worker.running if entry[2] is not request]
+        heapq.heapify(worker.running)
+        length = request.prompt_len + request.output_len - (request.finish_step - worker.steps_done)
+        worker.num_running -= 1
+        worker.kv_tokens -= length
+        self._count_block_key(worker, request, -1)
+        worker.free_blocks += self._blocks(length) - request.overrun
+        request.overrun = request.held = 0
+        request.prefill_len, request.computed, request.recompute = length, 0, True
+        bisect.insort(worker.prefilling, request, key=_arrival_order)
 
     def _decode_boundary(self, worker: _DecodeWorker) -> None:
         now = self.now
         if worker.busy:
             self._finish_epoch(worker)
         self._set_busy(worker, False)
-        # Sequences whose KV landed join and send their first token.
-        while worker.joining and worker.num_running + len(worker.prefilling) < self.max_num_seqs:
+        # Sequences whose KV landed join and send their first token: all of them, as the decode
+        # actor admits them (max_num_seqs bounds its local prompts, not these), as far as a
+        # step's token budget has rows for them.
+        while worker.joining and worker.num_running < self.decode_budget:
             self._start_decoding(worker, worker.joining.popleft(), now)
+        self._make_room_for_the_next_step(worker)
         if not worker.routable and worker.num_assigned == 0:
             return
         self._start_epoch(worker)
 
     def _finish_epoch(self, worker: _DecodeWorker) -> None:
         steps, batch = worker.epoch_steps, worker.num_running
+        worker.epoch_steps = 0  # the run is over: its blocks are debited here, not counted in flight (_reservable)
         if batch:
             first, growth = worker.epoch_first_step_s, worker.epoch_growth_s
             points = min(steps, _ITL_POINTS)
@@ -759,6 +912,14 @@ class Simulation:
                 self.itl.add((first + growth * j) * 1000.0, weight)
             worker.kv_tokens += steps * batch
             self.output_tokens += steps * batch
+            blocks = self._growth_blocks(worker, steps)
+            if blocks > worker.free_blocks:
+                # More than the cache: a lone sequence longer than it (a reservation's step
+                # in flight at most otherwise). It takes what there is.
+                last = max((entry[2] for entry in worker.running), key=_arrival_order)
+                last.overrun += blocks - worker.free_blocks
+                blocks = worker.free_blocks
+            worker.free_blocks -= blocks
         worker.steps_done += steps
         done = worker.steps_done
         running = worker.running
@@ -766,10 +927,13 @@ class Simulation:
             self._finish(worker, heapq.heappop(running)[2])
         for request, chunk in worker.epoch_chunks:
             request.computed += chunk
-            if request.computed == request.prompt_len:
+            if request.computed == request.prefill_len:
                 worker.prefilling.remove(request)
                 self.output_tokens += 1
-                self._start_decoding(worker, request, self.now)
+                if request.recompute:
+                    self._resume_decoding(worker, request)
+                else:
+                    self._start_decoding(worker, request, self.now)
         worker.epoch_chunks = []
         if worker.epoch_stage is not None:
             pipeline, stage = worker.epoch_stage
@@ -788,20 +952,39 @@ class Simulation:
         if request.output_len <= 1:
             self._finish(worker, request)
             return
-        request.finish_step = worker.steps_done + request.output_len - 1
-        heapq.heappush(worker.running, (request.finish_step, request.order, request))
+        self._run(worker, request, request.prompt_len + 1)
+
+    def _resume_decoding(self, worker: _DecodeWorker, request: _Request) -> None:
+        """A preempted sequence was recomputed; that step sampled its next token."""
+        request.recompute = False
+        if not self._run(worker, request, request.prefill_len + 1):
+            self._finish(worker, request)  # that token was its last
+
+    def _run(self, worker: _DecodeWorker, request: _Request, length: int) -> bool:
+        """The sequence, ``length`` tokens long so far, joins the worker's running batch; False
+        if it has no token left to decode (the caller finishes it)."""
+        request.finish_step = worker.steps_done + request.prompt_len + request.output_len - length
+        request.block_key = (length - 1 - worker.steps_done) % self.block_size
+        self._count_block_key(worker, request, +1)
         worker.num_running += 1
-        worker.kv_tokens += request.prompt_len + 1
+        worker.kv_tokens += length
+        if request.finish_step == worker.steps_done:
+            return False
+        heapq.heappush(worker.running, (request.finish_step, request.order, request))
+        return True
 
     def _finish(self, worker: _DecodeWorker, request: _Request) -> None:
         now = self.now
         if request.finish_step:  # it decoded (else it ended with its first token)
             worker.num_running -= 1
             worker.kv_tokens -= request.prompt_len + request.output_len
+            self._count_block_key(worker, request, -1)
+            worker.free_blocks += self._blocks(request.prompt_len + request.output_len) - request.overrun
             tpot = (now - request.first_token) * 1000.0 / (request.output_len - 1)
             self.tpot.add(tpot)
+        else:
+            worker.free_blocks += request.held
         request.finished = now
-        worker.free_blocks += request.blocks
         self._assign(worker, request, -1)
         self.completed += 1
         self.e2e.add((now - request.arrival) * 1000.0)
@@ -819,12 +1002,24 @@ class Simulation:
         chunks = []
         if worker.prefilling:
             budget = self.decode_budget - batch
+            free = worker.free_blocks - self._growth_blocks(worker, 1)  # the decode rows' blocks come first
+            unpaused = False  # a sequence that held reservations back starts
             for request in worker.prefilling:
                 if budget <= 0:
                     break
-                chunk = min(request.prompt_len - request.computed, budget, self.decode_chunk)
+                chunk = min(request.prefill_len - request.computed, budget, self.decode_chunk)
+                done = request.computed + chunk
+                blocks = self._blocks(done + 1 if done == request.prefill_len else done) - request.held  # the last: with its next token's
+                if blocks > free:
+                    break  # no prompt behind it goes first
+                unpaused = unpaused or (not request.held and request.recompute)
+                free -= blocks
+                request.held += blocks
+                worker.free_blocks -= blocks
                 chunks.append((request, chunk))
                 budget -= chunk
+            if unpaused and self._router_queue:
+                self._retry_router_queue()
         stage = worker.stage_ready.popleft() if worker.stage_ready else None  # a pipeline's last stage: its next chunk
         if not batch and not chunks and stage is None:
             return  # idle until something arrives
@@ -840,6 +1035,7 @@ class Simulation:
             steps = worker.running[0][0] - worker.steps_done  # until the next sequence finishes
             if self.max_steps_per_run is not None:
                 steps = min(steps, self.max_steps_per_run)
+            steps = max(1, self._steps_before_the_cache_runs_out(worker, steps))  # (one: a lone sequence past the cache)
         crowding = self._crowding("decode", worker)
         first *= crowding
         growth = self._d_kv * batch * crowding
@@ -896,7 +1092,7 @@ class Simulation:
             worker.routable = False  # drains: finishes what it holds, takes nothing new
         for _ in range(size - len(routable)):
             index = len(workers)
-            worker = _PrefillWorker(index) if role == "prefill" else _DecodeWorker(index, self.decode_blocks)
+            worker = _PrefillWorker(index) if role == "prefill" else _DecodeWorker(index, self.decode_blocks, self.block_size)
             worker.routable = False
             workers.append(worker)
             self._push(self.now + self.worker_startup_s, _WORKER_UP, worker)
@@ -921,6 +1117,12 @@ class Simulation:
 
 def _queued_tokens(worker: _PrefillWorker) -> int:
     return worker.queued_tokens
+
+
+def _arrival_order(request: _Request) -> int:
+    return request.order
+
+
 
 
 # A decode worker's load as each routing policy ranks it (the lowest is picked; ties: the lower

@@ -298,11 +298,16 @@ def _stepwise(profile, trace, num_prefill, num_decode):
     return simulation.run(trace)
 
 
-@pytest.mark.parametrize("num_prefill,num_decode", [(1, 1), (2, 3), (0, 2)])
-def test_runs_of_decode_steps_equal_simulating_every_step(num_prefill, num_decode):
-    profile = make_profile()
-    trace = list(WorkloadModel(rate=8.0, num_requests=400, input_len=200, output_len=40, range_ratio=0.9, seed=3).requests())
-    fast = Simulation(profile, num_prefill, num_decode, max_queued_requests=10**6).run(trace)
+@pytest.mark.parametrize("num_prefill,num_decode,num_blocks,output_len", [
+    (1, 1, 4000, 40), (2, 3, 4000, 40), (0, 2, 4000, 40),
+    # Caches the sequences outgrow: runs end where the blocks run out, and sequences are preempted.
+    (1, 1, 300, 120), (2, 3, 150, 200), (0, 2, 200, 120),
+])
+def test_runs_of_decode_steps_equal_simulating_every_step(num_prefill, num_decode, num_blocks, output_len):
+    profile = make_profile(decode_num_blocks=num_blocks)
+    trace = list(WorkloadModel(rate=8.0, num_requests=400, input_len=200, output_len=output_len, range_ratio=0.9, seed=3).requests())
+    simulation = Simulation(profile, num_prefill, num_decode, max_queued_requests=10**6)
+    fast = simulation.run(trace)
     slow = _stepwise(profile, trace, num_prefill, num_decode)
     if num_prefill:  # (aggregated, most steps carry a prompt chunk and are single steps anyway)
         assert fast.num_events < slow.num_events / 3  # the shortcut is what makes days simulable
@@ -311,6 +316,53 @@ def test_runs_of_decode_steps_equal_simulating_every_step(num_prefill, num_decod
         assert a.mean == pytest.approx(b.mean, rel=1e-6), name
         assert a.percentile(99) == pytest.approx(b.percentile(99), rel=1e-6), name
     assert fast.output_tokens == slow.output_tokens == sum(o for _, _, o in trace)
+    assert fast.preemptions == slow.preemptions
+    assert (fast.preemptions > 0) == (num_blocks < 4000)
+    assert all(w.free_blocks == num_blocks for w in simulation.decodes)
+
+
+@pytest.mark.parametrize("prompt_len,num_prompts,output_len,num_blocks,block_size,budget,chunk", [
+    (12, 8, 40, 64, 4, 48, 16),
+    (20, 16, 60, 100, 4, 64, 32),
+    (40, 12, 80, 120, 8, 128, 64),
+])
+def test_a_cache_the_batch_outgrows_takes_as_many_steps_as_the_engines_scheduler(
+        tmp_path, prompt_len, num_prompts, output_len, num_blocks, block_size, budget, chunk):
+    """The reference is the engine itself: its scheduler grows each sequence a block at a time
+    and preempts when the blocks run out, and the simulated decode worker must take as many
+    steps for the same requests (holding every request's whole length from admission, as the
+    simulator did, took 1.3-1.5x as many)."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from tests.checkpoints import build_checkpoint, random_prompts
+
+    build_checkpoint("llama", tmp_path)
+    engine = LLMEngine(str(tmp_path), EngineConfig(num_kv_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
+                                                   long_prefill_chunk=chunk, max_num_seqs=16))
+    for i, prompt in enumerate(random_prompts([prompt_len] * num_prompts, 384, seed=3)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+    engine_steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine_steps += 1
+    assert engine.scheduler.num_preemptions > 0, "the cache must be outgrown"
+
+    step_s = 0.01  # every step alike: the simulated time counts steps
+    facts = DeploymentFacts(block_size=block_size, bytes_per_block=1000, decode_num_blocks=num_blocks,
+                            token_budget={"prefill": budget, "decode": budget}, chunk_size={"prefill": chunk, "decode": chunk},
+                            max_num_seqs=16, local_prefill_max_tokens=4096, max_model_len=4096)
+    profile = Profile(StepTimeModel(intercept_s={"prefill": step_s, "decode": step_s}), TransferModel(0.0, 0.0, 0.0), facts,
+                      {"remote": 0.0, "local": 0.0})
+    result = Simulation(profile, 0, 1).run([(0.0, prompt_len, output_len)] * num_prompts)
+    assert result.preemptions > 0
+    assert result.duration_s / step_s == pytest.approx(engine_steps, rel=0.08)
+
+
+def test_the_simulated_decode_admission_uses_the_decode_actors_constants():
+    from cluster.planning import simulator
+    from decode_workers import scheduler
+
+    assert simulator._WATERMARK_FRACTION == scheduler.WATERMARK_FRACTION
+    assert simulator._WAITING_PATIENCE_S == scheduler.WAITING_PATIENCE_S
 
 
 def test_throughput_of_a_saturated_prefill_worker_is_its_capacity():
