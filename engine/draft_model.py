@@ -68,6 +68,9 @@ class DraftModelProposer(Proposer):
             )
         self.model = loaded.model
         self.config = loaded.config
+        # Its rotary table covers the target's context, but past its own it was never trained:
+        # guesses there would be noise, verified for nothing.
+        self.max_positions = min(engine_config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
         self.device = engine_config.device
         self.kv_cache = KVCache(loaded.config, dataclasses.replace(engine_config, num_kv_blocks=num_blocks), loaded.dtype)
         self.block_size = self.kv_cache.block_size

@@ -297,6 +297,9 @@ class Scheduler:
             # Never past what the request may emit: the drafts and the target's token after them.
             room = min(limit, budget - reserved, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
+            if self.proposer.max_positions is not None:
+                # A draft reads the sequence up to its last token, then its guesses but the last.
+                room = min(room, self.proposer.max_positions - seq.num_tokens + 1)
             # Blocks first: a draft model writes its own KV for its guesses into them.
             if room > 0 and self._try_grow_blocks(seq, 1 + room):
                 pieces.append(piece)

@@ -6,8 +6,9 @@ drafts together, each as its own decode row over the paged cache (so every row i
 computation plain decoding would do at that position); the sampler then emits the target's
 token at each row and keeps going while that token equals the draft. A step thus emits between
 one token (every draft rejected) and ``1 + drafts`` (every draft accepted, plus the target's own
-token after the last). Greedy output is the same token for token as without speculation; sampled
-output keeps the target's distribution (``engine.sampler`` accepts a draft with the target's
+token after the last). Greedy output is the same token for token as without speculation (with
+an unquantized cache: an int8/fp8 block's scale covers the rows one step writes, so a row
+written beside drafts, or beside rejected ones, rounds differently); sampled output keeps the target's distribution (``engine.sampler`` accepts a draft with the target's
 probability of it and otherwise draws from the rest).
 
 The n-gram proposer (prompt lookup) needs no draft model: it finds the latest earlier place
@@ -139,6 +140,10 @@ class Proposal:
 
 class Proposer(ABC):
     """What the scheduler asks for drafts (engine.draft_model's proposer is the other kind)."""
+
+    # The positions the proposer can read (a draft model's context; None: any). A sequence
+    # whose drafts would go past them gets fewer, or none (as vLLM skips such sequences).
+    max_positions: int | None = None
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:

@@ -71,6 +71,21 @@ def test_preemption_chunked_prefill_and_prefix_hits_keep_greedy_exact(checkpoint
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
+def test_a_draft_with_a_shorter_context_drafts_only_within_it(checkpoints, tmp_path, caplog):
+    """Llama-2-7B (4,096 positions) with TinyLlama (2,048): past the draft's context a sequence
+    decodes without drafts, instead of the draft failing at every step."""
+    path, hf_model = checkpoints["llama"]  # 512 positions
+    build_checkpoint("llama", tmp_path / "draft", seed=3, num_hidden_layers=1, max_position_embeddings=64)
+    prompt = random_prompts([50], hf_model.config.vocab_size, seed=9)[0]
+    engine = _engine(path, _spec(tmp_path / "draft", k=4))
+    with caplog.at_level("ERROR"):
+        out = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    assert out[0].token_ids == hf_greedy(hf_model, prompt, 40)
+    assert not [r for r in caplog.records if "proposer failed" in r.getMessage()]
+    assert engine.scheduler.num_draft_tokens > 0  # while the sequence was within the draft's 64 positions
+    assert engine.num_steps > 64 - 50, "past position 64 every token took a step of its own"
+
+
 def test_sampled_sequences_keep_the_models_joint_distribution(draft_dir):
     """Three sampled tokens: the second drawn by the draft from its own distribution and accepted
     with min(1, p/q) (else drawn from the residual), against transformers' exact probabilities."""
