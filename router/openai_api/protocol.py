@@ -150,7 +150,7 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
         raise InvalidArgumentError("max_completion_tokens", "differs from max_tokens (its deprecated name); give one")
     wants_logprobs = boolean(body, "logprobs", False)
     top = integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
-    if top is not None and not wants_logprobs:
+    if top and not wants_logprobs:  # (0, the default clients fill in, asks for nothing: vLLM takes it)
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
     logprobs = (top or 0) if wants_logprobs else None
     base = _common(body, logprobs, max_tokens_field=given[0] if given else "max_tokens")
@@ -305,6 +305,7 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
         allowed_token_ids=int_list(body, "allowed_token_ids") if body.get("allowed_token_ids") is not None else None,
         bad_words=string_list(body, "bad_words"),
         structured=structured_output(body),
+        field_names={"max_tokens": max_tokens_field},  # errors name the one the client sent
     )
 
 

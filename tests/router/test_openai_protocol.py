@@ -351,6 +351,26 @@ def test_a_null_max_tokens_or_max_completion_tokens_is_unset_beside_the_other():
     assert raised.value.field == "max_completion_tokens"
 
 
+def test_errors_about_the_length_name_max_completion_tokens_where_the_client_sent_it():
+    """The SDK's current name: an error naming max_tokens points at a field the client never sent."""
+    from router.validation import RequestLimits, validate_input
+
+    limits = RequestLimits(vocab_size=1000, max_context_len=200)
+    template = ChatTemplate(TEMPLATES["chatml"], {})
+    messages = [{"role": "user", "content": "hi"}]
+    for name in ("max_completion_tokens", "max_tokens"):
+        for value, problem in ((0, "must be >= 1"), (100_000, "exceeds")):
+            with pytest.raises(InvalidArgumentError) as raised:
+                validate_input(read_chat({"messages": messages, name: value}, template).choices[0], limits, _chars)
+            assert raised.value.field == name and problem in str(raised.value)
+
+
+def test_top_logprobs_0_without_logprobs_asks_for_nothing_as_vllm_takes_it():
+    template = ChatTemplate(TEMPLATES["chatml"], {})
+    request = read_chat({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 0}, template)
+    assert request.choices[0].logprobs is None
+
+
 def test_bad_words_are_bounded_and_a_long_list_is_named():
     from router.validation import RequestLimits, validate_input
 
