@@ -271,6 +271,8 @@ class MessagesFrontEnd:
         try:
             async for chunk in chunks:
                 if not started:
+                    if chunk.end is not None and chunk.end.reason in ("error", "abort"):
+                        raise end_failure(chunk.end, state.num_tokens)  # nothing sent yet: a real status, as unstreamed
                     await response.prepare(request)
                     started = True
                     start = self._message(message_id, model, [], None, state, prompt_tokens)

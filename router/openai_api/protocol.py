@@ -81,7 +81,7 @@ class ApiRequest:
     model: str | None
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
-    continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM): usage on every chunk
+    continuous_usage: bool  # stream_options.continuous_usage_stats (vLLM) with include_usage: each chunk's choice's usage
     logprobs: int | None  # top alternatives per token (completions' logprobs, chat's top_logprobs); None: none
     echo: bool = False  # completions: each choice's text starts with its prompt
     # vLLM's prompt_logprobs: each prompt token's log-probability and this many alternatives, in
@@ -249,7 +249,8 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
         options = json_object(options, "stream_options")
         refuse_unknown(options, {"include_usage", "continuous_usage_stats"}, prefix="stream_options.")
         include_usage = boolean(options, "include_usage", False, prefix="stream_options.")
-        continuous = boolean(options, "continuous_usage_stats", False, prefix="stream_options.")
+        # Usage on every chunk only beside the last chunk's, as vLLM has it.
+        continuous = include_usage and boolean(options, "continuous_usage_stats", False, prefix="stream_options.")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise InvalidArgumentError("model", f"must be a string, got {type_name(model)}")

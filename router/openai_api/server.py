@@ -309,6 +309,10 @@ class OpenAIServer:
                     await sse.send(response, error_body(item)[1])
                     break
                 if not started:
+                    if item.end is not None and item.end.reason == "error":
+                        # Failed before anything was sent (the decode actor refused it as it
+                        # prefilled it): a real status, as the same request gets unstreamed.
+                        raise end_failure(item.end, item.end.completion_tokens)
                     await response.prepare(request)
                     started = True
                 state = states[index]
@@ -328,8 +332,10 @@ class OpenAIServer:
                     payload["prompt_logprobs"] = state.prompt_logprobs
                 if chat and (ids := state.unsent_prompt_ids()) is not None:
                     payload["prompt_token_ids"] = ids
-                if api.include_usage or api.continuous_usage:
-                    payload["usage"] = _usage(api, states) if api.continuous_usage else None
+                if api.include_usage:
+                    # Continuous: the usage so far of this chunk's choice (its prompt and its own
+                    # tokens), as vLLM reports it.
+                    payload["usage"] = _usage(api, [state]) if api.continuous_usage else None
                 await sse.send(response, payload)
                 if item.end is not None and item.end.reason == "error":
                     await sse.send(response, error_body(end_failure(item.end, item.end.completion_tokens))[1])

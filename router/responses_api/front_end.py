@@ -389,6 +389,8 @@ class ResponsesFrontEnd:
         try:
             async for chunk in chunks:
                 if not started:
+                    if chunk.end is not None and chunk.end.reason == "error":
+                        raise end_failure(chunk.end, state.num_tokens)  # nothing sent yet: a real status, as unstreamed
                     await response.prepare(request)
                     started = True
                     await sse.send(response, state.event("response.created", response=state.obj()), named=True)

@@ -123,6 +123,24 @@ def test_chat_completion_equals_transformers_greedy_whole_and_streamed(client, c
     assert len(chunks) > 2, "tokens stream as they come, not in one piece"
 
 
+def test_continuous_usage_is_each_chunks_choices_own_as_vllm_reports_it(client):
+    """stream_options.continuous_usage_stats (vLLM's): beside include_usage, every chunk carries
+    the usage so far of its choice; without include_usage, no usage at all (as vLLM)."""
+    stream = client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=8, n=2, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY)
+    chunks = list(stream)
+    so_far = {0: 0, 1: 0}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        assert chunk.usage.completion_tokens >= so_far[choice.index]
+        so_far[choice.index] = chunk.usage.completion_tokens
+    assert so_far == {0: 8, 1: 8}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    plain = list(client.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=4, stream=True,
+                                                stream_options={"continuous_usage_stats": True}, **GREEDY))
+    assert all(chunk.usage is None for chunk in plain) and all(chunk.choices for chunk in plain)
+
+
 def test_text_completion_of_token_ids_and_of_text_equals_transformers(client, chat_model, hf_tokenizer):
     (prompt,) = random_prompts([20], chat_model.vocab_size, seed=11)
     expected = hf_greedy(chat_model.hf_model, prompt, 10)

@@ -41,3 +41,36 @@ def test_anthropics_refusals_of_a_large_body_and_a_full_queue_are_what_its_clien
     assert too_large.status == 413 and json.loads(too_large.text)["error"]["type"] == "request_too_large"
     full = error_response(ResourceExhaustedError("the queue is full", retry_after_s=2.5))
     assert full.status == 429 and full.headers["Retry-After"] == "3"
+
+
+def test_a_stream_that_fails_before_its_first_token_gets_a_real_status_on_every_front_end():
+    """A decode actor that refuses a prompt it prefills itself (conditional disaggregation)
+    ends the request with an error chunk, not a raised failure: streamed, that was a 200 with an
+    error event, where the same request unstreamed (or prefilled elsewhere) is a 400 naming the
+    field. Nothing was sent yet, so each front end raises it (its handler answers the status)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pytest
+
+    from router.anthropic_api.messages import MessagesFrontEnd
+    from router.openai_api.server import OpenAIServer
+    from router.output_stream import OutputChunk, StreamEnd, TimingBreakdown
+    from router.responses_api.front_end import ResponsesFrontEnd
+
+    end = StreamEnd(reason="error", prompt_tokens=5, completion_tokens=0, timing=TimingBreakdown(),
+                    detail="holds no token that the requested structured output allows next", error_field="allowed_token_ids")
+
+    async def one(item):
+        yield item
+
+    unused = SimpleNamespace()  # nothing of the server, request or state is touched before the first send
+    streams = [
+        OpenAIServer._stream(unused, None, unused, "chatcmpl-1", "m", True, [], one((0, OutputChunk(end=end)))),
+        MessagesFrontEnd._stream(unused, None, "msg_1", "m", SimpleNamespace(num_tokens=0), 5, one(OutputChunk(end=end))),
+        ResponsesFrontEnd._stream(unused, None, unused, SimpleNamespace(num_tokens=0), one(OutputChunk(end=end)), []),
+    ]
+    for stream in streams:
+        with pytest.raises(InvalidArgumentError) as raised:
+            asyncio.run(stream)
+        assert raised.value.field == "allowed_token_ids"
