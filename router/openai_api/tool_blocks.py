@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.openai_api.tool_arguments import RawArgument, arguments_text, escaped, is_text, json_or, json_text, parameter_schemas
-from router.openai_api.tool_json import ObjectEnds, json_calls
+from router.openai_api.tool_json import JsonQuotes, ObjectEnds, json_calls
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,9 @@ class BlockReader(ABC):
     no content the model meant)."""
 
     blocks: tuple[tuple[str, str | None], ...] = ()  # (opener, closer) pairs
+    # A block's body is JSON: a closer inside one of its strings is text of the call (an agent
+    # writing code about tool markup), not the block's end.
+    json_body = False
 
     def __init__(self, tools: list[dict[str, Any]]):
         self.tools = tools
@@ -132,6 +135,7 @@ class BlockReader(ABC):
         self.ends = ObjectEnds()  # its JSON objects
         self.open_value: OpenTextValue | None = None  # the text value its last call is writing
         self._closer_searched = 0  # its buffer holds no closer before this
+        self._quotes = JsonQuotes()  # where its JSON strings are (json_body)
 
     @abstractmethod
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
@@ -154,14 +158,21 @@ class BlockReader(ABC):
                 self._buffer = self._buffer[len(pair[0]) :]
                 self._open_block(pair)
             opener, closer = self._open
-            # Looked for only in what came since the last look (a long call's buffer is long).
-            end = -1 if closer is None else self._buffer.find(closer, max(0, self._closer_searched - len(closer) + 1))
+            end = -1 if closer is None else self._closer_at(closer)
             if end < 0:
                 self._closer_searched = len(self._buffer)
                 shown = self._buffer[: len(self._buffer) - (0 if closer is None else marker_prefix_len(self._buffer, closer))]
                 return parts + self._stream.pieces(self.calls_in(opener, shown, False))
             block, self._buffer = self._buffer[:end], self._buffer[end + len(closer) :]
             parts += self._close(opener, block, closer)
+
+    def _closer_at(self, closer: str) -> int:
+        """Where the open block's closer is in the buffer, or -1."""
+        # Looked for only in what came since the last look (a long call's buffer is long).
+        at = self._buffer.find(closer, max(0, self._closer_searched - len(closer) + 1))
+        while self.json_body and at >= 0 and self._quotes.inside(self._buffer, at):
+            at = self._buffer.find(closer, at + 1)
+        return at
 
     def finish(self) -> list[Part]:
         if self._open is not None:  # a block the answer did not close
@@ -195,6 +206,7 @@ class BlockReader(ABC):
 
 class HermesReader(BlockReader):
     blocks = ((HERMES_OPEN, HERMES_CLOSE),)
+    json_body = True
 
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         calls, stop = json_calls(body, object_end=None if closed else self.ends.end)  # a closed block is read afresh

@@ -65,6 +65,31 @@ class ObjectEnds:
         return scan.read(text)
 
 
+class JsonQuotes:
+    """Whether positions of a JSON text that only grows are inside its strings, asked left to
+    right (each character read once, but for a string still open when asked)."""
+
+    __slots__ = ("position", "in_string")
+
+    def __init__(self) -> None:
+        self.position = 0  # read up to here; in_string: just inside a string's opening quote
+        self.in_string = False
+
+    def inside(self, text: str, at: int) -> bool:
+        """Whether ``text[at]`` is inside a string (``at`` no earlier than any asked before)."""
+        while True:
+            if self.in_string:
+                end = _JSON_STRING_REST.match(text, self.position).end()
+                if end >= at:
+                    return True  # (read again from the string's start next time: it may close)
+                self.position, self.in_string = end + 1, False  # past its closing quote
+            quote = text.find('"', self.position, at)
+            if quote < 0:
+                self.position = at
+                return False
+            self.position, self.in_string = quote + 1, True
+
+
 class _ObjectScan:
     """How far an object's text was read: where, how deep in brackets, whether in a string."""
 

@@ -461,6 +461,18 @@ def test_pythonic_calls_are_read_as_python_reads_them(piece):
         assert (content, [(c["name"], c["arguments"]) for c in whole]) == (text[3:], [("f", '{"a": "x')]) and streamed == whole
 
 
+def test_a_hermes_closer_inside_the_calls_strings_is_text_of_the_call():
+    """An agent writing code about tool markup: the block ends at the closer after the JSON, not
+    at one inside a string (the call was cut there: arguments no JSON, the rest as content)."""
+    code = 'print("</tool_call>")\nx = "\\"</tool_call>"'
+    call = json.dumps({"name": "write_file", "arguments": {"path": "a.py", "content": code}})
+    text = f"Writing.\n<tool_call>\n{call}\n</tool_call>\nDone."
+    for piece in (1, 3, 7, len(text)):
+        content, streamed, whole, reason = _run(ToolCalling([WRITE_FILE], "auto", parser="hermes"), text, piece)
+        assert content == "Writing.\n" + "\nDone." and streamed == whole and reason == "tool_calls"
+        assert _read(whole) == [("write_file", {"path": "a.py", "content": code})]
+
+
 @pytest.mark.parametrize("piece", [1, 1000])
 def test_a_hermes_block_that_is_no_call_comes_back_as_content(piece):
     text = 'Here: <tool_call>{"city": "Oslo"}</tool_call> and <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
