@@ -19,8 +19,10 @@ mirrored; ``tokenizer_class`` is logged so a mismatch is easy to spot.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,20 @@ logger = logging.getLogger(__name__)
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _EXTRA_SPECIAL_TOKEN_KEYS = ("additional_special_tokens", "extra_special_tokens")
 _FORCE_BPE_CLEANUP_KEY = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback vocabulary's byte token
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character to byte: printable Latin-1 bytes stand for
+    themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {chr(byte): byte for byte in printable}
+    others = (byte for byte in range(256) if byte not in set(printable))
+    chars.update({chr(256 + n): byte for n, byte in enumerate(others)})
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _byte_level_chars()
 
 
 class TokenizerLoadError(Exception):
@@ -108,6 +124,26 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    @functools.cached_property
+    def _decoder_kind(self) -> str:
+        """How the vocabulary writes bytes: "byte_level" (GPT-2, Llama 3, Qwen), "byte_fallback"
+        (SentencePiece's <0xNN> tokens: Llama 2, Mistral), or "" (neither)."""
+        decoder = self._backend.decoder
+        state = decoder.__getstate__().decode() if decoder is not None else ""
+        return "byte_level" if '"ByteLevel"' in state else "byte_fallback" if '"ByteFallback"' in state else ""
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for, where the vocabulary says (a token holding part of a
+        character has no text of its own: its decoding is U+FFFD); None where it does not."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return None
+        if self._decoder_kind == "byte_level" and all(c in _BYTE_LEVEL_CHARS for c in piece):
+            return bytes(_BYTE_LEVEL_CHARS[c] for c in piece)
+        if self._decoder_kind == "byte_fallback" and (byte := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(byte.group(1), 16)])
+        return None
 
     def _token_id(self, content: str | None) -> int | None:
         return None if content is None else self._backend.token_to_id(content)

@@ -92,7 +92,7 @@ class ChoiceState:
         logprobs = None
         if self.num_logprobs is not None and (chunk.logprobs or prompt_entries):
             if self.chat:
-                entries = [_chat_entry(t, e, self._namer(tokenizer)) for t, e in zip(chunk.token_ids, chunk.logprobs)]
+                entries = [_chat_entry(t, e, self._namer(tokenizer), tokenizer) for t, e in zip(chunk.token_ids, chunk.logprobs)]
                 self.chat_logprobs.extend(entries)
                 logprobs = {"content": entries}
             else:
@@ -288,10 +288,18 @@ def _prompt_entry(token_id: int, entry: TokenLogprob, num_top: int, name: Callab
     return out
 
 
-def _chat_entry(token_id: int, entry: TokenLogprob, name: Callable[[int], str]) -> dict[str, Any]:
-    token = name(token_id)
+def _chat_entry(token_id: int, entry: TokenLogprob, name: Callable[[int], str], tokenizer: Tokenizer) -> dict[str, Any]:
     top = []
     for alt_id, alt_logprob in entry.top:
-        alt = name(alt_id)
-        top.append({"token": alt, "logprob": _logprob(alt_logprob), "bytes": list(alt.encode("utf-8"))})
-    return {"token": token, "logprob": _logprob(entry.logprob), "bytes": list(token.encode("utf-8")), "top_logprobs": top}
+        top.append({"token": name(alt_id), "logprob": _logprob(alt_logprob), "bytes": _token_bytes(alt_id, tokenizer)})
+    return {"token": name(token_id), "logprob": _logprob(entry.logprob), "bytes": _token_bytes(token_id, tokenizer), "top_logprobs": top}
+
+
+def _token_bytes(token_id: int, tokenizer: Tokenizer) -> list[int]:
+    """OpenAI's ``bytes`` of a token: its text's UTF-8, or for a token that holds part of a
+    character (its text alone is U+FFFD) the bytes it stands for, which a client joins with
+    its neighbours' into the character."""
+    text = _token_text(token_id, tokenizer)
+    if "\ufffd" in text and (raw := tokenizer.token_bytes(token_id)) is not None:
+        return list(raw)
+    return list(text.encode("utf-8"))

@@ -90,3 +90,19 @@ def test_missing_or_broken_tokenizer_json_is_a_clear_error(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(TokenizerLoadError, match="cannot be loaded"):
         Tokenizer.from_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("build", ["byte_level", "byte_fallback"])
+def test_logprob_bytes_of_a_characters_tokens_join_into_the_character(tmp_path, build):
+    """OpenAI's logprobs ``bytes`` exist so that a client can join the tokens of one character
+    (each alone decodes to U+FFFD); they were the replacement character's own bytes."""
+    from router.openai_api.responses import _token_bytes
+    from tests.router.tokenizer_builders import build_byte_fallback_bpe, train_byte_level_bpe
+
+    backend = train_byte_level_bpe() if build == "byte_level" else build_byte_fallback_bpe()
+    tokenizer = Tokenizer.from_model_dir(save_model_dir(tmp_path, backend, BASE_CONFIG))
+    text = "a😀bü€漢字x"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "some token must hold part of a character"
+    joined = b"".join(bytes(_token_bytes(i, tokenizer)) for i in ids)
+    assert joined == text.encode("utf-8")
