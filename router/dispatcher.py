@@ -412,7 +412,9 @@ class Dispatcher:
             self._blocks_for(len(request.prompt_token_ids) + 1), request.priority, order, since=request.arrival_time, query=query
         )
         try:
-            return await asyncio.wait_for(wait, timeout)
+            # (Not wait_for: on 3.11 a client's cancel that lands as room is granted was dropped,
+            # and the request went on to reserve for nobody.)
+            return await within(wait, timeout)
         except asyncio.TimeoutError:
             raise _capacity_error(request) from None
         except NoDecodeWorkerError:

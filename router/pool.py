@@ -129,7 +129,8 @@ class WorkerPool:
 
 
 async def within(ref, timeout_s: float | None):
-    """The result of a worker call (a Ray ObjectRef); asyncio.TimeoutError after ``timeout_s``.
+    """The result of a worker call (a Ray ObjectRef, or any awaitable); asyncio.TimeoutError
+    after ``timeout_s``.
 
     On Python 3.11+ through ``asyncio.timeout``: 3.11's ``wait_for`` drops a cancellation of the
     caller that arrives as the call ends (it returns the result instead), and a loop of such
