@@ -5,7 +5,9 @@ traffic (``router.traffic``): the arrival rate over ``window_s``, the mean promp
 lengths, and the per-stage queue times. It plans for the rate times ``headroom`` with that
 request mix, then corrects the plan by what it sees: a stage whose 90th-percentile queue time
 exceeds ``queue_fraction`` of the TTFT target while the plan would not grow it gets one more
-worker (the profile underestimates that stage). Decisions have hysteresis: a pool grows as soon
+worker (the profile underestimates that stage), and keeps it while the plan asks for at least
+what it asked when the worker was added (once the queue is gone the plan alone would drain it,
+and the queue grow back). Decisions have hysteresis: a pool grows as soon
 as a tick asks for more; it shrinks only after every tick for ``scale_down_delay_s`` asked for
 less, and then to the largest size those ticks asked for. Shrinking drains (the pool manager
 removes a worker once it holds nothing).
@@ -98,6 +100,9 @@ class Autoscaler:
         # drain_timeout_s) or a scale-up's launches never hold up the next decisions.
         self._applying: set[asyncio.Task] = set()
         self._target: tuple[int, int] | None = None  # the sizes last asked for
+        # Per pool (0: prefill, 1: decode) the queue correction's workers kept: (the plan's size
+        # when they were added, how many).
+        self._corrections: dict[int, tuple[int, int]] = {}
         self._changed_at: float | None = None  # when the pools last finished changing
         self.in_process = False  # True: plan on the caller's thread (tests); else in a worker process
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
@@ -142,7 +147,7 @@ class Autoscaler:
         # until a window has passed since it was done: corrected on them, each tick added one more.
         settled = not self._applying and (self._changed_at is None or self._clock() - self._changed_at >= self.config.window_s)
         if self.in_process:
-            planned, reason = self.target(snapshot, current, settled)
+            planned, base, reason = self.plan(snapshot, current, settled)
         else:
             # Planning runs simulations in pure Python for seconds: in a process of its own, so
             # that the router sharing this event loop (and its GIL) keeps serving meanwhile.
@@ -150,11 +155,13 @@ class Autoscaler:
                 if self._executor is None:
                     self._executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
                 loop = asyncio.get_running_loop()
-                planned, reason = await loop.run_in_executor(self._executor, plan_target, self.planner, self.config, snapshot, current, settled)
+                planned, base, reason = await loop.run_in_executor(
+                    self._executor, planned_sizes, self.planner, self.config, snapshot, current, settled)
             except (OSError, concurrent.futures.process.BrokenProcessPool) as exc:
                 logger.warning("autoscaler: planning process unavailable (%r); planning on a thread", exc)
                 self._executor = None
-                planned, reason = await asyncio.to_thread(self.target, snapshot, current, settled)
+                planned, base, reason = await asyncio.to_thread(planned_sizes, self.planner, self.config, snapshot, current, settled)
+        planned, reason = self._keep_corrections(planned, base, reason)
         applied = self._with_hysteresis(planned, current, settled)
         decision = Decision(self._clock(), snapshot.arrival_rate, planned, applied, reason)
         self.decisions.append(decision)
@@ -182,6 +189,30 @@ class Autoscaler:
     def target(self, snapshot: TrafficSnapshot, current: tuple[int, int], settled: bool = True) -> tuple[tuple[int, int], str]:
         """The sizes this snapshot asks for, and why (no hysteresis)."""
         return plan_target(self.planner, self.config, snapshot, current, settled)
+
+    def plan(self, snapshot: TrafficSnapshot, current: tuple[int, int], settled: bool = True) -> tuple[tuple[int, int], tuple[int, int] | None, str]:
+        """``planned_sizes`` on this thread (``in_process``)."""
+        return planned_sizes(self.planner, self.config, snapshot, current, settled)
+
+    def _keep_corrections(self, planned: tuple[int, int], base: tuple[int, int] | None, reason: str) -> tuple[tuple[int, int], str]:
+        """Workers the queue correction added stay while the plan (``base``: without the
+        correction) asks for at least what it asked when they were added: the plan alone is what
+        left the pool short, and once their queue is gone it would drain them (the queue grew
+        back, and a worker came and went every few minutes). A plan for less load lets them go."""
+        if base is None:
+            return planned, reason  # no plan this tick: nothing to correct
+        sizes = list(planned)
+        for pool in (0, 1):
+            if planned[pool] > base[pool]:  # corrected this tick
+                self._corrections[pool] = (base[pool], planned[pool] - base[pool])
+            elif pool in self._corrections:
+                since, extra = self._corrections[pool]
+                if base[pool] < since:
+                    del self._corrections[pool]  # less load than the pool was short at
+                elif base[pool] + extra > sizes[pool]:
+                    sizes[pool] = base[pool] + extra
+                    reason += f"; {('prefill', 'decode')[pool]} keeps {extra} added for its queue"
+        return _within_cap(sizes[0], sizes[1], self.config), reason
 
     def _with_hysteresis(self, planned: tuple[int, int], current: tuple[int, int], settled: bool = True) -> tuple[int, int] | None:
         now = self._clock()
@@ -213,12 +244,21 @@ def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSna
     """The pool sizes a traffic snapshot asks for, and why (no hysteresis; picklable for a worker
     process). ``settled``: a window has passed since the pools last changed, so their queue
     times are their own (else no worker is added for them)."""
+    sizes, _, reason = planned_sizes(planner, config, snapshot, current, settled)
+    return sizes, reason
+
+
+def planned_sizes(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSnapshot, current: tuple[int, int],
+                  settled: bool = True) -> tuple[tuple[int, int], tuple[int, int] | None, str]:
+    """``plan_target``'s sizes, the plan's own before the queue correction (within the
+    minimums; None: no plan was made, the sizes are the pools'), and why."""
     rate, few = snapshot.arrival_rate, ""
     if snapshot.num_arrivals < config.min_arrivals:
         if snapshot.window_s < config.window_s:  # a router younger than the window: too little seen
-            return current, f"{snapshot.num_arrivals} arrivals in the window: too few to plan from"
+            return current, None, f"{snapshot.num_arrivals} arrivals in the window: too few to plan from"
         if snapshot.num_arrivals == 0:
-            return (config.min_prefill, config.min_decode), "no traffic"
+            idle = (config.min_prefill, config.min_decode)
+            return idle, idle, "no traffic"
         # Fewer than min_arrivals in a whole window: the rate is at most min_arrivals over it.
         # Keeping the sizes instead held pools sized for a peak through a night of light traffic.
         rate, few = config.min_arrivals / snapshot.window_s, f" (at most: {snapshot.num_arrivals} arrivals in the window)"
@@ -233,9 +273,11 @@ def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSna
     if plan.feasible:
         prefill, decode = plan.num_prefill, plan.num_decode
         reason = f"plan for {rate * config.headroom:.2f} req/s{few}"
+        base = max(config.min_prefill, prefill), max(config.min_decode, decode)
     else:
         prefill, decode = current
         reason = f"no shape within {config.max_workers} workers meets the SLO"
+        base = None
     budget = config.slo_ttft_ms * config.queue_fraction
     settled = settled and not few  # queue times of a handful of requests are noise too
     if settled and snapshot.prefill_queue_ms_p90 > budget and prefill <= current[0] and current[0] > 0:
@@ -246,16 +288,21 @@ def plan_target(planner: Planner, config: AutoscalerConfig, snapshot: TrafficSna
         reason += f"; decode queue p90 {max(snapshot.router_queue_ms_p90, snapshot.decode_queue_ms_p90):.0f} ms"
     prefill = max(config.min_prefill, prefill)
     decode = max(config.min_decode, decode)
-    while prefill + decode > config.max_workers:  # the queue correction may overshoot the cap
-        # Never below a minimum (the decode minimum was taken from: (4, 4) with min_decode 5 and
-        # 8 workers at most came out (4, 4)); validate keeps the minimums within the cap.
+    return _within_cap(prefill, decode, config), base, reason
+
+
+def _within_cap(prefill: int, decode: int, config: AutoscalerConfig) -> tuple[int, int]:
+    """The sizes within ``max_workers`` (the queue correction may overshoot it), never below a
+    minimum (the decode minimum was taken from: (4, 4) with min_decode 5 and 8 workers at most
+    came out (4, 4)); validate keeps the minimums within the cap."""
+    while prefill + decode > config.max_workers:
         if prefill > config.min_prefill and (prefill >= decode or decode <= config.min_decode):
             prefill -= 1
         elif decode > config.min_decode:
             decode -= 1
         else:
             break
-    return (prefill, decode), reason
+    return prefill, decode
 
 
 def observed_sizes(pools) -> tuple[int, int]:

@@ -916,7 +916,7 @@ def test_while_a_change_applies_the_pools_are_taken_at_the_size_asked_for(tmp_pa
     scaler = Autoscaler.from_config(config, lambda window_s: traffic, lambda: ready[0], apply, clock=lambda: now[0])
     scaler.in_process = True
     plans = [(1, 4), (1, 3), (1, 3)]
-    scaler.target = lambda snapshot, current, settled: (plans.pop(0), "test")
+    scaler.plan = lambda snapshot, current, settled: (plans[0], plans.pop(0), "test")
 
     async def scenario():
         await scaler.tick()  # grow to 4 decode workers: the launch takes a while
@@ -989,3 +989,52 @@ def test_a_pool_is_not_shrunk_while_a_change_still_lands():
     assert scaler._with_hysteresis((1, 1), (1, 2), settled=True) is None
     now[0] += 1.0
     assert scaler._with_hysteresis((1, 1), (1, 2), settled=True) == (1, 1)
+
+
+def test_a_worker_the_queue_correction_added_stays_while_the_load_does(tmp_path):
+    """The plan alone left the decode pool short (its queue long), so the correction added a
+    worker; with the queue gone the plan alone asked for one fewer and drained it, the queue
+    grew back, and a worker came and went every scale_down_delay_s. It stays now, until the
+    load falls below the one it was added at."""
+    profile = make_profile()
+    config = AutoscalerConfig(profile.save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0, interval_s=30.0,
+                              window_s=120.0, headroom=1.0, max_workers=12, scale_down_delay_s=60.0)
+    now, rate, queued = [0.0], [4.0], [0.0]
+
+    def observe(window_s):
+        return TrafficSnapshot(window_s, int(rate[0] * window_s), int(rate[0] * window_s), rate[0], 256.0, 64.0, queued[0], 0.0, 0.0)
+
+    sizes = [(0, 0)]
+
+    async def apply(num_prefill, num_decode):
+        sizes[0] = (num_prefill, num_decode)
+
+    scaler = Autoscaler.from_config(config, observe, lambda: sizes[0], apply, clock=lambda: now[0])
+    scaler.planner.min_requests, scaler.planner.max_requests = 800, 1500
+    scaler.in_process = True
+    busy_plan = scaler.target(observe(120.0), (0, 0))[0]
+    rate[0] = 1.0
+    quiet_plan = scaler.target(observe(120.0), (0, 0))[0]
+    assert quiet_plan[1] < busy_plan[1]
+    rate[0] = 4.0
+    sizes[0] = busy_plan
+
+    async def minutes(count: int) -> list[int]:
+        seen = []
+        for _ in range(count):  # a tick a minute
+            now[0] += 60.0
+            await scaler.tick()
+            await scaler.settle()
+            seen.append(sizes[0][1])
+        return seen
+
+    async def scenario():
+        queued[0] = 900.0  # the router queue's p90 (waiting for decode room) beyond half the TTFT target
+        await minutes(1)
+        assert sizes[0][1] == busy_plan[1] + 1
+        queued[0] = 0.0  # the worker it added served the queue away
+        assert set(await minutes(6)) == {busy_plan[1] + 1}  # kept, at the same load
+        rate[0] = 1.0
+        assert (await minutes(4))[-1] == quiet_plan[1]  # a lasting drop: drained to the plan
+
+    asyncio.run(scenario())
