@@ -191,7 +191,7 @@ class _Request:
 
 
 class _PrefillWorker:
-    __slots__ = ("index", "queue", "busy", "queued_tokens", "routable", "step_chunks", "stage_ready", "step_stage", "stage_turn")
+    __slots__ = ("index", "queue", "busy", "queued_tokens", "routable", "starting", "step_chunks", "stage_ready", "step_stage", "stage_turn")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -199,6 +199,7 @@ class _PrefillWorker:
         self.busy = False
         self.queued_tokens = 0
         self.routable = True
+        self.starting = False  # added by a pool change, still loading
         self.step_chunks: list[tuple[_Request, int]] = []
         self.stage_ready: deque[tuple[_Pipeline, int]] = deque()  # (pipeline, stage) whose next chunk's input is here
         self.step_stage: tuple[_Pipeline, int] | None = None  # the stage chunk the running step computes
@@ -247,7 +248,7 @@ class PipelineSettings:
 class _DecodeWorker:
     __slots__ = (
         "index", "running", "num_running", "kv_tokens", "steps_done", "prefilling", "joining", "free_blocks", "num_assigned",
-        "assigned_tokens", "routable", "block_keys", "fuller_than", "fuller_than_at",
+        "assigned_tokens", "routable", "starting", "block_keys", "fuller_than", "fuller_than_at",
         "busy", "version", "epoch_start", "epoch_steps", "epoch_first_step_s", "epoch_growth_s", "epoch_chunks", "stage_ready", "epoch_stage",
     )
 
@@ -271,6 +272,7 @@ class _DecodeWorker:
         self.num_assigned = 0
         self.assigned_tokens = 0  # prompt tokens of the assigned requests
         self.routable = True
+        self.starting = False  # added by a pool change, still loading
         self.busy = False
         self.version = 0  # invalidates a scheduled boundary that an arrival moved earlier
         self.epoch_start = 0.0
@@ -1088,12 +1090,17 @@ class Simulation:
 
     def _resize(self, workers: list, size: int, role: str) -> None:
         routable = [w for w in workers if w.routable]
-        for worker in routable[size:]:
+        # Workers still loading count: a change that landed as they were about to come up added
+        # as many again (a day's hour that grew one pool and shrank the other).
+        starting = [w for w in workers if w.starting]
+        while starting and len(routable) + len(starting) > size:
+            starting.pop().starting = False  # it never comes up: it holds nothing yet
+        for worker in routable[max(0, size - len(starting)):]:
             worker.routable = False  # drains: finishes what it holds, takes nothing new
-        for _ in range(size - len(routable)):
+        for _ in range(size - len(routable) - len(starting)):
             index = len(workers)
             worker = _PrefillWorker(index) if role == "prefill" else _DecodeWorker(index, self.decode_blocks, self.block_size)
-            worker.routable = False
+            worker.routable, worker.starting = False, True
             workers.append(worker)
             self._push(self.now + self.worker_startup_s, _WORKER_UP, worker)
         if role == "prefill":  # the result reports the largest size each pool reached
@@ -1102,7 +1109,9 @@ class Simulation:
             self.num_decode = max(self.num_decode, size)
 
     def _worker_up(self, worker) -> None:
-        worker.routable = True
+        if not worker.starting:
+            return  # a later change took it back while it loaded
+        worker.routable, worker.starting = True, False
         if isinstance(worker, _PrefillWorker):
             self._set_queued(worker, worker.queued_tokens)
         else:

@@ -399,6 +399,24 @@ def test_pool_changes_add_workers_after_startup_and_drain_removed_ones():
     assert len(simulation.decodes) == 3
 
 
+def test_workers_still_loading_count_in_a_pool_change_that_lands_as_they_come_up():
+    """A day's hour that grows decode while it shrinks prefill: the growth lands startup_s
+    before the hour, the shrink at the hour, as the new worker comes up. It took the worker
+    still loading for one missing and added another: 3 decode workers where the plan said 2."""
+    profile = make_profile()
+    workload = WorkloadModel(rate=2.0, duration_s=120.0, input_len=256, output_len=32)
+    changes = [PoolChange(30.0, 2, 2), PoolChange(60.0, 1, 2), PoolChange(90.0, 1, 1)]
+    simulation = Simulation(profile, 2, 1, window_s=30.0, worker_startup_s=30.0)
+    result = simulation.run(workload.requests(), changes)
+    assert [(w.num_prefill, w.num_decode) for w in result.windows][:4] == [(2, 1), (2, 1), (1, 2), (1, 1)]
+    assert len(simulation.decodes) == 2 and result.num_decode == 2
+    # A change that shrinks a pool while its new worker loads takes that one back: it never serves.
+    quick = Simulation(profile, 1, 1, worker_startup_s=30.0)
+    quick.run(WorkloadModel(rate=2.0, duration_s=60.0, input_len=256, output_len=32).requests(),
+              [PoolChange(10.0, 1, 2), PoolChange(20.0, 1, 1)])
+    assert quick.pool_sizes == (1, 1) and not quick.decodes[1].routable
+
+
 # -- pipelined prefill --------------------------------------------------------------------
 
 LAYERS = 30
