@@ -195,6 +195,8 @@ class TPGroup:
 
     def _failed_alike(self) -> bool:
         """Count this rank's failure of the current step; True once every rank's is counted."""
+        if self._store is None:
+            return False  # nowhere to agree (a group built without join's store): out of step
         key = STEP_FAILED_KEY.format(step=self._num_broadcasts)
         deadline = time.monotonic() + STEP_AGREEMENT_TIMEOUT_S
         try:
