@@ -168,7 +168,7 @@ class LogHistogram:
 
 class _Request:
     __slots__ = ("arrival", "prompt_len", "output_len", "blocks", "decode", "prefill", "computed", "first_token", "finish_step", "order", "finished",
-                 "pipeline", "prefill_len", "recompute", "held", "block_key", "overrun")
+                 "pipeline", "prefill_len", "recompute", "preempted", "held", "block_key", "overrun")
 
     def __init__(self, arrival: float, prompt_len: int, output_len: int, blocks: int, order: int):
         self.arrival = arrival
@@ -180,7 +180,8 @@ class _Request:
         self.prefill: _PrefillWorker | None = None
         self.computed = 0  # tokens of prefill_len computed so far
         self.prefill_len = prompt_len  # what a prefill computes: the prompt, or after a preemption everything so far
-        self.recompute = False  # preempted: its prefill is a recomputation (its first token is long out)
+        self.recompute = False  # preempted while decoding: its prefill is a recomputation (its first token is out)
+        self.preempted = False  # ever preempted (the decode actor lets it wait no longer: _reservable)
         self.held = 0  # decode blocks it holds before it decodes: its reservation, or its prefill's so far
         self.block_key = 0  # (length - 1 - the worker's step count) mod block size, while it runs
         self.overrun = 0  # blocks its growth took beyond the cache (a lone sequence longer than the cache)
@@ -849,43 +850,64 @@ class Simulation:
         them (``DecodeScheduler.num_reservable_blocks``)."""
         if not worker.num_running and not worker.prefilling:
             return worker.free_blocks
-        overdue = [r for r in worker.prefilling if not r.held and (r.recompute or self.now - r.arrival >= _WAITING_PATIENCE_S)]
-        if overdue and worker.num_running + len(worker.prefilling) - len(overdue) >= self.max_num_seqs:
+        overdue = [r for r in worker.prefilling if self._overdue(r)]
+        if overdue and worker.num_running + self._num_started(worker) >= self.max_num_seqs:
             return 0
-        taken = 0  # by the steps of the run done so far
-        if worker.busy and not worker.epoch_chunks and worker.epoch_stage is None:
-            taken = self._growth_blocks(worker, self._step_running(worker))
+        taken = 0  # by the steps of the run done so far and the one computing now (it has its blocks)
+        if worker.busy:
+            taken = self._growth_blocks(worker, self._step_running(worker) + 1)
         waiting = sum(self._blocks(r.prefill_len + 1) for r in overdue)
         return max(0, worker.free_blocks - taken - self.watermark_blocks - waiting)
+
+    def _overdue(self, request: _Request) -> bool:
+        """Whether a sequence waiting here (not started) holds reservations back: a preempted one,
+        or a local prompt past its patience (``DecodeScheduler.num_reservable_blocks``)."""
+        return not request.held and (request.preempted or self.now - request.arrival >= _WAITING_PATIENCE_S)
+
+    @staticmethod
+    def _num_started(worker: _DecodeWorker) -> int:
+        """Prompts the worker is part-way through (in the engine's running batch, beside the decode rows)."""
+        return sum(1 for r in worker.prefilling if r.held)
 
     def _make_room_for_the_next_step(self, worker: _DecodeWorker) -> None:
         """Preempt until the decode rows' blocks for the next step are free, as
         ``engine.scheduler`` does: by recompute, the last to arrive of the sequences it computes
-        first (a lone decoding sequence longer than the cache goes on: it takes what there is)."""
+        first (a lone decoding sequence the cache cannot hold goes on: it takes what there is)."""
         while worker.num_running > worker.free_blocks and self._growth_blocks(worker, 1) > worker.free_blocks:
             decoding = max((entry[2] for entry in worker.running), key=_arrival_order)
             started = [r for r in worker.prefilling if r.held]
             prefilling = max(started, key=_arrival_order) if started else None
             if prefilling is not None and prefilling.order > decoding.order:
-                worker.free_blocks += prefilling.held
-                prefilling.held = prefilling.computed = 0
-            elif worker.num_running > 1:
+                self._preempt_prefill(worker, prefilling)
+            elif worker.num_running > 1 or self._blocks(self._length(worker, decoding) + 1) <= self.decode_blocks:
                 self._preempt_decoding(worker, decoding)
             else:
                 return
-            self.preemptions += 1
+
+    def _preempt_prefill(self, worker: _DecodeWorker, request: _Request) -> None:
+        """A prompt part-way through gives its blocks up; it starts over when its turn comes."""
+        worker.free_blocks += request.held
+        request.held = request.computed = 0
+        request.preempted = True
+        self.preemptions += 1
+
+    @staticmethod
+    def _length(worker: _DecodeWorker, request: _Request) -> int:
+        """A decoding sequence's tokens so far (the last one sampled, not yet computed)."""
+        return request.prompt_len + request.output_len - (request.finish_step - worker.steps_done)
 
     def _preempt_decoding(self, worker: _DecodeWorker, request: _Request) -> None:
         worker.running = [entry for entry in worker.running if entry[2] is not request]
         heapq.heapify(worker.running)
-        length = request.prompt_len + request.output_len - (request.finish_step - worker.steps_done)
+        length = self._length(worker, request)
         worker.num_running -= 1
         worker.kv_tokens -= length
         self._count_block_key(worker, request, -1)
         worker.free_blocks += self._blocks(length) - request.overrun
         request.overrun = request.held = 0
-        request.prefill_len, request.computed, request.recompute = length, 0, True
+        request.prefill_len, request.computed, request.recompute, request.preempted = length, 0, True, True
         bisect.insort(worker.prefilling, request, key=_arrival_order)
+        self.preemptions += 1
 
     def _decode_boundary(self, worker: _DecodeWorker) -> None:
         now = self.now
@@ -1001,28 +1023,14 @@ class Simulation:
 
     def _start_epoch(self, worker: _DecodeWorker) -> None:
         batch = worker.num_running
-        chunks = []
-        if worker.prefilling:
-            budget = self.decode_budget - batch
-            free = worker.free_blocks - self._growth_blocks(worker, 1)  # the decode rows' blocks come first
-            unpaused = False  # a sequence that held reservations back starts
-            for request in worker.prefilling:
-                if budget <= 0:
-                    break
-                chunk = min(request.prefill_len - request.computed, budget, self.decode_chunk)
-                done = request.computed + chunk
-                blocks = self._blocks(done + 1 if done == request.prefill_len else done) - request.held  # the last: with its next token's
-                if blocks > free:
-                    break  # no prompt behind it goes first
-                unpaused = unpaused or (not request.held and request.recompute)
-                free -= blocks
-                request.held += blocks
-                worker.free_blocks -= blocks
-                chunks.append((request, chunk))
-                budget -= chunk
-            if unpaused and self._router_queue:
-                self._retry_router_queue()
         stage = worker.stage_ready.popleft() if worker.stage_ready else None  # a pipeline's last stage: its next chunk
+        chunks, unpaused = self._prompt_chunks(worker, batch)
+        while not batch and not chunks and stage is None and self._num_started(worker):
+            # Prompts part-way through hold the blocks the next chunk needs, and nothing else
+            # runs: the last to arrive gives its up (engine.scheduler preempts when a step
+            # would schedule nothing).
+            self._preempt_prefill(worker, max((r for r in worker.prefilling if r.held), key=_arrival_order))
+            chunks, unpaused = self._prompt_chunks(worker, batch)
         if not batch and not chunks and stage is None:
             return  # idle until something arrives
         first = self._d_intercept + self._d_row * batch + self._d_kv * worker.kv_tokens
@@ -1051,6 +1059,40 @@ class Simulation:
         self._set_busy(worker, True)
         end = self.now + _run_s(first, growth, steps)
         self._push(end, _DECODE_BOUNDARY, worker, worker.version)
+        if unpaused and self._router_queue:
+            self._retry_router_queue()  # (now that the step has its blocks)
+
+    def _prompt_chunks(self, worker: _DecodeWorker, batch: int) -> tuple[list[tuple[_Request, int]], bool]:
+        """The prompt chunks (local prompts, recomputations) a step with ``batch`` decode rows
+        carries, in arrival order, each with its blocks taken; and whether a sequence that held
+        reservations back started. A prompt not yet started needs a seat (``max_num_seqs``, as
+        the engine's waiting queue); one without room for its chunk holds back those behind it."""
+        chunks: list[tuple[_Request, int]] = []
+        unpaused = False
+        if not worker.prefilling:
+            return chunks, unpaused
+        budget = self.decode_budget - batch
+        seats = self.max_num_seqs - batch - self._num_started(worker)
+        free = worker.free_blocks - self._growth_blocks(worker, 1)  # the decode rows' blocks come first
+        for request in worker.prefilling:
+            if budget <= 0:
+                break
+            if not request.held and seats <= 0:
+                continue
+            chunk = min(request.prefill_len - request.computed, budget, self.decode_chunk)
+            done = request.computed + chunk
+            blocks = self._blocks(done + 1 if done == request.prefill_len else done) - request.held  # the last: with its next token's
+            if blocks > free:
+                break
+            if not request.held:
+                seats -= 1
+                unpaused = unpaused or self._overdue(request)
+            free -= blocks
+            request.held += blocks
+            worker.free_blocks -= blocks
+            chunks.append((request, chunk))
+            budget -= chunk
+        return chunks, unpaused
 
     # -- sharing a machine ---------------------------------------------------------------
 
@@ -1087,6 +1129,10 @@ class Simulation:
     def _change_pools(self, change: PoolChange) -> None:
         self._resize(self.prefills, change.num_prefill, "prefill")
         self._resize(self.decodes, change.num_decode, "decode")
+        if self._contended:  # more or fewer workers beside them: runs timed for the old crowding end at their next step
+            for worker in self.decodes:
+                if worker.busy:
+                    self._wake_decode(worker)
 
     def _resize(self, workers: list, size: int, role: str) -> None:
         routable = [w for w in workers if w.routable]

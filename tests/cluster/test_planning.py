@@ -14,6 +14,7 @@ import math
 import os
 import random
 from dataclasses import asdict
+from dataclasses import replace as dataclasses_replace
 from types import SimpleNamespace
 from unittest import mock
 
@@ -355,6 +356,43 @@ def test_a_cache_the_batch_outgrows_takes_as_many_steps_as_the_engines_scheduler
     result = Simulation(profile, 0, 1).run([(0.0, prompt_len, output_len)] * num_prompts)
     assert result.preemptions > 0
     assert result.duration_s / step_s == pytest.approx(engine_steps, rel=0.08)
+
+
+def test_a_decode_worker_never_stalls_on_prompts_that_hold_its_cache_part_computed():
+    """Prompts part-way through (local ones, or recomputations of preempted sequences) held every
+    block, none could take its next chunk, and with nothing decoding the worker waited forever:
+    the engine preempts when a step would schedule nothing, and so does the simulated worker."""
+    local = make_profile(decode_num_blocks=20, token_budget={"prefill": 128, "decode": 128}, chunk_size={"prefill": 64, "decode": 64},
+                         local_prefill_max_tokens=4096)
+    remote = make_profile(decode_num_blocks=30, token_budget={"prefill": 512, "decode": 64}, chunk_size={"prefill": None, "decode": 16},
+                          local_prefill_max_tokens=0)
+    for profile, trace, num_prefill in ((local, [(0.0, 200, 5)] * 2, 0), (remote, [(0.0, 150, 400)] * 6, 1)):
+        simulation = Simulation(profile, num_prefill, 1)
+        result = simulation.run(trace)
+        assert result.completed == len(trace) and result.preemptions > 0
+        assert simulation.decodes[0].free_blocks == profile.facts.decode_num_blocks
+
+
+def test_max_num_seqs_bounds_the_prompts_a_decode_worker_starts():
+    """As the engine's waiting queue: a prompt starts only with a seat in the batch."""
+    profile = make_profile(local_prefill_max_tokens=4096)
+    durations = {}
+    for seats in (2, 16):
+        result = Simulation(dataclasses_replace(profile, facts=dataclasses_replace(profile.facts, max_num_seqs=seats)), 0, 1).run(
+            [(0.0, 30, 200)] * 24)
+        assert result.completed == 24
+        durations[seats] = result.duration_s
+    assert durations[2] > 1.5 * durations[16]
+
+
+def test_a_lone_sequence_that_fits_the_cache_is_preempted_when_others_hold_it():
+    """A reservation holds the cache a short sequence grows into: the engine preempts the lone
+    sequence (it recomputes once there is room); it ran on past the cache."""
+    profile = make_profile(decode_num_blocks=20, local_prefill_max_tokens=0, bytes_per_block=10**8)  # the reservation's KV lands late
+    simulation = Simulation(profile, 1, 1)
+    result = simulation.run([(0.0, 16, 200), (0.01, 250, 5)])
+    assert result.completed == 2 and result.preemptions > 0
+    assert simulation.decodes[0].free_blocks == 20
 
 
 def test_the_simulated_decode_admission_uses_the_decode_actors_constants():
