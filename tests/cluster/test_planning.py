@@ -1094,3 +1094,43 @@ def test_a_worker_the_queue_correction_added_stays_while_the_load_does(tmp_path)
         assert (await minutes(4))[-1] == quiet_plan[1]  # a lasting drop: drained to the plan
 
     asyncio.run(scenario())
+
+
+def test_random_small_deployments_finish_every_request_return_every_block_and_match_stepping():
+    """Small caches, batches and budgets in random mixes (local and remote prompts, pipelines,
+    pool changes, contention, each routing policy): every request ends, every block comes back,
+    and runs of decode steps equal simulating every step."""
+    from router.pool import RoutingPolicy
+
+    rng = random.Random(7)
+    for case in range(300):
+        block_size, budget = rng.choice([4, 8, 16]), rng.choice([32, 64, 128, 512])
+        num_blocks, chunk = rng.choice([8, 12, 20, 30, 50, 80]), rng.choice([None, 16, 32, 64])
+        num_prefill, num_decode = rng.choice([0, 1, 2, 3]), rng.choice([1, 2, 3])
+        contended = rng.random() < 0.3
+        profile = make_profile(decode_num_blocks=num_blocks, block_size=block_size, token_budget={"prefill": budget, "decode": budget},
+                               chunk_size={"prefill": chunk, "decode": chunk}, local_prefill_max_tokens=rng.choice([0, 8, 32, 64]),
+                               max_num_seqs=rng.choice([2, 4, 64]), num_layers=8, activation_bytes_per_token=1000)
+        if contended:
+            profile.step = dataclasses_replace(profile.step, contention={"prefill": {"prefill": 0.3, "decode": 0.1}, "decode": {"prefill": 0.5, "decode": 0.2}})
+        options = dict(colocated=contended, worker_startup_s=0.2, routing_policy=rng.choice(list(RoutingPolicy)),
+                       pipeline=PipelineSettings(PipelineMode.AUTO, 3, 16, 16) if num_prefill >= 2 and rng.random() < 0.3 else None)
+        changes = [PoolChange(rng.uniform(0, 1), rng.choice([0, 1, 2]) if num_prefill else 0, rng.choice([1, 2, 3]))] if rng.random() < 0.3 else []
+        now, trace = 0.0, []
+        rate, longest, outputs = rng.choice([5, 50, 500]), min(num_blocks * block_size - 1, 200), rng.choice([5, 40, 150])
+        for _ in range(rng.choice([5, 20, 40])):
+            now += rng.expovariate(rate)
+            trace.append((now, rng.randint(1, longest), rng.randint(1, outputs)))
+        results = []
+        for stepping in (None, 1):
+            simulation = Simulation(profile, num_prefill, num_decode, max_queued_requests=10**6, **options)
+            simulation.max_steps_per_run = stepping
+            result = simulation.run(trace, changes)
+            assert result.completed + result.rejected == result.num_requests, case
+            assert all(w.free_blocks == num_blocks for w in simulation.decodes), case
+            results.append(result)
+        fast, slow = results
+        assert (fast.preemptions, fast.output_tokens, fast.completed) == (slow.preemptions, slow.output_tokens, slow.completed), case
+        for name in ("ttft", "tpot", "e2e"):
+            a, b = getattr(fast, name).mean, getattr(slow, name).mean
+            assert (a is None and b is None) or a == pytest.approx(b, rel=1e-6), (case, name)
