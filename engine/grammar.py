@@ -106,15 +106,23 @@ class Grammars:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return self._mask_thread.submit(self._masks, rows)
 
-    def allows_any(self, grammar: SequenceGrammar, thinking: ThinkingState | None, token_ids: list[int]) -> bool:
-        """Whether ``grammar`` lets any of ``token_ids`` be its sequence's next token (inside a
-        reasoning model's thinking every token is free). Computed on the caller's thread, so
-        call it when no mask is being computed for that sequence."""
+    def allows_any(self, grammar: SequenceGrammar, thinking: ThinkingState | None, token_ids: list[int] | None,
+                   excluded: list[int] = ()) -> bool:
+        """Whether ``grammar`` lets any of ``token_ids`` (None: of the vocabulary) but
+        ``excluded`` be its sequence's next token (inside a reasoning model's thinking every
+        token is free). Computed on the caller's thread, so call it when no mask is being
+        computed for that sequence."""
         bitmask, constrained = self._masks([(grammar, thinking, [])])
         if not constrained:
             return True
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        return bool(((bitmask[0][ids // 32] >> (ids % 32)) & 1).any())
+        allowed = ((bitmask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[: self.vocab_size].bool()
+        if token_ids is not None:
+            chosen = torch.zeros_like(allowed)
+            chosen[torch.tensor(token_ids, dtype=torch.long)] = True
+            allowed &= chosen
+        if excluded:
+            allowed[torch.tensor(excluded, dtype=torch.long)] = False
+        return bool(allowed.any())
 
     def _masks(self, rows: list[tuple[SequenceGrammar | None, ThinkingState | None, list[int]]]) -> tuple[torch.Tensor, list[int]]:
         bitmask = torch.zeros(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)

@@ -39,7 +39,7 @@ from engine.model_runner import ModelRunner
 from engine.parallel.group import SINGLE, RankFailedError, TPGroup, listen
 from engine.parallel.launch import RankLauncher, SubprocessRanks
 from engine.parallel.shard import TPShard
-from engine.sampler import LogprobTensors, Sampler
+from engine.sampler import LogprobTensors, Sampler, banned_tokens
 from engine.sampling_params import SamplingParams
 from engine.overlap import InFlightStep
 from engine.scheduler import DrainFirst, ScheduledBatch, ScheduledSlice, Scheduler
@@ -51,6 +51,8 @@ from engine.step_profile import StepShape, shape_of
 logger = logging.getLogger(__name__)
 
 NO_ALLOWED_TOKEN = "holds no token that the requested structured output allows next"
+NO_UNBANNED_TOKEN = "ban every token that the requested structured output allows next"
+_NOTHING_LEFT = {"allowed_token_ids": NO_ALLOWED_TOKEN, "bad_words": NO_UNBANNED_TOKEN}
 SCORED_LOGITS_BYTES = 256 * 1024 * 1024  # a step's prompt-scoring logits and their log-softmax, at most
 
 
@@ -267,11 +269,7 @@ class LLMEngine:
         thinking = params.thinking.state() if params.thinking is not None else None
         answer = [token_id for token_id in produced if thinking is None or thinking.accept(token_id)]
         grammar = self.grammars.for_sequence(params.structured, answer) if params.structured is not None else None
-        if grammar is not None and params.allowed_token_ids is not None and not self.grammars.allows_any(grammar, thinking, params.allowed_token_ids):
-            # Refused before anything is computed, on every path a prompt takes (a pipeline
-            # stage's too); later tokens are checked before each step (``_run_now``).
-            raise InvalidRequestError("allowed_token_ids", NO_ALLOWED_TOKEN)
-        return Sequence(
+        seq = Sequence(
             req_id=req_id,
             token_ids=list(prompt_token_ids),
             num_prompt_tokens=len(prompt_token_ids),
@@ -283,6 +281,11 @@ class LLMEngine:
             hash_salt=adapter_hash_salt(digest) + cache_hash_salt(params.cache_salt),
             adapter_slot=-1 if digest is None else self.adapters.slots[digest],
         )
+        if grammar is not None and (field := self._field_leaving_nothing(seq)) is not None:
+            # Refused before anything is computed, on every path a prompt takes (a pipeline
+            # stage's too); later tokens are checked before each step (``_run_now``).
+            raise InvalidRequestError(field, _NOTHING_LEFT[field])
+        return seq
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, priority: int = 0) -> Sequence:
         seq = self.make_sequence(req_id, prompt_token_ids, params or SamplingParams(), priority)
@@ -464,16 +467,29 @@ class LLMEngine:
         client's error naming the field (checked before the forward, on the rare sequence with
         both: the rest of the batch runs once, as it would without it)."""
         refused = [
-            piece.seq for piece in batch.slices
-            if piece.num_sampled_rows and piece.seq.grammar is not None and piece.seq.params.allowed_token_ids is not None
-            and not self.grammars.allows_any(piece.seq.grammar, piece.seq.thinking, piece.seq.params.allowed_token_ids)
+            (piece.seq, field) for piece in batch.slices
+            if piece.num_sampled_rows and piece.seq.grammar is not None
+            and (field := self._field_leaving_nothing(piece.seq)) is not None
         ]
         if not refused:
             return self._run_checked(batch)
-        outputs = [self._fail(seq, InvalidRequestError("allowed_token_ids", NO_ALLOWED_TOKEN)) for seq in refused]
-        gone = {seq.req_id for seq in refused}
+        outputs = [self._fail(seq, InvalidRequestError(field, _NOTHING_LEFT[field])) for seq, field in refused]
+        gone = {seq.req_id for seq, _ in refused}
         kept = ScheduledBatch([piece for piece in batch.slices if piece.seq.req_id not in gone], batch.preempted_req_ids)
         return outputs + (self._run_checked(kept) if kept.slices else [])
+
+    def _field_leaving_nothing(self, seq: Sequence) -> str | None:
+        """The field (allowed_token_ids, bad_words) whose values leave the grammar of ``seq`` no
+        next token to draw, or None. (Drawn anyway, the row is all -inf: a token the grammar
+        forbids, reported as a normal end.)"""
+        allowed, banned = seq.params.allowed_token_ids, banned_tokens(seq)
+        if allowed is None and not banned:
+            return None
+        if allowed is not None and not self.grammars.allows_any(seq.grammar, seq.thinking, allowed):
+            return "allowed_token_ids"
+        if banned and not self.grammars.allows_any(seq.grammar, seq.thinking, allowed, banned):
+            return "bad_words"
+        return None
 
     def _run_checked(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Forward, sample and advance one scheduled batch.

@@ -610,16 +610,7 @@ def _apply_logit_adjustments(logits: torch.Tensor, seqs: list[Sequence]) -> torc
         keep[_pair_index([(j, token) for j, i in enumerate(allowed) for token in seqs[i].params.allowed_token_ids], device)] = True
         index = to_device(allowed, torch.long, device)
         logits[index] = logits[index].masked_fill(~keep, float("-inf"))
-    banned = []  # (row, token): a bad word's last token where the output already ends with the rest
-    for i in rows:
-        words = seqs[i].params.bad_words_token_ids
-        if not words:
-            continue
-        output = _output_ids(seqs[i])
-        for word in words:
-            prefix = word[:-1]
-            if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :] == prefix):
-                banned.append((i, word[-1]))
+    banned = [(i, token) for i in rows for token in banned_tokens(seqs[i])]
     if banned:
         logits[_pair_index(banned, device)] = float("-inf")
     biased = [((i, token), value) for i in rows for token, value in (seqs[i].params.logit_bias or {}).items()]
@@ -631,6 +622,21 @@ def _apply_logit_adjustments(logits: torch.Tensor, seqs: list[Sequence]) -> torc
 def _pair_index(pairs: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) pairs as the index of one scatter over [rows, vocab]."""
     return to_device([row for row, _ in pairs], torch.long, device), to_device([token for _, token in pairs], torch.long, device)
+
+
+def banned_tokens(seq) -> list[int]:
+    """The tokens bad_words forbid as the sequence's next: each word's last token where the
+    output already ends with the rest of it."""
+    words = seq.params.bad_words_token_ids
+    if not words:
+        return []
+    output = _output_ids(seq)
+    banned = []
+    for word in words:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and (not prefix or output[len(output) - len(prefix) :] == prefix):
+            banned.append(word[-1])
+    return banned
 
 
 def _output_ids(seq: Sequence) -> list[int]:

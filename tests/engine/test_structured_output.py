@@ -248,6 +248,35 @@ def test_allowed_token_ids_that_leave_the_grammar_nothing_end_that_request_namin
     assert engine.num_free_blocks == engine.kv_cache.num_blocks
 
 
+@pytest.mark.parametrize("fields", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 4}])
+def test_bad_words_that_ban_every_token_the_grammar_allows_end_that_request_naming_the_field(engine, e2e_model, fields):
+    """x=[0-9] with "x" a bad word: no honest first token, refused as it is added. With "x ="
+    a bad word (the tokens pinned by allowed_token_ids), "=" has no honest draw after "x". Each
+    was drawn from a row of -inf (a token the grammar forbids, reported as an ordinary end); it
+    is the client's error naming bad_words, and a bad word the grammar can go around is none."""
+    tokenizer = tokenizers.Tokenizer.from_file(str(e2e_model.path / "tokenizer.json"))
+    x, y, equals = (tokenizer.token_to_id(c) for c in "xy=")
+    digits = [tokenizer.token_to_id(str(d)) for d in range(10)]
+    prompt, other = random_prompts([6, 7], e2e_model.vocab_size, seed=2)
+    grammar = StructuredOutput("regex", r"x=[0-9]")
+    with pytest.raises(InvalidRequestError, match="bad_words.*structured output"):
+        engine.add_request("refused", prompt, SamplingParams(max_tokens=8, bad_words_token_ids=[[x]], structured=grammar, **fields))
+    engine.add_request("banned", prompt, SamplingParams(max_tokens=8, bad_words_token_ids=[[x, equals]], allowed_token_ids=[x, equals, *digits],
+                                                        structured=grammar, **fields))
+    around = StructuredOutput("regex", r"(x|y)=[0-9]")
+    engine.add_request("around", other, SamplingParams(max_tokens=8, bad_words_token_ids=[[x]], allowed_token_ids=[x, y, equals, *digits],
+                                                       structured=around, **fields))
+    ends, tokens = {}, {"banned": [], "around": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.req_id] += out.new_token_ids
+            if out.finished:
+                ends[out.req_id] = out
+    assert (ends["banned"].finish_reason, ends["banned"].error_field, tokens["banned"]) == ("error", "bad_words", [x])
+    assert ends["around"].finish_reason != "error" and tokens["around"][:2] == [y, equals]
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks
+
+
 def test_logit_adjustments_and_penalties_are_vllms_formulas(e2e_model, engine, reference):
     (prompt,) = random_prompts([10], e2e_model.vocab_size, seed=12)
     plain = reference(None, prompt, 12)
