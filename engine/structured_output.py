@@ -104,7 +104,12 @@ def check_grammar(structured: StructuredOutput) -> None:
         raise InvalidRequestError(structured.field, f"cannot be compiled: {error.strip()}")
 
 
+# Escaped, "<" and ">" are word boundaries in Rust's regex syntax (which llguidance refuses): they
+# stand for themselves as they are.
+_ESCAPED = set(string.punctuation) - {"<", ">"}
+
+
 def _escape_literal(text: str) -> str:
     """``text`` as a regex matching exactly it (Rust regex syntax: ASCII punctuation escaped,
     control characters by code)."""
-    return "".join("\\" + ch if ch in string.punctuation else f"\\x{{{ord(ch):x}}}" if ord(ch) < 32 or ord(ch) == 127 else ch for ch in text)
+    return "".join("\\" + ch if ch in _ESCAPED else f"\\x{{{ord(ch):x}}}" if ord(ch) < 32 or ord(ch) == 127 else ch for ch in text)

@@ -5,6 +5,7 @@ own), and speculation, a resumed stream and the logit adjustments keep both true
 from __future__ import annotations
 
 import json
+import string
 import re
 
 import jsonschema
@@ -49,12 +50,15 @@ def _generate(engine, prompt, **fields):
     return completion
 
 
+PUNCTUATED = ["<yes>", "a < b >= c", "".join(sorted(string.punctuation))]
 CASES = [
     (StructuredOutput("json_schema", json.dumps(SCHEMA)), lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
     (StructuredOutput("json_object"), lambda text: isinstance(json.loads(text), dict)),
     (StructuredOutput("regex", r"[a-c]{2,4}-[0-9]{3}"), lambda text: re.fullmatch(r"[a-c]{2,4}-[0-9]{3}", text) is not None),
     (StructuredOutput("choice", json.dumps(["red pill", "blue pill", "café (au lait)"])), lambda text: text in {"red pill", "blue pill", "café (au lait)"}),
     (StructuredOutput("grammar", 'root ::= "x=" [0-9]+ ";"'), lambda text: re.fullmatch(r"x=[0-9]+;", text) is not None),
+    # Every ASCII punctuation character stands for itself ("<" and ">" escaped were word boundaries: refused).
+    (StructuredOutput("choice", json.dumps(PUNCTUATED)), lambda text: text in PUNCTUATED),
 ]
 
 
