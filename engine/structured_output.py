@@ -74,7 +74,8 @@ class StructuredOutput:
 
         try:
             if self.kind == "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(self.value, defaults=_JSON_OPTIONS)
+                schema = closed_objects(bounded_json.loads(self.value))
+                return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
             if self.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
             if self.kind == "regex":
@@ -102,6 +103,41 @@ def check_grammar(structured: StructuredOutput) -> None:
     error = llguidance.LLMatcher.validate_grammar(structured.to_llguidance())
     if error:
         raise InvalidRequestError(structured.field, f"cannot be compiled: {error.strip()}")
+
+
+# Keywords whose value is a schema, a list of schemas, or a mapping of names to schemas.
+_SUBSCHEMA = {"additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames", "unevaluatedItems",
+              "unevaluatedProperties", "additionalItems"}
+_SUBSCHEMA_LISTS = {"anyOf", "oneOf", "prefixItems"}
+_SUBSCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+
+
+def closed_objects(schema, close: bool = True):
+    """``schema`` with no properties or items it does not name: ``additionalProperties: false`` on
+    each object schema that lists its properties and says nothing of others, ``items: false``
+    after a tuple's ``prefixItems``. What vLLM's default grammar engine (xgrammar's strict mode)
+    and OpenAI's strict schemas give; open, a sampled object ran on in keys the schema never
+    named (to max_tokens, its JSON unfinished). An allOf's parts stay open (closed, each would
+    forbid the others' properties); what they hold is closed."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA:
+            out[key] = closed_objects(value)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [closed_objects(item) for item in value]
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [closed_objects(item, close=False) for item in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_objects(item) for name, item in value.items()}
+        else:
+            out[key] = value
+    if close and isinstance(out.get("properties"), dict) and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    if close and isinstance(out.get("prefixItems"), list) and "items" not in out and "unevaluatedItems" not in out:
+        out["items"] = False
+    return out
 
 
 # Escaped, "<" and ">" are word boundaries in Rust's regex syntax (which llguidance refuses): they

@@ -13,7 +13,6 @@ from engine.errors import InvalidRequestError
 from engine.structured_output import StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.fields import json_object, refuse_unknown, type_name
-from router.openai_api.tool_arguments import json_or
 
 
 def logit_bias(body: dict) -> dict[int, float]:
@@ -35,8 +34,9 @@ def logit_bias(body: dict) -> dict[int, float]:
 
 # vLLM's structured_outputs keys, and the older top-level guided_* fields, to our kinds.
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
-# vLLM's options beside them: the first two change nothing here (one backend, no fallback to
-# another; JSON never has free whitespace), the third is applied.
+# vLLM's options beside them change nothing here: one backend, no fallback to another; JSON
+# never has free whitespace; objects never take properties their schema does not name
+# (engine.structured_output.closed_objects, as vLLM's default engine).
 _STRUCTURED_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
 _STRUCTURED_UNSUPPORTED = {
     "whitespace_pattern": "is not supported: JSON is written without free whitespace here",
@@ -71,8 +71,6 @@ def structured_output(body: dict) -> StructuredOutput | None:
                 continue
             if key in _STRUCTURED_UNSUPPORTED:
                 raise InvalidArgumentError(f"structured_outputs.{key}", _STRUCTURED_UNSUPPORTED[key])
-            if key == "json" and options.get("disable_additional_properties") is True:
-                value = _closed_objects(json_or(value, value) if isinstance(value, str) else value)  # text that is no JSON: refused below
             found.append(_structured(_STRUCTURED_KEYS[key], value, f"structured_outputs.{key}"))
     for key in ("json", "regex", "choice", "grammar"):
         value = body.get(f"guided_{key}")
@@ -90,14 +88,3 @@ def _structured(kind: str, value: Any, name: str) -> StructuredOutput:
         raise InvalidArgumentError(exc.field, exc.problem) from None
 
 
-def _closed_objects(schema: Any) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema that lists its
-    properties and says nothing of others (vLLM's ``disable_additional_properties``)."""
-    if isinstance(schema, list):
-        return [_closed_objects(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    closed = {key: _closed_objects(value) for key, value in schema.items()}
-    if isinstance(closed.get("properties"), dict) and "additionalProperties" not in closed:
-        closed["additionalProperties"] = False
-    return closed

@@ -51,6 +51,18 @@ def _generate(engine, prompt, **fields):
 
 
 PUNCTUATED = ["<yes>", "a < b >= c", "".join(sorted(string.punctuation))]
+# Says nothing of other properties or items: it takes none (vLLM's default engine, xgrammar in
+# strict mode, and OpenAI's strict schemas); a sampled object ran on in keys of its own.
+SMALL_INT = {"type": "integer", "minimum": 0, "maximum": 99}
+OPEN_SCHEMA = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string", "maxLength": 6}, "pair": {"type": "array", "prefixItems": [SMALL_INT, SMALL_INT]},
+    "inner": {"type": "object", "properties": {"x": SMALL_INT}}}}
+
+
+def _only_named(text: str) -> bool:
+    answer = json.loads(text)
+    jsonschema.validate(answer, OPEN_SCHEMA)
+    return set(answer) <= {"name", "pair", "inner"} and set(answer.get("inner", {})) <= {"x"} and len(answer.get("pair", [])) <= 2
 CASES = [
     (StructuredOutput("json_schema", json.dumps(SCHEMA)), lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
     (StructuredOutput("json_object"), lambda text: isinstance(json.loads(text), dict)),
@@ -59,6 +71,7 @@ CASES = [
     (StructuredOutput("grammar", 'root ::= "x=" [0-9]+ ";"'), lambda text: re.fullmatch(r"x=[0-9]+;", text) is not None),
     # Every ASCII punctuation character stands for itself ("<" and ">" escaped were word boundaries: refused).
     (StructuredOutput("choice", json.dumps(PUNCTUATED)), lambda text: text in PUNCTUATED),
+    (StructuredOutput("json_schema", json.dumps(OPEN_SCHEMA)), _only_named),
 ]
 
 
