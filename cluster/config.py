@@ -22,7 +22,7 @@ from engine.errors import ModelLoadError
 from engine.model_source import resolve_model
 from engine.speculation import SpeculativeConfig
 from kvtransfer.agent import KVTransferConfig
-from router.config import Disaggregation, RouterConfig
+from router.config import MAX_POOL_REPLICAS, Disaggregation, RouterConfig
 from router.openai_api.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 class PoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    replicas: int = Field(1, ge=0, le=256, description="Number of workers in the pool")
+    replicas: int = Field(1, ge=0, le=MAX_POOL_REPLICAS, description="Number of workers in the pool")
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="Ranks (processes, one GPU each on GPUs) a worker's model is split over; they share a node"
     )

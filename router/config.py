@@ -11,6 +11,10 @@ from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
 
 
+# The most workers one pool may have (a config's replicas, the admin API's ScalePool).
+MAX_POOL_REPLICAS = 256
+
+
 class Disaggregation(str, enum.Enum):
     AUTO = "auto"  # conditional: the decode actor prefills short prompts, or when prefill is busy
     ALWAYS = "always"  # every prompt goes through a prefill actor (when there is one)

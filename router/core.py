@@ -22,7 +22,7 @@ from pathlib import Path
 
 from engine.sampling_params import SamplingDefaults
 from engine.stats import WorkerState
-from router.config import RouterConfig
+from router.config import MAX_POOL_REPLICAS, RouterConfig
 from router.dispatcher import WORKER_GONE, Dispatcher
 from router.pool import Role, RoutingPolicy, WorkerPool, WorkerRecord
 from router.lora_adapters import LoraAdapters
@@ -61,7 +61,7 @@ class ModelInfo:
 class Router:
     """Owns the pool, the dispatcher and the readiness of one deployment's router."""
 
-    def __init__(self, model_dir: Path, model_info: ModelInfo, config: RouterConfig | None = None, pool_manager: PoolControl | None = None, max_replicas: int = 64, metrics=None):
+    def __init__(self, model_dir: Path, model_info: ModelInfo, config: RouterConfig | None = None, pool_manager: PoolControl | None = None, max_replicas: int = MAX_POOL_REPLICAS, metrics=None):
         self.config = config or RouterConfig()
         self.config.validate()
         self.model_info = model_info

@@ -9,9 +9,9 @@ prompt through either API; a problem is named by its place in the GenerateReques
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from engine import bounded_json
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_format import ChatFormat
@@ -88,7 +88,7 @@ def _message(message: pb.ChatMessage) -> dict[str, Any]:
 def _json(text: str, name: str) -> Any:
     """A field given as JSON text, parsed (``name``: the chat body's, mapped back by _proto_field)."""
     try:
-        return json.loads(text)
+        return bounded_json.loads(text)  # (nesting thousands deep is refused, not a RecursionError)
     except ValueError as exc:
         raise InvalidArgumentError(name, f"is not JSON: {exc}") from None
 

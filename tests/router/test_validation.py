@@ -263,3 +263,15 @@ def test_errors_name_the_fields_as_each_api_spells_them():
     with pytest.raises(InvalidArgumentError) as info:
         validate(request(prompt_text="x" * 40, sampling=dict(max_tokens=40)))
     assert info.value.field == "sampling.max_tokens"
+
+
+def test_a_grpc_chats_json_nested_thousands_deep_is_refused_naming_its_field():
+    """As the HTTP routes refuse it: it was a RecursionError, answered as INTERNAL."""
+    from router.grpc_chat import read_chat_prompt
+
+    deep = "[" * 5000 + "]" * 5000
+    for fields, name in (({"tools_json": deep}, "chat.tools_json"), ({"chat_template_kwargs_json": '{"a": ' + deep + "}"}, "chat.chat_template_kwargs_json")):
+        prompt = pb.ChatPrompt(messages=[pb.ChatMessage(role="user", content="hi")], **fields)
+        with pytest.raises(InvalidArgumentError) as raised:
+            read_chat_prompt(prompt, None, None, False)
+        assert raised.value.field == name and "nests deeper" in raised.value.problem
