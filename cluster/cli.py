@@ -24,19 +24,23 @@ import threading
 import time
 from pathlib import Path
 
+from cluster.arguments import INT32_MAX, UINT32_MAX, int_in
 from cluster.local_ray import confine_to_loopback
 from engine.default_model_path import DEFAULT_MODEL_PATH
+from router.config import MAX_POOL_REPLICAS
 from router.openai_api.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
 SERVING_TIMEOUT_S = 60.0  # after the controller reported every worker up
 FOREGROUND_STOP_WAIT_S = 90.0  # `down` waits this long for a foreground `up` to stop its deployment
+PROMPT_MAX_TOKENS = 64  # generate's default length for a prompt (a chat's is its context's room)
 
 
 def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int_in(1, UINT32_MAX),
+                        help=f"default: {PROMPT_MAX_TOKENS} for a prompt; with --chat, the room the context leaves (capped by the model's max_new_tokens)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-k", type=int_in(-1, INT32_MAX), default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int)
@@ -68,8 +72,8 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--address", help="Ray cluster to join ('auto' or host:port); omitted: start a local Ray instance")
     up.add_argument("--detach", action="store_true", help="leave the deployment serving and return")
     up.add_argument("--model", help="model directory, or a Hugging Face id in the local cache (default: the built-in model)")
-    up.add_argument("--prefill", type=int, help="prefill actors")
-    up.add_argument("--decode", type=int, help="decode actors")
+    up.add_argument("--prefill", type=int_in(0, MAX_POOL_REPLICAS), help="prefill actors")
+    up.add_argument("--decode", type=int_in(0, MAX_POOL_REPLICAS), help="decode actors")
     up.add_argument("--prefill-tp", type=int, help="tensor-parallel ranks per prefill worker (prefill.tensor_parallel_size)")
     up.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (decode.tensor_parallel_size)")
     up.add_argument("--prefill-pipeline", choices=["auto", "always", "off"], help="one long prompt over several prefill actors (prefill.pipeline)")
@@ -134,8 +138,8 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     status.add_argument("--address", help="router host:port (default: from the state file)")
 
     scale = commands.add_parser("scale", help="resize the pools while serving")
-    scale.add_argument("--prefill", type=int)
-    scale.add_argument("--decode", type=int)
+    scale.add_argument("--prefill", type=int_in(0, MAX_POOL_REPLICAS))
+    scale.add_argument("--decode", type=int_in(0, MAX_POOL_REPLICAS))
     scale.add_argument("--force", action="store_true", help="allow scaling the decode pool to 0 (nothing left serving)")
     scale.add_argument("--address", help="the Admin service's host:port (default: from the state file)")
 
@@ -143,8 +147,8 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     generate.add_argument("prompt")
     generate.add_argument("--address", help="router host:port; default: the running deployment, else a local one for this call")
     generate.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="model directory or Hugging Face id in the local cache (local deployment)")
-    generate.add_argument("--prefill", type=int, default=1, help="prefill actors (local deployment)")
-    generate.add_argument("--decode", type=int, default=1, help="decode actors (local deployment)")
+    generate.add_argument("--prefill", type=int_in(0, MAX_POOL_REPLICAS), default=1, help="prefill actors (local deployment)")
+    generate.add_argument("--decode", type=int_in(1, MAX_POOL_REPLICAS), default=1, help="decode actors (local deployment)")
     generate.add_argument("--timing", action="store_true", help="print the timing breakdown at the end")
     generate.add_argument("--lora-name", help="generate through this LoRA adapter of the running deployment (GenerateRequest.lora_name)")
     generate.add_argument("--chat", action="store_true",
@@ -760,8 +764,8 @@ def _stream(args: argparse.Namespace, address: str) -> int:
     from router.api.pdserve.v1 import generation_pb2 as pb
     from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
 
+    chat = getattr(args, "chat", False)
     sampling = pb.SamplingParams(
-        max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -770,9 +774,10 @@ def _stream(args: argparse.Namespace, address: str) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+    if args.max_tokens is not None or not chat:  # unset, a chat's answer has the context's room (a reasoning model's thinking with it)
+        sampling.max_tokens = args.max_tokens if args.max_tokens is not None else PROMPT_MAX_TOKENS
     if args.seed is not None:
         sampling.seed = args.seed & (2**64 - 1)  # uint64 in the proto: a negative seed as its two's complement
-    chat = getattr(args, "chat", False)
     if getattr(args, "system", None) and not chat:
         print("pdserve generate: --system needs --chat", file=sys.stderr)
         return 2
@@ -798,6 +803,10 @@ def _stream(args: argparse.Namespace, address: str) -> int:
         except grpc.RpcError as exc:
             print(f"\npdserve: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    failed = last is not None and last.finish_reason in (pb.FINISH_REASON_ERROR, pb.FINISH_REASON_ABORT)
+    if failed:  # the stream ended without its answer (the text so far is above)
+        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        print(f"pdserve: the generation ended with {reason}: {last.finish_detail or 'no detail given'}", file=sys.stderr)
     if getattr(args, "timing", False) and last is not None:
         t = last.timing
         print(
@@ -807,7 +816,7 @@ def _stream(args: argparse.Namespace, address: str) -> int:
             f" decode {t.decode_ms:.1f} ms]",
             file=sys.stderr,
         )
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

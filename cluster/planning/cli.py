@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.arguments import positive_float
 from cluster.planning.simulator import PipelineSettings
 from router.pipeline import PipelineMode
 from router.pool import RoutingPolicy
@@ -45,7 +46,7 @@ def add_planning_parsers(commands) -> None:
     sim.add_argument("--workload", type=Path, required=True, help="a workload YAML/JSON (cluster/planning/workload.py)")
     sim.add_argument("--prefill", type=int, required=True, help="prefill workers (0: decode workers prefill everything)")
     sim.add_argument("--decode", type=int, required=True, help="decode workers")
-    sim.add_argument("--window-s", type=float, help="also report per window of this many seconds")
+    sim.add_argument("--window-s", type=positive_float, help="also report per window of this many seconds")
     sim.add_argument("--colocated", action="store_true", help="all workers share one machine, as when profiled on it (the profile's contention applies)")
     sim.add_argument(
         "--routing-policy", choices=[p.value for p in RoutingPolicy], default=RoutingPolicy.KV_AWARE.value,
@@ -70,9 +71,9 @@ def add_planning_parsers(commands) -> None:
     plan.add_argument("--percentile", type=float, default=90.0, help="the SLO holds at this percentile of TTFT and TPOT")
     plan.add_argument("--max-workers", type=int, default=16, help="most workers of both pools together")
     plan.add_argument("--max-devices", type=int, help="most devices of both pools together (a worker holds its profile's tensor-parallel size)")
-    plan.add_argument("--prefill-cost", type=float, default=1.0,
+    plan.add_argument("--prefill-cost", type=positive_float, default=1.0,
                       help="cost of one device of a prefill worker (e.g. a GPU's price; a worker of tensor-parallel size N costs N of them)")
-    plan.add_argument("--decode-cost", type=float, default=1.0)
+    plan.add_argument("--decode-cost", type=positive_float, default=1.0)
     plan.add_argument("--diurnal", action="store_true", help="plan each hour of the workload's diurnal day")
     plan.add_argument("--headroom", type=float, default=1.1, help="--diurnal: plan each hour for this multiple of its peak rate")
     plan.add_argument("--out", type=Path, help="directory for plan.json (and the diurnal plot)")

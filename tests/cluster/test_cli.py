@@ -352,3 +352,51 @@ def test_down_removes_a_record_whose_deployment_is_gone_and_stops_a_foreground_u
         assert serving.wait(5) == -signal.SIGTERM
     finally:
         serving.kill()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["scale", "--decode", "-1"], "--decode"),
+    (["generate", "x", "--max-tokens", "-1"], "--max-tokens"),
+    (["generate", "x", "--top-k", "9999999999"], "--top-k"),
+    (["simulate", "--profile", "p", "--workload", "w", "--prefill", "1", "--decode", "1", "--window-s", "0"], "--window-s"),
+    (["plan", "--profile", "p", "--workload", "w", "--prefill-cost", "-1"], "--prefill-cost"),
+])
+def test_out_of_range_numbers_are_refused_naming_the_flag(argv, flag, capsys):
+    """They were a protobuf ValueError's traceback (scale, generate), a ZeroDivisionError
+    (simulate), or a plan at a negative cost."""
+    from cluster.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser(scenarios=False).parse_args(argv)
+    assert exited.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err
+
+
+def test_generate_says_why_a_stream_ended_without_its_answer_and_exits_non_zero(capsys):
+    """A stream the cluster ended (decode restarts used up, a drain) printed the text so far
+    and exited 0, its reason shown only with --timing."""
+    import argparse
+    from concurrent import futures
+
+    import grpc
+
+    from cluster.cli import _stream
+    from router.api.pdserve.v1 import generation_pb2 as pb
+    from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
+
+    class CutShort(pb_grpc.GenerationServicer):
+        def Generate(self, request, context):
+            yield pb.GenerateResponse(text=" par")
+            yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ERROR, finish_detail="decode restarts used up")
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_GenerationServicer_to_server(CutShort(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        args = argparse.Namespace(prompt="hello", max_tokens=None, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None,
+                                  repetition_penalty=1.0, stop=[], ignore_eos=False, lora_name="", chat=False, system=None, timing=False)
+        assert _stream(args, f"127.0.0.1:{port}") == 1
+    finally:
+        server.stop(None)
+    out, err = capsys.readouterr()
+    assert out == "hello par\n" and "ended with error: decode restarts used up" in err
