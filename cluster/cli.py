@@ -732,6 +732,13 @@ def _generate(args: argparse.Namespace) -> int:
     except (ModelLoadError, OSError) as exc:
         print(f"pdserve: --model {exc}", file=sys.stderr)
         return 2
+    if getattr(args, "chat", False):
+        from router.tokenizer import Tokenizer
+
+        if Tokenizer.from_model_dir(args.model).chat_template is None:  # said before a deployment starts for nothing
+            print(f"pdserve: --chat: {args.model} has no chat template (tokenizer_config.json or chat_template.jinja); "
+                  "leave --chat out to continue the prompt as text", file=sys.stderr)
+            return 2
     import ray
 
     from cluster.deployment import Deployment, DeploymentSpec, PoolSpec

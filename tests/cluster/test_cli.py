@@ -274,6 +274,13 @@ def test_generate_refuses_a_model_directory_without_a_tokenizer_before_starting_
     assert result.returncode == 2 and "no tokenizer.json" in result.stderr
 
 
+def test_generate_chat_refuses_a_model_without_a_chat_template_before_starting_anything(tmp_path):
+    """The built-in model has none: a whole local deployment started, then the request failed
+    advising /v1/completions (an HTTP route, to a gRPC client)."""
+    result = _run("generate", "--chat", "hello", state_file=tmp_path / "none.json", check=False, timeout=60)
+    assert result.returncode == 2 and "has no chat template" in result.stderr and "leave --chat out" in result.stderr
+
+
 def test_generate_refuses_a_model_the_engine_does_not_serve_before_starting_anything(e2e_model, tmp_path):
     """A checkpoint of an architecture the engine refuses started a local deployment whose
     workers failed, with their traceback."""
