@@ -216,6 +216,9 @@ def _continued(body: dict) -> str | None:
     return as_written(_messages(body)[-1])
 
 
+_RENDER_ARGUMENTS = {"messages", "tools", "documents", "add_generation_prompt"}  # what ChatTemplate.render takes itself
+
+
 def render_conversation(body: dict, template: ChatTemplate, tools: list[dict[str, Any]] | None) -> str:
     """The prompt text of a chat body's ``messages`` through the model's template, with its
     ``add_generation_prompt``, ``continue_final_message`` (vLLM's: the last message is left open
@@ -223,6 +226,9 @@ def render_conversation(body: dict, template: ChatTemplate, tools: list[dict[str
     messages = _messages(body)
     extra = body.get("chat_template_kwargs")
     extra = dict(json_object(extra, "chat_template_kwargs")) if extra is not None else None
+    for name in _RENDER_ARGUMENTS & set(extra or ()):
+        # (Passed on, the template's render got it twice: a TypeError reported against messages.)
+        raise InvalidArgumentError(f"chat_template_kwargs.{name}", "is the request's own to give (its field of that name), not a template variable")
     effort = read_effort(body.get("reasoning_effort"), "reasoning_effort")
     if effort is not None:
         extra = {"reasoning_effort": effort, **(extra or {})}

@@ -203,6 +203,9 @@ def test_bad_completion_bodies_name_the_field(body, field):
         ({"messages": [{"role": "tool", "content": "x", "tool_call_id": 3}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"schema": 5}}}, "response_format.json_schema.schema"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
+        # The request's own fields are not template variables (rendered, they came twice: an error against messages).
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs.messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
     ],
 )
 def test_bad_chat_bodies_name_the_field(body, field):
