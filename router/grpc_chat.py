@@ -9,6 +9,7 @@ prompt through either API; a problem is named by its place in the GenerateReques
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine import bounded_json
@@ -32,6 +33,9 @@ def read_chat_prompt(prompt: pb.ChatPrompt, chat: ChatFormat, request: GenerateI
         conversation.apply(request, skip_special_tokens_given)
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(_proto_field(exc.field), exc.problem) from None
+    if request.structured is not None and request.structured.field == "tool_choice":
+        # A required or named tool's grammar, compiled later: its errors name the proto's field.
+        request.structured = dataclasses.replace(request.structured, field=_proto_field("tool_choice"))
     request.text_field = request.ids_field = "chat.messages"
     return conversation
 
