@@ -282,6 +282,12 @@ class RouterSection(BaseModel):
         for path in (self.auth_token_file, self.tls_cert_file, self.tls_key_file):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"router: {path} does not exist")
+        ports = {"port": self.port, "admin_port": self.admin_port, "http_port": self.http_port, "metrics_port": self.metrics_port}
+        named = [(name, port) for name, port in ports.items() if port]  # (0: any free port; None: off)
+        for index, (name, port) in enumerate(named):
+            clash = next((other for other, taken in named[:index] if taken == port), None)
+            if clash is not None:  # (found only once Ray and the controller had started: the second listener failed)
+                raise ValueError(f"router.{name}: {port} is router.{clash} too; each listener needs its own port")
         listeners = (("host", self.host, self.port), ("admin_host", self.admin_host, self.admin_port), ("http_host", self.http_host, self.http_port))
         exposed = [name for name, host, port in listeners if port is not None and not is_loopback(host)]
         if exposed and self.auth_token() is None and not self.allow_unauthenticated:

@@ -35,6 +35,9 @@ def test_a_null_dtype_means_the_checkpoints_and_a_bad_one_is_refused_by_name(tmp
         ("bogus_field: 3\n", "bogus_field"),
         ("decode: [1, 2\n", "not valid YAML"),
         ("- a list\n", "the top level must be a mapping"),
+        # Two listeners on one port: found only once Ray and the controller had started.
+        ("router:\n  port: 8000\n", "router.http_port: 8000 is router.port too"),
+        ("router:\n  metrics_port: 50052\n", "router.metrics_port: 50052 is router.admin_port too"),
     ],
 )
 def test_a_bad_config_file_is_refused_naming_the_field(tmp_path, config_text, message):
