@@ -350,6 +350,9 @@ class ResponsesFrontEnd:
         entry = await self.store.get(api.previous_response_id)
         if entry is None:
             raise ResponseNotFoundError(api.previous_response_id, "previous_response_id")
+        status = entry.response.get("status")
+        if status in IN_PROGRESS:  # its answer is not written yet: the conversation would go on from half a turn
+            raise InvalidArgumentError("previous_response_id", f"{api.previous_response_id} is still {status}: wait until it ends (or cancel it)")
         return [dict(message) for message in entry.conversation]
 
     def _render(self, api: ResponsesRequest, conversation: list[dict[str, Any]]):

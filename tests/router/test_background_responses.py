@@ -66,3 +66,28 @@ def test_a_background_response_cancelled_in_the_turn_it_starts_closes_its_sessio
     assert session.closed, "the request is let go at the router"
     assert front.store.kept["resp_1"]["status"] == "cancelled"
     assert "resp_1" not in front.background
+
+
+def test_a_previous_response_still_running_is_refused_naming_the_field():
+    """Its answer is not written yet: the next turn went on from half a turn (or none)."""
+    import pytest
+
+    from router.errors import InvalidArgumentError
+    from router.responses_api.store import StoredResponse
+
+    kept = {
+        "resp_running": StoredResponse({"id": "resp_running", "status": "in_progress"}, [{"role": "user", "content": "hi"}]),
+        "resp_done": StoredResponse({"id": "resp_done", "status": "completed"},
+                                    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]),
+    }
+
+    class Store:
+        async def get(self, response_id):
+            return kept.get(response_id)
+
+    front = object.__new__(ResponsesFrontEnd)
+    front.store = Store()
+    with pytest.raises(InvalidArgumentError) as raised:
+        asyncio.run(front._prior(SimpleNamespace(previous_response_id="resp_running")))
+    assert raised.value.field == "previous_response_id" and "still in_progress" in str(raised.value)
+    assert asyncio.run(front._prior(SimpleNamespace(previous_response_id="resp_done")))[-1]["content"] == "hello"
