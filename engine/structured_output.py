@@ -105,37 +105,73 @@ def check_grammar(structured: StructuredOutput) -> None:
         raise InvalidRequestError(structured.field, f"cannot be compiled: {error.strip()}")
 
 
-# Keywords whose value is a schema, a list of schemas, or a mapping of names to schemas.
-_SUBSCHEMA = {"additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames", "unevaluatedItems",
-              "unevaluatedProperties", "additionalItems"}
-_SUBSCHEMA_LISTS = {"anyOf", "oneOf", "prefixItems"}
-_SUBSCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+# Keywords that apply more schemas to the same instance: an object beside them, or under them,
+# may hold properties they name, so it stays open.
+_SAME_INSTANCE = {"allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas", "dependentRequired", "dependencies"}
+_OTHER_PROPERTIES = {"additionalProperties", "unevaluatedProperties", "patternProperties"}  # it says what else it takes
+# Keywords whose value is a schema of another instance (a property's, an item's) or a list of them.
+_CHILD_SCHEMA = {"items", "contains", "propertyNames", "additionalItems", "unevaluatedItems", "additionalProperties", "unevaluatedProperties"}
+_CHILD_SCHEMA_MAPS = {"properties", "patternProperties"}
+_DEFINITIONS = ("$defs", "definitions")
 
 
-def closed_objects(schema, close: bool = True):
+def closed_objects(schema):
     """``schema`` with no properties or items it does not name: ``additionalProperties: false`` on
-    each object schema that lists its properties and says nothing of others, ``items: false``
-    after a tuple's ``prefixItems``. What vLLM's default grammar engine (xgrammar's strict mode)
-    and OpenAI's strict schemas give; open, a sampled object ran on in keys the schema never
-    named (to max_tokens, its JSON unfinished). An allOf's parts stay open (closed, each would
-    forbid the others' properties); what they hold is closed."""
-    if not isinstance(schema, dict):
-        return schema
+    each plain object schema (it lists its properties, says nothing of others, requires none
+    it does not list, and no other schema applies to the same object), ``items: false`` after a
+    tuple's ``prefixItems``. What vLLM's default grammar engine (xgrammar's strict mode) and
+    OpenAI's strict schemas give; open, a sampled object ran on in keys the schema never named
+    (to max_tokens, its JSON unfinished). Objects composed with others (allOf parts, a base's
+    anyOf branches, a definition a $ref combines) stay open: closed, each would forbid the
+    others' properties."""
+    combined: set[str] = set()
+    _find_combined_refs(schema, combined, False)
+    return _close(schema, combined, True)
+
+
+def _find_combined_refs(node, found: set[str], combined: bool) -> None:
+    """The $ref targets that apply to an object beside other schemas (an allOf part, a $ref
+    with siblings, a branch of a base's anyOf): their objects must stay open."""
+    if isinstance(node, list):
+        for item in node:
+            _find_combined_refs(item, found, combined)
+        return
+    if not isinstance(node, dict):
+        return
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (combined or any(key in node for key in ("properties", *(_SAME_INSTANCE - {"$ref"})))):
+        found.add(ref)
+    base = "properties" in node or "$ref" in node
+    for key, value in node.items():
+        _find_combined_refs(value, found, key == "allOf" or (key in ("anyOf", "oneOf") and base))
+
+
+def _close(node, combined: set[str], close: bool):
+    if not isinstance(node, dict):
+        return node
+    pure_union = not ("properties" in node or "$ref" in node or "allOf" in node)
     out = {}
-    for key, value in schema.items():
-        if key in _SUBSCHEMA:
-            out[key] = closed_objects(value)
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            out[key] = [closed_objects(item) for item in value]
-        elif key == "allOf" and isinstance(value, list):
-            out[key] = [closed_objects(item, close=False) for item in value]
-        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: closed_objects(item) for name, item in value.items()}
+    for key, value in node.items():
+        if key in _CHILD_SCHEMA:
+            out[key] = _close(value, combined, True)
+        elif key in _CHILD_SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _close(item, combined, True) for name, item in value.items()}
+        elif key == "prefixItems" and isinstance(value, list):
+            out[key] = [_close(item, combined, True) for item in value]
+        elif key in ("anyOf", "oneOf") and isinstance(value, list):
+            out[key] = [_close(item, combined, close and pure_union) for item in value]  # (a part's union is a part too)
+        elif key in _DEFINITIONS and isinstance(value, dict):
+            out[key] = {name: _close(item, combined, f"#/{key}/{name}" not in combined) for name, item in value.items()}
+        elif key in _SAME_INSTANCE:
+            out[key] = [_close(item, combined, False) for item in value] if isinstance(value, list) else _close(value, combined, False)
         else:
             out[key] = value
-    if close and isinstance(out.get("properties"), dict) and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+    properties, required = out.get("properties"), out.get("required", [])
+    plain = (isinstance(properties, dict) and not (_OTHER_PROPERTIES | _SAME_INSTANCE) & set(out)
+             and isinstance(required, list) and all(name in properties for name in required))
+    if close and plain:
         out["additionalProperties"] = False
-    if close and isinstance(out.get("prefixItems"), list) and "items" not in out and "unevaluatedItems" not in out:
+    if isinstance(out.get("prefixItems"), list) and "items" not in out and "unevaluatedItems" not in out:
         out["items"] = False
     return out
 

@@ -89,6 +89,37 @@ def test_every_sampled_answer_matches_its_grammar_and_ends_there(engine, e2e_mod
         assert valid(text), text
 
 
+# Schemas whose objects are composed of parts: a value their parts allow together is allowed
+# (closing each part, as strictness first did, forbade the others' properties or made a
+# required one unsatisfiable), and a plain object stays closed.
+_PART_A = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+_PART_B = {"type": "object", "properties": {"b": {"type": "integer"}}}
+COMPOSED = [
+    ({"$defs": {"A": _PART_A, "B": _PART_B}, "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}, {"a": 1, "b": 2}),
+    ({"type": "object", "properties": {"common": {"type": "string"}}, "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]}]},
+     {"common": "c", "x": 1}),
+    ({"allOf": [{"properties": {"common": {"type": "string"}}}, {"anyOf": [{"properties": {"kind": {"const": "k"}, "x": {"type": "integer"}}}]}]},
+     {"common": "c", "kind": "k", "x": 1}),
+    ({"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}}, "$ref": "#/$defs/Base",
+      "properties": {"name": {"type": "string"}}}, {"id": 1, "name": "n"}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, {"a": 1, "b": 2}),
+]
+
+
+@pytest.mark.parametrize("schema,value", COMPOSED, ids=["allOf_refs", "base_and_anyOf", "allOf_with_union", "ref_beside_properties", "required_unlisted"])
+def test_a_schema_composed_of_parts_takes_what_the_parts_allow_together(e2e_model, schema, value):
+    tokenizer_json = (e2e_model.path / "tokenizer.json").read_text()
+    encode = tokenizers.Tokenizer.from_str(tokenizer_json)
+    llg = llguidance.LLTokenizer(tokenizer_json, n_vocab=e2e_model.vocab_size, eos_token=json.loads((e2e_model.path / "config.json").read_text())["eos_token_id"])
+
+    def accepts(schema, value) -> bool:
+        matcher = llguidance.LLMatcher(llg, StructuredOutput("json_schema", json.dumps(schema)).to_llguidance())
+        return not matcher.is_error() and matcher.consume_tokens(encode.encode(json.dumps(value), add_special_tokens=False).ids) and matcher.is_accepting()
+
+    assert accepts(schema, value)
+    assert not accepts(_PART_A, {"a": 1, "b": 2}), "a plain object still takes no property it does not name"
+
+
 def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int, eos: int, structured, prompt, max_tokens, adjust=None, thinking=None):
     """transformers' logits, masked by a fresh llguidance matcher, argmax; ``adjust(logits,
     output)`` changes the logits first (the request's adjustments, written from vLLM's formulas).
