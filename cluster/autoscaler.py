@@ -61,6 +61,11 @@ class AutoscalerConfig:
             raise ValueError(f"autoscaler.scale_down_delay_s: must be >= 0, got {self.scale_down_delay_s}")
 
 
+# A pool the queue correction grew keeps its size until the arrival rate falls this much below
+# the rate it grew at (or the plan shrinks).
+CORRECTION_LOAD_DROP = 0.25
+
+
 @dataclass(slots=True)
 class Decision:
     at: float
@@ -100,9 +105,9 @@ class Autoscaler:
         # drain_timeout_s) or a scale-up's launches never hold up the next decisions.
         self._applying: set[asyncio.Task] = set()
         self._target: tuple[int, int] | None = None  # the sizes last asked for
-        # Per pool (0: prefill, 1: decode) the queue correction's workers kept: (the plan's size
-        # when they were added, how many).
-        self._corrections: dict[int, tuple[int, int]] = {}
+        # Per pool (0: prefill, 1: decode) the size the queue correction took it to, kept: (the
+        # plan's own size then, the arrival rate then, that size).
+        self._corrections: dict[int, tuple[int, float, int]] = {}
         self._changed_at: float | None = None  # when the pools last finished changing
         self.in_process = False  # True: plan on the caller's thread (tests); else in a worker process
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
@@ -161,7 +166,7 @@ class Autoscaler:
                 logger.warning("autoscaler: planning process unavailable (%r); planning on a thread", exc)
                 self._executor = None
                 planned, base, reason = await asyncio.to_thread(planned_sizes, self.planner, self.config, snapshot, current, settled)
-        planned, reason = self._keep_corrections(planned, base, reason)
+        planned, reason = self._keep_corrections(planned, base, reason, snapshot.arrival_rate)
         applied = self._with_hysteresis(planned, current, settled)
         decision = Decision(self._clock(), snapshot.arrival_rate, planned, applied, reason)
         self.decisions.append(decision)
@@ -194,24 +199,25 @@ class Autoscaler:
         """``planned_sizes`` on this thread (``in_process``)."""
         return planned_sizes(self.planner, self.config, snapshot, current, settled)
 
-    def _keep_corrections(self, planned: tuple[int, int], base: tuple[int, int] | None, reason: str) -> tuple[tuple[int, int], str]:
-        """Workers the queue correction added stay while the plan (``base``: without the
-        correction) asks for at least what it asked when they were added: the plan alone is what
-        left the pool short, and once their queue is gone it would drain them (the queue grew
-        back, and a worker came and went every few minutes). A plan for less load lets them go."""
+    def _keep_corrections(self, planned: tuple[int, int], base: tuple[int, int] | None, reason: str, rate: float) -> tuple[tuple[int, int], str]:
+        """A pool the queue correction grew keeps that size while the load does: the plan alone
+        (``base``) is what left it short, and once its queue was gone the plan drained the
+        worker (the queue grew back, and a worker came and went every few minutes). Less load
+        lets it go: a smaller plan, or a quarter less traffic (a plan at the pool's minimum
+        cannot get smaller)."""
         if base is None:
             return planned, reason  # no plan this tick: nothing to correct
         sizes = list(planned)
         for pool in (0, 1):
             if planned[pool] > base[pool]:  # corrected this tick
-                self._corrections[pool] = (base[pool], planned[pool] - base[pool])
+                self._corrections[pool] = (base[pool], rate, planned[pool])
             elif pool in self._corrections:
-                since, extra = self._corrections[pool]
-                if base[pool] < since:
+                since, rate_then, size = self._corrections[pool]
+                if base[pool] < since or rate < (1 - CORRECTION_LOAD_DROP) * rate_then:
                     del self._corrections[pool]  # less load than the pool was short at
-                elif base[pool] + extra > sizes[pool]:
-                    sizes[pool] = base[pool] + extra
-                    reason += f"; {('prefill', 'decode')[pool]} keeps {extra} added for its queue"
+                elif size > sizes[pool]:
+                    sizes[pool] = size
+                    reason += f"; {('prefill', 'decode')[pool]} kept at {size} for its queue"
         return _within_cap(sizes[0], sizes[1], self.config), reason
 
     def _with_hysteresis(self, planned: tuple[int, int], current: tuple[int, int], settled: bool = True) -> tuple[int, int] | None:
