@@ -136,6 +136,10 @@ class BlockReader(ABC):
         self.open_value: OpenTextValue | None = None  # the text value its last call is writing
         self._closer_searched = 0  # its buffer holds no closer before this
         self._quotes = JsonQuotes()  # where its JSON strings are (json_body)
+        # json_body: the first closer found inside a string that has not closed yet. Nothing past
+        # it is shown until that string closes well (it was text of the call) or turns out no
+        # string (the quotes are off: a quote the model left out): then the block ends there.
+        self._held: int | None = None
 
     @abstractmethod
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
@@ -162,6 +166,8 @@ class BlockReader(ABC):
             if end < 0:
                 self._closer_searched = len(self._buffer)
                 shown = self._buffer[: len(self._buffer) - (0 if closer is None else marker_prefix_len(self._buffer, closer))]
+                if self._held is not None:
+                    shown = shown[: self._held]
                 return parts + self._stream.pieces(self.calls_in(opener, shown, False))
             block, self._buffer = self._buffer[:end], self._buffer[end + len(closer) :]
             parts += self._close(opener, block, closer)
@@ -170,11 +176,36 @@ class BlockReader(ABC):
         """Where the open block's closer is in the buffer, or -1."""
         # Looked for only in what came since the last look (a long call's buffer is long).
         at = self._buffer.find(closer, max(0, self._closer_searched - len(closer) + 1))
-        while self.json_body and at >= 0 and self._quotes.inside(self._buffer, at):
+        if not self.json_body:
+            return at
+        quotes = self._quotes
+        while at >= 0:
+            inside = quotes.inside(self._buffer, at)
+            if quotes.broken:
+                return at if self._held is None else self._held
+            self._settle_held()
+            if not inside:
+                return at
+            if self._held is None:
+                self._held = at
             at = self._buffer.find(closer, at + 1)
-        return at
+        quotes.read(self._buffer, len(self._buffer))
+        if quotes.broken and self._held is not None:
+            return self._held
+        self._settle_held()
+        return -1
+
+    def _settle_held(self) -> None:
+        quotes = self._quotes
+        if self._held is not None and (quotes.string_start is None or quotes.string_start > self._held):
+            self._held = None  # the string it was in closed well: it was text of the call
 
     def finish(self) -> list[Part]:
+        if self._open is not None and self._held is not None:
+            # The answer ended inside the string that held a closer back: no string after all.
+            opener, closer = self._open
+            block, self._buffer = self._buffer[: self._held], self._buffer[self._held + len(closer) :]
+            return self._close(opener, block, closer) + self.feed("") + self.finish()
         if self._open is not None:  # a block the answer did not close
             rest, self._buffer = self._buffer, ""
             return self._close(self._open[0], rest)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection
 _JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 _JSON_CALL_TAIL = re.compile(r"\s*\}\s*[,;]?")  # a call object's end, after its arguments
 _JSON_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # a string's characters up to its closing quote
+_JSON_STRING_PLAIN = re.compile(r'[^"\\\x00-\x1f]*')  # a string's characters up to a quote, an escape or a control character
 _JSON_QUOTE_OR_BRACKET = re.compile(r'["{}\[\]]')
 
 
@@ -66,28 +67,45 @@ class ObjectEnds:
 
 
 class JsonQuotes:
-    """Whether positions of a JSON text that only grows are inside its strings, asked left to
-    right (each character read once, but for a string still open when asked)."""
+    """Where the strings of a JSON text that only grows are, read once, left to right; and
+    whether they are well formed. A raw control character (a newline) cannot be inside a JSON
+    string: one read inside a "string" means the quotes are off (a quote the model left out),
+    and from then on nothing is taken for inside a string."""
 
-    __slots__ = ("position", "in_string")
+    __slots__ = ("position", "string_start", "broken")
 
     def __init__(self) -> None:
-        self.position = 0  # read up to here; in_string: just inside a string's opening quote
-        self.in_string = False
+        self.position = 0  # read up to here
+        self.string_start: int | None = None  # where the string being read opened (None: outside one)
+        self.broken = False
+
+    def read(self, text: str, upto: int) -> None:
+        """Read ``text`` up to ``upto`` (an escape cut there waits for its character)."""
+        while self.position < upto and not self.broken:
+            if self.string_start is None:
+                quote = text.find('"', self.position, upto)
+                if quote < 0:
+                    self.position = upto
+                    return
+                self.string_start, self.position = quote, quote + 1
+                continue
+            self.position = _JSON_STRING_PLAIN.match(text, self.position, upto).end()
+            if self.position >= upto:
+                return
+            mark = text[self.position]
+            if mark == '"':
+                self.string_start, self.position = None, self.position + 1
+            elif mark == "\\":
+                if self.position + 1 >= upto:
+                    return
+                self.position += 2
+            else:
+                self.broken = True  # a control character inside a "string"
 
     def inside(self, text: str, at: int) -> bool:
-        """Whether ``text[at]`` is inside a string (``at`` no earlier than any asked before)."""
-        while True:
-            if self.in_string:
-                end = _JSON_STRING_REST.match(text, self.position).end()
-                if end >= at:
-                    return True  # (read again from the string's start next time: it may close)
-                self.position, self.in_string = end + 1, False  # past its closing quote
-            quote = text.find('"', self.position, at)
-            if quote < 0:
-                self.position = at
-                return False
-            self.position, self.in_string = quote + 1, True
+        """Whether ``text[at]`` is inside a well-formed string so far (``at`` no earlier than before)."""
+        self.read(text, at)
+        return not self.broken and self.string_start is not None
 
 
 class _ObjectScan:

@@ -473,6 +473,31 @@ def test_a_hermes_closer_inside_the_calls_strings_is_text_of_the_call():
         assert _read(whole) == [("write_file", {"path": "a.py", "content": code})]
 
 
+@pytest.mark.parametrize("text", [
+    'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par}}\n</tool_call>\n<tool_call>\n'
+    '{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a 5" screen"}}</tool_call> and more',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "x</tool_call> then the answer ends',
+])
+def test_a_hermes_block_whose_quotes_are_off_ends_at_its_first_closer_as_ever(text, monkeypatch):
+    """A closer inside a string is text of the call only while the string is one: a quote the
+    model left out (a raw newline inside the "string", or the answer ending in it) and the block
+    ends at its first closer, as it did before closers were looked for outside strings (else the
+    next call and the content after it were swallowed); nothing past that closer was streamed."""
+    from router.openai_api.tool_blocks import HermesReader
+
+    def read(piece):
+        content, streamed, whole, reason = _run(HERMES, text, piece)
+        assert streamed == whole
+        return content, [(call["name"], call["arguments"]) for call in whole], reason  # (ids are drawn anew)
+
+    results = {}
+    for json_body in (False, True):
+        monkeypatch.setattr(HermesReader, "json_body", json_body)
+        results[json_body] = [read(piece) for piece in (1, 3, 7, len(text))]
+    assert results[True] == results[False]
+
+
 @pytest.mark.parametrize("piece", [1, 1000])
 def test_a_hermes_block_that_is_no_call_comes_back_as_content(piece):
     text = 'Here: <tool_call>{"city": "Oslo"}</tool_call> and <tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
