@@ -115,14 +115,16 @@ class Grammars:
         bitmask, constrained = self._masks([(grammar, thinking, [])])
         if not constrained:
             return True
-        allowed = ((bitmask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[: self.vocab_size].bool()
-        if token_ids is not None:
-            chosen = torch.zeros_like(allowed)
-            chosen[torch.tensor(token_ids, dtype=torch.long)] = True
-            allowed &= chosen
+        words = bitmask[0]  # 32 tokens a word (a bad word banned every step: this runs per step)
         if excluded:
-            allowed[torch.tensor(excluded, dtype=torch.long)] = False
-        return bool(allowed.any())
+            ids = torch.tensor(sorted(set(excluded)), dtype=torch.long)
+            banned = torch.zeros_like(words)
+            banned.index_add_(0, ids // 32, (1 << (ids % 32)).to(torch.int32))  # distinct bits: the sum is their OR
+            words = words & ~banned
+        if token_ids is None:
+            return bool(words.any())
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        return bool(((words[ids // 32] >> (ids % 32)) & 1).any())
 
     def _masks(self, rows: list[tuple[SequenceGrammar | None, ThinkingState | None, list[int]]]) -> tuple[torch.Tensor, list[int]]:
         bitmask = torch.zeros(len(rows), (self.vocab_size + 31) // 32, dtype=torch.int32)
