@@ -282,10 +282,13 @@ class RouterSection(BaseModel):
         for path in (self.auth_token_file, self.tls_cert_file, self.tls_key_file):
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"router: {path} does not exist")
-        ports = {"port": self.port, "admin_port": self.admin_port, "http_port": self.http_port, "metrics_port": self.metrics_port}
-        named = [(name, port) for name, port in ports.items() if port]  # (0: any free port; None: off)
-        for index, (name, port) in enumerate(named):
-            clash = next((other for other, taken in named[:index] if taken == port), None)
+        ports = {"port": (self.host, self.port), "admin_port": (self.admin_host, self.admin_port),
+                 "http_port": (self.http_host, self.http_port), "metrics_port": (self.metrics_host, self.metrics_port)}
+        named = [(name, host, port) for name, (host, port) in ports.items() if port]  # (0: any free port; None: off)
+        for index, (name, host, port) in enumerate(named):
+            # One port on two addresses is two listeners, unless one is every address.
+            clash = next((other for other, other_host, taken in named[:index]
+                          if taken == port and (host == other_host or _every_address(host) or _every_address(other_host))), None)
             if clash is not None:  # (found only once Ray and the controller had started: the second listener failed)
                 raise ValueError(f"router.{name}: {port} is router.{clash} too; each listener needs its own port")
         listeners = (("host", self.host, self.port), ("admin_host", self.admin_host, self.admin_port), ("http_host", self.http_host, self.http_port))
@@ -306,6 +309,10 @@ class RouterSection(BaseModel):
             return token
         return os.environ.get(AUTH_TOKEN_ENV) or None
 
+
+
+def _every_address(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::", "[::]")
 
 
 # RouterConfig fields the YAML's router section sets under the same name, as they are.

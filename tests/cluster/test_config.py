@@ -38,6 +38,7 @@ def test_a_null_dtype_means_the_checkpoints_and_a_bad_one_is_refused_by_name(tmp
         # Two listeners on one port: found only once Ray and the controller had started.
         ("router:\n  port: 8000\n", "router.http_port: 8000 is router.port too"),
         ("router:\n  metrics_port: 50052\n", "router.metrics_port: 50052 is router.admin_port too"),
+        ("router:\n  http_host: 0.0.0.0\n  http_port: 9400\n  allow_unauthenticated: true\n", "router.metrics_port: 9400 is router.http_port too"),
     ],
 )
 def test_a_bad_config_file_is_refused_naming_the_field(tmp_path, config_text, message):
@@ -262,3 +263,11 @@ def test_a_thread_ceiling_below_the_shared_cores_caps_the_threads():
     config = load_config(None, {"decode.max_threads": 2, "prefill.replicas": 1})
     config.share_local_cores(8)
     assert config.to_spec().decode.engine.num_threads == 2
+
+
+def test_one_port_on_two_addresses_is_two_listeners():
+    """Only one port on the same address (or on every address) clashes."""
+    from cluster.config import RouterSection
+
+    section = RouterSection(host="127.0.0.2", port=9000, http_host="127.0.0.1", http_port=9000)
+    assert (section.port, section.http_port) == (9000, 9000)
