@@ -733,9 +733,14 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"pdserve: --model {exc}", file=sys.stderr)
         return 2
     if getattr(args, "chat", False):
-        from router.tokenizer import Tokenizer
+        from router.tokenizer import Tokenizer, TokenizerLoadError
 
-        if Tokenizer.from_model_dir(args.model).chat_template is None:  # said before a deployment starts for nothing
+        try:
+            template = Tokenizer.from_model_dir(args.model).chat_template
+        except TokenizerLoadError as exc:
+            print(f"pdserve: --model {exc}", file=sys.stderr)
+            return 2
+        if template is None:  # said before a deployment starts for nothing
             print(f"pdserve: --chat: {args.model} has no chat template (tokenizer_config.json or chat_template.jinja); "
                   "leave --chat out to continue the prompt as text", file=sys.stderr)
             return 2
