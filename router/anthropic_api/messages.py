@@ -61,8 +61,9 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return 401, _error("authentication_error", str(exc))
     if isinstance(exc, ModelNotFoundError):
         return 404, _error("not_found_error", str(exc))
-    if isinstance(exc, web.HTTPException):  # aiohttp's own refusal (a body past the size limit: 413)
-        return exc.status, _error("request_too_large" if exc.status == 413 else "invalid_request_error", exc.text or exc.reason)
+    if isinstance(exc, web.HTTPException):  # aiohttp's own refusal (a body past the size limit: 413, no such route: 404)
+        kind = {413: "request_too_large", 404: "not_found_error"}.get(exc.status, "invalid_request_error")
+        return exc.status, _error(kind, exc.text or exc.reason)
     kind, message = classify(exc)
     status, error_type = _ERRORS[kind]
     return status, _error(error_type, message)

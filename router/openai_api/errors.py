@@ -46,8 +46,9 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]
         return 404, _body(str(exc), "invalid_request_error", "model", "model_not_found"), {}
     kind, message = classify(exc)
     status, error_type = _HTTP[kind]
-    param = getattr(remote_cause(exc), "field", None)
-    return status, _body(message, error_type, param, kind.value), retry_after_headers(exc)
+    cause = remote_cause(exc)
+    code = getattr(cause, "error_code", None)  # an error's own code where the API names one
+    return status, _body(message, error_type, getattr(cause, "field", None), code if isinstance(code, str) else kind.value), retry_after_headers(exc)
 
 
 def retry_after_headers(exc: BaseException) -> dict[str, str]:

@@ -142,15 +142,15 @@ class OpenAIServer:
         except web.HTTPException as exc:  # unknown route, wrong method
             if exc.status < 400:
                 raise
+            shaped = _error_shape_of(request.path)  # (an Anthropic client reads Anthropic's shape)
+            if shaped is not None:
+                return shaped.error_response(exc)
             body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}", "type": "invalid_request_error", "param": None, "code": None}}
             return web.json_response(body, status=exc.status)
         except Exception as exc:
             log_if_internal(exc, f"{request.method} {request.path}")
-            for module in FRONT_END_MODULES:
-                prefix = getattr(module, "ERROR_SHAPE_PREFIX", None)
-                if prefix is not None and request.path.startswith(prefix):
-                    return module.error_response(exc)
-            return error_response(exc)
+            shaped = _error_shape_of(request.path)
+            return error_response(exc) if shaped is None else shaped.error_response(exc)
 
     def _authenticate(self, request: web.Request) -> None:
         if self.auth_token is None:
@@ -393,6 +393,15 @@ async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _error_shape_of(path: str):
+    """The front end whose own error shape a path's errors take (ERROR_SHAPE_PREFIX), or None: OpenAI's."""
+    for module in FRONT_END_MODULES:
+        prefix = getattr(module, "ERROR_SHAPE_PREFIX", None)
+        if prefix is not None and path.startswith(prefix):
+            return module
+    return None
 
 
 def _usage(api: ApiRequest, states: list[ChoiceState]) -> dict[str, Any]:

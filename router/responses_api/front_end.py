@@ -63,16 +63,25 @@ def add_routes(app: web.Application, server: "OpenAIServer") -> "ResponsesFrontE
     return front_end
 
 
+class PreviousResponseNotFoundError(InvalidArgumentError):
+    """OpenAI's answer to a previous_response_id it does not hold: a 400 its clients recognise
+    by the code (and send the whole conversation instead)."""
+
+    error_code = "previous_response_not_found"
+
+    def __init__(self, response_id: str):
+        super().__init__("previous_response_id", f"previous response {response_id!r} not found (never stored, expired or deleted)")
+
+
 class ResponseNotFoundError(NotFoundError):
-    def __init__(self, response_id: str, field: str | None = None):
+    def __init__(self, response_id: str):
         super().__init__(f"response {response_id!r} not found (never stored, expired or deleted)")
-        self.field = field
 
 
 def usage(end: StreamEnd | None, prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
     cached = end.cached_prompt_tokens if end is not None else 0
     return {
-        "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }
@@ -349,7 +358,7 @@ class ResponsesFrontEnd:
             return []
         entry = await self.store.get(api.previous_response_id)
         if entry is None:
-            raise ResponseNotFoundError(api.previous_response_id, "previous_response_id")
+            raise PreviousResponseNotFoundError(api.previous_response_id)
         status = entry.response.get("status")
         if status in IN_PROGRESS:  # its answer is not written yet: the conversation would go on from half a turn
             raise InvalidArgumentError("previous_response_id", f"{api.previous_response_id} is still {status}: wait until it ends (or cancel it)")
@@ -402,10 +411,10 @@ class ResponsesFrontEnd:
                     await sse.send(response, event, named=True)
                 if chunk.end is not None:
                     break
+            await self._keep(api, state, conversation)  # a failed one too: GET shows why, as OpenAI keeps it
             if state.status == "failed":
                 await sse.send(response, state.event("response.failed", response=state.obj()), named=True)
             else:
-                await self._keep(api, state, conversation)
                 await sse.send(response, state.event("response.completed", response=state.obj()), named=True)
             await response.write_eof()
         except ConnectionResetError:

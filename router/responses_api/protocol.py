@@ -269,6 +269,8 @@ def _input(body: dict) -> list[dict[str, Any]]:
     for index, item in enumerate(value):
         where = f"input[{index}]"
         item = json_object(item, where)
+        # An output item sent back as the SDK dumps it: fields pdserve never sets come as null.
+        item = {key: field for key, field in item.items() if not (key in _NULL_WHEN_SENT_BACK and field is None)}
         kind = item.get("type", "message")
         if kind == "reasoning":  # a reasoning model's earlier output sent back
             refuse_unknown(item, {"type", "id", "summary", "content", "encrypted_content", "status"}, prefix=f"{where}.")
@@ -276,7 +278,8 @@ def _input(body: dict) -> list[dict[str, Any]]:
             thinking += text or unseal(item.get("encrypted_content"), f"{where}.encrypted_content")
             continue
         if kind == "message":
-            refuse_unknown(item, {"type", "role", "content", "id", "status"}, prefix=f"{where}.")
+            # phase: an assistant message's (commentary, final_answer), which the SDK says to send back.
+            refuse_unknown(item, {"type", "role", "content", "id", "status", "phase"}, prefix=f"{where}.")
             role = item.get("role")
             if not isinstance(role, str) or role not in _ROLES:
                 raise InvalidArgumentError(f"{where}.role", f"must be one of {sorted(_ROLES)}, got {role!r}")
@@ -310,6 +313,9 @@ def _input(body: dict) -> list[dict[str, Any]]:
     if not messages:
         raise InvalidArgumentError("input", "has no message, function call or output (a reasoning item goes with the turn it belongs to)")
     return messages
+
+
+_NULL_WHEN_SENT_BACK = {"async", "async_", "caller", "namespace", "created_by", "phase"}
 
 
 def _content(value: Any, where: str) -> str:

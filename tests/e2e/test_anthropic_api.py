@@ -192,6 +192,10 @@ def test_an_unknown_model_is_anthropics_404(claude):
     with pytest.raises(anthropic.NotFoundError) as raised:
         claude.messages.create(model="claude-opus", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
     assert raised.value.body["error"]["type"] == "not_found_error"
+    # A route this server does not have (message batches) answers in Anthropic's shape too.
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        claude.messages.batches.retrieve("msgbatch_1")
+    assert raised.value.body["type"] == "error" and raised.value.body["error"]["type"] == "not_found_error"
 
 
 def test_a_disconnect_mid_stream_frees_every_block(claude, deployment):

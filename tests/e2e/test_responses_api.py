@@ -83,9 +83,10 @@ def test_a_follow_up_turn_continues_the_stored_conversation_from_the_prefix_cach
     assert deleted is None or getattr(deleted, "deleted", True)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError) as raised:
+    # OpenAI's 400 previous_response_not_found: its clients send the whole conversation on that code.
+    with pytest.raises(openai.BadRequestError) as raised:
         client.responses.create(model="tiny-chat", previous_response_id=first.id, input="again", max_output_tokens=4)
-    assert raised.value.body["param"] == "previous_response_id"
+    assert (raised.value.body["param"], raised.value.body["code"]) == ("previous_response_id", "previous_response_not_found")
     # A response with store: false is not kept.
     unstored = client.responses.create(model="tiny-chat", input="hi", store=False, max_output_tokens=4, **GREEDY)
     with pytest.raises(openai.NotFoundError):

@@ -469,3 +469,29 @@ def test_choice_i_draws_with_seed_plus_i_for_a_negative_seed_too():
     assert seeds(-5) == [-5, -4, -3]
     assert seeds(MAX_SEED) == [MAX_SEED, MIN_SEED, MIN_SEED + 1]
     assert seeds(7) == [7, 8, 9]
+
+
+def test_responses_output_items_sent_back_as_the_sdk_dumps_them_are_taken():
+    """model_dump() of an output message carries phase (which the SDK says to send back) and of
+    a function call null fields pdserve never sets (async, caller, namespace): a 400 each."""
+    from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage, ResponseOutputText
+
+    from router.responses_api.protocol import read_responses
+
+    said = ResponseOutputMessage(id="msg_1", type="message", role="assistant", status="completed", phase="final_answer",
+                                 content=[ResponseOutputText(type="output_text", text="Let me look.", annotations=[])])
+    call = ResponseFunctionToolCall(type="function_call", call_id="call_1", name="get_weather", arguments='{"city": "Oslo"}')
+    for dump in (lambda item: item.model_dump(), lambda item: item.model_dump(by_alias=True)):
+        body = {"input": [{"role": "user", "content": "weather?"}, dump(said), dump(call),
+                          {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]}
+        messages = read_responses(body).messages
+        assert [m["role"] for m in messages] == ["user", "assistant", "tool"] and messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_responses_usage_validates_as_the_sdks_response_usage():
+    """input_tokens_details.cache_write_tokens is required there (typed code read None)."""
+    from openai.types.responses import ResponseUsage
+
+    from router.responses_api.front_end import usage
+
+    ResponseUsage.model_validate(usage(None, 12, 5, 2))
