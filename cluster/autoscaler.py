@@ -6,9 +6,9 @@ lengths, and the per-stage queue times. It plans for the rate times ``headroom``
 request mix, then corrects the plan by what it sees: a stage whose 90th-percentile queue time
 exceeds ``queue_fraction`` of the TTFT target while the plan would not grow it gets one more
 worker (the profile underestimates that stage), and keeps that size while the load does (once
-the queue is gone the plan alone would drain it, and the queue grow back). Decisions have hysteresis: a pool grows as soon
-as a tick asks for more; it shrinks only after every tick for ``scale_down_delay_s`` asked for
-less, and then to the largest size those ticks asked for. Shrinking drains (the pool manager
+the queue is gone the plan alone would drain it, and the queue grow back). Decisions have
+hysteresis: a pool grows as soon as a tick asks for more; it shrinks only after every tick for
+``scale_down_delay_s`` asked for less, and then to the largest size those ticks asked for. Shrinking drains (the pool manager
 removes a worker once it holds nothing).
 """
 

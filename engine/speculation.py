@@ -8,8 +8,9 @@ token at each row and keeps going while that token equals the draft. A step thus
 one token (every draft rejected) and ``1 + drafts`` (every draft accepted, plus the target's own
 token after the last). Greedy output is the same token for token as without speculation (with
 an unquantized cache: an int8/fp8 block's scale covers the rows one step writes, so a row
-written beside drafts, or beside rejected ones, rounds differently); sampled output keeps the target's distribution (``engine.sampler`` accepts a draft with the target's
-probability of it and otherwise draws from the rest).
+written beside drafts, or beside rejected ones, rounds differently); sampled output keeps the
+target's distribution (``engine.sampler`` accepts a draft with the target's probability of it
+and otherwise draws from the rest).
 
 The n-gram proposer (prompt lookup) needs no draft model: it finds the latest earlier place
 where the sequence's last ``n`` tokens occurred (longest ``n`` first) and proposes the tokens

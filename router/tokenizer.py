@@ -43,7 +43,7 @@ def _byte_level_chars() -> dict[str, int]:
     themselves, the other 68 for the characters from U+0100 on, in byte order."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars = {chr(byte): byte for byte in printable}
-    others = (byte for byte in range(256) if byte not in set(printable))
+    others = (byte for byte in range(256) if chr(byte) not in chars)
     chars.update({chr(256 + n): byte for n, byte in enumerate(others)})
     return chars
 
