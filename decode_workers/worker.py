@@ -282,9 +282,15 @@ class DecodeWorker(EngineWorker):
         if self.state is not WorkerState.READY:
             raise DecodeCapacityError(f"decode worker {self.worker_id} is {self.state.value}")
 
-    def _check_not_aborted(self, request: DecodeRequest) -> None:
+    def _check_attempt(self, request: DecodeRequest) -> None:
         if (request.req_id, request.attempt) in self._aborted_attempts:
             raise DecodeAbortedError(f"req {request.req_id}: attempt {request.attempt} was aborted before it arrived")
+        tracked = self._tracked.get(request.req_id)
+        if tracked is not None and tracked.attempt < request.attempt:
+            # A newer attempt: the router gave this one up, but its abort did not arrive (the
+            # actor was unreachable a moment). It ends here, as given up, so that the new one
+            # is not refused as "already running" (the client's error for a server hiccup).
+            self._abort(request.req_id, tracked.attempt, given_up=True)
 
     def _release_router(self, router_id: str) -> int:
         """Abort every request of ``router_id``; reserved blocks come back as after any abort."""
@@ -296,7 +302,7 @@ class DecodeWorker(EngineWorker):
 
     def _reserve(self, request: DecodeRequest) -> KVDestination:
         self._check_accepting()
-        self._check_not_aborted(request)
+        self._check_attempt(request)
         seq = self.engine.make_sequence(request.req_id, request.prompt_token_ids, request.params, request.priority)
         remote = self.scheduler.reserve(seq)
         if remote is None:
@@ -337,7 +343,7 @@ class DecodeWorker(EngineWorker):
 
     def _add_local(self, request: DecodeRequest) -> None:
         self._check_accepting()
-        self._check_not_aborted(request)
+        self._check_attempt(request)
         seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
         self._tracked[request.req_id] = _Tracked(
             seq, time.monotonic(), remote=False, dest_block_ids=[], attempt=request.attempt, router_id=request.router_id

@@ -155,6 +155,25 @@ def test_cancel_during_prefill_frees_blocks_on_both_actors(deployment, client, e
     client.wait_until_idle()
 
 
+def test_a_newer_attempt_of_a_request_the_decode_actor_still_holds_replaces_it(deployment, client, e2e_model):
+    """The router's abort of an attempt it gave up may not arrive (the actor unreachable a
+    moment); its next attempt, sent to the same actor, was refused as "already running": the
+    client's INVALID_ARGUMENT for a server's hiccup. The newer attempt replaces the older."""
+    import ray
+
+    from decode_workers.messages import DecodeRequest
+    from engine.sampling_params import SamplingParams
+
+    (prompt,) = random_prompts([20], e2e_model.vocab_size, seed=12)
+    decode = deployment.pools.handles["decode-0"]
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    ray.get(decode.add_local.remote(DecodeRequest("twice", prompt, params, attempt=1, router_id="test-router")))
+    ray.get(decode.add_local.remote(DecodeRequest("twice", prompt, params, attempt=2, router_id="test-router")))
+    assert ray.get(decode.abort.remote("twice", 1)) is False, "attempt 1 was replaced"
+    assert ray.get(decode.abort.remote("twice", 2)) is True
+    client.wait_until_idle()
+
+
 def test_expired_deadline_frees_every_block(client, e2e_model):
     (prompt,) = random_prompts([200], e2e_model.vocab_size, seed=10)
     with pytest.raises(grpc.RpcError) as info:
