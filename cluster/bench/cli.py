@@ -59,6 +59,7 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dataset", "--dataset-path", dest="dataset", help="sharegpt: path of a ShareGPT-format JSON file")
     group.add_argument("--tokenizer", help="sharegpt: tokenizer.json (or its directory) to count tokens; else estimated")
     group.add_argument("--fixed-output-len", action="store_true", help="sharegpt: --output-len for every request, not the reply's length")
+    group.add_argument("--sharegpt-output-len", type=int, help="sharegpt: this many tokens for every request (vLLM's flag: --output-len with --fixed-output-len)")
     group.add_argument("--seed", type=int, default=0, help="seeds the workload and the arrivals")
 
 
@@ -69,7 +70,8 @@ def add_load_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     group.add_argument("--num-warmup", "--num-warmups", dest="num_warmup", type=int, default=2, help="requests sent first and not counted")
     group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True, help="generate exactly --output-len tokens (default on)")
+    group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction,
+                       help="generate exactly the asked tokens (default: on for the synthetic workloads, off for sharegpt, as vLLM's bench serve)")
     group.add_argument("--timeout", type=float, default=600.0, help="per-request deadline in seconds")
 
 
@@ -131,11 +133,12 @@ def bench_spec_from_args(args: argparse.Namespace):
     """The BenchSpec that ``bench``'s flags describe (ValueError names a bad flag)."""
     from cluster.bench.runner import BenchSpec
 
+    sharegpt_output_len = getattr(args, "sharegpt_output_len", None)
     workload = WorkloadSpec(
         kind=args.workload,
         num_requests=args.num_requests,
         input_len=args.input_len,
-        output_len=args.output_len,
+        output_len=args.output_len if sharegpt_output_len is None else sharegpt_output_len,
         range_ratio=args.range_ratio,
         long_fraction=args.long_fraction,
         long_input_len=args.long_input_len,
@@ -143,7 +146,7 @@ def bench_spec_from_args(args: argparse.Namespace):
         prefix_len=args.prefix_len,
         dataset_path=args.dataset,
         tokenizer_path=args.tokenizer,
-        fixed_output_len=args.fixed_output_len,
+        fixed_output_len=args.fixed_output_len or sharegpt_output_len is not None,
         seed=args.seed,
     )
     workload.validate()
@@ -174,7 +177,8 @@ def bench_spec_from_args(args: argparse.Namespace):
         num_warmup=args.num_warmup,
         max_concurrency=args.max_concurrency,
         temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
+        # (A real conversation ends where its model ends it; random tokens have no end to find.)
+        ignore_eos=args.ignore_eos if args.ignore_eos is not None else args.workload != "sharegpt",
         timeout_s=args.timeout,
         show_progress=not args.no_progress,
         backend=backend,

@@ -64,7 +64,8 @@ def vllm_keys(metrics: BenchMetrics) -> dict[str, Any]:
         "total_input_tokens": metrics.total_input_tokens,
         "total_output_tokens": metrics.total_output_tokens,
         "request_throughput": metrics.request_throughput,
-        "request_goodput": metrics.goodput,
+        # Only where an SLO was set, as vLLM writes it (without one every request "met" it).
+        "request_goodput": metrics.goodput if any(v is not None for v in dataclasses.astuple(metrics.slo)) else None,
         "output_throughput": metrics.output_throughput,
         "total_token_throughput": metrics.total_token_throughput,
     }

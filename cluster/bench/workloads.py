@@ -9,6 +9,7 @@ which is what makes throughput comparable across runs.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,8 @@ def random_token_ids(rng: random.Random, limits: ModelLimits, length: int) -> li
 def _jitter(rng: random.Random, length: int, ratio: float) -> int:
     if ratio == 0.0:
         return length
-    return max(1, rng.randint(int(length * (1 - ratio)), int(length * (1 + ratio))))
+    # [floor(len (1 - r)), ceil(len (1 + r))], as vLLM's random dataset draws them.
+    return max(1, rng.randint(math.floor(length * (1 - ratio)), math.ceil(length * (1 + ratio))))
 
 
 def _random_request(rng: random.Random, limits: ModelLimits, input_len: int, output_len: int, tag: str = "") -> BenchRequest:
@@ -148,6 +150,9 @@ def _prefix_sharing(spec: WorkloadSpec, limits: ModelLimits, rng: random.Random)
     return requests
 
 
+_SHAREGPT_MAX_PROMPT, _SHAREGPT_MAX_TOTAL = 1024, 2048  # vLLM's is_valid_sequence bounds
+
+
 def load_sharegpt(path: Path, spec: WorkloadSpec, limits: ModelLimits, rng: random.Random) -> list[BenchRequest]:
     """First-turn prompts of a ShareGPT file; the reply's length (or ``output_len``) is the output.
 
@@ -168,8 +173,10 @@ def load_sharegpt(path: Path, spec: WorkloadSpec, limits: ModelLimits, rng: rand
     for prompt, reply in pairs:
         prompt_len = count(prompt) if count else len(prompt.encode("utf-8")) + 1
         output_len = spec.output_len if spec.fixed_output_len else (count(reply) if count else -(-len(reply.encode("utf-8")) // 4))
-        # Too short says nothing about serving; too long would be refused by the router.
-        if prompt_len < 4 or output_len < 4 or prompt_len + output_len > limits.max_context_len:
+        # Too short says nothing about serving; as vLLM's bench serve keeps them (a prompt of at
+        # most 1,024 tokens, 2,048 with the reply), and what the router would refuse.
+        if (prompt_len < 4 or (output_len < 4 and not spec.fixed_output_len) or prompt_len > _SHAREGPT_MAX_PROMPT
+                or prompt_len + output_len > min(_SHAREGPT_MAX_TOTAL, limits.max_context_len)):
             continue
         requests.append(BenchRequest(max_tokens=output_len, prompt_text=prompt, tag="sharegpt", prompt_len=prompt_len))
         if len(requests) == spec.num_requests:

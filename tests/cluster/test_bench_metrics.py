@@ -199,12 +199,18 @@ def test_sweep_runs_the_grid_then_bisects():
 # -- arrivals and workloads -----------------------------------------------------------------
 
 
-def test_arrivals_start_at_zero_and_have_the_requested_mean_rate():
+def test_arrivals_have_the_requested_rate_exactly_as_vllm_draws_them():
+    """vLLM's bench serve: a gap before every request, all scaled so that the last is sent at
+    num_requests / rate whatever the seed (unscaled, 200 requests at 4/s ended at 44-56 s over
+    seeds 0-19: an offered load, and a measured throughput, a seed's luck off vLLM's)."""
     assert arrival_offsets(5, ArrivalSpec(rate=math.inf)) == [0.0] * 5
-    offsets = arrival_offsets(4001, ArrivalSpec(rate=4.0, seed=3))
-    assert offsets[0] == 0.0 and offsets == sorted(offsets)
-    assert offsets[-1] / 4000 == pytest.approx(0.25, rel=0.05)  # mean gap 1 / rate
-    assert offsets == arrival_offsets(4001, ArrivalSpec(rate=4.0, seed=3))  # seeded
+    for seed in range(20):
+        offsets = arrival_offsets(200, ArrivalSpec(rate=4.0, seed=seed))
+        assert offsets == sorted(offsets) and offsets[0] > 0
+        assert offsets[-1] == pytest.approx(50.0)
+    assert arrival_offsets(4001, ArrivalSpec(rate=4.0, seed=3)) == arrival_offsets(4001, ArrivalSpec(rate=4.0, seed=3))  # seeded
+    # Infinite burstiness: evenly spaced (it was a gamma of shape inf: NaN offsets, all sent at once).
+    assert arrival_offsets(4, ArrivalSpec(rate=2.0, burstiness=math.inf)) == pytest.approx([0.5, 1.0, 1.5, 2.0])
 
     def cv2(burstiness):  # squared coefficient of variation of the gaps: 1 / shape
         o = arrival_offsets(4001, ArrivalSpec(rate=4.0, burstiness=burstiness, seed=1))
@@ -269,6 +275,28 @@ def test_sharegpt_workload(tmp_path):
         build_workload(WorkloadSpec(kind="sharegpt"), LIMITS)
 
 
+def test_sharegpt_is_the_set_vllms_bench_serve_keeps_with_its_flags(tmp_path):
+    """vLLM keeps prompts of at most 1,024 tokens and pairs of at most 2,048; its
+    --sharegpt-output-len fixes every request's length; and it leaves the end of a real
+    conversation to the model (no ignore_eos), as the synthetic workloads do not."""
+    data = [
+        {"conversations": [{"from": "human", "value": "p" * 1200}, {"from": "gpt", "value": "x" * 40}]},  # prompt > 1,024
+        {"conversations": [{"from": "human", "value": "q" * 1000}, {"from": "gpt", "value": "y" * 4400}]},  # pair > 2,048
+        {"conversations": [{"from": "human", "value": "What is two plus two?"}, {"from": "gpt", "value": "y" * 80}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    limits = ModelLimits(vocab_size=50, max_context_len=32768)
+    kept = build_workload(WorkloadSpec(kind="sharegpt", num_requests=10, dataset_path=str(path), seed=4), limits)
+    assert [r.prompt_text for r in kept] == ["What is two plus two?"]
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    spec = bench_spec_from_args(parser.parse_args(["bench", "--address", "a:1", "--dataset-name", "sharegpt", "--dataset-path", str(path),
+                                                   "--sharegpt-output-len", "7"]))
+    assert spec.workload.fixed_output_len and spec.workload.output_len == 7 and spec.ignore_eos is False
+    assert bench_spec_from_args(parser.parse_args(["bench", "--address", "a:1"])).ignore_eos is True
+
+
 def test_bench_flags_become_a_spec():
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
@@ -282,3 +310,23 @@ def test_bench_flags_become_a_spec():
     assert parser.parse_args(["bench", "--address", "a:1"]).request_rate == math.inf
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "--address", "a:1", "--request-rate", "0"])
+
+
+def test_request_goodput_is_written_only_where_an_slo_was_set_as_vllm_writes_it():
+    """Without an SLO every request "met" it: the key equalled request_throughput, and a script
+    reading it took every request for within its objectives."""
+    from cluster.bench.report import vllm_keys
+
+    records = [record(0, 0.0, [0.2, 0.3]), record(1, 0.1, [0.9, 1.0])]
+    assert vllm_keys(compute_metrics(records, 1.0))["request_goodput"] is None
+    assert vllm_keys(compute_metrics(records, 1.0, SLO(ttft_ms=500.0)))["request_goodput"] == pytest.approx(1.0)
+
+
+def test_random_lengths_span_vllms_range():
+    """[floor(len (1 - r)), ceil(len (1 + r))]: the top was one token short (140 for 128 and 0.1)."""
+    from cluster.bench.workloads import _jitter
+    import random as random_module
+
+    rng = random_module.Random(0)
+    drawn = {_jitter(rng, 128, 0.1) for _ in range(5000)}
+    assert min(drawn) == 115 and max(drawn) == 141
