@@ -109,69 +109,90 @@ def check_grammar(structured: StructuredOutput) -> None:
 # may hold properties they name, so it stays open.
 _SAME_INSTANCE = {"allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas", "dependentRequired", "dependencies"}
 _OTHER_PROPERTIES = {"additionalProperties", "unevaluatedProperties", "patternProperties"}  # it says what else it takes
-# Keywords whose value is a schema of another instance (a property's, an item's) or a list of them.
+# Keywords whose value is a schema of another instance (a property's, an item's).
 _CHILD_SCHEMA = {"items", "contains", "propertyNames", "additionalItems", "unevaluatedItems", "additionalProperties", "unevaluatedProperties"}
 _CHILD_SCHEMA_MAPS = {"properties", "patternProperties"}
 _DEFINITIONS = ("$defs", "definitions")
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly", "$schema", "$id", *_DEFINITIONS}
+# What may sit beside a union, or beside a $ref, that constrains nothing more (pydantic writes
+# Optional[Model] as anyOf [$ref, null] with a default and a title).
+_UNION_NEUTRAL = _ANNOTATIONS | {"anyOf", "oneOf", "type", "discriminator", "nullable"}
+_REF_NEUTRAL = _ANNOTATIONS | {"$ref"}
 
 
 def closed_objects(schema):
     """``schema`` with no properties or items it does not name: ``additionalProperties: false`` on
     each plain object schema (it lists its properties, says nothing of others, requires none
-    it does not list, and no other schema applies to the same object), ``items: false`` after a
-    tuple's ``prefixItems``. What vLLM's default grammar engine (xgrammar's strict mode) and
-    OpenAI's strict schemas give; open, a sampled object ran on in keys the schema never named
-    (to max_tokens, its JSON unfinished). Objects composed with others (allOf parts, a base's
-    anyOf branches, a definition a $ref combines) stay open: closed, each would forbid the
-    others' properties."""
-    combined: set[str] = set()
-    _find_combined_refs(schema, combined, False)
-    return _close(schema, combined, True)
+    it does not list) reached only plainly (through properties, items, branches of a union
+    with nothing beside it, definitions every reference names alone), ``items: false`` after
+    such a tuple's ``prefixItems``. What vLLM's default grammar engine (xgrammar's strict mode)
+    and OpenAI's strict schemas give; open, a sampled object ran on in keys the schema never
+    named (to max_tokens, its JSON unfinished). Objects composed with others (allOf parts, a
+    base's union, what a $ref beside other keywords names) stay open: closed, each would
+    forbid the others' properties. A $ref to anything but a root definition leaves the whole
+    schema as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    definitions = {f"#/{key}/{name}" for key in _DEFINITIONS if isinstance(schema.get(key), dict) for name in schema[key]}
+    if any(ref not in definitions for ref in _refs(schema)):
+        return schema
+    composed: set[str] = set()  # definitions some reference names beside other schemas
+    while True:
+        found: set[str] = set()
+        closed = _close(schema, True, composed, found, root=True)
+        if found <= composed:
+            return closed
+        composed |= found
 
 
-def _find_combined_refs(node, found: set[str], combined: bool) -> None:
-    """The $ref targets that apply to an object beside other schemas (an allOf part, a $ref
-    with siblings, a branch of a base's anyOf): their objects must stay open."""
-    if isinstance(node, list):
+def _refs(node):
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str):
+            yield node["$ref"]
+        for value in node.values():
+            yield from _refs(value)
+    elif isinstance(node, list):
         for item in node:
-            _find_combined_refs(item, found, combined)
-        return
-    if not isinstance(node, dict):
-        return
-    ref = node.get("$ref")
-    if isinstance(ref, str) and (combined or any(key in node for key in ("properties", *(_SAME_INSTANCE - {"$ref"})))):
-        found.add(ref)
-    base = "properties" in node or "$ref" in node
-    for key, value in node.items():
-        _find_combined_refs(value, found, key == "allOf" or (key in ("anyOf", "oneOf") and base))
+            yield from _refs(item)
 
 
-def _close(node, combined: set[str], close: bool):
+def _close(node, plain_path: bool, composed: set[str], found: set[str], root: bool = False):
+    """``node`` closed where it is plain and reached plainly; the definitions it names beside
+    other schemas go in ``found``."""
     if not isinstance(node, dict):
         return node
-    pure_union = not ("properties" in node or "$ref" in node or "allOf" in node)
+    keys = set(node)
+    alone = plain_path and not keys & _SAME_INSTANCE  # its children are reached plainly
+    branches_alone = plain_path and keys <= _UNION_NEUTRAL
+    if isinstance(node.get("$ref"), str) and not (plain_path and keys <= _REF_NEUTRAL):
+        found.add(node["$ref"])
     out = {}
     for key, value in node.items():
         if key in _CHILD_SCHEMA:
-            out[key] = _close(value, combined, True)
+            out[key] = _close(value, alone, composed, found)
         elif key in _CHILD_SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _close(item, combined, True) for name, item in value.items()}
+            out[key] = {name: _close(item, alone, composed, found) for name, item in value.items()}
         elif key == "prefixItems" and isinstance(value, list):
-            out[key] = [_close(item, combined, True) for item in value]
+            out[key] = [_close(item, alone, composed, found) for item in value]
         elif key in ("anyOf", "oneOf") and isinstance(value, list):
-            out[key] = [_close(item, combined, close and pure_union) for item in value]  # (a part's union is a part too)
+            out[key] = [_close(item, branches_alone, composed, found) for item in value]
         elif key in _DEFINITIONS and isinstance(value, dict):
-            out[key] = {name: _close(item, combined, f"#/{key}/{name}" not in combined) for name, item in value.items()}
-        elif key in _SAME_INSTANCE:
-            out[key] = [_close(item, combined, False) for item in value] if isinstance(value, list) else _close(value, combined, False)
+            out[key] = {name: _close(item, root and f"#/{key}/{name}" not in composed, composed, found) for name, item in value.items()}
+        elif key in ("allOf", "if", "then", "else", "not", "dependentSchemas"):
+            if isinstance(value, list):
+                out[key] = [_close(item, False, composed, found) for item in value]
+            elif key == "dependentSchemas" and isinstance(value, dict):
+                out[key] = {name: _close(item, False, composed, found) for name, item in value.items()}
+            else:
+                out[key] = _close(value, False, composed, found)
         else:
-            out[key] = value
+            out[key] = value  # (dependentRequired, enum, const, ...: no schemas in them)
     properties, required = out.get("properties"), out.get("required", [])
-    plain = (isinstance(properties, dict) and not (_OTHER_PROPERTIES | _SAME_INSTANCE) & set(out)
+    plain = (isinstance(properties, dict) and not (_OTHER_PROPERTIES | _SAME_INSTANCE) & keys
              and isinstance(required, list) and all(name in properties for name in required))
-    if close and plain:
+    if alone and plain:
         out["additionalProperties"] = False
-    if isinstance(out.get("prefixItems"), list) and "items" not in out and "unevaluatedItems" not in out:
+    if alone and isinstance(out.get("prefixItems"), list) and "items" not in out and "unevaluatedItems" not in out:
         out["items"] = False
     return out
 

@@ -103,10 +103,22 @@ COMPOSED = [
     ({"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}}, "$ref": "#/$defs/Base",
       "properties": {"name": {"type": "string"}}}, {"id": 1, "name": "n"}),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}, {"a": 1, "b": 2}),
+    ({"$defs": {"A": _PART_A, "B": _PART_B}, "allOf": [{"properties": {"x": {"type": "string"}}, "required": ["x"]},
+                                                      {"anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]}]}, {"x": "s", "a": 1}),
+    ({"$defs": {"Root": {"type": "object", "properties": {"a": {"type": "integer"}}}, "Base": {"$ref": "#/$defs/Root"}},
+      "$ref": "#/$defs/Base", "properties": {"x": {"type": "string"}}}, {"a": 1, "x": "s"}),
+    ({"type": "object", "required": ["id"], "anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                                      {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, {"a": 2, "id": 1}),
+    ({"patternProperties": {"^x_": {}}, "oneOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}]}, {"a": 1, "x_1": 2}),
 ]
+COMPOSED_IDS = ["allOf_refs", "base_and_anyOf", "allOf_with_union", "ref_beside_properties", "required_unlisted", "allOf_with_union_of_refs",
+                "ref_alias_chain", "base_requires_beside_union", "pattern_properties_beside_union"]
+# pydantic's shape: a nested model behind Optional (anyOf [$ref, null]) is still closed.
+PYDANTIC = {"$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "title": "Addr"}},
+            "type": "object", "title": "User", "properties": {"addr": {"anyOf": [{"$ref": "#/$defs/Addr"}, {"type": "null"}], "default": None}}}
 
 
-@pytest.mark.parametrize("schema,value", COMPOSED, ids=["allOf_refs", "base_and_anyOf", "allOf_with_union", "ref_beside_properties", "required_unlisted"])
+@pytest.mark.parametrize("schema,value", COMPOSED, ids=COMPOSED_IDS)
 def test_a_schema_composed_of_parts_takes_what_the_parts_allow_together(e2e_model, schema, value):
     tokenizer_json = (e2e_model.path / "tokenizer.json").read_text()
     encode = tokenizers.Tokenizer.from_str(tokenizer_json)
@@ -118,6 +130,21 @@ def test_a_schema_composed_of_parts_takes_what_the_parts_allow_together(e2e_mode
 
     assert accepts(schema, value)
     assert not accepts(_PART_A, {"a": 1, "b": 2}), "a plain object still takes no property it does not name"
+    assert accepts(PYDANTIC, {"addr": {"city": "Oslo"}}) and not accepts(PYDANTIC, {"addr": {"city": "Oslo", "zip": 1}})
+
+
+def test_closing_leaves_alone_what_is_no_plain_object_schema():
+    """A property named like a keyword, a dependentSchemas map, a $ref that does not name a root
+    definition (the whole schema then stays as written)."""
+    from engine.structured_output import closed_objects
+
+    dependent = {"properties": {"items": {}, "x": {}}, "dependentSchemas": {"items": {"properties": {"n": {}}}}}
+    assert closed_objects(dependent) == dependent
+    pointer = {"type": "object", "properties": {"p": {"type": "object", "properties": {"a": {}}}}, "allOf": [{"$ref": "#/properties/p"}]}
+    assert closed_objects(pointer) == pointer
+    named = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}}, "items": {"type": "string"}}}
+    assert closed_objects(named)["properties"]["items"] == {"type": "string"}
+    assert closed_objects(named)["properties"]["properties"]["additionalProperties"] is False
 
 
 def _reference_constrained_greedy(hf_model, tokenizer_json: str, vocab_size: int, eos: int, structured, prompt, max_tokens, adjust=None, thinking=None):
