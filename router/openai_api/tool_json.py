@@ -17,6 +17,7 @@ _JSON_CALL_TAIL = re.compile(r"\s*\}\s*[,;]?")  # a call object's end, after its
 _JSON_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # a string's characters up to its closing quote
 _JSON_STRING_PLAIN = re.compile(r'[^"\\\x00-\x1f]*')  # a string's characters up to a quote, an escape or a control character
 _JSON_QUOTE_OR_BRACKET = re.compile(r'["{}\[\]]')
+_JSON_SPACE = re.compile(r"[ \t\r\n]*")
 
 
 def json_calls(text: str, position: int = 0, object_end: Callable[[str, int], int] | None = None,
@@ -69,8 +70,9 @@ class ObjectEnds:
 class JsonQuotes:
     """Where the strings of a JSON text that only grows are, read once, left to right; and
     whether they are well formed. A raw control character (a newline) cannot be inside a JSON
-    string: one read inside a "string" means the quotes are off (a quote the model left out),
-    and from then on nothing is taken for inside a string."""
+    string, nor can a string end but before a comma, a colon or a closing bracket: either read
+    means the quotes are off (a quote the model left out), and from then on nothing is taken for
+    inside a string."""
 
     __slots__ = ("position", "string_start", "broken")
 
@@ -94,6 +96,14 @@ class JsonQuotes:
                 return
             mark = text[self.position]
             if mark == '"':
+                # A string ends where JSON goes on after one (a comma, a colon, a closing
+                # bracket); a quote before anything else was no end of a string.
+                after = _JSON_SPACE.match(text, self.position + 1, upto).end()
+                if after >= upto:
+                    return  # what follows it has not come yet
+                if text[after] not in ",:}]":
+                    self.broken = True
+                    return
                 self.string_start, self.position = None, self.position + 1
             elif mark == "\\":
                 if self.position + 1 >= upto:

@@ -478,6 +478,9 @@ def test_a_hermes_closer_inside_the_calls_strings_is_text_of_the_call():
     '{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.',
     '<tool_call>{"name": "get_weather", "arguments": {"city": "a 5" screen"}}</tool_call> and more',
     '<tool_call>{"name": "get_weather", "arguments": {"city": "x</tool_call> then the answer ends',
+    # The next quote on the same line is no end of a string: not followed by , : } or ].
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Par}}</tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>Done.',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Par}}</tool_call> I said "hi" to you.',
 ])
 def test_a_hermes_block_whose_quotes_are_off_ends_at_its_first_closer_as_ever(text, monkeypatch):
     """A closer inside a string is text of the call only while the string is one: a quote the
