@@ -284,7 +284,7 @@ class RouterSection(BaseModel):
                 raise ValueError(f"router: {path} does not exist")
         ports = {"port": (self.host, self.port), "admin_port": (self.admin_host, self.admin_port),
                  "http_port": (self.http_host, self.http_port), "metrics_port": (self.metrics_host, self.metrics_port)}
-        named = [(name, host, port) for name, (host, port) in ports.items() if port]  # (0: any free port; None: off)
+        named = [(name, _address(host), port) for name, (host, port) in ports.items() if port]  # (0: any free port; None: off)
         for index, (name, host, port) in enumerate(named):
             # One port on two addresses is two listeners, unless one is every address.
             clash = next((other for other, other_host, taken in named[:index]
@@ -312,7 +312,13 @@ class RouterSection(BaseModel):
 
 
 def _every_address(host: str) -> bool:
-    return host in ("", "0.0.0.0", "::", "[::]")
+    return host in ("", "0.0.0.0", "::")
+
+
+def _address(host: str) -> str:
+    """A listener's host as the address it binds (localhost is 127.0.0.1; [::1] is ::1)."""
+    host = host.strip().lower().removeprefix("[").removesuffix("]")
+    return "127.0.0.1" if host == "localhost" else host
 
 
 # RouterConfig fields the YAML's router section sets under the same name, as they are.

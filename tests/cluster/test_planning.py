@@ -1139,15 +1139,16 @@ def test_random_small_deployments_finish_every_request_return_every_block_and_ma
 def test_a_kept_correction_is_a_size_not_an_offset_and_a_lull_lets_it_go(tmp_path):
     """From the review of the kept corrections: a pool grown from a size the hysteresis still
     held (6, where the plan said 2) kept the whole surplus as an offset (a later plan of 6 became
-    11); and a correction made at the pool's minimum could never go (the plan cannot get smaller
-    than the minimum), not even with no traffic."""
+    11); a correction made at the pool's minimum could never go (the plan cannot get smaller
+    than the minimum), not even with no traffic; and one tick's plan one smaller (the mean
+    lengths it read) dropped it for good."""
     config = AutoscalerConfig(make_profile().save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0, max_workers=16)
     scaler = Autoscaler.from_config(config, None, lambda: (1, 1), None)
     corrected, _ = scaler._keep_corrections((7, 1), (2, 1), "queue", rate=4.0)
     assert corrected == (7, 1)
     assert scaler._keep_corrections((6, 1), (6, 1), "plan", rate=5.0)[0] == (7, 1)
-    assert scaler._keep_corrections((3, 1), (3, 1), "plan", rate=5.0)[0] == (7, 1)  # a dip of the plan alone: kept
-    assert scaler._keep_corrections((1, 1), (1, 1), "plan", rate=5.0)[0] == (1, 1)  # a smaller plan than at the correction
+    assert scaler._keep_corrections((1, 1), (1, 1), "plan", rate=5.0)[0] == (7, 1)  # a dip of the plan alone (a tick's noise): kept
+    assert scaler._keep_corrections((1, 1), (1, 1), "plan", rate=2.9)[0] == (1, 1)  # a quarter less traffic than at the correction
     at_minimum = Autoscaler.from_config(config, None, lambda: (0, 1), None)
     at_minimum._keep_corrections((0, 2), (0, 1), "queue", rate=2.0)
     assert at_minimum._keep_corrections((0, 1), (0, 1), "plan", rate=1.9)[0] == (0, 2)
