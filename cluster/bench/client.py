@@ -133,8 +133,18 @@ class BenchClient:
         return ModelLimits(vocab_size=info.vocab_size, max_context_len=info.max_context_len, eos_token_ids=tuple(info.eos_token_ids))
 
     async def warm_up(self, requests: list[BenchRequest]) -> None:
-        """Send ``requests`` concurrently and wait for them; nothing is recorded."""
-        records = await asyncio.gather(*(self._send(i, r, 0.0, f"{self.config.request_id_prefix}-warmup-{i}") for i, r in enumerate(requests)))
+        """Send ``requests`` concurrently, at most ``max_concurrency`` at a time (as vLLM's warm-up
+        goes through its semaphore), and wait for them; nothing is recorded."""
+        cap = self.config.max_concurrency
+        slots = asyncio.Semaphore(cap) if cap else None
+
+        async def one(index: int, request: BenchRequest) -> RequestRecord:
+            if slots is None:
+                return await self._send(index, request, 0.0, f"{self.config.request_id_prefix}-warmup-{index}")
+            async with slots:
+                return await self._send(index, request, 0.0, f"{self.config.request_id_prefix}-warmup-{index}")
+
+        records = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         failed = [r for r in records if not r.ok]
         if failed:
             logger.warning("%d of %d warm-up requests failed, first: %s", len(failed), len(records), failed[0].error or failed[0].finish_reason)

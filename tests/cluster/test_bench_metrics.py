@@ -330,3 +330,23 @@ def test_random_lengths_span_vllms_range():
     rng = random_module.Random(0)
     drawn = {_jitter(rng, 128, 0.1) for _ in range(5000)}
     assert min(drawn) == 115 and max(drawn) == 141
+
+
+def test_warm_up_requests_keep_to_max_concurrency():
+    """As vLLM's warm-up goes through its semaphore: all were sent at once."""
+    import asyncio
+
+    from cluster.bench.client import BenchClient, ClientConfig
+
+    in_flight, most = [0], [0]
+
+    class Counting(BenchClient):
+        async def _send(self, index, request, offset, req_id=None):
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            await asyncio.sleep(0.01)
+            in_flight[0] -= 1
+            return record(index, 0.0, [0.01])
+
+    asyncio.run(Counting(ClientConfig("127.0.0.1:1", max_concurrency=2)).warm_up([None] * 6))
+    assert most[0] == 2
