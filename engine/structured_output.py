@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import string
+import urllib.parse
 from dataclasses import dataclass
 
 from engine import bounded_json
@@ -117,32 +118,45 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "depr
 # What may sit beside a union, or beside a $ref, that constrains nothing more (pydantic writes
 # Optional[Model] as anyOf [$ref, null] with a default and a title).
 _UNION_NEUTRAL = _ANNOTATIONS | {"anyOf", "oneOf", "type", "discriminator", "nullable"}
-_REF_NEUTRAL = _ANNOTATIONS | {"$ref"}
+_REF_NEUTRAL = _ANNOTATIONS | {"$ref", "nullable"}
 
 
 def closed_objects(schema):
     """``schema`` with no properties or items it does not name: ``additionalProperties: false`` on
     each plain object schema (it lists its properties, says nothing of others, requires none
     it does not list) reached only plainly (through properties, items, branches of a union
-    with nothing beside it, definitions every reference names alone), ``items: false`` after
-    such a tuple's ``prefixItems``. What vLLM's default grammar engine (xgrammar's strict mode)
-    and OpenAI's strict schemas give; open, a sampled object ran on in keys the schema never
-    named (to max_tokens, its JSON unfinished). Objects composed with others (allOf parts, a
-    base's union, what a $ref beside other keywords names) stay open: closed, each would
-    forbid the others' properties. A $ref to anything but a root definition leaves the whole
-    schema as it is."""
+    with nothing beside it, $refs with nothing beside them), ``items: false`` after such a
+    tuple's ``prefixItems``. What vLLM's default grammar engine (xgrammar's strict mode) and
+    OpenAI's strict schemas give; open, a sampled object ran on in keys the schema never named
+    (to max_tokens, its JSON unfinished). Objects composed with others (allOf parts, a base's
+    union, what a $ref beside other keywords names, found by a fixed point over chains of
+    them) stay open: closed, each would forbid the others' properties. A $ref outside the
+    schema (another document) leaves the whole schema as it is."""
     if not isinstance(schema, dict):
         return schema
-    definitions = {f"#/{key}/{name}" for key in _DEFINITIONS if isinstance(schema.get(key), dict) for name in schema[key]}
-    if any(ref not in definitions for ref in _refs(schema)):
+    targets = [_pointer(ref) for ref in _refs(schema)]
+    if any(target is None for target in targets):
         return schema
-    composed: set[str] = set()  # definitions some reference names beside other schemas
+    composed: set[tuple[str, ...]] = set()  # places some $ref names beside other schemas
     while True:
-        found: set[str] = set()
-        closed = _close(schema, True, composed, found, root=True)
+        found: set[tuple[str, ...]] = set()
+        closed = _close(schema, True, composed, found, ())
         if found <= composed:
             return closed
         composed |= found
+
+
+def _pointer(ref: str) -> tuple[str, ...] | None:
+    """A local $ref ("#", "#/properties/a", "#/$defs/a~1b") as the path of what it names; None
+    for another document's."""
+    if not ref.startswith("#"):
+        return None
+    fragment = urllib.parse.unquote(ref[1:])
+    if not fragment:
+        return ()
+    if not fragment.startswith("/"):
+        return None  # an anchor ("#name"): not followed here
+    return tuple(part.replace("~1", "/").replace("~0", "~") for part in fragment[1:].split("/"))
 
 
 def _refs(node):
@@ -156,35 +170,40 @@ def _refs(node):
             yield from _refs(item)
 
 
-def _close(node, plain_path: bool, composed: set[str], found: set[str], root: bool = False):
-    """``node`` closed where it is plain and reached plainly; the definitions it names beside
-    other schemas go in ``found``."""
+def _close(node, plain_path: bool, composed: set, found: set, path: tuple[str, ...]):
+    """``node`` (at ``path``) closed where it is plain and reached plainly; the places it names
+    by $ref beside other schemas go in ``found``."""
     if not isinstance(node, dict):
         return node
     keys = set(node)
+    plain_path = plain_path and path not in composed
     alone = plain_path and not keys & _SAME_INSTANCE  # its children are reached plainly
     branches_alone = plain_path and keys <= _UNION_NEUTRAL
     if isinstance(node.get("$ref"), str) and not (plain_path and keys <= _REF_NEUTRAL):
-        found.add(node["$ref"])
+        found.add(_pointer(node["$ref"]))
+
+    def child(value, plain: bool, *at: str):
+        return _close(value, plain, composed, found, (*path, *at))
+
     out = {}
     for key, value in node.items():
         if key in _CHILD_SCHEMA:
-            out[key] = _close(value, alone, composed, found)
+            out[key] = child(value, alone, key)
         elif key in _CHILD_SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _close(item, alone, composed, found) for name, item in value.items()}
+            out[key] = {name: child(item, alone, key, name) for name, item in value.items()}
         elif key == "prefixItems" and isinstance(value, list):
-            out[key] = [_close(item, alone, composed, found) for item in value]
+            out[key] = [child(item, alone, key, str(index)) for index, item in enumerate(value)]
         elif key in ("anyOf", "oneOf") and isinstance(value, list):
-            out[key] = [_close(item, branches_alone, composed, found) for item in value]
+            out[key] = [child(item, branches_alone, key, str(index)) for index, item in enumerate(value)]
         elif key in _DEFINITIONS and isinstance(value, dict):
-            out[key] = {name: _close(item, root and f"#/{key}/{name}" not in composed, composed, found) for name, item in value.items()}
+            out[key] = {name: child(item, True, key, name) for name, item in value.items()}  # (as plain as their references)
         elif key in ("allOf", "if", "then", "else", "not", "dependentSchemas"):
             if isinstance(value, list):
-                out[key] = [_close(item, False, composed, found) for item in value]
+                out[key] = [child(item, False, key, str(index)) for index, item in enumerate(value)]
             elif key == "dependentSchemas" and isinstance(value, dict):
-                out[key] = {name: _close(item, False, composed, found) for name, item in value.items()}
+                out[key] = {name: child(item, False, key, name) for name, item in value.items()}
             else:
-                out[key] = _close(value, False, composed, found)
+                out[key] = child(value, False, key)
         else:
             out[key] = value  # (dependentRequired, enum, const, ...: no schemas in them)
     properties, required = out.get("properties"), out.get("required", [])

@@ -118,19 +118,44 @@ PYDANTIC = {"$defs": {"Addr": {"type": "object", "properties": {"city": {"type":
             "type": "object", "title": "User", "properties": {"addr": {"anyOf": [{"$ref": "#/$defs/Addr"}, {"type": "null"}], "default": None}}}
 
 
-@pytest.mark.parametrize("schema,value", COMPOSED, ids=COMPOSED_IDS)
-def test_a_schema_composed_of_parts_takes_what_the_parts_allow_together(e2e_model, schema, value):
+@pytest.fixture(scope="module")
+def accepts(e2e_model):
+    """Whether a json_schema's grammar takes a value (its JSON as json.dumps writes it)."""
     tokenizer_json = (e2e_model.path / "tokenizer.json").read_text()
     encode = tokenizers.Tokenizer.from_str(tokenizer_json)
-    llg = llguidance.LLTokenizer(tokenizer_json, n_vocab=e2e_model.vocab_size, eos_token=json.loads((e2e_model.path / "config.json").read_text())["eos_token_id"])
+    eos = json.loads((e2e_model.path / "config.json").read_text())["eos_token_id"]
+    llg = llguidance.LLTokenizer(tokenizer_json, n_vocab=e2e_model.vocab_size, eos_token=eos)
 
     def accepts(schema, value) -> bool:
         matcher = llguidance.LLMatcher(llg, StructuredOutput("json_schema", json.dumps(schema)).to_llguidance())
         return not matcher.is_error() and matcher.consume_tokens(encode.encode(json.dumps(value), add_special_tokens=False).ids) and matcher.is_accepting()
 
+    return accepts
+
+
+@pytest.mark.parametrize("schema,value", COMPOSED, ids=COMPOSED_IDS)
+def test_a_schema_composed_of_parts_takes_what_the_parts_allow_together(accepts, schema, value):
     assert accepts(schema, value)
     assert not accepts(_PART_A, {"a": 1, "b": 2}), "a plain object still takes no property it does not name"
     assert accepts(PYDANTIC, {"addr": {"city": "Oslo"}}) and not accepts(PYDANTIC, {"addr": {"city": "Oslo", "zip": 1}})
+
+
+_NAMED = {"type": "object", "properties": {"x": {"type": "integer"}}}
+# $refs to the root, to a property, to an escaped definition name, with nullable beside: each
+# object still takes no property it does not name (such schemas were left open as a whole).
+REFERENCED = [
+    ({"type": "object", "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#"}}}},
+     {"name": "a", "children": [{"name": "b"}]}, {"name": "a", "x": 1}),
+    ({"type": "object", "properties": {"billing": _NAMED, "shipping": {"$ref": "#/properties/billing"}}},
+     {"billing": {"x": 1}, "shipping": {"x": 2}}, {"shipping": {"x": 2, "y": 3}}),
+    ({"$defs": {"a/b": _NAMED}, "type": "object", "properties": {"p": {"$ref": "#/$defs/a~1b"}}}, {"p": {"x": 1}}, {"p": {"x": 1, "zz": 1}}),
+    ({"$defs": {"A": _NAMED}, "type": "object", "properties": {"p": {"$ref": "#/$defs/A", "nullable": True}}}, {"p": {"x": 1}}, {"p": {"x": 1, "y": 2}}),
+]
+
+
+@pytest.mark.parametrize("schema,good,bad", REFERENCED, ids=["root", "property", "escaped_definition", "nullable_beside"])
+def test_objects_named_by_any_local_ref_are_closed_too(accepts, schema, good, bad):
+    assert accepts(schema, good) and not accepts(schema, bad)
 
 
 def test_closing_leaves_alone_what_is_no_plain_object_schema():
