@@ -61,7 +61,7 @@ class AutoscalerConfig:
 
 
 # A pool the queue correction grew keeps its size until the arrival rate falls this much below
-# the rate it grew at.
+# the rate it grew at (or the plan falls by two).
 CORRECTION_LOAD_DROP = 0.25
 
 
@@ -105,8 +105,8 @@ class Autoscaler:
         self._applying: set[asyncio.Task] = set()
         self._target: tuple[int, int] | None = None  # the sizes last asked for
         # Per pool (0: prefill, 1: decode) the size the queue correction took it to, kept: (the
-        # arrival rate then, that size).
-        self._corrections: dict[int, tuple[float, int]] = {}
+        # plan's own size then, the arrival rate then, that size).
+        self._corrections: dict[int, tuple[int, float, int]] = {}
         self._changed_at: float | None = None  # when the pools last finished changing
         self.in_process = False  # True: plan on the caller's thread (tests); else in a worker process
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
@@ -202,18 +202,19 @@ class Autoscaler:
         """A pool the queue correction grew keeps that size while the load does: the plan alone
         (``base``) is what left it short, and once its queue was gone the plan drained the
         worker (the queue grew back, and a worker came and went every few minutes). A quarter
-        less traffic lets it go (not a plan one smaller: the mean lengths a tick reads move it
-        by one on their own, and at the pool's minimum it cannot get smaller)."""
+        less traffic lets it go, or a plan two smaller (lighter requests at the same rate); not
+        a plan one smaller: the mean lengths a tick reads move it by one on their own (and at the
+        pool's minimum the plan cannot get smaller)."""
         if base is None:
             return planned, reason  # no plan this tick: nothing to correct
         sizes = list(planned)
         for pool in (0, 1):
             if planned[pool] > base[pool]:  # corrected this tick
-                self._corrections[pool] = (rate, planned[pool])
+                self._corrections[pool] = (base[pool], rate, planned[pool])
             elif pool in self._corrections:
-                rate_then, size = self._corrections[pool]
-                if rate < (1 - CORRECTION_LOAD_DROP) * rate_then:
-                    del self._corrections[pool]  # less load than the pool was short at
+                since, rate_then, size = self._corrections[pool]
+                if rate < (1 - CORRECTION_LOAD_DROP) * rate_then or base[pool] <= since - 2:
+                    del self._corrections[pool]  # less load, or lighter requests, than the pool was short at
                 elif size > sizes[pool]:
                     sizes[pool] = size
                     reason += f"; {('prefill', 'decode')[pool]} kept at {size} for its queue"

@@ -284,11 +284,11 @@ class RouterSection(BaseModel):
                 raise ValueError(f"router: {path} does not exist")
         ports = {"port": (self.host, self.port), "admin_port": (self.admin_host, self.admin_port),
                  "http_port": (self.http_host, self.http_port), "metrics_port": (self.metrics_host, self.metrics_port)}
-        named = [(name, _address(host), port) for name, (host, port) in ports.items() if port]  # (0: any free port; None: off)
-        for index, (name, host, port) in enumerate(named):
+        named = [(name, _addresses(host), port) for name, (host, port) in ports.items() if port]  # (0: any free port; None: off)
+        for index, (name, addresses, port) in enumerate(named):
             # One port on two addresses is two listeners, unless one is every address.
-            clash = next((other for other, other_host, taken in named[:index]
-                          if taken == port and (host == other_host or _every_address(host) or _every_address(other_host))), None)
+            clash = next((other for other, taken_addresses, taken in named[:index]
+                          if taken == port and ("*" in addresses or "*" in taken_addresses or addresses & taken_addresses)), None)
             if clash is not None:  # (found only once Ray and the controller had started: the second listener failed)
                 raise ValueError(f"router.{name}: {port} is router.{clash} too; each listener needs its own port")
         listeners = (("host", self.host, self.port), ("admin_host", self.admin_host, self.admin_port), ("http_host", self.http_host, self.http_port))
@@ -311,14 +311,13 @@ class RouterSection(BaseModel):
 
 
 
-def _every_address(host: str) -> bool:
-    return host in ("", "0.0.0.0", "::")
-
-
-def _address(host: str) -> str:
-    """A listener's host as the address it binds (localhost is 127.0.0.1; [::1] is ::1)."""
+def _addresses(host: str) -> set[str]:
+    """The addresses a listener's host may bind ("*": every one; localhost: both loopbacks,
+    as a host whose /etc/hosts names ::1 too binds them)."""
     host = host.strip().lower().removeprefix("[").removesuffix("]")
-    return "127.0.0.1" if host == "localhost" else host
+    if host in ("", "0.0.0.0", "::"):
+        return {"*"}
+    return {"127.0.0.1", "::1"} if host == "localhost" else {host}
 
 
 # RouterConfig fields the YAML's router section sets under the same name, as they are.

@@ -60,7 +60,7 @@ def phased_offsets(phases: list[tuple[float, float]], burstiness: float = 1.0, s
         if rate > 0:
             t = phase_start
             if not offsets:
-                offsets.append(t)  # the run starts with a request, as in arrival_offsets
+                offsets.append(t)  # the run starts with a request
             while (t := t + float(_gaps(rng, 1, rate, burstiness)[0])) < phase_end:
                 offsets.append(t)
         phase_start = phase_end

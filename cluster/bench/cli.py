@@ -138,15 +138,15 @@ def bench_spec_from_args(args: argparse.Namespace):
         kind=args.workload,
         num_requests=args.num_requests,
         input_len=args.input_len,
-        output_len=args.output_len if sharegpt_output_len is None else sharegpt_output_len,
+        output_len=args.output_len if sharegpt_output_len is None or args.workload != "sharegpt" else sharegpt_output_len,
         range_ratio=args.range_ratio,
         long_fraction=args.long_fraction,
         long_input_len=args.long_input_len,
         num_prefixes=args.num_prefixes,
         prefix_len=args.prefix_len,
         dataset_path=args.dataset,
-        tokenizer_path=args.tokenizer,
-        fixed_output_len=args.fixed_output_len or sharegpt_output_len is not None,
+        tokenizer_path=args.tokenizer or getattr(args, "model_dir", None),  # (the served checkpoint's counts tokens as the server does)
+        fixed_output_len=args.fixed_output_len or (sharegpt_output_len is not None and args.workload == "sharegpt"),
         seed=args.seed,
     )
     workload.validate()

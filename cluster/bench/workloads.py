@@ -172,11 +172,14 @@ def load_sharegpt(path: Path, spec: WorkloadSpec, limits: ModelLimits, rng: rand
     requests = []
     for prompt, reply in pairs:
         prompt_len = count(prompt) if count else len(prompt.encode("utf-8")) + 1
+        # vLLM's caps are on tokens: without a tokenizer, judged at four bytes a token (the
+        # upper bound above would drop three quarters of what vLLM keeps).
+        likely_len = prompt_len if count else -(-len(prompt.encode("utf-8")) // 4)
         output_len = spec.output_len if spec.fixed_output_len else (count(reply) if count else -(-len(reply.encode("utf-8")) // 4))
         # Too short says nothing about serving; as vLLM's bench serve keeps them (a prompt of at
         # most 1,024 tokens, 2,048 with the reply), and what the router would refuse.
-        if (prompt_len < 4 or (output_len < 4 and not spec.fixed_output_len) or prompt_len > _SHAREGPT_MAX_PROMPT
-                or prompt_len + output_len > min(_SHAREGPT_MAX_TOTAL, limits.max_context_len)):
+        if (prompt_len < 4 or (output_len < 4 and not spec.fixed_output_len) or likely_len > _SHAREGPT_MAX_PROMPT
+                or likely_len + output_len > _SHAREGPT_MAX_TOTAL or prompt_len + output_len > limits.max_context_len):
             continue
         requests.append(BenchRequest(max_tokens=output_len, prompt_text=prompt, tag="sharegpt", prompt_len=prompt_len))
         if len(requests) == spec.num_requests:

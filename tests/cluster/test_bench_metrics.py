@@ -279,22 +279,25 @@ def test_sharegpt_is_the_set_vllms_bench_serve_keeps_with_its_flags(tmp_path):
     """vLLM keeps prompts of at most 1,024 tokens and pairs of at most 2,048; its
     --sharegpt-output-len fixes every request's length; and it leaves the end of a real
     conversation to the model (no ignore_eos), as the synthetic workloads do not."""
-    data = [
-        {"conversations": [{"from": "human", "value": "p" * 1200}, {"from": "gpt", "value": "x" * 40}]},  # prompt > 1,024
-        {"conversations": [{"from": "human", "value": "q" * 1000}, {"from": "gpt", "value": "y" * 4400}]},  # pair > 2,048
+    data = [  # (no tokenizer: four bytes a token)
+        {"conversations": [{"from": "human", "value": "p" * 4200}, {"from": "gpt", "value": "x" * 40}]},  # prompt > 1,024
+        {"conversations": [{"from": "human", "value": "q" * 4000}, {"from": "gpt", "value": "y" * 4400}]},  # pair > 2,048
         {"conversations": [{"from": "human", "value": "What is two plus two?"}, {"from": "gpt", "value": "y" * 80}]},
+        {"conversations": [{"from": "human", "value": "r" * 1851}, {"from": "gpt", "value": "y" * 80}]},  # ~463 tokens: kept
     ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
     limits = ModelLimits(vocab_size=50, max_context_len=32768)
     kept = build_workload(WorkloadSpec(kind="sharegpt", num_requests=10, dataset_path=str(path), seed=4), limits)
-    assert [r.prompt_text for r in kept] == ["What is two plus two?"]
+    assert sorted(len(r.prompt_text) for r in kept) == [len("What is two plus two?"), 1851]
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))
     spec = bench_spec_from_args(parser.parse_args(["bench", "--address", "a:1", "--dataset-name", "sharegpt", "--dataset-path", str(path),
                                                    "--sharegpt-output-len", "7"]))
     assert spec.workload.fixed_output_len and spec.workload.output_len == 7 and spec.ignore_eos is False
     assert bench_spec_from_args(parser.parse_args(["bench", "--address", "a:1"])).ignore_eos is True
+    random = bench_spec_from_args(parser.parse_args(["bench", "--address", "a:1", "--output-len", "64", "--sharegpt-output-len", "7"])).workload
+    assert (random.output_len, random.fixed_output_len) == (64, False)  # a ShareGPT flag, as in vLLM
 
 
 def test_bench_flags_become_a_spec():

@@ -271,6 +271,6 @@ def test_one_port_on_two_addresses_is_two_listeners():
 
     section = RouterSection(host="127.0.0.2", port=9000, http_host="127.0.0.1", http_port=9000)
     assert (section.port, section.http_port) == (9000, 9000)
-    for host, other in (("localhost", "127.0.0.1"), ("[::1]", "::1")):  # one address, written two ways
+    for host, other in (("localhost", "127.0.0.1"), ("[::1]", "::1"), ("localhost", "::1")):  # one address, written two ways
         with pytest.raises(ValueError, match="router.http_port: 9000 is router.port too"):
             RouterSection(host=host, port=9000, http_host=other, http_port=9000)

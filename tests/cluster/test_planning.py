@@ -1147,8 +1147,11 @@ def test_a_kept_correction_is_a_size_not_an_offset_and_a_lull_lets_it_go(tmp_pat
     corrected, _ = scaler._keep_corrections((7, 1), (2, 1), "queue", rate=4.0)
     assert corrected == (7, 1)
     assert scaler._keep_corrections((6, 1), (6, 1), "plan", rate=5.0)[0] == (7, 1)
-    assert scaler._keep_corrections((1, 1), (1, 1), "plan", rate=5.0)[0] == (7, 1)  # a dip of the plan alone (a tick's noise): kept
+    assert scaler._keep_corrections((1, 1), (1, 1), "plan", rate=5.0)[0] == (7, 1)  # a plan one smaller (a tick's noise): kept
     assert scaler._keep_corrections((1, 1), (1, 1), "plan", rate=2.9)[0] == (1, 1)  # a quarter less traffic than at the correction
+    scaler._keep_corrections((7, 1), (6, 1), "queue", rate=4.0)
+    assert scaler._keep_corrections((5, 1), (5, 1), "plan", rate=4.0)[0] == (7, 1)
+    assert scaler._keep_corrections((4, 1), (4, 1), "plan", rate=4.0)[0] == (4, 1)  # two smaller: lighter requests at that rate
     at_minimum = Autoscaler.from_config(config, None, lambda: (0, 1), None)
     at_minimum._keep_corrections((0, 2), (0, 1), "queue", rate=2.0)
     assert at_minimum._keep_corrections((0, 1), (0, 1), "plan", rate=1.9)[0] == (0, 2)
