@@ -61,7 +61,7 @@ class AutoscalerConfig:
 
 
 # A pool the queue correction grew keeps its size until the arrival rate falls this much below
-# the rate it grew at (or the plan falls by two).
+# the rate it grew at (or the plan stays two smaller).
 CORRECTION_LOAD_DROP = 0.25
 
 
@@ -72,6 +72,14 @@ class Decision:
     planned: tuple[int, int]  # what the planner (and the queue correction) asked for
     applied: tuple[int, int] | None  # what the pools were set to (None: left as they were)
     reason: str
+
+
+@dataclass(slots=True)
+class _Correction:
+    plan: int  # the plan's own size when the queue correction grew the pool
+    rate: float  # the arrival rate then
+    size: int  # the size it grew the pool to
+    lighter_since: float | None = None  # since when the plan has been two smaller
 
 
 @dataclass(slots=True)
@@ -104,9 +112,8 @@ class Autoscaler:
         # drain_timeout_s) or a scale-up's launches never hold up the next decisions.
         self._applying: set[asyncio.Task] = set()
         self._target: tuple[int, int] | None = None  # the sizes last asked for
-        # Per pool (0: prefill, 1: decode) the size the queue correction took it to, kept: (the
-        # plan's own size then, the arrival rate then, that size).
-        self._corrections: dict[int, tuple[int, float, int]] = {}
+        # Per pool (0: prefill, 1: decode): the size the queue correction took it to, kept.
+        self._corrections: dict[int, _Correction] = {}
         self._changed_at: float | None = None  # when the pools last finished changing
         self.in_process = False  # True: plan on the caller's thread (tests); else in a worker process
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
@@ -202,22 +209,25 @@ class Autoscaler:
         """A pool the queue correction grew keeps that size while the load does: the plan alone
         (``base``) is what left it short, and once its queue was gone the plan drained the
         worker (the queue grew back, and a worker came and went every few minutes). A quarter
-        less traffic lets it go, or a plan two smaller (lighter requests at the same rate); not
-        a plan one smaller: the mean lengths a tick reads move it by one on their own (and at the
-        pool's minimum the plan cannot get smaller)."""
+        less traffic lets it go, or a plan two smaller for ``scale_down_delay_s`` (lighter
+        requests at the same rate): the mean lengths a tick reads move the plan by one either
+        way on their own (and at the pool's minimum the plan cannot get smaller)."""
         if base is None:
             return planned, reason  # no plan this tick: nothing to correct
+        now = self._clock()
         sizes = list(planned)
         for pool in (0, 1):
             if planned[pool] > base[pool]:  # corrected this tick
-                self._corrections[pool] = (base[pool], rate, planned[pool])
+                self._corrections[pool] = _Correction(base[pool], rate, planned[pool])
             elif pool in self._corrections:
-                since, rate_then, size = self._corrections[pool]
-                if rate < (1 - CORRECTION_LOAD_DROP) * rate_then or base[pool] <= since - 2:
+                kept = self._corrections[pool]
+                lighter = base[pool] <= kept.plan - 2  # (lasting: one tick high, the next low is two at one load)
+                kept.lighter_since = (kept.lighter_since or now) if lighter else None
+                if rate < (1 - CORRECTION_LOAD_DROP) * kept.rate or (lighter and now - kept.lighter_since >= self.config.scale_down_delay_s):
                     del self._corrections[pool]  # less load, or lighter requests, than the pool was short at
-                elif size > sizes[pool]:
-                    sizes[pool] = size
-                    reason += f"; {('prefill', 'decode')[pool]} kept at {size} for its queue"
+                elif kept.size > sizes[pool]:
+                    sizes[pool] = kept.size
+                    reason += f"; {('prefill', 'decode')[pool]} kept at {kept.size} for its queue"
         return _within_cap(sizes[0], sizes[1], self.config), reason
 
     def _with_hysteresis(self, planned: tuple[int, int], current: tuple[int, int], settled: bool = True) -> tuple[int, int] | None:

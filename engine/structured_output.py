@@ -135,8 +135,8 @@ def closed_objects(schema):
     if not isinstance(schema, dict):
         return schema
     targets = [_pointer(ref) for ref in _refs(schema)]
-    if any(target is None for target in targets):
-        return schema
+    if any(target is None for target in targets) or _nested_ids(schema):
+        return schema  # (below an $id a $ref's "#" is that resource's root, not this one's)
     composed: set[tuple[str, ...]] = set()  # places some $ref names beside other schemas
     while True:
         found: set[tuple[str, ...]] = set()
@@ -157,6 +157,15 @@ def _pointer(ref: str) -> tuple[str, ...] | None:
     if not fragment.startswith("/"):
         return None  # an anchor ("#name"): not followed here
     return tuple(part.replace("~1", "/").replace("~0", "~") for part in fragment[1:].split("/"))
+
+
+def _nested_ids(schema: dict) -> bool:
+    def below(node) -> bool:
+        if isinstance(node, dict):
+            return "$id" in node or any(below(value) for value in node.values())
+        return isinstance(node, list) and any(below(item) for item in node)
+
+    return any(below(value) for value in schema.values())
 
 
 def _refs(node):

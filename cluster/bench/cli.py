@@ -129,6 +129,15 @@ def add_scenario_parser(subparsers, scenarios: bool = True) -> argparse.Argument
     return parser
 
 
+def _model_tokenizer(model_dir: str | None) -> str | None:
+    """The served checkpoint's tokenizer.json, which counts tokens as the server does (None:
+    there is none, as beside a SentencePiece-only checkpoint: lengths are estimated)."""
+    if model_dir is None:
+        return None
+    path = Path(model_dir) / "tokenizer.json"
+    return str(path) if path.is_file() else None
+
+
 def bench_spec_from_args(args: argparse.Namespace):
     """The BenchSpec that ``bench``'s flags describe (ValueError names a bad flag)."""
     from cluster.bench.runner import BenchSpec
@@ -145,7 +154,7 @@ def bench_spec_from_args(args: argparse.Namespace):
         num_prefixes=args.num_prefixes,
         prefix_len=args.prefix_len,
         dataset_path=args.dataset,
-        tokenizer_path=args.tokenizer or getattr(args, "model_dir", None),  # (the served checkpoint's counts tokens as the server does)
+        tokenizer_path=args.tokenizer or _model_tokenizer(getattr(args, "model_dir", None)),
         fixed_output_len=args.fixed_output_len or (sharegpt_output_len is not None and args.workload == "sharegpt"),
         seed=args.seed,
     )

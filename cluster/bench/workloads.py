@@ -210,5 +210,8 @@ def _token_counter(tokenizer_path: str | None):
     path = Path(tokenizer_path)
     if path.is_dir():
         path = path / "tokenizer.json"
-    tokenizer = Tokenizer.from_file(str(path))
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust side raises a bare Exception (a missing or malformed file)
+        raise ValueError(f"tokenizer: cannot load {path} ({exc})") from None
     return lambda text: len(tokenizer.encode(text).ids)

@@ -298,6 +298,15 @@ def test_sharegpt_is_the_set_vllms_bench_serve_keeps_with_its_flags(tmp_path):
     assert bench_spec_from_args(parser.parse_args(["bench", "--address", "a:1"])).ignore_eos is True
     random = bench_spec_from_args(parser.parse_args(["bench", "--address", "a:1", "--output-len", "64", "--sharegpt-output-len", "7"])).workload
     assert (random.output_len, random.fixed_output_len) == (64, False)  # a ShareGPT flag, as in vLLM
+    # --model-dir's tokenizer counts where it has one; a SentencePiece-only checkpoint's lengths are estimated.
+    sentencepiece = tmp_path / "spm"
+    sentencepiece.mkdir()
+    (sentencepiece / "config.json").write_text(json.dumps({"vocab_size": 50}))
+    args = parser.parse_args(["bench", "--backend", "openai", "--base-url", "http://x", "--model-dir", str(sentencepiece),
+                              "--dataset-name", "sharegpt", "--dataset-path", str(path)])
+    assert bench_spec_from_args(args).workload.tokenizer_path is None
+    with pytest.raises(ValueError, match="tokenizer: cannot load"):
+        build_workload(WorkloadSpec(kind="sharegpt", dataset_path=str(path), tokenizer_path=str(sentencepiece)), limits)
 
 
 def test_bench_flags_become_a_spec():

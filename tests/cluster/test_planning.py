@@ -1142,8 +1142,10 @@ def test_a_kept_correction_is_a_size_not_an_offset_and_a_lull_lets_it_go(tmp_pat
     11); a correction made at the pool's minimum could never go (the plan cannot get smaller
     than the minimum), not even with no traffic; and one tick's plan one smaller (the mean
     lengths it read) dropped it for good."""
-    config = AutoscalerConfig(make_profile().save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0, max_workers=16)
-    scaler = Autoscaler.from_config(config, None, lambda: (1, 1), None)
+    config = AutoscalerConfig(make_profile().save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0, max_workers=16,
+                              scale_down_delay_s=300.0)
+    now = [0.0]
+    scaler = Autoscaler.from_config(config, None, lambda: (1, 1), None, clock=lambda: now[0])
     corrected, _ = scaler._keep_corrections((7, 1), (2, 1), "queue", rate=4.0)
     assert corrected == (7, 1)
     assert scaler._keep_corrections((6, 1), (6, 1), "plan", rate=5.0)[0] == (7, 1)
@@ -1151,8 +1153,16 @@ def test_a_kept_correction_is_a_size_not_an_offset_and_a_lull_lets_it_go(tmp_pat
     assert scaler._keep_corrections((1, 1), (1, 1), "plan", rate=2.9)[0] == (1, 1)  # a quarter less traffic than at the correction
     scaler._keep_corrections((7, 1), (6, 1), "queue", rate=4.0)
     assert scaler._keep_corrections((5, 1), (5, 1), "plan", rate=4.0)[0] == (7, 1)
-    assert scaler._keep_corrections((4, 1), (4, 1), "plan", rate=4.0)[0] == (4, 1)  # two smaller: lighter requests at that rate
-    at_minimum = Autoscaler.from_config(config, None, lambda: (0, 1), None)
+    # Two smaller: one tick's reading (one high, the next low) keeps it; lasting
+    # scale_down_delay_s, lighter requests at that rate let it go.
+    assert scaler._keep_corrections((4, 1), (4, 1), "plan", rate=4.0)[0] == (7, 1)
+    now[0] += 100.0
+    assert scaler._keep_corrections((5, 1), (5, 1), "plan", rate=4.0)[0] == (7, 1)
+    now[0] += 100.0
+    assert scaler._keep_corrections((4, 1), (4, 1), "plan", rate=4.0)[0] == (7, 1)
+    now[0] += 300.0
+    assert scaler._keep_corrections((4, 1), (4, 1), "plan", rate=4.0)[0] == (4, 1)
+    at_minimum = Autoscaler.from_config(config, None, lambda: (0, 1), None, clock=lambda: now[0])
     at_minimum._keep_corrections((0, 2), (0, 1), "queue", rate=2.0)
     assert at_minimum._keep_corrections((0, 1), (0, 1), "plan", rate=1.9)[0] == (0, 2)
     assert at_minimum._keep_corrections((0, 1), (0, 1), "no traffic", rate=0.0)[0] == (0, 1)

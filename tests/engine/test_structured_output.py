@@ -167,6 +167,11 @@ def test_closing_leaves_alone_what_is_no_plain_object_schema():
     assert closed_objects(dependent) == dependent
     pointer = {"type": "object", "properties": {"p": {"type": "object", "properties": {"a": {}}}}, "allOf": [{"$ref": "#/properties/p"}]}
     assert closed_objects(pointer) == pointer
+    # Below an $id, a $ref's "#" is that resource's root: read from this one's, the wrong place was closed.
+    resource = {"$defs": {"A": {"$id": "https://example.com/a", "type": "object", "properties": {"k": {"$ref": "#/$defs/C"}},
+                                "$defs": {"C": {"type": "object", "properties": {"x": {}}}}}},
+                "type": "object", "properties": {"r": {"$ref": "#/$defs/A"}}}
+    assert closed_objects(resource) == resource
     named = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}}, "items": {"type": "string"}}}
     assert closed_objects(named)["properties"]["items"] == {"type": "string"}
     assert closed_objects(named)["properties"]["properties"]["additionalProperties"] is False
