@@ -8,8 +8,8 @@ exceeds ``queue_fraction`` of the TTFT target while the plan would not grow it g
 worker (the profile underestimates that stage), and keeps that size while the load does (once
 the queue is gone the plan alone would drain it, and the queue grow back). Decisions have
 hysteresis: a pool grows as soon as a tick asks for more; it shrinks only after every tick for
-``scale_down_delay_s`` asked for less, and then to the largest size those ticks asked for. Shrinking drains (the pool manager
-removes a worker once it holds nothing).
+``scale_down_delay_s`` asked for less, and then to the largest size those ticks asked for.
+Shrinking drains (the pool manager removes a worker once it holds nothing).
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ class Autoscaler:
             elif pool in self._corrections:
                 kept = self._corrections[pool]
                 lighter = base[pool] <= kept.plan - 2  # (lasting: one tick high, the next low is two at one load)
-                kept.lighter_since = (kept.lighter_since or now) if lighter else None
+                kept.lighter_since = None if not lighter else now if kept.lighter_since is None else kept.lighter_since
                 if rate < (1 - CORRECTION_LOAD_DROP) * kept.rate or (lighter and now - kept.lighter_since >= self.config.scale_down_delay_s):
                     del self._corrections[pool]  # less load, or lighter requests, than the pool was short at
                 elif kept.size > sizes[pool]:
