@@ -212,8 +212,10 @@ class Autoscaler:
         less traffic lets it go, or a plan two smaller for ``scale_down_delay_s`` (lighter
         requests at the same rate): the mean lengths a tick reads move the plan by one either
         way on their own (and at the pool's minimum the plan cannot get smaller)."""
-        if base is None:
-            return planned, reason  # no plan this tick: nothing to correct
+        if base is None:  # no plan this tick (no shape meets the SLO: heavy load; too little seen)
+            for kept in self._corrections.values():
+                kept.lighter_since = None  # (it is no tick of lighter requests)
+            return planned, reason
         now = self._clock()
         sizes = list(planned)
         for pool in (0, 1):
@@ -236,9 +238,10 @@ class Autoscaler:
             self._shrink = None
             return None
         if planned[0] > current[0] or planned[1] > current[1]:
-            # Grow what is short now; a pool the plan would shrink keeps its size meanwhile.
+            # Grow what is short now; a pool the plan would shrink keeps its size meanwhile (within
+            # max_workers: current (10, 6) and a plan of (8, 8) came out 18 of 16).
             self._shrink = None
-            return max(planned[0], current[0]), max(planned[1], current[1])
+            return _within_cap(max(planned[0], current[0]), max(planned[1], current[1]), self.config)
         if not settled:
             # A change still lands (a model loading for minutes) or its window is not over: a
             # worker the queue correction just added is judged once it has served, not drained

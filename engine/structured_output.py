@@ -135,7 +135,7 @@ def closed_objects(schema):
     if not isinstance(schema, dict):
         return schema
     targets = [_pointer(ref) for ref in _refs(schema)]
-    if any(target is None for target in targets) or _nested_ids(schema):
+    if any(target is None for target in targets) or (targets and _nested_ids(schema)):
         return schema  # (below an $id a $ref's "#" is that resource's root, not this one's)
     composed: set[tuple[str, ...]] = set()  # places some $ref names beside other schemas
     while True:
@@ -160,12 +160,25 @@ def _pointer(ref: str) -> tuple[str, ...] | None:
 
 
 def _nested_ids(schema: dict) -> bool:
-    def below(node) -> bool:
-        if isinstance(node, dict):
-            return "$id" in node or any(below(value) for value in node.values())
-        return isinstance(node, list) and any(below(item) for item in node)
+    """Whether a schema below the root has an $id (only schema positions are looked at: a
+    property named "$id", or a default holding one, is no resource)."""
+    return any("$id" in node for node in _subschemas(schema))
 
-    return any(below(value) for value in schema.values())
+
+def _subschemas(node: dict):
+    for key, value in node.items():
+        if key in _CHILD_SCHEMA_MAPS or key in _DEFINITIONS or key == "dependentSchemas":
+            children = value.values() if isinstance(value, dict) else ()
+        elif key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+            children = value if isinstance(value, list) else ()
+        elif key in _CHILD_SCHEMA or key in ("not", "if", "then", "else"):
+            children = (value,)
+        else:
+            continue
+        for child in children:
+            if isinstance(child, dict):
+                yield child
+                yield from _subschemas(child)
 
 
 def _refs(node):

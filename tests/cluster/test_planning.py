@@ -1160,8 +1160,16 @@ def test_a_kept_correction_is_a_size_not_an_offset_and_a_lull_lets_it_go(tmp_pat
     assert scaler._keep_corrections((5, 1), (5, 1), "plan", rate=4.0)[0] == (7, 1)
     now[0] += 100.0
     assert scaler._keep_corrections((4, 1), (4, 1), "plan", rate=4.0)[0] == (7, 1)
+    # Ticks with no plan (no shape meets the SLO: heavy load) between two lighter ones: no lasting lightness.
+    scaler._keep_corrections((7, 1), (6, 1), "queue", rate=4.0)
+    assert scaler._keep_corrections((4, 1), (4, 1), "plan", rate=4.0)[0] == (7, 1)
+    now[0] += 330.0
+    assert scaler._keep_corrections((7, 1), None, "no shape meets the SLO", rate=4.0)[0] == (7, 1)
+    assert scaler._keep_corrections((4, 1), (4, 1), "plan", rate=4.0)[0] == (7, 1)
     now[0] += 300.0
     assert scaler._keep_corrections((4, 1), (4, 1), "plan", rate=4.0)[0] == (4, 1)
+    # Growth keeps to max_workers: current (10, 6) and a plan of (8, 8) came out 18 of 16.
+    assert scaler._with_hysteresis((8, 8), (10, 6)) == (8, 8)
     at_minimum = Autoscaler.from_config(config, None, lambda: (0, 1), None, clock=lambda: now[0])
     at_minimum._keep_corrections((0, 2), (0, 1), "queue", rate=2.0)
     assert at_minimum._keep_corrections((0, 1), (0, 1), "plan", rate=1.9)[0] == (0, 2)

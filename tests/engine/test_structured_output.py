@@ -172,6 +172,9 @@ def test_closing_leaves_alone_what_is_no_plain_object_schema():
                                 "$defs": {"C": {"type": "object", "properties": {"x": {}}}}}},
                 "type": "object", "properties": {"r": {"$ref": "#/$defs/A"}}}
     assert closed_objects(resource) == resource
+    # A property named "$id", or a default holding one, is no resource: closed as any other.
+    dbref = {"type": "object", "properties": {"$ref": {"type": "string"}, "$id": {"type": "string"}}, "required": ["$id"]}
+    assert closed_objects(dbref)["additionalProperties"] is False
     named = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}}, "items": {"type": "string"}}}
     assert closed_objects(named)["properties"]["items"] == {"type": "string"}
     assert closed_objects(named)["properties"]["properties"]["additionalProperties"] is False
