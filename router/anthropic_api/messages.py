@@ -189,7 +189,10 @@ class MessageState:
         return {"type": "content_block_delta", "index": self.open_index, "delta": delta}
 
     def content(self) -> list[dict[str, Any]]:
-        """The whole message's content blocks (a tool call's input parsed from its JSON)."""
+        """The whole message's content blocks (a tool call's input parsed from its JSON). A call
+        a stop sequence cut short is left out, as chat completions leave it (its input was {},
+        and a client's agent loop ran the tool with it)."""
+        cut_short = self.end is not None and self.stop_reason(self.end) == "stop_sequence"
         out = []
         for block in self.blocks:
             block = dict(block)
@@ -198,6 +201,8 @@ class MessageState:
                 try:
                     block["input"] = bounded_json.loads(partial) if partial else {}
                 except ValueError:  # invalid JSON, or past bounded_json's limits (an integer of 5,000 digits)
+                    if cut_short:
+                        continue
                     block["input"] = {}
             out.append(block)
         return out

@@ -39,3 +39,21 @@ def test_a_responses_function_call_a_stop_sequence_cut_short_is_incomplete():
         response.take(OutputChunk(token_ids=[1], text=text, end=end))
         (call,) = [item for item in response.output if item["type"] == "function_call"]
         assert call["status"] == status, call
+
+
+def test_an_anthropic_tool_use_a_stop_sequence_cut_short_is_left_out_of_the_whole_message():
+    """Its input was {} (no JSON object): a client's agent loop ran the tool with it. Chat
+    completions leave such a call out; so does the whole message now."""
+    from router.anthropic_api.messages import MessageState
+    from router.openai_api.tool_calls import ToolCalling
+    from router.openai_api.tool_parsers import ToolCallOutput
+    from router.output_stream import OutputChunk
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    hermes = ToolCalling(tools, "auto", parser="hermes")
+    for end, kinds in ((_end("stop", matched_stop="Paris"), ["text"]), (_end("eos"), ["text", "tool_use"])):
+        state = MessageState(ToolCallOutput(hermes))
+        complete = end.reason == "eos"
+        text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + ('Oslo"}}\n</tool_call>' if complete else "")
+        state.take(OutputChunk(token_ids=[1], text=text, end=end))
+        assert [block["type"] for block in state.content()] == kinds
