@@ -224,7 +224,10 @@ class Autoscaler:
             elif pool in self._corrections:
                 kept = self._corrections[pool]
                 lighter = base[pool] <= kept.plan - 2  # (lasting: one tick high, the next low is two at one load)
-                kept.lighter_since = None if not lighter else now if kept.lighter_since is None else kept.lighter_since
+                if not lighter:
+                    kept.lighter_since = None
+                elif kept.lighter_since is None:
+                    kept.lighter_since = now
                 if rate < (1 - CORRECTION_LOAD_DROP) * kept.rate or (lighter and now - kept.lighter_since >= self.config.scale_down_delay_s):
                     del self._corrections[pool]  # less load, or lighter requests, than the pool was short at
                 elif kept.size > sizes[pool]:

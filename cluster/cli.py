@@ -551,13 +551,18 @@ def _wait_until_group_ends(pgid: int, timeout_s: float) -> bool:
     return True
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (which may hold anything); OSError as open raises it."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()
+
+
 def _group_runs(pgid: int) -> bool:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold anything
+            fields = _stat_fields(int(entry))
         except OSError:
             continue
         if fields[0] != "Z" and int(fields[2]) == pgid:
@@ -578,8 +583,7 @@ def _recorded_alive(state: dict, name: str) -> bool:
 def process_start(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (None where /proc does not say)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[19])
+        return int(_stat_fields(pid)[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -587,8 +591,7 @@ def process_start(pid: int) -> int | None:
 def process_alive(pid: int) -> bool:
     """Running (a zombie waiting for a parent that is gone does not count)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return _stat_fields(pid)[0] != "Z"
     except FileNotFoundError:
         return False
     except OSError:

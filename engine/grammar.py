@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -107,7 +108,7 @@ class Grammars:
         return self._mask_thread.submit(self._masks, rows)
 
     def allows_any(self, grammar: SequenceGrammar, thinking: ThinkingState | None, token_ids: list[int] | None,
-                   excluded: list[int] = ()) -> bool:
+                   excluded: Sequence[int] = ()) -> bool:
         """Whether ``grammar`` lets any of ``token_ids`` (None: of the vocabulary) but
         ``excluded`` be its sequence's next token (inside a reasoning model's thinking every
         token is free). Computed on the caller's thread, so call it when no mask is being
@@ -116,8 +117,13 @@ class Grammars:
         if not constrained:
             return True
         words = bitmask[0]  # 32 tokens a word (a bad word banned every step: this runs per step)
-        if excluded:
-            ids = torch.tensor(sorted(set(excluded)), dtype=torch.long)
+        if token_ids is not None:
+            unwanted = set(excluded)
+            token_ids = [token for token in token_ids if token not in unwanted]
+            if not token_ids:
+                return False
+        elif excluded:
+            ids = torch.tensor(list(set(excluded)), dtype=torch.long)
             banned = torch.zeros_like(words)
             banned.index_add_(0, ids // 32, (1 << (ids % 32)).to(torch.int32))  # distinct bits: the sum is their OR
             words = words & ~banned

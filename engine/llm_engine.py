@@ -463,8 +463,8 @@ class LLMEngine:
 
     def _run_now(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """``_run_checked`` for the batch's sequences that can draw a token at all: one whose
-        allowed_token_ids hold no token its grammar allows next leaves it first, ended as the
-        client's error naming the field (checked before the forward, on the rare sequence with
+        allowed_token_ids (or bad_words) leave its grammar no next token leaves it first, ended
+        as the client's error naming the field (checked before the forward, on the rare sequence with
         both: the rest of the batch runs once, as it would without it)."""
         refused = [
             (piece.seq, field) for piece in batch.slices
@@ -483,13 +483,11 @@ class LLMEngine:
         next token to draw, or None. (Drawn anyway, the row is all -inf: a token the grammar
         forbids, reported as a normal end.)"""
         allowed, banned = seq.params.allowed_token_ids, banned_tokens(seq)
-        if allowed is None and not banned:
-            return None
+        if (allowed is None and not banned) or self.grammars.allows_any(seq.grammar, seq.thinking, allowed, banned):
+            return None  # (one mask, on the per-step path; a second only to name a refusal's field)
         if allowed is not None and not self.grammars.allows_any(seq.grammar, seq.thinking, allowed):
             return "allowed_token_ids"
-        if banned and not self.grammars.allows_any(seq.grammar, seq.thinking, allowed, banned):
-            return "bad_words"
-        return None
+        return "bad_words"
 
     def _run_checked(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Forward, sample and advance one scheduled batch.

@@ -11,7 +11,7 @@ those of the distribution the grammar allows, before any of the request's own tr
 from __future__ import annotations
 
 import functools
-
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +24,7 @@ from engine.sequence import Sequence, TokenLogprob
 
 _SEED_MASK = (1 << 63) - 1
 _UINT64_MASK = (1 << 64) - 1
-_INT_HASH_MODULUS = (1 << 61) - 1  # sys.hash_info.modulus: Python hashes integers modulo this
+_INT_HASH_MODULUS = sys.hash_info.modulus  # Python hashes integers modulo this
 
 
 class Sampler:

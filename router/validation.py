@@ -224,7 +224,7 @@ def validate_input(
     stop = _stop_strings(request.stop, limits, request.field_name("stop"))
     params = _sampling_params(request, limits, encode)
     prompt_text, prompt_token_ids = _prompt(request, limits, encode)
-    _fit_context(params, len(prompt_token_ids), request.max_tokens is not None, limits, request)
+    _fit_context(params, len(prompt_token_ids), limits, request)
     return ValidatedRequest(
         req_id=req_id,
         prompt_token_ids=prompt_token_ids,
@@ -452,27 +452,23 @@ def _check_prompt_fits(num_prompt_tokens: int, limits: RequestLimits) -> None:
         )
 
 
-def _fit_context(
-    params: SamplingParams, num_prompt_tokens: int, explicit_max_tokens: bool, limits: RequestLimits, request: GenerateInput
-) -> None:
+def _fit_context(params: SamplingParams, num_prompt_tokens: int, limits: RequestLimits, request: GenerateInput) -> None:
     _check_prompt_fits(num_prompt_tokens, limits)
     room = limits.max_context_len - num_prompt_tokens
-    if not explicit_max_tokens:
+    if request.max_tokens is None:  # unset: what fits, never below min_tokens
         params.max_tokens = min(max(params.max_tokens, params.min_tokens), room)
         if params.min_tokens > params.max_tokens:
-            name = request.field_name("min_tokens")
-            raise InvalidArgumentError(
-                name,
-                f"prompt ({num_prompt_tokens} tokens) + {name.rpartition('.')[2]} ({params.min_tokens}) exceeds the model's context "
-                f"of {limits.max_context_len} tokens; at most {room} new tokens fit",
-            )
+            raise _past_context(request.field_name("min_tokens"), params.min_tokens, num_prompt_tokens, room, limits)
     elif params.max_tokens > room:
-        name = request.field_name("max_tokens")
-        raise InvalidArgumentError(
-            name,
-            f"prompt ({num_prompt_tokens} tokens) + {name.rpartition('.')[2]} ({params.max_tokens}) exceeds the model's context "
-            f"of {limits.max_context_len} tokens; at most {room} new tokens fit",
-        )
+        raise _past_context(request.field_name("max_tokens"), params.max_tokens, num_prompt_tokens, room, limits)
+
+
+def _past_context(name: str, count: int, num_prompt_tokens: int, room: int, limits: RequestLimits) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        name,
+        f"prompt ({num_prompt_tokens} tokens) + {name.rpartition('.')[2]} ({count}) exceeds the model's context "
+        f"of {limits.max_context_len} tokens; at most {room} new tokens fit",
+    )
 
 
 def _signed_seed(seed: int | None) -> int | None:

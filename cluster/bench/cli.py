@@ -20,18 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+from cluster.arguments import positive_float
 from cluster.bench.arrivals import ArrivalSpec
 from cluster.bench.metrics import SLO
 from cluster.bench.workloads import WORKLOAD_KINDS, WorkloadSpec
 
 logger = logging.getLogger(__name__)
-
-
-def _rate(text: str) -> float:
-    value = float(text)  # accepts "inf"
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text}")
-    return value
 
 
 def _rates(text: str) -> list[float]:
@@ -65,7 +59,7 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_load_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("load")
-    group.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (default inf: all at once)")
+    group.add_argument("--request-rate", type=positive_float, default=math.inf, help="requests/s (default inf: all at once)")
     group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival gaps; 1 = Poisson, <1 burstier")
     group.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     group.add_argument("--num-warmup", "--num-warmups", dest="num_warmup", type=int, default=2, help="requests sent first and not counted")
@@ -142,12 +136,12 @@ def bench_spec_from_args(args: argparse.Namespace):
     """The BenchSpec that ``bench``'s flags describe (ValueError names a bad flag)."""
     from cluster.bench.runner import BenchSpec
 
-    sharegpt_output_len = getattr(args, "sharegpt_output_len", None)
+    fixed_len = getattr(args, "sharegpt_output_len", None) if args.workload == "sharegpt" else None  # (a ShareGPT flag, as vLLM's)
     workload = WorkloadSpec(
         kind=args.workload,
         num_requests=args.num_requests,
         input_len=args.input_len,
-        output_len=args.output_len if sharegpt_output_len is None or args.workload != "sharegpt" else sharegpt_output_len,
+        output_len=args.output_len if fixed_len is None else fixed_len,
         range_ratio=args.range_ratio,
         long_fraction=args.long_fraction,
         long_input_len=args.long_input_len,
@@ -155,7 +149,7 @@ def bench_spec_from_args(args: argparse.Namespace):
         prefix_len=args.prefix_len,
         dataset_path=args.dataset,
         tokenizer_path=args.tokenizer or _model_tokenizer(getattr(args, "model_dir", None)),
-        fixed_output_len=args.fixed_output_len or (sharegpt_output_len is not None and args.workload == "sharegpt"),
+        fixed_output_len=args.fixed_output_len or fixed_len is not None,
         seed=args.seed,
     )
     workload.validate()

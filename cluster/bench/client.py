@@ -10,6 +10,7 @@ timing go into the record. Errors are recorded, never raised: a failed request i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
@@ -132,15 +133,17 @@ class BenchClient:
         info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True, metadata=self._metadata)
         return ModelLimits(vocab_size=info.vocab_size, max_context_len=info.max_context_len, eos_token_ids=tuple(info.eos_token_ids))
 
+    def _slots(self):
+        """What a request holds while in flight: one of ``max_concurrency`` slots (no cap: nothing)."""
+        cap = self.config.max_concurrency
+        return asyncio.Semaphore(cap) if cap else contextlib.nullcontext()
+
     async def warm_up(self, requests: list[BenchRequest]) -> None:
         """Send ``requests`` concurrently, at most ``max_concurrency`` at a time (as vLLM's warm-up
         goes through its semaphore), and wait for them; nothing is recorded."""
-        cap = self.config.max_concurrency
-        slots = asyncio.Semaphore(cap) if cap else None
+        slots = self._slots()
 
         async def one(index: int, request: BenchRequest) -> RequestRecord:
-            if slots is None:
-                return await self._send(index, request, 0.0, f"{self.config.request_id_prefix}-warmup-{index}")
             async with slots:
                 return await self._send(index, request, 0.0, f"{self.config.request_id_prefix}-warmup-{index}")
 
@@ -153,19 +156,15 @@ class BenchClient:
         """Send every request at its offset (seconds from now); return the records in request order."""
         if len(offsets) != len(requests):
             raise ValueError(f"offsets: {len(offsets)} given for {len(requests)} requests")
-        cap = self.config.max_concurrency
-        slots = asyncio.Semaphore(cap) if cap else None
+        slots = self._slots()
         self._t0 = time.perf_counter()
 
         async def one(index: int, request: BenchRequest, offset: float) -> RequestRecord:
             delay = offset - self.now_s()
             if delay > 0:
                 await asyncio.sleep(delay)
-            if slots is None:
+            async with slots:
                 record = await self._send(index, request, offset)
-            else:
-                async with slots:
-                    record = await self._send(index, request, offset)
             if on_done is not None:
                 on_done(record)
             return record

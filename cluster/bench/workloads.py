@@ -171,10 +171,11 @@ def load_sharegpt(path: Path, spec: WorkloadSpec, limits: ModelLimits, rng: rand
     rng.shuffle(pairs)
     requests = []
     for prompt, reply in pairs:
-        prompt_len = count(prompt) if count else len(prompt.encode("utf-8")) + 1
+        size = len(prompt.encode("utf-8"))
+        prompt_len = count(prompt) if count else size + 1
         # vLLM's caps are on tokens: without a tokenizer, judged at four bytes a token (the
         # upper bound above would drop three quarters of what vLLM keeps).
-        likely_len = prompt_len if count else -(-len(prompt.encode("utf-8")) // 4)
+        likely_len = prompt_len if count else -(-size // 4)
         output_len = spec.output_len if spec.fixed_output_len else (count(reply) if count else -(-len(reply.encode("utf-8")) // 4))
         # Too short says nothing about serving; as vLLM's bench serve keeps them (a prompt of at
         # most 1,024 tokens, 2,048 with the reply), and what the router would refuse.

@@ -832,7 +832,8 @@ class Simulation:
         runs out (after the step computing now, which has its blocks)."""
         if worker.busy and not worker.epoch_chunks and worker.epoch_stage is None and worker.epoch_steps > 1:
             fits = self._steps_before_the_cache_runs_out(worker, worker.epoch_steps)
-            self._cut_run(worker, max(fits, self._step_running(worker) + 1))
+            if fits < worker.epoch_steps:  # (as for nearly every reservation: nothing to cut)
+                self._cut_run(worker, max(fits, self._step_running(worker) + 1))
 
     def _has_room(self, worker: _DecodeWorker, blocks: int) -> bool:
         # Bounds first (this is asked of every worker a full pool walks past): never more than
@@ -874,9 +875,8 @@ class Simulation:
         ``engine.scheduler`` does: by recompute, the last to arrive of the sequences it computes
         first (a lone decoding sequence the cache cannot hold goes on: it takes what there is)."""
         while worker.num_running > worker.free_blocks and self._growth_blocks(worker, 1) > worker.free_blocks:
-            decoding = max((entry[2] for entry in worker.running), key=_arrival_order)
-            started = [r for r in worker.prefilling if r.held]
-            prefilling = max(started, key=_arrival_order) if started else None
+            decoding = _last_decoding(worker)
+            prefilling = _last_started(worker)
             if prefilling is not None and prefilling.order > decoding.order:
                 self._preempt_prefill(worker, prefilling)
             elif worker.num_running > 1 or self._blocks(self._length(worker, decoding) + 1) <= self.decode_blocks:
@@ -940,7 +940,7 @@ class Simulation:
             if blocks > worker.free_blocks:
                 # More than the cache: a lone sequence longer than it (a reservation's step
                 # in flight at most otherwise). It takes what there is.
-                last = max((entry[2] for entry in worker.running), key=_arrival_order)
+                last = _last_decoding(worker)
                 last.overrun += blocks - worker.free_blocks
                 blocks = worker.free_blocks
             worker.free_blocks -= blocks
@@ -1029,7 +1029,7 @@ class Simulation:
             # Prompts part-way through hold the blocks the next chunk needs, and nothing else
             # runs: the last to arrive gives its up (engine.scheduler preempts when a step
             # would schedule nothing).
-            self._preempt_prefill(worker, max((r for r in worker.prefilling if r.held), key=_arrival_order))
+            self._preempt_prefill(worker, _last_started(worker))
             chunks, unpaused = self._prompt_chunks(worker, batch)
         if not batch and not chunks and stage is None:
             return  # idle until something arrives
@@ -1178,6 +1178,14 @@ def _arrival_order(request: _Request) -> int:
     return request.order
 
 
+def _last_decoding(worker: _DecodeWorker) -> _Request:
+    """The running sequence that arrived last (the engine preempts it first)."""
+    return max((entry[2] for entry in worker.running), key=_arrival_order)
+
+
+def _last_started(worker: _DecodeWorker) -> _Request | None:
+    """The part-computed prompt that arrived last (``prefilling`` is kept in arrival order)."""
+    return next((request for request in reversed(worker.prefilling) if request.held), None)
 
 
 # A decode worker's load as each routing policy ranks it (the lowest is picked; ties: the lower

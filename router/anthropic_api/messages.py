@@ -125,7 +125,12 @@ class MessageState:
     end: StreamEnd | None = None
 
     def stop_reason(self, end: StreamEnd) -> str | None:
-        return stop_reason(end, self.calls_seen > 0, self.tools is None or self.tools.calls_complete)
+        return stop_reason(end, self.calls_seen > 0, self.tools is None or not self.tools.cut_short(end))
+
+    def stop_fields(self, end: StreamEnd) -> dict[str, Any]:
+        """A finished message's stop_reason and stop_sequence."""
+        reason = self.stop_reason(end)
+        return {"stop_reason": reason, "stop_sequence": end.matched_stop if reason == "stop_sequence" else None}
 
     def take(self, chunk: OutputChunk) -> list[dict[str, Any]]:
         """The stream events for a chunk (content block starts, deltas, stops); the whole blocks grow too."""
@@ -188,11 +193,14 @@ class MessageState:
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
         return {"type": "content_block_delta", "index": self.open_index, "delta": delta}
 
-    def content(self) -> list[dict[str, Any]]:
+    def content(self, reason: str | None = None) -> list[dict[str, Any]]:
         """The whole message's content blocks (a tool call's input parsed from its JSON). A call
-        a stop sequence cut short is left out, as chat completions leave it (its input was {},
-        and a client's agent loop ran the tool with it)."""
-        cut_short = self.end is not None and self.stop_reason(self.end) == "stop_sequence"
+        a stop sequence cut short (``reason``, the message's stop_reason, if worked out already)
+        is left out, as chat completions leave it (its input was {}, and a client's agent loop
+        ran the tool with it)."""
+        if reason is None and self.end is not None:
+            reason = self.stop_reason(self.end)
+        cut_short = reason == "stop_sequence"
         out = []
         for block in self.blocks:
             block = dict(block)
@@ -252,12 +260,12 @@ class MessagesFrontEnd:
         finally:
             await session.close()
 
-    def _message(self, message_id: str, model: str, content: list, end: StreamEnd | None, state: MessageState, prompt_tokens: int) -> dict[str, Any]:
-        reason = None if end is None else state.stop_reason(end)
+    def _message(self, message_id: str, model: str, end: StreamEnd | None, state: MessageState, prompt_tokens: int) -> dict[str, Any]:
+        """The message as it stands (``end`` None: it has only started: no content yet)."""
+        stop = {"stop_reason": None, "stop_sequence": None} if end is None else state.stop_fields(end)
+        content = [] if end is None else state.content(stop["stop_reason"])
         return {
-            "id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": reason,
-            "stop_sequence": end.matched_stop if reason == "stop_sequence" else None,
+            "id": message_id, "type": "message", "role": "assistant", "model": model, "content": content, **stop,
             "usage": usage(end, prompt_tokens, state.num_tokens),
         }
 
@@ -269,7 +277,7 @@ class MessagesFrontEnd:
         end = state.end
         if end is None or end.reason in ("error", "abort"):
             raise end_failure(end, state.num_tokens)
-        return web.json_response(self._message(message_id, model, state.content(), end, state, prompt_tokens))
+        return web.json_response(self._message(message_id, model, end, state, prompt_tokens))
 
     async def _stream(self, request: web.Request, message_id: str, model: str, state: MessageState, prompt_tokens: int, chunks) -> web.StreamResponse:
         response = sse.event_stream()
@@ -281,7 +289,7 @@ class MessagesFrontEnd:
                         raise end_failure(chunk.end, state.num_tokens)  # nothing sent yet: a real status, as unstreamed
                     await response.prepare(request)
                     started = True
-                    start = self._message(message_id, model, [], None, state, prompt_tokens)
+                    start = self._message(message_id, model, None, state, prompt_tokens)
                     start["usage"]["output_tokens"] = 0
                     await sse.send(response, {"type": "message_start", "message": start}, named=True)
                 for event in state.take(chunk):
@@ -292,9 +300,7 @@ class MessagesFrontEnd:
                 if end.reason in ("error", "abort"):
                     await sse.send(response, error_body(end_failure(end, state.num_tokens))[1], named=True)
                     break
-                reason = state.stop_reason(end)
-                delta = {"stop_reason": reason, "stop_sequence": end.matched_stop if reason == "stop_sequence" else None}
-                await sse.send(response, {"type": "message_delta", "delta": delta, "usage": usage(end, prompt_tokens, state.num_tokens)}, named=True)
+                await sse.send(response, {"type": "message_delta", "delta": state.stop_fields(end), "usage": usage(end, prompt_tokens, state.num_tokens)}, named=True)
                 await sse.send(response, {"type": "message_stop"}, named=True)
                 break
             await response.write_eof()

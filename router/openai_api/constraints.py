@@ -86,5 +86,3 @@ def _structured(kind: str, value: Any, name: str) -> StructuredOutput:
         return StructuredOutput.build(kind, value, name)
     except InvalidRequestError as exc:
         raise InvalidArgumentError(exc.field, exc.problem) from None
-
-

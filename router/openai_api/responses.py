@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import TokenLogprob
+from router.detokenizer import REPLACEMENT_CHAR
 from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, content_and_deltas, split_answer
 from router.output_stream import OutputChunk, StreamEnd
@@ -92,7 +93,7 @@ class ChoiceState:
         logprobs = None
         if self.num_logprobs is not None and (chunk.logprobs or prompt_entries):
             if self.chat:
-                entries = [_chat_entry(t, e, self._namer(tokenizer), tokenizer) for t, e in zip(chunk.token_ids, chunk.logprobs)]
+                entries = [_chat_entry(t, e, self.tokens_as_ids, tokenizer) for t, e in zip(chunk.token_ids, chunk.logprobs)]
                 self.chat_logprobs.extend(entries)
                 logprobs = {"content": entries}
             else:
@@ -136,7 +137,7 @@ class ChoiceState:
         """How logprobs name a token: its text, or with return_tokens_as_token_ids "token_id:<id>"
         (a token that is not a whole character still names itself exactly)."""
         if self.tokens_as_ids:
-            return lambda token_id: f"token_id:{token_id}"
+            return _id_name
         return lambda token_id: _token_text(token_id, tokenizer)
 
     def _completion_logprobs(self, tokens: list[tuple[int, TokenLogprob | None]], tokenizer: Tokenizer) -> dict[str, list]:
@@ -288,18 +289,25 @@ def _prompt_entry(token_id: int, entry: TokenLogprob, num_top: int, name: Callab
     return out
 
 
-def _chat_entry(token_id: int, entry: TokenLogprob, name: Callable[[int], str], tokenizer: Tokenizer) -> dict[str, Any]:
-    top = []
-    for alt_id, alt_logprob in entry.top:
-        top.append({"token": name(alt_id), "logprob": _logprob(alt_logprob), "bytes": _token_bytes(alt_id, tokenizer)})
-    return {"token": name(token_id), "logprob": _logprob(entry.logprob), "bytes": _token_bytes(token_id, tokenizer), "top_logprobs": top}
+def _id_name(token_id: int) -> str:
+    """return_tokens_as_token_ids' name of a token."""
+    return f"token_id:{token_id}"
 
 
-def _token_bytes(token_id: int, tokenizer: Tokenizer) -> list[int]:
-    """OpenAI's ``bytes`` of a token: its text's UTF-8, or for a token that holds part of a
-    character (its text alone is U+FFFD) the bytes it stands for, which a client joins with
-    its neighbours' into the character."""
-    text = _token_text(token_id, tokenizer)
-    if "\ufffd" in text and (raw := tokenizer.token_bytes(token_id)) is not None:
+def _chat_entry(token_id: int, entry: TokenLogprob, tokens_as_ids: bool, tokenizer: Tokenizer) -> dict[str, Any]:
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(token, tokenizer)  # (once: the name and the bytes both come from it)
+        name = _id_name(token) if tokens_as_ids else text
+        return {"token": name, "logprob": _logprob(logprob), "bytes": _token_bytes(token, tokenizer, text)}
+
+    return {**one(token_id, entry.logprob), "top_logprobs": [one(alt_id, alt_logprob) for alt_id, alt_logprob in entry.top]}
+
+
+def _token_bytes(token_id: int, tokenizer: Tokenizer, text: str | None = None) -> list[int]:
+    """OpenAI's ``bytes`` of a token (``text``: its decoding, if already made): its text's UTF-8,
+    or for a token that holds part of a character (its text alone is U+FFFD) the bytes it
+    stands for, which a client joins with its neighbours' into the character."""
+    text = _token_text(token_id, tokenizer) if text is None else text
+    if REPLACEMENT_CHAR in text and (raw := tokenizer.token_bytes(token_id)) is not None:
         return list(raw)
     return list(text.encode("utf-8"))

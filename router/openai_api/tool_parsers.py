@@ -16,7 +16,7 @@ from router.openai_api.tool_formats import READERS, RequiredListReader
 
 if TYPE_CHECKING:
     from router.openai_api.reasoning import ReasoningSplitter
-    from router.output_stream import OutputChunk
+    from router.output_stream import OutputChunk, StreamEnd
 
 
 @dataclass(slots=True)
@@ -70,12 +70,14 @@ class ToolCallOutput:
         inside them, and a client told to run it would fail parsing them)."""
         return all(isinstance(json_or(call["function"]["arguments"], None), dict) for call in self.calls)
 
-    def finish_reason_at(self, end) -> str | None:
+    def cut_short(self, end: StreamEnd) -> bool:
+        """Whether a stop string (``end.matched_stop``) cut a call short."""
+        return bool(end.matched_stop) and not self.calls_complete
+
+    def finish_reason_at(self, end: StreamEnd) -> str | None:
         """``finish_reason`` for an answer that ended so: no calls made where a stop string cut
-        one short (``end.matched_stop``); vLLM's otherwise, whatever the arguments are."""
-        if end is not None and end.matched_stop and not self.calls_complete:
-            return None
-        return self.finish_reason
+        one short; vLLM's otherwise, whatever the arguments are."""
+        return None if self.cut_short(end) else self.finish_reason
 
     def feed(self, text: str) -> list[OutputPart]:
         """The next piece of the answer as what to send, in the answer's order: content, and
