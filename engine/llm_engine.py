@@ -324,10 +324,11 @@ class LLMEngine:
         return digest
 
     def unload_adapter(self, name: str) -> bool:
-        """Take no new requests through ``name``; its version is freed when the last running
-        request through it ends. False if it was not served."""
-        digest = self.adapters.names.get(name)
-        return digest is not None and self.drop_adapter_version(digest)
+        """Take no new requests through ``name``; its version, unless another name serves it
+        too, is freed when the last running request through it ends. False if it was not served."""
+        unloaded = self.adapters.forget(name)
+        self._release_adapters()
+        return unloaded
 
     def drop_adapter_version(self, digest: str) -> bool:
         """No new request computes with this version (by any name); freed once unused. False

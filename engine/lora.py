@@ -271,6 +271,17 @@ class AdapterTable:
             del self.names[name]
         return True
 
+    def forget(self, name: str) -> bool:
+        """No new request gets a version through ``name``; its version is dropped unless another
+        name still gives it (one adapter's files may be served under two names). False if
+        ``name`` is not served."""
+        digest = self.names.pop(name, None)
+        if digest is None:
+            return False
+        if digest not in self.names.values():
+            self.retiring.add(digest)
+        return True
+
     def release(self, slots_in_use: set[int]) -> list[int]:
         """The slots of dropped versions no request uses any more (forgotten here)."""
         freed = []

@@ -103,7 +103,11 @@ class LoraAdapters:
                 # Undone where it loaded (or may still be loading: a drop runs after it there);
                 # the version requests are pinned to stays as it was.
                 for digest in digests - {previous}:
-                    await self._drop_from(records, digest)
+                    if self._serves(digest):
+                        loaded = [r for r, result in zip(records, results) if result == digest]
+                        await asyncio.gather(*(self._undo_load(r.handle, name, digest) for r in loaded))
+                    else:
+                        await self._drop_from(records, digest)
                 if failed:
                     record, error = failed[0]
                     raise InvalidArgumentError("lora_path", f"worker {record.worker_id} cannot serve it: {remote_cause(error)}")
@@ -120,7 +124,7 @@ class LoraAdapters:
             logger.info("LoRA adapter %s served from %s by %d workers", name, adapter_dir, len(records))
             self.on_change()
             if previous is not None and previous != self.digests.get(name):
-                self._drop_when_unused(previous)
+                self._drop_when_unused(previous, name)
 
     async def unload(self, name: str) -> None:
         """Name ``name`` in no new request; its version is dropped once no request uses it."""
@@ -131,8 +135,12 @@ class LoraAdapters:
             self._files.pop(name, None)
             digest = self.digests.pop(name, None)
             self.on_change()
-            if digest is not None:
-                self._drop_when_unused(digest)
+            if digest is not None and self._serves(digest):
+                # Its files are served under another name too: the workers forget this name now
+                # (requests are pinned to the version, which stays), so it can be loaded again.
+                await self._unload_name(name)
+            elif digest is not None:
+                self._drop_when_unused(digest, name)
             logger.info("LoRA adapter %s unloaded", name)
 
     async def catch_up(self, worker_id: str, handle, adopt: bool = False) -> None:
@@ -151,10 +159,10 @@ class LoraAdapters:
                     continue
                 adapter = self._files.get(name, adapter_dir)
                 digest = await asyncio.wait_for(handle.load_lora_adapter.remote(name, adapter, name in held), LOAD_TIMEOUT_S)
-                if name in held:
+                if name in held and not self._serves(held[name]):
                     await handle.drop_lora_version.remote(held[name])
                 if self.digests.setdefault(name, digest) != digest:
-                    await handle.drop_lora_version.remote(digest)
+                    await self._undo_load(handle, name, digest)
                     raise InvalidArgumentError("lora_path", f"worker {worker_id} reads another adapter at {adapter_dir!r} than the others")
                 logger.info("worker %s: LoRA adapter %s loaded on joining", worker_id, name)
 
@@ -175,9 +183,30 @@ class LoraAdapters:
             task.cancel()
         await asyncio.gather(*self._drops, return_exceptions=True)
 
-    def _drop_when_unused(self, digest: str) -> None:
-        """Drop a version from every worker once no admitted request computes with it (a request
-        validated just before it stopped being named gets a moment to be admitted)."""
+    def _serves(self, digest: str) -> bool:
+        """Whether some name gives new requests this version."""
+        return digest in self.digests.values()
+
+    async def _undo_load(self, handle, name: str, digest: str) -> None:
+        """``handle``'s worker no longer serves ``name`` as ``digest``, a version it just loaded:
+        the version is dropped there unless another name serves the same files."""
+        if self._serves(digest):
+            await handle.unload_lora_adapter.remote(name)
+        else:
+            await handle.drop_lora_version.remote(digest)
+
+    async def _unload_name(self, name: str) -> None:
+        records = list(self.pool.workers.values())
+        results = await asyncio.gather(*(r.handle.unload_lora_adapter.remote(name) for r in records), return_exceptions=True)
+        for record, result in zip(records, results):
+            if isinstance(result, BaseException) and not _worker_gone(result):
+                logger.warning("worker %s: unloading LoRA adapter %s failed: %r", record.worker_id, name, result)
+
+    def _drop_when_unused(self, digest: str, name: str) -> None:
+        """Drop a version ``name`` gave from every worker once no admitted request computes with
+        it (a request validated just before it stopped being named gets a moment to be admitted).
+        Where another name took up the same files meanwhile, the version stays; only ``name``, if
+        it is still unloaded, is forgotten."""
 
         async def drop() -> None:
             idle_since = None
@@ -189,8 +218,10 @@ class LoraAdapters:
                     idle_since = loop.time()
                 await asyncio.sleep(DROP_POLL_S)
             async with self._lock:
-                if digest not in self.digests.values():  # not loaded again meanwhile
+                if not self._serves(digest):  # not loaded again meanwhile
                     await self._drop_from(list(self.pool.workers.values()), digest)
+                elif name not in self.paths:
+                    await self._unload_name(name)
 
         task = asyncio.get_running_loop().create_task(drop())
         self._drops.add(task)

@@ -50,3 +50,76 @@ def test_a_load_fails_where_a_worker_is_unreachable_not_where_it_died(tmp_path, 
             asyncio.run(scenario())
         assert refused.value.field == "lora_path" and "decode-1" in refused.value.problem
         assert adapters.paths == {}
+
+
+class _EngineWorker:
+    """A worker's LoRA calls answered by a real engine (the actor's own methods do the same
+    through its engine thread)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.lora_adapters = _Answer(lambda: engine.adapters.served)
+        self.load_lora_adapter = _Answer(self._load)
+        self.unload_lora_adapter = _Answer(engine.unload_adapter)
+        self.drop_lora_version = _Answer(engine.drop_adapter_version)
+
+    def _load(self, name, adapter, replace=False):
+        with adapter.written() as directory:
+            return self.engine.load_adapter(name, str(directory), replace)
+
+
+class _Answer:
+    def __init__(self, method):
+        self.method = method
+
+    def remote(self, *args):
+        async def answer():
+            return self.method(*args)
+        return answer()
+
+
+def test_two_names_for_the_same_files_are_unloaded_and_loaded_one_at_a_time(tmp_path):
+    """One adapter's files served under two names share a version on the workers. Unloading one
+    name leaves the other served (by the running workers and by one that joins later), and the
+    unloaded name can be loaded again, with other files."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from tests.checkpoints import build_checkpoint, build_lora_adapter, hf_greedy
+
+    model = build_checkpoint("llama", tmp_path / "base")
+    shared = build_lora_adapter(model, tmp_path / "shared", seed=21)
+    other = build_lora_adapter(model, tmp_path / "other", seed=22)
+
+    def engine():
+        return LLMEngine(tmp_path / "base", EngineConfig(num_kv_blocks=64, num_threads=1))
+
+    pool = WorkerPool()
+    pool.add(WorkerRecord("decode-0", Role.DECODE, handle=_EngineWorker(engine())))
+    adapters = LoraAdapters({}, pool)
+    prompt = [5, 17, 3, 99, 42, 8]
+
+    def answer(worker, name):
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, lora_name=name, lora_digest=adapters.digest(name))
+        request = worker.engine.add_request(f"{name}-{len(worker.engine.scheduler.requests)}", prompt, params)
+        while worker.engine.has_unfinished_requests():
+            worker.engine.step()
+        return request.output_token_ids
+
+    async def scenario():
+        await adapters.load("alpha", str(tmp_path / "shared"))
+        await adapters.load("beta", str(tmp_path / "shared"))
+        assert adapters.digest("alpha") == adapters.digest("beta")
+        await adapters.unload("alpha")
+        joining = _EngineWorker(engine())
+        joining.engine.load_adapter("alpha", str(tmp_path / "shared"))  # a durable worker that missed the unload
+        joining.engine.load_adapter("beta", str(tmp_path / "shared"))
+        await adapters.catch_up("decode-1", joining)
+        pool.add(WorkerRecord("decode-1", Role.DECODE, handle=joining))
+        await adapters.load("alpha", str(tmp_path / "other"))
+        await adapters.close()
+        return joining
+
+    joining = asyncio.run(scenario())
+    expected = {"alpha": hf_greedy(other, prompt, 6), "beta": hf_greedy(shared, prompt, 6)}
+    for worker in (pool.workers["decode-0"].handle, joining):
+        assert worker.engine.adapters.served.keys() == {"alpha", "beta"}
+        assert {name: answer(worker, name) for name in expected} == expected
