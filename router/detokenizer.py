@@ -9,6 +9,11 @@ U+FFFD may be a character still missing bytes: that tail is held back until more
 or the request ends. ``finish`` reconciles against one full decode, so the concatenated deltas
 equal ``Tokenizer.decode(all_ids)``.
 
+A request's text continues its prompt: the detokenizer starts with the prompt's last few tokens as
+context whose text counts as sent (as vLLM does), so a decoder that strips the first token's
+leading space (SentencePiece's Metaspace) keeps the space before the answer's first word, and
+``echo`` joins prompt and answer as one text.
+
 That holds for decoders whose text for a token sequence extends their text for its prefix once
 the prefix ends on a whole character: byte-level BPE, SentencePiece-style Metaspace, WordPiece,
 and ByteFallback as long as the bytes form valid UTF-8. ByteFallback turns a whole run of byte
@@ -31,18 +36,27 @@ REPLACEMENT_CHAR = "\ufffd"
 _MAX_WINDOW_TOKENS = 8
 # Tokens kept as context when re-anchoring, tried shortest first.
 _MAX_CONTEXT_TOKENS = 4
+# The most prompt tokens tried as the answer's first context (the last ones may write no text:
+# special tokens skipped, a character's missing bytes).
+_MAX_PROMPT_CONTEXT_TOKENS = 24
 
 
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas, never splitting a character."""
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, req_id: str = "") -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, *, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True, req_id: str = ""
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._req_id = req_id
-        self._token_ids: list[int] = []
+        # The prompt's last tokens, then the output's: the context's text is not the answer's.
+        context = self._prompt_context(prompt_token_ids)
+        self._num_context = len(context)
+        self._context_text = self._decode_raw(context) if context else ""
+        self._token_ids: list[int] = list(context)
         self._window_start = 0  # index of the window's first token
-        self._window_sent = 0  # characters of the window's decoded text already passed on
+        self._window_sent = len(self._context_text)  # characters of the window's decoded text already passed on
         self._raw_parts: list[str] = []  # decoder output passed on so far (before clean-up)
         self._sent_parts: list[str] = []  # text returned to the caller so far
         self._num_sent_chars = 0
@@ -50,7 +64,8 @@ class IncrementalDetokenizer:
 
     @property
     def token_ids(self) -> list[int]:
-        return self._token_ids
+        """The output tokens so far."""
+        return self._token_ids[self._num_context :]
 
     @property
     def text(self) -> str:
@@ -79,7 +94,7 @@ class IncrementalDetokenizer:
         if self._finished:
             return ""
         self._finished = True
-        full_text = self._tokenizer.decode(self._token_ids, self._skip_special_tokens)
+        full_text = self._output_text(len(self._token_ids))
         sent = self.text
         if not full_text.startswith(sent):
             # Only a decoder whose output for a window is not a suffix of its output for the
@@ -95,15 +110,34 @@ class IncrementalDetokenizer:
         """How many of the tokens so far it takes to write the text's first ``num_chars``
         characters (all of them if they write fewer): where a stop string ended the answer.
         A few decodes of prefixes (a binary search), once per request."""
-        low, high = 0, len(self._token_ids)
+        low, high = 0, len(self._token_ids) - self._num_context
         while low < high:
             middle = (low + high) // 2
-            text = self._tokenizer.decode(self._token_ids[:middle], self._skip_special_tokens)
+            text = self._output_text(self._num_context + middle)
             if len(text.rstrip(REPLACEMENT_CHAR)) >= num_chars:  # a character still missing bytes is not written yet
                 high = middle
             else:
                 low = middle + 1
         return low
+
+    def _output_text(self, end: int) -> str:
+        """The text of the output tokens before ``end`` (an index into the context and output),
+        as one decode after the context writes it, cleaned as ``Tokenizer.decode`` cleans."""
+        text = self._decode_raw(self._token_ids[:end])
+        if text.startswith(self._context_text):
+            text = text[len(self._context_text) :]
+        else:  # the context's own text changed with what followed it: the output's alone
+            text = self._decode_raw(self._token_ids[self._num_context : end])
+        return clean_up_tokenization(text) if self._tokenizer.cleans_up_spaces else text
+
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The fewest last prompt tokens that write whole characters (empty if none do)."""
+        for num_tokens in range(1, min(len(prompt_token_ids), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
+            context = list(prompt_token_ids[-num_tokens:])
+            text = self._decode_raw(context)
+            if text and REPLACEMENT_CHAR not in text:
+                return context
+        return []
 
     def _decode_raw(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode_raw(token_ids, self._skip_special_tokens)

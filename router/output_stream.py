@@ -116,7 +116,9 @@ class OutputAssembler:
         # The tokens that end a request by being drawn (finish "stop", "eos"): their text is no
         # part of its answer.
         self.ending_token_ids = {"stop": set(request.sampling_params.stop_token_ids), "eos": set(eos_token_ids)}
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=request.skip_special_tokens, req_id=request.req_id)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids=request.prompt_token_ids, skip_special_tokens=request.skip_special_tokens, req_id=request.req_id
+        )
         self.stops = StopStringMatcher(request.stop, include_stop=request.include_stop_str)
         self.timing = RouterTiming(arrival=request.arrival_time)
         self.completion_token_ids: list[int] = []  # what the client was sent (a migrated stream resumes after them)

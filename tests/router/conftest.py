@@ -34,15 +34,23 @@ def byte_level_tokenizer(byte_level_dir) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def metaspace_tokenizer(tmp_path_factory) -> Tokenizer:
-    directory = save_model_dir(tmp_path_factory.mktemp("metaspace"), train_metaspace_bpe(), BASE_CONFIG)
-    return Tokenizer.from_model_dir(directory)
+def metaspace_dir(tmp_path_factory) -> Path:
+    return save_model_dir(tmp_path_factory.mktemp("metaspace"), train_metaspace_bpe(), BASE_CONFIG)
 
 
 @pytest.fixture(scope="session")
-def byte_fallback_tokenizer(tmp_path_factory) -> Tokenizer:
-    directory = save_model_dir(tmp_path_factory.mktemp("byte_fallback"), build_byte_fallback_bpe(), BASE_CONFIG)
-    return Tokenizer.from_model_dir(directory)
+def metaspace_tokenizer(metaspace_dir) -> Tokenizer:
+    return Tokenizer.from_model_dir(metaspace_dir)
+
+
+@pytest.fixture(scope="session")
+def byte_fallback_dir(tmp_path_factory) -> Path:
+    return save_model_dir(tmp_path_factory.mktemp("byte_fallback"), build_byte_fallback_bpe(), BASE_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def byte_fallback_tokenizer(byte_fallback_dir) -> Tokenizer:
+    return Tokenizer.from_model_dir(byte_fallback_dir)
 
 
 @pytest.fixture(scope="session")

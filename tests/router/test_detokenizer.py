@@ -154,8 +154,8 @@ def test_long_output_keeps_a_short_decode_window(byte_level_tokenizer):
     detok = IncrementalDetokenizer(CountingTokenizer())
     for token_id in token_ids:
         detok.add_tokens([token_id])
-    assert detok.text + detok.finish() == byte_level_tokenizer.decode(token_ids)
     assert max(calls) <= 12, "per-step decode cost must not grow with the output length"
+    assert detok.text + detok.finish() == byte_level_tokenizer.decode(token_ids)  # one whole decode, at the end
 
 
 def test_finish_is_final(byte_level_tokenizer):
@@ -165,3 +165,25 @@ def test_finish_is_final(byte_level_tokenizer):
     assert detok.finish() == ""
     with pytest.raises(RuntimeError, match="r1"):
         detok.add_tokens([1])
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "byte_fallback", "byte_level", "wordpiece_cleanup"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_answer_continues_its_prompt_as_transformers_decodes_the_two_together(request, kind, seed):
+    """Streamed after its prompt, the answer is what transformers' decode of prompt and answer
+    adds to its decode of the prompt: a SentencePiece answer keeps the space before its first
+    word (a decoder strips the first token's space only), so ``echo`` joins the two as one text."""
+    from transformers import PreTrainedTokenizerFast
+
+    directory = request.getfixturevalue(f"{kind}_dir")
+    tok, reference = Tokenizer.from_model_dir(directory), PreTrainedTokenizerFast.from_pretrained(directory)
+    rng = random.Random(seed)
+    prompt = tok.encode("Café déjà vu: the quick brown fox", add_special_tokens=True)
+    answer = tok.encode(" jumps over the lazy dog. It 's 東京, isn't it ?", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+    streamed = "".join(stream(detok, answer, random_batches(rng, len(answer))))
+    whole, before = reference.decode(prompt + answer, skip_special_tokens=True), reference.decode(prompt, skip_special_tokens=True)
+    assert whole.startswith(before) and streamed == whole[len(before) :]
+    assert detok.token_ids == answer
+    if kind != "wordpiece_cleanup":
+        assert streamed.startswith(" jumps")
