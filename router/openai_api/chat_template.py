@@ -1,7 +1,8 @@
 """Render a chat as the model's chat template renders it in transformers.
 
 ``apply_chat_template`` compiles the template in a sandboxed Jinja environment with
-``trim_blocks`` and ``lstrip_blocks``, the loop-control extension, a ``tojson`` filter that
+``trim_blocks`` and ``lstrip_blocks``, the loop-control extension, the ``{% generation %}`` tag
+(which marks the assistant's part for training and renders its body), a ``tojson`` filter that
 keeps non-ASCII text as it is, and the globals ``raise_exception`` and ``strftime_now``; it
 renders with ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and the named
 special tokens (``bos_token``, ``eos_token``, ...), and tokenizes the result without adding
@@ -39,9 +40,27 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks what the assistant wrote with
+    it (for assistant-only training masks); rendering a prompt, the body is rendered as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _render_body(caller) -> str:
+        return caller()
+
+
 @functools.lru_cache(maxsize=8)
 def _compile(template: str) -> jinja2.Template:
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+    )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now

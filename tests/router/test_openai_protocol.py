@@ -27,6 +27,11 @@ TEMPLATES = {
         "<{{ m.role }}> {{ m.content }}{{ eos_token }}\n  {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}<assistant>{% endif %}"
     ),
     "json": "{% for m in messages %}{{ m | tojson }}{% if not loop.last %},{% endif %}{% endfor %}{{ extra_flag }}",
+    # TRL's assistant-only-loss templates mark the assistant's text (transformers renders the body).
+    "generation": (
+        "{% for m in messages %}{% if m.role == 'assistant' %}<a>{% generation %}{{ m.content }}</s>{% endgeneration %}"
+        "{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    ),
 }
 MESSAGES = [
     {"role": "system", "content": "  Be brief. Ünïcode ok  "},
