@@ -396,9 +396,10 @@ def _messages(body: dict) -> list[dict[str, Any]]:
     return out
 
 
-def _content(value: Any, name: str) -> str | None:
-    """Text content (None stays None)."""
-    return None if value is None else text_parts(value, name, ("text",))
+def _content(value: Any, name: str) -> str:
+    """Text content; none (an assistant's turn of tool calls sends ``null``) is empty text, as
+    vLLM renders it: templates print or concatenate content, and would write "None" or fail."""
+    return "" if value is None else text_parts(value, name, ("text",))
 
 
 def _stop(body: dict) -> list[str]:

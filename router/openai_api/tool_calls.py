@@ -169,7 +169,7 @@ def check_message_tool_fields(message: dict, name: str) -> dict[str, Any]:
             where = f"{name}.tool_calls[{index}]"
             if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
                 raise InvalidArgumentError(where, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
-            if not isinstance(call["function"].get("name"), str) or not isinstance(call["function"].get("arguments", ""), str):
+            if not isinstance(call["function"].get("name"), str) or not isinstance(call["function"].get("arguments") or "", str):
                 raise InvalidArgumentError(f"{where}.function", "needs a name and arguments as JSON text")
         out["tool_calls"] = calls
     call_id = message.get("tool_call_id")
@@ -209,12 +209,15 @@ def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _with_parsed_arguments(call: dict[str, Any], short_id: bool) -> dict[str, Any]:
+    """A past call as templates take it: its arguments an object (none written, as clients send a
+    call without arguments: ``""``, ``null``, ``"null"``: an empty one, as vLLM renders them)."""
     function = dict(call.get("function") or {})
     arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        parsed = json_or(arguments, None)
-        if isinstance(parsed, dict):
-            function["arguments"] = parsed
+    written = arguments.strip() if isinstance(arguments, str) else arguments
+    if written in (None, "", "null"):
+        function["arguments"] = {}
+    elif isinstance(written, str) and isinstance(parsed := json_or(written, None), (dict, list)):
+        function["arguments"] = parsed
     call = {**call, "function": function}
     if short_id and isinstance(call.get("id"), str):
         call["id"] = mistral_id(call["id"])

@@ -276,6 +276,28 @@ MISTRAL_TEMPLATE = """{%- for message in messages %}
 {%- endfor %}"""
 
 
+def test_an_agents_history_renders_with_null_content_and_calls_written_without_arguments():
+    """Agents send back a turn of tool calls with ``content: null``, and a call that takes no
+    arguments as ``""`` or ``null``: templates see empty content and empty arguments (as vLLM
+    renders them), not "None", a 400, or a prompt with nothing after ``"arguments":``."""
+    from router.openai_api.chat_template import ChatTemplate
+    from router.openai_api.protocol import render_conversation
+
+    concatenating = (  # Phi-4 and Granite add strings to content; Qwen3-Coder iterates arguments
+        "{% for m in messages %}{{ '<' + m.role + '>' + m.content }}{% for c in m.tool_calls or [] %}"
+        "[{{ c.function.name }}{% for k, v in c.function.arguments | items %} {{ k }}={{ v }}{% endfor %}]"
+        "{% endfor %}{% endfor %}"
+    )
+    for arguments in ("", None, "null", " "):
+        body = {"messages": [
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+        ]}
+        assert render_conversation(body, ChatTemplate(concatenating, {}), [TIME]) == "<user>Time?<assistant>[get_time]<tool>noon"
+
+
+
 def test_a_mistral_template_gets_the_tool_call_ids_it_takes():
     """Clients send back ids of every shape (OpenAI's call_..., another server's): for a Mistral
     template each becomes 9 letters and digits, the call's and its result's alike."""
