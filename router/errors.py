@@ -32,6 +32,15 @@ class InvalidArgumentError(RouterError, ValueError):
         self.problem = problem
 
 
+class ContextLengthError(InvalidArgumentError):
+    """The prompt, or the prompt and the tokens asked for, do not fit the model's context. Its
+    message says "This model's maximum context length is N tokens", as vLLM's and OpenAI's do:
+    clients (LiteLLM's ContextWindowExceededError, agents that then shorten their history)
+    recognise the error by that text and by OpenAI's code."""
+
+    error_code = "context_length_exceeded"
+
+
 class ResourceExhaustedError(RouterError):
     """The cluster cannot take this request now (queue full, no KV room); the client may retry later.
 

@@ -20,7 +20,7 @@ from engine.sampling_params import MAX_SEED, SamplingDefaults, SamplingParams
 from engine.structured_output import StructuredOutput, check_grammar
 from engine.thinking import Thinking
 from router.api.pdserve.v1 import generation_pb2 as pb
-from router.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError
+from router.errors import ContextLengthError, DeadlineExceededError, InvalidArgumentError, NotFoundError
 from router.proto_checks import check_known_fields
 
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:-]+")
@@ -379,7 +379,7 @@ def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[...,
     if request.prompt_token_ids is not None:
         token_ids = _truncated(list(request.prompt_token_ids), keep)
         # Length first: refusing an over-long prompt should not cost a scan of every id.
-        _check_prompt_fits(len(token_ids), limits)
+        _check_prompt_fits(len(token_ids), limits, ids_field)
         _check_vocabulary(token_ids, limits, ids_field, by_position=True, offset=len(request.prompt_token_ids) - len(token_ids))
         return None, token_ids
     text = request.prompt_text
@@ -443,17 +443,17 @@ def _check_vocabulary(token_ids: list[int], limits: RequestLimits, field: str, b
             raise InvalidArgumentError(field, f"tokenizes to token id {token_id} (at {index}), {outside}")
 
 
-def _check_prompt_fits(num_prompt_tokens: int, limits: RequestLimits) -> None:
+def _check_prompt_fits(num_prompt_tokens: int, limits: RequestLimits, field: str) -> None:
     if num_prompt_tokens >= limits.max_context_len:
-        raise InvalidArgumentError(
-            "prompt",
-            f"has {num_prompt_tokens} tokens; the model's context of {limits.max_context_len} tokens allows "
-            f"at most {limits.max_context_len - 1} so that one token can be generated",
+        raise ContextLengthError(
+            field,
+            f"This model's maximum context length is {limits.max_context_len} tokens. However, your request has "
+            f"{num_prompt_tokens} input tokens; at most {limits.max_context_len - 1} fit, so that one token can be generated",
         )
 
 
 def _fit_context(params: SamplingParams, num_prompt_tokens: int, limits: RequestLimits, request: GenerateInput) -> None:
-    _check_prompt_fits(num_prompt_tokens, limits)
+    _check_prompt_fits(num_prompt_tokens, limits, request.text_field if request.prompt_text is not None else request.ids_field)
     room = limits.max_context_len - num_prompt_tokens
     if request.max_tokens is None:  # unset: what fits, never below min_tokens
         params.max_tokens = min(max(params.max_tokens, params.min_tokens), room)
@@ -463,11 +463,13 @@ def _fit_context(params: SamplingParams, num_prompt_tokens: int, limits: Request
         raise _past_context(request.field_name("max_tokens"), params.max_tokens, num_prompt_tokens, room, limits)
 
 
-def _past_context(name: str, count: int, num_prompt_tokens: int, room: int, limits: RequestLimits) -> InvalidArgumentError:
-    return InvalidArgumentError(
+def _past_context(name: str, count: int, num_prompt_tokens: int, room: int, limits: RequestLimits) -> ContextLengthError:
+    context = limits.max_context_len
+    return ContextLengthError(
         name,
-        f"prompt ({num_prompt_tokens} tokens) + {name.rpartition('.')[2]} ({count}) exceeds the model's context "
-        f"of {limits.max_context_len} tokens; at most {room} new tokens fit",
+        f"'{name.rpartition('.')[2]}' is too large: {count}. This model's maximum context length is {context} tokens "
+        f"and your request has {num_prompt_tokens} input tokens ({count} > {context} - {num_prompt_tokens}); "
+        f"at most {room} new tokens fit",
     )
 
 

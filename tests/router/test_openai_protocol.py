@@ -366,7 +366,7 @@ def test_errors_about_the_length_name_max_completion_tokens_where_the_client_sen
     template = ChatTemplate(TEMPLATES["chatml"], {})
     messages = [{"role": "user", "content": "hi"}]
     for name in ("max_completion_tokens", "max_tokens"):
-        for value, problem in ((0, "must be >= 1"), (100_000, "exceeds")):
+        for value, problem in ((0, "must be >= 1"), (100_000, f"'{name}' is too large: 100000. This model's maximum context length is 200")):
             with pytest.raises(InvalidArgumentError) as raised:
                 validate_input(read_chat({"messages": messages, name: value}, template).choices[0], limits, _chars)
             assert raised.value.field == name and problem in str(raised.value)
@@ -500,3 +500,23 @@ def test_responses_usage_validates_as_the_sdks_response_usage():
     from router.responses_api.front_end import usage
 
     ResponseUsage.model_validate(usage(None, 12, 5, 2))
+
+
+def test_a_request_past_the_context_says_so_as_vllm_and_openai_do():
+    """LiteLLM raises ContextWindowExceededError (which agents answer by shortening their
+    history) on the text "This model's maximum context length is"; OpenAI's code says it too.
+    The error names the field: messages for chat, the length field the client sent."""
+    from router.openai_api.errors import error_body
+    from router.validation import RequestLimits, validate_input
+
+    limits = RequestLimits(vocab_size=1000, max_context_len=200)
+    template = ChatTemplate(TEMPLATES["chatml"], {})
+    for body, field in (
+        ({"messages": [{"role": "user", "content": "x" * 300}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 190}, "max_tokens"),
+    ):
+        with pytest.raises(InvalidArgumentError) as raised:
+            validate_input(read_chat(body, template).choices[0], limits, _chars)
+        status, error, _ = error_body(raised.value)
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded" and error["error"]["param"] == field
+        assert "This model's maximum context length is 200 tokens" in error["error"]["message"]

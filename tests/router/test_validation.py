@@ -97,8 +97,8 @@ BAD_REQUESTS = [
     ("prompt", dict(prompt_token_ids=[1, 2])),  # both text and ids
     ("prompt_text", dict(prompt_text="")),
     ("prompt_token_ids[1]", dict(prompt_text=None, prompt_token_ids=[1, 1000])),
-    ("prompt", dict(prompt_text="x" * 63)),  # 64 tokens: no room to generate
-    ("prompt", dict(prompt_text=None, prompt_token_ids=[5] * 64)),
+    ("prompt_text", dict(prompt_text="x" * 63)),  # 64 tokens: no room to generate
+    ("prompt_token_ids", dict(prompt_text=None, prompt_token_ids=[5] * 64)),
     ("sampling.max_tokens", dict(prompt_text="x" * 50, sampling=dict(max_tokens=14))),  # 51 + 14 > 64
     ("sampling.max_tokens", dict(sampling=dict(max_tokens=0))),
     ("sampling.temperature", dict(sampling=dict(temperature=-0.5))),
@@ -161,7 +161,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end():
         with pytest.raises(InvalidArgumentError) as info:
             validate(request(truncate_prompt_tokens=bad))
         assert info.value.field == "truncate_prompt_tokens"
-    with pytest.raises(InvalidArgumentError, match="has 101 tokens"):  # uncut, it is refused as it is
+    with pytest.raises(InvalidArgumentError, match="has 101 input tokens"):  # uncut, it is refused as it is
         validate(request(prompt_text=long_text))
     assert validate(request(sampling=dict(include_stop_str_in_output=True))).include_stop_str is True
     assert validate(request()).include_stop_str is False
@@ -259,7 +259,7 @@ def test_errors_name_the_fields_as_each_api_spells_them():
     responses = GenerateInput(prompt_text="x" * 40, max_tokens=40, sampling_prefix="", field_names={"max_tokens": "max_output_tokens"})
     with pytest.raises(InvalidArgumentError) as info:
         validate_input(responses, LIMITS, encode)
-    assert info.value.field == "max_output_tokens" and "max_output_tokens (40)" in info.value.problem
+    assert info.value.field == "max_output_tokens" and "'max_output_tokens' is too large: 40" in info.value.problem
     with pytest.raises(InvalidArgumentError) as info:
         validate(request(prompt_text="x" * 40, sampling=dict(max_tokens=40)))
     assert info.value.field == "sampling.max_tokens"
