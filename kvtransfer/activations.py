@@ -291,11 +291,17 @@ class ActivationChannel:
         ``take_failed_sends`` (under the lock). Returns whether one failed."""
         still, failed = [], False
         for send in self._sends:
-            state = self._agent.check_xfer_state(send.handle)
+            try:
+                state = self._agent.check_xfer_state(send.handle)
+            except Exception as exc:  # NIXL raises on a failed write (a peer gone): no "ERR" then
+                state = f"ERR: {exc}"
             if state == "PROC":
                 still.append(send)
                 continue
-            send.handle.release()
+            try:
+                send.handle.release()
+            except Exception:
+                logger.warning("releasing an activation write of req %s failed", send.req_id, exc_info=True)
             if state == "DONE":
                 self._free_staging.append(send.staging)
             else:
@@ -333,7 +339,11 @@ class ActivationChannel:
                 self._work.wait()
                 interval = FIRST_POLL_S
                 continue
-            found = self._poll_once()
+            try:
+                found = self._poll_once()
+            except Exception:  # the poller must outlive one bad round: pipelined prompts wait on it
+                logger.warning("activations poller of %s failed a round", self.name, exc_info=True)
+                found = False
             if found:
                 self._expecting = False
             # While the engine thread waits for a chunk, as the KV pump does; else slowly.

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from engine.model import StageActivations
@@ -37,6 +38,8 @@ class _Agent:
         return "PROC"
 
     def check_xfer_state(self, handle):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome  # as NIXL's bindings do for a write that failed (a peer gone)
         return self.outcome
 
     def get_new_notifs(self):
@@ -59,13 +62,16 @@ def _channel(woken: threading.Event) -> ActivationChannel:
 SLOTS = ActivationSlots("stage-b", b"md", [0x1000, 0x2000], 8, 16, 0, "DRAM")
 
 
-def test_a_write_that_fails_after_posting_gives_its_chunk_back_and_wakes_the_engine():
+@pytest.mark.parametrize("failure", ["ERR", RuntimeError("nixlRemoteDisconnectError")])
+def test_a_write_that_fails_after_posting_gives_its_chunk_back_and_wakes_the_engine(failure):
+    """A failed write reads "ERR", or NIXL raises as it is checked: either way its chunk goes over
+    Ray (a raise used to end the poller thread, and every later pipelined prompt there waited)."""
     woken = threading.Event()
     channel = _channel(woken)
     sent = StageActivations(torch.randn(5, 4), torch.randn(5, 4))
     assert channel.send(SLOTS, 1, "req", 7, 16, sent)
     assert channel.take_failed_sends() == [] and channel._free_staging == [0]
-    channel._agent.outcome = "ERR"
+    channel._agent.outcome = failure
     channel._poll_once()
     assert woken.is_set() and channel._free_staging == [0]  # the slot holds the chunk until it is taken back
     (failed,) = channel.take_failed_sends()
