@@ -124,15 +124,22 @@ class PoolFollower:
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
-            records = [w for w in list(self.router.pool.workers.values()) if w.state is not WorkerState.STARTING]
-            results = await asyncio.gather(*(self._check(w) for w in records), return_exceptions=True)
-            for record, healthy in zip(records, results):
-                if healthy is not True:
-                    self._on_unhealthy(record, healthy)
-            await self._after_health_checks()
-            await self.refresh_readiness()
-            if self.metrics is not None:
-                await self.metrics.refresh(self.router, max_age_s=self.health_interval_s, pools=self.manage)
+            try:
+                await self._health_round()
+            except Exception:  # one round's failure (Ray's control store briefly away) must not end the loop
+                logger.warning("a health round failed; the next one runs in %.1f s", self.health_interval_s, exc_info=True)
+
+    async def _health_round(self) -> None:
+        """Check every worker, adopt the ones started since, follow drains, refresh readiness."""
+        records = [w for w in list(self.router.pool.workers.values()) if w.state is not WorkerState.STARTING]
+        results = await asyncio.gather(*(self._check(w) for w in records), return_exceptions=True)
+        for record, healthy in zip(records, results):
+            if healthy is not True:
+                self._on_unhealthy(record, healthy)
+        await self._after_health_checks()
+        await self.refresh_readiness()
+        if self.metrics is not None:
+            await self.metrics.refresh(self.router, max_age_s=self.health_interval_s, pools=self.manage)
 
     async def _after_health_checks(self) -> None:
         await self._adopt()  # what the managing pool manager launched since

@@ -380,3 +380,39 @@ def test_a_stopped_manager_records_nothing_after_forgetting(tmp_path, monkeypatc
 
     asyncio.run(scenario())
     assert calls == ["save", "forget"]
+
+
+def test_a_routers_health_rounds_go_on_after_one_fails():
+    """A round's adoption lists the deployment's workers through Ray's control store; one failed
+    call (the store briefly away) ended a router replica's health loop for good: it never again
+    checked a worker, adopted a replacement or became ready again."""
+    from cluster.pool_follower import PoolFollower
+
+    async def scenario():
+        follower = PoolFollower("pdserve", SimpleNamespace(pool=WorkerPool()), health_interval_s=0.01)
+        rounds = []
+
+        async def adopt():
+            rounds.append(len(rounds))
+            if len(rounds) == 1:
+                raise ConnectionError("the GCS is unreachable")
+            return {}
+
+        async def follow_drains():
+            pass
+
+        async def refresh_readiness():
+            pass
+
+        follower._adopt, follower._follow_drains, follower.refresh_readiness = adopt, follow_drains, refresh_readiness
+        task = asyncio.create_task(follower._health_loop())
+        for _ in range(200):
+            if len(rounds) >= 3:
+                break
+            await asyncio.sleep(0.01)
+        alive = not task.done()
+        task.cancel()
+        return alive, len(rounds)
+
+    alive, rounds = asyncio.run(scenario())
+    assert alive and rounds >= 3
