@@ -491,7 +491,12 @@ class Dispatcher:
                 break
             except PrefillUnavailableError:
                 # It began draining after the router picked it, and queued nothing: try another.
+                # No request is routed to it again (a router replica learns of a drain only at
+                # its next health round; until then every long prompt tried it first, and with
+                # no other prefill actor failed as unavailable).
                 draining.add(prefill.worker_id)
+                if prefill.state is WorkerState.READY:
+                    prefill.state = WorkerState.DRAINING
             except WORKER_GONE:
                 logger.warning("req %s: prefill worker %s died", request.req_id, prefill.worker_id)
                 self.on_worker_died(prefill)

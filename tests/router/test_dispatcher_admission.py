@@ -303,3 +303,43 @@ def test_an_unreachable_prefill_actor_is_not_taken_to_have_no_writes_in_flight()
 
     assert asyncio.run(quiesced(ActorUnavailableError("unreachable", None))) is False
     assert asyncio.run(quiesced(ActorDiedError())) is True
+
+
+def test_a_prefill_actor_found_draining_is_routed_to_no_more():
+    """A router replica learns of a drain at its next health round. Until then each long prompt
+    tried the draining prefill actor first, was refused, and with no other prefill actor was
+    failed as unavailable (after its retries, all refused the same way) within milliseconds. A
+    refusal now takes the actor out of routing: the next attempt prefills on the decode actor."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from engine.stats import WorkerState
+    from prefill_workers.messages import PrefillUnavailableError
+    from router.config import Disaggregation
+    from router.dispatcher import Restart
+
+    submits = []
+
+    async def submit(request):
+        submits.append(request.req_id)
+        raise PrefillUnavailableError("prefill worker prefill-0 is draining")
+
+    pool = WorkerPool()
+    prefill = WorkerRecord("prefill-0", Role.PREFILL, handle=SimpleNamespace(submit=_Call(submit)))
+    decode = WorkerRecord("decode-0", Role.DECODE, handle=None, num_reservable_blocks=1000)
+    pool.add(prefill)
+    pool.add(decode)
+    dispatcher = Dispatcher(pool, RouterConfig(disaggregation=Disaggregation.AUTO, local_prefill_max_tokens=4))
+    active = _active("a")
+    active.request.prompt_token_ids[:] = list(range(100))
+    assert not dispatcher._prefill_locally(active.request)
+
+    async def scenario():
+        active.outputs, active.decode, active.work = asyncio.Queue(), decode, active.request
+        await dispatcher._prefill(active, SimpleNamespace(token=1))
+        return active.outputs.get_nowait()
+
+    restart = asyncio.run(scenario())
+    assert isinstance(restart, Restart) and submits == ["a"]
+    assert prefill.state is WorkerState.DRAINING and not prefill.assigned_tokens
+    assert dispatcher._prefill_locally(active.request), "the next attempt tried the draining actor again"
