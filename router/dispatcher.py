@@ -313,6 +313,10 @@ class Dispatcher:
                 decode = await self._wait_for_room(request, order, query)
                 if decode is None:
                     continue  # the decode pool emptied while it waited: wait for it (bounded)
+                if decode.state is WorkerState.DEAD:
+                    # Declared dead after it was granted: its death restarted nothing of this
+                    # request's (placed there only below), and no collector reads a dead worker.
+                    continue
             active.attempt = active.decode_attempt = next(self._attempts)
             plan = None if local else self._pipeline_plan(active, request, decode)
             if not local:

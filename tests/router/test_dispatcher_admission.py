@@ -343,3 +343,59 @@ def test_a_prefill_actor_found_draining_is_routed_to_no_more():
     assert isinstance(restart, Restart) and submits == ["a"]
     assert prefill.state is WorkerState.DRAINING and not prefill.assigned_tokens
     assert dispatcher._prefill_locally(active.request), "the next attempt tried the draining actor again"
+
+
+def test_a_decode_actor_granted_then_taken_for_dead_before_the_request_is_placed_there_is_not_used():
+    """Room was granted on a decode actor, which was declared dead (another request's failed
+    call, a missed ping) before this request was placed there: its death restarted nothing of
+    this request's, and no collector reads a dead worker, so the request waited for good. It
+    now waits for room again and goes to another."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from decode_workers.messages import DecodeReport
+    from router.config import Disaggregation
+
+    pool = WorkerPool()
+    reserved = []
+    dispatcher = Dispatcher(pool, RouterConfig(disaggregation=Disaggregation.ALWAYS))
+
+    def handle(worker_id):
+        async def reserve(request):
+            reserved.append(worker_id)
+            return SimpleNamespace(token=1)
+
+        async def poll_outputs(timeout_s, router_id):
+            await asyncio.sleep(timeout_s)
+            return DecodeReport([], 1000)
+
+        return SimpleNamespace(reserve=_Call(reserve), poll_outputs=_Call(poll_outputs))
+
+    async def submit(request):
+        await asyncio.Event().wait()
+
+    pool.add(WorkerRecord("prefill-0", Role.PREFILL, handle=SimpleNamespace(submit=_Call(submit))))
+    for worker_id in ("decode-0", "decode-1"):
+        pool.add(WorkerRecord(worker_id, Role.DECODE, handle=handle(worker_id), num_reservable_blocks=1000))
+    grants = iter(["decode-0", "decode-1"])
+
+    async def wait_for_room(request, order, query):
+        granted = pool.workers[next(grants)]
+        if granted.worker_id == "decode-0":
+            dispatcher.on_worker_died(granted)  # between the grant and the placement
+        return granted
+
+    dispatcher._wait_for_room = wait_for_room
+    active = _active("a")
+    active.assembler.timing = SimpleNamespace(dispatched=None)
+    active.assembler.prefill_worker_id = ""
+
+    async def scenario():
+        dispatcher.admit(active)
+        await asyncio.wait_for(dispatcher.dispatch(active), 5)
+        active.prefill_task.cancel()
+        for task in dispatcher._collectors.values():
+            task.cancel()
+
+    asyncio.run(scenario())
+    assert reserved == ["decode-1"] and active.decode.worker_id == "decode-1"
