@@ -457,7 +457,10 @@ class PoolManager(PoolFollower):
         report = await self.router.status_monitor.report(record, max_age_s=0.0)
         status = report.status
         if status is None:
-            return True  # nothing left to wait for on a dead or hung worker
+            # Gone: nothing left to wait for. No answer in time is no sign of idleness (a long
+            # step delays it): the drain waits on, bounded by drain_timeout_s, and the health
+            # check replaces a worker that hangs.
+            return report.gone
         engine = status.engine
         if record.role is Role.PREFILL:
             return engine.num_waiting == 0 and engine.num_running == 0 and status.num_transfers_in_flight == 0

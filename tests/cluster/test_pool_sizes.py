@@ -416,3 +416,27 @@ def test_a_routers_health_rounds_go_on_after_one_fails():
 
     alive, rounds = asyncio.run(scenario())
     assert alive and rounds >= 3
+
+
+def test_a_draining_worker_slow_to_report_is_not_taken_for_idle(tmp_path):
+    """A worker answers its status between engine steps; one that did not answer within the
+    timeout (a long prefill step) was taken for idle, and killed with its requests running."""
+    from router.status_monitor import LoadReport
+
+    manager, _ = _manager(tmp_path, 1)
+    record = WorkerRecord("decode-0", Role.DECODE, handle=None)
+    reports = {
+        "late": LoadReport("decode-0", 0.0, problem="no status within 10s"),
+        "gone": LoadReport("decode-0", 0.0, gone=True, problem="ActorDiedError"),
+        "busy": LoadReport("decode-0", 0.0, status=SimpleNamespace(num_active_requests=3, engine=None)),
+        "idle": LoadReport("decode-0", 0.0, status=SimpleNamespace(num_active_requests=0, engine=None)),
+    }
+
+    def idle(kind):
+        async def report(record, max_age_s):
+            return reports[kind]
+
+        manager.router.status_monitor = SimpleNamespace(report=report)
+        return asyncio.run(PoolManager._worker_idle(manager, record))
+
+    assert {kind: idle(kind) for kind in reports} == {"late": False, "gone": True, "busy": False, "idle": True}
