@@ -21,6 +21,7 @@ Ranks other than 0 live in other processes; the worker hands their transports in
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import time
@@ -93,17 +94,19 @@ class _ShardedWrite:
         return len(self.ended) == len(self.legs)
 
 
-def _encode_leg(index: int, num_legs: int, part: Leg | BlockPiece, notif: bytes) -> bytes:
-    """The notification of one leg: which of how many, and the bytes of each block it lands."""
-    return LEG_MAGIC + f"{index},{num_legs},{part.dst_offset},{part.num_bytes}:".encode() + notif
+def _encode_leg(post: int, index: int, num_legs: int, part: Leg | BlockPiece, notif: bytes) -> bytes:
+    """The notification of one leg: the post it belongs to (a write posted again is a new post:
+    its legs never complete with a failed post's), which of how many, and the bytes of each
+    block it lands."""
+    return LEG_MAGIC + f"{post},{index},{num_legs},{part.dst_offset},{part.num_bytes}:".encode() + notif
 
 
-def _decode_leg(message: bytes) -> tuple[int, int, int, int, bytes]:
+def _decode_leg(message: bytes) -> tuple[int, int, int, int, int, bytes]:
     if not message.startswith(LEG_MAGIC):
         raise ValueError(f"not a leg: {message[:24]!r}")
     header, _, notif = message[len(LEG_MAGIC) :].partition(b":")
-    index, num_legs, offset, num_bytes = (int(x) for x in header.split(b","))
-    return index, num_legs, offset, num_bytes, notif
+    post, index, num_legs, offset, num_bytes = (int(x) for x in header.split(b","))
+    return post, index, num_legs, offset, num_bytes, notif
 
 
 class ShardedTransport(Transport):
@@ -118,7 +121,9 @@ class ShardedTransport(Transport):
         self._num_kv_heads = compat.num_kv_heads
         self._bytes_per_head = compat.bytes_per_head
         self._peers: dict[str, _Peer] = {}
-        self._partial: dict[tuple[str, bytes], _PartialWrite] = {}
+        # (sender, notification, post) -> the legs of that post that landed so far
+        self._partial: dict[tuple[str, bytes, int], _PartialWrite] = {}
+        self._posts = itertools.count()
 
     @property
     def shards(self) -> list[KVShard]:
@@ -197,9 +202,10 @@ class ShardedTransport(Transport):
             raise TransportError(f"no peer {transport_name}", peer_lost=True)
         pieces = self._pieces(peer.legs, layers)
         write = _ShardedWrite([])
+        post = next(self._posts)
         try:
             for index, (leg, leg_piece) in enumerate(pieces):
-                message = _encode_leg(index, len(pieces), leg_piece or leg, notif)
+                message = _encode_leg(post, index, len(pieces), leg_piece or leg, notif)
                 handle = self._ranks[leg.src_rank].transport.post_write(peer.endpoints[leg.dst_rank].transport_name, runs, message, leg_piece)
                 write.legs.append((leg.src_rank, handle))
         except TransportError:
@@ -243,17 +249,21 @@ class ShardedTransport(Transport):
         for rank in self._ranks:
             for incoming in rank.transport.get_incoming():
                 try:
-                    index, num_legs, offset, num_bytes, notif = _decode_leg(incoming.message)
+                    post, index, num_legs, offset, num_bytes, notif = _decode_leg(incoming.message)
                 except ValueError as exc:
                     logger.warning("ignoring a notification from %s: %s", incoming.sender, exc)
                     continue
                 sender = incoming.sender.rpartition(RANK_SEPARATOR)[0] or incoming.sender
-                key = (sender, notif)
+                key = (sender, notif, post)
                 partial = self._partial.setdefault(key, _PartialWrite(num_legs, now))
                 whole = offset == 0 and num_bytes == rank.region.bytes_per_block
                 partial.legs[index] = (rank.shard.rank, incoming, None if whole else BlockPiece(0, offset, num_bytes))
                 if len(partial.legs) == partial.num_legs:
                     del self._partial[key]
+                    # The earlier posts of this write failed (it was posted again): their legs
+                    # that landed are no part of it.
+                    for stale in [k for k in self._partial if k[:2] == key[:2] and k[2] < post]:
+                        del self._partial[stale]
                     payload = list(partial.legs.values()) if self.receiver_lands else None
                     complete.append(Incoming(sender=sender, message=notif, payload=payload))
         for key in [k for k, p in self._partial.items() if now - p.first_seen > PARTIAL_WRITE_TTL_S]:

@@ -134,3 +134,28 @@ def test_a_write_whose_second_leg_fails_to_post_is_kept_while_its_first_cannot_b
     legs[0].cancellable = True
     with pytest.raises(TransportError):  # a leg that could be stopped: raised as before
         transport.post_write("D", merge_runs([3], [3]), b"o")
+
+
+def test_a_write_posted_again_completes_only_with_legs_of_one_post():
+    """A write's first post had one leg land and one fail; the sender posts every leg again with
+    the same notification. The reader completed the write from the first post's landed leg and
+    the second post's other leg while the second post's first leg was still writing into the
+    blocks, which the decode actor then took (or freed) as written."""
+    from kvtransfer.transport import Incoming
+
+    transport, first, legs = _two_rank_write()
+    legs[0].states[0], legs[1].states[0] = XferState.DONE, XferState.FAILED
+    assert transport.check(first) is XferState.FAILED and transport.release(first)
+    transport.post_write("D", merge_runs([0, 1], [0, 1]), b"n")  # the retry
+    reader_legs = [ScriptedTransport(), ScriptedTransport()]
+    compat = dataclasses.replace(COMPAT, num_kv_heads=2)
+    reader = ShardedTransport("D", [RankTransport(KVShard(2, r, r, 1), REGION, reader_legs[r], f"D/r{r}") for r in range(2)], compat)
+
+    def lands(rank: int, post: int) -> list[bytes]:
+        reader_legs[rank].inbox.append(Incoming(sender=f"P/r{rank}", message=legs[rank].posts[post][2]))
+        return [incoming.message for incoming in reader.get_incoming()]
+
+    assert lands(0, 0) == []  # the first post's first leg (its second failed)
+    assert lands(1, 1) == [], "completed from two posts' legs while the retry's first leg still writes"
+    assert lands(0, 1) == [b"n"]
+    assert not reader._partial, "the failed post's leg outlived the write"
