@@ -252,6 +252,9 @@ class Scheduler:
                 if not admitting:
                     continue  # strict priority among waiting prompts
                 self._take_cached_prefix(seq)
+                if self._waits_for_a_twin(seq):
+                    self._return_cached_prefix(seq)
+                    continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if chunk_cap is not None:
                 num_tokens = min(num_tokens, chunk_cap)
@@ -274,6 +277,23 @@ class Scheduler:
             batch.slices.append(ScheduledSlice(seq, num_tokens))
             batch.scores_prompt = batch.scores_prompt or seq.needs_prompt_logprobs
             budget -= num_tokens
+
+    def _waits_for_a_twin(self, seq: Sequence) -> bool:
+        """Whether a running prompt with the same prefix computes the next block this waiting
+        one would (identical prompts arriving together: n > 1 choices, a burst of one system
+        prompt). It waits and takes that block from the cache once computed; admitted together,
+        each computed the whole prompt and held its own copy (vLLM shares them)."""
+        if not self.allocator.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return False
+        end = (seq.num_computed_tokens // self.block_size + 1) * self.block_size  # its next block's end
+        if end > seq.num_tokens - 1:
+            return False  # no full block a cache hit may cover is left to compute
+        prefix = seq.token_ids[:end]
+        return any(
+            twin.num_computed_tokens < end <= twin.num_prompt_tokens - 1 and twin.hash_salt == seq.hash_salt
+            and self._may_compute(twin) and twin.token_ids[:end] == prefix
+            for twin in self.running
+        )
 
     def _adaptive_prefill_tokens(self, batch: ScheduledBatch, first: Sequence) -> int | None:
         """Prompt tokens this step may carry beside its decode rows (engine.chunk_sizer)."""

@@ -223,3 +223,26 @@ def test_a_cache_salt_shares_a_prefix_only_with_requests_of_the_same_salt(llama)
     assert run("d", "tenant-a") == (first, 24)
     with pytest.raises(Exception, match="cache_salt"):
         engine.add_request("e", prompt, SamplingParams(max_tokens=2, cache_salt=""))
+
+
+def test_identical_prompts_arriving_together_compute_their_shared_blocks_once(llama):
+    """n > 1 choices, or a burst of one system prompt: requests admitted in one step each
+    computed the whole prompt and held their own copy of its blocks (vLLM shares them). The
+    later ones now wait a step for the first's blocks; every output still matches transformers."""
+    path, model = llama
+    (prompt, other) = random_prompts([37, 21], model.config.vocab_size, seed=5)
+    engine = _engine(path)
+    scheduled_before = engine.num_scheduled_tokens
+    choices = [engine.add_request(f"choice-{i}", prompt, GREEDY) for i in range(4)]
+    unrelated = engine.add_request("other", other, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    reusable = (len(prompt) - 1) // BLOCK * BLOCK
+    assert [seq.num_cached_tokens for seq in choices] == [0, reusable, reusable, reusable]
+    assert unrelated.num_cached_tokens == 0, "a prompt sharing nothing waited"
+    decode_steps = 5 * (GREEDY.max_tokens - 1)
+    assert engine.num_scheduled_tokens - scheduled_before - decode_steps == len(prompt) + 3 * (len(prompt) - reusable) + len(other)
+    expected = hf_greedy(model, prompt, 6)
+    assert all(seq.output_token_ids == expected for seq in choices)
+    assert unrelated.output_token_ids == hf_greedy(model, other, 6)
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks

@@ -136,11 +136,14 @@ def test_full_blocks_get_chained_hashes_shared_by_equal_prefixes(checkpoints):
     (prefix,) = random_prompts([16], model.config.vocab_size)
     a = engine.add_request("a", prefix + [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0))
     b = engine.add_request("b", prefix + [9, 9, 9, 9, 9, 9, 9, 9, 9], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()  # b waits for the blocks a computes of their common prefix
+    assert len(a.block_hashes) == 2 and not b.block_table
     engine.step()
-    assert len(a.block_hashes) == 2 and len(b.block_hashes) == 3
+    assert len(b.block_hashes) == 3
     assert a.block_hashes[:2] == b.block_hashes[:2], "same prefix, same chained hashes"
     assert b.block_hashes[2] != a.block_hashes[1]
-    assert engine.allocator.lookup(a.block_hashes[0]) in (a.block_table[0], b.block_table[0])
+    assert b.block_table[:2] == a.block_table[:2] and b.num_cached_tokens == 16
+    assert engine.allocator.lookup(a.block_hashes[0]) == a.block_table[0]
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
