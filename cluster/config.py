@@ -198,6 +198,11 @@ class RouterSection(BaseModel):
     served_model_names: list[str] | None = Field(
         None, description="Model names the OpenAI API answers to, the first in its responses (default: the model directory's name)"
     )
+    allowed_origins: list[str] = Field(
+        default_factory=lambda: ["*"],
+        description='Origins whose browser pages may call the OpenAI-compatible HTTP API (CORS), as vLLM\'s --allowed-origins: "*" (the default) any, '
+        'or a list such as ["https://chat.example.com"]',
+    )
     allow_runtime_lora_updating: bool = Field(
         False,
         description="vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (a load reads a directory the router can see and sends its files to the workers, else each worker reads it); "

@@ -35,6 +35,8 @@ class RouterConfig:
     # Names a request's "model" may give (the first is what responses say); None: the model
     # directory's name.
     served_model_names: list[str] | None = None
+    # Origins whose browser pages may call the HTTP API (CORS; vLLM's --allowed-origins): "*" any.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (router.lora_adapters): off
     # by default, since a load reads any directory the workers can see.
     allow_runtime_lora_updating: bool = False
@@ -143,6 +145,8 @@ class RouterConfig:
             raise ValueError(f"tool_call_parser: one of {', '.join(TOOL_CALL_PARSERS)} (or unset), got {self.tool_call_parser!r}")
         if self.served_model_names is not None and (not self.served_model_names or not all(isinstance(n, str) and n for n in self.served_model_names)):
             raise ValueError(f"served_model_names: must be non-empty names, got {self.served_model_names!r}")
+        if not isinstance(self.allowed_origins, list) or not all(isinstance(o, str) and o.strip() for o in self.allowed_origins):
+            raise ValueError(f"allowed_origins: must be a list of origins (scheme://host[:port], or \"*\" for any), got {self.allowed_origins!r}")
         if self.auth_token is not None and not self.auth_token.strip():
             raise ValueError("auth_token: must not be empty")
         for name in ("kv_lease_s", "ready_wait_s", "output_poll_s", "status_timeout_s", "router_lease_s"):

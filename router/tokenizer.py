@@ -125,6 +125,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's piece for ``token_id`` (byte-level "Ġhi", SentencePiece "▁hi"), as
+        transformers' ``convert_ids_to_tokens`` names it; None for an id past the vocabulary."""
+        return self._backend.id_to_token(token_id)
+
     @functools.cached_property
     def _decoder_kind(self) -> str:
         """How the vocabulary writes bytes: "byte_level" (GPT-2, Llama 3, Qwen), "byte_fallback"

@@ -11,7 +11,13 @@ silently. vLLM's extensions are accepted under vLLM's names (``top_k``, ``min_p`
 ``chat_template_kwargs``, ``allowed_token_ids``, ``bad_words``, ``structured_outputs`` and its
 older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``,
 ``prompt_logprobs``, ``return_token_ids``, ``return_tokens_as_token_ids``,
-``include_stop_str_in_output`` and ``truncate_prompt_tokens``). OpenAI's ``service_tier`` moves the
+``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``add_special_tokens`` (completions:
+true, the tokenizer's BOS before the prompt; chat: false, else the tokenizer's special tokens go
+around the rendered template's too) and chat's ``documents`` (the template's RAG documents)).
+vLLM's fields for what pdserve does one way only are taken at that way and refused otherwise,
+naming the field: ``use_beam_search`` false, ``length_penalty`` 1, ``spaces_between_special_tokens``
+true, ``truncation_side`` "left" (truncate_prompt_tokens keeps the prompt's last tokens), chat's
+``echo`` false. OpenAI's ``service_tier`` moves the
 request's priority (``flex`` 100 lower, ``priority`` 100 higher: fields.py) and the answer names
 the tier served; ``prompt_cache_key`` and ``safety_identifier`` are
 checked and need nothing more (prefix caching is automatic; ``user`` is likewise only checked).
@@ -62,7 +68,9 @@ _COMMON_FIELDS = {
     # vLLM's extensions
     "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "skip_special_tokens", "priority",
     "allowed_token_ids", "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "include_stop_str_in_output", "truncate_prompt_tokens", "request_id", "cache_salt",
+    "include_stop_str_in_output", "truncate_prompt_tokens", "request_id", "cache_salt", "add_special_tokens",
+    # vLLM's, each taken at the one value pdserve does (_one_way_only)
+    "use_beam_search", "length_penalty", "spaces_between_special_tokens", "truncation_side",
     # OpenAI's, read and checked: one service tier here; caching and abuse tracking are the server's own
     "service_tier", "prompt_cache_key", "safety_identifier",
 }
@@ -70,7 +78,7 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"}
 _CHAT_FIELDS = _COMMON_FIELDS | {
     "messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
     "parallel_tool_calls", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "metadata", "store",
-    "include_reasoning", "thinking_token_budget", "reasoning_effort",
+    "include_reasoning", "thinking_token_budget", "reasoning_effort", "documents", "echo",
 }
 
 
@@ -97,6 +105,9 @@ class ApiRequest:
     # GenerateInput's), and vLLM's include_reasoning (false: the thinking is left out).
     reasoning: ReasoningFormat | None = None
     include_reasoning: bool = True
+    # Chat: the answer's role, vLLM's rule: "assistant" where the prompt asks for a new turn
+    # (add_generation_prompt), else the last message's (continue_final_message goes on with it).
+    role: str = "assistant"
     choices: list[GenerateInput] = field(default_factory=list)  # in choice-index order: prompt by prompt, n each
     choices_per_prompt: int = 1
 
@@ -116,6 +127,7 @@ def read_completion(body: Any) -> ApiRequest:
         body = {**body, "max_tokens": 1}
     prompts = _prompts(body)
     base = _common(body, logprobs)
+    base.add_special_tokens = boolean(body, "add_special_tokens", True)
     request = _api_request(body, logprobs)
     request.echo, request.prompt_only = echo, prompt_only
     # Echoed with logprobs, the prompt's tokens carry theirs: computed with the vLLM field's.
@@ -153,13 +165,19 @@ def read_chat(body: Any, template: ChatTemplate | None, tool_call_parser: str | 
     if top and not wants_logprobs:  # (0, the default clients fill in, asks for nothing: vLLM takes it)
         raise InvalidArgumentError("top_logprobs", "needs logprobs: true")
     logprobs = (top or 0) if wants_logprobs else None
+    if boolean(body, "echo", False):
+        raise InvalidArgumentError("echo", "is not supported on chat (only false)")
     base = _common(body, logprobs, max_tokens_field=given[0] if given else "max_tokens")
     conversation.apply(base, skip_special_tokens_given="skip_special_tokens" in body)
+    # vLLM's: the tokenizer's special tokens (BOS) on top of those the template wrote.
+    base.add_special_tokens = boolean(body, "add_special_tokens", False)
     base.prompt_logprobs = integer(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
     base.text_field = base.ids_field = "messages"
     request = _api_request(body, logprobs)
     request.tool_calling = conversation.calling
     request.reasoning, request.include_reasoning = reasoning, boolean(body, "include_reasoning", True)
+    if not _adds_generation_prompt(body):
+        request.role = body["messages"][-1]["role"]  # (read and checked with the conversation)
     request.choices_per_prompt = _num_choices(body, 1)
     request.choices = [_choice(base, i) for i in range(request.choices_per_prompt)]
     return request
@@ -233,16 +251,51 @@ def render_conversation(body: dict, template: ChatTemplate, tools: list[dict[str
     if effort is not None:
         extra = {"reasoning_effort": effort, **(extra or {})}
     continue_final = boolean(body, "continue_final_message", False)
-    add_generation_prompt = boolean(body, "add_generation_prompt", not continue_final)
+    add_generation_prompt = _adds_generation_prompt(body)
     if continue_final and add_generation_prompt:
         raise InvalidArgumentError("continue_final_message", "cannot be combined with add_generation_prompt: true")
-    prompt = template.render(template_messages(messages, template.text), add_generation_prompt=add_generation_prompt, tools=tools, extra=extra)
+    prompt = template.render(
+        template_messages(messages, template.text), add_generation_prompt=add_generation_prompt, tools=tools, documents=_documents(body), extra=extra,
+    )
     if continue_final:
         final = messages[-1].get("content")
         if not isinstance(final, str) or not final.strip() or final.strip() not in prompt:
             raise InvalidArgumentError("messages", "continue_final_message needs a last message with text the template keeps")
         prompt = prompt[: prompt.rindex(final.strip()) + len(final.strip())]
     return prompt
+
+
+def _adds_generation_prompt(body: dict) -> bool:
+    """add_generation_prompt, whose default is true unless the last message is continued."""
+    return boolean(body, "add_generation_prompt", not boolean(body, "continue_final_message", False))
+
+
+def _documents(body: dict) -> list[dict[str, str]] | None:
+    """vLLM's ``documents`` (chat): objects of strings (vLLM suggests ``title`` and ``text``) the
+    template shows the model for retrieval-augmented answers; a template that reads none ignores them."""
+    documents = body.get("documents")
+    if documents is None:
+        return None
+    if not isinstance(documents, list):
+        raise InvalidArgumentError("documents", f"must be a list of objects, got {type_name(documents)}")
+    for index, document in enumerate(documents):
+        for key, value in json_object(document, f"documents[{index}]").items():
+            if not isinstance(value, str):
+                raise InvalidArgumentError(f"documents[{index}].{key}", f"must be a string, got {type_name(value)}")
+    return documents
+
+
+def _one_way_only(body: dict) -> None:
+    """vLLM's fields for what pdserve does one way only: taken at that value, refused at any other."""
+    if boolean(body, "use_beam_search", False):
+        raise InvalidArgumentError("use_beam_search", "is not supported (only false: choices are sampled)")
+    if number(body, "length_penalty", 1.0) != 1.0:
+        raise InvalidArgumentError("length_penalty", "is not supported other than 1 (it weighs beam search's candidates)")
+    if not boolean(body, "spaces_between_special_tokens", True):
+        raise InvalidArgumentError("spaces_between_special_tokens", "is not supported (only true)")
+    side = body.get("truncation_side")
+    if side not in (None, "left"):
+        raise InvalidArgumentError("truncation_side", f"is not supported other than \"left\" (truncate_prompt_tokens keeps the prompt's last tokens), got {side!r}"[:200])
 
 
 def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
@@ -286,6 +339,7 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str = "max_token
     for name in ("user", "prompt_cache_key", "safety_identifier"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise InvalidArgumentError(name, f"must be a string, got {type_name(body[name])}")
+    _one_way_only(body)
     top_k = integer(body, "top_k", None, -1, None)
     return GenerateInput(
         max_tokens=integer(body, max_tokens_field, None, None, None),

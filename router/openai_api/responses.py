@@ -3,6 +3,12 @@
 One ``ChoiceState`` per choice keeps what its rendering needs across chunks: the text offset
 (completions' ``text_offset``), whether the chat role was sent, and, for a whole response,
 the text and log-probabilities so far.
+
+With a reasoning parser and vLLM's ``include_reasoning: false`` the thinking is left out of
+everything a client reads: its text, and its tokens' logprobs entries and ``token_ids`` (vLLM
+drops those fields whole; here only the thinking's entries go). That is exact: the thinking's
+tokens, counted by id as the engine reads them (engine.thinking), are the output's first ones,
+so they are each chunk's first ``thinking_tokens``. Usage still counts them.
 """
 
 from __future__ import annotations
@@ -14,10 +20,12 @@ from typing import Any
 
 from engine.sampling_params import TokenLogprob
 from router.detokenizer import REPLACEMENT_CHAR
+from router.openai_api.protocol import ApiRequest
 from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, content_and_deltas, split_answer
 from router.output_stream import OutputChunk, StreamEnd
 from router.tokenizer import Tokenizer
+from router.validation import ValidatedRequest
 
 # JSON has no -inf; vLLM sends this for a log-probability of 0.
 _LOGPROB_FLOOR = -9999.0
@@ -74,6 +82,25 @@ class ChoiceState:
     reasoning_text: list[str] = field(default_factory=list)
     reasoning_delta: str = ""
     reasoning_tokens: int = 0  # the thinking's tokens (usage's completion_tokens_details)
+    # include_reasoning false: the thinking's tokens, the first of ``token_ids``, which no
+    # logprobs entry or token_ids field shows; and the latest chunk's tokens that it does show.
+    num_hidden_tokens: int = 0
+    shown_token_ids: list[int] = field(default_factory=list)
+    role: str = "assistant"  # chat: the answer's role (ApiRequest.role)
+
+    @classmethod
+    def of(cls, index: int, chat: bool, api: ApiRequest, request: ValidatedRequest, echo: str = "") -> ChoiceState:
+        """Choice ``index`` of ``api``, validated as ``request``; ``echo``: the prompt a completions
+        choice starts with (its text)."""
+        return cls(
+            index, chat, api.logprobs, len(request.prompt_token_ids), echo=echo,
+            tools=ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None,
+            prompt_token_ids=request.prompt_token_ids, num_prompt_logprobs=api.prompt_logprobs,
+            echo_logprobs=api.echo and api.logprobs is not None, prompt_only=api.prompt_only,
+            return_token_ids=api.return_token_ids, tokens_as_ids=api.tokens_as_ids,
+            reasoning=ReasoningSplitter(request.sampling_params.thinking) if api.reasoning is not None else None,
+            show_reasoning=api.include_reasoning, role=api.role,
+        )
 
     def add(self, chunk: OutputChunk, tokenizer: Tokenizer) -> dict[str, Any] | None:
         """Take a chunk; return its rendered logprobs (None when not asked for). With tools the
@@ -83,22 +110,28 @@ class ChoiceState:
             chunk.token_ids, chunk.text, chunk.logprobs = [], "", []
         if self.echo:
             chunk.text, self.echo = self.echo + chunk.text, ""
+        hidden = 0  # the chunk's first tokens that are thinking left out
         if self.reasoning is not None or self.tools is not None:
             thinking, parts, thinking_tokens = split_answer(self.reasoning, self.tools, chunk)
             self.reasoning_tokens += thinking_tokens
             self.reasoning_delta = thinking if self.show_reasoning else ""
+            if not self.show_reasoning:
+                hidden = thinking_tokens
             if self.reasoning is not None:
                 self.reasoning_text.append(self.reasoning_delta)
             chunk.text, self.tool_deltas = content_and_deltas(parts)
+        self.shown_token_ids = chunk.token_ids[hidden:]
         logprobs = None
-        if self.num_logprobs is not None and (chunk.logprobs or prompt_entries):
+        if self.num_logprobs is not None:
             if self.chat:
-                entries = [_chat_entry(t, e, self.tokens_as_ids, tokenizer) for t, e in zip(chunk.token_ids, chunk.logprobs)]
-                self.chat_logprobs.extend(entries)
-                logprobs = {"content": entries}
-            else:
+                if chunk.logprobs[hidden:]:
+                    entries = [_chat_entry(t, e, self.tokens_as_ids, tokenizer) for t, e in zip(self.shown_token_ids, chunk.logprobs[hidden:])]
+                    self.chat_logprobs.extend(entries)
+                    logprobs = {"content": entries}
+            elif chunk.logprobs or prompt_entries:
                 logprobs = self._completion_logprobs(prompt_entries + list(zip(chunk.token_ids, chunk.logprobs)), tokenizer)
         self.token_ids += chunk.token_ids
+        self.num_hidden_tokens += hidden
         self.text.append(chunk.text)
         if chunk.end is not None:
             self.end = chunk.end
@@ -165,7 +198,7 @@ class ChoiceState:
         text = "".join(self.text)
         choice: dict[str, Any] = {"index": self.index}
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": self.role, "content": text}
             if self.reasoning is not None:
                 thinking = "".join(self.reasoning_text) or None
                 # vLLM's field, and its older name that DeepSeek's API and many clients read.
@@ -184,7 +217,7 @@ class ChoiceState:
             if self.return_token_ids:
                 choice["prompt_token_ids"] = self.prompt_token_ids
         if self.return_token_ids:
-            choice["token_ids"] = self.token_ids
+            choice["token_ids"] = self.token_ids[self.num_hidden_tokens :]
         choice["finish_reason"] = self._finish_reason(self.end)
         choice["stop_reason"] = None if self.prompt_only else stop_reason(self.end)  # the dropped token's stop is none of the answer's
         return choice
@@ -203,7 +236,7 @@ class ChoiceState:
         if self.chat:
             delta: dict[str, Any] = {}
             if not self.role_sent:
-                delta["role"] = "assistant"
+                delta["role"] = self.role
                 self.role_sent = True
             if self.reasoning_delta:
                 delta["reasoning"] = delta["reasoning_content"] = self.reasoning_delta
@@ -220,7 +253,7 @@ class ChoiceState:
             if (ids := self.unsent_prompt_ids()) is not None:
                 choice["prompt_token_ids"] = ids
         if self.return_token_ids:
-            choice["token_ids"] = list(chunk.token_ids)
+            choice["token_ids"] = list(self.shown_token_ids)
         choice["logprobs"] = logprobs
         choice["finish_reason"] = None if chunk.end is None else self._finish_reason(chunk.end)
         if chunk.end is not None:

@@ -14,6 +14,12 @@ chunks (router/openai_api/responses.py): one JSON response, or server-sent event
 before it gets a real HTTP status (429 with Retry-After, 503, ...). A client that disconnects
 cancels the handler (``handler_cancellation``); its sessions close and free their blocks.
 With ``auth_token`` set every ``/v1/`` route needs ``Authorization: Bearer <token>`` (vLLM's rule).
+
+Browsers may call every route from another origin (CORS), as vLLM's ``--allowed-origins`` lets
+them: ``router.allowed_origins`` (vLLM's default, any: "*"). A preflight (``OPTIONS`` with
+``Access-Control-Request-Method``) is answered 204 before authentication, which never applies to
+``OPTIONS`` (a browser sends no token with it); every response, a stream's too, carries
+``Access-Control-Allow-Origin``. Methods and headers: any, as vLLM's defaults.
 """
 
 from __future__ import annotations
@@ -43,8 +49,6 @@ from router.openai_api import vllm_endpoints
 from router.openai_api.protocol import ApiRequest, is_client_request_id, read_chat, read_completion, render_conversation
 from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
-from router.openai_api.reasoning import ReasoningSplitter
-from router.openai_api.tool_parsers import ToolCallOutput
 from router.output_stream import OutputChunk, end_failure
 from router.session import GenerationSession
 
@@ -61,6 +65,10 @@ FRONT_END_MODULES = (vllm_endpoints, messages, responses_front_end)
 
 
 REQUEST_ID_HEADER = "X-Request-Id"
+# A preflight's answer: any method and (echoing the request's) any header, as vLLM's defaults
+# (Starlette's CORS middleware with "*"), cached by the browser for 10 minutes.
+_CORS_METHODS = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+_CORS_MAX_AGE_S = "600"
 # Where a generation's handler leaves the id its response goes by (a typed key: aiohttp warns on
 # plain strings; older aiohttp has no RequestKey).
 _RESPONSE_ID = web.RequestKey("response_id", str) if hasattr(web, "RequestKey") else "pdserve_response_id"
@@ -76,9 +84,11 @@ class OpenAIServer:
     def __init__(
         self, router: "Router", host: str, port: int, model_names: list[str], auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False, model_aliases: list[str] | None = None,
-        chat: ChatFormat | None = None,
+        chat: ChatFormat | None = None, allowed_origins: list[str] | None = None,
     ):
         self.router = router
+        # Origins a browser may call from (None: the router's config's); "*": any.
+        self.allowed_origins = list(router.config.allowed_origins if allowed_origins is None else allowed_origins)
         self.reuse_port = reuse_port  # replicas of the router share one port (SO_REUSEPORT)
         self.host = host
         self.requested_port = port
@@ -102,9 +112,16 @@ class OpenAIServer:
         """The deployment's reasoning parser (None: none)."""
         return self.chat.reasoning
 
-    async def start(self) -> int:
+    def application(self) -> web.Application:
+        """An app with this server's edge (CORS, authentication, errors, the request id header)
+        and no route yet."""
         app = web.Application(middlewares=[self._edge], client_max_size=MAX_BODY_BYTES)
         app.on_response_prepare.append(_with_request_id)
+        app.on_response_prepare.append(self._allow_origin)
+        return app
+
+    async def start(self) -> int:
+        app = self.application()
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -131,12 +148,14 @@ class OpenAIServer:
             await self.runner.cleanup()
             self.runner = None
 
-    # -- edge: authentication and errors, in one place -----------------------------------
+    # -- edge: CORS, authentication and errors, in one place ------------------------------
 
     @web.middleware
     async def _edge(self, request: web.Request, handler) -> web.StreamResponse:
         try:
-            if request.path.startswith("/v1/"):
+            if request.method == "OPTIONS" and "Origin" in request.headers and "Access-Control-Request-Method" in request.headers:
+                return self._preflight(request)
+            if request.path.startswith("/v1/") and request.method != "OPTIONS":
                 self._authenticate(request)
             return await handler(request)
         except web.HTTPException as exc:  # unknown route, wrong method
@@ -151,6 +170,37 @@ class OpenAIServer:
             log_if_internal(exc, f"{request.method} {request.path}")
             shaped = _error_shape_of(request.path)
             return error_response(exc) if shaped is None else shaped.error_response(exc)
+
+    def _preflight(self, request: web.Request) -> web.Response:
+        """A browser's CORS preflight: 204 with what it may send (400 for an origin not allowed,
+        as vLLM's Starlette answers it)."""
+        if self._origin_allowed(request) is None:
+            body = {"error": {"message": f"origin {request.headers['Origin']!r} is not allowed (router.allowed_origins)"[:300], "type": "invalid_request_error", "param": None, "code": None}}
+            return web.json_response(body, status=400)
+        headers = {
+            "Access-Control-Allow-Methods": _CORS_METHODS,
+            "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers") or "*",
+            "Access-Control-Max-Age": _CORS_MAX_AGE_S,
+        }
+        return web.Response(status=204, headers=headers)
+
+    def _origin_allowed(self, request: web.Request) -> str | None:
+        """The Access-Control-Allow-Origin a response to ``request`` carries: "*" where any origin
+        may call, the request's Origin where it is one allowed; None: none."""
+        if "*" in self.allowed_origins:
+            return "*"
+        origin = request.headers.get("Origin")
+        return origin if origin in self.allowed_origins else None
+
+    async def _allow_origin(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every response, as it starts (a stream's too): the origins that may read it."""
+        origin = self._origin_allowed(request)
+        if origin is None:
+            return
+        response.headers["Access-Control-Allow-Origin"] = origin
+        if origin != "*":  # the answer depends on the Origin: caches must keep one per origin
+            vary = response.headers.get("Vary")
+            response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
 
     def _authenticate(self, request: web.Request) -> None:
         if self.auth_token is None:
@@ -242,18 +292,7 @@ class OpenAIServer:
         try:
             for one in validated:
                 sessions.append(await GenerationSession.open(self.router, one, client_gone))
-            states = [
-                ChoiceState(
-                    index, chat, api.logprobs, len(one.prompt_token_ids), echo=self._echo(api, one),
-                    tools=ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None,
-                    prompt_token_ids=one.prompt_token_ids, num_prompt_logprobs=api.prompt_logprobs,
-                    echo_logprobs=api.echo and api.logprobs is not None, prompt_only=api.prompt_only,
-                    return_token_ids=api.return_token_ids, tokens_as_ids=api.tokens_as_ids,
-                    reasoning=ReasoningSplitter(one.sampling_params.thinking) if api.reasoning is not None else None,
-                    show_reasoning=api.include_reasoning,
-                )
-                for index, one in enumerate(validated)
-            ]
+            states = [ChoiceState.of(index, chat, api, one, echo=self._echo(api, one)) for index, one in enumerate(validated)]
             chunks = _merged(sessions)
             async with contextlib.aclosing(chunks):
                 if api.stream:

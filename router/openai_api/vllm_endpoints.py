@@ -74,7 +74,8 @@ class VllmEndpoints:
                 raise InvalidArgumentError("prompt", f"must be a string (or give messages), got {type_name(prompt)}")
             add_special = boolean(body, "add_special_tokens", True)
         tokens = await self.router.encode(prompt, add_special)
-        strings = [tokenizer.decode_raw([token], skip_special_tokens=False) for token in tokens] if boolean(body, "return_token_strs", False) else None
+        # The vocabulary's pieces, as vLLM's convert_ids_to_tokens gives them (a token's text alone may be half a character).
+        strings = [tokenizer.id_to_token(token) for token in tokens] if boolean(body, "return_token_strs", False) else None
         return web.json_response(
             {"count": len(tokens), "max_model_len": self.router.model_info.max_context_len, "tokens": tokens, "token_strs": strings}
         )
