@@ -795,6 +795,16 @@ class Dispatcher:
                 active.prefill_task.cancel()
             # Restarted (or, mid-stream, migrated) elsewhere; ``restart`` applies the bounds.
             active.outputs.put_nowait(Restart(f"decode worker {record.worker_id} died", active.attempt, dead_worker_id=record.worker_id))
+            # Taken for dead is not always dead (a missed ping, a call that found it unreachable
+            # for a moment): one still alive would decode this attempt to its end for nobody,
+            # holding its blocks and a seat, while this router routes to it again.
+            self.release_later(self._abort_stale_attempt(record, key, active.decode_attempt), f"abort {key} on {record.worker_id}")
+
+    async def _abort_stale_attempt(self, decode: WorkerRecord, key: str, attempt: int) -> None:
+        try:
+            await within(decode.handle.abort.remote(key, attempt), self.config.status_timeout_s)
+        except Exception as exc:  # dead indeed (or hung): nothing of it runs for this router
+            logger.debug("req %s: abort on %s: %s", key, decode.worker_id, _reason(exc))
 
     # -- the end --------------------------------------------------------------------------
 

@@ -399,3 +399,35 @@ def test_a_decode_actor_granted_then_taken_for_dead_before_the_request_is_placed
 
     asyncio.run(scenario())
     assert reserved == ["decode-1"] and active.decode.worker_id == "decode-1"
+
+
+def test_a_decode_actor_taken_for_dead_is_told_to_drop_the_attempts_moved_elsewhere():
+    """Taken for dead is not always dead (a missed ping, a moment unreachable). The requests move
+    on; a decode actor still alive decoded their old attempts to the end for nobody, holding
+    blocks and seats, while the router, finding it alive again, routed new requests to it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.dispatcher import Restart
+
+    aborted = []
+
+    async def abort(key, attempt, given_up=False):
+        aborted.append((key, attempt))
+
+    pool = WorkerPool()
+    decode = WorkerRecord("decode-0", Role.DECODE, handle=SimpleNamespace(abort=_Call(abort)))
+    pool.add(decode)
+    dispatcher = Dispatcher(pool, RouterConfig())
+    active = _active("a")
+
+    async def scenario():
+        dispatcher.admit(active)
+        active.outputs, active.decode, active.decode_attempt = asyncio.Queue(), decode, 7
+        pool.assign(decode, active.key, 2)
+        dispatcher.on_worker_died(decode)
+        await asyncio.gather(*dispatcher._release_tasks)
+        return active.outputs.get_nowait()
+
+    assert isinstance(asyncio.run(scenario()), Restart)
+    assert aborted == [(active.key, 7)]
