@@ -47,7 +47,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest
 from engine.block_allocator import cache_hash_salt
 from engine.stats import WorkerState
-from kvtransfer.errors import LeaseExpiredError, PeerLostError, TransferFailedError, TransferTimeoutError
+from kvtransfer.errors import LeaseExpiredError, PeerLostError, StaleEpochError, TransferFailedError, TransferTimeoutError
 from kvtransfer.messages import KVDestination
 from prefill_workers.messages import PrefillRequest, PrefillResult, PrefillTiming, PrefillUnavailableError
 from router.admission import WaitEstimate, WindowRate, estimate_wait
@@ -76,7 +76,7 @@ logger = logging.getLogger(__name__)
 
 WORKER_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 # A prefill's writes into its decode reservation failed for a reason outside the request.
-_WRITE_FAILURES = (PeerLostError, TransferFailedError, TransferTimeoutError, LeaseExpiredError)
+_WRITE_FAILURES = (PeerLostError, TransferFailedError, TransferTimeoutError, LeaseExpiredError, StaleEpochError)
 # How long a request waits for the previous request of its id to be released on its workers
 # (bounded: that release's own waits are, and it may have lost a worker meanwhile).
 RELEASE_WAIT_S = 10.0
@@ -631,7 +631,7 @@ class Dispatcher:
             # Writing into the decode actor failed (it died, its node went, the link broke, its
             # lease ran out): not this request's fault. It is placed again, like any request
             # whose decode actor died; a live decode actor gives its reservation up.
-            await self._on_decode_unreachable(active, decode)
+            await self._on_decode_unreachable(active, decode, _write_failure(cause, decode))
             return
         cause = remote_cause(exc)
         if cause is not exc:
@@ -641,16 +641,17 @@ class Dispatcher:
         else:
             active.outputs.put_nowait(Failure(UnavailableError(f"prefill failed on {prefill.worker_id}: {_reason(exc)}")))
 
-    async def _on_decode_unreachable(self, active: ActiveRequest, decode: WorkerRecord) -> None:
-        """A prefill actor lost its connection to ``decode``: restart the request, as its death
-        would (if it is dead, ``on_worker_died`` does; if not, its reservation is given up)."""
+    async def _on_decode_unreachable(self, active: ActiveRequest, decode: WorkerRecord, why: str) -> None:
+        """A prefill actor lost its connection to ``decode`` (``why``, in words): restart the
+        request, as its death would (if it is dead, ``on_worker_died`` does; if not, its
+        reservation is given up)."""
         try:
             await within(decode.handle.ping.remote(), self.config.status_timeout_s)
         except Exception:  # gone, silent, or unhealthy (its ping raises: a hung engine thread, a failed pump)
             self.on_worker_died(decode)  # restarts every request it held, this one included
             return
         active.attempt = next(self._attempts)
-        active.outputs.put_nowait(Restart(f"the connection to decode worker {decode.worker_id} was lost", active.attempt, prefill_failed=True))
+        active.outputs.put_nowait(Restart(why, active.attempt, prefill_failed=True))
 
     async def restart(self, active: ActiveRequest, reason: Restart) -> None:
         """Dispatch again after a worker died, within the retry bounds; raise UNAVAILABLE beyond them.
@@ -955,6 +956,16 @@ def _capacity_error(request: ValidatedRequest) -> Exception:
 
 def _seconds(value: float | None) -> str:
     return "unknown" if value is None else f"{value:.1f}s"
+
+
+def _write_failure(cause: BaseException, decode: WorkerRecord) -> str:
+    """Why writing into ``decode``'s reservation failed, as a retry's reason (and the client's
+    error where retries run out)."""
+    if isinstance(cause, LeaseExpiredError):
+        return f"the reservation's lease on decode worker {decode.worker_id} ran out before its KV was written"
+    if isinstance(cause, StaleEpochError):
+        return f"decode worker {decode.worker_id} restarted since the reservation was made"
+    return f"the connection to decode worker {decode.worker_id} was lost"
 
 
 def _reason(exc: BaseException) -> str:

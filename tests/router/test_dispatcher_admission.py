@@ -246,7 +246,7 @@ def test_a_decode_actor_whose_ping_raises_after_a_failed_write_is_taken_for_dead
             raise RuntimeError("decode-w: no progress for 130s")
 
         decode = SimpleNamespace(worker_id="w", handle=SimpleNamespace(ping=SimpleNamespace(remote=unhealthy)))
-        await dispatcher._on_decode_unreachable(_active("a"), decode)
+        await dispatcher._on_decode_unreachable(_active("a"), decode, "the connection to decode-0 was lost")
         return died
 
     assert [w.worker_id for w in asyncio.run(scenario())] == ["w"]
@@ -431,3 +431,38 @@ def test_a_decode_actor_taken_for_dead_is_told_to_drop_the_attempts_moved_elsewh
 
     assert isinstance(asyncio.run(scenario()), Restart)
     assert aborted == [(active.key, 7)]
+
+
+@pytest.mark.parametrize("kind", ["stale_epoch", "lease_expired"])
+def test_a_write_refused_by_a_restarted_decode_actor_or_its_lease_is_placed_again_saying_why(kind):
+    """A reservation from an earlier incarnation of the decode actor (never written) failed the
+    request as unavailable instead of placing it again; one whose lease ran out was placed again
+    as 'the connection to decode worker X was lost', which the client saw when retries ran out."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvtransfer.errors import LeaseExpiredError, StaleEpochError
+    from router.dispatcher import Restart
+
+    class _RemoteError(Exception):  # as Ray raises what a remote call raised: the original is its cause
+        def __init__(self, cause):
+            super().__init__(str(cause))
+            self.cause = cause
+
+    async def ping():
+        return "epoch-2"
+
+    error = {"stale_epoch": StaleEpochError, "lease_expired": LeaseExpiredError}[kind]("a", "decode-0", "refused")
+    decode = WorkerRecord("decode-0", Role.DECODE, handle=SimpleNamespace(ping=_Call(ping)))
+    prefill = WorkerRecord("prefill-0", Role.PREFILL, handle=None)
+    dispatcher = Dispatcher(WorkerPool(), RouterConfig())
+    active = _active("a")
+
+    async def scenario():
+        active.outputs = asyncio.Queue()
+        await dispatcher._prefill_raised(active, decode, prefill, _RemoteError(error))
+        return active.outputs.get_nowait()
+
+    outcome = asyncio.run(scenario())
+    assert isinstance(outcome, Restart) and outcome.prefill_failed
+    assert ("restarted" if kind == "stale_epoch" else "lease") in outcome.reason
