@@ -68,8 +68,11 @@ class BlockRuns:
 
     def byte_descs(self, region: KVRegion, side: str, offset: int = 0, num_bytes: int | None = None) -> np.ndarray:
         """An Nx3 (address, length, device id) uint64 array: one descriptor per run, or, for
-        ``num_bytes`` of each block from ``offset`` (a piece), one per block."""
-        if num_bytes is not None and num_bytes != region.bytes_per_block:
+        ``num_bytes`` of each block from ``offset`` (a piece), one per block. A piece is one per
+        block on both sides, even the side where it is the whole block: a transfer's two lists
+        must be as long as each other (a piece of a 2-rank reader's block is the whole block of
+        a 1-rank writer's)."""
+        if num_bytes is not None:
             src, dst = self.expand()
             blocks = (src if side == "src" else dst).astype(np.uint64)
             descs = np.empty((len(blocks), 3), dtype=np.uint64)

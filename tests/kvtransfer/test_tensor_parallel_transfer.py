@@ -37,7 +37,7 @@ def shards(num_kv_heads: int, tp_size: int) -> list[KVShard]:
 class Worker:
     """A worker's ranks in this process: per-rank KV tensors, rank 0's agent driving them all."""
 
-    def __init__(self, name: str, compat: KVCompat, tp_size: int, backend: str):
+    def __init__(self, name: str, compat: KVCompat, tp_size: int, backend: str, nixl_mode: str = "prepped"):
         self.compat = compat
         self.shards = shards(compat.num_kv_heads, tp_size)
         self.tensors = [self._tensor(shard) for shard in self.shards]
@@ -46,11 +46,11 @@ class Worker:
             opened = []
             for shard, tensor in zip(self.shards[1:], self.tensors[1:]):
                 region = KVRegion.from_tensor(tensor)
-                options = BackendOptions(f"{base}/r{shard.rank}", tensor, region)
+                options = BackendOptions(f"{base}/r{shard.rank}", tensor, region, nixl_mode=nixl_mode)
                 opened.append(RankTransport(shard, region, make_transport(backend, options), options.transport_name))
             return opened
 
-        config = KVTransferConfig(backend=backend, lease=TEST_POLICY)
+        config = KVTransferConfig(backend=backend, lease=TEST_POLICY, nixl_mode=nixl_mode)
         self.agent = KVAgent(name, self.tensors[0], compat, config, shard=self.shards[0], open_ranks=open_ranks)
 
     def _tensor(self, shard: KVShard) -> torch.Tensor:
@@ -101,13 +101,13 @@ CASES = [(p, d) for p in (1, 2) for d in (1, 2)]
 
 
 @ray.remote(num_cpus=1)
-def _every_pair(backend: str, compat: KVCompat) -> list[str]:
+def _every_pair(backend: str, compat: KVCompat, nixl_mode: str = "prepped") -> list[str]:
     """Each (P, D) pair's transfer; the problems found (none: every head where it belongs)."""
     torch.set_num_threads(1)
     problems = []
     for p, d in CASES:
-        writer = Worker(f"P{p}{d}", compat, p, backend)
-        reader = Worker(f"D{p}{d}", compat, d, backend)
+        writer = Worker(f"P{p}{d}", compat, p, backend, nixl_mode)
+        reader = Worker(f"D{p}{d}", compat, d, backend, nixl_mode)
         try:
             writer.agent.connect(reader.agent.handshake_offer())
             writer.fill(seed=p * 10 + d)
@@ -125,13 +125,18 @@ def _every_pair(backend: str, compat: KVCompat) -> list[str]:
     return problems
 
 
-# Over NIXL every head layout; over Ray (the fallback transport, whose mailboxes are processes
-# of their own: seconds per pair on a 2-core host) the one that takes head slices and scales.
-@pytest.mark.parametrize("backend,num_kv_heads,block_scales", [("nixl", 4, False), ("nixl", 1, False), ("nixl", 2, True), ("ray", 2, True)])
-def test_every_tp_pair_moves_each_head_into_the_rank_that_holds_it(ray_session, backend, num_kv_heads, block_scales):
+# Over NIXL every head layout (and, in NIXL's descriptors-per-push mode, one: a piece of a
+# block on one side is the whole block on the other, and both lists must be as long); over Ray
+# (the fallback transport, whose mailboxes are processes of their own: seconds per pair on a
+# 2-core host) the one that takes head slices and scales.
+@pytest.mark.parametrize(
+    "backend,num_kv_heads,block_scales,nixl_mode",
+    [("nixl", 4, False, "prepped"), ("nixl", 1, False, "prepped"), ("nixl", 2, True, "prepped"), ("nixl", 4, False, "dynamic"), ("ray", 2, True, "prepped")],
+)
+def test_every_tp_pair_moves_each_head_into_the_rank_that_holds_it(ray_session, backend, num_kv_heads, block_scales, nixl_mode):
     dtype = "int8" if block_scales else "bfloat16"
     compat = KVCompat("tp/model", dtype, num_layers=2, num_kv_heads=num_kv_heads, head_dim=8, block_size=4, block_scales=block_scales)
-    assert ray.get(_every_pair.remote(backend, compat)) == []
+    assert ray.get(_every_pair.remote(backend, compat, nixl_mode)) == []
 
 
 def test_descriptors_per_block_for_each_tp_pair():
