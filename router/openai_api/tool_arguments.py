@@ -17,6 +17,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 from engine import bounded_json
 
@@ -31,33 +32,45 @@ class RawArgument:
     start: int = 0  # where the value's text starts in the block read (a long open value is read on from there)
 
 
-def arguments_text(arguments: list[RawArgument], schemas: dict[str, Any], complete: bool) -> str:
+# The JSON schema types a parameter's value may have; None: any value (a schema that says nothing
+# of its type). A parameter the tool does not declare is text.
+ValueTypes = frozenset[str] | None
+TEXT: frozenset[str] = frozenset({"string"})
+
+
+def arguments_text(arguments: list[RawArgument], types: dict[str, ValueTypes], complete: bool) -> str:
     """The call's JSON arguments as far as ``arguments`` go (``complete``: the call ended, and with
-    it every value). A value still open shows only if its parameter is a string, as written so far."""
+    it every value), each typed by ``types`` (``parameter_types``). A value still open shows only if
+    its parameter is a string, as written so far."""
     items = []
     for argument in arguments:
-        schema = schemas.get(argument.key)
+        value_types = types.get(argument.key, TEXT)
         if argument.closed or complete:
-            items.append(json_member(argument.key, typed_value(argument.text, schema)))
-        elif is_text(schema):  # the last key, its value still coming
+            items.append(json_member(argument.key, typed_value(argument.text, value_types)))
+        elif is_text(value_types):  # the last key, its value still coming
             items.append(open_string_member(argument.key) + escaped(argument.text))  # no closing quote yet
     return "{" + ", ".join(items) + ("}" if complete else "")
 
 
-def parameter_schemas(tools: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """Function ``name``'s parameters' schemas by name ({} for a function no tool declares)."""
+def parameter_types(tools: list[dict[str, Any]], name: str) -> dict[str, ValueTypes]:
+    """Function ``name``'s parameters' value types by name ({} for a function no tool declares),
+    read from their schemas as pydantic writes them too: references into the parameters'
+    ``$defs`` (``{"$ref": "#/$defs/Address"}``), allOf, anyOf and oneOf looked through."""
     for tool in tools:
         function = tool.get("function") or {}
         if function.get("name") == name:
-            properties = (function.get("parameters") or {}).get("properties")
-            return properties if isinstance(properties, dict) else {}
+            parameters = function.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, dict) else None
+            if not isinstance(properties, dict):
+                return {}
+            reader = _SchemaTypes(parameters)
+            return {key: reader.of_parameter(schema) for key, schema in properties.items()}
     return {}
 
 
-def is_text(schema: Any) -> bool:
+def is_text(types: ValueTypes) -> bool:
     """Whether a parameter's value is its text as written (a string, or undeclared)."""
-    types = _schema_types(schema)
-    return not types or types == {"string"}
+    return types is not None and (not types or types == TEXT)
 
 
 def _not_json(name: str) -> Any:
@@ -84,9 +97,25 @@ def json_or(text: str, default: Any) -> Any:
         return default
 
 
+def json_valid(text: str) -> bool:
+    """Whether ``text`` is (strict) JSON. Text nested past what is parsed here counts: its call
+    is kept as the model wrote it (a client's parser may follow it)."""
+    try:
+        bounded_json.loads(text, STRICT_JSON)
+    except bounded_json.TooDeepError:
+        return True
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def json_text(arguments: Any) -> str:
-    """A call's arguments as JSON text: a text as it is (the model's own JSON), a value written."""
-    return arguments if isinstance(arguments, str) else _dump(arguments)
+    """A call's arguments as JSON text: a text that is a JSON object as it is (the model's own
+    JSON, or arguments it wrote as a string of JSON), any other value written as JSON (a string
+    that is no object's text too: a call's arguments must parse)."""
+    if isinstance(arguments, str) and arguments.lstrip().startswith("{") and json_valid(arguments):
+        return arguments
+    return _dump(arguments)
 
 
 def _dump(value: Any) -> str:
@@ -116,15 +145,17 @@ _TYPE_ALIASES = {  # names clients write for JSON schema types (vLLM reads them 
 }
 
 
-def typed_value(raw: str, schema: Any) -> Any:
-    """A parameter the model wrote as text, as the value its schema types it: a string parameter
-    (or one the tool does not declare) as written; any other as the JSON (or Python literal) it
-    spells where that is of a type the schema allows; else as written."""
-    if is_text(schema):
+def typed_value(raw: str, types: ValueTypes) -> Any:
+    """A parameter the model wrote as text, as the value its schema types it (``types``): a string
+    parameter (or one the tool does not declare) as written; one of any type as the JSON it spells,
+    else as written; any other as the JSON (or Python literal) it spells where that is of a type
+    the schema allows; else as written."""
+    if is_text(types):
         return raw
-    types = _schema_types(schema)
     text = raw.strip()
     parsed = json_or(text, _MISSING)
+    if types is None:
+        return raw if parsed is _MISSING else parsed
     if parsed is _MISSING and "boolean" in types and text.lower() in ("true", "false"):
         parsed = text.lower() == "true"  # Python's True/False
     if parsed is _MISSING and types & {"object", "array"}:
@@ -140,22 +171,85 @@ def typed_value(raw: str, schema: Any) -> Any:
 _MISSING = object()
 
 
-def _schema_types(schema: Any) -> set[str]:
-    if not isinstance(schema, dict):
-        return set()
+_MAX_REFERENCE_CHAIN = 64
+
+
+class _SchemaTypes:
+    """Reads the value types of schemas inside one tool's parameters (``root``, where their local
+    references point), each referenced schema once: references that refer on, or back to
+    themselves, cost what they hold, not what they unfold to."""
+
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self._by_ref: dict[str, ValueTypes] = {}
+        self._reading: set[str] = set()  # references being read: one met again refers back to itself
+
+    def of_parameter(self, schema: Any) -> ValueTypes:
+        """A parameter's value types: an empty (or no) schema is text, as an undeclared parameter;
+        one that says nothing of types (a description, properties) is of any type."""
+        if not isinstance(schema, dict) or not schema:
+            return TEXT
+        return self.of(schema)
+
+    def of(self, schema: Any) -> ValueTypes:
+        """The types ``schema`` allows: those its own keywords, its reference and the schemas it
+        combines each allow (allOf: all of them; anyOf, oneOf: any one). None: nothing says."""
+        if not isinstance(schema, dict):
+            return None
+        found = [types for types in (_own_types(schema), self._referenced(schema.get("$ref"))) if types is not None]
+        for keyword in ("anyOf", "oneOf"):
+            options = schema.get(keyword)
+            if isinstance(options, list) and options:
+                option_types = [self.of(option) for option in options]
+                if None not in option_types:  # an option of any type says nothing of the value's
+                    found.append(frozenset().union(*option_types))
+        if isinstance(schema.get("allOf"), list):
+            found += [types for option in schema["allOf"] if (types := self.of(option)) is not None]
+        return frozenset.intersection(*found) if found else None
+
+    def _referenced(self, ref: Any) -> ValueTypes:
+        # A chain of references longer than any a generator writes says nothing (followed on, a
+        # tool's thousands of definitions each naming the next would recurse past Python's limit).
+        if not isinstance(ref, str) or ref in self._reading or len(self._reading) >= _MAX_REFERENCE_CHAIN:
+            return None
+        if ref not in self._by_ref:
+            self._reading.add(ref)
+            self._by_ref[ref] = self.of(_pointed_at(self.root, ref))
+            self._reading.discard(ref)
+        return self._by_ref[ref]
+
+
+def _own_types(schema: dict[str, Any]) -> frozenset[str] | None:
+    """The types a schema's own "type" (else its enum, else its const) allows; None: it has none."""
     declared = schema.get("type")
     if isinstance(declared, str):
-        return {_TYPE_ALIASES.get(declared, declared)}
+        return frozenset({_TYPE_ALIASES.get(declared, declared)})
     if isinstance(declared, list):
-        return {_TYPE_ALIASES.get(t, t) for t in declared if isinstance(t, str)}
+        return frozenset(_TYPE_ALIASES.get(t, t) for t in declared if isinstance(t, str))
     if "enum" in schema and isinstance(schema["enum"], list):
-        return set().union(*(_value_types(v) for v in schema["enum"])) if schema["enum"] else set()
+        return frozenset().union(*(_value_types(v) for v in schema["enum"]))
     if "const" in schema:
-        return _value_types(schema["const"])
-    options = schema.get("anyOf") or schema.get("oneOf")
-    if isinstance(options, list):
-        return set().union(*(_schema_types(option) for option in options)) if options else set()
-    return set()
+        return frozenset(_value_types(schema["const"]))
+    return None
+
+
+def _pointed_at(root: Any, ref: str) -> Any:
+    """What a local reference (a JSON pointer after "#": "#/$defs/Address") names in ``root``;
+    None for any other reference (another document's, an anchor's) or one that names nothing."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for token in ref[2:].split("/"):
+        token = unquote(token).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+    return node
 
 
 def _value_types(value: Any) -> set[str]:

@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from router.openai_api.tool_arguments import RawArgument, arguments_text, escaped, is_text, json_or, json_text, parameter_schemas
+from router.openai_api.tool_arguments import TEXT, RawArgument, ValueTypes, arguments_text, escaped, is_text, json_or, json_text, parameter_types
 from router.openai_api.tool_json import JsonQuotes, ObjectEnds, json_calls
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class CallStream:
 def held_back(text: str, markers: tuple[str, ...]) -> int:
     """How many of ``text``'s last characters may be the start of one of ``markers`` (they wait
     for the next token to say)."""
-    return max(marker_prefix_len(text, marker) for marker in markers)
+    return max((marker_prefix_len(text, marker) for marker in markers), default=0)
 
 
 def marker_prefix_len(text: str, marker: str) -> int:
@@ -119,10 +119,16 @@ class BlockReader(ABC):
     # A block's body is JSON: a closer inside one of its strings is text of the call (an agent
     # writing code about tool markup), not the block's end.
     json_body = False
+    tags: tuple[str, ...] = ()  # the tags inside a block (that may be cut off where the answer ends)
 
     def __init__(self, tools: list[dict[str, Any]]):
         self.tools = tools
         self.num_found = 0
+        # Calls (by their order in the answer) cut short, their arguments closed where the reading
+        # stopped: streamed, so still calls, but none to run (router/openai_api/tool_parsers.py
+        # ends such an answer with "stop"). Of the formats only pythonic cuts calls so; a JSON
+        # call that does not parse is seen as such without the reader's word.
+        self.cut_calls: set[int] = set()
         self._buffer = ""
         self._space = ""  # whitespace after a call, shown only if text follows it
         self._openers = tuple(opener for opener, _ in self.blocks)  # looked for per token
@@ -207,9 +213,14 @@ class BlockReader(ABC):
             block, self._buffer = self._buffer[: self._held], self._buffer[self._held + len(closer) :]
             return self._close(opener, block, closer) + self.feed("") + self.finish()
         if self._open is not None:  # a block the answer did not close
-            rest, self._buffer = self._buffer, ""
-            return self._close(self._open[0], rest)
+            (opener, closer), rest, self._buffer = self._open, self._buffer, ""
+            return self._close(opener, rest[: len(rest) - self.unfinished_tail(rest, closer)])
         return _with_text([], self._content(len(self._buffer)))
+
+    def unfinished_tail(self, rest: str, closer: str | None) -> int:
+        """How many of the last characters of a block the answer ended in are a tag it began and
+        never finished (``</``, ``<arg_``: what ``feed`` held back): no text of a call, nor content."""
+        return held_back(rest, self.tags + ((closer,) if closer else ()))
 
     def _close(self, opener: str, block: str, closer: str = "") -> list[Part]:
         """A block's end (``closer``: its marker, none where the answer ended): its calls' last
@@ -240,7 +251,7 @@ class HermesReader(BlockReader):
     json_body = True
 
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
-        calls, stop = json_calls(body, object_end=None if closed else self.ends.end)  # a closed block is read afresh
+        calls, stop = json_calls(body, read_object=None if closed else self.ends.read)  # a closed block is read afresh
         if calls:  # {"name": ..., "arguments": {: streamed as it comes
             return CallsRead(calls, body[stop:].strip() if closed else "")
         if not closed:
@@ -289,6 +300,17 @@ class TextValueReader(BlockReader):
     value_ends: tuple[str, ...] = ()  # tags that end a value or begin another part of the call
     value_held: tuple[str, ...] = ()  # what an open value's end holds back (what may begin a tag)
 
+    def __init__(self, tools: list[dict[str, Any]]):
+        super().__init__(tools)
+        self._types: dict[str, dict[str, ValueTypes]] = {}  # each function's parameters' types, read once
+
+    def parameter_types(self, name: str) -> dict[str, ValueTypes]:
+        """Function ``name``'s parameters' value types (router/openai_api/tool_arguments.py)."""
+        types = self._types.get(name)
+        if types is None:
+            types = self._types[name] = parameter_types(self.tools, name)
+        return types
+
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         if not closed and self.open_value is not None and (calls := self.open_value.read_on(body)) is not None:
             return CallsRead(calls)
@@ -307,7 +329,7 @@ class TextValueReader(BlockReader):
         """The last argument, where it is a text value the call's arguments show as it grows."""
         if complete or not arguments or arguments[-1].closed or not arguments[-1].text:
             return None
-        return arguments[-1] if is_text(parameter_schemas(self.tools, name).get(arguments[-1].key)) else None
+        return arguments[-1] if is_text(self.parameter_types(name).get(arguments[-1].key, TEXT)) else None
 
 
 class Qwen3CoderReader(TextValueReader):
@@ -315,6 +337,10 @@ class Qwen3CoderReader(TextValueReader):
 
     blocks = ((HERMES_OPEN, HERMES_CLOSE), (FUNCTION_OPEN, FUNCTION_CLOSE))
     value_ends = (PARAMETER_CLOSE, PARAMETER_OPEN, FUNCTION_CLOSE, FUNCTION_OPEN, HERMES_CLOSE)
+    # At the answer's end a tag cut off is dropped, but not the format's newline before it: the
+    # value's last newline is dropped as the format's once it is read whole (and an open value held
+    # back only that one, so no newline it showed is taken back).
+    tags = value_ends
     value_held = _QWEN_VALUE_ENDS
 
     def read_block(self, opener: str, body: str, closed: bool) -> tuple[CallsRead | None, RawArgument | None]:
@@ -332,7 +358,7 @@ class Qwen3CoderReader(TextValueReader):
             end = region.find(FUNCTION_CLOSE)
             complete = closed or end >= 0 or index + 1 < len(heads)
             arguments = self._arguments(region if end < 0 else region[:end], complete, head.end() - shift)
-            calls.append((name, arguments_text(arguments, parameter_schemas(self.tools, name), complete)))
+            calls.append((name, arguments_text(arguments, self.parameter_types(name), complete)))
             writing = self.writing(name, arguments, complete)
             position = head.end() + (len(region) if end < 0 else end + len(FUNCTION_CLOSE))
         if not calls:
@@ -374,6 +400,14 @@ class Glm45Reader(TextValueReader):
     blocks = ((HERMES_OPEN, HERMES_CLOSE),)
     value_ends = (GLM_VALUE_CLOSE, GLM_ARG_KEY)
     value_held = (GLM_VALUE_CLOSE, GLM_ARG_KEY)
+    tags = value_ends
+
+    def unfinished_tail(self, rest: str, closer: str | None) -> int:
+        # A key whose value never began ("<arg_key>city</arg_"): no argument, nor content after one.
+        at = rest.rfind(GLM_ARG_KEY)
+        if at >= 0 and GLM_ARG_VALUE not in rest[at:]:
+            return len(rest) - at
+        return super().unfinished_tail(rest, closer)
 
     def read_block(self, opener: str, body: str, closed: bool) -> tuple[CallsRead | None, RawArgument | None]:
         name, marker, _ = body.partition(GLM_ARG_KEY)
@@ -395,5 +429,5 @@ class Glm45Reader(TextValueReader):
                 value = value[: len(value) - held_back(value, self.value_held)]
             arguments.append(RawArgument(head.group(1).strip(), value, argument_closed, head.end()))
         rest = "".join(outside).strip() if closed else ""
-        read = CallsRead([(name, arguments_text(arguments, parameter_schemas(self.tools, name), closed))], rest)
+        read = CallsRead([(name, arguments_text(arguments, self.parameter_types(name), closed))], rest)
         return read, self.writing(name, arguments, closed)

@@ -40,7 +40,7 @@ from router.openai_api.tool_blocks import (
     HermesReader,
     Qwen3CoderReader,
 )
-from router.openai_api.tool_json import ObjectEnds, json_calls, json_object_end
+from router.openai_api.tool_json import ObjectEnds, ObjectRead, json_calls, json_object
 from router.openai_api.tool_python import PythonCalls
 
 Found = tuple[str, Any]  # a whole call: its name, its arguments (JSON text, or a value to write as JSON)
@@ -78,6 +78,7 @@ class WholeAnswerReader(ABC):
         self._blank = 0  # how much of the answer's start is known to be whitespace (read once, not with every token)
         self._stream = CallStream()
         self.ends = ObjectEnds()  # the JSON objects of the answer so far (it only grows)
+        self.cut_calls: set[int] = set()  # as BlockReader's
 
     @abstractmethod
     def read(self, text: str, whole: bool) -> CallsRead | None:
@@ -93,9 +94,17 @@ class WholeAnswerReader(ABC):
                 return []
             self._calls = head.startswith(self.starts)
         if self._calls:
-            return list(self._stream.pieces(self.read(self._buffer, False)))
+            pieces = self._stream.pieces(self.read(self._buffer, False))
+            if self._stream.sent or not self.settled_as_content():
+                return pieces
+            self._calls = False  # no call after all: what came is content, and what follows streams as it comes
         content, self._buffer = self._buffer, ""
         return [content]
+
+    def settled_as_content(self) -> bool:
+        """Whether an answer that started as calls do is known, before it ends, to hold none (a
+        format that can tell says)."""
+        return False
 
     def finish(self) -> list[Part]:
         rest, self._buffer = self._buffer, ""
@@ -112,7 +121,7 @@ class Llama3JsonReader(WholeAnswerReader):
     def read(self, text: str, whole: bool) -> CallsRead | None:
         text = text.strip().removeprefix(PYTHON_TAG).strip()
         names = {tool["function"]["name"] for tool in self.tools}
-        streamed, stop = json_calls(text, object_end=None if whole else self.ends.end, names=names)  # the whole answer is read afresh
+        streamed, stop = json_calls(text, read_object=None if whole else self.ends.read, names=names)  # the whole answer is read afresh
         if not whole:
             return CallsRead(streamed)
         return _streamed_or_whole(text, streamed, stop, self._parse(text, names))
@@ -158,9 +167,17 @@ class PythonicReader(WholeAnswerReader):
         found = _python_calls(text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip())
         if found is not None:
             return CallsRead(found)
-        # No Python list of calls: those streamed stay, and what follows them is content.
+        # No Python list of calls: those streamed stay (one cut short closed where it stands: its
+        # arguments must parse, and it is none to run), and what follows them is content.
+        streamed, cut = self._read.ended()
+        if cut is not None:
+            self.cut_calls.add(cut)
         rest = "" if self._read.stop is None else text[self._read.stop :].strip().removesuffix(PYTHON_END).strip()
         return CallsRead(streamed, rest) if streamed else None
+
+    def settled_as_content(self) -> bool:
+        # "[Note] ..." is read as content as soon as it reads as no call, not held to the end.
+        return self._read is not None and self._read.settled_as_content(self._buffer)
 
 
 def _python_calls(text: str) -> list[Found] | None:
@@ -194,15 +211,15 @@ class MistralReader(BlockReader):
     def calls_in(self, opener: str, body: str, closed: bool) -> CallsRead | None:
         text = body.strip()
         if text.startswith(("[", "{")):  # a JSON list of calls (or one)
-            streamed, stop = json_calls(text, 1 if text.startswith("[") else 0, None if closed else self.ends.end)
+            streamed, stop = json_calls(text, 1 if text.startswith("[") else 0, None if closed else self.ends.read)
             return _streamed_or_whole(text, streamed, stop, _mistral_list(text), "]" if text.startswith("[") else "") if closed else CallsRead(streamed)
-        calls, stop = _named_calls(body, json_object_end if closed else self.ends.end)  # name[ARGS]{...}, each after its own marker
+        calls, stop = _named_calls(body, json_object if closed else self.ends.read)  # name[ARGS]{...}, each after its own marker
         if not closed:
             return CallsRead(calls)
         return _streamed_or_whole(body, calls, stop, _whole_named_calls(calls, body[stop:]))
 
 
-def _named_calls(body: str, object_end: Callable[[str, int], int]) -> tuple[list[tuple[str, str]], int]:
+def _named_calls(body: str, read_object: ObjectRead) -> tuple[list[tuple[str, str]], int]:
     """Mistral's ``name[ARGS]{...}`` calls (an optional ``[CALL_ID]id`` before ``[ARGS]``), each
     after its own ``[TOOL_CALLS]`` (the first one's is the block's opener): each one's name and
     its arguments' text so far, and where the reading stopped. The next call is looked for after
@@ -213,8 +230,8 @@ def _named_calls(body: str, object_end: Callable[[str, int], int]) -> tuple[list
         start = _SPACES.match(body, at + len(ARGS_MARKER)).end()
         if not name or MISTRAL_CALLS in name or not body.startswith("{", start):
             break
-        stop = object_end(body, start)
-        calls.append((name, body[start:stop]))
+        arguments, stop = read_object(body, start)
+        calls.append((name, arguments))
         marker = _NEXT_NAMED_CALL.match(body, stop)
         if marker is None:
             break
@@ -271,7 +288,7 @@ class RequiredListReader:
             if not self._text.startswith("[", opening):
                 return None
             self._first_call = opening + 1
-        streamed, _ = json_calls(self._text, self._first_call, None if whole else self.ends.end)
+        streamed, _ = json_calls(self._text, self._first_call, None if whole else self.ends.read)
         listed = json_or(self._text, None) if whole else None
         if isinstance(listed, list) and all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in listed):
             found = [(item["name"], item.get("parameters") or {}) for item in listed]

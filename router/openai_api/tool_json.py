@@ -4,6 +4,11 @@ as the answer streams: each call's name, and its arguments object's text so far.
 A streamed call is looked for again with every token; ``ObjectEnds`` keeps how far each
 object was read, so a token costs what it adds, not the call's length (read from the start
 each time, a 128 KB call streamed 4 characters at a time cost 28 s of the router's CPU).
+
+Models write raw newlines and tabs inside strings (a file's content): no JSON, and a client
+parsing the arguments fails. An object's text is given with control characters inside its
+strings escaped (``\n``, ``\t``, ``\u0001``): each is replaced where it stands, so the text of a
+longer read starts with that of a shorter one and what was streamed stays a start of the call.
 """
 
 from __future__ import annotations
@@ -18,49 +23,57 @@ _JSON_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)  # a string's ch
 _JSON_STRING_PLAIN = re.compile(r'[^"\\\x00-\x1f]*')  # a string's characters up to a quote, an escape or a control character
 _JSON_QUOTE_OR_BRACKET = re.compile(r'["{}\[\]]')
 _JSON_SPACE = re.compile(r"[ \t\r\n]*")
+_JSON_CONTROL = re.compile(r"[\x00-\x1f]")
+
+ObjectRead = Callable[[str, int], tuple[str, int]]  # (text, start) -> (the object's text so far, where it ends)
 
 
-def json_calls(text: str, position: int = 0, object_end: Callable[[str, int], int] | None = None,
+def json_calls(text: str, position: int = 0, read_object: ObjectRead | None = None,
                names: Collection[str] | None = None) -> tuple[list[tuple[str, str]], int]:
     """Calls written as JSON objects, ``{"name": ..., "arguments" (or "parameters"): {...}}``, one
     after another (commas, semicolons or whitespace between), from ``position``: each one's name
-    and its arguments object's text so far, and where the reading stopped (the first text that
-    is no such call, or the end). ``object_end``: where an arguments object ends (an
-    ``ObjectEnds``' ``end`` where earlier reads of this text, shorter, were kept; default: read afresh).
-    ``names``: where given, a call must name one of them (else the reading stops before it)."""
-    object_end = object_end or json_object_end
+    and its arguments object's text so far (control characters in its strings escaped), and where
+    the reading stopped (the first text that is no such call, or the end). ``read_object``: how an
+    arguments object is read (an ``ObjectEnds``' ``read`` where earlier reads of this text, shorter,
+    were kept; default: read afresh). ``names``: where given, a call must name one of them (else
+    the reading stops before it)."""
+    read_object = read_object or json_object
     calls = []
     while True:
         head = _JSON_CALL_HEAD.match(text, position)
         if head is None:
             return calls, position
-        name = json.loads(head.group(1))
+        try:
+            name = json.loads(head.group(1))
+        except ValueError:  # a raw control character or an unknown escape in the name: no call
+            return calls, position
         if names is not None and name not in names:
             return calls, position
-        end = object_end(text, head.end())
-        calls.append((name, text[head.end() : end]))
+        arguments, end = read_object(text, head.end())
+        calls.append((name, arguments))
         after = _JSON_CALL_TAIL.match(text, end)
         if after is None:
             return calls, end
         position = after.end()
 
 
-def json_object_end(text: str, start: int) -> int:
-    """Where the JSON object opening at ``text[start]`` ends (after its closing brace), or the
-    text's end if it has not yet."""
+def json_object(text: str, start: int) -> tuple[str, int]:
+    """The JSON object opening at ``text[start]``: its text so far, control characters in its
+    strings escaped, and where it ends (after its closing brace; the text's end if it has not yet)."""
     return _ObjectScan(start).read(text)
 
 
 class ObjectEnds:
-    """Where the JSON objects of a text that only grows (each text starts with the one before)
-    end, each read once: a streamed call's arguments are looked for again with every token, and
-    reading them from their start each time made a call's cost grow with its square (a 128 KB
-    call streamed 4 characters at a time: 28 s of the router's CPU)."""
+    """The JSON objects of a text that only grows (each text starts with the one before), each
+    read once: a streamed call's arguments are looked for again with every token, and reading
+    them from their start each time made a call's cost grow with its square (a 128 KB call
+    streamed 4 characters at a time: 28 s of the router's CPU)."""
 
     def __init__(self) -> None:
         self._scans: dict[int, _ObjectScan] = {}
 
-    def end(self, text: str, start: int) -> int:
+    def read(self, text: str, start: int) -> tuple[str, int]:
+        """As ``json_object``, reading on from where the last read of this object stopped."""
         scan = self._scans.get(start)
         if scan is None:
             scan = self._scans[start] = _ObjectScan(start)
@@ -119,22 +132,29 @@ class JsonQuotes:
 
 
 class _ObjectScan:
-    """How far an object's text was read: where, how deep in brackets, whether in a string."""
+    """How far an object's text was read: where, how deep in brackets, whether in a string; and
+    its text up to the last control character found in a string, that one escaped (the rest is
+    as written: most objects have none, and cost no copy)."""
 
-    __slots__ = ("position", "depth", "in_string", "end")
+    __slots__ = ("start", "position", "depth", "in_string", "end", "escaped", "escaped_to")
 
     def __init__(self, start: int) -> None:
+        self.start = start
         self.position = start
         self.depth = 0
         self.in_string = False
         self.end: int | None = None
+        self.escaped = ""  # the text from start to escaped_to, control characters in strings escaped
+        self.escaped_to = start
 
-    def read(self, text: str) -> int:
-        """The object's end in ``text`` (its end so far: the text's end if it is still open)."""
+    def read(self, text: str) -> tuple[str, int]:
+        """The object's text and its end in ``text`` (its end so far: the text's end if it is still open)."""
         position = self.position
         while self.end is None:
             if self.in_string:
-                position = _JSON_STRING_REST.match(text, position).end()
+                string_end = _JSON_STRING_REST.match(text, position).end()
+                self._escape_controls(text, position, string_end)
+                position = string_end
                 if position == len(text) or text[position] != '"':
                     break  # still open (or a backslash that waits for the character it escapes)
                 position += 1
@@ -154,4 +174,16 @@ class _ObjectScan:
                 if self.depth == 0:
                     self.end = position
         self.position = position
-        return len(text) if self.end is None else self.end
+        end = len(text) if self.end is None else self.end
+        if self.escaped_to == self.start:
+            return text[self.start : end], end
+        return self.escaped + text[self.escaped_to : end], end
+
+    def _escape_controls(self, text: str, start: int, end: int) -> None:
+        """Escapes the control characters of a string's characters ``text[start:end]``."""
+        pieces = []
+        for control in _JSON_CONTROL.finditer(text, start, end):
+            pieces += [text[self.escaped_to : control.start()], json.dumps(control.group())[1:-1]]
+            self.escaped_to = control.end()
+        if pieces:
+            self.escaped += "".join(pieces)

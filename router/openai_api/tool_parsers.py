@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from router.openai_api.tool_arguments import json_or
+from router.openai_api.tool_arguments import json_or, json_valid
 from router.openai_api.tool_calls import MISTRAL_ID_LENGTH, ToolCalling
 from router.openai_api.tool_blocks import Part
 from router.openai_api.tool_formats import READERS, RequiredListReader
@@ -52,6 +52,9 @@ class ToolCallOutput:
     # parallel_tool_calls false: a call after the first is being left out, as OpenAI and vLLM
     # answer (under auto the model may still write several; required's grammar allows one).
     _dropping: bool = False
+    # auto, once the answer ended: a call made is none to run: its arguments no JSON (a model's
+    # trailing comma, once streamed), or closed where the reading stopped (pythonic).
+    _unrunnable: bool = False
 
     def __post_init__(self) -> None:
         if self.calling.choice == "auto":
@@ -61,8 +64,10 @@ class ToolCallOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        """vLLM's: "tool_calls" when calls were made (a named choice keeps "stop")."""
-        return "tool_calls" if self.calls and self.calling.choice != "named" else None
+        """vLLM's: "tool_calls" when calls were made (a named choice keeps "stop"); under auto not
+        where a call made is none to run ("tool_calls" told the client to run it; vLLM reads such
+        an answer as content, and ends a stream of it with "stop")."""
+        return "tool_calls" if self.calls and self.calling.choice != "named" and not self._unrunnable else None
 
     @property
     def calls_complete(self) -> bool:
@@ -102,7 +107,12 @@ class ToolCallOutput:
         choice = self.calling.choice
         if choice in ("none", "named"):
             return []
-        return self._deltas(self._reader.finish())
+        parts = self._deltas(self._reader.finish())
+        if choice == "auto":
+            # Only the calls made count (parallel_tool_calls false drops those after the first).
+            cut = any(index < len(self.calls) for index in self._reader.cut_calls)
+            self._unrunnable = cut or not all(json_valid(call["function"]["arguments"]) for call in self.calls)
+        return parts
 
     def _deltas(self, parts: list[Part]) -> list[OutputPart]:
         out: list[OutputPart] = []

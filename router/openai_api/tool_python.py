@@ -9,7 +9,9 @@ its escapes decoded as each one completes (an agent writing a file sees it grow)
 once it is known to be one: it closed, a value of it was read whole and what follows it too (a
 key not given before, or the ``)``), or its first value is a string being written. Text that
 reads as no such call (a comment included) stops the reading: what was shown stays, and the whole
-answer decides the rest.
+answer decides the rest. A call shown whose reading stopped (``f(city="Paris", unit=celsius)``),
+or that the answer ended in, keeps what was shown of its arguments, closed (``{"city": "Paris"}``):
+a client never gets arguments that do not parse (the call is marked cut: none to run).
 
 Each piece of the text is read once (strings by regular expression), so a long call costs what it
 adds per token, not its length.
@@ -25,10 +27,13 @@ from dataclasses import dataclass, field
 from router.openai_api.tool_arguments import escaped, json_member, open_string_member, python_expression, python_literal
 
 _SPACES = re.compile(r"\s*")
-_CALL_HEAD = re.compile(r"\s*([A-Za-z_]\w*(?:\s*\.\s*[A-Za-z_]\w*)*)\s*\(")
-_CALL_HEAD_START = re.compile(r"\s*(?:[A-Za-z_]\w*(?:\s*\.\s*(?:[A-Za-z_]\w*)?)*\s*)?")  # a head not yet whole
-_KEYWORD = re.compile(r"\s*([A-Za-z_]\w*)\s*=(?=[^=])\s*")
-_KEYWORD_START = re.compile(r"\s*(?:[A-Za-z_]\w*\s*=?)?")  # a keyword not yet whole ("=" waits: "==" is none)
+# Names start as Python's do, with any letter or "_" ([^\W\d]): "éf" is a name.
+_CALL_HEAD = re.compile(r"\s*([^\W\d]\w*(?:\s*\.\s*[^\W\d]\w*)*)\s*\(")
+_CALL_HEAD_START = re.compile(r"\s*(?:[^\W\d]\w*(?:\s*\.\s*(?:[^\W\d]\w*)?)*\s*)?")  # a head not yet whole
+_KEYWORD = re.compile(r"\s*([^\W\d]\w*)\s*=(?=[^=])\s*")
+_KEYWORD_START = re.compile(r"\s*(?:[^\W\d]\w*\s*=?)?")  # a keyword not yet whole ("=" waits: "==" is none)
+# What Python reads on past where this reading stops: a comment, a backslash that continues a line.
+_READ_ON_BY_PYTHON = re.compile(r"[#\\]")
 _VALUE_MARK = re.compile(r"""[()\[\]{},'"#]""")
 _MAX_WAITING = 1024  # characters a name or key not yet whole may take before the reading gives up
 # A string's body up to its closing quote: a one-line string's, or a triple-quoted one's.
@@ -78,9 +83,13 @@ class _Call:
     def shown(self) -> bool:
         return self.closed or bool(self.items) or bool(self.open_text)
 
-    def arguments(self) -> str:
+    def arguments(self, cut: bool = False) -> str:
+        """Its arguments' JSON text as read; ``cut``: the reading of it ended, and what was shown
+        is closed (a string being written ends where it stands, a value not yet shown is left out)."""
         items = self.items + [self.open_text] if self.open_text else self.items
-        return "{" + ", ".join(items) + ("}" if self.closed else "")
+        if self.closed or not cut:
+            return "{" + ", ".join(items) + ("}" if self.closed else "")
+        return "{" + ", ".join(items) + ('"' if self.open_text else "") + "}"
 
 
 class _OpenString:
@@ -149,6 +158,8 @@ class PythonCalls:
 
     def __init__(self, start: int) -> None:
         self.calls: list[_Call] = []
+        self._start = start
+        self._settled: bool | None = None  # settled_as_content, once the reading stopped
         # Where the reading stopped: after the list's "]", or where text that is no call starts. A
         # call not yet shown is then no call (its text is content); one shown stays a call, and the
         # text from its failing argument on is content.
@@ -166,11 +177,30 @@ class PythonCalls:
         """The calls known to be calls so far, in order: each one's name and arguments' text."""
         while self.stop is None and self._step(text):
             pass
+        return [(call.name, call.arguments()) for call in self._shown()]
+
+    def ended(self) -> tuple[list[tuple[str, str]], int | None]:
+        """Once the answer ended (and is no list of calls): the calls shown, the last one's
+        arguments closed where they stand if it did not close, and its index then (cut)."""
+        shown = self._shown()
+        cut = len(shown) - 1 if shown and not shown[-1].closed else None
+        return [(call.name, call.arguments(cut=index == cut)) for index, call in enumerate(shown)], cut
+
+    def settled_as_content(self, text: str) -> bool:
+        """Whether the answer is no list of calls whatever follows: the reading stopped before a
+        call was shown, and nothing Python reads on past came before (where one did, the whole
+        answer's parse decides). Looked at once, when the reading stopped: the text read then
+        holds what stopped it."""
+        if self.stop is not None and self._settled is None:
+            self._settled = not self._shown() and _READ_ON_BY_PYTHON.search(text, self._start) is None
+        return bool(self._settled)
+
+    def _shown(self) -> list[_Call]:
         shown = []
         for call in self.calls:
             if not call.shown:
                 break
-            shown.append((call.name, call.arguments()))
+            shown.append(call)
         return shown
 
     def _step(self, text: str) -> bool:

@@ -478,9 +478,10 @@ def test_pythonic_calls_are_read_as_python_reads_them(piece):
     ]:
         content, streamed, whole, _ = _run(PYTHONIC, text, piece)
         assert (content, streamed, _read(whole)) == ("", whole, calls), text
-    for text in ["[f(a='x\udc80y')]", "[f(a='x\x00y')]"]:  # no Python: the call as far as it read, the rest content
-        content, streamed, whole, _ = _run(PYTHONIC, text, piece)
-        assert (content, [(c["name"], c["arguments"]) for c in whole]) == (text[3:], [("f", '{"a": "x')]) and streamed == whole
+    for text in ["[f(a='x\udc80y')]", "[f(a='x\x00y')]"]:  # no Python: the call as far as it read (closed), the rest content
+        content, streamed, whole, reason = _run(PYTHONIC, text, piece)
+        assert (content, [(c["name"], c["arguments"]) for c in whole]) == (text[3:], [("f", '{"a": "x"}')]) and streamed == whole
+        assert reason is None  # a call cut short is none to run
 
 
 def test_a_hermes_closer_inside_the_calls_strings_is_text_of_the_call():
