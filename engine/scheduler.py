@@ -252,7 +252,7 @@ class Scheduler:
                 if not admitting:
                     continue  # strict priority among waiting prompts
                 self._take_cached_prefix(seq)
-                if self._waits_for_a_twin(seq):
+                if self._waits_for_a_twin(seq, batch):
                     self._return_cached_prefix(seq)
                     continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
@@ -278,21 +278,30 @@ class Scheduler:
             batch.scores_prompt = batch.scores_prompt or seq.needs_prompt_logprobs
             budget -= num_tokens
 
-    def _waits_for_a_twin(self, seq: Sequence) -> bool:
-        """Whether a running prompt with the same prefix computes the next block this waiting
-        one would (identical prompts arriving together: n > 1 choices, a burst of one system
-        prompt). It waits and takes that block from the cache once computed; admitted together,
-        each computed the whole prompt and held its own copy (vLLM shares them)."""
+    def _waits_for_a_twin(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Whether a prompt with the same prefix is computing the next block this waiting one
+        would, this step or in the step still in flight (identical prompts arriving together:
+        n > 1 choices, a burst of one system prompt): it waits and takes that block from the
+        cache once hashed. Admitted together, each computed the whole prompt and held its own
+        copy (vLLM shares them). A twin not computing now (of lower priority, the budget spent
+        before it) is not waited for."""
         if not self.allocator.enable_prefix_caching or seq.needs_prompt_logprobs:
             return False
         end = (seq.num_computed_tokens // self.block_size + 1) * self.block_size  # its next block's end
         if end > seq.num_tokens - 1:
             return False  # no full block a cache hit may cover is left to compute
         prefix = seq.token_ids[:end]
+        scheduled = {id(piece.seq) for piece in batch.slices}
+
+        def computing(twin: Sequence) -> bool:
+            if len(twin.block_hashes) * self.block_size >= end:
+                return False  # hashed already (found in the cache, or about to be)
+            if end <= twin.num_computed_tokens:  # computed in the step in flight (overlapped steps): hashed as it resolves
+                return id(twin) in self.in_flight
+            return id(twin) in scheduled and end <= twin.num_prompt_tokens - 1
+
         return any(
-            twin.num_computed_tokens < end <= twin.num_prompt_tokens - 1 and twin.hash_salt == seq.hash_salt
-            and self._may_compute(twin) and twin.token_ids[:end] == prefix
-            for twin in self.running
+            twin.hash_salt == seq.hash_salt and computing(twin) and twin.token_ids[:end] == prefix for twin in self.running
         )
 
     def _adaptive_prefill_tokens(self, batch: ScheduledBatch, first: Sequence) -> int | None:

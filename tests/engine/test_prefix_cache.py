@@ -225,13 +225,15 @@ def test_a_cache_salt_shares_a_prefix_only_with_requests_of_the_same_salt(llama)
         engine.add_request("e", prompt, SamplingParams(max_tokens=2, cache_salt=""))
 
 
-def test_identical_prompts_arriving_together_compute_their_shared_blocks_once(llama):
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_identical_prompts_arriving_together_compute_their_shared_blocks_once(llama, overlapped):
     """n > 1 choices, or a burst of one system prompt: requests admitted in one step each
     computed the whole prompt and held their own copy of its blocks (vLLM shares them). The
-    later ones now wait a step for the first's blocks; every output still matches transformers."""
+    later ones now wait for the first's blocks, also where steps overlap (its blocks are hashed
+    a step after they are launched); every output still matches transformers."""
     path, model = llama
     (prompt, other) = random_prompts([37, 21], model.config.vocab_size, seed=5)
-    engine = _engine(path)
+    engine = _engine(path, async_scheduling=overlapped)
     scheduled_before = engine.num_scheduled_tokens
     choices = [engine.add_request(f"choice-{i}", prompt, GREEDY) for i in range(4)]
     unrelated = engine.add_request("other", other, GREEDY)
@@ -246,3 +248,21 @@ def test_identical_prompts_arriving_together_compute_their_shared_blocks_once(ll
     assert all(seq.output_token_ids == expected for seq in choices)
     assert unrelated.output_token_ids == hf_greedy(model, other, 6)
     assert engine.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_an_urgent_prompt_waits_for_no_twin_of_lower_priority(llama):
+    """A waiting prompt waits for a running one with its prefix only where that one computes the
+    block this step. Waiting for any such twin, an urgent prompt sat behind a low-priority one
+    that more important work kept from computing: with strict priority, for good."""
+    path, model = llama
+    system, tail_low, tail_high = random_prompts([32, 8, 8], model.config.vocab_size, seed=9)
+    engine = _engine(path, priority_max_wait_s=None)
+    low = engine.add_request("low", system + tail_low, GREEDY, priority=-5)
+    engine.step()  # its first chunk
+    high = engine.add_request("high", system + tail_high, GREEDY, priority=5)
+    engine.step()
+    assert high.num_computed_tokens > 0, "the urgent prompt waited for the low-priority one"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert high.output_token_ids == hf_greedy(model, system + tail_high, 6)
+    assert low.output_token_ids == hf_greedy(model, system + tail_low, 6)
