@@ -169,7 +169,7 @@ def check_message_tool_fields(message: dict, name: str) -> dict[str, Any]:
             where = f"{name}.tool_calls[{index}]"
             if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
                 raise InvalidArgumentError(where, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
-            if not isinstance(call["function"].get("name"), str) or not isinstance(call["function"].get("arguments") or "", str):
+            if not isinstance(call["function"].get("name"), str) or not isinstance(call["function"].get("arguments", ""), (str, type(None))):
                 raise InvalidArgumentError(f"{where}.function", "needs a name and arguments as JSON text")
         out["tool_calls"] = calls
     call_id = message.get("tool_call_id")
@@ -216,7 +216,7 @@ def _with_parsed_arguments(call: dict[str, Any], short_id: bool) -> dict[str, An
     written = arguments.strip() if isinstance(arguments, str) else arguments
     if written in (None, "", "null"):
         function["arguments"] = {}
-    elif isinstance(written, str) and isinstance(parsed := json_or(written, None), (dict, list)):
+    elif isinstance(written, str) and isinstance(parsed := json_or(written, None), dict):
         function["arguments"] = parsed
     call = {**call, "function": function}
     if short_id and isinstance(call.get("id"), str):

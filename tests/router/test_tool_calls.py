@@ -295,6 +295,13 @@ def test_an_agents_history_renders_with_null_content_and_calls_written_without_a
             {"role": "tool", "tool_call_id": "c1", "content": "noon"},
         ]}
         assert render_conversation(body, ChatTemplate(concatenating, {}), [TIME]) == "<user>Time?<assistant>[get_time]<tool>noon"
+    from router.openai_api.protocol import read_chat
+
+    for arguments in (False, 0, [], {}):  # no JSON text: refused naming the call, not rendered as written
+        body["messages"][1]["tool_calls"][0]["function"]["arguments"] = arguments
+        with pytest.raises(InvalidArgumentError) as refused:
+            read_chat(body, ChatTemplate(concatenating, {}))
+        assert refused.value.field == "messages[1].tool_calls[0].function"
 
 
 
