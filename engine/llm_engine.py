@@ -323,10 +323,11 @@ class LLMEngine:
         self._release_adapters()
         return digest
 
-    def unload_adapter(self, name: str) -> bool:
+    def unload_adapter(self, name: str, keep_version: bool = False) -> bool:
         """Take no new requests through ``name``; its version, unless another name serves it
-        too, is freed when the last running request through it ends. False if it was not served."""
-        unloaded = self.adapters.forget(name)
+        too, is freed when the last running request through it ends (``keep_version``: once
+        ``drop_adapter_version`` says so). False if it was not served."""
+        unloaded = self.adapters.forget(name, keep_version)
         self._release_adapters()
         return unloaded
 

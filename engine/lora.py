@@ -271,14 +271,15 @@ class AdapterTable:
             del self.names[name]
         return True
 
-    def forget(self, name: str) -> bool:
+    def forget(self, name: str, keep_version: bool = False) -> bool:
         """No new request gets a version through ``name``; its version is dropped unless another
-        name still gives it (one adapter's files may be served under two names). False if
-        ``name`` is not served."""
+        name still gives it (one adapter's files may be served under two names) or
+        ``keep_version`` (a router drops it later: requests it pinned to it may still come).
+        False if ``name`` is not served."""
         digest = self.names.pop(name, None)
         if digest is None:
             return False
-        if digest not in self.names.values():
+        if not keep_version and digest not in self.names.values():
             self.retiring.add(digest)
         return True
 

@@ -124,7 +124,7 @@ class LoraAdapters:
             logger.info("LoRA adapter %s served from %s by %d workers", name, adapter_dir, len(records))
             self.on_change()
             if previous is not None and previous != self.digests.get(name):
-                self._drop_when_unused(previous, name)
+                self._drop_when_unused(previous)
 
     async def unload(self, name: str) -> None:
         """Name ``name`` in no new request; its version is dropped once no request uses it."""
@@ -135,12 +135,12 @@ class LoraAdapters:
             self._files.pop(name, None)
             digest = self.digests.pop(name, None)
             self.on_change()
-            if digest is not None and self._serves(digest):
-                # Its files are served under another name too: the workers forget this name now
-                # (requests are pinned to the version, which stays), so it can be loaded again.
-                await self._unload_name(name)
-            elif digest is not None:
-                self._drop_when_unused(digest, name)
+            # The workers forget the name now, so it can be loaded again at once; the version
+            # (requests are pinned to it) is dropped once unused, unless another name serves
+            # the same files.
+            await self._unload_name(name)
+            if digest is not None and not self._serves(digest):
+                self._drop_when_unused(digest)
             logger.info("LoRA adapter %s unloaded", name)
 
     async def catch_up(self, worker_id: str, handle, adopt: bool = False) -> None:
@@ -196,17 +196,17 @@ class LoraAdapters:
             await handle.drop_lora_version.remote(digest)
 
     async def _unload_name(self, name: str) -> None:
+        """Every worker forgets ``name``, keeping its version (dropped by ``_drop_when_unused``)."""
         records = list(self.pool.workers.values())
-        results = await asyncio.gather(*(r.handle.unload_lora_adapter.remote(name) for r in records), return_exceptions=True)
+        results = await asyncio.gather(*(r.handle.unload_lora_adapter.remote(name, True) for r in records), return_exceptions=True)
         for record, result in zip(records, results):
             if isinstance(result, BaseException) and not _worker_gone(result):
                 logger.warning("worker %s: unloading LoRA adapter %s failed: %r", record.worker_id, name, result)
 
-    def _drop_when_unused(self, digest: str, name: str) -> None:
-        """Drop a version ``name`` gave from every worker once no admitted request computes with
-        it (a request validated just before it stopped being named gets a moment to be admitted).
-        Where another name took up the same files meanwhile, the version stays; only ``name``, if
-        it is still unloaded, is forgotten."""
+    def _drop_when_unused(self, digest: str) -> None:
+        """Drop a version from every worker once no admitted request computes with it (a request
+        validated just before it stopped being named gets a moment to be admitted), unless a
+        name took up the same files meanwhile."""
 
         async def drop() -> None:
             idle_since = None
@@ -220,8 +220,6 @@ class LoraAdapters:
             async with self._lock:
                 if not self._serves(digest):  # not loaded again meanwhile
                     await self._drop_from(list(self.pool.workers.values()), digest)
-                elif name not in self.paths:
-                    await self._unload_name(name)
 
         task = asyncio.get_running_loop().create_task(drop())
         self._drops.add(task)

@@ -260,9 +260,11 @@ class EngineWorker:
         await self._forget_dropped_adapter_files()
         return digest
 
-    async def unload_lora_adapter(self, name: str) -> bool:
-        """No new requests through ``name``; running ones finish through it. False if not served."""
-        unloaded = await self._call(self.engine.unload_adapter, name)
+    async def unload_lora_adapter(self, name: str, keep_version: bool = False) -> bool:
+        """No new requests through ``name``; running ones finish through it (``keep_version``:
+        requests pinned to its version may still come, until ``drop_lora_version``). False if
+        not served."""
+        unloaded = await self._call(self.engine.unload_adapter, name, keep_version)
         self._adapter_sources.pop(name, None)
         await self._forget_dropped_adapter_files()
         return unloaded

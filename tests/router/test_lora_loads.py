@@ -79,9 +79,10 @@ class _Answer:
 
 
 def test_two_names_for_the_same_files_are_unloaded_and_loaded_one_at_a_time(tmp_path):
-    """One adapter's files served under two names share a version on the workers. Unloading one
-    name leaves the other served (by the running workers and by one that joins later), and the
-    unloaded name can be loaded again, with other files."""
+    """An unloaded name can be loaded again at once, with other files (it was refused as already
+    loaded until its version's last requests ended and a grace passed). One adapter's files
+    served under two names share a version on the workers: unloading one name leaves the other
+    served (by the running workers and by one that joins later)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
     from tests.checkpoints import build_checkpoint, build_lora_adapter, hf_greedy
 
@@ -105,6 +106,10 @@ def test_two_names_for_the_same_files_are_unloaded_and_loaded_one_at_a_time(tmp_
         return request.output_token_ids
 
     async def scenario():
+        await adapters.load("alpha", str(tmp_path / "other"))
+        await adapters.unload("alpha")  # alone on its version: loaded again at once, as a trainer reloads a checkpoint
+        await adapters.load("alpha", str(tmp_path / "shared"))
+        await adapters.unload("alpha")
         await adapters.load("alpha", str(tmp_path / "shared"))
         await adapters.load("beta", str(tmp_path / "shared"))
         assert adapters.digest("alpha") == adapters.digest("beta")
