@@ -90,7 +90,7 @@ def stop_reason(end: StreamEnd, tool_calls: bool, calls_complete: bool = True) -
     input is a JSON object)."""
     if end.reason == "length":
         return "max_tokens"  # first: a tool call cut off here is not a finished tool_use
-    if tool_calls and (calls_complete or not end.matched_stop):
+    if tool_calls and calls_complete:
         return "tool_use"
     if end.reason == "stop" and end.matched_stop:
         return "stop_sequence"  # a stop sequence inside a call's input cut it short: no tool_use
@@ -125,7 +125,10 @@ class MessageState:
     end: StreamEnd | None = None
 
     def stop_reason(self, end: StreamEnd) -> str | None:
-        return stop_reason(end, self.calls_seen > 0, self.tools is None or not self.tools.cut_short(end))
+        """tool_use only where every call may run: its input an object, none cut short."""
+        inputs = [_tool_input(block) for block in self.blocks if block["type"] == "tool_use"]
+        runnable = self.tools is None or (self.tools.calls_runnable and not self.tools.cut_short(end))
+        return stop_reason(end, self.calls_seen > 0, runnable and None not in inputs)
 
     def stop_fields(self, end: StreamEnd) -> dict[str, Any]:
         """A finished message's stop_reason and stop_sequence."""
@@ -193,27 +196,31 @@ class MessageState:
     def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
         return {"type": "content_block_delta", "index": self.open_index, "delta": delta}
 
-    def content(self, reason: str | None = None) -> list[dict[str, Any]]:
+    def content(self) -> list[dict[str, Any]]:
         """The whole message's content blocks (a tool call's input parsed from its JSON). A call
-        a stop sequence cut short (``reason``, the message's stop_reason, if worked out already)
-        is left out, as chat completions leave it (its input was {}, and a client's agent loop
-        ran the tool with it)."""
-        if reason is None and self.end is not None:
-            reason = self.stop_reason(self.end)
-        cut_short = reason == "stop_sequence"
+        whose input is no JSON object (a stop sequence or max_tokens cut it short, the model
+        wrote a trailing comma) is left out, as chat completions leave it: its input was {}, and
+        a client's agent loop ran the tool with it."""
         out = []
         for block in self.blocks:
-            block = dict(block)
             if block["type"] == "tool_use":
-                partial = block.pop("partial")
-                try:
-                    block["input"] = bounded_json.loads(partial) if partial else {}
-                except ValueError:  # invalid JSON, or past bounded_json's limits (an integer of 5,000 digits)
-                    if cut_short:
-                        continue
-                    block["input"] = {}
+                arguments = _tool_input(block)
+                if arguments is None:
+                    continue
+                block = {**{k: v for k, v in block.items() if k != "partial"}, "input": arguments}
             out.append(block)
         return out
+
+
+def _tool_input(block: dict[str, Any]) -> dict[str, Any] | None:
+    """A tool_use block's input, parsed from its JSON; None where that is no object (invalid, or
+    past bounded_json's limits: an integer of 5,000 digits)."""
+    partial = block["partial"]
+    try:
+        arguments = bounded_json.loads(partial) if partial else {}
+    except ValueError:
+        return None
+    return arguments if isinstance(arguments, dict) else None
 
 
 class MessagesFrontEnd:
@@ -263,7 +270,7 @@ class MessagesFrontEnd:
     def _message(self, message_id: str, model: str, end: StreamEnd | None, state: MessageState, prompt_tokens: int) -> dict[str, Any]:
         """The message as it stands (``end`` None: it has only started: no content yet)."""
         stop = {"stop_reason": None, "stop_sequence": None} if end is None else state.stop_fields(end)
-        content = [] if end is None else state.content(stop["stop_reason"])
+        content = [] if end is None else state.content()
         return {
             "id": message_id, "type": "message", "role": "assistant", "model": model, "content": content, **stop,
             "usage": usage(end, prompt_tokens, state.num_tokens),

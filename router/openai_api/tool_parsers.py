@@ -75,6 +75,12 @@ class ToolCallOutput:
         inside them, and a client told to run it would fail parsing them)."""
         return all(isinstance(json_or(call["function"]["arguments"], None), dict) for call in self.calls)
 
+    @property
+    def calls_runnable(self) -> bool:
+        """Whether the calls made may be run, as far as the answer's end showed (none of them
+        with arguments that are no JSON, or closed where a pythonic reading stopped)."""
+        return not self._unrunnable
+
     def cut_short(self, end: StreamEnd) -> bool:
         """Whether a stop string (``end.matched_stop``) cut a call short."""
         return bool(end.matched_stop) and not self.calls_complete

@@ -57,3 +57,22 @@ def test_an_anthropic_tool_use_a_stop_sequence_cut_short_is_left_out_of_the_whol
         text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + ('Oslo"}}\n</tool_call>' if complete else "")
         state.take(OutputChunk(token_ids=[1], text=text, end=end))
         assert [block["type"] for block in state.content()] == kinds
+
+
+def test_an_anthropic_tool_use_whose_input_is_no_json_is_no_tool_use():
+    """A model's call with a trailing comma: chat completions end such an answer with stop and
+    no call to run; the whole message said tool_use with input {}, and a client's agent loop
+    ran the tool with it."""
+    from router.anthropic_api.messages import MessageState
+    from router.openai_api.tool_calls import ToolCalling
+    from router.openai_api.tool_parsers import ToolCallOutput
+    from router.output_stream import OutputChunk
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    for arguments, kinds, reason in (('{"city": "Oslo",}', ["text"], "end_turn"), ('{"city": "Oslo"}', ["text", "tool_use"], "tool_use")):
+        state = MessageState(ToolCallOutput(ToolCalling(tools, "auto", parser="hermes")))
+        end = _end("eos")
+        text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": ' + arguments + "}\n</tool_call>"
+        state.take(OutputChunk(token_ids=[1], text=text))
+        state.take(OutputChunk(token_ids=[2], text="", end=end))
+        assert [block["type"] for block in state.content()] == kinds and state.stop_reason(end) == reason
