@@ -206,9 +206,10 @@ class ResponseState:
         index, item = self.open_index, self.output[self.open_index]
         self.open_index = None
         # An item the answer's end cut off (max_output_tokens) is "incomplete", as OpenAI's is; so
-        # is a function call a stop sequence cut short (its arguments are no JSON object).
+        # is a function call whose arguments are no JSON object (a stop sequence cut it short,
+        # the model wrote a trailing comma): "completed", a client ran it with them.
         cut = self.end is not None and self.end.reason == "length"
-        if item["type"] == "function_call" and self.end is not None and self.end.matched_stop:
+        if item["type"] == "function_call":
             cut = cut or not isinstance(json_or(item["arguments"], None), dict)
         item["status"] = "incomplete" if cut else "completed"
         events = []

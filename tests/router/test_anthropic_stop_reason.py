@@ -24,7 +24,8 @@ def test_a_stop_sequence_inside_a_tool_calls_input_is_a_stop_sequence_not_a_tool
 
 
 def test_a_responses_function_call_a_stop_sequence_cut_short_is_incomplete():
-    """Its arguments are no JSON object: marked "completed", a client ran it with them."""
+    """Its arguments are no JSON object (cut short, or a trailing comma): marked "completed", a
+    client ran it with them."""
     from router.openai_api.tool_calls import ToolCalling
     from router.openai_api.tool_parsers import ToolCallOutput
     from router.output_stream import OutputChunk
@@ -32,10 +33,13 @@ def test_a_responses_function_call_a_stop_sequence_cut_short_is_incomplete():
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
     hermes = ToolCalling(tools, "auto", parser="hermes")
-    for end, status in ((_end("stop", matched_stop="Paris"), "incomplete"), (_end("eos"), "completed")):
+    for end, status, written in (
+        (_end("stop", matched_stop="Paris"), "incomplete", ""),
+        (_end("eos"), "completed", 'Oslo"}}\n</tool_call>'),
+        (_end("eos"), "incomplete", 'Oslo",}}\n</tool_call>'),  # a trailing comma: no JSON
+    ):
         response = ResponseState("r", "m", {}, 0, ToolCallOutput(hermes))
-        complete = end.reason == "eos"
-        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + ('Oslo"}}\n</tool_call>' if complete else "")
+        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + written
         response.take(OutputChunk(token_ids=[1], text=text, end=end))
         (call,) = [item for item in response.output if item["type"] == "function_call"]
         assert call["status"] == status, call
