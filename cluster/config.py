@@ -191,6 +191,9 @@ class RouterSection(BaseModel):
     ready_wait_s: float = Field(120.0, gt=0, description="How long a request waits for a starting deployment before UNAVAILABLE")
     metrics_port: int | None = Field(9400, ge=0, le=65535, description="Prometheus /metrics port (null: off, 0: any free port)")
     metrics_host: str = Field("127.0.0.1", description="Address the /metrics endpoint binds (it has no authentication)")
+    metrics_prefix: Literal["pdserve:", "vllm:"] = Field(
+        "pdserve:", description='Prefix of every metric\'s name: "vllm:" exports vLLM\'s names, for its dashboards and the autoscalers that read them'
+    )
     admin_host: str = Field("127.0.0.1", description="Address the Admin service (ScalePool, DrainWorker) binds")
     admin_port: int | None = Field(50052, ge=0, le=65535, description="Admin's own port (null: Admin off, 0: any free port)")
     http_host: str = Field("127.0.0.1", description="Address the OpenAI-compatible HTTP API binds")

@@ -56,7 +56,7 @@ class Controller:
         self.replicas: list = []  # router replica actors (spec.router_replicas - 1)
         self.responses_board = None  # with replicas: the board actor the routers share
         self.replica_infos: list = []
-        self.metrics = Metrics(spec.served_model_name)
+        self.metrics = Metrics(spec.served_model_name, spec.router.metrics_prefix)
         self.metrics_address: str | None = None
         self._starting: asyncio.Task | None = None
         # It starts itself (the call runs once this constructor has returned): after Ray

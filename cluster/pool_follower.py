@@ -136,10 +136,12 @@ class PoolFollower:
         for record, healthy in zip(records, results):
             if healthy is not True:
                 self._on_unhealthy(record, healthy)
-        await self._after_health_checks()
-        await self.refresh_readiness()
-        if self.metrics is not None:
-            await self.metrics.refresh(self.router, max_age_s=self.health_interval_s, pools=self.manage)
+        try:
+            await self._after_health_checks()
+        finally:  # readiness and gauges follow the checks above even where adopting failed
+            await self.refresh_readiness()
+            if self.metrics is not None:
+                await self.metrics.refresh(self.router, max_age_s=self.health_interval_s, pools=self.manage)
 
     async def _after_health_checks(self) -> None:
         await self._adopt()  # what the managing pool manager launched since

@@ -90,7 +90,7 @@ class RouterReplica:
         if spec.metrics_host is not None:
             from router.metrics import Metrics
 
-            self.metrics = Metrics((spec.router.served_model_names or [spec.model_info.name])[0])
+            self.metrics = Metrics((spec.router.served_model_names or [spec.model_info.name])[0], spec.router.metrics_prefix)
             self.metrics_port = self.metrics.serve(0, spec.metrics_host)
         config = spec.router
         config.admin_port = None  # Admin stays with the managing router

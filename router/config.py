@@ -35,6 +35,8 @@ class RouterConfig:
     # Names a request's "model" may give (the first is what responses say); None: the model
     # directory's name.
     served_model_names: list[str] | None = None
+    # Prefix of every Prometheus series' name (router.metrics): "pdserve:" or vLLM's "vllm:".
+    metrics_prefix: str = "pdserve:"
     # Origins whose browser pages may call the HTTP API (CORS; vLLM's --allowed-origins): "*" any.
     allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     # vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (router.lora_adapters): off

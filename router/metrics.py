@@ -1,11 +1,13 @@
 """Prometheus metrics of one deployment, served over HTTP by the process hosting the router.
 
 Names and labels follow vLLM's (``vllm:time_to_first_token_seconds`` is
-``pdserve:time_to_first_token_seconds`` here), so a vLLM dashboard works with the prefix
-changed: every series has a ``model_name`` label, tokens are counted as
-``prompt_tokens_total`` and ``generation_tokens_total``, finished requests as
-``request_success_total`` by ``finished_reason``, preemptions as a counter. pdserve's own
-series (KV transfer, retries, per-worker KV blocks) sit beside them under the same prefix.
+``pdserve:time_to_first_token_seconds`` here; ``router.metrics_prefix: "vllm:"`` exports them
+under vLLM's own prefix, for a vLLM dashboard or an autoscaler that reads it): every series has a
+``model_name`` label, tokens are counted as ``prompt_tokens_total`` and
+``generation_tokens_total`` as they stream, finished requests as ``request_success_total`` by
+vLLM's ``finished_reason`` (stop, length, abort, error), preemptions as a counter, latencies in
+seconds with buckets up to vLLM's largest. pdserve's own series (KV transfer, retries, per-worker
+KV blocks) sit beside them under the same prefix.
 
 Per-request latencies are observed by the router as it streams; pool gauges (queue depths,
 KV blocks, preemptions, prefill tokens per step) are refreshed from the workers' status
@@ -23,8 +25,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 logger = logging.getLogger(__name__)
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Fine below a second (a GPU's decode steps take milliseconds), then up to vLLM's largest buckets:
+# a request of minutes (a long generation, a long queue) is counted where it falls, not in +Inf.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+    160.0, 320.0, 640.0, 1280.0, 2560.0, 7680.0,
+)
 PREFIX = "pdserve:"
+METRICS_PREFIXES = ("pdserve:", "vllm:")
+# vLLM's finished_reason values; an end of sequence is a "stop" there.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 # Series of one worker, dropped when it leaves the pool.
 _PER_WORKER = (
     "num_requests_running", "kv_cache_usage_perc", "kv_blocks_used", "kv_blocks_free", "num_preemptions", "engine_steps", "engine_step_seconds",
@@ -37,13 +47,15 @@ _PER_PATH = ("kv_transfer_path_bytes", "kv_transfer_path_writes", "kv_transfer_p
 
 
 class Metrics:
-    def __init__(self, model_name: str = "") -> None:
+    def __init__(self, model_name: str = "", prefix: str = PREFIX) -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics_prefix: one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._families: dict[str, object] = {}
 
         def metric(kind, name: str, doc: str, labels: tuple[str, ...] = (), **kwargs):
-            family = kind(PREFIX + name, doc, ["model_name", *labels], registry=self.registry, **kwargs)
+            family = kind(prefix + name, doc, ["model_name", *labels], registry=self.registry, **kwargs)
             self._families[name] = family
             # Unlabelled beyond the model: the series itself; else a function of the other labels.
             return family.labels(model_name) if not labels else (lambda *values: family.labels(model_name, *values))
@@ -53,9 +65,11 @@ class Metrics:
         self.tpot = metric(Histogram, "time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1)", **latency)
         self.itl = metric(Histogram, "inter_token_latency_seconds", "Gap between consecutive streamed chunks with tokens", **latency)
         self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Arrival to the last chunk", **latency)
-        self.requests = metric(Counter, "request_success", "Finished requests by finish reason", ("finished_reason",))
-        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = metric(Counter, "generation_tokens", "Tokens generated for finished requests")
+        self._requests = metric(Counter, "request_success", "Finished requests by finish reason", ("finished_reason",))
+        for reason in FINISHED_REASONS:
+            self._requests(reason)  # every reason's series from the start, at 0, as vLLM's
+        self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of requests that got a first token (or ended)")
+        self.generation_tokens = metric(Counter, "generation_tokens", "Tokens generated, counted as they are sent")
         self.retries = metric(Counter, "request_retries", "Requests dispatched again after a worker died", ("kind",))
         self.poisoned = metric(Counter, "requests_refused_poison", "Requests refused after being in flight on workers that died")
         self.kv_transfer_bytes = metric(Counter, "kv_transfer_bytes", "KV bytes pushed from prefill to decode actors")
@@ -137,15 +151,22 @@ class Metrics:
 
     # -- per request --------------------------------------------------------------------
 
-    def observe_finished(self, finish_reason: str, ttft_s: float | None, e2e_s: float, num_output_tokens: int, num_prompt_tokens: int = 0) -> None:
-        self.requests(finish_reason).inc()
+    def requests(self, finish_reason: str):
+        """The finished-requests counter of a reason (router/output_stream.py's), as vLLM names it."""
+        return self._requests("stop" if finish_reason == "eos" else finish_reason)
+
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        """A request's first tokens went out: its time to them, and its prompt's tokens (counted
+        now, not when it ends: an abandoned request's are counted too, and a long one's do not
+        come in a burst at its end)."""
+        self.ttft.observe(ttft_s)
         self.prompt_tokens.inc(num_prompt_tokens)
-        self.generation_tokens.inc(num_output_tokens)
+
+    def observe_finished(self, finish_reason: str, ttft_s: float | None, e2e_s: float, num_output_tokens: int) -> None:
+        self.requests(finish_reason).inc()
         self.e2e.observe(e2e_s)
-        if ttft_s is not None:
-            self.ttft.observe(ttft_s)
-            if num_output_tokens > 1:
-                self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+        if ttft_s is not None and num_output_tokens > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
 
     def observe_speculation(self, acceptance_rate: float, tokens_per_step: float) -> None:
         self.spec_acceptance.observe(acceptance_rate)

@@ -166,8 +166,12 @@ class GenerationSession:
             )
         if metrics is None:
             return
+        timing = active.assembler.timing
         if chunk.token_ids:
-            if active.last_message_at is not None:
+            metrics.generation_tokens.inc(len(chunk.token_ids))
+            if active.last_message_at is None:  # the first tokens
+                metrics.observe_first_token(now - timing.arrival, len(active.request.prompt_token_ids))
+            else:
                 # Per token: a message carrying several (merged outputs, a stream interval)
                 # counts each at its share of the gap.
                 num_tokens = len(chunk.token_ids)
@@ -176,11 +180,10 @@ class GenerationSession:
                     metrics.itl.observe(gap)
             active.last_message_at = now
         if chunk.end is not None:
-            timing = active.assembler.timing
             ttft = None if timing.first_token_sent is None else timing.first_token_sent - timing.arrival
-            metrics.observe_finished(
-                chunk.end.reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens, chunk.end.prompt_tokens
-            )
+            if active.last_message_at is None:  # no token ever went out (echo of a prompt alone): its prompt still counts
+                metrics.prompt_tokens.inc(chunk.end.prompt_tokens)
+            metrics.observe_finished(chunk.end.reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens)
             speculation = chunk.end.speculation
             if speculation is not None and speculation.draft_tokens:
                 metrics.observe_speculation(speculation.acceptance_rate, speculation.tokens_per_step)

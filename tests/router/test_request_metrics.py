@@ -1,0 +1,82 @@
+"""Per-request Prometheus series as vLLM's dashboards and autoscalers read them: vLLM's finish
+reasons, tokens counted as they stream, latencies of minutes in their own buckets, and vLLM's
+prefix on request."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import generate_latest
+
+from router.metrics import Metrics
+from router.output_stream import OutputChunk, StreamEnd, TimingBreakdown
+from router.session import GenerationSession
+
+
+def _samples(metrics: Metrics) -> dict[str, float]:
+    out = {}
+    for line in generate_latest(metrics.registry).decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_every_finish_reason_is_vllms_and_shown_from_the_start():
+    """Most requests end at an end-of-sequence token: vLLM counts them as "stop"; they were
+    "eos", so a dashboard's stop count missed them."""
+    metrics = Metrics("m")
+    before = _samples(metrics)
+    assert {before[f'pdserve:request_success_total{{finished_reason="{r}",model_name="m"}}'] for r in ("stop", "length", "abort", "error")} == {0.0}
+    metrics.requests("eos").inc()
+    metrics.requests("stop").inc()
+    after = _samples(metrics)
+    assert after['pdserve:request_success_total{finished_reason="stop",model_name="m"}'] == 2
+    assert not any('finished_reason="eos"' in name for name in after)
+
+
+def test_a_request_of_minutes_falls_in_a_bucket_of_its_own():
+    """The largest bucket was 60 s: every longer request read as exactly 60 s at any quantile."""
+    metrics = Metrics("m")
+    metrics.e2e.observe(95.0)
+    samples = _samples(metrics)
+    assert samples['pdserve:e2e_request_latency_seconds_bucket{le="80.0",model_name="m"}'] == 0
+    assert samples['pdserve:e2e_request_latency_seconds_bucket{le="160.0",model_name="m"}'] == 1
+
+
+def test_vllms_prefix_on_request():
+    metrics = Metrics("m", "vllm:")
+    names = _samples(metrics)
+    assert 'vllm:request_success_total{finished_reason="stop",model_name="m"}' in names
+    assert not any(name.startswith("pdserve:") for name in names)
+    with pytest.raises(ValueError, match="metrics_prefix"):
+        Metrics("m", "sglang:")
+
+
+def test_tokens_and_the_first_tokens_time_count_as_they_stream_also_for_an_abandoned_request():
+    """They were counted when a request finished: an abandoned one's (a client that gave up on a
+    slow first token) never reached the time-to-first-token histogram, and a long generation's
+    tokens came in one burst at its end."""
+    metrics = Metrics("m")
+    arrival = time.monotonic() - 2.0
+    active = SimpleNamespace(
+        last_message_at=None, request=SimpleNamespace(prompt_token_ids=list(range(7))),
+        assembler=SimpleNamespace(timing=SimpleNamespace(arrival=arrival, first_token_sent=None), num_completion_tokens=0),
+    )
+    session = SimpleNamespace(router=SimpleNamespace(metrics=metrics, traffic=None), active=active)
+    GenerationSession._observe(session, OutputChunk(token_ids=[5, 6], text="ab"))
+    GenerationSession._observe(session, OutputChunk(token_ids=[7], text="c"))
+    samples = _samples(metrics)
+    assert samples['pdserve:time_to_first_token_seconds_count{model_name="m"}'] == 1
+    assert samples['pdserve:time_to_first_token_seconds_sum{model_name="m"}'] >= 2.0
+    assert samples['pdserve:prompt_tokens_total{model_name="m"}'] == 7
+    assert samples['pdserve:generation_tokens_total{model_name="m"}'] == 3
+    # Its end, later, counts no token again.
+    active.assembler.num_completion_tokens, active.assembler.timing.first_token_sent = 3, arrival + 2.0
+    session.router.traffic = SimpleNamespace(on_finished=lambda *args: None)
+    GenerationSession._observe(session, OutputChunk(end=StreamEnd("eos", 7, 3, TimingBreakdown())))
+    samples = _samples(metrics)
+    assert samples['pdserve:prompt_tokens_total{model_name="m"}'] == 7 and samples['pdserve:generation_tokens_total{model_name="m"}'] == 3
+    assert samples['pdserve:request_success_total{finished_reason="stop",model_name="m"}'] == 1
