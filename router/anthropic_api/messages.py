@@ -126,9 +126,11 @@ class MessageState:
 
     def stop_reason(self, end: StreamEnd) -> str | None:
         """tool_use only where every call may run: its input an object, none cut short."""
-        inputs = [_tool_input(block) for block in self.blocks if block["type"] == "tool_use"]
-        runnable = self.tools is None or (self.tools.calls_runnable and not self.tools.cut_short(end))
-        return stop_reason(end, self.calls_seen > 0, runnable and None not in inputs)
+        runnable = all(self._runnable(block) for block in self.blocks if block["type"] == "tool_use")
+        return stop_reason(end, self.calls_seen > 0, runnable and (self.tools is None or not self.tools.cut_short(end)))
+
+    def _runnable(self, block: dict[str, Any]) -> bool:
+        return _tool_input(block) is not None and (self.tools is None or block["call"] not in self.tools.unrunnable)
 
     def stop_fields(self, end: StreamEnd) -> dict[str, Any]:
         """A finished message's stop_reason and stop_sequence."""
@@ -165,7 +167,7 @@ class MessageState:
         if delta.id is not None:  # a new call
             block = {"type": "tool_use", "id": "toolu_" + delta.id.removeprefix("call_"), "name": delta.name, "input": {}}
             events += self._open(block, "tool_use")
-            self.blocks[-1]["partial"] = ""
+            self.blocks[-1].update(partial="", call=self.calls_seen)  # (kept here only: _INTERNAL)
             self.calls_seen += 1
         if delta.arguments:
             self.blocks[-1]["partial"] += delta.arguments
@@ -176,7 +178,7 @@ class MessageState:
         events = self._close()
         self.blocks.append(block)
         self.open_index, self.open_kind = len(self.blocks) - 1, kind
-        start = {key: value for key, value in block.items() if key != "partial"}
+        start = {key: value for key, value in block.items() if key not in _INTERNAL}
         events.append({"type": "content_block_start", "index": self.open_index, "content_block": start})
         return events
 
@@ -198,18 +200,21 @@ class MessageState:
 
     def content(self) -> list[dict[str, Any]]:
         """The whole message's content blocks (a tool call's input parsed from its JSON). A call
-        whose input is no JSON object (a stop sequence or max_tokens cut it short, the model
-        wrote a trailing comma) is left out, as chat completions leave it: its input was {}, and
-        a client's agent loop ran the tool with it."""
+        none may run is left out, as chat completions leave it: its input no JSON object (a stop
+        sequence or max_tokens cut it short, the model wrote a trailing comma), or closed where
+        the answer or its reading stopped. Its input was {} or part of one, and a client's agent
+        loop ran the tool with it."""
         out = []
         for block in self.blocks:
             if block["type"] == "tool_use":
-                arguments = _tool_input(block)
-                if arguments is None:
+                if not self._runnable(block):
                     continue
-                block = {**{k: v for k, v in block.items() if k != "partial"}, "input": arguments}
+                block = {**{k: v for k, v in block.items() if k not in _INTERNAL}, "input": _tool_input(block)}
             out.append(block)
         return out
+
+
+_INTERNAL = ("partial", "call")  # a tool_use block's input so far and its call's index: no field of Anthropic's
 
 
 def _tool_input(block: dict[str, Any]) -> dict[str, Any] | None:

@@ -205,8 +205,8 @@ class ChoiceState:
                 message.update(reasoning=thinking, reasoning_content=thinking)
                 if thinking is not None and not text:
                     message["content"] = None  # thinking cut off: no answer yet
-            if self.tools is not None and self.tools.calls:
-                message.update(content=text or None, tool_calls=self.tools.calls)
+            if self.tools is not None and self.tools.runnable_calls:
+                message.update(content=text or None, tool_calls=self.tools.runnable_calls)
             choice["message"] = message
             choice["logprobs"] = {"content": self.chat_logprobs} if self.num_logprobs is not None else None
         else:

@@ -214,8 +214,18 @@ class BlockReader(ABC):
             return self._close(opener, block, closer) + self.feed("") + self.finish()
         if self._open is not None:  # a block the answer did not close
             (opener, closer), rest, self._buffer = self._open, self._buffer, ""
-            return self._close(opener, rest[: len(rest) - self.unfinished_tail(rest, closer)])
+            found = self.num_found
+            parts = self._close(opener, rest[: len(rest) - self.unfinished_tail(rest, closer)])
+            if self.num_found > found and self.ends_inside_a_call(opener, rest):
+                self.cut_calls.add(self.num_found - 1)  # closed where the answer stopped: none to run
+            return parts
         return _with_text([], self._content(len(self._buffer)))
+
+    def ends_inside_a_call(self, opener: str, rest: str) -> bool:
+        """Whether a block the answer ended in (``rest`` of it) stops inside its last call, which
+        a whole read then closes as if complete (a text value cut off reads as a shorter one).
+        JSON formats need not say: a call cut off is no JSON."""
+        return False
 
     def unfinished_tail(self, rest: str, closer: str | None) -> int:
         """How many of the last characters of a block the answer ended in are a tag it began and
@@ -343,6 +353,10 @@ class Qwen3CoderReader(TextValueReader):
     tags = value_ends
     value_held = _QWEN_VALUE_ENDS
 
+    def ends_inside_a_call(self, opener: str, rest: str) -> bool:
+        text = FUNCTION_OPEN + rest if opener == FUNCTION_OPEN else rest
+        return text.rfind(FUNCTION_OPEN) > text.rfind(FUNCTION_CLOSE)  # its last function never closed
+
     def read_block(self, opener: str, body: str, closed: bool) -> tuple[CallsRead | None, RawArgument | None]:
         shift = len(FUNCTION_OPEN) if opener == FUNCTION_OPEN else 0
         text = FUNCTION_OPEN + body if shift else body
@@ -401,6 +415,9 @@ class Glm45Reader(TextValueReader):
     value_ends = (GLM_VALUE_CLOSE, GLM_ARG_KEY)
     value_held = (GLM_VALUE_CLOSE, GLM_ARG_KEY)
     tags = value_ends
+
+    def ends_inside_a_call(self, opener: str, rest: str) -> bool:
+        return rest.rfind(GLM_ARG_VALUE) > rest.rfind(GLM_VALUE_CLOSE)  # its last value never closed
 
     def unfinished_tail(self, rest: str, closer: str | None) -> int:
         # A key whose value never began ("<arg_key>city</arg_"): no argument, nor content after one.

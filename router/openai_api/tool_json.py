@@ -82,10 +82,10 @@ class ObjectEnds:
 
 class JsonQuotes:
     """Where the strings of a JSON text that only grows are, read once, left to right; and
-    whether they are well formed. A raw control character (a newline) cannot be inside a JSON
-    string, nor can a string end but before a comma, a colon or a closing bracket: either read
-    means the quotes are off (a quote the model left out), and from then on nothing is taken for
-    inside a string."""
+    whether they are well formed. A string cannot end but before a comma, a colon or a closing
+    bracket: a quote before anything else means the quotes are off (a quote the model left out),
+    and from then on nothing is taken for inside a string. A raw control character (a file's
+    newline) is taken inside a string: models write them, and the arguments escape them."""
 
     __slots__ = ("position", "string_start", "broken")
 
@@ -123,7 +123,7 @@ class JsonQuotes:
                     return
                 self.position += 2
             else:
-                self.broken = True  # a control character inside a "string"
+                self.position += 1  # a raw control character: escaped in the arguments, still inside
 
     def inside(self, text: str, at: int) -> bool:
         """Whether ``text[at]`` is inside a well-formed string so far (``at`` no earlier than before)."""

@@ -52,9 +52,10 @@ class ToolCallOutput:
     # parallel_tool_calls false: a call after the first is being left out, as OpenAI and vLLM
     # answer (under auto the model may still write several; required's grammar allows one).
     _dropping: bool = False
-    # auto, once the answer ended: a call made is none to run: its arguments no JSON (a model's
-    # trailing comma, once streamed), or closed where the reading stopped (pythonic).
-    _unrunnable: bool = False
+    # auto, once the answer ended: the calls made that are none to run (by index): their arguments
+    # no JSON (a model's trailing comma, once streamed), or closed where the reading or the answer
+    # stopped (pythonic; a text value the answer ended inside).
+    unrunnable: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.calling.choice == "auto":
@@ -67,7 +68,7 @@ class ToolCallOutput:
         """vLLM's: "tool_calls" when calls were made (a named choice keeps "stop"); under auto not
         where a call made is none to run ("tool_calls" told the client to run it; vLLM reads such
         an answer as content, and ends a stream of it with "stop")."""
-        return "tool_calls" if self.calls and self.calling.choice != "named" and not self._unrunnable else None
+        return "tool_calls" if self.calls and self.calling.choice != "named" and not self.unrunnable else None
 
     @property
     def calls_complete(self) -> bool:
@@ -76,10 +77,10 @@ class ToolCallOutput:
         return all(isinstance(json_or(call["function"]["arguments"], None), dict) for call in self.calls)
 
     @property
-    def calls_runnable(self) -> bool:
-        """Whether the calls made may be run, as far as the answer's end showed (none of them
-        with arguments that are no JSON, or closed where a pythonic reading stopped)."""
-        return not self._unrunnable
+    def runnable_calls(self) -> list[dict[str, Any]]:
+        """The calls made that may be run, as far as the answer's end showed: what a whole
+        answer lists (one cut short stays out, as vLLM, which reads such an answer as content)."""
+        return [call for index, call in enumerate(self.calls) if index not in self.unrunnable]
 
     def cut_short(self, end: StreamEnd) -> bool:
         """Whether a stop string (``end.matched_stop``) cut a call short."""
@@ -116,8 +117,10 @@ class ToolCallOutput:
         parts = self._deltas(self._reader.finish())
         if choice == "auto":
             # Only the calls made count (parallel_tool_calls false drops those after the first).
-            cut = any(index < len(self.calls) for index in self._reader.cut_calls)
-            self._unrunnable = cut or not all(json_valid(call["function"]["arguments"]) for call in self.calls)
+            self.unrunnable = {
+                index for index, call in enumerate(self.calls)
+                if index in self._reader.cut_calls or not json_valid(call["function"]["arguments"])
+            }
         return parts
 
     def _deltas(self, parts: list[Part]) -> list[OutputPart]:

@@ -206,11 +206,14 @@ class ResponseState:
         index, item = self.open_index, self.output[self.open_index]
         self.open_index = None
         # An item the answer's end cut off (max_output_tokens) is "incomplete", as OpenAI's is; so
-        # is a function call whose arguments are no JSON object (a stop sequence cut it short,
-        # the model wrote a trailing comma): "completed", a client ran it with them.
+        # is a function call none may run: its arguments no JSON object (a stop sequence cut it
+        # short, the model wrote a trailing comma), or closed where the answer or its reading
+        # stopped. "completed", a client ran it with them.
         cut = self.end is not None and self.end.reason == "length"
         if item["type"] == "function_call":
-            cut = cut or not isinstance(json_or(item["arguments"], None), dict)
+            call = sum(1 for earlier in self.output[:index] if earlier["type"] == "function_call")
+            unrunnable = self.tools is not None and call in self.tools.unrunnable
+            cut = cut or unrunnable or not isinstance(json_or(item["arguments"], None), dict)
         item["status"] = "incomplete" if cut else "completed"
         events = []
         if item["type"] == "message":

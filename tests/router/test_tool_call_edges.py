@@ -207,3 +207,63 @@ def test_a_tag_the_answer_ended_in_the_middle_of_is_dropped(calling, text, conte
     back as what may begin a tag."""
     got_content, calls, _ = _reads(calling, text)
     assert (got_content, [(name, json.loads(arguments_text)) for name, arguments_text in calls]) == (content, [(calls[0][0], arguments)])
+
+
+@pytest.mark.parametrize("calling, text, runnable", [
+    (QWEN3_CODER, "<tool_call>\n<function=get_forecast>\n<parameter=city>\nPar", False),  # cut inside a value
+    (QWEN3_CODER, "<tool_call>\n<function=get_forecast>\n<parameter=city>\nParis\n</parameter>\n</function>", True),  # only </tool_call> missing
+    (GLM45, "<tool_call>get_forecast\n<arg_key>city</arg_key><arg_value>Par", False),
+    (GLM45, "<tool_call>get_forecast\n<arg_key>city</arg_key><arg_value>Paris</arg_value>", True),
+], ids=["qwen3_coder_value", "qwen3_coder_closed", "glm45_value", "glm45_closed"])
+def test_a_text_value_the_answer_ended_inside_is_no_call_to_run(calling, text, runnable):
+    """A stop string matched inside a value: the whole read closed it as a shorter value, and the
+    answer ended with tool_calls: an agent wrote a truncated file. Like a JSON call cut short
+    (hermes ends with stop), it is no call to run."""
+    for piece in PIECES:
+        output = ToolCallOutput(calling)
+        for start in range(0, len(text), piece):
+            output.feed(text[start : start + piece])
+        output.finish()
+        assert len(output.calls) == 1
+        assert (output.finish_reason == "tool_calls", len(output.runnable_calls)) == ((True, 1) if runnable else (False, 0)), piece
+
+
+def test_every_api_leaves_a_call_none_may_run_out_of_its_whole_answer():
+    """Chat's whole message listed a call cut short in tool_calls (finish_reason was stop, but
+    agent loops read tool_calls), the Responses API marked it completed, and Anthropic's message
+    kept it as a tool_use: each told a client to run a call with arguments closed where the
+    reading stopped ({"city": "Paris"} without the unit the model was writing)."""
+    from router.anthropic_api.messages import MessageState
+    from router.openai_api.responses import ChoiceState
+    from router.output_stream import OutputChunk
+    from router.responses_api.front_end import ResponseState
+
+    text = '[get_forecast(city="Paris", unit=celsius)]'  # a non-literal: the reading stops there
+    end = StreamEnd(reason="eos", prompt_tokens=1, completion_tokens=2, timing=TimingBreakdown())
+
+    chat = ChoiceState(0, True, None, 1, tools=ToolCallOutput(PYTHONIC))
+    chat.add(OutputChunk(token_ids=[1], text=text), None)
+    chat.add(OutputChunk(token_ids=[2], text="", end=end), None)
+    message = chat.whole()["message"]
+    assert "tool_calls" not in message and chat.whole()["finish_reason"] == "stop"
+
+    response = ResponseState("r", "m", {}, 0, ToolCallOutput(PYTHONIC))
+    response.take(OutputChunk(token_ids=[1], text=text))
+    response.take(OutputChunk(token_ids=[2], text="", end=end))
+    assert [item["status"] for item in response.output if item["type"] == "function_call"] == ["incomplete"]
+
+    anthropic = MessageState(ToolCallOutput(PYTHONIC))
+    anthropic.take(OutputChunk(token_ids=[1], text=text))
+    anthropic.take(OutputChunk(token_ids=[2], text="", end=end))
+    assert "tool_use" not in [block["type"] for block in anthropic.content()] and anthropic.stop_reason(end) == "end_turn"
+
+
+def test_a_closer_inside_a_string_after_a_raw_newline_is_text_of_the_call():
+    """A raw newline inside a string was taken for quotes gone wrong, so a "</tool_call>" later in
+    the same string ended the call there (the file's rest came back as content)."""
+    source = 'x = 1\ns = "</tool_call>"\n'
+    written = json.dumps(source)[1:-1].replace("\\n", "\n")  # its quotes escaped, its newlines raw, as models write it
+    text = "<tool_call>\n" + json.dumps({"name": "write_file", "arguments": {"path": "t.py", "content": "@"}}).replace("@", written) + "\n</tool_call>"
+    content, calls, reason = _reads(_calling("hermes"), text)
+    assert content == "" and reason == "tool_calls"
+    assert [(name, json.loads(arguments)) for name, arguments in calls] == [("write_file", {"path": "t.py", "content": source})]
