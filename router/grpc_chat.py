@@ -119,7 +119,7 @@ class ChatAnswer:
             response.usage.reasoning_tokens = self.reasoning_tokens
         if self.tools is None:
             return
-        for call in self.tools.calls:
+        for call in self.tools.runnable_calls:  # (one none may run, cut short, is left out, as chat's whole message leaves it)
             function = call["function"]
             response.tool_calls.add(id=call["id"], name=function["name"], arguments_json=function["arguments"])
         if self.tools.finish_reason_at(end) and response.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_EOS):

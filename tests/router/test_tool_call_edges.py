@@ -230,8 +230,8 @@ def test_a_text_value_the_answer_ended_inside_is_no_call_to_run(calling, text, r
 
 def test_every_api_leaves_a_call_none_may_run_out_of_its_whole_answer():
     """Chat's whole message listed a call cut short in tool_calls (finish_reason was stop, but
-    agent loops read tool_calls), the Responses API marked it completed, and Anthropic's message
-    kept it as a tool_use: each told a client to run a call with arguments closed where the
+    agent loops read tool_calls), the Responses API marked it completed, Anthropic's message kept
+    it as a tool_use, and gRPC's last message listed it: each told a client to run a call with arguments closed where the
     reading stopped ({"city": "Paris"} without the unit the model was writing)."""
     from router.anthropic_api.messages import MessageState
     from router.openai_api.responses import ChoiceState
@@ -256,6 +256,19 @@ def test_every_api_leaves_a_call_none_may_run_out_of_its_whole_answer():
     anthropic.take(OutputChunk(token_ids=[1], text=text))
     anthropic.take(OutputChunk(token_ids=[2], text="", end=end))
     assert "tool_use" not in [block["type"] for block in anthropic.content()] and anthropic.stop_reason(end) == "end_turn"
+
+    from types import SimpleNamespace
+
+    from router.api.pdserve.v1 import generation_pb2 as pb
+    from router.grpc_chat import ChatAnswer
+    from router.openai_api.protocol import Conversation
+
+    grpc = ChatAnswer(Conversation("", PYTHONIC, None), SimpleNamespace(reasoning=None))
+    grpc.take(OutputChunk(token_ids=[1], text=text))
+    grpc.take(OutputChunk(token_ids=[2], text="", end=end))
+    answer = pb.GenerateResponse(finish_reason=pb.FINISH_REASON_EOS)
+    grpc.fill_end(answer, end)
+    assert not answer.tool_calls and answer.finish_reason == pb.FINISH_REASON_EOS
 
 
 def test_a_closer_inside_a_string_after_a_raw_newline_is_text_of_the_call():
