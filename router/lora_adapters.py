@@ -28,6 +28,7 @@ gets the version loaded even after the trainer has written the next one into the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 300.0  # a large adapter on many GPUs: read, sliced, copied to each device
 DROP_POLL_S = 0.2  # how often a replaced or unloaded version's last requests are looked for
 DROP_GRACE_S = 1.0  # ... and how long none must be seen before it is dropped
+DROP_CLOSE_TIMEOUT_S = 5.0  # how long a closing router tries to drop what it would have dropped later
 
 
 class LoraAdapters:
@@ -67,7 +69,7 @@ class LoraAdapters:
         # name -> a runtime load's files as read here (in Ray's object store), what joining workers get
         self._files: dict[str, object] = {}
         self._lock = asyncio.Lock()  # loads, unloads, drops and a joining worker's catch-up, one at a time
-        self._drops: set[asyncio.Task] = set()
+        self._drops: dict[asyncio.Task, str] = {}  # pending drops: task -> the version it drops
 
     def digest(self, name: str | None) -> str | None:
         """The version a new request through ``name`` is pinned to (None: unknown yet, or none)."""
@@ -179,9 +181,16 @@ class LoraAdapters:
         self.on_change()
 
     async def close(self) -> None:
+        """Stop the pending drops, and drop their versions now (best effort): an unloaded name is
+        gone from the workers, so a router that starts over them would never find its version,
+        held for good."""
+        pending = set(self._drops.values())
         for task in list(self._drops):
             task.cancel()
         await asyncio.gather(*self._drops, return_exceptions=True)
+        for digest in pending - set(self.digests.values()):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._drop_from(list(self.pool.workers.values()), digest), DROP_CLOSE_TIMEOUT_S)
 
     def _serves(self, digest: str) -> bool:
         """Whether some name gives new requests this version."""
@@ -222,8 +231,8 @@ class LoraAdapters:
                     await self._drop_from(list(self.pool.workers.values()), digest)
 
         task = asyncio.get_running_loop().create_task(drop())
-        self._drops.add(task)
-        task.add_done_callback(self._drops.discard)
+        self._drops[task] = digest
+        task.add_done_callback(lambda done: self._drops.pop(done, None))
 
     @staticmethod
     async def _drop_from(records, digest: str) -> None:

@@ -128,3 +128,28 @@ def test_two_names_for_the_same_files_are_unloaded_and_loaded_one_at_a_time(tmp_
     for worker in (pool.workers["decode-0"].handle, joining):
         assert worker.engine.adapters.served.keys() == {"alpha", "beta"}
         assert {name: answer(worker, name) for name in expected} == expected
+
+
+def test_a_router_closing_before_an_unloaded_version_is_dropped_drops_it_then(tmp_path):
+    """An unload has every worker forget the name at once and drops its version once unused. A
+    router closed before then (a restart over durable workers) left the version held, nameless,
+    where no later router could find it: its slot and weights, for good."""
+    from engine import EngineConfig, LLMEngine
+    from tests.checkpoints import build_checkpoint, build_lora_adapter
+
+    model = build_checkpoint("llama", tmp_path / "base")
+    build_lora_adapter(model, tmp_path / "policy", seed=31)
+    worker = _EngineWorker(LLMEngine(tmp_path / "base", EngineConfig(num_kv_blocks=32, num_threads=1)))
+    pool = WorkerPool()
+    pool.add(WorkerRecord("decode-0", Role.DECODE, handle=worker))
+    in_flight = {"yes": True}
+    adapters = LoraAdapters({}, pool, in_flight=lambda digest: in_flight["yes"])
+
+    async def scenario():
+        await adapters.load("policy", str(tmp_path / "policy"))
+        await adapters.unload("policy")
+        assert worker.engine.adapters.slots, "kept while a request computes with it"
+        await adapters.close()
+
+    asyncio.run(scenario())
+    assert not worker.engine.adapters.served and not worker.engine.adapters.slots
