@@ -64,6 +64,10 @@ class _EngineWorker:
         self.drop_lora_version = _Answer(engine.drop_adapter_version)
 
     def _load(self, name, adapter, replace=False):
+        import ray
+
+        if isinstance(adapter, ray.ObjectRef):  # Ray started in this process (by another test): as an actor call resolves it
+            adapter = ray.get(adapter)
         with adapter.written() as directory:
             return self.engine.load_adapter(name, str(directory), replace)
 
