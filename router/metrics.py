@@ -23,6 +23,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from router.output_stream import TimingBreakdown
+
 logger = logging.getLogger(__name__)
 
 # Fine below a second (a GPU's decode steps take milliseconds), then up to vLLM's largest buckets:
@@ -33,6 +35,7 @@ _LATENCY_BUCKETS = (
 )
 PREFIX = "pdserve:"
 METRICS_PREFIXES = ("pdserve:", "vllm:")
+_SIZE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 50_000, 100_000, 200_000, 500_000, 1_000_000)
 # vLLM's finished_reason values; an end of sequence is a "stop" there.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 # Series of one worker, dropped when it leaves the pool.
@@ -65,6 +68,16 @@ class Metrics:
         self.tpot = metric(Histogram, "time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1)", **latency)
         self.itl = metric(Histogram, "inter_token_latency_seconds", "Gap between consecutive streamed chunks with tokens", **latency)
         self.e2e = metric(Histogram, "e2e_request_latency_seconds", "Arrival to the last chunk", **latency)
+        # vLLM's per-request phases (a finished request's TimingBreakdown) and sizes.
+        self.request_tpot = metric(Histogram, "request_time_per_output_token_seconds", "Per request: (E2E - TTFT) / (output tokens - 1)", **latency)
+        self.queue_time = metric(Histogram, "request_queue_time_seconds", "Waiting in queues (the router's, a prefill actor's, a decode actor's) before computing", **latency)
+        self.prefill_time = metric(Histogram, "request_prefill_time_seconds", "Computing the prompt and moving its KV to the decode actor", **latency)
+        self.decode_time = metric(Histogram, "request_decode_time_seconds", "First token to the last", **latency)
+        self.inference_time = metric(Histogram, "request_inference_time_seconds", "Prefill and decode time", **latency)
+        sizes = {"buckets": _SIZE_BUCKETS}
+        self.request_prompt_tokens = metric(Histogram, "request_prompt_tokens", "Per finished request: prompt tokens", **sizes)
+        self.request_generation_tokens = metric(Histogram, "request_generation_tokens", "Per finished request: tokens generated", **sizes)
+        self.request_max_tokens = metric(Histogram, "request_params_max_tokens", "Per finished request: its max_tokens", **sizes)
         self._requests = metric(Counter, "request_success", "Finished requests by finish reason", ("finished_reason",))
         for reason in FINISHED_REASONS:
             self._requests(reason)  # every reason's series from the start, at 0, as vLLM's
@@ -162,11 +175,27 @@ class Metrics:
         self.ttft.observe(ttft_s)
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def observe_finished(self, finish_reason: str, ttft_s: float | None, e2e_s: float, num_output_tokens: int) -> None:
+    def observe_finished(
+        self, finish_reason: str, ttft_s: float | None, e2e_s: float, num_output_tokens: int,
+        timing: TimingBreakdown | None = None, num_prompt_tokens: int = 0, max_tokens: int | None = None,
+    ) -> None:
         self.requests(finish_reason).inc()
         self.e2e.observe(e2e_s)
         if ttft_s is not None and num_output_tokens > 1:
             self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+            self.request_tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_output_tokens)
+        if max_tokens is not None:
+            self.request_max_tokens.observe(max_tokens)
+        if timing is not None:
+            queue_s = (timing.router_queue_ms + timing.prefill_queue_ms + timing.decode_queue_ms) / 1000
+            prefill_s = (timing.prefill_compute_ms + timing.kv_transfer_ms) / 1000
+            decode_s = max(e2e_s - ttft_s, 0.0) if ttft_s is not None else 0.0
+            self.queue_time.observe(queue_s)
+            self.prefill_time.observe(prefill_s)
+            self.decode_time.observe(decode_s)
+            self.inference_time.observe(prefill_s + decode_s)
 
     def observe_speculation(self, acceptance_rate: float, tokens_per_step: float) -> None:
         self.spec_acceptance.observe(acceptance_rate)

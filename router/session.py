@@ -183,7 +183,10 @@ class GenerationSession:
             ttft = None if timing.first_token_sent is None else timing.first_token_sent - timing.arrival
             if active.last_message_at is None:  # no token ever went out (echo of a prompt alone): its prompt still counts
                 metrics.prompt_tokens.inc(chunk.end.prompt_tokens)
-            metrics.observe_finished(chunk.end.reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens)
+            metrics.observe_finished(
+                chunk.end.reason, ttft, now - timing.arrival, active.assembler.num_completion_tokens,
+                chunk.end.timing, chunk.end.prompt_tokens, active.request.sampling_params.max_tokens,
+            )
             speculation = chunk.end.speculation
             if speculation is not None and speculation.draft_tokens:
                 metrics.observe_speculation(speculation.acceptance_rate, speculation.tokens_per_step)

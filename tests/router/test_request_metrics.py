@@ -62,7 +62,7 @@ def test_tokens_and_the_first_tokens_time_count_as_they_stream_also_for_an_aband
     metrics = Metrics("m")
     arrival = time.monotonic() - 2.0
     active = SimpleNamespace(
-        last_message_at=None, request=SimpleNamespace(prompt_token_ids=list(range(7))),
+        last_message_at=None, request=SimpleNamespace(prompt_token_ids=list(range(7)), sampling_params=SimpleNamespace(max_tokens=16)),
         assembler=SimpleNamespace(timing=SimpleNamespace(arrival=arrival, first_token_sent=None), num_completion_tokens=0),
     )
     session = SimpleNamespace(router=SimpleNamespace(metrics=metrics, traffic=None), active=active)
@@ -76,7 +76,15 @@ def test_tokens_and_the_first_tokens_time_count_as_they_stream_also_for_an_aband
     # Its end, later, counts no token again.
     active.assembler.num_completion_tokens, active.assembler.timing.first_token_sent = 3, arrival + 2.0
     session.router.traffic = SimpleNamespace(on_finished=lambda *args: None)
-    GenerationSession._observe(session, OutputChunk(end=StreamEnd("eos", 7, 3, TimingBreakdown())))
+    phases = TimingBreakdown(router_queue_ms=300.0, prefill_queue_ms=200.0, prefill_compute_ms=400.0, kv_transfer_ms=100.0)
+    GenerationSession._observe(session, OutputChunk(end=StreamEnd("eos", 7, 3, phases)))
     samples = _samples(metrics)
+    # vLLM's per-request phases and sizes, which its dashboards chart.
+    assert samples['pdserve:request_queue_time_seconds_sum{model_name="m"}'] == pytest.approx(0.5)
+    assert samples['pdserve:request_prefill_time_seconds_sum{model_name="m"}'] == pytest.approx(0.5)
+    assert samples['pdserve:request_decode_time_seconds_count{model_name="m"}'] == 1
+    assert samples['pdserve:request_params_max_tokens_sum{model_name="m"}'] == 16
+    assert samples['pdserve:request_generation_tokens_sum{model_name="m"}'] == 3
+    assert samples['pdserve:request_time_per_output_token_seconds_count{model_name="m"}'] == 1
     assert samples['pdserve:prompt_tokens_total{model_name="m"}'] == 7 and samples['pdserve:generation_tokens_total{model_name="m"}'] == 3
     assert samples['pdserve:request_success_total{finished_reason="stop",model_name="m"}'] == 1
