@@ -205,11 +205,13 @@ class OpenAIServer:
     def _authenticate(self, request: web.Request) -> None:
         if self.auth_token is None:
             return
-        offered = request.headers.get("Authorization", "")
-        if hmac.compare_digest(offered.encode(), f"Bearer {self.auth_token}".encode()):
+        # (A header's bytes that are no UTF-8 come as surrogates: compared as the bytes they were,
+        # not a UnicodeEncodeError answered 500 with a traceback logged.)
+        offered = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if hmac.compare_digest(offered, f"Bearer {self.auth_token}".encode()):
             return
         # Anthropic's clients send the key as x-api-key.
-        if hmac.compare_digest(request.headers.get("x-api-key", "").encode(), self.auth_token.encode()):
+        if hmac.compare_digest(request.headers.get("x-api-key", "").encode("utf-8", "surrogateescape"), self.auth_token.encode()):
             return
         raise UnauthenticatedError("missing or wrong token (Authorization: Bearer <token>, or x-api-key: <token>)")
 

@@ -73,6 +73,10 @@ class VllmEndpoints:
             if not isinstance(prompt, str):
                 raise InvalidArgumentError("prompt", f"must be a string (or give messages), got {type_name(prompt)}")
             add_special = boolean(body, "add_special_tokens", True)
+        limits = self.router.limits
+        max_chars = limits.max_prompt_chars_per_token * limits.max_context_len
+        if len(prompt) > max_chars:  # as a generation's prompt is bounded: no tokenizing of megabytes on the shared thread
+            raise InvalidArgumentError("prompt", f"has {len(prompt)} characters; at most {max_chars} are taken ({limits.max_prompt_chars_per_token} per token of the model's {limits.max_context_len}-token context)")
         tokens = await self.router.encode(prompt, add_special)
         # The vocabulary's pieces, as vLLM's convert_ids_to_tokens gives them (a token's text alone may be half a character).
         strings = [tokenizer.id_to_token(token) for token in tokens] if boolean(body, "return_token_strs", False) else None
@@ -88,6 +92,9 @@ class VllmEndpoints:
         vocab = self.router.model_info.vocab_size
         if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
             raise InvalidArgumentError("tokens", "must be a list of token ids")
+        context = self.router.model_info.max_context_len
+        if len(tokens) > context:  # decoded on the event loop: bounded as a prompt is
+            raise InvalidArgumentError("tokens", f"has {len(tokens)} ids; at most {context} (the model's context) are decoded")
         if any(not 0 <= t < vocab for t in tokens):
             raise InvalidArgumentError("tokens", f"token ids must be in [0, {vocab})")
         return web.json_response({"prompt": self.router.tokenizer.decode(tokens, skip_special_tokens=False)})

@@ -119,3 +119,29 @@ def test_tokenize_returns_the_vocabularys_pieces_as_vllm_does(hosted, e2e_model)
     answer = json.loads(body)
     assert status == 200 and answer["token_strs"] == reference.convert_ids_to_tokens(answer["tokens"])
     assert not any("\ufffd" in piece for piece in answer["token_strs"])
+
+
+def test_tokenize_and_detokenize_are_bounded_as_a_prompt_is(hosted):
+    """Unbounded, one /tokenize of tens of megabytes held the shared tokenizing thread for a
+    minute and gigabytes of memory, and a /detokenize of millions of ids stalled the event loop."""
+    status, _, body = _call(hosted + "/tokenize", "POST", {}, {"prompt": "x" * 10_000_000})
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "prompt" and "characters" in error["message"]
+    status, _, body = _call(hosted + "/detokenize", "POST", {}, {"tokens": [1] * 1_000_000})
+    error = json.loads(body)["error"]
+    assert status == 400 and error["param"] == "tokens" and "context" in error["message"]
+
+
+def test_a_token_that_is_no_utf8_is_refused_as_a_wrong_token(hosted):
+    """Non-UTF-8 bytes in the Authorization header: a 500, with a traceback logged for each."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    address = urlsplit(hosted)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+    connection.putrequest("GET", "/v1/models")
+    connection.putheader("Authorization", b"Bearer \xff\xfe")
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 401 and json.loads(response.read())["error"]["code"] == "invalid_api_key"
+    connection.close()
