@@ -86,6 +86,10 @@ def read_responses(body: Any) -> ResponsesRequest:
         metadata = json_object(metadata, "metadata")
         if len(metadata) > 16 or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise InvalidArgumentError("metadata", "must map at most 16 string keys to strings")
+        # OpenAI's bounds: a stored response keeps them (a 60 MB value held for an hour per call).
+        for key, value in metadata.items():
+            if len(key) > 64 or len(value) > 512:
+                raise InvalidArgumentError(f"metadata.{key[:64]}", "keys are at most 64 characters and values at most 512")
     stream = boolean(body, "stream", False)
     options = body.get("stream_options")
     if options is not None:

@@ -5,6 +5,8 @@ their internals."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.errors import InvalidRequestError
 from router.errors import InvalidArgumentError, ResourceExhaustedError
 from router.responses_api.front_end import response_error
@@ -74,3 +76,15 @@ def test_a_stream_that_fails_before_its_first_token_gets_a_real_status_on_every_
         with pytest.raises(InvalidArgumentError) as raised:
             asyncio.run(stream)
         assert raised.value.field == "allowed_token_ids"
+
+
+def test_response_metadata_is_bounded_as_openai_bounds_it():
+    """A stored response keeps its metadata: a 60 MB value, for one generated token, was held for
+    an hour, and a few thousand such calls filled the router's memory."""
+    from router.responses_api.protocol import read_responses
+
+    assert read_responses({"input": "x", "metadata": {"k" * 64: "v" * 512}}).echo["metadata"] == {"k" * 64: "v" * 512}
+    for metadata, field in (({"k": "v" * 513}, "metadata.k"), ({"k" * 65: "v"}, "metadata." + "k" * 64)):
+        with pytest.raises(InvalidArgumentError) as refused:
+            read_responses({"input": "x", "metadata": metadata})
+        assert refused.value.field == field
