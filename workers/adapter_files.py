@@ -37,7 +37,9 @@ class AdapterFiles:
         """The adapter's files, or None where ``directory`` is not a directory here (a Hugging
         Face id, a path only the workers' nodes have: each worker then reads it itself)."""
         path = Path(directory).expanduser()
-        if not path.is_dir():
+        if not path.is_dir() or not (path / "adapter_config.json").is_file():
+            # No adapter here: each worker reads the name and refuses it with the loader's reason.
+            # (Read anyway, a model's directory named by mistake was read whole into memory.)
             return None
         names = ["adapter_config.json", *sorted(p.name for p in path.glob("*.safetensors"))]
         return cls(str(directory), {name: (path / name).read_bytes() for name in names if (path / name).is_file()})

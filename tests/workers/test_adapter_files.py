@@ -41,3 +41,10 @@ def test_files_written_out_elsewhere_are_the_adapter_read(e2e_model, tmp_path):
         assert adapter_digest(directory) == digest
     assert not directory.exists()
     assert AdapterFiles.read(tmp_path / "missing") is None and AdapterFiles.read("org/adapter-id") is None
+
+
+def test_a_directory_without_an_adapter_config_is_not_read(tmp_path):
+    """A model's directory named by mistake (or on purpose) was read whole into the router's
+    memory, every safetensors file of it, before a worker refused it as no adapter."""
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1024)
+    assert AdapterFiles.read(tmp_path) is None
