@@ -428,3 +428,26 @@ def test_masks_forbid_exactly_the_tokens_whose_bit_is_clear_on_constrained_rows_
         for token in range(vocab):
             allowed = row == 1 or (int(bitmask[row, token // 32]) >> (token % 32)) & 1
             assert masked[row, token] == (logits[row, token] if allowed else float("-inf")), (row, token)
+
+
+def test_a_chain_of_refs_is_closed_in_a_few_walks_of_the_schema(monkeypatch):
+    """Each walk of the schema found one more link of a chain of $refs beside other schemas: a
+    2,000-link chain (70 KB) took 2,000 walks, 14 s of the router's one tokenizing thread, and a
+    300 KB one hours, for every request that sent it. The chain's end stays open either way."""
+    import engine.structured_output as structured
+
+    walks = []
+    close = structured._close
+
+    def counted(node, plain_path, composed, found, path):
+        if path == ():
+            walks.append(len(composed))
+        return close(node, plain_path, composed, found, path)
+
+    monkeypatch.setattr(structured, "_close", counted)
+    links = 2000
+    definitions = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(links)}
+    definitions[f"d{links}"] = {"type": "object", "properties": {"a": {"type": "string"}}}
+    closed = structured.closed_objects({"allOf": [{"$ref": "#/$defs/d0"}], "$defs": definitions})
+    assert len(walks) <= 3, f"{len(walks)} walks of the schema"
+    assert "additionalProperties" not in closed["$defs"][f"d{links}"], "an object composed with others was closed"
