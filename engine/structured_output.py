@@ -14,6 +14,7 @@ needs neither torch (the router imports it) nor triton.
 
 from __future__ import annotations
 
+import functools
 import json
 import string
 import urllib.parse
@@ -97,13 +98,30 @@ class StructuredOutput:
         raise InvalidRequestError(self.field, f"unknown kind {self.kind!r}; one of {list(KINDS)}")
 
 
+# Constraints up to this size have their verdict kept (clients send the same schema again and
+# again, and n choices each carry it): compiling a large schema costs hundreds of milliseconds.
+_REMEMBERED_GRAMMAR_CHARS = 65_536
+
+
 def check_grammar(structured: StructuredOutput) -> None:
     """InvalidRequestError naming ``structured.field`` unless llguidance compiles its grammar."""
+    problem = _remembered_problem(structured) if len(structured.value) <= _REMEMBERED_GRAMMAR_CHARS else _grammar_problem(structured)
+    if problem is not None:
+        raise InvalidRequestError(structured.field, problem)
+
+
+def _grammar_problem(structured: StructuredOutput) -> str | None:
+    """Why llguidance cannot compile ``structured``'s grammar (None: it can)."""
     import llguidance
 
-    error = llguidance.LLMatcher.validate_grammar(structured.to_llguidance())
-    if error:
-        raise InvalidRequestError(structured.field, f"cannot be compiled: {error.strip()}")
+    try:
+        error = llguidance.LLMatcher.validate_grammar(structured.to_llguidance())
+    except InvalidRequestError as exc:
+        return exc.problem
+    return f"cannot be compiled: {error.strip()}" if error else None
+
+
+_remembered_problem = functools.lru_cache(maxsize=256)(_grammar_problem)
 
 
 # Keywords that apply more schemas to the same instance: an object beside them, or under them,

@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,15 +109,18 @@ class Router:
         # (gRPC health NOT_SERVING, HTTP /health 503).
         self.readiness = Readiness()
 
-    async def validate_input(self, request: GenerateInput, timeout_s: float | None = None) -> ValidatedRequest:
+    async def validate_input(
+        self, request: GenerateInput, timeout_s: float | None = None, encode: Callable[..., list[int]] | None = None
+    ) -> ValidatedRequest:
         """Validate and tokenize; a long text prompt is tokenized, and an output constraint's
         grammar compiled, off the event loop.
 
         Tokenizing megabytes of text takes seconds, and a large schema's grammar can take
         hundreds of milliseconds, during which every other stream on this loop would stall.
-        Short prompts stay inline: a thread hop costs more than they do.
+        Short prompts stay inline: a thread hop costs more than they do. ``encode``: the
+        tokenizer's, or one that remembers (the choices of one call share their prompts).
         """
-        validate = functools.partial(validate_input, request, self.limits, self.tokenizer.encode, timeout_s=timeout_s)
+        validate = functools.partial(validate_input, request, self.limits, encode or self.tokenizer.encode, timeout_s=timeout_s)
         text_chars = (len(request.prompt_text) if request.prompt_text is not None else 0) + sum(map(len, request.bad_words))
         if text_chars > INLINE_TOKENIZE_CHARS or request.structured is not None:
             validated = await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, validate)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -280,12 +281,18 @@ class OpenAIServer:
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{client_id or uuid.uuid4().hex}"
         request[_RESPONSE_ID] = client_id or response_id
         unique = uuid.uuid4().hex[:8]
-        # Every choice is validated before any is admitted: a bad one admits none.
+        # Every choice is validated before any is admitted: a bad one admits none. The n choices
+        # of a prompt share it: tokenized once (a long prompt, n = 16, was tokenized 16 times).
         validated = []
+        remembered = functools.lru_cache(maxsize=4)(self.router.tokenizer.encode)
+
+        def encode(*args, **kwargs) -> list[int]:
+            return list(remembered(*args, **kwargs))  # each choice its own list of the ids
+
         for index, choice in enumerate(api.choices):
             choice.request_id = f"{response_id}.{unique}-{index}" if client_id else f"{response_id}-{index}"
             choice.lora_name = self.lora_name(model)
-            validated.append(await self.router.validate_input(choice))
+            validated.append(await self.router.validate_input(choice, encode=encode))
 
         def client_gone() -> bool:
             return request.transport is None or request.transport.is_closing()

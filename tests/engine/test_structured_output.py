@@ -451,3 +451,29 @@ def test_a_chain_of_refs_is_closed_in_a_few_walks_of_the_schema(monkeypatch):
     closed = structured.closed_objects({"allOf": [{"$ref": "#/$defs/d0"}], "$defs": definitions})
     assert len(walks) <= 3, f"{len(walks)} walks of the schema"
     assert "additionalProperties" not in closed["$defs"][f"d{links}"], "an object composed with others was closed"
+
+
+def test_a_schema_sent_again_is_compiled_once(monkeypatch):
+    """Clients send one schema with every request (and n choices each carry it): each was
+    compiled to check it, hundreds of milliseconds for a large schema on the router's thread.
+    Its verdict is kept, a refusal's too (naming each request's own field)."""
+    from engine.structured_output import StructuredOutput, check_grammar
+
+    compiled = []
+    to_llguidance = StructuredOutput.to_llguidance
+
+    def counted(self):
+        compiled.append(self.value)
+        return to_llguidance(self)
+
+    monkeypatch.setattr(StructuredOutput, "to_llguidance", counted)
+    schema = StructuredOutput("json_schema", '{"type": "object", "properties": {"unique_key_7f3a": {"type": "integer"}}}')
+    for _ in range(3):
+        check_grammar(schema)
+    assert compiled == [schema.value]
+    bad = StructuredOutput("regex", "(unclosed_7f3a", field="guided_regex")
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError) as refused:
+            check_grammar(bad)
+        assert refused.value.field == "guided_regex"
+    assert compiled.count(bad.value) == 1

@@ -26,8 +26,12 @@ def hosted(e2e_model):
         router=RouterConfig(http_port=0, auth_token=TOKEN, ready_wait_s=0.5),
     )
     router = HostedRouter(spec)
+    _HOSTED["router"] = router.router
     yield f"http://127.0.0.1:{router.http_port}"
     router.close()
+
+
+_HOSTED: dict = {}  # the hosted router, for the tests that look inside it
 
 
 def _call(url: str, method: str = "GET", headers: dict | None = None, body: dict | None = None) -> tuple[int, dict, bytes]:
@@ -145,3 +149,20 @@ def test_a_token_that_is_no_utf8_is_refused_as_a_wrong_token(hosted):
     response = connection.getresponse()
     assert response.status == 401 and json.loads(response.read())["error"]["code"] == "invalid_api_key"
     connection.close()
+
+
+def test_the_choices_of_a_prompt_tokenize_it_once(hosted, monkeypatch):
+    """n choices of one long prompt were each validated alone: the prompt was tokenized n times
+    on the router's shared tokenizing thread."""
+    tokenizer = _HOSTED["router"].tokenizer
+    prompts = []
+    encode = tokenizer.encode
+
+    def counted(text, *args, **kwargs):
+        prompts.append(text)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    prompt = "the same prompt " * 6
+    _call(hosted + "/v1/completions", "POST", {"Authorization": f"Bearer {TOKEN}"}, {"prompt": prompt, "n": 8, "max_tokens": 2})
+    assert prompts.count(prompt) == 1
