@@ -171,15 +171,16 @@ def closed_objects(schema):
 
 
 def _named_within(schema: dict, places: set[tuple[str, ...]]) -> set[tuple[str, ...]]:
-    """``places`` and every place a $ref inside one of them names, and so on."""
+    """``places`` and every place a $ref inside one of them names (where ``_close`` reads one
+    there, walking it as a place composed with others), and so on."""
     seen, pending = set(places), list(places)
     while pending:
-        node = _node_at(schema, pending.pop())
-        for ref in _refs(node):
-            target = _pointer(ref)
-            if target is not None and target not in seen:
-                seen.add(target)
-                pending.append(target)
+        place = pending.pop()
+        found: set[tuple[str, ...]] = set()
+        _close(_node_at(schema, place), False, seen, found, place)
+        for target in found - seen:
+            seen.add(target)
+            pending.append(target)
     return seen
 
 

@@ -146,8 +146,8 @@ class Router:
 
     async def stop(self) -> None:
         """Stop dispatching (the front ends are stopped by whoever started them)."""
-        await self.lora.close()
         await self.dispatcher.close()
+        await self.lora.close()  # after: bounded, but a hung worker must not hold the releases up
         if self.prefix_feed is not None:
             await self.prefix_feed.stop()
         self._tokenize_thread.shutdown(wait=False, cancel_futures=True)

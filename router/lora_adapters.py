@@ -188,9 +188,10 @@ class LoraAdapters:
         for task in list(self._drops):
             task.cancel()
         await asyncio.gather(*self._drops, return_exceptions=True)
-        for digest in pending - set(self.digests.values()):
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._drop_from(list(self.pool.workers.values()), digest), DROP_CLOSE_TIMEOUT_S)
+        records = list(self.pool.workers.values())
+        drops = [self._drop_from(records, digest) for digest in pending - set(self.digests.values())]
+        with contextlib.suppress(Exception):  # all at once, bounded together: a hung worker holds none up for long
+            await asyncio.wait_for(asyncio.gather(*drops, return_exceptions=True), DROP_CLOSE_TIMEOUT_S)
 
     def _serves(self, digest: str) -> bool:
         """Whether some name gives new requests this version."""

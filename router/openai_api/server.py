@@ -284,7 +284,7 @@ class OpenAIServer:
         # Every choice is validated before any is admitted: a bad one admits none. The n choices
         # of a prompt share it: tokenized once (a long prompt, n = 16, was tokenized 16 times).
         validated = []
-        remembered = functools.lru_cache(maxsize=4)(self.router.tokenizer.encode)
+        remembered = functools.lru_cache(maxsize=None)(self.router.tokenizer.encode)  # (this call's prompts and bad words)
 
         def encode(*args, **kwargs) -> list[int]:
             return list(remembered(*args, **kwargs))  # each choice its own list of the ids

@@ -417,7 +417,7 @@ class Glm45Reader(TextValueReader):
     tags = value_ends
 
     def ends_inside_a_call(self, opener: str, rest: str) -> bool:
-        return rest.rfind(GLM_ARG_VALUE) > rest.rfind(GLM_VALUE_CLOSE)  # its last value never closed
+        return True  # a call ends with its block: cut after a value, it may lack the next arguments
 
     def unfinished_tail(self, rest: str, closer: str | None) -> int:
         # A key whose value never began ("<arg_key>city</arg_"): no argument, nor content after one.

@@ -79,7 +79,8 @@ class ToolCallOutput:
     @property
     def runnable_calls(self) -> list[dict[str, Any]]:
         """The calls made that may be run, as far as the answer's end showed: what a whole
-        answer lists (one cut short stays out, as vLLM, which reads such an answer as content)."""
+        answer lists. One cut short stays out (vLLM reads such an answer as content; here the
+        call's text is no content either: a client sees an answer ended by "stop")."""
         return [call for index, call in enumerate(self.calls) if index not in self.unrunnable]
 
     def cut_short(self, end: StreamEnd) -> bool:

@@ -451,6 +451,12 @@ def test_a_chain_of_refs_is_closed_in_a_few_walks_of_the_schema(monkeypatch):
     closed = structured.closed_objects({"allOf": [{"$ref": "#/$defs/d0"}], "$defs": definitions})
     assert len(walks) <= 3, f"{len(walks)} walks of the schema"
     assert "additionalProperties" not in closed["$defs"][f"d{links}"], "an object composed with others was closed"
+    # A "$ref" that is data (a default's), under a place composed with others, names nothing:
+    # what only plain $refs name is closed, as the walk of schema positions alone finds.
+    data_ref = {"type": "object", "properties": {"a": {"$ref": "#/$defs/A", "minProperties": 1}, "b": {"$ref": "#/$defs/B"}},
+                "$defs": {"A": {"type": "object", "properties": {"x": {}}, "default": {"$ref": "#/$defs/B"}},
+                          "B": {"type": "object", "properties": {"y": {}}}}}
+    assert structured.closed_objects(data_ref)["$defs"]["B"]["additionalProperties"] is False
 
 
 def test_a_schema_sent_again_is_compiled_once(monkeypatch):

@@ -164,5 +164,6 @@ def test_the_choices_of_a_prompt_tokenize_it_once(hosted, monkeypatch):
 
     monkeypatch.setattr(tokenizer, "encode", counted)
     prompt = "the same prompt " * 6
-    _call(hosted + "/v1/completions", "POST", {"Authorization": f"Bearer {TOKEN}"}, {"prompt": prompt, "n": 8, "max_tokens": 2})
+    body = {"prompt": prompt, "n": 8, "max_tokens": 2, "bad_words": ["alpha", "beta", "gamma"]}  # (each encoded twice per choice too)
+    _call(hosted + "/v1/completions", "POST", {"Authorization": f"Bearer {TOKEN}"}, body)
     assert prompts.count(prompt) == 1

@@ -213,8 +213,9 @@ def test_a_tag_the_answer_ended_in_the_middle_of_is_dropped(calling, text, conte
     (QWEN3_CODER, "<tool_call>\n<function=get_forecast>\n<parameter=city>\nPar", False),  # cut inside a value
     (QWEN3_CODER, "<tool_call>\n<function=get_forecast>\n<parameter=city>\nParis\n</parameter>\n</function>", True),  # only </tool_call> missing
     (GLM45, "<tool_call>get_forecast\n<arg_key>city</arg_key><arg_value>Par", False),
-    (GLM45, "<tool_call>get_forecast\n<arg_key>city</arg_key><arg_value>Paris</arg_value>", True),
-], ids=["qwen3_coder_value", "qwen3_coder_closed", "glm45_value", "glm45_closed"])
+    (GLM45, "<tool_call>get_forecast\n<arg_key>city</arg_key><arg_value>Paris</arg_value>\n<arg_key>un", False),  # between arguments
+    (GLM45, "<tool_call>get_forecast\n<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>", True),
+], ids=["qwen3_coder_value", "qwen3_coder_closed", "glm45_value", "glm45_between", "glm45_closed"])
 def test_a_text_value_the_answer_ended_inside_is_no_call_to_run(calling, text, runnable):
     """A stop string matched inside a value: the whole read closed it as a shorter value, and the
     answer ended with tool_calls: an agent wrote a truncated file. Like a JSON call cut short
