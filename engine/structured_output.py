@@ -197,6 +197,13 @@ def _node_at(schema, path: tuple[str, ...]):
     return node
 
 
+def local_ref_target(root, ref: str):
+    """What a local $ref ("#", "#/$defs/Address") names in ``root``; None for another document's,
+    an anchor's, or one that names nothing."""
+    path = _pointer(ref)
+    return None if path is None else _node_at(root, path)
+
+
 def _pointer(ref: str) -> tuple[str, ...] | None:
     """A local $ref ("#", "#/properties/a", "#/$defs/a~1b") as the path of what it names; None
     for another document's."""

@@ -17,9 +17,9 @@ import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 from engine import bounded_json
+from engine.structured_output import local_ref_target
 
 
 @dataclass(slots=True)
@@ -214,7 +214,7 @@ class _SchemaTypes:
             return None
         if ref not in self._by_ref:
             self._reading.add(ref)
-            self._by_ref[ref] = self.of(_pointed_at(self.root, ref))
+            self._by_ref[ref] = self.of(local_ref_target(self.root, ref))
             self._reading.discard(ref)
         return self._by_ref[ref]
 
@@ -231,25 +231,6 @@ def _own_types(schema: dict[str, Any]) -> frozenset[str] | None:
     if "const" in schema:
         return frozenset(_value_types(schema["const"]))
     return None
-
-
-def _pointed_at(root: Any, ref: str) -> Any:
-    """What a local reference (a JSON pointer after "#": "#/$defs/Address") names in ``root``;
-    None for any other reference (another document's, an anchor's) or one that names nothing."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node = root
-    for token in ref[2:].split("/"):
-        token = unquote(token).replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and token in node:
-            node = node[token]
-        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
-            node = node[int(token)]
-        else:
-            return None
-    return node
 
 
 def _value_types(value: Any) -> set[str]:
