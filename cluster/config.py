@@ -255,6 +255,9 @@ class RouterSection(BaseModel):
     status_timeout_s: float = Field(_ROUTER_DEFAULTS["status_timeout_s"], gt=0, description="How long a worker's status call may take")
     responses_store_size: int = Field(_ROUTER_DEFAULTS["responses_store_size"], ge=1, description="/v1/responses: stored responses kept (oldest go first)")
     responses_store_ttl_s: float = Field(_ROUTER_DEFAULTS["responses_store_ttl_s"], gt=0, description="/v1/responses: how long a stored response is kept")
+    responses_store_max_bytes: int = Field(
+        _ROUTER_DEFAULTS["responses_store_max_bytes"], ge=1, description="/v1/responses: the stored responses' JSON size at most (oldest go first)"
+    )
     responses_store_path: Path | None = Field(
         None, description="/v1/responses: a JSON-lines file keeping stored responses across router restarts (null: memory only)"
     )

@@ -46,6 +46,7 @@ class RouterConfig:
     # kept, for how long, and the JSON-lines file that keeps them across restarts (None: memory only).
     responses_store_size: int = 10_000
     responses_store_ttl_s: float = 3600.0
+    responses_store_max_bytes: int = 1 << 30  # their JSON; the oldest go first past it
     responses_store_path: Path | None = None
     # Fields a request leaves unset take the model's generation_config.json values
     # (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM does.

@@ -50,7 +50,9 @@ class ResponseBoard:
     (every method is a coroutine: the same calls reach a board in another process)."""
 
     def __init__(self, config: RouterConfig):
-        self.store = ResponseStore(config.responses_store_size, config.responses_store_ttl_s, config.responses_store_path)
+        self.store = ResponseStore(
+            config.responses_store_size, config.responses_store_ttl_s, config.responses_store_path, config.responses_store_max_bytes
+        )
         self._cancels: dict[str, asyncio.Event] = {}  # response id -> set when a cancel is asked
         self._settled: dict[str, asyncio.Event] = {}  # response id -> set when its final state is put
 

@@ -1,8 +1,9 @@
 """Stored responses: what ``GET /v1/responses/{id}`` returns and what ``previous_response_id``
 continues.
 
-Bounded (the oldest go first past ``max_entries``) and timed (an entry older than ``ttl_s`` is
-gone). With a ``path``, every change is appended to a JSON-lines file and the file is read back
+Bounded (the oldest go first past ``max_entries``, or past ``max_bytes`` of their JSON: a few
+thousand large conversations filled the router's memory within the entry bound) and timed (an
+entry older than ``ttl_s`` is gone). With a ``path``, every change is appended to a JSON-lines file and the file is read back
 at start, so stored conversations survive a router restart; the file is rewritten with the live
 entries when it holds more than twice as many records as there are entries.
 """
@@ -33,11 +34,14 @@ class StoredResponse:
 
 
 class ResponseStore:
-    def __init__(self, max_entries: int = 10_000, ttl_s: float = 3600.0, path: Path | None = None):
+    def __init__(self, max_entries: int = 10_000, ttl_s: float = 3600.0, path: Path | None = None, max_bytes: int = 1 << 30):
         self.max_entries = max_entries
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
         self.path = Path(path) if path is not None else None
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # response id -> its entry's JSON size
+        self.num_bytes = 0
         self._records = 0  # lines in the file
         if self.path is not None:
             self._load()
@@ -59,17 +63,30 @@ class ResponseStore:
         return list(self._entries.items())
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
-        self._entries.pop(response_id, None)
+        record = json.dumps({"id": response_id, "entry": asdict(entry)}, ensure_ascii=False)
+        self._forget(response_id)
         self._entries[response_id] = entry
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
-        self._append({"id": response_id, "entry": asdict(entry)})
+        self._sizes[response_id] = len(record)
+        self.num_bytes += len(record)
+        self._trim()
+        self._append(record)
 
     def delete(self, response_id: str) -> bool:
+        if not self._forget(response_id):
+            return False
+        self._append(json.dumps({"id": response_id, "deleted": True}))
+        return True
+
+    def _forget(self, response_id: str) -> bool:
         if self._entries.pop(response_id, None) is None:
             return False
-        self._append({"id": response_id, "deleted": True})
+        self.num_bytes -= self._sizes.pop(response_id, 0)
         return True
+
+    def _trim(self) -> None:
+        """The oldest go until the entries fit both bounds (the newest stays, whatever its size)."""
+        while len(self._entries) > self.max_entries or (self.num_bytes > self.max_bytes and len(self._entries) > 1):
+            self._forget(next(iter(self._entries)))
 
     def _expire(self) -> None:
         oldest = time.time() - self.ttl_s
@@ -77,16 +94,16 @@ class ResponseStore:
             response_id, entry = next(iter(self._entries.items()))
             if entry.stored_at >= oldest:
                 break
-            del self._entries[response_id]
+            self._forget(response_id)
 
-    def _append(self, record: dict[str, Any]) -> None:
+    def _append(self, record: str) -> None:
         if self.path is None:
             return
         if self._records > 2 * max(len(self._entries), 64):
             self._rewrite()
             return
         with self.path.open("a", encoding="utf-8") as file:
-            file.write(json.dumps(record, ensure_ascii=False) + "\n")
+            file.write(record + "\n")
         self._records += 1
 
     def _rewrite(self) -> None:
@@ -106,15 +123,14 @@ class ResponseStore:
                 self._records += 1
                 try:
                     record = json.loads(line)
-                    if record.get("deleted"):
-                        self._entries.pop(record["id"], None)
-                    else:
-                        self._entries.pop(record["id"], None)
+                    self._forget(record["id"])
+                    if not record.get("deleted"):
                         self._entries[record["id"]] = StoredResponse(**record["entry"])
+                        self._sizes[record["id"]] = len(line)
+                        self.num_bytes += len(line)
                 except (json.JSONDecodeError, KeyError, TypeError) as exc:  # a torn last line after a crash
                     logger.warning("%s:%d: skipped a stored response that does not read back: %s", self.path, number, exc)
         self._expire()
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self._trim()
         self._rewrite()  # compacted, and never ending in a torn line the next append would extend
         logger.info("read %d stored responses from %s", len(self._entries), self.path)

@@ -108,3 +108,19 @@ def test_the_board_hands_a_cancel_to_the_running_router_and_its_final_state_to_t
         assert await asyncio.wait_for(gone, 1) is None
 
     asyncio.run(scenario())
+
+
+def test_the_oldest_go_first_past_the_stores_size_in_bytes(tmp_path):
+    """Within the entry bound, a few thousand large conversations (or metadata, tools) filled the
+    router's memory: the stored JSON is bounded too, across a restart as well."""
+    path = tmp_path / "responses.jsonl"
+    store = ResponseStore(max_entries=100, ttl_s=60, path=path, max_bytes=2_500)
+    for index in range(4):
+        store.put(f"resp_{index}", StoredResponse({"output_text": str(index) * 1_000}))
+    assert [response_id for response_id, _ in store.items()] == ["resp_2", "resp_3"] and store.num_bytes <= 2_500
+    again = ResponseStore(max_entries=100, ttl_s=60, path=path, max_bytes=2_500)
+    assert [response_id for response_id, _ in again.items()] == ["resp_2", "resp_3"]
+    store.put("huge", StoredResponse({"output_text": "x" * 10_000}))  # alone past the bound: kept, alone
+    assert [response_id for response_id, _ in store.items()] == ["huge"]
+    store.delete("huge")
+    assert store.num_bytes == 0
