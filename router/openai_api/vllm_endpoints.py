@@ -138,6 +138,10 @@ class VllmEndpoints:
         refuse_unknown(body, fields)
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
-            raise InvalidArgumentError("lora_name", f"must be a non-empty string, got {name!r}")
+            raise InvalidArgumentError("lora_name", f"must be a non-empty string, got {name!r}"[:300])
+        # A name is written in log lines, /v1/models and the comma-separated adapter lists of the
+        # lora_requests_info metric: no control character, no comma, a model name's length.
+        if len(name) > 256 or "," in name or not name.isprintable():
+            raise InvalidArgumentError("lora_name", f"must be at most 256 printable characters without commas, got {name[:64]!r}")
         return body
 

@@ -157,3 +157,17 @@ def test_a_router_closing_before_an_unloaded_version_is_dropped_drops_it_then(tm
 
     asyncio.run(scenario())
     assert not worker.engine.adapters.served and not worker.engine.adapters.slots
+
+
+def test_an_adapter_name_with_a_line_break_or_a_comma_is_refused():
+    """A name goes into log lines, /v1/models and the lora_requests_info metric's comma-separated
+    lists: a newline forged log lines, a comma split one adapter into two in the metric."""
+    from router.openai_api.vllm_endpoints import VllmEndpoints
+
+    endpoints = object.__new__(VllmEndpoints)
+    endpoints.router = SimpleNamespace(config=SimpleNamespace(allow_runtime_lora_updating=True))
+    assert endpoints._lora_body({"lora_name": "sql-adapter_v2.1"}, {"lora_name"})["lora_name"] == "sql-adapter_v2.1"
+    for name in ("sql\nINFO forged", "a,b", "x" * 300, "tab\there"):
+        with pytest.raises(InvalidArgumentError) as refused:
+            endpoints._lora_body({"lora_name": name}, {"lora_name"})
+        assert refused.value.field == "lora_name"
