@@ -87,7 +87,10 @@ class Metrics:
         self.poisoned = metric(Counter, "requests_refused_poison", "Requests refused after being in flight on workers that died")
         self.kv_transfer_bytes = metric(Counter, "kv_transfer_bytes", "KV bytes pushed from prefill to decode actors")
         self.kv_transfer_time = metric(Histogram, "kv_transfer_seconds", "Transfer time left after the last prefill chunk", **latency)
-        self.router_queued = metric(Gauge, "num_requests_waiting", "Requests admitted at the router without a first token yet")
+        self.router_queued = metric(
+            Gauge, "num_requests_waiting",
+            "Requests waiting to be computed: for room at the router, and in the workers' queues (as vLLM's scheduler's waiting queue)",
+        )
         self.queue_depth = metric(Gauge, "queue_depth", "Requests queued on the workers of a pool", ("role",))
         self.running = metric(Gauge, "num_requests_running", "Sequences in a worker's batch", ("worker_id", "role"))
         self.kv_usage = metric(Gauge, "kv_cache_usage_perc", "Share of a worker's KV blocks in use (0 to 1)", ("worker_id", "role"))
@@ -212,7 +215,11 @@ class Metrics:
         ``pools`` False (a router that follows pools another manages): this router's own gauges
         only; the workers' series come from the managing router (each router exporting them
         counted every worker's steps, prefix hits and transfers once per router)."""
-        self.router_queued.set(router.dispatcher.num_queued)
+        # vLLM's gauge is its scheduler's waiting queue (what autoscalers scale on): here the
+        # requests waiting for decode room at the router, plus the workers' queues. It counted
+        # every request without a first token, prefills and transfers under way included.
+        waiting_for_room = router.dispatcher.capacity.num_waiting
+        self.router_queued.set(waiting_for_room)
         if not pools:
             return
         records = list(router.pool.workers.values())
@@ -258,6 +265,7 @@ class Metrics:
                 self._last_steps[worker] = (engine.num_steps, engine.num_scheduled_tokens)
         for role, value in depth.items():
             self.queue_depth(role).set(value)
+        self.router_queued.set(waiting_for_room + sum(depth.values()))
         for gone in self._known_workers - seen - {r.worker_id for r in records}:
             for field_name in self._worker_counters:
                 self._last_totals.pop((gone, field_name), None)

@@ -13,7 +13,7 @@ from router.metrics import Metrics
 from router.pool import Role
 
 
-def _router(engine: EngineStats):
+def _router(engine: EngineStats, waiting_for_room: int = 0):
     record = SimpleNamespace(worker_id="decode-0", role=Role.DECODE)
     status = SimpleNamespace(engine=engine, epoch="e1", transfer_paths=[])
 
@@ -21,7 +21,8 @@ def _router(engine: EngineStats):
         return {"decode-0": SimpleNamespace(status=status)}
 
     return SimpleNamespace(
-        pool=SimpleNamespace(workers={"decode-0": record}), status_monitor=SimpleNamespace(reports=reports), dispatcher=SimpleNamespace(num_queued=0)
+        pool=SimpleNamespace(workers={"decode-0": record}), status_monitor=SimpleNamespace(reports=reports),
+        dispatcher=SimpleNamespace(num_queued=0, capacity=SimpleNamespace(num_waiting=waiting_for_room)),
     )
 
 
@@ -64,7 +65,7 @@ def test_a_worker_that_left_takes_its_tokens_per_step_and_transfer_paths_with_it
         return {w: SimpleNamespace(status=status) for w in workers}
 
     router = SimpleNamespace(pool=SimpleNamespace(workers=workers), status_monitor=SimpleNamespace(reports=reports),
-                             dispatcher=SimpleNamespace(num_queued=0))
+                             dispatcher=SimpleNamespace(num_queued=0, capacity=SimpleNamespace(num_waiting=0)))
     asyncio.run(metrics.refresh(router))
     labels = {"model_name": "tiny", "worker_id": "prefill-0"}
     assert metrics.registry.get_sample_value("pdserve:prefill_tokens_per_step", labels) == 100.0
@@ -85,3 +86,15 @@ def test_a_following_router_exports_its_own_queue_not_the_workers_series():
     text = generate_latest(metrics.registry).decode()
     assert "pdserve:num_requests_waiting{" in text
     assert 'worker_id="decode-0"' not in text
+
+
+def test_waiting_requests_are_those_queued_not_those_being_computed():
+    """vLLM's num_requests_waiting is its scheduler's waiting queue, what autoscalers scale out
+    on. It counted every request without a first token, prefills and KV transfers under way
+    included, so it stayed above 0 with no queue at all. Now: those waiting for decode room at
+    the router and those in the workers' queues."""
+    metrics = Metrics("tiny")
+    asyncio.run(metrics.refresh(_router(EngineStats(3, 2, 0, 10, 20, 0), waiting_for_room=2)))
+    assert metrics.registry.get_sample_value("pdserve:num_requests_waiting", {"model_name": "tiny"}) == 5
+    asyncio.run(metrics.refresh(_router(EngineStats(0, 4, 0, 10, 20, 0))))
+    assert metrics.registry.get_sample_value("pdserve:num_requests_waiting", {"model_name": "tiny"}) == 0
