@@ -25,7 +25,7 @@ from engine.sampling_params import SamplingDefaults
 from engine.stats import WorkerState
 from router.config import MAX_POOL_REPLICAS, RouterConfig
 from router.dispatcher import WORKER_GONE, Dispatcher
-from router.pool import Role, RoutingPolicy, WorkerPool, WorkerRecord
+from router.pool import Role, RoutingPolicy, WorkerPool, WorkerRecord, within
 from router.lora_adapters import LoraAdapters
 from router.pool_control import PoolControl
 from router.prefix_index import PrefixFeed, PrefixIndex
@@ -154,12 +154,15 @@ class Router:
 
     async def add_worker(self, role: Role, worker_id: str, handle, adopted: bool = False) -> WorkerRecord:
         """Route to a started worker from now on (its handshake offer is fetched once).
-        ``adopted``: a worker found running as this router started (durable workers)."""
-        epoch = await handle.ping.remote()
+        ``adopted``: a worker found running as this router started (durable workers). Its
+        answers are bounded (``status_timeout_s``): a worker that hangs held up the health round
+        adopting it, and with it every other worker's check (asyncio.TimeoutError then)."""
+        timeout_s = self.config.status_timeout_s
+        epoch = await within(handle.ping.remote(), timeout_s)
         record = WorkerRecord(worker_id, role, handle, epoch=epoch)
         if role is Role.DECODE:
-            record.handshake_offer = await handle.handshake_offer.remote()
-        status = await handle.status.remote()
+            record.handshake_offer = await within(handle.handshake_offer.remote(), timeout_s)
+        status = await within(handle.status.remote(), timeout_s)
         record.node = status.node  # prefill and decode pair on one node where they can
         if status.state is WorkerState.DRAINING:
             # Adopted mid-drain (its manager died while retiring it): it refuses new work, so

@@ -136,7 +136,9 @@ def test_a_worker_adopted_mid_drain_is_not_routed_to_nor_counted_and_its_retirem
     async def scenario():
         manager, _ = _manager(tmp_path, 1)
         router = manager.router
-        host = SimpleNamespace(pool=router.pool, model_info=SimpleNamespace(lora_adapters={}), config=SimpleNamespace(allow_runtime_lora_updating=False))
+        host = SimpleNamespace(
+            pool=router.pool, model_info=SimpleNamespace(lora_adapters={}), config=SimpleNamespace(allow_runtime_lora_updating=False, status_timeout_s=5.0)
+        )
         for worker_id, state in (("decode-0", WorkerState.READY), ("decode-1", WorkerState.DRAINING)):
             await Router.add_worker(host, Role.DECODE, worker_id, handle(state), adopted=True)
             manager._adopted(Role.DECODE, worker_id)
@@ -440,3 +442,33 @@ def test_a_draining_worker_slow_to_report_is_not_taken_for_idle(tmp_path):
         return asyncio.run(PoolManager._worker_idle(manager, record))
 
     assert {kind: idle(kind) for kind in reports} == {"late": False, "gone": True, "busy": False, "idle": True}
+
+
+def test_adopting_a_worker_that_stops_answering_is_bounded():
+    """A worker that answered its ping and then hung: adopting it waited for its status for good,
+    and the health round with it (no other worker was checked again)."""
+    from router.core import Router
+
+    class _Hangs:
+        def remote(self, *args):
+            return asyncio.Event().wait()
+
+    class _Answers:
+        def remote(self, *args):
+            async def answer():
+                return "e1"
+            return answer()
+
+    handle = SimpleNamespace(ping=_Answers(), handshake_offer=_Hangs(), status=_Hangs())
+    host = SimpleNamespace(pool=WorkerPool(), model_info=SimpleNamespace(lora_adapters={}),
+                           config=SimpleNamespace(allow_runtime_lora_updating=False, status_timeout_s=0.2))
+
+    async def scenario():
+        adding = asyncio.create_task(Router.add_worker(host, Role.DECODE, "decode-0", handle))
+        await asyncio.sleep(2.0)  # ten times the bound
+        ended = adding.done()
+        adding.cancel()
+        return ended and isinstance(adding.exception(), asyncio.TimeoutError)
+
+    assert asyncio.run(scenario()), "adopting a hung worker waited for good"
+    assert not host.pool.workers
