@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # Text prompts longer than this are tokenized on a thread (about 1 ms of tokenizing inline).
 INLINE_TOKENIZE_CHARS = 4096
+# How long a worker being added may take to answer each of its first calls.
+ADD_WORKER_TIMEOUT_S = 60.0
 
 
 @dataclass(slots=True)
@@ -155,9 +157,10 @@ class Router:
     async def add_worker(self, role: Role, worker_id: str, handle, adopted: bool = False) -> WorkerRecord:
         """Route to a started worker from now on (its handshake offer is fetched once).
         ``adopted``: a worker found running as this router started (durable workers). Its
-        answers are bounded (``status_timeout_s``): a worker that hangs held up the health round
-        adopting it, and with it every other worker's check (asyncio.TimeoutError then)."""
-        timeout_s = self.config.status_timeout_s
+        answers are bounded (``ADD_WORKER_TIMEOUT_S``, well past a loaded host's slowest): a
+        worker that hangs held up the health round adopting it, and with it every other worker's
+        check (asyncio.TimeoutError then)."""
+        timeout_s = ADD_WORKER_TIMEOUT_S
         epoch = await within(handle.ping.remote(), timeout_s)
         record = WorkerRecord(worker_id, role, handle, epoch=epoch)
         if role is Role.DECODE:

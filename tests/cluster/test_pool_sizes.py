@@ -137,7 +137,7 @@ def test_a_worker_adopted_mid_drain_is_not_routed_to_nor_counted_and_its_retirem
         manager, _ = _manager(tmp_path, 1)
         router = manager.router
         host = SimpleNamespace(
-            pool=router.pool, model_info=SimpleNamespace(lora_adapters={}), config=SimpleNamespace(allow_runtime_lora_updating=False, status_timeout_s=5.0)
+            pool=router.pool, model_info=SimpleNamespace(lora_adapters={}), config=SimpleNamespace(allow_runtime_lora_updating=False)
         )
         for worker_id, state in (("decode-0", WorkerState.READY), ("decode-1", WorkerState.DRAINING)):
             await Router.add_worker(host, Role.DECODE, worker_id, handle(state), adopted=True)
@@ -444,10 +444,13 @@ def test_a_draining_worker_slow_to_report_is_not_taken_for_idle(tmp_path):
     assert {kind: idle(kind) for kind in reports} == {"late": False, "gone": True, "busy": False, "idle": True}
 
 
-def test_adopting_a_worker_that_stops_answering_is_bounded():
+def test_adopting_a_worker_that_stops_answering_is_bounded(monkeypatch):
     """A worker that answered its ping and then hung: adopting it waited for its status for good,
     and the health round with it (no other worker was checked again)."""
+    import router.core
     from router.core import Router
+
+    monkeypatch.setattr(router.core, "ADD_WORKER_TIMEOUT_S", 0.2)
 
     class _Hangs:
         def remote(self, *args):
@@ -461,7 +464,7 @@ def test_adopting_a_worker_that_stops_answering_is_bounded():
 
     handle = SimpleNamespace(ping=_Answers(), handshake_offer=_Hangs(), status=_Hangs())
     host = SimpleNamespace(pool=WorkerPool(), model_info=SimpleNamespace(lora_adapters={}),
-                           config=SimpleNamespace(allow_runtime_lora_updating=False, status_timeout_s=0.2))
+                           config=SimpleNamespace(allow_runtime_lora_updating=False))
 
     async def scenario():
         adding = asyncio.create_task(Router.add_worker(host, Role.DECODE, "decode-0", handle))
