@@ -493,6 +493,11 @@ class ClusterConfig(BaseModel):
         fail to start on it); its name must not be one the base model answers to."""
         if not self.lora_modules:
             return self
+        from router.lora_adapters import lora_name_problem
+
+        for name in self.lora_modules:
+            if (problem := lora_name_problem(name)) is not None:
+                raise ValueError(f"lora_modules: {name[:64]!r}: {problem}")
         from engine.lora_loading import load_adapter
         from engine.parallel.shard import TPShard
 

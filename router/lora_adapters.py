@@ -243,6 +243,16 @@ class LoraAdapters:
                 logger.warning("worker %s: dropping LoRA adapter version %s failed: %r", record.worker_id, digest[:12], result)
 
 
+def lora_name_problem(name: str) -> str | None:
+    """What is wrong with an adapter's name (None: nothing). A name is written in log lines,
+    /v1/models and the comma-separated adapter lists of the lora_requests_info metric."""
+    if not name:
+        return "must be a non-empty name"
+    if len(name) > 256 or "," in name or not name.isprintable():
+        return f"must be at most 256 printable characters without commas, got {name[:64]!r}"
+    return None
+
+
 def _worker_gone(error: BaseException) -> bool:
     from router.dispatcher import WORKER_GONE  # the dispatcher imports Ray's errors; keep this module light
 

@@ -147,6 +147,7 @@ class Metrics:
         self._path_labels: dict[str, set[tuple[str, ...]]] = {}  # worker -> its transfer paths' label values
         self._last_totals: dict[tuple[str, str], float] = {}  # (worker, EngineStats field) -> last total
         self._known_workers: set[str] = set()
+        self._last_queued: dict[str, int] = {}  # worker -> its queue's length when it last answered
 
     def _set_lora_info(self, worker: str, role: str, engine) -> None:
         labels = (worker, role, str(engine.num_lora_adapters), ",".join(engine.running_lora_adapters), ",".join(engine.waiting_lora_adapters))
@@ -225,16 +226,21 @@ class Metrics:
         records = list(router.pool.workers.values())
         reports = await router.status_monitor.reports(max_age_s)
         depth = {"prefill": 0, "decode": 0}
+        queued = 0  # requests in the workers' queues (not those computing, nor those awaiting KV: counted where they queue)
         seen = set()
         for record in records:
             report = reports.get(record.worker_id)
             status = report.status if report is not None else None
             if status is None:
+                # No answer in time (a busy worker): its queue as last read, not none.
+                queued += self._last_queued.get(record.worker_id, 0)
                 continue
             worker, role = record.worker_id, record.role.value
             seen.add(worker)
             engine = status.engine
             depth[role] += engine.num_waiting + getattr(status, "num_awaiting_kv", 0)
+            queued += engine.num_waiting
+            self._last_queued[worker] = engine.num_waiting
             self.kv_blocks_used(worker, role).set(engine.num_used_blocks)
             self.kv_blocks_free(worker, role).set(engine.num_free_blocks)
             total_blocks = engine.num_used_blocks + engine.num_free_blocks
@@ -265,11 +271,12 @@ class Metrics:
                 self._last_steps[worker] = (engine.num_steps, engine.num_scheduled_tokens)
         for role, value in depth.items():
             self.queue_depth(role).set(value)
-        self.router_queued.set(waiting_for_room + sum(depth.values()))
+        self.router_queued.set(waiting_for_room + queued)
         for gone in self._known_workers - seen - {r.worker_id for r in records}:
             for field_name in self._worker_counters:
                 self._last_totals.pop((gone, field_name), None)
             self._drop_lora_info(gone)
+            self._last_queued.pop(gone, None)
             # Its tokens per step and transfer paths too: a retired worker's last values were
             # exported for good, and their running totals kept (each epoch's) without bound.
             self._last_steps.pop(gone, None)

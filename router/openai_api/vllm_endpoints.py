@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from router.lora_adapters import lora_name_problem
 from router.openai_api.errors import error_response
 from router.openai_api.fields import boolean, is_int, json_object, refuse_unknown, type_name
 
@@ -117,6 +118,8 @@ class VllmEndpoints:
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         body = self._lora_body(await self.server.read_json(request), {"lora_name", "lora_path", "load_inplace"})
+        if (problem := lora_name_problem(body["lora_name"])) is not None:  # (an unload only looks the name up)
+            raise InvalidArgumentError("lora_name", problem)
         path = body.get("lora_path")
         if not isinstance(path, str) or not path:
             raise InvalidArgumentError("lora_path", f"must be the adapter's directory, got {path!r}")
@@ -139,9 +142,5 @@ class VllmEndpoints:
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError("lora_name", f"must be a non-empty string, got {name!r}"[:300])
-        # A name is written in log lines, /v1/models and the comma-separated adapter lists of the
-        # lora_requests_info metric: no control character, no comma, a model name's length.
-        if len(name) > 256 or "," in name or not name.isprintable():
-            raise InvalidArgumentError("lora_name", f"must be at most 256 printable characters without commas, got {name[:64]!r}")
         return body
 

@@ -40,8 +40,9 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.path = Path(path) if path is not None else None
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._sizes: dict[str, int] = {}  # response id -> its entry's JSON size
+        self._sizes: dict[str, int] = {}  # response id -> its entry's JSON size, in bytes
         self.num_bytes = 0
+        self._file_bytes = 0  # the file's size (rewritten once twice the live entries' and more)
         self._records = 0  # lines in the file
         if self.path is not None:
             self._load()
@@ -65,10 +66,7 @@ class ResponseStore:
     def put(self, response_id: str, entry: StoredResponse) -> None:
         record = json.dumps({"id": response_id, "entry": asdict(entry)}, ensure_ascii=False)
         self._forget(response_id)
-        self._entries[response_id] = entry
-        self._sizes[response_id] = len(record)
-        self.num_bytes += len(record)
-        self._trim()
+        self._keep(response_id, entry, len(record.encode()))
         self._append(record)
 
     def delete(self, response_id: str) -> bool:
@@ -76,6 +74,12 @@ class ResponseStore:
             return False
         self._append(json.dumps({"id": response_id, "deleted": True}))
         return True
+
+    def _keep(self, response_id: str, entry: StoredResponse, size: int) -> None:
+        self._entries[response_id] = entry
+        self._sizes[response_id] = size
+        self.num_bytes += size
+        self._trim()
 
     def _forget(self, response_id: str) -> bool:
         if self._entries.pop(response_id, None) is None:
@@ -99,12 +103,16 @@ class ResponseStore:
     def _append(self, record: str) -> None:
         if self.path is None:
             return
-        if self._records > 2 * max(len(self._entries), 64):
+        # Rewritten once it holds twice the live records, or twice their bytes (entries the bounds
+        # dropped have no line of their own: read back, they would all come in again).
+        if self._records > 2 * max(len(self._entries), 64) or self._file_bytes > 2 * max(self.num_bytes, 1 << 20):
             self._rewrite()
             return
+        line = record + "\n"
         with self.path.open("a", encoding="utf-8") as file:
-            file.write(record + "\n")
+            file.write(line)
         self._records += 1
+        self._file_bytes += len(line.encode())
 
     def _rewrite(self) -> None:
         scratch = self.path.with_suffix(self.path.suffix + ".tmp")
@@ -113,6 +121,7 @@ class ResponseStore:
                 file.write(json.dumps({"id": response_id, "entry": asdict(entry)}, ensure_ascii=False) + "\n")
         os.replace(scratch, self.path)
         self._records = len(self._entries)
+        self._file_bytes = self.path.stat().st_size
 
     def _load(self) -> None:
         if not self.path.exists():
@@ -124,13 +133,10 @@ class ResponseStore:
                 try:
                     record = json.loads(line)
                     self._forget(record["id"])
-                    if not record.get("deleted"):
-                        self._entries[record["id"]] = StoredResponse(**record["entry"])
-                        self._sizes[record["id"]] = len(line)
-                        self.num_bytes += len(line)
+                    if not record.get("deleted"):  # held to the bounds as it is read, as when it was put
+                        self._keep(record["id"], StoredResponse(**record["entry"]), len(line.rstrip("\n").encode()))
                 except (json.JSONDecodeError, KeyError, TypeError) as exc:  # a torn last line after a crash
                     logger.warning("%s:%d: skipped a stored response that does not read back: %s", self.path, number, exc)
         self._expire()
-        self._trim()
         self._rewrite()  # compacted, and never ending in a torn line the next append would extend
         logger.info("read %d stored responses from %s", len(self._entries), self.path)

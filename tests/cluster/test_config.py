@@ -191,6 +191,9 @@ def test_lora_modules_from_the_flag_and_yaml_reach_both_pools_and_the_router(tmp
         load_config(None, {"model": str(e2e_model.path), "lora_modules": {"gone": str(tmp_path / "gone")}})
     with pytest.raises(ConfigError, match="lora_modules: 'tiny' is not a usable adapter name"):
         load_config(None, {"model": str(e2e_model.path), "router.served_model_names": ["tiny"], "lora_modules": {"tiny": str(tmp_path / "sql")}})
+    # A comma split one adapter into two in the lora_requests_info metric's lists (as a runtime load's name is refused).
+    with pytest.raises(ConfigError, match="lora_modules: 'sql,v2': must be at most 256 printable characters without commas"):
+        load_config(None, {"model": str(e2e_model.path), "lora_modules": {"sql,v2": str(tmp_path / "sql")}})
 
 
 def test_runtime_lora_updating_from_the_flag_and_only_with_one_router():

@@ -161,13 +161,25 @@ def test_a_router_closing_before_an_unloaded_version_is_dropped_drops_it_then(tm
 
 def test_an_adapter_name_with_a_line_break_or_a_comma_is_refused():
     """A name goes into log lines, /v1/models and the lora_requests_info metric's comma-separated
-    lists: a newline forged log lines, a comma split one adapter into two in the metric."""
+    lists: a newline forged log lines, a comma split one adapter into two in the metric. A load
+    refuses such a name (as the configuration does); an unload only looks the name up."""
+    from router.lora_adapters import lora_name_problem
     from router.openai_api.vllm_endpoints import VllmEndpoints
 
+    for name in ("sql-adapter_v2.1", "org/adapter", "a:v1", "with space", "été"):
+        assert lora_name_problem(name) is None, name
+    for name in ("sql\nINFO forged", "a,b", "x" * 300, "tab\there", ""):
+        assert lora_name_problem(name) is not None, name
+
     endpoints = object.__new__(VllmEndpoints)
+    endpoints.server = SimpleNamespace(model_names=["base"], model_aliases=[])
+
+    async def read_json(request):
+        return {"lora_name": "a,b", "lora_path": "/adapters/x"}
+
+    endpoints.server.read_json = read_json
     endpoints.router = SimpleNamespace(config=SimpleNamespace(allow_runtime_lora_updating=True))
-    assert endpoints._lora_body({"lora_name": "sql-adapter_v2.1"}, {"lora_name"})["lora_name"] == "sql-adapter_v2.1"
-    for name in ("sql\nINFO forged", "a,b", "x" * 300, "tab\there"):
-        with pytest.raises(InvalidArgumentError) as refused:
-            endpoints._lora_body({"lora_name": name}, {"lora_name"})
-        assert refused.value.field == "lora_name"
+    with pytest.raises(InvalidArgumentError) as refused:
+        asyncio.run(endpoints.load_lora_adapter(None))
+    assert refused.value.field == "lora_name"
+    assert endpoints._lora_body({"lora_name": "a,b"}, {"lora_name"})["lora_name"] == "a,b"  # an unload's

@@ -13,9 +13,9 @@ from router.metrics import Metrics
 from router.pool import Role
 
 
-def _router(engine: EngineStats, waiting_for_room: int = 0):
+def _router(engine: EngineStats | None, waiting_for_room: int = 0, awaiting_kv: int = 0):
     record = SimpleNamespace(worker_id="decode-0", role=Role.DECODE)
-    status = SimpleNamespace(engine=engine, epoch="e1", transfer_paths=[])
+    status = None if engine is None else SimpleNamespace(engine=engine, epoch="e1", transfer_paths=[], num_awaiting_kv=awaiting_kv)
 
     async def reports(max_age_s):
         return {"decode-0": SimpleNamespace(status=status)}
@@ -94,7 +94,12 @@ def test_waiting_requests_are_those_queued_not_those_being_computed():
     included, so it stayed above 0 with no queue at all. Now: those waiting for decode room at
     the router and those in the workers' queues."""
     metrics = Metrics("tiny")
-    asyncio.run(metrics.refresh(_router(EngineStats(3, 2, 0, 10, 20, 0), waiting_for_room=2)))
-    assert metrics.registry.get_sample_value("pdserve:num_requests_waiting", {"model_name": "tiny"}) == 5
-    asyncio.run(metrics.refresh(_router(EngineStats(0, 4, 0, 10, 20, 0))))
-    assert metrics.registry.get_sample_value("pdserve:num_requests_waiting", {"model_name": "tiny"}) == 0
+
+    def waiting(router) -> float:
+        asyncio.run(metrics.refresh(router))
+        return metrics.registry.get_sample_value("pdserve:num_requests_waiting", {"model_name": "tiny"})
+
+    # A request a prefill actor computes is awaited by its decode reservation: not waiting.
+    assert waiting(_router(EngineStats(3, 2, 0, 10, 20, 0), waiting_for_room=2, awaiting_kv=4)) == 5
+    assert waiting(_router(None)) == 3, "a worker too busy to answer in time dropped its queue from the count"
+    assert waiting(_router(EngineStats(0, 4, 0, 10, 20, 0))) == 0

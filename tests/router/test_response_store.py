@@ -124,3 +124,9 @@ def test_the_oldest_go_first_past_the_stores_size_in_bytes(tmp_path):
     assert [response_id for response_id, _ in store.items()] == ["huge"]
     store.delete("huge")
     assert store.num_bytes == 0
+    # Entries the bound drops leave no line of their own: the file is rewritten by its size too,
+    # and what it holds is read back within the bound (not all of it first).
+    for index in range(3_000):
+        store.put(f"many_{index}", StoredResponse({"output_text": "é" * 500}))  # 2 bytes a character
+    assert path.stat().st_size < 2.2 * (1 << 20) and store.num_bytes <= 2_500
+    assert [response_id for response_id, _ in ResponseStore(max_entries=100, ttl_s=60, path=path, max_bytes=2_500).items()] == ["many_2998", "many_2999"]
