@@ -189,7 +189,7 @@ class LoraAdapters:
             task.cancel()
         await asyncio.gather(*self._drops, return_exceptions=True)
         records = list(self.pool.workers.values())
-        drops = [self._drop_from(records, digest) for digest in pending - set(self.digests.values())]
+        drops = [self._drop_from(records, digest) for digest in pending if not self._serves(digest)]
         with contextlib.suppress(Exception):  # all at once, bounded together: a hung worker holds none up for long
             await asyncio.wait_for(asyncio.gather(*drops, return_exceptions=True), DROP_CLOSE_TIMEOUT_S)
 
@@ -207,11 +207,7 @@ class LoraAdapters:
 
     async def _unload_name(self, name: str) -> None:
         """Every worker forgets ``name``, keeping its version (dropped by ``_drop_when_unused``)."""
-        records = list(self.pool.workers.values())
-        results = await asyncio.gather(*(r.handle.unload_lora_adapter.remote(name, True) for r in records), return_exceptions=True)
-        for record, result in zip(records, results):
-            if isinstance(result, BaseException) and not _worker_gone(result):
-                logger.warning("worker %s: unloading LoRA adapter %s failed: %r", record.worker_id, name, result)
+        await _on_each(list(self.pool.workers.values()), lambda handle: handle.unload_lora_adapter.remote(name, True), f"unloading LoRA adapter {name}")
 
     def _drop_when_unused(self, digest: str) -> None:
         """Drop a version from every worker once no admitted request computes with it (a request
@@ -237,10 +233,15 @@ class LoraAdapters:
 
     @staticmethod
     async def _drop_from(records, digest: str) -> None:
-        results = await asyncio.gather(*(r.handle.drop_lora_version.remote(digest) for r in records), return_exceptions=True)
-        for record, result in zip(records, results):
-            if isinstance(result, BaseException) and not _worker_gone(result):
-                logger.warning("worker %s: dropping LoRA adapter version %s failed: %r", record.worker_id, digest[:12], result)
+        await _on_each(records, lambda handle: handle.drop_lora_version.remote(digest), f"dropping LoRA adapter version {digest[:12]}")
+
+
+async def _on_each(records, call: Callable, what: str) -> None:
+    """``call`` on every worker's handle at once; a failure other than a worker gone is logged."""
+    results = await asyncio.gather(*(call(r.handle) for r in records), return_exceptions=True)
+    for record, result in zip(records, results):
+        if isinstance(result, BaseException) and not _worker_gone(result):
+            logger.warning("worker %s: %s failed: %r", record.worker_id, what, result)
 
 
 def lora_name_problem(name: str) -> str | None:

@@ -20,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from router.output_stream import TimingBreakdown
+if TYPE_CHECKING:
+    from router.output_stream import TimingBreakdown
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +188,9 @@ class Metrics:
         self.requests(finish_reason).inc()
         self.e2e.observe(e2e_s)
         if ttft_s is not None and num_output_tokens > 1:
-            self.tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
-            self.request_tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+            tpot = (e2e_s - ttft_s) / (num_output_tokens - 1)
+            self.tpot.observe(tpot)
+            self.request_tpot.observe(tpot)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_output_tokens)
         if max_tokens is not None:

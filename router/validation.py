@@ -385,14 +385,8 @@ def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[...,
     text = request.prompt_text
     if not text:
         raise InvalidArgumentError(text_field, "must not be empty")
-    max_chars = limits.max_prompt_chars_per_token * limits.max_context_len
-    if len(text) > max_chars and keep is None:  # a prompt to be cut may be longer (the body's size bounds it)
-        raise InvalidArgumentError(
-            text_field,
-            f"has {len(text)} characters; at most {max_chars} are taken "
-            f"({limits.max_prompt_chars_per_token} per token of the model's {limits.max_context_len}-token context; "
-            "or set truncate_prompt_tokens)",
-        )
+    if keep is None:  # a prompt to be cut may be longer (the body's size bounds it)
+        check_prompt_chars(text, limits, text_field, "; or set truncate_prompt_tokens")
     token_ids = encode(text) if request.add_special_tokens else encode(text, add_special_tokens=False)
     whole = len(token_ids)
     if keep is not None and len(token_ids) > keep:
@@ -431,6 +425,18 @@ def _cut_text_prompt(token_ids: list[int], text_ids: list[int], keep: int) -> li
                 return before + text_ids[-room:] + after
             break
     return token_ids[-keep:]
+
+
+def check_prompt_chars(text: str, limits: RequestLimits, field: str, hint: str = "") -> None:
+    """InvalidArgumentError naming ``field`` where ``text`` is longer than a prompt may be (a
+    tokenizing of megabytes would hold the router's tokenizing thread)."""
+    max_chars = limits.max_prompt_chars_per_token * limits.max_context_len
+    if len(text) > max_chars:
+        raise InvalidArgumentError(
+            field,
+            f"has {len(text)} characters; at most {max_chars} are taken "
+            f"({limits.max_prompt_chars_per_token} per token of the model's {limits.max_context_len}-token context{hint})",
+        )
 
 
 def _check_vocabulary(token_ids: list[int], limits: RequestLimits, field: str, by_position: bool, offset: int = 0) -> None:

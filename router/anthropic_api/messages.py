@@ -126,11 +126,14 @@ class MessageState:
 
     def stop_reason(self, end: StreamEnd) -> str | None:
         """tool_use only where every call may run: its input an object, none cut short."""
-        runnable = all(self._runnable(block) for block in self.blocks if block["type"] == "tool_use")
+        runnable = all(self._runnable_input(block) is not None for block in self.blocks if block["type"] == "tool_use")
         return stop_reason(end, self.calls_seen > 0, runnable and (self.tools is None or not self.tools.cut_short(end)))
 
-    def _runnable(self, block: dict[str, Any]) -> bool:
-        return _tool_input(block) is not None and (self.tools is None or block["call"] not in self.tools.unrunnable)
+    def _runnable_input(self, block: dict[str, Any]) -> dict[str, Any] | None:
+        """A tool_use block's input, where its call may run (None: it may not)."""
+        if self.tools is not None and block["call"] in self.tools.unrunnable:
+            return None
+        return _tool_input(block)
 
     def stop_fields(self, end: StreamEnd) -> dict[str, Any]:
         """A finished message's stop_reason and stop_sequence."""
@@ -207,9 +210,10 @@ class MessageState:
         out = []
         for block in self.blocks:
             if block["type"] == "tool_use":
-                if not self._runnable(block):
+                arguments = self._runnable_input(block)
+                if arguments is None:
                     continue
-                block = {**{k: v for k, v in block.items() if k not in _INTERNAL}, "input": _tool_input(block)}
+                block = {**{k: v for k, v in block.items() if k not in _INTERNAL}, "input": arguments}
             out.append(block)
         return out
 

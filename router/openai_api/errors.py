@@ -41,14 +41,14 @@ class ModelNotFoundError(NotFoundError):
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
     """(status, OpenAI error JSON, extra headers) for ``exc``."""
     if isinstance(exc, UnauthenticatedError):
-        return 401, _body(str(exc), "invalid_request_error", None, "invalid_api_key"), {"WWW-Authenticate": "Bearer"}
+        return 401, request_error_json(str(exc), "invalid_request_error", None, "invalid_api_key"), {"WWW-Authenticate": "Bearer"}
     if isinstance(exc, ModelNotFoundError):
-        return 404, _body(str(exc), "invalid_request_error", "model", "model_not_found"), {}
+        return 404, request_error_json(str(exc), "invalid_request_error", "model", "model_not_found"), {}
     kind, message = classify(exc)
     status, error_type = _HTTP[kind]
     cause = remote_cause(exc)
     code = getattr(cause, "error_code", None)  # an error's own code where the API names one
-    return status, _body(message, error_type, getattr(cause, "field", None), code if isinstance(code, str) else kind.value), retry_after_headers(exc)
+    return status, request_error_json(message, error_type, getattr(cause, "field", None), code if isinstance(code, str) else kind.value), retry_after_headers(exc)
 
 
 def retry_after_headers(exc: BaseException) -> dict[str, str]:
@@ -72,5 +72,6 @@ def error_response(exc: BaseException) -> web.Response:
     return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
 
 
-def _body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
+def request_error_json(message: str, error_type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

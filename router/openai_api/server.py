@@ -45,7 +45,7 @@ from router.anthropic_api import messages
 from router.responses_api import front_end as responses_front_end
 from router.errors import InternalError, InvalidArgumentError, UnavailableError
 from router.openai_api.chat_format import ChatFormat
-from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response, log_if_internal
+from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response, log_if_internal, request_error_json
 from router.openai_api import vllm_endpoints
 from router.openai_api.protocol import ApiRequest, is_client_request_id, read_chat, read_completion, render_conversation
 from router.openai_api.tool_calls import read_tool_calling
@@ -85,11 +85,10 @@ class OpenAIServer:
     def __init__(
         self, router: "Router", host: str, port: int, model_names: list[str], auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None, reuse_port: bool = False, model_aliases: list[str] | None = None,
-        chat: ChatFormat | None = None, allowed_origins: list[str] | None = None,
+        chat: ChatFormat | None = None,
     ):
         self.router = router
-        # Origins a browser may call from (None: the router's config's); "*": any.
-        self.allowed_origins = list(router.config.allowed_origins if allowed_origins is None else allowed_origins)
+        self.allowed_origins = list(router.config.allowed_origins)  # origins a browser may call from; "*": any
         self.reuse_port = reuse_port  # replicas of the router share one port (SO_REUSEPORT)
         self.host = host
         self.requested_port = port
@@ -165,8 +164,7 @@ class OpenAIServer:
             shaped = _error_shape_of(request.path)  # (an Anthropic client reads Anthropic's shape)
             if shaped is not None:
                 return shaped.error_response(exc)
-            body = {"error": {"message": f"{request.method} {request.path}: {exc.reason}", "type": "invalid_request_error", "param": None, "code": None}}
-            return web.json_response(body, status=exc.status)
+            return web.json_response(request_error_json(f"{request.method} {request.path}: {exc.reason}"), status=exc.status)
         except Exception as exc:
             log_if_internal(exc, f"{request.method} {request.path}")
             shaped = _error_shape_of(request.path)
@@ -176,8 +174,8 @@ class OpenAIServer:
         """A browser's CORS preflight: 204 with what it may send (400 for an origin not allowed,
         as vLLM's Starlette answers it)."""
         if self._origin_allowed(request) is None:
-            body = {"error": {"message": f"origin {request.headers['Origin']!r} is not allowed (router.allowed_origins)"[:300], "type": "invalid_request_error", "param": None, "code": None}}
-            return web.json_response(body, status=400)
+            message = f"origin {request.headers['Origin']!r} is not allowed (router.allowed_origins)"[:300]
+            return web.json_response(request_error_json(message), status=400)
         headers = {
             "Access-Control-Allow-Methods": _CORS_METHODS,
             "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers") or "*",

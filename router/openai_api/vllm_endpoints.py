@@ -23,6 +23,7 @@ from router.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from router.lora_adapters import lora_name_problem
 from router.openai_api.errors import error_response
 from router.openai_api.fields import boolean, is_int, json_object, refuse_unknown, type_name
+from router.validation import check_prompt_chars
 
 if TYPE_CHECKING:
     from router.openai_api.server import OpenAIServer
@@ -74,10 +75,7 @@ class VllmEndpoints:
             if not isinstance(prompt, str):
                 raise InvalidArgumentError("prompt", f"must be a string (or give messages), got {type_name(prompt)}")
             add_special = boolean(body, "add_special_tokens", True)
-        limits = self.router.limits
-        max_chars = limits.max_prompt_chars_per_token * limits.max_context_len
-        if len(prompt) > max_chars:  # as a generation's prompt is bounded: no tokenizing of megabytes on the shared thread
-            raise InvalidArgumentError("prompt", f"has {len(prompt)} characters; at most {max_chars} are taken ({limits.max_prompt_chars_per_token} per token of the model's {limits.max_context_len}-token context)")
+        check_prompt_chars(prompt, self.router.limits, "prompt")  # bounded as a generation's prompt is
         tokens = await self.router.encode(prompt, add_special)
         # The vocabulary's pieces, as vLLM's convert_ids_to_tokens gives them (a token's text alone may be half a character).
         strings = [tokenizer.id_to_token(token) for token in tokens] if boolean(body, "return_token_strs", False) else None

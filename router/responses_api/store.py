@@ -65,9 +65,10 @@ class ResponseStore:
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
         record = json.dumps({"id": response_id, "entry": asdict(entry)}, ensure_ascii=False)
+        size = len(record.encode())
         self._forget(response_id)
-        self._keep(response_id, entry, len(record.encode()))
-        self._append(record)
+        self._keep(response_id, entry, size)
+        self._append(record, size)
 
     def delete(self, response_id: str) -> bool:
         if not self._forget(response_id):
@@ -100,7 +101,8 @@ class ResponseStore:
                 break
             self._forget(response_id)
 
-    def _append(self, record: str) -> None:
+    def _append(self, record: str, size: int | None = None) -> None:
+        """``record`` as the file's next line (``size``: its UTF-8 length, where known)."""
         if self.path is None:
             return
         # Rewritten once it holds twice the live records, or twice their bytes (entries the bounds
@@ -108,11 +110,10 @@ class ResponseStore:
         if self._records > 2 * max(len(self._entries), 64) or self._file_bytes > 2 * max(self.num_bytes, 1 << 20):
             self._rewrite()
             return
-        line = record + "\n"
         with self.path.open("a", encoding="utf-8") as file:
-            file.write(line)
+            file.write(record + "\n")
         self._records += 1
-        self._file_bytes += len(line.encode())
+        self._file_bytes += (len(record.encode()) if size is None else size) + 1
 
     def _rewrite(self) -> None:
         scratch = self.path.with_suffix(self.path.suffix + ".tmp")
