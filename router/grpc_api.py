@@ -30,7 +30,7 @@ from router.core import Router
 from router.errors import abort_with, cannot_listen
 from router.grpc_chat import ChatAnswer, read_chat_prompt
 from router.openai_api.chat_format import ChatFormat
-from router.output_stream import OutputChunk, TimingBreakdown
+from router.output_stream import OutputChunk, TimingBreakdown, end_failure
 from router.pool import Role
 from router.request_bytes import tolerant
 from router.security import BearerTokenInterceptor, server_credentials
@@ -124,9 +124,18 @@ class GenerationService(pb_grpc.GenerationServicer):
             session = await GenerationSession.open(router, validated, client_gone=context.cancelled)
         except Exception as exc:
             await abort_with(context, exc)
+        failure = None
         try:
             async with contextlib.aclosing(session.chunks()) as chunks:
+                first = True
                 async for chunk in chunks:
+                    if first and chunk.end is not None and chunk.end.reason == "error" and not chunk.token_ids:
+                        # Failed before any output (the decode actor refused it as it prefilled
+                        # it): a real status, as the HTTP front ends answer, not a message saying
+                        # ERROR (which means failed after output started).
+                        failure = end_failure(chunk.end, 0)
+                        break
+                    first = False
                     yield generate_response(validated.req_id, chunk, answer)
         except asyncio.CancelledError:
             raise
@@ -134,6 +143,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             await abort_with(context, exc)
         finally:
             await session.close()
+        if failure is not None:
+            await abort_with(context, failure)
 
     async def GetModelInfo(self, request, context):
         info = self.router.model_info

@@ -88,3 +88,58 @@ def test_response_metadata_is_bounded_as_openai_bounds_it():
         with pytest.raises(InvalidArgumentError) as refused:
             read_responses({"input": "x", "metadata": metadata})
         assert refused.value.field == field
+
+
+def test_a_grpc_stream_that_fails_before_its_first_token_ends_with_a_status_naming_the_field(monkeypatch):
+    """The gRPC front end, as the HTTP ones above: a request the decode actor refused as it
+    prefilled it ended the RPC OK with one FINISH_REASON_ERROR message (which the proto keeps for
+    a failure after output started); now INVALID_ARGUMENT naming the field, as when it is
+    prefilled elsewhere. The session is closed either way."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import grpc
+
+    from router import grpc_api
+    from router.api.pdserve.v1 import generation_pb2 as pb
+    from router.output_stream import OutputChunk, StreamEnd, TimingBreakdown
+
+    end = StreamEnd(reason="error", prompt_tokens=5, completion_tokens=0, timing=TimingBreakdown(),
+                    detail="holds no token the grammar allows next", error_field="allowed_token_ids")
+    closed = []
+
+    class OneChunkSession:
+        async def chunks(self):
+            yield OutputChunk(end=end)
+
+        async def close(self):
+            closed.append(True)
+
+    async def opened(router, validated, client_gone):
+        return OneChunkSession()
+
+    async def validate(generate_input, time_remaining):
+        return SimpleNamespace(req_id="r1")
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        cancelled = staticmethod(lambda: False)
+        time_remaining = staticmethod(lambda: None)
+
+        async def abort(self, code, message):
+            self.status = (code, message)
+            raise Aborted
+
+    monkeypatch.setattr(grpc_api.GenerationSession, "open", opened)
+    service = grpc_api.GenerationService(SimpleNamespace(validate_input=validate), chat=None)
+    context = Context()
+
+    async def run():
+        return [message async for message in service.Generate(pb.GenerateRequest(prompt_text="hi"), context)]
+
+    with pytest.raises(Aborted):
+        asyncio.run(run())
+    assert context.status[0] == grpc.StatusCode.INVALID_ARGUMENT and "allowed_token_ids" in context.status[1]
+    assert closed == [True]
