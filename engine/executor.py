@@ -63,7 +63,9 @@ class AdapterChange:
             self.apply(model, dtype, device)
         except Exception as exc:  # an adapter this rank cannot read or hold
             error = exc
-        failures = group.all_reduce(torch.tensor([0.0 if error is None else 1.0]))
+        # On the model's device: an NCCL group reduces CUDA tensors only (a host one raised, and
+        # every rank took the group for broken).
+        failures = group.all_reduce(torch.tensor([0.0 if error is None else 1.0], device=device))
         if failures.item() > 0:
             remove_adapter(model, self.slot)  # every rank, so none computes with a part of it
             if error is None:

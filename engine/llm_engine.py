@@ -9,6 +9,7 @@ frees the request's blocks immediately.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -26,7 +27,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.elastic_threads import ElasticThreads
 from engine.errors import InvalidRequestError, ModelLoadError
-from engine.executor import AdapterChange, Executor, LocalExecutor, MultiRankExecutor
+from engine.executor import STOP, AdapterChange, Executor, LocalExecutor, MultiRankExecutor
 from engine.grammar import Grammars, apply_masks
 from engine.host_to_device import to_device
 from engine.kernel_warm_up import warm_up_kernels
@@ -124,6 +125,7 @@ class LLMEngine:
             self.rank_launcher = rank_launcher or SubprocessRanks()
             address, store = listen(tp_size, self.config.device)
             self.rank_launcher.start(self.model_path, dataclasses.replace(cache_config, speculative=None), address)
+        loaded = None
         try:
             if tp_size > 1:
                 group = TPGroup.join(address, 0, store, check_ranks=getattr(self.rank_launcher, "check_alive", None))
@@ -132,45 +134,50 @@ class LLMEngine:
                 self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,
                 prepack_linear=self.config.prepack_linear, tp_size=tp_size, group=group, lora_adapters=self.config.lora_adapters,
             )
+            self.model_config = loaded.config
+            self.dtype = loaded.dtype
+            self.eos_token_ids = loaded.eos_token_ids
+            self.max_model_len = self._max_model_len()
+            graphs_wanted = torch.device(self.config.device).type == "cuda" and self.config.cuda_graph_max_batch > 0 and tp_size == 1
+            self.kv_cache = KVCache(loaded.config, cache_config, loaded.dtype, num_kv_heads=self.shard.num_kv_heads, scratch_block=graphs_wanted)
+            self.allocator = BlockAllocator(self.kv_cache.num_blocks, self.config.enable_prefix_caching)
+            attention = select_backend(
+                self.config.attention_backend, CacheGeometry.of(loaded.config, self.kv_cache, loaded.dtype, self.config.device, self.shard.num_heads)
+            )
+            graphs = None
+            if graphs_wanted and attention.supports_cuda_graphs:
+                graphs = DecodeGraphs(
+                    loaded.model, self.kv_cache, attention, min(self.config.cuda_graph_max_batch, self.config.max_num_seqs),
+                    -(-self.max_model_len // self.kv_cache.block_size) + 1,
+                )
+                graphs.capture_all()
+            # The LoRA adapters served (engine.lora): the configured ones in slots 0.., more at runtime.
+            self.adapters = AdapterTable()
+            for slot, (name, adapter_dir) in enumerate(self.config.lora_adapters.items()):
+                digest = adapter_digest(adapter_dir)
+                # The same adapter under two names: one version, computed from the first one's slot.
+                self.adapters.add(name, digest, self.adapters.slots.get(digest, slot))
+            self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs, self.adapters)
+            self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
+            self.sampler = Sampler(self.config.seed, self.eos_token_ids)
+            self.grammars = Grammars(self.model_path, self.model_config.vocab_size, self.eos_token_ids)
+            self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids, proposer=self._proposer(loaded.dtype))
+            # A scored prompt's rows of logits are bounded per step: 512 rows of a 152k vocabulary
+            # would be 311 MB of float32 logits, and as much again for their log-softmax.
+            self.scheduler.max_scored_rows = max(self.config.block_size, SCORED_LOGITS_BYTES // (self.model_config.vocab_size * 4 * 2))
+            if torch.device(self.config.device).type == "cuda":
+                # FlashInfer and Triton build kernels on first use, minutes on a fresh machine: now, not in the first requests.
+                seconds = warm_up_kernels(self.executor, self.allocator, self.kv_cache, self.sampler, self.model_config.vocab_size, self.max_model_len)
+                logger.info("kernels warmed up (a prefill, a decode step and each kind of draw) in %.1f s", seconds)
         except BaseException:
             if self.rank_launcher is not None:
-                self.rank_launcher.stop()  # the ranks it started would wait for rank 0 forever
+                # The ranks it started would wait for rank 0 forever (a failure after the load
+                # too: the KV cache's allocation, a draft model's load, the kernels' warm-up).
+                if loaded is not None:  # they serve: told to stop, they end now, not killed after a wait
+                    with contextlib.suppress(Exception):
+                        group.broadcast_from_first(STOP)
+                self.rank_launcher.stop()
             raise
-        self.model_config = loaded.config
-        self.dtype = loaded.dtype
-        self.eos_token_ids = loaded.eos_token_ids
-        self.max_model_len = self._max_model_len()
-        graphs_wanted = torch.device(self.config.device).type == "cuda" and self.config.cuda_graph_max_batch > 0 and tp_size == 1
-        self.kv_cache = KVCache(loaded.config, cache_config, loaded.dtype, num_kv_heads=self.shard.num_kv_heads, scratch_block=graphs_wanted)
-        self.allocator = BlockAllocator(self.kv_cache.num_blocks, self.config.enable_prefix_caching)
-        attention = select_backend(
-            self.config.attention_backend, CacheGeometry.of(loaded.config, self.kv_cache, loaded.dtype, self.config.device, self.shard.num_heads)
-        )
-        graphs = None
-        if graphs_wanted and attention.supports_cuda_graphs:
-            graphs = DecodeGraphs(
-                loaded.model, self.kv_cache, attention, min(self.config.cuda_graph_max_batch, self.config.max_num_seqs),
-                -(-self.max_model_len // self.kv_cache.block_size) + 1,
-            )
-            graphs.capture_all()
-        # The LoRA adapters served (engine.lora): the configured ones in slots 0.., more at runtime.
-        self.adapters = AdapterTable()
-        for slot, (name, adapter_dir) in enumerate(self.config.lora_adapters.items()):
-            digest = adapter_digest(adapter_dir)
-            # The same adapter under two names: one version, computed from the first one's slot.
-            self.adapters.add(name, digest, self.adapters.slots.get(digest, slot))
-        self.runner = ModelRunner(loaded.model, self.kv_cache, self.config.device, attention, graphs, self.adapters)
-        self.executor: Executor = MultiRankExecutor(self.runner, group) if tp_size > 1 else LocalExecutor(self.runner)
-        self.sampler = Sampler(self.config.seed, self.eos_token_ids)
-        self.grammars = Grammars(self.model_path, self.model_config.vocab_size, self.eos_token_ids)
-        self.scheduler = scheduler_cls(self.config, self.allocator, self.max_model_len, self.eos_token_ids, proposer=self._proposer(loaded.dtype))
-        # A scored prompt's rows of logits are bounded per step: 512 rows of a 152k vocabulary
-        # would be 311 MB of float32 logits, and as much again for their log-softmax.
-        self.scheduler.max_scored_rows = max(self.config.block_size, SCORED_LOGITS_BYTES // (self.model_config.vocab_size * 4 * 2))
-        if torch.device(self.config.device).type == "cuda":
-            # FlashInfer and Triton build kernels on first use, minutes on a fresh machine: now, not in the first requests.
-            seconds = warm_up_kernels(self.executor, self.allocator, self.kv_cache, self.sampler, self.model_config.vocab_size, self.max_model_len)
-            logger.info("kernels warmed up (a prefill, a decode step and each kind of draw) in %.1f s", seconds)
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         # Wall time inside step(): against a worker's wall time, whether its steps or the time

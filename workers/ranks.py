@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 RANK_CALL_TIMEOUT_S = 60.0  # a rank that does not answer a setup call within this is taken for dead
 POLL_INTERVAL_S = 0.0005  # how often a rank checks its writes and notifications while someone waits
+RELEASED_EARLY_KEPT = 4096  # write ids cancelled before they arrived (or after they were over), at most
 
 
 def node_name() -> str:
@@ -68,6 +69,7 @@ class RankActor:
             raise self._error
         self._transport: Transport | None = None
         self._writes: dict[int, Any] = {}
+        self._released_early: set[int] = set()
 
     def _serve(self, model_path: str, config: EngineConfig, address: GroupAddress) -> None:
         from engine.parallel.rank import ShardRank
@@ -112,6 +114,11 @@ class RankActor:
 
     async def write(self, write_id: int, transport_name: str, runs: BlockRuns, notif: bytes, piece: BlockPiece | None) -> str:
         """Post a write and return its final state ("DONE" or "ERR") once it has one."""
+        if write_id in self._released_early:
+            # Cancelled before it reached this actor (an async actor's calls may run out of
+            # order): rank 0 counted it over, and its blocks may be another request's now.
+            self._released_early.discard(write_id)
+            return XferState.FAILED.value
         try:
             handle = self._transport.post_write(transport_name, runs, notif, piece)
         except Exception as exc:
@@ -136,6 +143,11 @@ class RankActor:
         released again: rank 0 keeps counting it in flight)."""
         handle = self._writes.get(write_id)
         if handle is None:
+            # Over, or not arrived yet: if it arrives, it is not posted. (An id kept for a write
+            # that was over stays until the bound drops it.)
+            self._released_early.add(write_id)
+            if len(self._released_early) > RELEASED_EARLY_KEPT:
+                self._released_early.discard(min(self._released_early))
             return True
         if not self._transport.release(handle):
             return False

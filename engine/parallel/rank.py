@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.executor import STOP, AdapterChange, StageStep
 from engine.kv_cache import KVCache
 from engine.loader import load_model
+from engine.model import StageActivations
 from engine.model_runner import ModelRunner, StepInput
 from engine.parallel.group import GroupAddress, RankFailedError, TPGroup
 
@@ -72,9 +73,18 @@ class ShardRank:
 
     def _run(self, step: StepInput | StageStep) -> None:
         if isinstance(step, StageStep):  # a pipeline stage's step: only its layers
-            self.runner.run_stage(step.step, step.layers, step.incoming)
+            self.runner.run_stage(step.step, step.layers, _on_device(step.incoming, self.runner.device))
         else:
             self.runner.run(step)
+
+
+def _on_device(incoming: StageActivations | None, device: str) -> StageActivations | None:
+    """Rank 0's activations on this rank's device: broadcast, they unpickle onto rank 0's GPU
+    (cuda:0), and a rank started as a plain process computes on cuda:<rank>."""
+    if incoming is None or incoming.hidden.device == torch.device(device):
+        return incoming
+    residual = incoming.residual.to(device) if incoming.residual is not None else None
+    return StageActivations(incoming.hidden.to(device), residual)
 
 
 def _own_device(config: EngineConfig, rank: int) -> EngineConfig:

@@ -298,3 +298,24 @@ def test_a_long_prompt_chunk_beside_other_adapters_decode_rows(adapted, monkeypa
     assert any(g.runs is not None for g in grouped), "no step took the per-group path: the test proves nothing"
     assert any(g.runs is None for g in grouped), "no step took the batched path"
 
+
+
+def test_ranks_agree_on_an_adapter_change_with_a_tally_on_the_models_device():
+    """The ranks' tally of failed adapter loads is reduced on the model's device: an NCCL group
+    reduces CUDA tensors only, and a host tally raised on every rank (the group taken for broken,
+    every GPU tensor-parallel worker ended by a runtime LoRA load or unload). Checked here with the
+    meta device, as CPU is the host."""
+    from types import SimpleNamespace
+
+    from engine.executor import AdapterChange
+
+    reduced = []
+
+    class Group:
+        def all_reduce(self, tensor):
+            reduced.append(tensor.device)
+            return torch.zeros(1)
+
+    model = SimpleNamespace(layers=[])
+    assert AdapterChange(0, None).apply_on_rank(model, torch.float32, "meta", Group()) is None
+    assert reduced == [torch.device("meta")]

@@ -347,3 +347,27 @@ def test_a_step_that_fails_on_one_rank_alone_ends_the_worker_within_seconds(tp_c
             pytest.fail("rank 1 still waits in a collective")
     finally:
         engine.close()  # nothing left to stop: a broken group is already left
+
+
+def test_an_engine_failing_after_its_ranks_loaded_ends_them(tp_checkpoints, monkeypatch):
+    """Rank 0 fails after the model's load (here its draft model's; its KV cache's allocation or
+    the kernels' warm-up alike): the ranks it started were left waiting for its broadcasts (for
+    days) and held their memory as long as the process lived. Now they are ended."""
+    from engine.parallel.launch import SubprocessRanks
+
+    def no_draft(self, dtype):
+        raise RuntimeError("the draft model cannot be read")
+
+    monkeypatch.setattr(LLMEngine, "_proposer", no_draft)
+    started = []
+
+    class Ranks(SubprocessRanks):
+        def start(self, model_path, config, address):
+            super().start(model_path, config, address)
+            started.extend(self.processes)
+
+    path, _ = tp_checkpoints["llama"]
+    with pytest.raises(RuntimeError, match="draft model"):
+        LLMEngine(path, EngineConfig(num_kv_blocks=128, num_threads=1, tensor_parallel_size=2), rank_launcher=Ranks())
+    assert started and not any(process.is_alive() for process in started)
+    assert all(process.exitcode == 0 for process in started)  # stopped as told, not killed

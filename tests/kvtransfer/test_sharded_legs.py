@@ -96,7 +96,7 @@ def test_a_rank_never_checks_a_write_it_released():
     """Rank 0 cancels a rank's leg (a timeout): the rank's polling of that write stops, and a
     write it could not cancel stays polled, and releasable again."""
     leg = LegTransport()
-    rank = SimpleNamespace(_transport=leg, _writes={})
+    rank = SimpleNamespace(_transport=leg, _writes={}, _released_early=set())
 
     async def scenario():
         cancelled = asyncio.create_task(RankActor.write(rank, 0, "D", merge_runs([0], [0]), b"n", None))
@@ -112,6 +112,23 @@ def test_a_rank_never_checks_a_write_it_released():
 
     assert asyncio.run(scenario()) == (XferState.FAILED.value, False, XferState.DONE.value)
     assert leg.released == {0, 1}
+
+
+def test_a_write_released_before_it_reaches_its_rank_is_never_posted():
+    """A rank actor's calls may run out of order: rank 0 cancels a leg (its other leg failed to
+    post) and the release runs first. The rank answered "stopped" for a write it did not know,
+    rank 0 counted it over and the reader reused the blocks, and the write then ran and wrote
+    into them. Now it is not posted."""
+    leg = LegTransport()
+    rank = SimpleNamespace(_transport=leg, _writes={}, _released_early=set())
+
+    async def scenario():
+        assert await RankActor.release(rank, 7)  # before its write
+        return await asyncio.wait_for(RankActor.write(rank, 7, "D", merge_runs([0], [0]), b"n", None), 1)
+
+    assert asyncio.run(scenario()) == XferState.FAILED.value
+    assert leg.posts == []
+    assert rank._released_early == set()
 
 
 def test_a_write_whose_second_leg_fails_to_post_is_kept_while_its_first_cannot_be_stopped():
