@@ -29,6 +29,9 @@ class EngineThread:
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, Future]] = queue.SimpleQueue()
         self._stopping = threading.Event()
+        # Held to check for a stop and queue a command as one: a command queued after the
+        # thread's last drain would never run, and its caller would wait for good.
+        self._queueing = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.last_error: BaseException | None = None
         self._last_beat = time.monotonic()
@@ -40,8 +43,9 @@ class EngineThread:
     def stop(self, timeout_s: float = 5.0) -> bool:
         """Stop after the iteration running now; True once the thread ended (False: that
         iteration still runs after ``timeout_s``)."""
-        self._stopping.set()
-        self._commands.put((lambda: None, (), Future()))
+        with self._queueing:
+            self._stopping.set()
+            self._commands.put((lambda: None, (), Future()))
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
@@ -52,10 +56,11 @@ class EngineThread:
     def call(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the engine thread; its result or exception lands in the future."""
         future: Future = Future()
-        if self._stopping.is_set():
-            future.set_exception(RuntimeError(f"{self.name} is stopped"))
-            return future
-        self._commands.put((fn, args, future))
+        with self._queueing:
+            if self._stopping.is_set():
+                future.set_exception(RuntimeError(f"{self.name} is stopped"))
+                return future
+            self._commands.put((fn, args, future))
         return future
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -304,6 +304,8 @@ class LLMEngine:
         if req_id not in self.scheduler.requests:
             return False
         self._settle()
+        if req_id not in self.scheduler.requests:
+            return False  # the step in flight finished it (its output comes with the next step's)
         self.scheduler.abort(req_id)
         self._release_adapters()
         logger.info("req %s: aborted", req_id)

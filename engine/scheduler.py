@@ -188,7 +188,9 @@ class Scheduler:
 
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=Sequence.queue_key)
+        # By the order ``_fill`` sorts the queue in (aging included): a sequence preempted in a
+        # step is placed among the prompts that step may still admit as it should stand.
+        bisect.insort(self.waiting, seq, key=self._order_key())
 
     # -- one step ---------------------------------------------------------------------
 

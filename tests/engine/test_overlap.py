@@ -204,3 +204,22 @@ def test_seeded_sampled_rows_draw_the_same_tokens_overlapped(engines, prompts, m
     assert counts["overlapped"] > 40
     plain = engines[False].generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS])
     assert sum(a.token_ids != b.token_ids for a, b in zip(want, plain)) >= 6, "sampled, not greedy"
+
+
+def test_an_abort_of_a_request_its_step_in_flight_finishes_says_it_was_not_here(engines, prompts):
+    """An abort reads the step in flight first; where that step's token ends the request (its
+    last token, an EOS), the abort found it gone and raised UnknownRequestError out of the engine
+    thread (a decode actor's cleanup of a departed router's requests stopped there). Now it says
+    False, and the request's finish is delivered once, with its reason."""
+    engine = engines[True]
+    results = set()
+    for steps_before in range(1, 6):
+        engine.add_request("short", prompts[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        finishes = [out.finish_reason.value for _ in range(steps_before) for out in engine.step() if out.finished]
+        aborted = engine.abort_request("short")
+        while engine.has_unfinished_requests():
+            finishes += [out.finish_reason.value for out in engine.step() if out.finished]
+        results.add(aborted)
+        assert len(finishes) == (0 if aborted else 1), (steps_before, aborted, finishes)
+        assert engine.num_free_blocks == engine.kv_cache.num_blocks
+    assert results == {True, False}  # aborted while running, and found finished by its step in flight

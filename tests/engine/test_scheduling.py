@@ -182,3 +182,17 @@ def test_priority_aging_bounds_the_wait_of_a_low_priority_request(checkpoints, m
         assert finished_after is None
     else:
         assert finished_after is not None and max_wait_s <= finished_after < max_wait_s + 0.5
+
+
+def test_a_sequence_queued_again_stands_where_aging_puts_it(checkpoints):
+    """A prompt that has waited past priority_max_wait_s goes ahead of every priority, and a
+    sequence queued while it waits (a preempted one, mid-step) stands behind it. It was inserted
+    by priority alone into the queue the step had sorted with aging, ahead of the aged prompt,
+    and the step could admit it first and give it the blocks the preemption freed."""
+    path, _ = checkpoints["llama"]
+    engine = LLMEngine(path, EngineConfig(num_kv_blocks=64, max_num_seqs=1, priority_max_wait_s=5.0))
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    patient = engine.add_request("patient", [5, 6, 7, 8], short, priority=-1)
+    patient.arrival_time -= 10.0  # it has waited past max_wait_s
+    engine.add_request("urgent", [9, 10, 11], short, priority=5)
+    assert [seq.req_id for seq in engine.scheduler.waiting] == ["patient", "urgent"]
