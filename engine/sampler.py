@@ -183,9 +183,9 @@ class Sampler:
         sampling = _flashinfer_sampling()
         # The floor keeps logits / temperature finite (FlashInfer divides before its running
         # maximum); below it every token but the largest already has probability exactly 0.
-        temperatures = to_device([max(p.temperature, _MIN_DEVICE_TEMPERATURE) for p in params], torch.float32, logits.device)
+        temperatures = _temperatures(params, logits.device)
         probs = sampling.softmax(logits, temperature=temperatures)
-        top_p = to_device([p.top_p for p in params], torch.float32, logits.device)
+        top_p = _top_ps(params, logits.device)
         min_p = to_device([p.min_p for p in params], torch.float32, logits.device) if any(p.min_p > 0.0 for p in params) else None
 
         def draw(seed: int):
@@ -399,7 +399,7 @@ def _exp_scaled(logits: torch.Tensor, params: list, out: torch.Tensor) -> torch.
     its normalizer, with its most likely token's weight exactly 1. Shifted before dividing (as
     _sampling_groups): a temperature of 1e-40 then sends the others to 0, never inf - inf."""
     torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=out)
-    out.div_(to_device([p.temperature for p in params], torch.float32, out.device).unsqueeze(1))
+    out.div_(_temperatures(params, out.device).unsqueeze(1))
     return out.exp_()
 
 
@@ -415,10 +415,27 @@ def _drawn_on_device(seq: Sequence, device: torch.device) -> bool:
     return device.type == "cuda" and (seq.params.top_k > 0 or _flashinfer_sampling() is not None)
 
 
-# Temperatures below this are raised to it where FlashInfer divides the logits (_draw_on_device):
-# float32 logits (|x| < 1e4) over 1e-30 stay finite, and a gap of one float32 step between two
-# logits over it is already a factor exp(-1e20) = 0 in probability, as with any smaller temperature.
-_MIN_DEVICE_TEMPERATURE = 1e-30
+# Temperatures are held inside [1e-30, 1e30] where they divide logits (float32). Below, a
+# temperature rounds to 0 in float32 (under 1.4e-45), and the largest logit's 0 / 0 was NaN (a
+# draw of the vocabulary's last token, an IndexError, a draft model's multinomial raising); float32
+# logits (|x| < 1e4) over 1e-30 stay finite, and a gap of one float32 step between two logits
+# over it is already a factor exp(-1e20) = 0 in probability, as with any smaller temperature.
+# Above, it rounds to inf, and a masked token's -inf / inf was NaN (a token allowed_token_ids or a
+# grammar bans); over 1e30 every finite logit is already 0, a uniform draw, as at any larger one.
+_MIN_TEMPERATURE, _MAX_TEMPERATURE = 1e-30, 1e30
+# top_p below this is raised to it (float32 rounds under 1.4e-45 to 0, and a nucleus of mass 0
+# kept no token at all): any top_p this small keeps the most likely token alone.
+_MIN_TOP_P = 1e-30
+
+
+def _temperatures(params: list, device) -> torch.Tensor:
+    """The rows' temperatures, float32, held inside [_MIN_TEMPERATURE, _MAX_TEMPERATURE]."""
+    return to_device([min(max(p.temperature, _MIN_TEMPERATURE), _MAX_TEMPERATURE) for p in params], torch.float32, device)
+
+
+def _top_ps(params: list, device) -> torch.Tensor:
+    """The rows' top_p, float32, at least _MIN_TOP_P."""
+    return to_device([max(p.top_p, _MIN_TOP_P) for p in params], torch.float32, device)
 
 
 @functools.cache
@@ -482,7 +499,7 @@ def _top_k_candidates(logits: torch.Tensor, params: list) -> tuple[torch.Tensor,
     # torch.topk, not FlashInfer's radix top-k: that module's JIT build did not finish in 9 minutes
     # on 16 cores of an H200 machine (session 22), a first top-k request's wait on a fresh server.
     top, token_ids = logits.topk(min(logits.shape[-1], max(p.top_k for p in params)), dim=-1)
-    temperatures = to_device([p.temperature for p in params], logits.dtype, logits.device).unsqueeze(1)
+    temperatures = _temperatures(params, logits.device).unsqueeze(1)
     values = ((top - top[:, :1]) / temperatures).float()  # shifted first: a tiny temperature never gives inf - inf
     kept = _filter_sorted(values, params, torch.zeros((len(params), 1), dtype=torch.float32, device=logits.device))
     return torch.softmax(kept, dim=-1), token_ids
@@ -535,7 +552,7 @@ def _draw_by_rejection(weights: torch.Tensor, params: list, generators: list[tor
     if not testing:  # no nucleus to test (no filter, or min-p alone): one draw from the support
         uniforms = torch.cat([torch.rand(1, generator=generator, dtype=torch.float64) for generator in generators])
         return _inverse_cdf(weights, uniforms.to(device)).tolist(), set()
-    top_p = to_device([p.top_p for p in params], torch.float32, device)
+    top_p = _top_ps(params, device)
     no_top_p = top_p >= 1.0  # a sum of the others can round up to the whole: never test those rows
     needed = top_p * total
     picks = [0] * len(params)
@@ -682,7 +699,7 @@ def _sampling_groups(logits: torch.Tensor, params: list) -> list[_SamplingGroup]
     vocab = logits.shape[-1]
 
     def temperatures(rows: list[int]) -> torch.Tensor:
-        return to_device([params[i].temperature for i in rows], logits.dtype, device).unsqueeze(1)
+        return _temperatures([params[i] for i in rows], device).unsqueeze(1)
 
     def scaled(rows: list[int]) -> torch.Tensor:
         """The rows' whole scaled logits, float32."""
@@ -769,7 +786,7 @@ def _filter_sorted(sorted_logits: torch.Tensor, params: list, log_norm: torch.Te
     has_top_k = to_device([p.top_k > 0 for p in params], torch.bool, sorted_logits.device).unsqueeze(1)
     norm = torch.where(has_top_k, torch.logsumexp(masked, dim=-1, keepdim=True), log_norm)
     probs = torch.exp(masked - norm)
-    top_p = to_device([p.top_p for p in params], torch.float32, sorted_logits.device).unsqueeze(1)
+    top_p = _top_ps(params, sorted_logits.device).unsqueeze(1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
     mass_before = probs.cumsum(dim=-1) - probs
     removed |= mass_before >= top_p

@@ -433,3 +433,38 @@ def test_a_tokens_rank_counts_the_tokens_at_least_as_likely_as_vllm_does():
     logits = torch.tensor([[2.0, 2.0, 0.5, -1.0], [3.0, 2.0, 0.5, -1.0]])
     ranks = LogprobTensors.of_rows(logits, [0, 1], [0, 0], torch.tensor([1, 0])).ranks.tolist()
     assert ranks == [2, 1]
+
+
+@pytest.mark.parametrize(
+    "params, drafted",
+    [
+        (SamplingParams(temperature=1e-50), False),
+        (SamplingParams(temperature=1e-50), True),  # a draft verified at that temperature
+        (SamplingParams(temperature=1e-50, top_p=0.9), False),
+        (SamplingParams(temperature=1e-50, top_k=5), False),
+        (SamplingParams(temperature=1.0, top_p=1e-50), False),
+        (SamplingParams(temperature=1.0, top_p=1e-50, seed=4), False),
+    ],
+)
+def test_a_temperature_or_top_p_below_float32s_range_draws_the_most_likely_token(params, drafted):
+    """Temperatures and top_p are taken as any positive number; under float32's smallest they
+    rounded to 0 where they divide or cut the logits, and the draw was the vocabulary's last
+    token (0 / 0 = NaN), another of the top-k, or an IndexError that failed the request. Each is
+    its limit now: the most likely token."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(2)) * 3
+    argmax = int(logits.argmax())
+    seqs = [Sequence(req_id=str(i), token_ids=[0], num_prompt_tokens=1, params=params) for i in range(20)]
+    draft = [argmax if drafted else None] * 20
+    tokens = [token for token, _ in Sampler(seed=1).sample(logits.repeat(20, 1), seqs, draft_token_ids=draft)]
+    assert tokens == [argmax] * 20
+
+
+def test_a_temperature_beyond_float32s_range_keeps_a_banned_token_banned():
+    """A temperature over float32's largest rounded to inf, and a token allowed_token_ids (or a
+    grammar) masked to -inf became -inf / inf = NaN: drawn. Now every allowed token is drawn
+    about equally (the limit of any huge temperature), and no banned one."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(2)) * 3
+    logits[5:] = float("-inf")  # what a mask leaves: 5 tokens allowed
+    counts = _sample_many(logits, SamplingParams(temperature=1e39))
+    assert counts[5:].sum() == 0
+    _assert_frequencies(counts, torch.tensor([0.2] * 5 + [0.0] * 45))
