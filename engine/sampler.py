@@ -339,6 +339,7 @@ class Sampler:
             for local, token in zip(fused, picks):
                 tokens[local] = token
         taken = set(fused)
+        undecided_rows: set[int] = set()
         # Rows without top-k (no filter, top-p, min-p) draw by rejection (_draw_by_rejection): no sort.
         chosen = [i for i in range(len(rows)) if i not in taken and _rejection_draw_applies(seqs[rows[i]].params)]
         if chosen:
@@ -349,12 +350,22 @@ class Sampler:
             for local, token in enumerate(picks):
                 tokens[chosen[local]] = token
             taken.update(chosen[local] for local in range(len(chosen)) if local not in undecided)
+            # A row the rounds left undecided draws on from its generator as the rounds left it:
+            # re-seeded, it gave round one's uniform again, which that round's rejection conditions.
+            undecided_rows = {chosen[local] for local in undecided}
         rest = [i for i in range(len(rows)) if i not in taken]
         if not rest:
             return tokens
+
+        def generator(i: int) -> torch.Generator:
+            seq = seqs[rows[i]]
+            if i in undecided_rows and seq.generator is not None:
+                return seq.generator
+            return self.draw_generator(seq)
+
         params = [seqs[rows[i]].params for i in rest]
         for group in _sampling_groups(_rows_of(logits, [rows[i] for i in rest]), params):
-            uniforms = torch.cat([torch.rand(1, generator=self.draw_generator(seqs[rows[rest[i]]]), dtype=torch.float64) for i in group.rows])
+            uniforms = torch.cat([torch.rand(1, generator=generator(rest[i]), dtype=torch.float64) for i in group.rows])
             picks = _inverse_cdf(group.probs, uniforms.to(group.probs.device))
             if group.token_ids is not None:
                 picks = group.token_ids.gather(1, picks.unsqueeze(1)).squeeze(1)

@@ -468,3 +468,20 @@ def test_a_temperature_beyond_float32s_range_keeps_a_banned_token_banned():
     counts = _sample_many(logits, SamplingParams(temperature=1e39))
     assert counts[5:].sum() == 0
     _assert_frequencies(counts, torch.tensor([0.2] * 5 + [0.0] * 45))
+
+
+def test_seeded_top_p_rows_that_fall_back_to_the_sort_draw_a_fresh_uniform(monkeypatch):
+    """A seeded row still undecided after the rejection rounds draws through the sorted path.
+    That draw re-seeded the row's generator and took round one's uniform again, which round
+    one's rejection had conditioned: over many seeds, the draws leaned to the nucleus' larger
+    tokens (64% against 56%). It goes on from the rounds' state now: exact."""
+    import engine.sampler
+
+    monkeypatch.setattr(engine.sampler, "_MAX_REJECTION_ROUNDS", 1)
+    logits = torch.tensor([0.2, 0.45, 0.35]).log()
+    params = SamplingParams(temperature=1.0, top_p=0.5)
+    seqs = [Sequence(req_id=str(i), token_ids=[0], num_prompt_tokens=1, params=dataclasses.replace(params, seed=i),
+                     generator=Sampler.make_generator(i)) for i in range(DRAWS)]
+    tokens, _ = zip(*Sampler(seed=0).sample(logits.repeat(DRAWS, 1), seqs))
+    counts = torch.bincount(torch.tensor(tokens), minlength=3).float()
+    _assert_frequencies(counts, _reference_filtered(logits, params))
