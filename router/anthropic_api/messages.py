@@ -26,7 +26,7 @@ from router.anthropic_api.protocol import read_count_tokens, read_messages
 from router.errors import ErrorKind, classify
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, log_if_internal, retry_after_headers
 from router.openai_api.reasoning import ReasoningSplitter
-from router.openai_api.tool_parsers import ToolCallDelta, ToolCallOutput, split_answer
+from router.openai_api.tool_parsers import OutputPart, ToolCallDelta, ToolCallOutput, split_answer
 from router.output_stream import OutputChunk, StreamEnd, end_failure
 from router.session import GenerationSession
 
@@ -117,17 +117,24 @@ class MessageState:
     tools: ToolCallOutput | None
     reasoning: ReasoningSplitter | None = None  # with a reasoning parser: the thinking split off
     show_thinking: bool = True
+    omit_thinking: bool = False  # thinking.display "omitted": a thinking block's text stays empty
+    eager_tools: frozenset[str] = frozenset()  # tools whose calls' input streams as written
     blocks: list[dict[str, Any]] = field(default_factory=list)  # whole blocks, Anthropic's shape
     open_index: int | None = None  # the block a stream is writing into
     open_kind: str = ""
     calls_seen: int = 0
     num_tokens: int = 0
     end: StreamEnd | None = None
+    # A call held until its input is whole (its pieces so far), and how many held calls were
+    # left out (none may run).
+    _held_call: list[ToolCallDelta] = field(default_factory=list)
+    _calls_left_out: int = 0
 
     def stop_reason(self, end: StreamEnd) -> str | None:
         """tool_use only where every call may run: its input an object, none cut short."""
         runnable = all(self._runnable_input(block) is not None for block in self.blocks if block["type"] == "tool_use")
-        return stop_reason(end, self.calls_seen > 0, runnable and (self.tools is None or not self.tools.cut_short(end)))
+        runnable = runnable and not self._calls_left_out and (self.tools is None or not self.tools.cut_short(end))
+        return stop_reason(end, self.calls_seen > 0, runnable)
 
     def _runnable_input(self, block: dict[str, Any]) -> dict[str, Any] | None:
         """A tool_use block's input, where its call may run (None: it may not)."""
@@ -147,10 +154,13 @@ class MessageState:
         thinking, parts, _ = split_answer(self.reasoning, self.tools, chunk)
         if thinking and self.show_thinking:
             if self.open_kind != "thinking":
-                events += self._open({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
-            self.blocks[-1]["thinking"] += thinking
-            events.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
-        for part in parts:  # content and calls, in order
+                events += self._open({"type": "thinking", "thinking": "", "signature": "", "omitted": ""}, "thinking")
+            if self.omit_thinking:  # kept for its signature only
+                self.blocks[-1]["omitted"] += thinking
+            else:
+                self.blocks[-1]["thinking"] += thinking
+                events.append(self._delta({"type": "thinking_delta", "thinking": thinking}))
+        for part in self._released(parts, chunk.end is not None):  # content and calls, in order
             events += self._text(part) if isinstance(part, str) else self._tool_delta(part)
         if chunk.end is not None:
             self.end = chunk.end
@@ -165,12 +175,46 @@ class MessageState:
         events.append(self._delta({"type": "text_delta", "text": text}))
         return events
 
+    def _released(self, parts: list[OutputPart], last: bool) -> list[OutputPart]:
+        """The parts to send now. A call to a tool without ``eager_input_streaming`` is held until
+        its input is whole (the next call starts, or the answer ends), then sent in one piece
+        where it may run, or left out (its input no JSON object: the SDK's accumulator parses the
+        input at every delta, and raised on a model's trailing comma, losing the whole answer).
+        Anthropic streams input so, checked, unless a tool asks for it eagerly. A call's input is
+        whole once the answer goes on past it (content, another call) or ends."""
+        out: list[OutputPart] = []
+        for part in parts:
+            if isinstance(part, ToolCallDelta) and part.id is None:  # more of the last call's input
+                (self._held_call if self._held_call else out).append(part)
+                continue
+            out += self._release_held()  # content, or a new call: the held call's input is whole
+            if isinstance(part, ToolCallDelta) and part.name not in self.eager_tools:
+                self._held_call.append(part)
+            else:
+                out.append(part)
+        if last:
+            out += self._release_held()
+        return out
+
+    def _release_held(self) -> list[OutputPart]:
+        """The held call, whole, where it may run; nothing where it may not."""
+        if not self._held_call:
+            return []
+        first = self._held_call[0]
+        whole = ToolCallDelta(first.index, "".join(piece.arguments for piece in self._held_call), first.id, first.name)
+        self._held_call = []
+        # (The answer's last parts come once it ended: the calls none may run are known then.)
+        if (self.tools is not None and first.index in self.tools.unrunnable) or _input_object(whole.arguments) is None:
+            self._calls_left_out += 1
+            return []
+        return [whole]
+
     def _tool_delta(self, delta: ToolCallDelta) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if delta.id is not None:  # a new call
             block = {"type": "tool_use", "id": "toolu_" + delta.id.removeprefix("call_"), "name": delta.name, "input": {}}
             events += self._open(block, "tool_use")
-            self.blocks[-1].update(partial="", call=self.calls_seen)  # (kept here only: _INTERNAL)
+            self.blocks[-1].update(partial="", call=delta.index)  # (kept here only: _INTERNAL)
             self.calls_seen += 1
         if delta.arguments:
             self.blocks[-1]["partial"] += delta.arguments
@@ -192,7 +236,7 @@ class MessageState:
         events = []
         if self.open_kind == "thinking":
             block = self.blocks[self.open_index]
-            block["signature"] = thinking_signature(block["thinking"])
+            block["signature"] = thinking_signature(block["thinking"] + block["omitted"])
             events.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
         events.append({"type": "content_block_stop", "index": self.open_index})
         self.open_index, self.open_kind = None, ""
@@ -213,20 +257,26 @@ class MessageState:
                 arguments = self._runnable_input(block)
                 if arguments is None:
                     continue
-                block = {**{k: v for k, v in block.items() if k not in _INTERNAL}, "input": arguments}
-            out.append(block)
+                block = {**block, "input": arguments}
+            out.append({key: value for key, value in block.items() if key not in _INTERNAL})
         return out
 
 
-_INTERNAL = ("partial", "call")  # a tool_use block's input so far and its call's index: no field of Anthropic's
+# A tool_use block's input so far and its call's index, and an omitted thinking's text: no
+# field of Anthropic's.
+_INTERNAL = ("partial", "call", "omitted")
 
 
 def _tool_input(block: dict[str, Any]) -> dict[str, Any] | None:
-    """A tool_use block's input, parsed from its JSON; None where that is no object (invalid, or
-    past bounded_json's limits: an integer of 5,000 digits)."""
-    partial = block["partial"]
+    """A tool_use block's input, parsed from its JSON; None where that is no object."""
+    return _input_object(block["partial"])
+
+
+def _input_object(text: str) -> dict[str, Any] | None:
+    """A call's input parsed from its JSON text (empty: {}); None where that is no object (invalid,
+    or past bounded_json's limits: an integer of 5,000 digits)."""
     try:
-        arguments = bounded_json.loads(partial) if partial else {}
+        arguments = bounded_json.loads(text) if text else {}
     except ValueError:
         return None
     return arguments if isinstance(arguments, dict) else None
@@ -263,7 +313,10 @@ class MessagesFrontEnd:
             session = await GenerationSession.open(self.router, validated, client_gone)
         except Exception as exc:
             return _refused(request, exc)
-        state = MessageState(ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None, api.reasoning, api.show_thinking)
+        state = MessageState(
+            ToolCallOutput(api.tool_calling) if api.tool_calling is not None else None, api.reasoning, api.show_thinking,
+            api.omit_thinking, api.eager_tools,
+        )
         prompt_tokens = len(validated.prompt_token_ids)
         try:
             chunks = session.chunks()

@@ -34,9 +34,10 @@ from router.validation import GenerateInput
 _MESSAGES_FIELDS = {
     "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
     "tools", "tool_choice", "metadata", "thinking", "service_tier", "output_config",
+    "cache_control",  # a prompt-caching breakpoint: every prompt's blocks are cached here (prefix caching)
     "ignore_eos", "seed",  # vLLM's extensions
 }
-_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}
+_COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config", "cache_control"}
 _NULL_WHEN_SENT_BACK = {"caller", "toolset_name"}  # fields of a tool_use block pdserve never sets
 _BLOCK_FIELDS = {
     "thinking": {"type", "thinking", "signature"},
@@ -59,6 +60,10 @@ class MessagesRequest:
     # no parser. ``show_thinking``: false where the request turned thinking off.
     reasoning: ReasoningSplitter | None = None
     show_thinking: bool = True
+    omit_thinking: bool = False  # thinking.display "omitted": thinking blocks come with their signature only
+    # Tools whose input streams as the model writes it (``eager_input_streaming``); every other
+    # call's input is sent once whole and checked, as Anthropic streams it by default.
+    eager_tools: frozenset[str] = frozenset()
 
 
 def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: str | None, reasoning: ReasoningFormat | None = None) -> MessagesRequest:
@@ -70,6 +75,7 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
     max_tokens = integer(body, "max_tokens", None, 1, None)
     thinking, budget = _thinking(body, reasoning, max_tokens)
     effort = _effort(body)
+    _cache_control(body)
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise InvalidArgumentError("service_tier", "must be auto or standard_only")
     metadata = body.get("metadata")
@@ -99,7 +105,10 @@ def read_messages(body: Any, template: ChatTemplate | None, tool_call_parser: st
         structured=_prefill_alone(_constraint(body, calling), thinking, continued is not None),
         skip_special_tokens=not (calling is not None and calling.reads_special_tokens),
     )
-    request = MessagesRequest(model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling)
+    request = MessagesRequest(
+        model=model, stream=boolean(body, "stream", False), generate=generate, tool_calling=calling,
+        omit_thinking=_thinking_display(body) == "omitted", eager_tools=_eager_tools(body),
+    )
     if reasoning is not None:
         generate.thinking = reasoning.thinking(prompt, budget, continued)
         request.reasoning, request.show_thinking = ReasoningSplitter(generate.thinking), thinking is not False
@@ -112,6 +121,7 @@ def read_count_tokens(body: Any, template: ChatTemplate | None, tool_call_parser
     refuse_unknown(body, _COUNT_FIELDS)
     model = _model(body)
     thinking, _ = _thinking(body, reasoning, None)
+    _cache_control(body)
     prompt, _, _ = render_prompt(body, template, tool_call_parser, thinking, _effort(body))
     return model, prompt
 
@@ -188,11 +198,38 @@ def _constraint(body: dict, calling: ToolCalling | None) -> StructuredOutput | N
 
 
 def _effort(body: dict) -> str | None:
+    """``output_config.effort`` as the template's ``reasoning_effort``: templates know low, medium
+    and high, so Anthropic's xhigh and max are high there."""
     config = body.get("output_config")
     effort = json_object(config, "output_config").get("effort") if config is not None else None
-    if effort is not None and effort not in ("low", "medium", "high"):
-        raise InvalidArgumentError("output_config.effort", f"must be low, medium or high, got {effort!r}")
-    return effort
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidArgumentError("output_config.effort", f"must be one of {', '.join(_EFFORTS)}, got {effort!r}")
+    return _EFFORTS.get(effort)
+
+
+_EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+
+
+def _cache_control(body: dict) -> None:
+    """The top-level prompt-caching breakpoint: checked, and otherwise nothing to do (every
+    prompt's full blocks are cached, and a repeated prefix is read from the cache)."""
+    control = body.get("cache_control")
+    if control is not None:
+        control = json_object(control, "cache_control")
+        refuse_unknown(control, {"type", "ttl"}, prefix="cache_control.")
+        if control.get("type") != "ephemeral":
+            raise InvalidArgumentError("cache_control.type", f"must be \"ephemeral\", got {control.get('type')!r}")
+
+
+def _thinking_display(body: dict) -> str | None:
+    """``thinking.display`` (``summarized``: shown, as without it; ``omitted``: signatures only)."""
+    thinking = body.get("thinking")
+    if not isinstance(thinking, dict) or thinking.get("display") is None:
+        return None
+    display = thinking["display"]
+    if display not in ("summarized", "omitted"):
+        raise InvalidArgumentError("thinking.display", f"must be summarized or omitted, got {display!r}")
+    return display
 
 
 def _model(body: dict) -> str:
@@ -221,7 +258,7 @@ def _thinking(body: dict, reasoning: ReasoningFormat | None, max_tokens: int | N
         raise InvalidArgumentError("thinking.type", f"must be \"enabled\", \"adaptive\" or \"disabled\", got {kind!r}")
     if reasoning is None:
         raise InvalidArgumentError("thinking", "extended thinking needs a reasoning model served with router.reasoning_parser; omit it or give {\"type\": \"disabled\"}")
-    refuse_unknown(thinking, {"type", "budget_tokens"} if kind == "enabled" else {"type"}, prefix="thinking.")
+    refuse_unknown(thinking, {"type", "budget_tokens", "display"} if kind == "enabled" else {"type", "display"}, prefix="thinking.")
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
         if not is_int(budget) or budget < 1024:
@@ -340,6 +377,38 @@ def _result_content(content: Any, where: str) -> str:
     return "\n".join(_text_block(block, f"{where}[{i}]") for i, block in enumerate(content))
 
 
+# strict: a call's input is held to its schema where the answer must call (tool_choice any or
+# tool: its grammar); under auto the model's format is read as written (its call with input no
+# object is left out, as always).
+_TOOL_FIELDS = {"type", "name", "description", "input_schema", "cache_control", "strict", "input_examples", "eager_input_streaming"}
+
+
+def _with_examples(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    """The tool with its ``input_examples`` (objects its input may be) shown to the model at the
+    end of its description, where a chat template renders what the model reads of a tool."""
+    examples = tool.get("input_examples")
+    if examples is None:
+        return tool
+    if not isinstance(examples, list) or not all(isinstance(example, dict) for example in examples):
+        raise InvalidArgumentError(f"{where}.input_examples", "must be a list of objects (example inputs)")
+    if not examples:
+        return tool
+    description = tool.get("description")
+    if description is not None and not isinstance(description, str):
+        return tool  # (flat_function_tool names the description's problem)
+    shown = "\n".join(json.dumps(example, ensure_ascii=False) for example in examples)
+    head = f"{description}\n\n" if description else ""
+    return {**tool, "description": f"{head}Example inputs:\n{shown}"}
+
+
+def _eager_tools(body: dict) -> frozenset[str]:
+    """The names of the tools whose input streams as written (``eager_input_streaming: true``)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return frozenset()
+    return frozenset(tool["name"] for tool in tools if isinstance(tool, dict) and tool.get("eager_input_streaming") is True)
+
+
 def _openai_tools(body: dict) -> dict[str, Any]:
     """``tools`` and ``tool_choice`` in OpenAI's shape (what the shared tool calling reads)."""
     tools = body.get("tools")
@@ -355,8 +424,11 @@ def _openai_tools(body: dict) -> dict[str, Any]:
         tool = json_object(tool, where)
         if tool.get("type") not in (None, "custom"):
             raise InvalidArgumentError(f"{where}.type", f"server tools ({tool.get('type')!r}) are not supported; give client tools with input_schema")
-        refuse_unknown(tool, {"type", "name", "description", "input_schema", "cache_control"}, prefix=f"{where}.")
-        converted.append(flat_function_tool(tool, where, "input_schema"))
+        refuse_unknown(tool, _TOOL_FIELDS, prefix=f"{where}.")
+        for key in ("strict", "eager_input_streaming"):
+            if tool.get(key) is not None:
+                boolean(tool, key, False, prefix=f"{where}.")
+        converted.append(flat_function_tool(_with_examples(tool, where), where, "input_schema"))
     out: dict[str, Any] = {"tools": converted}
     choice = body.get("tool_choice")
     if choice is not None:
