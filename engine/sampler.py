@@ -74,9 +74,16 @@ class Sampler:
             for row, token in zip(greedy_rows, greedy_logits.argmax(dim=-1).tolist()):
                 token_ids[row] = token
         # A sampled row without a draft draws as in a step without drafts, whatever its
-        # neighbours propose: a seeded request repeats whether or not they speculate.
-        drafted = [r for r in sampled_rows if draft_token_ids is not None and draft_token_ids[r] is not None]
-        plain = [r for r in sampled_rows if draft_token_ids is None or draft_token_ids[r] is None]
+        # neighbours propose: a seeded request repeats whether or not they speculate. A seeded
+        # row with a draft draws so too, and keeps the draft where the draw is it (the engine
+        # accepts a draft its row's token equals): its tokens are its seed's whether it got a
+        # draft or not, which depends on its neighbours (the step's token budget, free blocks).
+        # That is the target's p exactly; for a draft proposed with certainty (n-gram) it keeps
+        # the draft with probability p(draft), as the accept test does; a draft model's lose
+        # what min(1, p/q) adds over p(draft), for seeded rows only.
+        drafted = [r for r in sampled_rows if draft_token_ids is not None and draft_token_ids[r] is not None and seqs[r].generator is None]
+        verified_rows = set(drafted)
+        plain = [r for r in sampled_rows if r not in verified_rows]
         if plain:
             for row, token in zip(plain, self._draw_plain(logits, seqs, plain)):
                 token_ids[row] = token

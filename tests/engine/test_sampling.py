@@ -485,3 +485,21 @@ def test_seeded_top_p_rows_that_fall_back_to_the_sort_draw_a_fresh_uniform(monke
     tokens, _ = zip(*Sampler(seed=0).sample(logits.repeat(DRAWS, 1), seqs))
     counts = torch.bincount(torch.tensor(tokens), minlength=3).float()
     _assert_frequencies(counts, _reference_filtered(logits, params))
+
+
+def test_a_seeded_rows_tokens_are_its_seeds_whether_or_not_it_got_a_draft():
+    """How many drafts a sequence gets depends on its neighbours (the step's token budget, free
+    blocks): its draft rows drew by an accept test and a residual draw, its other rows by the
+    inverse CDF, so the same seed gave another token with a draft than without. A seeded row
+    draws the same token either way now, and keeps the draft where that token is it."""
+    generator = torch.Generator().manual_seed(41)
+    logits = torch.randn(1, 300, generator=generator) * 2.5
+    likely = int(logits.argmax())
+    for params in (SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=0.8, top_p=0.9, seed=0), SamplingParams(temperature=1.0, top_k=20, seed=0)):
+        seqs = [Sequence(req_id=f"s{i}", token_ids=[0], num_prompt_tokens=1, params=dataclasses.replace(params, seed=i),
+                         generator=Sampler.make_generator(i)) for i in range(60)]
+        sampler = Sampler(seed=3)
+        alone = [sampler.sample(logits, [seq])[0][0] for seq in seqs]
+        drafted = [sampler.sample(logits, [seq], draft_token_ids=[likely])[0][0] for seq in seqs]
+        assert drafted == alone, params
+        assert likely in alone and len(set(alone)) > 5
