@@ -56,7 +56,10 @@ def draft_bytes_per_block(draft_model: str | Path, engine_config: EngineConfig, 
 class DraftModelProposer(Proposer):
     """Runs the draft model inside the engine that verifies its guesses."""
 
-    def __init__(self, draft_model: str | Path, engine_config: EngineConfig, num_blocks: int, target_vocab_size: int, dtype: torch.dtype):
+    def __init__(
+        self, draft_model: str | Path, engine_config: EngineConfig, num_blocks: int, target_vocab_size: int, dtype: torch.dtype,
+        eos_token_ids: list[int] = (),
+    ):
         loaded = load_model(
             draft_model, dtype=str(dtype).removeprefix("torch."), device=engine_config.device,
             max_positions=engine_config.max_model_len, prepack_linear=engine_config.prepack_linear,
@@ -78,7 +81,9 @@ class DraftModelProposer(Proposer):
             engine_config.attention_backend, CacheGeometry.of(loaded.config, self.kv_cache, loaded.dtype, engine_config.device)
         )
         self.block_tables = BlockTables()
-        self.sampler = Sampler(engine_config.seed)
+        # The target's end tokens: a request short of its min_tokens may not end, and a draft
+        # that guesses an end there only wastes its row (the target's p has none).
+        self.sampler = Sampler(engine_config.seed, list(eos_token_ids))
 
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[Proposal]:
         """Up to ``rooms[i]`` guesses for ``seqs[i]``; blocks for them must be allocated already."""

@@ -231,7 +231,7 @@ class LLMEngine:
             return None
         if spec.method == "ngram":
             return NgramProposer(spec)
-        return DraftModelProposer(spec.draft_model, self.config, self.kv_cache.num_blocks, self.model_config.vocab_size, dtype)
+        return DraftModelProposer(spec.draft_model, self.config, self.kv_cache.num_blocks, self.model_config.vocab_size, dtype, self.eos_token_ids)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

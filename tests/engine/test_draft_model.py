@@ -148,3 +148,19 @@ def test_a_proposal_that_fails_partway_leaves_no_guess_counted_as_the_drafts_kv(
     # The proposal after the failed one starts at or before the sequence's last token, and feeds it.
     num_tokens, context, fed = firsts[1][0]
     assert context <= num_tokens - 1 and context + fed == num_tokens
+
+
+def test_the_draft_guesses_no_end_for_a_request_short_of_its_min_tokens(draft_dir, code_prompts):
+    """The target may not end such a request (its EOS has p = 0), and the draft's q had EOS
+    mass, so a guess of it only wasted its row: the draft's sampler knows the target's ends."""
+    from engine.sequence import Sequence
+
+    engine = _engine(speculative=_spec(draft_dir))
+    proposer = engine.scheduler.proposer
+    eos = engine.eos_token_ids[0]
+    seq = Sequence(req_id="r", token_ids=list(code_prompts[0]), num_prompt_tokens=len(code_prompts[0]),
+                   params=SamplingParams(temperature=1.0, min_tokens=50, max_tokens=60))
+    logits = torch.zeros(engine.model_config.vocab_size)
+    logits[eos] = 20.0  # the draft is all but sure the answer ends here
+    probs = proposer.sampler.probabilities(logits.unsqueeze(0), [seq])[0]
+    assert float(probs[eos]) == 0.0
