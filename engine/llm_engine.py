@@ -32,7 +32,7 @@ from engine.grammar import Grammars, apply_masks
 from engine.host_to_device import to_device
 from engine.kernel_warm_up import warm_up_kernels
 from engine.kv_cache import KVCache
-from engine.loader import load_model, resolve_dtype
+from engine.loader import load_model, resolve_dtype, weights_digest
 from engine.lora import AdapterTable
 from engine.lora_loading import adapter_digest
 from engine.model import StageActivations
@@ -373,6 +373,8 @@ class LLMEngine:
             "head_dim": self.model_config.head_dim,
             "block_size": self.kv_cache.block_size,
             "block_scales": self.kv_cache.quantized is not None,
+            "weights": weights_digest(self.model_path, self.dtype),
+            "rope": self.runner.model.rotary.schedule_digest,
         }
 
     # -- stepping ---------------------------------------------------------------------

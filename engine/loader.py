@@ -11,6 +11,7 @@ files (safetensors' sliced reads through its memory map): no rank ever holds the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -104,6 +105,28 @@ def load_model(
     return LoadedModel(model=model, config=config, dtype=torch_dtype, eos_token_ids=eos_ids, model_dir=model_dir)
 
 
+def weights_digest(model_dir: str | Path, dtype: torch.dtype) -> str:
+    """A short digest of the checkpoint's weights as a model in ``dtype`` holds them: each
+    tensor's name, shape, and first and last rows (a row's elements; a 1-d tensor's first 64),
+    read whole from the files, so every tensor-parallel size and every split of the files gives
+    the same, and a float32 copy of a bfloat16 model matches it in bfloat16. Two workers whose
+    KV blocks are copied between them must hold the same weights: a fine-tune with its base's
+    config.json computes other KV, and its blocks decode to garbage."""
+    digest = hashlib.sha256()
+    with CheckpointReader(Path(model_dir)) as reader:
+        for name in sorted(reader.names):
+            shape = reader.shape(name)
+            rows = shape[0] if shape else 1
+            if len(shape) <= 1:
+                pieces = [reader.read(name, dtype, 0, 0, min(rows, 64))] if shape else [reader.read(name, dtype)]
+            else:
+                pieces = [reader.read(name, dtype, 0, 0, 1), reader.read(name, dtype, 0, rows - 1, rows)]
+            digest.update(f"{name}:{shape};".encode())
+            for piece in pieces:
+                digest.update(piece.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 class CheckpointReader:
     """The checkpoint's tensors by name, read on demand (whole, or a slice along one dimension).
 
@@ -172,6 +195,9 @@ class CheckpointReader:
     @property
     def names(self) -> list[str]:
         return list(self._entries)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._entries[name][2])
 
     def read(self, name: str, dtype: torch.dtype, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Tensor ``name`` in ``dtype``; with ``dim`` (0 or 1), only indices [start, stop) along it."""

@@ -14,7 +14,9 @@ and for a long sequence when the engine's context is long.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 
 import torch
 
@@ -144,6 +146,9 @@ class RotaryEmbedding:
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: str, fused_cache: bool | None = None):
         inv_freq, scale = inverse_frequencies(rope, head_dim, max_positions)
+        # What a key's rotation depends on beyond the config: the schedule chosen for
+        # max_positions (dynamic NTK, LongRoPE). Workers copying KV blocks must agree on it.
+        self.schedule_digest = hashlib.sha256(inv_freq.double().numpy().tobytes() + struct.pack("<d", scale)).hexdigest()[:16]
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         # Computed in float32 and cast once, as transformers does, so low-precision runs agree.

@@ -54,6 +54,10 @@ class KVCompat:
     # A quantized cache (int8, fp8): after each head's elements in a block, its float32 scales
     # (per layer, key/value); the tensor is then raw bytes, [num_blocks, bytes_per_block].
     block_scales: bool = False
+    # What the blocks' values depend on beyond the shapes: the weights (engine.loader's
+    # weights_digest) and the rotary schedule keys are rotated by (engine.rope). Empty: not said.
+    weights: str = ""
+    rope: str = ""
 
     def __post_init__(self) -> None:
         if dtype_name(self.dtype) not in DTYPE_SIZES:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -171,3 +172,38 @@ def test_loading_a_model_does_not_import_the_compiler_stack(checkpoints):
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+def test_workers_copying_kv_blocks_agree_on_the_weights_and_the_rotary_schedule(tmp_path, checkpoints):
+    """KV blocks mean the same in two workers only if the same weights computed them with the
+    same rotation: the compatibility check compared the config.json and shapes, so a fine-tune
+    with its base's config (or a dynamic-NTK model started with another max_model_len) passed, and
+    its blocks decoded to garbage. The weights' digest reads whole tensors from the files: a
+    sharded and an unsharded copy, and a float32 and a bfloat16 copy read in bfloat16, agree."""
+    from kvtransfer.errors import IncompatiblePeerError
+    from kvtransfer.handshake import check_offer
+    from kvtransfer.layout import KVCompat
+    from engine.loader import weights_digest
+
+    base, _ = checkpoints["llama"]  # saved sharded
+    build_checkpoint("llama", tmp_path / "whole", seed=0)
+    build_checkpoint("llama", tmp_path / "bf16", seed=0, dtype=torch.bfloat16)
+    build_checkpoint("llama", tmp_path / "tuned", seed=1)
+    assert weights_digest(base, torch.float32) == weights_digest(tmp_path / "whole", torch.float32)
+    assert weights_digest(tmp_path / "whole", torch.bfloat16) == weights_digest(tmp_path / "bf16", torch.bfloat16)
+    assert weights_digest(tmp_path / "whole", torch.float32) != weights_digest(tmp_path / "bf16", torch.float32)
+    assert weights_digest(tmp_path / "tuned", torch.float32) != weights_digest(base, torch.float32)
+
+    def compat(path, **config):
+        return KVCompat(**LLMEngine(path, EngineConfig(num_kv_blocks=16, **config)).kv_compat_fields())
+
+    ours, tuned = compat(base), compat(tmp_path / "tuned")
+    assert (tuned.weights != ours.weights) and (tuned.model_id, tuned.rope) == (ours.model_id, ours.rope)  # same config.json
+    from kvtransfer.handshake import PROTOCOL_VERSION
+
+    offer = SimpleNamespace(protocol_version=PROTOCOL_VERSION, compat=tuned, compat_hash=tuned.compat_hash(), transport="ray", peer="D")
+    with pytest.raises(IncompatiblePeerError, match="weights"):
+        check_offer(ours, "ray", offer, [])
+    build_checkpoint("llama", tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert compat(tmp_path / "dynamic", max_model_len=256).rope != compat(tmp_path / "dynamic", max_model_len=1024).rope
+    assert compat(base, max_model_len=256).rope == compat(base, max_model_len=1024).rope  # llama3's does not depend on it
