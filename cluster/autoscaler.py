@@ -241,10 +241,19 @@ class Autoscaler:
             self._shrink = None
             return None
         if planned[0] > current[0] or planned[1] > current[1]:
-            # Grow what is short now; a pool the plan would shrink keeps its size meanwhile (within
-            # max_workers: current (10, 6) and a plan of (8, 8) came out 18 of 16).
+            # Grow what is short now; a pool the plan would shrink keeps its size meanwhile, except
+            # for the room the growth needs within max_workers, which it gives up now, down to its
+            # plan (current (10, 6) and a plan of (4, 10) within 16: (6, 10). Trimmed by size, it
+            # came out (8, 8), and every later tick grew nothing and never let prefill shrink).
             self._shrink = None
-            return _within_cap(max(planned[0], current[0]), max(planned[1], current[1]), self.config)
+            sizes = [max(planned[0], current[0]), max(planned[1], current[1])]
+            over = sum(sizes) - self.config.max_workers
+            for pool in (0, 1):
+                if over > 0 and planned[pool] < current[pool]:
+                    given = min(over, current[pool] - planned[pool])
+                    sizes[pool] -= given
+                    over -= given
+            return _within_cap(sizes[0], sizes[1], self.config)
         if not settled:
             # A change still lands (a model loading for minutes) or its window is not over: a
             # worker the queue correction just added is judged once it has served, not drained
@@ -296,9 +305,16 @@ def planned_sizes(planner: Planner, config: AutoscalerConfig, snapshot: TrafficS
         prefill, decode = plan.num_prefill, plan.num_decode
         reason = f"plan for {rate * config.headroom:.2f} req/s{few}"
         base = max(config.min_prefill, prefill), max(config.min_decode, decode)
+    elif (closest := planner.closest(plan)) is not None:
+        # Overload no shape meets: the one that comes closest (kept, the pools stayed as they were
+        # and grew a worker a window through the queue correction: minutes behind a spike).
+        prefill, decode = closest.num_prefill, closest.num_decode
+        reason = (f"no shape within {config.max_workers} workers meets the SLO at {rate * config.headroom:.2f} req/s{few}; "
+                  f"the closest: {prefill} prefill, {decode} decode")
+        base = max(config.min_prefill, prefill), max(config.min_decode, decode)
     else:
         prefill, decode = current
-        reason = f"no shape within {config.max_workers} workers meets the SLO"
+        reason = f"no shape within {config.max_workers} workers holds every prompt"
         base = None
     budget = config.slo_ttft_ms * config.queue_fraction
     settled = settled and not few  # queue times of a handful of requests are noise too

@@ -60,6 +60,14 @@ class Candidate:
     meets_slo: bool
     ttft_ms: float | None
     tpot_ms: float | None
+    fits: bool = True  # every prompt fits a decode worker's KV cache (a rejection for a full queue is overload)
+
+    def shortfall(self, slo: SLO) -> float | None:
+        """How far the shape is from the SLO: its worse latency over its target (at most 1: it
+        meets it; an overloaded shape's requests that completed); None where some prompt fits no worker."""
+        if not self.fits or self.ttft_ms is None:
+            return None
+        return max(self.ttft_ms / slo.ttft_ms, (self.tpot_ms or 0.0) / slo.tpot_ms)
 
 
 @dataclass(slots=True)
@@ -168,6 +176,12 @@ class Planner:
         best.candidates = search.candidates
         return best
 
+    def closest(self, plan: Plan) -> Candidate | None:
+        """For a plan no shape met: the shape simulated that came closest to the SLO (fewer
+        workers among equals); None where some prompt fits none."""
+        scored = [(shortfall, c.num_prefill + c.num_decode, c) for c in plan.candidates if (shortfall := c.shortfall(self.slo)) is not None]
+        return min(scored, key=lambda item: item[:2])[2] if scored else None
+
     def _prefill_estimate(self, rate: float) -> int:
         """Prefill workers to start from: the mean prompt's prefill time at 70% utilization."""
         from cluster.planning.profiler import predicted_prefill_s
@@ -195,7 +209,7 @@ class _Search:
             ok, result = self.planner.evaluate(self.rate, num_prefill, num_decode)
             self.verdicts[shape], self.results[shape] = ok, result
             pct = self.planner.slo.percentile
-            self.candidates.append(Candidate(num_prefill, num_decode, ok, result.ttft.percentile(pct), result.tpot.percentile(pct)))
+            self.candidates.append(Candidate(num_prefill, num_decode, ok, result.ttft.percentile(pct), result.tpot.percentile(pct), not result.too_long))
         return self.verdicts[shape]
 
     def fewest(self, shape_of, most: int) -> int | None:

@@ -315,6 +315,7 @@ class SimResult:
     num_events: int
     windows: list[WindowStats] = field(default_factory=list)
     preemptions: int = 0  # sequences a decode worker preempted for want of blocks (each recomputed)
+    too_long: int = 0  # of the rejected: prompts no decode worker could ever hold (the others: a full queue)
 
     @property
     def output_throughput(self) -> float:
@@ -331,6 +332,7 @@ class SimResult:
             "num_requests": self.num_requests,
             "completed": self.completed,
             "rejected": self.rejected,
+            "rejected_too_long": self.too_long,
             "duration_s": self.duration_s,
             "output_throughput_tok_s": self.output_throughput,
             "request_throughput_req_s": self.request_throughput,
@@ -421,7 +423,7 @@ class Simulation:
         self._waiting_first_token = 0
         self.now = 0.0
         self.ttft, self.tpot, self.itl, self.e2e = LogHistogram(), LogHistogram(), LogHistogram(), LogHistogram()
-        self.num_requests = self.completed = self.rejected = self.output_tokens = self.preemptions = 0
+        self.num_requests = self.completed = self.rejected = self.too_long = self.output_tokens = self.preemptions = 0
         self.first_arrival = math.nan
         self.last_finish = 0.0
         self.num_events = 0
@@ -472,7 +474,7 @@ class Simulation:
         itl = self.itl.spread(self.step.residuals.get("decode", []))
         return SimResult(
             self.num_prefill, self.num_decode, self.num_requests, self.completed, self.rejected, max(0.0, self.last_finish - start),
-            self.output_tokens, self.ttft, self.tpot, itl, self.e2e, self.num_events, self.windows, self.preemptions,
+            self.output_tokens, self.ttft, self.tpot, itl, self.e2e, self.num_events, self.windows, self.preemptions, self.too_long,
         )
 
     def _push(self, when: float, kind: int, subject, version: int = 0) -> None:
@@ -505,6 +507,7 @@ class Simulation:
         blocks = self._blocks(prompt_len + 1)  # what the router reserves: the prompt and one token
         if blocks > self.decode_blocks:
             self.rejected += 1  # the router refuses it: no decode worker could ever hold its prompt
+            self.too_long += 1
             return
         request = _Request(when, prompt_len, output_len, blocks, self.num_requests)
         if self.kept is not None:

@@ -1174,3 +1174,34 @@ def test_a_kept_correction_is_a_size_not_an_offset_and_a_lull_lets_it_go(tmp_pat
     at_minimum._keep_corrections((0, 2), (0, 1), "queue", rate=2.0)
     assert at_minimum._keep_corrections((0, 1), (0, 1), "plan", rate=1.9)[0] == (0, 2)
     assert at_minimum._keep_corrections((0, 1), (0, 1), "no traffic", rate=0.0)[0] == (0, 1)
+
+
+def test_a_plan_that_moves_workers_between_pools_at_max_workers_gets_there(tmp_path):
+    """At the cap, a plan growing one pool and shrinking the other: the growth's room comes from
+    the pool the plan shrinks, down to its plan. It was trimmed by size ((10, 6) and a plan of
+    (4, 10) within 16 gave (8, 8)), and each later tick asked (8, 8) again: decode never reached
+    its plan and prefill never shrank."""
+    config = AutoscalerConfig(make_profile().save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0,
+                              max_workers=16, scale_down_delay_s=0.0)
+    now = [0.0]
+    scaler = Autoscaler.from_config(config, None, lambda: (10, 6), None, clock=lambda: now[0])
+    assert scaler._with_hysteresis((4, 10), (10, 6)) == (6, 10)
+    assert scaler._with_hysteresis((4, 10), (6, 10)) is None  # a shrink: after its delay
+    now[0] += 1.0
+    assert scaler._with_hysteresis((4, 10), (6, 10)) == (4, 10)
+
+
+def test_an_overload_no_shape_meets_scales_to_the_shape_that_comes_closest(tmp_path):
+    """No shape within max_workers meets the SLO at the load: the pools were kept as they were
+    and grew a worker a window through the queue correction (a spike from (1, 1) took a quarter
+    of an hour to reach the cap). They go to the shape the planner found closest now."""
+    config = AutoscalerConfig(make_profile().save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0,
+                              headroom=1.0, max_workers=4)
+    scaler = Autoscaler.from_config(config, None, lambda: (1, 1), None)
+    scaler.planner.min_requests, scaler.planner.max_requests = 400, 600
+    spike = TrafficSnapshot(120.0, 6000, 6000, 50.0, 256.0, 64.0, 0.0, 0.0, 0.0)
+    assert not scaler.planner.plan(50.0).feasible
+    (prefill, decode), reason = scaler.target(spike, (1, 1))
+    closest = scaler.planner.closest(scaler.planner.plan(50.0))
+    assert (prefill, decode) == (closest.num_prefill, closest.num_decode) and prefill + decode > 2
+    assert "the closest" in reason
