@@ -476,6 +476,12 @@ class ResponsesFrontEnd:
 
     async def retrieve(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
+        # A response's events are not kept to be replayed: refused, not answered as JSON, which
+        # the SDK's stream decoder reads as no event at all (a loop over it ran zero times).
+        if request.query.get("stream", "false").lower() not in ("false", "0"):
+            raise InvalidArgumentError("stream", "a stored or background response is read whole here (its events are not kept): poll GET without stream")
+        if "starting_after" in request.query:
+            raise InvalidArgumentError("starting_after", "needs stream, which is not served here: poll GET without it")
         running = self.background.get(response_id)
         if running is not None:
             return web.json_response(running.state.obj())

@@ -89,9 +89,16 @@ class ResponseStore:
         return True
 
     def _trim(self) -> None:
-        """The oldest go until the entries fit both bounds (the newest stays, whatever its size)."""
+        """The oldest go until the entries fit both bounds (the newest stays, whatever its size),
+        except background responses in progress: dropped, a running one answered 404 at the
+        other routers, and was never run again if its router died (a few thousand requests
+        stored after it made it the oldest)."""
         while len(self._entries) > self.max_entries or (self.num_bytes > self.max_bytes and len(self._entries) > 1):
-            self._forget(next(iter(self._entries)))
+            newest = next(reversed(self._entries))
+            oldest = next((key for key, entry in self._entries.items() if not entry.owner and key != newest), None)
+            if oldest is None:
+                break
+            self._forget(oldest)
 
     def _expire(self) -> None:
         oldest = time.time() - self.ttl_s

@@ -143,3 +143,20 @@ def test_a_grpc_stream_that_fails_before_its_first_token_ends_with_a_status_nami
         asyncio.run(run())
     assert context.status[0] == grpc.StatusCode.INVALID_ARGUMENT and "allowed_token_ids" in context.status[1]
     assert closed == [True]
+
+
+def test_retrieving_a_response_as_a_stream_is_refused_naming_the_field():
+    """GET /v1/responses/{id}?stream=true (the SDK's retrieve(stream=True), responses.stream(
+    response_id=...)) got the response as JSON, which the SDK's stream decoder reads as no event:
+    a loop over it ran zero times and get_final_response raised. It is a 400 naming the field."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.responses_api.front_end import ResponsesFrontEnd
+
+    front_end = SimpleNamespace(background={})
+    for query, field in (({"stream": "true"}, "stream"), ({"starting_after": "3"}, "starting_after")):
+        request = SimpleNamespace(match_info={"response_id": "resp_1"}, query=query)
+        with pytest.raises(InvalidArgumentError) as refused:
+            asyncio.run(ResponsesFrontEnd.retrieve(front_end, request))
+        assert refused.value.field == field

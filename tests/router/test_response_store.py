@@ -130,3 +130,17 @@ def test_the_oldest_go_first_past_the_stores_size_in_bytes(tmp_path):
         store.put(f"many_{index}", StoredResponse({"output_text": "é" * 500}))  # 2 bytes a character
     assert path.stat().st_size < 2.2 * (1 << 20) and store.num_bytes <= 2_500
     assert [response_id for response_id, _ in ResponseStore(max_entries=100, ttl_s=60, path=path, max_bytes=2_500).items()] == ["many_2998", "many_2999"]
+
+
+def test_a_background_response_in_progress_is_never_trimmed():
+    """Every request is stored by default, so a few thousand after a background response made
+    it the oldest, and the bound dropped it while it ran: other routers answered 404, and if its
+    router died, no router ran it again. In progress, it stays; finished, it is trimmed as any."""
+    store = ResponseStore(max_entries=3)
+    store.put("bg", StoredResponse({"id": "bg", "status": "in_progress"}, owner="router-a", request={"input": "x"}))
+    for index in range(5):
+        store.put(f"r{index}", StoredResponse({"id": f"r{index}", "status": "completed"}))
+    assert [key for key, _ in store.items()] == ["bg", "r3", "r4"]
+    store.put("bg", StoredResponse({"id": "bg", "status": "completed"}))  # it finished: the newest now
+    store.put("r5", StoredResponse({"id": "r5", "status": "completed"}))
+    assert [key for key, _ in store.items()] == ["r4", "bg", "r5"]
