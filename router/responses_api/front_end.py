@@ -124,6 +124,7 @@ class ResponseState:
     end: StreamEnd | None = None
     error: dict[str, Any] | None = None
     sequence: int = 0
+    run: int = 1  # a background response's: runs started (its router died during the earlier ones)
 
     def event(self, kind: str, **body: Any) -> dict[str, Any]:
         self.sequence += 1
@@ -249,6 +250,7 @@ class ResponseState:
 CANCEL_POLL_S = 30.0  # a running background response's long poll for a cancel through another router
 CANCEL_WAIT_S = 30.0  # how long a cancel through another router waits for the response's final state
 RESUME_LOOKUP_S = 30.0  # how long a starting router asks the board for what it left in progress
+BACKGROUND_RUNS = 3  # runs of a background response whose router died during each, before it is failed
 
 
 @dataclass(slots=True)
@@ -348,9 +350,14 @@ class ResponsesFrontEnd:
 
     async def _run_again(self, response_id: str, entry: StoredResponse) -> None:
         try:
+            if entry.runs >= BACKGROUND_RUNS:
+                # Its router died during each run: the response may be what ends it (a
+                # conversation that runs the router out of memory), run again at every restart.
+                raise InternalError(f"its router died during each of its {entry.runs} runs")
             api = read_responses(entry.request)
             state, validated, conversation = await self._prepare(api, response_id)
             state.created_at = entry.response.get("created_at", state.created_at)
+            state.run = entry.runs + 1
             await self._start_background(api, entry.request, state, validated, conversation)
         except Exception as exc:  # e.g. its previous turn expired meanwhile: it fails, saying why
             logger.warning("%s: running it again failed: %s", response_id, exc)
@@ -396,7 +403,7 @@ class ResponsesFrontEnd:
             return
         entry = StoredResponse(state.obj(), conversation + state.assistant_messages())
         if state.status in IN_PROGRESS:
-            entry.owner, entry.request = self.router.board_name, body
+            entry.owner, entry.request, entry.runs = self.router.board_name, body, state.run
         await self.store.put(state.response_id, entry)
 
     async def _stream(self, request: web.Request, api: ResponsesRequest, state: ResponseState, chunks, conversation) -> web.StreamResponse:

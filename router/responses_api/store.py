@@ -31,6 +31,7 @@ class StoredResponse:
     # request body, from which a router taking that one's place after its death runs it again.
     owner: str = ""
     request: dict[str, Any] | None = None
+    runs: int = 1  # its runs started so far (each after its router died during the one before)
 
 
 class ResponseStore:

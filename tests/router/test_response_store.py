@@ -144,3 +144,27 @@ def test_a_background_response_in_progress_is_never_trimmed():
     store.put("bg", StoredResponse({"id": "bg", "status": "completed"}))  # it finished: the newest now
     store.put("r5", StoredResponse({"id": "r5", "status": "completed"}))
     assert [key for key, _ in store.items()] == ["r4", "bg", "r5"]
+
+
+def test_a_background_response_whose_router_died_during_each_run_fails_after_a_few():
+    """A response that ends its router (a conversation that runs it out of memory) was run again
+    at every restart, for good. Its runs are counted on the board, and after BACKGROUND_RUNS it
+    fails, saying why."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.responses_api.front_end import BACKGROUND_RUNS, ResponsesFrontEnd
+
+    kept = {}
+
+    async def put(response_id, entry):
+        kept[response_id] = entry
+
+    async def prepare(api, response_id):
+        raise AssertionError("not run again")
+
+    front_end = SimpleNamespace(store=SimpleNamespace(put=put), _prepare=prepare)
+    entry = StoredResponse({"id": "bg", "status": "in_progress"}, owner="router-a", request={"input": "x"}, runs=BACKGROUND_RUNS)
+    asyncio.run(ResponsesFrontEnd._run_again(front_end, "bg", entry))
+    assert kept["bg"].response["status"] == "failed" and f"{BACKGROUND_RUNS} runs" in kept["bg"].response["error"]["message"]
+    assert not kept["bg"].owner  # no longer in progress: no router runs it again
