@@ -18,7 +18,7 @@ import functools
 import json
 import string
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from engine import bounded_json
 from engine.errors import InvalidRequestError
@@ -70,11 +70,24 @@ class StructuredOutput:
             raise InvalidRequestError(field, "must be a non-empty string")
         return cls(kind, value, field)
 
+    @classmethod
+    def tool_calls(cls, calls: list["CallTag"], answer: "StructuredOutput | None", field: str) -> "StructuredOutput":
+        """An answer that may call tools, each call written as its ``CallTag`` says with its
+        arguments held to its schema: free text around the calls (``answer`` None), or the
+        answer ``answer`` (a JSON schema or object) unless it calls. Made by the router from a
+        request's tools in the model's own format (not a kind a client names)."""
+        spec = {"calls": [asdict(call) for call in calls], "answer": None}
+        if answer is not None:
+            spec["answer"] = {"type": "object"} if answer.kind == "json_object" else bounded_json.loads(answer.value)
+        return cls(TOOL_CALLS, json.dumps(spec), field)
+
     def to_llguidance(self) -> str:
         """The grammar text llguidance's matcher takes; InvalidRequestError if it cannot be made."""
         import llguidance  # the Rust core only: no torch
 
         try:
+            if self.kind == TOOL_CALLS:
+                return _tool_calls_grammar(bounded_json.loads(self.value))
             if self.kind == "json_schema":
                 schema = closed_objects(bounded_json.loads(self.value))
                 return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
@@ -96,6 +109,48 @@ class StructuredOutput:
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(self.field, f"cannot be compiled: {exc}") from exc
         raise InvalidRequestError(self.field, f"unknown kind {self.kind!r}; one of {list(KINDS)}")
+
+
+TOOL_CALLS = "tool_calls"  # StructuredOutput.tool_calls' kind
+
+
+@dataclass(slots=True, frozen=True)
+class CallTag:
+    """How a model writes one tool's call, its arguments in between: ``trigger`` (a start of
+    ``begin``) is where free text gives way to the call. Hermes: trigger ``<tool_call>``,
+    begin ``<tool_call>\n{"name": "get_weather", "arguments": ``, end ``}\n</tool_call>``.
+    ``schema``: what the arguments must be (a strict tool's parameters, else any object)."""
+
+    trigger: str
+    begin: str
+    schema: dict
+    end: str
+
+
+def _tool_calls_grammar(spec: dict) -> str:
+    """The grammar of ``StructuredOutput.tool_calls``: llguidance's structural tags (a call's
+    trigger in the text starts it; its arguments are JSON under their schema) around free text,
+    or, with an answer format, that answer or calls alone."""
+    import llguidance
+
+    def schema(raw: dict) -> dict:
+        return {**closed_objects(raw), "x-guidance": _JSON_OPTIONS}
+
+    calls = [CallTag(**call) for call in spec["calls"]]
+    if spec["answer"] is None:
+        tags = [llguidance.StructTag(trigger=c.trigger, begin=c.begin, grammar=schema(c.schema), end=c.end) for c in calls]
+        # (Triggers as text, not as special tokens: a template's <tool_call> is plain text to
+        # some tokenizers and one added token to others; as text it matches either way.)
+        return llguidance.LLMatcher.grammar_from_lark(llguidance.StructTag.to_grammar(tags, assume_special=False))
+    names = " | ".join(f"call_{index}" for index in range(len(calls)))
+    lines = [
+        "%llguidance {}",
+        "start: answer | calls",
+        f"answer: %json {json.dumps(schema(spec['answer']))}",
+        f"calls: ({names}) (/\\s*/ ({names}))* /\\s*/",
+    ]
+    lines += [f"call_{index}: {json.dumps(c.begin)} %json {json.dumps(schema(c.schema))} {json.dumps(c.end)}" for index, c in enumerate(calls)]
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
 
 
 # Constraints up to this size have their verdict kept (clients send the same schema again and

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured_output import StructuredOutput
+from engine.structured_output import TOOL_CALLS, StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
 from router.openai_api.fields import boolean, integer, is_int, json_object, number, refuse_unknown, type_name
@@ -178,22 +178,31 @@ def _prefill_alone(structured: StructuredOutput | None, thinking: bool | None, p
 
 
 def _constraint(body: dict, calling: ToolCalling | None) -> StructuredOutput | None:
-    """The grammar the answer decodes under: ``output_config.format`` (a JSON schema) or a forced tool."""
-    tools = calling.constraint() if calling is not None else None
+    """The grammar the answer decodes under: ``output_config.format`` (a JSON schema), a forced
+    tool, or under auto the one that holds strict tools' calls (and takes the format in)."""
+    answer = _answer_format(body)
+    tools = calling.constraint(answer) if calling is not None else None
+    if tools is None:
+        return answer
+    if answer is not None and tools.kind != TOOL_CALLS:
+        raise InvalidArgumentError("output_config.format", "and a forced tool_choice both constrain the answer; give one")
+    return tools
+
+
+def _answer_format(body: dict) -> StructuredOutput | None:
+    """``output_config.format``: the JSON schema the answer is written in (None: none)."""
     config = body.get("output_config")
     if config is None:
-        return tools
+        return None
     config = json_object(config, "output_config")
     refuse_unknown(config, {"format", "effort"}, prefix="output_config.")
     if config.get("format") is None:
-        return tools
+        return None
     fmt = json_object(config["format"], "output_config.format")
     refuse_unknown(fmt, {"type", "schema"}, prefix="output_config.format.")
     if fmt.get("type") != "json_schema":
         raise InvalidArgumentError("output_config.format.type", f"must be \"json_schema\", got {fmt.get('type')!r}")
     schema = json_object(fmt.get("schema"), "output_config.format.schema")
-    if tools is not None:
-        raise InvalidArgumentError("output_config.format", "and a forced tool_choice both constrain the answer; give one")
     return StructuredOutput.build("json_schema", json.dumps(schema), "output_config.format.schema")
 
 
@@ -377,9 +386,8 @@ def _result_content(content: Any, where: str) -> str:
     return "\n".join(_text_block(block, f"{where}[{i}]") for i, block in enumerate(content))
 
 
-# strict: a call's input is held to its schema where the answer must call (tool_choice any or
-# tool: its grammar); under auto the model's format is read as written (its call with input no
-# object is left out, as always).
+# strict: a call's input is held to its schema, as on chat (ToolCalling.constraint: under auto
+# in the hermes format, and where the answer must call).
 _TOOL_FIELDS = {"type", "name", "description", "input_schema", "cache_control", "strict", "input_examples", "eager_input_streaming"}
 
 
@@ -428,7 +436,10 @@ def _openai_tools(body: dict) -> dict[str, Any]:
         for key in ("strict", "eager_input_streaming"):
             if tool.get(key) is not None:
                 boolean(tool, key, False, prefix=f"{where}.")
-        converted.append(flat_function_tool(_with_examples(tool, where), where, "input_schema"))
+        flat = flat_function_tool(_with_examples(tool, where), where, "input_schema")
+        if tool.get("strict") is True:
+            flat["function"]["strict"] = True
+        converted.append(flat)
     out: dict[str, Any] = {"tools": converted}
     choice = body.get("tool_choice")
     if choice is not None:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.sampling_params import MIN_SEED
+from engine.structured_output import TOOL_CALLS
 from engine.thinking import Thinking
 from router.errors import InvalidArgumentError
 from router.openai_api.chat_template import ChatTemplate
@@ -196,9 +197,9 @@ class Conversation:
     def apply(self, request: GenerateInput, skip_special_tokens_given: bool) -> None:
         """Make ``request`` (its sampling fields read) this conversation's answer: its prompt,
         its tool choice's grammar, its thinking, and the default max_tokens of a chat."""
-        constraint = self.calling.constraint() if self.calling is not None else None
+        constraint = self.calling.constraint(request.structured) if self.calling is not None else None
         if constraint is not None:
-            if request.structured is not None:
+            if request.structured is not None and constraint.kind != TOOL_CALLS:  # (tool calls take the answer's format in)
                 raise InvalidArgumentError("tool_choice", f"{self.calling.choice} constrains the answer, and {request.structured.field} already does; give one")
             request.structured = constraint
         if self.calling is not None and self.calling.reads_special_tokens and not skip_special_tokens_given:

@@ -21,10 +21,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured_output import StructuredOutput
+from engine.structured_output import CallTag, StructuredOutput
 from router.errors import InvalidArgumentError
 from router.openai_api.tool_arguments import json_or
 from router.openai_api.parser_names import TOOL_CALL_ALIASES, TOOL_CALL_FORMATS
+from router.openai_api.tool_blocks import HERMES_CLOSE, HERMES_OPEN
 from router.openai_api.tool_formats import MISTRAL_CALLS, detect_parser
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -48,8 +49,15 @@ class ToolCalling:
         ``[ARGS]``): its text must keep them (vLLM's Mistral parser asks the same)."""
         return self.choice == "auto" and self.parser == "mistral"
 
-    def constraint(self) -> StructuredOutput | None:
-        """The grammar a required or named choice decodes under."""
+    def constraint(self, answer: StructuredOutput | None = None) -> StructuredOutput | None:
+        """The grammar a required or named choice decodes under; under auto, where the model's
+        format can be written as one (hermes), the grammar that holds a strict tool's calls to
+        its parameters, and with ``answer`` (a response format: a JSON schema or object) the one
+        that lets the answer be that or calls (the format alone left no tool callable: the
+        OpenAI Agents SDK's agents with an output type never called theirs). None: nothing to
+        hold (the answer's own format, if any, stays as it is)."""
+        if self.choice == "auto":
+            return self._auto_constraint(answer)
         if self.choice == "named":
             return StructuredOutput("json_schema", json.dumps(_parameters(self._tool(self.name))), field="tool_choice")
         if self.choice != "required":
@@ -82,6 +90,19 @@ class ToolCalling:
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutput("json_schema", json.dumps(schema), field="tool_choice")
+
+    def _auto_constraint(self, answer: StructuredOutput | None) -> StructuredOutput | None:
+        answer = answer if answer is not None and answer.kind in ("json_schema", "json_object") else None
+        strict = any(tool["function"].get("strict") is True for tool in self.tools)
+        if self.parser != "hermes" or not (strict or answer is not None):
+            return None
+        calls = []
+        for tool in self.tools:
+            function = tool["function"]
+            begin = f'{HERMES_OPEN}\n{{"name": {json.dumps(function["name"], ensure_ascii=False)}, "arguments": '
+            schema = _parameters(tool) if function.get("strict") is True else {"type": "object"}
+            calls.append(CallTag(HERMES_OPEN, begin, schema, f"}}\n{HERMES_CLOSE}"))
+        return StructuredOutput.tool_calls(calls, answer, answer.field if answer is not None else "tools")
 
     def _tool(self, name: str | None) -> dict[str, Any]:
         return next(tool for tool in self.tools if tool["function"]["name"] == name)
@@ -189,6 +210,8 @@ def _check_tool(tool: Any, where: str) -> None:
     unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
     if unknown:
         raise InvalidArgumentError(f"{where}.function.{unknown[0]}", "is not a field of a function")
+    if function.get("strict") is not None and not isinstance(function["strict"], bool):
+        raise InvalidArgumentError(f"{where}.function.strict", f"must be true or false, got {type(function['strict']).__name__}")
     if not isinstance(function.get("name"), str) or not _NAME_RE.fullmatch(function["name"]):
         raise InvalidArgumentError(f"{where}.function.name", "must be 1-64 characters from [A-Za-z0-9_.-]")
     if function.get("parameters") is not None:

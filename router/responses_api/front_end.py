@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from engine.structured_output import TOOL_CALLS
 from router import sse
 from router.errors import ErrorKind, InternalError, InvalidArgumentError, NotFoundError, classify, remote_cause
 from router.openai_api.errors import log_if_internal
@@ -382,9 +383,9 @@ class ResponsesFrontEnd:
         calling = read_tool_calling(api.chat_tools, template.text, self.server.chat.tool_call_parser) if api.chat_tools else None
         if calling is not None and calling.reads_special_tokens:
             api.generate.skip_special_tokens = False
-        constraint = calling.constraint() if calling is not None else None
+        constraint = calling.constraint(api.generate.structured) if calling is not None else None
         if constraint is not None:
-            if api.generate.structured is not None:
+            if api.generate.structured is not None and constraint.kind != TOOL_CALLS:  # (tool calls take text.format in)
                 raise InvalidArgumentError("tool_choice", "and text.format both constrain the answer; give one")
             api.generate.structured = constraint
         system = [{"role": "system", "content": api.instructions}] if api.instructions else []

@@ -483,3 +483,42 @@ def test_a_schema_sent_again_is_compiled_once(monkeypatch):
             check_grammar(bad)
         assert refused.value.field == "guided_regex"
     assert compiled.count(bad.value) == 1
+
+
+def test_sampled_answers_under_a_tool_call_grammar_are_the_format_or_calls_that_run(engine, e2e_model, decode):
+    """The grammar a response format beside tools decodes under (StructuredOutput.tool_calls),
+    through the engine's matchers and masks: every sampled answer is the format's JSON, or
+    calls in the hermes format whose arguments meet their tool's schema."""
+    import jsonschema
+
+    from engine.structured_output import CallTag
+    from router.openai_api.tool_calls import ToolCalling
+    from router.openai_api.tool_parsers import ToolCallOutput
+
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"], "additionalProperties": False}
+    answer = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    tags = [CallTag("<tool_call>", '<tool_call>\n{"name": "get_weather", "arguments": ', weather, "}\n</tool_call>")]
+    structured = StructuredOutput.tool_calls(tags, StructuredOutput("json_schema", json.dumps(answer)), "response_format")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    prompts = random_prompts([12, 30, 5, 21], e2e_model.vocab_size, seed=5)
+    opener = tokenizers.Tokenizer.from_file(str(e2e_model.path / "tokenizer.json")).encode("<", add_special_tokens=False).ids[0]
+    kinds = set()
+    for seed in range(8):
+        # Every other answer is pushed to open with "<" (a random model rarely calls): both ways run.
+        bias = {opener: 30.0} if seed % 2 else {}
+        completion = _generate(engine, prompts[seed % len(prompts)], temperature=1.0, seed=seed, max_tokens=80, structured=structured, logit_bias=bias)
+        text = decode(completion.token_ids)
+        ended = completion.finish_reason.value != "length"
+        reader = ToolCallOutput(ToolCalling(tools, "auto", parser="hermes"))
+        reader.feed(text)
+        reader.finish()
+        if reader.calls:
+            runnable = reader.runnable_calls
+            assert runnable and (ended or len(runnable) >= len(reader.calls) - 1), text  # only a call max_tokens cut may not run
+            for made in runnable:
+                jsonschema.validate(json.loads(made["function"]["arguments"]), weather)
+            kinds.add("calls")
+        elif ended:
+            jsonschema.validate(json.loads(text), answer)
+            kinds.add("answer")
+    assert kinds == {"answer", "calls"}, kinds

@@ -1,0 +1,103 @@
+"""Strict tools under tool_choice auto, and a response format beside tools: the answer's grammar
+holds a call's arguments to its tool's parameters in the model's own format (hermes), and lets
+an answer with a format call its tools instead of writing that format."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import pytest
+import tokenizers
+
+from engine.default_model_path import DEFAULT_MODEL_PATH
+from engine.structured_output import TOOL_CALLS, StructuredOutput, check_grammar
+from router.errors import InvalidArgumentError
+from router.openai_api.tool_calls import read_tool_calling
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}},
+]
+ANSWER = {"type": "object", "properties": {"summary": {"type": "string"}}, "required": ["summary"]}
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def accepts():
+    """Whether a constraint's grammar takes a text whole (under the built-in model's tokenizer)."""
+    tokenizer_json = (DEFAULT_MODEL_PATH / "tokenizer.json").read_text()
+    encode = tokenizers.Tokenizer.from_str(tokenizer_json)
+    eos = json.loads((DEFAULT_MODEL_PATH / "config.json").read_text())["eos_token_id"]
+    llg = llguidance.LLTokenizer(tokenizer_json, n_vocab=encode.get_vocab_size(True), eos_token=eos)
+
+    def accepts(structured: StructuredOutput, text: str) -> bool:
+        matcher = llguidance.LLMatcher(llg, structured.to_llguidance(), log_level=0)
+        return matcher.consume_tokens(encode.encode(text, add_special_tokens=False).ids) and matcher.is_accepting()
+
+    return accepts
+
+
+def _auto(tools=TOOLS, parser="hermes"):
+    return read_tool_calling({"tools": tools}, "", parser)
+
+
+def test_a_strict_tools_calls_are_held_to_its_parameters_under_auto(accepts):
+    """strict: true was accepted and not enforced under auto: a call missing a required key, with
+    one of its own, or with a trailing comma reached the client (the openai SDK's parse helpers
+    raise on it). Text around the calls stays free; a tool without strict takes any object."""
+    constraint = _auto().constraint()
+    assert constraint.kind == TOOL_CALLS and constraint.field == "tools"
+    check_grammar(constraint)
+    good = call("get_weather", '{"city": "Oslo", "unit": "c"}')
+    assert accepts(constraint, "Checking.\n" + good)
+    assert accepts(constraint, good + "\n" + call("get_time", '{"anything": [1, 2]}') + "\nDone.")
+    assert accepts(constraint, "No call needed.")
+    for bad in ('{"city": "Oslo"}', '{"city": "Oslo", "unit": "c", "extra": 1}', '{"city": "Oslo", "unit": "k"}', '{"city": "Oslo", "unit": "c",}'):
+        assert not accepts(constraint, call("get_weather", bad)), bad
+    assert not accepts(constraint, call("get_time", "[1, 2]"))  # arguments are an object
+    assert not accepts(constraint, call("no_such_tool", "{}"))
+
+
+def test_without_strict_tools_or_a_format_auto_is_unconstrained_and_other_formats_too():
+    assert _auto(tools=[TOOLS[1]]).constraint() is None
+    assert _auto(parser="llama3_json").constraint() is None  # (its calls are not written as tags here)
+    with pytest.raises(InvalidArgumentError) as refused:
+        _auto(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}])
+    assert refused.value.field == "tools[0].function.strict"
+
+
+def test_a_response_format_beside_tools_lets_the_answer_call_them(accepts):
+    """A json_schema answer format with tools under auto held the whole answer to the format: no
+    tool could be called (the OpenAI Agents SDK's agents with an output type never called theirs).
+    The answer is the format's JSON, or calls, and nothing else."""
+    answer = StructuredOutput("json_schema", json.dumps(ANSWER), field="response_format.json_schema")
+    constraint = _auto(tools=[TOOLS[1]]).constraint(answer)
+    assert constraint.kind == TOOL_CALLS and constraint.field == "response_format.json_schema"
+    assert accepts(constraint, '{"summary": "Sunny."}')
+    assert accepts(constraint, call("get_time", '{"zone": "UTC"}'))
+    assert not accepts(constraint, "Free text.")
+    assert not accepts(constraint, '{"summary": "Sunny.", "more": 1}')
+    assert _auto(tools=[TOOLS[1]]).constraint(StructuredOutput("regex", "[a-z]+")) is None  # kept as it is
+
+
+def test_each_api_takes_the_format_in_beside_auto_tools():
+    """Chat, the Responses API and Anthropic's output_config.format: one grammar, not a refusal
+    or a format that leaves the tools uncallable."""
+    from router.anthropic_api.protocol import _constraint
+    from router.openai_api.protocol import Conversation
+    from router.validation import GenerateInput
+
+    calling = _auto(tools=[TOOLS[1]])
+    request = GenerateInput(structured=StructuredOutput("json_schema", json.dumps(ANSWER), field="response_format"))
+    Conversation("prompt", calling, None).apply(request, False)
+    assert request.structured.kind == TOOL_CALLS
+    body = {"output_config": {"format": {"type": "json_schema", "schema": ANSWER}}}
+    assert _constraint(body, calling).kind == TOOL_CALLS
+    forced = read_tool_calling({"tools": [TOOLS[1]], "tool_choice": "required"}, "", "hermes")
+    with pytest.raises(InvalidArgumentError):
+        _constraint(body, forced)
