@@ -344,10 +344,12 @@ def _within_cap(prefill: int, decode: int, config: AutoscalerConfig) -> tuple[in
 
 
 def observed_sizes(pools) -> tuple[int, int]:
-    """Routable workers per pool of a ``PoolManager``."""
+    """Workers per pool of a ``PoolManager``, the replacements of dead ones still starting
+    included: counted out, a tick that grew the other pool applied this one's size without them,
+    and the scale (which counts them) drained a ready worker in their place."""
     from router.pool import Role
 
-    return pools.size(Role.PREFILL), pools.size(Role.DECODE)
+    return pools.num_coming(Role.PREFILL), pools.num_coming(Role.DECODE)
 
 
 async def apply_sizes(pools, num_prefill: int, num_decode: int) -> None:

@@ -399,6 +399,11 @@ class PoolManager(PoolFollower):
                     f"{available.get(resource, 0.0):g} free"
                 )
 
+    def num_coming(self, role: Role) -> int:
+        """The pool's routable workers and the replacements of dead ones still starting: what it
+        holds once they land (what ``scale`` counts from)."""
+        return self.size(role) + self._num_launching[role]
+
     async def scale(self, role: Role, replicas: int) -> int:
         """Grow or shrink a pool to ``replicas`` routable workers; return the previous size."""
         draining: list[asyncio.Task] = []
@@ -406,7 +411,7 @@ class PoolManager(PoolFollower):
             previous = self.size(role)
             # Replacements of dead workers still starting count: they join the pool (else the
             # pool would end above ``replicas``, and nothing shrinks it back).
-            coming = previous + self._num_launching[role]
+            coming = self.num_coming(role)
             self._set_desired(role, replicas)
             if replicas > coming:
                 launches = await asyncio.gather(*(self._launch(role, replicas - coming) for _ in range(replicas - coming)),

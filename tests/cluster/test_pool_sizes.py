@@ -475,3 +475,29 @@ def test_adopting_a_worker_that_stops_answering_is_bounded(monkeypatch):
 
     assert asyncio.run(scenario()), "adopting a hung worker waited for good"
     assert not host.pool.workers
+
+
+def test_the_autoscaler_counts_a_replacement_still_starting_and_drains_no_ready_worker_for_it(tmp_path):
+    """A decode worker died and its replacement loads for minutes. The autoscaler saw one worker
+    fewer, and a tick that grew the prefill pool applied decode's size as it saw it: the scale,
+    which counts the replacement, drained a ready worker in its place."""
+    from cluster.autoscaler import apply_sizes, observed_sizes
+
+    async def scenario():
+        manager, gates = _manager(tmp_path, 2)
+        pool = manager.router.pool
+        for name in ("decode-a", "decode-b"):
+            pool.add(WorkerRecord(name, Role.DECODE, handle=None))
+        manager._on_unhealthy(pool.workers["decode-b"], "health check timed out")  # its replacement starts
+        await asyncio.sleep(0)
+        prefill, decode = observed_sizes(manager)
+        assert decode == 2
+        applying = asyncio.create_task(apply_sizes(manager, prefill, decode))
+        await asyncio.sleep(0.01)
+        assert _ready(manager) == ["decode-a"]  # nothing drained meanwhile
+        await _settle(gates)
+        await asyncio.wait_for(applying, 5)
+        await _settle(gates)
+        return _ready(manager)
+
+    assert len(asyncio.run(scenario())) == 2
