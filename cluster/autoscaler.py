@@ -297,7 +297,7 @@ def planned_sizes(planner: Planner, config: AutoscalerConfig, snapshot: TrafficS
     if snapshot.num_finished:
         mix = replace(
             mix, input_len=max(1, round(snapshot.mean_prompt_tokens)), output_len=max(1, round(snapshot.mean_output_tokens)),
-            long_fraction=0.0,
+            long_fraction=0.0, trace=None, lengths=None,  # the observed means, not a configured trace's lengths
         )
     planner = replace(planner, mix=mix)
     plan = planner.plan(rate * config.headroom)

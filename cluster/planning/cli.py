@@ -230,7 +230,7 @@ def run_plan(args: argparse.Namespace) -> int:
             day = plan_day(planners[0], mix, args.out, headroom=args.headroom)
             print(day.summary())
             return 0 if day.all_feasible else 1
-        rate = args.rate if args.rate is not None else mix.rate
+        rate = args.rate if args.rate is not None else (mix.trace_rate or mix.rate)  # a trace's own rate
         started = time.perf_counter()
         plans = [planner.plan(rate) for planner in planners]
     except ValueError as exc:

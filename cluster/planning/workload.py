@@ -17,6 +17,8 @@ A workload file (YAML or JSON) describes either a synthetic load or a trace:
       peak_at_s: 50400      # 14:00
 
 or ``trace: [[offset_s, prompt_tokens, output_tokens], ...]`` (what a benchmark sent, replayed).
+``lengths: [[prompt_tokens, output_tokens], ...]`` in place of input_len and output_len draws
+each request's lengths from those (a trace planned for at other rates: its mix).
 Arrivals are generated lazily in blocks, so a day of a 100-worker cluster's traffic (millions
 of requests) never sits in memory at once.
 """
@@ -65,6 +67,9 @@ class WorkloadModel:
     long_input_len: int = 1024
     diurnal: Diurnal | None = None
     trace: list[tuple[float, int, int]] | None = None
+    # A trace's requests as a mix: each synthetic request takes the (prompt, output) lengths of one
+    # drawn from them (what the planner sweeps a trace's mix at other rates with).
+    lengths: list[tuple[int, int]] | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)  # fields a caller keeps alongside (ignored here)
 
@@ -97,6 +102,13 @@ class WorkloadModel:
                 values["trace"] = [(float(t), int(p), int(o)) for t, p, o in values["trace"]]
             except (TypeError, ValueError):
                 raise ValueError("workload.trace: must be a list of [offset_s, prompt_tokens, output_tokens]") from None
+        if values.get("lengths") is not None:
+            try:
+                values["lengths"] = [(int(p), int(o)) for p, o in values["lengths"]]
+            except (TypeError, ValueError):
+                raise ValueError("workload.lengths: must be a list of [prompt_tokens, output_tokens]") from None
+            if not values["lengths"] or any(p < 1 or o < 1 for p, o in values["lengths"]):
+                raise ValueError("workload.lengths: needs requests, each with >= 1 prompt and >= 1 output token")
         model = cls(**values)
         model.validate()
         return model
@@ -107,6 +119,8 @@ class WorkloadModel:
             out["diurnal"] = {f.name: getattr(self.diurnal, f.name) for f in fields(Diurnal)}
         if self.trace is not None:
             out["trace"] = [list(r) for r in self.trace]
+        if self.lengths is not None:
+            out["lengths"] = [list(r) for r in self.lengths]
         return out
 
     def validate(self) -> None:
@@ -131,21 +145,39 @@ class WorkloadModel:
             self.diurnal.validate()
 
     def with_rate(self, rate: float) -> "WorkloadModel":
-        """The same request mix at another constant rate (what the planner sweeps)."""
+        """The same request mix at another constant rate (what the planner sweeps); a trace's
+        mix is its requests' lengths, drawn at random (it lost them: a trace was planned for as
+        256-token prompts, or refused for giving no duration)."""
         data = self.to_dict()
         data.update(rate=rate, diurnal=None, trace=None)
+        if self.trace is not None:
+            data.update(lengths=[[p, o] for _, p, o in self.trace], duration_s=None, num_requests=max(1, len(self.trace)))
         return WorkloadModel.from_dict(data)
+
+    @property
+    def trace_rate(self) -> float | None:
+        """A trace's own rate: its requests over the span of their arrivals (None: no trace, or
+        too short to tell)."""
+        if not self.trace or len(self.trace) < 2:
+            return None
+        offsets = [t for t, _, _ in self.trace]
+        span = max(offsets) - min(offsets)
+        return (len(self.trace) - 1) / span if span > 0 else None
 
     @property
     def mean_input_len(self) -> float:
         if self.trace is not None:
             return float(np.mean([p for _, p, _ in self.trace])) if self.trace else 0.0
+        if self.lengths is not None:
+            return float(np.mean([p for p, _ in self.lengths]))
         return (1 - self.long_fraction) * self.input_len + self.long_fraction * self.long_input_len
 
     @property
     def mean_output_len(self) -> float:
         if self.trace is not None:
             return float(np.mean([o for _, _, o in self.trace])) if self.trace else 0.0
+        if self.lengths is not None:
+            return float(np.mean([o for _, o in self.lengths]))
         return float(self.output_len)
 
     def requests(self) -> Iterator[tuple[float, int, int]]:
@@ -179,6 +211,10 @@ class WorkloadModel:
                 yield when, prompt, output
 
     def _lengths(self, rng: np.random.Generator, n: int) -> tuple[list[int], list[int]]:
+        if self.lengths is not None:
+            drawn = np.asarray(self.lengths)[rng.integers(0, len(self.lengths), n)]
+            return drawn[:, 0].tolist(), drawn[:, 1].tolist()
+
         def spread(length: int) -> np.ndarray:
             low = max(1, int(length * (1 - self.range_ratio)))
             high = max(low, int(length * (1 + self.range_ratio)))

@@ -1205,3 +1205,19 @@ def test_an_overload_no_shape_meets_scales_to_the_shape_that_comes_closest(tmp_p
     closest = scaler.planner.closest(scaler.planner.plan(50.0))
     assert (prefill, decode) == (closest.num_prefill, closest.num_decode) and prefill + decode > 2
     assert "the closest" in reason
+
+
+def test_a_trace_is_planned_for_with_its_own_lengths_and_rate():
+    """A trace given to the planner (pdserve plan --workload trace.json) lost its requests: the
+    sweep's workload refused it for giving no duration, or, with num_requests, planned for the
+    default 256-token prompts; --rate defaulted to 1 req/s, not the trace's."""
+    trace = [(0.5 * i, 2500 if i % 2 else 1500, 8) for i in range(40)]  # 2 req/s, prompts of 1500 and 2500 tokens
+    mix = WorkloadModel(trace=trace)
+    assert mix.trace_rate == pytest.approx(2.0)
+    planner = Planner(make_profile(), mix, SLO(800.0, 40.0), max_workers=4, min_requests=60, max_requests=60)
+    swept = planner.workload_at(3.0)
+    lengths = {(p, o) for _, p, o in swept.requests()}
+    assert lengths == {(1500, 8), (2500, 8)}
+    assert swept.mean_input_len == pytest.approx(2000.0)
+    assert WorkloadModel.from_dict(swept.to_dict()).lengths == swept.lengths
+    assert planner.plan(2.0).candidates  # it plans
