@@ -120,13 +120,14 @@ class Autoscaler:
 
     @classmethod
     def from_config(cls, config: AutoscalerConfig, observe, current, apply, clock=time.monotonic,
-                    pipeline: PipelineSettings | None = PipelineSettings()) -> "Autoscaler":
+                    pipeline: PipelineSettings | None = PipelineSettings(), aggregated: bool = False) -> "Autoscaler":
         """``pipeline``: how the deployment's router pipelines long prompts (the planner's
-        simulations do as it does; None: it does not)."""
+        simulations do as it does; None: it does not); ``aggregated``: it never disaggregates
+        (only decode workers are planned: a prefill worker would get no prompt)."""
         profile = Profile.load(config.profile)
         mix = WorkloadModel(rate=1.0, num_requests=1, input_len=256, output_len=64, range_ratio=0.5)
         planner = Planner(profile, mix, SLO(config.slo_ttft_ms, config.slo_tpot_ms, config.percentile), config.max_workers,
-                          pipeline=pipeline)
+                          pipeline=pipeline, aggregated=aggregated)
         return cls(config, planner, observe, current, apply, clock)
 
     def start(self) -> None:

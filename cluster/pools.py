@@ -47,7 +47,7 @@ from engine.default_model_path import DEFAULT_MODEL_PATH
 from engine.stats import WorkerState
 from kvtransfer.agent import KVTransferConfig
 from prefill_workers.worker import PrefillWorker
-from router.config import RouterConfig
+from router.config import Disaggregation, RouterConfig
 from router.errors import FailedPreconditionError, UnavailableError
 from cluster.node_check import check_nodes
 from cluster.pool_follower import WORKER_NAMESPACE, PoolFollower, durable_worker_names
@@ -239,7 +239,7 @@ class PoolManager(PoolFollower):
 
             self.autoscaler = Autoscaler.from_config(
                 self.spec.autoscaler, self.router.traffic.snapshot, lambda: observed_sizes(self), lambda p, d: apply_sizes(self, p, d),
-                pipeline=PipelineSettings.of(self.spec.router),
+                pipeline=PipelineSettings.of(self.spec.router), aggregated=self.spec.router.disaggregation is Disaggregation.NEVER,
             )
             self.autoscaler.start()
 

@@ -118,6 +118,9 @@ class Planner:
     # How the deployment's router pipelines long prompts over the prefill pool (the router's
     # defaults; None: it does not).
     pipeline: PipelineSettings | None = PipelineSettings()
+    # The router never disaggregates (router.disaggregation: never): the decode workers prefill
+    # every prompt, so only shapes without prefill workers serve as simulated.
+    aggregated: bool = False
 
     def __post_init__(self) -> None:
         self.slo.validate()
@@ -159,7 +162,7 @@ class Planner:
             raise ValueError(f"rate: must be > 0, got {rate}")
         search = _Search(self, rate)
         search.fewest(lambda d: (0, d), self.room("decode", 0))
-        disaggregated = search.coordinate_descent(self._prefill_estimate(rate))
+        disaggregated = None if self.aggregated else search.coordinate_descent(self._prefill_estimate(rate))
         if disaggregated is not None:
             p, d = disaggregated
             # Trading one worker of a pool for one of the other can be cheaper when costs differ.

@@ -1221,3 +1221,15 @@ def test_a_trace_is_planned_for_with_its_own_lengths_and_rate():
     assert swept.mean_input_len == pytest.approx(2000.0)
     assert WorkloadModel.from_dict(swept.to_dict()).lengths == swept.lengths
     assert planner.plan(2.0).candidates  # it plans
+
+
+def test_a_deployment_that_never_disaggregates_is_planned_without_prefill_workers(tmp_path):
+    """router.disaggregation: never, so the decode workers prefill every prompt: the plan could
+    add prefill workers, which got no prompt, and size decode as if prompts went to them."""
+    config = AutoscalerConfig(make_profile().save(tmp_path / "p.json"), slo_ttft_ms=800.0, slo_tpot_ms=40.0, headroom=1.0, max_workers=8)
+    scaler = Autoscaler.from_config(config, None, lambda: (1, 1), None, aggregated=True)
+    scaler.planner.min_requests, scaler.planner.max_requests = 400, 600
+    for rate in (1.0, 5.0, 20.0):
+        plan = scaler.planner.plan(rate)
+        assert all(candidate.num_prefill == 0 for candidate in plan.candidates)
+        assert not plan.feasible or plan.num_prefill == 0
