@@ -362,7 +362,11 @@ class Dispatcher:
         active.assembler.decode_worker_id = decode.worker_id
         active.assembler.prefill_worker_id = ""
         self._ensure_collector(decode)
-        active.assembler.timing.dispatched = time.monotonic()
+        if active.assembler.timing.dispatched is None:
+            # Its first dispatch ends its wait at the router: one dispatched again after a worker
+            # died counted its whole first attempt as router queue (the autoscaler's queue
+            # correction read migrations as a short decode pool).
+            active.assembler.timing.dispatched = time.monotonic()
         if destination is not None:
             active.destination = destination
             prefill = self._prefill(active, destination, query) if plan is None else self._prefill_pipeline(active, destination, plan)

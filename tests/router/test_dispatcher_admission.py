@@ -466,3 +466,52 @@ def test_a_write_refused_by_a_restarted_decode_actor_or_its_lease_is_placed_agai
     outcome = asyncio.run(scenario())
     assert isinstance(outcome, Restart) and outcome.prefill_failed
     assert ("restarted" if kind == "stale_epoch" else "lease") in outcome.reason
+
+
+def test_a_request_dispatched_again_keeps_its_first_dispatch_as_the_end_of_its_router_queue():
+    """A stream moved after its decode actor died is dispatched again: its router queue time ran
+    to the second dispatch, its whole first attempt counted as waiting at the router (a decode
+    pool short of room to the autoscaler's queue correction, seconds in each such stream's
+    timing)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from decode_workers.messages import DecodeReport
+
+    pool = WorkerPool()
+    dispatcher = Dispatcher(pool, RouterConfig())
+
+    def handle():
+        async def add_local(request):
+            return SimpleNamespace(token=1)
+
+        async def poll_outputs(timeout_s, router_id):
+            await asyncio.sleep(timeout_s)
+            return DecodeReport([], 1000)
+
+        return SimpleNamespace(add_local=_Call(add_local), reserve=_Call(add_local), poll_outputs=_Call(poll_outputs))
+
+    for worker_id in ("decode-0", "decode-1"):
+        pool.add(WorkerRecord(worker_id, Role.DECODE, handle=handle(), num_reservable_blocks=1000))
+    grants = iter(["decode-0", "decode-1"])
+
+    async def wait_for_room(request, order, query):
+        return pool.workers[next(grants)]
+
+    dispatcher._wait_for_room = wait_for_room
+    active = _active("a")
+    active.assembler.timing = SimpleNamespace(dispatched=None)
+    active.assembler.prefill_worker_id = ""
+
+    async def scenario():
+        dispatcher.admit(active)
+        await asyncio.wait_for(dispatcher.dispatch(active), 5)
+        first = active.assembler.timing.dispatched
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(dispatcher.dispatch(active), 5)  # as a migration does
+        for task in dispatcher._collectors.values():
+            task.cancel()
+        return first
+
+    first = asyncio.run(scenario())
+    assert first is not None and active.assembler.timing.dispatched == first
