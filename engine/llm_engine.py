@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -87,6 +88,28 @@ class Completion:
     finish_reason: FinishReason
     logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt token i + 1's at i
+
+
+RANK_STOP_WAIT_S = 30.0  # how long a failed engine waits for its ranks to take its stop
+
+
+def _tell_ranks_to_stop(group: TPGroup, launcher: RankLauncher) -> None:
+    """Broadcast STOP to the ranks of an engine that failed after they loaded, bounded: a rank
+    that died before it served (its own KV cache's allocation) would hold the broadcast for good
+    (NCCL's first collective waits for every rank). The launcher's stop ends them either way."""
+    try:
+        getattr(launcher, "check_alive", lambda: None)()
+    except Exception:
+        return  # a rank is gone: no broadcast can complete
+    sent = threading.Event()
+
+    def send() -> None:
+        with contextlib.suppress(Exception):
+            group.broadcast_from_first(STOP)
+        sent.set()
+
+    threading.Thread(target=send, name="tell-ranks-to-stop", daemon=True).start()
+    sent.wait(RANK_STOP_WAIT_S)
 
 
 class LLMEngine:
@@ -174,8 +197,7 @@ class LLMEngine:
                 # The ranks it started would wait for rank 0 forever (a failure after the load
                 # too: the KV cache's allocation, a draft model's load, the kernels' warm-up).
                 if loaded is not None:  # they serve: told to stop, they end now, not killed after a wait
-                    with contextlib.suppress(Exception):
-                        group.broadcast_from_first(STOP)
+                    _tell_ranks_to_stop(group, self.rank_launcher)
                 self.rank_launcher.stop()
             raise
         self.num_steps = 0
@@ -373,7 +395,7 @@ class LLMEngine:
             "head_dim": self.model_config.head_dim,
             "block_size": self.kv_cache.block_size,
             "block_scales": self.kv_cache.quantized is not None,
-            "weights": weights_digest(self.model_path, self.dtype),
+            "weights": weights_digest(self.model_path),
             "rope": self.runner.model.rotary.schedule_digest,
         }
 

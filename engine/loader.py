@@ -105,22 +105,26 @@ def load_model(
     return LoadedModel(model=model, config=config, dtype=torch_dtype, eos_token_ids=eos_ids, model_dir=model_dir)
 
 
-def weights_digest(model_dir: str | Path, dtype: torch.dtype) -> str:
-    """A short digest of the checkpoint's weights as a model in ``dtype`` holds them: each
-    tensor's name, shape, and first and last rows (a row's elements; a 1-d tensor's first 64),
-    read whole from the files, so every tensor-parallel size and every split of the files gives
-    the same, and a float32 copy of a bfloat16 model matches it in bfloat16. Two workers whose
-    KV blocks are copied between them must hold the same weights: a fine-tune with its base's
-    config.json computes other KV, and its blocks decode to garbage."""
+def weights_digest(model_dir: str | Path) -> str:
+    """A short digest of the checkpoint's weights: each tensor's name, shape, and first and last
+    rows (a row's elements; a 1-d tensor's first 64) as float32 values, read whole from the
+    files, so every tensor-parallel size, every split of the files and every dtype the engines
+    run in gives the same. Two workers whose KV blocks are copied between them must hold the same
+    weights: a fine-tune with its base's config.json computes other KV, and its blocks decode to
+    garbage. (Rotary frequency buffers some checkpoints save are no weights: left out.)"""
     digest = hashlib.sha256()
     with CheckpointReader(Path(model_dir)) as reader:
         for name in sorted(reader.names):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
             shape = reader.shape(name)
             rows = shape[0] if shape else 1
-            if len(shape) <= 1:
-                pieces = [reader.read(name, dtype, 0, 0, min(rows, 64))] if shape else [reader.read(name, dtype)]
+            if not shape:
+                pieces = [reader.read(name, torch.float32)]
+            elif len(shape) == 1 or rows == 0:
+                pieces = [reader.read(name, torch.float32, 0, 0, min(rows, 64))]
             else:
-                pieces = [reader.read(name, dtype, 0, 0, 1), reader.read(name, dtype, 0, rows - 1, rows)]
+                pieces = [reader.read(name, torch.float32, 0, 0, 1), reader.read(name, torch.float32, 0, rows - 1, rows)]
             digest.update(f"{name}:{shape};".encode())
             for piece in pieces:
                 digest.update(piece.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -248,6 +248,12 @@ class Sampler:
         seq.generator.manual_seed(key)
         return seq.generator
 
+    def _own_generator(self, seq: Sequence) -> torch.Generator:
+        """``draw_generator``'s, as a generator of the row's own (a seeded one: a new one keyed
+        as it would be), for rows that draw more than once in a step side by side."""
+        key = self.draw_key(seq)
+        return self.default_generator if key is None else self.make_generator(key)
+
     @staticmethod
     def draw_key(seq: Sequence, salt: int = 0) -> int | None:
         """A seeded request's key for the token it draws now (None: unseeded), from its seed and
@@ -346,29 +352,30 @@ class Sampler:
             for local, token in zip(fused, picks):
                 tokens[local] = token
         taken = set(fused)
-        undecided_rows: set[int] = set()
+        undecided_rows: dict[int, torch.Generator] = {}
         # Rows without top-k (no filter, top-p, min-p) draw by rejection (_draw_by_rejection): no sort.
         chosen = [i for i in range(len(rows)) if i not in taken and _rejection_draw_applies(seqs[rows[i]].params)]
         if chosen:
             weights = self._scratch(len(chosen), logits)
             _exp_scaled(_rows_of(logits, [rows[i] for i in chosen]), [seqs[rows[i]].params for i in chosen], out=weights)
-            generators = [self.draw_generator(seqs[rows[i]]) for i in chosen]
+            # A seeded row draws its rounds from a generator of its own, keyed by its position: a
+            # sequence's rows (its drafts' and its own) share the sequence's generator, and
+            # re-seeded in turn, every row drew from the last one's key.
+            generators = [self._own_generator(seqs[rows[i]]) for i in chosen]
             picks, undecided = _draw_by_rejection(weights, [seqs[rows[i]].params for i in chosen], generators)
             for local, token in enumerate(picks):
                 tokens[chosen[local]] = token
             taken.update(chosen[local] for local in range(len(chosen)) if local not in undecided)
             # A row the rounds left undecided draws on from its generator as the rounds left it:
             # re-seeded, it gave round one's uniform again, which that round's rejection conditions.
-            undecided_rows = {chosen[local] for local in undecided}
+            undecided_rows = {chosen[local]: generators[local] for local in undecided}
         rest = [i for i in range(len(rows)) if i not in taken]
         if not rest:
             return tokens
 
         def generator(i: int) -> torch.Generator:
-            seq = seqs[rows[i]]
-            if i in undecided_rows and seq.generator is not None:
-                return seq.generator
-            return self.draw_generator(seq)
+            """(Re-seeded here, a row's generator gives its uniform at once, below.)"""
+            return undecided_rows[i] if i in undecided_rows else self.draw_generator(seqs[rows[i]])
 
         params = [seqs[rows[i]].params for i in rest]
         for group in _sampling_groups(_rows_of(logits, [rows[i] for i in rest]), params):

@@ -503,3 +503,23 @@ def test_a_seeded_rows_tokens_are_its_seeds_whether_or_not_it_got_a_draft():
         drafted = [sampler.sample(logits, [seq], draft_token_ids=[likely])[0][0] for seq in seqs]
         assert drafted == alone, params
         assert likely in alone and len(set(alone)) > 5
+
+
+def test_a_seeded_sequences_draft_rows_each_draw_their_own_positions_token():
+    """A sequence verifying k drafts is k + 1 rows sharing its generator. Drawn side by side,
+    each row re-seeded that one generator in turn and drew from the last row's key: the tokens
+    were not their positions' (and repeated across steps). Each row draws what its position
+    draws alone."""
+    from engine.speculation import DraftRow
+
+    generator = torch.Generator().manual_seed(43)
+    logits = torch.randn(1, 300, generator=generator) * 0.6
+    for params in (SamplingParams(temperature=1.0, seed=0), SamplingParams(temperature=0.8, top_p=0.9, seed=0)):
+        for seed in range(20):
+            seq = Sequence(req_id="s", token_ids=[0], num_prompt_tokens=1, params=dataclasses.replace(params, seed=seed),
+                           generator=Sampler.make_generator(seed))
+            rows = [seq, DraftRow(seq, [5]), DraftRow(seq, [5, 9])]
+            sampler = Sampler(seed=3)
+            alone = [sampler.sample(logits, [row])[0][0] for row in rows]
+            together = [token for token, _ in sampler.sample(logits.repeat(3, 1), rows, draft_token_ids=[5, 9, None])]
+            assert together == alone, (params, seed)
