@@ -249,6 +249,8 @@ class Autoscaler:
             self._shrink = None
             sizes = [max(planned[0], current[0]), max(planned[1], current[1])]
             over = sum(sizes) - self.config.max_workers
+            if over > 0 and not settled:
+                return None  # a move between the pools drains workers: once the last change has landed
             for pool in (0, 1):
                 if over > 0 and planned[pool] < current[pool]:
                     given = min(over, current[pool] - planned[pool])
@@ -307,11 +309,13 @@ def planned_sizes(planner: Planner, config: AutoscalerConfig, snapshot: TrafficS
         reason = f"plan for {rate * config.headroom:.2f} req/s{few}"
         base = max(config.min_prefill, prefill), max(config.min_decode, decode)
     elif (closest := planner.closest(plan)) is not None:
-        # Overload no shape meets: the one that comes closest (kept, the pools stayed as they were
-        # and grew a worker a window through the queue correction: minutes behind a spike).
-        prefill, decode = closest.num_prefill, closest.num_decode
+        # Overload no shape meets: grown toward the one that comes closest (kept, the pools stayed
+        # as they were and grew a worker a window through the queue correction: minutes behind a
+        # spike). Only grown: the closest shape moves with the load, and workers moved between
+        # the pools in overload would be capacity lost while the new ones load.
+        prefill, decode = max(closest.num_prefill, current[0]), max(closest.num_decode, current[1])
         reason = (f"no shape within {config.max_workers} workers meets the SLO at {rate * config.headroom:.2f} req/s{few}; "
-                  f"the closest: {prefill} prefill, {decode} decode")
+                  f"the closest: {closest.num_prefill} prefill, {closest.num_decode} decode")
         base = max(config.min_prefill, prefill), max(config.min_decode, decode)
     else:
         prefill, decode = current

@@ -61,13 +61,15 @@ class Candidate:
     ttft_ms: float | None
     tpot_ms: float | None
     fits: bool = True  # every prompt fits a decode worker's KV cache (a rejection for a full queue is overload)
+    served: float = 1.0  # the share of the requests it completed
 
     def shortfall(self, slo: SLO) -> float | None:
         """How far the shape is from the SLO: its worse latency over its target (at most 1: it
-        meets it; an overloaded shape's requests that completed); None where some prompt fits no worker."""
-        if not self.fits or self.ttft_ms is None:
+        meets it), over the share of requests it served (an overloaded shape's latencies are its
+        completed requests'); None where some prompt fits no worker."""
+        if not self.fits or self.ttft_ms is None or self.served <= 0:
             return None
-        return max(self.ttft_ms / slo.ttft_ms, (self.tpot_ms or 0.0) / slo.tpot_ms)
+        return max(self.ttft_ms / slo.ttft_ms, (self.tpot_ms or 0.0) / slo.tpot_ms) / self.served
 
 
 @dataclass(slots=True)
@@ -212,7 +214,8 @@ class _Search:
             ok, result = self.planner.evaluate(self.rate, num_prefill, num_decode)
             self.verdicts[shape], self.results[shape] = ok, result
             pct = self.planner.slo.percentile
-            self.candidates.append(Candidate(num_prefill, num_decode, ok, result.ttft.percentile(pct), result.tpot.percentile(pct), not result.too_long))
+            served = result.completed / result.num_requests if result.num_requests else 1.0
+            self.candidates.append(Candidate(num_prefill, num_decode, ok, result.ttft.percentile(pct), result.tpot.percentile(pct), not result.too_long, served))
         return self.verdicts[shape]
 
     def fewest(self, shape_of, most: int) -> int | None:

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from engine import bounded_json
 from router import sse
 from router.anthropic_api.protocol import read_count_tokens, read_messages
 from router.errors import ErrorKind, classify
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, log_if_internal, retry_after_headers
 from router.openai_api.reasoning import ReasoningSplitter
+from router.openai_api.tool_arguments import json_or
 from router.openai_api.tool_parsers import OutputPart, ToolCallDelta, ToolCallOutput, split_answer
 from router.output_stream import OutputChunk, StreamEnd, end_failure
 from router.session import GenerationSession
@@ -274,11 +274,11 @@ def _tool_input(block: dict[str, Any]) -> dict[str, Any] | None:
 
 def _input_object(text: str) -> dict[str, Any] | None:
     """A call's input parsed from its JSON text (empty: {}); None where that is no object (invalid,
-    or past bounded_json's limits: an integer of 5,000 digits)."""
-    try:
-        arguments = bounded_json.loads(text) if text else {}
-    except ValueError:
-        return None
+    strict JSON's rules included, as the tool parsers judge a call: NaN is none; or past
+    bounded_json's limits: an integer of 5,000 digits)."""
+    if not text:
+        return {}
+    arguments = json_or(text, None)
     return arguments if isinstance(arguments, dict) else None
 
 

@@ -21,7 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured_output import CallTag, StructuredOutput
+from engine.errors import InvalidRequestError
+from engine.structured_output import CallTag, StructuredOutput, check_grammar
 from router.errors import InvalidArgumentError
 from router.openai_api.tool_arguments import json_or
 from router.openai_api.parser_names import TOOL_CALL_ALIASES, TOOL_CALL_FORMATS
@@ -92,15 +93,16 @@ class ToolCalling:
         return StructuredOutput("json_schema", json.dumps(schema), field="tool_choice")
 
     def _auto_constraint(self, answer: StructuredOutput | None) -> StructuredOutput | None:
-        answer = answer if answer is not None and answer.kind in ("json_schema", "json_object") else None
-        strict = any(tool["function"].get("strict") is True for tool in self.tools)
-        if self.parser != "hermes" or not (strict or answer is not None):
+        if answer is not None and answer.kind not in ("json_schema", "json_object"):
+            return None  # a regex, choice or grammar answer stays as the client gave it
+        held = [index for index, tool in enumerate(self.tools) if tool["function"].get("strict") is True and _compiles(_parameters(tool))]
+        if self.parser != "hermes" or not (held or answer is not None):
             return None
         calls = []
-        for tool in self.tools:
+        for index, tool in enumerate(self.tools):
             function = tool["function"]
             begin = f'{HERMES_OPEN}\n{{"name": {json.dumps(function["name"], ensure_ascii=False)}, "arguments": '
-            schema = _parameters(tool) if function.get("strict") is True else {"type": "object"}
+            schema = _parameters(tool) if index in held else {"type": "object"}
             calls.append(CallTag(HERMES_OPEN, begin, schema, f"}}\n{HERMES_CLOSE}"))
         return StructuredOutput.tool_calls(calls, answer, answer.field if answer is not None else "tools")
 
@@ -225,6 +227,17 @@ def _check_schema(schema: Any, where: str) -> None:
         raise InvalidArgumentError(where, f"must be a JSON schema object, got {type(schema).__name__}")
     if schema.get("properties") is not None and not isinstance(schema["properties"], dict):
         raise InvalidArgumentError(f"{where}.properties", f"must be an object of the parameters' schemas, got {type(schema['properties']).__name__}")
+
+
+def _compiles(schema: dict[str, Any]) -> bool:
+    """Whether a strict tool's parameters make a grammar: one using what llguidance does not
+    hold a value to (``uniqueItems``, as pydantic writes a set) is read as written, as before
+    strict was held (not refused: a client's strict default would fail every request)."""
+    try:
+        check_grammar(StructuredOutput("json_schema", json.dumps(schema), field="tools"))
+    except InvalidRequestError:
+        return False
+    return True
 
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -355,6 +356,9 @@ class ResponsesFrontEnd:
                 # Its router died during each run: the response may be what ends it (a
                 # conversation that runs the router out of memory), run again at every restart.
                 raise InternalError(f"its router died during each of its {entry.runs} runs")
+            # Counted before anything of it runs: rendering a huge conversation may be what ends
+            # the router, and a run not counted would come again at every restart.
+            await self.store.put(response_id, dataclasses.replace(entry, runs=entry.runs + 1))
             api = read_responses(entry.request)
             state, validated, conversation = await self._prepare(api, response_id)
             state.created_at = entry.response.get("created_at", state.created_at)

@@ -1185,6 +1185,7 @@ def test_a_plan_that_moves_workers_between_pools_at_max_workers_gets_there(tmp_p
                               max_workers=16, scale_down_delay_s=0.0)
     now = [0.0]
     scaler = Autoscaler.from_config(config, None, lambda: (10, 6), None, clock=lambda: now[0])
+    assert scaler._with_hysteresis((4, 10), (10, 6), settled=False) is None  # a change still lands: no move yet
     assert scaler._with_hysteresis((4, 10), (10, 6)) == (6, 10)
     assert scaler._with_hysteresis((4, 10), (6, 10)) is None  # a shrink: after its delay
     now[0] += 1.0
@@ -1203,8 +1204,12 @@ def test_an_overload_no_shape_meets_scales_to_the_shape_that_comes_closest(tmp_p
     assert not scaler.planner.plan(50.0).feasible
     (prefill, decode), reason = scaler.target(spike, (1, 1))
     closest = scaler.planner.closest(scaler.planner.plan(50.0))
-    assert (prefill, decode) == (closest.num_prefill, closest.num_decode) and prefill + decode > 2
+    from cluster.autoscaler import _within_cap
+
+    assert (prefill, decode) == _within_cap(max(closest.num_prefill, 1), max(closest.num_decode, 1), config) and prefill + decode > 2
     assert "the closest" in reason
+    # At the cap already, overload moves no worker between the pools (capacity lost while they load).
+    assert scaler.target(spike, (2, 2))[0] == (2, 2)
 
 
 def test_a_trace_is_planned_for_with_its_own_lengths_and_rate():

@@ -116,3 +116,12 @@ def test_request_fields_the_sdk_sends_are_taken():
     with pytest.raises(InvalidArgumentError) as refused:
         _cache_control({"cache_control": {"type": "forever"}})
     assert refused.value.field == "cache_control.type"
+
+
+def test_a_call_the_whole_message_leaves_out_is_not_streamed_either():
+    """An input with NaN is no JSON to the tool parsers (the whole message leaves its call out),
+    but the stream's check was lenient: a call followed by another was streamed with it."""
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": NaN}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"city": "Lima"}}\n</tool_call>')
+    events, message = _stream(text, piece=7)
+    assert [block.name for block in message.content if block.type == "tool_use"] == ["get_time"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from router.responses_api.store import ResponseStore, StoredResponse
 
 
@@ -168,3 +170,29 @@ def test_a_background_response_whose_router_died_during_each_run_fails_after_a_f
     asyncio.run(ResponsesFrontEnd._run_again(front_end, "bg", entry))
     assert kept["bg"].response["status"] == "failed" and f"{BACKGROUND_RUNS} runs" in kept["bg"].response["error"]["message"]
     assert not kept["bg"].owner  # no longer in progress: no router runs it again
+
+
+def test_a_background_response_run_again_is_counted_before_anything_of_it_runs():
+    """Its run was counted only once it was prepared and admitted; rendering its conversation
+    may be what ends the router, and then no run was ever counted."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from router.responses_api.front_end import ResponsesFrontEnd
+
+    kept = {}
+
+    async def put(response_id, entry):
+        kept[response_id] = entry
+
+    class RouterEnds(BaseException):  # (the process ends: no handler of its own runs)
+        pass
+
+    async def prepare(api, response_id):
+        raise RouterEnds
+
+    front_end = SimpleNamespace(store=SimpleNamespace(put=put), _prepare=prepare)
+    entry = StoredResponse({"id": "bg", "status": "in_progress"}, owner="router-a", request={"input": "x"}, runs=1)
+    with pytest.raises(RouterEnds):
+        asyncio.run(ResponsesFrontEnd._run_again(front_end, "bg", entry))
+    assert kept["bg"].runs == 2 and kept["bg"].owner == "router-a"

@@ -101,3 +101,13 @@ def test_each_api_takes_the_format_in_beside_auto_tools():
     forced = read_tool_calling({"tools": [TOOLS[1]], "tool_choice": "required"}, "", "hermes")
     with pytest.raises(InvalidArgumentError):
         _constraint(body, forced)
+
+
+def test_a_strict_tool_beside_a_regex_answer_or_with_a_schema_no_grammar_holds_is_read_as_written():
+    """A regex (choice, grammar) answer stays the client's: the strict tool's grammar replaced it
+    without a word. A strict schema llguidance cannot hold a value to (uniqueItems, as pydantic
+    writes a set) was a 400 once strict was held; it is read as written, as before."""
+    regex = StructuredOutput("regex", "[0-9]+", field="structured_outputs.regex")
+    assert _auto().constraint(regex) is None
+    tags = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+    assert _auto(tools=[{"type": "function", "function": {"name": "tag", "parameters": tags, "strict": True}}]).constraint() is None
