@@ -62,6 +62,8 @@ def add_routes(app: web.Application, server: "OpenAIServer") -> "ResponsesFrontE
     app.router.add_get(PATH + "/{response_id}", front_end.retrieve)
     app.router.add_delete(PATH + "/{response_id}", front_end.delete)
     app.router.add_post(PATH + "/{response_id}/cancel", front_end.cancel)
+    app.router.add_get(PATH + "/{response_id}/input_items", front_end.input_items)
+    app.router.add_post(PATH + "/input_tokens", front_end.input_tokens)
     return front_end
 
 
@@ -406,7 +408,7 @@ class ResponsesFrontEnd:
         and ``body``, the request a router taking that one's place runs again."""
         if not api.store:
             return
-        entry = StoredResponse(state.obj(), conversation + state.assistant_messages())
+        entry = StoredResponse(state.obj(), conversation + state.assistant_messages(), input_items=api.input_items)
         if state.status in IN_PROGRESS:
             entry.owner, entry.request, entry.runs = self.router.board_name, body, state.run
         await self.store.put(state.response_id, entry)
@@ -501,6 +503,42 @@ class ResponsesFrontEnd:
         if entry is None:
             raise ResponseNotFoundError(response_id)
         return web.json_response(entry.response)
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        """``GET /v1/responses/{id}/input_items``: a stored response's input items, a page at a
+        time (``after`` an item's id, ``limit`` 1-100, default 20; ``order`` desc, the default,
+        or asc), as OpenAI lists them."""
+        response_id = request.match_info["response_id"]
+        query = request.query
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidArgumentError("order", f"must be asc or desc, got {order!r}")
+        limit = query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise InvalidArgumentError("limit", f"must be an integer from 1 to 100, got {limit!r}")
+        entry = await self.store.get(response_id)
+        if entry is None:
+            raise ResponseNotFoundError(response_id)
+        items = entry.input_items if order == "asc" else entry.input_items[::-1]
+        start = 0
+        if "after" in query:
+            start = next((index + 1 for index, item in enumerate(items) if item["id"] == query["after"]), None)
+            if start is None:
+                raise InvalidArgumentError("after", f"{query['after']!r} is no input item of {response_id}")
+        page = items[start : start + int(limit)]
+        return web.json_response({
+            "object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(items),
+        })
+
+    async def input_tokens(self, request: web.Request) -> web.Response:
+        """``POST /v1/responses/input_tokens``: how many tokens a call's input would be (its
+        instructions, the conversation it continues, its input and tools, through the chat
+        template), without running it."""
+        api = read_responses(await self.server.read_json(request))
+        self.server.model_name(api.model)
+        prompt, _ = self._render(api, await self._prior(api) + api.messages)
+        return web.json_response({"object": "response.input_tokens", "input_tokens": len(await self.router.encode(prompt, False))})
 
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]

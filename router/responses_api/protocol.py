@@ -14,6 +14,7 @@ answer's grammar. Every problem raises ``InvalidArgumentError`` naming the field
 from __future__ import annotations
 
 import base64
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ class ResponsesRequest:
     reasoning_effort: str | None = None  # reasoning.effort, for the chat template
     seal_reasoning: bool = False  # include reasoning.encrypted_content: reasoning items carry their thinking sealed
     echo: dict[str, Any] = field(default_factory=dict)  # the request's settings a response object repeats
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # this call's input, as GET .../input_items lists it
 
 
 def read_responses(body: Any) -> ResponsesRequest:
@@ -154,7 +156,29 @@ def read_responses(body: Any) -> ResponsesRequest:
         model=model, stream=stream, store=store, background=background, previous_response_id=previous, instructions=instructions,
         messages=_input(body), generate=generate, chat_tools=chat_tools, echo=echo,
         reasoning_effort=reasoning["effort"] if reasoning is not None else None, seal_reasoning=SEALED_REASONING in include,
+        input_items=listed_items(body["input"]),
     )
+
+
+# Ids given to input items that came without one, by type (OpenAI's prefixes).
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def listed_items(value: str | list) -> list[dict[str, Any]]:
+    """A call's input (checked by ``_input``) as the Responses API lists it: items with an id
+    each, a message's text as content parts (a string input is one user message)."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    items = []
+    for item in value:
+        item = {key: field for key, field in item.items() if not (key in _NULL_WHEN_SENT_BACK and field is None)}
+        kind = item.setdefault("type", "message")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        item.setdefault("id", f"{_ITEM_ID_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}")
+        items.append(item)
+    return items
 
 
 SEALED_REASONING = "reasoning.encrypted_content"

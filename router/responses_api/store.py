@@ -32,6 +32,7 @@ class StoredResponse:
     owner: str = ""
     request: dict[str, Any] | None = None
     runs: int = 1  # its runs started so far (each after its router died during the one before)
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # the call's input, as GET .../input_items lists it
 
 
 class ResponseStore:

@@ -384,3 +384,20 @@ def test_a_configured_chat_template_and_its_default_kwargs_replace_the_models(de
                 model="tiny-chat", messages=messages, max_completion_tokens=8, temperature=0.0, extra_body={"ignore_eos": True, **kwargs},
             )
             assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == want
+
+
+def test_input_items_are_listed_a_page_at_a_time_and_input_tokens_counted(client):
+    """GET /v1/responses/{id}/input_items and POST /v1/responses/input_tokens, as the openai
+    client calls them (a 404 and a 405 before): the items with ids, newest first by default, a
+    page at a time after an id; the count is the prompt's as a call renders it."""
+    items = [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}, {"role": "user", "content": "three"}]
+    created = client.responses.create(model="tiny-chat", instructions="Be terse.", input=items, max_output_tokens=2, **GREEDY)
+    listed = list(client.responses.input_items.list(created.id, order="asc", limit=1))  # the client follows the pages
+    assert [(item.role, item.content[0].text) for item in listed] == [("user", "one"), ("assistant", "two"), ("user", "three")]
+    assert len({item.id for item in listed}) == 3
+    newest = client.responses.input_items.list(created.id)
+    assert [item.content[0].text for item in newest.data] == ["three", "two", "one"] and not newest.has_more
+    counted = client.responses.input_tokens.count(model="tiny-chat", instructions="Be terse.", input=items)
+    assert counted.input_tokens == created.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_none")
