@@ -320,7 +320,10 @@ def _input(body: dict) -> list[dict[str, Any]]:
             try:
                 bounded_json.loads(item["arguments"] or "{}")
             except ValueError as exc:  # JSONDecodeError, or an integer past Python's 4,300 digits
-                raise InvalidArgumentError(f"{where}.arguments", f"is not valid JSON: {exc}") from None
+                # An incomplete call (cut short by max_output_tokens or a stop string, as pdserve
+                # answers it) comes back as it was written: a client resends its history whole.
+                if item.get("status") != "incomplete":
+                    raise InvalidArgumentError(f"{where}.arguments", f"is not valid JSON: {exc}") from None
             call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls") is not None:
                 messages[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn

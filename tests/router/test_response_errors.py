@@ -160,3 +160,17 @@ def test_retrieving_a_response_as_a_stream_is_refused_naming_the_field():
         with pytest.raises(InvalidArgumentError) as refused:
             asyncio.run(ResponsesFrontEnd.retrieve(front_end, request))
         assert refused.value.field == field
+
+
+def test_an_incomplete_function_call_sent_back_as_it_was_answered_is_taken():
+    """pdserve answers a call max_output_tokens or a stop string cut short as an incomplete item
+    (its arguments no JSON); a client resending its history whole got a 400 for it. A complete
+    call's arguments must still be JSON."""
+    from router.responses_api.protocol import read_responses
+
+    cut = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Os', "status": "incomplete"}
+    request = read_responses({"input": [{"role": "user", "content": "Weather?"}, cut, {"role": "user", "content": "Go on."}]})
+    assert request.messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Os'
+    with pytest.raises(InvalidArgumentError) as refused:
+        read_responses({"input": [{"role": "user", "content": "Weather?"}, {**cut, "status": "completed"}]})
+    assert refused.value.field == "input[1].arguments"
