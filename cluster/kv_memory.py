@@ -81,6 +81,15 @@ def default_kv_cache_bytes(policy: KVMemoryPolicy, figures: MemoryFigures) -> in
     return int(budget)
 
 
+def _read_bytes(model_dir: Path) -> int:
+    """The size of the weight files the loader reads (not a repository's other copies: .bin
+    files, a consolidated file beside an index, which counted twice took a 7B model's KV cache
+    down to its floor on a 24 GB GPU)."""
+    from engine.loader import checkpoint_files
+
+    return sum((model_dir / name).stat().st_size for name in checkpoint_files(model_dir))
+
+
 def measure(engine_config: EngineConfig, model_path: str | Path) -> MemoryFigures:
     """Measure this process's machine and estimate the engine's own needs (no weight is loaded),
     per tensor-parallel rank: its shard of the weights, a KV cache of its KV heads."""
@@ -90,15 +99,20 @@ def measure(engine_config: EngineConfig, model_path: str | Path) -> MemoryFigure
     shard = TPShard.of(model, engine_config.tensor_parallel_size)  # a rank's share: its weights, its KV heads
     elem = _element_size(engine_config.dtype, model, engine_config.device)
     checkpoint_elem = model.checkpoint_dtype.itemsize
-    checkpoint_bytes = sum(p.stat().st_size for p in Path(model_path).iterdir() if p.suffix in (".safetensors", ".bin"))
+    checkpoint_bytes = _read_bytes(Path(model_path))
     activation = activation_bytes(engine_config, model, elem)
     max_model_len = engine_config.max_model_len or model.max_position_embeddings
     bytes_per_token = model.num_layers * 2 * shard.num_kv_heads * model.head_dim * elem
     block_size = engine_config.block_size
     max_useful = engine_config.max_num_seqs * math.ceil(max_model_len / block_size) * block_size * bytes_per_token
+    weight_bytes = checkpoint_bytes * elem // checkpoint_elem // shard.tp_size
+    draft = engine_config.speculative.draft_model if engine_config.speculative is not None else None
+    if draft:  # the draft model's weights sit beside the target's (whole on rank 0)
+        draft_model = ModelConfig.from_model_dir(Path(draft))
+        weight_bytes += _read_bytes(Path(draft)) * elem // draft_model.checkpoint_dtype.itemsize
     figures = dict(
         device="cuda" if str(engine_config.device).startswith("cuda") else "cpu",
-        weight_bytes=checkpoint_bytes * elem // checkpoint_elem // shard.tp_size,
+        weight_bytes=weight_bytes,
         activation_bytes=activation,
         max_useful_bytes=max_useful,
     )

@@ -131,6 +131,23 @@ def weights_digest(model_dir: str | Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def checkpoint_files(model_dir: Path) -> list[str]:
+    """The weight files a model's weights are read from: those its safetensors index names, or
+    every ``*.safetensors`` (a repository's other copies, ``.bin`` files or a consolidated file
+    beside an index, are never read)."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc})") from exc
+        return sorted(set(weight_map.values()))
+    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weight file (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
 class CheckpointReader:
     """The checkpoint's tensors by name, read on demand (whole, or a slice along one dimension).
 
@@ -145,19 +162,8 @@ class CheckpointReader:
         self.model_dir = model_dir
         self._files: dict[str, int] = {}  # file name -> descriptor
         self._entries: dict[str, tuple[str, str, list[int], int]] = {}  # name -> (file, dtype, shape, data start)
-        index_path = model_dir / "model.safetensors.index.json"
-        if index_path.is_file():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise ModelLoadError(f"{index_path}: not a valid safetensors index ({exc})") from exc
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-            if not files:
-                raise ModelLoadError(f"{model_dir}: no *.safetensors weight file (PyTorch .bin checkpoints are not supported)")
         try:
-            for name in files:
+            for name in checkpoint_files(model_dir):
                 self._index_file(name)
         except BaseException:
             self.close()

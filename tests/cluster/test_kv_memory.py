@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -117,3 +118,23 @@ def test_actors_that_may_share_memory_divide_it():
     assert _num_sharing(PoolSpec(num_gpus=0.5), num_starting=6) == 2, "two actors per GPU"
     assert _num_sharing(PoolSpec(num_gpus=1), num_starting=6) == 1
     assert _num_sharing(PoolSpec(resources={"prefill_node": 1}), num_starting=3) == 3, "pinned: maybe all on one node"
+
+
+def test_weights_are_the_files_the_loader_reads_and_a_draft_models_too(model_dir, tmp_path_factory):
+    """Repositories ship more than one copy of the weights (PyTorch .bin files beside the
+    safetensors; Mistral's consolidated file beside an index): each was counted and taken from
+    the KV budget (a 7B model's cache fell to its floor on a 24 GB GPU). A draft model's weights
+    sit beside the target's and count."""
+    from engine.speculation import SpeculativeConfig
+
+    engine = EngineConfig(dtype="bfloat16", block_size=16, max_num_seqs=3, max_model_len=None, max_num_batched_tokens=8)
+    (model_dir / "pytorch_model.bin").write_bytes(b"\0" * 4000)
+    assert measure(engine, model_dir).weight_bytes == 2000
+    (model_dir / "model-00001-of-00001.safetensors").write_bytes(b"\0" * 6000)
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    assert measure(engine, model_dir).weight_bytes == 3000  # the index's file only, not model.safetensors beside it
+    draft = tmp_path_factory.mktemp("draft")
+    (draft / "config.json").write_text((model_dir / "config.json").read_text())
+    (draft / "model.safetensors").write_bytes(b"\0" * 1000)
+    speculating = dataclasses.replace(engine, speculative=SpeculativeConfig(method="draft_model", num_speculative_tokens=2, draft_model=str(draft)))
+    assert measure(speculating, model_dir).weight_bytes == 3500
