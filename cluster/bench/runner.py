@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,16 +100,23 @@ async def bench(address: str, spec: BenchSpec, label: str = "bench") -> RunOutpu
 
 
 async def sweep(address: str, spec: BenchSpec, rates: list[float], refine_steps: int = 0, target: float = DEFAULT_TARGET, label: str = "sweep") -> tuple[SweepResult, list[RunOutput]]:
-    """The same requests at each rate (warm-up once); the highest rate meeting the SLOs."""
+    """The workload at each rate (warm-up once); the highest rate meeting the SLOs. Each run
+    sends prompts of its own (the workload's, drawn with another seed): the same prompts again
+    were prefix-cache hits on a server that caches (pdserve's and vLLM's default), and every
+    rate after the first measured a warm cache (TTFT understated, max_rate overstated)."""
     outputs: list[RunOutput] = []
     async with make_client(address, spec, label) as client:
         requests, warmup = await _workload(client, spec)
         if warmup:
             await client.warm_up(warmup)
+        limits = await client.model_limits()
+        runs = itertools.count()
 
         async def run_at(rate: float) -> BenchMetrics:
             arrivals = dataclasses.replace(spec.arrivals, rate=rate)
-            output = await run_load(client, requests, arrival_offsets(len(requests), arrivals), spec.slo, f"{label} {rate:.3g} req/s", spec.show_progress)
+            run = next(runs)
+            fresh = requests if run == 0 else build_workload(dataclasses.replace(spec.workload, seed=spec.workload.seed + run * 7919), limits)
+            output = await run_load(client, fresh, arrival_offsets(len(fresh), arrivals), spec.slo, f"{label} {rate:.3g} req/s", spec.show_progress)
             output.offered_rate = rate
             outputs.append(output)
             return output.metrics

@@ -48,7 +48,7 @@ def assert_consistent(run: dict, num_requests: int) -> None:
         assert r["ok"] and r["error"] == "" and r["finish_reason"] == "length"
         # ignore_eos: exactly the requested number of tokens, streamed and in the usage
         assert r["output_tokens"] == r["max_tokens"] == r["usage_completion_tokens"] == OUTPUT_LEN
-        assert r["prompt_len"] in (12, 96)
+        assert r["prompt_len"] in (12, 40, 96)
         assert r["scheduled_s"] <= r["send_s"] + 1e-3 and r["chunk_s"] == sorted(r["chunk_s"])
         assert r["send_s"] < r["chunk_s"][0] <= r["chunk_s"][-1] <= r["end_s"]
         assert 0 < r["ttft_ms"] <= r["e2e_ms"]
@@ -95,13 +95,16 @@ def test_bench_run_writes_consistent_json_and_plots(deployment, tmp_path, capsys
 
 
 def test_sweep_writes_every_rate_and_the_curve(deployment, tmp_path):
-    flags = ["--num-requests", "8", "--input-len", "12", "--output-len", str(OUTPUT_LEN), "--sweep", "20,80", "--num-warmup", "1"]
+    """Each rate's run sends prompts of its own: the same prompts again were prefix-cache hits,
+    and every rate after the first measured a warm cache."""
+    flags = ["--num-requests", "8", "--input-len", "40", "--output-len", str(OUTPUT_LEN), "--sweep", "20,80", "--num-warmup", "1"]
     flags += ["--slo-ttft-ms", "5000", "--slo-tpot-ms", "2000"]
     assert bench(deployment.address, tmp_path, *flags) == 0
     doc = json.loads((tmp_path / "sweep.json").read_text())
     assert doc["kind"] == "sweep" and [run["rate"] for run in doc["runs"]] == [20.0, 80.0]
     for run in doc["runs"]:
         assert_consistent(run, 8)
+        assert sum(record["cached_prompt_tokens"] for record in run["records"]) == 0
     assert doc["max_rate"] == max_rate_meeting([(run["rate"], run["metrics"]["slo_attainment"]) for run in doc["runs"]], 0.9)
     assert any(p.endswith("rate_sweep.png") for p in doc["plots"])
     for path in doc["plots"]:
