@@ -90,7 +90,7 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-mb", type=int, help="KV cache per actor, both pools")
     up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto (default): the fastest exact dtype for each actor's device")
     up.add_argument("--max-model-len", type=int, help="longest prompt plus output a request may have (default: the model's context)")
-    up.add_argument("--host", help="address the router binds")
+    up.add_argument("--host", help="address the router binds, its gRPC and OpenAI APIs both (as vLLM's --host binds its server)")
     up.add_argument("--port", type=int, help="router gRPC port")
     up.add_argument("--no-ship-code", dest="ship_code", action="store_false", default=True,
                     help="joining a cluster (--address): rely on pdserve installed on every node instead of shipping this checkout's code")
@@ -114,8 +114,13 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--served-model-name", nargs="+", help="names the OpenAI API answers to (default: the model directory's name)")
     up.add_argument("--metrics-port", type=int, help="Prometheus port")
     up.add_argument("--routing-policy", choices=["kv_aware", "least_loaded", "round_robin"])
-    up.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-                    help="compute every prompt in full (prefix caching is on by default)")
+    up.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                    help="--no-enable-prefix-caching: compute every prompt in full (prefix caching is on by default)")
+    # vLLM's names for what pdserve's flags and config set (vllm serve's command lines work as written).
+    up.add_argument("--tensor-parallel-size", "-tp", type=int, help="ranks per actor, both pools (vLLM's name; per pool: --prefill-tp, --decode-tp)")
+    up.add_argument("--max-num-seqs", type=int, help="most sequences in one batch, both pools")
+    up.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step, both pools (vLLM's name for --token-budget)")
+    up.add_argument("--gpu-memory-utilization", type=float, help="the share of each GPU an actor's weights, activations and KV cache may take")
     up.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="decode actors schedule the next step while the device computes this one (default: on for GPUs, off for CPUs)")
     up.add_argument("--disaggregation", choices=["auto", "always", "never"])
@@ -222,14 +227,17 @@ def up_overrides(args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len, "block_size": args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
         "prefill.replicas": args.prefill, "decode.replicas": args.decode,
-        "prefill.tensor_parallel_size": args.prefill_tp, "decode.tensor_parallel_size": args.decode_tp,
+        "prefill.tensor_parallel_size": _either(args.prefill_tp, args.tensor_parallel_size),
+        "decode.tensor_parallel_size": _either(args.decode_tp, args.tensor_parallel_size),
         "prefill.pipeline": args.prefill_pipeline, "prefill.max_pipeline_stages": args.max_pipeline_stages,
         "prefill.pipeline_decode_stage": args.pipeline_decode_stage,
         "prefill.num_gpus": args.prefill_gpus, "decode.num_gpus": args.decode_gpus,
         "prefill.num_cpus": args.prefill_cpus, "decode.num_cpus": args.decode_cpus,
-        "prefill.token_budget": args.token_budget, "decode.token_budget": args.token_budget,
+        "prefill.token_budget": _either(args.token_budget, args.max_num_batched_tokens), "decode.token_budget": _either(args.token_budget, args.max_num_batched_tokens),
+        "prefill.max_num_seqs": args.max_num_seqs, "decode.max_num_seqs": args.max_num_seqs,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "prefill.kv_cache_mb": args.kv_cache_mb, "decode.kv_cache_mb": args.kv_cache_mb,
-        "router.host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
+        "router.host": args.host, "router.http_host": args.host, "router.port": args.port, "router.metrics_port": args.metrics_port,
         "router.replicas": args.router_replicas, "router.stream_interval": args.stream_interval,
         "router.tool_call_parser": args.tool_call_parser, "router.reasoning_parser": args.reasoning_parser,
         "router.chat_template": args.chat_template, "router.default_chat_template_kwargs": args.default_chat_template_kwargs,
@@ -244,12 +252,21 @@ def up_overrides(args: argparse.Namespace) -> dict:
     }
 
 
+def _either(specific, general):
+    """A per-pool flag's value, else the flag for both pools' (None: neither given)."""
+    return specific if specific is not None else general
+
+
 def _lora_module(value: str) -> tuple[str, str]:
     """``--lora-modules``' NAME=PATH, as vLLM takes it."""
     name, sep, path = value.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PATH (an adapter's name and its directory)")
     return name, path
+
+
+def _interrupted(*_) -> None:
+    raise KeyboardInterrupt
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -260,15 +277,16 @@ def _up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 2
+    if _read_state(args.state_file).get("router_address"):
+        # Either kind: a foreground `up` would overwrite a detached deployment's record, and
+        # remove it as it stops. (Checked before the ports: that deployment holds them, and a
+        # port clash's advice, another port, only led to this refusal.)
+        print(f"pdserve up: a deployment is already recorded in {args.state_file}; run `pdserve down` first", file=sys.stderr)
+        return 2
     taken = _port_taken(config)
     if taken is not None:
         print(f"pdserve up: {taken}", file=sys.stderr)
         return 1
-    if _read_state(args.state_file).get("router_address"):
-        # Either kind: a foreground `up` would overwrite a detached deployment's record, and
-        # remove it as it stops.
-        print(f"pdserve up: a deployment is already recorded in {args.state_file}; run `pdserve down` first", file=sys.stderr)
-        return 2
     if args.address is None:
         confine_to_loopback()  # before ray is imported, and inherited by a head started here
         if not config.autoscaler.enabled:  # an autoscaler needs free CPUs to place the actors it adds
@@ -311,6 +329,11 @@ def _up(args: argparse.Namespace) -> int:
             if head is not None:
                 _stop_pid(head)
 
+    # Until the deployment is recorded, SIGTERM (a service manager, `timeout`) and SIGHUP (the
+    # terminal closed while a model loads) stop what this `up` started, as Ctrl-C does: Ray's
+    # SIGTERM handler exited, and the head (its own session) and the detached controller lived
+    # on, serving, with no record for `down` to find.
+    starting = {sig: signal.signal(sig, _interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         info = ray.get(controller.start.remote())
         # The controller returns once every worker is up; the health check is what a client sees.
@@ -331,6 +354,8 @@ def _up(args: argparse.Namespace) -> int:
         print(f"pdserve up: the router at {info.router_address} did not report SERVING within {SERVING_TIMEOUT_S:.0f}s", file=sys.stderr)
         abandon()
         return 1
+    for sig, handler in starting.items():
+        signal.signal(sig, handler)
     state = {"router_address": info.router_address, "admin_address": info.admin_address, "http_address": info.http_address,
              "metrics_address": info.metrics_address,
              "ray_address": ray_address, "ray_head_pid": head, "ray_head_start": process_start(head) if head else None,

@@ -43,6 +43,9 @@ def test_up_generate_status_scale_survive_a_controller_crash_down_detached(e2e_m
         assert "pdserve serving on 127.0.0.1:" in up.stdout
         recorded = json.loads(state.read_text())
         assert recorded["router_address"] in up.stdout
+        # Another `up` on its ports is told of the deployment, not of a port clash.
+        again = _run("up", "--detach", "--port", str(port), state_file=state, check=False)
+        assert again.returncode == 2 and "run `pdserve down` first" in again.stderr
 
         prompt = "The quick brown fox"
         generated = _run("generate", prompt, "--max-tokens", "10", "--ignore-eos", state_file=state)

@@ -277,3 +277,26 @@ def test_one_port_on_two_addresses_is_two_listeners():
     for host, other in (("localhost", "127.0.0.1"), ("[::1]", "::1"), ("localhost", "::1")):  # one address, written two ways
         with pytest.raises(ValueError, match="router.http_port: 9000 is router.port too"):
             RouterSection(host=host, port=9000, http_host=other, http_port=9000)
+
+
+def test_vllm_serve_flags_set_what_their_names_say():
+    """A vLLM command line works as written: --host binds both the gRPC and the OpenAI API (the
+    OpenAI API stayed on loopback while gRPC was exposed), --enable-prefix-caching is taken as well
+    as its --no- form, and vLLM's names set the engines' sizes for both pools."""
+    from cluster.cli import up_overrides
+
+    args = build_parser().parse_args([
+        "up", "--host", "0.0.0.0", "--enable-prefix-caching", "--tensor-parallel-size", "2", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "256", "--gpu-memory-utilization", "0.8",
+    ])
+    config = load_config(None, {**up_overrides(args), "router.allow_unauthenticated": True})
+    assert (config.router.host, config.router.http_host) == ("0.0.0.0", "0.0.0.0")
+    spec = config.to_spec()
+    for pool in (spec.prefill, spec.decode):
+        assert pool.engine.enable_prefix_caching and pool.engine.tensor_parallel_size == 2 and pool.engine.max_num_seqs == 8
+        assert pool.engine.max_num_batched_tokens == 256
+    assert config.gpu_memory_utilization == 0.8
+    per_pool = build_parser().parse_args(["up", "--tensor-parallel-size", "2", "--prefill-tp", "1", "--no-enable-prefix-caching"])
+    spec = load_config(None, up_overrides(per_pool)).to_spec()
+    assert (spec.prefill.engine.tensor_parallel_size, spec.decode.engine.tensor_parallel_size) == (1, 2)
+    assert not spec.decode.engine.enable_prefix_caching
