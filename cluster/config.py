@@ -611,6 +611,12 @@ def _threads_of(pool: PoolConfig) -> int:
     return min(threads, pool.max_threads) if pool.max_threads else threads
 
 
+def _is_section(name: str) -> bool:
+    """Whether the config's field ``name`` is a section (a mapping of its own fields)."""
+    annotation = ClusterConfig.model_fields[name].annotation
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def load_config(path: Path | None, overrides: dict) -> ClusterConfig:
     """Read the YAML file (if any), apply flag overrides (dotted keys), validate."""
     data: dict = {}
@@ -624,6 +630,11 @@ def load_config(path: Path | None, overrides: dict) -> ClusterConfig:
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: the top level must be a mapping of fields")
         data = loaded or {}
+        # A section left empty in the file (``router:``, every key commented out) is its
+        # defaults, as an absent one (it was refused as no mapping unless a flag wrote into it).
+        for name, section in list(data.items()):
+            if section is None and ClusterConfig.model_fields.get(name) is not None and _is_section(name):
+                data[name] = {}
     for dotted, value in overrides.items():
         if value is None:
             continue

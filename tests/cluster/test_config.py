@@ -300,3 +300,13 @@ def test_vllm_serve_flags_set_what_their_names_say():
     spec = load_config(None, up_overrides(per_pool)).to_spec()
     assert (spec.prefill.engine.tensor_parallel_size, spec.decode.engine.tensor_parallel_size) == (1, 2)
     assert not spec.decode.engine.enable_prefix_caching
+
+
+def test_a_section_left_empty_in_the_file_is_its_defaults(tmp_path):
+    """``router:`` with every key commented out was refused as no mapping, unless a flag wrote
+    into it; the README says every field is optional."""
+    config = tmp_path / "pdserve.yaml"
+    config.write_text("router:\n  # port: 50051\ndecode:\nprefill:\n")
+    loaded = load_config(config, {})
+    assert loaded.router.port == load_config(None, {}).router.port
+    assert loaded.decode.replicas == load_config(None, {}).decode.replicas
