@@ -91,8 +91,10 @@ async def _run(address: str, admin_address: str | None, args: argparse.Namespace
         limits = await client.model_limits()
         rng = random.Random(args.seed)
         offsets = phased_offsets(phases, seed=args.seed)
-        requests = [BenchRequest(args.output_len, random_token_ids(rng, limits, args.input_len), prompt_len=args.input_len) for _ in offsets]
-        await client.warm_up(requests[:2])
+        requests = [BenchRequest(args.output_len, random_token_ids(rng, limits, args.input_len), prompt_len=args.input_len) for _ in range(len(offsets) + 2)]
+        # Warmed up with two prompts of their own: the measured ones sent again were cache hits.
+        warmup, requests = requests[:2], requests[2:]
+        await client.warm_up(warmup)
         scale_at = 2 * args.phase_s
 
         async def scale_later() -> ScaleOutcome:
