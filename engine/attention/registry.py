@@ -35,6 +35,7 @@ class CacheGeometry:
     head_dim: int
     quantized: bool
     windows: frozenset[int | None] = frozenset({None})  # every layer's sliding window (None: full attention)
+    cache_dtype: torch.dtype | None = None  # a quantized cache's element type (int8, float8_e4m3fn)
 
     @classmethod
     def of(cls, model_config, kv_cache, dtype: torch.dtype, device: str, num_heads: int | None = None) -> "CacheGeometry":
@@ -49,6 +50,7 @@ class CacheGeometry:
             head_dim=model_config.head_dim,
             quantized=kv_cache.quantized is not None,
             windows=frozenset(model_config.layer_windows or [None]),
+            cache_dtype=kv_cache.dtype if kv_cache.quantized is not None else None,
         )
 
     @property
@@ -118,4 +120,10 @@ def _triton_problem(geometry: CacheGeometry) -> str | None:
         return f"triton cannot be imported ({exc})"
     if not triton_quantized.applies(geometry.head_dim, geometry.block_size):
         return f"head_dim {geometry.head_dim} and block_size {geometry.block_size} must be powers of two"
+    if geometry.cache_dtype == torch.float8_e4m3fn and torch.device(geometry.device).type == "cuda":
+        # Triton compiles float8_e4m3fn (its fp8e4nv) on compute capability 8.9 and up only: the
+        # first step's kernels raised on an A100, A10 or T4. SDPA's reads cast on any GPU.
+        capability = torch.cuda.get_device_capability(torch.device(geometry.device))
+        if capability < (8, 9):
+            return f"an fp8 cache needs compute capability 8.9 or later (Ada, Hopper) for Triton, this GPU has {capability[0]}.{capability[1]}"
     return None

@@ -65,3 +65,21 @@ def test_graph_buckets_cover_every_batch_up_to_the_largest():
     assert buckets[:4] == [1, 2, 4, 8] and buckets[-1] == 100
     assert all(any(b >= n for b in buckets) for n in range(1, 101))
     assert batch_buckets(1) == [1]
+
+
+def test_an_fp8_cache_on_a_gpu_before_ada_is_read_through_sdpa(monkeypatch):
+    """Triton compiles fp8 (e4m3) on compute capability 8.9 and up only: an fp8 cache on an A100,
+    A10 or T4 took the Triton kernels and the first step raised. SDPA reads it there; int8 and
+    newer GPUs keep Triton. (No GPU is touched: the capability is the test's.)"""
+    import dataclasses
+
+    capability = [(8, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    fp8 = dataclasses.replace(_geometry("cuda", quantized=True), cache_dtype=torch.float8_e4m3fn)
+    int8 = dataclasses.replace(_geometry("cuda", quantized=True), cache_dtype=torch.int8)
+    assert select_backend("auto", fp8).name == "sdpa"
+    assert select_backend("auto", int8).name == "triton"
+    with pytest.raises(ValueError, match="8.9"):
+        select_backend("triton", fp8)
+    capability[0] = (9, 0)
+    assert select_backend("auto", fp8).name == "triton"
