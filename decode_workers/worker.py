@@ -151,6 +151,11 @@ class OutputBox:
         except asyncio.TimeoutError:
             return False
 
+    def done(self, router_id: str, req_id: str) -> None:
+        """A request ended without a last output (aborted): it streams no more."""
+        with self._lock:
+            self._streaming.get(router_id, set()).discard(req_id)
+
     def forget(self, router_id: str) -> None:
         """Drop a router that is gone, with whatever it did not collect."""
         with self._lock:
@@ -246,7 +251,10 @@ class DecodeWorker(EngineWorker):
         one; with ``gather_steps`` > 1, gathering that many steps' worth, see ``OutputBox``), and capacity."""
         self._heard_from(router_id)
         outputs = await self._outputs.take(router_id, timeout_s, gather_steps)
-        return DecodeReport(outputs, self.scheduler.num_reservable_blocks(), self.scheduler.allocator.num_blocks)
+        # A worker that is not ready grants no room (reserve refuses it): reported free, it was
+        # granted the head of the queue again at every poll until the router's next health round.
+        free = self.scheduler.num_reservable_blocks() if self.state is WorkerState.READY else 0
+        return DecodeReport(outputs, free, self.scheduler.allocator.num_blocks)
 
     def _heard_from(self, router_id: str, lease_s: float | None = None) -> None:
         self._router_heard[router_id] = time.monotonic()
@@ -356,6 +364,9 @@ class DecodeWorker(EngineWorker):
                 self._aborted_attempts.add((req_id, attempt))
             return False
         del self._tracked[req_id]
+        # No last output comes for it: its router's streaming set kept its id for that router's
+        # life (every request a stop string, a cancel or a migration ended).
+        self._outputs.done(tracked.router_id, req_id)
         if self.activations is not None:
             self.activations.close_inbox(req_id)
         if req_id in self.scheduler.awaiting_kv:

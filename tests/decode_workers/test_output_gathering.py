@@ -76,3 +76,34 @@ def test_a_requests_first_and_last_outputs_carry_its_timing_and_the_rest_do_not(
     seq.is_finished, seq.finish_reason = True, FinishReason.LENGTH
     last = worker._output(tracked, [3], [])
     assert first.timing.num_cached_tokens == 32 and middle.timing is None and last.timing.num_cached_tokens == 32 and last.finished
+
+
+def test_a_request_aborted_mid_stream_is_forgotten_and_a_draining_worker_reports_no_room():
+    """A request a router ended by abort (a stop string it matched, a cancel, a migration) gets no
+    last output: its id stayed in the box's streaming set for the router's life, one per such
+    request. And a draining worker reported its free blocks at every poll: the router granted it
+    the head of the queue again and again until its next health round."""
+    from types import SimpleNamespace
+
+    from decode_workers.worker import DecodeWorker
+    from engine.stats import WorkerState
+
+    async def scenario():
+        box = OutputBox()
+        for index in range(50):
+            await _step(box, SeqOutput(f"r{index}", [1]))
+            box.done("router", f"r{index}")
+        await box.take("router", 0.1)
+        return box._streaming["router"]
+
+    assert asyncio.run(scenario()) == set()
+
+    async def poll(state):
+        worker = SimpleNamespace(
+            _outputs=OutputBox(), state=state, _heard_from=lambda router_id: None,
+            scheduler=SimpleNamespace(num_reservable_blocks=lambda: 40, allocator=SimpleNamespace(num_blocks=64)),
+        )
+        return await DecodeWorker.poll_outputs(worker, 0.01, "router")
+
+    assert asyncio.run(poll(WorkerState.READY)).num_reservable_blocks == 40
+    assert asyncio.run(poll(WorkerState.DRAINING)).num_reservable_blocks == 0
