@@ -48,7 +48,7 @@ def test_a_background_response_cancelled_in_the_turn_it_starts_closes_its_sessio
     front.router = SimpleNamespace(board_name="router-0")
     front.store = _Board()
     front.background = {}
-    api = SimpleNamespace(store=True)
+    api = SimpleNamespace(store=True, input_items=[])
     state = ResponseState("resp_1", "m", {}, 3, None)
 
     async def scenario():
