@@ -10,6 +10,7 @@ no memory growth on a worker that runs for weeks; a reader passes the index it h
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -66,25 +67,34 @@ class StepLog:
         self._transfers: deque[TransferRecord] = deque(maxlen=capacity)
         self.num_steps = 0  # ever recorded; the index of the next step
         self.num_transfers = 0
+        # The engine thread records while a worker's event loop reads: a read between a record's
+        # append and its count returned that step twice (and misplaced the first held index).
+        self._lock = threading.Lock()
 
     def record(self, shape: StepShape, duration_s: float) -> None:
-        self._steps.append((
-            shape.num_prefill_tokens, shape.prefill_attention, shape.num_prefill_seqs,
-            shape.num_decode_rows, shape.num_decode_kv_tokens, duration_s, time.time(),
-        ))
-        self.num_steps += 1
+        with self._lock:
+            self._steps.append((
+                shape.num_prefill_tokens, shape.prefill_attention, shape.num_prefill_seqs,
+                shape.num_decode_rows, shape.num_decode_kv_tokens, duration_s, time.time(),
+            ))
+            self.num_steps += 1
 
     def record_transfer(self, record: TransferRecord) -> None:
-        self._transfers.append(record)
-        self.num_transfers += 1
+        with self._lock:
+            self._transfers.append(record)
+            self.num_transfers += 1
 
     def steps_since(self, since: int = 0) -> list[tuple]:
         """Steps with index >= ``since`` still held, as tuples in ``STEP_FIELDS`` order."""
-        first_held = self.num_steps - len(self._steps)
-        skip = max(0, since - first_held)
-        return list(self._steps)[skip:]
+        return self.read(since, 0)[1]
 
     def transfers_since(self, since: int = 0) -> list[TransferRecord]:
-        first_held = self.num_transfers - len(self._transfers)
-        skip = max(0, since - first_held)
-        return list(self._transfers)[skip:]
+        return self.read(0, since)[3]
+
+    def read(self, since_step: int, since_transfer: int) -> tuple[int, list[tuple], int, list[TransferRecord]]:
+        """At one moment: the next step's index, the steps from ``since_step`` on, the next
+        transfer's index and the transfers from ``since_transfer`` on."""
+        with self._lock:
+            steps = list(self._steps)[max(0, since_step - (self.num_steps - len(self._steps))):]
+            transfers = list(self._transfers)[max(0, since_transfer - (self.num_transfers - len(self._transfers))):]
+            return self.num_steps, steps, self.num_transfers, transfers

@@ -312,9 +312,8 @@ class EngineWorker:
             "num_layers": engine.model_config.num_layers,
             "activation_bytes_per_token": 2 * engine.model_config.hidden_size * engine.dtype.itemsize,
         }
-        return StepProfileBatch(
-            self.role, self.node, log.num_steps, log.steps_since(since_step), log.num_transfers, log.transfers_since(since_transfer), facts
-        )
+        num_steps, steps, num_transfers, transfers = log.read(since_step, since_transfer)
+        return StepProfileBatch(self.role, self.node, num_steps, steps, num_transfers, transfers, facts)
 
     async def shutdown(self) -> None:
         stopped = self._thread.stop()

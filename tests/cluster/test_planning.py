@@ -1238,3 +1238,25 @@ def test_a_deployment_that_never_disaggregates_is_planned_without_prefill_worker
         plan = scaler.planner.plan(rate)
         assert all(candidate.num_prefill == 0 for candidate in plan.candidates)
         assert not plan.feasible or plan.num_prefill == 0
+
+
+def test_step_log_reads_while_steps_are_recorded_return_each_step_once():
+    """The engine thread records while the worker's loop reads (step_profile): successive reads
+    from the index each returned must add up to every step exactly once."""
+    import threading
+
+    log = StepLog(capacity=100_000)
+    total = 20_000
+
+    def record():
+        for i in range(total):
+            log.record(StepShape(num_prefill_tokens=i), 0.0)
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    seen, since = [], 0
+    while recorder.is_alive() or since < total:
+        since, steps, _, _ = log.read(since, 0)
+        seen += [s[0] for s in steps]
+    recorder.join()
+    assert seen == list(range(total))
