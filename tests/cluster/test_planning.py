@@ -1245,8 +1245,8 @@ def test_step_log_reads_while_steps_are_recorded_return_each_step_once():
     from the index each returned must add up to every step exactly once."""
     import threading
 
-    log = StepLog(capacity=100_000)
-    total = 20_000
+    log = StepLog(capacity=10_000)
+    total = 3_000
 
     def record():
         for i in range(total):
@@ -1258,5 +1258,6 @@ def test_step_log_reads_while_steps_are_recorded_return_each_step_once():
     while recorder.is_alive() or since < total:
         since, steps, _, _ = log.read(since, 0)
         seen += [s[0] for s in steps]
+        threading.Event().wait(0.0005)
     recorder.join()
     assert seen == list(range(total))
