@@ -240,6 +240,12 @@ class PrefillWorker(EngineWorker):
 
     def _enqueue(self, request: PrefillRequest) -> Future:
         self._check_accepting(request)
+        earlier = self._jobs.get(request.req_id)
+        if earlier is not None and earlier.request.destination.token != request.destination.token:
+            # An attempt the router gave up, whose cancel did not reach this actor (it was briefly
+            # unreachable): the newer attempt takes its place, as on a decode actor. It was refused
+            # as "already running", which the client got as its own bad request.
+            self._cancel(request.req_id, earlier.request.destination.token)
         seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
         return self._add_job(request, seq).done
 
