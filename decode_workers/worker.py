@@ -270,12 +270,15 @@ class DecodeWorker(EngineWorker):
             await asyncio.sleep(min(5.0, min(self._router_lease_s.values()) / 4))
             now = time.monotonic()
             for router_id, lease_s in list(self._router_lease_s.items()):
-                if now - self._router_heard.get(router_id, now) > lease_s:
+                heard = self._router_heard.get(router_id, now)
+                if now - heard > lease_s:
                     num_aborted = await self._call(self._release_router, router_id)
                     if num_aborted:
                         logger.warning(
                             "%s: router %s silent for over %.0fs; aborted its %d requests", self.worker_id, router_id, lease_s, num_aborted
                         )
+                    if self._router_heard.get(router_id, heard) > heard:
+                        continue  # it spoke while its requests were released (a new reservation): watched on
                     self._router_lease_s.pop(router_id, None)
                     self._router_heard.pop(router_id, None)
                     self._outputs.forget(router_id)

@@ -107,3 +107,35 @@ def test_a_request_aborted_mid_stream_is_forgotten_and_a_draining_worker_reports
 
     assert asyncio.run(poll(WorkerState.READY)).num_reservable_blocks == 40
     assert asyncio.run(poll(WorkerState.DRAINING)).num_reservable_blocks == 0
+
+
+def test_a_router_that_speaks_while_its_requests_are_released_stays_watched(monkeypatch):
+    """A router silent past its lease has its requests released; a reservation it makes during
+    that release (an engine step long) survives it, and the router stays lease-watched (it was
+    forgotten: if it then died, its new request was cleaned up only by the KV lease or max_tokens)."""
+    import time
+    from types import SimpleNamespace
+
+    import decode_workers.worker as worker_module
+    from decode_workers.worker import DecodeWorker
+
+    forgotten, sleeps = [], []
+    worker = SimpleNamespace(
+        worker_id="d0", _router_lease_s={"r": 1.0}, _router_heard={"r": time.monotonic() - 10.0},
+        _outputs=SimpleNamespace(forget=forgotten.append),
+    )
+
+    async def call(fn, router_id):
+        worker._router_heard[router_id] = time.monotonic()  # a reserve arrived meanwhile
+        return 1
+
+    worker._call, worker._release_router = call, None
+
+    async def sleep(seconds):
+        sleeps.append(seconds)
+        if len(sleeps) > 1:
+            worker._router_lease_s.clear()  # (ends the watch after one round)
+
+    monkeypatch.setattr(worker_module.asyncio, "sleep", sleep)
+    asyncio.run(DecodeWorker._watch_routers(worker))
+    assert forgotten == [] and "r" in worker._router_heard
