@@ -329,6 +329,10 @@ class LLMEngine:
         if req_id not in self.scheduler.requests:
             return False  # the step in flight finished it (its output comes with the next step's)
         self.scheduler.abort(req_id)
+        # Its tokens the step in flight sampled go to nobody: kept, they went out with the next
+        # step's under its id, which a newer attempt of the request may hold by then (a decode
+        # actor takes a given-up attempt's place at once), as that one's tokens.
+        self._undelivered = [out for out in self._undelivered if out.req_id != req_id]
         self._release_adapters()
         logger.info("req %s: aborted", req_id)
         return True

@@ -223,3 +223,20 @@ def test_an_abort_of_a_request_its_step_in_flight_finishes_says_it_was_not_here(
         assert len(finishes) == (0 if aborted else 1), (steps_before, aborted, finishes)
         assert engine.num_free_blocks == engine.kv_cache.num_blocks
     assert results == {True, False}  # aborted while running, and found finished by its step in flight
+
+
+def test_an_aborted_requests_tokens_from_the_step_in_flight_go_to_nobody(engines, prompts):
+    """With overlapped steps an abort reads the step in flight first; its tokens for the aborted
+    request were kept and went out with the next step under the request's id, which a newer
+    attempt of it (a decode actor takes a given-up attempt's place at once) then holds."""
+    engine = engines[True]
+    engine.add_request("again", prompts[1], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.abort_request("again")
+    engine.add_request("again", prompts[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [token for out in engine.step() if out.req_id == "again" for token in out.new_token_ids]
+    assert len(tokens) == 3  # the newer attempt's own, none of the aborted one's
+    assert engine.num_free_blocks == engine.kv_cache.num_blocks
