@@ -376,6 +376,7 @@ class DecodeWorker(EngineWorker):
             self._drop_reservation(req_id, tracked, given_up)
         else:
             self.engine.abort_request(req_id)
+        self.pump.discard_receive_events(req_id)
         logger.info("req %s: aborted on %s", req_id, self.worker_id)
         return True
 

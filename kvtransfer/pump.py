@@ -76,6 +76,17 @@ class TransferPump:
             events, self._receives = self._receives, ReceiveEvents()
         return events
 
+    def discard_receive_events(self, req_id: str) -> None:
+        """Drop what was gathered of a request's reservation that ended (aborted): its events name
+        the request only, and a newer attempt of it may hold a reservation here by the time they
+        are taken (its KV taken for ready, or the attempt failed, by the older one's events).
+        Freed blocks stay: they are the cache's, whoever held them."""
+        with self._lock:
+            events = self._receives
+            events.progress = [(rid, blocks) for rid, blocks in events.progress if rid != req_id]
+            events.ready = [rid for rid in events.ready if rid != req_id]
+            events.failed = [failure for failure in events.failed if failure.req_id != req_id]
+
     def _run(self) -> None:
         interval = self._poll_interval_s
         while not self._stopping.is_set():

@@ -152,3 +152,23 @@ def test_the_last_write_of_a_cancelled_request_ending_wakes_whoever_waits_for_it
     finally:
         pump.stop()
     assert sender.quiesce_report("r").quiesced
+
+
+def test_an_aborted_requests_gathered_receive_events_are_dropped_but_freed_blocks_kept():
+    """Receive events name the request only: gathered for an attempt the decode actor aborted,
+    they were taken for a newer attempt of the request reserved there meanwhile (its KV taken
+    for ready, or it failed with the older one's error). Freed blocks are the cache's: kept."""
+    from kvtransfer.errors import RequestTransferError
+    from kvtransfer.messages import FreedBlocks, ReceiveEvents
+    from kvtransfer.pump import _merge_into
+
+    pump = TransferPump.__new__(TransferPump)
+    pump._lock, pump._receives = threading.Lock(), ReceiveEvents()
+    _merge_into(pump._receives, ReceiveEvents(
+        progress=[("old", 2), ("other", 1)], ready=["old", "other"], failed=[RequestTransferError("old", "P", "lost")],
+        freed=[FreedBlocks("old", [3, 4], "lease")],
+    ))
+    pump.discard_receive_events("old")
+    events = pump.take_receive_events()
+    assert events.progress == [("other", 1)] and events.ready == ["other"] and events.failed == []
+    assert [f.block_ids for f in events.freed] == [[3, 4]]
