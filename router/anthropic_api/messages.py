@@ -177,11 +177,11 @@ class MessageState:
 
     def _released(self, parts: list[OutputPart], last: bool) -> list[OutputPart]:
         """The parts to send now. A call to a tool without ``eager_input_streaming`` is held until
-        its input is whole (the next call starts, or the answer ends), then sent in one piece
-        where it may run, or left out (its input no JSON object: the SDK's accumulator parses the
-        input at every delta, and raised on a model's trailing comma, losing the whole answer).
-        Anthropic streams input so, checked, unless a tool asks for it eagerly. A call's input is
-        whole once the answer goes on past it (content, another call) or ends."""
+        its input is whole (the answer goes on past it: content, another call; or ends), then
+        sent in one piece where it may run, or left out (its input no JSON object: the SDK's
+        accumulator parses the input at every delta, and raised on a model's trailing comma,
+        losing the whole answer). Anthropic streams input so, checked, unless a tool asks for it
+        eagerly."""
         out: list[OutputPart] = []
         for part in parts:
             if isinstance(part, ToolCallDelta) and part.id is None:  # more of the last call's input

@@ -7,6 +7,8 @@ router/openai_api/tool_parsers.py.
   glm45, llama3_json, pythonic, mistral: router/openai_api/tool_formats.py), configured
   (``router.tool_call_parser``) or recognised in the chat template; with
   ``parallel_tool_calls: false`` only the first call it writes is returned (as OpenAI and vLLM do).
+  In the hermes format a grammar holds a ``strict`` tool's calls to its parameters, and lets an
+  answer with a JSON format call its tools (``ToolCalling.constraint``).
 - ``required``: a grammar makes the answer a JSON array of ``{"name", "parameters"}`` objects,
   one schema per tool (at most one item without ``parallel_tool_calls``); named
   (``{"type": "function", "function": {"name": ...}}``): the answer is that function's arguments.
@@ -93,10 +95,10 @@ class ToolCalling:
         return StructuredOutput("json_schema", json.dumps(schema), field="tool_choice")
 
     def _auto_constraint(self, answer: StructuredOutput | None) -> StructuredOutput | None:
-        if answer is not None and answer.kind not in ("json_schema", "json_object"):
-            return None  # a regex, choice or grammar answer stays as the client gave it
+        if self.parser != "hermes" or (answer is not None and answer.kind not in ("json_schema", "json_object")):
+            return None  # (a regex, choice or grammar answer stays as the client gave it)
         held = [index for index, tool in enumerate(self.tools) if tool["function"].get("strict") is True and _compiles(_parameters(tool))]
-        if self.parser != "hermes" or not (held or answer is not None):
+        if not (held or answer is not None):
             return None
         calls = []
         for index, tool in enumerate(self.tools):
