@@ -189,13 +189,20 @@ def main(argv: list[str] | None = None) -> int:
 # -- state shared between commands --------------------------------------------------------
 
 
-def _channel(address: str, ca_file: Path | None = None):
+def _channel(address: str, ca_file: Path | None = None, server_name: str | None = None):
     """A channel to the router with the client's credentials: $PDSERVE_AUTH_TOKEN, and TLS
-    verified against $PDSERVE_TLS_CA (or ``ca_file``) when either is there."""
-    from router.security import AUTH_TOKEN_ENV, TLS_CA_ENV, client_channel
+    verified against $PDSERVE_TLS_CA (or ``ca_file``) when either is there, for the name
+    $PDSERVE_TLS_SERVER_NAME (or ``server_name``: router.tls_server_name, as up recorded it)."""
+    from router.security import AUTH_TOKEN_ENV, TLS_CA_ENV, TLS_SERVER_NAME_ENV, client_channel
 
     ca = os.environ.get(TLS_CA_ENV) or ca_file
-    return client_channel(address, os.environ.get(AUTH_TOKEN_ENV) or None, Path(ca) if ca else None)
+    name = os.environ.get(TLS_SERVER_NAME_ENV) or server_name
+    return client_channel(address, os.environ.get(AUTH_TOKEN_ENV) or None, Path(ca) if ca else None, name)
+
+
+def _recorded_server_name(args: argparse.Namespace) -> str | None:
+    """The name up recorded for the router's certificate (router.tls_server_name)."""
+    return _read_state(args.state_file).get("tls_server_name")
 
 
 def _read_state(path: Path) -> dict:
@@ -337,7 +344,7 @@ def _up(args: argparse.Namespace) -> int:
     try:
         info = ray.get(controller.start.remote())
         # The controller returns once every worker is up; the health check is what a client sees.
-        serving = _wait_until_serving(info.router_address, SERVING_TIMEOUT_S, ca_file=config.router.tls_cert_file)
+        serving = _wait_until_serving(info.router_address, SERVING_TIMEOUT_S, config.router.tls_cert_file, config.router.tls_server_name)
     except KeyboardInterrupt:
         # The head (its own session) and the detached controller never saw the Ctrl-C, and
         # nothing was recorded yet for `down` to find: they are stopped here.
@@ -359,7 +366,8 @@ def _up(args: argparse.Namespace) -> int:
     state = {"router_address": info.router_address, "admin_address": info.admin_address, "http_address": info.http_address,
              "metrics_address": info.metrics_address,
              "ray_address": ray_address, "ray_head_pid": head, "ray_head_start": process_start(head) if head else None,
-             "up_pid": None if args.detach else os.getpid(), "up_start": None if args.detach else process_start(os.getpid())}
+             "up_pid": None if args.detach else os.getpid(), "up_start": None if args.detach else process_start(os.getpid()),
+             "tls_server_name": config.router.tls_server_name}
     print(f"pdserve serving on {info.router_address} ({info.prefill_replicas} prefill, {info.decode_replicas} decode actors)")
     if info.router_replicas:
         print(f"router replicas on {', '.join(info.router_replicas)} (the same ports)")
@@ -473,13 +481,13 @@ def _down_foreground(args: argparse.Namespace, state: dict) -> int:
     return 0
 
 
-def _wait_until_serving(address: str, timeout_s: float, ca_file: Path | None = None) -> bool:
+def _wait_until_serving(address: str, timeout_s: float, ca_file: Path | None = None, server_name: str | None = None) -> bool:
     """Whether the router's gRPC health service said SERVING within ``timeout_s``."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with _channel(address, ca_file) as channel:
+    with _channel(address, ca_file, server_name) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -670,7 +678,7 @@ def _status(args: argparse.Namespace) -> int:
     if address is None:
         print("pdserve status: no running deployment recorded; give --address", file=sys.stderr)
         return 2
-    with _channel(address) as channel:
+    with _channel(address, server_name=_recorded_server_name(args)) as channel:
         try:
             workers = pb_grpc.GenerationStub(channel).GetClusterStatus(pb.GetClusterStatusRequest(), timeout=30).workers
         except grpc.RpcError as exc:
@@ -715,7 +723,7 @@ def _scale(args: argparse.Namespace) -> int:
     if args.prefill is None and args.decode is None:
         print("pdserve scale: give --prefill N and/or --decode M", file=sys.stderr)
         return 2
-    with _channel(address) as channel:
+    with _channel(address, server_name=_recorded_server_name(args)) as channel:
         admin = pb_grpc.AdminStub(channel)
         for role, replicas in ((pb.WORKER_ROLE_PREFILL, args.prefill), (pb.WORKER_ROLE_DECODE, args.decode)):
             if replicas is None:
@@ -826,7 +834,7 @@ def _stream(args: argparse.Namespace, address: str) -> int:
         request = pb.GenerateRequest(chat=pb.ChatPrompt(messages=messages), sampling=sampling, lora_name=args.lora_name)
     else:
         request = pb.GenerateRequest(prompt_text=args.prompt, sampling=sampling, lora_name=args.lora_name)
-    with _channel(address) as channel:
+    with _channel(address, server_name=_recorded_server_name(args)) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             if not chat:

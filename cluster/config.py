@@ -216,6 +216,10 @@ class RouterSection(BaseModel):
     )
     tls_cert_file: Path | None = Field(None, description="PEM certificate chain: both listeners speak TLS only (with tls_key_file)")
     tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
+    tls_server_name: str | None = Field(
+        None, description="The name pdserve's own commands check tls_cert_file against, where it covers no address the router is "
+        "reached at (a certificate for a DNS name, the router reached by its IP); clients: $PDSERVE_TLS_SERVER_NAME",
+    )
     allow_unauthenticated: bool = Field(
         False, description="Let host, admin_host or http_host be a non-loopback address without a bearer token (not recommended)"
     )

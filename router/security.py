@@ -23,6 +23,9 @@ import grpc
 AUTH_TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 # A client's CA bundle for a router that serves TLS.
 TLS_CA_ENV = "PDSERVE_TLS_CA"
+# The name a client checks the router's certificate against, where the certificate covers no
+# address the router is reached at (a DNS name, the router reached by its IP).
+TLS_SERVER_NAME_ENV = "PDSERVE_TLS_SERVER_NAME"
 
 _PROTECTED_SERVICES = ("/pdserve.v1.Generation/", "/pdserve.v1.Admin/")
 
@@ -107,10 +110,12 @@ class _BearerTokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
         return continuation(self._with_token(client_call_details), request)
 
 
-def client_channel(address: str, token: str | None = None, ca_file: Path | None = None) -> grpc.Channel:
-    """A channel to the router that presents ``token`` and, with ``ca_file``, speaks TLS."""
+def client_channel(address: str, token: str | None = None, ca_file: Path | None = None, server_name: str | None = None) -> grpc.Channel:
+    """A channel to the router that presents ``token`` and, with ``ca_file``, speaks TLS,
+    checking the certificate against ``server_name`` where given (else the address's host)."""
     if ca_file is not None:
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca_file).read_bytes()))
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(Path(ca_file).read_bytes()), options=options)
     else:
         channel = grpc.insecure_channel(address)
     return grpc.intercept_channel(channel, _BearerTokenMetadata(token)) if token else channel

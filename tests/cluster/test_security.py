@@ -230,3 +230,35 @@ def test_up_in_the_foreground_listens_on_loopback_only_serves_and_stops_when_int
     # --log-level info reaches the workers: each says what its engine runs on.
     engines = [line for line in stderr.splitlines() if "engine ready:" in line]
     assert len(engines) == 2 and all("attention cpu, CUDA graphs off" in line for line in engines), stderr[-3000:]
+
+
+def test_a_certificate_for_a_dns_name_is_checked_against_the_name_given(tmp_path):
+    """A router with a certificate for a DNS name, reached by its IP (what `up` advertises): the
+    check failed on the address, so `up`'s readiness probe never saw SERVING and tore the
+    deployment down. router.tls_server_name (or $PDSERVE_TLS_SERVER_NAME) names what the
+    certificate is checked against."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health
+
+    from cluster.cli import _wait_until_serving
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=router.example.test",
+         "-addext", "subjectAltName=DNS:router.example.test", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        assert not _wait_until_serving(address, 1.0, cert)
+        assert _wait_until_serving(address, 10.0, cert, "router.example.test")
+        with client_channel(address, None, cert, "router.example.test") as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(None)
