@@ -201,8 +201,10 @@ def _channel(address: str, ca_file: Path | None = None, server_name: str | None 
 
 
 def _recorded_server_name(args: argparse.Namespace) -> str | None:
-    """The name up recorded for the router's certificate (router.tls_server_name)."""
-    return _read_state(args.state_file).get("tls_server_name")
+    """The name up recorded for the router's certificate (router.tls_server_name; None where no
+    deployment is recorded: a one-off generate's own)."""
+    state_file = getattr(args, "state_file", None)
+    return _read_state(state_file).get("tls_server_name") if state_file is not None else None
 
 
 def _read_state(path: Path) -> dict:
