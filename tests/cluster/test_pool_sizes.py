@@ -63,15 +63,21 @@ async def _settle(gates: list[asyncio.Event]) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _one_of_two_decode_workers_replaced(tmp_path) -> tuple[PoolManager, list[asyncio.Event]]:
+    """A pool of two decode workers, one of which died: its replacement starts (and waits)."""
+    manager, gates = _manager(tmp_path, 2)
+    pool = manager.router.pool
+    for name in ("decode-a", "decode-b"):
+        pool.add(WorkerRecord(name, Role.DECODE, handle=None))
+    manager._on_unhealthy(pool.workers["decode-b"], "health check timed out")
+    await asyncio.sleep(0)
+    return manager, gates
+
+
 @pytest.mark.parametrize("replicas", [3, 2, 1, 0])
 def test_scaling_while_a_replacement_starts_ends_at_the_size_asked(tmp_path, replicas):
     async def scenario():
-        manager, gates = _manager(tmp_path, 2)
-        pool = manager.router.pool
-        for name in ("decode-a", "decode-b"):
-            pool.add(WorkerRecord(name, Role.DECODE, handle=None))
-        manager._on_unhealthy(pool.workers["decode-b"], "health check timed out")  # its replacement starts
-        await asyncio.sleep(0)
+        manager, gates = await _one_of_two_decode_workers_replaced(tmp_path)
         assert manager._num_launching[Role.DECODE] == 1
         scaling = asyncio.create_task(manager.scale(Role.DECODE, replicas))
         await _settle(gates)
@@ -484,12 +490,7 @@ def test_the_autoscaler_counts_a_replacement_still_starting_and_drains_no_ready_
     from cluster.autoscaler import apply_sizes, observed_sizes
 
     async def scenario():
-        manager, gates = _manager(tmp_path, 2)
-        pool = manager.router.pool
-        for name in ("decode-a", "decode-b"):
-            pool.add(WorkerRecord(name, Role.DECODE, handle=None))
-        manager._on_unhealthy(pool.workers["decode-b"], "health check timed out")  # its replacement starts
-        await asyncio.sleep(0)
+        manager, gates = await _one_of_two_decode_workers_replaced(tmp_path)
         prefill, decode = observed_sizes(manager)
         assert decode == 2
         applying = asyncio.create_task(apply_sizes(manager, prefill, decode))

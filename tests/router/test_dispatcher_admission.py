@@ -67,6 +67,16 @@ def test_a_handler_cancelled_as_it_closes_its_session_still_lets_the_request_go(
     assert not dispatcher.active and not dispatcher._releasing
 
 
+def _dispatchable(req_id: str) -> ActiveRequest:
+    """``_active``'s request with what a dispatch writes: its timing and its prefill worker."""
+    from types import SimpleNamespace
+
+    active = _active(req_id)
+    active.assembler.timing = SimpleNamespace(dispatched=None)
+    active.assembler.prefill_worker_id = ""
+    return active
+
+
 class _Call:
     """A fake Ray actor method: ``method.remote(...)`` returns an awaitable."""
 
@@ -386,9 +396,7 @@ def test_a_decode_actor_granted_then_taken_for_dead_before_the_request_is_placed
         return granted
 
     dispatcher._wait_for_room = wait_for_room
-    active = _active("a")
-    active.assembler.timing = SimpleNamespace(dispatched=None)
-    active.assembler.prefill_worker_id = ""
+    active = _dispatchable("a")
 
     async def scenario():
         dispatcher.admit(active)
@@ -499,9 +507,7 @@ def test_a_request_dispatched_again_keeps_its_first_dispatch_as_the_end_of_its_r
         return pool.workers[next(grants)]
 
     dispatcher._wait_for_room = wait_for_room
-    active = _active("a")
-    active.assembler.timing = SimpleNamespace(dispatched=None)
-    active.assembler.prefill_worker_id = ""
+    active = _dispatchable("a")
 
     async def scenario():
         dispatcher.admit(active)
