@@ -28,6 +28,7 @@ from cluster.arguments import INT32_MAX, UINT32_MAX, int_in
 from cluster.local_ray import confine_to_loopback
 from engine.default_model_path import DEFAULT_MODEL_PATH
 from router.config import MAX_POOL_REPLICAS
+from router.addresses import bare_host
 from router.openai_api.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 DEFAULT_STATE_FILE = Path.home() / ".pdserve" / "state.json"
@@ -650,10 +651,10 @@ def _port_taken(config) -> str | None:
         if not port:  # None: off; 0: any free port
             continue
         try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            family = socket.getaddrinfo(bare_host(host), port, type=socket.SOCK_STREAM)[0][0]
             with socket.socket(family, socket.SOCK_STREAM) as sock:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC, aiohttp and prometheus_client bind
-                sock.bind((host, port))
+                sock.bind((bare_host(host), port))
         except OSError:
             from router.errors import cannot_listen
 

@@ -22,6 +22,7 @@ from engine.errors import ModelLoadError
 from engine.model_source import resolve_model
 from engine.speculation import SpeculativeConfig
 from kvtransfer.agent import KVTransferConfig
+from router.addresses import bare_host, is_wildcard
 from router.config import MAX_POOL_REPLICAS, Disaggregation, RouterConfig
 from router.openai_api.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 from router.pipeline import PipelineMode
@@ -329,8 +330,8 @@ class RouterSection(BaseModel):
 def _addresses(host: str) -> set[str]:
     """The addresses a listener's host may bind ("*": every one; localhost: both loopbacks,
     as a host whose /etc/hosts names ::1 too binds them)."""
-    host = host.strip().lower().removeprefix("[").removesuffix("]")
-    if host in ("", "0.0.0.0", "::"):
+    host = bare_host(host).lower()
+    if is_wildcard(host):
         return {"*"}
     return {"127.0.0.1", "::1"} if host == "localhost" else {host}
 

@@ -23,6 +23,7 @@ from cluster import desired_sizes
 from cluster.deployment import build_router, share_responses_board, start_router_replicas, stop_responses_board
 from cluster.pools import DeploymentSpec, PoolManager
 from cluster.router_replica import stop_replicas
+from router.addresses import host_port, is_wildcard
 from router.front_ends import FrontEnds
 from router.metrics import Metrics
 from router.pool import Role
@@ -75,7 +76,7 @@ class Controller:
     async def _start(self) -> None:
         if self.metrics_port is not None:
             port = self.metrics.serve(self.metrics_port, self.metrics_host)
-            self.metrics_address = f"{_advertised(self.metrics_host)}:{port}"
+            self.metrics_address = _advertised(self.metrics_host, port)
         self.router = build_router(self.spec, self.metrics)
         self.pools = PoolManager(self.spec, self.router, self.metrics)
         self.router.pool_manager = self.pools
@@ -93,13 +94,13 @@ class Controller:
 
     async def info(self) -> ControllerInfo:
         return ControllerInfo(
-            router_address=f"{_advertised(self.spec.router.host)}:{self.front_ends.port}",
-            admin_address=None if self.front_ends.admin_port is None else f"{_advertised(self.spec.router.admin_host)}:{self.front_ends.admin_port}",
-            http_address=None if self.front_ends.http_port is None else f"{_advertised(self.spec.router.http_host)}:{self.front_ends.http_port}",
+            router_address=_advertised(self.spec.router.host, self.front_ends.port),
+            admin_address=None if self.front_ends.admin_port is None else _advertised(self.spec.router.admin_host, self.front_ends.admin_port),
+            http_address=None if self.front_ends.http_port is None else _advertised(self.spec.router.http_host, self.front_ends.http_port),
             metrics_address=self.metrics_address,
             prefill_replicas=self.pools.size(Role.PREFILL),
             decode_replicas=self.pools.size(Role.DECODE),
-            router_replicas=[f"{info.node_ip}:{info.grpc_port}" for info in self.replica_infos],
+            router_replicas=[host_port(info.node_ip, info.grpc_port) for info in self.replica_infos],
         )
 
     async def stop(self) -> None:
@@ -143,5 +144,6 @@ def find_controller():
         return None
 
 
-def _advertised(host: str) -> str:
-    return ray.util.get_node_ip_address() if host in ("0.0.0.0", "") else host
+def _advertised(host: str, port: int) -> str:
+    """Where clients reach a listener bound to ``host``: this node's address for a wildcard."""
+    return host_port(ray.util.get_node_ip_address() if is_wildcard(host) else host, port)

@@ -20,6 +20,7 @@ from engine.config import ModelConfig
 from engine.loader import _generation_eos_ids
 from engine.sampling_params import SamplingDefaults
 from cluster.router_replica import ReplicaInfo, ReplicaSpec, start_replicas, stop_replicas, wait_started
+from router.addresses import host_port
 from router.core import ModelInfo, Router
 from router.front_ends import FrontEnds, ListenPorts
 from router.pool import Role
@@ -110,11 +111,11 @@ class Deployment:
 
     @property
     def address(self) -> str:
-        return f"{self.spec.router.host}:{self.front_ends.port}"
+        return host_port(self.spec.router.host, self.front_ends.port)
 
     @property
     def admin_address(self) -> str | None:
-        return None if self.front_ends.admin_port is None else f"{self.spec.router.admin_host}:{self.front_ends.admin_port}"
+        return None if self.front_ends.admin_port is None else host_port(self.spec.router.admin_host, self.front_ends.admin_port)
 
     @property
     def http_port(self) -> int | None:

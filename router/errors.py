@@ -17,6 +17,7 @@ from typing import NoReturn
 import grpc
 
 from engine.errors import EngineError, InvalidRequestError, ModelLoadError, RequestFailedError, UnknownRequestError
+from router.addresses import host_port
 
 
 class RouterError(Exception):
@@ -155,5 +156,5 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
 
 def cannot_listen(field: str, host: str, port: int) -> str:
     """What a router listener that cannot bind says: the config field, the address, what to do."""
-    return (f"router.{field}: cannot listen on {host}:{port} (the port is in use, or the host is not "
+    return (f"router.{field}: cannot listen on {host_port(host, port)} (the port is in use, or the host is not "
             "an address of this machine); give another port, or 0 for any free one")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from router.addresses import host_port
 from router.core import Router
 from router.grpc_api import GrpcFrontEnd
 from router.openai_api.chat_format import ChatFormat
@@ -74,7 +75,7 @@ class FrontEnds:
             # A router process that starts (again) runs what its earlier life left in progress.
             await self.http.resume_background_responses()
         logger.info(
-            "router listening on %s:%d (%s; %s, %s)", config.host, self.port,
+            "router listening on %s (%s; %s, %s)", host_port(config.host, self.port),
             "ready" if self.router.readiness.is_ready else "not ready yet",
             "bearer token required" if config.auth_token else "no authentication",
             "TLS" if config.tls_cert_file else "plaintext",

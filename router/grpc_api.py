@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from router.admin import SERVICE as ADMIN_SERVICE
 from router.admin import AdminOperations, AdminService, worker_state_to_proto
+from router.addresses import host_port
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from engine.sampling_params import TokenLogprob
@@ -237,7 +238,7 @@ class GrpcFrontEnd:
     def _listen(self, server: grpc.aio.Server, field: str, host: str, port: int) -> int:
         """Bind ``host:port``; a failure names the config field, since grpc's own message names neither
         the field nor the cause (newer grpc raises RuntimeError, older returns port 0)."""
-        address = f"{host}:{port}"
+        address = host_port(host, port)
         credentials = self._credentials()
         try:
             bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from router.addresses import bare_host
+
 if TYPE_CHECKING:
     from router.output_stream import TimingBreakdown
 
@@ -165,7 +167,7 @@ class Metrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP; return the port actually bound."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        server, _ = start_http_server(port, addr=bare_host(host), registry=self.registry)
         return server.server_address[1]
 
     # -- per request --------------------------------------------------------------------

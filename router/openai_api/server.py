@@ -42,6 +42,7 @@ from aiohttp import web
 from engine import bounded_json
 from router import sse
 from router.anthropic_api import messages
+from router.addresses import bare_host, host_port
 from router.responses_api import front_end as responses_front_end
 from router.errors import InternalError, InvalidArgumentError, UnavailableError
 from router.openai_api.chat_format import ChatFormat
@@ -90,7 +91,7 @@ class OpenAIServer:
         self.router = router
         self.allowed_origins = list(router.config.allowed_origins)  # origins a browser may call from; "*": any
         self.reuse_port = reuse_port  # replicas of the router share one port (SO_REUSEPORT)
-        self.host = host
+        self.host = bare_host(host)
         self.requested_port = port
         self.model_names = list(model_names)
         # Also answered to, not listed: the model as the deployment was started with it.
@@ -135,7 +136,7 @@ class OpenAIServer:
         site = web.TCPSite(self.runner, self.host, self.requested_port, ssl_context=self.ssl_context, reuse_port=self.reuse_port)
         await site.start()
         self.port = self.runner.addresses[0][1]
-        logger.info("OpenAI API listening on %s://%s:%d (model %s)", "https" if self.ssl_context else "http", self.host, self.port, ", ".join(self.model_names))
+        logger.info("OpenAI API listening on %s://%s (model %s)", "https" if self.ssl_context else "http", host_port(self.host, self.port), ", ".join(self.model_names))
         return self.port
 
     async def resume_background_responses(self) -> None:

@@ -171,6 +171,30 @@ def test_a_port_taken_after_up_looked_fails_the_router_with_the_field_named(e2e_
             HostedRouter(spec)
 
 
+def test_up_finds_a_taken_port_on_an_ipv6_host_and_names_it_with_brackets(tmp_path):
+    from cluster.cli import _port_taken
+    from cluster.config import load_config
+
+    try:
+        taken = socket.socket(socket.AF_INET6)
+        taken.bind(("::1", 0))
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    with taken:
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "pdserve.yaml"
+        config.write_text(f"router: {{host: '[::1]', port: {port}, admin_port: 0, http_port: 0, metrics_port: null}}\n")
+        assert _port_taken(load_config(config, {})) == (
+            f"router.port: cannot listen on [::1]:{port} (the port is in use, or the host is not an address of this machine); "
+            "give another port, or 0 for any free one"
+        )
+    # Free again: a bracketed host is bound without its brackets (the lookup of "[::1]" failed,
+    # which read as a taken port).
+    config.write_text(f"router: {{host: '[::1]', port: {port}, admin_port: 0, http_port: 0, metrics_port: null}}\n")
+    assert _port_taken(load_config(config, {})) is None
+
+
 @pytest.mark.e2e
 def test_prefill_and_decode_on_different_nodes_of_a_two_node_cluster(e2e_model, tmp_path):
     """Two raylets on this machine, each with a resource that pins one pool to it."""

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -17,6 +20,7 @@ from cluster.pools import DeploymentSpec, PoolSpec
 from router.api.pdserve.v1 import generation_pb2 as pb
 from router.api.pdserve.v1 import generation_pb2_grpc as pb_grpc
 from router.config import RouterConfig
+from router.metrics import Metrics
 from router.security import AUTH_TOKEN_ENV, client_channel
 from tests.serving import HostedRouter, engine_config
 
@@ -85,6 +89,39 @@ def test_admin_listens_on_its_own_port_only_and_can_be_turned_off(e2e_model):
         assert off.admin_address is None and off.front_ends.admin_server is None
     finally:
         off.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_listeners_on_ipv6_hosts_serve_there_and_name_their_address_with_brackets(e2e_model):
+    """An IPv6 host (``::1``, or written ``[::1]`` as in a URL) binds gRPC, Admin, the OpenAI API
+    and /metrics: gRPC took ``::1:port`` for IPv4 0.1.0.0 and refused it, aiohttp and the
+    metrics server refused the brackets."""
+    hosted = _hosted(e2e_model, host="::1", admin_host="[::1]", http_host="[::1]")
+    try:
+        generate, admin = f"[::1]:{hosted.front_ends.port}", f"[::1]:{hosted.front_ends.admin_port}"
+        with grpc.insecure_channel(generate) as channel, grpc.insecure_channel(admin) as admin_channel:
+            assert _model_info(channel).vocab_size == e2e_model.vocab_size
+            assert _code(lambda: _scale(admin_channel)) == grpc.StatusCode.UNAVAILABLE  # served: no pool manager here
+        with grpc.insecure_channel(hosted.address) as ipv4:  # (127.0.0.1: nothing listens there)
+            assert _code(lambda: _model_info(ipv4)) == grpc.StatusCode.UNAVAILABLE
+        client = openai.OpenAI(base_url=f"http://[::1]:{hosted.http_port}/v1", api_key="unused", max_retries=0)
+        assert [model.id for model in client.models.list()] == [e2e_model.path.name]
+        with pytest.raises(OSError, match=rf"^router\.port: cannot listen on \[::1\]:{hosted.front_ends.port} \(the port is in use"):
+            _hosted(e2e_model, host="::1", port=hosted.front_ends.port, admin_port=0)
+    finally:
+        hosted.close()
+    metrics = Metrics("m")
+    port = metrics.serve(0, "[::1]")
+    assert 'model_name="m"' in urllib.request.urlopen(f"http://[::1]:{port}/metrics", timeout=10).read().decode()
 
 
 def _self_signed_certificate(directory: Path) -> tuple[Path, Path]:
