@@ -324,6 +324,16 @@ def _up(args: argparse.Namespace) -> int:
         print("pdserve up: this Ray cluster already runs a pdserve deployment; run `pdserve down` first", file=sys.stderr)
         return 2
     spec = config.to_spec()
+    if args.address is None:  # a Ray of this machine, started for this deployment: it cannot grow
+        from cluster.pools import start_shortfall
+
+        shortfall = start_shortfall(spec, ray.available_resources())
+        if shortfall is not None:  # (the workers waited startup_timeout_s for room that never came)
+            print(f"pdserve up: {shortfall}", file=sys.stderr)
+            ray.shutdown()
+            if head is not None:
+                _stop_pid(head)
+            return 1
     spec.durable_workers = True  # they outlive the controller; a restarted one adopts them
     controller = create_controller(spec, config.router.metrics_port, config.router.metrics_host, detached=args.detach)
 

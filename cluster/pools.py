@@ -387,13 +387,9 @@ class PoolManager(PoolFollower):
         adding = replicas - self.size(role) - self._num_launching[role]
         if adding <= 0:
             return
-        pool = self.spec.pool(role)
-        ranks = pool.engine.tensor_parallel_size
-        per_actor = {name: amount * ranks for name, amount in {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}.items()}
         available = await asyncio.to_thread(ray.available_resources)
-        for resource, amount in per_actor.items():
-            needed = amount * adding
-            if needed > 0 and available.get(resource, 0.0) + 1e-9 < needed:
+        for resource, needed in worker_resources(self.spec.pool(role), adding).items():
+            if available.get(resource, 0.0) + 1e-9 < needed:
                 raise FailedPreconditionError(
                     f"replicas: {adding} more {role.value} workers need {needed:g} {resource}, the cluster has "
                     f"{available.get(resource, 0.0):g} free"
@@ -579,6 +575,35 @@ def _remove_group(group, worker_id: str) -> None:
 def _least_assigned(records: list[WorkerRecord], count: int) -> list[WorkerRecord]:
     """The ``count`` workers with the fewest requests: the cheapest to drain."""
     return sorted(records, key=lambda w: (w.num_assigned, w.worker_id))[: max(0, count)]
+
+
+def worker_resources(pool: PoolSpec, count: int) -> dict[str, float]:
+    """What ``count`` of ``pool``'s workers take from Ray, all their ranks together (the resources
+    they ask for, by name; none of zero)."""
+    ranks = pool.engine.tensor_parallel_size
+    wanted = {"CPU": pool.num_cpus, "GPU": pool.num_gpus, **pool.resources}
+    return {name: amount * ranks * count for name, amount in wanted.items() if amount > 0 and count > 0}
+
+
+def start_shortfall(spec: DeploymentSpec, available: dict[str, float]) -> str | None:
+    """Why ``spec``'s first workers cannot all start with ``available`` (Ray's free resources),
+    naming the config field; None if they can. For a cluster that cannot grow (one started for
+    this deployment): there the workers would wait ``startup_timeout_s`` for room that never comes."""
+    needed: dict[str, float] = {}
+    asked_by: dict[str, list[str]] = {}
+    for role in (Role.PREFILL, Role.DECODE):
+        pool = spec.pool(role)
+        ranks = pool.engine.tensor_parallel_size
+        for resource, amount in worker_resources(pool, pool.replicas).items():
+            needed[resource] = needed.get(resource, 0.0) + amount
+            field = {"CPU": "num_cpus", "GPU": "num_gpus"}.get(resource, f"resources.{resource}")
+            times = f"{pool.replicas} workers x {ranks} ranks" if ranks > 1 else f"{pool.replicas} workers"
+            asked_by.setdefault(resource, []).append(f"{role.value}.{field} = {amount / pool.replicas / ranks:g} for {times}")
+    for resource, amount in needed.items():
+        if available.get(resource, 0.0) + 1e-9 < amount:
+            return (f"{' + '.join(asked_by[resource])} need {amount:g} {resource}, this machine's Ray has "
+                    f"{available.get(resource, 0.0):g}; lower them, or start with --address to join a cluster that has them")
+    return None
 
 
 def _fits(resources: dict[str, float], pool: PoolSpec) -> bool:

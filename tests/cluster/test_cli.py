@@ -154,6 +154,29 @@ def test_a_taken_port_fails_up_with_the_field_named_and_leaves_nothing_running(e
     assert _processes_tagged(tag) == [], "no process of `up` (a Ray head, a worker) left behind"
 
 
+def test_up_on_this_machine_refuses_workers_it_has_no_room_for_and_leaves_nothing_running(e2e_model, tmp_path):
+    """GPUs on a machine without any (or more than it has): refused once its Ray is up, naming
+    the fields, where the workers waited startup_timeout_s (300 s) for room that never comes."""
+    import torch
+
+    state = tmp_path / "state.json"
+    tag = f"test-{os.getpid()}-{time.monotonic_ns()}"
+    gpus = torch.cuda.device_count() + 1
+    started = time.monotonic()
+    result = _run("up", "--detach", "--model", str(e2e_model.path), "--port", "0", "--admin-port", "0", "--metrics-port", "0",
+                  "--http-port", "0", "--prefill", "0", "--decode", str(gpus), "--decode-gpus", "1", "--decode-cpus", "0.5",
+                  state_file=state, check=False, env={_TAG_ENV: tag})
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"pdserve up: decode.num_gpus = 1 for {gpus} workers need {gpus} GPU, this machine's Ray has {gpus - 1}; "
+        "lower them, or start with --address to join a cluster that has them"
+    ]
+    assert elapsed < 60, "refused once Ray was up, before any worker waited"
+    assert not state.exists()
+    assert _processes_tagged(tag) == [], "the Ray head `up` started is stopped"
+
+
 def test_a_port_taken_after_up_looked_fails_the_router_with_the_field_named(e2e_model):
     """The router's own bind (a port taken between ``up``'s look and the router's start) names
     the field the same way."""
