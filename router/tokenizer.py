@@ -64,7 +64,9 @@ class Tokenizer:
         named = {key: _token_content(config.get(key)) for key in _NAMED_SPECIAL_TOKENS}
         # What a chat template sees as bos_token, eos_token, ... (transformers' special_tokens_map).
         self.special_tokens_map = {key: content for key, content in named.items() if content is not None}
-        self.chat_template: str | None = _default_template(config.get("chat_template"))
+        # The model's chat templates by name: "default", and "tool_use" where a model renders
+        # requests with tools by a template of their own (Hermes-2-Pro's, Hermes-3's).
+        self.chat_templates: dict[str, str] = _named_templates(config.get("chat_template"))
         self._add_missing_special_tokens([*named.values(), *_extra_special_tokens(config)])
         self.bos_token_id = self._token_id(named["bos_token"])
         self.eos_token_id = self._token_id(named["eos_token"])
@@ -72,6 +74,11 @@ class Tokenizer:
         self.cleans_up_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
             not is_bpe or bool(config.get(_FORCE_BPE_CLEANUP_KEY, False))
         )
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template a chat without tools renders by (None: the model has none)."""
+        return self.chat_templates.get("default")
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -88,9 +95,13 @@ class Tokenizer:
         # tokenizer_config.json wins where both name a token, as in transformers.
         config.update(_read_json(model_dir / "tokenizer_config.json"))
         tokenizer = cls(backend, config)
+        # Where transformers v5 saves them (they win over the config's): the default template,
+        # and the others by name.
         template_file = model_dir / "chat_template.jinja"
-        if template_file.is_file():  # where transformers v5 saves it; it wins over the config's
-            tokenizer.chat_template = template_file.read_text(encoding="utf-8")
+        if template_file.is_file():
+            tokenizer.chat_templates["default"] = template_file.read_text(encoding="utf-8")
+        for named_file in sorted((model_dir / "additional_chat_templates").glob("*.jinja")):
+            tokenizer.chat_templates[named_file.name.removesuffix(".jinja")] = named_file.read_text(encoding="utf-8")
         tokenizer._warn_if_config_disagrees(model_dir)
         logger.info(
             "loaded tokenizer from %s (class %s, %d tokens, bos=%s, eos=%s)",
@@ -223,12 +234,12 @@ def _extra_special_tokens(config: dict[str, Any]) -> list[str | None]:
     return tokens
 
 
-def _default_template(value: Any) -> str | None:
-    """tokenizer_config.json's ``chat_template``: the text, or the one named "default" of a list."""
+def _named_templates(value: Any) -> dict[str, str]:
+    """tokenizer_config.json's ``chat_template`` by name: the text alone is the default; a list
+    names each of its templates."""
     if isinstance(value, str):
-        return value
+        return {"default": value}
     if isinstance(value, list):
-        named = {entry.get("name"): entry.get("template") for entry in value if isinstance(entry, dict)}
-        template = named.get("default")
-        return template if isinstance(template, str) else None
-    return None
+        entries = (entry for entry in value if isinstance(entry, dict))
+        return {entry["name"]: entry["template"] for entry in entries if isinstance(entry.get("name"), str) and isinstance(entry.get("template"), str)}
+    return {}

@@ -135,6 +135,7 @@ def render_prompt(
     ``reasoning_effort``, as chat passes OpenAI's."""
     if template is None:
         raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
+    template = template.for_tools(body.get("tools"))
     calling = read_tool_calling(_openai_tools(body), template.text, tool_call_parser)
     messages = _system(body) + _conversation(body)
     prefill = _prefill(messages)

@@ -38,8 +38,10 @@ def _load_template(router: "Router") -> ChatTemplate | None:
     text = config.chat_template or tokenizer.chat_template
     if text is None:
         return None
+    # (A configured template replaces the model's, its tool_use one too.)
+    tool_use = None if config.chat_template is not None else tokenizer.chat_templates.get("tool_use")
     try:
-        return ChatTemplate(text, tokenizer.special_tokens_map, config.default_chat_template_kwargs)
+        return ChatTemplate(text, tokenizer.special_tokens_map, config.default_chat_template_kwargs, tool_use)
     except ValueError as exc:
         if config.chat_template is not None:
             raise ValueError(f"chat_template: {exc}") from exc

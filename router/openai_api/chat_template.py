@@ -68,7 +68,8 @@ def _compile(template: str) -> jinja2.Template:
 
 
 class ChatTemplate:
-    def __init__(self, template: str, special_tokens: dict[str, str], defaults: dict[str, Any] | None = None):
+    def __init__(self, template: str, special_tokens: dict[str, str], defaults: dict[str, Any] | None = None, tool_use: str | None = None):
+        """``tool_use``: the model's template for requests with tools, where it has one of its own."""
         self.text = template  # what a tool-call parser is recognised from
         self.special_tokens = dict(special_tokens)
         self.defaults = dict(defaults or {})  # variables every render gets, under its own (router.default_chat_template_kwargs)
@@ -76,6 +77,13 @@ class ChatTemplate:
             self._compiled = _compile(template)
         except jinja2.exceptions.TemplateSyntaxError as exc:
             raise ValueError(f"the model's chat template does not compile: {exc}") from exc
+        self._tool_use = None if tool_use is None else ChatTemplate(tool_use, special_tokens, defaults)
+
+    def for_tools(self, tools: Any) -> "ChatTemplate":
+        """The template a request renders by: with tools, the model's ``tool_use`` template where
+        it has one (Hermes-2-Pro and Hermes-3 name two; the default one never shows the model its
+        tools), as transformers and vLLM choose."""
+        return self._tool_use if tools and self._tool_use is not None else self
 
     def render(
         self,

@@ -215,6 +215,7 @@ def read_conversation(body: dict, template: ChatTemplate | None, tool_call_parse
     ``parallel_tool_calls``, the template options, ``thinking_token_budget``), checked and rendered."""
     if template is None:
         raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja); use /v1/completions")
+    template = template.for_tools(body.get("tools"))
     calling = read_tool_calling(body, template.text, tool_call_parser)
     prompt = render_conversation(body, template, calling.tools if calling is not None else None)
     budget = integer(body, "thinking_token_budget", None, 0, None)

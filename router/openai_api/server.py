@@ -261,8 +261,9 @@ class OpenAIServer:
         """A chat body's prompt text (messages, tools, template options) through the model's template."""
         if self.chat_template is None:
             raise InvalidArgumentError("messages", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
-        calling = read_tool_calling(body, self.chat_template.text, self.chat.tool_call_parser) if body.get("tools") else None
-        return render_conversation(body, self.chat_template, calling.tools if calling is not None else None)
+        template = self.chat_template.for_tools(body.get("tools"))
+        calling = read_tool_calling(body, template.text, self.chat.tool_call_parser) if body.get("tools") else None
+        return render_conversation(body, template, calling.tools if calling is not None else None)
 
 
     # -- generation ----------------------------------------------------------------------

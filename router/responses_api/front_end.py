@@ -386,6 +386,7 @@ class ResponsesFrontEnd:
         template = self.server.chat_template
         if template is None:
             raise InvalidArgumentError("input", "this model has no chat template (tokenizer_config.json or chat_template.jinja)")
+        template = template.for_tools((api.chat_tools or {}).get("tools"))
         calling = read_tool_calling(api.chat_tools, template.text, self.server.chat.tool_call_parser) if api.chat_tools else None
         if calling is not None and calling.reads_special_tokens:
             api.generate.skip_special_tokens = False

@@ -58,6 +58,46 @@ def test_templates_render_as_transformers_renders_them(hf_tokenizer, name, add_g
     assert ours.render(MESSAGES, add_generation_prompt=add_generation_prompt, extra={"extra_flag": "!"}) == want
 
 
+_DEFAULT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+_TOOL_USE_TEMPLATE = "<tools>{{ tools | tojson }}</tools> Call them in <tool_call></tool_call>.\n" + _DEFAULT_TEMPLATE
+
+
+@pytest.mark.parametrize("layout", ["tokenizer_config list", "transformers v5 files"])
+def test_a_model_with_a_tool_use_template_renders_requests_with_tools_by_it(tmp_path, layout):
+    """Hermes-2-Pro and Hermes-3 name two templates, "default" and "tool_use": transformers and
+    vLLM render a request with tools by the second. pdserve rendered every request by the
+    default one, which never shows the model its tools."""
+    from types import SimpleNamespace
+
+    from router.config import RouterConfig
+    from router.openai_api.chat_format import _load_template
+    from router.openai_api.protocol import read_conversation
+    from router.tokenizer import Tokenizer
+
+    if layout == "tokenizer_config list":
+        templates = [{"name": "default", "template": _DEFAULT_TEMPLATE}, {"name": "tool_use", "template": _TOOL_USE_TEMPLATE}]
+        path = save_model_dir(tmp_path, train_byte_level_bpe(300), {**BASE_CONFIG, "chat_template": templates})
+    else:
+        path = save_model_dir(tmp_path, train_byte_level_bpe(300), BASE_CONFIG)
+        (path / "chat_template.jinja").write_text(_DEFAULT_TEMPLATE)
+        (path / "additional_chat_templates").mkdir()
+        (path / "additional_chat_templates" / "tool_use.jinja").write_text(_TOOL_USE_TEMPLATE)
+    hf = PreTrainedTokenizerFast.from_pretrained(path)
+    template = _load_template(SimpleNamespace(tokenizer=Tokenizer.from_model_dir(path), config=RouterConfig()))
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = read_conversation({"messages": messages, "tools": tools}, template, None, None)
+    assert with_tools.prompt == hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert with_tools.prompt.startswith('<tools>[{"type": "function"')
+    assert with_tools.calling.parser == "hermes", "the format is read from the template the request renders by"
+    without = read_conversation({"messages": messages}, template, None, None)
+    assert without.prompt == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == "<user>Weather in Paris?<assistant>"
+    configured = _load_template(SimpleNamespace(tokenizer=Tokenizer.from_model_dir(path), config=RouterConfig(chat_template=_DEFAULT_TEMPLATE)))
+    assert not read_conversation({"messages": messages, "tools": tools}, configured, "hermes", None).prompt.startswith("<tools>"), (
+        "a configured template replaces the model's, its tool_use one too"
+    )
+
+
 def test_a_template_that_raises_names_the_messages():
     template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}", {})
     with pytest.raises(InvalidArgumentError) as raised:
