@@ -495,6 +495,10 @@ class DecodeWorker(EngineWorker):
         events = self.pump.take_receive_events()
         if not events:
             return False
+        # Freed blocks first: the receiver has forgotten them, so an event below that raises
+        # must not leave them detached for good.
+        for freed in events.freed:
+            self.scheduler.release_detached(freed.block_ids)
         now = time.monotonic()
         for req_id in events.ready:
             tracked = self._tracked.get(req_id)
@@ -506,8 +510,6 @@ class DecodeWorker(EngineWorker):
                 self._admit_if_ready(req_id, tracked)
         for failure in events.failed:
             self._fail(failure.req_id, str(failure))
-        for freed in events.freed:
-            self.scheduler.release_detached(freed.block_ids)
         return True
 
     def _fail(self, req_id: str, message: str) -> None:

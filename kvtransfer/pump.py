@@ -111,7 +111,16 @@ class TransferPump:
     def _poll_once(self) -> bool:
         """One poll of sends and receives; whether it found anything."""
         sends = self._agent.poll_sends()
-        receives = self._agent.poll_receives()
+        seen = time.perf_counter()
+        for event in sends:
+            event.seen_at = seen  # the engine thread takes it later, after its step: not part of the transfer
+        with self._lock:
+            # Polled and gathered under one hold: a reservation aborted in between (its
+            # discard_receive_events) found nothing to drop, and its events reached a newer
+            # attempt of the request (a failure it never had, its KV "ready" early).
+            receives = self._agent.poll_receives()
+            self._sends.extend(sends)
+            _merge_into(self._receives, receives)
         num_quiesced, before = self._agent.num_quiesced(), self._num_quiesced
         self._num_quiesced = num_quiesced
         if not sends and not receives:
@@ -121,12 +130,6 @@ class TransferPump:
                 self._on_events()
                 return True
             return False
-        seen = time.perf_counter()
-        for event in sends:
-            event.seen_at = seen  # the engine thread takes it later, after its step: not part of the transfer
-        with self._lock:
-            self._sends.extend(sends)
-            _merge_into(self._receives, receives)
         self._on_events()
         return True
 

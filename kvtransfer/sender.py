@@ -327,6 +327,14 @@ class KVSender:
                     self._fail_still_running(state, w, still, TransferTimeoutError(
                         state.req_id, peer, f"write {w.seq} not done after {self._policy.write_timeout_s}s"
                     ))
+                elif not self._transport.receiver_lands:
+                    # One-sided (NIXL): a write cancelled at its timeout may have landed, with its
+                    # notification; posted again, its bytes could land after the receiver took
+                    # the blocks (decoding into the last one) or freed them. The request fails,
+                    # and the router places it again on a fresh reservation.
+                    self._fail(state, TransferTimeoutError(
+                        state.req_id, peer, f"write {w.seq} not done after {self._policy.write_timeout_s}s"
+                    ))
                 elif not self._retry(state, w, f"not done after {self._policy.write_timeout_s}s", still):
                     self._fail(state, TransferTimeoutError(
                         state.req_id, peer,

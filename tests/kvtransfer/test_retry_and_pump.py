@@ -35,14 +35,27 @@ def test_a_write_that_fails_in_the_transport_is_posted_again_before_the_request_
     assert "2 retries" in str(events[0].error)
 
 
-def test_a_timed_out_write_that_could_be_cancelled_is_retried():
+def test_a_timed_out_write_that_could_be_cancelled_is_retried_where_the_receiver_lands_the_bytes():
     sender, transport = make_sender(LeasePolicy(write_timeout_s=0.02, max_write_retries=1))
+    transport.receiver_lands = True  # (the Ray backend: a late duplicate is dropped whole by the receiver)
     sender.push("r", dest("r", [0]), [0], [0], 1)
     time.sleep(0.03)
     assert sender.poll() == [] and len(transport.posts) == 2
     time.sleep(0.03)
     (event,) = sender.poll()
     assert isinstance(event.error, TransferTimeoutError) and "1 retries" in str(event.error)
+
+
+def test_a_timed_out_one_sided_write_is_not_posted_again_its_request_fails():
+    """NIXL's writes land in the receiver's memory on their own: one cancelled at its timeout may
+    have landed, notification and all, and the receiver taken the blocks (decoding into the last
+    one) or freed them; posted again, its bytes landed there once more."""
+    sender, transport = make_sender(LeasePolicy(write_timeout_s=0.02, max_write_retries=2))
+    assert not transport.receiver_lands
+    sender.push("r", dest("r", [0]), [0], [0], 1)
+    time.sleep(0.03)
+    (event,) = sender.poll()
+    assert isinstance(event.error, TransferTimeoutError) and len(transport.posts) == 1
 
 
 def test_leases_renew_in_bulk_and_the_writer_may_post_past_the_first_deadline():
@@ -172,3 +185,37 @@ def test_an_aborted_requests_gathered_receive_events_are_dropped_but_freed_block
     events = pump.take_receive_events()
     assert events.progress == [("other", 1)] and events.ready == ["other"] and events.failed == []
     assert [f.block_ids for f in events.freed] == [[3, 4]]
+
+
+def test_a_reservation_aborted_while_the_pump_polls_has_its_events_dropped_all_the_same():
+    """The pump polled the agent, let go of it, and gathered the events a moment later: an abort
+    on the engine thread in between (``discard_receive_events``) found nothing to drop, and the
+    aborted attempt's events reached the next attempt of the request reserved there."""
+    from kvtransfer.errors import RequestTransferError
+    from kvtransfer.messages import ReceiveEvents
+
+    class PollingAgent:  # the engine thread aborts "r" while the pump's poll of the agent runs
+        ref = type("Ref", (), {"name": "d"})()
+
+        def __init__(self):
+            self.pump: TransferPump | None = None
+            self.abort: threading.Thread | None = None
+
+        def poll_sends(self):
+            return []
+
+        def poll_receives(self):
+            self.abort = threading.Thread(target=self.pump.discard_receive_events, args=("r",))
+            self.abort.start()
+            self.abort.join(0.2)  # (it waits for the pump to have gathered, or it is done)
+            return ReceiveEvents(ready=["r"], failed=[RequestTransferError("r", "P", "the older attempt's lease ran out")])
+
+        def num_quiesced(self):
+            return 0
+
+    agent = PollingAgent()
+    pump = agent.pump = TransferPump(agent)
+    assert pump._poll_once()
+    agent.abort.join(5.0)
+    events = pump.take_receive_events()
+    assert events.ready == [] and events.failed == [], "the aborted attempt's events are dropped"
