@@ -382,9 +382,9 @@ def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[...,
         _check_prompt_fits(len(token_ids), limits, ids_field)
         _check_vocabulary(token_ids, limits, ids_field, by_position=True, offset=len(request.prompt_token_ids) - len(token_ids))
         return None, token_ids
+    # An empty text is the start of a document where the tokenizer writes one (its BOS), as
+    # OpenAI's and vLLM's completions take it; refused below where it is no tokens at all.
     text = request.prompt_text
-    if not text:
-        raise InvalidArgumentError(text_field, "must not be empty")
     if keep is None:  # a prompt to be cut may be longer (the body's size bounds it)
         check_prompt_chars(text, limits, text_field, "; or set truncate_prompt_tokens")
     token_ids = encode(text) if request.add_special_tokens else encode(text, add_special_tokens=False)
@@ -392,7 +392,7 @@ def _prompt(request: GenerateInput, limits: RequestLimits, encode: Callable[...,
     if keep is not None and len(token_ids) > keep:
         token_ids = _cut_text_prompt(token_ids, encode(text, add_special_tokens=False) if request.add_special_tokens else token_ids, keep)
     if not token_ids:
-        raise InvalidArgumentError(text_field, "tokenizes to no tokens")
+        raise InvalidArgumentError(text_field, "must not be empty" if not text else "tokenizes to no tokens")
     # A tokenizer with more entries than the model's embedding (added tokens past it) yields
     # ids the model cannot take: checked like ids sent directly, named by the text's field.
     _check_vocabulary(token_ids, limits, text_field, by_position=False)

@@ -65,6 +65,8 @@ def integer(body: dict, name: str, default: int | None, low: int | None, high: i
     value = body.get(name)
     if value is None:
         return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 100.0 is 100, as vLLM's models take it (a client's max_tokens=1e3)
     if not is_int(value):
         raise InvalidArgumentError(name, f"must be an integer, got {type_name(value)}")
     if low is not None and value < low or high is not None and value > high:

@@ -120,7 +120,7 @@ def read_completion(body: Any) -> ApiRequest:
     if body.get("suffix") is not None:
         raise InvalidArgumentError("suffix", "is not supported")
     logprobs = integer(body, "logprobs", None, 0, MAX_LOGPROBS)
-    prompt_only = is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    prompt_only = integer(body, "max_tokens", None, None, None) == 0
     if prompt_only:
         if not echo:
             raise InvalidArgumentError("max_tokens", "must be >= 1; 0 only with echo: true (the prompt scored, nothing generated)")
@@ -305,10 +305,13 @@ def _api_request(body: dict, logprobs: int | None) -> ApiRequest:
     options = body.get("stream_options")
     include_usage = continuous = False
     if options is not None:
-        if not stream:
+        if not stream and options != {}:  # (an empty one asks nothing: vLLM takes it)
             raise InvalidArgumentError("stream_options", "is only allowed with stream: true")
         options = json_object(options, "stream_options")
-        refuse_unknown(options, {"include_usage", "continuous_usage_stats"}, prefix="stream_options.")
+        # include_obfuscation (OpenAI's padding of chunks against side channels) is taken and
+        # ignored: no padding is sent, what false asks for.
+        refuse_unknown(options, {"include_usage", "continuous_usage_stats", "include_obfuscation"}, prefix="stream_options.")
+        boolean(options, "include_obfuscation", False, prefix="stream_options.")
         include_usage = boolean(options, "include_usage", False, prefix="stream_options.")
         # Usage on every chunk only beside the last chunk's, as vLLM has it.
         continuous = include_usage and boolean(options, "continuous_usage_stats", False, prefix="stream_options.")

@@ -269,6 +269,7 @@ class OpenAIServer:
     # -- generation ----------------------------------------------------------------------
 
     async def _generate(self, request: web.Request, api: ApiRequest, chat: bool) -> web.StreamResponse:
+        created = int(time.time())  # when it was asked, streamed or whole (vLLM's): not when it ended
         model = self._model(api.model)
         # The client's id for the call (its X-Request-Id header, else vLLM's request_id field,
         # vLLM's order) names the response and comes back in the header. A header a proxy set
@@ -305,8 +306,8 @@ class OpenAIServer:
             chunks = _merged(sessions)
             async with contextlib.aclosing(chunks):
                 if api.stream:
-                    return await self._stream(request, api, response_id, model, chat, states, chunks)
-                return await self._whole(api, response_id, model, chat, states, chunks)
+                    return await self._stream(request, api, response_id, model, chat, states, chunks, created)
+                return await self._whole(api, response_id, model, chat, states, chunks, created)
         finally:
             await asyncio.gather(*(session.close() for session in sessions))
 
@@ -328,7 +329,7 @@ class OpenAIServer:
             raise ModelNotFoundError(f"model {requested!r} is not served here; /v1/models lists {served}")
         return requested
 
-    async def _whole(self, api: ApiRequest, response_id: str, model: str, chat: bool, states: list[ChoiceState], chunks) -> web.Response:
+    async def _whole(self, api: ApiRequest, response_id: str, model: str, chat: bool, states: list[ChoiceState], chunks, created: int) -> web.Response:
         async for index, item in chunks:
             if isinstance(item, BaseException):
                 raise item
@@ -336,7 +337,7 @@ class OpenAIServer:
         failed = next((s.end for s in states if s.end.reason == "error"), None)
         if failed is not None:
             raise end_failure(failed, failed.completion_tokens)
-        body = envelope(response_id, model, chat, stream=False, service_tier=api.service_tier)
+        body = envelope(response_id, model, chat, stream=False, created=created, service_tier=api.service_tier)
         body["choices"] = [state.whole() for state in states]
         if chat and api.prompt_logprobs is not None:
             body["prompt_logprobs"] = states[0].prompt_logprobs  # vLLM's place for them: one prompt
@@ -345,9 +346,10 @@ class OpenAIServer:
         body["usage"] = _usage(api, states)
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, api: ApiRequest, response_id: str, model: str, chat: bool, states: list[ChoiceState], chunks) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, api: ApiRequest, response_id: str, model: str, chat: bool, states: list[ChoiceState], chunks, created: int,
+    ) -> web.StreamResponse:
         response = sse.event_stream()
-        created = int(time.time())
         started = False
         try:
             async for index, item in chunks:

@@ -186,7 +186,6 @@ def test_expired_deadline_frees_every_block(client, e2e_model):
     "request_fields, field",
     [
         (dict(), "prompt"),
-        (dict(prompt_text=""), "prompt"),
         (dict(prompt_text="hi", prompt_token_ids=[5]), "prompt"),
         (dict(prompt_token_ids=[5, 100000]), "prompt_token_ids"),
         (dict(prompt_token_ids=list(range(3, 300)) * 7), "prompt"),

@@ -235,6 +235,23 @@ def test_bad_completion_bodies_name_the_field(body, field):
     assert raised.value.field == field
 
 
+def test_bodies_vllm_takes_are_taken():
+    """What vLLM's request models take: a whole number written as a float (a client's
+    ``max_tokens=1e3``), an empty ``stream_options`` without streaming, and OpenAI's
+    ``stream_options.include_obfuscation`` (no padding is sent: what false asks for)."""
+    request = read_completion({"prompt": "x", "max_tokens": 100.0, "n": 2.0, "logprobs": 1.0, "stream_options": {}})
+    assert [type(c.max_tokens) for c in request.choices] == [int, int] and request.choices[0].max_tokens == 100
+    assert request.choices[0].logprobs == 1
+    streamed = read_chat({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                          "stream_options": {"include_usage": True, "include_obfuscation": False}}, ChatTemplate(TEMPLATES["chatml"], {}), None, None)
+    assert streamed.include_usage
+    for body, field in [({"prompt": "x", "max_tokens": 100.5}, "max_tokens"),
+                        ({"prompt": "x", "stream": True, "stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation")]:
+        with pytest.raises(InvalidArgumentError) as raised:
+            read_completion(body)
+        assert raised.value.field == field
+
+
 @pytest.mark.parametrize(
     "body, field",
     [

@@ -87,6 +87,14 @@ def test_unset_max_tokens_shrinks_to_the_room_left_in_the_context():
     assert result.sampling_params.max_tokens == 3
 
 
+def test_an_empty_text_prompt_starts_a_document_where_the_tokenizer_writes_a_bos():
+    """As OpenAI's and vLLM's completions take ``"prompt": ""``: generated from the BOS alone (it
+    was refused); a tokenizer that writes none leaves no tokens, refused naming the field."""
+    assert validate(request(prompt_text="")).prompt_token_ids == [1]
+    with pytest.raises(InvalidArgumentError, match="^prompt_text: must not be empty$"):
+        validate_generate_request(request(prompt_text=""), LIMITS, lambda text, add_special_tokens=True: encode(text, False))
+
+
 def test_prompt_filling_the_context_exactly_leaves_one_token():
     result = validate(request(prompt_token_ids=[5] * 63, prompt_text=None, sampling=dict(max_tokens=1)))
     assert result.sampling_params.max_tokens == 1
@@ -95,7 +103,6 @@ def test_prompt_filling_the_context_exactly_leaves_one_token():
 BAD_REQUESTS = [
     ("prompt", dict(prompt_text=None)),
     ("prompt", dict(prompt_token_ids=[1, 2])),  # both text and ids
-    ("prompt_text", dict(prompt_text="")),
     ("prompt_token_ids[1]", dict(prompt_text=None, prompt_token_ids=[1, 1000])),
     ("prompt_text", dict(prompt_text="x" * 63)),  # 64 tokens: no room to generate
     ("prompt_token_ids", dict(prompt_text=None, prompt_token_ids=[5] * 64)),
