@@ -103,6 +103,9 @@ class ModelConfig:
                 f"{source}: a quantized checkpoint (quantization_config: {method}) is not supported; "
                 "give an unquantized float32, bfloat16 or float16 checkpoint"
             )
+        activation = raw.get("hidden_act", "silu")
+        if activation not in ("silu", "swish"):  # (transformers' ACT2FN: swish is SiLU)
+            raise ModelLoadError(f"{source}: hidden_act {activation!r} is not supported (only silu, which every layer's MLP computes)")
         dtype_name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32").removeprefix("torch.")
         if dtype_name not in DTYPES:
             raise ModelLoadError(f"{source}: dtype {dtype_name!r} is not supported ({', '.join(DTYPES)})")

@@ -8,19 +8,25 @@ cannot follow that. Here the schedule is fixed per engine from its ``max_positio
   (transformers' own choice for such sequences), else the frequencies for ``max_positions``;
 - LongRoPE: the short factors when every sequence fits the pretraining context, else the long
   ones (transformers' choice for a sequence beyond it).
-Either way the result equals transformers' for every sequence within the pretraining context,
-and for a long sequence when the engine's context is long.
+So the result equals transformers' for every sequence when the engine's context (max_model_len)
+fits the pretraining context, and for a sequence past it when the engine's context is long. A
+long engine context gives a short sequence the long schedule too, unlike transformers (LongRoPE
+checkpoints declare a long max_position_embeddings, so that is their default): said at start,
+where max_model_len at the pretraining context is the exact choice.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import struct
 
 import torch
 
 from engine.config import RopeConfig
+
+logger = logging.getLogger(__name__)
 
 
 def _base_frequencies(theta: float, head_dim: int) -> torch.Tensor:
@@ -146,6 +152,13 @@ class RotaryEmbedding:
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, dtype: torch.dtype, device: str, fused_cache: bool | None = None):
         inv_freq, scale = inverse_frequencies(rope, head_dim, max_positions)
+        pretraining = {"dynamic": rope.max_position, "longrope": rope.original_max_position}.get(rope.scaling_type)
+        if pretraining is not None and max_positions > pretraining:
+            logger.warning(
+                "%s rope: a context of %d positions takes the long schedule for every sequence, also those within the "
+                "pretraining context (%d), where transformers keeps the short one; max_model_len %d gives its output there",
+                rope.scaling_type, max_positions, pretraining, pretraining,
+            )
         # What a key's rotation depends on beyond the config: the schedule chosen for
         # max_positions (dynamic NTK, LongRoPE). Workers copying KV blocks must agree on it.
         self.schedule_digest = hashlib.sha256(inv_freq.double().numpy().tobytes() + struct.pack("<d", scale)).hexdigest()[:16]

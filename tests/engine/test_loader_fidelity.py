@@ -88,6 +88,23 @@ def test_rope_frequencies_equal_transformers_at_a_length(name, seq_len):
     assert scale == pytest.approx(want_scale, rel=1e-6)
 
 
+def test_a_context_past_the_pretraining_one_says_short_sequences_leave_transformers_schedule(caplog):
+    """LongRoPE checkpoints declare a long context, the engine's default: every sequence then
+    rotates by the long factors, where transformers keeps the short ones for a short sequence.
+    Said at start, with the max_model_len that gives transformers' output."""
+    from engine.rope import RotaryEmbedding
+
+    hf = hf_config("llama", rope_scaling=ROPES["longrope"], max_position_embeddings=256)
+    config = ModelConfig.from_dict(json.loads(hf.to_json_string()) | {"architectures": ["LlamaForCausalLM"]})
+    original = config.rope.original_max_position
+    with caplog.at_level("WARNING", logger="engine.rope"):
+        RotaryEmbedding(config.rope, config.head_dim, original, torch.float32, "cpu")
+        assert caplog.records == []
+        RotaryEmbedding(config.rope, config.head_dim, 256, torch.float32, "cpu")
+    (record,) = caplog.records
+    assert f"max_model_len {original} gives its output there" in record.getMessage()
+
+
 def test_a_quantized_checkpoint_is_refused_naming_the_method(tmp_path):
     build_checkpoint("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -129,6 +146,15 @@ def test_partial_rotary_and_unknown_rope_types_are_refused():
         ModelConfig.from_dict(base | {"partial_rotary_factor": 0.5})
     with pytest.raises(ModelLoadError, match="rope scaling type 'su'"):
         ModelConfig.from_dict(base | {"rope_scaling": {"rope_type": "su", "factor": 2.0}, "rope_parameters": None})
+
+
+def test_an_mlp_activation_other_than_silu_is_refused_naming_it():
+    """Every layer's MLP computes SiLU: a config with another ``hidden_act`` (transformers runs
+    ``gelu`` there) loaded and answered wrongly, without a word."""
+    base = json.loads(hf_config("llama").to_json_string()) | {"architectures": ["LlamaForCausalLM"]}
+    assert ModelConfig.from_dict(base | {"hidden_act": "swish"}).hidden_size == base["hidden_size"]
+    with pytest.raises(ModelLoadError, match="hidden_act 'gelu' is not supported"):
+        ModelConfig.from_dict(base | {"hidden_act": "gelu"})
 
 
 @pytest.mark.parametrize("native", [True, False])
