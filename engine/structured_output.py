@@ -71,12 +71,18 @@ class StructuredOutput:
         return cls(kind, value, field)
 
     @classmethod
-    def tool_calls(cls, calls: list["CallTag"], answer: "StructuredOutput | None", field: str) -> "StructuredOutput":
+    def tool_calls(
+        cls, calls: list["CallTag"], answer: "StructuredOutput | None", field: str, separator: str = r"\s*", opening: str | None = None,
+    ) -> "StructuredOutput":
         """An answer that may call tools, each call written as its ``CallTag`` says with its
         arguments held to its schema: free text around the calls (``answer`` None), or the
         answer ``answer`` (a JSON schema or object) unless it calls. Made by the router from a
-        request's tools in the model's own format (not a kind a client names)."""
-        spec = {"calls": [asdict(call) for call in calls], "answer": None}
+        request's tools in the model's own format (not a kind a client names).
+
+        ``separator``: the regex between calls; ``opening``: set where the calls are the whole
+        answer (Llama 3's JSON calls), the regex of how a call starts, which a text answer may
+        not (else calls sit in free text, each begun by its trigger: hermes)."""
+        spec = {"calls": [asdict(call) for call in calls], "answer": None, "separator": separator, "opening": opening}
         if answer is not None:
             spec["answer"] = {"type": "object"} if answer.kind == "json_object" else bounded_json.loads(answer.value)
         return cls(TOOL_CALLS, json.dumps(spec), field)
@@ -119,36 +125,46 @@ class CallTag:
     """How a model writes one tool's call, its arguments in between: ``trigger`` (a start of
     ``begin``) is where free text gives way to the call. Hermes: trigger ``<tool_call>``,
     begin ``<tool_call>\n{"name": "get_weather", "arguments": ``, end ``}\n</tool_call>``.
-    ``schema``: what the arguments must be (a strict tool's parameters, else any object)."""
+    ``schema``: what the arguments must be (a strict tool's parameters, else any object).
+    ``as_json``: where a call is one JSON object (Llama 3's), its schema, name and arguments in
+    their order: beside a JSON answer format, one JSON grammar tells the two apart (llguidance
+    follows a literal or a JSON grammar from an opening byte they share, not both)."""
 
     trigger: str
     begin: str
     schema: dict
     end: str
+    as_json: dict | None = None
 
 
 def _tool_calls_grammar(spec: dict) -> str:
     """The grammar of ``StructuredOutput.tool_calls``: llguidance's structural tags (a call's
-    trigger in the text starts it; its arguments are JSON under their schema) around free text,
-    or, with an answer format, that answer or calls alone."""
+    trigger in the text starts it; its arguments are JSON under their schema) around free text;
+    where calls are the whole answer, calls alone or text that opens none; with an answer
+    format, that answer or calls alone (calls that are JSON objects: the answer or one call)."""
     import llguidance
 
     def schema(raw: dict) -> dict:
         return {**closed_objects(raw), "x-guidance": _JSON_OPTIONS}
 
     calls = [CallTag(**call) for call in spec["calls"]]
-    if spec["answer"] is None:
+    separator, opening = spec.get("separator", r"\s*"), spec.get("opening")
+    if spec["answer"] is None and opening is None:
         tags = [llguidance.StructTag(trigger=c.trigger, begin=c.begin, grammar=schema(c.schema), end=c.end) for c in calls]
         # (Triggers as text, not as special tokens: a template's <tool_call> is plain text to
         # some tokenizers and one added token to others; as text it matches either way.)
         return llguidance.LLMatcher.grammar_from_lark(llguidance.StructTag.to_grammar(tags, assume_special=False))
+    if spec["answer"] is not None and all(c.as_json is not None for c in calls):
+        # The answer or one call, as one JSON value (a call after an answer would spoil it).
+        either = schema({"anyOf": [spec["answer"], *(c.as_json for c in calls)]})
+        return llguidance.LLMatcher.grammar_from_lark(f"%llguidance {{}}\nstart: %json {json.dumps(either)}")
     names = " | ".join(f"call_{index}" for index in range(len(calls)))
-    lines = [
-        "%llguidance {}",
-        "start: answer | calls",
-        f"answer: %json {json.dumps(schema(spec['answer']))}",
-        f"calls: ({names}) (/\\s*/ ({names}))* /\\s*/",
-    ]
+    lines = ["%llguidance {}"]
+    if spec["answer"] is not None:
+        lines += ["start: answer | calls", f"answer: %json {json.dumps(schema(spec['answer']))}"]
+    else:  # the calls are the whole answer, or it is text that opens none
+        lines += ["start: calls | text", "text: TEXT", f"TEXT: /(.|\\n)*/ & ~/({opening})(.|\\n)*/"]
+    lines += [f"calls: ({names}) (/{separator}/ ({names}))* /\\s*/"]
     lines += [f"call_{index}: {json.dumps(c.begin)} %json {json.dumps(schema(c.schema))} {json.dumps(c.end)}" for index, c in enumerate(calls)]
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
 

@@ -7,8 +7,9 @@ router/openai_api/tool_parsers.py.
   glm45, llama3_json, pythonic, mistral: router/openai_api/tool_formats.py), configured
   (``router.tool_call_parser``) or recognised in the chat template; with
   ``parallel_tool_calls: false`` only the first call it writes is returned (as OpenAI and vLLM do).
-  In the hermes format a grammar holds a ``strict`` tool's calls to its parameters, and lets an
-  answer with a JSON format call its tools (``ToolCalling.constraint``).
+  In the hermes and llama3_json formats a grammar holds a ``strict`` tool's calls to its
+  parameters, and lets an answer with a JSON format call its tools (``ToolCalling.constraint``;
+  Llama 3's calls are JSON too: beside a JSON format, the answer or one call).
 - ``required``: a grammar makes the answer a JSON array of ``{"name", "parameters"}`` objects,
   one schema per tool (at most one item without ``parallel_tool_calls``); named
   (``{"type": "function", "function": {"name": ...}}``): the answer is that function's arguments.
@@ -95,21 +96,50 @@ class ToolCalling:
         return StructuredOutput("json_schema", json.dumps(schema), field="tool_choice")
 
     def _auto_constraint(self, answer: StructuredOutput | None) -> StructuredOutput | None:
-        if self.parser != "hermes" or (answer is not None and answer.kind not in ("json_schema", "json_object")):
+        shape = _CALL_SHAPES.get(self.parser)
+        if shape is None or (answer is not None and answer.kind not in ("json_schema", "json_object")):
             return None  # (a regex, choice or grammar answer stays as the client gave it)
         held = [index for index, tool in enumerate(self.tools) if tool["function"].get("strict") is True and _compiles(_parameters(tool))]
         if not (held or answer is not None):
             return None
         calls = []
         for index, tool in enumerate(self.tools):
-            function = tool["function"]
-            begin = f'{HERMES_OPEN}\n{{"name": {json.dumps(function["name"], ensure_ascii=False)}, "arguments": '
+            begin = shape.begin.format(name=json.dumps(tool["function"]["name"], ensure_ascii=False))
             schema = _parameters(tool) if index in held else {"type": "object"}
-            calls.append(CallTag(HERMES_OPEN, begin, schema, f"}}\n{HERMES_CLOSE}"))
-        return StructuredOutput.tool_calls(calls, answer, answer.field if answer is not None else "tools")
+            as_json = None
+            if shape.arguments_key is not None:
+                as_json = {"type": "object", "properties": {"name": {"const": tool["function"]["name"]}, shape.arguments_key: schema},
+                           "required": ["name", shape.arguments_key], "additionalProperties": False}
+            calls.append(CallTag(shape.trigger or begin, begin, schema, shape.end, as_json))
+        field = answer.field if answer is not None else "tools"
+        return StructuredOutput.tool_calls(calls, answer, field, separator=shape.separator, opening=shape.opening)
 
     def _tool(self, name: str | None) -> dict[str, Any]:
         return next(tool for tool in self.tools if tool["function"]["name"] == name)
+
+
+@dataclass(slots=True, frozen=True)
+class _CallShape:
+    """How a format writes a call, for the grammar that holds its arguments (``begin``, with the
+    tool's name as JSON at ``{name}``, then the arguments, then ``end``). ``trigger``: where
+    free text gives way to a call (None: calls are the whole answer, each opening as
+    ``opening`` says, a regex a text answer may not start with); ``separator``: between calls;
+    ``arguments_key``: where a call is one JSON object, the key of its arguments beside "name"."""
+
+    begin: str
+    end: str
+    trigger: str | None
+    separator: str
+    opening: str | None = None
+    arguments_key: str | None = None
+
+
+# The formats whose calls a grammar holds under auto: hermes (Qwen's), calls in free text; Llama
+# 3.x's JSON, the whole answer, joined by ";" (a JSON answer that is no call stays free).
+_CALL_SHAPES = {
+    "hermes": _CallShape(HERMES_OPEN + '\n{{"name": {name}, "arguments": ', "}\n" + HERMES_CLOSE, HERMES_OPEN, r"\s*"),
+    "llama3_json": _CallShape('{{"name": {name}, "parameters": ', "}", None, r"\s*;\s*", r'\s*\{\s*"name"', "parameters"),
+}
 
 
 def read_tool_calling(body: dict, template_text: str, configured_parser: str | None) -> ToolCalling | None:

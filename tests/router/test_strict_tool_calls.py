@@ -1,5 +1,6 @@
 """Strict tools under tool_choice auto, and a response format beside tools: the answer's grammar
-holds a call's arguments to its tool's parameters in the model's own format (hermes), and lets
+holds a call's arguments to its tool's parameters in the model's own format (hermes, Llama 3's
+JSON), and lets
 an answer with a format call its tools instead of writing that format."""
 
 from __future__ import annotations
@@ -65,10 +66,40 @@ def test_a_strict_tools_calls_are_held_to_its_parameters_under_auto(accepts):
 
 def test_without_strict_tools_or_a_format_auto_is_unconstrained_and_other_formats_too():
     assert _auto(tools=[TOOLS[1]]).constraint() is None
-    assert _auto(parser="llama3_json").constraint() is None  # (its calls are not written as tags here)
+    for parser in ("qwen3_coder", "mistral", "pythonic", "glm45"):  # (their calls are not held by a grammar here)
+        assert _auto(parser=parser).constraint() is None
     with pytest.raises(InvalidArgumentError) as refused:
         _auto(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}])
     assert refused.value.field == "tools[0].function.strict"
+
+
+def test_llama3_json_calls_are_held_too_and_a_text_or_json_answer_stays_free(accepts):
+    """Llama 3.x writes its calls as the whole answer, JSON objects joined by ";": a strict tool's
+    arguments were not held there (only hermes' were). Text, or JSON that is no call, stays free."""
+    from router.openai_api.tool_calls import ToolCalling
+    from router.openai_api.tool_parsers import ToolCallOutput
+
+    constraint = _auto(parser="llama3_json").constraint()
+    check_grammar(constraint)
+    weather = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}'
+    both = weather + '; {"name": "get_time", "parameters": {"zone": "UTC", "any": [1]}}'
+    for text in (weather, both, "No call needed.", '{"answer": 42}', '[{"name": "x"}]'):
+        assert accepts(constraint, text), text
+    for bad in ('{"city": "Oslo"}', '{"city": "Oslo", "unit": "k"}', '{"city": "Oslo", "unit": "c",}'):
+        assert not accepts(constraint, '{"name": "get_weather", "parameters": ' + bad + "}"), bad
+    assert not accepts(constraint, '{"name": "no_such_tool", "parameters": {}}')
+    assert not accepts(constraint, ' {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}')
+    reader = ToolCallOutput(ToolCalling(TOOLS, "auto", parser="llama3_json"))
+    reader.feed(both)
+    reader.finish()
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reader.runnable_calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"}), ("get_time", {"zone": "UTC", "any": [1]})]
+    answer = StructuredOutput("json_schema", json.dumps(ANSWER), field="response_format.json_schema")
+    with_format = _auto(tools=[TOOLS[1]], parser="llama3_json").constraint(answer)
+    assert accepts(with_format, '{"summary": "Sunny."}') and accepts(with_format, '{"name": "get_time", "parameters": {"zone": "UTC"}}')
+    assert not accepts(with_format, "Free text.")
+    # One JSON value: a call after the answer would spoil the answer's JSON.
+    assert not accepts(with_format, '{"summary": "Sunny."}; {"name": "get_time", "parameters": {"zone": "UTC"}}')
 
 
 def test_a_response_format_beside_tools_lets_the_answer_call_them(accepts):
