@@ -324,3 +324,34 @@ def test_model_limits_take_the_vocabulary_from_the_checkpoint_and_the_context_fr
     assert (got.vocab_size, got.max_context_len, got.eos_token_ids) == (777, 2048, (2, 5))
     with pytest.raises(ValueError, match="model_dir"):
         asyncio.run(_serve(no_handler, lambda url: limits(url, None)))
+
+
+def test_the_speculation_scenario_counts_vllms_drafts_from_after_its_warm_up(monkeypatch):
+    """vLLM's draft and accepted counters were read before the warm-up: its warm-up requests'
+    drafts counted in its acceptance rate, where pdserve's counts its measured requests only."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from cluster.bench.scenarios import speculation
+
+    events = []
+
+    class Client:
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def warm_up(self, requests):
+            events.append("warm-up")
+
+    async def run_load(*args, **kwargs):
+        events.append("measured")
+        return "output"
+
+    monkeypatch.setattr(speculation, "run_load", run_load)
+    result = asyncio.run(speculation._measure(Client(), [], ["warm"], "label", SimpleNamespace(no_progress=True),
+                                              lambda: events.append("counters") or (3.0, 2.0)))
+    assert result == ("output", (3.0, 2.0))
+    assert events == ["warm-up", "counters", "measured"]

@@ -21,8 +21,10 @@ import logging
 import random
 import tempfile
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cluster.bench.client import BenchClient, ClientConfig
 from cluster.bench.metrics import SLO, BenchMetrics
@@ -187,7 +189,7 @@ def _run_pdserve(model_dir: Path, args, system: str, speculative: SpeculativeCon
     with ray_running(), local_cluster(model_dir, shape) as deployment:
         for batch, requests in workloads.items():
             client = BenchClient(_client_config(deployment.address, args, batch))
-            output = asyncio.run(_measure(client, requests, warmup, f"{system} batch {batch}", args))
+            output, _ = asyncio.run(_measure(client, requests, warmup, f"{system} batch {batch}", args))
             records = [r for r in output.records if r.ok]
             steps = sum(r.output_tokens - 1 - r.num_accepted_draft_tokens for r in records)
             results[batch] = BatchResult(
@@ -216,9 +218,9 @@ def _run_vllm(model_dir: Path, args, system: str, speculative: SpeculativeConfig
     args.out.mkdir(parents=True, exist_ok=True)
     with VllmServer(spec, log_path, args.vllm_start_timeout):
         for batch, requests in workloads.items():
-            before = _vllm_spec_counters(spec.url)
             client = OpenAIClient(_client_config(spec.url, args, batch), seed=args.seed, model_dir=model_dir)
-            output = asyncio.run(_measure(client, requests, warmup, f"{system} batch {batch}", args))
+            # Counted from after the warm-up, as pdserve's (its records hold the measured requests only).
+            output, before = asyncio.run(_measure(client, requests, warmup, f"{system} batch {batch}", args, lambda: _vllm_spec_counters(spec.url)))
             after = _vllm_spec_counters(spec.url)
             drafted, accepted = (after[i] - before[i] for i in range(2))
             results[batch] = BatchResult(output.metrics, int(drafted), int(accepted))
@@ -236,11 +238,13 @@ def _vllm_spec_counters(url: str) -> tuple[float, float]:
     return totals["vllm:spec_decode_num_draft_tokens_total"], totals["vllm:spec_decode_num_accepted_tokens_total"]
 
 
-async def _measure(client, requests, warmup, label: str, args) -> RunOutput:
+async def _measure(client, requests, warmup, label: str, args, warmed: Callable[[], Any] = lambda: None) -> tuple[RunOutput, Any]:
+    """The measured run, and what ``warmed`` read once the warm-up ended (a server's counters)."""
     async with client:
         if warmup:
             await client.warm_up(warmup)
-        return await run_load(client, requests, [0.0] * len(requests), SLO(), label, not args.no_progress)
+        mark = await asyncio.to_thread(warmed)
+        return await run_load(client, requests, [0.0] * len(requests), SLO(), label, not args.no_progress), mark
 
 
 def _client_config(address: str, args, batch: int) -> ClientConfig:
