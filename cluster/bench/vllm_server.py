@@ -117,6 +117,17 @@ def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = 
         time.sleep(2.0)
 
 
+def counter_totals(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """A server's Prometheus counters by name, summed over their labels (0 where it has none)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    totals = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 class VllmServer:
     """A running vLLM server for the duration of a ``with`` block."""
 

@@ -355,3 +355,57 @@ def test_the_speculation_scenario_counts_vllms_drafts_from_after_its_warm_up(mon
                                               lambda: events.append("counters") or (3.0, 2.0)))
     assert result == ("output", (3.0, 2.0))
     assert events == ["warm-up", "counters", "measured"]
+
+
+def test_a_vllm_server_given_by_url_that_caches_prefixes_is_called_out(tmp_path):
+    """--vllm-url measures a server started elsewhere, which may cache prefixes (the ones started
+    here do not, nor does pdserve here): the same prompts go at every rate, so its later requests
+    were cache hits, compared with pdserve's full prefills without a word."""
+    import threading
+
+    from cluster.bench.scenarios.vllm_compare import _run_vllm
+    from engine.default_model_path import DEFAULT_MODEL_PATH
+
+    served = {"hits": 100}
+    stream = _stream_handler([(0.0, "a", 1, None), (0.0, "b", 2, "length")], [])
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        served["hits"] += 7  # (a cache hit of 7 prompt tokens a request)
+        return await stream(request)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=f'# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total{{model_name="m"}} {served["hits"]}.0\n')
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    state = {}
+
+    async def start():
+        app = web.Application()
+        app.router.add_get("/v1/models", lambda _: web.json_response({"data": [{"id": "fake-model", "max_model_len": 2048}]}))
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        state["runner"] = runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        state["port"] = site._server.sockets[0].getsockname()[1]
+        ready.set()
+
+    thread = threading.Thread(target=lambda: (loop.run_until_complete(start()), loop.run_forever()), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        args = argparse.Namespace(vllm_url=f"http://127.0.0.1:{state['port']}", vllm_start_timeout=10.0, seed=0, timeout=10.0, no_progress=True)
+        requests = [BenchRequest(2, [5, 6, 7], prompt_len=3) for _ in range(3)]
+        outputs, info = _run_vllm(DEFAULT_MODEL_PATH, args, None, None, requests, [], {"burst": [0.0, 0.0, 0.0]})
+    finally:
+        asyncio.run_coroutine_threadsafe(state["runner"].cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert outputs["burst"].metrics.completed == 3
+    assert info["prefix_cache_hit_tokens"] == 21 and info["started_here"] is False

@@ -20,7 +20,6 @@ import json
 import logging
 import random
 import tempfile
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from cluster.bench.openai_client import OpenAIClient
 from cluster.bench.report import result_document, run_to_dict, write_json
 from cluster.bench.runner import RunOutput, run_load
 from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, flags_of, fmt, local_cluster, ratio, ray_running
-from cluster.bench.vllm_server import VllmServer, VllmServerSpec, find_vllm_cli, find_vllm_python
+from cluster.bench.vllm_server import VllmServer, VllmServerSpec, counter_totals, find_vllm_cli, find_vllm_python
 from cluster.bench.workloads import BenchRequest
 from engine.config import EngineConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
@@ -227,15 +226,13 @@ def _run_vllm(model_dir: Path, args, system: str, speculative: SpeculativeConfig
     return results
 
 
+_SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")
+
+
 def _vllm_spec_counters(url: str) -> tuple[float, float]:
     """vLLM's draft and accepted token counters (0, 0 without speculation)."""
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    totals = {"vllm:spec_decode_num_draft_tokens_total": 0.0, "vllm:spec_decode_num_accepted_tokens_total": 0.0}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals["vllm:spec_decode_num_draft_tokens_total"], totals["vllm:spec_decode_num_accepted_tokens_total"]
+    totals = counter_totals(url, _SPEC_COUNTERS)
+    return totals[_SPEC_COUNTERS[0]], totals[_SPEC_COUNTERS[1]]
 
 
 async def _measure(client, requests, warmup, label: str, args, warmed: Callable[[], Any] = lambda: None) -> tuple[RunOutput, Any]:

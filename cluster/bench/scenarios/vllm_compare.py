@@ -30,7 +30,7 @@ from cluster.bench.runner import RunOutput, run_load
 from cluster.bench.scenarios.common import ClusterShape, ScenarioOutcome, flags_of, local_cluster, ray_running, scenario_model
 from cluster.bench.scenarios.compare_table import VLLM_LABEL, comparison, format_markdown, goal_lines, rate_label
 from cluster.bench.vllm_bench_client import VllmBenchSpec, run_vllm_bench
-from cluster.bench.vllm_server import VllmServer, VllmServerSpec, VllmStartError, find_vllm_cli, find_vllm_python, wait_healthy
+from cluster.bench.vllm_server import VllmServer, VllmServerSpec, VllmStartError, counter_totals, find_vllm_cli, find_vllm_python, wait_healthy
 from cluster.bench.workloads import BenchRequest, ModelLimits, random_token_ids
 from engine.config import EngineConfig
 from router.config import Disaggregation, RouterConfig
@@ -257,6 +257,9 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
     }
     json_path = write_json(out / "scenario.json", result_document(f"scenario:{NAME}", config, body))
     lines = [markdown, *goal_lines(table), *(f"FAILED to run {system}: {error}" for system, error in errors.items())]
+    if vllm_info.get("prefix_cache_hit_tokens"):
+        lines.append(f"NOT LIKE FOR LIKE: vLLM took {vllm_info['prefix_cache_hit_tokens']} prompt tokens from its prefix cache "
+                     "(pdserve's has none here); start it with --no-enable-prefix-caching")
     lines.append(f"table: {out / 'comparison.md'}")
     ok = not errors and all(m is not None and m.failed == 0 for by_rate in metrics.values() for per_round in by_rate.values() for m in per_round)
     return ScenarioOutcome(NAME, lines, json_path, {}, ok=ok)
@@ -374,15 +377,32 @@ def _vllm_server_spec(model_dir: Path, args, python: Path, cli: Path) -> VllmSer
 
 def _run_vllm(model_dir: Path, args, python, cli, requests, warmup, schedule) -> tuple[dict[str, RunOutput], dict]:
     if args.vllm_url:
-        waited = wait_healthy(args.vllm_url.rstrip("/"), args.vllm_start_timeout)
+        url = args.vllm_url.rstrip("/")
+        waited = wait_healthy(url, args.vllm_start_timeout)
         client = OpenAIClient(_client_config(args.vllm_url, args, "vllm"), seed=args.seed, model_dir=model_dir)
-        return asyncio.run(_measure(client, requests, warmup, schedule, VLLM_LABEL, args)), {"url": args.vllm_url, "started_here": False, "health_wait_s": waited}
+        # A server started elsewhere may cache prefixes (the ones started here do not, nor does
+        # pdserve here): the same prompts go at every rate and round, so its hits are counted.
+        before = _prefix_cache_hits(url)
+        outputs = asyncio.run(_measure(client, requests, warmup, schedule, VLLM_LABEL, args))
+        hits = _prefix_cache_hits(url) - before
+        if hits:
+            logger.warning("the vLLM server at %s took %d prompt tokens from its prefix cache during the run: start it with "
+                           "--no-enable-prefix-caching for a like-for-like comparison", url, hits)
+        return outputs, {"url": args.vllm_url, "started_here": False, "health_wait_s": waited, "prefix_cache_hit_tokens": int(hits)}
     spec = _vllm_server_spec(model_dir, args, python, cli)
     log_path = args.out / "vllm-server.log"
     with VllmServer(spec, log_path, args.vllm_start_timeout) as server:
         client = OpenAIClient(_client_config(spec.url, args, "vllm"), seed=args.seed, model_dir=model_dir)
         outputs = asyncio.run(_measure(client, requests, warmup, schedule, VLLM_LABEL, args))
     return outputs, {"url": spec.url, "started_here": True, "command": spec.command(), "startup_s": server.startup_s, "log": str(log_path)}
+
+
+_PREFIX_CACHE_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")  # (vLLM V1's name, then V0's)
+
+
+def _prefix_cache_hits(url: str) -> float:
+    """The prompt tokens a vLLM server has taken from its prefix cache so far."""
+    return sum(counter_totals(url, _PREFIX_CACHE_HITS).values())
 
 
 async def _measure(client: BenchClient, requests, warmup, schedule: dict[str, list[float]], label: str, args) -> dict[str, RunOutput]:
