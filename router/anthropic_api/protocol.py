@@ -140,16 +140,12 @@ def render_prompt(
     messages = _system(body) + _conversation(body)
     prefill = _prefill(messages)
     extra = {name: value for name, value in (("enable_thinking", thinking), ("reasoning_effort", effort)) if value is not None} or None
+    # (With a prefill, the answer goes on from its last character, inside the turn the template
+    # would close.)
     prompt = template.render(
         template_messages(messages, template.text), add_generation_prompt=prefill is None, tools=calling.tools if calling is not None else None, extra=extra,
+        continue_final_message=prefill is not None,
     )
-    if prefill is not None:
-        # The answer goes on from the prefill's last character (the template closed the turn;
-        # some trim a message's leading whitespace).
-        kept = prefill.strip()
-        if kept not in prompt:
-            raise InvalidArgumentError("messages", "the chat template drops the final assistant message's text: it cannot be continued")
-        prompt = prompt[: prompt.rindex(kept) + len(kept)]
     return prompt, calling, None if prefill is None else as_written(messages[-1])
 
 

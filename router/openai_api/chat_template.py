@@ -93,15 +93,56 @@ class ChatTemplate:
         tools: list[dict[str, Any]] | None = None,
         documents: list[dict[str, Any]] | None = None,
         extra: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt text for ``messages``; ChatTemplateError (field ``messages``) when the
-        template refuses them. ``extra``: more template variables (``chat_template_kwargs``)."""
+        template refuses them. ``extra``: more template variables (``chat_template_kwargs``).
+        ``continue_final_message``: the prompt ends inside the last message, after its text."""
         variables = {**self.special_tokens, **self.defaults, **(extra or {})}
+        final = None
+        if continue_final_message:
+            messages, final = _tagged_final(messages)
         try:
-            return self._compiled.render(
+            prompt = self._compiled.render(
                 messages=messages, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **variables
             )
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError("messages", f"the model's chat template refused them: {exc}") from exc
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise ChatTemplateError("messages", f"the model's chat template failed on them: {exc}") from exc
+        return prompt if final is None else _cut_at_tag(prompt, final)
+
+
+# As transformers' apply_chat_template continues a final message (vLLM renders through it): a
+# tag after the message's text marks where the prompt ends, so a template's closing text never
+# passes for the message's (a cut at the text's last occurrence, the older way, left
+# "<|im_end" after a message "end"), and spacing the template keeps stays ("Sure:\n\n").
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged_final(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """``messages`` with the tag after the last message's text (its last text part), and that text."""
+    if not messages:
+        raise ChatTemplateError("messages", "continue_final_message needs a message to continue")
+    last = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, str) and content.strip():
+        final, last["content"] = content, content + _CONTINUE_TAG
+    elif isinstance(content, list) and any(isinstance(part, dict) and isinstance(part.get("text"), str) for part in content):
+        parts = [dict(part) if isinstance(part, dict) else part for part in content]
+        part = next(p for p in reversed(parts) if isinstance(p, dict) and isinstance(p.get("text"), str))
+        final, part["text"] = part["text"], part["text"] + _CONTINUE_TAG
+        last["content"] = parts
+    else:
+        raise ChatTemplateError("messages", "continue_final_message needs a last message with text")
+    return [*messages[:-1], last], final
+
+
+def _cut_at_tag(prompt: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if tag not in prompt or final.strip() not in prompt:
+        raise ChatTemplateError("messages", "the chat template drops the final message's text: it cannot be continued")
+    at = prompt.rindex(tag)
+    if prompt[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return prompt[:at]  # the template kept the message's spacing
+    return prompt[:at].rstrip()  # it trimmed the message's end (and the tag's space with it)

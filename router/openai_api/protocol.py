@@ -256,15 +256,10 @@ def render_conversation(body: dict, template: ChatTemplate, tools: list[dict[str
     add_generation_prompt = _adds_generation_prompt(body)
     if continue_final and add_generation_prompt:
         raise InvalidArgumentError("continue_final_message", "cannot be combined with add_generation_prompt: true")
-    prompt = template.render(
+    return template.render(
         template_messages(messages, template.text), add_generation_prompt=add_generation_prompt, tools=tools, documents=_documents(body), extra=extra,
+        continue_final_message=continue_final,
     )
-    if continue_final:
-        final = messages[-1].get("content")
-        if not isinstance(final, str) or not final.strip() or final.strip() not in prompt:
-            raise InvalidArgumentError("messages", "continue_final_message needs a last message with text the template keeps")
-        prompt = prompt[: prompt.rindex(final.strip()) + len(final.strip())]
-    return prompt
 
 
 def _adds_generation_prompt(body: dict) -> bool:

@@ -192,10 +192,13 @@ def template_messages(messages: list[dict[str, Any]], template_text: str) -> lis
     client's JSON text parses (templates write it with ``tojson``), as vLLM passes them; for a
     Mistral template, tool call ids as 9 letters and digits (the template raises on any other,
     and clients send back ids of every shape): one already so is kept, any other becomes 9
-    characters of its digest, the same for the call and its result."""
+    characters of its digest, the same for the call and its result. A message's reasoning goes
+    as ``thinking`` too (gpt-oss templates read it there), as transformers aliases it."""
     short_ids = MISTRAL_CALLS in template_text
     rendered = []
     for message in messages:
+        if message.get("reasoning_content") is not None and "thinking" not in message:
+            message = {**message, "thinking": message["reasoning_content"]}
         calls = message.get("tool_calls")
         if calls:
             message = dict(message)

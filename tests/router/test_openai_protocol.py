@@ -98,6 +98,34 @@ def test_a_model_with_a_tool_use_template_renders_requests_with_tools_by_it(tmp_
     )
 
 
+@pytest.mark.parametrize("final", ["end", "m", "Sure:\n\n", "The answer is ", "  ```python\n"])
+@pytest.mark.parametrize("name", ["chatml", "trimming"])
+def test_a_continued_final_message_ends_the_prompt_where_transformers_ends_it(hf_tokenizer, name, final):
+    """The prompt was cut at the message's text's last occurrence, stripped: a short message
+    matched inside the template's closing text ("end" left "...end<|im_end"), and its trailing
+    spacing was lost. transformers (and vLLM, which renders through it) cut at a tag."""
+    template = TEMPLATES["chatml"] if name == "chatml" else TEMPLATES["chatml"].replace("message['content']", "(message['content'] | trim)")
+    messages = [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": final}]
+    want = hf_tokenizer.apply_chat_template(messages, chat_template=template, continue_final_message=True, tokenize=False)
+    from router.openai_api.protocol import render_conversation
+
+    ours = render_conversation({"messages": messages, "continue_final_message": True}, ChatTemplate(template, {}), None)
+    assert ours == want
+    assert not ours.endswith("<|im_end") and ours.endswith(final if name == "chatml" else final.strip())
+
+
+def test_reasoning_sent_back_reaches_a_template_that_reads_thinking(hf_tokenizer):
+    """gpt-oss templates read an assistant's reasoning as ``thinking``; transformers aliases it
+    from ``reasoning_content``/``reasoning``; pdserve passed ``reasoning_content`` only."""
+    from router.openai_api.protocol import render_conversation
+
+    template = "{% for m in messages %}<{{ m.role }}>{% if m.thinking %}[{{ m.thinking }}]{% endif %}{{ m.content }}{% endfor %}"
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning": "Adding."},
+                {"role": "user", "content": "and 3+3?"}]
+    ours = render_conversation({"messages": messages, "add_generation_prompt": False}, ChatTemplate(template, {}), None)
+    assert ours == hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False) == "<user>2+2?<assistant>[Adding.]4<user>and 3+3?"
+
+
 def test_a_template_that_raises_names_the_messages():
     template = ChatTemplate("{% if messages[0].role != 'user' %}{{ raise_exception('first must be user') }}{% endif %}", {})
     with pytest.raises(InvalidArgumentError) as raised:
