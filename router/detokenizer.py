@@ -51,9 +51,13 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = skip_special_tokens
         self._req_id = req_id
         # The prompt's last tokens, then the output's: the context's text is not the answer's.
-        context = self._prompt_context(prompt_token_ids)
+        context, self._context_text = self._prompt_context(prompt_token_ids)
         self._num_context = len(context)
-        self._context_text = self._decode_raw(context) if context else ""
+        # The context's text with a last character still missing bytes (None: it has none): the
+        # answer's first tokens complete it (its text is then the answer's), or leave it so
+        # (its U+FFFDs are then the prompt's, not the answer's).
+        self._raw_context_text = self._decode_raw(context) if context else ""
+        self._unfinished_context: str | None = self._raw_context_text if self._raw_context_text != self._context_text else None
         self._token_ids: list[int] = list(context)
         self._window_start = 0  # index of the window's first token
         self._window_sent = len(self._context_text)  # characters of the window's decoded text already passed on
@@ -81,6 +85,10 @@ class IncrementalDetokenizer:
         self._token_ids.extend(token_ids)
         window_text = self._decode_raw(self._token_ids[self._window_start :])
         stable_end = len(window_text) - _count_trailing(window_text, REPLACEMENT_CHAR)
+        if self._unfinished_context is not None and stable_end > self._window_sent:
+            if window_text.startswith(self._unfinished_context):  # left unfinished: not the answer's to send
+                self._window_sent = len(self._unfinished_context)
+            self._unfinished_context = None
         raw_delta = ""
         if stable_end > self._window_sent:
             raw_delta = window_text[self._window_sent : stable_end]
@@ -103,7 +111,8 @@ class IncrementalDetokenizer:
                 "req_id=%s: streamed text diverged from the full decode after %d characters",
                 self._req_id, _common_prefix_len(full_text, sent),
             )
-            return ""
+            # What was held back still goes: the answer's end is not lost with the divergence.
+            return self._record(full_text[len(sent) :])
         return self._record(full_text[len(sent) :])
 
     def tokens_writing(self, num_chars: int) -> int:
@@ -124,20 +133,26 @@ class IncrementalDetokenizer:
         """The text of the output tokens before ``end`` (an index into the context and output),
         as one decode after the context writes it, cleaned as ``Tokenizer.decode`` cleans."""
         text = self._decode_raw(self._token_ids[:end])
-        if text.startswith(self._context_text):
-            text = text[len(self._context_text) :]
+        # (The context's unfinished character left so is the prompt's; finished, the answer's.)
+        context_text = next((c for c in (self._raw_context_text, self._context_text) if text.startswith(c)), None)
+        if context_text is not None:
+            text = text[len(context_text) :]
         else:  # the context's own text changed with what followed it: the output's alone
             text = self._decode_raw(self._token_ids[self._num_context : end])
         return clean_up_tokenization(text) if self._tokenizer.cleans_up_spaces else text
 
-    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        """The fewest last prompt tokens that write whole characters (empty if none do)."""
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:
+        """The fewest last prompt tokens that write whole characters, but for a last one still
+        missing bytes (the answer may complete it), and their text without that character
+        (empty if none do). Text, or a token the decoder does not skip: a decoder's first-token
+        treatment then falls on the context (a lone "▁" writes nothing, its space stripped)."""
         for num_tokens in range(1, min(len(prompt_token_ids), _MAX_PROMPT_CONTEXT_TOKENS) + 1):
             context = list(prompt_token_ids[-num_tokens:])
-            text = self._decode_raw(context)
-            if text and REPLACEMENT_CHAR not in text:
-                return context
-        return []
+            raw = self._decode_raw(context)
+            text = raw.rstrip(REPLACEMENT_CHAR)
+            if REPLACEMENT_CHAR not in text and (text or (not raw and self._tokenizer.writes_any(context, self._skip_special_tokens))):
+                return context, text
+        return [], ""
 
     def _decode_raw(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode_raw(token_ids, self._skip_special_tokens)
@@ -164,7 +179,9 @@ class IncrementalDetokenizer:
         # text can still change when more text arrives: hold back its unstable tail.
         self._raw_parts.append(raw_delta)
         cleaned = clean_up_tokenization("".join(self._raw_parts))
-        releasable = len(cleaned) - CLEANUP_UNSTABLE_TAIL
+        # (Held whole while shorter than the tail: a negative end counted from the text's end
+        # and let out what the clean-up could still rewrite.)
+        releasable = max(self._num_sent_chars, len(cleaned) - CLEANUP_UNSTABLE_TAIL)
         return self._record(cleaned[self._num_sent_chars : releasable])
 
     def _record(self, delta: str) -> str:

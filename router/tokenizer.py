@@ -61,6 +61,7 @@ class Tokenizer:
     def __init__(self, backend: BackendTokenizer, config: dict[str, Any]) -> None:
         self._backend = backend
         self._config = config
+        self._special_ids: frozenset[int] | None = None  # what a decode skips (made when first asked)
         named = {key: _token_content(config.get(key)) for key in _NAMED_SPECIAL_TOKENS}
         # What a chat template sees as bos_token, eos_token, ... (transformers' special_tokens_map).
         self.special_tokens_map = {key: content for key, content in named.items() if content is not None}
@@ -132,6 +133,15 @@ class Tokenizer:
     def decode_raw(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The backend decoder's text, before transformers' space clean-up (for incremental decoding)."""
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def writes_any(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> bool:
+        """Whether the decoder takes any of these tokens in (a skipped special token it does not),
+        whether or not they write text."""
+        if not skip_special_tokens:
+            return bool(token_ids)
+        if self._special_ids is None:
+            self._special_ids = frozenset(i for i, added in self._backend.get_added_tokens_decoder().items() if added.special)
+        return any(token_id not in self._special_ids for token_id in token_ids)
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

@@ -187,3 +187,62 @@ def test_the_answer_continues_its_prompt_as_transformers_decodes_the_two_togethe
     assert detok.token_ids == answer
     if kind != "wordpiece_cleanup":
         assert streamed.startswith(" jumps")
+
+
+def _continuation(reference, prompt: list[int], answer: list[int]) -> str:
+    """What transformers' decode of prompt and answer adds to its decode of the prompt, a
+    character the prompt left unfinished counted as the answer's where the answer finishes it."""
+    whole, before = reference.decode(prompt + answer, skip_special_tokens=True), reference.decode(prompt, skip_special_tokens=True)
+    if whole.startswith(before):
+        return whole[len(before) :]
+    unfinished = before.rstrip(REPLACEMENT_CHAR)
+    assert whole.startswith(unfinished)
+    return whole[len(unfinished) :]
+
+
+def test_a_short_answer_of_a_cleanup_tokenizer_is_held_until_its_clean_up_is_settled(wordpiece_cleanup_dir):
+    """While the cleaned text was shorter than the unstable tail, a negative end let out all but
+    its last characters (" ' hi '" sent before the clean-up joined it), and once the sent text
+    disagreed with the whole decode, the rest of the answer was dropped."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok, reference = Tokenizer.from_model_dir(wordpiece_cleanup_dir), PreTrainedTokenizerFast.from_pretrained(wordpiece_cleanup_dir)
+    prompt = tok.encode("Question:", add_special_tokens=True)
+    answer = tok.encode("The fox says ' hi ' and then the dog left the house .", add_special_tokens=False)
+    streamed = "".join(stream(IncrementalDetokenizer(tok, prompt_token_ids=prompt), answer, [1] * len(answer)))
+    assert streamed == _continuation(reference, prompt, answer)
+    assert streamed.endswith("house.")
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "byte_fallback"])
+def test_a_prompt_of_ids_ending_inside_a_character_lets_the_answer_finish_it(request, kind):
+    """A "continue" call whose prompt max_tokens cut inside an emoji: the answer's first tokens
+    finish the character (it streamed U+FFFDs, the prompt's bytes never joined to the answer's),
+    and where they do not, the prompt's unfinished bytes are not the answer's."""
+    from transformers import PreTrainedTokenizerFast
+
+    directory = request.getfixturevalue(f"{kind}_dir")
+    tok, reference = Tokenizer.from_model_dir(directory), PreTrainedTokenizerFast.from_pretrained(directory)
+    ids = tok.encode("Say hi 😀 ok 東京", add_special_tokens=False)
+    unfinished = 0
+    for cut in range(1, len(ids)):
+        prompt, answer = ids[:cut], ids[cut:]
+        unfinished += REPLACEMENT_CHAR in reference.decode(prompt)
+        streamed = "".join(stream(IncrementalDetokenizer(tok, prompt_token_ids=prompt), answer, [1] * len(answer)))
+        assert streamed == _continuation(reference, prompt, answer), cut
+        other = tok.encode(" Hello", add_special_tokens=False)  # an answer that leaves the character unfinished
+        streamed = "".join(stream(IncrementalDetokenizer(tok, prompt_token_ids=prompt), other, [1] * len(other)))
+        assert streamed == _continuation(reference, prompt, other), cut
+    assert unfinished >= 2, "some cuts fall inside a character"
+
+
+def test_a_prompt_whose_last_tokens_write_no_text_keeps_the_answers_leading_space(metaspace_dir):
+    """A completion prompt " " (a lone "▁", whose space the decoder strips) was no context: the
+    answer was decoded alone and lost the space before its first word."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok, reference = Tokenizer.from_model_dir(metaspace_dir), PreTrainedTokenizerFast.from_pretrained(metaspace_dir)
+    prompt, answer = tok.encode(" ", add_special_tokens=True), tok.encode(" The fox", add_special_tokens=False)
+    assert tok.decode(prompt) == ""
+    streamed = "".join(stream(IncrementalDetokenizer(tok, prompt_token_ids=prompt), answer, [1] * len(answer)))
+    assert streamed == _continuation(reference, prompt, answer) == " The fox"
