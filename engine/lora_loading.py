@@ -46,6 +46,11 @@ _REFUSED_FIELDS = {
 }
 
 
+# PEFT initialisations that rewrite the base weights the adapter then trains against (prefixes:
+# "pissa_niter_16", "corda" modes).
+_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterConfig:
     """The parts of a PEFT ``adapter_config.json`` that decide what a LoRA adapter computes."""
@@ -66,6 +71,14 @@ class AdapterConfig:
         for key, what in _REFUSED_FIELDS.items():
             if raw.get(key):
                 raise ModelLoadError(f"{path}: {key} is set; {what} are not supported")
+        init = raw.get("init_lora_weights", True)
+        if isinstance(init, str) and (init.lower().startswith(_BASE_CHANGING_INITS) or init.lower() in _BASE_CHANGING_INITS):
+            # Trained on a residual base (W - BA, or a quantized one): on the untouched base the
+            # adapter computes something else. PEFT redoes the init at load; converted, it is plain.
+            raise ModelLoadError(
+                f"{path}: init_lora_weights {init!r} adapters change the base weights they were trained on; convert it to a "
+                "plain LoRA first (PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))"
+            )
         if raw.get("bias", "none") != "none":
             raise ModelLoadError(f"{path}: bias {raw['bias']!r} is not supported (only 'none': LoRA without trained biases)")
         rank, alpha = raw.get("r"), raw.get("lora_alpha")
@@ -85,7 +98,8 @@ class AdapterConfig:
 
     def scaling(self, module_name: str, rank: int) -> float:
         """PEFT's scaling of one module (its own rank, from its tensors; rank_pattern included)."""
-        alpha = next((v for key, v in self.alpha_pattern.items() if re.match(rf"(.*\.)?{key}$", module_name)), self.alpha)
+        # (The key as one group, as PEFT's get_pattern_key: "q_proj|v_proj" ends the name either way.)
+        alpha = next((v for key, v in self.alpha_pattern.items() if re.match(rf"(.*\.)?({key})$", module_name)), self.alpha)
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
 
 

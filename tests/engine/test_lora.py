@@ -32,7 +32,8 @@ def adapted(tmp_path_factory):
                 root / "qv",
                 build_lora_adapter(
                     model, root / "qv", seed=2, targets=("q_proj", "v_proj"), rank=4, use_rslora=True,
-                    rank_pattern={"v_proj": 2}, alpha_pattern={"q_proj": 3.0},
+                    # (An alternation: PEFT matches the key as one group, either name ending a module's.)
+                    rank_pattern={"v_proj": 2}, alpha_pattern={"q_proj|v_proj": 3.0},
                 ),
             ),
         }
@@ -227,6 +228,10 @@ def test_adapter_of_another_model_or_kind_is_refused_at_load(adapted, tmp_path):
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ModelLoadError, match="DoRA"):
         _engine(path, {"dora": (dora, None)})
+    for init in ("pissa_niter_4", "olora", "corda", "loftq"):  # trained on a base they rewrote: refused, naming the conversion
+        (dora / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": init}))
+        with pytest.raises(ModelLoadError, match=f"init_lora_weights '{init}'.*path_initial_model_for_weight_conversion"):
+            _engine(path, {"residual": (dora, None)})
 
     embedding = tmp_path / "embedding"
     build_lora_adapter(model, embedding, seed=1, targets=("q_proj", "embed_tokens"))
