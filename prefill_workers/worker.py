@@ -161,7 +161,10 @@ class PrefillWorker(EngineWorker):
         from token ``next_start`` (default ``start``) on, into ``next_inbox`` over NIXL where
         given; returns once its writes all landed (with the first token from the last stage)."""
         done: Future = await self._call(self._start_stage, req_id, token, start, start if next_start is None else next_start, next_inbox)
-        return await asyncio.wrap_future(done)
+        result = await asyncio.wrap_future(done)
+        if self._answer_delay_s:
+            await asyncio.sleep(self._answer_delay_s)  # fault injection, as submit's
+        return result
 
     async def stage_activations(self, chunk: StageChunk) -> None:
         """The previous stage's activations for one chunk. Kept without waiting for the engine
@@ -240,14 +243,17 @@ class PrefillWorker(EngineWorker):
 
     def _enqueue(self, request: PrefillRequest) -> Future:
         self._check_accepting(request)
-        earlier = self._jobs.get(request.req_id)
-        if earlier is not None and earlier.request.destination.token != request.destination.token:
-            # An attempt the router gave up, whose cancel did not reach this actor (it was briefly
-            # unreachable): the newer attempt takes its place, as on a decode actor. It was refused
-            # as "already running", which the client got as its own bad request.
-            self._cancel(request.req_id, earlier.request.destination.token)
+        self._replace_earlier_attempt(request)
         seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
         return self._add_job(request, seq).done
+
+    def _replace_earlier_attempt(self, request: PrefillRequest) -> None:
+        """An attempt the router gave up, whose cancel did not reach this actor (it was briefly
+        unreachable): the newer attempt takes its place, as on a decode actor. It was refused as
+        "already running", which the client got as its own bad request."""
+        earlier = self._jobs.get(request.req_id)
+        if earlier is not None and earlier.request.destination.token != request.destination.token:
+            self._cancel(request.req_id, earlier.request.destination.token)
 
     def _check_accepting(self, request: PrefillRequest) -> None:
         if self.state is not WorkerState.READY:
@@ -277,6 +283,7 @@ class PrefillWorker(EngineWorker):
 
     def _open_stage(self, request: PrefillRequest) -> StageOpened:
         self._check_accepting(request)
+        self._replace_earlier_attempt(request)
         seq = self.engine.make_sequence(request.req_id, request.prompt_token_ids, request.params, request.priority)
         try:
             self.scheduler.add_stage(seq, request.stage.salt)

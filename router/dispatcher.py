@@ -622,6 +622,15 @@ class Dispatcher:
         if isinstance(exc, WORKER_GONE):
             logger.warning("req %s: stage %d's prefill worker %s died", request.req_id, failure.index, worker.worker_id)
             self.on_worker_died(worker)
+            try:
+                # Every stage's writes landed (the decode actor admits the request on them, the
+                # first token with the last) before its answer: then the death changes nothing,
+                # as for one prefill actor (a restart prefilled the prompt again and counted
+                # against the request's retries and worker deaths).
+                if await decode.handle.is_admitted.remote(request.req_id):
+                    return
+            except WORKER_GONE:
+                return  # the collector reports the decode actor's death
             active.attempt = next(self._attempts)
             active.outputs.put_nowait(Restart(f"prefill worker {worker.worker_id} died", active.attempt, prefill_failed=True, dead_worker_id=worker.worker_id))
             return

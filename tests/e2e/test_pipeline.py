@@ -199,6 +199,34 @@ def test_a_stage_killed_mid_prompt_loses_nothing(ray_cluster, four_layer_model):
         client.close()
 
 
+def test_a_stage_that_dies_after_the_decode_actor_took_the_prompt_changes_nothing(ray_cluster, four_layer_model):
+    """Every stage's writes landed and the decode actor decodes, but a stage dies before its
+    answer: the request was placed again (the prompt prefilled anew, counted against its retries
+    and worker deaths, a healthy stream ended UNAVAILABLE or refused as poison at the limits)."""
+    prompt = random_prompts([200], four_layer_model.vocab_size, seed=23)[0]
+    expected = hf_greedy(four_layer_model.hf_model, prompt, 24)
+    with running_deployment(four_layer_model, 2, 1, _router(32, max_pipeline_stages=2)) as deployment:
+        for worker_id in ("prefill-0", "prefill-1"):
+            ray.get(deployment.handles[worker_id].set_answer_delay.remote(60.0))
+        ray.get(deployment.handles["decode-0"].set_step_delay.remote(0.1))  # still streaming when the stage dies
+        client = Client(deployment.address)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.generate, prompt_token_ids=prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+            deadline = time.monotonic() + 60
+            while True:  # every write landed: the decode actor has the prompt
+                active = list(deployment.router.dispatcher.active.values())
+                if active and active[0].stages and ray.get(deployment.handles["decode-0"].is_admitted.remote(active[0].work.req_id)):
+                    break
+                assert time.monotonic() < deadline, "the request never reached the decode actor"
+                time.sleep(0.05)
+            victim = active[0].stages[1].worker_id
+            deployment.kill_worker(victim)
+            stream = future.result(timeout=120)
+        assert stream.token_ids == expected
+        assert victim in _stage_workers(stream), "not placed again"
+        client.close()
+
+
 @pytest.mark.parametrize("decode_stage", [False, True])
 def test_quantized_stages_write_their_layers_and_scales(ray_cluster, four_layer_model, decode_stage):
     """int8 cache: each stage moves its layers' elements and scales; the decode actor carries on
