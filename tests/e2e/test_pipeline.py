@@ -91,6 +91,28 @@ def test_a_pipelined_prompt_decodes_what_transformers_does(shared_workers, four_
         client.close()
 
 
+def test_a_prompt_whose_chunks_fill_the_inbox_exactly_hands_them_on_over_nixl(shared_workers, four_layer_model):
+    """Its 16 chunks (512 tokens of 32) in the next stage's 16 slots: one slot more was asked for
+    (a chunk "split" by a cached prefix, which never happens), so an 8k prompt in 512-token
+    chunks, the default, sent every chunk over Ray."""
+    from workers.pipeline import inbox_chunks
+
+    assert inbox_chunks(8192, 512) == KVTransferConfig().stage_inbox_slots == 16
+    prompt = random_prompts([512], four_layer_model.vocab_size, seed=41)[0]
+    with following_router(shared_workers, _router(32, max_pipeline_stages=2)) as deployment:
+        client = Client(deployment.address)
+        before = ray.get(deployment.pools.handles["prefill-0"].status.remote())
+        stream = client.generate(prompt_token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+        assert stream.token_ids == hf_greedy(four_layer_model.hf_model, prompt, 4)
+        assert _stage_workers(stream) == ["prefill-0", "prefill-1"]
+        after = ray.get(deployment.pools.handles["prefill-0"].status.remote())
+        over_nixl, over_ray = (after.num_stage_chunks_over_nixl - before.num_stage_chunks_over_nixl,
+                               after.num_stage_chunks_over_ray - before.num_stage_chunks_over_ray)
+        assert over_nixl + over_ray == 16 and over_nixl > over_ray, (over_nixl, over_ray)
+        client.wait_until_idle()
+        client.close()
+
+
 def test_a_scored_prompt_is_prefilled_by_one_actor_where_every_prompt_is_pipelined(shared_workers, four_layer_model):
     """Over gRPC, with every remote prompt pipelined: a prompt whose log-probabilities are asked
     for is prefilled by one prefill actor (whose engine bounds the rows a step scores; a
@@ -146,7 +168,7 @@ def test_allowed_token_ids_that_leave_a_pipelined_prompts_grammar_nothing_are_re
 
 def test_a_seeded_sample_repeats_and_concurrent_pipelines_share_the_actors(ray_cluster, four_layer_model):
     """Four pipelines at once over the same two actors. The second stage's inbox has room for one
-    prompt's chunks at a time (8 slots; the 150-token prompt takes 6), so the others' activations
+    prompt's chunks at a time (8 slots; the 150-token prompt takes 5), so the others' activations
     go over Ray: both ways give transformers' output."""
     prompts = random_prompts([150, 120, 90, 60], four_layer_model.vocab_size, seed=5)
     expected = [hf_greedy(four_layer_model.hf_model, p, 6) for p in prompts]
