@@ -30,8 +30,9 @@ class SlotStack:
     ``a`` [slots, in, rank] and ``b`` [slots, rank, out], ranks zero-padded to the largest, a slot
     whose adapter leaves the projection alone (or an empty slot) all zeros."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, present: list[bool]):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, present: list[bool], ranks: list[int] | None = None):
         self.a, self.b, self.present = a, b, present
+        self.ranks = ranks if ranks is not None else [a.shape[2] if here else 0 for here in present]  # each slot's own rank
         # Every slot's pair side by side, for RowSlots: a_cat [in, slots * rank] (slot-major
         # columns), b_cat [slots * rank, out] (a view of b), and each column's slot.
         slots, rank = a.shape[0], a.shape[2]
@@ -49,11 +50,12 @@ class SlotStack:
             if pair is not None:
                 a[slot, :, : pair.a_t.shape[1]] = pair.a_t
                 b[slot, : pair.b_t.shape[0]] = pair.b_t
-        return cls(a, b, [p is not None for p in pairs])
+        return cls(a, b, [p is not None for p in pairs], [0 if p is None else p.a_t.shape[1] for p in pairs])
 
     def pairs(self) -> list["LoraPair | None"]:
-        """Each slot's pair back (views into the stack), None where empty."""
-        return [LoraPair(self.a[s], self.b[s]) if here else None for s, here in enumerate(self.present)]
+        """Each slot's pair back at its own rank (views into the stack), None where empty: a
+        stack rebuilt from them is padded to the largest rank still there, not to one unloaded."""
+        return [LoraPair(self.a[s, :, : r], self.b[s, :r]) if here else None for s, (here, r) in enumerate(zip(self.present, self.ranks))]
 
 
 class AdapterRows:
@@ -195,13 +197,18 @@ def install_adapter(model: torch.nn.Module, slot: int, adapter_dir: str | Path, 
 
 
 def remove_adapter(model: torch.nn.Module, slot: int) -> None:
-    """Free slot ``slot``'s weights in every decoder layer."""
+    """Free slot ``slot``'s weights in every decoder layer; the stacks shrink to the slots still
+    held (a step's rows went through every slot's columns, the freed ones' zeros too)."""
     try:
+        stacks = [stack for layer in model.layers for stack in layer.lora.values()]
+        held = [s for stack in stacks for s, here in enumerate(stack.present) if here and s != slot]
+        num_slots = max(held, default=-1) + 1  # (every projection covers every slot a step may name)
         for layer in model.layers:
             for projection in list(layer.lora):
-                num_slots = len(layer.lora[projection].present)
-                if slot < num_slots:  # a rank whose load failed never grew its stacks to the slot
+                if slot < len(layer.lora[projection].present):  # a rank whose load failed never grew its stacks to the slot
                     _set_slot(layer, projection, slot, None, num_slots)
+                elif len(layer.lora[projection].present) > num_slots:
+                    _set_slot(layer, projection, None, None, num_slots)
     finally:
         _stacks_changed(model)
 
@@ -212,13 +219,15 @@ def _stacks_changed(model: torch.nn.Module) -> None:
     model.lora_version = getattr(model, "lora_version", 0) + 1
 
 
-def _set_slot(layer: torch.nn.Module, projection: str, slot: int, pair: LoraPair | None, num_slots: int) -> None:
-    """Restack one projection's ``num_slots`` slots with ``pair`` in ``slot`` (the projection
-    dropped where no slot has a pair left)."""
+def _set_slot(layer: torch.nn.Module, projection: str, slot: int | None, pair: LoraPair | None, num_slots: int) -> None:
+    """Restack one projection's ``num_slots`` slots with ``pair`` in ``slot`` (None: as they are;
+    slots from ``num_slots`` on are empty), the projection dropped where no slot has a pair left."""
     stack = layer.lora.get(projection)
     pairs = stack.pairs() if stack is not None else []
     pairs.extend([None] * (num_slots - len(pairs)))
-    pairs[slot] = pair
+    if slot is not None:
+        pairs[slot] = pair
+    del pairs[num_slots:]
     like = next((p for p in pairs if p is not None), None)
     if like is None:
         layer.lora.pop(projection, None)

@@ -188,6 +188,31 @@ def test_an_adapter_loaded_unloaded_and_replaced_at_runtime(tmp_path):
         engine.load_adapter("gone", str(tmp_path / "gone"))
 
 
+@pytest.mark.parametrize("by_row_slot", [False, True])
+def test_stacks_shrink_back_when_a_larger_adapter_is_unloaded(tmp_path, by_row_slot):
+    """Every step through any adapter went through every slot's columns at the largest rank
+    ever loaded: a rank-32 adapter loaded once and unloaded left a rank-4 one's stacks 2 x 32
+    wide for good (memory, and on a GPU the decode step's work)."""
+    model = build_checkpoint("llama", tmp_path / "base")
+    small = build_lora_adapter(model, tmp_path / "small", seed=41, rank=4)
+    build_lora_adapter(model, tmp_path / "large", seed=42, rank=32)
+    engine = _engine(tmp_path / "base", {})
+    engine.runner.decode_adapters_by_row_slot = by_row_slot
+    engine.load_adapter("small", str(tmp_path / "small"))
+
+    def shapes() -> list[tuple]:
+        return [(stack.a.shape, stack.b.shape) for layer in engine.runner.model.layers for stack in layer.lora.values()]
+
+    alone = shapes()
+    assert {a[0] for a, _ in alone} == {1}
+    engine.load_adapter("large", str(tmp_path / "large"))
+    assert shapes() != alone and {a[0] for a, _ in shapes()} == {2}
+    assert engine.unload_adapter("large")
+    prompt = random_prompts([9], model.config.vocab_size, seed=43)[0]
+    assert engine.generate([prompt], _through("small"))[0].token_ids == hf_greedy(small, prompt, MAX_NEW)
+    assert shapes() == alone, "the unloaded adapter's slot and rank still padded the stacks"
+
+
 def test_speculative_drafts_are_verified_through_the_adapter(adapted):
     """N-gram drafts of a repetitive prompt are verified by the adapted model: the output is
     PEFT's greedy one, drafts included."""
