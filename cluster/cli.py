@@ -132,6 +132,9 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
         "--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH",
         help="LoRA adapters served beside the model (PEFT adapter directories); a request's model field names one",
     )
+    up.add_argument("--max-loras", type=int, help="the most LoRA adapter versions a worker holds at once, as vLLM's flag (default: no bound)")
+    up.add_argument("--max-lora-rank", type=int, help="the largest rank a LoRA adapter may have, as vLLM's flag (default: no bound)")
+    up.add_argument("--enable-lora", action="store_true", help="taken for vLLM's command lines: LoRA adapters are always served here")
     up.add_argument(
         "--allow-runtime-lora-updating", action="store_true", default=None,
         help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (router.allow_runtime_lora_updating)",
@@ -258,6 +261,7 @@ def up_overrides(args: argparse.Namespace) -> dict:
         "speculative.method": args.speculative_method, "speculative.num_speculative_tokens": args.num_speculative_tokens,
         "speculative.draft_model": args.draft_model,
         "lora_modules": dict(args.lora_modules) if args.lora_modules else None,
+        "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
         "router.allow_runtime_lora_updating": args.allow_runtime_lora_updating,
     }
 

@@ -35,7 +35,7 @@ from engine.kernel_warm_up import warm_up_kernels
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype, weights_digest
 from engine.lora import AdapterTable
-from engine.lora_loading import adapter_digest
+from engine.lora_loading import adapter_digest, adapter_rank
 from engine.model import StageActivations
 from engine.model_runner import ModelRunner
 from engine.parallel.group import SINGLE, RankFailedError, TPGroup, listen
@@ -152,6 +152,9 @@ class LLMEngine:
         try:
             if tp_size > 1:
                 group = TPGroup.join(address, 0, store, check_ranks=getattr(self.rank_launcher, "check_alive", None))
+            for name, adapter_dir in self.config.lora_adapters.items():
+                if self.config.max_lora_rank is not None and (rank := adapter_rank(adapter_dir)) > self.config.max_lora_rank:
+                    raise ModelLoadError(f"lora_adapters.{name}: the adapter's rank {rank} is above max_lora_rank = {self.config.max_lora_rank}")
             # The rotary tables cover the engine's context (dynamic and LongRoPE schedules depend on it).
             loaded = load_model(
                 self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,
@@ -351,12 +354,26 @@ class LLMEngine:
         digest = adapter_digest(adapter_dir)
         slot = self.adapters.slots.get(digest)  # this very version may be held already (even dropped: kept now)
         if slot is None:
+            self._check_adapter_bounds(adapter_dir)
             slot = self.adapters.free_slot()
             self.executor.change_adapter(AdapterChange(slot, str(adapter_dir)), self.dtype)
             logger.info("LoRA adapter %s (%s) loaded from %s into slot %d", name, digest[:12], adapter_dir, slot)
         self.adapters.add(name, digest, slot)
         self._release_adapters()
         return digest
+
+    def _check_adapter_bounds(self, adapter_dir: str) -> None:
+        """InvalidRequestError where one more adapter version would pass max_loras, or this one's
+        rank max_lora_rank."""
+        limit, max_rank = self.config.max_loras, self.config.max_lora_rank
+        if max_rank is not None and (rank := adapter_rank(adapter_dir)) > max_rank:
+            raise InvalidRequestError("lora_path", f"the adapter's rank {rank} is above max_lora_rank = {max_rank}")
+        self._release_adapters()
+        if limit is not None and len(self.adapters.slots) >= limit:
+            raise InvalidRequestError(
+                "lora_name", f"{len(self.adapters.slots)} adapter versions are held, max_loras = {limit}: unload one first "
+                "(a replaced or unloaded one is held until its last request ends)"
+            )
 
     def unload_adapter(self, name: str, keep_version: bool = False) -> bool:
         """Take no new requests through ``name``; its version, unless another name serves it

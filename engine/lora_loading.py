@@ -194,6 +194,14 @@ def _read_pair(read: ShardReader, base: str, module: str, adapter_dir: Path, lay
     return a, b
 
 
+def adapter_rank(adapter_dir: str | Path) -> int:
+    """The largest rank an adapter's modules have (its ``r``, or a ``rank_pattern``'s)."""
+    path = _existing(adapter_dir) / "adapter_config.json"
+    raw = read_json_file(path) if path.is_file() else {}
+    ranks = [raw.get("r"), *(raw.get("rank_pattern") or {}).values()]
+    return max((r for r in ranks if isinstance(r, int) and not isinstance(r, bool)), default=0)
+
+
 def adapter_digest(adapter_dir: str | Path) -> str:
     """What identifies an adapter's weights wherever its files are: a hash of its config and
     tensors. Its requests' prefix-cache hashes are salted with it, so blocks computed through
