@@ -129,7 +129,7 @@ class Router:
         else:
             validated = validate()
         # Every worker of the request computes with the version its adapter names now.
-        validated.sampling_params.lora_digest = self.lora.digest(validated.sampling_params.lora_name)
+        validated.sampling_params.lora_digest = self.lora.pin(validated.sampling_params.lora_name, validated.req_id)
         return validated
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import ray
@@ -45,6 +46,10 @@ LOAD_TIMEOUT_S = 300.0  # a large adapter on many GPUs: read, sliced, copied to 
 DROP_POLL_S = 0.2  # how often a replaced or unloaded version's last requests are looked for
 DROP_GRACE_S = 1.0  # ... and how long none must be seen before it is dropped
 DROP_CLOSE_TIMEOUT_S = 5.0  # how long a closing router tries to drop what it would have dropped later
+# A request pinned to a version (at validation) holds it until admitted (a drop in between had
+# the workers refuse it: it may wait ~10 s for a reused id, or for its other choices' checks);
+# one never admitted (a later choice refused) stops holding it after this long.
+PIN_HOLD_S = 60.0
 
 
 class LoraAdapters:
@@ -70,10 +75,32 @@ class LoraAdapters:
         self._files: dict[str, object] = {}
         self._lock = asyncio.Lock()  # loads, unloads, drops and a joining worker's catch-up, one at a time
         self._drops: dict[asyncio.Task, str] = {}  # pending drops: task -> the version it drops
+        self._pins: dict[str, dict[str, float]] = {}  # version -> request id -> when it was pinned (until admitted)
 
     def digest(self, name: str | None) -> str | None:
         """The version a new request through ``name`` is pinned to (None: unknown yet, or none)."""
         return None if name is None else self.digests.get(name)
+
+    def pin(self, name: str | None, req_id: str) -> str | None:
+        """``digest``, for request ``req_id``, which will compute with it: the version is held
+        until ``unpin`` (its admission), not only once admitted (a drop in between had the
+        workers refuse it: the client's 400 for a model name that is served)."""
+        digest = self.digest(name)
+        if digest is not None:
+            self._pins.setdefault(digest, {})[req_id] = time.monotonic()
+        return digest
+
+    def unpin(self, digest: str | None, req_id: str) -> None:
+        """Request ``req_id`` was admitted (its version is in flight now) or never will be."""
+        pins = self._pins.get(digest)
+        if pins is not None:
+            pins.pop(req_id, None)
+            if not pins:
+                del self._pins[digest]
+
+    def _pinned(self, digest: str) -> bool:
+        now = time.monotonic()
+        return any(now - at < PIN_HOLD_S for at in self._pins.get(digest, {}).values())
 
     def salt(self, name: str | None) -> bytes:
         """The prefix-hash salt of a request through ``name`` (None: the base model)."""
@@ -218,7 +245,7 @@ class LoraAdapters:
             idle_since = None
             loop = asyncio.get_running_loop()
             while idle_since is None or loop.time() - idle_since < DROP_GRACE_S:
-                if self.in_flight(digest):
+                if self.in_flight(digest) or self._pinned(digest):
                     idle_since = None
                 elif idle_since is None:
                     idle_since = loop.time()
@@ -226,6 +253,7 @@ class LoraAdapters:
             async with self._lock:
                 if not self._serves(digest):  # not loaded again meanwhile
                     await self._drop_from(list(self.pool.workers.values()), digest)
+                    self._pins.pop(digest, None)
 
         task = asyncio.get_running_loop().create_task(drop())
         self._drops[task] = digest

@@ -47,10 +47,13 @@ class GenerationSession:
     async def open(cls, router: "Router", request: ValidatedRequest, client_gone: Callable[[], bool]) -> "GenerationSession":
         """Admit ``request``: ResourceExhaustedError beyond the queue limit, InvalidArgumentError
         for an id still in use."""
-        await router.dispatcher.wait_for_id(request.req_id)
-        active = ActiveRequest(request, OutputAssembler(request, router.tokenizer, router.model_info.eos_token_ids), client_gone=client_gone)
-        router.traffic.on_arrival()  # demand, whether admitted or refused as overload
-        router.dispatcher.admit(active)
+        try:
+            await router.dispatcher.wait_for_id(request.req_id)
+            active = ActiveRequest(request, OutputAssembler(request, router.tokenizer, router.model_info.eos_token_ids), client_gone=client_gone)
+            router.traffic.on_arrival()  # demand, whether admitted or refused as overload
+            router.dispatcher.admit(active)
+        finally:  # in flight now (its adapter version held as such), or never
+            router.lora.unpin(request.sampling_params.lora_digest, request.req_id)
         return cls(router, active)
 
     @property

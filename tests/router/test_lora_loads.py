@@ -183,3 +183,36 @@ def test_an_adapter_name_with_a_line_break_or_a_comma_is_refused():
         asyncio.run(endpoints.load_lora_adapter(None))
     assert refused.value.field == "lora_name"
     assert endpoints._lora_body({"lora_name": "a,b"}, {"lora_name"})["lora_name"] == "a,b"  # an unload's
+
+
+def test_a_replaced_version_is_held_for_a_request_pinned_to_it_until_it_is_admitted(tmp_path, monkeypatch):
+    """A request is pinned to its adapter's version at validation and admitted after (it may wait
+    ~10 s for a reused id): the replaced version was dropped in between when nothing admitted
+    used it, and the workers refused the request (a 400 for a model name that is served)."""
+    from engine import EngineConfig, LLMEngine
+    from router import lora_adapters
+    from tests.checkpoints import build_checkpoint, build_lora_adapter
+
+    monkeypatch.setattr(lora_adapters, "DROP_POLL_S", 0.02)
+    monkeypatch.setattr(lora_adapters, "DROP_GRACE_S", 0.05)
+    model = build_checkpoint("llama", tmp_path / "base")
+    build_lora_adapter(model, tmp_path / "v1", seed=41)
+    build_lora_adapter(model, tmp_path / "v2", seed=42)
+    worker = _EngineWorker(LLMEngine(tmp_path / "base", EngineConfig(num_kv_blocks=32, num_threads=1)))
+    pool = WorkerPool()
+    pool.add(WorkerRecord("decode-0", Role.DECODE, handle=worker))
+    adapters = LoraAdapters({}, pool)
+
+    async def scenario():
+        await adapters.load("policy", str(tmp_path / "v1"))
+        old = adapters.pin("policy", "waiting-request")  # validated, not admitted yet
+        await adapters.load("policy", str(tmp_path / "v2"), replace=True)
+        await asyncio.sleep(0.5)
+        held = set(worker.engine.adapters.slots)
+        adapters.unpin(old, "waiting-request")  # admitted (in flight from here) or refused
+        await asyncio.sleep(0.5)
+        return old, held, set(worker.engine.adapters.slots)
+
+    old, held, after = asyncio.run(scenario())
+    assert old in held, "dropped under a request pinned to it"
+    assert after == {adapters.digest("policy")} and old not in after
