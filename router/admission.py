@@ -14,6 +14,7 @@ rates, never guessed ones; until a rate is measured it does not refuse:
 from __future__ import annotations
 
 import collections
+import math
 import time
 from dataclasses import dataclass
 
@@ -61,11 +62,12 @@ class WindowRate:
     def per_second(self, now: float | None = None) -> float | None:
         now = time.monotonic() if now is None else now
         self._trim(now)
-        if not self._events or self._started is None:
+        if self._started is None:
             return None
         span = min(self.window_s, now - self._started)
         if span < 1.0:
             return None  # too little history to say anything
+        # (Nothing in the window is a measurement too: none freed lately, not "unknown".)
         return sum(amount for _, amount in self._events) / span
 
     def _trim(self, now: float) -> None:
@@ -75,13 +77,20 @@ class WindowRate:
 
 @dataclass(slots=True)
 class WaitEstimate:
-    prefill_s: float | None
+    prefill_s: float | None  # the queued prompts ahead of it, then its own
     kv_s: float | None
+    own_s: float = 0.0  # of prefill_s, its own prompt's: no later moment shortens that
 
     @property
     def total_s(self) -> float | None:
         parts = [p for p in (self.prefill_s, self.kv_s) if p is not None]
         return sum(parts) if parts else None
+
+    @property
+    def ahead_s(self) -> float | None:
+        """The wait that others' work makes: what a retry later would not have."""
+        total = self.total_s
+        return None if total is None else total - self.own_s
 
 
 def estimate_wait(
@@ -89,12 +98,17 @@ def estimate_wait(
     prefill_tokens_per_s: float | None,
     kv_blocks_short: int,
     kv_blocks_freed_per_s: float | None,
+    own_prompt_tokens: int = 0,
 ) -> WaitEstimate:
-    """Seconds until a new request would get its first token computed, from measured rates."""
+    """Seconds until a new request would get its first token computed, from measured rates
+    (``queued_prompt_tokens`` include its own ``own_prompt_tokens``). A pool short of blocks
+    that freed none in the rate's window waits without end (inf)."""
     prefill_s = None
+    own_s = 0.0
     if prefill_tokens_per_s:
         prefill_s = queued_prompt_tokens / prefill_tokens_per_s
+        own_s = own_prompt_tokens / prefill_tokens_per_s
     kv_s = 0.0 if kv_blocks_short <= 0 else None
-    if kv_blocks_short > 0 and kv_blocks_freed_per_s:
-        kv_s = kv_blocks_short / kv_blocks_freed_per_s
-    return WaitEstimate(prefill_s, kv_s)
+    if kv_blocks_short > 0 and kv_blocks_freed_per_s is not None:
+        kv_s = kv_blocks_short / kv_blocks_freed_per_s if kv_blocks_freed_per_s > 0 else math.inf
+    return WaitEstimate(prefill_s, kv_s, own_s)

@@ -131,7 +131,9 @@ class DecodeCapacity:
         aged = False
         for waiter in self._waiters:
             if waiter.not_aged and now - waiter.since >= self.max_wait_s:
-                waiter.not_aged = 0
+                # Ahead of every priority, and among the aged the oldest first (its priority kept
+                # in the key, a newer urgent request aged too went ahead of it: starvation).
+                waiter.not_aged = waiter.neg_priority = 0
                 aged = True
         if aged:
             heapq.heapify(self._waiters)

@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -251,13 +252,16 @@ class Dispatcher:
         budget = self.config.admission_ttft_budget_s
         if budget is not None:
             estimate = self.estimate_wait(active.request)
-            total = estimate.total_s
-            if total is not None and total > budget:
+            total, ahead = estimate.total_s, estimate.ahead_s
+            # Refused only for others' work ahead of it: its own prompt's time (a long prompt on a
+            # slow deployment) would be refused at every retry, even on an idle cluster.
+            if total is not None and total > budget and ahead > 0:
+                retry_s = min(ahead, total - budget)
                 raise ResourceExhaustedError(
-                    f"the estimated wait for a first token is {total:.1f}s (prefill queue "
+                    f"the estimated wait for a first token is {_seconds(total)} (prefill queue "
                     f"{_seconds(estimate.prefill_s)}, KV room {_seconds(estimate.kv_s)}), over the "
-                    f"{budget:g}s budget; retry in {total - budget:.0f}s",
-                    retry_after_s=total - budget,
+                    f"{budget:g}s budget; " + (f"retry in {retry_s:.0f}s" if math.isfinite(retry_s) else "retry once requests finish"),
+                    retry_after_s=retry_s if math.isfinite(retry_s) else None,
                 )
         self.active[active.req_id] = active
         active.key = f"{self.router_id}/{active.req_id}"
@@ -267,16 +271,19 @@ class Dispatcher:
     def estimate_wait(self, request: ValidatedRequest) -> WaitEstimate:
         """How long a new request would wait for its prompt to be computed, from measured rates."""
         num_tokens = len(request.prompt_token_ids)
-        prefill = self.pool.pick(Role.PREFILL)
+        # The least busy prefill actor (not the selector's pick: a round-robin turn taken here
+        # sent every other prompt past the actor the estimate turned to).
+        prefill = min(self.pool.routable(Role.PREFILL), key=lambda w: w.num_assigned_prompt_tokens, default=None)
         queued_tokens, rate = num_tokens, None
         if prefill is not None and not self._prefill_locally(request):
-            queued_tokens += prefill.num_assigned_prompt_tokens
+            # With the prompts placed on decode actors whose prefill has not begun (a burst).
+            queued_tokens += prefill.num_assigned_prompt_tokens + self._prefill_tokens_on_the_way_per_actor()
             rate = prefill.prefill_rate.per_second
         reservable = self.capacity.total_reservable()
         short = 0
         if reservable is not None:
             short = self.capacity.num_blocks_waiting + self._blocks_for(num_tokens + 1) - reservable
-        return estimate_wait(queued_tokens, rate, short, self.kv_freed.per_second())
+        return estimate_wait(queued_tokens, rate, short, self.kv_freed.per_second(), own_prompt_tokens=num_tokens)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -968,7 +975,9 @@ def _capacity_error(request: ValidatedRequest) -> Exception:
 
 
 def _seconds(value: float | None) -> str:
-    return "unknown" if value is None else f"{value:.1f}s"
+    if value is None:
+        return "unknown"
+    return f"{value:.1f}s" if math.isfinite(value) else "without end (nothing freed lately)"
 
 
 def _write_failure(cause: BaseException, decode: WorkerRecord) -> str:

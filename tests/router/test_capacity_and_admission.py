@@ -224,3 +224,88 @@ def test_a_request_waiting_for_room_when_the_last_decode_actor_dies_waits_for_th
 
     assert asyncio.run(scenario(replacement=False)) == (UnavailableError, [])
     assert asyncio.run(scenario(replacement=True)) == (ResourceExhaustedError, ["r"])
+
+
+def test_aged_waiters_go_oldest_first_whatever_their_priority():
+    """Aged waiters kept their priority in the queue's key: a newer urgent request that aged too
+    went ahead of an older low one, so under sustained overload the low one starved anyway."""
+
+    async def scenario():
+        pool = _pool(0)
+        capacity = DecodeCapacity(pool, max_wait_s=0.1)
+        granted: list[str] = []
+
+        async def want(name: str, priority: int):
+            await capacity.acquire(1, priority)
+            granted.append(name)
+
+        tasks = [asyncio.create_task(want("old-low", 0))]
+        await asyncio.sleep(0.05)
+        tasks.append(asyncio.create_task(want("newer-urgent", 5)))
+        await asyncio.sleep(0.2)  # both aged
+        pool.workers["decode-0"].num_reservable_blocks = 1
+        capacity.on_report()
+        await asyncio.sleep(0)
+        for task in tasks:
+            task.cancel()
+        return granted
+
+    assert asyncio.run(scenario()) == ["old-low"]
+
+
+def _measured_dispatcher(**config) -> tuple[Dispatcher, WorkerRecord]:
+    pool = WorkerPool()
+    prefill = WorkerRecord("prefill-0", Role.PREFILL, handle=None)
+    pool.add(prefill)
+    pool.add(WorkerRecord("decode-0", Role.DECODE, handle=None, num_reservable_blocks=1000))
+    dispatcher = Dispatcher(pool, RouterConfig(disaggregation=Disaggregation.ALWAYS, admission_ttft_budget_s=10.0, **config), block_size=16)
+    prefill.prefill_rate.per_second = 100.0
+    return dispatcher, prefill
+
+
+def test_a_prompt_longer_than_the_budget_alone_is_admitted_on_an_idle_deployment():
+    """Its own prefill (30 s at 100 tok/s) counted against the budget: refused at every retry, on
+    an idle deployment, with a retry hint that could never come true. Others' work ahead of it
+    still refuses it, with the hint of when that is done."""
+    dispatcher, prefill = _measured_dispatcher()
+    dispatcher.admit(_active("long", 3000))
+    prefill.num_assigned_prompt_tokens = 500  # 5 s of others' prompts ahead: 35 s, over by 25
+    with pytest.raises(ResourceExhaustedError, match="retry in 5s") as refused:
+        dispatcher.admit(_active("behind", 3000))
+    assert refused.value.retry_after_s == pytest.approx(5.0)
+
+
+def test_prompts_placed_but_not_yet_prefilling_count_in_the_estimate():
+    """A burst is admitted before any of it reaches a prefill actor: each was judged against an
+    empty queue (50 long prompts in, the last waiting minutes against a 10 s budget)."""
+    dispatcher, prefill = _measured_dispatcher()
+    dispatcher._prefill_tokens_on_the_way.update({"a": 600, "b": 600})
+    assert dispatcher.estimate_wait(_active("next", 100).request).prefill_s == pytest.approx(13.0)
+
+
+def test_a_pool_short_of_room_that_freed_nothing_lately_refuses_instead_of_not_knowing():
+    """No request finished in the rate's window while the decode pool had no room: the KV wait
+    counted as unknown, so every request was admitted to wait without end."""
+    dispatcher, _ = _measured_dispatcher()
+    dispatcher.pool.workers["decode-0"].num_reservable_blocks = 0
+    dispatcher.kv_freed.add(8, now=0.0)  # measured once, long ago
+    with pytest.raises(ResourceExhaustedError, match="KV room without end.*retry once requests finish") as refused:
+        dispatcher.admit(_active("r", 100))
+    assert refused.value.retry_after_s is None
+
+
+def test_the_admission_estimate_takes_no_round_robin_turn():
+    """The estimate asked the pool's selector for a prefill actor: a round-robin turn spent, so
+    with two prefill actors every prompt went to the same one."""
+    from router.routing import RoundRobin
+
+    pool = WorkerPool(selector=RoundRobin())
+    for name in ("prefill-0", "prefill-1"):
+        pool.add(WorkerRecord(name, Role.PREFILL, handle=None))
+    pool.add(WorkerRecord("decode-0", Role.DECODE, handle=None, num_reservable_blocks=1000))
+    dispatcher = Dispatcher(pool, RouterConfig(disaggregation=Disaggregation.ALWAYS), block_size=16)
+    picked = []
+    for index in range(4):
+        dispatcher.estimate_wait(_active(f"r{index}", 100).request)
+        picked.append(pool.pick(Role.PREFILL).worker_id)
+    assert picked == ["prefill-0", "prefill-1", "prefill-0", "prefill-1"]
