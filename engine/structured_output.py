@@ -156,7 +156,8 @@ def _tool_calls_grammar(spec: dict) -> str:
         return llguidance.LLMatcher.grammar_from_lark(llguidance.StructTag.to_grammar(tags, assume_special=False))
     if spec["answer"] is not None and all(c.as_json is not None for c in calls):
         # The answer or one call, as one JSON value (a call after an answer would spoil it).
-        either = schema({"anyOf": [spec["answer"], *(c.as_json for c in calls)]})
+        branches, definitions = _hoisted_definitions([spec["answer"], *(c.as_json for c in calls)])
+        either = schema({"anyOf": branches, **({"$defs": definitions} if definitions else {})})
         return llguidance.LLMatcher.grammar_from_lark(f"%llguidance {{}}\nstart: %json {json.dumps(either)}")
     names = " | ".join(f"call_{index}" for index in range(len(calls)))
     lines = ["%llguidance {}"]
@@ -167,6 +168,49 @@ def _tool_calls_grammar(spec: dict) -> str:
     lines += [f"calls: ({names}) (/{separator}/ ({names}))* /\\s*/"]
     lines += [f"call_{index}: {json.dumps(c.begin)} %json {json.dumps(schema(c.schema))} {json.dumps(c.end)}" for index, c in enumerate(calls)]
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+
+
+_DEFINITION_KEYWORDS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s name
+
+
+def _hoisted_definitions(branches: list[dict]) -> tuple[list[dict], dict]:
+    """Schemas to be nested under one root (an ``anyOf``), with the definitions each keeps at its
+    own root moved to the new root, named per branch (``b1_Person``), and its references to them
+    rewritten: left in place, "#/$defs/Person" pointed at the new root, which has none (a pydantic
+    model with a nested one, as the openai SDK writes it, was a 400)."""
+    definitions: dict = {}
+    hoisted = []
+    for index, branch in enumerate(branches):
+        branch = dict(branch)
+        names = {}
+        for keyword in _DEFINITION_KEYWORDS:
+            found = branch.pop(keyword, None)
+            if isinstance(found, dict):
+                for name, definition in found.items():
+                    names[f"#/{keyword}/{name}"] = f"#/$defs/b{index}_{name}"
+                    definitions[f"b{index}_{name}"] = definition
+        if names:
+            branch = _with_refs(branch, names)
+            for name in [n for n in definitions if n.startswith(f"b{index}_")]:
+                definitions[name] = _with_refs(definitions[name], names)
+        hoisted.append(branch)
+    return hoisted, definitions
+
+
+def _with_refs(value, names: dict[str, str]):
+    """``value`` with each ``$ref`` into a moved definition (or into a part of one) renamed."""
+    if isinstance(value, list):
+        return [_with_refs(item, names) for item in value]
+    if not isinstance(value, dict):
+        return value
+    out = {key: _with_refs(item, names) for key, item in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str):
+        for old, new in names.items():
+            if ref == old or ref.startswith(old + "/"):
+                out["$ref"] = new + ref[len(old):]
+                break
+    return out
 
 
 # Constraints up to this size have their verdict kept (clients send the same schema again and

@@ -108,8 +108,11 @@ class ToolCalling:
             schema = _parameters(tool) if index in held else {"type": "object"}
             as_json = None
             if shape.arguments_key is not None:
-                as_json = {"type": "object", "properties": {"name": {"const": tool["function"]["name"]}, shape.arguments_key: schema},
-                           "required": ["name", shape.arguments_key], "additionalProperties": False}
+                # The arguments' definitions at the call's root, where their "#/$defs/..." then point.
+                arguments = {key: value for key, value in schema.items() if key not in _DEFINITION_KEYWORDS}
+                as_json = {"type": "object", "properties": {"name": {"const": tool["function"]["name"]}, shape.arguments_key: arguments},
+                           "required": ["name", shape.arguments_key], "additionalProperties": False,
+                           **{key: schema[key] for key in _DEFINITION_KEYWORDS if key in schema}}
             calls.append(CallTag(shape.trigger or begin, begin, schema, shape.end, as_json))
         field = answer.field if answer is not None else "tools"
         return StructuredOutput.tool_calls(calls, answer, field, separator=shape.separator, opening=shape.opening)

@@ -142,3 +142,22 @@ def test_a_strict_tool_beside_a_regex_answer_or_with_a_schema_no_grammar_holds_i
     assert _auto().constraint(regex) is None
     tags = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
     assert _auto(tools=[{"type": "function", "function": {"name": "tag", "parameters": tags, "strict": True}}]).constraint() is None
+
+
+def test_a_llama3_answer_format_and_tools_with_definitions_compile_and_hold(accepts):
+    """Pydantic models with a nested one carry "$defs" (the openai SDK's parse() and
+    pydantic_function_tool both send them): nested in the one JSON grammar of an answer or a
+    Llama 3 call, their "#/$defs/..." pointed at a root that had none, a 400 for a valid request."""
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}
+    answer = {"type": "object", "properties": {"home": {"$ref": "#/$defs/Address"}}, "required": ["home"],
+              "additionalProperties": False, "$defs": {"Address": address}}
+    lookup = {"type": "object", "properties": {"where": {"$ref": "#/$defs/Address"}}, "required": ["where"],
+              "additionalProperties": False, "$defs": {"Address": {**address, "properties": {"city": {"enum": ["Oslo", "Rome"]}}}}}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": lookup, "strict": True}}]
+    format_ = StructuredOutput("json_schema", json.dumps(answer), field="response_format.json_schema")
+    constraint = read_tool_calling({"tools": tools}, "", "llama3_json").constraint(format_)
+    check_grammar(constraint)
+    assert accepts(constraint, '{"home": {"city": "Paris"}}')
+    assert accepts(constraint, '{"name": "lookup", "parameters": {"where": {"city": "Rome"}}}')
+    assert not accepts(constraint, '{"name": "lookup", "parameters": {"where": {"city": "Paris"}}}'), "each branch keeps its own Address"
+    assert not accepts(constraint, '{"home": {"town": "Paris"}}')
