@@ -522,3 +522,29 @@ def test_sampled_answers_under_a_tool_call_grammar_are_the_format_or_calls_that_
             jsonschema.validate(json.loads(text), answer)
             kinds.add("answer")
     assert kinds == {"answer", "calls"}, kinds
+
+
+def test_allowed_token_ids_that_leave_a_drafted_state_nothing_end_as_without_drafts():
+    """The grammar's state after a draft was never checked against allowed_token_ids (only the
+    step's own was): a draft row they left nothing drew from -inf, and the answer ended outside
+    its grammar as a normal stop. With drafts or without, it ends naming the field."""
+    from engine.default_model_path import DEFAULT_MODEL_PATH
+
+    vocabulary = tokenizers.Tokenizer.from_file(str(DEFAULT_MODEL_PATH / "tokenizer.json"))
+    x, y, z = (vocabulary.token_to_id(c) for c in "xyz")
+    prompt = [z, x, x, x, y] * 5 + [z]  # n-gram drafts: x x x y
+    ends = []
+    for speculative in (None, SpeculativeConfig(method="ngram", num_speculative_tokens=4)):
+        engine = LLMEngine(DEFAULT_MODEL_PATH, EngineConfig(num_kv_blocks=64, num_threads=1, speculative=speculative))
+        params = SamplingParams(max_tokens=10, temperature=0.0, structured=StructuredOutput("regex", "(x|z){3}y"), allowed_token_ids=[x, 0])
+        seq = engine.add_request("r", prompt, params)
+        (last,) = [out for out in _all_outputs(engine) if out.finished]
+        ends.append((seq.output_token_ids, last.finish_reason.value, last.error_field))
+    assert ends[0] == ends[1] == ([x, x, x], "error", "allowed_token_ids")
+
+
+def _all_outputs(engine) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
