@@ -328,7 +328,7 @@ class Scheduler:
             # Never past what the request may emit: the drafts and the target's token after them.
             room = min(limit, budget - reserved, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            if seq.grammar is not None and (seq.params.allowed_token_ids is not None or seq.params.bad_words):
+            if seq.grammar is not None and (seq.params.allowed_token_ids is not None or seq.params.bad_words_token_ids):
                 # The grammar's state after a draft is never checked against these (only the
                 # step's own is, naming the field): a draft row they left nothing drew from -inf
                 # and ended the answer outside its grammar as a normal stop.
