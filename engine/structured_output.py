@@ -95,7 +95,7 @@ class StructuredOutput:
             if self.kind == TOOL_CALLS:
                 return _tool_calls_grammar(bounded_json.loads(self.value))
             if self.kind == "json_schema":
-                schema = closed_objects(bounded_json.loads(self.value))
+                schema = closed_objects(_known_formats(bounded_json.loads(self.value)))
                 return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
             if self.kind == "json_object":
                 return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
@@ -145,7 +145,7 @@ def _tool_calls_grammar(spec: dict) -> str:
     import llguidance
 
     def schema(raw: dict) -> dict:
-        return {**closed_objects(raw), "x-guidance": _JSON_OPTIONS}
+        return {**closed_objects(_known_formats(raw)), "x-guidance": _JSON_OPTIONS}
 
     calls = [CallTag(**call) for call in spec["calls"]]
     separator, opening = spec.get("separator", r"\s*"), spec.get("opening")
@@ -252,6 +252,26 @@ _ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "depr
 # Optional[Model] as anyOf [$ref, null] with a default and a title).
 _UNION_NEUTRAL = _ANNOTATIONS | {"anyOf", "oneOf", "type", "discriminator", "nullable"}
 _REF_NEUTRAL = _ANNOTATIONS | {"$ref", "nullable"}
+
+
+# The string formats llguidance holds a value to; any other ``format`` is an annotation, as JSON
+# Schema has it (pydantic writes "binary" for bytes, "path", "password" for SecretStr): it was
+# refused as unknown, a 400 for a model the openai SDK's parse() sends as it is.
+_GRAMMAR_FORMATS = frozenset(("date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri"))
+_DATA_KEYWORDS = frozenset(("enum", "const", "default", "examples"))  # values, not schemas
+
+
+def _known_formats(value):
+    """``value`` (a schema) without the ``format`` annotations llguidance does not know."""
+    if isinstance(value, list):
+        return [_known_formats(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    return {
+        key: item if key in _DATA_KEYWORDS else _known_formats(item)
+        for key, item in value.items()
+        if not (key == "format" and isinstance(item, str) and item not in _GRAMMAR_FORMATS)
+    }
 
 
 def closed_objects(schema):

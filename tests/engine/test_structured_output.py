@@ -548,3 +548,38 @@ def _all_outputs(engine) -> list:
     while engine.has_unfinished_requests():
         outputs += engine.step()
     return outputs
+
+
+def test_formats_the_grammar_cannot_hold_are_annotations_and_known_ones_are_held():
+    """pydantic writes ``format`` "binary" for bytes, "path" for a Path, "password" for a
+    SecretStr: llguidance refused them as unknown, a 400 for a model the openai SDK's parse()
+    sends as it is. JSON Schema has formats as annotations; those llguidance knows still hold."""
+    from pathlib import Path
+
+    from openai.lib._parsing._completions import type_to_response_format_param
+    from pydantic import BaseModel, SecretStr
+
+    from engine.default_model_path import DEFAULT_MODEL_PATH
+    from engine.structured_output import check_grammar
+
+    class Upload(BaseModel):
+        data: bytes
+        where: Path
+        secret: SecretStr
+        day: __import__("datetime").date
+
+    schema = type_to_response_format_param(Upload)["json_schema"]["schema"]
+    assert {p.get("format") for p in schema["properties"].values()} >= {"binary", "path", "password", "date"}
+    structured = StructuredOutput("json_schema", json.dumps(schema), field="response_format")
+    check_grammar(structured)
+    tokenizer_json = (DEFAULT_MODEL_PATH / "tokenizer.json").read_text()
+    encode = tokenizers.Tokenizer.from_str(tokenizer_json)
+    eos = json.loads((DEFAULT_MODEL_PATH / "config.json").read_text())["eos_token_id"]
+    llg = llguidance.LLTokenizer(tokenizer_json, n_vocab=encode.get_vocab_size(True), eos_token=eos)
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(llg, structured.to_llguidance(), log_level=0)
+        return matcher.consume_tokens(encode.encode(text, add_special_tokens=False).ids) and matcher.is_accepting()
+
+    assert accepts('{"data": "aGk=", "where": "/tmp/x", "secret": "s", "day": "2026-11-29"}')
+    assert not accepts('{"data": "aGk=", "where": "/tmp/x", "secret": "s", "day": "yesterday"}'), "a date is still a date"
