@@ -583,3 +583,23 @@ def test_formats_the_grammar_cannot_hold_are_annotations_and_known_ones_are_held
 
     assert accepts('{"data": "aGk=", "where": "/tmp/x", "secret": "s", "day": "2026-11-29"}')
     assert not accepts('{"data": "aGk=", "where": "/tmp/x", "secret": "s", "day": "yesterday"}'), "a date is still a date"
+
+
+def test_a_grammar_sent_again_is_compiled_once_and_each_sequence_has_its_own_matcher(monkeypatch):
+    """Clients send one schema with every request: each sequence compiled it on the engine
+    thread between steps (every stream on the actor waited). Compiled once, copied per sequence;
+    the copies advance apart."""
+    from engine.default_model_path import DEFAULT_MODEL_PATH
+    from engine.grammar import Grammars
+
+    compiled = []
+    to_llguidance = StructuredOutput.to_llguidance
+    monkeypatch.setattr(StructuredOutput, "to_llguidance", lambda self: compiled.append(self.value) or to_llguidance(self))
+    grammars = Grammars(DEFAULT_MODEL_PATH, 4096, [0])
+    vocabulary = tokenizers.Tokenizer.from_file(str(DEFAULT_MODEL_PATH / "tokenizer.json"))
+    structured = StructuredOutput("regex", "(ab|ac)d", field="structured_outputs.regex")
+    a, b, c = (vocabulary.token_to_id(ch) for ch in "abc")
+    first = grammars.for_sequence(structured, [a, b])
+    second = grammars.for_sequence(structured, [a])
+    assert compiled == [structured.value]
+    assert second.matcher.consume_token(c) and not first.matcher.consume_token(c), "the copies advance apart"
