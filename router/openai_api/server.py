@@ -414,8 +414,10 @@ class OpenAIServer:
 
 async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, OutputChunk | BaseException]]:
     """Every session's chunks as they come, tagged with the session's index; a session that
-    fails yields its exception in place of its end."""
-    queue: asyncio.Queue = asyncio.Queue()
+    fails yields its exception in place of its end. A slow reader holds the sessions back (their
+    outputs wait, merged, in the session's inbox): unbounded here, a client reading slowly had
+    every step's chunk, text and log-probabilities kept in the router for the whole answer."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(sessions))
 
     async def pump(index: int, session: GenerationSession) -> None:
         ended = False

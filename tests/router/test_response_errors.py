@@ -5,6 +5,8 @@ their internals."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine.errors import InvalidRequestError
@@ -174,3 +176,34 @@ def test_an_incomplete_function_call_sent_back_as_it_was_answered_is_taken():
     with pytest.raises(InvalidArgumentError) as refused:
         read_responses({"input": [{"role": "user", "content": "Weather?"}, {**cut, "status": "completed"}]})
     assert refused.value.field == "input[1].arguments"
+
+
+def test_a_slow_reader_holds_the_streams_back_instead_of_the_router_keeping_every_chunk():
+    """The chunks of a stream whose client reads slowly were queued without bound in the router
+    (every step's chunk, text and log-probabilities, for the whole answer); now a session waits
+    for the reader, its outputs merged in its own inbox meanwhile."""
+    from types import SimpleNamespace
+
+    from router.openai_api.server import _merged
+    from router.output_stream import OutputChunk, StreamEnd, TimingBreakdown
+
+    produced = []
+
+    class Session:
+        request = SimpleNamespace(req_id="r")
+
+        async def chunks(self):
+            for index in range(50):
+                produced.append(index)
+                yield OutputChunk(end=StreamEnd(reason="length", prompt_tokens=1, completion_tokens=50, timing=TimingBreakdown()) if index == 49 else None)
+
+    async def read_slowly():
+        ahead = []
+        async for _ in _merged([Session()]):
+            await asyncio.sleep(0.005)
+            ahead.append(len(produced))
+        return ahead
+
+    ahead = asyncio.run(read_slowly())
+    assert len(ahead) == 50
+    assert max(seen - read for read, seen in enumerate(ahead, 1)) <= 2, "the stream ran ahead of its reader"
