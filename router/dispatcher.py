@@ -86,6 +86,9 @@ RELEASE_WAIT_S = 10.0
 DUPLICATE_GRACE_S = 0.5
 # How long an abort waits for the prefill actor's writes into the request's blocks to stop.
 QUIESCE_WAIT_S = 2.0
+# The Retry-After of a refusal that names no wait (a full queue, no room within capacity_wait_s):
+# the official clients' retries wait for it instead of their own, shorter, backoff.
+QUEUE_FULL_RETRY_S = 1.0
 
 
 @dataclass(slots=True)
@@ -247,7 +250,8 @@ class Dispatcher:
         if self.num_queued >= self.config.max_queued_requests:
             raise ResourceExhaustedError(
                 f"{self.num_queued} requests are already waiting for their first token "
-                f"(limit {self.config.max_queued_requests}); retry later"
+                f"(limit {self.config.max_queued_requests}); retry later",
+                retry_after_s=QUEUE_FULL_RETRY_S,
             )
         budget = self.config.admission_ttft_budget_s
         if budget is not None:
@@ -971,7 +975,7 @@ async def _first_failure_or_all(refs: list) -> list | _StageFailure:
 def _capacity_error(request: ValidatedRequest) -> Exception:
     if request.deadline is not None and time.monotonic() >= request.deadline - 0.001:
         return DeadlineExceededError("the deadline passed while waiting for decode capacity")
-    return ResourceExhaustedError("no decode worker had room for this request within capacity_wait_s; retry later")
+    return ResourceExhaustedError("no decode worker had room for this request within capacity_wait_s; retry later", retry_after_s=QUEUE_FULL_RETRY_S)
 
 
 def _seconds(value: float | None) -> str:

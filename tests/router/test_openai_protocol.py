@@ -374,13 +374,20 @@ def test_a_request_before_any_worker_waits_then_gets_503(hosted):
     assert status == 404 and "error" in body
 
 
-def test_overload_is_a_429_in_openais_shape(e2e_model):
+def test_overload_is_a_429_in_openais_shape_with_a_retry_after(e2e_model):
+    """A full queue's 429 said "retry later" with no Retry-After, which the official clients'
+    retries wait for (they fell back to their own shorter backoff)."""
     router = _hosted_router(e2e_model.path, max_queued_requests=0)
+    request = urllib.request.Request(f"http://127.0.0.1:{router.http_port}/v1/completions", data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                                     method="POST")
     try:
-        status, body = _call(f"http://127.0.0.1:{router.http_port}/v1/completions", body={"prompt": "hi", "max_tokens": 2})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request)
     finally:
         router.close()
-    assert status == 429 and body["error"]["type"] == "rate_limit_error" and "retry later" in body["error"]["message"]
+    body = json.loads(refused.value.read())
+    assert refused.value.code == 429 and body["error"]["type"] == "rate_limit_error" and "retry later" in body["error"]["message"]
+    assert refused.value.headers["Retry-After"] == "1"
 
 
 def test_the_token_is_accepted_as_a_bearer_token_or_as_anthropics_x_api_key():
