@@ -121,6 +121,10 @@ class DecodeCapacity:
             heapq.heappop(self._waiters)
             if record.num_reservable_blocks is not None:
                 record.num_reservable_blocks -= head.num_blocks
+            else:
+                # Its room not reported yet (it just joined): one request until its first report,
+                # or it was given every waiter at once, and most came back refused.
+                record.num_reservable_blocks = 0
             head.granted.set_result(record)
 
     def _age(self) -> None:

@@ -309,3 +309,30 @@ def test_the_admission_estimate_takes_no_round_robin_turn():
         dispatcher.estimate_wait(_active(f"r{index}", 100).request)
         picked.append(pool.pick(Role.PREFILL).worker_id)
     assert picked == ["prefill-0", "prefill-1", "prefill-0", "prefill-1"]
+
+
+def test_a_worker_whose_room_is_not_reported_yet_takes_one_request_until_it_reports():
+    """Unknown room counted as room and was never debited: a decode actor that joined under a
+    backlog was granted every waiter at once, and most came back refused (a burst of calls)."""
+
+    async def scenario():
+        pool = _pool(None)
+        capacity = DecodeCapacity(pool)
+        granted: list[int] = []
+
+        async def want(index: int):
+            await capacity.acquire(4, 0)
+            granted.append(index)
+
+        tasks = [asyncio.create_task(want(index)) for index in range(5)]
+        await asyncio.sleep(0.01)
+        first = list(granted)
+        pool.workers["decode-0"].num_reservable_blocks = 100  # its first report
+        capacity.on_report()
+        await asyncio.sleep(0.01)
+        for task in tasks:
+            task.cancel()
+        return first, granted
+
+    first, granted = asyncio.run(scenario())
+    assert first == [0] and granted == [0, 1, 2, 3, 4]
