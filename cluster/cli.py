@@ -132,7 +132,7 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
         "--lora-modules", nargs="+", type=_lora_module, metavar="NAME=PATH",
         help="LoRA adapters served beside the model (PEFT adapter directories); a request's model field names one",
     )
-    up.add_argument("--max-loras", type=int, help="the most LoRA adapter versions a worker holds at once, as vLLM's flag (default: no bound)")
+    up.add_argument("--max-loras", type=int, help="taken for vLLM's command lines: a batch here mixes any of the adapters held")
     up.add_argument("--max-lora-rank", type=int, help="the largest rank a LoRA adapter may have, as vLLM's flag (default: no bound)")
     up.add_argument("--enable-lora", action="store_true", help="taken for vLLM's command lines: LoRA adapters are always served here")
     up.add_argument(

@@ -417,8 +417,8 @@ class ClusterConfig(BaseModel):
         "files sent to every worker) or Hugging Face id (org/name[@revision], in each node's cache). A request's model field names one; /v1/models lists them",
     )
     max_loras: int | None = Field(
-        None, ge=1, description="The most LoRA adapter versions a worker holds at once, as vLLM's --max-loras: a runtime load past it is refused "
-        "until one is unloaded (default: no bound)",
+        None, ge=1, description="Taken as vLLM's --max-loras (the adapters one of its batches may mix): a batch here mixes any of the "
+        "adapters held, so it bounds nothing",
     )
     max_lora_rank: int | None = Field(
         None, ge=1, description="The largest rank a LoRA adapter may have, as vLLM's --max-lora-rank (every step through any adapter is as wide "
@@ -518,17 +518,16 @@ class ClusterConfig(BaseModel):
 
         model = self._model_config()
         taken = {Path(self.model).name, *(self.router.served_model_names or [])}
-        if self.max_loras is not None and len(set(self.lora_modules.values())) > self.max_loras:
-            raise ValueError(f"max_loras: {len(set(self.lora_modules.values()))} lora_modules are more than max_loras = {self.max_loras}")
         for name, directory in self.lora_modules.items():
             if not name or name in taken:
                 raise ValueError(f"lora_modules: {name!r} is not a usable adapter name (empty, or the base model's)")
-            if self.max_lora_rank is not None and (rank := adapter_rank(directory)) > self.max_lora_rank:
-                raise ValueError(f"lora_modules.{name}: the adapter's rank {rank} is above max_lora_rank = {self.max_lora_rank}")
             try:
                 load_adapter(directory, model, TPShard.of(model), model.checkpoint_dtype, "cpu")
+                rank = adapter_rank(directory)
             except ModelLoadError as exc:
                 raise ValueError(f"lora_modules.{name}: {exc}") from None
+            if self.max_lora_rank is not None and rank > self.max_lora_rank:
+                raise ValueError(f"lora_modules.{name}: the adapter's rank {rank} is above max_lora_rank = {self.max_lora_rank}")
         return self
 
     def to_spec(self) -> DeploymentSpec:
@@ -615,7 +614,6 @@ class ClusterConfig(BaseModel):
             tensor_parallel_size=pool.tensor_parallel_size,
             max_model_len=self.max_model_len,
             lora_adapters={name: str(directory) for name, directory in self.lora_modules.items()},
-            max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,
         )
         kv_memory = None

@@ -269,10 +269,8 @@ class EngineConfig:
     # LoRA adapters served beside the model (engine.lora): a request's ``SamplingParams.lora_name``
     # names one. Name -> PEFT adapter directory; every rank loads each (its slices) at start.
     lora_adapters: dict[str, str] = field(default_factory=dict)
-    # vLLM's --max-loras and --max-lora-rank: the most adapter versions held at once (a runtime
-    # load past it is refused until one is unloaded), and the largest rank an adapter may have
-    # (each slot's stacks grow with it, and every step through any adapter with them). None: no bound.
-    max_loras: int | None = None
+    # vLLM's --max-lora-rank: the largest rank an adapter may have (each slot's stacks grow with
+    # it, and every step through any adapter with them). None: no bound.
     max_lora_rank: int | None = None
 
     def validate(self) -> None:
@@ -307,8 +305,5 @@ class EngineConfig:
         for name, path in self.lora_adapters.items():
             if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
                 raise ValueError(f"lora_adapters: must map non-empty names to adapter directories, got {name!r}: {path!r}")
-        for name in ("max_loras", "max_lora_rank"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1 or None, got {getattr(self, name)}")
-        if self.max_loras is not None and len(set(self.lora_adapters.values())) > self.max_loras:
-            raise ValueError(f"max_loras: {len(set(self.lora_adapters.values()))} adapters are configured, more than max_loras = {self.max_loras}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank: must be >= 1 or None, got {self.max_lora_rank}")

@@ -363,17 +363,10 @@ class LLMEngine:
         return digest
 
     def _check_adapter_bounds(self, adapter_dir: str) -> None:
-        """InvalidRequestError where one more adapter version would pass max_loras, or this one's
-        rank max_lora_rank."""
-        limit, max_rank = self.config.max_loras, self.config.max_lora_rank
+        """InvalidRequestError where the adapter's rank is above max_lora_rank."""
+        max_rank = self.config.max_lora_rank
         if max_rank is not None and (rank := adapter_rank(adapter_dir)) > max_rank:
             raise InvalidRequestError("lora_path", f"the adapter's rank {rank} is above max_lora_rank = {max_rank}")
-        self._release_adapters()
-        if limit is not None and len(self.adapters.slots) >= limit:
-            raise InvalidRequestError(
-                "lora_name", f"{len(self.adapters.slots)} adapter versions are held, max_loras = {limit}: unload one first "
-                "(a replaced or unloaded one is held until its last request ends)"
-            )
 
     def unload_adapter(self, name: str, keep_version: bool = False) -> bool:
         """Take no new requests through ``name``; its version, unless another name serves it

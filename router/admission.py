@@ -14,7 +14,6 @@ rates, never guessed ones; until a rate is measured it does not refuse:
 from __future__ import annotations
 
 import collections
-import math
 import time
 from dataclasses import dataclass
 
@@ -62,12 +61,11 @@ class WindowRate:
     def per_second(self, now: float | None = None) -> float | None:
         now = time.monotonic() if now is None else now
         self._trim(now)
-        if self._started is None:
+        if not self._events or self._started is None:
             return None
         span = min(self.window_s, now - self._started)
         if span < 1.0:
             return None  # too little history to say anything
-        # (Nothing in the window is a measurement too: none freed lately, not "unknown".)
         return sum(amount for _, amount in self._events) / span
 
     def _trim(self, now: float) -> None:
@@ -101,14 +99,13 @@ def estimate_wait(
     own_prompt_tokens: int = 0,
 ) -> WaitEstimate:
     """Seconds until a new request would get its first token computed, from measured rates
-    (``queued_prompt_tokens`` include its own ``own_prompt_tokens``). A pool short of blocks
-    that freed none in the rate's window waits without end (inf)."""
+    (``queued_prompt_tokens`` include its own ``own_prompt_tokens``)."""
     prefill_s = None
     own_s = 0.0
     if prefill_tokens_per_s:
         prefill_s = queued_prompt_tokens / prefill_tokens_per_s
         own_s = own_prompt_tokens / prefill_tokens_per_s
     kv_s = 0.0 if kv_blocks_short <= 0 else None
-    if kv_blocks_short > 0 and kv_blocks_freed_per_s is not None:
-        kv_s = kv_blocks_short / kv_blocks_freed_per_s if kv_blocks_freed_per_s > 0 else math.inf
+    if kv_blocks_short > 0 and kv_blocks_freed_per_s:
+        kv_s = kv_blocks_short / kv_blocks_freed_per_s
     return WaitEstimate(prefill_s, kv_s, own_s)

@@ -106,13 +106,13 @@ class IncrementalDetokenizer:
         sent = self.text
         if not full_text.startswith(sent):
             # Only a decoder whose output for a window is not a suffix of its output for the
-            # whole sequence gets here; what was sent cannot be taken back.
+            # whole sequence gets here; what was sent cannot be taken back. What was held back
+            # still goes, from the sent text's length (a character the decoder replaced keeps
+            # it; the answer's end is not lost with the divergence).
             logger.warning(
                 "req_id=%s: streamed text diverged from the full decode after %d characters",
                 self._req_id, _common_prefix_len(full_text, sent),
             )
-            # What was held back still goes: the answer's end is not lost with the divergence.
-            return self._record(full_text[len(sent) :])
         return self._record(full_text[len(sent) :])
 
     def tokens_writing(self, num_chars: int) -> int:

@@ -36,7 +36,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -262,10 +261,10 @@ class Dispatcher:
             if total is not None and total > budget and ahead > 0:
                 retry_s = min(ahead, total - budget)
                 raise ResourceExhaustedError(
-                    f"the estimated wait for a first token is {_seconds(total)} (prefill queue "
+                    f"the estimated wait for a first token is {total:.1f}s (prefill queue "
                     f"{_seconds(estimate.prefill_s)}, KV room {_seconds(estimate.kv_s)}), over the "
-                    f"{budget:g}s budget; " + (f"retry in {retry_s:.0f}s" if math.isfinite(retry_s) else "retry once requests finish"),
-                    retry_after_s=retry_s if math.isfinite(retry_s) else None,
+                    f"{budget:g}s budget; retry in {retry_s:.0f}s",
+                    retry_after_s=retry_s,
                 )
         self.active[active.req_id] = active
         active.key = f"{self.router_id}/{active.req_id}"
@@ -979,9 +978,7 @@ def _capacity_error(request: ValidatedRequest) -> Exception:
 
 
 def _seconds(value: float | None) -> str:
-    if value is None:
-        return "unknown"
-    return f"{value:.1f}s" if math.isfinite(value) else "without end (nothing freed lately)"
+    return "unknown" if value is None else f"{value:.1f}s"
 
 
 def _write_failure(cause: BaseException, decode: WorkerRecord) -> str:

@@ -87,7 +87,11 @@ class LoraAdapters:
         workers refuse it: the client's 400 for a model name that is served)."""
         digest = self.digest(name)
         if digest is not None:
-            self._pins.setdefault(digest, {})[req_id] = time.monotonic()
+            now = time.monotonic()
+            pins = self._pins.setdefault(digest, {})
+            for stale in [r for r, at in pins.items() if now - at >= PIN_HOLD_S]:  # never admitted, and no unpin came
+                del pins[stale]
+            pins[req_id] = now
         return digest
 
     def unpin(self, digest: str | None, req_id: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from datetime import datetime
 from typing import Any
 
@@ -22,6 +23,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from router.errors import InvalidArgumentError
+
+logger = logging.getLogger(__name__)
 
 
 class ChatTemplateError(InvalidArgumentError):
@@ -77,7 +80,12 @@ class ChatTemplate:
             self._compiled = _compile(template)
         except jinja2.exceptions.TemplateSyntaxError as exc:
             raise ValueError(f"the model's chat template does not compile: {exc}") from exc
-        self._tool_use = None if tool_use is None else ChatTemplate(tool_use, special_tokens, defaults)
+        self._tool_use = None
+        if tool_use is not None:
+            try:
+                self._tool_use = ChatTemplate(tool_use, special_tokens, defaults)
+            except ValueError as exc:  # the default one still serves every request
+                logger.warning("the model's tool_use chat template is not used: %s", exc)
 
     def for_tools(self, tools: Any) -> "ChatTemplate":
         """The template a request renders by: with tools, the model's ``tool_use`` template where

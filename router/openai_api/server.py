@@ -290,16 +290,16 @@ class OpenAIServer:
         def encode(*args, **kwargs) -> list[int]:
             return list(remembered(*args, **kwargs))  # each choice its own list of the ids
 
-        for index, choice in enumerate(api.choices):
-            choice.request_id = f"{response_id}.{unique}-{index}" if client_id else f"{response_id}-{index}"
-            choice.lora_name = self.lora_name(model)
-            validated.append(await self.router.validate_input(choice, encode=encode))
-
-        def client_gone() -> bool:
-            return request.transport is None or request.transport.is_closing()
-
         sessions: list[GenerationSession] = []
         try:
+            for index, choice in enumerate(api.choices):
+                choice.request_id = f"{response_id}.{unique}-{index}" if client_id else f"{response_id}-{index}"
+                choice.lora_name = self.lora_name(model)
+                validated.append(await self.router.validate_input(choice, encode=encode))
+
+            def client_gone() -> bool:
+                return request.transport is None or request.transport.is_closing()
+
             for one in validated:
                 sessions.append(await GenerationSession.open(self.router, one, client_gone))
             states = [ChoiceState.of(index, chat, api, one, echo=self._echo(api, one)) for index, one in enumerate(validated)]
@@ -309,6 +309,8 @@ class OpenAIServer:
                     return await self._stream(request, api, response_id, model, chat, states, chunks, created)
                 return await self._whole(api, response_id, model, chat, states, chunks, created)
         finally:
+            for one in validated:  # (a choice refused, or a session that did not open, leaves no pin behind)
+                self.router.lora.unpin(one.sampling_params.lora_digest, one.req_id)
             await asyncio.gather(*(session.close() for session in sessions))
 
     def _echo(self, api: ApiRequest, request) -> str:
@@ -412,12 +414,17 @@ class OpenAIServer:
         return response
 
 
+# Chunks a session may run ahead of its reader: a reader's pauses are absorbed (its stop strings
+# still found as the chunks come), a reader that stalls holds the session back.
+_CHUNKS_AHEAD = 16
+
+
 async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, OutputChunk | BaseException]]:
     """Every session's chunks as they come, tagged with the session's index; a session that
     fails yields its exception in place of its end. A slow reader holds the sessions back (their
     outputs wait, merged, in the session's inbox): unbounded here, a client reading slowly had
     every step's chunk, text and log-probabilities kept in the router for the whole answer."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(sessions))
+    queue: asyncio.Queue = asyncio.Queue(maxsize=_CHUNKS_AHEAD * len(sessions))
 
     async def pump(index: int, session: GenerationSession) -> None:
         ended = False

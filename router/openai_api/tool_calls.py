@@ -115,7 +115,11 @@ class ToolCalling:
                            **{key: schema[key] for key in _DEFINITION_KEYWORDS if key in schema}}
             calls.append(CallTag(shape.trigger or begin, begin, schema, shape.end, as_json))
         field = answer.field if answer is not None else "tools"
-        return StructuredOutput.tool_calls(calls, answer, field, separator=shape.separator, opening=shape.opening)
+        opening = None
+        if shape.opening is not None:  # a call opens with one of these tools' names: any other JSON answer stays free
+            names = "|".join(tool["function"]["name"].replace(".", "\\.") for tool in self.tools)
+            opening = shape.opening.format(names=names)
+        return StructuredOutput.tool_calls(calls, answer, field, separator=shape.separator, opening=opening)
 
     def _tool(self, name: str | None) -> dict[str, Any]:
         return next(tool for tool in self.tools if tool["function"]["name"] == name)
@@ -141,7 +145,7 @@ class _CallShape:
 # 3.x's JSON, the whole answer, joined by ";" (a JSON answer that is no call stays free).
 _CALL_SHAPES = {
     "hermes": _CallShape(HERMES_OPEN + '\n{{"name": {name}, "arguments": ', "}\n" + HERMES_CLOSE, HERMES_OPEN, r"\s*"),
-    "llama3_json": _CallShape('{{"name": {name}, "parameters": ', "}", None, r"\s*;\s*", r'\s*\{\s*"name"', "parameters"),
+    "llama3_json": _CallShape('{{"name": {name}, "parameters": ', "}", None, r"\s*;\s*", r'\s*\{{\s*"name"\s*:\s*"({names})"', "parameters"),
 }
 
 

@@ -194,13 +194,15 @@ def test_lora_modules_from_the_flag_and_yaml_reach_both_pools_and_the_router(tmp
     # A comma split one adapter into two in the lora_requests_info metric's lists (as a runtime load's name is refused).
     with pytest.raises(ConfigError, match="lora_modules: 'sql,v2': must be at most 256 printable characters without commas"):
         load_config(None, {"model": str(e2e_model.path), "lora_modules": {"sql,v2": str(tmp_path / "sql")}})
-    # vLLM's --max-loras and --max-lora-rank (and --enable-lora, taken) reach both pools; an adapter past them is refused here.
+    # vLLM's --max-lora-rank reaches both pools (--max-loras and --enable-lora are taken); an adapter past it is refused here.
     bounded = build_parser().parse_args(["up", "--model", str(e2e_model.path), "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                                          "--lora-modules", f"sql={tmp_path / 'sql'}"])
     spec = load_config(None, up_overrides(bounded)).to_spec()
-    assert {(pool.engine.max_loras, pool.engine.max_lora_rank) for pool in (spec.prefill, spec.decode)} == {(2, 8)}
+    assert {pool.engine.max_lora_rank for pool in (spec.prefill, spec.decode)} == {8}
     with pytest.raises(ConfigError, match="lora_modules.sql: the adapter's rank 8 is above max_lora_rank = 4"):
         load_config(None, {"model": str(e2e_model.path), "max_lora_rank": 4, "lora_modules": {"sql": str(tmp_path / "sql")}})
+    with pytest.raises(ConfigError, match="lora_modules.gone: .*does not exist"):  # (a clean refusal beside the bound too)
+        load_config(None, {"model": str(e2e_model.path), "max_lora_rank": 4, "lora_modules": {"gone": str(tmp_path / "gone")}})
 
 
 def test_runtime_lora_updating_from_the_flag_and_only_with_one_router():

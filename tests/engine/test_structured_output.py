@@ -554,6 +554,7 @@ def test_formats_the_grammar_cannot_hold_are_annotations_and_known_ones_are_held
     """pydantic writes ``format`` "binary" for bytes, "path" for a Path, "password" for a
     SecretStr: llguidance refused them as unknown, a 400 for a model the openai SDK's parse()
     sends as it is. JSON Schema has formats as annotations; those llguidance knows still hold."""
+    from datetime import date
     from pathlib import Path
 
     from openai.lib._parsing._completions import type_to_response_format_param
@@ -566,7 +567,7 @@ def test_formats_the_grammar_cannot_hold_are_annotations_and_known_ones_are_held
         data: bytes
         where: Path
         secret: SecretStr
-        day: __import__("datetime").date
+        day: date
 
     schema = type_to_response_format_param(Upload)["json_schema"]["schema"]
     assert {p.get("format") for p in schema["properties"].values()} >= {"binary", "path", "password", "date"}

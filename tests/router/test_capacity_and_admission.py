@@ -283,17 +283,6 @@ def test_prompts_placed_but_not_yet_prefilling_count_in_the_estimate():
     assert dispatcher.estimate_wait(_active("next", 100).request).prefill_s == pytest.approx(13.0)
 
 
-def test_a_pool_short_of_room_that_freed_nothing_lately_refuses_instead_of_not_knowing():
-    """No request finished in the rate's window while the decode pool had no room: the KV wait
-    counted as unknown, so every request was admitted to wait without end."""
-    dispatcher, _ = _measured_dispatcher()
-    dispatcher.pool.workers["decode-0"].num_reservable_blocks = 0
-    dispatcher.kv_freed.add(8, now=0.0)  # measured once, long ago
-    with pytest.raises(ResourceExhaustedError, match="KV room without end.*retry once requests finish") as refused:
-        dispatcher.admit(_active("r", 100))
-    assert refused.value.retry_after_s is None
-
-
 def test_the_admission_estimate_takes_no_round_robin_turn():
     """The estimate asked the pool's selector for a prefill actor: a round-robin turn spent, so
     with two prefill actors every prompt went to the same one."""

@@ -216,3 +216,17 @@ def test_a_replaced_version_is_held_for_a_request_pinned_to_it_until_it_is_admit
     old, held, after = asyncio.run(scenario())
     assert old in held, "dropped under a request pinned to it"
     assert after == {adapters.digest("policy")} and old not in after
+
+
+def test_pins_of_requests_never_admitted_do_not_pile_up(monkeypatch):
+    """A choice refused after its pin (another choice's bad value, a full queue) is unpinned by
+    its handler; one whose unpin never came stops counting after PIN_HOLD_S and is dropped from
+    the version's pins at the next pin (they grew for as long as the adapter stayed loaded)."""
+    from router import lora_adapters
+
+    adapters = LoraAdapters({}, WorkerPool())
+    adapters.digests["policy"] = "v1"
+    monkeypatch.setattr(lora_adapters, "PIN_HOLD_S", 0.0)
+    for index in range(100):
+        adapters.pin("policy", f"never-admitted-{index}")
+    assert len(adapters._pins["v1"]) == 1 and not adapters._pinned("v1")

@@ -612,3 +612,12 @@ def test_a_request_past_the_context_says_so_as_vllm_and_openai_do():
         status, error, _ = error_body(raised.value)
         assert status == 400 and error["error"]["code"] == "context_length_exceeded" and error["error"]["param"] == field
         assert "This model's maximum context length is 200 tokens" in error["error"]["message"]
+
+
+def test_a_tool_use_template_that_does_not_compile_leaves_the_default_serving():
+    """A model's broken tool_use template turned chat off for every request (its error was the
+    whole template's); the default one serves all of them, tools too."""
+    template = ChatTemplate(TEMPLATES["chatml"], {}, None, tool_use="{% if tools %}unclosed")
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert template.for_tools(tools) is template
+    assert template.render([{"role": "user", "content": "hi"}], tools=tools).endswith("<|im_start|>assistant\n")
