@@ -73,6 +73,7 @@ class StructuredOutput:
     @classmethod
     def tool_calls(
         cls, calls: list["CallTag"], answer: "StructuredOutput | None", field: str, separator: str = r"\s*", opening: str | None = None,
+        one_call: bool = False,
     ) -> "StructuredOutput":
         """An answer that may call tools, each call written as its ``CallTag`` says with its
         arguments held to its schema: free text around the calls (``answer`` None), or the
@@ -81,8 +82,9 @@ class StructuredOutput:
 
         ``separator``: the regex between calls; ``opening``: set where the calls are the whole
         answer (Llama 3's JSON calls), the regex of how a call starts, which a text answer may
-        not (else calls sit in free text, each begun by its trigger: hermes)."""
-        spec = {"calls": [asdict(call) for call in calls], "answer": None, "separator": separator, "opening": opening}
+        not (else calls sit in free text, each begun by its trigger: hermes). ``one_call``: at most
+        one (``parallel_tool_calls: false``) where calls stand alone (not among free text)."""
+        spec = {"calls": [asdict(call) for call in calls], "answer": None, "separator": separator, "opening": opening, "one_call": one_call}
         if answer is not None:
             spec["answer"] = {"type": "object"} if answer.kind == "json_object" else bounded_json.loads(answer.value)
         return cls(TOOL_CALLS, json.dumps(spec), field)
@@ -165,7 +167,8 @@ def _tool_calls_grammar(spec: dict) -> str:
         lines += ["start: answer | calls", f"answer: %json {json.dumps(schema(spec['answer']))}"]
     else:  # the calls are the whole answer, or it is text that opens none
         lines += ["start: calls | text", "text: TEXT", f"TEXT: /(.|\\n)*/ & ~/({opening})(.|\\n)*/"]
-    lines += [f"calls: ({names}) (/{separator}/ ({names}))* /\\s*/"]
+    more = "" if spec.get("one_call") else f" (/{separator}/ ({names}))*"
+    lines += [f"calls: ({names}){more} /\\s*/"]
     lines += [f"call_{index}: {json.dumps(c.begin)} %json {json.dumps(schema(c.schema))} {json.dumps(c.end)}" for index, c in enumerate(calls)]
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
 

@@ -6,7 +6,8 @@ router/openai_api/tool_parsers.py.
 - ``auto``: the model decides; its text is read in the model's format (hermes, qwen3_coder,
   glm45, llama3_json, pythonic, mistral: router/openai_api/tool_formats.py), configured
   (``router.tool_call_parser``) or recognised in the chat template; with
-  ``parallel_tool_calls: false`` only the first call it writes is returned (as OpenAI and vLLM do).
+  ``parallel_tool_calls: false`` only the first call it writes is returned (as OpenAI and vLLM do),
+  and a grammar holding calls that stand alone (Llama 3's, or beside an answer format) takes one.
   In the hermes and llama3_json formats a grammar holds a ``strict`` tool's calls to its
   parameters, and lets an answer with a JSON format call its tools (``ToolCalling.constraint``;
   Llama 3's calls are JSON too: beside a JSON format, the answer or one call).
@@ -119,7 +120,7 @@ class ToolCalling:
         if shape.opening is not None:  # a call opens with one of these tools' names: any other JSON answer stays free
             names = "|".join(tool["function"]["name"].replace(".", "\\.") for tool in self.tools)
             opening = shape.opening.format(names=names)
-        return StructuredOutput.tool_calls(calls, answer, field, separator=shape.separator, opening=opening)
+        return StructuredOutput.tool_calls(calls, answer, field, separator=shape.separator, opening=opening, one_call=not self.parallel)
 
     def _tool(self, name: str | None) -> dict[str, Any]:
         return next(tool for tool in self.tools if tool["function"]["name"] == name)

@@ -162,3 +162,18 @@ def test_a_llama3_answer_format_and_tools_with_definitions_compile_and_hold(acce
     assert accepts(constraint, '{"name": "lookup", "parameters": {"where": {"city": "Rome"}}}')
     assert not accepts(constraint, '{"name": "lookup", "parameters": {"where": {"city": "Paris"}}}'), "each branch keeps its own Address"
     assert not accepts(constraint, '{"home": {"town": "Paris"}}')
+
+
+def test_parallel_tool_calls_false_holds_the_answer_to_one_call_where_calls_stand_alone(accepts):
+    """parallel_tool_calls: false left the grammar open to more calls (the reader then dropped
+    them, after the model had spent its tokens writing them). Where calls are the whole answer
+    (Llama 3's JSON, or calls beside an answer format) the grammar takes one."""
+    weather = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}'
+    time_call = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    single = read_tool_calling({"tools": TOOLS, "parallel_tool_calls": False}, "", "llama3_json").constraint()
+    assert accepts(single, weather) and not accepts(single, f"{weather}; {time_call}")
+    assert accepts(_auto(parser="llama3_json").constraint(), f"{weather}; {time_call}"), "parallel by default"
+    answer = StructuredOutput("json_schema", json.dumps(ANSWER), field="response_format.json_schema")
+    hermes = read_tool_calling({"tools": [TOOLS[1]], "parallel_tool_calls": False}, "", "hermes").constraint(answer)
+    one = call("get_time", '{"zone": "UTC"}')
+    assert accepts(hermes, one) and not accepts(hermes, one + "\n" + one)
