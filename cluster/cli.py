@@ -89,7 +89,7 @@ def build_parser(scenarios: bool = True) -> argparse.ArgumentParser:
     up.add_argument("--block-size", type=int)
     up.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8_e4m3"], help="KV cache elements (default auto: the model's dtype)")
     up.add_argument("--kv-cache-mb", type=int, help="KV cache per actor, both pools")
-    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto (default): the fastest exact dtype for each actor's device")
+    up.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto (default): the fastest dtype each actor's device computes natively (bfloat16 where it has it)")
     up.add_argument("--max-model-len", type=int, help="longest prompt plus output a request may have (default: the model's context)")
     up.add_argument("--host", help="address the router binds, its gRPC and OpenAI APIs both (as vLLM's --host binds its server)")
     up.add_argument("--port", type=int, help="router gRPC port")

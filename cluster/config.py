@@ -371,8 +371,9 @@ class ClusterConfig(BaseModel):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         "auto",
-        description="Weights and KV dtype; auto: the fastest exact one for each actor's device "
-        "(float32 on a CPU without native bfloat16, else bfloat16); null: the checkpoint's",
+        description="Weights and KV dtype; auto: the fastest each actor's device computes natively (bfloat16 where it multiplies "
+        "bfloat16 in hardware, a float16 checkpoint's float16 on a GPU, else float32: a float32 or float16 checkpoint may run in "
+        "bfloat16, as vLLM runs it); null: the checkpoint's own, what transformers runs",
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when actors hold GPUs")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block")

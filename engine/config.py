@@ -212,7 +212,7 @@ class EngineConfig:
     given, else from ``kv_cache_bytes``.
     """
 
-    dtype: str | None = None  # None: the checkpoint's dtype; "auto": fastest exact one (engine.device_caps)
+    dtype: str | None = None  # None: the checkpoint's dtype; "auto": the fastest the device computes natively (engine.device_caps)
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None
