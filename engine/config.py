@@ -89,6 +89,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
+        raw = _with_family_defaults(raw)
         architectures = raw.get("architectures") or []
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -149,6 +150,34 @@ class ModelConfig:
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
         }
+
+
+# Fields whose default differs by model family, as transformers' config classes fill them in
+# (Qwen3's head_dim 128, Qwen's 32 KV heads and 28 max_window_layers, Mistral's 4096-token
+# window and 131072 positions): a config.json without one took Llama's everywhere (a Qwen3 one
+# without head_dim failed on a tensor's size; a Qwen2 one computed other windows).
+_FAMILY_FIELDS = {
+    "llama": ("num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps"),
+    "mistral": ("num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "sliding_window"),
+    "qwen2": ("num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "max_window_layers"),
+    "qwen3": ("num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "max_window_layers"),
+}
+
+
+def _with_family_defaults(raw: dict) -> dict:
+    """``raw`` with the family fields it leaves out as transformers reads them from it (its config
+    class built from ``raw``, so a default derived from other fields is derived from these);
+    transformers is imported only for a config that leaves one out."""
+    missing = [name for name in _FAMILY_FIELDS.get(raw.get("model_type"), ()) if name not in raw]
+    if not missing:
+        return raw
+    try:
+        from transformers import CONFIG_MAPPING
+
+        read = CONFIG_MAPPING[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
+    except Exception:  # (transformers refuses it: the fields are then read as they are)
+        return raw
+    return {**raw, **{name: getattr(read, name) for name in missing if getattr(read, name, None) is not None}}
 
 
 def _parse_rope(raw: dict, source: str) -> RopeConfig:

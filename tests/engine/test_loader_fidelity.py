@@ -148,6 +148,29 @@ def test_partial_rotary_and_unknown_rope_types_are_refused():
         ModelConfig.from_dict(base | {"rope_scaling": {"rope_type": "su", "factor": 2.0}, "rope_parameters": None})
 
 
+@pytest.mark.parametrize("model_type, architecture", [("qwen3", "Qwen3ForCausalLM"), ("qwen2", "Qwen2ForCausalLM"), ("mistral", "MistralForCausalLM"),
+                                                       ("llama", "LlamaForCausalLM")])
+def test_fields_a_config_leaves_out_take_the_familys_defaults_as_transformers_reads_them(model_type, architecture):
+    """A config.json without head_dim, num_key_value_heads, max_position_embeddings, a window
+    or max_window_layers took Llama's defaults for every family: a Qwen3 one failed on a
+    tensor's size (head_dim 128 in transformers), a Qwen2 one put its windows elsewhere."""
+    from transformers import CONFIG_MAPPING
+
+    raw = {"model_type": model_type, "architectures": [architecture], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 30, "num_attention_heads": 4}
+    if model_type == "qwen2":
+        raw |= {"use_sliding_window": True, "sliding_window": 16}
+    ours = ModelConfig.from_dict(raw)
+    theirs = CONFIG_MAPPING[model_type](**{k: v for k, v in raw.items() if k != "model_type"})
+    assert (ours.num_kv_heads, ours.max_position_embeddings, ours.rms_norm_eps) == (
+        theirs.num_key_value_heads, theirs.max_position_embeddings, theirs.rms_norm_eps)
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
+    if model_type == "qwen2":
+        assert ours.layer_windows == [16 if i >= theirs.max_window_layers else None for i in range(30)]
+    if model_type == "mistral":
+        assert set(ours.layer_windows) == {theirs.sliding_window}
+
+
 def test_an_mlp_activation_other_than_silu_is_refused_naming_it():
     """Every layer's MLP computes SiLU: a config with another ``hidden_act`` (transformers runs
     ``gelu`` there) loaded and answered wrongly, without a word."""
