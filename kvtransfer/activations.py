@@ -360,6 +360,10 @@ class ActivationChannel:
                 logger.warning("activations poller of %s failed", self.name, exc_info=True)
                 return False
             failed = self._reap_sends()
+            # Quarantines past their time end here too: only the next inbox opened ended them, and
+            # until then an idle actor's poller went on looking every 16 ms.
+            now = time.monotonic()
+            self._end_quarantine(lambda q: now - q.closed_at >= QUARANTINE_S)
             for messages in notifs.values():
                 for message in messages:
                     meta = json.loads(bytes(message))

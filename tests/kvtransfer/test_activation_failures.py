@@ -55,6 +55,7 @@ def _channel(woken: threading.Event) -> ActivationChannel:
     channel._agent, channel._lock = _Agent(), threading.Lock()
     channel._free_inbox, channel._free_staging = [0, 1], [0, 1]
     channel._inboxes, channel._sends, channel._failed_sends, channel._peers, channel._arrivals = {}, [], [], set(), []
+    channel._quarantined = []
     channel._work, channel._expecting = threading.Event(), False
     return channel
 

@@ -159,3 +159,27 @@ def _finished_frees_all():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_quarantine_past_its_time_ends_without_another_inbox_opening(ray_cluster):
+    _in_a_worker(_quarantine_ends_by_time)
+
+
+def _quarantine_ends_by_time():
+    """A slot quarantined by a cancel whose late write never came was freed by time only when
+    another inbox opened: until then an idle actor's poller looked every 16 ms, for good."""
+    from kvtransfer import activations
+
+    receiver = _channel("stage-q", num_inbox_slots=2)
+    kept, activations.QUARANTINE_S = activations.QUARANTINE_S, 0.2  # (this worker process's module: put back after)
+    try:
+        assert receiver.open_inbox("cancelled", 1, num_chunks=2) is not None
+        receiver.close_inbox("cancelled")  # no chunk landed: both slots wait for writes that never come
+        assert receiver._quarantined
+        deadline = time.monotonic() + 5
+        while receiver._quarantined and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not receiver._quarantined, "the poller ended the quarantine once it was past its time"
+    finally:
+        receiver.close()
+        activations.QUARANTINE_S = kept
