@@ -153,8 +153,8 @@ class LLMEngine:
             if tp_size > 1:
                 group = TPGroup.join(address, 0, store, check_ranks=getattr(self.rank_launcher, "check_alive", None))
             for name, adapter_dir in self.config.lora_adapters.items():
-                if self.config.max_lora_rank is not None and (rank := adapter_rank(adapter_dir)) > self.config.max_lora_rank:
-                    raise ModelLoadError(f"lora_adapters.{name}: the adapter's rank {rank} is above max_lora_rank = {self.config.max_lora_rank}")
+                if (problem := self._rank_problem(adapter_dir)) is not None:
+                    raise ModelLoadError(f"lora_adapters.{name}: {problem}")
             # The rotary tables cover the engine's context (dynamic and LongRoPE schedules depend on it).
             loaded = load_model(
                 self.model_path, dtype=self.config.dtype, device=self.config.device, max_positions=self.config.max_model_len,
@@ -354,7 +354,8 @@ class LLMEngine:
         digest = adapter_digest(adapter_dir)
         slot = self.adapters.slots.get(digest)  # this very version may be held already (even dropped: kept now)
         if slot is None:
-            self._check_adapter_bounds(adapter_dir)
+            if (problem := self._rank_problem(adapter_dir)) is not None:
+                raise InvalidRequestError("lora_path", problem)
             slot = self.adapters.free_slot()
             self.executor.change_adapter(AdapterChange(slot, str(adapter_dir)), self.dtype)
             logger.info("LoRA adapter %s (%s) loaded from %s into slot %d", name, digest[:12], adapter_dir, slot)
@@ -362,11 +363,12 @@ class LLMEngine:
         self._release_adapters()
         return digest
 
-    def _check_adapter_bounds(self, adapter_dir: str) -> None:
-        """InvalidRequestError where the adapter's rank is above max_lora_rank."""
+    def _rank_problem(self, adapter_dir: str) -> str | None:
+        """What is wrong with the adapter's rank (above max_lora_rank), or None."""
         max_rank = self.config.max_lora_rank
         if max_rank is not None and (rank := adapter_rank(adapter_dir)) > max_rank:
-            raise InvalidRequestError("lora_path", f"the adapter's rank {rank} is above max_lora_rank = {max_rank}")
+            return f"the adapter's rank {rank} is above max_lora_rank = {max_rank}"
+        return None
 
     def unload_adapter(self, name: str, keep_version: bool = False) -> bool:
         """Take no new requests through ``name``; its version, unless another name serves it

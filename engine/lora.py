@@ -30,9 +30,9 @@ class SlotStack:
     ``a`` [slots, in, rank] and ``b`` [slots, rank, out], ranks zero-padded to the largest, a slot
     whose adapter leaves the projection alone (or an empty slot) all zeros."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, present: list[bool], ranks: list[int] | None = None):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, present: list[bool], ranks: list[int]):
         self.a, self.b, self.present = a, b, present
-        self.ranks = ranks if ranks is not None else [a.shape[2] if here else 0 for here in present]  # each slot's own rank
+        self.ranks = ranks  # each slot's own rank (0: empty)
         # Every slot's pair side by side, for RowSlots: a_cat [in, slots * rank] (slot-major
         # columns), b_cat [slots * rank, out] (a view of b), and each column's slot.
         slots, rank = a.shape[0], a.shape[2]

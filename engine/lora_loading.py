@@ -72,7 +72,7 @@ class AdapterConfig:
             if raw.get(key):
                 raise ModelLoadError(f"{path}: {key} is set; {what} are not supported")
         init = raw.get("init_lora_weights", True)
-        if isinstance(init, str) and (init.lower().startswith(_BASE_CHANGING_INITS) or init.lower() in _BASE_CHANGING_INITS):
+        if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
             # Trained on a residual base (W - BA, or a quantized one): on the untouched base the
             # adapter computes something else. PEFT redoes the init at load; converted, it is plain.
             raise ModelLoadError(

@@ -173,7 +173,7 @@ def _tool_calls_grammar(spec: dict) -> str:
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
 
 
-_DEFINITION_KEYWORDS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s name
+DEFINITION_KEYWORDS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s name
 
 
 def _hoisted_definitions(branches: list[dict]) -> tuple[list[dict], dict]:
@@ -186,7 +186,7 @@ def _hoisted_definitions(branches: list[dict]) -> tuple[list[dict], dict]:
     for index, branch in enumerate(branches):
         branch = dict(branch)
         names = {}
-        for keyword in _DEFINITION_KEYWORDS:
+        for keyword in DEFINITION_KEYWORDS:
             found = branch.pop(keyword, None)
             if isinstance(found, dict):
                 for name, definition in found.items():

@@ -69,11 +69,8 @@ def _append(output: SeqOutput, later: SeqOutput) -> None:
     """``output`` carries ``later``'s tokens after its own, and ``later``'s end if it has one."""
     # (In place: a reader that waits has every step merged here, and a copy each time was
     # quadratic in the answer's length.)
-    output.token_ids = list(output.token_ids) if not isinstance(output.token_ids, list) else output.token_ids
     output.token_ids.extend(later.token_ids)
-    if later.logprobs:
-        output.logprobs = list(output.logprobs) if not isinstance(output.logprobs, list) else output.logprobs
-        output.logprobs.extend(later.logprobs)
+    output.logprobs.extend(later.logprobs)
     output.finished, output.finish_reason, output.error = later.finished, later.finish_reason, later.error
     output.timing = later.timing or output.timing  # a first output's timing outlives the middle ones merged after it
     output.error_field = later.error_field

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.structured_output import CallTag, StructuredOutput, check_grammar
+from engine.structured_output import DEFINITION_KEYWORDS, CallTag, StructuredOutput, check_grammar
 from router.errors import InvalidArgumentError
 from router.openai_api.tool_arguments import json_or
 from router.openai_api.parser_names import TOOL_CALL_ALIASES, TOOL_CALL_FORMATS
@@ -35,7 +35,6 @@ from router.openai_api.tool_formats import MISTRAL_CALLS, detect_parser
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MISTRAL_ID_LENGTH = 9  # Mistral's templates refuse other tool call ids
-_DEFINITION_KEYWORDS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s name
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,7 +73,7 @@ class ToolCalling:
         items = []
         for index, tool in enumerate(self.tools):
             parameters = dict(_parameters(tool))
-            for keyword in _DEFINITION_KEYWORDS:
+            for keyword in DEFINITION_KEYWORDS:
                 found = parameters.pop(keyword, None) or {}
                 if not isinstance(found, dict):
                     raise InvalidArgumentError(f"tools[{index}].function.parameters.{keyword}", "must be an object of named schemas")
@@ -110,10 +109,10 @@ class ToolCalling:
             as_json = None
             if shape.arguments_key is not None:
                 # The arguments' definitions at the call's root, where their "#/$defs/..." then point.
-                arguments = {key: value for key, value in schema.items() if key not in _DEFINITION_KEYWORDS}
+                arguments = {key: value for key, value in schema.items() if key not in DEFINITION_KEYWORDS}
                 as_json = {"type": "object", "properties": {"name": {"const": tool["function"]["name"]}, shape.arguments_key: arguments},
                            "required": ["name", shape.arguments_key], "additionalProperties": False,
-                           **{key: schema[key] for key in _DEFINITION_KEYWORDS if key in schema}}
+                           **{key: schema[key] for key in DEFINITION_KEYWORDS if key in schema}}
             calls.append(CallTag(shape.trigger or begin, begin, schema, shape.end, as_json))
         field = answer.field if answer is not None else "tools"
         opening = None
