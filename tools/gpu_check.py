@@ -42,6 +42,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -521,7 +522,8 @@ def bench_sampling(batch: int = 64) -> dict:
         result[name + "_ms"] = cuda_seconds(lambda seqs=seqs: sampler.sample_on_device(logits, seqs), 3, 20) * 1e3
         result[name + "_read_ms"] = cuda_seconds(lambda seqs=seqs: sampler.sample(logits, seqs), 3, 20) * 1e3
     for name in ("top_p_top_k", "top_p"):
-        seeded = [Sequence(f"z{i}", [1, 2, 3], 3, cases[name], generator=Sampler.make_generator(i)) for i in range(batch)]
+        # As the engine makes a seeded request's sequence: the seed in its parameters (draw_key reads it there) and a generator from it.
+        seeded = [Sequence(f"z{i}", [1, 2, 3], 3, dataclasses.replace(cases[name], seed=i), generator=Sampler.make_generator(i)) for i in range(batch)]
         result[f"{name}_seeded_ms"] = cuda_seconds(lambda seeded=seeded: sampler.sample_on_device(logits, seeded), 3, 20) * 1e3
         result[f"{name}_seeded_read_ms"] = cuda_seconds(lambda seeded=seeded: sampler.sample(logits, seeded), 3, 20) * 1e3
     result["kernels_us"] = sampling_kernel_us(logits)
