@@ -32,13 +32,14 @@ from engine.sequence import Sequence
 _PROMPT_TOKENS = 8
 
 # One row per family of sampling kernels: whole rows through FlashInfer's softmax and top-p
-# kernel, top-p renormalization then min-p, top-k candidates (torch), and a greedy row asking
-# for log-probabilities.
+# kernel, top-p renormalization then min-p, top-k candidates (torch) with a repetition penalty
+# (Qwen2.5's defaults; on CUDA the penalties' Triton kernel, engine.triton_penalties), and a
+# greedy row asking for log-probabilities.
 _DRAWS = (
     SamplingParams(temperature=0.8, top_p=0.9, seed=0),
     SamplingParams(temperature=0.8, top_p=0.9, min_p=0.05, seed=0),
     SamplingParams(temperature=0.8, min_p=0.05, seed=0),
-    SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=0),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05, seed=0),
     SamplingParams(temperature=0.0, logprobs=2),
 )
 

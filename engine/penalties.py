@@ -17,6 +17,8 @@ reset when another takes it.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,10 +56,13 @@ class _Counted:
 class PenaltyHistory:
     """Every penalised sequence's tokens as the penalties read them, on one device."""
 
-    def __init__(self, whole_rows: bool | None = None) -> None:
+    def __init__(self, whole_rows: bool | None = None, fused: bool | None = None) -> None:
         # Formulas over whole rows (True) or over the pairs a history holds (False); None: whole
         # rows on a GPU, pairs elsewhere (``apply``).
         self.whole_rows = whole_rows
+        # Whole rows in one Triton launch (engine.triton_penalties) but for draft rows; None: on
+        # CUDA where Triton imports (True on a CPU runs it under Triton's interpreter, for tests).
+        self.fused = fused
         self.seen: torch.Tensor | None = None  # [capacity, vocab] bool: in the prompt or the output
         self.output_counts: torch.Tensor | None = None  # [capacity, vocab] float32: occurrences in the output
         self._counted: dict[int, _Counted] = {}  # by id(sequence), dropped when it is collected
@@ -73,18 +78,28 @@ class PenaltyHistory:
         those pairs alone (a row holds at most its length of the vocabulary's tokens): the same
         values, element for element, as over whole rows, without a dozen [rows, vocab]
         temporaries. Finding the pairs reads their count on the host, so on a GPU (where whole
-        rows cost microseconds and an overlapped step must not wait) the formulas run on whole rows."""
+        rows cost microseconds and an overlapped step must not wait) the formulas run on whole rows,
+        in one Triton launch where Triton is installed (engine.triton_penalties)."""
         rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0 or (penalised(s.params) and num_output(s) + num_unread(s, pending))]
         if not rows:
             return logits
         vocab, device = logits.shape[-1], logits.device
         base = [seqs[i].seq if isinstance(seqs[i], DraftRow) else seqs[i] for i in rows]
-        slab_index = to_device(self._bring_up_to_date(base, vocab, device, pending), torch.long, self.seen.device)
+        params = [seqs[i].params for i in rows]
+        # Draft rows (speculative steps) take the torch ops: a draft's row counts the drafts before
+        # it, and rows of one sequence would share a slab row the kernel writes.
+        if self._fused(device) and not any(isinstance(seqs[i], DraftRow) for i in rows):
+            from engine import triton_penalties
+
+            slab_rows, unread_sources = self._bring_up_to_date(base, vocab, device, pending, fold_unread=False)
+            return triton_penalties.apply_penalties(logits, rows, slab_rows, unread_sources, pending.token_ids if pending is not None else None,
+                                                    self.seen, self.output_counts, params)
+        slab_rows, _ = self._bring_up_to_date(base, vocab, device, pending)
+        slab_index = to_device(slab_rows, torch.long, self.seen.device)
         seen = self.seen.index_select(0, slab_index)
         drafts = _draft_tokens([seqs[i] for i in rows], self.seen.device)
         if drafts is not None:
             seen[drafts] = True
-        params = [seqs[i].params for i in rows]
         whole_rows = self.whole_rows if self.whole_rows is not None else device.type == "cuda"
         if whole_rows:
             counts = self.output_counts.index_select(0, slab_index)
@@ -105,11 +120,20 @@ class PenaltyHistory:
         logits[batch_rows] = values
         return logits
 
-    def _bring_up_to_date(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: PendingSamples | None) -> list[int]:
+    def _fused(self, device: torch.device) -> bool:
+        """Whether the formulas run as one Triton launch (engine.triton_penalties)."""
+        if self.fused is None:
+            self.fused = device.type == "cuda" and _triton_available()
+        return self.fused
+
+    def _bring_up_to_date(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: PendingSamples | None,
+                          fold_unread: bool = True) -> tuple[list[int], list[int]]:
         """Each sequence's slab row, holding its whole history: the tokens appended since the last
         step folded in (a new sequence's whole history), for every sequence in one scatter, and
         the tokens ``pending`` holds for them in another (on the device, unread). The slabs stay
-        on the device of the first logits they served."""
+        on the device of the first logits they served. Also each sequence's row in ``pending``
+        whose token is still to be counted (-1: none): with ``fold_unread`` False those tokens are
+        left to the caller (the fused kernel counts and writes them), counted as folded here."""
         if self.seen is None or self.seen.shape[1] != vocab:
             self._reset(vocab, device)
         device = self.seen.device
@@ -117,7 +141,8 @@ class PenaltyHistory:
         self._grow_to(max(entry.row for entry in entries) + 1)
         seen_rows, seen_ids, output_rows, output_ids = [], [], [], []
         unread_rows, unread_sources = [], []
-        for seq, entry in zip(seqs, entries):
+        sources = [-1] * len(seqs)
+        for i, (seq, entry) in enumerate(zip(seqs, entries)):
             tokens = seq.token_ids
             if entry.num_counted < len(tokens):
                 new = tokens[entry.num_counted :]
@@ -132,6 +157,7 @@ class PenaltyHistory:
                 # there; counted, so the host does not fold it again once it reads it.
                 unread_rows.append(entry.row)
                 unread_sources.append(pending.row_of[id(seq)])
+                sources[i] = unread_sources[-1]
                 entry.num_counted = len(tokens) + 1
         if seen_ids:
             # A Python scalar, not a tensor made on the device (that copy would wait for the stream).
@@ -139,11 +165,11 @@ class PenaltyHistory:
         if output_ids:
             index = (to_device(output_rows, torch.long, device), to_device(output_ids, torch.long, device))
             self.output_counts.index_put_(index, torch.ones(len(output_ids), device=device), accumulate=True)
-        if unread_rows:
+        if unread_rows and fold_unread:
             index = (to_device(unread_rows, torch.long, device), pending.token_ids[to_device(unread_sources, torch.long, pending.token_ids.device)].to(device))
             self.seen[index] = True
             self.output_counts.index_put_(index, torch.ones(len(unread_rows), device=device), accumulate=True)
-        return [entry.row for entry in entries]
+        return [entry.row for entry in entries], sources
 
     def _entry(self, seq: Sequence) -> _Counted:
         entry = self._counted.get(id(seq))
@@ -177,6 +203,15 @@ class PenaltyHistory:
         self.output_counts = torch.zeros((0, vocab), dtype=torch.float32, device=device)
         for entry in list(self._counted.values()):  # a finalizer may drop one meanwhile
             entry.num_counted = 0
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        importlib.import_module("engine.triton_penalties")
+    except Exception:
+        return False
+    return True
 
 
 def num_unread(seq: Sequence | DraftRow, pending: PendingSamples | None) -> int:

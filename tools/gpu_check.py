@@ -528,7 +528,44 @@ def bench_sampling(batch: int = 64) -> dict:
         result[f"{name}_seeded_read_ms"] = cuda_seconds(lambda seeded=seeded: sampler.sample(logits, seeded), 3, 20) * 1e3
     result["kernels_us"] = sampling_kernel_us(logits)
     result["draws"] = check_device_draws()
-    result["ok"] = result["draws"]["ok"]
+    result["penalties"] = check_fused_penalties(batch, vocab)
+    result["ok"] = result["draws"]["ok"] and result["penalties"]["ok"]
+    return result
+
+
+def check_fused_penalties(batch: int, vocab: int, context: int = 600) -> dict:
+    """The penalties in one Triton launch (engine.triton_penalties) against the torch ops over
+    whole rows, on ``batch`` rows of ``vocab`` with histories of ``context`` tokens: equal logits
+    after a step that folds in the step in flight's tokens (repetition alone, as Qwen2.5's
+    defaults: exactly; with frequency, within the rounding of a contracted multiply-subtract), equal
+    histories, and the milliseconds per call each way (the host's launches included, as an
+    overlapped step pays them)."""
+    from engine.model_runner import PendingSamples
+    from engine.penalties import PenaltyHistory
+    from engine.sequence import Sequence
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    result = {"ok": True}
+    for name, params in {"repetition": SamplingParams(temperature=0.7, repetition_penalty=1.05, max_tokens=100),
+                         "all_three": SamplingParams(temperature=0.7, repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2, max_tokens=100)}.items():
+        histories = {"fused": PenaltyHistory(whole_rows=True, fused=True), "torch": PenaltyHistory(whole_rows=True, fused=False)}
+        seqs = [Sequence(f"p{i}", [(7 * i + j) % 5000 for j in range(context)], context - 50, params) for i in range(batch)]
+        logits = torch.randn(batch, vocab, device="cuda", generator=generator) * 4
+        sampled = torch.randint(0, vocab, (batch,), device="cuda", generator=generator)
+        for seq in seqs:
+            seq.num_pending_tokens = 1
+        pending = PendingSamples(sampled, {id(seq): row for row, seq in enumerate(seqs)})
+        got = {way: history.apply(logits, seqs, pending) for way, history in histories.items()}
+        exact = torch.equal(got["fused"], got["torch"])
+        close = torch.allclose(got["fused"], got["torch"], rtol=1e-6, atol=1e-6)
+        same_history = all(torch.equal(getattr(histories["fused"], slab), getattr(histories["torch"], slab)) for slab in ("seen", "output_counts"))
+        for seq in seqs:
+            seq.num_pending_tokens = 0
+        entry = {"exact": exact, "close": close, "same_history": same_history}
+        for way, history in histories.items():
+            entry[f"{way}_ms"] = round(cuda_seconds(lambda history=history: history.apply(logits, seqs), 3, 20) * 1e3, 4)
+        result[name] = entry
+        result["ok"] = result["ok"] and same_history and (exact if name == "repetition" else close)
     return result
 
 

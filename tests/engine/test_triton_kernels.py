@@ -42,7 +42,7 @@ def test_kernels_under_the_interpreter():
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "12 passed" in result.stdout, result.stdout[-2000:]
+    assert "14 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +243,59 @@ def assert_rounded_alike(got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
     else:
         assert torch.equal(got, want)
+
+
+@under_interpreter
+@pytest.mark.parametrize("overlapped", [False, True], ids=["one step at a time", "overlapped"])
+def test_the_penalties_in_one_launch_are_the_torch_ops_step_after_step(overlapped):
+    """The fused penalties (engine.triton_penalties) give, step after step, the logits the torch
+    ops over whole rows give, element for element: the three penalties alone and together, a
+    penalty so strong it overflows (held at the float32 limit), a row without any (untouched),
+    requests leaving and joining (a freed slab row taken again); overlapped, each sequence's token
+    from the step in flight counted from the device and written into the history as the torch
+    path's scatters write it."""
+    import gc
+    import random
+
+    from engine import SamplingParams
+    from engine.model_runner import PendingSamples
+    from engine.penalties import PenaltyHistory
+    from engine.sequence import Sequence
+
+    vocab = 5000  # over two of the kernel's runs of columns
+    rng = random.Random(0)
+
+    def sequence(name: str, prompt_len: int, **penalties) -> Sequence:
+        params = SamplingParams(temperature=0.7, max_tokens=100, **penalties)
+        return Sequence(name, [rng.randrange(vocab) for _ in range(prompt_len)], prompt_len, params)
+
+    fused, torch_ops = PenaltyHistory(whole_rows=True, fused=True), PenaltyHistory(whole_rows=True, fused=False)
+    running = [
+        sequence("rep", 40, repetition_penalty=1.3),
+        sequence("freq", 25, frequency_penalty=0.5),
+        sequence("none", 12),
+        sequence("all", 60, repetition_penalty=0.7, frequency_penalty=0.25, presence_penalty=0.4),
+        sequence("overflow", 30, repetition_penalty=1e-38, presence_penalty=-0.8),
+    ]
+    for step in range(8):
+        if step == 5:  # one ends (its row is given back) and two arrive, one taking that row
+            running = [s for s in running if s.req_id != "freq"]
+            gc.collect()
+            running += [sequence("late", 33, repetition_penalty=2.0, presence_penalty=0.3), sequence("later", 5, frequency_penalty=0.9)]
+        logits = torch.randn(len(running), vocab, generator=torch.Generator().manual_seed(step)) * 3
+        logits[:, :7] = 0.0  # neither side of the repetition penalty's sign test
+        sampled = [rng.choice(s.token_ids) if rng.random() < 0.5 else rng.randrange(vocab) for s in running]
+        pending = None
+        if overlapped and step % 2 == 1:
+            pending = PendingSamples(torch.tensor(sampled), {id(s): r for r, s in enumerate(running)})
+            for seq in running:
+                seq.num_pending_tokens = 1
+        got, want = fused.apply(logits, running, pending), torch_ops.apply(logits, running, pending)
+        assert torch.equal(got, want), f"step {step}"
+        plain = [s.req_id for s in running].index("none")
+        assert torch.equal(got[plain], logits[plain]) and not torch.equal(got, logits)
+        assert got.abs().max() <= torch.finfo(torch.float32).max
+        assert torch.equal(fused.seen, torch_ops.seen) and torch.equal(fused.output_counts, torch_ops.output_counts), f"step {step}: the histories"
+        for seq, token in zip(running, sampled):  # the host reads the step's tokens
+            seq.num_pending_tokens = 0
+            seq.token_ids.append(token)
