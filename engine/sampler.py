@@ -11,6 +11,7 @@ those of the distribution the grammar allows, before any of the request's own tr
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from dataclasses import dataclass
 
@@ -156,12 +157,20 @@ class Sampler:
         on the host, which knows the key before the step: a copy in, no read back). (FlashInfer's
         top-k/top-p kernel with per-row k masked the whole vocabulary, took its softmax and
         sampled it: on an H200, 0.79 ms for 64 rows of a 152k vocabulary, 19% of the 1.5B
-        shape's decode step.)"""
-        probs, token_ids = _top_k_candidates(logits, params)
+        shape's decode step.) On CUDA the filters and the draw after ``topk`` are one Triton
+        launch (engine.triton_sampling), where the torch ops were about 70."""
         uniforms = torch.rand(len(params), dtype=torch.float64, device=logits.device, generator=self._device_generator(logits.device))
         keyed = [i for i, key in enumerate(keys) if key is not None]
         if keyed:
             uniforms[to_device(keyed, torch.long, logits.device)] = to_device(self._keyed_uniforms([keys[i] for i in keyed]), torch.float64, logits.device)
+        width = min(logits.shape[-1], max(p.top_k for p in params))
+        if _fused_top_k_draws(logits) and width <= _triton_sampling().MAX_CANDIDATES:
+            # The filters and the draw in one launch after topk (engine.triton_sampling).
+            top, token_ids = logits.topk(width, dim=-1)
+            return _triton_sampling().draw_among_top_k(
+                top, token_ids, [min(max(p.temperature, _MIN_TEMPERATURE), _MAX_TEMPERATURE) for p in params],
+                [p.top_k for p in params], [max(p.top_p, _MIN_TOP_P) for p in params], [p.min_p for p in params], uniforms)
+        probs, token_ids = _top_k_candidates(logits, params)
         return token_ids.gather(1, _inverse_cdf_no_sync(probs, uniforms).unsqueeze(1)).squeeze(1)
 
     def _keyed_uniforms(self, keys: list[int]) -> torch.Tensor:
@@ -461,6 +470,20 @@ def _temperatures(params: list, device) -> torch.Tensor:
 def _top_ps(params: list, device) -> torch.Tensor:
     """The rows' top_p, float32, at least _MIN_TOP_P."""
     return to_device([max(p.top_p, _MIN_TOP_P) for p in params], torch.float32, device)
+
+
+@functools.cache
+def _triton_sampling():
+    """engine.triton_sampling, or None where Triton cannot be imported."""
+    try:
+        return importlib.import_module("engine.triton_sampling")
+    except Exception:
+        return None
+
+
+def _fused_top_k_draws(logits: torch.Tensor) -> bool:
+    """Whether top-k rows' filters and draw run as one Triton launch: float32 logits on CUDA."""
+    return logits.device.type == "cuda" and logits.dtype == torch.float32 and _triton_sampling() is not None
 
 
 @functools.cache

@@ -529,8 +529,35 @@ def bench_sampling(batch: int = 64) -> dict:
     result["kernels_us"] = sampling_kernel_us(logits)
     result["draws"] = check_device_draws()
     result["penalties"] = check_fused_penalties(batch, vocab)
-    result["ok"] = result["draws"]["ok"] and result["penalties"]["ok"]
+    result["top_k_draws"] = check_fused_top_k_draws(batch, vocab)
+    result["ok"] = result["draws"]["ok"] and result["penalties"]["ok"] and result["top_k_draws"]["ok"]
     return result
+
+
+def check_fused_top_k_draws(batch: int, vocab: int) -> dict:
+    """Top-k rows' filters and draw in one launch (engine.triton_sampling) against the torch ops,
+    on ``batch`` rows of ``vocab`` with Qwen2.5's defaults: the tokens picked for the same
+    candidates and uniforms (equal but where a uniform falls within rounding of a boundary: the
+    kernel sums in another order), and the milliseconds per call each way after ``topk``."""
+    from engine.sampler import _inverse_cdf_no_sync, _top_k_candidates
+    from engine.triton_sampling import draw_among_top_k
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8)] * batch
+    logits = torch.randn(batch, vocab, device="cuda", generator=generator) * 4
+    uniforms = torch.rand(batch, device="cuda", dtype=torch.float64, generator=generator)
+    top, ids = logits.topk(20, dim=-1)
+
+    def torch_ops():
+        probs, candidates = _top_k_candidates(logits, params)
+        return candidates.gather(1, _inverse_cdf_no_sync(probs, uniforms).unsqueeze(1)).squeeze(1)
+
+    def fused():
+        return draw_among_top_k(top, ids, [0.7] * batch, [20] * batch, [0.8] * batch, [0.0] * batch, uniforms)
+
+    equal = int((torch_ops() == fused()).sum())
+    return {"rows": batch, "equal_picks": equal, "torch_ms": round(cuda_seconds(torch_ops, 3, 20) * 1e3, 4),
+            "fused_ms": round(cuda_seconds(fused, 3, 20) * 1e3, 4), "ok": equal >= batch - 1}
 
 
 def check_fused_penalties(batch: int, vocab: int, context: int = 600) -> dict:

@@ -42,7 +42,7 @@ def test_kernels_under_the_interpreter():
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "14 passed" in result.stdout, result.stdout[-2000:]
+    assert "15 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -299,3 +299,39 @@ def test_the_penalties_in_one_launch_are_the_torch_ops_step_after_step(overlappe
         for seq, token in zip(running, sampled):  # the host reads the step's tokens
             seq.num_pending_tokens = 0
             seq.token_ids.append(token)
+
+
+@under_interpreter
+def test_a_top_k_rows_filters_and_draw_in_one_launch_are_the_torch_ops():
+    """The top-k rows' filters and inverse-CDF draw in one launch (engine.triton_sampling) pick,
+    for the same candidates and uniforms, the token the torch ops pick: Qwen's defaults, top-k
+    with top-p, with min-p, top-k alone, top-k 1, a temperature below the floor, tied logits, a
+    k below the batch's widest (the row's own k applies), and uniforms at the very ends."""
+    from engine import SamplingParams
+    from engine.sampler import _inverse_cdf_no_sync, _top_k_candidates
+    from engine.triton_sampling import draw_among_top_k
+
+    kinds = [
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.95),
+        SamplingParams(temperature=1.3, top_k=9, min_p=0.3),
+        SamplingParams(temperature=0.9, top_k=37),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1e-30, top_k=5),
+    ]
+    g = torch.Generator().manual_seed(5)
+    rows = 240
+    logits = torch.randn(rows, 3000, generator=g) * torch.tensor([4.0, 1.0, 0.3, 8.0, 2.0]).repeat(rows // 5).unsqueeze(1)  # every kind at each scale
+    logits[7:11, :40] = 2.5  # ties among the largest
+    params = [kinds[i % len(kinds)] for i in range(rows)]
+    uniforms = torch.rand(rows, generator=g, dtype=torch.float64)
+    uniforms[:6], uniforms[6:12] = 0.0, 1.0  # 1: a rounding edge, kept off the filtered tail
+    probs, candidates = _top_k_candidates(logits, params)
+    want = candidates.gather(1, _inverse_cdf_no_sync(probs, uniforms).unsqueeze(1)).squeeze(1)
+    top, ids = logits.topk(candidates.shape[1], dim=-1)
+    got = draw_among_top_k(top, ids, [max(p.temperature, 1e-30) for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                           [p.min_p for p in params], uniforms)
+    assert torch.equal(got, want)
+    kept = [set(c[p > 0].tolist()) for c, p in zip(candidates, probs)]
+    assert all(token in row for token, row in zip(got.tolist(), kept)), "a token the filters remove was drawn"
+    assert len(set(got[1::len(kinds)].tolist())) > 10, "top-k 50 rows draw many tokens"
