@@ -33,7 +33,7 @@ _COLUMNS = 2048  # a program's run of vocabulary columns
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # the batch's penalised rows vary: one build for any count
 def _penalties_kernel(
     logits_ptr, logits_stride, out_ptr, out_stride,
     rows_ptr, unread_ptr,

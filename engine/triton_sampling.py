@@ -31,7 +31,14 @@ from engine.host_to_device import to_device
 MAX_CANDIDATES = 4096  # a row's candidates in one program; rows asking more take the torch ops
 
 
-@triton.jit
+# Triton compiles a kernel for each value of its constexprs and for each integer argument's
+# "is 1 / divisible by 16" class: the row count and width vary step by step, so they are not
+# specialized, and rows of up to 64 candidates (chat models' top-k) share one block size, the one
+# the engine's warm-up builds (engine.kernel_warm_up): no compiling inside a step.
+_MIN_BLOCK = 64
+
+
+@triton.jit(do_not_specialize=["width", "num_rows"])
 def _draw_kernel(top_ptr, ids_ptr, width, params_ptr, num_rows, uniforms_ptr, out_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -75,5 +82,5 @@ def draw_among_top_k(top: torch.Tensor, token_ids: torch.Tensor, temperatures: l
     rows, width = top.shape
     params = to_device([temperatures, [float(k) for k in top_ks], top_ps, min_ps], torch.float32, top.device)
     out = torch.empty(rows, dtype=torch.long, device=top.device)
-    _draw_kernel[(rows,)](top.contiguous(), token_ids.contiguous(), width, params, rows, uniforms, out, BLOCK=triton.next_power_of_2(width))
+    _draw_kernel[(rows,)](top.contiguous(), token_ids.contiguous(), width, params, rows, uniforms, out, BLOCK=max(_MIN_BLOCK, triton.next_power_of_2(width)))
     return out
