@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +32,8 @@ from engine.speculation import DraftRow
 
 if TYPE_CHECKING:
     from engine.model_runner import PendingSamples
+
+logger = logging.getLogger(__name__)
 
 
 def penalised(params) -> bool:
@@ -88,13 +91,18 @@ class PenaltyHistory:
         params = [seqs[i].params for i in rows]
         # Draft rows (speculative steps) take the torch ops: a draft's row counts the drafts before
         # it, and rows of one sequence would share a slab row the kernel writes.
-        if self._fused(device) and not any(isinstance(seqs[i], DraftRow) for i in rows):
-            from engine import triton_penalties
-
-            slab_rows, unread_sources = self._bring_up_to_date(base, vocab, device, pending, fold_unread=False)
-            return triton_penalties.apply_penalties(logits, rows, slab_rows, unread_sources, pending.token_ids if pending is not None else None,
-                                                    self.seen, self.output_counts, params)
-        slab_rows, _ = self._bring_up_to_date(base, vocab, device, pending)
+        fused = self._fused(device) and not any(isinstance(seqs[i], DraftRow) for i in rows) and len({id(s) for s in base}) == len(base)
+        slab_rows, unread = self._bring_up_to_date(base, vocab, device, pending, fold_unread=not fused)
+        if fused:
+            try:
+                return _triton_penalties().apply_penalties(logits, rows, slab_rows, unread, pending.token_ids if pending is not None else None,
+                                                           self.seen, self.output_counts, params)
+            except Exception:
+                # A kernel that does not build here (a Triton or driver this was never run on):
+                # the torch ops from now on, the step in flight's tokens folded in as they fold them.
+                logger.exception("the penalties' Triton kernel failed; applying the penalties with torch ops from now on")
+                self.fused = False
+                self._fold_unread(slab_rows, unread, pending)
         slab_index = to_device(slab_rows, torch.long, self.seen.device)
         seen = self.seen.index_select(0, slab_index)
         drafts = _draft_tokens([seqs[i] for i in rows], self.seen.device)
@@ -123,7 +131,7 @@ class PenaltyHistory:
     def _fused(self, device: torch.device) -> bool:
         """Whether the formulas run as one Triton launch (engine.triton_penalties)."""
         if self.fused is None:
-            self.fused = device.type == "cuda" and _triton_available()
+            self.fused = device.type == "cuda" and _triton_penalties() is not None
         return self.fused
 
     def _bring_up_to_date(self, seqs: list[Sequence], vocab: int, device: torch.device, pending: PendingSamples | None,
@@ -132,15 +140,15 @@ class PenaltyHistory:
         step folded in (a new sequence's whole history), for every sequence in one scatter, and
         the tokens ``pending`` holds for them in another (on the device, unread). The slabs stay
         on the device of the first logits they served. Also each sequence's row in ``pending``
-        whose token is still to be counted (-1: none): with ``fold_unread`` False those tokens are
-        left to the caller (the fused kernel counts and writes them), counted as folded here."""
+        whose token is still to be counted here (-1: none): with ``fold_unread`` False those tokens
+        are left to the caller (the fused kernel counts and writes them; ``_fold_unread`` where it
+        fails), counted as folded here."""
         if self.seen is None or self.seen.shape[1] != vocab:
             self._reset(vocab, device)
         device = self.seen.device
         entries = [self._entry(seq) for seq in seqs]
         self._grow_to(max(entry.row for entry in entries) + 1)
         seen_rows, seen_ids, output_rows, output_ids = [], [], [], []
-        unread_rows, unread_sources = [], []
         sources = [-1] * len(seqs)
         for i, (seq, entry) in enumerate(zip(seqs, entries)):
             tokens = seq.token_ids
@@ -155,9 +163,7 @@ class PenaltyHistory:
             if num_unread(seq, pending) and entry.num_counted == len(tokens):
                 # Its newest token, sampled by the step in flight (an output token): folded in from
                 # there; counted, so the host does not fold it again once it reads it.
-                unread_rows.append(entry.row)
-                unread_sources.append(pending.row_of[id(seq)])
-                sources[i] = unread_sources[-1]
+                sources[i] = pending.row_of[id(seq)]
                 entry.num_counted = len(tokens) + 1
         if seen_ids:
             # A Python scalar, not a tensor made on the device (that copy would wait for the stream).
@@ -165,11 +171,21 @@ class PenaltyHistory:
         if output_ids:
             index = (to_device(output_rows, torch.long, device), to_device(output_ids, torch.long, device))
             self.output_counts.index_put_(index, torch.ones(len(output_ids), device=device), accumulate=True)
-        if unread_rows and fold_unread:
-            index = (to_device(unread_rows, torch.long, device), pending.token_ids[to_device(unread_sources, torch.long, pending.token_ids.device)].to(device))
-            self.seen[index] = True
-            self.output_counts.index_put_(index, torch.ones(len(unread_rows), device=device), accumulate=True)
-        return [entry.row for entry in entries], sources
+        slab_rows = [entry.row for entry in entries]
+        if fold_unread:
+            self._fold_unread(slab_rows, sources, pending)
+        return slab_rows, sources
+
+    def _fold_unread(self, slab_rows: list[int], sources: list[int], pending: PendingSamples | None) -> None:
+        """Count in slab row ``slab_rows[i]`` the token ``pending`` holds at ``sources[i]`` (-1: none)."""
+        unread = [(row, source) for row, source in zip(slab_rows, sources) if source >= 0]
+        if not unread:
+            return
+        device = self.seen.device
+        index = (to_device([row for row, _ in unread], torch.long, device),
+                 pending.token_ids[to_device([source for _, source in unread], torch.long, pending.token_ids.device)].to(device))
+        self.seen[index] = True
+        self.output_counts.index_put_(index, torch.ones(len(unread), device=device), accumulate=True)
 
     def _entry(self, seq: Sequence) -> _Counted:
         entry = self._counted.get(id(seq))
@@ -206,12 +222,12 @@ class PenaltyHistory:
 
 
 @functools.cache
-def _triton_available() -> bool:
+def _triton_penalties():
+    """engine.triton_penalties, or None where Triton cannot be imported."""
     try:
-        importlib.import_module("engine.triton_penalties")
+        return importlib.import_module("engine.triton_penalties")
     except Exception:
-        return False
-    return True
+        return None
 
 
 def num_unread(seq: Sequence | DraftRow, pending: PendingSamples | None) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from engine.host_to_device import to_device, to_host
 from engine.penalties import PenaltyHistory
 from engine.sequence import Sequence, TokenLogprob
 
+
+logger = logging.getLogger(__name__)
 
 _SEED_MASK = (1 << 63) - 1
 _UINT64_MASK = (1 << 64) - 1
@@ -36,6 +39,7 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids or [])
         self._buffer: torch.Tensor | None = None  # scratch kept between steps (_scratch)
         self.penalties = PenaltyHistory()  # the penalised requests' token counts, kept between steps
+        self.fused_top_k_draws = True  # top-k rows' filters and draw in one Triton launch on CUDA (off once it fails)
         self._generators: dict[torch.device, torch.Generator] = {}  # _device_generator's
         self._keyed = torch.Generator()  # re-seeded with a seeded row's draw key (_keyed_uniforms)
 
@@ -164,12 +168,17 @@ class Sampler:
         if keyed:
             uniforms[to_device(keyed, torch.long, logits.device)] = to_device(self._keyed_uniforms([keys[i] for i in keyed]), torch.float64, logits.device)
         width = min(logits.shape[-1], max(p.top_k for p in params))
-        if _fused_top_k_draws(logits) and width <= _triton_sampling().MAX_CANDIDATES:
+        if self.fused_top_k_draws and _fused_top_k_draws(logits) and width <= _triton_sampling().MAX_CANDIDATES:
             # The filters and the draw in one launch after topk (engine.triton_sampling).
             top, token_ids = logits.topk(width, dim=-1)
-            return _triton_sampling().draw_among_top_k(
-                top, token_ids, [min(max(p.temperature, _MIN_TEMPERATURE), _MAX_TEMPERATURE) for p in params],
-                [p.top_k for p in params], [max(p.top_p, _MIN_TOP_P) for p in params], [p.min_p for p in params], uniforms)
+            try:
+                return _triton_sampling().draw_among_top_k(
+                    top, token_ids, [min(max(p.temperature, _MIN_TEMPERATURE), _MAX_TEMPERATURE) for p in params],
+                    [p.top_k for p in params], [max(p.top_p, _MIN_TOP_P) for p in params], [p.min_p for p in params], uniforms)
+            except Exception:
+                # A kernel that does not build here (a Triton or driver this was never run on).
+                logger.exception("the top-k draw's Triton kernel failed; drawing top-k rows with torch ops from now on")
+                self.fused_top_k_draws = False
         probs, token_ids = _top_k_candidates(logits, params)
         return token_ids.gather(1, _inverse_cdf_no_sync(probs, uniforms).unsqueeze(1)).squeeze(1)
 

@@ -15,8 +15,8 @@ counted as seen and output once more by the program whose columns hold it, which
 into the slabs: the history is brought up to date in the same launch.
 
 The formulas are ``engine.penalties._apply_formulas``' in the same order, division correctly
-rounded (``div_rn``), so float32 logits come out as the torch ops give them; on a GPU the compiler
-may contract frequency's multiply and subtract into one rounding. The kernel runs on a CPU too
+rounded (``div_rn``) and no multiply-add contracted (``enable_fp_fusion=False``), so float32
+logits come out as the torch ops give them. The kernel runs on a CPU too
 under Triton's interpreter (``TRITON_INTERPRET=1``), where the tests hold it to the torch path
 element for element.
 """
@@ -91,6 +91,6 @@ def apply_penalties(
         rows, unread_tokens if unread_tokens is not None else rows,
         seen.view(torch.uint8), output_counts, seen.stride(0),
         penalties, count, vocab, _FLOAT32_MAX,
-        COLUMNS=_COLUMNS,
+        COLUMNS=_COLUMNS, enable_fp_fusion=False,  # no contracted multiply-subtract: torch's roundings
     )
     return out

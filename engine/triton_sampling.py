@@ -15,8 +15,9 @@ top-p on the probabilities over the top-k survivors (the mass before a token rea
 it), min-p against the largest, the first candidate always kept, then the softmax of what is kept
 and the first candidate whose float64 cumulative probability exceeds the row's uniform times the
 total (never past the last candidate of positive probability). The sums and scans round in
-another order than torch's, so a uniform within a few units in the last place of a boundary may
-land on the neighbouring token; the distribution is the same. The kernel runs on a CPU under
+another order than torch's and a GPU's exp and log are its fast approximations, so a uniform
+within a few units in the last place of a boundary may land on the neighbouring token (a seeded
+request can draw another token than on a worker without Triton); the distribution is the same. The kernel runs on a CPU under
 Triton's interpreter (``TRITON_INTERPRET=1``), where the tests hold it to the torch ops.
 """
 
@@ -63,7 +64,7 @@ def _draw_kernel(top_ptr, ids_ptr, width, params_ptr, num_rows, uniforms_ptr, ou
 
     kept = tl.where(removed, float("-inf"), values)
     weights = tl.exp(kept - tl.max(kept, axis=0))
-    probs = weights / tl.sum(weights, axis=0)
+    probs = tl.math.div_rn(weights, tl.sum(weights, axis=0))
     cdf = tl.cumsum(probs.to(tl.float64), axis=0)
     total = tl.max(tl.where(inside, cdf, 0.0), axis=0)  # the scan's last value
     target = tl.load(uniforms_ptr + row) * total

@@ -538,7 +538,7 @@ def check_fused_top_k_draws(batch: int, vocab: int) -> dict:
     """Top-k rows' filters and draw in one launch (engine.triton_sampling) against the torch ops,
     on ``batch`` rows of ``vocab`` with Qwen2.5's defaults: the tokens picked for the same
     candidates and uniforms (equal but where a uniform falls within rounding of a boundary: the
-    kernel sums in another order), and the milliseconds per call each way after ``topk``."""
+    kernel sums in another order), and the milliseconds per call each way, ``topk`` included."""
     from engine.sampler import _inverse_cdf_no_sync, _top_k_candidates
     from engine.triton_sampling import draw_among_top_k
 
@@ -546,13 +546,13 @@ def check_fused_top_k_draws(batch: int, vocab: int) -> dict:
     params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8)] * batch
     logits = torch.randn(batch, vocab, device="cuda", generator=generator) * 4
     uniforms = torch.rand(batch, device="cuda", dtype=torch.float64, generator=generator)
-    top, ids = logits.topk(20, dim=-1)
 
     def torch_ops():
         probs, candidates = _top_k_candidates(logits, params)
         return candidates.gather(1, _inverse_cdf_no_sync(probs, uniforms).unsqueeze(1)).squeeze(1)
 
-    def fused():
+    def fused():  # topk too, as the torch ops take it inside _top_k_candidates
+        top, ids = logits.topk(20, dim=-1)
         return draw_among_top_k(top, ids, [0.7] * batch, [20] * batch, [0.8] * batch, [0.0] * batch, uniforms)
 
     equal = int((torch_ops() == fused()).sum())

@@ -6,9 +6,9 @@ backend served these caches on CUDA: decode gathered every row's blocks, padded 
 dequantized them in float32 and ran SDPA, reading about three times the bytes the cache holds,
 and the write ran as a dozen torch ops per layer with a host synchronisation.
 
-Here decode attention reads each row's blocks in place (one program per decode row and KV
-head: the group's query heads against the block's keys, dequantized in registers, online
-softmax), and the write is one kernel per layer for keys and values together
+Here decode attention reads each row's blocks in place (programs per decode row, KV head and
+split of the row's context: the group's query heads against a block's keys, dequantized in
+registers, online softmax; the splits then merged, as flash-decoding does), and the write is one kernel per layer for keys and values together
 (``engine.attention.triton_kv_write``), the same rules as the CPU kernel and the torch path.
 Prompt chunks keep the portable backend's gather + SDPA (compute-bound there).
 
@@ -33,20 +33,23 @@ QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 @triton.jit
-def _decode_kernel(
+def _window_start(length, window):
+    """A decode row's first visible position (``window`` 0: no sliding window)."""
+    return tl.where(window > 0, tl.maximum(length - window, 0), 0)
+
+
+@triton.jit
+def _attend_blocks(
     q_ptr, q_stride_t, q_stride_h,
     k_ptr, k_stride_block, k_stride_token, k_stride_head,
     v_ptr, v_stride_block, v_stride_token, v_stride_head,
     k_scales_ptr, v_scales_ptr, scales_stride_block, scales_stride_head,
-    tables_ptr, tables_stride, lens_ptr,
-    out_ptr, out_stride_t, out_stride_h,
-    softmax_scale, window,
+    tables_ptr, tables_stride, row, kv_head, length, start, first, last, softmax_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    length = tl.load(lens_ptr + row)
-    start = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+    """The group's query heads of decode row ``row`` against its blocks [first, last) (positions
+    [start, length) visible), keys and values dequantized in registers, online softmax: the
+    running maximum, sum and unnormalized output per query head."""
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     t = tl.arange(0, BLOCK_SIZE)
@@ -55,7 +58,7 @@ def _decode_kernel(
     best = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     total = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for b in range(start // BLOCK_SIZE, tl.cdiv(length, BLOCK_SIZE)):
+    for b in range(first, last):
         block = tl.load(tables_ptr + row * tables_stride + b)
         positions = b * BLOCK_SIZE + t
         visible = (positions < length) & (positions >= start)
@@ -71,29 +74,150 @@ def _decode_kernel(
         values = tl.load(v_ptr + block * v_stride_block + t[:, None] * v_stride_token + kv_head * v_stride_head + d[None, :]).to(tl.float32)
         acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * values[None, :, :], axis=1) * v_scale
         best = new_best
-    out = acc / total[:, None]
-    tl.store(out_ptr + row * out_stride_t + heads[:, None] * out_stride_h + d[None, :], out, mask=(g < GROUP)[:, None])
+    return best, total, acc
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, q_stride_t, q_stride_h,
+    k_ptr, k_stride_block, k_stride_token, k_stride_head,
+    v_ptr, v_stride_block, v_stride_token, v_stride_head,
+    k_scales_ptr, v_scales_ptr, scales_stride_block, scales_stride_head,
+    tables_ptr, tables_stride, lens_ptr,
+    out_ptr, out_stride_t, out_stride_h,
+    softmax_scale, window,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One program per decode row and KV head, over all its blocks."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    length = tl.load(lens_ptr + row)
+    start = _window_start(length, window)
+    _, total, acc = _attend_blocks(
+        q_ptr, q_stride_t, q_stride_h, k_ptr, k_stride_block, k_stride_token, k_stride_head,
+        v_ptr, v_stride_block, v_stride_token, v_stride_head, k_scales_ptr, v_scales_ptr, scales_stride_block, scales_stride_head,
+        tables_ptr, tables_stride, row, kv_head, length, start, start // BLOCK_SIZE, tl.cdiv(length, BLOCK_SIZE), softmax_scale,
+        GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE,
+    )
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    tl.store(out_ptr + row * out_stride_t + heads[:, None] * out_stride_h + d[None, :], acc / total[:, None], mask=(g < GROUP)[:, None])
+
+
+@triton.jit
+def _split_blocks(length, window, split, BLOCK_SIZE: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """A row's blocks split ``split`` attends: [first, last), empty past the row's last split.
+    Splits of at least MIN_SPLIT_BLOCKS blocks, at most MAX_SPLITS of them: a function of the row
+    alone, so a row attends alike in any batch and any table width (a CUDA graph's padded ones)."""
+    start = _window_start(length, window)
+    row_blocks = tl.cdiv(length, BLOCK_SIZE)
+    per_split = tl.maximum(MIN_SPLIT_BLOCKS, tl.cdiv(row_blocks, MAX_SPLITS))
+    return tl.maximum(start // BLOCK_SIZE, split * per_split), tl.minimum(row_blocks, (split + 1) * per_split), tl.cdiv(row_blocks, per_split)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, q_stride_t, q_stride_h,
+    k_ptr, k_stride_block, k_stride_token, k_stride_head,
+    v_ptr, v_stride_block, v_stride_token, v_stride_head,
+    k_scales_ptr, v_scales_ptr, scales_stride_block, scales_stride_head,
+    tables_ptr, tables_stride, lens_ptr,
+    best_ptr, total_ptr, acc_ptr, num_kv_heads, num_splits,
+    softmax_scale, window,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MIN_SPLIT_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    """``_decode_kernel``'s walk over one split of a row's blocks, leaving its running maximum,
+    sum and unnormalized output per query head for ``_merge_splits_kernel``."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + row)
+    first, last, _ = _split_blocks(length, window, split, BLOCK_SIZE, MIN_SPLIT_BLOCKS, MAX_SPLITS)
+    best, total, acc = _attend_blocks(
+        q_ptr, q_stride_t, q_stride_h, k_ptr, k_stride_block, k_stride_token, k_stride_head,
+        v_ptr, v_stride_block, v_stride_token, v_stride_head, k_scales_ptr, v_scales_ptr, scales_stride_block, scales_stride_head,
+        tables_ptr, tables_stride, row, kv_head, length, _window_start(length, window), first, last, softmax_scale,
+        GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE,
+    )
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    partial = (row * num_kv_heads + kv_head) * num_splits + split
+    tl.store(best_ptr + partial * GROUP_PAD + g, best)
+    tl.store(total_ptr + partial * GROUP_PAD + g, total)
+    tl.store(acc_ptr + (partial * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :], acc)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    best_ptr, total_ptr, acc_ptr, num_kv_heads, num_splits, lens_ptr, window,
+    out_ptr, out_stride_t, out_stride_h,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MIN_SPLIT_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    """A row's splits joined: each split's sum and output rescaled to the largest maximum. A row
+    of one split comes out exactly as ``_decode_kernel`` gives it (its factor is exp(0) = 1)."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    length = tl.load(lens_ptr + row)
+    _, _, used = _split_blocks(length, window, 0, BLOCK_SIZE, MIN_SPLIT_BLOCKS, MAX_SPLITS)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    first = (row * num_kv_heads + kv_head) * num_splits
+    peak = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    for s in range(0, used):
+        peak = tl.maximum(peak, tl.load(best_ptr + (first + s) * GROUP_PAD + g))
+    total = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, used):
+        factor = tl.exp(tl.load(best_ptr + (first + s) * GROUP_PAD + g) - peak)  # 0 for a split before a window's start
+        total += tl.load(total_ptr + (first + s) * GROUP_PAD + g) * factor
+        acc += tl.load(acc_ptr + ((first + s) * GROUP_PAD + g[:, None]) * HEAD_DIM + d[None, :]) * factor[:, None]
+    heads = kv_head * GROUP + g
+    tl.store(out_ptr + row * out_stride_t + heads[:, None] * out_stride_h + d[None, :], acc / total[:, None], mask=(g < GROUP)[:, None])
+
+
+# Decode attention splits a row's context into runs of at least this many tokens, attended by
+# programs of their own and then merged (flash-decoding): one program per row and KV head
+# walking its blocks one after another left most of a GPU idle. On an H200 (session 46) the 1.5B
+# shape's batch-64 step at context 600 with an fp8 cache took 9.17 ms in CUDA graphs against 2.89
+# ms with a bfloat16 cache through FlashInfer: 128 programs for 132 SMs, 38 blocks each in turn.
+SPLIT_TOKENS = 128
+MAX_SPLITS = 32  # at most this many a row (longer splits past 4k tokens): bounds the partials' memory
 
 
 def attend_decode(
     q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, key_scales: torch.Tensor, value_scales: torch.Tensor,
-    tables: torch.Tensor, lens: torch.Tensor, window: int | None,
+    tables: torch.Tensor, lens: torch.Tensor, window: int | None, split_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Decode rows q [n, H, D] over their quantized blocks -> [n, H, D] in q's dtype."""
+    """Decode rows q [n, H, D] over their quantized blocks -> [n, H, D] in q's dtype. Rows whose
+    blocks span several splits of ``split_tokens`` (SPLIT_TOKENS) are attended split by split, then
+    merged; the split of a row depends on the row alone, never on ``tables``' width."""
     n, num_heads, head_dim = q.shape
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     group = num_heads // num_kv_heads
+    group_pad = max(2, triton.next_power_of_2(group))
     out = torch.empty((n, num_heads, head_dim), dtype=torch.float32, device=q.device)
-    _decode_kernel[(n, num_kv_heads)](
+    cache_args = (
         q, q.stride(0), q.stride(1),
         key_cache, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache, value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         key_scales, value_scales, key_scales.stride(0), key_scales.stride(1),
         tables, tables.stride(0), lens,
-        out, out.stride(0), out.stride(1),
-        head_dim**-0.5, window or 0,
-        GROUP=group, GROUP_PAD=max(2, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1],
     )
+    shape = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size)
+    min_split_blocks = max(1, (split_tokens or SPLIT_TOKENS) // block_size)
+    num_splits = min(MAX_SPLITS, triton.cdiv(tables.shape[1], min_split_blocks))  # the most any row of ``tables`` takes
+    if num_splits == 1:
+        _decode_kernel[(n, num_kv_heads)](*cache_args, out, out.stride(0), out.stride(1), head_dim**-0.5, window or 0, **shape)
+        return out.to(q.dtype)
+    splits = dict(MIN_SPLIT_BLOCKS=min_split_blocks, MAX_SPLITS=MAX_SPLITS)
+    best = torch.empty((n, num_kv_heads, num_splits, group_pad), dtype=torch.float32, device=q.device)
+    total = torch.empty_like(best)
+    acc = torch.empty((n, num_kv_heads, num_splits, group_pad, head_dim), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(n, num_kv_heads, num_splits)](*cache_args, best, total, acc, num_kv_heads, num_splits, head_dim**-0.5, window or 0, **shape, **splits)
+    _merge_splits_kernel[(n, num_kv_heads)](best, total, acc, num_kv_heads, num_splits, lens, window or 0, out, out.stride(0), out.stride(1), **shape, **splits)
     return out.to(q.dtype)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import random
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -88,3 +89,33 @@ def test_rows_without_penalties_come_back_untouched_and_uncounted():
     logits = torch.randn(2, VOCAB)
     assert history.apply(logits, plain) is logits
     assert history.seen is None
+
+
+def test_a_penalty_kernel_that_fails_leaves_the_torch_ops_with_the_history_whole(monkeypatch):
+    """Where the fused kernel (engine.triton_penalties) fails to build or launch, the penalties
+    come from the torch ops, that step and after, and the token of the step in flight that the
+    kernel was to count is counted all the same."""
+    import engine.penalties
+    from engine.model_runner import PendingSamples
+
+    launches = []
+
+    def failing(*args, **kwargs):
+        launches.append(1)
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(engine.penalties, "_triton_penalties", lambda: SimpleNamespace(apply_penalties=failing))
+    rng = random.Random(3)
+    fused, reference = PenaltyHistory(whole_rows=True, fused=True), PenaltyHistory(whole_rows=True, fused=False)
+    seqs = [_sequence("a", rng, 20, repetition_penalty=1.3, frequency_penalty=0.5), _sequence("b", rng, 9, presence_penalty=0.4)]
+    for seq in seqs:
+        seq.token_ids.append(rng.randrange(VOCAB))
+        seq.num_pending_tokens = 1
+    for step in range(2):
+        logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(step))
+        pending = PendingSamples(torch.tensor([rng.randrange(VOCAB) for _ in seqs]), {id(s): r for r, s in enumerate(seqs)})
+        assert torch.equal(fused.apply(logits, seqs, pending), reference.apply(logits, seqs, pending))
+        assert torch.equal(fused.output_counts, reference.output_counts) and torch.equal(fused.seen, reference.seen)
+        for seq, token in zip(seqs, pending.token_ids.tolist()):
+            seq.token_ids.append(token)
+    assert launches == [1] and fused.fused is False

@@ -523,3 +523,27 @@ def test_a_seeded_sequences_draft_rows_each_draw_their_own_positions_token():
             alone = [sampler.sample(logits, [row])[0][0] for row in rows]
             together = [token for token, _ in sampler.sample(logits.repeat(3, 1), rows, draft_token_ids=[5, 9, None])]
             assert together == alone, (params, seed)
+
+
+def test_a_top_k_draw_kernel_that_fails_leaves_the_torch_ops(monkeypatch):
+    """Where the top-k rows' Triton kernel (engine.triton_sampling) fails to build or launch, the
+    rows are drawn by the torch ops, that step and after: the tokens of a sampler without it."""
+    from types import SimpleNamespace
+
+    import engine.sampler
+
+    params = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8)] * 8
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(2)) * 3
+    want = Sampler(seed=4)._draw_on_device(logits, params)
+    launches = []
+
+    def failing(*args):
+        launches.append(1)
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(engine.sampler, "_fused_top_k_draws", lambda logits: True)
+    monkeypatch.setattr(engine.sampler, "_triton_sampling", lambda: SimpleNamespace(MAX_CANDIDATES=4096, draw_among_top_k=failing))
+    sampler = Sampler(seed=4)
+    assert torch.equal(sampler._draw_on_device(logits, params), want)
+    sampler._draw_on_device(logits, params)
+    assert launches == [1] and sampler.fused_top_k_draws is False

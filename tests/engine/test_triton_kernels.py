@@ -42,7 +42,7 @@ def test_kernels_under_the_interpreter():
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert "15 passed" in result.stdout, result.stdout[-2000:]
+    assert "18 passed" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +161,45 @@ def test_decode_attention_over_quantized_blocks_is_the_portable_backends(triton_
 
 
 @under_interpreter
-def test_decode_over_a_cuda_graphs_fixed_buffers_is_the_eager_steps(triton_quantized):
+def test_decode_attention_split_over_a_rows_context_is_the_one_pass_kernels(triton_quantized, monkeypatch):
+    """Rows attended split by split and merged (flash-decoding) give the one-pass kernel's output:
+    splits of one block and of several, a row of one block (its one split: exactly the one-pass
+    output), a row ending at a block's edge, a sliding window starting inside a split, and rows
+    of more blocks than the splits allowed (longer splits)."""
+    cache = _cache("int8", num_blocks=12)
+    heads, dim = cache.key_views[0].shape[2:]
+    for view, scales in ((cache.key_views[0], cache.key_scales[0]), (cache.value_views[0], cache.value_scales[0])):
+        for block in range(cache.num_blocks):
+            x = torch.randn(BLOCK_SIZE, heads, dim, generator=torch.Generator().manual_seed(block)) * (1 + block % 3)
+            write_quantized_torch(x, view, scales, torch.full((BLOCK_SIZE,), block), torch.arange(BLOCK_SIZE))
+    g = torch.Generator().manual_seed(9)
+    lens = torch.tensor([5, 2 * BLOCK_SIZE, 7 * BLOCK_SIZE + 3, 12 * BLOCK_SIZE])
+    tables = torch.stack([torch.randperm(12, generator=g) for _ in lens])
+    q = torch.randn(len(lens), 3 * heads, dim, generator=g)
+
+    def attend(window, split_tokens):
+        return triton_quantized.attend_decode(q, cache.key_views[0], cache.value_views[0], cache.key_scales[0], cache.value_scales[0],
+                                              tables, lens, window, split_tokens=split_tokens)
+
+    one_pass = {window: attend(window, 10**9) for window in (None, 19)}
+    for window in one_pass:  # splits of one block
+        split = attend(window, BLOCK_SIZE)
+        torch.testing.assert_close(split, one_pass[window], rtol=1e-5, atol=1e-6)
+        assert torch.equal(split[0], one_pass[window][0]), "a row of one split"
+    monkeypatch.setattr(triton_quantized, "MAX_SPLITS", 3)  # 12 blocks in 3 splits of 4, 7 in 3 of 3
+    torch.testing.assert_close(attend(None, BLOCK_SIZE), one_pass[None], rtol=1e-5, atol=1e-6)
+
+
+@under_interpreter
+@pytest.mark.parametrize("split_tokens", [None, BLOCK_SIZE], ids=["one pass", "split"])
+def test_decode_over_a_cuda_graphs_fixed_buffers_is_the_eager_steps(triton_quantized, monkeypatch, split_tokens):
     """What a CUDA graph of a quantized cache replays (engine.cuda_graphs in tables mode): decode
     rows padded up to a bucket with rows on the scratch block, block tables padded to the
     buffer's width, every row its own write run (TritonQuantizedBackend.graph_metadata): the real
-    rows' attention and KV writes are the eager step's, element for element."""
+    rows' attention and KV writes are the eager step's, element for element; split over a row's
+    blocks too (the graph's wider tables give it more splits, each row the same ones)."""
+    if split_tokens is not None:
+        monkeypatch.setattr(triton_quantized, "SPLIT_TOKENS", split_tokens)
     config = EngineConfig(kv_cache_dtype="int8", num_kv_blocks=12, block_size=BLOCK_SIZE)
     caches = {name: KVCache(ModelConfig.from_model_dir(DEFAULT_MODEL_PATH), config, torch.float32, scratch_block=True) for name in ("eager", "graph")}
     heads, dim = caches["eager"].key_views[0].shape[2:]
@@ -282,6 +316,8 @@ def test_the_penalties_in_one_launch_are_the_torch_ops_step_after_step(overlappe
             running = [s for s in running if s.req_id != "freq"]
             gc.collect()
             running += [sequence("late", 33, repetition_penalty=2.0, presence_penalty=0.3), sequence("later", 5, frequency_penalty=0.9)]
+        if step == 6:  # every row penalised (the kernel writes every element; nothing copied first)
+            running = [s for s in running if s.req_id != "none"]
         logits = torch.randn(len(running), vocab, generator=torch.Generator().manual_seed(step)) * 3
         logits[:, :7] = 0.0  # neither side of the repetition penalty's sign test
         sampled = [rng.choice(s.token_ids) if rng.random() < 0.5 else rng.randrange(vocab) for s in running]
@@ -292,7 +328,7 @@ def test_the_penalties_in_one_launch_are_the_torch_ops_step_after_step(overlappe
                 seq.num_pending_tokens = 1
         got, want = fused.apply(logits, running, pending), torch_ops.apply(logits, running, pending)
         assert torch.equal(got, want), f"step {step}"
-        plain = [s.req_id for s in running].index("none")
+        plain = [i for i, s in enumerate(running) if s.req_id == "none"]
         assert torch.equal(got[plain], logits[plain]) and not torch.equal(got, logits)
         assert got.abs().max() <= torch.finfo(torch.float32).max
         assert torch.equal(fused.seen, torch_ops.seen) and torch.equal(fused.output_counts, torch_ops.output_counts), f"step {step}: the histories"
@@ -335,3 +371,23 @@ def test_a_top_k_rows_filters_and_draw_in_one_launch_are_the_torch_ops():
     kept = [set(c[p > 0].tolist()) for c, p in zip(candidates, probs)]
     assert all(token in row for token, row in zip(got.tolist(), kept)), "a token the filters remove was drawn"
     assert len(set(got[1::len(kinds)].tolist())) > 10, "top-k 50 rows draw many tokens"
+
+
+@under_interpreter
+def test_the_samplers_top_k_rows_draw_through_the_one_launch_as_through_the_torch_ops(monkeypatch):
+    """Sampler._draw_on_device with the top-k kernel (as on CUDA) gives the tokens it gives with
+    the torch ops, for the same engine seed: unkeyed and keyed rows, mixed k, a temperature below
+    the floor and one above the ceiling, a top_p below the floor."""
+    import engine.sampler
+    from engine import SamplingParams
+    from engine.sampler import Sampler
+
+    kinds = [SamplingParams(temperature=0.7, top_k=20, top_p=0.8), SamplingParams(temperature=1e-40, top_k=5),
+             SamplingParams(temperature=1e35, top_k=30, min_p=0.1), SamplingParams(temperature=1.1, top_k=12, top_p=1e-45)]
+    params = [kinds[i % len(kinds)] for i in range(32)]
+    keys = [None if i % 3 else 1000 + i for i in range(32)]
+    logits = torch.randn(32, 2000, generator=torch.Generator().manual_seed(8)) * 3
+    want = Sampler(seed=5)._draw_on_device(logits, params, keys)
+    monkeypatch.setattr(engine.sampler, "_fused_top_k_draws", lambda logits: True)
+    got = Sampler(seed=5)._draw_on_device(logits, params, keys)
+    assert torch.equal(got, want)
