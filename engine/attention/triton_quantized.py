@@ -18,6 +18,7 @@ check them against the portable backend that way.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,8 @@ import triton.language as tl
 from engine.attention.base import StepLayout
 from engine.attention.sdpa import SdpaBackend, SdpaMetadata
 from engine.attention.triton_kv_write import write_quantized_pair
+
+logger = logging.getLogger(__name__)
 
 QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -185,6 +188,7 @@ def _merge_splits_kernel(
 # ms with a bfloat16 cache through FlashInfer: 128 programs for 132 SMs, 38 blocks each in turn.
 SPLIT_TOKENS = 128
 MAX_SPLITS = 32  # at most this many a row (longer splits past 4k tokens): bounds the partials' memory
+_splits_build = True  # False once the split kernels failed to build or launch here
 
 
 def attend_decode(
@@ -209,15 +213,22 @@ def attend_decode(
     shape = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size)
     min_split_blocks = max(1, (split_tokens or SPLIT_TOKENS) // block_size)
     num_splits = min(MAX_SPLITS, triton.cdiv(tables.shape[1], min_split_blocks))  # the most any row of ``tables`` takes
-    if num_splits == 1:
-        _decode_kernel[(n, num_kv_heads)](*cache_args, out, out.stride(0), out.stride(1), head_dim**-0.5, window or 0, **shape)
-        return out.to(q.dtype)
-    splits = dict(MIN_SPLIT_BLOCKS=min_split_blocks, MAX_SPLITS=MAX_SPLITS)
-    best = torch.empty((n, num_kv_heads, num_splits, group_pad), dtype=torch.float32, device=q.device)
-    total = torch.empty_like(best)
-    acc = torch.empty((n, num_kv_heads, num_splits, group_pad, head_dim), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(n, num_kv_heads, num_splits)](*cache_args, best, total, acc, num_kv_heads, num_splits, head_dim**-0.5, window or 0, **shape, **splits)
-    _merge_splits_kernel[(n, num_kv_heads)](best, total, acc, num_kv_heads, num_splits, lens, window or 0, out, out.stride(0), out.stride(1), **shape, **splits)
+    global _splits_build
+    if num_splits > 1 and _splits_build:
+        splits = dict(MIN_SPLIT_BLOCKS=min_split_blocks, MAX_SPLITS=MAX_SPLITS)
+        best = torch.empty((n, num_kv_heads, num_splits, group_pad), dtype=torch.float32, device=q.device)
+        total = torch.empty_like(best)
+        acc = torch.empty((n, num_kv_heads, num_splits, group_pad, head_dim), dtype=torch.float32, device=q.device)
+        try:
+            _decode_split_kernel[(n, num_kv_heads, num_splits)](*cache_args, best, total, acc, num_kv_heads, num_splits, head_dim**-0.5, window or 0, **shape, **splits)
+            _merge_splits_kernel[(n, num_kv_heads)](best, total, acc, num_kv_heads, num_splits, lens, window or 0, out, out.stride(0), out.stride(1), **shape, **splits)
+            return out.to(q.dtype)
+        except Exception:
+            # Kernels that do not build here (a Triton or driver they were never run on): the
+            # one-pass kernel from now on (the engine's warm-up step meets this before a graph does).
+            logger.exception("the split decode kernels failed to run; quantized decode attends in one pass from now on")
+            _splits_build = False
+    _decode_kernel[(n, num_kv_heads)](*cache_args, out, out.stride(0), out.stride(1), head_dim**-0.5, window or 0, **shape)
     return out.to(q.dtype)
 
 

@@ -165,7 +165,8 @@ def test_decode_attention_split_over_a_rows_context_is_the_one_pass_kernels(trit
     """Rows attended split by split and merged (flash-decoding) give the one-pass kernel's output:
     splits of one block and of several, a row of one block (its one split: exactly the one-pass
     output), a row ending at a block's edge, a sliding window starting inside a split, and rows
-    of more blocks than the splits allowed (longer splits)."""
+    of more blocks than the splits allowed (longer splits); split kernels that fail to build
+    leave the one-pass kernel."""
     cache = _cache("int8", num_blocks=12)
     heads, dim = cache.key_views[0].shape[2:]
     for view, scales in ((cache.key_views[0], cache.key_scales[0]), (cache.value_views[0], cache.value_scales[0])):
@@ -188,6 +189,14 @@ def test_decode_attention_split_over_a_rows_context_is_the_one_pass_kernels(trit
         assert torch.equal(split[0], one_pass[window][0]), "a row of one split"
     monkeypatch.setattr(triton_quantized, "MAX_SPLITS", 3)  # 12 blocks in 3 splits of 4, 7 in 3 of 3
     torch.testing.assert_close(attend(None, BLOCK_SIZE), one_pass[None], rtol=1e-5, atol=1e-6)
+
+    class Unbuildable:  # split kernels that do not build here: the one pass from then on
+        def __getitem__(self, grid):
+            raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(triton_quantized, "_decode_split_kernel", Unbuildable())
+    monkeypatch.setattr(triton_quantized, "_splits_build", True)
+    assert torch.equal(attend(None, BLOCK_SIZE), one_pass[None]) and triton_quantized._splits_build is False
 
 
 @under_interpreter
