@@ -39,6 +39,7 @@ class _Waiter:
     granted: asyncio.Future = field(compare=False)
     since: float = field(compare=False, default=0.0)
     query: RouteQuery | None = field(compare=False, default=None)  # what the pool's selector weighs
+    room_unknown: bool = field(compare=False, default=False)  # granted on an actor whose room was not reported yet
 
 
 class DecodeCapacity:
@@ -84,9 +85,24 @@ class DecodeCapacity:
         self.on_report()
         try:
             return await waiter.granted
+        except BaseException:
+            if waiter.granted.done() and not waiter.granted.cancelled() and waiter.granted.exception() is None:
+                # Granted, but its task was cancelled before it took the grant (a client that
+                # left, a deadline): the room goes back, or the next waiters would wait for a
+                # report that may never come (an actor that just joined has no collector yet).
+                self._give_back(waiter)
+            raise
         finally:
             if not waiter.granted.done() or waiter.granted.cancelled():
                 self._remove(waiter)
+
+    def _give_back(self, waiter: _Waiter) -> None:
+        record = waiter.granted.result()
+        if waiter.room_unknown and record.num_reservable_blocks == 0:
+            record.num_reservable_blocks = None  # as it was: no report since
+        elif record.num_reservable_blocks is not None:
+            record.num_reservable_blocks += waiter.num_blocks
+        self.on_report()
 
     def next_order(self) -> int:
         return next(self._order)
@@ -125,6 +141,7 @@ class DecodeCapacity:
                 # Its room not reported yet (it just joined): one request until its first report,
                 # or it was given every waiter at once, and most came back refused.
                 record.num_reservable_blocks = 0
+                head.room_unknown = True
             head.granted.set_result(record)
 
     def _age(self) -> None:

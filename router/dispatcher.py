@@ -256,10 +256,13 @@ class Dispatcher:
         if budget is not None:
             estimate = self.estimate_wait(active.request)
             total, ahead = estimate.total_s, estimate.ahead_s
-            # Refused only for others' work ahead of it: its own prompt's time (a long prompt on a
-            # slow deployment) would be refused at every retry, even on an idle cluster.
-            if total is not None and total > budget and ahead > 0:
-                retry_s = min(ahead, total - budget)
+            # Refused only for others' work ahead of it, past what its own prompt leaves of the
+            # budget but never less than half of it: its own time alone (a long prompt on a slow
+            # deployment) would be refused at every retry, and a prompt taking most of the budget
+            # itself by any work ahead, however little, under steady traffic for good.
+            allowed = max(budget - estimate.own_s, budget / 2)
+            if total is not None and ahead > allowed:
+                retry_s = ahead - allowed
                 raise ResourceExhaustedError(
                     f"the estimated wait for a first token is {total:.1f}s (prefill queue "
                     f"{_seconds(estimate.prefill_s)}, KV room {_seconds(estimate.kv_s)}), over the "
@@ -368,6 +371,9 @@ class Dispatcher:
                 self.on_worker_died(decode)
             except BaseException:
                 self._unplace(decode, request.req_id)
+                # Its room was debited for this request: the actor's next report gives it back
+                # (an actor that just joined has no collector until one is started).
+                self._ensure_collector(decode)
                 raise
         active.assembler.decode_worker_id = decode.worker_id
         active.assembler.prefill_worker_id = ""

@@ -265,14 +265,19 @@ def _measured_dispatcher(**config) -> tuple[Dispatcher, WorkerRecord]:
 
 def test_a_prompt_longer_than_the_budget_alone_is_admitted_on_an_idle_deployment():
     """Its own prefill (30 s at 100 tok/s) counted against the budget: refused at every retry, on
-    an idle deployment, with a retry hint that could never come true. Others' work ahead of it
-    still refuses it, with the hint of when that is done."""
+    an idle deployment, with a retry hint that could never come true. Then any work ahead of it,
+    however little, refused it at every retry under steady traffic: it may wait behind others
+    for half the budget. More than that still refuses it, with the hint of when it is done."""
     dispatcher, prefill = _measured_dispatcher()
     dispatcher.admit(_active("long", 3000))
-    prefill.num_assigned_prompt_tokens = 500  # 5 s of others' prompts ahead: 35 s, over by 25
-    with pytest.raises(ResourceExhaustedError, match="retry in 5s") as refused:
+    prefill.num_assigned_prompt_tokens = 100  # 1 s of others' prompts ahead: 31 s
+    dispatcher.admit(_active("under steady traffic", 3000))
+    prefill.num_assigned_prompt_tokens = 500  # 5 s: half the budget
+    dispatcher.admit(_active("behind half the budget", 3000))
+    prefill.num_assigned_prompt_tokens = 800  # 8 s ahead: 3 s past half the budget
+    with pytest.raises(ResourceExhaustedError, match="retry in 3s") as refused:
         dispatcher.admit(_active("behind", 3000))
-    assert refused.value.retry_after_s == pytest.approx(5.0)
+    assert refused.value.retry_after_s == pytest.approx(3.0)
 
 
 def test_prompts_placed_but_not_yet_prefilling_count_in_the_estimate():
@@ -325,3 +330,41 @@ def test_a_worker_whose_room_is_not_reported_yet_takes_one_request_until_it_repo
 
     first, granted = asyncio.run(scenario())
     assert first == [0] and granted == [0, 1, 2, 3, 4]
+
+
+def test_room_granted_to_a_waiter_that_left_goes_back_to_the_next():
+    """A waiter granted room and cancelled before it took the grant (its client left, a
+    deadline) kept the room debited: on an actor that had just joined (its room unknown, set to
+    0 for the grant) and has no collector to report it, the waiters behind waited for good."""
+
+    async def scenario():
+        pool = _pool(0)  # decode-0 full
+        capacity = DecodeCapacity(pool)
+        tasks = [asyncio.create_task(capacity.acquire(1, 0)) for _ in range(3)]
+        await asyncio.sleep(0)
+        pool.add(WorkerRecord("decode-1", Role.DECODE, handle=None))  # joined, no report yet
+        capacity.on_report()  # the head is granted decode-1
+        tasks[0].cancel()  # and leaves before it takes the grant
+        await asyncio.sleep(0.01)
+        second = tasks[1].result().worker_id if tasks[1].done() else None
+        for task in tasks:
+            task.cancel()
+        return second, capacity.num_waiting
+
+    assert asyncio.run(scenario()) == ("decode-1", 1)
+
+
+def test_known_room_granted_to_a_waiter_that_left_is_credited_back():
+    async def scenario():
+        pool = _pool(5)
+        capacity = DecodeCapacity(pool)
+        pool.workers["decode-0"].num_reservable_blocks = 0
+        first = asyncio.create_task(capacity.acquire(3, 0))
+        await asyncio.sleep(0)
+        pool.workers["decode-0"].num_reservable_blocks = 5
+        capacity.on_report()  # granted: 2 left
+        first.cancel()
+        await asyncio.sleep(0)
+        return pool.workers["decode-0"].num_reservable_blocks
+
+    assert asyncio.run(scenario()) == 5
