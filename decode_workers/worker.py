@@ -495,21 +495,27 @@ class DecodeWorker(EngineWorker):
         events = self.pump.take_receive_events()
         if not events:
             return False
-        # Freed blocks first: the receiver has forgotten them, so an event below that raises
-        # must not leave them detached for good.
-        for freed in events.freed:
-            self.scheduler.release_detached(freed.block_ids)
         now = time.monotonic()
-        for req_id in events.ready:
-            tracked = self._tracked.get(req_id)
-            if tracked is not None:
-                tracked.kv_ready_at = now
-                payload = self.agent.payload(req_id)
-                if payload and tracked.first_token is None:
-                    tracked.first_token = sampled_token_from_json(payload)
-                self._admit_if_ready(req_id, tracked)
-        for failure in events.failed:
-            self._fail(failure.req_id, str(failure))
+        try:
+            for req_id in events.ready:
+                tracked = self._tracked.get(req_id)
+                if tracked is not None:
+                    tracked.kv_ready_at = now
+                    payload = self.agent.payload(req_id)
+                    if payload and tracked.first_token is None:
+                        tracked.first_token = sampled_token_from_json(payload)
+                    self._admit_if_ready(req_id, tracked)
+            for failure in events.failed:
+                self._fail(failure.req_id, str(failure))
+        finally:
+            # Freed blocks last, whatever raised above: the receiver has forgotten them, so they
+            # must not stay detached for good; and not first, since a lease that ran out gives a
+            # failure and then, once its grace has passed, the free of the same blocks, and an
+            # engine thread slower than the grace takes both at once: its blocks are detached
+            # from the request by its failure (freed first, they were still the request's, and
+            # the free raised on the engine thread, which ended the actor).
+            for freed in events.freed:
+                self.scheduler.release_detached(freed.block_ids)
         return True
 
     def _fail(self, req_id: str, message: str) -> None:

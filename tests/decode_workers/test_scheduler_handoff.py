@@ -7,6 +7,8 @@ whose KV another engine computed continues it token for token like transformers.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from decode_workers.scheduler import DecodeScheduler
@@ -64,6 +66,8 @@ def test_aborting_a_reservation_returns_its_blocks(checkpoint):
     assert decode.num_free_blocks == 12
     decode.abort_request("r")
     assert decode.num_free_blocks == 16
+    (failed,) = asyncio.run(worker._outputs.take("router", 0.01))
+    assert failed.req_id == "r" and failed.finish_reason == "error" and "lease ran out" in failed.error  # the router places it again
 
 
 def test_sampled_token_survives_its_json_form():
@@ -204,3 +208,34 @@ def test_a_local_prompt_is_not_starved_by_a_stream_of_remote_admissions(checkpoi
         if local_done:
             break
     assert local_done, "the local prompt never got a seat"
+
+
+def test_a_lease_failure_and_the_free_of_its_blocks_taken_at_once_end_the_request_and_free_the_blocks(checkpoint):
+    """A reservation whose lease ran out gives a failure, then (after the grace) the free of its
+    blocks: an engine thread that took both in one batch freed first, the blocks still the
+    waiting request's, and the free raised on the engine thread (the actor replaced, every
+    stream on it restarted)."""
+    from types import SimpleNamespace
+
+    from decode_workers.worker import DecodeWorker, OutputBox
+    from kvtransfer.errors import RequestTransferError
+    from kvtransfer.messages import FreedBlocks, ReceiveEvents
+
+    path, _ = checkpoint
+    decode = LLMEngine(path, EngineConfig(num_kv_blocks=16, block_size=16), scheduler_cls=DecodeScheduler)
+    seq = decode.make_sequence("r", list(range(3, 51)), SamplingParams(max_tokens=4))
+    blocks = list(decode.scheduler.reserve(seq).block_ids)
+    events = ReceiveEvents(failed=[RequestTransferError("r", "P", "lease ran out with 1/3 blocks landed")], freed=[FreedBlocks("r", blocks, "lease expired")])
+    worker = SimpleNamespace(
+        pump=SimpleNamespace(take_receive_events=lambda: events, kick=lambda: None), scheduler=decode.scheduler, _outputs=OutputBox(),
+        _tracked={"r": SimpleNamespace(router_id="router", attempt=0, dest_block_ids=blocks)}, activations=None,
+        agent=SimpleNamespace(abort=lambda req_id, given_up=False: []),  # the receiver forgot it: nothing safe at once
+        worker_id="decode-0",
+    )
+    worker._fail = lambda req_id, message: DecodeWorker._fail(worker, req_id, message)
+    worker._drop_reservation = lambda req_id, tracked: DecodeWorker._drop_reservation(worker, req_id, tracked)
+    assert DecodeWorker._poll_transfers(worker)
+    assert "r" not in decode.scheduler.awaiting_kv and not decode.scheduler.detached_blocks
+    assert decode.num_free_blocks == 16
+    (failed,) = asyncio.run(worker._outputs.take("router", 0.01))
+    assert failed.req_id == "r" and failed.finish_reason == "error" and "lease ran out" in failed.error  # the router places it again
