@@ -316,6 +316,12 @@ class KVSender:
                     self._fail_still_running(state, w, still, TransferFailedError(
                         state.req_id, peer, f"write {w.seq} failed in the transport, and what runs of it could not be stopped"
                     ))
+                elif not self._transport.receiver_lands:
+                    # One-sided (NIXL), as at a timeout: a write reported failed (or whose state
+                    # could not be read) may have landed, notification and all; posted again, its
+                    # bytes could land after the receiver took the blocks or freed them. The
+                    # request fails, and the router places it again on a fresh reservation.
+                    self._fail(state, TransferFailedError(state.req_id, peer, f"write {w.seq} failed in the transport"))
                 elif not self._retry(state, w, "failed in the transport", still):
                     self._fail(state, TransferFailedError(
                         state.req_id, peer, f"write {w.seq} failed in the transport ({w.num_retries} retries)"

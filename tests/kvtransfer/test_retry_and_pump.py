@@ -16,8 +16,9 @@ from kvtransfer.transport import XferState
 from tests.kvtransfer.test_protocol import FakeClock, dest, make_receiver, make_sender
 
 
-def test_a_write_that_fails_in_the_transport_is_posted_again_before_the_request_fails():
+def test_a_write_that_fails_in_the_transport_is_posted_again_before_the_request_fails_where_the_receiver_lands_the_bytes():
     sender, transport = make_sender(LeasePolicy(max_write_retries=2))
+    transport.receiver_lands = True  # (the Ray backend: a late duplicate is dropped whole by the receiver)
     sender.push("r", dest("r", [0, 1]), [0, 1], [0, 1], 2)
     transport.states[0] = XferState.FAILED
     assert sender.poll() == [] and len(transport.posts) == 2  # retried, nothing reported yet
@@ -33,6 +34,18 @@ def test_a_write_that_fails_in_the_transport_is_posted_again_before_the_request_
     assert len(transport.posts) == 5  # two of "r", the first post of "s" and its two retries
     assert len(events) == 1 and isinstance(events[0].error, TransferFailedError)
     assert "2 retries" in str(events[0].error)
+
+
+def test_a_one_sided_write_that_fails_in_the_transport_is_not_posted_again_its_request_fails():
+    """NIXL's write reported failed (or its state unreadable: the transport says failed) may have
+    landed, notification and all, as one cancelled at its timeout may: posted again, its bytes
+    could land in blocks the receiver took or freed meanwhile."""
+    sender, transport = make_sender(LeasePolicy(max_write_retries=2))
+    assert not transport.receiver_lands
+    sender.push("r", dest("r", [0]), [0], [0], 1)
+    transport.states[0] = XferState.FAILED
+    (event,) = sender.poll()
+    assert isinstance(event.error, TransferFailedError) and len(transport.posts) == 1
 
 
 def test_a_timed_out_write_that_could_be_cancelled_is_retried_where_the_receiver_lands_the_bytes():
