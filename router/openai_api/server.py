@@ -25,6 +25,7 @@ them: ``router.allowed_origins`` (vLLM's default, any: "*"). A preflight (``OPTI
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import hmac
@@ -414,17 +415,32 @@ class OpenAIServer:
         return response
 
 
-# Chunks a session may run ahead of its reader: a reader's pauses are absorbed (its stop strings
-# still found as the chunks come), a reader that stalls holds the session back.
+# Chunks a session may have waiting for its reader before the newest ones are joined into its
+# last waiting chunk: a reader's pauses cost nothing, and a reader that stalls has its answer kept
+# in a few chunks, not one per step, while its session reads on.
 _CHUNKS_AHEAD = 16
 
 
 async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, OutputChunk | BaseException]]:
     """Every session's chunks as they come, tagged with the session's index; a session that
-    fails yields its exception in place of its end. A slow reader holds the sessions back (their
-    outputs wait, merged, in the session's inbox): unbounded here, a client reading slowly had
-    every step's chunk, text and log-probabilities kept in the router for the whole answer."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=_CHUNKS_AHEAD * len(sessions))
+    fails yields its exception in place of its end. Sessions never wait for the reader: their
+    stop strings must be found as the tokens come (a session held back by a stalled reader found
+    them only when the reader caught up, the decode actor generating on meanwhile, up to
+    max_tokens); past ``_CHUNKS_AHEAD`` waiting chunks a session's newer chunks are joined into
+    its last waiting one (unbounded, the router kept every step's chunk of a slow reader's
+    answer)."""
+    boxes: list[collections.deque] = [collections.deque() for _ in sessions]
+    order: collections.deque[int] = collections.deque()  # the session of each waiting item, oldest first
+    arrived = asyncio.Event()
+
+    def offer(index: int, item: OutputChunk | BaseException) -> None:
+        box = boxes[index]
+        if len(box) >= _CHUNKS_AHEAD and isinstance(item, OutputChunk) and isinstance(box[-1], OutputChunk) and box[-1].end is None:
+            box[-1] = _joined(box[-1], item)
+        else:
+            box.append(item)
+            order.append(index)
+        arrived.set()
 
     async def pump(index: int, session: GenerationSession) -> None:
         ended = False
@@ -432,19 +448,23 @@ async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int,
             async with contextlib.aclosing(session.chunks()) as chunks:
                 async for chunk in chunks:
                     ended = chunk.end is not None
-                    await queue.put((index, chunk))
+                    offer(index, chunk)
             if not ended:
-                await queue.put((index, InternalError(f"{session.request.req_id}: the stream ended without a last chunk")))
+                offer(index, InternalError(f"{session.request.req_id}: the stream ended without a last chunk"))
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            await queue.put((index, exc))
+            offer(index, exc)
 
     tasks = [asyncio.create_task(pump(index, session)) for index, session in enumerate(sessions)]
     try:
         remaining = len(tasks)
         while remaining:
-            index, item = await queue.get()
+            while not order:
+                arrived.clear()
+                await arrived.wait()
+            index = order.popleft()
+            item = boxes[index].popleft()
             if isinstance(item, BaseException) or item.end is not None:
                 remaining -= 1
             yield index, item
@@ -452,6 +472,14 @@ async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _joined(first: OutputChunk, then: OutputChunk) -> OutputChunk:
+    """Two consecutive chunks of one session as one."""
+    return OutputChunk(
+        token_ids=first.token_ids + then.token_ids, text=first.text + then.text, logprobs=first.logprobs + then.logprobs, end=then.end,
+        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
+    )
 
 
 def _error_shape_of(path: str):

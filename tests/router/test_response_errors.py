@@ -6,6 +6,7 @@ their internals."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -178,14 +179,18 @@ def test_an_incomplete_function_call_sent_back_as_it_was_answered_is_taken():
     assert refused.value.field == "input[1].arguments"
 
 
-def test_a_slow_reader_holds_the_streams_back_instead_of_the_router_keeping_every_chunk():
-    """The chunks of a stream whose client reads slowly were queued without bound in the router
-    (every step's chunk, text and log-probabilities, for the whole answer); now a session waits
-    for the reader, its outputs merged in its own inbox meanwhile."""
+def test_a_slow_reader_never_holds_its_sessions_back_and_its_chunks_are_joined_not_kept_one_per_step():
+    """A session held back by a reader that stalled found its stop strings only when the reader
+    caught up (its decode actor generating on meanwhile, up to max_tokens); before that, the
+    router kept every step's chunk of a slow reader's answer. The sessions now read on whatever
+    the reader does, and past 16 waiting chunks a session's newer ones join its last: the reader
+    gets every token, its text and log-probabilities in order, in at most 17 chunks here, and the
+    first chunk's prompt log-probabilities."""
     from types import SimpleNamespace
 
     from router.openai_api.server import _merged
     from router.output_stream import OutputChunk, StreamEnd, TimingBreakdown
+    from engine.sampling_params import TokenLogprob
 
     produced = []
 
@@ -195,15 +200,25 @@ def test_a_slow_reader_holds_the_streams_back_instead_of_the_router_keeping_ever
         async def chunks(self):
             for index in range(50):
                 produced.append(index)
-                yield OutputChunk(end=StreamEnd(reason="length", prompt_tokens=1, completion_tokens=50, timing=TimingBreakdown()) if index == 49 else None)
+                await asyncio.sleep(0)  # the next step's outputs come later
+                end = StreamEnd(reason="stop", prompt_tokens=1, completion_tokens=50, timing=TimingBreakdown()) if index == 49 else None
+                yield OutputChunk([index], f"<{index}>", [TokenLogprob(index, -float(index), 1)], end=end,
+                                  prompt_logprobs=[TokenLogprob(1, -1.0, 1)] if index == 0 else None)
 
-    async def read_slowly():
-        ahead = []
-        async for _ in _merged([Session()]):
-            await asyncio.sleep(0.005)
-            ahead.append(len(produced))
-        return ahead
+    async def read_after_a_stall():
+        read = []
+        async with contextlib.aclosing(_merged([Session()])) as merged:
+            async for _, chunk in merged:
+                if not read:
+                    await asyncio.sleep(0.05)  # the reader stalls after its first chunk
+                    produced_during_stall = len(produced)
+                read.append(chunk)
+        return read, produced_during_stall
 
-    ahead = asyncio.run(read_slowly())
-    assert len(ahead) == 50
-    assert max(seen - read for read, seen in enumerate(ahead, 1)) <= 18, "the stream ran ahead of its reader"
+    read, produced_during_stall = asyncio.run(read_after_a_stall())
+    assert produced_during_stall == 50, "the session read on to its end (its stop) while the reader stalled"
+    assert len(read) <= 17 and read[-1].end is not None and read[-1].end.reason == "stop"
+    assert [t for chunk in read for t in chunk.token_ids] == list(range(50))
+    assert "".join(chunk.text for chunk in read) == "".join(f"<{i}>" for i in range(50))
+    assert [lp.logprob for chunk in read for lp in chunk.logprobs] == [-float(i) for i in range(50)]
+    assert read[0].prompt_logprobs is not None and all(chunk.prompt_logprobs is None for chunk in read[1:])
