@@ -35,6 +35,7 @@ from router.output_stream import OutputChunk, TimingBreakdown, end_failure
 from router.pool import Role
 from router.request_bytes import tolerant
 from router.security import BearerTokenInterceptor, server_credentials
+from router.read_ahead import read_ahead
 from router.session import GenerationSession
 from router.validation import input_from_proto
 
@@ -127,7 +128,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await abort_with(context, exc)
         failure = None
         try:
-            async with contextlib.aclosing(session.chunks()) as chunks:
+            async with contextlib.aclosing(read_ahead(session)) as chunks:
                 first = True
                 async for chunk in chunks:
                     if first and chunk.end is not None and chunk.end.reason == "error" and not chunk.token_ids:

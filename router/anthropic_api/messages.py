@@ -28,6 +28,7 @@ from router.openai_api.reasoning import ReasoningSplitter
 from router.openai_api.tool_arguments import json_or
 from router.openai_api.tool_parsers import OutputPart, ToolCallDelta, ToolCallOutput, split_answer
 from router.output_stream import OutputChunk, StreamEnd, end_failure
+from router.read_ahead import read_ahead
 from router.session import GenerationSession
 
 if TYPE_CHECKING:
@@ -319,7 +320,7 @@ class MessagesFrontEnd:
         )
         prompt_tokens = len(validated.prompt_token_ids)
         try:
-            chunks = session.chunks()
+            chunks = read_ahead(session)
             async with contextlib.aclosing(chunks):
                 if api.stream:
                     return await self._stream(request, message_id, model, state, prompt_tokens, chunks)

@@ -25,7 +25,6 @@ them: ``router.allowed_origins`` (vLLM's default, any: "*"). A preflight (``OPTI
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
 import hmac
@@ -35,7 +34,6 @@ import re
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -45,14 +43,15 @@ from router import sse
 from router.anthropic_api import messages
 from router.addresses import bare_host, host_port
 from router.responses_api import front_end as responses_front_end
-from router.errors import InternalError, InvalidArgumentError, UnavailableError
+from router.errors import InvalidArgumentError, UnavailableError
 from router.openai_api.chat_format import ChatFormat
 from router.openai_api.errors import ModelNotFoundError, UnauthenticatedError, error_body, error_response, log_if_internal, request_error_json
 from router.openai_api import vllm_endpoints
 from router.openai_api.protocol import ApiRequest, is_client_request_id, read_chat, read_completion, render_conversation
 from router.openai_api.tool_calls import read_tool_calling
 from router.openai_api.responses import ChoiceState, envelope, usage
-from router.output_stream import OutputChunk, end_failure
+from router.output_stream import end_failure
+from router.read_ahead import merged
 from router.session import GenerationSession
 
 if TYPE_CHECKING:
@@ -304,7 +303,7 @@ class OpenAIServer:
             for one in validated:
                 sessions.append(await GenerationSession.open(self.router, one, client_gone))
             states = [ChoiceState.of(index, chat, api, one, echo=self._echo(api, one)) for index, one in enumerate(validated)]
-            chunks = _merged(sessions)
+            chunks = merged(sessions)
             async with contextlib.aclosing(chunks):
                 if api.stream:
                     return await self._stream(request, api, response_id, model, chat, states, chunks, created)
@@ -413,73 +412,6 @@ class OpenAIServer:
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
         return response
-
-
-# Chunks a session may have waiting for its reader before the newest ones are joined into its
-# last waiting chunk: a reader's pauses cost nothing, and a reader that stalls has its answer kept
-# in a few chunks, not one per step, while its session reads on.
-_CHUNKS_AHEAD = 16
-
-
-async def _merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, OutputChunk | BaseException]]:
-    """Every session's chunks as they come, tagged with the session's index; a session that
-    fails yields its exception in place of its end. Sessions never wait for the reader: their
-    stop strings must be found as the tokens come (a session held back by a stalled reader found
-    them only when the reader caught up, the decode actor generating on meanwhile, up to
-    max_tokens); past ``_CHUNKS_AHEAD`` waiting chunks a session's newer chunks are joined into
-    its last waiting one (unbounded, the router kept every step's chunk of a slow reader's
-    answer)."""
-    boxes: list[collections.deque] = [collections.deque() for _ in sessions]
-    order: collections.deque[int] = collections.deque()  # the session of each waiting item, oldest first
-    arrived = asyncio.Event()
-
-    def offer(index: int, item: OutputChunk | BaseException) -> None:
-        box = boxes[index]
-        if len(box) >= _CHUNKS_AHEAD and isinstance(item, OutputChunk) and isinstance(box[-1], OutputChunk) and box[-1].end is None:
-            box[-1] = _joined(box[-1], item)
-        else:
-            box.append(item)
-            order.append(index)
-        arrived.set()
-
-    async def pump(index: int, session: GenerationSession) -> None:
-        ended = False
-        try:
-            async with contextlib.aclosing(session.chunks()) as chunks:
-                async for chunk in chunks:
-                    ended = chunk.end is not None
-                    offer(index, chunk)
-            if not ended:
-                offer(index, InternalError(f"{session.request.req_id}: the stream ended without a last chunk"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            offer(index, exc)
-
-    tasks = [asyncio.create_task(pump(index, session)) for index, session in enumerate(sessions)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            while not order:
-                arrived.clear()
-                await arrived.wait()
-            index = order.popleft()
-            item = boxes[index].popleft()
-            if isinstance(item, BaseException) or item.end is not None:
-                remaining -= 1
-            yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _joined(first: OutputChunk, then: OutputChunk) -> OutputChunk:
-    """Two consecutive chunks of one session as one."""
-    return OutputChunk(
-        token_ids=first.token_ids + then.token_ids, text=first.text + then.text, logprobs=first.logprobs + then.logprobs, end=then.end,
-        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
-    )
 
 
 def _error_shape_of(path: str):

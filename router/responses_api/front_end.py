@@ -45,6 +45,7 @@ from router.openai_api.reasoning import ReasoningSplitter
 from router.responses_api.board import IN_PROGRESS, ResponseBoard, is_in_progress
 from router.responses_api.protocol import ResponsesRequest, read_responses, seal
 from router.responses_api.store import StoredResponse
+from router.read_ahead import read_ahead
 from router.session import GenerationSession
 from router.validation import ValidatedRequest
 
@@ -285,7 +286,7 @@ class ResponsesFrontEnd:
 
         session = await GenerationSession.open(self.router, validated, client_gone)
         try:
-            chunks = session.chunks()
+            chunks = read_ahead(session)
             async with contextlib.aclosing(chunks):
                 if api.stream:
                     return await self._stream(request, api, state, chunks, conversation)

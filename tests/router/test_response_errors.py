@@ -188,7 +188,7 @@ def test_a_slow_reader_never_holds_its_sessions_back_and_its_chunks_are_joined_n
     first chunk's prompt log-probabilities."""
     from types import SimpleNamespace
 
-    from router.openai_api.server import _merged
+    from router.read_ahead import merged as _merged
     from router.output_stream import OutputChunk, StreamEnd, TimingBreakdown
     from engine.sampling_params import TokenLogprob
 
@@ -222,3 +222,39 @@ def test_a_slow_reader_never_holds_its_sessions_back_and_its_chunks_are_joined_n
     assert "".join(chunk.text for chunk in read) == "".join(f"<{i}>" for i in range(50))
     assert [lp.logprob for chunk in read for lp in chunk.logprobs] == [-float(i) for i in range(50)]
     assert read[0].prompt_logprobs is not None and all(chunk.prompt_logprobs is None for chunk in read[1:])
+
+
+def test_one_stream_read_ahead_of_its_reader_raises_its_failure_in_place():
+    """gRPC, Anthropic and Responses streams with stop strings read their one session ahead of
+    the client too (a client that stopped reading held it back behind flow control, its stop
+    strings unfound); a session that fails raises where its chunks end."""
+    from types import SimpleNamespace
+
+    from router.output_stream import OutputChunk
+    from router.read_ahead import read_ahead
+
+    produced = []
+
+    class Session:
+        request = SimpleNamespace(req_id="r", stop=["</answer>"])  # (without stop strings it is read as asked)
+
+        async def chunks(self):
+            for index in range(40):
+                produced.append(index)
+                await asyncio.sleep(0)
+                yield OutputChunk([index], str(index))
+            raise InvalidArgumentError("prompt", "refused midway")
+
+    async def read():
+        got = []
+        with pytest.raises(InvalidArgumentError, match="refused midway"):
+            async with contextlib.aclosing(read_ahead(Session())) as chunks:
+                async for chunk in chunks:
+                    if not got:
+                        await asyncio.sleep(0.05)
+                        got.append(len(produced))
+                    got.extend(chunk.token_ids)
+        return got
+
+    got = asyncio.run(read())
+    assert got[0] == 40 and got[1:] == list(range(40))
