@@ -46,6 +46,11 @@ class TransferPump:
         self._lock = threading.Lock()
         self._sends: list[SendEvent] = []
         self._receives = ReceiveEvents()
+        # Requests whose events were discarded while a poll of the agent ran (their abort did
+        # not wait for it: on the Ray backend a poll fetches whole payloads), and the poll's
+        # events of them dropped when it is gathered.
+        self._polling = False
+        self._discarded_while_polling: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=f"kv-pump-{agent.ref.name}", daemon=True)
         self.last_error: BaseException | None = None
         self._num_quiesced = 0  # the agent's count of given-up requests quiesced, at the last poll
@@ -82,10 +87,9 @@ class TransferPump:
         are taken (its KV taken for ready, or the attempt failed, by the older one's events).
         Freed blocks stay: they are the cache's, whoever held them."""
         with self._lock:
-            events = self._receives
-            events.progress = [(rid, blocks) for rid, blocks in events.progress if rid != req_id]
-            events.ready = [rid for rid in events.ready if rid != req_id]
-            events.failed = [failure for failure in events.failed if failure.req_id != req_id]
+            _drop_events_of(self._receives, {req_id})
+            if self._polling:
+                self._discarded_while_polling.add(req_id)
 
     def _run(self) -> None:
         interval = self._poll_interval_s
@@ -115,15 +119,25 @@ class TransferPump:
         for event in sends:
             event.seen_at = seen  # the engine thread takes it later, after its step: not part of the transfer
         with self._lock:
-            # Polled and gathered under one hold: a reservation aborted in between (its
-            # discard_receive_events) found nothing to drop, and its events reached a newer
-            # attempt of the request (a failure it never had, its KV "ready" early).
-            receives = self._agent.poll_receives()
-            self._sends.extend(sends)
-            _merge_into(self._receives, receives)
+            self._polling = True
+        receives = ReceiveEvents()
+        try:
+            receives = self._agent.poll_receives()  # not under the lock: the engine thread takes events meanwhile
+        finally:
+            with self._lock:
+                self._polling = False
+                # A reservation aborted while the poll ran found nothing of it to drop: its
+                # events would reach a newer attempt of the request (a failure it never had,
+                # its KV "ready" early). Dropped and gathered under one hold, so no abort falls
+                # between the two.
+                found = bool(receives)
+                _drop_events_of(receives, self._discarded_while_polling)
+                self._discarded_while_polling = set()
+                self._sends.extend(sends)
+                _merge_into(self._receives, receives)
         num_quiesced, before = self._agent.num_quiesced(), self._num_quiesced
         self._num_quiesced = num_quiesced
-        if not sends and not receives:
+        if not sends and not found:
             if num_quiesced != before:
                 # A cancelled or failed request's last write ended, which makes no event: whoever
                 # waits for that request to quiesce looks again now, not at its timeout.
@@ -132,6 +146,16 @@ class TransferPump:
             return False
         self._on_events()
         return True
+
+
+def _drop_events_of(events: ReceiveEvents, req_ids: set[str]) -> None:
+    """Drop the progress, ready and failed events of ``req_ids`` (freed blocks stay: they are the
+    cache's, whoever held them)."""
+    if not req_ids:
+        return
+    events.progress = [(rid, blocks) for rid, blocks in events.progress if rid not in req_ids]
+    events.ready = [rid for rid in events.ready if rid not in req_ids]
+    events.failed = [failure for failure in events.failed if failure.req_id not in req_ids]
 
 
 def _merge_into(into: ReceiveEvents, more: ReceiveEvents) -> None:

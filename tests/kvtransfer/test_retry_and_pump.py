@@ -188,8 +188,8 @@ def test_an_aborted_requests_gathered_receive_events_are_dropped_but_freed_block
     from kvtransfer.messages import FreedBlocks, ReceiveEvents
     from kvtransfer.pump import _merge_into
 
-    pump = TransferPump.__new__(TransferPump)
-    pump._lock, pump._receives = threading.Lock(), ReceiveEvents()
+    agent = type("Agent", (), {"ref": type("Ref", (), {"name": "d"})()})()
+    pump = TransferPump(agent)  # (not started)
     _merge_into(pump._receives, ReceiveEvents(
         progress=[("old", 2), ("other", 1)], ready=["old", "other"], failed=[RequestTransferError("old", "P", "lost")],
         freed=[FreedBlocks("old", [3, 4], "lease")],
@@ -232,3 +232,35 @@ def test_a_reservation_aborted_while_the_pump_polls_has_its_events_dropped_all_t
     agent.abort.join(5.0)
     events = pump.take_receive_events()
     assert events.ready == [] and events.failed == [], "the aborted attempt's events are dropped"
+
+
+def test_the_engine_thread_takes_events_while_a_slow_poll_of_the_agent_runs():
+    """The pump held its lock across the agent's poll, which on the Ray backend fetches whole
+    payloads (a prompt's KV, maybe from another node): the decode engine thread, which takes the
+    events every turn, waited that long, and every running stream's step with it."""
+    from kvtransfer.messages import ReceiveEvents
+
+    class SlowAgent:
+        ref = type("Ref", (), {"name": "d"})()
+
+        def poll_sends(self):
+            return []
+
+        def poll_receives(self):
+            time.sleep(0.5)  # fetching a payload
+            return ReceiveEvents(ready=["r"])
+
+        def num_quiesced(self):
+            return 0
+
+    pump = TransferPump(SlowAgent())
+    pump._receives.ready.append("earlier")
+    poller = threading.Thread(target=pump._poll_once)
+    poller.start()
+    time.sleep(0.05)
+    started = time.perf_counter()
+    taken = pump.take_receive_events()
+    waited = time.perf_counter() - started
+    poller.join(5.0)
+    assert taken.ready == ["earlier"] and waited < 0.2
+    assert pump.take_receive_events().ready == ["r"]
