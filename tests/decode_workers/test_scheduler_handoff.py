@@ -66,8 +66,6 @@ def test_aborting_a_reservation_returns_its_blocks(checkpoint):
     assert decode.num_free_blocks == 12
     decode.abort_request("r")
     assert decode.num_free_blocks == 16
-    (failed,) = asyncio.run(worker._outputs.take("router", 0.01))
-    assert failed.req_id == "r" and failed.finish_reason == "error" and "lease ran out" in failed.error  # the router places it again
 
 
 def test_sampled_token_survives_its_json_form():
