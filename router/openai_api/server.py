@@ -291,6 +291,11 @@ class OpenAIServer:
             return list(remembered(*args, **kwargs))  # each choice its own list of the ids
 
         sessions: list[GenerationSession] = []
+        limit = self.router.config.max_queued_requests
+        if len(api.choices) > max(limit, 1):
+            # Each choice waits for its first token as a request of its own: more than the router
+            # queues at once would be refused (429) at every retry.
+            raise InvalidArgumentError("n", f"n x prompts is {len(api.choices)}, more than the {limit} requests this router queues at once (max_queued_requests)")
         try:
             for index, choice in enumerate(api.choices):
                 choice.request_id = f"{response_id}.{unique}-{index}" if client_id else f"{response_id}-{index}"

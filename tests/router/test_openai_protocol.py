@@ -621,3 +621,18 @@ def test_a_tool_use_template_that_does_not_compile_leaves_the_default_serving():
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert template.for_tools(tools) is template
     assert template.render([{"role": "user", "content": "hi"}], tools=tools).endswith("<|im_start|>assistant\n")
+
+
+def test_more_choices_than_the_router_queues_at_once_is_a_400_naming_n(e2e_model):
+    """Each choice waits for its first token as a request of its own: a batch of more choices than
+    max_queued_requests was refused with 429 and Retry-After at every retry, and could never pass."""
+    router = _hosted_router(e2e_model.path, max_queued_requests=3)
+    request = urllib.request.Request(f"http://127.0.0.1:{router.http_port}/v1/completions",
+                                     data=json.dumps({"prompt": ["a", "b"], "n": 2, "max_tokens": 2}).encode(), method="POST")
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request)
+    finally:
+        router.close()
+    body = json.loads(refused.value.read())
+    assert refused.value.code == 400 and body["error"]["param"] == "n" and "max_queued_requests" in body["error"]["message"]
