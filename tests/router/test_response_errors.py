@@ -112,6 +112,8 @@ def test_a_grpc_stream_that_fails_before_its_first_token_ends_with_a_status_nami
     closed = []
 
     class OneChunkSession:
+        request = SimpleNamespace(req_id="r1", stop=[])
+
         async def chunks(self):
             yield OutputChunk(end=end)
 
