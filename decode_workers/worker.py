@@ -192,6 +192,7 @@ class DecodeWorker(EngineWorker):
     async def reserve(self, request: DecodeRequest) -> KVDestination:
         """Reserve blocks for a prompt another actor prefills; raise DecodeCapacityError if full."""
         self._heard_from(request.router_id, request.router_lease_s)
+        await self._prepare_grammar(request.params)
         return await self._call(self._reserve, request)
 
     async def start(self, req_id: str, first_token_id: int, first_logprob: TokenLogprob | None = None) -> None:
@@ -227,6 +228,7 @@ class DecodeWorker(EngineWorker):
     async def add_local(self, request: DecodeRequest) -> None:
         """Prefill and decode here (conditional disaggregation, aggregated mode)."""
         self._heard_from(request.router_id, request.router_lease_s)
+        await self._prepare_grammar(request.params)
         await self._call(self._add_local, request)
 
     async def abort(self, req_id: str, attempt: int | None = None, given_up: bool = False) -> bool:

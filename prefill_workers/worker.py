@@ -137,6 +137,7 @@ class PrefillWorker(EngineWorker):
 
     async def submit(self, request: PrefillRequest) -> PrefillResult:
         """Prefill the prompt, push its KV, return the first token once every write landed."""
+        await self._prepare_grammar(request.params)
         done: Future = await asyncio.wrap_future(self._thread.call(self._enqueue, request))
         result = await asyncio.wrap_future(done)
         if self._answer_delay_s:
@@ -152,6 +153,7 @@ class PrefillWorker(EngineWorker):
         Says how many prompt tokens this stage's prefix cache holds (the pipeline starts at the
         fewest any stage holds) and, after the first stage, where the previous one writes its
         activations; nothing runs before ``start_stage``."""
+        await self._prepare_grammar(request.params)
         return await self._call(self._open_stage, request)
 
     async def start_stage(

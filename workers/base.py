@@ -212,6 +212,13 @@ class EngineWorker:
         """Run ``fn`` on the engine thread (between steps) and wait for it."""
         return await asyncio.wrap_future(self._thread.call(fn, *args))
 
+    async def _prepare_grammar(self, params) -> None:
+        """A constrained request's tokenizer and grammar built on a thread of their own, before the
+        engine thread takes the request (engine.grammar.Grammars.prepare): there they stalled
+        every running stream. A grammar that does not compile raises here, as it would there."""
+        if params.structured is not None:
+            await asyncio.to_thread(self.engine.grammars.prepare, params.structured)
+
     # -- calls every worker answers -----------------------------------------------------
 
     async def ping(self, hang_timeout_s: float = 120.0) -> str:
