@@ -42,6 +42,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -382,8 +383,43 @@ def engine_decode_ms(path: Path, batch: int, context: int, steps: int, **overrid
         flashinfer_paged.DECODE_SPLIT_KV = True
 
 
+@contextlib.contextmanager
+def _host_phases(engine, totals: dict):
+    """Time the host's phases of the engine's steps into ``totals`` (seconds, by phase): what a
+    step's host work is made of, and how long the host waits for the step in flight (``wait``:
+    reading its tokens). An overlapped step whose host works longer than the GPU computes leaves
+    the GPU idle: the wait is then near zero."""
+    from engine import overlap
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[label] = totals.get(label, 0.0) + time.perf_counter() - started
+        setattr(owner, name, timed)
+        return fn
+
+    wrapped = [(owner, name, wrap(owner, name, label)) for owner, name, label in (
+        (engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "inputs"), (engine.runner, "run", "forward_launch"),
+        (engine.sampler, "sample_on_device", "sample_launch"), (engine.sampler, "sample", "sample_and_wait"),
+        (engine.scheduler, "resolve", "update"), (engine.scheduler, "update", "update"), (overlap.InFlightStep, "read", "wait"),
+    )]
+    try:
+        yield totals
+    finally:
+        for owner, name, fn in wrapped:
+            if owner is overlap.InFlightStep:
+                setattr(owner, name, fn)
+            else:
+                delattr(owner, name)  # the instance's wrapper: the class's method again
+
+
 def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile: Path | None = None, lora_names: list[str | None] | None = None,
-                      sampling: SamplingParams | None = None, **overrides) -> float:
+                      sampling: SamplingParams | None = None, host_phases: dict | None = None, **overrides) -> float:
     from engine.bench import seat_decoding
 
     block = overrides.get("block_size", 16)
@@ -399,6 +435,18 @@ def _engine_decode_ms(path: Path, batch: int, context: int, steps: int, profile:
         engine.step()
     torch.cuda.synchronize()
     elapsed = (time.perf_counter() - start) / steps * 1e3
+    if host_phases is not None:
+        totals: dict[str, float] = {}
+        with _host_phases(engine, totals):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+            total = time.perf_counter() - start
+        host_phases.update({name: round(seconds / steps * 1e3, 4) for name, seconds in totals.items()})
+        host_phases["step"] = round(total / steps * 1e3, 4)
+        host_phases["rest"] = round((total - sum(totals.values())) / steps * 1e3, 4)
     if profile is not None:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -1092,8 +1140,10 @@ def main() -> int:
                 result = {}
                 for name, overlapped in (("one_at_a_time", False), ("overlapped", True)):
                     table = args.json.with_name(f"profile_1.5b_b64{'_overlapped' if overlapped else ''}.txt")
-                    result[f"{name}_ms"] = _engine_decode_ms(workdir / "1.5b", 64, 600, 10, profile=table, async_scheduling=overlapped)
+                    phases: dict = {}
+                    result[f"{name}_ms"] = _engine_decode_ms(workdir / "1.5b", 64, 600, 10, profile=table, host_phases=phases, async_scheduling=overlapped)
                     result[f"{name}_device_busy_ms"] = json.loads(table.with_suffix(".json").read_text())["device_busy_ms_per_step"]
+                    result[f"{name}_host_ms"] = phases  # per step, by phase (wait: for the step in flight)
                 return result
 
             section("profile", profile)
