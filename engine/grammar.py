@@ -117,14 +117,20 @@ class Grammars:
         tokenizer = self._llg_tokenizer()
         with self._compiled_lock:
             matcher = self._compiled.get(key)
-            if matcher is None:
-                matcher = llguidance.LLMatcher(tokenizer, structured.to_llguidance(), log_level=0)
-                if matcher.is_error():
-                    raise InvalidRequestError(structured.field, f"cannot be compiled: {matcher.get_error()}")
-                self._compiled[key] = matcher
-                while len(self._compiled) > _COMPILED_GRAMMARS:
-                    self._compiled.popitem(last=False)
+            if matcher is not None:
+                self._compiled.move_to_end(key)
+                return matcher
+        # Compiled outside the lock: the engine thread's copy of a grammar already kept must not
+        # wait behind a worker's thread compiling another (``prepare``); two compiling the same
+        # one at once keep the first.
+        matcher = llguidance.LLMatcher(tokenizer, structured.to_llguidance(), log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(structured.field, f"cannot be compiled: {matcher.get_error()}")
+        with self._compiled_lock:
+            matcher = self._compiled.setdefault(key, matcher)
             self._compiled.move_to_end(key)
+            while len(self._compiled) > _COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
             return matcher
 
     def start_masks(self, rows: list[tuple[SequenceGrammar | None, ThinkingState | None, list[int]]]) -> Future | None:

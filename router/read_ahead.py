@@ -43,8 +43,11 @@ async def merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, 
 
     def offer(index: int, item: OutputChunk | BaseException) -> None:
         box = boxes[index]
-        if len(box) >= _CHUNKS_AHEAD and isinstance(item, OutputChunk) and isinstance(box[-1], OutputChunk) and box[-1].end is None:
-            box[-1] = _joined(box[-1], item)
+        last = box[-1] if box else None
+        if len(box) >= _CHUNKS_AHEAD and isinstance(item, OutputChunk) and isinstance(last, (OutputChunk, _Joining)) and last.end is None:
+            if isinstance(last, OutputChunk):
+                last = box[-1] = _Joining.of(last)
+            last.add(item)
         else:
             box.append(item)
             order.append(index)
@@ -60,7 +63,11 @@ async def merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, 
             if not ended:
                 offer(index, InternalError(f"{session.request.req_id}: the stream ended without a last chunk"))
         except asyncio.CancelledError:
-            raise
+            if asyncio.current_task().cancelling():
+                raise  # ``merged`` is ending
+            # Raised inside the session, not aimed at this task: ended silently, the reader
+            # would wait for its end for good.
+            offer(index, InternalError(f"{session.request.req_id}: the stream was cancelled inside the router"))
         except Exception as exc:
             offer(index, exc)
 
@@ -73,6 +80,8 @@ async def merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, 
                 await arrived.wait()
             index = order.popleft()
             item = boxes[index].popleft()
+            if isinstance(item, _Joining):
+                item = item.chunk()
             if isinstance(item, BaseException) or item.end is not None:
                 remaining -= 1
             yield index, item
@@ -82,12 +91,30 @@ async def merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, 
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _joined(first: OutputChunk, then: OutputChunk) -> OutputChunk:
-    """Two consecutive chunks of one session as one."""
-    return OutputChunk(
-        token_ids=first.token_ids + then.token_ids, text=first.text + then.text, logprobs=first.logprobs + then.logprobs, end=then.end,
-        prompt_logprobs=first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
-    )
+class _Joining:
+    """Consecutive chunks of one session being joined into one: lists extended and text parts
+    kept apart until it is handed out (joining into a new chunk each time copied the whole
+    answer so far at every step: quadratic, on the router's event loop)."""
+
+    __slots__ = ("token_ids", "text_parts", "logprobs", "end", "prompt_logprobs")
+
+    @classmethod
+    def of(cls, first: OutputChunk) -> "_Joining":
+        joining = cls()
+        joining.token_ids, joining.text_parts, joining.logprobs = list(first.token_ids), [first.text], list(first.logprobs)
+        joining.end, joining.prompt_logprobs = first.end, first.prompt_logprobs
+        return joining
+
+    def add(self, then: OutputChunk) -> None:
+        self.token_ids.extend(then.token_ids)
+        self.text_parts.append(then.text)
+        self.logprobs.extend(then.logprobs)
+        self.end = then.end
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = then.prompt_logprobs
+
+    def chunk(self) -> OutputChunk:
+        return OutputChunk(self.token_ids, "".join(self.text_parts), self.logprobs, self.end, self.prompt_logprobs)
 
 
 def read_ahead(session: GenerationSession) -> AsyncIterator[OutputChunk]:

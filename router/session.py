@@ -42,6 +42,7 @@ class GenerationSession:
     def __init__(self, router: "Router", active: ActiveRequest):
         self.router = router
         self.active = active
+        self._release: asyncio.Future | None = None  # the release, once started (``close``)
 
     @classmethod
     async def open(cls, router: "Router", request: ValidatedRequest, client_gone: Callable[[], bool]) -> "GenerationSession":
@@ -86,6 +87,11 @@ class GenerationSession:
                         await self._await_prefill_report(PREFILL_REPORT_WAIT_S)
                     chunk = active.assembler.on_output(item)
                     self._observe(chunk)
+                    if chunk.end is not None:
+                        # Released now, not once the client has read the end: a stop string the
+                        # router found ends the request on its decode actor at once (a client
+                        # reading slowly kept it generating, up to max_tokens, until it caught up).
+                        self.close()
                     yield chunk
                     if chunk.end is not None:
                         return
@@ -154,9 +160,12 @@ class GenerationSession:
 
     def close(self) -> "asyncio.Future[None]":
         """Start releasing what the request holds on every worker, now (``Dispatcher.release``
-        says why not at the caller's first await); await the result for the end of it.
-        Shielded: a cancelled caller still frees the request's blocks."""
-        return asyncio.shield(self.router.dispatcher.release(self.active))
+        says why not at the caller's first await), once however often it is called (``chunks``
+        starts it at the last chunk, the front end's ``finally`` again); await the result for
+        the end of it. Shielded: a cancelled caller still frees the request's blocks."""
+        if self._release is None:
+            self._release = self.router.dispatcher.release(self.active)
+        return asyncio.shield(self._release)
 
     def _observe(self, chunk: OutputChunk) -> None:
         """Record a chunk's latencies (and the request's, on its last chunk)."""

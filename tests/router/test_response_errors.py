@@ -260,3 +260,27 @@ def test_one_stream_read_ahead_of_its_reader_raises_its_failure_in_place():
 
     got = asyncio.run(read())
     assert got[0] == 40 and got[1:] == list(range(40))
+
+
+def test_a_cancellation_raised_inside_a_session_ends_its_stream_with_an_error_not_a_hang():
+    """A CancelledError from inside the session (not the reader's) ended its reading task
+    silently, and the reader waited for the stream's end for good."""
+    from types import SimpleNamespace
+
+    from router.errors import InternalError
+    from router.output_stream import OutputChunk
+    from router.read_ahead import merged
+
+    class Session:
+        request = SimpleNamespace(req_id="r", stop=[])
+
+        async def chunks(self):
+            yield OutputChunk([1], "a")
+            raise asyncio.CancelledError()  # e.g. an inner wait cancelled by someone else
+
+    async def read():
+        async with contextlib.aclosing(merged([Session()])) as items:
+            return [item async for _, item in items]
+
+    items = asyncio.run(asyncio.wait_for(read(), 5))
+    assert items[0].token_ids == [1] and isinstance(items[1], InternalError)

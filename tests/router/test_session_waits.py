@@ -78,7 +78,15 @@ def test_a_stream_closed_after_its_last_chunk_is_no_abort(byte_level_tokenizer):
         request = ValidatedRequest("r", [5], None, SamplingParams(max_tokens=1), [], True, 0, 0.0, None)
         active = SimpleNamespace(req_id="r", request=request, assembler=OutputAssembler(request, byte_level_tokenizer),
                                  outputs=Outputs(), prefill_task=None, attempt=0)
-        router = SimpleNamespace(wait_ready=noop, dispatcher=SimpleNamespace(dispatch=noop), metrics=None,
+        released = []
+
+        def release(active):
+            released.append(active)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+        router = SimpleNamespace(wait_ready=noop, dispatcher=SimpleNamespace(dispatch=noop, release=release), metrics=None,
                                  config=SimpleNamespace(stream_interval=1), traffic=SimpleNamespace(on_finished=lambda *_: None))
         session = GenerationSession(router, active)
         failures = []
@@ -87,7 +95,11 @@ def test_a_stream_closed_after_its_last_chunk_is_no_abort(byte_level_tokenizer):
             async for chunk in chunks:
                 if chunk.end is not None:
                     assert chunk.end.reason == "length"
+                    # Released as the last chunk is made, before the reader has it: a stop string
+                    # the router found ends the request on its decode actor at once.
+                    assert released == [active]
                     break
-        return failures
+        await session.close()  # the front end's close: the same release, not a second one
+        return failures, len(released)
 
-    assert asyncio.run(scenario()) == []
+    assert asyncio.run(scenario()) == ([], 1)
