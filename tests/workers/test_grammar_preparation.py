@@ -47,3 +47,35 @@ def test_a_grammar_that_does_not_compile_is_refused_before_the_engine_thread_nam
     with pytest.raises(InvalidRequestError) as refused:
         asyncio.run(EngineWorker._prepare_grammar(_worker(grammars), params))
     assert refused.value.field == "structured_outputs.regex"
+
+
+def test_every_way_a_request_enters_a_worker_prepares_its_grammar_before_the_engine_thread_takes_it():
+    """A decode reservation, a local prompt, a prefill and a pipeline stage: each had its grammar
+    built on the engine thread, between the steps of every running stream."""
+    from concurrent.futures import Future
+
+    from decode_workers.worker import DecodeWorker
+    from prefill_workers.worker import PrefillWorker
+
+    def worker(calls):
+        async def prepare(params):
+            calls.append("prepare")
+
+        async def call(fn, *args):
+            calls.append("engine thread")
+
+        def thread_call(fn, *args):
+            calls.append("engine thread")
+            done, result = Future(), Future()
+            result.set_result("first token")
+            done.set_result(result)
+            return done
+
+        return SimpleNamespace(_prepare_grammar=prepare, _call=call, _heard_from=lambda *a: None, _answer_delay_s=0.0,
+                               _thread=SimpleNamespace(call=thread_call), _enqueue=None, _reserve=None, _add_local=None, _open_stage=None)
+
+    request = SimpleNamespace(params=SamplingParams(), router_id="router", router_lease_s=10.0)
+    for entry in (DecodeWorker.reserve, DecodeWorker.add_local, PrefillWorker.submit, PrefillWorker.open_stage):
+        calls: list[str] = []
+        asyncio.run(entry(worker(calls), request))
+        assert calls == ["prepare", "engine thread"], entry.__qualname__
