@@ -377,17 +377,21 @@ def test_a_request_before_any_worker_waits_then_gets_503(hosted):
 def test_overload_is_a_429_in_openais_shape_with_a_retry_after(e2e_model):
     """A full queue's 429 said "retry later" with no Retry-After, which the official clients'
     retries wait for (they fell back to their own shorter backoff)."""
-    router = _hosted_router(e2e_model.path, max_queued_requests=0)
-    request = urllib.request.Request(f"http://127.0.0.1:{router.http_port}/v1/completions", data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
-                                     method="POST")
+    refused, body = _refused_completion(e2e_model, {"prompt": "hi", "max_tokens": 2}, max_queued_requests=0)
+    assert refused.code == 429 and body["error"]["type"] == "rate_limit_error" and "retry later" in body["error"]["message"]
+    assert refused.headers["Retry-After"] == "1"
+
+
+def _refused_completion(e2e_model, body: dict, **router_config):
+    """The HTTP error a completion gets from a router of ``router_config``, and its JSON body."""
+    router = _hosted_router(e2e_model.path, **router_config)
+    request = urllib.request.Request(f"http://127.0.0.1:{router.http_port}/v1/completions", data=json.dumps(body).encode(), method="POST")
     try:
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request)
     finally:
         router.close()
-    body = json.loads(refused.value.read())
-    assert refused.value.code == 429 and body["error"]["type"] == "rate_limit_error" and "retry later" in body["error"]["message"]
-    assert refused.value.headers["Retry-After"] == "1"
+    return refused.value, json.loads(refused.value.read())
 
 
 def test_the_token_is_accepted_as_a_bearer_token_or_as_anthropics_x_api_key():
@@ -626,13 +630,5 @@ def test_a_tool_use_template_that_does_not_compile_leaves_the_default_serving():
 def test_more_choices_than_the_router_queues_at_once_is_a_400_naming_n(e2e_model):
     """Each choice waits for its first token as a request of its own: a batch of more choices than
     max_queued_requests was refused with 429 and Retry-After at every retry, and could never pass."""
-    router = _hosted_router(e2e_model.path, max_queued_requests=3)
-    request = urllib.request.Request(f"http://127.0.0.1:{router.http_port}/v1/completions",
-                                     data=json.dumps({"prompt": ["a", "b"], "n": 2, "max_tokens": 2}).encode(), method="POST")
-    try:
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request)
-    finally:
-        router.close()
-    body = json.loads(refused.value.read())
-    assert refused.value.code == 400 and body["error"]["param"] == "n" and "max_queued_requests" in body["error"]["message"]
+    refused, body = _refused_completion(e2e_model, {"prompt": ["a", "b"], "n": 2, "max_tokens": 2}, max_queued_requests=3)
+    assert refused.code == 400 and body["error"]["param"] == "n" and "max_queued_requests" in body["error"]["message"]
