@@ -40,6 +40,7 @@ async def merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, 
     boxes: list[collections.deque] = [collections.deque() for _ in sessions]
     order: collections.deque[int] = collections.deque()  # the session of each waiting item, oldest first
     arrived = asyncio.Event()
+    ending = False  # set before the pumps are cancelled: a cancellation then is ours
 
     def offer(index: int, item: OutputChunk | BaseException) -> None:
         box = boxes[index]
@@ -63,8 +64,8 @@ async def merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, 
             if not ended:
                 offer(index, InternalError(f"{session.request.req_id}: the stream ended without a last chunk"))
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
-                raise  # ``merged`` is ending
+            if ending:
+                raise
             # Raised inside the session, not aimed at this task: ended silently, the reader
             # would wait for its end for good.
             offer(index, InternalError(f"{session.request.req_id}: the stream was cancelled inside the router"))
@@ -86,6 +87,7 @@ async def merged(sessions: list[GenerationSession]) -> AsyncIterator[tuple[int, 
                 remaining -= 1
             yield index, item
     finally:
+        ending = True
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -91,7 +91,7 @@ class GenerationSession:
                         # Released now, not once the client has read the end: a stop string the
                         # router found ends the request on its decode actor at once (a client
                         # reading slowly kept it generating, up to max_tokens, until it caught up).
-                        self.close()
+                        self._start_release()
                     yield chunk
                     if chunk.end is not None:
                         return
@@ -163,9 +163,13 @@ class GenerationSession:
         says why not at the caller's first await), once however often it is called (``chunks``
         starts it at the last chunk, the front end's ``finally`` again); await the result for
         the end of it. Shielded: a cancelled caller still frees the request's blocks."""
+        return asyncio.shield(self._start_release())
+
+    def _start_release(self) -> asyncio.Future:
+        """The request's release, started at the first call (what ``close`` shields)."""
         if self._release is None:
             self._release = self.router.dispatcher.release(self.active)
-        return asyncio.shield(self._release)
+        return self._release
 
     def _observe(self, chunk: OutputChunk) -> None:
         """Record a chunk's latencies (and the request's, on its last chunk)."""
