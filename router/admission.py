@@ -44,22 +44,29 @@ class BusyRate:
 
 
 class WindowRate:
-    """Amount per second over a sliding window: e.g. KV blocks that finished requests free."""
+    """Amount per second over a sliding window: e.g. KV blocks that finished requests free.
 
-    def __init__(self, window_s: float = 30.0):
+    ``clock``: the seconds it measures in (default: the monotonic clock). A clock that runs only
+    while something holds (the seconds the decode pool was short of room) gives the rate during
+    that: what the KV term of a wait needs, which applies only while the pool is short; over wall
+    time, a window of light traffic (one request freeing 10 blocks in 29 s) made a burst that filled
+    the pool look minutes from room, and refused it."""
+
+    def __init__(self, window_s: float = 30.0, clock=time.monotonic):
         self.window_s = window_s
+        self.clock = clock
         self._events: collections.deque[tuple[float, float]] = collections.deque()
         self._started: float | None = None
 
     def add(self, amount: float, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         if self._started is None:
             self._started = now
         self._events.append((now, amount))
         self._trim(now)
 
     def per_second(self, now: float | None = None) -> float | None:
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         self._trim(now)
         if not self._events or self._started is None:
             return None

@@ -54,6 +54,8 @@ class DecodeCapacity:
         self.max_wait_s = max_wait_s
         self._waiters: list[_Waiter] = []
         self._order = itertools.count()
+        self._short_total_s = 0.0  # seconds during which requests waited for room, but the current spell
+        self._short_since: float | None = None  # when the current spell began (None: nobody waits)
 
     @property
     def num_waiting(self) -> int:
@@ -63,6 +65,21 @@ class DecodeCapacity:
     def num_blocks_waiting(self) -> int:
         """KV blocks the waiting requests need, all together."""
         return sum(w.num_blocks for w in self._waiters)
+
+    def short_seconds(self) -> float:
+        """Seconds so far during which requests waited here for room: a clock that runs only
+        while the decode pool is short (what the admission's KV-freed rate is measured in)."""
+        if self._short_since is None:
+            return self._short_total_s
+        return self._short_total_s + time.monotonic() - self._short_since
+
+    def _note_waiters(self) -> None:
+        """Start or end a spell of waiting (``short_seconds``) as the queue fills or empties."""
+        if self._waiters and self._short_since is None:
+            self._short_since = time.monotonic()
+        elif not self._waiters and self._short_since is not None:
+            self._short_total_s += time.monotonic() - self._short_since
+            self._short_since = None
 
     def total_reservable(self) -> int | None:
         """Blocks the routable decode actors say a reservation may take now (None: no report yet)."""
@@ -82,6 +99,7 @@ class DecodeCapacity:
         start = time.monotonic() if since is None else since
         waiter = _Waiter(1, -priority, order, num_blocks, asyncio.get_running_loop().create_future(), start, query)
         heapq.heappush(self._waiters, waiter)
+        self._note_waiters()
         self.on_report()
         try:
             return await waiter.granted
@@ -109,6 +127,12 @@ class DecodeCapacity:
 
     def on_report(self) -> None:
         """Capacity may have changed (a report, a death, a new worker): grant waiters in order."""
+        try:
+            self._grant()
+        finally:
+            self._note_waiters()
+
+    def _grant(self) -> None:
         if self._waiters and not self.pool.routable(Role.DECODE):
             # The last decode actor died or left: no report will come to grant anyone.
             waiters, self._waiters = self._waiters, []

@@ -209,7 +209,9 @@ class Dispatcher:
         self.capacity = DecodeCapacity(pool, config.priority_max_wait_s)
         pool.on_change = self.capacity.on_report
         self.lease_keeper = LeaseKeeper(config.kv_lease_s, config.status_timeout_s, self._awaiting_kv)
-        self.kv_freed = WindowRate()  # KV blocks finished requests give back, per second
+        # KV blocks finished requests give back per second while requests wait for room (only then
+        # does the wait estimate have a KV term; freed otherwise they say nothing of it).
+        self.kv_freed = WindowRate(clock=self.capacity.short_seconds)
         # Prompt tokens of requests bound for a prefill actor that none holds yet (their decode
         # reservation is in flight): a burst decides for all its prompts within that wait, and
         # without them every prompt would see the prefill actors idle.
@@ -799,7 +801,8 @@ class Dispatcher:
                         active.decode_finished = True
                         self.pool.release(decode, out.req_id)
                         num_tokens = len(active.request.prompt_token_ids) + active.assembler.num_completion_tokens
-                        self.kv_freed.add(self._blocks_for(num_tokens + len(out.token_ids)))
+                        if self.capacity.num_waiting:
+                            self.kv_freed.add(self._blocks_for(num_tokens + len(out.token_ids)))
                     self._local_prefill_done(out.req_id, computed=True)
                     active.outputs.put_nowait(out)
             decode.num_reservable_blocks = report.num_reservable_blocks

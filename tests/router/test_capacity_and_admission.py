@@ -368,3 +368,41 @@ def test_known_room_granted_to_a_waiter_that_left_is_credited_back():
         return pool.workers["decode-0"].num_reservable_blocks
 
     assert asyncio.run(scenario()) == 5
+
+
+def test_the_kv_freed_rate_runs_on_the_time_requests_waited_for_room():
+    """Over wall time, light traffic before a burst (one request freeing 10 blocks in 29 s) made
+    the burst that filled the decode pool look minutes from room, and the admission refused it.
+    The rate now runs on a clock that moves only while requests wait for room, fed only then."""
+
+    async def scenario():
+        pool = _pool(0)
+        capacity = DecodeCapacity(pool)
+        idle = capacity.short_seconds()
+        await asyncio.sleep(0.05)
+        assert capacity.short_seconds() == idle  # nobody waits: the clock stands
+        waiting = asyncio.create_task(capacity.acquire(1, 0))
+        await asyncio.sleep(0.05)
+        during = capacity.short_seconds() - idle
+        pool.workers["decode-0"].num_reservable_blocks = 1
+        capacity.on_report()  # granted: nobody waits any more
+        await waiting
+        stopped = capacity.short_seconds()
+        await asyncio.sleep(0.05)
+        return during, capacity.short_seconds() - stopped
+
+    during, after = asyncio.run(scenario())
+    assert during >= 0.04 and after == 0.0
+
+    clock = [0.0]
+    rate = WindowRate(window_s=30, clock=lambda: clock[0])
+    rate.add(10)  # freed while the pool was short
+    clock[0] = 2.0  # two seconds of waiting later (whatever the wall time between)
+    rate.add(10)
+    assert rate.per_second() == 10.0
+
+
+def test_blocks_freed_while_nobody_waits_for_room_are_not_counted():
+    dispatcher, _ = _measured_dispatcher()
+    assert dispatcher.kv_freed.clock == dispatcher.capacity.short_seconds
+    assert dispatcher.kv_freed.per_second() is None  # no spell of waiting yet: the KV term is unknown, nothing refused on it
