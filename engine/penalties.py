@@ -18,7 +18,6 @@ reset when another takes it.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import weakref
 from dataclasses import dataclass
@@ -223,11 +222,12 @@ class PenaltyHistory:
 
 @functools.cache
 def _triton_penalties():
-    """engine.triton_penalties, or None where Triton cannot be imported."""
+    """engine.triton_penalties, or None where Triton cannot be imported (as engine.attention.kv_write's)."""
     try:
-        return importlib.import_module("engine.triton_penalties")
+        from engine import triton_penalties
     except Exception:
         return None
+    return triton_penalties
 
 
 def num_unread(seq: Sequence | DraftRow, pending: PendingSamples | None) -> int:

@@ -11,7 +11,6 @@ those of the distribution the grammar allows, before any of the request's own tr
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import sys
 from dataclasses import dataclass
@@ -173,8 +172,8 @@ class Sampler:
             top, token_ids = logits.topk(width, dim=-1)
             try:
                 return _triton_sampling().draw_among_top_k(
-                    top, token_ids, [min(max(p.temperature, _MIN_TEMPERATURE), _MAX_TEMPERATURE) for p in params],
-                    [p.top_k for p in params], [max(p.top_p, _MIN_TOP_P) for p in params], [p.min_p for p in params], uniforms)
+                    top, token_ids, [_held_temperature(p) for p in params], [p.top_k for p in params], [_held_top_p(p) for p in params],
+                    [p.min_p for p in params], uniforms)
             except Exception:
                 # A kernel that does not build here (a Triton or driver this was never run on).
                 logger.exception("the top-k draw's Triton kernel failed; drawing top-k rows with torch ops from now on")
@@ -473,21 +472,30 @@ _MIN_TOP_P = 1e-30
 
 def _temperatures(params: list, device) -> torch.Tensor:
     """The rows' temperatures, float32, held inside [_MIN_TEMPERATURE, _MAX_TEMPERATURE]."""
-    return to_device([min(max(p.temperature, _MIN_TEMPERATURE), _MAX_TEMPERATURE) for p in params], torch.float32, device)
+    return to_device([_held_temperature(p) for p in params], torch.float32, device)
+
+
+def _held_temperature(params) -> float:
+    return min(max(params.temperature, _MIN_TEMPERATURE), _MAX_TEMPERATURE)
 
 
 def _top_ps(params: list, device) -> torch.Tensor:
     """The rows' top_p, float32, at least _MIN_TOP_P."""
-    return to_device([max(p.top_p, _MIN_TOP_P) for p in params], torch.float32, device)
+    return to_device([_held_top_p(p) for p in params], torch.float32, device)
+
+
+def _held_top_p(params) -> float:
+    return max(params.top_p, _MIN_TOP_P)
 
 
 @functools.cache
 def _triton_sampling():
-    """engine.triton_sampling, or None where Triton cannot be imported."""
+    """engine.triton_sampling, or None where Triton cannot be imported (as engine.attention.kv_write's)."""
     try:
-        return importlib.import_module("engine.triton_sampling")
+        from engine import triton_sampling
     except Exception:
         return None
+    return triton_sampling
 
 
 def _fused_top_k_draws(logits: torch.Tensor) -> bool:

@@ -109,11 +109,11 @@ def _decode_kernel(
 
 
 @triton.jit
-def _split_blocks(length, window, split, BLOCK_SIZE: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """A row's blocks split ``split`` attends: [first, last), empty past the row's last split.
-    Splits of at least MIN_SPLIT_BLOCKS blocks, at most MAX_SPLITS of them: a function of the row
-    alone, so a row attends alike in any batch and any table width (a CUDA graph's padded ones)."""
-    start = _window_start(length, window)
+def _split_blocks(length, start, split, BLOCK_SIZE: tl.constexpr, MIN_SPLIT_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """A row's blocks split ``split`` attends (``start``: its first visible position): [first,
+    last), empty past the row's last split; and how many splits it has. Splits of at least
+    MIN_SPLIT_BLOCKS blocks, at most MAX_SPLITS of them: a function of the row alone, so a row
+    attends alike in any batch and any table width (a CUDA graph's padded ones)."""
     row_blocks = tl.cdiv(length, BLOCK_SIZE)
     per_split = tl.maximum(MIN_SPLIT_BLOCKS, tl.cdiv(row_blocks, MAX_SPLITS))
     return tl.maximum(start // BLOCK_SIZE, split * per_split), tl.minimum(row_blocks, (split + 1) * per_split), tl.cdiv(row_blocks, per_split)
@@ -137,11 +137,12 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens_ptr + row)
-    first, last, _ = _split_blocks(length, window, split, BLOCK_SIZE, MIN_SPLIT_BLOCKS, MAX_SPLITS)
+    start = _window_start(length, window)
+    first, last, _ = _split_blocks(length, start, split, BLOCK_SIZE, MIN_SPLIT_BLOCKS, MAX_SPLITS)
     best, total, acc = _attend_blocks(
         q_ptr, q_stride_t, q_stride_h, k_ptr, k_stride_block, k_stride_token, k_stride_head,
         v_ptr, v_stride_block, v_stride_token, v_stride_head, k_scales_ptr, v_scales_ptr, scales_stride_block, scales_stride_head,
-        tables_ptr, tables_stride, row, kv_head, length, _window_start(length, window), first, last, softmax_scale,
+        tables_ptr, tables_stride, row, kv_head, length, start, first, last, softmax_scale,
         GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE,
     )
     g = tl.arange(0, GROUP_PAD)
@@ -154,7 +155,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    best_ptr, total_ptr, acc_ptr, num_kv_heads, num_splits, lens_ptr, window,
+    best_ptr, total_ptr, acc_ptr, num_kv_heads, num_splits, lens_ptr,
     out_ptr, out_stride_t, out_stride_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     MIN_SPLIT_BLOCKS: tl.constexpr, MAX_SPLITS: tl.constexpr,
@@ -164,7 +165,7 @@ def _merge_splits_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     length = tl.load(lens_ptr + row)
-    _, _, used = _split_blocks(length, window, 0, BLOCK_SIZE, MIN_SPLIT_BLOCKS, MAX_SPLITS)
+    _, _, used = _split_blocks(length, 0, 0, BLOCK_SIZE, MIN_SPLIT_BLOCKS, MAX_SPLITS)  # (how many splits: the window does not change it)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM)
     first = (row * num_kv_heads + kv_head) * num_splits
@@ -221,7 +222,7 @@ def attend_decode(
         acc = torch.empty((n, num_kv_heads, num_splits, group_pad, head_dim), dtype=torch.float32, device=q.device)
         try:
             _decode_split_kernel[(n, num_kv_heads, num_splits)](*cache_args, best, total, acc, num_kv_heads, num_splits, head_dim**-0.5, window or 0, **shape, **splits)
-            _merge_splits_kernel[(n, num_kv_heads)](best, total, acc, num_kv_heads, num_splits, lens, window or 0, out, out.stride(0), out.stride(1), **shape, **splits)
+            _merge_splits_kernel[(n, num_kv_heads)](best, total, acc, num_kv_heads, num_splits, lens, out, out.stride(0), out.stride(1), **shape, **splits)
             return out.to(q.dtype)
         except Exception:
             # Kernels that do not build here (a Triton or driver they were never run on): the
