@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import string
 import urllib.parse
 from dataclasses import asdict, dataclass
@@ -83,7 +84,7 @@ class StructuredOutput:
         ``separator``: the regex between calls; ``opening``: set where the calls are the whole
         answer (Llama 3's JSON calls), the regex of how a call starts, which a text answer may
         not (else calls sit in free text, each begun by its trigger: hermes). ``one_call``: at most
-        one (``parallel_tool_calls: false``) where calls stand alone (not among free text)."""
+        one call (``parallel_tool_calls: false``); among free text, no trigger after it."""
         spec = {"calls": [asdict(call) for call in calls], "answer": None, "separator": separator, "opening": opening, "one_call": one_call}
         if answer is not None:
             spec["answer"] = {"type": "object"} if answer.kind == "json_object" else bounded_json.loads(answer.value)
@@ -152,6 +153,8 @@ def _tool_calls_grammar(spec: dict) -> str:
     calls = [CallTag(**call) for call in spec["calls"]]
     separator, opening = spec.get("separator", r"\s*"), spec.get("opening")
     if spec["answer"] is None and opening is None:
+        if spec.get("one_call"):
+            return llguidance.LLMatcher.grammar_from_lark(_one_call_among_text(calls, schema))
         tags = [llguidance.StructTag(trigger=c.trigger, begin=c.begin, grammar=schema(c.schema), end=c.end) for c in calls]
         # (Triggers as text, not as special tokens: a template's <tool_call> is plain text to
         # some tokenizers and one added token to others; as text it matches either way.)
@@ -171,6 +174,28 @@ def _tool_calls_grammar(spec: dict) -> str:
     lines += [f"calls: ({names}){more} /\\s*/"]
     lines += [f"call_{index}: {json.dumps(c.begin)} %json {json.dumps(schema(c.schema))} {json.dumps(c.end)}" for index, c in enumerate(calls)]
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+
+
+def _one_call_among_text(calls: list[CallTag], schema) -> str:
+    """Free text with at most one call in it (hermes under ``parallel_tool_calls: false``): the
+    structural tags' grammar (a call's trigger, matched lazily in the text, starts it) without
+    their repetition, and after the call, text in which no trigger may appear (the model spent
+    its tokens on later calls, which the reader then dropped). Triggers are text, as above."""
+    names = " | ".join(f"call_{index}" for index in range(len(calls)))
+    triggers = "|".join(sorted({re.escape(c.trigger).replace("/", "\\/") for c in calls}))
+    lines = [
+        "%llguidance {}",
+        f"start: TEXT | ({names}) AFTER",
+        "TEXT: /(.|\\n)*/",
+        f"AFTER: /(.|\\n)*/ & ~/(.|\\n)*({triggers})(.|\\n)*/",
+    ]
+    for index, c in enumerate(calls):
+        rest = c.begin[len(c.trigger):]
+        lines += [
+            f"call_{index}_trigger[lazy]: TEXT {json.dumps(c.trigger)}",
+            f"call_{index}: call_{index}_trigger {json.dumps(rest) if rest else ''} %json {json.dumps(schema(c.schema))} {json.dumps(c.end) if c.end else ''}",
+        ]
+    return "\n".join(lines)
 
 
 DEFINITION_KEYWORDS = ("$defs", "definitions")  # where a schema keeps what its "$ref"s name

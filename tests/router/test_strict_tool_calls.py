@@ -177,3 +177,24 @@ def test_parallel_tool_calls_false_holds_the_answer_to_one_call_where_calls_stan
     hermes = read_tool_calling({"tools": [TOOLS[1]], "parallel_tool_calls": False}, "", "hermes").constraint(answer)
     one = call("get_time", '{"zone": "UTC"}')
     assert accepts(hermes, one) and not accepts(hermes, one + "\n" + one)
+
+
+def test_parallel_tool_calls_false_holds_a_hermes_answer_among_text_to_one_call(accepts):
+    """Hermes calls among free text under parallel_tool_calls: false: the grammar took any number
+    (the reader dropped all but the first, after the model had written them), or there was no
+    grammar at all without a strict tool. Now text may come before and after one call, but no
+    second call can begin; a strict tool's arguments are still held."""
+    weather = call("get_weather", '{"city": "Oslo", "unit": "c"}')
+    clock = call("get_time", '{"zone": "UTC"}')
+    for tools in (TOOLS, [TOOLS[1]]):  # with a strict tool, and without any
+        single = read_tool_calling({"tools": tools, "parallel_tool_calls": False}, "", "hermes").constraint()
+        assert single is not None and single.kind == TOOL_CALLS
+        check_grammar(single)
+        assert accepts(single, "Let me look.\n" + clock) and accepts(single, clock + "\nDone.") and accepts(single, "No call needed.")
+        assert not accepts(single, clock + "\n" + clock), "a second call"
+        assert not accepts(single, clock + " and <tool_call> more"), "a call's opening after the call"
+    single = read_tool_calling({"tools": TOOLS, "parallel_tool_calls": False}, "", "hermes").constraint()
+    assert accepts(single, weather) and not accepts(single, call("get_weather", '{"city": 1}')), "strict arguments held"
+    assert not accepts(single, weather + "\n" + clock)
+    assert _auto(tools=[TOOLS[1]]).constraint() is None, "parallel by default, nothing strict: no grammar"
+    assert accepts(_auto().constraint(), weather + "\n" + clock)
