@@ -4,7 +4,7 @@ the router's neutral request.
 The conversation becomes the chat template's messages the way OpenAI's does (so a Messages call
 and a chat completion of the same conversation render the same prompt): ``system`` as a system
 message, text blocks joined, an assistant's ``tool_use`` blocks as its ``tool_calls``, a user's
-``tool_result`` blocks as ``tool`` messages. ``tools`` (``input_schema``) and ``tool_choice``
+``tool_result`` blocks as ``tool`` messages (one with ``is_error`` reads "Error: " first). ``tools`` (``input_schema``) and ``tool_choice``
 (``auto``, ``any``, ``tool`` by name, ``none``) go through the same tool calling as chat
 completions (router/openai_api/tool_calls.py). Every field is checked here; a problem raises
 ``InvalidArgumentError`` naming it as the client wrote it (``messages[1].content[0].input``),
@@ -348,7 +348,15 @@ def _blocks(role: str, blocks: list, name: str) -> list[dict[str, Any]]:
                 raise InvalidArgumentError(f"{where}.tool_use_id", "must be a non-empty string")
             if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
                 raise InvalidArgumentError(f"{where}.is_error", f"must be a boolean, got {type_name(block['is_error'])}")
-            results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _result_content(block.get("content"), f"{where}.content")})
+            result = {"role": "tool", "tool_call_id": block["tool_use_id"], "content": _result_content(block.get("content"), f"{where}.content")}
+            if block.get("is_error"):
+                # No chat template has a field for a failed call: its result was rendered as a
+                # success, and the model went on as if the tool had answered (Claude Code sends
+                # a refused or failed command this way). The content says so where every
+                # template shows it; the flag stays on the message for a template that reads it.
+                result["content"] = TOOL_ERROR_PREFIX + result["content"]
+                result["is_error"] = True
+            results.append(result)
     out: list[dict[str, Any]] = []
     if texts or calls:
         message: dict[str, Any] = {"role": role, "content": "\n".join(texts) if texts else None}
@@ -358,6 +366,9 @@ def _blocks(role: str, blocks: list, name: str) -> list[dict[str, Any]]:
             message["tool_calls"] = calls
         out.append(message)
     return results + out if role == "user" else out + results
+
+
+TOOL_ERROR_PREFIX = "Error: "  # before an ``is_error`` tool result, as the model reads it
 
 
 def _text_block(block: Any, where: str) -> str:

@@ -538,6 +538,30 @@ def test_an_answer_sent_back_as_the_sdks_dump_it_is_taken():
     assert "checking" in request.generate.prompt_text
 
 
+def test_an_anthropic_tool_result_with_is_error_tells_the_model_the_call_failed():
+    """``is_error: true`` was checked and dropped: a failed tool call rendered exactly as its
+    success would, and the model answered from the error text as if it were the tool's result."""
+    from router.anthropic_api.protocol import read_messages
+
+    template = ChatTemplate(TEMPLATES["json"], {})  # the messages as the template gets them
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+
+    def prompt(**result):
+        messages = [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "no such file", **result}]},
+        ]
+        return read_messages({"model": "m", "max_tokens": 4, "tools": [tool], "messages": messages}, template, "hermes").generate.prompt_text
+
+    failed = prompt(is_error=True)
+    assert '"content": "Error: no such file"' in failed and '"is_error": true' in failed
+    assert "Error:" not in prompt() and "is_error" not in prompt() and prompt() == prompt(is_error=False)
+    with pytest.raises(InvalidArgumentError) as raised:
+        prompt(is_error="yes")
+    assert raised.value.field == "messages[2].content[0].is_error"
+
+
 def test_legacy_completions_top_logprobs_always_hold_the_sampled_token(byte_level_tokenizer):
     """OpenAI's legacy logprobs return the chosen token's too (up to logprobs + 1 entries), as
     vLLM's do: logprobs 0 gave an empty dict at every position, and a token drawn outside the
