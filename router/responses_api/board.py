@@ -64,6 +64,13 @@ class ResponseBoard:
         if not is_in_progress(entry):
             self._settle(response_id)
 
+    async def replace(self, response_id: str, entry: StoredResponse) -> bool:
+        """``put`` where the response is still stored (False: deleted, or expired, meanwhile)."""
+        if self.store.get(response_id) is None:
+            return False
+        await self.put(response_id, entry)
+        return True
+
     async def delete(self, response_id: str) -> bool:
         self._settle(response_id)
         return self.store.delete(response_id)
@@ -133,6 +140,9 @@ class SharedBoard:
 
     async def put(self, response_id: str, entry: StoredResponse) -> None:
         await self.handle.put.remote(response_id, entry)
+
+    async def replace(self, response_id: str, entry: StoredResponse) -> bool:
+        return await self.handle.replace.remote(response_id, entry)
 
     async def delete(self, response_id: str) -> bool:
         return await self.handle.delete.remote(response_id)

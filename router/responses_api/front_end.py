@@ -13,7 +13,8 @@ Whole, it answers a ``response`` object; streamed, the events the client accumul
 ``incomplete`` when ``max_output_tokens`` ran out, as vLLM sends it). ``background: true``
 answers at once with the response in progress; ``GET /v1/responses/{id}`` polls it and
 ``POST .../cancel`` stops it. ``store`` (the default) keeps the response and its conversation
-(router/responses_api/store.py) for ``GET``, ``DELETE`` and follow-up turns; a follow-up's
+(router/responses_api/store.py) for ``GET``, ``DELETE`` and follow-up turns, from its start
+(in progress, then its final state); a follow-up's
 prompt starts with the previous turn's, so KV-aware routing sends it to the actor whose prefix
 cache holds it. They are kept on the router's board (router/responses_api/board.py): its own, or
 the one its replicas share, so that any router of the deployment answers for any response.
@@ -130,6 +131,7 @@ class ResponseState:
     error: dict[str, Any] | None = None
     sequence: int = 0
     run: int = 1  # a background response's: runs started (its router died during the earlier ones)
+    final_kept: bool = False  # its final state is on the board (or was deleted there first)
 
     def event(self, kind: str, **body: Any) -> dict[str, Any]:
         self.sequence += 1
@@ -272,6 +274,7 @@ class ResponsesFrontEnd:
         # The deployment's shared board where routers have replicas; else one of its own.
         self.store = self.router.responses_board or ResponseBoard(config)
         self.background: dict[str, _Background] = {}  # the background responses this router runs
+        self.answering: dict[str, ResponseState] = {}  # stored responses this router answers now (not background)
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = await self.server.read_json(request)
@@ -287,21 +290,52 @@ class ResponsesFrontEnd:
         session = await GenerationSession.open(self.router, validated, client_gone)
         try:
             chunks = read_ahead(session)
-            async with contextlib.aclosing(chunks):
+            async with contextlib.aclosing(chunks), self._on_board_while_answered(api, state, conversation):
                 if api.stream:
                     return await self._stream(request, api, state, chunks, conversation)
                 async for chunk in chunks:
                     state.take(chunk)
                     if chunk.end is not None:
                         break
+                await self._keep(api, state, conversation, answered=True)  # a failed one too: GET shows why
                 if state.end is not None and state.status == "failed":
                     raise end_failure(state.end, state.num_tokens)
                 if state.end is None or state.status == "cancelled":
                     raise InternalError(state.error["message"] if state.error else f"{state.response_id}: the stream ended without a last chunk")
-                await self._keep(api, state, conversation)
                 return web.json_response(state.obj())
         finally:
             await session.close()
+
+    @contextlib.asynccontextmanager
+    async def _on_board_while_answered(self, api: ResponsesRequest, state: ResponseState, conversation):
+        """A stored response (not background) is on the board from its start, in progress: GET
+        through any router finds it (through this one, with its output so far), where it was a
+        404 until the answer ended. Its final state replaces that, unless it was deleted
+        meanwhile; one that ends without it (the client went away, the stream broke) is kept as
+        cancelled or failed, never left in progress."""
+        if not api.store:
+            yield
+            return
+        await self._keep(api, state, conversation)
+        self.answering[state.response_id] = state
+        try:
+            yield
+        except BaseException as exc:
+            if state.status in IN_PROGRESS:
+                if isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
+                    state.status = "cancelled"
+                else:
+                    state.status, state.error = "failed", response_error(exc)
+            raise
+        finally:
+            self.answering.pop(state.response_id, None)
+            if not state.final_kept:
+                if state.status in IN_PROGRESS:
+                    state.status, state.error = "failed", {"code": "server_error", "message": "the answer ended before its last chunk"}
+                try:
+                    await asyncio.shield(self._keep(api, state, conversation, answered=True))
+                except Exception:
+                    logger.exception("%s: keeping the final state failed", state.response_id)
 
     async def _prepare(self, api: ResponsesRequest, response_id: str) -> tuple[ResponseState, ValidatedRequest, list[dict[str, Any]]]:
         """The response's state, its validated request and its conversation (a stored previous
@@ -346,7 +380,11 @@ class ResponsesFrontEnd:
             logger.exception("%s: could not read the background responses left in progress", self.router.board_name)
             return
         for response_id, entry in left:
-            if response_id in self.background or entry.request is None:
+            if response_id in self.background or response_id in self.answering:
+                continue
+            if entry.request is None:  # an answer its client was waiting for: that connection died with the router
+                failed = dict(entry.response, status="failed", error={"code": "server_error", "message": "its router died while answering it"})
+                await self.store.put(response_id, StoredResponse(failed, entry.conversation, input_items=entry.input_items))
                 continue
             logger.info("%s: left in progress by this router's earlier life; running it again", response_id)
             task = asyncio.create_task(self._run_again(response_id, entry))
@@ -405,15 +443,24 @@ class ResponsesFrontEnd:
             api.generate.thinking = self.server.reasoning.thinking(prompt)
         return prompt, calling
 
-    async def _keep(self, api: ResponsesRequest, state: ResponseState, conversation: list[dict[str, Any]], body: dict[str, Any] | None = None) -> None:
+    async def _keep(
+        self, api: ResponsesRequest, state: ResponseState, conversation: list[dict[str, Any]], body: dict[str, Any] | None = None, answered: bool = False,
+    ) -> None:
         """Store the response as it stands (``api.store``); in progress, with its router's name
-        and ``body``, the request a router taking that one's place runs again."""
+        and ``body``, the request a router taking that one's place runs again. ``answered``: a
+        response its client waits for (not background), whose final state replaces the one in
+        progress only if that is still stored."""
         if not api.store:
             return
         entry = StoredResponse(state.obj(), conversation + state.assistant_messages(), input_items=api.input_items)
         if state.status in IN_PROGRESS:
             entry.owner, entry.request, entry.runs = self.router.board_name, body, state.run
-        await self.store.put(state.response_id, entry)
+            await self.store.put(state.response_id, entry)
+        elif answered:  # in progress on the board since it started: a DELETE meanwhile stays deleted
+            await self.store.replace(state.response_id, entry)
+            state.final_kept = True
+        else:
+            await self.store.put(state.response_id, entry)
 
     async def _stream(self, request: web.Request, api: ResponsesRequest, state: ResponseState, chunks, conversation) -> web.StreamResponse:
         response = sse.event_stream()
@@ -431,7 +478,7 @@ class ResponsesFrontEnd:
                     await sse.send(response, event, named=True)
                 if chunk.end is not None:
                     break
-            await self._keep(api, state, conversation)  # a failed one too: GET shows why, as OpenAI keeps it
+            await self._keep(api, state, conversation, answered=True)  # a failed one too: GET shows why, as OpenAI keeps it
             if state.status == "failed":
                 await sse.send(response, state.event("response.failed", response=state.obj()), named=True)
             else:
@@ -439,11 +486,15 @@ class ResponsesFrontEnd:
             await response.write_eof()
         except ConnectionResetError:
             logger.info("%s: the client went away mid-stream", state.response_id)
+            if state.status in IN_PROGRESS:
+                state.status = "cancelled"
         except Exception as exc:
             if not started:
                 raise  # nothing sent yet: a real status
             log_if_internal(exc, f"{state.response_id}: the stream, after it started,")
             error = response_error(exc)
+            if state.status in IN_PROGRESS:
+                state.status, state.error = "failed", error
             param = getattr(remote_cause(exc), "field", None)
             await sse.send(response, state.event("error", code=error["code"], message=error["message"], param=param), named=True)
         return response
@@ -499,8 +550,9 @@ class ResponsesFrontEnd:
         if "starting_after" in request.query:
             raise InvalidArgumentError("starting_after", "needs stream, which is not served here: poll GET without it")
         running = self.background.get(response_id)
-        if running is not None:
-            return web.json_response(running.state.obj())
+        live = running.state if running is not None else self.answering.get(response_id)
+        if live is not None:
+            return web.json_response(live.obj())
         entry = await self.store.get(response_id)
         if entry is None:
             raise ResponseNotFoundError(response_id)
@@ -573,7 +625,8 @@ class ResponsesFrontEnd:
                 running.task.cancel()
             await asyncio.gather(running.task, return_exceptions=True)
             return None
-        if not is_in_progress(await self.store.get(response_id)):
-            return None
+        entry = await self.store.get(response_id)
+        if not is_in_progress(entry) or not entry.response.get("background"):
+            return None  # (an answer being streamed or awaited is its client's to stop)
         await self.store.request_cancel(response_id)
         return await self.store.wait_until_final(response_id, CANCEL_WAIT_S)

@@ -223,6 +223,25 @@ def test_routers_sharing_a_board_answer_for_each_others_responses(client, deploy
             assert follow_up.output_text == _chat_text(client, messages, 6)
 
             ray.get([d.set_step_delay.remote(0.05) for d in decodes])
+            # A streamed, stored answer is on the board while it runs (it was a 404 until its
+            # end): in progress through the other router, not yet a turn to follow up on; and a
+            # DELETE while it runs stays deleted once it ends.
+            for delete_midway in (False, True):
+                with first_client.responses.stream(model="tiny-chat", input="Count.", max_output_tokens=30, **GREEDY) as stream:
+                    streamed_id = next(event for event in stream if event.type == "response.created").response.id
+                    assert other_client.responses.retrieve(streamed_id).status == "in_progress"
+                    if delete_midway:
+                        other_client.responses.delete(streamed_id)
+                    else:
+                        with pytest.raises(openai.BadRequestError, match="still in_progress"):
+                            other_client.responses.create(model="tiny-chat", previous_response_id=streamed_id, input="And?", max_output_tokens=2)
+                    final = stream.get_final_response()
+                assert final.status == "incomplete" and final.usage.output_tokens == 30
+                if delete_midway:
+                    with pytest.raises(openai.NotFoundError):
+                        other_client.responses.retrieve(streamed_id)
+                else:
+                    assert other_client.responses.retrieve(streamed_id).output_text == final.output_text
             started = first_client.responses.create(model="tiny-chat", input="Count.", background=True, max_output_tokens=1500, **GREEDY)
             deadline = time.monotonic() + 10
             while other_client.responses.retrieve(started.id).status == "queued" and time.monotonic() < deadline:
@@ -325,11 +344,17 @@ def test_a_disconnect_mid_stream_frees_every_block(client, deployment):
     ray.get([d.set_step_delay.remote(0.05) for d in decodes])
     try:
         with client.responses.stream(model="tiny-chat", input="Count.", max_output_tokens=1500, **GREEDY) as stream:
-            for _, _event in zip(range(6), stream):
-                pass
+            for _, event in zip(range(6), stream):
+                streamed_id = event.response.id if event.type == "response.created" else streamed_id
         workers = grpc_client.wait_until_idle(timeout_s=15)
         assert all(w.num_kv_blocks_used == 0 for w in workers)
         assert not deployment.router.dispatcher.active
+        # Stored, it ends as cancelled with what was written, not "in_progress" for good.
+        deadline = time.monotonic() + 10
+        while (left := client.responses.retrieve(streamed_id)).status == "in_progress":
+            assert time.monotonic() < deadline, "the stream the client left stays in progress"
+            time.sleep(0.05)
+        assert left.status == "cancelled" and left.output_text
     finally:
         ray.get([d.set_step_delay.remote(0.0) for d in decodes])
         grpc_client.close()
