@@ -22,7 +22,8 @@ slot_tokens, hidden], the hidden rows then the residual rows.
   to use Ray for it; a write that fails after it was posted keeps its staging slot until the
   caller takes the chunk back (``take_failed_sends``) and sends it over Ray.
 - A poller thread, running while an inbox is open or a write is in flight, turns notifications
-  into ``ArrivedChunk``s and wakes the engine thread; ``take_arrivals`` hands them over. An
+  into ``ArrivedChunk``s and wakes the engine thread (also as writes complete: a stage answers
+  once ``num_sends_in_flight`` of its request is zero); ``take_arrivals`` hands them over. An
   arrived chunk is read (copied out of its slot) when the stage computes it. Polls that find
   nothing back off from 1 to 16 ms; while the engine thread waits for a chunk (``expect``) they
   start again at 1 ms and back off to 4 ms: a stage computing its own chunk needs no quick look,
@@ -220,7 +221,8 @@ class ActivationChannel:
         self._quarantined = kept
 
     def expect(self) -> None:
-        """The engine thread waits for a chunk: look for it every millisecond again."""
+        """The engine thread waits for a chunk, or for its writes to complete: look every
+        millisecond again."""
         self._expecting = True
         self._work.set()
 
@@ -285,6 +287,13 @@ class ActivationChannel:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.0002)
+
+    def num_sends_in_flight(self, req_id: str, token: int) -> int:
+        """Writes of request ``req_id`` (attempt ``token``) not yet complete: posted, or failed and
+        not yet taken over by ``take_failed_sends``. The poller wakes the engine thread
+        (``on_arrival``) as writes complete."""
+        with self._lock:
+            return sum(1 for send in (*self._sends, *self._failed_sends) if send.req_id == req_id and send.token == token)
 
     def _reap_sends(self) -> bool:
         """Free the staging slots of writes that completed; keep those of writes that failed for
@@ -359,7 +368,9 @@ class ActivationChannel:
             except Exception:
                 logger.warning("activations poller of %s failed", self.name, exc_info=True)
                 return False
+            posted = len(self._sends)
             failed = self._reap_sends()
+            completed = len(self._sends) < posted
             # Quarantines past their time end here too: only the next inbox opened ended them, and
             # until then an idle actor's poller went on looking every 16 ms.
             now = time.monotonic()
@@ -376,8 +387,8 @@ class ActivationChannel:
                     inbox.landed.add(meta["i"])
                     arrived.append(ArrivedChunk(meta["r"], meta["t"], meta["s"], meta["n"], meta["res"], self._inbox[inbox.slots[meta["i"]]]))
             self._arrivals.extend(arrived)
-        if arrived or failed:
-            self._on_arrival()  # wakes the engine thread: to compute a chunk, or to resend one
+        if arrived or failed or completed:
+            self._on_arrival()  # wakes the engine thread: to compute a chunk, resend one, or answer a stage
         return bool(arrived)
 
     def close(self) -> None:

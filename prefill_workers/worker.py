@@ -25,7 +25,11 @@ later stage computes a chunk when the previous stage's activations for it arrive
 ordinary batches, so a pipeline never holds other prompts back beyond its own steps. After each
 chunk a stage pushes its layers of the blocks the chunk completed into the decode actor's
 reservation (which expects one writer per stage); the last stage samples the first token and
-its last write carries it.
+its last write carries it. A stage answers only once its writes landed and the next stage has
+every chunk of its activations (their NIXL writes completed, their Ray calls returned): a stage
+that answered and died before its last chunk reached the next one left that stage waiting for
+good (the router renews its lease while the request is in flight), where a death before the
+answer is a failed stage call, and the router places the request again.
 """
 
 from __future__ import annotations
@@ -33,10 +37,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -60,8 +62,6 @@ from workers.base import EngineWorker
 from workers.pipeline import PipelineStage, StageChunk, StageOpened, inbox_chunks
 
 logger = logging.getLogger(__name__)
-
-ENDED_STAGES_KEPT = 256  # stages that ended lately, remembered for an activation write failing after them
 
 
 class PrefillCancelledError(RuntimeError):
@@ -92,6 +92,9 @@ class _Job:
     num_chunks_over_ray: int = 0
     inbox: dict[int, StageChunk | ArrivedChunk] = field(default_factory=dict)
     compute_s: float = 0.0  # a stage's time in its own steps (the rest it waited for activations or shared the actor)
+    # Its chunks handed on over Ray whose calls have not returned (the next stage has them once they have).
+    ray_sends: list[Future] = field(default_factory=list)
+    handing_on: bool = False  # its KV all landed: it answers once the next stage has every chunk
 
     @property
     def stage(self) -> PipelineStage | None:
@@ -127,10 +130,6 @@ class PrefillWorker(EngineWorker):
         self._early_renewals: dict[str, KVDestination] = {}
         self._num_stage_chunks_over_nixl = 0
         self._num_stage_chunks_over_ray = 0
-        # The next stage of each stage that ended here lately, by (request, reservation): an
-        # activation write that fails after its stage ended (its KV all landed first) is handed
-        # on over Ray all the same.
-        self._ended_stages: OrderedDict[tuple[str, int], Any] = OrderedDict()
         self._run_engine()
 
     # -- calls from the router ----------------------------------------------------------
@@ -329,6 +328,8 @@ class PrefillWorker(EngineWorker):
 
     def _iterate(self) -> bool:
         busy = self._poll_sends()
+        for job in [job for job in self._jobs.values() if job.handing_on]:
+            busy = self._finish_if_done(job) or busy
         return self._take_turns(self._run_batch) or busy
 
     def _run_batch(self) -> bool:
@@ -439,32 +440,53 @@ class PrefillWorker(EngineWorker):
             if self.activations.send(job.next_inbox, index, job.seq.req_id, token, start + skip, out):
                 self._num_stage_chunks_over_nixl += 1
                 return
-        job.num_chunks_over_ray += 1
-        self._send_over_ray(job.stage.next_stage, job.seq.req_id, token, start + skip, out)
+        self._send_over_ray(job, start + skip, out)
 
     def _resend(self, failed: FailedSend) -> None:
-        """A chunk whose activation write failed after it was posted, over Ray: for its stage
-        still here, or one that ended lately (nobody waits for an attempt cancelled here)."""
+        """A chunk whose activation write failed after it was posted, over Ray (its stage is
+        still here: a stage ends only once every chunk reached the next one; nobody waits for
+        an attempt cancelled or failed here)."""
         job = self._jobs.get(failed.req_id)
-        live = job is not None and job.request.destination.token == failed.token
-        next_stage = job.stage.next_stage if live else self._ended_stages.get((failed.req_id, failed.token))
-        if next_stage is None:
+        if job is None or job.request.destination.token != failed.token:
             return
-        if live:
-            job.num_chunks_over_ray += 1
         try:
-            self._send_over_ray(next_stage, failed.req_id, failed.token, failed.start, failed.activations)
+            self._send_over_ray(job, failed.start, failed.activations)
         except Exception as exc:
-            if not live:  # the next stage is gone: the router hears of it
-                logger.warning("req %s: handing on the activations from token %d failed", failed.req_id, failed.start, exc_info=True)
-                return
             self._finish_job(job, RequestFailedError(f"handing on the activations from token {failed.start} failed: {exc}"))
 
-    def _send_over_ray(self, next_stage: Any, req_id: str, token: int, start: int, out: StageActivations) -> None:
+    def _send_over_ray(self, job: _Job, start: int, out: StageActivations) -> None:
         """A chunk's activations (tokens from ``start``) to the next stage in a Ray call (the
-        router hears if that actor is gone)."""
+        router hears if that actor is gone); the stage answers once the call returned."""
         self._num_stage_chunks_over_ray += 1
-        next_stage.stage_activations.remote(StageChunk.of(req_id, token, start, out))
+        job.num_chunks_over_ray += 1
+        ref = job.stage.next_stage.stage_activations.remote(StageChunk.of(job.seq.req_id, job.request.destination.token, start, out))
+        returned = ref.future()
+        job.ray_sends.append(returned)
+        returned.add_done_callback(lambda _: self._thread.wake())  # a stage waiting to answer looks again
+
+    def _handed_on(self, job: _Job) -> bool:
+        """Whether the next stage has every chunk this stage computed (a stage before the last;
+        any other job hands nothing on). A Ray call that raised counts as returned: the next
+        stage is gone, and the router, waiting for its call too, places the request again."""
+        if job.stage is None or job.stage.is_last:
+            return True
+        job.ray_sends = [returned for returned in job.ray_sends if not returned.done()]
+        if job.ray_sends:
+            return False
+        return self.activations is None or self.activations.num_sends_in_flight(job.seq.req_id, job.request.destination.token) == 0
+
+    def _finish_if_done(self, job: _Job) -> bool:
+        """Answer the job if it is done: its prompt computed, its KV all landed, and (a stage)
+        its activations all at the next stage. Whether it answered."""
+        if not (job.all_pushed and not job.writes_in_flight and job.prefilled_at is not None):
+            return False
+        if not self._handed_on(job):
+            if not job.handing_on and self.activations is not None:
+                self.activations.expect()  # its writes' completions are looked for soon, not after the poller's back-off
+            job.handing_on = True
+            return False
+        self._finish_job(job, None)
+        return True
 
     def _push_completed_blocks(self, job: _Job) -> None:
         seq = job.seq
@@ -511,8 +533,7 @@ class PrefillWorker(EngineWorker):
             if pushed is not None:
                 done = event.seen_at or time.perf_counter()
                 self.step_log.record_transfer(TransferRecord(pushed[1], pushed[2], done - pushed[0]))
-            if job.all_pushed and not job.writes_in_flight and job.prefilled_at is not None:
-                self._finish_job(job, None)
+            self._finish_if_done(job)
         return bool(events)
 
     def _finish_job(self, job: _Job, error: Exception | None) -> None:
@@ -527,10 +548,6 @@ class PrefillWorker(EngineWorker):
             job.done.set_exception(error)
             return
         self.scheduler.release(req_id)
-        if job.stage is not None and not job.stage.is_last:
-            self._ended_stages[req_id, job.request.destination.token] = job.stage.next_stage
-            while len(self._ended_stages) > ENDED_STAGES_KEPT:
-                self._ended_stages.popitem(last=False)
         now = time.monotonic()
         seq = job.seq
         scheduled = seq.first_scheduled_time or job.arrival

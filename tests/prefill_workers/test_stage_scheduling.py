@@ -176,6 +176,51 @@ def test_a_chunk_that_cannot_be_handed_on_fails_its_request_not_the_actor(model_
     assert engine.num_free_blocks == NUM_BLOCKS
 
 
+def test_a_stage_answers_only_once_the_next_stage_has_every_chunk(model_path):
+    """A stage answered once its KV landed, with its last chunk's activations still on their way
+    to the next stage; dying then, it left that stage waiting for good (the router renews every
+    stage's lease while the request is in flight, and its call had returned). Now its answer
+    waits for every chunk's hand-on (here over Ray: the calls' returns), so a death before is a
+    failed stage call, which the router places again. A call that raised counts as returned (the
+    next stage is gone: the router hears it from that stage's own call)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from kvtransfer.messages import SendEvent
+    from workers.pipeline import PipelineStage
+
+    handed_on: list[Future] = []
+
+    def stage_activations(chunk):
+        returned = Future()
+        handed_on.append(returned)
+        return SimpleNamespace(future=lambda: returned)
+
+    engine = _engine(model_path)
+    prompt = random_prompts([40], engine.model_config.vocab_size, seed=8)[0]
+    next_stage = SimpleNamespace(stage_activations=SimpleNamespace(remote=stage_activations))
+    worker, job = _stage_worker(engine, "s", prompt, PipelineStage(0, 2, 0, 1, next_stage=next_stage, chunk_tokens=16))
+    job.request.destination.block_ids = list(range(1, 4))  # the prompt's 3 blocks
+    pushed, landed = [], []
+    worker.agent.push = lambda req_id, dest, src, dst, num_valid, payload, layers: pushed.append(len(pushed)) or pushed[-1]
+    worker.agent.write_cost = lambda dest, src, dst, layers: (1, 1)
+    worker.pump = SimpleNamespace(kick=lambda: None, take_send_events=lambda: [landed.pop() for _ in list(landed)])
+    worker.step_log = SimpleNamespace(record_transfer=lambda record: None)
+    worker._step_delay_s, worker._thread, worker.block_size = 0.0, SimpleNamespace(wake=lambda: None), engine.kv_cache.block_size
+    while worker._run_stage_chunk():
+        pass
+    assert len(handed_on) == 3 and job.prefilled_at is not None and job.all_pushed
+    landed += [SendEvent("s", "decode-t", seq, 3, token=7) for seq in pushed]
+    worker._poll_sends()
+    assert not job.writes_in_flight and not job.done.done() and "s" in worker._jobs, "its KV landed, its last chunk is on its way"
+    handed_on[0].set_result(None)
+    handed_on[1].set_exception(RuntimeError("the next stage died"))
+    assert worker._finish_if_done(job) is False and not job.done.done()
+    handed_on[2].set_result(None)
+    assert worker._finish_if_done(job) is True
+    assert job.done.result(timeout=0).first_token_id is None and "s" not in worker._jobs
+
+
 def test_a_prompt_being_prefilled_is_never_preempted_for_one_that_does_not_fit(model_path):
     """A prefill actor pushes a prompt's finished blocks while its later chunks run. A waiting
     prompt of higher priority that does not fit must not preempt it (its blocks went to the new
