@@ -216,6 +216,9 @@ class Dispatcher:
         # reservation is in flight): a burst decides for all its prompts within that wait, and
         # without them every prompt would see the prefill actors idle.
         self._prefill_tokens_on_the_way: dict[str, int] = {}
+        # Prompt tokens of admitted requests bound for a prefill actor, not yet placed on a decode
+        # actor (waiting for the pool to be ready or for room).
+        self._prefill_tokens_unplaced: dict[str, int] = {}
         # Requests sent to a decode actor to be prefilled there, by key, until their first output.
         self._local_prefills: dict[str, tuple[WorkerRecord, int]] = {}
 
@@ -285,7 +288,7 @@ class Dispatcher:
         queued_tokens, rate = num_tokens, None
         if prefill is not None and not self._prefill_locally(request):
             # With the prompts placed on decode actors whose prefill has not begun (a burst).
-            queued_tokens += prefill.num_assigned_prompt_tokens + self._prefill_tokens_on_the_way_per_actor()
+            queued_tokens += prefill.num_assigned_prompt_tokens + self._prefill_tokens_on_the_way_per_actor(unplaced=True)
             rate = prefill.prefill_rate.per_second
         reservable = self.capacity.total_reservable()
         short = 0
@@ -314,6 +317,36 @@ class Dispatcher:
             self.prefix_feed.ensure()
         params = request.sampling_params
         query = self.pool.selector.query(request.prompt_token_ids, self.prefix_salt(params.lora_name) + cache_hash_salt(params.cache_salt))
+        # Until placed, its prompt counts in the estimate's prefill queue: a burst admitted while
+        # the decode pool is full (or not yet ready) reaches the prefill actors only as room
+        # comes, and every later arrival was judged against the queue without it.
+        if not self._prefill_locally(request):
+            self._prefill_tokens_unplaced[request.req_id] = len(request.prompt_token_ids)
+        try:
+            decode, destination, plan = await self._place(active, order, refused_local, query)
+        finally:
+            self._prefill_tokens_unplaced.pop(request.req_id, None)
+        active.assembler.decode_worker_id = decode.worker_id
+        active.assembler.prefill_worker_id = ""
+        self._ensure_collector(decode)
+        if active.assembler.timing.dispatched is None:
+            # Its first dispatch ends its wait at the router: one dispatched again after a worker
+            # died counted its whole first attempt as router queue (the autoscaler's queue
+            # correction read migrations as a short decode pool).
+            active.assembler.timing.dispatched = time.monotonic()
+        if destination is not None:
+            active.destination = destination
+            prefill = self._prefill(active, destination, query) if plan is None else self._prefill_pipeline(active, destination, plan)
+            active.prefill_task = asyncio.create_task(prefill)
+            self.lease_keeper.ensure_running()
+
+    async def _place(
+        self, active: ActiveRequest, order: int, refused_local: set[str], query: RouteQuery,
+    ) -> tuple[WorkerRecord, KVDestination | None, PipelinePlan | None]:
+        """Put the request on a decode actor (its KV reserved there, or its prompt queued there to
+        be prefilled locally), waiting for the pool and for room; return that actor, the
+        reservation (None: prefilled locally) and the pipeline plan (None: one prefill actor)."""
+        request = active.work
         while True:
             await self._wait_for_decode_pool()
             local = self._prefill_locally(request, query)
@@ -377,19 +410,7 @@ class Dispatcher:
                 # (an actor that just joined has no collector until one is started).
                 self._ensure_collector(decode)
                 raise
-        active.assembler.decode_worker_id = decode.worker_id
-        active.assembler.prefill_worker_id = ""
-        self._ensure_collector(decode)
-        if active.assembler.timing.dispatched is None:
-            # Its first dispatch ends its wait at the router: one dispatched again after a worker
-            # died counted its whole first attempt as router queue (the autoscaler's queue
-            # correction read migrations as a short decode pool).
-            active.assembler.timing.dispatched = time.monotonic()
-        if destination is not None:
-            active.destination = destination
-            prefill = self._prefill(active, destination, query) if plan is None else self._prefill_pipeline(active, destination, plan)
-            active.prefill_task = asyncio.create_task(prefill)
-            self.lease_keeper.ensure_running()
+        return decode, destination, plan
 
     def _unplace(self, decode: WorkerRecord, key: str) -> None:
         """The decode actor did not take the request (refused, died, the call raised): undo what
@@ -488,9 +509,15 @@ class Dispatcher:
         if computed:
             decode.prefill_rate.done(num_tokens, decode.busy_since or time.monotonic())
 
-    def _prefill_tokens_on_the_way_per_actor(self) -> int:
+    def _prefill_tokens_on_the_way_per_actor(self, unplaced: bool = False) -> int:
+        """Prompt tokens placed on decode actors that no prefill actor holds yet, per prefill
+        actor; ``unplaced``: also those of requests still waiting to be placed."""
         num_prefill = len(self.pool.routable(Role.PREFILL))
-        return sum(self._prefill_tokens_on_the_way.values()) // num_prefill if num_prefill else 0
+        on_the_way = self._prefill_tokens_on_the_way
+        tokens = sum(on_the_way.values())
+        if unplaced:  # (one whose reservation is in flight is on the way already)
+            tokens += sum(n for key, n in self._prefill_tokens_unplaced.items() if key not in on_the_way)
+        return tokens // num_prefill if num_prefill else 0
 
     async def _prefill(self, active: ActiveRequest, destination: KVDestination, query: RouteQuery | None = None) -> None:
         request, decode = active.work, active.decode

@@ -288,6 +288,55 @@ def test_prompts_placed_but_not_yet_prefilling_count_in_the_estimate():
     assert dispatcher.estimate_wait(_active("next", 100).request).prefill_s == pytest.approx(13.0)
 
 
+def test_prompts_waiting_for_decode_room_count_in_the_estimate_until_placed():
+    """Admitted while the decode pool was full, a burst waited for room before any of it was
+    placed: the estimate's prefill queue left all of it out, and every later arrival was judged
+    as if the prefill actors had nothing coming. It counts from admission until the request is
+    placed (then as placed, once), and not after it is gone."""
+    from types import SimpleNamespace
+
+    async def scenario():
+        dispatcher, prefill = _measured_dispatcher()
+        decode = dispatcher.pool.workers["decode-0"]
+        decode.num_reservable_blocks = 0  # full: the burst waits for room
+        reserved = asyncio.Event()
+
+        async def reserve(request):
+            reserved.set()
+            await asyncio.sleep(3600)
+
+        async def nothing(*args):
+            return None
+
+        decode.handle = SimpleNamespace(reserve=SimpleNamespace(remote=reserve), abort=SimpleNamespace(remote=nothing),
+                                        confirm_quiesced=SimpleNamespace(remote=nothing))
+        dispatcher._ensure_collector = lambda record: None
+        burst = [_active(name, 600) for name in ("a", "b")]
+        for active in burst:
+            dispatcher.admit(active)
+        placing = [asyncio.create_task(dispatcher.dispatch(active)) for active in burst]
+        await asyncio.sleep(0.05)
+        assert dispatcher.capacity.num_waiting == 2
+        waiting = dispatcher.estimate_wait(_active("next", 100).request).prefill_s
+        decode.num_reservable_blocks = 1000  # room for both: their reservations go out
+        dispatcher.capacity.on_report()
+        await asyncio.wait_for(reserved.wait(), 5)
+        await asyncio.sleep(0.05)
+        reserving = dispatcher.estimate_wait(_active("next", 100).request).prefill_s
+        for task in placing:
+            task.cancel()
+        await asyncio.gather(*placing, return_exceptions=True)
+        for active in burst:
+            await dispatcher.finish(active)
+        gone = dispatcher.estimate_wait(_active("next", 100).request).prefill_s
+        return waiting, reserving, gone
+
+    waiting, reserving, gone = asyncio.run(scenario())
+    assert waiting == pytest.approx(13.0), "1200 tokens waiting for room + its own 100, at 100 tok/s"
+    assert reserving == pytest.approx(13.0), "counted once while their reservations are in flight"
+    assert gone == pytest.approx(1.0)
+
+
 def test_the_admission_estimate_takes_no_round_robin_turn():
     """The estimate asked the pool's selector for a prefill actor: a round-robin turn spent, so
     with two prefill actors every prompt went to the same one."""
