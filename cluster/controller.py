@@ -20,7 +20,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster import desired_sizes
-from cluster.deployment import build_router, share_responses_board, start_router_replicas, stop_responses_board
+from cluster.deployment import (
+    build_router, share_responses_board, share_router_metrics, start_router_replicas, stop_metrics_exchange, stop_responses_board,
+)
 from cluster.pools import DeploymentSpec, PoolManager
 from cluster.router_replica import stop_replicas
 from router.addresses import host_port, is_wildcard
@@ -56,6 +58,7 @@ class Controller:
         self.pools: PoolManager | None = None
         self.replicas: list = []  # router replica actors (spec.router_replicas - 1)
         self.responses_board = None  # with replicas: the board actor the routers share
+        self.metrics_exchange = None  # with replicas: where the routers publish their metrics
         self.replica_infos: list = []
         self.metrics = Metrics(spec.served_model_name, spec.router.metrics_prefix)
         self.metrics_address: str | None = None
@@ -82,6 +85,7 @@ class Controller:
         self.router.pool_manager = self.pools
         # Detached with the workers, like the replicas: a restarted controller finds it by name.
         self.responses_board = share_responses_board(self.spec, self.router, detached=self.spec.durable_workers)
+        self.metrics_exchange = share_router_metrics(self.spec, self.router, detached=self.spec.durable_workers)
         self.front_ends = FrontEnds(self.router, reuse_port=self.spec.router_replicas > 1)
         await self.front_ends.start()
         await self.pools.start()
@@ -107,6 +111,7 @@ class Controller:
         await stop_replicas(self.replicas)
         self.replicas = []
         await stop_responses_board(self.responses_board)
+        await stop_metrics_exchange(self.metrics_exchange)
         if self.router is not None:
             await self.router.stop()
         if self.front_ends is not None:

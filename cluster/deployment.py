@@ -23,6 +23,7 @@ from cluster.router_replica import ReplicaInfo, ReplicaSpec, start_replicas, sto
 from router.addresses import host_port
 from router.core import ModelInfo, Router
 from router.front_ends import FrontEnds, ListenPorts
+from router.metrics_exchange import SharedMetrics, start_exchange
 from router.pool import Role
 from router.responses_api.board import SharedBoard, start_shared_board
 from router.runner import LoopThread
@@ -75,6 +76,24 @@ async def stop_responses_board(handle) -> None:
         ray.kill(handle, no_restart=True)
 
 
+def share_router_metrics(spec: DeploymentSpec, router: Router, detached: bool):
+    """With replicas, the deployment's routers publish their metrics to one exchange actor, so
+    that /metrics on the shared HTTP port answers every router's series whichever router takes
+    the scrape (router/metrics_exchange.py): start it (or find it, after a restart) and start
+    ``router``'s side. Returns the actor handle; None without replicas."""
+    if spec.router_replicas <= 1:
+        return None
+    handle = start_exchange(spec.name, detached)
+    router.shared_metrics = SharedMetrics(handle, router.board_name, router.metrics)
+    router.shared_metrics.start()
+    return handle
+
+
+async def stop_metrics_exchange(handle) -> None:
+    if handle is not None:
+        ray.kill(handle, no_restart=True)
+
+
 async def start_router_replicas(spec: DeploymentSpec, router: Router, front_ends: FrontEnds, metrics_host: str | None, detached: bool):
     """Start ``spec.router_replicas - 1`` replicas of ``router`` on its ports; return their
     handles and, once each serves, their infos."""
@@ -107,6 +126,7 @@ class Deployment:
         self.pools: PoolManager | None = None
         self.replicas: list = []  # router replicas' actor handles (spec.router_replicas - 1)
         self.responses_board = None  # with replicas: the board actor the routers share
+        self.metrics_exchange = None  # with replicas: where the routers publish their metrics
         self.replica_infos: list[ReplicaInfo] = []
 
     @property
@@ -137,6 +157,7 @@ class Deployment:
         self.pools = PoolManager(self.spec, self.router, self.metrics)
         self.router.pool_manager = self.pools
         self.responses_board = share_responses_board(self.spec, self.router, detached=False)
+        self.metrics_exchange = share_router_metrics(self.spec, self.router, detached=False)
         self.front_ends = FrontEnds(self.router, reuse_port=self.spec.router_replicas > 1)
         await self.front_ends.start()
         await self.pools.start()
@@ -162,6 +183,7 @@ class Deployment:
         # past its 30 s, once in many runs, with nothing to say which part held it).
         parts = [("router replicas", lambda: stop_replicas(self.replicas)), ("router", self.router.stop)]
         parts.append(("responses board", lambda: stop_responses_board(self.responses_board)))
+        parts.append(("metrics exchange", lambda: stop_metrics_exchange(self.metrics_exchange)))
         if self.front_ends is not None:
             parts.append(("front ends", self.front_ends.stop))
         if self.pools is not None:

@@ -29,6 +29,7 @@ from cluster.pool_follower import PoolFollower
 from router.config import RouterConfig
 from router.core import ModelInfo, Router
 from router.front_ends import FrontEnds, ListenPorts
+from router.metrics_exchange import SharedMetrics, find_exchange
 from router.responses_api.board import SharedBoard, find_shared_board, router_name
 
 logger = logging.getLogger(__name__)
@@ -87,10 +88,12 @@ class RouterReplica:
 
     async def _start(self) -> None:
         spec = self.spec
-        if spec.metrics_host is not None:
-            from router.metrics import Metrics
+        from router.metrics import Metrics
 
-            self.metrics = Metrics((spec.router.served_model_names or [spec.model_info.name])[0], spec.router.metrics_prefix)
+        # Kept always: /metrics on the shared HTTP port answers every router's (through the
+        # exchange); served on a port of its own only with metrics_host.
+        self.metrics = Metrics((spec.router.served_model_names or [spec.model_info.name])[0], spec.router.metrics_prefix)
+        if spec.metrics_host is not None:
             self.metrics_port = self.metrics.serve(0, spec.metrics_host)
         config = spec.router
         config.admin_port = None  # Admin stays with the managing router
@@ -101,6 +104,10 @@ class RouterReplica:
             raise RuntimeError(f"{spec.deployment_name}: the routers' responses board is not running")
         self.router.responses_board = SharedBoard(board)
         self.router.board_name = router_name(spec.index)  # restarted by Ray, it takes back what it left in progress
+        exchange = find_exchange(spec.deployment_name)
+        if exchange is not None:
+            self.router.shared_metrics = SharedMetrics(exchange, self.router.board_name, self.metrics)
+            self.router.shared_metrics.start()
         self.router.deployment_routers = None  # what removed replicas left is the managing router's
         self.pools = PoolFollower(spec.deployment_name, self.router, spec.health_interval_s, spec.health_timeout_s, self.metrics)
         self.router.pool_manager = self.pools

@@ -104,6 +104,9 @@ class Router:
         # runs again what routers beyond them left in progress (replicas no longer started).
         self.deployment_routers: int | None = 1
         self.metrics = metrics
+        # With replicas: where the deployment's routers publish their metrics, for /metrics on the
+        # shared HTTP port (router/metrics_exchange.py); set by whoever runs replicas.
+        self.shared_metrics = None
         self.traffic = TrafficWindow()  # recent arrivals, sizes and queue times (the autoscaler's input)
         self.background_tasks: set[asyncio.Task] = set()
         self.max_replicas = max_replicas
@@ -149,6 +152,8 @@ class Router:
     async def stop(self) -> None:
         """Stop dispatching (the front ends are stopped by whoever started them)."""
         await self.dispatcher.close()
+        if self.shared_metrics is not None:
+            await self.shared_metrics.close()
         await self.lora.close()  # after: bounded, but a hung worker must not hold the releases up
         if self.prefix_feed is not None:
             await self.prefix_feed.stop()

@@ -110,8 +110,11 @@ class VllmEndpoints:
         return web.json_response({"server_load": len(self.router.dispatcher.active)})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        metrics = self.router.metrics
-        text = b"" if metrics is None else generate_latest(metrics.registry)
+        metrics, shared = self.router.metrics, self.router.shared_metrics
+        if shared is not None:  # routers on one port: every router's series, each labelled with its router
+            text = await shared.exposition()
+        else:
+            text = b"" if metrics is None else generate_latest(metrics.registry)
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:

@@ -179,14 +179,32 @@ def _post(url: str, body: dict) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
+def _finished_by_router(http_port: int) -> dict[str, int]:
+    """Finished requests by router, as /metrics on the shared HTTP port says."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "pdserve:request_success_total":
+                router = sample.labels["router"]
+                counts[router] = counts.get(router, 0) + int(sample.value)
+    return counts
+
+
 def test_router_replicas_share_one_port_and_a_dead_replica_loses_only_its_own_streams(ray_cluster, e2e_model):
     """router.replicas: 2 — a replica actor beside the managing router, listening on the same
     gRPC and HTTP ports (SO_REUSEPORT). Connections spread over both; every stream equals
     transformers; a replica whose process dies is restarted by Ray on the same port, and the
-    streams of the other router are untouched."""
+    streams of the other router are untouched. ``/metrics`` on the shared HTTP port answers both
+    routers' series whichever takes the scrape (one router's at a time, its counters jumped
+    between the two; a replica answered nothing)."""
+    from router.metrics import Metrics
+
     spec = _durable_spec(e2e_model, "replicas")
     spec.router_replicas = 2
-    deployment = Deployment(spec)
+    deployment = Deployment(spec, metrics=Metrics("tiny"))
     deployment.start()
     try:
         (info,) = deployment.replica_infos
@@ -212,6 +230,15 @@ def test_router_replicas_share_one_port_and_a_dead_replica_loses_only_its_own_st
             sent += 1
             taken_by_replica, _ = ray.get(deployment.replicas[0].served.remote())
         assert 0 < taken_by_replica < sent, f"the replica took {taken_by_replica} of {sent} connections"
+        deadline = time.monotonic() + 15  # every scrape (a new connection each: either router) sees both
+        scrapes = 0
+        while scrapes < 6:
+            finished = _finished_by_router(deployment.http_port)
+            if finished == {"router-0": sent - taken_by_replica, "router-1": taken_by_replica}:
+                scrapes += 1
+            else:  # the replica publishes every second
+                assert time.monotonic() < deadline, f"/metrics on the shared port: {finished} of {sent} requests"
+                time.sleep(0.2)
 
         os.kill(info.pid, signal.SIGKILL)  # its process dies; Ray restarts it, and it starts itself
         deadline = time.monotonic() + 120

@@ -88,3 +88,39 @@ def test_tokens_and_the_first_tokens_time_count_as_they_stream_also_for_an_aband
     assert samples['pdserve:request_time_per_output_token_seconds_count{model_name="m"}'] == 1
     assert samples['pdserve:prompt_tokens_total{model_name="m"}'] == 7 and samples['pdserve:generation_tokens_total{model_name="m"}'] == 3
     assert samples['pdserve:request_success_total{finished_reason="stop",model_name="m"}'] == 1
+
+
+def test_routers_sharing_a_port_answer_every_routers_series_each_under_its_own_label():
+    """/metrics on a port the routers share: each router's samples once, labelled with it (so
+    each series grows monotonically whichever router takes the scrape, and sums over the label
+    are the deployment's); one that stopped publishing is left out once stale."""
+    import asyncio
+
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.metrics import Metrics
+    from router.metrics_exchange import MetricsExchange, merged_exposition
+
+    texts = {}
+    for name, finished in (("router-0", 3), ("router-1", 5)):
+        metrics = Metrics("m")
+        for _ in range(finished):
+            metrics.observe_finished("stop", 0.1, 0.5, 4)
+        texts[name] = generate_latest(metrics.registry)
+    families = {f.name: f for f in text_string_to_metric_families(merged_exposition(texts).decode())}
+    success = [(s.labels["router"], s.value) for s in families["pdserve:request_success"].samples if s.labels["finished_reason"] == "stop"]
+    assert success == [("router-0", 3.0), ("router-1", 5.0)]
+    latency = families["pdserve:e2e_request_latency_seconds"].samples
+    assert {s.labels["router"] for s in latency} == {"router-0", "router-1"} and families["pdserve:e2e_request_latency_seconds"].type == "histogram"
+
+    async def exchange_rounds():
+        exchange = MetricsExchange(stale_s=0.05)
+        await exchange.publish("router-0", texts["router-0"])
+        await exchange.publish("router-1", texts["router-1"])
+        both = sorted(await exchange.collect())
+        await asyncio.sleep(0.1)
+        await exchange.publish("router-1", texts["router-1"])
+        return both, sorted(await exchange.collect())
+
+    assert asyncio.run(exchange_rounds()) == (["router-0", "router-1"], ["router-1"])
