@@ -207,6 +207,8 @@ class ChoiceState:
                     message["content"] = None  # thinking cut off: no answer yet
             if self.tools is not None and self.tools.runnable_calls:
                 message.update(content=text or None, tool_calls=self.tools.runnable_calls)
+            elif self.tools is not None and (written := self.tools.text_if_none_runs) is not None:
+                message["content"] = written
             choice["message"] = message
             choice["logprobs"] = {"content": self.chat_logprobs} if self.num_logprobs is not None else None
         else:

@@ -56,6 +56,7 @@ class ToolCallOutput:
     # no JSON (a model's trailing comma, once streamed), or closed where the reading or the answer
     # stopped (pythonic; a text value the answer ended inside).
     unrunnable: set[int] = field(default_factory=set)
+    _written: list[str] = field(default_factory=list)  # auto: the answer's text as the model wrote it
 
     def __post_init__(self) -> None:
         if self.calling.choice == "auto":
@@ -83,6 +84,16 @@ class ToolCallOutput:
         call's text is no content either: a client sees an answer ended by "stop")."""
         return [call for index, call in enumerate(self.calls) if index not in self.unrunnable]
 
+    @property
+    def text_if_none_runs(self) -> str | None:
+        """Under auto, where calls were made and none may run: the answer as the model wrote it,
+        its calls' text included, which a whole answer gives as its content (as vLLM does with
+        an answer its tool parser cannot read); the calls' text was lost, the content empty or
+        the text around them alone. None otherwise."""
+        if self.calling.choice != "auto" or not self.calls or self.runnable_calls:
+            return None
+        return "".join(self._written)
+
     def cut_short(self, end: StreamEnd) -> bool:
         """Whether a stop string (``end.matched_stop``) cut a call short."""
         return bool(end.matched_stop) and not self.calls_complete
@@ -108,6 +119,8 @@ class ToolCallOutput:
                 self.calls.append(_call(self.calling.name, ""))
             self.calls[0]["function"]["arguments"] += text
             return [ToolCallDelta(0, text, self.calls[0]["id"], self.calling.name) if first else ToolCallDelta(0, text)]
+        if choice == "auto":
+            self._written.append(text)
         return self._deltas(self._reader.feed(text))
 
     def finish(self) -> list[OutputPart]:

@@ -247,6 +247,17 @@ def test_every_api_leaves_a_call_none_may_run_out_of_its_whole_answer():
     chat.add(OutputChunk(token_ids=[2], text="", end=end), None)
     message = chat.whole()["message"]
     assert "tool_calls" not in message and chat.whole()["finish_reason"] == "stop"
+    # Nor is its text lost: an answer whose calls none may run is its content, as written (vLLM's
+    # answer where its tool parser cannot read the output); the content was empty.
+    assert message["content"] == text
+    hermes = '<tool_call>\n{"name": "get_forecast", "arguments": {"city": "Paris",}}\n</tool_call>'  # a trailing comma
+    for answer, content in ((f"Checking.\n{hermes}", f"Checking.\n{hermes}"), (f"Both.\n{hermes}\n{hermes.replace(',}', '}')}", "Both.\n")):
+        chat = ChoiceState(0, True, None, 1, tools=ToolCallOutput(_calling("hermes")))
+        chat.add(OutputChunk(token_ids=[1], text=answer), None)
+        chat.add(OutputChunk(token_ids=[2], text="", end=end), None)
+        whole = chat.whole()["message"]
+        assert whole["content"] == content, "the text around a runnable call stays as it was"
+        assert len(whole.get("tool_calls", [])) == (0 if content == answer else 1)
 
     response = ResponseState("r", "m", {}, 0, ToolCallOutput(PYTHONIC))
     response.take(OutputChunk(token_ids=[1], text=text))
