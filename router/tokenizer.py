@@ -4,6 +4,9 @@ The router must produce the same prompt ids as ``transformers.AutoTokenizer`` (t
 trained and is tested against those), without depending on transformers at run time. What
 transformers (v5, ``TokenizersBackend``) does on top of ``tokenizer.json``, and we mirror:
 
+- ``tokenizer_config.json``'s ``added_tokens_decoder`` is applied where it disagrees with
+  ``tokenizer.json``'s added tokens (a token special there and not here, another side stripped):
+  such a token is added again as the config writes it;
 - special tokens named in ``tokenizer_config.json`` / ``special_tokens_map.json`` that are not
   yet added tokens are added as special tokens;
 - BOS/EOS come from tokenizer.json's post-processor alone: transformers v5 drops the config's
@@ -68,6 +71,7 @@ class Tokenizer:
         # The model's chat templates by name: "default", and "tool_use" where a model renders
         # requests with tools by a template of their own (Hermes-2-Pro's, Hermes-3's).
         self.chat_templates: dict[str, str] = _named_templates(config.get("chat_template"))
+        self._apply_added_tokens_decoder(config.get("added_tokens_decoder"))
         self._add_missing_special_tokens([*named.values(), *_extra_special_tokens(config)])
         self.bos_token_id = self._token_id(named["bos_token"])
         self.eos_token_id = self._token_id(named["eos_token"])
@@ -185,6 +189,27 @@ class Tokenizer:
                     model_dir, key, wanted, "does not add" if wanted else "adds",
                 )
 
+    def _apply_added_tokens_decoder(self, entries: Any) -> None:
+        """Add again, as the config writes them, the config's added tokens that tokenizer.json
+        holds otherwise (or not at all), as transformers v5 does: one the config calls special
+        and tokenizer.json does not was left in decoded text that transformers (and vLLM through
+        it) skips, and one stripped on another side split prompts differently."""
+        if not isinstance(entries, dict):
+            return
+        held = {repr(token) for token in self._backend.get_added_tokens_decoder().values()}
+        tokens = []
+        for _, entry in sorted(entries.items(), key=lambda item: _as_int(item[0])):
+            if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+                continue
+            flags = {key: bool(entry[key]) for key in ("single_word", "lstrip", "rstrip", "normalized", "special") if key in entry}
+            token = AddedToken(entry["content"], **flags)
+            if repr(token) not in held:
+                tokens.append(token)
+        if tokens:
+            self._backend.add_tokens(tokens)  # each keeps its own special flag
+            logger.info("tokenizer_config.json's added_tokens_decoder re-applied to %d token(s) tokenizer.json holds otherwise: %s",
+                        len(tokens), ", ".join(repr(token.content) for token in tokens[:8]))
+
     def _add_missing_special_tokens(self, contents: list[str | None]) -> None:
         # Checked against added tokens, not the vocabulary: like transformers, a special token that
         # only exists as an ordinary vocabulary entry becomes an added special token, so it is
@@ -193,6 +218,14 @@ class Tokenizer:
         missing = [c for c in dict.fromkeys(contents) if c is not None and c not in added]
         if missing:
             self._backend.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in missing])
+
+
+def _as_int(key: Any) -> int:
+    """An added_tokens_decoder key's id (one that is none sorts first)."""
+    try:
+        return int(key)
+    except (TypeError, ValueError):
+        return -1
 
 
 # transformers' replacements, applied in this order; each replaced pattern starts with a space

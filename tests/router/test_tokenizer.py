@@ -106,3 +106,32 @@ def test_logprob_bytes_of_a_characters_tokens_join_into_the_character(tmp_path, 
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "some token must hold part of a character"
     joined = b"".join(bytes(_token_bytes(i, tokenizer)) for i in ids)
     assert joined == text.encode("utf-8")
+
+
+def test_an_added_tokens_decoder_that_disagrees_with_tokenizer_json_is_applied_as_transformers_does(tmp_path, byte_level_backend, auto_tokenizer):
+    """tokenizer_config.json calls a token special that tokenizer.json does not (or strips
+    another differently): transformers v5 adds it again as the config writes it, so a decode
+    that skips special tokens hid it there and showed it here ("<tool_call>" left in an answer
+    transformers and vLLM give without it), and prompts split differently around it."""
+    from tokenizers import AddedToken
+
+    backend = BackendTokenizer.from_str(byte_level_backend.to_str())
+    backend.post_processor = BOS_TEMPLATE
+    backend.add_tokens([AddedToken("<tool_call>", special=False, normalized=False)])
+    backend.add_special_tokens([AddedToken("<|end|>", special=True, normalized=False)])
+    entry = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    decoder = {
+        str(backend.token_to_id("<tool_call>")): {**entry, "content": "<tool_call>"},
+        str(backend.token_to_id("<|end|>")): {**entry, "content": "<|end|>", "lstrip": True},
+        str(backend.token_to_id("<s>")): {**entry, "content": "<s>"},
+    }
+    model_dir = save_model_dir(tmp_path / "decoder", backend, {**BASE_CONFIG, "added_tokens_decoder": decoder})
+    ours, theirs = Tokenizer.from_model_dir(model_dir), auto_tokenizer(model_dir)
+    texts = ["Checking. <tool_call> {} then <|end|>", "a  <|end|>b<tool_call>c", *TEXTS]
+    assert ours.vocab_size == len(theirs)
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    assert "<tool_call>" not in ours.decode(ours.encode(texts[0]), skip_special_tokens=True)
