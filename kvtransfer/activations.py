@@ -371,6 +371,10 @@ class ActivationChannel:
             posted = len(self._sends)
             failed = self._reap_sends()
             completed = len(self._sends) < posted
+            if completed:
+                # (A stage waiting for its writes expects again if some are left: an actor that
+                # only ever sends stayed at the quick pace once it had waited.)
+                self._expecting = False
             # Quarantines past their time end here too: only the next inbox opened ended them, and
             # until then an idle actor's poller went on looking every 16 ms.
             now = time.monotonic()

@@ -481,9 +481,15 @@ class PrefillWorker(EngineWorker):
         if not (job.all_pushed and not job.writes_in_flight and job.prefilled_at is not None):
             return False
         if not self._handed_on(job):
-            if not job.handing_on and self.activations is not None:
-                self.activations.expect()  # its writes' completions are looked for soon, not after the poller's back-off
             job.handing_on = True
+            if time.time() > job.request.destination.lease_deadline:
+                # The router renews every stage's lease while the request is in flight: it is
+                # gone, and a write that never completes (a hung peer) would hold the prompt's
+                # blocks here for good.
+                self._finish_job(job, PrefillCancelledError(f"req {job.request.req_id}: its lease ran out handing its activations on"))
+                return True
+            if self.activations is not None:
+                self.activations.expect()  # its writes' completions are looked for soon, not after the poller's back-off
             return False
         self._finish_job(job, None)
         return True

@@ -320,7 +320,7 @@ class Dispatcher:
         # Until placed, its prompt counts in the estimate's prefill queue: a burst admitted while
         # the decode pool is full (or not yet ready) reaches the prefill actors only as room
         # comes, and every later arrival was judged against the queue without it.
-        if not self._prefill_locally(request):
+        if not self._prefill_locally(request, query):
             self._prefill_tokens_unplaced[request.req_id] = len(request.prompt_token_ids)
         try:
             decode, destination, plan = await self._place(active, order, refused_local, query)

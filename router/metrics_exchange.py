@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 NAMESPACE = "pdserve"
 PUBLISH_S = 1.0  # how often each router publishes its registry
 STALE_S = 10.0  # a router that has not published for this long is left out
+CALL_TIMEOUT_S = 2.0  # a scrape or a stop waits no longer for the exchange (Ray may be restarting it)
 ROUTER_LABEL = "router"
 
 
@@ -79,13 +80,13 @@ class SharedMetrics:
                 await self._publisher
             self._publisher = None
         with contextlib.suppress(Exception):  # the exchange may be gone first (the deployment stops)
-            await self.handle.forget.remote(self.router_name)
+            await asyncio.wait_for(self.handle.forget.remote(self.router_name), CALL_TIMEOUT_S)
 
     async def exposition(self) -> bytes:
         """Every router's series, each sample labelled with its router; this router's as they
         stand now. The others' that cannot be read (the exchange restarting) are left out."""
         try:
-            texts = await self.handle.collect.remote()
+            texts = await asyncio.wait_for(self.handle.collect.remote(), CALL_TIMEOUT_S)
         except Exception:
             logger.warning("%s: the other routers' metrics could not be read", self.router_name, exc_info=True)
             texts = {}
@@ -96,7 +97,7 @@ class SharedMetrics:
     async def _publish_forever(self) -> None:
         while True:
             try:
-                await self.handle.publish.remote(self.router_name, generate_latest(self.metrics.registry))
+                await asyncio.wait_for(self.handle.publish.remote(self.router_name, generate_latest(self.metrics.registry)), CALL_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
             except Exception:  # Ray restarts the exchange; the next round publishes again

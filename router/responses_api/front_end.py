@@ -316,9 +316,11 @@ class ResponsesFrontEnd:
         if not api.store:
             yield
             return
-        await self._keep(api, state, conversation)
+        # Known here before it is on the board: a resume() reading the board meanwhile must not
+        # take it for one a dead router left.
         self.answering[state.response_id] = state
         try:
+            await self._keep(api, state, conversation)
             yield
         except BaseException as exc:
             if state.status in IN_PROGRESS:
@@ -597,6 +599,8 @@ class ResponsesFrontEnd:
     async def delete(self, request: web.Request) -> web.Response:
         response_id = request.match_info["response_id"]
         await self._stop_running(response_id)
+        # One this router is answering stays deleted here too (its final state is not put back).
+        self.answering.pop(response_id, None)
         if not await self.store.delete(response_id):
             raise ResponseNotFoundError(response_id)
         return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})

@@ -88,26 +88,39 @@ def test_a_write_that_fails_after_posting_gives_its_chunk_back_and_wakes_the_eng
 
 
 def test_the_prefill_actor_hands_a_failed_chunk_on_over_ray():
+    """A chunk whose write failed after it was posted goes over Ray, and its stage answers only
+    once that call returned (the next stage has the chunk); a failed write of an attempt no
+    longer held here (an older one, cancelled) is dropped: nobody waits for it, and no stage
+    ends with a write in flight, so none that ended can have one fail after."""
     from kvtransfer.activations import FailedSend
     from kvtransfer.messages import KVDestination, PeerRef
     from prefill_workers.worker import PrefillWorker, _Job
     from workers.pipeline import PipelineStage
 
-    calls = []
-    next_stage = SimpleNamespace(stage_activations=SimpleNamespace(remote=calls.append))
+    calls, returned = [], Future()
+
+    def stage_activations(chunk):
+        calls.append(chunk)
+        return SimpleNamespace(future=lambda: returned)
+
+    next_stage = SimpleNamespace(stage_activations=SimpleNamespace(remote=stage_activations))
     destination = KVDestination("req", PeerRef("decode", "e1"), [1], time.time() + 30, token=7)
     stage = PipelineStage(0, 2, 0, 1, next_stage=next_stage)
     job = _Job(SimpleNamespace(req_id="req", destination=destination, stage=stage), SimpleNamespace(req_id="req"), Future(), 0.0, 0)
     activations = StageActivations(torch.randn(5, 4), torch.randn(5, 4))
     worker = object.__new__(PrefillWorker)
     worker._jobs, worker._num_stage_chunks_over_ray = {"req": job}, 0
+    worker._thread = SimpleNamespace(wake=lambda: None)
     worker.scheduler = SimpleNamespace(staged={})  # no chunk of it left to compute
-    worker._ended_stages = {("done", 3): next_stage}  # a stage that ended here before its last write failed
     worker.activations = SimpleNamespace(
         take_arrivals=lambda: [],
         take_failed_sends=lambda: [FailedSend("req", 7, 16, activations), FailedSend("req", 6, 0, activations),  # 6: an older attempt's
-                                   FailedSend("done", 3, 32, activations)],
+                                   FailedSend("done", 3, 32, activations)],  # a request that ended here
+        num_sends_in_flight=lambda req_id, token: 0,
     )
     assert worker._run_stage_chunk() is False
-    assert [(c.req_id, c.token, c.start, c.num_tokens) for c in calls] == [("req", 7, 16, 5), ("done", 3, 32, 5)]
+    assert [(c.req_id, c.token, c.start, c.num_tokens) for c in calls] == [("req", 7, 16, 5)]
     assert np.array_equal(calls[0].activations().hidden.numpy(), activations.hidden.numpy()) and job.num_chunks_over_ray == 1
+    assert worker._handed_on(job) is False, "its chunk's Ray call has not returned"
+    returned.set_result(None)
+    assert worker._handed_on(job) is True

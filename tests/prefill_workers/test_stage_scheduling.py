@@ -176,13 +176,15 @@ def test_a_chunk_that_cannot_be_handed_on_fails_its_request_not_the_actor(model_
     assert engine.num_free_blocks == NUM_BLOCKS
 
 
-def test_a_stage_answers_only_once_the_next_stage_has_every_chunk(model_path):
+@pytest.mark.parametrize("router_alive", [True, False])
+def test_a_stage_answers_only_once_the_next_stage_has_every_chunk(model_path, router_alive):
     """A stage answered once its KV landed, with its last chunk's activations still on their way
     to the next stage; dying then, it left that stage waiting for good (the router renews every
     stage's lease while the request is in flight, and its call had returned). Now its answer
     waits for every chunk's hand-on (here over Ray: the calls' returns), so a death before is a
     failed stage call, which the router places again. A call that raised counts as returned (the
-    next stage is gone: the router hears it from that stage's own call)."""
+    next stage is gone: the router hears it from that stage's own call). One whose lease runs
+    out while it waits (its router is gone, a write hangs) ends, its blocks given back."""
     from concurrent.futures import Future
     from types import SimpleNamespace
 
@@ -216,6 +218,13 @@ def test_a_stage_answers_only_once_the_next_stage_has_every_chunk(model_path):
     handed_on[0].set_result(None)
     handed_on[1].set_exception(RuntimeError("the next stage died"))
     assert worker._finish_if_done(job) is False and not job.done.done()
+    if not router_alive:
+        from prefill_workers.worker import PrefillCancelledError
+
+        job.request.destination.lease_deadline = time.time() - 1
+        assert worker._finish_if_done(job) is True and isinstance(job.done.exception(timeout=0), PrefillCancelledError)
+        assert "s" not in worker._jobs and worker.cancels == [("s", 7)] and engine.num_free_blocks == NUM_BLOCKS
+        return
     handed_on[2].set_result(None)
     assert worker._finish_if_done(job) is True
     assert job.done.result(timeout=0).first_token_id is None and "s" not in worker._jobs
