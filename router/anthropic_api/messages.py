@@ -251,9 +251,17 @@ class MessageState:
         none may run is left out, as chat completions leave it: its input no JSON object (a stop
         sequence or max_tokens cut it short, the model wrote a trailing comma), or closed where
         the answer or its reading stopped. Its input was {} or part of one, and a client's agent
-        loop ran the tool with it."""
+        loop ran the tool with it. Where no call made may run, the answer as the model wrote it
+        (the calls' text included) is its text, as chat completions give it (the calls' text was
+        lost)."""
+        written = self.tools.text_if_none_runs if self.tools is not None else None
         out = []
         for block in self.blocks:
+            if written is not None and block["type"] in ("text", "tool_use"):
+                if written:  # in the first answer block's place: after the thinking
+                    out.append({"type": "text", "text": written})
+                    written = ""
+                continue
             if block["type"] == "tool_use":
                 arguments = self._runnable_input(block)
                 if arguments is None:

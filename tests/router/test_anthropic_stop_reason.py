@@ -80,3 +80,5 @@ def test_an_anthropic_tool_use_whose_input_is_no_json_is_no_tool_use():
         state.take(OutputChunk(token_ids=[1], text=text))
         state.take(OutputChunk(token_ids=[2], text="", end=end))
         assert [block["type"] for block in state.content()] == kinds and state.stop_reason(end) == reason
+        # A call none may run: the answer as written is the text (its call's text was lost).
+        assert state.content()[0]["text"] == (text if reason == "end_turn" else "Checking.\n")
