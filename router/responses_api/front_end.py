@@ -254,6 +254,11 @@ class ResponseState:
         return [message]
 
 
+def _conversation_of(entry: StoredResponse | None) -> list[dict[str, Any]]:
+    """A stored response's conversation through its answer (copies: the next turn appends)."""
+    return [] if entry is None else [dict(message) for message in entry.conversation]
+
+
 CANCEL_POLL_S = 30.0  # a running background response's long poll for a cancel through another router
 CANCEL_WAIT_S = 30.0  # how long a cancel through another router waits for the response's final state
 RESUME_LOOKUP_S = 30.0  # how long a starting router asks the board for what it left in progress
@@ -343,7 +348,12 @@ class ResponsesFrontEnd:
         """The response's state, its validated request and its conversation (a stored previous
         turn's, then this call's input)."""
         model = self.server.model_name(api.model)
-        conversation = await self._prior(api) + api.messages
+        previous = await self._previous(api)
+        conversation = _conversation_of(previous) + api.messages
+        if previous is not None:
+            # What GET .../input_items lists: every item the response was generated from, the
+            # earlier turns' inputs and outputs first (OpenAI's list; this call's alone, before).
+            api.input_items = [*previous.input_items, *previous.response.get("output", []), *api.input_items]
         prompt, calling = self._render(api, conversation)
         api.generate.prompt_text = prompt
         api.generate.request_id = response_id
@@ -413,15 +423,20 @@ class ResponsesFrontEnd:
             await self.store.put(response_id, StoredResponse(failed, entry.conversation))
 
     async def _prior(self, api: ResponsesRequest) -> list[dict[str, Any]]:
+        """The conversation a call continues (its previous response's), as the template takes it."""
+        return _conversation_of(await self._previous(api))
+
+    async def _previous(self, api: ResponsesRequest) -> StoredResponse | None:
+        """The stored response a call continues (None: it starts a conversation)."""
         if api.previous_response_id is None:
-            return []
+            return None
         entry = await self.store.get(api.previous_response_id)
         if entry is None:
             raise PreviousResponseNotFoundError(api.previous_response_id)
         status = entry.response.get("status")
         if status in IN_PROGRESS:  # its answer is not written yet: the conversation would go on from half a turn
             raise InvalidArgumentError("previous_response_id", f"{api.previous_response_id} is still {status}: wait until it ends (or cancel it)")
-        return [dict(message) for message in entry.conversation]
+        return entry
 
     def _render(self, api: ResponsesRequest, conversation: list[dict[str, Any]]):
         template = self.server.chat_template

@@ -424,5 +424,11 @@ def test_input_items_are_listed_a_page_at_a_time_and_input_tokens_counted(client
     assert [item.content[0].text for item in newest.data] == ["three", "two", "one"] and not newest.has_more
     counted = client.responses.input_tokens.count(model="tiny-chat", instructions="Be terse.", input=items)
     assert counted.input_tokens == created.usage.input_tokens
+    # A follow-up turn lists every item it was generated from: the earlier turn's input and
+    # output first (its own input alone, before), as OpenAI lists a chain.
+    follow_up = client.responses.create(model="tiny-chat", previous_response_id=created.id, input="four", max_output_tokens=2, **GREEDY)
+    chain = list(client.responses.input_items.list(follow_up.id, order="asc"))
+    assert [item.id for item in chain] == [*(item.id for item in listed), created.output[0].id, chain[-1].id]
+    assert chain[3].role == "assistant" and chain[3].content[0].text == created.output_text and chain[-1].content[0].text == "four"
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_none")
