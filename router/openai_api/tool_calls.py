@@ -7,8 +7,8 @@ router/openai_api/tool_parsers.py.
   glm45, llama3_json, pythonic, mistral: router/openai_api/tool_formats.py), configured
   (``router.tool_call_parser``) or recognised in the chat template; with
   ``parallel_tool_calls: false`` only the first call it writes is returned (as OpenAI and vLLM do),
-  and where the format is a grammar (hermes, llama3_json) it takes one call (hermes: none begins
-  after it), so the model spends no tokens on calls that would be dropped.
+  and a grammar in effect (a strict tool's, or beside an answer format: hermes, llama3_json)
+  takes one call (hermes: none begins after it), so the model spends no tokens on dropped calls.
   In the hermes and llama3_json formats a grammar holds a ``strict`` tool's calls to its
   parameters, and lets an answer with a JSON format call its tools (``ToolCalling.constraint``;
   Llama 3's calls are JSON too: beside a JSON format, the answer or one call).
@@ -59,8 +59,8 @@ class ToolCalling:
         format can be written as one (hermes), the grammar that holds a strict tool's calls to
         its parameters, and with ``answer`` (a response format: a JSON schema or object) the one
         that lets the answer be that or calls (the format alone left no tool callable: the
-        OpenAI Agents SDK's agents with an output type never called theirs); without
-        ``parallel_tool_calls``, the one that takes a single call. None: nothing to
+        OpenAI Agents SDK's agents with an output type never called theirs); either takes a
+        single call without ``parallel_tool_calls``. None: nothing to
         hold (the answer's own format, if any, stays as it is)."""
         if self.choice == "auto":
             return self._auto_constraint(answer)
@@ -102,7 +102,10 @@ class ToolCalling:
         if shape is None or (answer is not None and answer.kind not in ("json_schema", "json_object")):
             return None  # (a regex, choice or grammar answer stays as the client gave it)
         held = [index for index, tool in enumerate(self.tools) if tool["function"].get("strict") is True and _compiles(_parameters(tool))]
-        if not (held or answer is not None or not self.parallel):
+        # parallel_tool_calls false alone makes no grammar: a constrained row is sampled on the host
+        # (never overlapped), a cost on every token for calls a model rarely writes twice, whose
+        # later ones the reader drops (as vLLM does). Where a grammar holds anyway, it takes one.
+        if not (held or answer is not None):
             return None
         calls = []
         for index, tool in enumerate(self.tools):
