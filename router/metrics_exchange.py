@@ -23,15 +23,14 @@ import contextlib
 import logging
 import time
 
-import ray
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from router.shared_actors import find_shared, start_shared
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "pdserve"
 PUBLISH_S = 1.0  # how often each router publishes its registry
 STALE_S = 10.0  # a router that has not published for this long is left out
 CALL_TIMEOUT_S = 2.0  # a scrape or a stop waits no longer for the exchange (Ray may be restarting it)
@@ -137,24 +136,10 @@ def start_exchange(deployment_name: str, detached: bool):
     """The deployment's exchange actor (the one running already, if any: a restarted controller
     finds it by name), on this node. Ray restarts it if its process dies (the routers publish
     again within ``PUBLISH_S``)."""
-    options = dict(
-        name=exchange_name(deployment_name),
-        namespace=NAMESPACE,
-        num_cpus=0,
-        max_concurrency=1000,  # async: every router's publish and every scrape's collect at once
-        max_restarts=-1,
-        max_task_retries=-1,
-        get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-    )
-    if detached:
-        options["lifetime"] = "detached"
-    return ray.remote(MetricsExchange).options(**options).remote()
+    # Async: every router's publish and every scrape's collect at once.
+    return start_shared(MetricsExchange, exchange_name(deployment_name), max_concurrency=1000, detached=detached)
 
 
 def find_exchange(deployment_name: str):
     """The deployment's exchange actor, or None."""
-    try:
-        return ray.get_actor(exchange_name(deployment_name), namespace=NAMESPACE)
-    except ValueError:
-        return None
+    return find_shared(exchange_name(deployment_name))

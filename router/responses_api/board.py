@@ -22,15 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
 from router.config import RouterConfig
 from router.responses_api.store import ResponseStore, StoredResponse
+from router.shared_actors import find_shared, start_shared
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "pdserve"
 MAX_BOARD_CALLS = 100_000
 IN_PROGRESS = ("queued", "in_progress")  # a background response's states before its final one
 
@@ -168,26 +165,11 @@ def start_shared_board(deployment_name: str, config: RouterConfig, detached: boo
     """The deployment's board actor (the one running already, if any: a restarted controller
     finds it by name), on this node: ``responses_store_path`` is a path here. Ray restarts it if
     its process dies."""
-    options = dict(
-        name=board_name(deployment_name),
-        namespace=NAMESPACE,
-        num_cpus=0,
-        # Coroutines, not threads: every running background response on every router keeps a
-        # wait_for_cancel open, and gets and puts must never queue behind those.
-        max_concurrency=MAX_BOARD_CALLS,
-        max_restarts=-1,
-        max_task_retries=-1,
-        get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-    )
-    if detached:
-        options["lifetime"] = "detached"
-    return ray.remote(ResponseBoard).options(**options).remote(config)
+    # Coroutines, not threads: every running background response on every router keeps a
+    # wait_for_cancel open, and gets and puts must never queue behind those.
+    return start_shared(ResponseBoard, board_name(deployment_name), config, max_concurrency=MAX_BOARD_CALLS, detached=detached)
 
 
 def find_shared_board(deployment_name: str):
     """The deployment's board actor, or None."""
-    try:
-        return ray.get_actor(board_name(deployment_name), namespace=NAMESPACE)
-    except ValueError:
-        return None
+    return find_shared(board_name(deployment_name))
