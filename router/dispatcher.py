@@ -311,8 +311,6 @@ class Dispatcher:
     async def dispatch(self, active: ActiveRequest) -> None:
         """Place the request on a decode actor (and a prefill actor), waiting for room if needed."""
         request = active.work
-        order = self.capacity.next_order()  # its place in the capacity queue, kept across refusals
-        refused_local: set[str] = set()  # workers that refused a local prompt (draining)
         if self.prefix_feed is not None:
             self.prefix_feed.ensure()
         params = request.sampling_params
@@ -323,7 +321,7 @@ class Dispatcher:
         if not self._prefill_locally(request, query):
             self._prefill_tokens_unplaced[request.req_id] = len(request.prompt_token_ids)
         try:
-            decode, destination, plan = await self._place(active, order, refused_local, query)
+            decode, destination, plan = await self._place(active, query)
         finally:
             self._prefill_tokens_unplaced.pop(request.req_id, None)
         active.assembler.decode_worker_id = decode.worker_id
@@ -340,13 +338,13 @@ class Dispatcher:
             active.prefill_task = asyncio.create_task(prefill)
             self.lease_keeper.ensure_running()
 
-    async def _place(
-        self, active: ActiveRequest, order: int, refused_local: set[str], query: RouteQuery,
-    ) -> tuple[WorkerRecord, KVDestination | None, PipelinePlan | None]:
+    async def _place(self, active: ActiveRequest, query: RouteQuery) -> tuple[WorkerRecord, KVDestination | None, PipelinePlan | None]:
         """Put the request on a decode actor (its KV reserved there, or its prompt queued there to
         be prefilled locally), waiting for the pool and for room; return that actor, the
         reservation (None: prefilled locally) and the pipeline plan (None: one prefill actor)."""
         request = active.work
+        order = self.capacity.next_order()  # its place in the capacity queue, kept across refusals
+        refused_local: set[str] = set()  # workers that refused a local prompt (draining)
         while True:
             await self._wait_for_decode_pool()
             local = self._prefill_locally(request, query)
