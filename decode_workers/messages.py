@@ -21,6 +21,11 @@ class DecodeAbortedError(RuntimeError):
     """This attempt of the request was aborted before it arrived here (calls ran out of order)."""
 
 
+class PrefixNotHeldError(RuntimeError):
+    """A local prompt sent on the promise of a cached prefix (``DecodeRequest.only_if_cached``)
+    whose prefix this actor's cache does not hold (prefix caching off, or evicted)."""
+
+
 @dataclass(slots=True)
 class DecodeRequest:
     """A request for a decode actor: prefilled remotely (KV arrives) or locally."""
@@ -40,6 +45,10 @@ class DecodeRequest:
     # prompt, from the previous stage's activations, straight into the reservation) and samples
     # the first token; ``num_writers`` counts the prefill stages before it.
     stage: PipelineStage | None = None
+    # Local only: taken only where this actor's prefix cache holds all of the prompt but its last
+    # block or so (PrefixNotHeldError otherwise), as for a choice of an ``n`` request sent where
+    # its first choice's prompt was just computed.
+    only_if_cached: bool = False
 
 
 @dataclass(slots=True)

@@ -40,6 +40,7 @@ from decode_workers.messages import (
     DecodeRequest,
     DecodeStatus,
     DecodeTiming,
+    PrefixNotHeldError,
     SeqOutput,
 )
 from decode_workers.scheduler import DecodeScheduler
@@ -60,6 +61,10 @@ logger = logging.getLogger(__name__)
 # Gathering several steps' outputs into one answer (a router's stream_interval) waits at most
 # this long beyond the first output: slow steps never hold tokens for long.
 GATHER_LIMIT_S = 0.25
+# A local prompt sent on the promise of a cached prefix (DecodeRequest.only_if_cached) may leave
+# this many blocks to compute: its last partial block, and the one its last token may complete
+# (a prefix-cache hit stops before the last token).
+CACHED_PROMISE_SLACK_BLOCKS = 2
 
 
 @dataclass(slots=True)
@@ -357,7 +362,12 @@ class DecodeWorker(EngineWorker):
     def _add_local(self, request: DecodeRequest) -> None:
         self._check_accepting()
         self._check_attempt(request)
-        seq = self.engine.add_request(request.req_id, request.prompt_token_ids, request.params, request.priority)
+        seq = self.engine.make_sequence(request.req_id, request.prompt_token_ids, request.params, request.priority)
+        if request.only_if_cached:
+            uncached = seq.num_prompt_tokens - self.engine.num_cached_prefix_tokens(seq)
+            if uncached > CACHED_PROMISE_SLACK_BLOCKS * self.engine.kv_cache.block_size:
+                raise PrefixNotHeldError(f"req {request.req_id}: {self.worker_id}'s prefix cache lacks {uncached} of its {seq.num_prompt_tokens} prompt tokens")
+        self.engine.scheduler.add(seq)
         self._tracked[request.req_id] = _Tracked(
             seq, time.monotonic(), remote=False, dest_block_ids=[], attempt=request.attempt, router_id=request.router_id
         )

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import CacheGeometry, select_backend
-from engine.block_allocator import BlockAllocator, adapter_hash_salt, cache_hash_salt
+from engine.block_allocator import BlockAllocator, adapter_hash_salt, cache_hash_salt, prefix_lookup_hashes
 from engine.cuda_graphs import DecodeGraphs
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model_path import DEFAULT_MODEL_PATH
@@ -318,6 +318,13 @@ class LLMEngine:
             # stage's too); later tokens are checked before each step (``_run_now``).
             raise InvalidRequestError(field, _NOTHING_LEFT[field])
         return seq
+
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens of ``seq`` (not yet queued) this engine's prefix cache holds now."""
+        if not self.allocator.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return 0
+        hashes = prefix_lookup_hashes(seq.token_ids, self.kv_cache.block_size, seq.hash_salt)
+        return self.allocator.num_cached_prefix(hashes) * self.kv_cache.block_size
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, priority: int = 0) -> Sequence:
         seq = self.make_sequence(req_id, prompt_token_ids, params or SamplingParams(), priority)

@@ -44,7 +44,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest
+from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest, PrefixNotHeldError
 from engine.block_allocator import cache_hash_salt
 from engine.stats import WorkerState
 from kvtransfer.errors import LeaseExpiredError, PeerLostError, StaleEpochError, TransferFailedError, TransferTimeoutError
@@ -142,6 +142,12 @@ class ActiveRequest:
     # What the workers are given (named ``key``): the request itself, or after a decode actor
     # died mid-stream, ``resume_point``. (``request`` stays what the client sent.)
     work: ValidatedRequest | None = None
+    # Choices of one prompt (``n``): the first is dispatched, the others follow it (``leader``)
+    # once its first output came (``first_output``, also set when it ends), to its decode actor,
+    # whose prefix cache holds the prompt then: the prompt is prefilled and moved once, and its
+    # blocks are shared there, where each choice prefilled it and held a copy.
+    leader: "ActiveRequest | None" = None
+    first_output: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def req_id(self) -> str:
@@ -315,13 +321,14 @@ class Dispatcher:
             self.prefix_feed.ensure()
         params = request.sampling_params
         query = self.pool.selector.query(request.prompt_token_ids, self.prefix_salt(params.lora_name) + cache_hash_salt(params.cache_salt))
+        cached_on = await self._leaders_decode(active)
         # Until placed, its prompt counts in the estimate's prefill queue: a burst admitted while
         # the decode pool is full (or not yet ready) reaches the prefill actors only as room
         # comes, and every later arrival was judged against the queue without it.
-        if not self._prefill_locally(request, query):
+        if cached_on is None and not self._prefill_locally(request, query):
             self._prefill_tokens_unplaced[request.req_id] = len(request.prompt_token_ids)
         try:
-            decode, destination, plan = await self._place(active, query)
+            decode, destination, plan = await self._place(active, query, cached_on)
         finally:
             self._prefill_tokens_unplaced.pop(request.req_id, None)
         active.assembler.decode_worker_id = decode.worker_id
@@ -338,17 +345,37 @@ class Dispatcher:
             active.prefill_task = asyncio.create_task(prefill)
             self.lease_keeper.ensure_running()
 
-    async def _place(self, active: ActiveRequest, query: RouteQuery) -> tuple[WorkerRecord, KVDestination | None, PipelinePlan | None]:
+    async def _leaders_decode(self, active: ActiveRequest) -> WorkerRecord | None:
+        """A follower's first dispatch (``ActiveRequest.leader``): once its leader's first output
+        came, the decode actor whose prefix cache holds their prompt now (None: none, or a
+        leader that ended without output; a restarted follower is placed as any request)."""
+        leader, active.leader = active.leader, None
+        if leader is None:
+            return None
+        await leader.first_output.wait()
+        decode = leader.decode
+        if decode is None or not decode.routable or not leader.assembler.completion_token_ids:
+            return None
+        return decode
+
+    async def _place(
+        self, active: ActiveRequest, query: RouteQuery, cached_on: WorkerRecord | None = None,
+    ) -> tuple[WorkerRecord, KVDestination | None, PipelinePlan | None]:
         """Put the request on a decode actor (its KV reserved there, or its prompt queued there to
         be prefilled locally), waiting for the pool and for room; return that actor, the
-        reservation (None: prefilled locally) and the pipeline plan (None: one prefill actor)."""
+        reservation (None: prefilled locally) and the pipeline plan (None: one prefill actor).
+        ``cached_on``: a decode actor whose prefix cache holds the prompt (a leader's), tried
+        first with a local prefill of what it lacks; placed as any other if it does not hold it."""
         request = active.work
         order = self.capacity.next_order()  # its place in the capacity queue, kept across refusals
         refused_local: set[str] = set()  # workers that refused a local prompt (draining)
         while True:
             await self._wait_for_decode_pool()
-            local = self._prefill_locally(request, query)
-            if local:
+            promised = cached_on is not None and cached_on.routable
+            local = promised or self._prefill_locally(request, query)
+            if promised:
+                decode = cached_on
+            elif local:
                 # The decode actor queues local prompts itself, until its KV has room.
                 # A worker that refused a remote reservation for want of room still queues a
                 # local prompt itself: only a refusal of a local prompt (draining) excludes it.
@@ -376,7 +403,7 @@ class Dispatcher:
                 request.req_id, request.prompt_token_ids, params, request.priority,
                 self.config.kv_lease_s, attempt=active.attempt, router_id=self.router_id,
                 router_lease_s=self.config.router_lease_s, num_writers=len(plan.workers) if plan is not None else 1,
-                stage=_decode_stage(plan),
+                stage=_decode_stage(plan), only_if_cached=promised,
             )
             # Bound before the call: the collector may see this request's first output before
             # the call returns (a short local prefill), and must route it here.
@@ -385,12 +412,18 @@ class Dispatcher:
             self.pool.assign(decode, request.req_id, len(request.prompt_token_ids))
             try:
                 if local:
-                    self._local_prefill_started(request.req_id, decode, len(request.prompt_token_ids))
+                    # (A promised prompt computes what the cache lacks: a block or two.)
+                    uncached = min(len(request.prompt_token_ids), 2 * self.block_size) if promised else len(request.prompt_token_ids)
+                    self._local_prefill_started(request.req_id, decode, uncached)
                     await decode.handle.add_local.remote(decode_request)
                     destination = None
                 else:
                     destination = await decode.handle.reserve.remote(decode_request)
                 break
+            except PrefixNotHeldError as exc:
+                self._unplace(decode, request.req_id)
+                logger.info("req %s: %s; placed as any other", request.req_id, exc)
+                cached_on = None
             except DecodeCapacityError:
                 # Draining, or its room went to someone else since its last report: the next
                 # report tells the truth; the request keeps its place in the queue.
@@ -884,6 +917,7 @@ class Dispatcher:
 
     async def finish(self, active: ActiveRequest) -> None:
         """Release everything the request holds; abort it on its workers if it did not end there."""
+        active.first_output.set()  # its followers wait no more
         if self.active.get(active.req_id) is active:
             del self.active[active.req_id]
         if self._by_key.get(active.key) is active:

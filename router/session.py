@@ -45,12 +45,17 @@ class GenerationSession:
         self._release: asyncio.Future | None = None  # the release, once started (``close``)
 
     @classmethod
-    async def open(cls, router: "Router", request: ValidatedRequest, client_gone: Callable[[], bool]) -> "GenerationSession":
+    async def open(
+        cls, router: "Router", request: ValidatedRequest, client_gone: Callable[[], bool], leader: "GenerationSession | None" = None,
+    ) -> "GenerationSession":
         """Admit ``request``: ResourceExhaustedError beyond the queue limit, InvalidArgumentError
-        for an id still in use."""
+        for an id still in use. ``leader``: a session of the same prompt (a choice of an ``n``
+        request) this one is placed after, where that one's prompt is cached then
+        (``ActiveRequest.leader``)."""
         try:
             await router.dispatcher.wait_for_id(request.req_id)
             active = ActiveRequest(request, OutputAssembler(request, router.tokenizer, router.model_info.eos_token_ids), client_gone=client_gone)
+            active.leader = leader.active if leader is not None else None
             router.traffic.on_arrival()  # demand, whether admitted or refused as overload
             router.dispatcher.admit(active)
         finally:  # in flight now (its adapter version held as such), or never
@@ -86,6 +91,8 @@ class GenerationSession:
                     if item.finished:
                         await self._await_prefill_report(PREFILL_REPORT_WAIT_S)
                     chunk = active.assembler.on_output(item)
+                    if item.token_ids:
+                        active.first_output.set()  # its followers (choices of its prompt) may go
                     self._observe(chunk)
                     if chunk.end is not None:
                         # Released now, not once the client has read the end: a stop string the

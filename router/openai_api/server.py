@@ -82,6 +82,14 @@ async def _with_request_id(request: web.Request, response: web.StreamResponse) -
         response.headers[REQUEST_ID_HEADER] = request[_RESPONSE_ID]
 
 
+def _shared_prompt(request) -> tuple | None:
+    """What makes choices share a prompt's KV (its tokens, adapter and cache salt); None for one
+    that scores its prompt (its log-probabilities need every position computed, none cached)."""
+    params = request.sampling_params
+    if params.prompt_logprobs is not None:
+        return None
+    return (tuple(request.prompt_token_ids), params.lora_name, params.cache_salt)
+
 class OpenAIServer:
     def __init__(
         self, router: "Router", host: str, port: int, model_names: list[str], auth_token: str | None = None,
@@ -305,8 +313,15 @@ class OpenAIServer:
             def client_gone() -> bool:
                 return request.transport is None or request.transport.is_closing()
 
+            # The choices of one prompt (n) follow its first: placed once its prompt is computed,
+            # where it is cached (router.dispatcher's ActiveRequest.leader), it is computed once.
+            leaders: dict[tuple, GenerationSession] = {}
             for one in validated:
-                sessions.append(await GenerationSession.open(self.router, one, client_gone))
+                key = _shared_prompt(one)
+                session = await GenerationSession.open(self.router, one, client_gone, leaders.get(key) if key is not None else None)
+                sessions.append(session)
+                if key is not None:
+                    leaders.setdefault(key, session)
             states = [ChoiceState.of(index, chat, api, one, echo=self._echo(api, one)) for index, one in enumerate(validated)]
             chunks = merged(sessions)
             async with contextlib.aclosing(chunks):

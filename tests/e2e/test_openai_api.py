@@ -251,6 +251,33 @@ def test_n_choices_with_a_seed_are_each_reproducible(client, chat_model):
     assert first.usage.prompt_tokens == 10 and first.usage.completion_tokens == 24
 
 
+def test_n_choices_of_a_prompt_prefill_it_once_and_share_its_blocks(client, chat_model, hf_tokenizer, deployment):
+    """Each of n choices was a request of its own: its prompt's KV moved to the decode actor and
+    held there n times. The choices after the first now follow it to its decode actor once its
+    prompt is computed, and take the prompt from that actor's prefix cache (a block or two
+    computed there): moved once, its blocks shared, every choice still transformers' greedy
+    answer."""
+    import ray
+
+    alone, prompt = random_prompts([300, 300], chat_model.vocab_size, seed=16)
+    want = hf_greedy(chat_model.hf_model, prompt, 6)
+
+    def counts():
+        hits = ray.get(deployment.handles["decode-0"].status.remote()).engine.num_prefix_hit_tokens
+        moved = deployment.metrics.registry.get_sample_value("pdserve:kv_transfer_bytes_total", {"model_name": "tiny-chat"}) or 0.0
+        return hits, moved
+
+    hits, moved = counts()
+    client.completions.create(model="tiny-chat", prompt=alone, n=1, max_tokens=2, **GREEDY)
+    hits_one, moved_one = counts()
+    completion = client.completions.create(model="tiny-chat", prompt=prompt, n=4, max_tokens=6, **GREEDY)
+    hits_four, moved_four = counts()
+    assert [choice.text for choice in completion.choices] == [hf_tokenizer.decode(want, skip_special_tokens=True)] * 4
+    assert moved_one - moved > 0 and moved_four - moved_one < 2 * (moved_one - moved), "the prompt's KV moved once, not once per choice"
+    assert hits_four - hits_one >= 3 * (len(prompt) - 32), "three choices took it from the decode actor's cache"
+    assert completion.usage.prompt_tokens == 300 and completion.usage.completion_tokens == 24
+
+
 def test_min_tokens_holds_off_a_stop_token(client, chat_model):
     (prompt,) = random_prompts([10], chat_model.vocab_size, seed=15)
     greedy = hf_greedy(chat_model.hf_model, prompt, 8)

@@ -77,7 +77,7 @@ def test_a_stream_closed_after_its_last_chunk_is_no_abort(byte_level_tokenizer):
     async def scenario():
         request = ValidatedRequest("r", [5], None, SamplingParams(max_tokens=1), [], True, 0, 0.0, None)
         active = SimpleNamespace(req_id="r", request=request, assembler=OutputAssembler(request, byte_level_tokenizer),
-                                 outputs=Outputs(), prefill_task=None, attempt=0)
+                                 outputs=Outputs(), prefill_task=None, attempt=0, first_output=asyncio.Event())
         released = []
 
         def release(active):
