@@ -93,6 +93,7 @@ class ClientConfig:
     ignore_eos: bool = True
     timeout_s: float = 600.0  # per request
     request_id_prefix: str = "bench"
+    n: int = 1  # choices per request (OpenAI's n; the OpenAI client only): each choice's tokens count
     admin_address: str | None = None  # Admin's own host:port (for scaling scenarios)
     # Wait (up to timeout_s) for an unreachable router instead of failing at once, as a client
     # that rides out a router restart does.

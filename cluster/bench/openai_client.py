@@ -94,6 +94,11 @@ class OpenAIClient(BenchClient):
             "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
+        if self.config.n > 1:
+            # Every choice's chunks count, a token each; the last usage (all choices') settles the
+            # total. (Per-chunk usage is one choice's on one server and the request's on another.)
+            body["n"] = self.config.n
+            body["stream_options"] = {"include_usage": True}
         if self.seed is not None:
             body["seed"] = self.seed
         return body

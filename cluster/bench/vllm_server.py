@@ -50,6 +50,7 @@ class VllmServerSpec:
     max_model_len: int = 2048
     seed: int = 0
     kv_cache_gib: int = 4
+    prefix_caching: bool = False  # off by default: a workload sent again at each rate would hit its own prompts
     omp_threads_bind: str = "0-1"
     extra_args: list[str] = field(default_factory=list)
 
@@ -62,7 +63,7 @@ class VllmServerSpec:
             str(self.python), str(self.cli), "serve", str(self.model_dir),
             "--host", self.host, "--port", str(self.port),
             "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-            "--seed", str(self.seed), "--no-enable-prefix-caching",
+            "--seed", str(self.seed), "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
             *self.extra_args,
         ]  # fmt: skip
 

@@ -400,7 +400,7 @@ def test_a_vllm_server_given_by_url_that_caches_prefixes_is_called_out(tmp_path)
     thread.start()
     assert ready.wait(10)
     try:
-        args = argparse.Namespace(vllm_url=f"http://127.0.0.1:{state['port']}", vllm_start_timeout=10.0, seed=0, timeout=10.0, no_progress=True)
+        args = argparse.Namespace(vllm_url=f"http://127.0.0.1:{state['port']}", vllm_start_timeout=10.0, seed=0, timeout=10.0, no_progress=True, n=1)
         requests = [BenchRequest(2, [5, 6, 7], prompt_len=3) for _ in range(3)]
         outputs, info = _run_vllm(DEFAULT_MODEL_PATH, args, None, None, requests, [], {"burst": [0.0, 0.0, 0.0]})
     finally:

@@ -48,10 +48,11 @@ def _pdserve_shape(name: str, args: argparse.Namespace) -> ClusterShape:
     defaults = RouterConfig()  # only to keep `pdserve up`'s dispatch default for disagg
 
     def engine(threads: int, budget: int, chunk: int | None) -> EngineConfig:
-        # No prefix caching, as vLLM runs here (--no-enable-prefix-caching): each rate sends the
-        # same prompts again, and cache hits from the burst would make every later TTFT a hit.
+        # No prefix caching unless asked, as vLLM runs here (--no-enable-prefix-caching): each rate
+        # sends the same prompts again, and cache hits from the burst would make every later TTFT
+        # a hit. (--prefix-caching: on for both, as an n-choices workload at one rate wants it.)
         return EngineConfig(
-            enable_prefix_caching=False,
+            enable_prefix_caching=args.prefix_caching,
             dtype=args.dtype,
             num_threads=threads,
             max_num_batched_tokens=args.token_budget or budget,
@@ -138,6 +139,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--rounds", type=int, default=1, help="rounds of the whole comparison (vLLM, then each pdserve configuration), alternating; the table gives medians and the median of each round's ratio (this machine's figures move +-15%% between runs)")
     work.add_argument("--timeout", type=float, default=900.0, help="per-request deadline in seconds")
     work.add_argument("--max-model-len", type=int, default=2048, help="context of both servers")
+    work.add_argument("--n", type=int, default=1, help="choices per request (OpenAI's n; needs --pdserve-api openai): every choice's tokens count")
+    work.add_argument("--prefix-caching", action="store_true", help="prefix caching on for both systems (off by default: every rate sends the same prompts)")
     work.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of vLLM and of each pdserve actor")
     bench = parser.add_argument_group("vllm bench serve as the client of both systems (--client vllm-bench)")
     bench.add_argument("--client", choices=["pdserve", "vllm-bench"], default="pdserve",
@@ -192,6 +195,8 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         return _run_with_vllm_bench(args, shapes, vllm_python, vllm_cli)
     if args.lora_adapters:
         raise ValueError("lora_adapters: measured with --client vllm-bench (its --lora-modules spreads the requests over them)")
+    if args.n < 1 or (args.n > 1 and shapes and args.pdserve_api != "openai"):
+        raise ValueError(f"n: must be >= 1, and above 1 measured through --pdserve-api openai (gRPC has no n), got {args.n}")
     # runs[system][rate][round]: None where that round of the system failed.
     runs: dict[str, dict[str, list[RunOutput | None]]] = {}
     errors: dict[str, str] = {}
@@ -371,7 +376,7 @@ def _num(value, digits: int = 0) -> str:
 def _vllm_server_spec(model_dir: Path, args, python: Path, cli: Path) -> VllmServerSpec:
     return VllmServerSpec(
         model_dir=model_dir, python=python, cli=cli, port=args.vllm_port, dtype=args.dtype, max_model_len=args.max_model_len,
-        seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)),
+        seed=args.seed, kv_cache_gib=max(1, round(args.kv_cache_gib)), prefix_caching=args.prefix_caching,
     )
 
 
@@ -417,7 +422,8 @@ async def _measure(client: BenchClient, requests, warmup, schedule: dict[str, li
 
 
 def _client_config(address: str, args, label: str) -> ClientConfig:
-    return ClientConfig(address=address, temperature=0.0, ignore_eos=True, timeout_s=args.timeout, request_id_prefix=label.split(" ")[0] if " " in label else label)
+    return ClientConfig(address=address, temperature=0.0, ignore_eos=True, timeout_s=args.timeout, request_id_prefix=label.split(" ")[0] if " " in label else label,
+                        n=args.n)
 
 
 def _check_tokenizer(model_dir: Path, generated: bool) -> None:
@@ -431,5 +437,7 @@ def _check_tokenizer(model_dir: Path, generated: bool) -> None:
 def _workload_line(requests: list[BenchRequest], args) -> str:
     return (
         f"{len(requests)} requests, prompts {min(r.prompt_len for r in requests)}-{max(r.prompt_len for r in requests)} tokens "
-        f"({sum(r.prompt_len for r in requests)} in all), {args.output_len} output tokens each, greedy, ignore_eos, {args.dtype}"
+        f"({sum(r.prompt_len for r in requests)} in all), {args.output_len} output tokens each"
+        f"{f' per choice, n = {args.n}' if args.n > 1 else ''}, greedy, ignore_eos, {args.dtype}"
+        f"{', prefix caching on' if args.prefix_caching else ''}"
     )
