@@ -233,6 +233,10 @@ class RouterSection(BaseModel):
         "prompts up to busy_local_prefill_max_tokens may prefill on the decode actor instead"
     )
     busy_local_prefill_max_tokens: int = Field(_ROUTER_DEFAULTS["busy_local_prefill_max_tokens"], ge=0, description="See prefill_busy_tokens")
+    share_choice_prompts: bool = Field(
+        _ROUTER_DEFAULTS["share_choice_prompts"], description="The n choices of one prompt follow its first to its decode actor and take the prompt "
+        "from its prefix cache (moved and held once); false: each choice is a request of its own (a lower TTFT tail in bursts)"
+    )
     max_prefill_retries: int = Field(_ROUTER_DEFAULTS["max_prefill_retries"], ge=0, description="Other prefill actors tried after one died mid-request")
     max_decode_restarts: int = Field(
         _ROUTER_DEFAULTS["max_decode_restarts"], ge=0, description="Restarts elsewhere of a request whose decode actor died (then migration or failure)"

@@ -317,7 +317,7 @@ class OpenAIServer:
             # where it is cached (router.dispatcher's ActiveRequest.leader), it is computed once.
             leaders: dict[tuple, GenerationSession] = {}
             for one in validated:
-                key = _shared_prompt(one)
+                key = _shared_prompt(one) if self.router.config.share_choice_prompts else None
                 session = await GenerationSession.open(self.router, one, client_gone, leaders.get(key) if key is not None else None)
                 sessions.append(session)
                 if key is not None:
