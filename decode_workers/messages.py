@@ -23,7 +23,11 @@ class DecodeAbortedError(RuntimeError):
 
 class PrefixNotHeldError(RuntimeError):
     """A local prompt sent on the promise of a cached prefix (``DecodeRequest.only_if_cached``)
-    whose prefix this actor's cache does not hold (prefix caching off, or evicted)."""
+    whose prefix this actor's cache does not hold (evicted, or caching off)."""
+
+
+class PrefixCachingOffError(PrefixNotHeldError):
+    """``PrefixNotHeldError`` of an actor that keeps no prefix cache at all."""
 
 
 @dataclass(slots=True)

@@ -40,6 +40,7 @@ from decode_workers.messages import (
     DecodeRequest,
     DecodeStatus,
     DecodeTiming,
+    PrefixCachingOffError,
     PrefixNotHeldError,
     SeqOutput,
 )
@@ -364,6 +365,8 @@ class DecodeWorker(EngineWorker):
         self._check_attempt(request)
         seq = self.engine.make_sequence(request.req_id, request.prompt_token_ids, request.params, request.priority)
         if request.only_if_cached:
+            if not self.engine.allocator.enable_prefix_caching:
+                raise PrefixCachingOffError(f"req {request.req_id}: {self.worker_id} keeps no prefix cache")
             uncached = seq.num_prompt_tokens - self.engine.num_cached_prefix_tokens(seq)
             if uncached > CACHED_PROMISE_SLACK_BLOCKS * self.engine.kv_cache.block_size:
                 raise PrefixNotHeldError(f"req {request.req_id}: {self.worker_id}'s prefix cache lacks {uncached} of its {seq.num_prompt_tokens} prompt tokens")

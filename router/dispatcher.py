@@ -44,7 +44,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest, PrefixNotHeldError
+from decode_workers.messages import DecodeCapacityError, DecodeReport, DecodeRequest, PrefixCachingOffError, PrefixNotHeldError
 from engine.block_allocator import cache_hash_salt
 from engine.stats import WorkerState
 from kvtransfer.errors import LeaseExpiredError, PeerLostError, StaleEpochError, TransferFailedError, TransferTimeoutError
@@ -225,6 +225,9 @@ class Dispatcher:
         # Prompt tokens of admitted requests bound for a prefill actor, not yet placed on a decode
         # actor (waiting for the pool to be ready or for room).
         self._prefill_tokens_unplaced: dict[str, int] = {}
+        # Whether the decode actors keep a prefix cache, for the choices that follow a leader
+        # there (False once one said it keeps none: then following only costs a wait).
+        self.decode_caches_prefixes = True
         # Requests sent to a decode actor to be prefilled there, by key, until their first output.
         self._local_prefills: dict[str, tuple[WorkerRecord, int]] = {}
 
@@ -350,8 +353,12 @@ class Dispatcher:
         came, the decode actor whose prefix cache holds their prompt now (None: none, or a
         leader that ended without output; a restarted follower is placed as any request)."""
         leader, active.leader = active.leader, None
-        if leader is None:
+        if leader is None or not self.decode_caches_prefixes:
             return None
+        if active.assembler.timing.dispatched is None:
+            # Its wait is its prompt being computed (its leader's), not a queue at the router: the
+            # autoscaler reads router queue time as a short decode pool.
+            active.assembler.timing.dispatched = time.monotonic()
         await leader.first_output.wait()
         decode = leader.decode
         if decode is None or not decode.routable or not leader.assembler.completion_token_ids:
@@ -409,12 +416,14 @@ class Dispatcher:
             # the call returns (a short local prefill), and must route it here.
             active.decode = decode
             active.decode_finished = False
-            self.pool.assign(decode, request.req_id, len(request.prompt_token_ids))
+            # A promised prompt computes what the cache lacks, a block or two: it adds that much
+            # load, and no sample of the actor's local prefill rate (a whole step for 32 tokens).
+            num_to_compute = min(len(request.prompt_token_ids), 2 * self.block_size) if promised else len(request.prompt_token_ids)
+            self.pool.assign(decode, request.req_id, num_to_compute)
             try:
                 if local:
-                    # (A promised prompt computes what the cache lacks: a block or two.)
-                    uncached = min(len(request.prompt_token_ids), 2 * self.block_size) if promised else len(request.prompt_token_ids)
-                    self._local_prefill_started(request.req_id, decode, uncached)
+                    if not promised:
+                        self._local_prefill_started(request.req_id, decode, num_to_compute)
                     await decode.handle.add_local.remote(decode_request)
                     destination = None
                 else:
@@ -423,10 +432,15 @@ class Dispatcher:
             except PrefixNotHeldError as exc:
                 self._unplace(decode, request.req_id)
                 logger.info("req %s: %s; placed as any other", request.req_id, exc)
+                if isinstance(exc, PrefixCachingOffError):
+                    self.decode_caches_prefixes = False  # (a pool's actors share their engine config)
                 cached_on = None
+                if not self._prefill_locally(request, query):  # it waits for room as any other now
+                    self._prefill_tokens_unplaced[request.req_id] = len(request.prompt_token_ids)
             except DecodeCapacityError:
                 # Draining, or its room went to someone else since its last report: the next
                 # report tells the truth; the request keeps its place in the queue.
+                cached_on = None  # (a refusing leader's actor stays routable until its next report)
                 self._unplace(decode, request.req_id)
                 if local:
                     refused_local.add(decode.worker_id)
@@ -436,6 +450,7 @@ class Dispatcher:
                 self._unplace(decode, request.req_id)
                 self.on_worker_died(decode)
             except BaseException:
+                cached_on = None
                 self._unplace(decode, request.req_id)
                 # Its room was debited for this request: the actor's next report gives it back
                 # (an actor that just joined has no collector until one is started).

@@ -71,7 +71,7 @@ class Tokenizer:
         # The model's chat templates by name: "default", and "tool_use" where a model renders
         # requests with tools by a template of their own (Hermes-2-Pro's, Hermes-3's).
         self.chat_templates: dict[str, str] = _named_templates(config.get("chat_template"))
-        self._apply_added_tokens_decoder(config.get("added_tokens_decoder"))
+        self._apply_added_tokens_decoder(config.get("added_tokens_decoder"), {content for content in named.values() if content is not None})
         self._add_missing_special_tokens([*named.values(), *_extra_special_tokens(config)])
         self.bos_token_id = self._token_id(named["bos_token"])
         self.eos_token_id = self._token_id(named["eos_token"])
@@ -189,11 +189,12 @@ class Tokenizer:
                     model_dir, key, wanted, "does not add" if wanted else "adds",
                 )
 
-    def _apply_added_tokens_decoder(self, entries: Any) -> None:
+    def _apply_added_tokens_decoder(self, entries: Any, named: set[str]) -> None:
         """Add again, as the config writes them, the config's added tokens that tokenizer.json
         holds otherwise (or not at all), as transformers v5 does: one the config calls special
         and tokenizer.json does not was left in decoded text that transformers (and vLLM through
-        it) skips, and one stripped on another side split prompts differently."""
+        it) skips, and one stripped on another side split prompts differently. A named special
+        token (``named``: bos, eos, pad, ...) is special whatever the entry says, as there."""
         if not isinstance(entries, dict):
             return
         held = {repr(token) for token in self._backend.get_added_tokens_decoder().values()}
@@ -202,6 +203,8 @@ class Tokenizer:
             if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
                 continue
             flags = {key: bool(entry[key]) for key in ("single_word", "lstrip", "rstrip", "normalized", "special") if key in entry}
+            if entry["content"] in named:
+                flags["special"] = True
             token = AddedToken(entry["content"], **flags)
             if repr(token) not in held:
                 tokens.append(token)

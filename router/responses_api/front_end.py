@@ -420,7 +420,7 @@ class ResponsesFrontEnd:
         except Exception as exc:  # e.g. its previous turn expired meanwhile: it fails, saying why
             logger.warning("%s: running it again failed: %s", response_id, exc)
             failed = dict(entry.response, status="failed", error={"code": "server_error", "message": f"its router died, and running it again failed: {exc}"})
-            await self.store.put(response_id, StoredResponse(failed, entry.conversation))
+            await self.store.put(response_id, StoredResponse(failed, entry.conversation, input_items=entry.input_items))
 
     async def _prior(self, api: ResponsesRequest) -> list[dict[str, Any]]:
         """The conversation a call continues (its previous response's), as the template takes it."""

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from decode_workers.messages import PrefixNotHeldError
+from decode_workers.messages import PrefixCachingOffError, PrefixNotHeldError
 from engine import EngineConfig, LLMEngine, SamplingParams
 from router.config import Disaggregation, RouterConfig
 from router.dispatcher import ActiveRequest, Dispatcher
@@ -35,9 +35,11 @@ def _active(req_id: str, prompt: list[int], sent: list[int] = ()) -> ActiveReque
     return active
 
 
-def _decode(worker_id: str, holds_prefix: bool, calls: list):
+def _decode(worker_id: str, holds_prefix: bool, calls: list, caching: bool = True):
     async def add_local(request):
         calls.append((worker_id, "local", request.only_if_cached))
+        if request.only_if_cached and not caching:
+            raise PrefixCachingOffError(f"{worker_id} keeps no prefix cache")
         if request.only_if_cached and not holds_prefix:
             raise PrefixNotHeldError(f"{worker_id} lacks it")
 
@@ -80,6 +82,35 @@ def test_a_follower_goes_where_its_leaders_prompt_is_cached_or_is_placed_as_any_
         assert calls == [("decode-1", "local", True)] and follower.decode.worker_id == "decode-1"
     else:  # refused: placed as any other (disaggregated: a reservation)
         assert calls[0] == ("decode-1", "local", True) and [(kind, promised) for _, kind, promised in calls[1:]] == [("reserve", False)]
+
+
+def test_decode_actors_without_a_prefix_cache_end_following_after_one_refusal():
+    """With prefix caching off on the decode pool a follower only waited for its leader and was
+    refused: after the first such refusal, choices are placed at once as any other."""
+
+    async def scenario():
+        calls: list = []
+        pool = WorkerPool()
+        pool.add(WorkerRecord("prefill-0", Role.PREFILL, handle=None))
+        pool.add(_decode("decode-0", False, calls, caching=False))
+        dispatcher = Dispatcher(pool, RouterConfig(disaggregation=Disaggregation.ALWAYS), block_size=16)
+        dispatcher._ensure_collector = lambda record: None
+        prompt = list(range(3, 203))
+        leader = _active("lead", prompt, sent=[7])
+        leader.decode = pool.workers["decode-0"]
+        leader.first_output.set()
+        first = _active("follow-1", prompt)
+        first.leader = leader
+        await asyncio.gather(dispatcher.dispatch(first), return_exceptions=True)
+        waiting_leader = _active("lead-2", prompt)  # no first output yet: a follower of it must not wait
+        second = _active("follow-2", prompt)
+        second.leader = waiting_leader
+        await asyncio.wait_for(asyncio.gather(dispatcher.dispatch(second), return_exceptions=True), 5)
+        return calls, dispatcher.decode_caches_prefixes
+
+    calls, caches = asyncio.run(scenario())
+    assert caches is False
+    assert [(kind, promised) for _, kind, promised in calls] == [("local", True), ("reserve", False), ("reserve", False)]
 
 
 def test_a_follower_of_a_leader_that_ended_without_output_is_placed_as_any_other():

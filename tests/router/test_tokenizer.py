@@ -125,9 +125,11 @@ def test_an_added_tokens_decoder_that_disagrees_with_tokenizer_json_is_applied_a
         str(backend.token_to_id("<|end|>")): {**entry, "content": "<|end|>", "lstrip": True},
         str(backend.token_to_id("<s>")): {**entry, "content": "<s>"},
     }
-    model_dir = save_model_dir(tmp_path / "decoder", backend, {**BASE_CONFIG, "added_tokens_decoder": decoder})
+    backend.add_tokens([AddedToken("<|pad|>", special=False, normalized=False)])
+    decoder[str(backend.token_to_id("<|pad|>"))] = {**entry, "content": "<|pad|>", "special": False}  # the pad token: special whatever this says
+    model_dir = save_model_dir(tmp_path / "decoder", backend, {**BASE_CONFIG, "pad_token": "<|pad|>", "added_tokens_decoder": decoder})
     ours, theirs = Tokenizer.from_model_dir(model_dir), auto_tokenizer(model_dir)
-    texts = ["Checking. <tool_call> {} then <|end|>", "a  <|end|>b<tool_call>c", *TEXTS]
+    texts = ["Checking. <tool_call> {} then <|end|>", "a  <|end|>b<tool_call>c<|pad|>", *TEXTS]
     assert ours.vocab_size == len(theirs)
     for text in texts:
         ids = ours.encode(text)
@@ -135,3 +137,4 @@ def test_an_added_tokens_decoder_that_disagrees_with_tokenizer_json_is_applied_a
         for skip in (True, False):
             assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
     assert "<tool_call>" not in ours.decode(ours.encode(texts[0]), skip_special_tokens=True)
+    assert "<|pad|>" not in ours.decode(ours.encode(texts[1]), skip_special_tokens=True)

@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--rounds", type=int, default=1, help="rounds of the whole comparison (vLLM, then each pdserve configuration), alternating; the table gives medians and the median of each round's ratio (this machine's figures move +-15%% between runs)")
     work.add_argument("--timeout", type=float, default=900.0, help="per-request deadline in seconds")
     work.add_argument("--max-model-len", type=int, default=2048, help="context of both servers")
-    work.add_argument("--n", type=int, default=1, help="choices per request (OpenAI's n; needs --pdserve-api openai): every choice's tokens count")
+    work.add_argument("--n", type=int, default=1, choices=range(1, 129), metavar="N", help="choices per request (OpenAI's n; needs --pdserve-api openai): every choice's tokens count")
     work.add_argument("--prefix-caching", action="store_true", help="prefix caching on for both systems (off by default: every rate sends the same prompts)")
     work.add_argument("--kv-cache-gib", type=float, default=4.0, help="KV cache of vLLM and of each pdserve actor")
     bench = parser.add_argument_group("vllm bench serve as the client of both systems (--client vllm-bench)")
@@ -191,12 +191,12 @@ def run(args: argparse.Namespace) -> ScenarioOutcome:
         vllm_python, vllm_cli = find_vllm_python(args.vllm_python), find_vllm_cli(args.vllm_cli)
     if args.rounds < 1:
         raise ValueError(f"rounds: must be >= 1, got {args.rounds}")
+    if args.n != 1 and (args.client == "vllm-bench" or (shapes and args.pdserve_api != "openai")):
+        raise ValueError(f"n: above 1 measured with this benchmark's own client through --pdserve-api openai (gRPC has no n), got {args.n}")
     if args.client == "vllm-bench":
         return _run_with_vllm_bench(args, shapes, vllm_python, vllm_cli)
     if args.lora_adapters:
         raise ValueError("lora_adapters: measured with --client vllm-bench (its --lora-modules spreads the requests over them)")
-    if args.n < 1 or (args.n > 1 and shapes and args.pdserve_api != "openai"):
-        raise ValueError(f"n: must be >= 1, and above 1 measured through --pdserve-api openai (gRPC has no n), got {args.n}")
     # runs[system][rate][round]: None where that round of the system failed.
     runs: dict[str, dict[str, list[RunOutput | None]]] = {}
     errors: dict[str, str] = {}
