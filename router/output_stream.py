@@ -216,7 +216,7 @@ class OutputAssembler:
         assert reason in FINISH_REASONS, reason
         self.finished = True
         num_prompt = len(self.request.prompt_token_ids)
-        cached = self._cached_prompt_tokens()
+        cached = self.cached_prompt_tokens()
         timing = self._timing()
         prefilled = self.timing.prefill is not None or self.timing.decode is not None
         timing.prompt_tokens_computed = num_prompt - cached if prefilled else 0
@@ -240,7 +240,7 @@ class OutputAssembler:
             return None
         return Speculation(decode.num_decode_steps, decode.num_draft_tokens, decode.num_accepted_draft_tokens)
 
-    def _cached_prompt_tokens(self) -> int:
+    def cached_prompt_tokens(self) -> int:
         """Prompt tokens not computed: the prefill actor's cache hit, or the decode actor's
         when it prefilled the prompt itself. At most the prompt: a migrated request's last
         prefill was of the prompt and the tokens already sent, and a cache may hold more than

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -331,7 +332,7 @@ class MessagesFrontEnd:
             chunks = read_ahead(session)
             async with contextlib.aclosing(chunks):
                 if api.stream:
-                    return await self._stream(request, message_id, model, state, prompt_tokens, chunks)
+                    return await self._stream(request, message_id, model, state, prompt_tokens, chunks, session.active.assembler.cached_prompt_tokens)
                 return await self._whole(message_id, model, state, prompt_tokens, chunks)
         except Exception as exc:
             return _refused(request, exc)
@@ -357,7 +358,12 @@ class MessagesFrontEnd:
             raise end_failure(end, state.num_tokens)
         return web.json_response(self._message(message_id, model, end, state, prompt_tokens))
 
-    async def _stream(self, request: web.Request, message_id: str, model: str, state: MessageState, prompt_tokens: int, chunks) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, message_id: str, model: str, state: MessageState, prompt_tokens: int, chunks, cached_now: Callable[[], int],
+    ) -> web.StreamResponse:
+        """``cached_now``: the prompt tokens a prefix cache held, as known so far (by the first
+        chunk, from the prefill's timing: message_start's usage splits the prompt as Anthropic's
+        does, where it said the whole prompt was input and the end said otherwise)."""
         response = sse.event_stream()
         started = False
         try:
@@ -368,7 +374,8 @@ class MessagesFrontEnd:
                     await response.prepare(request)
                     started = True
                     start = self._message(message_id, model, None, state, prompt_tokens)
-                    start["usage"]["output_tokens"] = 0
+                    cached = cached_now()
+                    start["usage"].update(output_tokens=0, input_tokens=prompt_tokens - cached, cache_read_input_tokens=cached)
                     await sse.send(response, {"type": "message_start", "message": start}, named=True)
                 for event in state.take(chunk):
                     await sse.send(response, event, named=True)

@@ -71,12 +71,17 @@ def test_a_message_equals_the_chat_completion_and_transformers_whole_and_streame
     assert message.usage.output_tokens == 12
     assert message.usage.input_tokens + message.usage.cache_read_input_tokens == len(ids)
 
-    events = []
+    events, started = [], None
     with claude.messages.stream(model="tiny-chat", system=SYSTEM, messages=conversation, max_tokens=12, **GREEDY) as stream:
         for event in stream:
             events.append(event.type)
+            started = event.message.usage if event.type == "message_start" else started
         final = stream.get_final_message()
     assert final.content[0].text == want and final.stop_reason == "max_tokens" and final.usage.output_tokens == 12
+    # message_start splits the prompt as the end does (the prompt just sent is cached now): it
+    # called the whole prompt input, where the end said part of it was read from the cache.
+    assert final.usage.cache_read_input_tokens > 0
+    assert (started.input_tokens, started.cache_read_input_tokens) == (final.usage.input_tokens, final.usage.cache_read_input_tokens)
     raw = [e for e in events if e in ("message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop")]
     assert raw[:2] == ["message_start", "content_block_start"] and raw[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert raw.count("content_block_start") == raw.count("content_block_stop") == 1
