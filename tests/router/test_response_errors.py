@@ -72,7 +72,7 @@ def test_a_stream_that_fails_before_its_first_token_gets_a_real_status_on_every_
     unused = SimpleNamespace()  # nothing of the server, request or state is touched before the first send
     streams = [
         OpenAIServer._stream(unused, None, unused, "chatcmpl-1", "m", True, [], one((0, OutputChunk(end=end))), 0),
-        MessagesFrontEnd._stream(unused, None, "msg_1", "m", SimpleNamespace(num_tokens=0), 5, one(OutputChunk(end=end))),
+        MessagesFrontEnd._stream(unused, None, "msg_1", "m", SimpleNamespace(num_tokens=0), 5, one(OutputChunk(end=end)), lambda: 0),
         ResponsesFrontEnd._stream(unused, None, unused, SimpleNamespace(num_tokens=0), one(OutputChunk(end=end)), []),
     ]
     for stream in streams:
