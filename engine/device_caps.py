@@ -10,6 +10,7 @@ explicit request for it logs a warning. A float16 checkpoint on a GPU stays floa
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from pathlib import Path
 
@@ -73,3 +74,13 @@ def emulated_bf16_warning(device: str) -> str:
     else:
         detail = f"{device} does not support bfloat16 natively"
     return f"bfloat16 is emulated on {device} ({detail}): expect steps several times slower than float32; dtype auto would pick float32"
+
+
+@functools.cache
+def triton_module(name: str):
+    """The engine's Triton module ``name`` (``engine.triton_penalties``), or None where Triton
+    cannot be imported (it comes with CUDA torch): its callers fall back to torch ops."""
+    try:
+        return importlib.import_module(name)
+    except Exception:
+        return None

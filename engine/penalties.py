@@ -17,7 +17,6 @@ reset when another takes it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.device_caps import triton_module
 from engine.host_to_device import to_device
 from engine.sequence import Sequence
 from engine.speculation import DraftRow
@@ -220,14 +220,8 @@ class PenaltyHistory:
             entry.num_counted = 0
 
 
-@functools.cache
 def _triton_penalties():
-    """engine.triton_penalties, or None where Triton cannot be imported (as engine.attention.kv_write's)."""
-    try:
-        from engine import triton_penalties
-    except Exception:
-        return None
-    return triton_penalties
+    return triton_module("engine.triton_penalties")
 
 
 def num_unread(seq: Sequence | DraftRow, pending: PendingSamples | None) -> int:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import penalties
+from engine.device_caps import triton_module
 from engine.host_to_device import to_device, to_host
 from engine.penalties import PenaltyHistory
 from engine.sequence import Sequence, TokenLogprob
@@ -488,14 +489,8 @@ def _held_top_p(params) -> float:
     return max(params.top_p, _MIN_TOP_P)
 
 
-@functools.cache
 def _triton_sampling():
-    """engine.triton_sampling, or None where Triton cannot be imported (as engine.attention.kv_write's)."""
-    try:
-        from engine import triton_sampling
-    except Exception:
-        return None
-    return triton_sampling
+    return triton_module("engine.triton_sampling")
 
 
 def _fused_top_k_draws(logits: torch.Tensor) -> bool:

@@ -10,11 +10,11 @@ it in one launch).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from engine import fused_ops, native_kernels
+from engine.device_caps import triton_module
 from engine.rope import RopeTables
 
 
@@ -66,14 +66,9 @@ def rotate_and_write_kv(
     return True
 
 
-@functools.cache
 def _triton_kv_write():
-    """The Triton write module, or None where Triton cannot be imported (it comes with CUDA torch)."""
-    try:
-        from engine.attention import triton_kv_write
-    except Exception:
-        return None
-    return triton_kv_write
+    """The Triton write module, or None where Triton cannot be imported."""
+    return triton_module("engine.attention.triton_kv_write")
 
 
 def write_quantized(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor) -> None:

@@ -90,6 +90,7 @@ def _shared_prompt(request) -> tuple | None:
         return None
     return (tuple(request.prompt_token_ids), params.lora_name, params.cache_salt)
 
+
 class OpenAIServer:
     def __init__(
         self, router: "Router", host: str, port: int, model_names: list[str], auth_token: str | None = None,
