@@ -259,3 +259,47 @@ def test_router_replicas_share_one_port_and_a_dead_replica_loses_only_its_own_st
     while find_shared_board(spec.name) is not None:
         assert time.monotonic() < deadline, "the deployment's stop ends its responses board"
         time.sleep(0.1)
+
+
+def test_a_metrics_exchange_that_dies_is_restarted_and_the_routers_publish_to_it_again(ray_cluster):
+    """The exchange behind /metrics on a shared port is a process that can die: a scrape while
+    Ray restarts it still answers (this router's own series, within the call's timeout), and
+    the other routers' series come back once they publish to the new one."""
+    import asyncio
+    import os
+    import signal
+
+    from router.metrics import Metrics
+    from router.metrics_exchange import SharedMetrics, start_exchange
+
+    handle = start_exchange("exchange-death-test", detached=False)
+    replica_metrics = Metrics("m")
+    replica_metrics.observe_finished("stop", 0.1, 0.5, 4)
+    replica = SharedMetrics(handle, "router-1", replica_metrics, publish_s=0.1)
+    managing = SharedMetrics(handle, "router-0", Metrics("m"), publish_s=0.1)
+
+    async def routers_seen(deadline_s: float) -> set[str]:
+        deadline = time.monotonic() + deadline_s
+        while True:
+            text = (await managing.exposition()).decode()
+            seen = {name for name in ("router-0", "router-1") if f'router="{name}"' in text}
+            if seen == {"router-0", "router-1"} or time.monotonic() > deadline:
+                return seen
+            await asyncio.sleep(0.1)
+
+    async def scenario():
+        replica.start()
+        assert await routers_seen(30) == {"router-0", "router-1"}
+        pid = ray.get(handle.__ray_call__.remote(lambda exchange: os.getpid()))
+        os.kill(pid, signal.SIGKILL)
+        started = time.monotonic()
+        assert "router-0" in await routers_seen(0), "a scrape while it restarts answers this router's series"
+        assert time.monotonic() - started < 10
+        assert await routers_seen(60) == {"router-0", "router-1"}, "the replica publishes to the restarted exchange"
+        await replica.close()
+        await managing.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        ray.kill(handle, no_restart=True)

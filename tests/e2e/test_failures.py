@@ -394,3 +394,33 @@ def test_a_prefill_whose_only_decode_actor_dies_mid_push_is_redirected_to_the_re
         assert stream.last.decode_worker_id == "decode-1"
         assert all(w.num_kv_blocks_used == 0 for w in client.wait_until_idle(timeout_s=60))
         client.close()
+
+
+def test_n_choices_sharing_a_prompt_lose_nothing_when_their_decode_actor_dies(ray_cluster, e2e_model):
+    """The choices of one prompt after the first follow it to its decode actor and take the
+    prompt from its cache there (router.share_choice_prompts): that actor killed while they
+    stream, every choice migrates to the other one and still gives transformers' answer."""
+    import openai
+    from transformers import AutoTokenizer
+
+    prompt = random_prompts([120], e2e_model.vocab_size, seed=31)[0]
+    num_tokens = 120
+    want = AutoTokenizer.from_pretrained(e2e_model.path).decode(hf_greedy(e2e_model.hf_model, prompt, num_tokens), skip_special_tokens=True)
+    router = RouterConfig(disaggregation=Disaggregation.ALWAYS, http_port=0)
+    with running_deployment(e2e_model, 1, 2, router) as deployment:
+        for worker_id in ("decode-0", "decode-1"):
+            _slow_down(deployment, worker_id)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{deployment.http_port}/v1", api_key="none", max_retries=0)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.completions.create, model=e2e_model.path.name, prompt=prompt, n=3, max_tokens=num_tokens,
+                                 temperature=0.0, extra_body={"ignore_eos": True})
+            _wait_until_every_stream_sent_tokens(deployment, 3)
+            placed = {a.decode.worker_id for a in deployment.router.dispatcher.active.values()}
+            assert len(placed) == 1, f"the choices share one decode actor: {placed}"
+            (victim,) = placed
+            deployment.kill_worker(victim)
+            completion = future.result(timeout=120)
+        assert [choice.text for choice in completion.choices] == [want] * 3
+        assert completion.usage.completion_tokens == 3 * num_tokens
+        survivors = [w for w in Client(deployment.address).wait_until_idle() if w.worker_id != victim]
+        assert all(w.num_kv_blocks_used == 0 for w in survivors)
